@@ -1,0 +1,1 @@
+"""Operations on checkpoints: pure planning, then execution."""
