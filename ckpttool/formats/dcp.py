@@ -814,6 +814,36 @@ def crc32_of(fd: int, offset: int, size: int, *, block: int = 1 << 24) -> int:
     return crc
 
 
+def check_files(info: DcpInfo) -> None:
+    """Every data file that ``.metadata`` references exists and is long enough.
+
+    Raises:
+        InputError: naming the first missing or truncated file, the entry and byte range.
+    """
+    ends: dict[str, tuple[int, str]] = {}
+    for t in info.tensors:
+        for c in t.chunks:
+            if c.offset + c.length > ends.get(c.file, (-1, ""))[0]:
+                ends[c.file] = (c.offset + c.length, f"tensor '{t.fqn}'")
+    for o in info.objects:
+        if o.offset + o.length > ends.get(o.file, (-1, ""))[0]:
+            ends[o.file] = (o.offset + o.length, f"entry '{o.fqn}'")
+    for file, (end, what) in sorted(ends.items()):
+        path = info.path / file
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise InputError(
+                f"{path}: data file is missing; .metadata references it. Copy the whole "
+                "checkpoint directory again"
+            ) from None
+        if size < end:
+            raise InputError(
+                f"{path}: truncated: .metadata places {what} up to byte {end} but the file has "
+                f"{size} bytes; copy the checkpoint again"
+            )
+
+
 # --------------------------------------------------------------------------------------------
 # Recognising a DCP directory by content
 

@@ -1,0 +1,42 @@
+"""The ``ckpttool`` command line. Thin: each command validates flags, calls one library function
+and renders its report. Nothing here imports torch at start-up, so ``--help`` and shell
+completion stay fast."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ckpttool.cli.merge import EPILOG as MERGE_EPILOG
+from ckpttool.cli.merge import merge_command
+
+app = typer.Typer(
+    name="ckpttool",
+    help="Merge, inspect and verify sharded PyTorch (FSDP / DCP) checkpoints.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.command("merge", epilog=MERGE_EPILOG)(merge_command)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from ckpttool import __version__
+
+        print(f"ckpttool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Show the version and exit.")] = False,
+) -> None:
+    """Merge, inspect and verify sharded PyTorch (FSDP / DCP) checkpoints."""
+
+
+def main() -> None:
+    app(prog_name="ckpttool")

@@ -1,0 +1,115 @@
+"""What every command shares: error-to-exit-code mapping, output streams, progress, sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import typer
+
+from ckpttool.errors import CkptError
+
+EXIT_OK = 0
+EXIT_PROBLEMS = 1
+EXIT_USAGE = 2
+EXIT_INPUT = 3
+EXIT_UNSUPPORTED = 4
+EXIT_INTERRUPTED = 130
+EXIT_BUG = 70
+
+
+def err(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def exit_codes() -> Iterator[None]:
+    """Turn errors into one line on stderr and a documented exit code (no traceback unless
+    ``CKPTTOOL_DEBUG=1``); unexpected exceptions are bugs: traceback and exit 70."""
+    debug = os.environ.get("CKPTTOOL_DEBUG") == "1"
+    try:
+        yield
+    except CkptError as e:
+        if debug:
+            traceback.print_exc()
+        err(f"ckpttool: error: {e}")
+        raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:
+        err("ckpttool: interrupted; temporary output files were removed")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except (typer.Exit, typer.Abort, typer.BadParameter):
+        raise
+    except Exception:  # noqa: BLE001 - anything else is our bug, reported as one
+        traceback.print_exc()
+        err("ckpttool: internal error (a bug in ckpttool); please report it with the "
+            "traceback above")
+        raise typer.Exit(EXIT_BUG) from None
+
+
+def print_json(doc: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+class ProgressBar:
+    """A rich progress bar on stderr, shown only when stderr is a terminal."""
+
+    def __init__(self, description: str, enabled: bool) -> None:
+        self.enabled = enabled and sys.stderr.isatty()
+        self.description = description
+        self._progress: Any = None
+        self._task: Any = None
+
+    def start(self, total: int) -> None:
+        if not self.enabled:
+            return
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(self.description, total=total)
+
+    def advance(self, n: int) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task, n)
+
+    def stop(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    @property
+    def callbacks(self) -> tuple[Callable[[int], None] | None, Callable[[int], None] | None]:
+        """(on_start, progress) to hand to a library call; both None when hidden."""
+        if not self.enabled:
+            return None, None
+        return self.start, self.advance

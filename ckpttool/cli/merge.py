@@ -1,0 +1,113 @@
+"""``ckpttool merge SRC OUT``."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ckpttool.cli.common import ProgressBar, err, exit_codes, human_bytes, print_json
+
+EPILOG = """\
+Examples:\n\n
+  ckpttool merge checkpoint-500/pytorch_model_fsdp_0 out/\n\n
+  ckpttool merge checkpoint-500 out/ --dtype bf16 --max-shard-size 2GB\n\n
+  ckpttool merge ckpt out/ --json | jq .files\n\n
+Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug.
+"""
+
+
+class DTypeChoice(str, Enum):
+    auto = "auto"
+    keep = "keep"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+def merge_command(
+    src: Annotated[Path, typer.Argument(help="DCP checkpoint directory, or a training "
+                                        "checkpoint directory holding one (checkpoint-500/).")],
+    out: Annotated[Path, typer.Argument(help="Output directory for the safetensors files.")],
+    dtype: Annotated[DTypeChoice, typer.Option(
+        help="Dtype of floating tensors: auto (config.json's torch_dtype), keep, bf16, fp16, "
+        "fp32. Float8, integer and bool tensors are never cast.")] = DTypeChoice.auto,
+    max_shard_size: Annotated[str, typer.Option(
+        help="Largest output shard (5GB, 500MB, 2GiB); one file if everything fits.")] = "5GB",
+    config: Annotated[Path | None, typer.Option(
+        help="config.json (or its directory) to use instead of the one beside SRC.")] = None,
+    keep_tied: Annotated[bool, typer.Option(
+        "--keep-tied", help="Write both tied embedding copies even when identical.")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace model weights already in OUT.")] = False,
+    workers: Annotated[int | None, typer.Option(
+        min=1, help="Parallel copy threads (default: number of CPUs).")] = None,
+    json_output: Annotated[bool, typer.Option(
+        "--json", help="Print the report as one JSON document on stdout.")] = False,
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", help="Print nothing but errors.")] = False,
+) -> None:
+    """Merge a sharded DCP checkpoint into Hugging Face safetensors, exact to the bit."""
+    from ckpttool.core.merge import merge
+
+    bar = ProgressBar("merging", enabled=not quiet)
+    on_start, progress = bar.callbacks
+    with exit_codes():
+        try:
+            report = merge(src, out, dtype=dtype.value, max_shard_size=max_shard_size,
+                           config=config, keep_tied=keep_tied, overwrite=overwrite,
+                           workers=workers, progress=progress, on_start=on_start)
+        finally:
+            bar.stop()
+    if json_output:
+        print_json(report.to_json())
+    elif not quiet:
+        _print_human(report)
+    if not quiet:
+        for w in report.warnings:
+            err(f"ckpttool: warning: {w}")
+
+
+def _print_human(r: object) -> None:
+    from ckpttool.core.merge import MergeReport
+
+    assert isinstance(r, MergeReport)
+    lines = [f"merged {r.checkpoint} -> {r.out} in {r.seconds:.1f} s"]
+    if r.checkpoint != r.src:
+        skipped = "".join(f"; skipped {Path(s['path']).name} ({s['kind']})" for s in r.skipped)
+        lines.append(f"  used {Path(r.checkpoint).name}, found in {r.src}{skipped}")
+    for f in r.files:
+        tensors = f" ({f['tensors']} tensors)" if f["tensors"] else ""
+        lines.append(f"  wrote {f['name']}: {human_bytes(f['bytes'])}{tensors}")
+    lines.append(f"  {r.num_tensors} tensors, {r.num_parameters:,} parameters, "
+                 f"{human_bytes(r.total_bytes)}")
+    before = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(r.bytes_before.items()))
+    after = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(r.bytes_after.items()))
+    lines.append(f"  dtype {r.dtype['target'] or 'kept'} ({r.dtype['source']}): "
+                 f"{before} -> {after}")
+    if r.renames:
+        lines.append(f"  renamed {len(r.renames)} tensors (wrapper segments removed):")
+        shown = r.renames if len(r.renames) <= 20 else r.renames[:10]
+        lines += [f"    {x['from']} -> {x['to']}" for x in shown]
+        if len(shown) < len(r.renames):
+            lines.append(f"    ... and {len(r.renames) - len(shown)} more (all in --json)")
+    if r.tie:
+        t = r.tie
+        if t["action"] == "deduplicated":
+            lines.append(f"  tied: {t['output']} is identical to {t['input']}; written once, "
+                         "as transformers does")
+        else:
+            state = "identical" if t["identical"] else "different"
+            lines.append(f"  tie candidates {t['output']} / {t['input']}: {state}; both written")
+    for o in r.non_tensor:
+        if o["readable"]:
+            lines.append(f"  non-tensor entry {o['name']} = {o['value']!r} (not written)")
+        else:
+            lines.append(f"  non-tensor entry {o['name']}: {o['note']}")
+    if r.copied:
+        lines.append(f"  copied {', '.join(r.copied)}")
+    for c in r.config_changes:
+        lines.append(f"  config.json: {c}")
+    print("\n".join(lines))

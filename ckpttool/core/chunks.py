@@ -1,0 +1,106 @@
+"""Chunk geometry, pure: does a set of chunks tile a tensor, and which byte runs of a chunk land
+where in the full (C-ordered) tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from itertools import product
+
+
+def _prod(values: Sequence[int]) -> int:
+    n = 1
+    for v in values:
+        n *= v
+    return n
+
+
+def strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """C-order element strides of ``shape``."""
+    out = []
+    acc = 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+def coverage_problem(
+    shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]]
+) -> str | None:
+    """Why ``boxes`` (offsets, sizes) do not tile ``shape`` exactly, or None if they do."""
+    total = _prod(shape)
+    covered = 0
+    nonempty = []
+    for offsets, sizes in boxes:
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            return f"a chunk has {len(offsets)} dimensions, the tensor {len(shape)}"
+        for o, s, n in zip(offsets, sizes, shape, strict=True):
+            if o < 0 or s < 0 or o + s > n:
+                return (f"chunk at offsets {list(offsets)} with sizes {list(sizes)} lies outside "
+                        f"the tensor's shape {list(shape)}")
+        covered += _prod(sizes)
+        if _prod(sizes):
+            nonempty.append((tuple(offsets), tuple(sizes)))
+    overlap = _first_overlap(nonempty)
+    if overlap is not None:
+        a, b = overlap
+        return f"chunks at offsets {list(a)} and {list(b)} overlap"
+    if covered < total:
+        return f"chunks cover {covered} of {total} elements; {total - covered} are missing"
+    return None
+
+
+def _first_overlap(
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]],
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    # Sweep along dim 0: only boxes whose dim-0 ranges intersect need a full comparison.
+    if not boxes or not boxes[0][0]:
+        return (boxes[0][0], boxes[1][0]) if len(boxes) > 1 else None
+    order = sorted(boxes)
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for box in order:
+        start = box[0][0]
+        active = [a for a in active if a[0][0] + a[1][0] > start]
+        for other in active:
+            if all(o1 < o2 + s2 and o2 < o1 + s1
+                   for o1, s1, o2, s2 in zip(box[0], box[1], other[0], other[1], strict=True)):
+                return other[0], box[0]
+        active.append(box)
+    return None
+
+
+def runs(
+    shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]
+) -> Iterator[tuple[int, int, int]]:
+    """Contiguous runs of a C-ordered chunk inside the C-ordered full tensor.
+
+    Yields ``(chunk_element_offset, tensor_element_offset, num_elements)``. A chunk that spans
+    every dimension after its first partial one (what ``Shard(0)`` gives) is a single run.
+    """
+    ndim = len(shape)
+    if _prod(sizes) == 0:
+        return
+    # k: the first dim from which the chunk, read in C order, is contiguous in the tensor.
+    k = ndim
+    while k > 0 and all(sizes[d] == shape[d] for d in range(k, ndim)):
+        k -= 1
+    # dims [k+1, ndim) are full; dim k may be partial; a run covers sizes[k:] elements.
+    if k >= ndim:  # 0-dim tensor
+        yield 0, 0, 1
+        return
+    st = strides(shape)
+    run = _prod(sizes[k:])
+    base = sum(o * s for o, s in zip(offsets, st, strict=True))
+    pos = 0
+    for index in product(*(range(n) for n in sizes[:k])):
+        yield pos, base + sum(i * s for i, s in zip(index, st, strict=False)), run
+        pos += run
+
+
+def is_single_run(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> bool:
+    """True if the chunk is one contiguous byte range of the full tensor."""
+    ndim = len(shape)
+    k = ndim
+    while k > 0 and all(sizes[d] == shape[d] for d in range(k, ndim)):
+        k -= 1
+    return all(sizes[d] == 1 for d in range(k))

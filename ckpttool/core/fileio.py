@@ -1,0 +1,116 @@
+"""Positional file I/O and atomic outputs, shared by every operation that writes files.
+
+Outputs are created under a hidden temporary name in the output directory, filled at known
+offsets, and renamed to their real names only when everything is complete. Anything that stops
+the run early (an error, Ctrl-C) removes the temporary files, and a killed process leaves only
+names ending in ``.ckpttool-tmp``, which never look like a finished checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from ckpttool.errors import OutputError
+
+TMP_SUFFIX = ".ckpttool-tmp"
+_BLOCK = 64 << 20
+_use_copy_file_range = hasattr(os, "copy_file_range")
+
+
+def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, size: int) -> None:
+    """Copy ``size`` bytes between open files at the given offsets, in the kernel when it can."""
+    global _use_copy_file_range
+    done = 0
+    while done < size and _use_copy_file_range:
+        try:
+            n = os.copy_file_range(src_fd, dst_fd, size - done, src_offset + done,
+                                   dst_offset + done)
+        except OSError as e:
+            if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP,
+                           errno.EPERM, errno.EBADF):
+                _use_copy_file_range = False
+                break
+            raise
+        if n == 0:
+            raise OSError(errno.EIO, f"source ended {size - done} bytes early")
+        done += n
+    while done < size:
+        data = os.pread(src_fd, min(_BLOCK, size - done), src_offset + done)
+        if not data:
+            raise OSError(errno.EIO, f"source ended {size - done} bytes early")
+        pwrite_all(dst_fd, data, dst_offset + done)
+        done += len(data)
+
+
+def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``os.pwrite`` may write less than asked)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+class AtomicOutputs:
+    """Files written under temporary names and renamed into place together by :meth:`commit`.
+
+    Use as a context manager: leaving it without ``commit()`` removes every temporary file.
+    """
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self._pending: list[tuple[Path, Path]] = []  # (temporary, final)
+        self._fds: list[int] = []
+
+    def __enter__(self) -> AtomicOutputs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+    def create(self, name: str, size: int | None = None) -> int:
+        """Open a new temporary file for ``name``; returns a writable descriptor."""
+        final = self.out_dir / name
+        tmp = self.out_dir / f".{name}.{os.getpid()}{TMP_SUFFIX}"
+        try:
+            # 0o666 so the umask decides the permissions, as for any file a tool creates.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        except OSError as e:
+            raise OutputError(f"{tmp}: cannot create output file: {e.strerror}") from None
+        self._pending.append((tmp, final))
+        self._fds.append(fd)
+        if size is not None:
+            os.ftruncate(fd, size)
+        return fd
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        fd = self.create(name)
+        pwrite_all(fd, data, 0)
+
+    def commit(self, last: tuple[str, ...] = ()) -> list[Path]:
+        """Close and rename every file into place; names in ``last`` are renamed after the rest
+        (an index file, so that its presence means the shards it names are complete)."""
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+        ordered = sorted(self._pending, key=lambda p: p[1].name in last)
+        for tmp, final in ordered:
+            os.replace(tmp, final)
+        self._pending.clear()
+        return [final for _, final in ordered]
+
+    def abort(self) -> None:
+        for fd in self._fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds.clear()
+        for tmp, _ in self._pending:
+            try:
+                tmp.unlink()
+            except FileNotFoundError:
+                pass
+        self._pending.clear()

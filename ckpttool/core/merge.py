@@ -1,0 +1,422 @@
+"""``merge``: a DCP checkpoint to Hugging Face safetensors.
+
+Plan first: from ``.metadata`` alone, decide every output tensor's name, dtype, file and byte
+range (:func:`plan_merge`, pure). Then execute: fill the output files at those offsets, with
+kernel-side copies where a chunk is one contiguous range of its tensor and no cast is needed,
+so that a merge costs about what a copy costs. Torch is imported only to cast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpttool.core import chunks as chunk_geometry
+from ckpttool.core import dtypes as dtype_policy
+from ckpttool.core import names, source, ties
+from ckpttool.core.dtypes import DTypePolicy
+from ckpttool.core.fileio import AtomicOutputs, copy_range, pwrite_all
+from ckpttool.errors import InputError, OutputError
+from ckpttool.formats import dcp
+from ckpttool.formats import safetensors as st
+from ckpttool.formats.dtypes import DType
+
+SCHEMA = 1
+Progress = Callable[[int], None]  # called with the number of bytes just written
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    name: str
+    source: dcp.TensorEntry
+    dtype: DType  # as written
+    slot: st.Slot
+
+    @property
+    def cast(self) -> bool:
+        return self.dtype != self.source.dtype
+
+
+@dataclass(frozen=True)
+class OutFile:
+    name: str
+    layout: st.Layout
+    tensors: tuple[OutTensor, ...]
+
+    @property
+    def size(self) -> int:
+        return self.layout.file_size
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    files: tuple[OutFile, ...]
+    index: bytes | None  # model.safetensors.index.json, when sharded
+    dropped: tuple[str, ...]  # canonical names left out (a deduplicated tied weight)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.slot.nbytes for f in self.files for t in f.tensors)
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(f.size for f in self.files) + len(self.index or b"")
+
+
+def plan_merge(
+    tensors: list[tuple[str, dcp.TensorEntry]],
+    *,
+    policy: DTypePolicy,
+    max_shard_size: int,
+    drop: frozenset[str] = frozenset(),
+) -> MergePlan:
+    """Assign every tensor to an output file and a byte range. Pure: no I/O.
+
+    Args:
+        tensors: (canonical name, source entry) in model order.
+        policy: which dtype each tensor is written in.
+        max_shard_size: shard limit in tensor bytes, as transformers counts it.
+        drop: canonical names not to write (a deduplicated tied weight).
+    """
+    shards: list[list[tuple[str, dcp.TensorEntry, DType]]] = [[]]
+    shard_bytes = 0
+    for name, entry in tensors:
+        if name in drop:
+            continue
+        out_dtype = policy.output_dtype(entry.dtype)
+        nbytes = entry.numel * out_dtype.itemsize
+        if shards[-1] and shard_bytes + nbytes > max_shard_size:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append((name, entry, out_dtype))
+        shard_bytes += nbytes
+    file_names = st.shard_names(len(shards))
+    files = []
+    weight_map: dict[str, str] = {}
+    for file_name, members in zip(file_names, shards, strict=True):
+        by_name = {name: (entry, dtype) for name, entry, dtype in members}
+        lay = st.layout([(name, dtype, entry.shape) for name, entry, dtype in members])
+        outs = tuple(OutTensor(s.name, by_name[s.name][0], s.dtype, s) for s in lay.slots)
+        files.append(OutFile(file_name, lay, outs))
+        weight_map.update({name: file_name for name, _, _ in members})
+    index = None
+    if len(files) > 1:
+        total = sum(t.slot.nbytes for f in files for t in f.tensors)
+        params = sum(t.source.numel for f in files for t in f.tensors)
+        index = st.index_json(weight_map, total, params)
+    return MergePlan(tuple(files), index, tuple(sorted(drop)))
+
+
+# --------------------------------------------------------------------------------------------
+# Execution
+
+
+def execute(
+    plan: MergePlan,
+    reader: dcp.Reader,
+    outputs: AtomicOutputs,
+    *,
+    workers: int = 1,
+    progress: Progress | None = None,
+) -> None:
+    """Write every planned file under its temporary name. Largest tensors go first so that
+    parallel workers finish together."""
+    lock = threading.Lock()
+
+    def report(n: int) -> None:
+        if progress is not None and n:
+            with lock:
+                progress(n)
+
+    jobs: list[tuple[int, OutTensor]] = []
+    for f in plan.files:
+        fd = outputs.create(f.name, f.size)
+        pwrite_all(fd, f.layout.header, 0)
+        jobs.extend((fd, t) for t in f.tensors)
+    for file in {c.file for _, t in jobs for c in t.source.chunks}:
+        reader.fd(file)  # open every source file before threads share the reader
+    jobs.sort(key=lambda j: -j[1].slot.nbytes)
+    if workers <= 1:
+        for fd, t in jobs:
+            _write_tensor(reader, fd, t, report)
+        return
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for fut in [pool.submit(_write_tensor, reader, fd, t, report) for fd, t in jobs]:
+            fut.result()
+
+
+def _write_tensor(reader: dcp.Reader, dst: int, t: OutTensor, report: Progress) -> None:
+    entry = t.source
+    if t.cast:
+        _write_cast(reader, dst, t)
+        report(t.slot.nbytes)
+        return
+    item = entry.dtype.itemsize
+    for c in entry.chunks:
+        if c.numel == 0:
+            continue
+        rec = reader.record(entry, c)
+        if rec.is_contiguous and chunk_geometry.is_single_run(entry.shape, c.offsets, c.sizes):
+            ((_, dst_elem, n),) = chunk_geometry.runs(entry.shape, c.offsets, c.sizes)
+            copy_range(reader.fd(c.file), rec.data_offset + rec.storage_offset * item,
+                       dst, t.slot.begin + dst_elem * item, n * item)
+        else:
+            data = memoryview(reader.read_chunk(entry, c))
+            for src_elem, dst_elem, n in chunk_geometry.runs(entry.shape, c.offsets, c.sizes):
+                pwrite_all(dst, data[src_elem * item : (src_elem + n) * item],
+                           t.slot.begin + dst_elem * item)
+        report(c.numel * item)
+
+
+def _write_cast(reader: dcp.Reader, dst: int, t: OutTensor) -> None:
+    import torch  # only casting needs torch
+
+    entry = t.source
+    src_dtype = getattr(torch, entry.dtype.torch_name)
+    out = torch.empty(entry.shape, dtype=getattr(torch, t.dtype.torch_name))
+    for c in entry.chunks:
+        if c.numel == 0:
+            continue
+        buf = bytearray(reader.read_chunk(entry, c))
+        part = torch.frombuffer(buf, dtype=src_dtype).view(c.sizes)
+        index = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))
+        out[index].copy_(part)  # copy_ casts with round-to-nearest-even, as Tensor.to does
+    if out.numel():
+        pwrite_all(dst, out.reshape(-1).view(torch.uint8).numpy().data, t.slot.begin)
+
+
+# --------------------------------------------------------------------------------------------
+# The whole operation
+
+
+@dataclass
+class MergeReport:
+    """What a merge did, for people (CLI) and programs (``to_json``)."""
+
+    src: str
+    checkpoint: str
+    out: str
+    files: list[dict[str, Any]] = field(default_factory=list)
+    num_tensors: int = 0
+    num_parameters: int = 0
+    total_bytes: int = 0
+    dtype: dict[str, Any] = field(default_factory=dict)
+    bytes_before: dict[str, int] = field(default_factory=dict)
+    bytes_after: dict[str, int] = field(default_factory=dict)
+    renames: list[dict[str, str]] = field(default_factory=list)
+    tie: dict[str, Any] | None = None
+    non_tensor: list[dict[str, Any]] = field(default_factory=list)
+    copied: list[str] = field(default_factory=list)
+    config_changes: list[str] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "command": "merge", **self.__dict__}
+
+
+def merge(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    dtype: str = "auto",
+    max_shard_size: str | int = "5GB",
+    config: str | os.PathLike[str] | None = None,
+    keep_tied: bool = False,
+    overwrite: bool = False,
+    workers: int | None = None,
+    progress: Progress | None = None,
+    on_start: Callable[[int], None] | None = None,
+) -> MergeReport:
+    """Merge the DCP checkpoint at ``src`` into Hugging Face safetensors in ``out``.
+
+    Args:
+        src: a DCP directory, or a training checkpoint directory holding one model DCP.
+        out: output directory (created if missing).
+        dtype: ``auto`` (from config.json), ``keep``, ``bf16``, ``fp16`` or ``fp32``.
+        max_shard_size: largest shard, e.g. ``"5GB"``; a single file if everything fits.
+        config: a config.json (or its directory) to use instead of the one beside ``src``.
+        keep_tied: write both copies of tied embeddings even when they are identical.
+        overwrite: replace model weights already in ``out``.
+        workers: parallel copy threads (default: number of CPUs).
+        progress: called with bytes written, as the merge goes.
+        on_start: called once with the total bytes to write, before any are written.
+
+    Returns:
+        A :class:`MergeReport`.
+
+    Raises:
+        InputError: ``src`` is not a readable checkpoint, or is damaged.
+        UnsupportedError: the checkpoint uses something ckpttool cannot merge yet.
+        OutputError: ``out`` holds weights already (without ``overwrite``), or lacks space.
+    """
+    started = time.perf_counter()
+    src_path, out_path = Path(src), Path(out)
+    shard_limit = st.parse_size(str(max_shard_size))
+    located = source.locate_model(src_path)
+    info = located.info
+    dcp.check_files(info)
+    for t in info.tensors:
+        problem = chunk_geometry.coverage_problem(t.shape, [(c.offsets, c.sizes) for c in t.chunks])
+        if problem is not None:
+            raise InputError(f"{info.path}: tensor '{t.fqn}': {problem}; the checkpoint is "
+                             "incomplete or corrupt")
+    hf = source.find_hf_files(located.dcp_dir, Path(config) if config is not None else None)
+    policy = dtype_policy.resolve(dtype, hf.config,
+                                  str(hf.config_path) if hf.config_path else "config.json")
+    renamed = names.canonical_names((t.fqn, t.path) for t in info.tensors)
+    by_name = {renamed[t.fqn]: t for t in info.tensors}
+
+    report = MergeReport(src=str(src_path), checkpoint=str(located.dcp_dir), out=str(out_path))
+    report.skipped = [{"path": str(p), "kind": k} for p, k in located.skipped]
+    report.renames = [{"from": t.fqn, "to": renamed[t.fqn]} for t in info.tensors
+                      if renamed[t.fqn] != t.fqn]
+    report.dtype = {"requested": policy.requested,
+                    "target": policy.target.name if policy.target else None,
+                    "source": policy.source}
+
+    with dcp.Reader(info) as reader:
+        drop = _decide_tie(reader, by_name, hf.config, keep_tied, report)
+        report.non_tensor = [_describe_object(reader, o) for o in info.objects]
+        plan = plan_merge(list(by_name.items()), policy=policy, max_shard_size=shard_limit,
+                          drop=drop)
+        config_bytes, report.config_changes = _config_output(hf)
+        extra = [(p.name, config_bytes if p == hf.config_path and config_bytes is not None
+                  else None, p) for p in hf.files]
+        _check_output(out_path, plan, [name for name, _, _ in extra], overwrite)
+        if on_start is not None:
+            on_start(plan.total_bytes)
+        with AtomicOutputs(out_path) as outputs:
+            execute(plan, reader, outputs, workers=workers or os.cpu_count() or 1,
+                    progress=progress)
+            if plan.index is not None:
+                outputs.write_bytes(st.INDEX_NAME, plan.index)
+            for name, data, path in extra:
+                outputs.write_bytes(name, data if data is not None else path.read_bytes())
+            written = outputs.commit(last=(st.INDEX_NAME,))
+        if overwrite:
+            _remove_stale_weights(out_path, {p.name for p in written})
+
+    report.copied = [name for name, _, _ in extra]
+    report.files = [{"name": f.name, "bytes": f.size, "tensors": len(f.tensors)}
+                    for f in plan.files]
+    if plan.index is not None:
+        report.files.append({"name": st.INDEX_NAME, "bytes": len(plan.index), "tensors": 0})
+    written_tensors = [t for f in plan.files for t in f.tensors]
+    report.num_tensors = len(written_tensors)
+    report.num_parameters = sum(t.source.numel for t in written_tensors)
+    report.total_bytes = plan.total_bytes
+    for t in info.tensors:
+        report.bytes_before[t.dtype.name] = report.bytes_before.get(t.dtype.name, 0) + t.nbytes
+    for t in written_tensors:
+        report.bytes_after[t.dtype.name] = report.bytes_after.get(t.dtype.name, 0) + t.slot.nbytes
+    report.seconds = round(time.perf_counter() - started, 3)
+    return report
+
+
+def _decide_tie(
+    reader: dcp.Reader,
+    by_name: dict[str, dcp.TensorEntry],
+    config: dict[str, Any] | None,
+    keep_tied: bool,
+    report: MergeReport,
+) -> frozenset[str]:
+    pair = ties.find_pair(by_name)
+    if pair is None:
+        return frozenset()
+    head, embed = pair
+    tied = source.ties_word_embeddings(config)
+    same = ties.identical(reader, by_name[head], by_name[embed])
+    report.tie = {"output": head, "input": embed, "config_ties": tied, "identical": same}
+    if tied and same and not keep_tied:
+        report.tie["action"] = "deduplicated"
+        return frozenset({head})
+    if tied and not same:
+        report.tie["action"] = "both written"
+        report.warnings.append(
+            f"tie broken: config ties word embeddings but '{head}' differs from '{embed}'; both "
+            "were written, but transformers will tie them on load and drop the trained "
+            f"'{head}'. Set tie_word_embeddings to false in config.json to keep it"
+        )
+    elif tied is None and same:
+        report.tie["action"] = "both written"
+        report.warnings.append(
+            f"'{head}' and '{embed}' are identical and look tied, but no config.json says so; "
+            "both were written (pass --config to deduplicate)"
+        )
+    else:
+        report.tie["action"] = "both written"
+    return frozenset()
+
+
+def _describe_object(reader: dcp.Reader, entry: dcp.ObjectEntry) -> dict[str, Any]:
+    canonical = names.canonical_fqn(entry.path)
+    try:
+        value = reader.read_object(entry)
+    except dcp.UnreadableObject as e:
+        return {"name": canonical, "readable": False,
+                "note": f"needs arbitrary unpickling ({e.qualname}); not executed, not read"}
+    return {"name": canonical, "readable": True, "value": _jsonable(value)}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _config_output(hf: source.HfFiles) -> tuple[bytes | None, list[str]]:
+    if hf.config is None:
+        return None, []
+    fixed, changes = source.strip_fsdp_prefix(hf.config)
+    if not changes:
+        return None, []
+    return (json.dumps(fixed, indent=2) + "\n").encode(), [f"architectures: {c}" for c in changes]
+
+
+def _check_output(out: Path, plan: MergePlan, extra: list[str], overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: exists and is not a directory; choose another output path")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"{out}: cannot create output directory: {e.strerror}") from None
+    if not overwrite:
+        existing = sorted(p.name for p in out.iterdir()
+                          if st.is_weight_file(p.name) or p.name in extra)
+        if existing:
+            raise OutputError(
+                f"{out}: already holds {', '.join(existing[:3])}"
+                f"{' and more' if len(existing) > 3 else ''}; pass --overwrite to replace them "
+                "or choose an empty directory"
+            )
+    free = shutil.disk_usage(out).free
+    need = plan.file_bytes
+    if need > free:
+        raise OutputError(
+            f"{out}: not enough free space: the merge writes {need:,} bytes and "
+            f"{free:,} are free; free some space or choose another output directory"
+        )
+
+
+def _remove_stale_weights(out: Path, keep: set[str]) -> None:
+    for p in out.iterdir():
+        if st.is_weight_file(p.name) and p.name not in keep:
+            p.unlink()

@@ -1,0 +1,68 @@
+"""Canonical tensor names: the one place wrapper segments are removed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ckpttool.errors import InputError
+
+# Segments that wrappers insert into parameter names and that a served model never has.
+WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+# accelerate saves {"model": state_dict}: a nesting level, not part of any parameter name.
+TOP_LEVEL_WRAPPER = "model"
+
+
+def canonical_fqn(path: tuple[str, ...]) -> str:
+    """The canonical name of a state-dict entry given its nested key path.
+
+    ``("model", "_orig_mod.layers.0._checkpoint_wrapped_module.w")`` -> ``"layers.0.w"``;
+    a flat key ``("model.embed_tokens.weight",)`` keeps its ``model.`` prefix.
+    """
+    if len(path) > 1 and path[0] == TOP_LEVEL_WRAPPER:
+        path = path[1:]
+    dotted = ".".join(path)
+    return ".".join(seg for seg in dotted.split(".") if seg not in WRAPPER_SEGMENTS)
+
+
+@dataclass(frozen=True)
+class Rename:
+    source: str
+    target: str
+
+
+def canonical_names(entries: Iterable[tuple[str, tuple[str, ...]]]) -> dict[str, str]:
+    """Map each source key to its canonical name.
+
+    Args:
+        entries: (flat key as stored, nested key path) pairs.
+
+    Raises:
+        InputError: two source keys collapse to one canonical name.
+    """
+    out: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for fqn, path in entries:
+        name = canonical_fqn(path)
+        if name in seen:
+            raise InputError(
+                f"tensors '{seen[name]}' and '{fqn}' both become '{name}' once wrapper segments "
+                "are removed; the checkpoint holds the same parameter twice under wrapped and "
+                "unwrapped names"
+            )
+        seen[name] = fqn
+        out[fqn] = name
+    return out
+
+
+def detected_wrappers(paths: Iterable[tuple[str, ...]]) -> list[str]:
+    """Which wrappers show in these key paths (for reports)."""
+    found: set[str] = set()
+    for path in paths:
+        if len(path) > 1 and path[0] == TOP_LEVEL_WRAPPER:
+            found.add(TOP_LEVEL_WRAPPER)
+        for seg in ".".join(path).split("."):
+            if seg in WRAPPER_SEGMENTS:
+                found.add(seg)
+    return sorted(found)

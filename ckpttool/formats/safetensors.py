@@ -1,0 +1,151 @@
+"""safetensors files and sharded directories (``model.safetensors.index.json``).
+
+A file is an 8-byte little-endian header length, a JSON header (``{"__metadata__": {...},
+name: {"dtype", "shape", "data_offsets": [begin, end]}}``, offsets relative to the end of the
+header) and the tensor bytes. We write the header ourselves so output files can be filled at
+known offsets, in parallel and with kernel-side copies.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpttool.errors import InputError
+from ckpttool.formats import dtypes
+from ckpttool.formats.dtypes import DType
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_HEADER_LIMIT = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor lies in a safetensors file."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class Layout:
+    header: bytes  # the 8-byte length and the JSON, padded to 8 bytes
+    slots: tuple[Slot, ...]
+
+    @property
+    def file_size(self) -> int:
+        return self.slots[-1].end if self.slots else len(self.header)
+
+
+def layout(
+    tensors: list[tuple[str, DType, tuple[int, ...]]],
+    metadata: dict[str, str] | None = None,
+) -> Layout:
+    """Lay tensors out as safetensors does: larger items first, then by name, so each tensor
+    starts at a multiple of its item size (the header is padded to 8 bytes)."""
+    ordered = sorted(tensors, key=lambda t: (-t[1].itemsize, t[0]))
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    pos = 0
+    rel: list[tuple[str, DType, tuple[int, ...], int, int]] = []
+    for name, dtype, shape in ordered:
+        n = dtype.itemsize
+        for s in shape:
+            n *= s
+        header[name] = {"dtype": dtype.name, "shape": list(shape), "data_offsets": [pos, pos + n]}
+        rel.append((name, dtype, shape, pos, pos + n))
+        pos += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    head = struct.pack("<Q", len(text)) + text
+    base = len(head)
+    return Layout(head, tuple(Slot(nm, dt, sh, base + b, base + e) for nm, dt, sh, b, e in rel))
+
+
+def read_layout(path: Path) -> tuple[dict[str, str], tuple[Slot, ...]]:
+    """Read and check a safetensors file's header (no tensor data).
+
+    Raises:
+        InputError: the header is truncated, corrupt or inconsistent with the file size.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise InputError(f"{path}: too short for a safetensors file")
+            (n,) = struct.unpack("<Q", raw)
+            if n > _HEADER_LIMIT:
+                raise InputError(f"{path}: header length {n} is implausible; not safetensors")
+            text = f.read(n)
+            size = f.seek(0, 2)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    if len(text) < n:
+        raise InputError(f"{path}: truncated safetensors header")
+    try:
+        header = json.loads(text)
+    except ValueError as e:
+        raise InputError(f"{path}: corrupt safetensors header ({e})") from None
+    meta = header.pop("__metadata__", {}) or {}
+    base = 8 + n
+    slots = []
+    for name, v in header.items():
+        dtype = dtypes.BY_NAME.get(v.get("dtype"))
+        if dtype is None:
+            raise InputError(f"{path}: tensor '{name}' has unknown dtype {v.get('dtype')!r}")
+        b, e = v["data_offsets"]
+        if base + e > size:
+            raise InputError(
+                f"{path}: tensor '{name}' ends at byte {base + e} but the file has {size} bytes; "
+                "truncated"
+            )
+        slots.append(Slot(name, dtype, tuple(v["shape"]), base + b, base + e))
+    return meta, tuple(sorted(slots, key=lambda s: s.begin))
+
+
+def shard_names(num_shards: int) -> list[str]:
+    """Output file names as transformers writes them."""
+    if num_shards == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i:05d}-of-{num_shards:05d}.safetensors" for i in range(1, num_shards + 1)]
+
+
+def index_json(weight_map: dict[str, str], total_size: int, total_parameters: int) -> bytes:
+    """``model.safetensors.index.json`` as transformers writes it (sorted keys, indent 2)."""
+    doc = {
+        "metadata": {"total_parameters": total_parameters, "total_size": total_size},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+def is_weight_file(name: str) -> bool:
+    """True for names this module writes as model weights (what --overwrite protects)."""
+    return name in (SINGLE_NAME, INDEX_NAME) or bool(_SHARD_RE.match(name))
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, ``"1024"`` -> 1024.
+
+    Raises:
+        InputError: not a size.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", text.upper())
+    if not m or float(m.group(1)) <= 0:
+        raise InputError(f"invalid size '{text}'; write it like 5GB, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
