@@ -1,0 +1,31 @@
+# Set-up and the two commands README.md promises. Both create .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+PIP    := $(VENV)/bin/pip
+PY     := $(VENV)/bin/python
+DEMO   ?= demo
+
+.PHONY: setup demo test bench completions
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -c constraints.txt -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+# Writes a real 2-rank FSDP2 checkpoint of a tiny Llama on CPU, then merges it.
+demo: setup
+	rm -rf $(DEMO)
+	$(PY) examples/fsdp2_checkpoint.py $(DEMO)/checkpoint-500 --kind llama
+	$(VENV)/bin/ckpttool merge $(DEMO)/checkpoint-500 $(DEMO)/merged
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/merge.py
+
+completions: setup
+	$(PY) -m ckpttool.cli.completions completions

@@ -1,0 +1,35 @@
+"""Generate the shell completion scripts kept in ``completions/``.
+
+    python -m ckpttool.cli.completions completions/
+
+Each script is what the program itself prints for ``_CKPTTOOL_COMPLETE=source_<shell>``, the
+documented completion hook. A test checks the committed scripts are current.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SHELLS = {"bash": "ckpttool.bash", "zsh": "_ckpttool", "fish": "ckpttool.fish"}
+
+
+def script(shell: str) -> str:
+    """The completion script for ``shell``."""
+    env = {**os.environ, "_CKPTTOOL_COMPLETE": f"source_{shell}"}
+    return subprocess.run([sys.executable, "-m", "ckpttool"], env=env, check=True,
+                          capture_output=True, text=True).stdout
+
+
+def main(argv: list[str]) -> None:
+    out = Path(argv[0] if argv else "completions")
+    out.mkdir(parents=True, exist_ok=True)
+    for shell, name in SHELLS.items():
+        (out / name).write_text(script(shell))
+        print(out / name)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,1 @@
+complete --command ckpttool --no-files --arguments "(env _CKPTTOOL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) ckpttool)" --condition "env _CKPTTOOL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) ckpttool"
