@@ -1,0 +1,65 @@
+"""Chunk geometry: property tests of the pure planners."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckpttool.core.chunks import coverage_problem, is_single_run, runs
+
+
+@st.composite
+def split_tensor(draw: st.DrawFn) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """A shape and a grid of chunks (cuts along some dims, possibly empty pieces)."""
+    ndim = draw(st.integers(0, 4))
+    shape = tuple(draw(st.lists(st.integers(0, 6), min_size=ndim, max_size=ndim)))
+    cuts = []
+    for n in shape:
+        points = sorted(draw(st.lists(st.integers(0, n), max_size=3)))
+        edges = [0, *points, n]
+        cuts.append([(a, b - a) for a, b in zip(edges, edges[1:])])
+    boxes = [((), ())]
+    for dim_cuts in cuts:
+        boxes = [(o + (a,), s + (b,)) for o, s in boxes for a, b in dim_cuts]
+    return shape, boxes
+
+
+@settings(max_examples=300, deadline=None)
+@given(split_tensor())
+def test_runs_of_a_tiling_fill_every_element_once(case) -> None:
+    shape, boxes = case
+    assert coverage_problem(shape, boxes) is None
+    full = np.arange(int(np.prod(shape, dtype=np.int64))).reshape(shape)
+    out = np.full(full.size, -1)
+    for offsets, sizes in boxes:
+        piece = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].reshape(-1)
+        num_runs = 0
+        for src, dst, n in runs(shape, offsets, sizes):
+            assert (out[dst : dst + n] == -1).all()
+            out[dst : dst + n] = piece[src : src + n]
+            num_runs += 1
+        if is_single_run(shape, offsets, sizes) and piece.size:
+            assert num_runs == 1
+    assert (out == full.reshape(-1)).all()
+
+
+def test_gap_is_reported() -> None:
+    problem = coverage_problem((4, 2), [((0, 0), (2, 2)), ((3, 0), (1, 2))])
+    assert problem == "chunks cover 6 of 8 elements; 2 are missing"
+
+
+def test_overlap_is_reported() -> None:
+    problem = coverage_problem((4, 2), [((0, 0), (3, 2)), ((2, 0), (2, 2))])
+    assert problem == "chunks at offsets [0, 0] and [2, 0] overlap"
+
+
+def test_out_of_bounds_is_reported() -> None:
+    problem = coverage_problem((4,), [((0,), (2,)), ((2,), (3,))])
+    assert problem == "chunk at offsets [2] with sizes [3] lies outside the tensor's shape [4]"
+
+
+def test_shard0_is_one_run_shard1_is_one_per_row() -> None:
+    assert list(runs((4, 3), (2, 0), (2, 3))) == [(0, 6, 6)]
+    assert list(runs((2, 4), (0, 2), (2, 2))) == [(0, 2, 2), (2, 6, 2)]
+    assert list(runs((), (), ())) == [(0, 0, 1)]

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import pytest
+
+from ckpttool.core.names import canonical_fqn, canonical_names, detected_wrappers
+from ckpttool.errors import InputError
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        (("model", "model.embed_tokens.weight"), "model.embed_tokens.weight"),
+        (("model", "_orig_mod.layers.0.w"), "layers.0.w"),
+        (("model", "layers.0._checkpoint_wrapped_module.mlp.w"), "layers.0.mlp.w"),
+        (("model", "_fsdp_wrapped_module.layers.0._fsdp_wrapped_module.w"), "layers.0.w"),
+        (("model.embed_tokens.weight",), "model.embed_tokens.weight"),  # flat: kept
+        (("model",), "model"),
+        (("step",), "step"),
+        (("meta", "lr"), "meta.lr"),
+        (("model", "my_orig_mod.x"), "my_orig_mod.x"),  # only whole segments
+    ],
+)
+def test_canonical_fqn(path: tuple[str, ...], expected: str) -> None:
+    assert canonical_fqn(path) == expected
+
+
+def test_collision_is_an_error() -> None:
+    entries = [("model._orig_mod.w", ("model", "_orig_mod.w")), ("model.w", ("model", "w"))]
+    with pytest.raises(InputError) as e:
+        canonical_names(entries)
+    assert str(e.value).startswith("tensors 'model._orig_mod.w' and 'model.w' both become 'w'")
+
+
+def test_detected_wrappers() -> None:
+    paths = [("model", "_orig_mod.a._checkpoint_wrapped_module.b"), ("step",)]
+    assert detected_wrappers(paths) == ["_checkpoint_wrapped_module", "_orig_mod", "model"]

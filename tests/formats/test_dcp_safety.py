@@ -1,0 +1,78 @@
+""".metadata is a pickle: reading it must never run code, and must not need torch."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpttool.errors import InputError
+from ckpttool.formats import dcp
+
+
+class _RunsCommand:
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (self.command,))
+
+
+def write_malicious(directory: Path, sentinel: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / ".metadata").write_bytes(pickle.dumps(_RunsCommand(f"touch {sentinel}")))
+    (directory / "__0_0.distcp").write_bytes(b"\0" * 64)
+    return directory
+
+
+def test_malicious_metadata_is_refused_and_not_run(tmp_path: Path) -> None:
+    sentinel = tmp_path / "pwned"
+    ckpt = write_malicious(tmp_path / "ckpt", sentinel)
+    with pytest.raises(InputError) as e:
+        dcp.read_info(ckpt)
+    assert not sentinel.exists()
+    assert "refused to load" in str(e.value)
+    assert f"'{os.system.__module__}.system'" in str(e.value)
+
+
+@pytest.mark.parametrize("global_name", ["builtins eval", "subprocess Popen", "torch load"])
+def test_any_foreign_global_is_refused(tmp_path: Path, global_name: str) -> None:
+    module, name = global_name.split()
+    # protocol 2 GLOBAL opcode naming the callable, then STOP: refused before lookup.
+    data = b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"."
+    (tmp_path / ".metadata").write_bytes(data)
+    with pytest.raises(InputError, match=f"'{module}.{name}'"):
+        dcp.read_info(tmp_path)
+
+
+def test_truncated_metadata(tmp_path: Path, tiny_dcp: Path) -> None:
+    data = (tiny_dcp / ".metadata").read_bytes()
+    (tmp_path / ".metadata").write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputError, match="truncated or corrupt .metadata"):
+        dcp.read_info(tmp_path)
+
+
+def test_storage_path_outside_directory(tmp_path: Path, tiny_dcp: Path) -> None:
+    data = (tiny_dcp / ".metadata").read_bytes()
+    # Same length keeps pickle framing valid: '__0_0.distcp' -> '../0_0.dist'
+    hacked = data.replace(b"__0_0.distcp", b"../0_0.distc", 1)
+    assert hacked != data
+    (tmp_path / ".metadata").write_bytes(hacked)
+    with pytest.raises(InputError, match="points outside the checkpoint directory"):
+        dcp.read_info(tmp_path)
+
+
+def test_reading_metadata_does_not_import_torch(tiny_dcp: Path) -> None:
+    code = (
+        "import sys\nfrom ckpttool.formats import dcp\n"
+        f"info = dcp.read_info({str(tiny_dcp)!r})\n"
+        "with dcp.Reader(info) as r:\n"
+        "    for t in info.tensors:\n"
+        "        for c in t.chunks: r.read_chunk(t, c)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
