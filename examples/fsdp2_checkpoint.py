@@ -1,7 +1,8 @@
 """Write small but *real* PyTorch Distributed Checkpoints (DCP) for ckpttool.
 
 Every checkpoint here is produced by the real writer, ``torch.distributed.checkpoint.save``,
-called from 2-4 CPU processes (``torch.multiprocessing.spawn``, gloo backend) that hold
+called from 2-4 CPU processes (``torch.multiprocessing.start_processes``, forked by a
+forkserver that has torch preloaded, or spawned where there is none; gloo backend) that hold
 models sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``) or DTensors built with
 ``torch.distributed.tensor.distribute_tensor``.  Nothing in the ``.metadata`` files is made
 up by hand.
@@ -29,8 +30,8 @@ Kinds (see the ``_write_<kind>`` docstrings for details):
                 ones for which a rank holds an empty shard.
 ``wrappers``    names carrying ``_orig_mod.`` (torch.compile) and
                 ``_checkpoint_wrapped_module.`` (activation checkpointing) segments.
-``mixed``       one save holding every dtype DCP can write, 0-dim tensors, plain tensors and
-                non-tensor entries (ints, a nested dict, a pickled custom object).
+``mixed``       one save holding 12 dtypes (bf16 ... float8, ints, bool), 0-dim and plain
+                tensors and non-tensor entries (an int, a nested dict, a custom object).
 ``placements``  a flat (torchtitan-style) state dict of DTensors with Shard(0), Shard(1) and
                 Replicate() placements on a 4-rank mesh, several ``.distcp`` files per rank.
 """
@@ -45,7 +46,7 @@ import random
 import socket
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,15 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch import nn
 
-__all__ = ["DEFAULT_WORLD_SIZE", "KINDS", "OpaqueThing", "main", "write_checkpoint"]
+__all__ = [
+    "DEFAULT_WORLD_SIZE",
+    "KINDS",
+    "MODEL_DIR",
+    "OpaqueThing",
+    "main",
+    "start_rank_server",
+    "write_checkpoint",
+]
 
 KINDS: tuple[str, ...] = ("llama", "uneven", "wrappers", "mixed", "placements")
 
@@ -114,6 +123,60 @@ def _worker(rank: int, world_size: int, port: int, kind: str, out: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+#: Modules the forkserver imports once, so that each rank starts in a fraction of a second
+#: instead of importing torch again (~2 s per rank on a small machine).
+_PRELOAD = (
+    "torch",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+    "examples.fsdp2_checkpoint",
+)
+#: Also preloaded where these kinds are to be written.
+_PRELOAD_EXTRA: dict[str, tuple[str, ...]] = {
+    "llama": ("transformers", "transformers.models.llama.modeling_llama"),
+}
+
+
+def start_rank_server(kinds: Iterable[str] = KINDS) -> str:
+    """Start the process server that forks the ranks; return the start method to use.
+
+    Where the platform has one this is a ``forkserver``, started once per parent process
+    with torch (and whatever ``kinds`` need, e.g. transformers for ``llama``) imported;
+    it then forks every rank of every job, so a pytest session that writes several
+    checkpoints pays for the imports once instead of ~2 s per rank.  The ranks are still
+    clean processes (forked from the server, never from the caller).  Starting it returns
+    at once: the server imports in the background.  Later calls change nothing (the
+    preload list only counts when the server starts).  Elsewhere: ``"spawn"``.
+
+    :func:`write_checkpoint` calls this itself; call it first to preload for several kinds.
+    """
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    preload = list(_PRELOAD)
+    for kind in kinds:
+        preload += [m for m in _PRELOAD_EXTRA.get(kind, ()) if m not in preload]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    forkserver.ensure_running()
+    return "forkserver"
+
+
+def _start_ranks(world_size: int, kind: str, out: Path, method: str) -> None:
+    """Run :func:`_worker` on ``world_size`` fresh processes and wait for all of them."""
+    mp.start_processes(
+        _worker,
+        args=(world_size, _free_port(), kind, str(out)),
+        nprocs=world_size,
+        join=True,
+        start_method=method,
+    )
 
 
 def _mesh(world_size: int) -> Any:
@@ -205,7 +268,7 @@ def _write_llama(rank: int, world_size: int, out: Path) -> None:
     * ``out/optimizer_0``: ``dcp.save({"optimizer": get_optimizer_state_dict(model, optim)})``;
     * rank 0 writes ``config.json``, ``generation_config.json``, ``tokenizer_config.json``,
       ``special_tokens_map.json`` and ``random_states_0.pkl``; the parent process writes
-      ``reference.pt`` (see :func:`_llama_reference`).
+      ``reference.pt`` (see :func:`_write_llama_reference`).
     """
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from torch.distributed.fsdp import fully_shard
@@ -264,40 +327,49 @@ def _write_llama_side_files(out: Path) -> None:
         pickle.dump(states, f)
 
 
-def _llama_reference(out: Path) -> None:
-    """Parent side: rebuild the model unsharded, check it against the save, write logits.
-
-    The unsharded model is built with the same seed, the same bf16 rounding and the same
-    AdamW step as the ranks did; its full state dict must equal, bit for bit, what
-    ``dcp.save`` wrote (read back with ``dcp.load``).  ``reference.pt`` holds
-    ``{"input_ids": LongTensor [2, 8], "logits": fp32 logits}`` of that model.
-    """
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
+def _llama_reference_model() -> nn.Module:
+    """The unsharded reference: same seed, same bf16 rounding, same AdamW step as the ranks."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # the ranks run single-threaded too: same reduction order
     try:
         model = _build_llama()
         _llama_step(model)
-        model.eval()
+    finally:
+        torch.set_num_threads(threads)
+    return model.eval()
 
-        expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        saved = {k: torch.full_like(v, float("nan")) for k, v in expected.items()}
-        with warnings.catch_warnings():
-            # "torch.distributed is disabled ... assuming ... a single process": intended.
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(
-                {"model": saved},
-                checkpoint_id=out / MODEL_DIR,
-                planner=DefaultLoadPlanner(),
-                no_dist=True,
-            )
-        for k, v in expected.items():
-            if not torch.equal(saved[k], v):
-                raise AssertionError(f"saved {k} differs from the unsharded reference model")
-            assert torch.equal(v.to(torch.bfloat16).to(torch.float32), v), k
 
-        _, input_ids = _llama_batch()
+def _write_llama_reference(out: Path, model: nn.Module) -> None:
+    """Parent side: check the unsharded reference against the save, write ``reference.pt``.
+
+    The reference model's full state dict must equal, bit for bit, what ``dcp.save``
+    wrote (read back with ``dcp.load``); every value must be bf16-representable.
+    ``reference.pt`` holds ``{"input_ids": LongTensor [2, 8], "logits": fp32 logits}`` of
+    that model.
+    """
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    saved = {k: torch.full_like(v, float("nan")) for k, v in expected.items()}
+    with warnings.catch_warnings():
+        # "torch.distributed is disabled ... assuming ... a single process": intended.
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(
+            {"model": saved},
+            checkpoint_id=out / MODEL_DIR,
+            planner=DefaultLoadPlanner(),
+            no_dist=True,
+        )
+    for k, v in expected.items():
+        if not torch.equal(saved[k], v):
+            raise AssertionError(f"saved {k} differs from the unsharded reference model")
+        if not torch.equal(v.to(torch.bfloat16).to(torch.float32), v):
+            raise AssertionError(f"{k} is not bf16-representable")
+
+    _, input_ids = _llama_batch()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
         with torch.no_grad():
             logits = model(input_ids=input_ids).logits.to(torch.float32)
     finally:
@@ -465,8 +537,11 @@ def _write_mixed(rank: int, world_size: int, out: Path) -> None:
     ``model.<dtype>`` (e.g. ``model.float8_e4m3fn``), an int64 ``position_ids`` buffer
     (plain tensor, as FSDP2 leaves buffers), 0-dim ``scalar`` (3.5) and ``int_scalar`` (7)
     and a plain fp32 tensor ``plain``.  DCP flattens the nested dict, so the metadata keys
-    are ``model.<name>``, ``step``, ``meta.run``, ``meta.lr`` and ``opaque``.  No dtype was
-    refused by ``dcp.save`` (torch 2.13, gloo).
+    are ``model.<name>``, ``step``, ``meta.run``, ``meta.lr`` and ``opaque``.
+
+    ``dcp.save`` (torch 2.13) refused none of these dtypes.  It also accepts uint16/32/64,
+    complex and the fnuz / e8m0 / float4 variants; those are left out on purpose (no
+    safetensors dtype for most of them), so this checkpoint stays fully mergeable.
     """
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -499,9 +574,13 @@ def _write_mixed(rank: int, world_size: int, out: Path) -> None:
 def _write_placements(rank: int, world_size: int, out: Path) -> None:
     """A flat, torchtitan-style state dict of DTensors on a 1-D mesh (default 4 ranks).
 
-    No ``"model"`` wrapper: keys such as ``model.layers.0.weight`` sit at the top level.
+    No ``"model"`` wrapper: keys such as ``model.layers.0.weight`` sit at the top level
+    (``planner_data`` paths are 1-tuples).  Every key starts with ``model.`` on purpose, so
+    the names alone look exactly like accelerate's ``{"model": ...}`` wrapper: only the
+    metadata tells that this ``model.`` is part of the names and must be kept.
     ``Shard(0)``, ``Shard(1)`` (dim 1 of size 10: 3, 3, 3, 1 over 4 ranks), ``Replicate()``
-    and a ``Shard(0)`` tensor of shape (3, 8) (one rank empty).  Written with
+    (one chunk, written by one rank), and ``Shard(0)`` of a (3, 8) tensor and ``Shard(1)``
+    of an (8, 6) one (rank 3 empty: a zero-size chunk).  Written with
     ``FileSystemWriter(thread_count=2)`` so every rank writes ``__<r>_0.distcp`` and
     ``__<r>_1.distcp``.
     """
@@ -516,7 +595,7 @@ def _write_placements(rank: int, world_size: int, out: Path) -> None:
         ("model.layers.1.weight", (12, 8), Shard(0)),
         ("model.layers.1.bias", (3, 8), Shard(0)),
         ("model.norm.weight", (8,), Replicate()),
-        ("lm_head.weight", (8, 6), Shard(1)),
+        ("model.lm_head.weight", (8, 6), Shard(1)),  # 2, 2, 2, 0: rank 3 empty
     ]
     state = {
         name: distribute_tensor(torch.randn(shape, generator=g), mesh, [placement],
@@ -555,9 +634,12 @@ def write_checkpoint(kind: str, out: Path, *, world_size: int | None = None) -> 
         raise ValueError("world_size must be at least 1")
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_worker, args=(n, _free_port(), kind, str(out)), nprocs=n, join=True)
-    if kind == "llama":
-        _llama_reference(out)
+    method = start_rank_server((kind,))
+    # The parent's share of ``llama`` runs while the forkserver imports.
+    reference = _llama_reference_model() if kind == "llama" else None
+    _start_ranks(n, kind, out, method)
+    if reference is not None:
+        _write_llama_reference(out, reference)
     return out / MODEL_DIR
 
 

@@ -192,7 +192,9 @@ def _write_cast(reader: dcp.Reader, dst: int, t: OutTensor) -> None:
         buf = bytearray(reader.read_chunk(entry, c))
         part = torch.frombuffer(buf, dtype=src_dtype).view(c.sizes)
         index = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))
-        out[index].copy_(part)  # copy_ casts with round-to-nearest-even, as Tensor.to does
+        # Tensor.to, not a casting copy_: the two kernels differ on NaN payloads (f64 -> bf16),
+        # and the reference is what users get from PyTorch's loader followed by .to(dtype).
+        out[index] = part.to(out.dtype)
     if out.numel():
         pwrite_all(dst, out.reshape(-1).view(torch.uint8).numpy().data, t.slot.begin)
 

@@ -49,15 +49,15 @@ def test_any_foreign_global_is_refused(tmp_path: Path, global_name: str) -> None
         dcp.read_info(tmp_path)
 
 
-def test_truncated_metadata(tmp_path: Path, tiny_dcp: Path) -> None:
-    data = (tiny_dcp / ".metadata").read_bytes()
+def test_truncated_metadata(tmp_path: Path, uneven_ckpt: Path) -> None:
+    data = (uneven_ckpt / "pytorch_model_fsdp_0" / ".metadata").read_bytes()
     (tmp_path / ".metadata").write_bytes(data[: len(data) // 2])
     with pytest.raises(InputError, match="truncated or corrupt .metadata"):
         dcp.read_info(tmp_path)
 
 
-def test_storage_path_outside_directory(tmp_path: Path, tiny_dcp: Path) -> None:
-    data = (tiny_dcp / ".metadata").read_bytes()
+def test_storage_path_outside_directory(tmp_path: Path, uneven_ckpt: Path) -> None:
+    data = (uneven_ckpt / "pytorch_model_fsdp_0" / ".metadata").read_bytes()
     # Same length keeps pickle framing valid: '__0_0.distcp' -> '../0_0.dist'
     hacked = data.replace(b"__0_0.distcp", b"../0_0.distc", 1)
     assert hacked != data
@@ -66,7 +66,8 @@ def test_storage_path_outside_directory(tmp_path: Path, tiny_dcp: Path) -> None:
         dcp.read_info(tmp_path)
 
 
-def test_reading_metadata_does_not_import_torch(tiny_dcp: Path) -> None:
+def test_reading_metadata_does_not_import_torch(uneven_ckpt: Path) -> None:
+    tiny_dcp = uneven_ckpt / "pytorch_model_fsdp_0"
     code = (
         "import sys\nfrom ckpttool.formats import dcp\n"
         f"info = dcp.read_info({str(tiny_dcp)!r})\n"

@@ -1,0 +1,170 @@
+"""`ckpttool merge` through the CLI: exit codes, messages, --json, -q."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as torch_dcp
+from typer.testing import CliRunner
+
+from ckpttool.cli import app
+from tests.formats.test_dcp_safety import write_malicious
+
+
+def run(*args: str | Path, env: dict[str, str] | None = None):
+    return CliRunner().invoke(app, [str(a) for a in args], env=env)
+
+
+def test_merge_prints_a_report(llama_ckpt: Path, tmp_path: Path) -> None:
+    r = run("merge", llama_ckpt, tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    assert f"used pytorch_model_fsdp_0, found in {llama_ckpt}; skipped optimizer_0" in r.stdout
+    assert "wrote model.safetensors" in r.stdout
+    assert "tied: lm_head.weight is identical to model.embed_tokens.weight; written once" in r.stdout
+    assert "config.json: architectures: FSDPLlamaForCausalLM -> LlamaForCausalLM" in r.stdout
+
+
+def test_json_is_one_document(mixed_ckpt: Path, tmp_path: Path) -> None:
+    r = run("merge", mixed_ckpt, tmp_path / "out", "--json", "--dtype", "keep")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["schema"] == 1 and doc["command"] == "merge"
+    assert doc["files"][0]["name"] == "model.safetensors"
+    assert {o["name"] for o in doc["non_tensor"]} >= {"step", "opaque"}
+
+
+def test_quiet_prints_nothing(uneven_ckpt: Path, tmp_path: Path) -> None:
+    r = run("merge", uneven_ckpt, tmp_path / "out", "-q")
+    assert r.exit_code == 0 and r.output == ""
+
+
+def test_malicious_metadata_exit_3_nothing_runs(tmp_path: Path) -> None:
+    sentinel = tmp_path / "pwned"
+    ckpt = write_malicious(tmp_path / "evil", sentinel)
+    r = run("merge", ckpt, tmp_path / "out")
+    assert r.exit_code == 3
+    assert r.stderr == (
+        f"ckpttool: error: {ckpt}/.metadata: refused to load: the pickle asks for "
+        f"'{os.system.__module__}.system', which a DCP .metadata never contains; the file may be "
+        "malicious (nothing was executed)\n"
+    )
+    assert not sentinel.exists() and not (tmp_path / "out").exists()
+
+
+def test_truncated_distcp_exit_3(uneven_ckpt: Path, tmp_path: Path) -> None:
+    damaged = tmp_path / "ckpt"
+    shutil.copytree(uneven_ckpt / "pytorch_model_fsdp_0", damaged)
+    victim = damaged / "__1_0.distcp"
+    size = victim.stat().st_size
+    with open(victim, "r+b") as f:
+        f.truncate(size - 100)
+    r = run("merge", damaged, tmp_path / "out")
+    assert r.exit_code == 3
+    assert r.stderr.startswith(f"ckpttool: error: {victim}: truncated: .metadata places ")
+    assert r.stderr.endswith(f"but the file has {size - 100} bytes; copy the checkpoint again\n")
+    assert "Traceback" not in r.output
+
+
+def test_missing_distcp_exit_3(uneven_ckpt: Path, tmp_path: Path) -> None:
+    damaged = tmp_path / "ckpt"
+    shutil.copytree(uneven_ckpt / "pytorch_model_fsdp_0", damaged)
+    (damaged / "__0_0.distcp").unlink()
+    r = run("merge", damaged, tmp_path / "out")
+    assert r.exit_code == 3
+    assert r.stderr == (f"ckpttool: error: {damaged}/__0_0.distcp: data file is missing; "
+                        ".metadata references it. Copy the whole checkpoint directory again\n")
+
+
+def test_missing_metadata_exit_3(uneven_ckpt: Path, tmp_path: Path) -> None:
+    damaged = tmp_path / "ckpt"
+    shutil.copytree(uneven_ckpt / "pytorch_model_fsdp_0", damaged)
+    (damaged / ".metadata").unlink()
+    r = run("merge", damaged, tmp_path / "out")
+    assert r.exit_code == 3
+    assert r.stderr == (f"ckpttool: error: {damaged}: has .distcp data files but no .metadata; "
+                        "the copy is incomplete (copy .metadata too)\n")
+
+
+def test_two_candidates_exit_3(uneven_ckpt: Path, tmp_path: Path) -> None:
+    parent = tmp_path / "parent"
+    shutil.copytree(uneven_ckpt / "pytorch_model_fsdp_0", parent / "a")
+    shutil.copytree(uneven_ckpt / "pytorch_model_fsdp_0", parent / "b")
+    r = run("merge", parent, tmp_path / "out")
+    assert r.exit_code == 3
+    assert r.stderr == (f"ckpttool: error: {parent}: holds 2 model checkpoints (a, b); pass one "
+                        f"of them, e.g. ckpttool merge {parent}/a OUT\n")
+
+
+def test_existing_output_exit_3(uneven_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"precious")
+    r = run("merge", uneven_ckpt, out)
+    assert r.exit_code == 3
+    assert r.stderr == (f"ckpttool: error: {out}: already holds model.safetensors; pass "
+                        "--overwrite to replace them or choose an empty directory\n")
+    assert (out / "model.safetensors").read_bytes() == b"precious"
+    assert run("merge", uneven_ckpt, out, "--overwrite", "-q").exit_code == 0
+    assert (out / "model.safetensors").read_bytes() != b"precious"
+
+
+def test_not_a_checkpoint_exit_3(tmp_path: Path) -> None:
+    r = run("merge", tmp_path, tmp_path / "out")
+    assert r.exit_code == 3
+    assert r.stderr.startswith(f"ckpttool: error: {tmp_path}: not a DCP checkpoint")
+    r = run("merge", tmp_path / "nope", tmp_path / "out")
+    assert r.exit_code == 3
+    assert r.stderr == f"ckpttool: error: {tmp_path / 'nope'}: no such file or directory\n"
+
+
+def test_only_optimizer_exit_3(llama_ckpt: Path, tmp_path: Path) -> None:
+    parent = tmp_path / "parent"
+    shutil.copytree(llama_ckpt / "optimizer_0", parent / "optimizer_0")
+    r = run("merge", parent, tmp_path / "out")
+    assert r.exit_code == 3
+    assert "holds only optimizer state (optimizer_0)" in r.stderr
+
+
+def test_unsupported_dtype_exit_4(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    torch_dcp.save({"model": {"z": torch.ones(3, dtype=torch.complex128)}}, checkpoint_id=ckpt)
+    r = run("merge", ckpt, tmp_path / "out")
+    assert r.exit_code == 4
+    assert r.stderr == (f"ckpttool: error: {ckpt}/.metadata: tensor 'model.z' has dtype "
+                        "torch.complex128, which ckpttool cannot write to safetensors\n")
+
+
+def test_usage_errors_exit_2(uneven_ckpt: Path, tmp_path: Path) -> None:
+    assert run("merge", uneven_ckpt, tmp_path / "o", "--dtype", "int4").exit_code == 2
+    assert run("merge", uneven_ckpt).exit_code == 2
+    assert run("merge", uneven_ckpt, tmp_path / "o", "--workers", "0").exit_code == 2
+
+
+def test_bad_shard_size_exit_3(uneven_ckpt: Path, tmp_path: Path) -> None:
+    r = run("merge", uneven_ckpt, tmp_path / "o", "--max-shard-size", "huge")
+    assert r.exit_code == 3
+    assert r.stderr == ("ckpttool: error: invalid size 'huge'; write it like 5GB, 500MB or "
+                        "2GiB\n")
+
+
+def test_debug_shows_traceback(tmp_path: Path) -> None:
+    r = run("merge", tmp_path / "nope", tmp_path / "out", env={"CKPTTOOL_DEBUG": "1"})
+    assert r.exit_code == 3 and "Traceback" in r.stderr
+
+
+def test_internal_bug_exit_70(uneven_ckpt: Path, tmp_path: Path,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("ckpttool.core.merge.plan_merge", boom)
+    r = run("merge", uneven_ckpt, tmp_path / "out")
+    assert r.exit_code == 70
+    assert "RuntimeError: boom" in r.stderr
+    assert r.stderr.endswith("ckpttool: internal error (a bug in ckpttool); please report it "
+                             "with the traceback above\n")

@@ -1,0 +1,79 @@
+"""Session fixtures: real DCP checkpoints written by ``examples/fsdp2_checkpoint.py``.
+
+Each kind is written once per session (by 2-4 real gloo ranks calling ``dcp.save``) into
+``tmp_path_factory.mktemp(kind) / "checkpoint-500"``, an accelerate-style training
+checkpoint directory whose model DCP directory is ``pytorch_model_fsdp_0``.
+
+* ``make_checkpoint(kind, world_size=None) -> Path``: the training checkpoint dir (cached
+  per ``(kind, world_size)``);
+* ``llama_ckpt``, ``uneven_ckpt``, ``wrappers_ckpt``, ``mixed_ckpt``, ``placements_ckpt``:
+  the same for the default world size of each kind;
+* ``tiny_dcp``: a small model DCP directory itself (``uneven_ckpt / "pytorch_model_fsdp_0"``,
+  3 ranks, ``__0_0.distcp`` .. ``__2_0.distcp``).
+
+The reference for what a merge must produce is :func:`tests.reference.reference_state_dict`
+(PyTorch's own loader), applied to ``ckpt / "pytorch_model_fsdp_0"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from examples.fsdp2_checkpoint import KINDS, MODEL_DIR, start_rank_server, write_checkpoint
+
+MakeCheckpoint = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> MakeCheckpoint:
+    """``make_checkpoint(kind, world_size=None) -> Path`` of the training checkpoint dir."""
+    cache: dict[tuple[str, int | None], Path] = {}
+
+    def make(kind: str, world_size: int | None = None) -> Path:
+        if kind not in KINDS:
+            raise ValueError(f"unknown checkpoint kind {kind!r}; expected one of {KINDS}")
+        key = (kind, world_size)
+        if key not in cache:
+            # One forkserver for the session, with everything every kind needs preloaded.
+            start_rank_server(KINDS)
+            name = kind if world_size is None else f"{kind}-ws{world_size}"
+            out = tmp_path_factory.mktemp(name) / "checkpoint-500"
+            write_checkpoint(kind, out, world_size=world_size)
+            cache[key] = out
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(make_checkpoint: MakeCheckpoint) -> Path:
+    return make_checkpoint("llama")
+
+
+@pytest.fixture(scope="session")
+def uneven_ckpt(make_checkpoint: MakeCheckpoint) -> Path:
+    return make_checkpoint("uneven")
+
+
+@pytest.fixture(scope="session")
+def wrappers_ckpt(make_checkpoint: MakeCheckpoint) -> Path:
+    return make_checkpoint("wrappers")
+
+
+@pytest.fixture(scope="session")
+def mixed_ckpt(make_checkpoint: MakeCheckpoint) -> Path:
+    return make_checkpoint("mixed")
+
+
+@pytest.fixture(scope="session")
+def placements_ckpt(make_checkpoint: MakeCheckpoint) -> Path:
+    return make_checkpoint("placements")
+
+
+@pytest.fixture(scope="session")
+def tiny_dcp(uneven_ckpt: Path) -> Path:
+    """A small multi-rank model DCP directory (not the training checkpoint around it)."""
+    return uneven_ckpt / MODEL_DIR

@@ -1,0 +1,255 @@
+"""merge, checked bit for bit against PyTorch's own DCP loader on real checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as torch_dcp
+from safetensors import safe_open
+
+import ckpttool
+from ckpttool.core import fileio
+from ckpttool.core.names import canonical_fqn
+from ckpttool.errors import InputError, OutputError
+from ckpttool.formats import dcp
+from tests.reference import reference_state_dict
+
+KINDS = ("llama", "uneven", "wrappers", "mixed", "placements")
+NEVER_CAST = {torch.float8_e4m3fn, torch.float8_e5m2, torch.bool, torch.uint8, torch.int8,
+              torch.int16, torch.int32, torch.int64}
+
+
+def load_out(out: Path) -> dict[str, torch.Tensor]:
+    index = out / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values()))
+             if index.exists() else ["model.safetensors"])
+    result: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(out / name, "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                assert key not in result
+                result[key] = f.get_tensor(key)
+    return result
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Raw bytes, so NaNs and -0.0 compare exactly."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def expected(dcp_dir: Path, cast_to: torch.dtype | None) -> dict[str, torch.Tensor]:
+    info = dcp.read_info(dcp_dir)
+    paths = {t.fqn: t.path for t in info.tensors}
+    ref = reference_state_dict(dcp_dir)
+    out = {}
+    for key, path in paths.items():
+        t = ref[key]
+        assert isinstance(t, torch.Tensor)
+        if cast_to is not None and t.is_floating_point() and t.dtype not in NEVER_CAST:
+            t = t.to(cast_to)
+        out[canonical_fqn(path)] = t
+    return out
+
+
+def assert_bit_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                     *, cast: bool = False) -> None:
+    """Every byte equal. After a cast, NaNs only need to stay NaN: PyTorch's own f64 -> bf16
+    kernel gives a NaN 0x7FC0 in its scalar tail and 0xFFFF in its vector loop, so the bit
+    pattern of a cast NaN depends on where it falls, not on its value."""
+    assert set(got) == set(want)
+    for name, t in want.items():
+        g = got[name]
+        assert g.dtype == t.dtype, name
+        assert tuple(g.shape) == tuple(t.shape), name
+        if cast and t.is_floating_point() and t.element_size() > 1:
+            nan = torch.isnan(t)
+            assert torch.equal(torch.isnan(g), nan), f"{name}: NaNs moved"
+            assert torch.equal(bits(g[~nan]), bits(t[~nan])), f"{name} differs"
+        else:
+            assert torch.equal(bits(g), bits(t)), f"{name} differs"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_keep_is_bit_exact(kind: str, make_checkpoint, tmp_path: Path) -> None:
+    ckpt = make_checkpoint(kind)
+    report = ckpttool.merge(ckpt, tmp_path / "out", dtype="keep", keep_tied=True)
+    dcp_dir = Path(report.checkpoint)
+    assert_bit_exact(load_out(tmp_path / "out"), expected(dcp_dir, None))
+    assert report.num_tensors == len(dcp.read_info(dcp_dir).tensors)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("target", ["bf16", "fp16", "fp32"])
+def test_cast_is_bit_exact_and_spares_float8_and_integers(
+    kind: str, target: str, make_checkpoint, tmp_path: Path
+) -> None:
+    ckpt = make_checkpoint(kind)
+    report = ckpttool.merge(ckpt, tmp_path / "out", dtype=target, keep_tied=True, workers=2)
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[target]
+    assert_bit_exact(load_out(tmp_path / "out"), expected(Path(report.checkpoint), torch_dtype),
+                     cast=True)
+
+
+def test_mixed_has_every_dtype_and_reports_non_tensor_entries(mixed_ckpt: Path,
+                                                              tmp_path: Path) -> None:
+    report = ckpttool.merge(mixed_ckpt, tmp_path / "out", dtype="bf16")
+    got = load_out(tmp_path / "out")
+    dtypes_seen = {t.dtype for t in got.values()}
+    assert {torch.float8_e4m3fn, torch.float8_e5m2, torch.bool, torch.int64} <= dtypes_seen
+    assert torch.float32 not in dtypes_seen and torch.float64 not in dtypes_seen
+    entries = {o["name"]: o for o in report.non_tensor}
+    assert entries["step"] == {"name": "step", "readable": True, "value": 500}
+    assert entries["meta.run"]["value"] == "demo"
+    opaque = entries["opaque"]
+    assert not opaque["readable"]
+    assert "OpaqueThing" in opaque["note"] and "not executed" in opaque["note"]
+    assert report.bytes_before["F32"] > 0 and "F32" not in report.bytes_after
+    assert report.bytes_after["F8_E4M3"] == report.bytes_before["F8_E4M3"]
+
+
+def test_llama_auto_dedupes_tie_casts_and_copies_hf_files(llama_ckpt: Path,
+                                                          tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    report = ckpttool.merge(llama_ckpt, out)
+    assert report.checkpoint == str(llama_ckpt / "pytorch_model_fsdp_0")
+    assert report.skipped == [{"path": str(llama_ckpt / "optimizer_0"), "kind": "optimizer"}]
+    assert report.dtype["target"] == "BF16" and "bfloat16" in report.dtype["source"]
+    assert report.tie is not None and report.tie["action"] == "deduplicated"
+    got = load_out(out)
+    want = expected(llama_ckpt / "pytorch_model_fsdp_0", torch.bfloat16)
+    del want["lm_head.weight"]
+    assert_bit_exact(got, want)
+    assert "config.json" in report.copied and "tokenizer_config.json" in report.copied
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert report.config_changes == ["architectures: FSDPLlamaForCausalLM -> LlamaForCausalLM"]
+    assert not any(p.name.endswith(fileio.TMP_SUFFIX) for p in out.iterdir())
+
+
+def test_llama_loads_in_transformers_with_the_same_logits(llama_ckpt: Path,
+                                                          tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ckpttool.merge(llama_ckpt, tmp_path / "out")
+    reference = torch.load(llama_ckpt / "reference.pt")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(reference["input_ids"]).logits
+    # Weights were saved as bf16 values in fp32, so the bf16 output loses nothing.
+    assert torch.equal(logits, reference["logits"])
+
+
+def test_keep_tied_writes_both(llama_ckpt: Path, tmp_path: Path) -> None:
+    report = ckpttool.merge(llama_ckpt, tmp_path / "out", keep_tied=True)
+    assert "lm_head.weight" in load_out(tmp_path / "out")
+    assert report.tie is not None and report.tie["identical"] is True
+
+
+def test_broken_tie_writes_both_and_warns(llama_ckpt: Path, tmp_path: Path) -> None:
+    src = llama_ckpt / "pytorch_model_fsdp_0"
+    state = reference_state_dict(src)
+    state["model.lm_head.weight"] = state["model.lm_head.weight"] + 1  # the tie broke in training
+    broken = tmp_path / "broken"
+    model_sd = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+    torch_dcp.save({"model": model_sd}, checkpoint_id=broken / "pytorch_model_fsdp_0")
+    shutil.copy(llama_ckpt / "config.json", broken / "config.json")
+    report = ckpttool.merge(broken, tmp_path / "out")
+    assert report.tie is not None and report.tie["identical"] is False
+    assert report.tie["action"] == "both written"
+    assert any(w.startswith("tie broken") for w in report.warnings)
+    got = load_out(tmp_path / "out")
+    assert torch.equal(got["lm_head.weight"], state["model.lm_head.weight"].to(torch.bfloat16))
+
+
+def test_wrapper_segments_are_removed_and_reported(wrappers_ckpt: Path, tmp_path: Path) -> None:
+    report = ckpttool.merge(wrappers_ckpt, tmp_path / "out")
+    names = set(load_out(tmp_path / "out"))
+    assert not any(seg in n for n in names
+                   for seg in ("_orig_mod", "_checkpoint_wrapped_module", "model."))
+    froms = {r["from"] for r in report.renames}
+    assert any("_orig_mod." in f for f in froms)
+    assert any("._checkpoint_wrapped_module" in f for f in froms)
+
+
+def test_flat_checkpoint_keeps_model_prefix(placements_ckpt: Path, tmp_path: Path) -> None:
+    report = ckpttool.merge(placements_ckpt, tmp_path / "out")
+    names = set(load_out(tmp_path / "out"))
+    assert names and all(n.startswith("model.") for n in names)
+    assert report.renames == []
+
+
+def test_sharded_output_has_index_and_loads(llama_ckpt: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    report = ckpttool.merge(llama_ckpt, out, max_shard_size="20KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert sorted(set(index["weight_map"].values())) == shards
+    got = load_out(out)
+    assert set(index["weight_map"]) == set(got)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size()
+                                                  for t in got.values())
+    assert report.files[-1]["name"] == "model.safetensors.index.json"
+    AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_output_permissions_follow_umask(uneven_ckpt: Path, tmp_path: Path) -> None:
+    old = os.umask(0o027)
+    try:
+        ckpttool.merge(uneven_ckpt, tmp_path / "out")
+    finally:
+        os.umask(old)
+    mode = stat.S_IMODE((tmp_path / "out" / "model.safetensors").stat().st_mode)
+    assert mode == 0o640
+
+
+def test_existing_output_needs_overwrite_and_stale_shards_go(llama_ckpt: Path,
+                                                             tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    ckpttool.merge(llama_ckpt, out, max_shard_size="20KB")
+    before = (out / "model.safetensors.index.json").read_bytes()
+    with pytest.raises(OutputError, match="already holds"):
+        ckpttool.merge(llama_ckpt, out)
+    assert (out / "model.safetensors.index.json").read_bytes() == before
+    ckpttool.merge(llama_ckpt, out, overwrite=True)
+    assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]
+
+
+def test_interrupted_merge_leaves_nothing_that_looks_finished(
+    uneven_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+
+    def interrupted(*args: object) -> None:
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real_copy_range(*args)  # type: ignore[arg-type]
+
+    real_copy_range = fileio.copy_range
+    monkeypatch.setattr("ckpttool.core.merge.copy_range", interrupted)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        ckpttool.merge(uneven_ckpt, out, workers=1)
+    assert list(out.iterdir()) == []
+
+
+def test_chunk_missing_from_storage_is_an_input_error(uneven_ckpt: Path, tmp_path: Path) -> None:
+    src = uneven_ckpt / "pytorch_model_fsdp_0"
+    damaged = tmp_path / "damaged"
+    shutil.copytree(src, damaged)
+    # Drop the file of the last rank: its chunks are gone.
+    victim = sorted(damaged.glob("*.distcp"))[-1]
+    victim.unlink()
+    with pytest.raises(InputError, match=f"{victim.name}: data file is missing"):
+        ckpttool.merge(damaged, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
