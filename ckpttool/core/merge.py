@@ -131,8 +131,11 @@ def execute(
     workers: int = 1,
     progress: Progress | None = None,
 ) -> None:
-    """Write every planned file under its temporary name. Largest tensors go first so that
-    parallel workers finish together."""
+    """Write every planned file under its temporary name.
+
+    Each chunk of each tensor is an independent job (it lands at a known offset), so workers
+    balance by bytes: largest chunks first.
+    """
     lock = threading.Lock()
 
     def report(n: int) -> None:
@@ -140,63 +143,86 @@ def execute(
             with lock:
                 progress(n)
 
-    jobs: list[tuple[int, OutTensor]] = []
+    jobs: list[tuple[int, OutTensor, dcp.Chunk]] = []
     for f in plan.files:
         fd = outputs.create(f.name, f.size)
         pwrite_all(fd, f.layout.header, 0)
-        jobs.extend((fd, t) for t in f.tensors)
-    for file in {c.file for _, t in jobs for c in t.source.chunks}:
+        jobs.extend((fd, t, c) for t in f.tensors for c in t.source.chunks if c.numel)
+    for file in {c.file for _, _, c in jobs}:
         reader.fd(file)  # open every source file before threads share the reader
-    jobs.sort(key=lambda j: -j[1].slot.nbytes)
+    jobs.sort(key=lambda j: -j[2].numel * j[1].source.dtype.itemsize)
     if workers <= 1:
-        for fd, t in jobs:
-            _write_tensor(reader, fd, t, report)
+        for fd, t, c in jobs:
+            _write_chunk(reader, fd, t, c, report)
         return
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for fut in [pool.submit(_write_tensor, reader, fd, t, report) for fd, t in jobs]:
+        for fut in [pool.submit(_write_chunk, reader, fd, t, c, report) for fd, t, c in jobs]:
             fut.result()
 
 
-def _write_tensor(reader: dcp.Reader, dst: int, t: OutTensor, report: Progress) -> None:
+def _write_chunk(reader: dcp.Reader, dst: int, t: OutTensor, c: dcp.Chunk,
+                 report: Progress) -> None:
     entry = t.source
-    if t.cast:
-        _write_cast(reader, dst, t)
-        report(t.slot.nbytes)
-        return
-    item = entry.dtype.itemsize
-    for c in entry.chunks:
-        if c.numel == 0:
-            continue
-        rec = reader.record(entry, c)
-        if rec.is_contiguous and chunk_geometry.is_single_run(entry.shape, c.offsets, c.sizes):
-            ((_, dst_elem, n),) = chunk_geometry.runs(entry.shape, c.offsets, c.sizes)
-            copy_range(reader.fd(c.file), rec.data_offset + rec.storage_offset * item,
-                       dst, t.slot.begin + dst_elem * item, n * item)
+    rec = reader.record(entry, c)
+    src_item, dst_item = entry.dtype.itemsize, t.dtype.itemsize
+    single = rec.is_contiguous and chunk_geometry.is_single_run(entry.shape, c.offsets, c.sizes)
+    if single:
+        ((_, dst_elem, n),) = chunk_geometry.runs(entry.shape, c.offsets, c.sizes)
+        src_offset = rec.data_offset + rec.storage_offset * src_item
+        if t.cast:
+            _cast_range(reader.fd(c.file), src_offset, dst, t.slot.begin + dst_elem * dst_item,
+                        n, t, report)
         else:
-            data = memoryview(reader.read_chunk(entry, c))
-            for src_elem, dst_elem, n in chunk_geometry.runs(entry.shape, c.offsets, c.sizes):
-                pwrite_all(dst, data[src_elem * item : (src_elem + n) * item],
-                           t.slot.begin + dst_elem * item)
-        report(c.numel * item)
+            copy_range(reader.fd(c.file), src_offset, dst, t.slot.begin + dst_elem * dst_item,
+                       n * src_item)
+            report(n * dst_item)
+        return
+    # A strided placement (Shard(1)...): the chunk's rows land apart, so read it whole.
+    data = memoryview(reader.read_chunk(entry, c))
+    if t.cast:
+        data = _cast_bytes(data, t)
+    for src_elem, dst_elem, n in chunk_geometry.runs(entry.shape, c.offsets, c.sizes):
+        pwrite_all(dst, data[src_elem * dst_item : (src_elem + n) * dst_item],
+                   t.slot.begin + dst_elem * dst_item)
+    report(c.numel * dst_item)
 
 
-def _write_cast(reader: dcp.Reader, dst: int, t: OutTensor) -> None:
+# Source bytes cast per step: a multiple of every vector width, small enough that memory stays
+# flat whatever the tensor size, large enough that per-call overhead vanishes.
+CAST_BLOCK = 8 << 20
+
+
+def _cast_range(src: int, src_offset: int, dst: int, dst_offset: int, numel: int,
+                t: OutTensor, report: Progress) -> None:
     import torch  # only casting needs torch
 
-    entry = t.source
-    src_dtype = getattr(torch, entry.dtype.torch_name)
-    out = torch.empty(entry.shape, dtype=getattr(torch, t.dtype.torch_name))
-    for c in entry.chunks:
-        if c.numel == 0:
-            continue
-        buf = bytearray(reader.read_chunk(entry, c))
-        part = torch.frombuffer(buf, dtype=src_dtype).view(c.sizes)
-        index = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))
-        # Tensor.to, not a casting copy_: the two kernels differ on NaN payloads (f64 -> bf16),
-        # and the reference is what users get from PyTorch's loader followed by .to(dtype).
-        out[index] = part.to(out.dtype)
-    if out.numel():
-        pwrite_all(dst, out.reshape(-1).view(torch.uint8).numpy().data, t.slot.begin)
+    src_dtype = getattr(torch, t.source.dtype.torch_name)
+    dst_dtype = getattr(torch, t.dtype.torch_name)
+    src_item, dst_item = t.source.dtype.itemsize, t.dtype.itemsize
+    block = min(numel, CAST_BLOCK // src_item)
+    buf = bytearray(block * src_item)
+    out = torch.empty(block, dtype=dst_dtype)
+    out_bytes = memoryview(out.view(torch.uint8).numpy()).cast("B")
+    done = 0
+    while done < numel:
+        n = min(block, numel - done)
+        view = memoryview(buf)[: n * src_item]
+        got = os.preadv(src, [view], src_offset + done * src_item)
+        if got != len(view):
+            raise InputError(f"source file ended early while reading '{t.source.fqn}'; "
+                             "it is truncated")
+        # Tensor.to semantics (round to nearest even); into a preallocated buffer.
+        out[:n].copy_(torch.frombuffer(buf, dtype=src_dtype, count=n))
+        pwrite_all(dst, out_bytes[: n * dst_item], dst_offset + done * dst_item)
+        done += n
+        report(n * dst_item)
+
+
+def _cast_bytes(data: memoryview, t: OutTensor) -> memoryview:
+    import torch
+
+    src = torch.frombuffer(bytearray(data), dtype=getattr(torch, t.source.dtype.torch_name))
+    return memoryview(src.to(getattr(torch, t.dtype.torch_name)).view(torch.uint8).numpy()).cast("B")
 
 
 # --------------------------------------------------------------------------------------------

@@ -253,3 +253,13 @@ def test_chunk_missing_from_storage_is_an_input_error(uneven_ckpt: Path, tmp_pat
     with pytest.raises(InputError, match=f"{victim.name}: data file is missing"):
         ckpttool.merge(damaged, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["llama", "mixed"])
+def test_cast_in_many_small_blocks_is_exact(kind: str, make_checkpoint, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("ckpttool.core.merge.CAST_BLOCK", 64)  # 8 to 64 elements a block
+    report = ckpttool.merge(make_checkpoint(kind), tmp_path / "out", dtype="bf16",
+                            keep_tied=True, workers=3)
+    assert_bit_exact(load_out(tmp_path / "out"), expected(Path(report.checkpoint), torch.bfloat16),
+                     cast=True)
