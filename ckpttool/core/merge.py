@@ -90,33 +90,18 @@ def plan_merge(
         max_shard_size: shard limit in tensor bytes, as transformers counts it.
         drop: canonical names not to write (a deduplicated tied weight).
     """
-    shards: list[list[tuple[str, dcp.TensorEntry, DType]]] = [[]]
-    shard_bytes = 0
-    for name, entry in tensors:
-        if name in drop:
-            continue
-        out_dtype = policy.output_dtype(entry.dtype)
-        nbytes = entry.numel * out_dtype.itemsize
-        if shards[-1] and shard_bytes + nbytes > max_shard_size:
-            shards.append([])
-            shard_bytes = 0
-        shards[-1].append((name, entry, out_dtype))
-        shard_bytes += nbytes
-    file_names = st.shard_names(len(shards))
-    files = []
-    weight_map: dict[str, str] = {}
-    for file_name, members in zip(file_names, shards, strict=True):
-        by_name = {name: (entry, dtype) for name, entry, dtype in members}
-        lay = st.layout([(name, dtype, entry.shape) for name, entry, dtype in members])
-        outs = tuple(OutTensor(s.name, by_name[s.name][0], s.dtype, s) for s in lay.slots)
-        files.append(OutFile(file_name, lay, outs))
-        weight_map.update({name: file_name for name, _, _ in members})
-    index = None
-    if len(files) > 1:
-        total = sum(t.slot.nbytes for f in files for t in f.tensors)
-        params = sum(t.source.numel for f in files for t in f.tensors)
-        index = st.index_json(weight_map, total, params)
-    return MergePlan(tuple(files), index, tuple(sorted(drop)))
+    kept = [(name, entry) for name, entry in tensors if name not in drop]
+    by_name = {name: entry for name, entry in kept}
+    file_plans, index = st.plan_files(
+        [(name, policy.output_dtype(entry.dtype), entry.shape) for name, entry in kept],
+        max_shard_size,
+    )
+    files = tuple(
+        OutFile(f.name, f.layout, tuple(OutTensor(s.name, by_name[s.name], s.dtype, s)
+                                        for s in f.layout.slots))
+        for f in file_plans
+    )
+    return MergePlan(files, index, tuple(sorted(drop)))
 
 
 # --------------------------------------------------------------------------------------------

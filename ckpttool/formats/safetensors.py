@@ -73,6 +73,42 @@ def layout(
     return Layout(head, tuple(Slot(nm, dt, sh, base + b, base + e) for nm, dt, sh, b, e in rel))
 
 
+@dataclass(frozen=True)
+class FilePlan:
+    name: str
+    layout: Layout
+
+
+def plan_files(
+    tensors: list[tuple[str, DType, tuple[int, ...]]], max_shard_size: int
+) -> tuple[tuple[FilePlan, ...], bytes | None]:
+    """Split tensors (in model order) into shards as transformers does: fill a shard until the
+    next tensor would pass ``max_shard_size`` (tensor bytes); a larger tensor gets its own.
+
+    Returns:
+        The files with their layouts, and the index JSON (None for a single file).
+    """
+    shards: list[list[tuple[str, DType, tuple[int, ...]]]] = [[]]
+    shard_bytes = 0
+    for name, dtype, shape in tensors:
+        nbytes = dtype.itemsize
+        for s in shape:
+            nbytes *= s
+        if shards[-1] and shard_bytes + nbytes > max_shard_size:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append((name, dtype, shape))
+        shard_bytes += nbytes
+    files = tuple(FilePlan(n, layout(members))
+                  for n, members in zip(shard_names(len(shards)), shards, strict=True))
+    if len(files) == 1:
+        return files, None
+    weight_map = {s.name: f.name for f in files for s in f.layout.slots}
+    total = sum(s.nbytes for f in files for s in f.layout.slots)
+    params = sum(s.nbytes // s.dtype.itemsize for f in files for s in f.layout.slots)
+    return files, index_json(weight_map, total, params)
+
+
 def read_layout(path: Path) -> tuple[dict[str, str], tuple[Slot, ...]]:
     """Read and check a safetensors file's header (no tensor data).
 
