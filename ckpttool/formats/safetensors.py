@@ -185,3 +185,47 @@ def parse_size(text: str) -> int:
     if not m or float(m.group(1)) <= 0:
         raise InputError(f"invalid size '{text}'; write it like 5GB, 500MB or 2GiB")
     return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    file: Path
+    slot: Slot
+
+
+def read_checkpoint(path: Path) -> tuple[StoredTensor, ...]:
+    """Every tensor of a safetensors file, or of a directory (``model.safetensors`` or the
+    shards its ``model.safetensors.index.json`` names), in file then offset order.
+
+    Raises:
+        InputError: missing files, unreadable headers, or an index that disagrees with them.
+    """
+    if path.is_file():
+        return tuple(StoredTensor(path, s) for s in read_layout(path)[1])
+    index_path = path / INDEX_NAME
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise InputError(f"{index_path}: not a valid index ({e})") from None
+        files = list(dict.fromkeys(weight_map.values()))
+        out: list[StoredTensor] = []
+        for name in files:
+            file_path = path / name
+            if not file_path.is_file():
+                raise InputError(f"{file_path}: shard named in {INDEX_NAME} is missing")
+            slots = read_layout(file_path)[1]
+            for s in slots:
+                if weight_map.get(s.name) != name:
+                    raise InputError(f"{file_path}: holds '{s.name}', which {INDEX_NAME} "
+                                     f"places in {weight_map.get(s.name)!r}")
+            out += [StoredTensor(file_path, s) for s in slots]
+        missing = set(weight_map) - {t.slot.name for t in out}
+        if missing:
+            raise InputError(f"{index_path}: names {len(missing)} tensors that no shard holds, "
+                             f"e.g. '{sorted(missing)[0]}'")
+        return tuple(out)
+    single = path / SINGLE_NAME
+    if single.is_file():
+        return tuple(StoredTensor(single, s) for s in read_layout(single)[1])
+    raise InputError(f"{path}: no {SINGLE_NAME} or {INDEX_NAME} here")

@@ -1,0 +1,174 @@
+"""One way to read tensors from any supported checkpoint: by element range, in C order.
+
+Operations that rewrite a checkpoint (``reshard``) see every input format through
+:class:`Source`: a list of tensors and ``read(key, start, stop)`` returning the bytes of
+elements ``[start, stop)`` of the full tensor, read straight from where they are stored.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpttool.core import chunks as chunk_geometry
+from ckpttool.errors import InputError
+from ckpttool.formats import dcp
+from ckpttool.formats import safetensors as st
+from ckpttool.formats.dtypes import DType
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    key: str  # flat key as stored
+    path: tuple[str, ...]  # nested key path (DCP planner_data), (key,) for flat formats
+    dtype: DType
+    shape: tuple[int, ...]
+    whole: bool  # stored as a single full chunk (replicated or plain): keep it whole
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class SourceObject:
+    key: str
+    path: tuple[str, ...]
+    record: bytes  # the torch.save record, copied verbatim
+
+
+class Source:
+    """Base: a format's tensors, readable by element range."""
+
+    format = "?"
+    tensors: tuple[SourceTensor, ...] = ()
+
+    def read(self, key: str, start: int, stop: int) -> bytearray:
+        raise NotImplementedError
+
+    def objects(self) -> list[SourceObject]:
+        return []
+
+    def close(self) -> None:
+        """Release open files."""
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class DcpSource(Source):
+    format = "dcp"
+
+    def __init__(self, info: dcp.DcpInfo) -> None:
+        self.info = info
+        self.reader = dcp.Reader(info)
+        self._entries = {t.fqn: t for t in info.tensors}
+        self._records: dict[tuple[str, tuple[int, ...]], dcp.TensorRecord] = {}
+        self.tensors = tuple(
+            SourceTensor(t.fqn, t.path, t.dtype, t.shape,
+                         whole=len([c for c in t.chunks if c.numel]) == 1
+                         and any(c.sizes == t.shape for c in t.chunks))
+            for t in info.tensors
+        )
+
+    def read(self, key: str, start: int, stop: int) -> bytearray:
+        entry = self._entries[key]
+        item = entry.dtype.itemsize
+        out = bytearray((stop - start) * item)
+        for c in entry.chunks:
+            if not c.numel:
+                continue
+            rec = self._record(entry, c)
+            whole_chunk: bytes | None = None
+            for src, dst, n in chunk_geometry.runs(entry.shape, c.offsets, c.sizes):
+                lo, hi = max(dst, start), min(dst + n, stop)
+                if lo >= hi:
+                    continue
+                src_elem = src + lo - dst
+                if rec.is_contiguous:
+                    at = rec.data_offset + (rec.storage_offset + src_elem) * item
+                    data = os.pread(self.reader.fd(c.file), (hi - lo) * item, at)
+                    if len(data) != (hi - lo) * item:
+                        raise InputError(f"{self.info.path / c.file}: ends inside tensor "
+                                         f"'{key}' at byte {at}; truncated")
+                else:
+                    whole_chunk = whole_chunk or self.reader.read_chunk(entry, c)
+                    data = whole_chunk[src_elem * item : (src_elem + hi - lo) * item]
+                out[(lo - start) * item : (hi - start) * item] = data
+        return out
+
+    def _record(self, entry: dcp.TensorEntry, c: dcp.Chunk) -> dcp.TensorRecord:
+        k = (entry.fqn, c.offsets)
+        rec = self._records.get(k)
+        if rec is None:
+            rec = self._records[k] = self.reader.record(entry, c)
+        return rec
+
+    def objects(self) -> list[SourceObject]:
+        out = []
+        for o in self.info.objects:
+            record = os.pread(self.reader.fd(o.file), o.length, o.offset)
+            if len(record) != o.length:
+                raise InputError(f"{self.info.path / o.file}: ends inside entry '{o.fqn}'; "
+                                 "truncated")
+            out.append(SourceObject(o.fqn, o.path, record))
+        return out
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class SafetensorsSource(Source):
+    format = "safetensors"
+
+    def __init__(self, stored: tuple[st.StoredTensor, ...]) -> None:
+        self.stored = {t.slot.name: t for t in stored}
+        self.tensors = tuple(SourceTensor(t.slot.name, (t.slot.name,), t.slot.dtype,
+                                          t.slot.shape, whole=True) for t in stored)
+        self._fds: dict[Path, int] = {}
+
+    def read(self, key: str, start: int, stop: int) -> bytearray:
+        t = self.stored[key]
+        item = t.slot.dtype.itemsize
+        fd = self._fds.get(t.file)
+        if fd is None:
+            fd = self._fds[t.file] = os.open(t.file, os.O_RDONLY)
+        out = bytearray((stop - start) * item)
+        got = os.preadv(fd, [out], t.slot.begin + start * item)
+        if got != len(out):
+            raise InputError(f"{t.file}: ends inside tensor '{key}'; truncated")
+        return out
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def open_source(path: Path) -> Source:
+    """The checkpoint at ``path`` (a DCP directory, a safetensors file or directory), by content.
+
+    Raises:
+        InputError: nothing readable there.
+    """
+    if not path.exists():
+        raise InputError(f"{path}: no such file or directory")
+    if path.is_dir() and dcp.is_dcp_dir(path):
+        return DcpSource(dcp.read_info(path))
+    if path.is_file():
+        with open(path, "rb") as f:
+            head = f.read(9)
+        if len(head) == 9 and head[8:9] == b"{":
+            return SafetensorsSource(st.read_checkpoint(path))
+        raise InputError(f"{path}: not a safetensors file (torch.save files are not supported "
+                         "here yet)")
+    if (path / st.INDEX_NAME).is_file() or (path / st.SINGLE_NAME).is_file():
+        return SafetensorsSource(st.read_checkpoint(path))
+    raise InputError(f"{path}: not a DCP checkpoint or safetensors model directory")
