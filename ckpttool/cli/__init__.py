@@ -10,6 +10,8 @@ import typer
 
 from ckpttool.cli.merge import EPILOG as MERGE_EPILOG
 from ckpttool.cli.merge import merge_command
+from ckpttool.cli.reshard import EPILOG as RESHARD_EPILOG
+from ckpttool.cli.reshard import reshard_command
 
 app = typer.Typer(
     name="ckpttool",
@@ -20,6 +22,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.command("merge", epilog=MERGE_EPILOG)(merge_command)
+app.command("reshard", epilog=RESHARD_EPILOG)(reshard_command)
 
 
 def _version(value: bool) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpttool.core import chunks as chunk_geometry
+from ckpttool.core import source as locate
 from ckpttool.errors import InputError
 from ckpttool.formats import dcp
 from ckpttool.formats import safetensors as st
@@ -39,6 +40,43 @@ class SourceObject:
     key: str
     path: tuple[str, ...]
     record: bytes  # the torch.save record, copied verbatim
+
+
+RecordCache = dict[tuple[str, tuple[int, ...]], dcp.TensorRecord]
+
+
+def read_range(reader: dcp.Reader, entry: dcp.TensorEntry, start: int, stop: int,
+               records: RecordCache | None = None) -> bytearray:
+    """Elements ``[start, stop)`` of the C-ordered full tensor, read from the chunks that hold
+    them (only the overlapping bytes of each chunk are read)."""
+    item = entry.dtype.itemsize
+    out = bytearray((stop - start) * item)
+    records = {} if records is None else records
+    for c in entry.chunks:
+        if not c.numel:
+            continue
+        rec: dcp.TensorRecord | None = None
+        whole_chunk: bytes | None = None
+        for src, dst, n in chunk_geometry.runs(entry.shape, c.offsets, c.sizes):
+            lo, hi = max(dst, start), min(dst + n, stop)
+            if lo >= hi:
+                continue
+            if rec is None:
+                rec = records.get((entry.fqn, c.offsets))
+                if rec is None:
+                    rec = records[(entry.fqn, c.offsets)] = reader.record(entry, c)
+            src_elem = src + lo - dst
+            if rec.is_contiguous:
+                at = rec.data_offset + (rec.storage_offset + src_elem) * item
+                data = os.pread(reader.fd(c.file), (hi - lo) * item, at)
+                if len(data) != (hi - lo) * item:
+                    raise InputError(f"{reader.info.path / c.file}: ends inside tensor "
+                                     f"'{entry.fqn}' at byte {at}; truncated")
+            else:
+                whole_chunk = whole_chunk or reader.read_chunk(entry, c)
+                data = whole_chunk[src_elem * item : (src_elem + hi - lo) * item]
+            out[(lo - start) * item : (hi - start) * item] = data
+    return out
 
 
 class Source:
@@ -70,7 +108,7 @@ class DcpSource(Source):
         self.info = info
         self.reader = dcp.Reader(info)
         self._entries = {t.fqn: t for t in info.tensors}
-        self._records: dict[tuple[str, tuple[int, ...]], dcp.TensorRecord] = {}
+        self._records: RecordCache = {}
         self.tensors = tuple(
             SourceTensor(t.fqn, t.path, t.dtype, t.shape,
                          whole=len([c for c in t.chunks if c.numel]) == 1
@@ -79,37 +117,7 @@ class DcpSource(Source):
         )
 
     def read(self, key: str, start: int, stop: int) -> bytearray:
-        entry = self._entries[key]
-        item = entry.dtype.itemsize
-        out = bytearray((stop - start) * item)
-        for c in entry.chunks:
-            if not c.numel:
-                continue
-            rec = self._record(entry, c)
-            whole_chunk: bytes | None = None
-            for src, dst, n in chunk_geometry.runs(entry.shape, c.offsets, c.sizes):
-                lo, hi = max(dst, start), min(dst + n, stop)
-                if lo >= hi:
-                    continue
-                src_elem = src + lo - dst
-                if rec.is_contiguous:
-                    at = rec.data_offset + (rec.storage_offset + src_elem) * item
-                    data = os.pread(self.reader.fd(c.file), (hi - lo) * item, at)
-                    if len(data) != (hi - lo) * item:
-                        raise InputError(f"{self.info.path / c.file}: ends inside tensor "
-                                         f"'{key}' at byte {at}; truncated")
-                else:
-                    whole_chunk = whole_chunk or self.reader.read_chunk(entry, c)
-                    data = whole_chunk[src_elem * item : (src_elem + hi - lo) * item]
-                out[(lo - start) * item : (hi - start) * item] = data
-        return out
-
-    def _record(self, entry: dcp.TensorEntry, c: dcp.Chunk) -> dcp.TensorRecord:
-        k = (entry.fqn, c.offsets)
-        rec = self._records.get(k)
-        if rec is None:
-            rec = self._records[k] = self.reader.record(entry, c)
-        return rec
+        return read_range(self.reader, self._entries[key], start, stop, self._records)
 
     def objects(self) -> list[SourceObject]:
         out = []
@@ -171,4 +179,5 @@ def open_source(path: Path) -> Source:
                          "here yet)")
     if (path / st.INDEX_NAME).is_file() or (path / st.SINGLE_NAME).is_file():
         return SafetensorsSource(st.read_checkpoint(path))
-    raise InputError(f"{path}: not a DCP checkpoint or safetensors model directory")
+    # A training checkpoint directory holding one model DCP, as merge accepts.
+    return DcpSource(locate.locate_model(path).info)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ckpttool.core.chunks import runs
+from ckpttool.core.tensors import read_range
 from ckpttool.formats import dcp
 
 OUTPUT_EMBEDDING = "lm_head.weight"
@@ -35,26 +35,18 @@ def find_pair(tensors: Mapping[str, dcp.TensorEntry]) -> tuple[str, str] | None:
     return None
 
 
+# Elements compared per step: memory stays flat whatever the embedding size.
+COMPARE_BLOCK = 4 << 20
+
+
 def identical(reader: dcp.Reader, a: dcp.TensorEntry, b: dcp.TensorEntry) -> bool:
-    """True if ``a`` and ``b`` hold the same bytes (same dtype and shape required)."""
+    """True if ``a`` and ``b`` hold the same bytes (same dtype and shape required); compared
+    in fixed-size blocks, stopping at the first difference."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    layout_a = [(c.offsets, c.sizes) for c in a.chunks]
-    layout_b = [(c.offsets, c.sizes) for c in b.chunks]
-    if sorted(layout_a) == sorted(layout_b):
-        by_box = {(c.offsets, c.sizes): c for c in b.chunks}
-        return all(
-            reader.read_chunk(a, c) == reader.read_chunk(b, by_box[(c.offsets, c.sizes)])
-            for c in a.chunks
-        )
-    return _full(reader, a) == _full(reader, b)
-
-
-def _full(reader: dcp.Reader, t: dcp.TensorEntry) -> bytes:
-    item = t.dtype.itemsize
-    out = bytearray(t.nbytes)
-    for c in t.chunks:
-        data = memoryview(reader.read_chunk(t, c))
-        for src, dst, n in runs(t.shape, c.offsets, c.sizes):
-            out[dst * item : (dst + n) * item] = data[src * item : (src + n) * item]
-    return bytes(out)
+    block = max(1, COMPARE_BLOCK // a.dtype.itemsize)
+    for start in range(0, a.numel, block):
+        stop = min(start + block, a.numel)
+        if read_range(reader, a, start, stop) != read_range(reader, b, start, stop):
+            return False
+    return True

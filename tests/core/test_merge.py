@@ -263,3 +263,10 @@ def test_cast_in_many_small_blocks_is_exact(kind: str, make_checkpoint, tmp_path
                             keep_tied=True, workers=3)
     assert_bit_exact(load_out(tmp_path / "out"), expected(Path(report.checkpoint), torch.bfloat16),
                      cast=True)
+
+
+def test_tie_check_compares_in_small_blocks(llama_ckpt: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("ckpttool.core.ties.COMPARE_BLOCK", 40)  # a few elements per block
+    report = ckpttool.merge(llama_ckpt, tmp_path / "out")
+    assert report.tie is not None and report.tie["action"] == "deduplicated"

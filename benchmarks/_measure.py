@@ -1,0 +1,347 @@
+"""Shared helpers for the benchmarks: run a command in a fresh child process and measure its
+wall time and peak resident set size, warm the page cache, describe the machine, render tables.
+
+Only the standard library is needed (psutil is used as a fallback where ``os.wait4`` does not
+exist). Nothing here imports torch or ckpttool.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+_CHUNK = 8 << 20
+
+
+@dataclass
+class Measurement:
+    """One run of one command."""
+
+    cmd: list[str]
+    wall_s: float
+    peak_rss_bytes: int | None  # None if it could not be measured
+    returncode: int  # negative: killed by that signal (as subprocess reports it)
+    rss_method: str  # "wait4" (kernel ru_maxrss of the child) or "psutil" (polled, a lower bound)
+    stderr: str  # the tail of what the child wrote on stderr
+    stdout: str  # the tail of what the child wrote on stdout
+    timed_out: bool = False
+    cpu_s: float | None = None  # user + system CPU seconds of the command
+    rss_floor_bytes: int | None = None  # the launcher's peak RSS: a lower bound on peak_rss
+
+    @property
+    def at_floor(self) -> bool:
+        """The measured peak is (within 5%) the launcher's floor: the true peak may be lower."""
+        return (self.peak_rss_bytes is not None and self.rss_floor_bytes is not None
+                and self.peak_rss_bytes <= self.rss_floor_bytes * 1.05)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    @property
+    def peak_rss_mb(self) -> float | None:
+        return None if self.peak_rss_bytes is None else self.peak_rss_bytes / 2**20
+
+    def error_line(self) -> str:
+        """A one-line reason for a failure: the exception line of a Python traceback, else the
+        first non-empty line of stderr, else the exit status."""
+        if self.timed_out:
+            return f"timed out after {self.wall_s:.0f} s"
+        lines = [ln.strip() for ln in self.stderr.splitlines() if ln.strip()]
+        if any(ln.startswith("Traceback") for ln in lines):
+            # The last line of a traceback is the exception; the first one says nothing.
+            line = lines[-1]
+        elif lines:
+            line = lines[0]
+        else:
+            line = ""
+        if self.returncode < 0:
+            status = f"killed by signal {-self.returncode}"
+            return f"{status}: {line}" if line else status
+        return line or f"exit status {self.returncode}"
+
+    def to_json(self) -> dict[str, object]:
+        d = asdict(self)
+        d["ok"] = self.ok
+        d["peak_rss_mb"] = self.peak_rss_mb
+        d["at_floor"] = self.at_floor
+        if not self.ok:
+            d["error"] = self.error_line()
+        return d
+
+
+def _maxrss_bytes(ru_maxrss: int) -> int:
+    # Linux (and most Unixes) report kilobytes; macOS reports bytes.
+    return ru_maxrss if sys.platform == "darwin" else ru_maxrss * 1024
+
+
+def _tail(path: Path, limit: int = 8192) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - limit))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+# The launcher: a minimal Python (-I -S, only os/sys/time) that forks and execs the command,
+# reaps it with os.wait4 and writes its rusage to a report file. Why not wait4 the command
+# directly from here: Linux carries a process's RSS high-water mark across fork + exec
+# (exec records the old address space's peak in the child's ru_maxrss), so a child forked from
+# a benchmark that has imported torch would report at least the benchmark's own RSS. Forked
+# from this small launcher, the floor is the launcher's own peak (~9 MB), which is recorded.
+_LAUNCHER = r"""
+import os, sys, time
+def hwm():
+    try:
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith('VmHWM:'):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return -1
+report, argv = sys.argv[1], sys.argv[2:]
+floor = hwm()
+t0 = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as e:
+        os.write(2, ('cannot run %r: %s\n' % (argv[0], e)).encode())
+    os._exit(127)
+while True:
+    try:
+        _, status, ru = os.wait4(pid, 0)
+        break
+    except InterruptedError:
+        pass
+wall = time.perf_counter() - t0
+with open(report, 'w') as f:
+    f.write('%d %d %d %.9f %.6f %.6f' % (ru.ru_maxrss, floor, status, wall, ru.ru_utime,
+                                          ru.ru_stime))
+code = os.waitstatus_to_exitcode(status)
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+
+def run_measured(
+    cmd: Sequence[str | os.PathLike[str]],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    timeout_s: float | None = None,
+    discard_stdout: bool = False,
+) -> Measurement:
+    """Run ``cmd`` as a fresh process and measure it.
+
+    Wall time runs from just before the process is forked to just after it is reaped, so it
+    includes interpreter start-up and imports, as a user would see them. Peak RSS is the
+    kernel's ``ru_maxrss`` for that process as returned by ``os.wait4`` (it covers the process
+    and any descendants it waited for). The command is forked by a tiny launcher process (see
+    ``_LAUNCHER``), so its RSS floor is the launcher's ~9 MB, not this process's size; a result
+    at that floor is flagged (``at_floor``). Where ``fork``/``wait4`` are missing, the command
+    runs directly and psutil polls its RSS every 10 ms (a lower bound).
+
+    stdout and stderr go to temporary files (never pipes, which could fill up and block the
+    child); their tails are kept. ``discard_stdout`` sends stdout to /dev/null (for ``cat``).
+    """
+    argv = [os.fspath(c) for c in cmd]
+    use_launcher = hasattr(os, "wait4") and hasattr(os, "fork")
+    with tempfile.TemporaryDirectory(prefix="bench-measure-") as tmp:
+        out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        report = Path(tmp) / "rusage"
+        full = ([sys.executable, "-I", "-S", "-c", _LAUNCHER, str(report), *argv]
+                if use_launcher else argv)
+        with open(err_path, "wb") as err_f, (
+            open(os.devnull, "wb") if discard_stdout else open(out_path, "wb")
+        ) as out_f:
+            timed_out = threading.Event()
+            start = time.perf_counter()
+            proc = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f,
+                                    env=None if env is None else dict(env), cwd=cwd,
+                                    start_new_session=True)
+            timer = None
+            if timeout_s is not None:
+                def _kill() -> None:
+                    timed_out.set()
+                    try:
+                        os.killpg(proc.pid, 9)  # the launcher and the command
+                    except OSError:
+                        proc.kill()
+                timer = threading.Timer(timeout_s, _kill)
+                timer.start()
+            try:
+                if use_launcher:
+                    proc.wait()
+                    rss, method = None, "wait4"
+                else:  # pragma: no cover - non-POSIX
+                    rss, method = _poll_psutil(proc)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            wall = time.perf_counter() - start
+        floor = cpu = None
+        returncode = proc.returncode
+        if use_launcher:
+            try:
+                maxrss, floor_b, status, wall, utime, stime = report.read_text().split()
+                rss = _maxrss_bytes(int(maxrss))
+                floor = int(floor_b) if int(floor_b) > 0 else None
+                returncode = os.waitstatus_to_exitcode(int(status))
+                wall, cpu = float(wall), float(utime) + float(stime)
+            except (OSError, ValueError):
+                pass  # the launcher was killed (timeout): keep the outer wall time
+        return Measurement(
+            cmd=argv,
+            wall_s=wall,
+            peak_rss_bytes=rss,
+            returncode=returncode,
+            rss_method=method,
+            stderr=_tail(err_path),
+            stdout="" if discard_stdout else _tail(out_path),
+            timed_out=timed_out.is_set(),
+            cpu_s=cpu,
+            rss_floor_bytes=floor,
+        )
+
+
+def _poll_psutil(proc: subprocess.Popen[bytes]) -> tuple[int | None, str]:
+    try:
+        import psutil
+    except ImportError:
+        proc.wait()
+        return None, "none"
+    peak = 0
+    try:
+        p = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            try:
+                rss = p.memory_info().rss
+                rss += sum(c.memory_info().rss for c in p.children(recursive=True))
+                peak = max(peak, rss)
+            except psutil.Error:
+                pass
+            time.sleep(0.01)
+    except psutil.Error:
+        pass
+    proc.wait()
+    return peak or None, "psutil"
+
+
+def best_of(runs: Sequence[Measurement]) -> Measurement:
+    """The fastest successful run (its RSS is reported with it), or the last run if none
+    succeeded."""
+    good = [m for m in runs if m.ok]
+    return min(good, key=lambda m: m.wall_s) if good else runs[-1]
+
+
+def files_under(path: Path) -> list[Path]:
+    """Every regular file under ``path`` (or ``path`` itself), sorted."""
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file())
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in files_under(path))
+
+
+def warm_page_cache(path: Path) -> float:
+    """Read every file under ``path`` once so that it sits in the page cache; returns seconds.
+    (Dropping the cache instead would need root and disturb everyone else on the machine.)"""
+    start = time.perf_counter()
+    buf = bytearray(_CHUNK)
+    for f in files_under(path):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+    return time.perf_counter() - start
+
+
+def sync() -> None:
+    """Flush dirty pages left by an earlier run so that its write-back does not land inside the
+    next measurement."""
+    if hasattr(os, "sync"):
+        os.sync()
+
+
+def machine_info(extra: Mapping[str, object] | None = None) -> dict[str, object]:
+    info: dict[str, object] = {
+        "cpu_count": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+        else None,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+    }
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    info["mem_total_gib"] = round(int(line.split()[1]) / 2**20, 1)
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        load = os.getloadavg()
+        info["loadavg_at_start"] = [round(x, 2) for x in load]
+    except OSError:
+        pass
+    if extra:
+        info.update(extra)
+    return info
+
+
+def filesystem_of(path: Path) -> str:
+    """The filesystem type holding ``path`` (from /proc/mounts), or "unknown"."""
+    try:
+        best, fstype = "", "unknown"
+        real = os.path.realpath(path)
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1]
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                    best, fstype = mnt, parts[2]
+        return fstype
+    except OSError:
+        return "unknown"
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    rows = [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [len(h) for h in headers]
+    for r in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, r, strict=True)]
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(list(headers)), sep, *(line(r) for r in rows)])
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b

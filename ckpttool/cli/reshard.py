@@ -1,0 +1,69 @@
+"""``ckpttool reshard SRC OUT``."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ckpttool.cli.common import ProgressBar, exit_codes, human_bytes, print_json
+
+EPILOG = """\
+Examples:\n\n
+  ckpttool reshard ckpt/pytorch_model_fsdp_0 ckpt8/pytorch_model_fsdp_0 --ranks 8\n\n
+  ckpttool reshard merged/ resume/pytorch_model_fsdp_0 --to dcp --prefix model\n\n
+  ckpttool reshard merged/ resplit/ --to safetensors --max-shard-size 2GB\n\n
+Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug.
+"""
+
+
+class Target(str, Enum):
+    dcp = "dcp"
+    safetensors = "safetensors"
+
+
+def reshard_command(
+    src: Annotated[Path, typer.Argument(help="DCP directory, safetensors file, or safetensors "
+                                        "model directory.")],
+    out: Annotated[Path, typer.Argument(help="Output directory.")],
+    ranks: Annotated[int | None, typer.Option(
+        min=1, help="Ranks of the DCP output, split on dim 0 as FSDP2 does (default 1 from "
+        "full weights; required from DCP).")] = None,
+    to: Annotated[Target, typer.Option(help="Output format.")] = Target.dcp,
+    prefix: Annotated[str | None, typer.Option(
+        help="With DCP output from full weights, nest under this key: 'model' makes a "
+        "pytorch_model_fsdp_0 that accelerate's load_fsdp_model reads.")] = None,
+    max_shard_size: Annotated[str, typer.Option(
+        help="With --to safetensors: the largest shard (5GB, 500MB...).")] = "5GB",
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace a checkpoint already in OUT.")] = False,
+    json_output: Annotated[bool, typer.Option(
+        "--json", help="Print the report as one JSON document on stdout.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")
+                     ] = False,
+) -> None:
+    """Change how a checkpoint is split: ranks, shard size or format, byte for byte."""
+    from ckpttool.core.reshard import reshard
+
+    bar = ProgressBar("resharding", enabled=not quiet)
+    on_start, progress = bar.callbacks
+    with exit_codes():
+        try:
+            report = reshard(src, out, ranks=ranks, to=to.value, prefix=prefix,
+                             max_shard_size=max_shard_size, overwrite=overwrite,
+                             progress=progress, on_start=on_start)
+        finally:
+            bar.stop()
+    if json_output:
+        print_json(report.to_json())
+    elif not quiet:
+        layout = f"{report.ranks} ranks" if report.ranks else "safetensors"
+        print(f"resharded {report.src} ({report.format_in}) -> {report.out} ({layout}) in "
+              f"{report.seconds:.1f} s")
+        print(f"  {report.num_tensors} tensors, {human_bytes(report.total_bytes)}"
+              + (f", {report.num_objects} non-tensor entries copied" if report.num_objects
+                 else ""))
+        for f in report.files:
+            print(f"  wrote {f['name']}: {human_bytes(f['bytes'])}")
