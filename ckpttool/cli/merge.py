@@ -74,7 +74,8 @@ def _print_human(r: object) -> None:
     from ckpttool.core.merge import MergeReport
 
     assert isinstance(r, MergeReport)
-    lines = [f"merged {r.checkpoint} -> {r.out} in {r.seconds:.1f} s"]
+    what = "optimizer state" if r.kind == "optimizer" else "model"
+    lines = [f"merged {what} {r.checkpoint} -> {r.out} in {r.seconds:.1f} s"]
     if r.checkpoint != r.src:
         skipped = "".join(f"; skipped {Path(s['path']).name} ({s['kind']})" for s in r.skipped)
         lines.append(f"  used {Path(r.checkpoint).name}, found in {r.src}{skipped}")
@@ -101,7 +102,10 @@ def _print_human(r: object) -> None:
         else:
             state = "identical" if t["identical"] else "different"
             lines.append(f"  tie candidates {t['output']} / {t['input']}: {state}; both written")
-    for o in r.non_tensor:
+    if r.kind == "optimizer" and r.non_tensor:
+        lines.append(f"  {len(r.non_tensor)} non-tensor entries (param groups...) written to "
+                     "optimizer.json")
+    for o in r.non_tensor if r.kind == "model" else ():
         if o["readable"]:
             lines.append(f"  non-tensor entry {o['name']} = {o['value']!r} (not written)")
         else:

@@ -65,6 +65,7 @@ class MergePlan:
     files: tuple[OutFile, ...]
     index: bytes | None  # model.safetensors.index.json, when sharded
     dropped: tuple[str, ...]  # canonical names left out (a deduplicated tied weight)
+    index_name: str = st.INDEX_NAME
 
     @property
     def total_bytes(self) -> int:
@@ -81,6 +82,7 @@ def plan_merge(
     policy: DTypePolicy,
     max_shard_size: int,
     drop: frozenset[str] = frozenset(),
+    stem: str = "model",
 ) -> MergePlan:
     """Assign every tensor to an output file and a byte range. Pure: no I/O.
 
@@ -89,19 +91,21 @@ def plan_merge(
         policy: which dtype each tensor is written in.
         max_shard_size: shard limit in tensor bytes, as transformers counts it.
         drop: canonical names not to write (a deduplicated tied weight).
+        stem: output file stem: "model", or "optimizer" for optimizer state.
     """
     kept = [(name, entry) for name, entry in tensors if name not in drop]
     by_name = {name: entry for name, entry in kept}
     file_plans, index = st.plan_files(
         [(name, policy.output_dtype(entry.dtype), entry.shape) for name, entry in kept],
         max_shard_size,
+        stem,
     )
     files = tuple(
         OutFile(f.name, f.layout, tuple(OutTensor(s.name, by_name[s.name], s.dtype, s)
                                         for s in f.layout.slots))
         for f in file_plans
     )
-    return MergePlan(files, index, tuple(sorted(drop)))
+    return MergePlan(files, index, tuple(sorted(drop)), st.index_name(stem))
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,6 +225,7 @@ class MergeReport:
     src: str
     checkpoint: str
     out: str
+    kind: str = "model"  # or "optimizer"
     files: list[dict[str, Any]] = field(default_factory=list)
     num_tensors: int = 0
     num_parameters: int = 0
@@ -287,13 +292,24 @@ def merge(
         if problem is not None:
             raise InputError(f"{info.path}: tensor '{t.fqn}': {problem}; the checkpoint is "
                              "incomplete or corrupt")
-    hf = source.find_hf_files(located.dcp_dir, Path(config) if config is not None else None)
-    policy = dtype_policy.resolve(dtype, hf.config,
-                                  str(hf.config_path) if hf.config_path else "config.json")
-    renamed = names.canonical_names((t.fqn, t.path) for t in info.tensors)
+    kind = source.kind_of(info)
+    if kind == "optimizer":
+        # Optimizer state: keep its dtypes unless asked; no config, tokenizer or ties.
+        hf = source.HfFiles(None, None, ())
+        policy = (dtype_policy.DTypePolicy("auto", None, "optimizer state keeps its dtypes")
+                  if dtype == "auto" else dtype_policy.resolve(dtype, None))
+        top_level, stem = "optimizer", "optimizer"
+    else:
+        hf = source.find_hf_files(located.dcp_dir,
+                                  Path(config) if config is not None else None)
+        policy = dtype_policy.resolve(dtype, hf.config,
+                                      str(hf.config_path) if hf.config_path else "config.json")
+        top_level, stem = names.TOP_LEVEL_WRAPPER, "model"
+    renamed = names.canonical_names(((t.fqn, t.path) for t in info.tensors), top_level)
     by_name = {renamed[t.fqn]: t for t in info.tensors}
 
-    report = MergeReport(src=str(src_path), checkpoint=str(located.dcp_dir), out=str(out_path))
+    report = MergeReport(src=str(src_path), checkpoint=str(located.dcp_dir), out=str(out_path),
+                         kind=kind)
     report.skipped = [{"path": str(p), "kind": k} for p, k in located.skipped]
     report.renames = [{"from": t.fqn, "to": renamed[t.fqn]} for t in info.tensors
                       if renamed[t.fqn] != t.fqn]
@@ -302,13 +318,18 @@ def merge(
                     "source": policy.source}
 
     with dcp.Reader(info) as reader:
-        drop = _decide_tie(reader, by_name, hf.config, keep_tied, report)
-        report.non_tensor = [_describe_object(reader, o) for o in info.objects]
+        drop = (_decide_tie(reader, by_name, hf.config, keep_tied, report)
+                if kind == "model" else frozenset())
+        objects = [(o, reader_object(reader, o)) for o in info.objects]
+        report.non_tensor = [_describe_object(o, value, top_level) for o, value in objects]
         plan = plan_merge(list(by_name.items()), policy=policy, max_shard_size=shard_limit,
-                          drop=drop)
+                          drop=drop, stem=stem)
         config_bytes, report.config_changes = _config_output(hf)
-        extra = [(p.name, config_bytes if p == hf.config_path and config_bytes is not None
-                  else None, p) for p in hf.files]
+        extra: list[tuple[str, bytes | None, Path | None]] = [
+            (p.name, config_bytes if p == hf.config_path and config_bytes is not None
+             else None, p) for p in hf.files]
+        if kind == "optimizer":
+            extra.append((OPTIMIZER_JSON, _optimizer_json(objects), None))
         _check_output(out_path, plan, [name for name, _, _ in extra], overwrite)
         if on_start is not None:
             on_start(plan.total_bytes)
@@ -316,18 +337,22 @@ def merge(
             execute(plan, reader, outputs, workers=workers or os.cpu_count() or 1,
                     progress=progress)
             if plan.index is not None:
-                outputs.write_bytes(st.INDEX_NAME, plan.index)
+                outputs.write_bytes(plan.index_name, plan.index)
             for name, data, path in extra:
+                assert data is not None or path is not None
                 outputs.write_bytes(name, data if data is not None else path.read_bytes())
-            written = outputs.commit(last=(st.INDEX_NAME,))
+            written = outputs.commit(last=(plan.index_name,))
         if overwrite:
             _remove_stale_weights(out_path, {p.name for p in written})
 
-    report.copied = [name for name, _, _ in extra]
+    report.copied = [name for name, _, path in extra if path is not None]
     report.files = [{"name": f.name, "bytes": f.size, "tensors": len(f.tensors)}
                     for f in plan.files]
     if plan.index is not None:
-        report.files.append({"name": st.INDEX_NAME, "bytes": len(plan.index), "tensors": 0})
+        report.files.append({"name": plan.index_name, "bytes": len(plan.index), "tensors": 0})
+    if kind == "optimizer":
+        report.files.append({"name": OPTIMIZER_JSON, "bytes": len(extra[-1][1] or b""),
+                             "tensors": 0})
     written_tensors = [t for f in plan.files for t in f.tensors]
     report.num_tensors = len(written_tensors)
     report.num_parameters = sum(t.source.numel for t in written_tensors)
@@ -375,14 +400,61 @@ def _decide_tie(
     return frozenset()
 
 
-def _describe_object(reader: dcp.Reader, entry: dcp.ObjectEntry) -> dict[str, Any]:
-    canonical = names.canonical_fqn(entry.path)
+_UNREADABLE = object()
+
+
+def reader_object(reader: dcp.Reader, entry: dcp.ObjectEntry) -> Any:
+    """The entry's value, or ``_UNREADABLE`` (with the global it named) if reading it would
+    need arbitrary unpickling."""
     try:
-        value = reader.read_object(entry)
+        return reader.read_object(entry)
     except dcp.UnreadableObject as e:
+        return (_UNREADABLE, e.qualname)
+
+
+def _describe_object(entry: dcp.ObjectEntry, value: Any, top_level: str) -> dict[str, Any]:
+    canonical = names.canonical_fqn(entry.path, top_level)
+    if isinstance(value, tuple) and value and value[0] is _UNREADABLE:
         return {"name": canonical, "readable": False,
-                "note": f"needs arbitrary unpickling ({e.qualname}); not executed, not read"}
+                "note": f"needs arbitrary unpickling ({value[1]}); not executed, not read"}
     return {"name": canonical, "readable": True, "value": _jsonable(value)}
+
+
+OPTIMIZER_JSON = "optimizer.json"
+
+
+def _optimizer_json(objects: list[tuple[dcp.ObjectEntry, Any]]) -> bytes:
+    """Non-tensor optimizer state (param groups, hyper-parameters) nested as it was saved,
+    with parameter names in canonical form."""
+    root: dict[str, Any] = {}
+    unreadable = []
+    for entry, value in objects:
+        path = entry.path[1:] if len(entry.path) > 1 and entry.path[0] == "optimizer" \
+            else entry.path
+        if isinstance(value, tuple) and value and value[0] is _UNREADABLE:
+            unreadable.append(".".join(path))
+            continue
+        if path[-1] == "params" and isinstance(value, list):
+            value = [names.strip_wrappers(v) if isinstance(v, str) else v for v in value]
+        node = root
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = _jsonable(value)
+    doc = _lists(root)
+    if unreadable:
+        doc["not_read"] = unreadable
+    return (json.dumps(doc, indent=2) + "\n").encode()
+
+
+def _lists(node: Any) -> Any:
+    """Dicts keyed "0", "1"... (flattened lists) back into lists."""
+    if not isinstance(node, dict):
+        return node
+    node = {k: _lists(v) for k, v in node.items()}
+    if node and all(k.isdigit() for k in node) and sorted(map(int, node)) == list(
+            range(len(node))):
+        return [node[str(i)] for i in range(len(node))]
+    return node
 
 
 def _jsonable(value: Any) -> Any:

@@ -14,15 +14,20 @@ WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_
 TOP_LEVEL_WRAPPER = "model"
 
 
-def canonical_fqn(path: tuple[str, ...]) -> str:
+def canonical_fqn(path: tuple[str, ...], top_level: str = TOP_LEVEL_WRAPPER) -> str:
     """The canonical name of a state-dict entry given its nested key path.
 
     ``("model", "_orig_mod.layers.0._checkpoint_wrapped_module.w")`` -> ``"layers.0.w"``;
-    a flat key ``("model.embed_tokens.weight",)`` keeps its ``model.`` prefix.
+    a flat key ``("model.embed_tokens.weight",)`` keeps its ``model.`` prefix. An optimizer
+    checkpoint nests under ``"optimizer"`` instead (``top_level="optimizer"``).
     """
-    if len(path) > 1 and path[0] == TOP_LEVEL_WRAPPER:
+    if len(path) > 1 and path[0] == top_level:
         path = path[1:]
-    dotted = ".".join(path)
+    return strip_wrappers(".".join(path))
+
+
+def strip_wrappers(dotted: str) -> str:
+    """Remove wrapper segments from a dotted parameter name."""
     return ".".join(seg for seg in dotted.split(".") if seg not in WRAPPER_SEGMENTS)
 
 
@@ -32,11 +37,13 @@ class Rename:
     target: str
 
 
-def canonical_names(entries: Iterable[tuple[str, tuple[str, ...]]]) -> dict[str, str]:
+def canonical_names(entries: Iterable[tuple[str, tuple[str, ...]]],
+                    top_level: str = TOP_LEVEL_WRAPPER) -> dict[str, str]:
     """Map each source key to its canonical name.
 
     Args:
         entries: (flat key as stored, nested key path) pairs.
+        top_level: the nesting key that is not part of any name.
 
     Raises:
         InputError: two source keys collapse to one canonical name.
@@ -44,7 +51,7 @@ def canonical_names(entries: Iterable[tuple[str, tuple[str, ...]]]) -> dict[str,
     out: dict[str, str] = {}
     seen: dict[str, str] = {}
     for fqn, path in entries:
-        name = canonical_fqn(path)
+        name = canonical_fqn(path, top_level)
         if name in seen:
             raise InputError(
                 f"tensors '{seen[name]}' and '{fqn}' both become '{name}' once wrapper segments "

@@ -90,7 +90,8 @@ def locate_model(src: Path) -> Located:
     if others:
         raise InputError(
             f"{src}: holds only optimizer state ({', '.join(p.name for p, _ in others)}), "
-            "no model checkpoint; merging optimizer state is not supported yet"
+            f"no model checkpoint; to merge the optimizer state, pass its directory: "
+            f"ckpttool merge {others[0][0]} OUT"
         )
     raise InputError(
         f"{src}: not a DCP checkpoint (no {dcp.METADATA_FILE} here or in a subdirectory); pass "

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import InputError, UnsupportedError
-from ckpttool.formats import dtypes
+from ckpttool.formats import torchsave
 from ckpttool.formats.dtypes import DType
 
 METADATA_FILE = ".metadata"
@@ -167,40 +167,6 @@ _METADATA_CLASSES = {
     )
 }
 
-# dtypes torch can name that ckpttool does not convert; kept distinct so the error says so.
-_OTHER_TORCH_DTYPES = frozenset(
-    "complex128 complex32 cdouble cfloat chalf qint8 quint8 qint32 quint4x2 quint2x4 bits8 bits16"
-    " bits1x8 bits2x4 bits4x2 float4_e2m1fn_x2 uint1 uint2 uint3 uint4 uint5 uint6 uint7 int1"
-    " int2 int3 int4 int5 int6 int7".split()
-)
-_LAYOUTS = frozenset({"strided", "sparse_coo", "sparse_csr", "_mkldnn", "jagged"})
-_MEMORY_FORMATS = frozenset(
-    {"contiguous_format", "channels_last", "channels_last_3d", "preserve_format"}
-)
-
-
-@dataclass(frozen=True)
-class _UnknownDType:
-    torch_name: str
-
-
-def _torch_attr(name: str) -> Any | None:
-    """The stand-in for ``torch.<name>`` as a pickle may name it, or None if not allowed."""
-    if name in dtypes.BY_TORCH_NAME:
-        return dtypes.BY_TORCH_NAME[name]
-    if name in _OTHER_TORCH_DTYPES:
-        return _UnknownDType(name)
-    if name in _LAYOUTS or name in _MEMORY_FORMATS:
-        return name
-    if name == "Size":
-        return _size
-    return None
-
-
-def _size(values: Any = ()) -> tuple[int, ...]:
-    return tuple(int(v) for v in values)
-
-
 def _path(*parts: Any) -> str:
     return "/".join(str(p) for p in parts)
 
@@ -212,7 +178,7 @@ def _metadata_global(module: str, name: str) -> Any | None:
         if name == "_MEM_FORMAT_ENCODING":
             return int
     if module == "torch":
-        return _torch_attr(name)
+        return torchsave.torch_attr(name)
     if module == "torch.serialization" and name == "_get_layout":
         return str
     if module == "pathlib" and name in (
@@ -228,29 +194,8 @@ def _metadata_global(module: str, name: str) -> Any | None:
     return None
 
 
-class _AllowListUnpickler(pickle.Unpickler):
-    def __init__(
-        self, file: io.BytesIO, lookup: Callable[[str, str], Any | None], where: str
-    ) -> None:
-        super().__init__(file)
-        self._lookup = lookup
-        self._where = where
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = self._lookup(module, name)
-        if found is None:
-            raise _Refused(module, name)
-        return found
-
-
-class _Refused(Exception):
-    def __init__(self, module: str, name: str) -> None:
-        super().__init__(f"{module}.{name}")
-        self.qualname = f"{module}.{name}"
-
-
 def _unpickle(data: bytes, lookup: Callable[[str, str], Any | None], where: str) -> Any:
-    return _AllowListUnpickler(io.BytesIO(data), lookup, where).load()
+    return torchsave.AllowListUnpickler(io.BytesIO(data), lookup, where).load()
 
 
 def read_metadata_object(path: Path) -> Any:
@@ -267,7 +212,7 @@ def read_metadata_object(path: Path) -> Any:
         raise InputError(f"{path}: cannot read: {e.strerror}") from None
     try:
         return _unpickle(data, _metadata_global, str(path))
-    except _Refused as e:
+    except torchsave.Refused as e:
         raise InputError(
             f"{path}: refused to load: the pickle asks for '{e.qualname}', which a DCP "
             ".metadata never contains; the file may be malicious (nothing was executed)"
@@ -326,7 +271,7 @@ def _convert(root: Path, md_path: Path, md: _Stub) -> DcpInfo:
             )
         rel = _safe_relative(md_path, str(info.field("relative_path")))
         offset = index.field("offset")
-        key = (str(index.field("fqn")), None if offset is None else _size(offset))
+        key = (str(index.field("fqn")), None if offset is None else torchsave.size(offset))
         storage[key] = (rel, int(info.field("offset")), int(info.field("length")))
 
     tensors: list[TensorEntry] = []
@@ -365,18 +310,18 @@ def _tensor_entry(
     if isinstance(props, _Stub):
         state = props.state
         dtype = state[0] if isinstance(state, tuple) and state else props.field("dtype")
-    if isinstance(dtype, _UnknownDType):
+    if isinstance(dtype, torchsave.UnknownDType):
         raise UnsupportedError(
             f"{md_path}: tensor '{fqn}' has dtype torch.{dtype.torch_name}, which ckpttool "
             "cannot write to safetensors"
         )
     if not isinstance(dtype, DType):
         raise InputError(f"{md_path}: tensor '{fqn}' has no readable dtype; corrupt .metadata")
-    shape = _size(entry.field("size") or ())
+    shape = torchsave.size(entry.field("size") or ())
     chunks = []
     for c in entry.field("chunks") or ():
-        offsets = _size(c.field("offsets"))
-        sizes = _size(c.field("sizes"))
+        offsets = torchsave.size(c.field("offsets"))
+        sizes = torchsave.size(c.field("sizes"))
         where = storage.get((fqn, offsets))
         if where is None:
             raise InputError(
@@ -408,185 +353,6 @@ def _safe_relative(md_path: Path, rel: str) -> str:
 # torch.save records: zip headers and the data.pkl that names the storage
 
 
-_EOCD = struct.Struct("<4sHHHHIIH")
-_ZIP64_LOCATOR = struct.Struct("<4sIQI")
-_ZIP64_EOCD = struct.Struct("<4sQHHIIQQQQ")
-_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
-_LOCAL = struct.Struct("<4sHHHHHIIIHH")
-_HEAD_BYTES = 4096
-
-
-@dataclass(frozen=True)
-class _ZipEntry:
-    name: str
-    data_offset: int  # relative to the record start
-    size: int
-    crc32: int
-
-
-class _RecordBytes:
-    """Reads parts of one record with as few ``pread`` calls as the layout allows."""
-
-    def __init__(self, fd: int, start: int, length: int, where: str) -> None:
-        self.fd, self.start, self.length, self.where = fd, start, length, where
-        self.head = os.pread(fd, min(length, _HEAD_BYTES), start)
-        tail_len = min(length, _HEAD_BYTES)
-        self.tail_start = length - tail_len
-        self.tail = os.pread(fd, tail_len, start + self.tail_start)
-        if len(self.head) < min(length, _HEAD_BYTES) or len(self.tail) < tail_len:
-            raise InputError(f"{where}: file ends inside this record; it is truncated")
-
-    def read(self, offset: int, size: int) -> bytes:
-        if offset < 0 or offset + size > self.length:
-            raise InputError(f"{self.where}: record header points outside the record; corrupt")
-        if offset + size <= len(self.head):
-            return self.head[offset : offset + size]
-        if offset >= self.tail_start:
-            return self.tail[offset - self.tail_start : offset - self.tail_start + size]
-        data = os.pread(self.fd, size, self.start + offset)
-        if len(data) < size:
-            raise InputError(f"{self.where}: file ends inside this record; it is truncated")
-        return data
-
-
-def _zip_entries(rb: _RecordBytes) -> dict[str, _ZipEntry]:
-    where = rb.where
-    tail = rb.tail
-    pos = tail.rfind(b"PK\x05\x06")
-    if pos < 0 and rb.length > len(tail):  # a zip comment pushed the end record further back
-        wider = min(rb.length, 65536 + _EOCD.size)
-        rb.tail_start = rb.length - wider
-        rb.tail = tail = os.pread(rb.fd, wider, rb.start + rb.tail_start)
-        pos = tail.rfind(b"PK\x05\x06")
-    if pos < 0 or pos + _EOCD.size > len(tail):
-        raise InputError(f"{where}: not a torch.save record (no zip end record); corrupt or truncated")
-    _, _, _, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, pos)
-    if count == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
-        loc_pos = rb.tail_start + pos - _ZIP64_LOCATOR.size
-        sig, _, z64_offset, _ = _ZIP64_LOCATOR.unpack(rb.read(loc_pos, _ZIP64_LOCATOR.size))
-        if sig != b"PK\x06\x07":
-            raise InputError(f"{where}: corrupt zip64 locator in torch.save record")
-        fields = _ZIP64_EOCD.unpack(rb.read(z64_offset, _ZIP64_EOCD.size))
-        if fields[0] != b"PK\x06\x06":
-            raise InputError(f"{where}: corrupt zip64 end record in torch.save record")
-        count, cd_size, cd_offset = fields[7], fields[8], fields[9]
-    cd = rb.read(cd_offset, cd_size)
-    entries: dict[str, _ZipEntry] = {}
-    p = 0
-    for _ in range(count):
-        if p + _CENTRAL.size > len(cd):
-            raise InputError(f"{where}: corrupt zip directory in torch.save record")
-        (sig, _, _, _, method, _, _, crc, csize, usize, nlen, elen, clen, _, _, _, local) = (
-            _CENTRAL.unpack_from(cd, p)
-        )
-        if sig != b"PK\x01\x02":
-            raise InputError(f"{where}: corrupt zip directory in torch.save record")
-        name = cd[p + _CENTRAL.size : p + _CENTRAL.size + nlen].decode("utf-8", "replace")
-        extra = cd[p + _CENTRAL.size + nlen : p + _CENTRAL.size + nlen + elen]
-        usize, csize, local = _zip64_extra(extra, usize, csize, local)
-        p += _CENTRAL.size + nlen + elen + clen
-        if method != 0:
-            raise UnsupportedError(f"{where}: record entry '{name}' is compressed; not supported")
-        lh = rb.read(local, _LOCAL.size)
-        lsig, *_rest = _LOCAL.unpack(lh)
-        if lsig != b"PK\x03\x04":
-            raise InputError(f"{where}: corrupt zip entry '{name}' in torch.save record")
-        lnlen, lelen = _rest[-2], _rest[-1]
-        short = name.split("/", 1)[1] if "/" in name else name
-        entries[short] = _ZipEntry(short, local + _LOCAL.size + lnlen + lelen, usize, crc)
-    return entries
-
-
-def _zip64_extra(extra: bytes, usize: int, csize: int, local: int) -> tuple[int, int, int]:
-    p = 0
-    while p + 4 <= len(extra):
-        tag, size = struct.unpack_from("<HH", extra, p)
-        if tag == 1:
-            q = p + 4
-            if usize == 0xFFFFFFFF:
-                (usize,) = struct.unpack_from("<Q", extra, q)
-                q += 8
-            if csize == 0xFFFFFFFF:
-                (csize,) = struct.unpack_from("<Q", extra, q)
-                q += 8
-            if local == 0xFFFFFFFF:
-                (local,) = struct.unpack_from("<Q", extra, q)
-        p += 4 + size
-    return usize, csize, local
-
-
-@dataclass(frozen=True)
-class _StorageRef:
-    key: str
-    dtype: DType | None  # None for an untyped storage (dtype then comes from the rebuild call)
-    numel: int
-
-
-@dataclass(frozen=True)
-class _TensorRef:
-    storage: _StorageRef
-    storage_offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: DType
-
-
-_STORAGE_MARKER = "ckpttool:storage-class"
-
-
-@dataclass(frozen=True)
-class _StorageClass:
-    dtype: DType | None
-
-
-def _rebuild_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, *_: Any) -> _TensorRef:
-    if not isinstance(storage, _StorageRef) or storage.dtype is None:
-        raise pickle.UnpicklingError("tensor without a typed storage")
-    return _TensorRef(storage, int(storage_offset), _size(size), _size(stride), storage.dtype)
-
-
-def _rebuild_v3(
-    storage: Any, storage_offset: Any, size: Any, stride: Any, _rg: Any, _hooks: Any,
-    dtype: Any, *_: Any,
-) -> _TensorRef:
-    if not isinstance(storage, _StorageRef) or not isinstance(dtype, DType):
-        raise pickle.UnpicklingError("tensor with an unknown dtype")
-    return _TensorRef(storage, int(storage_offset), _size(size), _size(stride), dtype)
-
-
-def _rebuild_parameter(data: Any, *_: Any) -> Any:
-    return data
-
-
-def _record_global(module: str, name: str) -> Any | None:
-    if module == "torch._utils":
-        return {
-            "_rebuild_tensor_v2": _rebuild_v2,
-            "_rebuild_tensor_v3": _rebuild_v3,
-            "_rebuild_parameter": _rebuild_parameter,
-        }.get(name)
-    if module == "torch":
-        if name in dtypes.BY_STORAGE_CLASS:
-            return _StorageClass(dtypes.BY_STORAGE_CLASS[name])
-        attr = _torch_attr(name)
-        return None if attr is _size else attr
-    if module == "torch.storage" and name == "UntypedStorage":
-        return _StorageClass(None)
-    if module == "collections" and name == "OrderedDict":
-        return dict
-    return None
-
-
-class _RecordUnpickler(_AllowListUnpickler):
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise pickle.UnpicklingError("unexpected persistent id")
-        kind = pid[1]
-        if not isinstance(kind, _StorageClass):
-            raise pickle.UnpicklingError("unknown storage class")
-        return _StorageRef(str(pid[2]), kind.dtype, int(pid[4]))
-
-
 def read_record(fd: int, *, offset: int, length: int, where: str) -> TensorRecord:
     """Decode the ``torch.save`` record of one tensor chunk at ``offset`` in the open file ``fd``.
 
@@ -596,27 +362,19 @@ def read_record(fd: int, *, offset: int, length: int, where: str) -> TensorRecor
         InputError: the record is truncated, corrupt, or its pickle is not a plain tensor.
         UnsupportedError: big-endian or compressed records.
     """
-    rb = _RecordBytes(fd, offset, length, where)
-    entries = _zip_entries(rb)
-    pkl = entries.get("data.pkl")
-    if pkl is None:
-        raise InputError(f"{where}: torch.save record has no data.pkl; corrupt")
-    order = entries.get("byteorder")
-    if order is not None and rb.read(order.data_offset, order.size) != b"little":
-        raise UnsupportedError(f"{where}: big-endian torch.save record; not supported")
+    rb = torchsave.RecordBytes(fd, offset, length, where)
+    entries = torchsave.zip_entries(rb)
+    torchsave.check_byteorder(rb, entries)
     try:
-        ref = _RecordUnpickler(
-            io.BytesIO(rb.read(pkl.data_offset, pkl.size)), _record_global, where
-        ).load()
-    except _Refused as e:
+        ref = torchsave.load_pickle(rb, entries)
+    except torchsave.Refused as e:
         raise InputError(
             f"{where}: tensor record asks for '{e.qualname}', which a tensor never needs; "
             "refused (nothing was executed)"
         ) from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError,
-            struct.error) as e:
+    except torchsave.PICKLE_ERRORS as e:
         raise InputError(f"{where}: corrupt tensor record ({e})") from None
-    if not isinstance(ref, _TensorRef):
+    if not isinstance(ref, torchsave.TensorRef):
         raise InputError(f"{where}: record holds a {type(ref).__name__}, not a tensor")
     data = entries.get(f"data/{ref.storage.key}")
     if data is None:
@@ -662,25 +420,19 @@ def read_object(fd: int, entry: ObjectEntry, *, where: str) -> Any:
         UnreadableObject: the pickle names a class or function (named in the exception).
         InputError: the record is truncated or corrupt.
     """
-    rb = _RecordBytes(fd, entry.offset, entry.length, where)
-    entries = _zip_entries(rb)
-    pkl = entries.get("data.pkl")
-    if pkl is None:
-        raise InputError(f"{where}: torch.save record has no data.pkl; corrupt")
+    rb = torchsave.RecordBytes(fd, entry.offset, entry.length, where)
+    entries = torchsave.zip_entries(rb)
     try:
-        value = _RecordUnpickler(
-            io.BytesIO(rb.read(pkl.data_offset, pkl.size)), _record_global, where
-        ).load()
-    except _Refused as e:
+        value = torchsave.load_pickle(rb, entries)
+    except torchsave.Refused as e:
         raise UnreadableObject(e.qualname) from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError,
-            struct.error) as e:
+    except torchsave.PICKLE_ERRORS as e:
         raise InputError(f"{where}: corrupt record ({e})") from None
     return _plain(value)
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, _TensorRef):
+    if isinstance(value, torchsave.TensorRef):
         return TensorPlaceholder(value.dtype.name, value.shape)
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}

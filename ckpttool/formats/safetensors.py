@@ -20,7 +20,7 @@ from ckpttool.formats.dtypes import DType
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_SHARD_RE = re.compile(r"^(model|optimizer)-\d{5}-of-\d{5}\.safetensors$")
 _HEADER_LIMIT = 100 * 1024 * 1024
 
 
@@ -80,7 +80,7 @@ class FilePlan:
 
 
 def plan_files(
-    tensors: list[tuple[str, DType, tuple[int, ...]]], max_shard_size: int
+    tensors: list[tuple[str, DType, tuple[int, ...]]], max_shard_size: int, stem: str = "model"
 ) -> tuple[tuple[FilePlan, ...], bytes | None]:
     """Split tensors (in model order) into shards as transformers does: fill a shard until the
     next tensor would pass ``max_shard_size`` (tensor bytes); a larger tensor gets its own.
@@ -100,7 +100,7 @@ def plan_files(
         shards[-1].append((name, dtype, shape))
         shard_bytes += nbytes
     files = tuple(FilePlan(n, layout(members))
-                  for n, members in zip(shard_names(len(shards)), shards, strict=True))
+                  for n, members in zip(shard_names(len(shards), stem), shards, strict=True))
     if len(files) == 1:
         return files, None
     weight_map = {s.name: f.name for f in files for s in f.layout.slots}
@@ -150,11 +150,16 @@ def read_layout(path: Path) -> tuple[dict[str, str], tuple[Slot, ...]]:
     return meta, tuple(sorted(slots, key=lambda s: s.begin))
 
 
-def shard_names(num_shards: int) -> list[str]:
-    """Output file names as transformers writes them."""
+def shard_names(num_shards: int, stem: str = "model") -> list[str]:
+    """Output file names as transformers writes them (``stem`` "optimizer" for optimizer
+    state)."""
     if num_shards == 1:
-        return [SINGLE_NAME]
-    return [f"model-{i:05d}-of-{num_shards:05d}.safetensors" for i in range(1, num_shards + 1)]
+        return [f"{stem}.safetensors"]
+    return [f"{stem}-{i:05d}-of-{num_shards:05d}.safetensors" for i in range(1, num_shards + 1)]
+
+
+def index_name(stem: str = "model") -> str:
+    return f"{stem}.safetensors.index.json"
 
 
 def index_json(weight_map: dict[str, str], total_size: int, total_parameters: int) -> bytes:
@@ -167,8 +172,10 @@ def index_json(weight_map: dict[str, str], total_size: int, total_parameters: in
 
 
 def is_weight_file(name: str) -> bool:
-    """True for names this module writes as model weights (what --overwrite protects)."""
-    return name in (SINGLE_NAME, INDEX_NAME) or bool(_SHARD_RE.match(name))
+    """True for names this module writes as weights or optimizer state (what --overwrite
+    protects)."""
+    return (name in (SINGLE_NAME, INDEX_NAME, "optimizer.safetensors", index_name("optimizer"))
+            or bool(_SHARD_RE.match(name)))
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

@@ -127,7 +127,9 @@ def test_only_optimizer_exit_3(llama_ckpt: Path, tmp_path: Path) -> None:
     shutil.copytree(llama_ckpt / "optimizer_0", parent / "optimizer_0")
     r = run("merge", parent, tmp_path / "out")
     assert r.exit_code == 3
-    assert "holds only optimizer state (optimizer_0)" in r.stderr
+    assert r.stderr == (f"ckpttool: error: {parent}: holds only optimizer state (optimizer_0), "
+                        "no model checkpoint; to merge the optimizer state, pass its directory: "
+                        f"ckpttool merge {parent}/optimizer_0 OUT\n")
 
 
 def test_unsupported_dtype_exit_4(tmp_path: Path) -> None:

@@ -270,3 +270,26 @@ def test_tie_check_compares_in_small_blocks(llama_ckpt: Path, tmp_path: Path,
     monkeypatch.setattr("ckpttool.core.ties.COMPARE_BLOCK", 40)  # a few elements per block
     report = ckpttool.merge(llama_ckpt, tmp_path / "out")
     assert report.tie is not None and report.tie["action"] == "deduplicated"
+
+
+def test_optimizer_state_merges_to_safetensors_and_json(llama_ckpt: Path, tmp_path: Path) -> None:
+    src = llama_ckpt / "optimizer_0"
+    report = ckpttool.merge(src, tmp_path / "out")
+    assert report.kind == "optimizer" and report.dtype["target"] is None
+    assert [f["name"] for f in report.files] == ["optimizer.safetensors", "optimizer.json"]
+    got = load_out_optimizer(tmp_path / "out")
+    ref = reference_state_dict(src)
+    want = {k.removeprefix("optimizer."): v for k, v in ref.items()
+            if isinstance(v, torch.Tensor)}
+    assert "state.model.layers.0.mlp.up_proj.weight.exp_avg" in got
+    assert_bit_exact(got, want)
+    doc = json.loads((tmp_path / "out" / "optimizer.json").read_text())
+    group = doc["param_groups"][0]
+    assert group["lr"] == ref["optimizer.param_groups.0.lr"]
+    assert group["betas"] == list(ref["optimizer.param_groups.0.betas"])
+    assert group["params"][0] == "model.embed_tokens.weight"
+
+
+def load_out_optimizer(out: Path) -> dict[str, torch.Tensor]:
+    with safe_open(out / "optimizer.safetensors", "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118

@@ -1,0 +1,333 @@
+"""``torch.save`` archives: the zip container and the weights-only pickle inside it.
+
+Shared by the two formats built from them: a ``.bin``/``.pt`` file (:mod:`torchfile`) is one
+archive, and a DCP ``.distcp`` file (:mod:`dcp`) is a concatenation of them, one per chunk or
+object. An archive is an uncompressed zip holding ``<name>/data.pkl`` (the object, with each
+tensor's storage as a persistent id), one ``<name>/data/<key>`` entry per storage, and small
+``byteorder`` / ``version`` entries. The zip headers give each entry's offset and CRC-32, so
+data is located (and checked) without reading it and without torch.
+
+Pickles are read by an allow-list unpickler that maps the few globals a tensor needs onto inert
+stand-ins; any other global is refused by name before it is looked up, so nothing from the file
+ever runs.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.formats import dtypes
+from ckpttool.formats.dtypes import DType
+
+# What a corrupt pickle raises in the C unpickler (a refused global raises Refused instead).
+PICKLE_ERRORS: tuple[type[Exception], ...] = (
+    pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, struct.error,
+)
+
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+# --------------------------------------------------------------------------------------------
+# Allow-list unpickling
+
+
+class Refused(Exception):
+    """A pickle named a global outside the allow-list; nothing was looked up or run."""
+
+    def __init__(self, module: str, name: str) -> None:
+        super().__init__(f"{module}.{name}")
+        self.qualname = f"{module}.{name}"
+
+
+class AllowListUnpickler(pickle.Unpickler):
+    """An unpickler whose globals come only from ``lookup`` (None means refused)."""
+
+    def __init__(
+        self, file: io.BytesIO, lookup: Callable[[str, str], Any | None], where: str
+    ) -> None:
+        super().__init__(file)
+        self._lookup = lookup
+        self._where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self._lookup(module, name)
+        if found is None:
+            raise Refused(module, name)
+        return found
+
+
+# dtypes torch can name that ckpttool does not convert; kept distinct so the error says so.
+_OTHER_TORCH_DTYPES = frozenset((
+    "complex128", "complex32", "cdouble", "cfloat", "chalf", "qint8", "quint8", "qint32",
+    "quint4x2", "quint2x4", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
+    "float4_e2m1fn_x2", "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7", "int1",
+    "int2", "int3", "int4", "int5", "int6", "int7",
+))
+_LAYOUTS = frozenset({"strided", "sparse_coo", "sparse_csr", "_mkldnn", "jagged"})
+_MEMORY_FORMATS = frozenset(
+    {"contiguous_format", "channels_last", "channels_last_3d", "preserve_format"}
+)
+
+
+@dataclass(frozen=True)
+class UnknownDType:
+    """A torch dtype that has no safetensors name (complex128, quantized types...)."""
+
+    torch_name: str
+
+
+def size(values: Any = ()) -> tuple[int, ...]:
+    """Stand-in for ``torch.Size``."""
+    return tuple(int(v) for v in values)
+
+
+def torch_attr(name: str) -> Any | None:
+    """The stand-in for ``torch.<name>`` as a pickle may name it, or None if not allowed."""
+    if name in dtypes.BY_TORCH_NAME:
+        return dtypes.BY_TORCH_NAME[name]
+    if name in _OTHER_TORCH_DTYPES:
+        return UnknownDType(name)
+    if name in _LAYOUTS or name in _MEMORY_FORMATS:
+        return name
+    if name == "Size":
+        return size
+    return None
+
+
+class _OrderedDict(dict):  # type: ignore[type-arg]
+    """``collections.OrderedDict`` as pickled by ``state_dict()``: a dict whose BUILD state
+    (the ``_metadata`` attribute with module versions) is dropped."""
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------------------------
+# The zip container
+
+
+_EOCD = struct.Struct("<4sHHHHIIH")
+_ZIP64_LOCATOR = struct.Struct("<4sIQI")
+_ZIP64_EOCD = struct.Struct("<4sQHHIIQQQQ")
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")
+_HEAD_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class ZipEntry:
+    """One stored entry of an archive, its name without the archive's top folder."""
+
+    name: str  # "data.pkl", "data/0", "byteorder"...
+    data_offset: int  # relative to the archive start
+    size: int
+    crc32: int  # as the zip headers record it
+
+
+class RecordBytes:
+    """Reads parts of one archive with as few ``pread`` calls as the layout allows."""
+
+    def __init__(self, fd: int, start: int, length: int, where: str) -> None:
+        self.fd, self.start, self.length, self.where = fd, start, length, where
+        self.head = os.pread(fd, min(length, _HEAD_BYTES), start)
+        tail_len = min(length, _HEAD_BYTES)
+        self.tail_start = length - tail_len
+        self.tail = os.pread(fd, tail_len, start + self.tail_start)
+        if len(self.head) < min(length, _HEAD_BYTES) or len(self.tail) < tail_len:
+            raise InputError(f"{where}: file ends inside this record; it is truncated")
+
+    def read(self, offset: int, size: int) -> bytes:
+        if offset < 0 or offset + size > self.length:
+            raise InputError(f"{self.where}: record header points outside the record; corrupt")
+        if offset + size <= len(self.head):
+            return self.head[offset : offset + size]
+        if offset >= self.tail_start:
+            return self.tail[offset - self.tail_start : offset - self.tail_start + size]
+        data = os.pread(self.fd, size, self.start + offset)
+        if len(data) < size:
+            raise InputError(f"{self.where}: file ends inside this record; it is truncated")
+        return data
+
+
+def zip_entries(rb: RecordBytes) -> dict[str, ZipEntry]:
+    """The entries of the archive ``rb`` reads, from its central directory (headers only).
+
+    Raises:
+        InputError: no zip end record, or a corrupt directory or entry header.
+        UnsupportedError: a compressed entry (torch.save never compresses).
+    """
+    where = rb.where
+    tail = rb.tail
+    pos = tail.rfind(b"PK\x05\x06")
+    if pos < 0 and rb.length > len(tail):  # a zip comment pushed the end record further back
+        wider = min(rb.length, 65536 + _EOCD.size)
+        rb.tail_start = rb.length - wider
+        rb.tail = tail = os.pread(rb.fd, wider, rb.start + rb.tail_start)
+        pos = tail.rfind(b"PK\x05\x06")
+    if pos < 0 or pos + _EOCD.size > len(tail):
+        raise InputError(
+            f"{where}: not a torch.save record (no zip end record); corrupt or truncated"
+        )
+    _, _, _, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, pos)
+    if count == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
+        loc_pos = rb.tail_start + pos - _ZIP64_LOCATOR.size
+        sig, _, z64_offset, _ = _ZIP64_LOCATOR.unpack(rb.read(loc_pos, _ZIP64_LOCATOR.size))
+        if sig != b"PK\x06\x07":
+            raise InputError(f"{where}: corrupt zip64 locator in torch.save record")
+        fields = _ZIP64_EOCD.unpack(rb.read(z64_offset, _ZIP64_EOCD.size))
+        if fields[0] != b"PK\x06\x06":
+            raise InputError(f"{where}: corrupt zip64 end record in torch.save record")
+        count, cd_size, cd_offset = fields[7], fields[8], fields[9]
+    cd = rb.read(cd_offset, cd_size)
+    entries: dict[str, ZipEntry] = {}
+    p = 0
+    for _ in range(count):
+        if p + _CENTRAL.size > len(cd):
+            raise InputError(f"{where}: corrupt zip directory in torch.save record")
+        (sig, _, _, _, method, _, _, crc, csize, usize, nlen, elen, clen, _, _, _, local) = (
+            _CENTRAL.unpack_from(cd, p)
+        )
+        if sig != b"PK\x01\x02":
+            raise InputError(f"{where}: corrupt zip directory in torch.save record")
+        name = cd[p + _CENTRAL.size : p + _CENTRAL.size + nlen].decode("utf-8", "replace")
+        extra = cd[p + _CENTRAL.size + nlen : p + _CENTRAL.size + nlen + elen]
+        usize, csize, local = _zip64_extra(extra, usize, csize, local)
+        p += _CENTRAL.size + nlen + elen + clen
+        if method != 0:
+            raise UnsupportedError(f"{where}: record entry '{name}' is compressed; not supported")
+        lh = rb.read(local, _LOCAL.size)
+        lsig, *_rest = _LOCAL.unpack(lh)
+        if lsig != b"PK\x03\x04":
+            raise InputError(f"{where}: corrupt zip entry '{name}' in torch.save record")
+        lnlen, lelen = _rest[-2], _rest[-1]
+        short = name.split("/", 1)[1] if "/" in name else name
+        entries[short] = ZipEntry(short, local + _LOCAL.size + lnlen + lelen, usize, crc)
+    return entries
+
+
+def _zip64_extra(extra: bytes, usize: int, csize: int, local: int) -> tuple[int, int, int]:
+    p = 0
+    while p + 4 <= len(extra):
+        tag, size = struct.unpack_from("<HH", extra, p)
+        if tag == 1:
+            q = p + 4
+            if usize == 0xFFFFFFFF:
+                (usize,) = struct.unpack_from("<Q", extra, q)
+                q += 8
+            if csize == 0xFFFFFFFF:
+                (csize,) = struct.unpack_from("<Q", extra, q)
+                q += 8
+            if local == 0xFFFFFFFF:
+                (local,) = struct.unpack_from("<Q", extra, q)
+        p += 4 + size
+    return usize, csize, local
+
+
+def check_byteorder(rb: RecordBytes, entries: dict[str, ZipEntry]) -> None:
+    """Raises UnsupportedError for a big-endian archive."""
+    order = entries.get("byteorder")
+    if order is not None and rb.read(order.data_offset, order.size) != b"little":
+        raise UnsupportedError(f"{rb.where}: big-endian torch.save record; not supported")
+
+
+# --------------------------------------------------------------------------------------------
+# The pickle: tensors become references to storages, nothing else is allowed
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    key: str  # the storage's entry is data/<key>
+    dtype: DType | None  # None for an untyped storage (dtype then comes from the rebuild call)
+    numel: int
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor as the pickle describes it: a view of a storage."""
+
+    storage: StorageRef
+    storage_offset: int  # in elements
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: DType
+
+
+@dataclass(frozen=True)
+class _StorageClass:
+    dtype: DType | None
+
+
+def _rebuild_v2(storage: Any, storage_offset: Any, size_: Any, stride: Any, *_: Any) -> TensorRef:
+    if not isinstance(storage, StorageRef) or storage.dtype is None:
+        raise pickle.UnpicklingError("tensor without a typed storage")
+    return TensorRef(storage, int(storage_offset), size(size_), size(stride), storage.dtype)
+
+
+def _rebuild_v3(
+    storage: Any, storage_offset: Any, size_: Any, stride: Any, _rg: Any, _hooks: Any,
+    dtype: Any, *_: Any,
+) -> TensorRef:
+    if not isinstance(storage, StorageRef) or not isinstance(dtype, DType):
+        raise pickle.UnpicklingError("tensor with an unknown dtype")
+    return TensorRef(storage, int(storage_offset), size(size_), size(stride), dtype)
+
+
+def _rebuild_parameter(data: Any, *_: Any) -> Any:
+    return data
+
+
+def record_global(module: str, name: str) -> Any | None:
+    """The allow-list of a tensor pickle: what ``torch.load(weights_only=True)`` needs for
+    plain tensors, parameters and containers."""
+    if module == "torch._utils":
+        return {
+            "_rebuild_tensor_v2": _rebuild_v2,
+            "_rebuild_tensor_v3": _rebuild_v3,
+            "_rebuild_parameter": _rebuild_parameter,
+        }.get(name)
+    if module == "torch":
+        if name in dtypes.BY_STORAGE_CLASS:
+            return _StorageClass(dtypes.BY_STORAGE_CLASS[name])
+        attr = torch_attr(name)
+        return None if attr is size else attr
+    if module == "torch.storage" and name == "UntypedStorage":
+        return _StorageClass(None)
+    if module == "collections" and name == "OrderedDict":
+        return _OrderedDict
+    return None
+
+
+class RecordUnpickler(AllowListUnpickler):
+    """Unpickles an archive's ``data.pkl``: storages become :class:`StorageRef`."""
+
+    def __init__(self, file: io.BytesIO, where: str) -> None:
+        super().__init__(file, record_global, where)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError("unexpected persistent id")
+        kind = pid[1]
+        if not isinstance(kind, _StorageClass):
+            raise pickle.UnpicklingError("unknown storage class")
+        return StorageRef(str(pid[2]), kind.dtype, int(pid[4]))
+
+
+def load_pickle(rb: RecordBytes, entries: dict[str, ZipEntry]) -> Any:
+    """The archive's ``data.pkl``, unpickled onto stand-ins (tensors as :class:`TensorRef`).
+
+    Raises:
+        InputError: the archive has no data.pkl.
+        Refused: the pickle names a global outside the allow-list (nothing was run).
+        pickle.UnpicklingError and the rest of :data:`PICKLE_ERRORS`: a corrupt pickle.
+    """
+    pkl = entries.get("data.pkl")
+    if pkl is None:
+        raise InputError(f"{rb.where}: torch.save record has no data.pkl; corrupt")
+    return RecordUnpickler(io.BytesIO(rb.read(pkl.data_offset, pkl.size)), rb.where).load()
