@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import InputError
-from ckpttool.formats import dcp
+from ckpttool.formats import dcp, hf_dcp
 
 # Files a Hugging Face model directory carries besides its weights.
 HF_FILES = (
@@ -48,6 +48,16 @@ def kind_of(info: dcp.DcpInfo) -> str:
     return "model"
 
 
+def checkpoint_at(path: Path) -> dcp.DcpInfo | None:
+    """The DCP checkpoint in directory ``path`` (FileSystemWriter's ``.metadata`` layout or
+    HuggingFaceStorageWriter's safetensors shards), or None if it holds neither."""
+    if dcp.is_dcp_dir(path):
+        return dcp.read_info(path)
+    if hf_dcp.is_hf_dcp_dir(path):
+        return hf_dcp.read_info(path)
+    return None
+
+
 def locate_model(src: Path) -> Located:
     """The model DCP checkpoint at ``src``, or the single one directly inside it.
 
@@ -59,8 +69,9 @@ def locate_model(src: Path) -> Located:
     if not src.is_dir():
         raise InputError(f"{src}: is a file; pass the DCP checkpoint directory (the one holding "
                          ".metadata and *.distcp files)")
-    if dcp.is_dcp_dir(src):
-        return Located(src, dcp.read_info(src), None, ())
+    info = checkpoint_at(src)
+    if info is not None:
+        return Located(src, info, None, ())
     if (src / dcp.METADATA_FILE).exists():
         dcp.read_info(src)  # raises the precise reason the .metadata is unreadable
     if any(src.glob("*" + dcp.DATA_SUFFIX)):
@@ -71,9 +82,9 @@ def locate_model(src: Path) -> Located:
     models: list[tuple[Path, dcp.DcpInfo]] = []
     others: list[tuple[Path, str]] = []
     for sub in sorted(p for p in src.iterdir() if p.is_dir()):
-        if not dcp.is_dcp_dir(sub):
+        info = checkpoint_at(sub)
+        if info is None:
             continue
-        info = dcp.read_info(sub)
         if kind_of(info) == "model":
             models.append((sub, info))
         else:

@@ -168,8 +168,9 @@ def open_source(path: Path) -> Source:
     """
     if not path.exists():
         raise InputError(f"{path}: no such file or directory")
-    if path.is_dir() and dcp.is_dcp_dir(path):
-        return DcpSource(dcp.read_info(path))
+    info = locate.checkpoint_at(path) if path.is_dir() else None
+    if info is not None:
+        return DcpSource(info)
     if path.is_file():
         with open(path, "rb") as f:
             head = f.read(9)

@@ -23,9 +23,10 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 import struct
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,9 @@ class Chunk:
     file: str  # relative to the checkpoint directory
     offset: int  # byte offset of the torch.save record in ``file``
     length: int  # byte length of the record
+    # True when the bytes are stored plainly (C order, no torch.save record) at ``offset``:
+    # the safetensors shards of HuggingFaceStorageWriter.
+    raw: bool = False
 
     @property
     def numel(self) -> int:
@@ -114,7 +118,7 @@ class TensorRecord:
     storage_offset: int  # in elements
     data_offset: int  # absolute byte offset of the storage payload in the file
     data_size: int  # bytes of the storage payload
-    crc32: int  # CRC-32 of the payload, as the zip header records it
+    crc32: int | None  # CRC-32 of the payload as the zip header records it (None: raw bytes)
 
     @property
     def is_contiguous(self) -> bool:
@@ -483,6 +487,12 @@ class Reader:
     def record(self, tensor: TensorEntry, chunk: Chunk) -> TensorRecord:
         """The decoded record of ``chunk``, checked against what ``.metadata`` promises."""
         where = self.where(chunk.file, chunk.offset, f"tensor '{tensor.fqn}'")
+        if chunk.raw:
+            if chunk.length != chunk.numel * tensor.dtype.itemsize:
+                raise InputError(f"{where}: holds {chunk.length} bytes for "
+                                 f"{list(chunk.sizes)} {tensor.dtype.name}; corrupt")
+            return TensorRecord(tensor.dtype, chunk.sizes, _contiguous_strides(chunk.sizes), 0,
+                                chunk.offset, chunk.length, None)
         rec = read_record(self.fd(chunk.file), offset=chunk.offset, length=chunk.length,
                           where=where)
         if rec.dtype != tensor.dtype or rec.shape != chunk.sizes:
@@ -490,12 +500,8 @@ class Reader:
                 f"{where}: record holds {rec.dtype.name} {list(rec.shape)} but .metadata "
                 f"promises {tensor.dtype.name} {list(chunk.sizes)}; the checkpoint is inconsistent"
             )
-        itemsize = rec.dtype.itemsize
-        if rec.is_contiguous:
-            need = (rec.storage_offset + _prod(rec.shape)) * itemsize
-        else:
-            need = (rec.storage_offset + 1 + sum(
-                (n - 1) * s for n, s in zip(rec.shape, rec.stride, strict=True))) * itemsize
+        need = torchsave.view_extent(rec.shape, rec.stride, rec.storage_offset,
+                                     contiguous=rec.is_contiguous) * rec.dtype.itemsize
         if _prod(rec.shape) and need > rec.data_size:
             raise InputError(f"{where}: record's storage is smaller than its tensor; corrupt")
         return rec
@@ -522,35 +528,8 @@ class Reader:
 
 def _gather_strided(storage: bytes, rec: TensorRecord) -> bytes:
     """Copy a strided view out of its storage bytes into C order (rare: DCP saves contiguous)."""
-    item = rec.dtype.itemsize
-    out = bytearray(rec.nbytes)
-    view = memoryview(storage)
-    pos = 0
-    for index in _iter_index(rec.shape):
-        src = (rec.storage_offset + sum(i * s for i, s in zip(index, rec.stride, strict=True)))
-        out[pos : pos + item] = view[src * item : src * item + item]
-        pos += item
-    return bytes(out)
-
-
-def _iter_index(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    if not shape:
-        yield ()
-        return
-    if 0 in shape:
-        return
-    index = [0] * len(shape)
-    while True:
-        yield tuple(index)
-        d = len(shape) - 1
-        while d >= 0:
-            index[d] += 1
-            if index[d] < shape[d]:
-                break
-            index[d] = 0
-            d -= 1
-        if d < 0:
-            return
+    return torchsave.gather_strided(storage, itemsize=rec.dtype.itemsize, shape=rec.shape,
+                                    stride=rec.stride, storage_offset=rec.storage_offset)
 
 
 def crc32_of(fd: int, offset: int, size: int, *, block: int = 1 << 24) -> int:
@@ -594,6 +573,32 @@ def check_files(info: DcpInfo) -> None:
                 f"{path}: truncated: .metadata places {what} up to byte {end} but the file has "
                 f"{size} bytes; copy the checkpoint again"
             )
+
+
+def record_entries(fd: int, *, offset: int, length: int, where: str
+                   ) -> tuple[torchsave.ZipEntry, ...]:
+    """Every entry of the record at ``offset`` (data.pkl, the storage, byteorder...), with
+    absolute offsets and the CRC-32 the zip headers record: what ``verify`` checks."""
+    rb = torchsave.RecordBytes(fd, offset, length, where)
+    return tuple(torchsave.ZipEntry(e.name, offset + e.data_offset, e.size, e.crc32)
+                 for e in torchsave.zip_entries(rb).values())
+
+
+_DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+def rank_of(file: str) -> int | None:
+    """The rank that wrote ``__<rank>_<n>.distcp``; None for other names."""
+    m = _DATA_FILE_RE.match(Path(file).name)
+    return int(m.group(1)) if m else None
+
+
+def stray_files(info: DcpInfo) -> list[str]:
+    """``.distcp`` files in the directory that ``.metadata`` never references (left over from
+    another save, or a sign that ``.metadata`` is from a different save)."""
+    referenced = set(info.files)
+    return sorted(p.name for p in info.path.glob("*" + DATA_SUFFIX)
+                  if p.name not in referenced and p.is_file())
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,87 @@
+"""DCP checkpoints written by PyTorch's ``HuggingFaceStorageWriter``.
+
+Each rank writes safetensors files (``shard-00001-model-00001-of-00001.safetensors``...) holding
+its local pieces; the header's ``__metadata__["DCP_SHARDING_INFO"]`` (a JSON string) gives each
+piece's ``saved_offsets`` in the full tensor. There is no ``.metadata``: the global shape of a
+tensor is where its pieces end. The result is an ordinary :class:`~ckpttool.formats.dcp.DcpInfo`
+whose chunks are raw byte ranges, so every operation on DCP checkpoints applies unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ckpttool.errors import InputError
+from ckpttool.formats import dcp
+from ckpttool.formats import safetensors as st
+from ckpttool.formats.dtypes import DType
+
+SHARDING_KEY = "DCP_SHARDING_INFO"
+SHARDED_DIR = "sharded"  # where the writer puts the shards when it also consolidates
+
+
+def _shard_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.glob("*.safetensors") if p.is_file())
+
+
+def _sharding_info(file: Path) -> dict[str, object] | None:
+    try:
+        meta, _ = st.read_layout(file)
+    except InputError:
+        return None
+    raw = meta.get(SHARDING_KEY)
+    if not isinstance(raw, str):
+        return None
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def is_hf_dcp_dir(path: Path) -> bool:
+    """True if ``path`` holds safetensors shards that carry DCP sharding offsets."""
+    files = _shard_files(path)
+    return bool(files) and _sharding_info(files[0]) is not None
+
+
+def read_info(path: str | os.PathLike[str]) -> dcp.DcpInfo:
+    """Describe a ``HuggingFaceStorageWriter`` checkpoint. Reads headers only.
+
+    Raises:
+        InputError: a shard lacks sharding offsets, or pieces of a tensor disagree.
+    """
+    root = Path(path)
+    pieces: dict[str, list[tuple[DType, dcp.Chunk]]] = {}
+    for file in _shard_files(root):
+        info = _sharding_info(file)
+        if info is None:
+            raise InputError(f"{file}: safetensors shard without {SHARDING_KEY} metadata among "
+                             "DCP shards; the directory mixes checkpoints")
+        for slot in st.read_layout(file)[1]:
+            entry = info.get(slot.name)
+            offsets = entry.get("saved_offsets") if isinstance(entry, dict) else None
+            if not isinstance(offsets, list) or len(offsets) != len(slot.shape):
+                raise InputError(f"{file}: tensor '{slot.name}' has no valid saved_offsets in "
+                                 f"{SHARDING_KEY}")
+            chunk = dcp.Chunk(tuple(int(o) for o in offsets), slot.shape, file.name,
+                              slot.begin, slot.nbytes, raw=True)
+            pieces.setdefault(slot.name, []).append((slot.dtype, chunk))
+    tensors = []
+    for name, found in pieces.items():
+        dtypes = {d for d, _ in found}
+        if len(dtypes) > 1:
+            raise InputError(f"{root}: pieces of '{name}' have different dtypes "
+                             f"{sorted(d.name for d in dtypes)}; corrupt checkpoint")
+        chunks: dict[tuple[tuple[int, ...], tuple[int, ...]], dcp.Chunk] = {}
+        for _, c in found:
+            chunks.setdefault((c.offsets, c.sizes), c)  # a replicated piece may appear twice
+        ndim = len(found[0][1].sizes)
+        shape = tuple(max(c.offsets[d] + c.sizes[d] for c in chunks.values())
+                      for d in range(ndim))
+        tensors.append(dcp.TensorEntry(name, (name,), found[0][0], shape,
+                                       tuple(chunks.values())))
+    files = tuple(sorted({c.file for t in tensors for c in t.chunks}))
+    return dcp.DcpInfo(root, tuple(tensors), (), files, None)
