@@ -8,6 +8,7 @@ names ending in ``.ckpttool-tmp``, which never look like a finished checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from pathlib import Path
@@ -103,14 +104,10 @@ class AtomicOutputs:
 
     def abort(self) -> None:
         for fd in self._fds:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self._fds.clear()
         for tmp, _ in self._pending:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
-            except FileNotFoundError:
-                pass
         self._pending.clear()

@@ -191,7 +191,7 @@ def _cast_range(src: int, src_offset: int, dst: int, dst_offset: int, numel: int
     block = min(numel, CAST_BLOCK // src_item)
     buf = bytearray(block * src_item)
     out = torch.empty(block, dtype=dst_dtype)
-    out_bytes = memoryview(out.view(torch.uint8).numpy()).cast("B")
+    out_bytes = out.view(torch.uint8).numpy().data.cast("B")
     done = 0
     while done < numel:
         n = min(block, numel - done)
@@ -211,7 +211,8 @@ def _cast_bytes(data: memoryview, t: OutTensor) -> memoryview:
     import torch
 
     src = torch.frombuffer(bytearray(data), dtype=getattr(torch, t.source.dtype.torch_name))
-    return memoryview(src.to(getattr(torch, t.dtype.torch_name)).view(torch.uint8).numpy()).cast("B")
+    cast = src.to(getattr(torch, t.dtype.torch_name))
+    return cast.view(torch.uint8).numpy().data.cast("B")
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,12 +326,14 @@ def merge(
         plan = plan_merge(list(by_name.items()), policy=policy, max_shard_size=shard_limit,
                           drop=drop, stem=stem)
         config_bytes, report.config_changes = _config_output(hf)
-        extra: list[tuple[str, bytes | None, Path | None]] = [
+        # Small files (config, tokenizer, optimizer.json) written beside the weights.
+        extra: list[tuple[str, bytes]] = [
             (p.name, config_bytes if p == hf.config_path and config_bytes is not None
-             else None, p) for p in hf.files]
+             else p.read_bytes()) for p in hf.files]
+        report.copied = [p.name for p in hf.files]
         if kind == "optimizer":
-            extra.append((OPTIMIZER_JSON, _optimizer_json(objects), None))
-        _check_output(out_path, plan, [name for name, _, _ in extra], overwrite)
+            extra.append((OPTIMIZER_JSON, _optimizer_json(objects)))
+        _check_output(out_path, plan, [name for name, _ in extra], overwrite)
         if on_start is not None:
             on_start(plan.total_bytes)
         with AtomicOutputs(out_path) as outputs:
@@ -338,29 +341,28 @@ def merge(
                     progress=progress)
             if plan.index is not None:
                 outputs.write_bytes(plan.index_name, plan.index)
-            for name, data, path in extra:
-                assert data is not None or path is not None
-                outputs.write_bytes(name, data if data is not None else path.read_bytes())
+            for name, data in extra:
+                outputs.write_bytes(name, data)
             written = outputs.commit(last=(plan.index_name,))
         if overwrite:
             _remove_stale_weights(out_path, {p.name for p in written})
 
-    report.copied = [name for name, _, path in extra if path is not None]
     report.files = [{"name": f.name, "bytes": f.size, "tensors": len(f.tensors)}
                     for f in plan.files]
     if plan.index is not None:
         report.files.append({"name": plan.index_name, "bytes": len(plan.index), "tensors": 0})
     if kind == "optimizer":
-        report.files.append({"name": OPTIMIZER_JSON, "bytes": len(extra[-1][1] or b""),
-                             "tensors": 0})
+        report.files.append({"name": OPTIMIZER_JSON, "bytes": len(extra[-1][1]), "tensors": 0})
     written_tensors = [t for f in plan.files for t in f.tensors]
     report.num_tensors = len(written_tensors)
     report.num_parameters = sum(t.source.numel for t in written_tensors)
     report.total_bytes = plan.total_bytes
-    for t in info.tensors:
-        report.bytes_before[t.dtype.name] = report.bytes_before.get(t.dtype.name, 0) + t.nbytes
-    for t in written_tensors:
-        report.bytes_after[t.dtype.name] = report.bytes_after.get(t.dtype.name, 0) + t.slot.nbytes
+    for entry in info.tensors:
+        name = entry.dtype.name
+        report.bytes_before[name] = report.bytes_before.get(name, 0) + entry.nbytes
+    for out_tensor in written_tensors:
+        name = out_tensor.dtype.name
+        report.bytes_after[name] = report.bytes_after.get(name, 0) + out_tensor.slot.nbytes
     report.seconds = round(time.perf_counter() - started, 3)
     return report
 

@@ -138,7 +138,8 @@ def find_hf_files(dcp_dir: Path, config: Path | None = None) -> HfFiles:
         try:
             parsed = json.loads(config_path.read_text())
         except (ValueError, UnicodeDecodeError) as e:
-            raise InputError(f"{config_path}: not valid JSON ({e}); fix it or pass --config")
+            raise InputError(
+                f"{config_path}: not valid JSON ({e}); fix it or pass --config") from None
         if not isinstance(parsed, dict):
             raise InputError(f"{config_path}: not a JSON object; fix it or pass --config")
         dirs = [config_path.parent] + [d for d in dirs if d != config_path.parent]

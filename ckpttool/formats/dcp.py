@@ -66,7 +66,7 @@ class TensorEntry:
     """A tensor as ``.metadata`` describes it."""
 
     fqn: str  # the flat key in .metadata
-    path: tuple[str, ...]  # nested keys it came from (planner_data), e.g. ("model", "lm_head.weight")
+    path: tuple[str, ...]  # nested keys (planner_data), e.g. ("model", "lm_head.weight")
     dtype: DType
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
@@ -176,7 +176,8 @@ def _path(*parts: Any) -> str:
 
 
 def _metadata_global(module: str, name: str) -> Any | None:
-    if module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"):
+    if module in ("torch.distributed.checkpoint.metadata",
+                  "torch.distributed.checkpoint.filesystem"):
         if name in _METADATA_CLASSES:
             return _METADATA_CLASSES[name]
         if name == "_MEM_FORMAT_ENCODING":

@@ -140,13 +140,13 @@ def read_layout(path: Path) -> tuple[dict[str, str], tuple[Slot, ...]]:
         dtype = dtypes.BY_NAME.get(v.get("dtype"))
         if dtype is None:
             raise InputError(f"{path}: tensor '{name}' has unknown dtype {v.get('dtype')!r}")
-        b, e = v["data_offsets"]
-        if base + e > size:
+        begin, end = v["data_offsets"]
+        if base + end > size:
             raise InputError(
-                f"{path}: tensor '{name}' ends at byte {base + e} but the file has {size} bytes; "
+                f"{path}: tensor '{name}' ends at byte {base + end} but the file has {size} bytes; "
                 "truncated"
             )
-        slots.append(Slot(name, dtype, tuple(v["shape"]), base + b, base + e))
+        slots.append(Slot(name, dtype, tuple(v["shape"]), base + begin, base + end))
     return meta, tuple(sorted(slots, key=lambda s: s.begin))
 
 
@@ -236,3 +236,46 @@ def read_checkpoint(path: Path) -> tuple[StoredTensor, ...]:
     if single.is_file():
         return tuple(StoredTensor(single, s) for s in read_layout(single)[1])
     raise InputError(f"{path}: no {SINGLE_NAME} or {INDEX_NAME} here")
+
+
+@dataclass(frozen=True)
+class Index:
+    """A ``*.safetensors.index.json``: which shard holds each tensor."""
+
+    path: Path
+    weight_map: dict[str, str]  # tensor name -> shard file name
+    total_size: int | None  # metadata.total_size, as written
+    duplicates: tuple[str, ...]  # names the weight_map lists more than once
+
+
+def read_index(path: Path) -> Index:
+    """Read a sharded checkpoint's index (no shard is opened).
+
+    Raises:
+        InputError: the file is missing or not an index (no ``weight_map`` of names to files).
+    """
+    dup: list[str] = []
+
+    def pairs(items: list[tuple[str, object]]) -> dict[str, object]:
+        seen: dict[str, object] = {}
+        for k, v in items:
+            if k in seen and isinstance(v, str):
+                dup.append(k)
+            seen[k] = v
+        return seen
+
+    try:
+        doc = json.loads(path.read_text(), object_pairs_hook=pairs)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({e}); not a safetensors index") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise InputError(f"{path}: has no weight_map of tensor names to files; not a "
+                         "safetensors index")
+    meta = doc.get("metadata")
+    total = meta.get("total_size") if isinstance(meta, dict) else None
+    return Index(path, dict(weight_map), total if isinstance(total, int) else None,
+                 tuple(dup))
