@@ -144,9 +144,15 @@ def execute(
         for fd, t, c in jobs:
             _write_chunk(reader, fd, t, c, report)
         return
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
         for fut in [pool.submit(_write_chunk, reader, fd, t, c, report) for fd, t, c in jobs]:
             fut.result()
+    except BaseException:
+        # Ctrl-C or a failed chunk: drop the queued jobs instead of finishing the merge first.
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 def _write_chunk(reader: dcp.Reader, dst: int, t: OutTensor, c: dcp.Chunk,

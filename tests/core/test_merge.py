@@ -293,3 +293,23 @@ def test_optimizer_state_merges_to_safetensors_and_json(llama_ckpt: Path, tmp_pa
 def load_out_optimizer(out: Path) -> dict[str, torch.Tensor]:
     with safe_open(out / "optimizer.safetensors", "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+
+
+def test_interrupt_with_workers_stops_queued_jobs(llama_ckpt: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    real_copy_range = fileio.copy_range
+    calls = []
+
+    def interrupted(*args: object) -> None:
+        calls.append(args)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        real_copy_range(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("ckpttool.core.merge.copy_range", interrupted)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        ckpttool.merge(llama_ckpt, out, dtype="keep", workers=2)
+    num_chunks = sum(len(t.chunks) for t in dcp.read_info(llama_ckpt / "pytorch_model_fsdp_0").tensors)
+    assert len(calls) < num_chunks  # the queue was dropped, not drained
+    assert list(out.iterdir()) == []
