@@ -18,7 +18,7 @@ import io
 import os
 import pickle
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -307,8 +307,9 @@ def record_global(module: str, name: str) -> Any | None:
 class RecordUnpickler(AllowListUnpickler):
     """Unpickles an archive's ``data.pkl``: storages become :class:`StorageRef`."""
 
-    def __init__(self, file: io.BytesIO, where: str) -> None:
-        super().__init__(file, record_global, where)
+    def __init__(self, file: io.BytesIO, where: str, *,
+                 lookup: Callable[[str, str], Any | None] = record_global) -> None:
+        super().__init__(file, lookup, where)
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
@@ -319,8 +320,13 @@ class RecordUnpickler(AllowListUnpickler):
         return StorageRef(str(pid[2]), kind.dtype, int(pid[4]))
 
 
-def load_pickle(rb: RecordBytes, entries: dict[str, ZipEntry]) -> Any:
+def load_pickle(rb: RecordBytes, entries: dict[str, ZipEntry], *,
+                lookup: Callable[[str, str], Any | None] = record_global) -> Any:
     """The archive's ``data.pkl``, unpickled onto stand-ins (tensors as :class:`TensorRef`).
+
+    Args:
+        lookup: the allow-list; a format that needs more stand-ins than a plain tensor (a
+            DTensor's spec and mesh) passes one that falls back on :func:`record_global`.
 
     Raises:
         InputError: the archive has no data.pkl.
@@ -330,4 +336,57 @@ def load_pickle(rb: RecordBytes, entries: dict[str, ZipEntry]) -> Any:
     pkl = entries.get("data.pkl")
     if pkl is None:
         raise InputError(f"{rb.where}: torch.save record has no data.pkl; corrupt")
-    return RecordUnpickler(io.BytesIO(rb.read(pkl.data_offset, pkl.size)), rb.where).load()
+    return RecordUnpickler(io.BytesIO(rb.read(pkl.data_offset, pkl.size)), rb.where,
+                           lookup=lookup).load()
+
+
+# --------------------------------------------------------------------------------------------
+# Views of storages
+
+
+def view_extent(shape: tuple[int, ...], stride: tuple[int, ...], storage_offset: int, *,
+                contiguous: bool) -> int:
+    """How many elements of its storage a view reaches (offset included)."""
+    if contiguous:
+        n = 1
+        for s in shape:
+            n *= s
+        return storage_offset + n
+    return storage_offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+
+
+def gather_strided(storage: bytes, *, itemsize: int, shape: tuple[int, ...],
+                   stride: tuple[int, ...], storage_offset: int) -> bytes:
+    """Copy a strided view out of its storage bytes into C order (rare: views are saved
+    contiguous almost always)."""
+    n = 1
+    for s in shape:
+        n *= s
+    out = bytearray(n * itemsize)
+    view = memoryview(storage)
+    pos = 0
+    for index in _iter_index(shape):
+        src = storage_offset + sum(i * s for i, s in zip(index, stride, strict=True))
+        out[pos : pos + itemsize] = view[src * itemsize : src * itemsize + itemsize]
+        pos += itemsize
+    return bytes(out)
+
+
+def _iter_index(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    if not shape:
+        yield ()
+        return
+    if 0 in shape:
+        return
+    index = [0] * len(shape)
+    while True:
+        yield tuple(index)
+        d = len(shape) - 1
+        while d >= 0:
+            index[d] += 1
+            if index[d] < shape[d]:
+                break
+            index[d] = 0
+            d -= 1
+        if d < 0:
+            return
