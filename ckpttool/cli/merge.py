@@ -89,11 +89,13 @@ def _print_human(r: object) -> None:
     lines.append(f"  dtype {r.dtype['target'] or 'kept'} ({r.dtype['source']}): "
                  f"{before} -> {after}")
     if r.renames:
-        lines.append(f"  renamed {len(r.renames)} tensors (wrapper segments removed):")
-        shown = r.renames if len(r.renames) <= 20 else r.renames[:10]
+        removed = ", ".join(r.wrappers_removed)
+        lines.append(f"  renamed {len(r.renames)} tensors (removed: {removed}):")
+        shown = r.renames if len(r.renames) <= 8 else r.renames[:5]
         lines += [f"    {x['from']} -> {x['to']}" for x in shown]
         if len(shown) < len(r.renames):
-            lines.append(f"    ... and {len(r.renames) - len(shown)} more (all in --json)")
+            lines.append(f"    ... and {len(r.renames) - len(shown)} more (every rename is in "
+                         "--json)")
     if r.tie:
         t = r.tie
         if t["action"] == "deduplicated":

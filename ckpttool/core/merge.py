@@ -241,6 +241,7 @@ class MergeReport:
     bytes_before: dict[str, int] = field(default_factory=dict)
     bytes_after: dict[str, int] = field(default_factory=dict)
     renames: list[dict[str, str]] = field(default_factory=list)
+    wrappers_removed: list[str] = field(default_factory=list)
     tie: dict[str, Any] | None = None
     non_tensor: list[dict[str, Any]] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)
@@ -320,6 +321,8 @@ def merge(
     report.skipped = [{"path": str(p), "kind": k} for p, k in located.skipped]
     report.renames = [{"from": t.fqn, "to": renamed[t.fqn]} for t in info.tensors
                       if renamed[t.fqn] != t.fqn]
+    report.wrappers_removed = names.detected_wrappers(
+        (t.path for t in info.tensors if renamed[t.fqn] != t.fqn), top_level)
     report.dtype = {"requested": policy.requested,
                     "target": policy.target.name if policy.target else None,
                     "source": policy.source}

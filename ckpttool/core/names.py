@@ -63,12 +63,13 @@ def canonical_names(entries: Iterable[tuple[str, tuple[str, ...]]],
     return out
 
 
-def detected_wrappers(paths: Iterable[tuple[str, ...]]) -> list[str]:
+def detected_wrappers(paths: Iterable[tuple[str, ...]],
+                      top_level: str = TOP_LEVEL_WRAPPER) -> list[str]:
     """Which wrappers show in these key paths (for reports)."""
     found: set[str] = set()
     for path in paths:
-        if len(path) > 1 and path[0] == TOP_LEVEL_WRAPPER:
-            found.add(TOP_LEVEL_WRAPPER)
+        if len(path) > 1 and path[0] == top_level:
+            found.add(top_level)
         for seg in ".".join(path).split("."):
             if seg in WRAPPER_SEGMENTS:
                 found.add(seg)
