@@ -1,21 +1,59 @@
-"""ckpttool: merge, inspect and verify sharded PyTorch checkpoints.
+"""ckpttool: merge, inspect, verify and reshard sharded PyTorch checkpoints.
 
-The library API. Importing it does not import torch.
+The library API. Importing it imports neither torch nor the operations themselves: each is
+loaded on first use, so the command line (``--help``, shell completion) starts fast.
 """
 
 from __future__ import annotations
 
-from ckpttool.core.merge import MergeReport, merge
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from ckpttool.errors import CkptError, InputError, IntegrityError, OutputError, UnsupportedError
 
+if TYPE_CHECKING:
+    from ckpttool.core.inspect import InspectReport, inspect
+    from ckpttool.core.merge import MergeReport, merge
+    from ckpttool.core.reshard import ReshardReport, reshard
+    from ckpttool.core.verify import Problem, VerifyReport, verify
+
 __version__ = "0.1.0"
+
+_LAZY = {
+    "inspect": "ckpttool.core.inspect",
+    "InspectReport": "ckpttool.core.inspect",
+    "merge": "ckpttool.core.merge",
+    "MergeReport": "ckpttool.core.merge",
+    "reshard": "ckpttool.core.reshard",
+    "ReshardReport": "ckpttool.core.reshard",
+    "verify": "ckpttool.core.verify",
+    "VerifyReport": "ckpttool.core.verify",
+    "Problem": "ckpttool.core.verify",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckpttool' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CkptError",
     "InputError",
+    "InspectReport",
     "IntegrityError",
     "MergeReport",
     "OutputError",
+    "Problem",
+    "ReshardReport",
     "UnsupportedError",
+    "VerifyReport",
+    "inspect",
     "merge",
+    "reshard",
+    "verify",
 ]

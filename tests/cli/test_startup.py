@@ -11,11 +11,21 @@ from ckpttool.cli.completions import SHELLS, script
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_help_does_not_import_torch() -> None:
+def test_help_imports_neither_torch_nor_the_operations() -> None:
     code = ("import sys\nfrom ckpttool.cli import app\nfrom typer.testing import CliRunner\n"
-            "r = CliRunner().invoke(app, ['merge', '--help'])\nassert r.exit_code == 0, r.output\n"
-            "assert 'torch' not in sys.modules\n")
+            "for args in (['--help'], ['merge', '--help'], ['verify', '--help']):\n"
+            "    r = CliRunner().invoke(app, args)\n    assert r.exit_code == 0, r.output\n"
+            "assert 'torch' not in sys.modules\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith('ckpttool.core'))\n"
+            "assert not loaded, loaded\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_library_api_loads_operations_on_use() -> None:
+    import ckpttool
+
+    assert callable(ckpttool.merge) and callable(ckpttool.reshard)
+    assert set(ckpttool.__all__) >= {"merge", "inspect", "verify", "reshard", "CkptError"}
 
 
 def test_completion_scripts_are_current() -> None:
