@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import InputError
-from ckpttool.formats import dcp, hf_dcp
+from ckpttool.formats import dcp, hf_dcp, rank_files
 
 # Files a Hugging Face model directory carries besides its weights.
 HF_FILES = (
@@ -49,12 +49,15 @@ def kind_of(info: dcp.DcpInfo) -> str:
 
 
 def checkpoint_at(path: Path) -> dcp.DcpInfo | None:
-    """The DCP checkpoint in directory ``path`` (FileSystemWriter's ``.metadata`` layout or
-    HuggingFaceStorageWriter's safetensors shards), or None if it holds neither."""
+    """The DCP checkpoint in directory ``path`` (FileSystemWriter's ``.metadata`` layout,
+    HuggingFaceStorageWriter's safetensors shards, or per-rank ``torch.save`` files of DTensor
+    state dicts), or None if it holds none of them."""
     if dcp.is_dcp_dir(path):
         return dcp.read_info(path)
     if hf_dcp.is_hf_dcp_dir(path):
         return hf_dcp.read_info(path)
+    if rank_files.is_rank_files_dir(path):
+        return rank_files.read_info(path)
     return None
 
 
@@ -130,7 +133,8 @@ def find_hf_files(dcp_dir: Path, config: Path | None = None) -> HfFiles:
             raise InputError(f"{config}: no such config file (--config)")
         dirs = [config.parent]
     else:
-        dirs = [dcp_dir, dcp_dir.parent]
+        # verl keeps the Hugging Face files in a huggingface/ directory beside the rank files.
+        dirs = [dcp_dir, dcp_dir / "huggingface", dcp_dir.parent, dcp_dir.parent / "huggingface"]
     config_path = config or next((d / "config.json" for d in dirs if (d / "config.json").is_file()),
                                  None)
     parsed: dict[str, Any] | None = None

@@ -1,0 +1,227 @@
+"""Per-rank torch.save files (verl's model_world_size_<W>_rank_<R>.pt), merged bit for bit
+against the full state dict the ranks gathered themselves (``DTensor.full_tensor()``)."""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from typer.testing import CliRunner, Result
+
+import ckpttool
+from ckpttool.cli import app
+from ckpttool.core import source
+from ckpttool.errors import InputError
+from ckpttool.formats import rank_files
+from tests import layouts
+from tests.core.test_merge import assert_bit_exact, load_out
+from tests.layouts import CKPT_DIR, rank_file
+
+
+def run(*args: str | Path) -> Result:
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="session")
+def w1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return layouts.write_single(tmp_path_factory.mktemp("rank-files-w1"))
+
+
+@pytest.fixture(scope="session")
+def fsdp2_w1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return layouts.write_fsdp2(tmp_path_factory.mktemp("rank-files-fsdp2-w1"), 1)
+
+
+@pytest.fixture(scope="session")
+def w2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return layouts.write_fsdp2(tmp_path_factory.mktemp("rank-files-w2"), 2, extras=True)
+
+
+@pytest.fixture(scope="session")
+def w11(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return layouts.write_fsdp2(tmp_path_factory.mktemp("rank-files-w11"), 11)
+
+
+@pytest.fixture(scope="session")
+def mesh_2d(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return layouts.write_mesh_2d(tmp_path_factory.mktemp("rank-files-2d"))
+
+
+CASES = {  # fixture, checkpoint directory, reference
+    "world-of-one": ("w1", CKPT_DIR, "reference.pt"),
+    "fsdp2-1-rank": ("fsdp2_w1", CKPT_DIR, "reference.pt"),
+    "fsdp2-2-ranks": ("w2", CKPT_DIR, "reference.pt"),
+    "fsdp2-11-ranks": ("w11", CKPT_DIR, "reference.pt"),
+    "replicate-shard1-bf16-plain": ("w2", "placements", "placements_reference.pt"),
+    "hsdp-2x2-and-sub-meshes": ("mesh_2d", CKPT_DIR, "reference.pt"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_merge_is_bit_exact(case: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    fixture, ckpt, reference = CASES[case]
+    base: Path = request.getfixturevalue(fixture)
+    report = ckpttool.merge(base / ckpt, tmp_path / "out", dtype="keep")
+    want = torch.load(base / reference, weights_only=True)
+    assert_bit_exact(load_out(tmp_path / "out"), want)
+    assert report.num_tensors == len(want)
+
+
+def test_cast_through_the_cli(w11: Path, tmp_path: Path) -> None:
+    r = run("merge", w11 / CKPT_DIR, tmp_path / "out", "--dtype", "bf16", "-q")
+    assert r.exit_code == 0, r.output
+    want = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+            for k, v in torch.load(w11 / "reference.pt", weights_only=True).items()}
+    assert_bit_exact(load_out(tmp_path / "out"), want, cast=True)
+
+
+def test_ranks_are_ordered_by_number_and_empty_pieces_left_out(w11: Path) -> None:
+    info = rank_files.read_info(w11 / CKPT_DIR)
+    assert info.files == tuple(rank_file(11, r) for r in range(11))
+    weight = info.tensor("up.weight")  # 5 rows on 11 ranks: one row on ranks 0-4, none after
+    assert [(c.file, c.offsets, c.sizes) for c in weight.chunks] == [
+        (rank_file(11, r), (r, 0), (1, 4)) for r in range(5)]
+    assert all(c.raw for t in info.tensors for c in t.chunks)
+    steps = info.tensor("steps")  # a plain buffer: every rank has it, rank 0's copy is used
+    assert [c.file for c in steps.chunks] == [rank_file(11, 0)]
+
+
+def test_rank_files_sort_by_number_not_by_name(tmp_path: Path) -> None:
+    for r in (10, 2, 1, 0, 9, 3, 4, 5, 6, 7, 8, 11):
+        (tmp_path / rank_file(12, r)).touch()
+    (tmp_path / "optim_world_size_12_rank_0.pt").touch()  # verl's optimizer files: not model
+    assert [f.rank for f in rank_files.rank_files(tmp_path)] == list(range(12))
+
+
+def test_found_inside_the_training_directory(w11: Path, tmp_path: Path) -> None:
+    report = ckpttool.merge(w11, tmp_path / "out", dtype="keep")
+    assert report.checkpoint == str(w11 / CKPT_DIR)
+    assert report.src == str(w11)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_rank_file_is_named(w11: Path, tmp_path: Path) -> None:
+    ckpt = _copy(w11 / CKPT_DIR, tmp_path / "ckpt")
+    (ckpt / rank_file(11, 10)).unlink()
+    (ckpt / rank_file(11, 3)).unlink()
+    with pytest.raises(InputError) as e:
+        ckpttool.merge(ckpt, tmp_path / "out")
+    assert str(e.value) == (f"{ckpt / rank_file(11, 3)}: missing (and 1 more); a world of 11 "
+                            "needs one file per rank. Copy every rank's file")
+    r = run("merge", ckpt, tmp_path / "out")
+    assert r.exit_code == 3 and rank_file(11, 3) in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_world_sizes_must_agree(w2: Path, tmp_path: Path) -> None:
+    ckpt = _copy(w2 / CKPT_DIR, tmp_path / "ckpt")
+    shutil.copy(ckpt / rank_file(2, 1), ckpt / rank_file(3, 2))
+    with pytest.raises(InputError, match=r"rank files of different world sizes \[2, 3\]"):
+        rank_files.read_info(ckpt)
+
+
+def test_renamed_rank_files_are_caught(w2: Path, tmp_path: Path) -> None:
+    ckpt = _copy(w2 / CKPT_DIR, tmp_path / "ckpt")
+    (ckpt / rank_file(2, 0)).rename(ckpt / "tmp")
+    (ckpt / rank_file(2, 1)).rename(ckpt / rank_file(2, 0))
+    (ckpt / "tmp").rename(ckpt / rank_file(2, 1))
+    with pytest.raises(InputError) as e:
+        rank_files.read_info(ckpt)
+    assert str(e.value) == (f"{ckpt / rank_file(2, 0)}: written by rank 1 but named for rank 0; "
+                            "the rank files were renamed. Restore the original names")
+
+
+def test_ranks_must_hold_the_same_keys(w2: Path, tmp_path: Path) -> None:
+    ckpt = _copy(w2 / CKPT_DIR, tmp_path / "ckpt")
+    shutil.copy(w2 / "placements" / rank_file(2, 1), ckpt / rank_file(2, 1))
+    with pytest.raises(InputError) as e:
+        rank_files.read_info(ckpt)
+    assert str(e.value).startswith(f"{ckpt / rank_file(2, 1)}: lacks 'steps' that rank 0 has")
+
+
+def test_unlisted_global_is_refused_and_never_run(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    ckpt = layouts.write_unlisted_global(tmp_path / "ckpt", marker)
+    with pytest.raises(InputError) as e:
+        ckpttool.merge(ckpt, tmp_path / "out")
+    assert str(e.value) == (
+        f"{ckpt / rank_file(1, 0)}: refused to load: the pickle asks for 'tests.layouts.touch', "
+        "which a state dict of tensors and DTensors never contains; the file may be malicious "
+        "(nothing was executed)"
+    )
+    r = run("merge", ckpt, tmp_path / "out")
+    assert r.exit_code == 3, r.output
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_partial_placement_is_unsupported(w2: Path, tmp_path: Path) -> None:
+    r = run("merge", w2 / "partial", tmp_path / "out")
+    assert r.exit_code == 4, r.output
+    assert r.stderr == (
+        f"ckpttool: error: {w2 / 'partial' / rank_file(2, 0)}: DTensor 'summed' is placed as "
+        "Partial on mesh dimension 0; ckpttool merges Shard and Replicate placements only "
+        "(redistribute to Shard/Replicate, or save with torch.distributed.checkpoint)\n"
+    )
+
+
+@pytest.mark.parametrize(("folder", "first"), [
+    ("fsdp1_local", rank_file(2, 0)),  # verl's names
+    ("fsdp1_accelerate", "pytorch_model_fsdp_rank0.bin"),  # accelerate's names
+])
+def test_fsdp1_local_state_dict_exit_4(folder: str, first: str, w2: Path, tmp_path: Path) -> None:
+    r = run("merge", w2 / folder, tmp_path / "out")
+    assert r.exit_code == 4, r.output
+    assert r.stderr == (
+        f"ckpttool: error: {w2 / folder / first}: FSDP1 LOCAL_STATE_DICT files (flattened "
+        "parameters) cannot be merged without the model: load them into the FSDP1-wrapped "
+        "model and save again with StateDictType.SHARDED_STATE_DICT (a DCP checkpoint ckpttool "
+        "merges) or FULL_STATE_DICT\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_recognised_by_content_not_by_name(tmp_path: Path) -> None:
+    (tmp_path / rank_file(1, 0)).write_text("not a torch.save file")
+    assert source.checkpoint_at(tmp_path) is None
+
+
+def test_dtensor_allow_list_still_names_live_torch_classes() -> None:
+    """If a torch upgrade moves these, its DTensor files would be refused: fail here first."""
+    for module, name in rank_files._DTENSOR_GLOBALS:
+        assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
+
+
+@given(
+    shape=st.lists(st.integers(0, 9), min_size=1, max_size=3),
+    mesh=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_piece_placement_matches_dtensor(shape: list[int], mesh: list[int],
+                                         data: st.DataObject) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    coordinate = [data.draw(st.integers(0, m - 1)) for m in mesh]
+    dims = [data.draw(st.one_of(st.none(), st.integers(0, len(shape) - 1))) for _ in mesh]
+    stand_ins = []
+    for d in dims:
+        p = rank_files._Replicate() if d is None else rank_files._Shard()
+        p.__setstate__({} if d is None else {"dim": d})
+        stand_ins.append(p)
+    got_offsets, got_sizes = rank_files._local_box(
+        Path("x"), "t", tuple(shape), rank_files._Mesh(tuple(mesh), tuple(coordinate)),
+        tuple(stand_ins))
+    want_sizes, want_offsets = _compute_local_shape_and_global_offset(
+        shape, mesh, coordinate, [Replicate() if d is None else Shard(d) for d in dims])
+    assert got_sizes == tuple(want_sizes)
+    if all(got_sizes):  # DTensor's offset of an empty piece is the end of the dim; unused
+        assert got_offsets == tuple(want_offsets)

@@ -1,0 +1,239 @@
+"""Real writers of per-rank ``torch.save`` checkpoints, for :mod:`ckpttool.formats.rank_files`.
+
+Every file here is written by the real API on real gloo ranks (CPU processes forked by the
+same torch-preloaded forkserver as the DCP fixtures, :func:`examples.fsdp2_checkpoint.
+start_rank_server`, so a rank starts in a fraction of a second):
+
+* :func:`write_fsdp2` ``(out, world_size, *, extras=False)``: the verl layout. Each rank
+  ``fully_shard``\\ s :class:`Small` (``Linear(4, 5)``, ``Linear(5, 3)``: dim 0 uneven on any
+  world but 1 and 5; on 11 ranks most pieces are empty) plus its int64 buffer, and saves
+  ``torch.save(model.state_dict(), out/"actor"/f"model_world_size_{W}_rank_{R}.pt")``.
+  Rank 0 saves the gathered full state dict (``DTensor.full_tensor()``) as
+  ``out/"reference.pt"``, beside the checkpoint directory. With ``extras`` the same ranks
+  also write
+
+  - ``out/"placements"``: DTensors placed ``Replicate()``, ``Shard(1)`` and (bf16)
+    ``Shard(0)`` plus a plain tensor, reference ``out/"placements_reference.pt"``;
+  - ``out/"partial"``: a ``Partial()`` DTensor (not mergeable);
+  - ``out/"fsdp1_local"`` and ``out/"fsdp1_accelerate"``: FSDP1 ``LOCAL_STATE_DICT`` files
+    (flat parameters as ShardedTensor) named the verl way and the accelerate way
+    (``pytorch_model_fsdp_rank<R>.bin``).
+
+* :func:`write_mesh_2d` ``(out)``: 4 ranks on a 2 x 2 mesh: HSDP (``fully_shard`` on the 2-D
+  mesh, placements ``(Replicate(), Shard(0))``), DTensors placed ``(Shard(0), Shard(1))`` and
+  ``(Shard(0), Shard(0))``, and DTensors on each 1-D sub-mesh (``mesh["dp"]``,
+  ``mesh["tp"]``, whose rank lists interleave). Checkpoint ``out/"actor"``, reference
+  ``out/"reference.pt"``.
+* :func:`write_single` ``(out)``: a world of one, plain ``torch.save(model.state_dict())``
+  without FSDP, as ``out/"actor"/"model_world_size_1_rank_0.pt"``; the reference is the same
+  state dict.
+* :func:`write_unlisted_global` ``(out, marker)``: a rank file whose pickle names a function
+  of this module (:func:`touch`) that would create ``marker`` if it ever ran.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from examples.fsdp2_checkpoint import KINDS, start_rank_server
+
+CKPT_DIR = "actor"  # verl: global_step_<n>/actor/model_world_size_<W>_rank_<R>.pt
+SEED = 1234
+
+
+def rank_file(world_size: int, rank: int) -> str:
+    return f"model_world_size_{world_size}_rank_{rank}.pt"
+
+
+class Small(nn.Module):
+    """Dim 0 of every parameter is 5 or 3: uneven on 2, 3, 4 ranks; empty pieces on 11."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 5)
+        self.down = nn.Linear(5, 3)
+        self.register_buffer("steps", torch.arange(7, dtype=torch.int64) * 3 - 5)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(rank: int, world_size: int, port: int, job: Callable[..., None],
+               out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")  # FSDP1 and ShardedTensor deprecation notices, per rank
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        job(rank, world_size, Path(out))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(job: Callable[..., None], world_size: int, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_rank_main, args=(world_size, _free_port(), job, str(out)),
+                       nprocs=world_size, join=True, start_method=start_rank_server(KINDS))
+
+
+def _full(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The full state dict, gathered: a collective, every rank calls it."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in state.items()}
+
+
+def _save_with_reference(rank: int, world_size: int, state: dict[str, Any], ckpt: Path,
+                         reference: Path) -> None:
+    ckpt.mkdir(parents=True, exist_ok=True)
+    torch.save(state, ckpt / rank_file(world_size, rank))
+    full = _full(state)
+    if rank == 0:
+        torch.save(full, reference)
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP2, 1-D mesh (verl)
+
+
+def _fsdp2_job(rank: int, world_size: int, out: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(SEED)
+    model = Small()
+    fully_shard(model.up, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _save_with_reference(rank, world_size, model.state_dict(), out / CKPT_DIR,
+                         out / "reference.pt")
+
+
+def _fsdp2_extras_job(rank: int, world_size: int, out: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    _fsdp2_job(rank, world_size, out)
+    mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(SEED + 1)
+    placed = {
+        "replicated": distribute_tensor(torch.randn(3, 2, generator=g), mesh, [Replicate()]),
+        "columns": distribute_tensor(torch.randn(3, 5, generator=g), mesh, [Shard(1)]),
+        "rows_bf16": distribute_tensor(torch.randn(7, 2, generator=g).to(torch.bfloat16),
+                                       mesh, [Shard(0)]),
+        "plain": torch.arange(4, dtype=torch.int32),
+    }
+    _save_with_reference(rank, world_size, placed, out / "placements",
+                         out / "placements_reference.pt")
+
+    partial = DTensor.from_local(torch.randn(3, 2, generator=g), mesh, [Partial()])
+    (out / "partial").mkdir(exist_ok=True)
+    torch.save({"summed": partial}, out / "partial" / rank_file(world_size, rank))
+
+    _fsdp1_local(rank, world_size, out)
+
+
+def _fsdp1_local(rank: int, world_size: int, out: Path) -> None:
+    """FSDP1 runs on CPU with gloo when told so: with ``device_id=None`` it refuses ("FSDP
+    needs a non-CPU accelerator device"), with ``device_id=torch.device("cpu")`` it wraps."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    torch.manual_seed(SEED)
+    model = FSDP(Small(), device_id=torch.device("cpu"), use_orig_params=False)
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        state = model.state_dict()
+    for name, file in (("fsdp1_local", rank_file(world_size, rank)),
+                       ("fsdp1_accelerate", f"pytorch_model_fsdp_rank{rank}.bin")):
+        (out / name).mkdir(exist_ok=True)
+        torch.save(state, out / name / file)
+
+
+def write_fsdp2(out: Path, world_size: int, *, extras: bool = False) -> Path:
+    """The verl layout on ``world_size`` ranks (see the module docstring); returns ``out``."""
+    _run(_fsdp2_extras_job if extras else _fsdp2_job, world_size, out)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# 2 x 2 mesh
+
+
+def _mesh_2d_job(rank: int, world_size: int, out: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    # full_tensor() of (Shard(0), Shard(0)) logs a hint about flattening the mesh, per rank.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(SEED)
+    model = Small()
+    fully_shard(model, mesh=mesh)  # HSDP: replicate over "dp", shard over "tp"
+    state = dict(model.state_dict())
+    g = torch.Generator().manual_seed(SEED + 2)
+    state["grid"] = distribute_tensor(torch.randn(5, 7, generator=g), mesh, [Shard(0), Shard(1)])
+    state["twice"] = distribute_tensor(torch.randn(7, 3, generator=g), mesh,
+                                       [Shard(0), Shard(0)])
+    state["mixed"] = distribute_tensor(torch.randn(3, 6, generator=g), mesh,
+                                       [Shard(1), Replicate()])
+    state["on_dp"] = distribute_tensor(torch.randn(5, 2, generator=g), mesh["dp"], [Shard(0)])
+    state["on_tp"] = distribute_tensor(torch.randn(3, 4, generator=g), mesh["tp"], [Shard(0)])
+    _save_with_reference(rank, world_size, state, out / CKPT_DIR, out / "reference.pt")
+
+
+def write_mesh_2d(out: Path) -> Path:
+    """4 ranks on a 2 x 2 mesh (see the module docstring); returns ``out``."""
+    _run(_mesh_2d_job, 4, out)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# In this process
+
+
+def write_single(out: Path) -> Path:
+    """A world of one: plain ``torch.save(model.state_dict())``, no FSDP; returns ``out``."""
+    torch.manual_seed(SEED)
+    state = Small().state_dict()
+    (out / CKPT_DIR).mkdir(parents=True, exist_ok=True)
+    torch.save(state, out / CKPT_DIR / rank_file(1, 0))
+    torch.save(state, out / "reference.pt")
+    return out
+
+
+def touch(path: str) -> None:
+    """What a malicious pickle would run; the test checks it never does."""
+    Path(path).touch()
+
+
+class _Trap:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (touch, (str(self.marker),))
+
+
+def write_unlisted_global(out: Path, marker: Path) -> Path:
+    """A world-of-one rank file whose pickle names :func:`touch`; returns the directory."""
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"up.weight": torch.zeros(2, 2), "trap": _Trap(marker)}, out / rank_file(1, 0))
+    return out
