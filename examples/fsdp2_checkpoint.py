@@ -409,6 +409,18 @@ def _write_uneven(rank: int, world_size: int, out: Path) -> None:
     dcp.save({"model": model.state_dict()}, checkpoint_id=out / MODEL_DIR)
 
 
+def build_uneven(world_size: int) -> nn.Module:
+    """The ``uneven`` model sharded with ``fully_shard`` on ``world_size`` ranks as its writer
+    shards it, freshly initialised (to load a checkpoint into). Call on every rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _Uneven()
+    mesh = _mesh(world_size)
+    fully_shard(model.inner, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 # --------------------------------------------------------------------------------------
 # wrappers
 # --------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpttool.core import source as locate
 from ckpttool.core import tensors as sources
 from ckpttool.core.fileio import AtomicOutputs, copy_range, pwrite_all
 from ckpttool.errors import InputError, OutputError
@@ -123,6 +124,8 @@ def reshard(
     target = (to or "dcp").lower()
     if target not in ("dcp", "safetensors"):
         raise InputError(f"unknown --to '{to}'; use dcp or safetensors")
+    if ranks is not None and ranks < 1:
+        raise InputError(f"--ranks must be at least 1, got {ranks}")
     with sources.open_source(src_path) as source:
         report = ReshardReport(str(src_path), str(out_path), source.format, target)
         if target == "safetensors":
@@ -130,8 +133,9 @@ def reshard(
                 raise InputError(f"{src_path}: --to safetensors re-splits safetensors; to turn "
                                  f"a DCP checkpoint into safetensors run: ckpttool merge "
                                  f"{src_path} {out_path}")
-            _to_safetensors(source, out_path, st.parse_size(str(max_shard_size)), overwrite,
-                            report, progress, on_start)
+            hf = locate.find_hf_files(src_path if src_path.is_dir() else src_path.parent)
+            _to_safetensors(source, out_path, st.parse_size(str(max_shard_size)), hf.files,
+                            overwrite, report, progress, on_start)
         else:
             if isinstance(source, sources.DcpSource) and ranks is None:
                 raise InputError("DCP to DCP needs --ranks M (the number of ranks to lay "
@@ -196,15 +200,17 @@ def _check_dcp_output(out: Path, overwrite: bool) -> None:
 
 
 def _to_safetensors(source: sources.SafetensorsSource, out: Path, max_shard_size: int,
-                    overwrite: bool, report: ReshardReport, progress: Progress | None,
-                    on_start: Callable[[int], None] | None) -> None:
+                    hf_files: tuple[Path, ...], overwrite: bool, report: ReshardReport,
+                    progress: Progress | None, on_start: Callable[[int], None] | None) -> None:
     stored = list(source.stored.values())
     files, index = st.plan_files([(t.slot.name, t.slot.dtype, t.slot.shape) for t in stored],
                                  max_shard_size)
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a directory; choose another output path")
     out.mkdir(parents=True, exist_ok=True)
-    existing = sorted(p.name for p in out.iterdir() if st.is_weight_file(p.name))
+    existing = sorted((p.name for p in out.iterdir()
+                       if st.is_weight_file(p.name) or p.name in {f.name for f in hf_files}),
+                      key=lambda name: (not st.is_weight_file(name), name))
     if existing and not overwrite:
         raise OutputError(f"{out}: already holds {existing[0]}; pass --overwrite to replace it "
                           "or choose an empty directory")
@@ -226,6 +232,8 @@ def _to_safetensors(source: sources.SafetensorsSource, out: Path, max_shard_size
                         progress(slot.nbytes)
             if index is not None:
                 outputs.write_bytes(st.INDEX_NAME, index)
+            for path in hf_files:  # config and tokenizer: the output is a model directory too
+                outputs.write_bytes(path.name, path.read_bytes())
             written = outputs.commit(last=(st.INDEX_NAME,))
     finally:
         for fd in src_fds.values():

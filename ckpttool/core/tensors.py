@@ -138,8 +138,9 @@ class SafetensorsSource(Source):
 
     def __init__(self, stored: tuple[st.StoredTensor, ...]) -> None:
         self.stored = {t.slot.name: t for t in stored}
+        # Full weights: every tensor is split on dim 0 as fully_shard splits parameters.
         self.tensors = tuple(SourceTensor(t.slot.name, (t.slot.name,), t.slot.dtype,
-                                          t.slot.shape, whole=True) for t in stored)
+                                          t.slot.shape, whole=False) for t in stored)
         self._fds: dict[Path, int] = {}
 
     def read(self, key: str, start: int, stop: int) -> bytearray:
