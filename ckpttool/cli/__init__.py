@@ -8,10 +8,14 @@ from typing import Annotated
 
 import typer
 
+from ckpttool.cli.inspect import EPILOG as INSPECT_EPILOG
+from ckpttool.cli.inspect import inspect_command
 from ckpttool.cli.merge import EPILOG as MERGE_EPILOG
 from ckpttool.cli.merge import merge_command
 from ckpttool.cli.reshard import EPILOG as RESHARD_EPILOG
 from ckpttool.cli.reshard import reshard_command
+from ckpttool.cli.verify import EPILOG as VERIFY_EPILOG
+from ckpttool.cli.verify import verify_command
 
 app = typer.Typer(
     name="ckpttool",
@@ -23,6 +27,8 @@ app = typer.Typer(
 )
 app.command("merge", epilog=MERGE_EPILOG)(merge_command)
 app.command("reshard", epilog=RESHARD_EPILOG)(reshard_command)
+app.command("inspect", epilog=INSPECT_EPILOG)(inspect_command)
+app.command("verify", epilog=VERIFY_EPILOG)(verify_command)
 
 
 def _version(value: bool) -> None:

@@ -122,7 +122,7 @@ class TensorRecord:
 
     @property
     def is_contiguous(self) -> bool:
-        return self.stride == _contiguous_strides(self.shape) or _prod(self.shape) <= 1
+        return self.stride == torchsave.contiguous_strides(self.shape) or _prod(self.shape) <= 1
 
     @property
     def nbytes(self) -> int:
@@ -492,8 +492,9 @@ class Reader:
             if chunk.length != chunk.numel * tensor.dtype.itemsize:
                 raise InputError(f"{where}: holds {chunk.length} bytes for "
                                  f"{list(chunk.sizes)} {tensor.dtype.name}; corrupt")
-            return TensorRecord(tensor.dtype, chunk.sizes, _contiguous_strides(chunk.sizes), 0,
-                                chunk.offset, chunk.length, None)
+            return TensorRecord(tensor.dtype, chunk.sizes,
+                                torchsave.contiguous_strides(chunk.sizes), 0, chunk.offset,
+                                chunk.length, None)
         rec = read_record(self.fd(chunk.file), offset=chunk.offset, length=chunk.length,
                           where=where)
         if rec.dtype != tensor.dtype or rec.shape != chunk.sizes:
@@ -621,12 +622,3 @@ def _prod(values: tuple[int, ...]) -> int:
     for v in values:
         n *= v
     return n
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides = []
-    acc = 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))

@@ -279,3 +279,13 @@ def read_index(path: Path) -> Index:
     total = meta.get("total_size") if isinstance(meta, dict) else None
     return Index(path, dict(weight_map), total if isinstance(total, int) else None,
                  tuple(dup))
+
+
+def is_safetensors_file(path: Path) -> bool:
+    """True if ``path`` starts like a safetensors file (a length, then a JSON object)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        return False
+    return len(head) == 9 and head[8:9] == b"{"

@@ -344,6 +344,16 @@ def load_pickle(rb: RecordBytes, entries: dict[str, ZipEntry], *,
 # Views of storages
 
 
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides torch gives a contiguous tensor of ``shape`` (a size-0 dim counts as 1)."""
+    strides = []
+    acc = 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 def view_extent(shape: tuple[int, ...], stride: tuple[int, ...], storage_offset: int, *,
                 contiguous: bool) -> int:
     """How many elements of its storage a view reaches (offset included)."""

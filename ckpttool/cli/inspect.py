@@ -1,0 +1,133 @@
+"""``ckpttool inspect PATH``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ckpttool.cli.common import ProgressBar, exit_codes, human_bytes, print_json
+
+EPILOG = """\
+Examples:\n\n
+  ckpttool inspect checkpoint-500\n\n
+  ckpttool inspect model.safetensors --filter '*embed*' --stats\n\n
+  ckpttool inspect pytorch_model.bin --json | jq '.summary'\n\n
+Reads only metadata and headers unless --stats is given.\n\n
+Exit codes: 0 ok, 2 usage, 3 bad input, 4 unsupported, 70 internal bug.
+"""
+
+
+def inspect_command(
+    path: Annotated[Path, typer.Argument(help="A DCP directory, a .safetensors file or sharded "
+                                         "directory, a torch.save .bin/.pt state dict, or a "
+                                         "training checkpoint directory (checkpoint-500/).")],
+    filter: Annotated[str | None, typer.Option(
+        "--filter", metavar="GLOB", help="Show only tensors whose name matches this glob "
+        "(e.g. '*layers.0.*'); the summary still counts them all.")] = None,
+    stats: Annotated[bool, typer.Option(
+        "--stats", help="Read the data and add min, max, mean, abs-max, NaN and Inf counts "
+        "per tensor.")] = False,
+    config: Annotated[Path | None, typer.Option(
+        help="config.json (or its directory) to use instead of the one beside PATH.")] = None,
+    json_output: Annotated[bool, typer.Option(
+        "--json", help="Print the report as one JSON document on stdout.")] = False,
+) -> None:
+    """Show what a checkpoint holds: format, parts, tensors, dtypes, sizes, ties."""
+    from ckpttool.core.inspect import inspect
+
+    bar = ProgressBar("reading", enabled=stats)
+    on_start, progress = bar.callbacks
+    with exit_codes():
+        try:
+            report = inspect(path, filter=filter, stats=stats, config=config,
+                             progress=progress, on_start=on_start)
+        finally:
+            bar.stop()
+    if json_output:
+        print_json(report.to_json())
+    else:
+        print(render(report.to_json()))
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The human report: a summary block, then the tensor table."""
+    lines = [f"{doc['format']} checkpoint {doc['checkpoint']}"
+             + (f" ({doc['kind']})" if doc["format"] != "none" else "")]
+    if doc["checkpoint"] != doc["path"]:
+        lines[0] += f", found in {doc['path']}"
+    if doc["parts"]:
+        lines.append("  parts:")
+        for p in doc["parts"]:
+            note = f"; {p['note']}" if p["note"] else ""
+            lines.append(f"    {p['path']}: {p['kind']} ({p['format']}{note})")
+    s = doc["summary"]
+    if s:
+        where = ", ".join(x for x in (
+            count(s["num_ranks"], "rank") if s["num_ranks"] is not None else "",
+            count(s["num_files"], "file")) if x)
+        per_dtype = ", ".join(f"{k} {human_bytes(v)}" for k, v in s["bytes_per_dtype"].items())
+        lines.append(f"  {where}; {count(s['num_tensors'], 'tensor')}, {s['num_parameters']:,} "
+                     f"parameters, {human_bytes(s['bytes'])} ({per_dtype or 'no tensors'})")
+        m = s["merged"]
+        dedup = f", {m['deduplicated']} written once" if m["deduplicated"] else ""
+        lines.append(f"  merged with --dtype auto: {human_bytes(m['bytes'])} in "
+                     f"{m['dtype'] or 'the stored dtypes'} ({m['dtype_source']}{dedup})")
+        if s["wrappers"]:
+            lines.append(f"  name wrappers: {', '.join(s['wrappers'])} "
+                         f"({s['num_renamed']} names shown without them)")
+        if s["tie"]:
+            t = s["tie"]
+            said = {True: "config ties them", False: "config unties them",
+                    None: "no config says"}[t["config_ties"]]
+            lines.append(f"  tie candidates: {t['output']} / {t['input']} ({said})")
+    for o in doc["non_tensor"]:
+        if o["readable"]:
+            lines.append(f"  non-tensor {o['name']} = {_short(o['value'])}")
+        else:
+            lines.append(f"  non-tensor {o['name']}: {o['note']}")
+    lines += [f"  note: {n}" for n in doc["notes"]]
+    if doc["tensors"]:
+        lines.append("")
+        lines.append(_table(doc["tensors"], doc["stats"]))
+    elif doc["filter"] and s:
+        lines.append(f"  no tensor matches --filter {doc['filter']!r}")
+    return "\n".join(lines)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _table(rows: list[dict[str, Any]], stats: bool) -> str:
+    header = ["name", "shape", "dtype", "size", "chunks", "placement", "files"]
+    if stats:
+        header += ["min", "max", "mean", "abs max", "nan", "inf"]
+    table = [header]
+    for r in rows:
+        files = r["files"][0] if len(r["files"]) == 1 else f"{len(r['files'])} files"
+        row = [r["name"], "x".join(map(str, r["shape"])) or "scalar", r["dtype"],
+               human_bytes(r["bytes"]), str(r["chunks"]), r["placement"], files]
+        if stats:
+            st = r["stats"] or {}
+            row += [_num(st.get("min")), _num(st.get("max")), _num(st.get("mean")),
+                    _num(st.get("abs_max")), str(st.get("nan", "")), str(st.get("inf", ""))]
+        table.append(row)
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
+                     .rstrip() for row in table)
+
+
+def _num(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, int):
+        return str(v)
+    return f"{v:.4g}"
+
+
+def count(n: int, word: str) -> str:
+    """``1 tensor``, ``2 tensors``."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"

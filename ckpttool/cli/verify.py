@@ -1,0 +1,120 @@
+"""``ckpttool verify PATH [--against OTHER]``."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ckpttool.cli.common import EXIT_PROBLEMS, ProgressBar, exit_codes, human_bytes, print_json
+from ckpttool.cli.inspect import count
+from ckpttool.cli.merge import DTypeChoice
+
+EPILOG = """\
+Examples:\n\n
+  ckpttool verify checkpoint-500\n\n
+  ckpttool verify checkpoint-500 --against merged/ --allow-cast\n\n
+  ckpttool verify checkpoint-500 --expect-dtype bf16 --json | jq '.problems'\n\n
+  ckpttool verify merged/ --manifest merged.manifest.json   # writes it, or checks it if present\n\n
+Exit codes: 0 nothing at error severity, 1 errors found, 2 usage, 3 PATH cannot be read,
+4 unsupported, 70 internal bug.
+"""
+
+# Problems of one code shown before "... and N more" (all are in --json).
+SHOWN_PER_CODE = 10
+
+
+class ExpectDType(str, Enum):
+    auto = "auto"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+def verify_command(
+    path: Annotated[Path, typer.Argument(help="The checkpoint to check (any format inspect "
+                                         "reads).")],
+    against: Annotated[Path | None, typer.Option(
+        metavar="OTHER", help="Another checkpoint (any format) that must hold the same tensors "
+        "under canonical names, bit for bit: e.g. the output of ckpttool merge.")] = None,
+    allow_cast: Annotated[bool, typer.Option(
+        "--allow-cast", help="With --against: compare after the cast that --dtype would apply "
+        "(NaN equals NaN after a cast).")] = False,
+    dtype: Annotated[DTypeChoice | None, typer.Option(
+        help="With --allow-cast: the --dtype given to merge (default auto: config.json's "
+        "torch_dtype).")] = None,
+    expect_dtype: Annotated[ExpectDType | None, typer.Option(
+        help="Floating tensors of another dtype are errors (auto: config.json's torch_dtype). "
+        "Float8, integer and bool tensors are reported apart.")] = None,
+    config: Annotated[Path | None, typer.Option(
+        help="config.json (or its directory) to use instead of the one beside PATH.")] = None,
+    manifest: Annotated[Path | None, typer.Option(
+        metavar="FILE", help="Write a SHA-256 per tensor to FILE, or check them against FILE "
+        "if it exists.")] = None,
+    workers: Annotated[int | None, typer.Option(
+        min=1, help="Tensors read in parallel (default: number of CPUs).")] = None,
+    json_output: Annotated[bool, typer.Option(
+        "--json", help="Print the full report as one JSON document on stdout.")] = False,
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", help="Print only errors and the summary line.")] = False,
+) -> None:
+    """Check that a checkpoint is whole and sane; compare it with another."""
+    from ckpttool.core.verify import verify
+
+    if dtype is not None and not allow_cast:
+        raise typer.BadParameter("applies to the cast that --allow-cast allows; pass "
+                                 "--allow-cast too", param_hint="--dtype")
+    if allow_cast and against is None:
+        raise typer.BadParameter("needs --against OTHER", param_hint="--allow-cast")
+    bar = ProgressBar("verifying", enabled=not quiet)
+    on_start, progress = bar.callbacks
+    with exit_codes():
+        try:
+            report = verify(path, against=against, allow_cast=allow_cast,
+                            dtype=dtype.value if dtype else None,
+                            expect_dtype=expect_dtype.value if expect_dtype else None,
+                            config=config, manifest=manifest, workers=workers,
+                            progress=progress, on_start=on_start)
+        finally:
+            bar.stop()
+    doc = report.to_json()
+    if json_output:
+        print_json(doc)
+    else:
+        print(render(doc, quiet=quiet))
+    if not report.ok:
+        raise typer.Exit(EXIT_PROBLEMS)
+
+
+def render(doc: dict[str, Any], *, quiet: bool = False) -> str:
+    """One line per problem (the first few of each code), then one summary line."""
+    lines: list[str] = []
+    shown: dict[str, int] = {}
+    hidden: dict[str, int] = {}
+    for p in doc["problems"]:
+        if quiet and p["severity"] != "error":
+            continue
+        n = shown.get(p["code"], 0)
+        if n >= SHOWN_PER_CODE:
+            hidden[p["code"]] = hidden.get(p["code"], 0) + 1
+            continue
+        shown[p["code"]] = n + 1
+        lines.append(f"{p['severity']}: {p['code']}: {p['message']}")
+    lines += [f"... and {n} more {code} (all in --json)" for code, n in hidden.items()]
+    c = doc["counts"]
+    against = f" against {doc['against']['checkpoint']}" if doc["against"] else ""
+    if doc["parts"]:
+        against = f" (and {', '.join(p['path'] for p in doc['parts'])}){against}"
+    manifest = ""
+    if doc["manifest"]:
+        manifest = f"; manifest {doc['manifest']['action']}: {doc['manifest']['path']}"
+    verdict = "OK" if doc["ok"] else "FAILED"
+    counts = ", ".join(count(c[s], word) for s, word in (("error", "error"),
+                                                          ("warning", "warning"),
+                                                          ("info", "note")))
+    lines.append(f"verify {verdict}: {doc['checkpoint']}{against}: {counts}; "
+                 f"{count(doc['num_tensors'], 'tensor')}, {human_bytes(doc['bytes_read'])} read "
+                 f"in {doc['seconds']:.1f} s{manifest}")
+    return "\n".join(lines)

@@ -1,0 +1,200 @@
+"""``torch.save`` files: a ``pytorch_model.bin`` / ``*.pt`` state dict, read weights-only.
+
+The file is one ``torch.save`` archive (:mod:`torchsave`): its ``data.pkl`` is unpickled by
+the same allow-list as DCP records (tensors, parameters, dicts, lists, scalars, strings), onto
+stand-ins, so that reading it never runs code and never imports torch. Tensors are located by
+the zip headers (storage offset, size and CRC-32) without reading their bytes. A pickle that
+names any other global (a custom class, ``os.system``) is refused as a whole, as
+``torch.load(weights_only=True)`` refuses it.
+
+Nested containers are flattened the way DCP flattens a state dict: ``{"model": {"w": t}}``
+gives the tensor ``model.w`` with key path ``("model", "w")``; list items are numbered. A
+subtree without tensors stays one non-tensor entry.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.formats import torchsave
+from ckpttool.formats.dtypes import DType
+from ckpttool.formats.torchsave import ZipEntry
+
+SUFFIXES = (".bin", ".pt", ".pth")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor of the file: a view of one storage (``data/<storage>`` in the archive)."""
+
+    name: str  # dotted key path
+    path: tuple[str, ...]  # the nested keys it came from
+    dtype: DType
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage: str
+    storage_offset: int  # in elements
+    data_offset: int  # absolute byte offset of the storage payload in the file
+    data_size: int  # bytes of the storage payload
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def is_contiguous(self) -> bool:
+        return self.stride == torchsave.contiguous_strides(self.shape) or self.numel <= 1
+
+    @property
+    def extent(self) -> int:
+        """Bytes of the storage this view reaches (from the storage start)."""
+        return torchsave.view_extent(self.shape, self.stride, self.storage_offset,
+                                     contiguous=self.is_contiguous) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ObjectEntry:
+    """A non-tensor value (an int, a list of floats, a config dict...), read weights-only."""
+
+    name: str
+    path: tuple[str, ...]
+    value: Any  # plain containers and scalars only
+
+
+@dataclass(frozen=True)
+class TorchFileInfo:
+    path: Path
+    size: int  # bytes of the file
+    tensors: tuple[TensorEntry, ...]  # in the order the pickle lists them
+    objects: tuple[ObjectEntry, ...]
+    entries: tuple[ZipEntry, ...]  # every archive entry, offsets absolute (CRC checks)
+
+
+def is_torch_file(path: Path) -> bool:
+    """True if ``path`` is a file that starts like a zip archive (not yet read further)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == torchsave.ZIP_MAGIC
+    except OSError:
+        return False
+
+
+def read_info(path: str | os.PathLike[str]) -> TorchFileInfo:
+    """Read a ``torch.save`` file's tensors and non-tensor values. Reads no tensor data.
+
+    Raises:
+        InputError: missing, not a torch.save file, truncated or corrupt, or its pickle names
+            a global that a weights-only load refuses (nothing was executed).
+        UnsupportedError: the legacy (pre-1.6) format, a TorchScript archive, big-endian data.
+    """
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_RDONLY)
+    except FileNotFoundError:
+        raise InputError(f"{p}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{p}: is a directory, not a torch.save file") from None
+    except OSError as e:
+        raise InputError(f"{p}: cannot read: {e.strerror}") from None
+    try:
+        size = os.fstat(fd).st_size
+        magic = os.pread(fd, 4, 0)
+        if magic != torchsave.ZIP_MAGIC:
+            if magic[:1] == b"\x80":
+                raise UnsupportedError(
+                    f"{p}: legacy torch.save format (written by torch < 1.6 or with "
+                    "_use_new_zipfile_serialization=False); load and save it again with a "
+                    "current torch to read it here"
+                )
+            raise InputError(f"{p}: not a torch.save file (no zip header)")
+        rb = torchsave.RecordBytes(fd, 0, size, str(p))
+        entries = torchsave.zip_entries(rb)
+        if "data.pkl" not in entries and "constants.pkl" in entries:
+            raise UnsupportedError(f"{p}: a TorchScript archive, not a state dict; "
+                                   "not supported")
+        torchsave.check_byteorder(rb, entries)
+        try:
+            root = torchsave.load_pickle(rb, entries)
+        except torchsave.Refused as e:
+            raise InputError(
+                f"{p}: refused to load: the pickle asks for '{e.qualname}', which a "
+                "weights-only load never allows; the file may be malicious (nothing was "
+                "executed). Only a state dict of tensors and plain values can be read"
+            ) from None
+        except torchsave.PICKLE_ERRORS as e:
+            raise InputError(f"{p}: corrupt pickle in torch.save file ({e}); copy it again") \
+                from None
+    finally:
+        os.close(fd)
+    tensors: list[TensorEntry] = []
+    objects: list[ObjectEntry] = []
+    for key_path, value in _flatten(root, ()):
+        name = ".".join(key_path) if key_path else "tensor"
+        if isinstance(value, torchsave.TensorRef):
+            data = entries.get(f"data/{value.storage.key}")
+            if data is None:
+                raise InputError(f"{p}: tensor '{name}' names storage "
+                                 f"'data/{value.storage.key}', which the archive lacks; corrupt")
+            t = TensorEntry(name, key_path, value.dtype, value.shape, value.stride,
+                            value.storage.key, value.storage_offset, data.data_offset, data.size)
+            if t.numel and t.extent > t.data_size:
+                raise InputError(f"{p}: tensor '{name}' reaches past the end of its storage; "
+                                 "corrupt")
+            tensors.append(t)
+        else:
+            objects.append(ObjectEntry(name, key_path, _plain(value)))
+    return TorchFileInfo(p, size, tuple(tensors), tuple(objects), tuple(entries.values()))
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torchsave.TensorRef):
+        return True
+    if isinstance(value, dict):
+        return any(_has_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_tensor(v) for v in value)
+    return False
+
+
+def _flatten(value: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """Leaves of containers that hold tensors; a subtree without tensors is one leaf."""
+    if isinstance(value, dict) and _has_tensor(value):
+        for k, v in value.items():
+            yield from _flatten(v, (*path, str(k)))
+    elif isinstance(value, (list, tuple)) and _has_tensor(value):
+        for i, v in enumerate(value):
+            yield from _flatten(v, (*path, str(i)))
+    else:
+        yield path, value
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def read_tensor(fd: int, t: TensorEntry, *, where: str) -> bytes:
+    """A non-contiguous tensor's bytes in C order (contiguous ones are one byte range:
+    ``data_offset + storage_offset * itemsize``, ``nbytes`` long).
+
+    Raises:
+        InputError: the file ends inside the storage.
+    """
+    storage = os.pread(fd, t.data_size, t.data_offset)
+    if len(storage) < t.data_size:
+        raise InputError(f"{where}: file ends inside tensor '{t.name}'; it is truncated")
+    return torchsave.gather_strided(storage, itemsize=t.dtype.itemsize, shape=t.shape,
+                                    stride=t.stride, storage_offset=t.storage_offset)
