@@ -23,7 +23,7 @@ from typing import Any, cast
 from ckpttool.core import dtypes as dtype_policy
 from ckpttool.core import names, source, ties
 from ckpttool.core import tensors as sources
-from ckpttool.core.merge import _jsonable
+from ckpttool.core import objects as non_tensor
 from ckpttool.errors import InputError
 from ckpttool.formats import dcp, torchfile
 from ckpttool.formats import safetensors as st
@@ -639,19 +639,13 @@ def describe_objects(ckpt: Checkpoint) -> list[dict[str, Any]]:
         for o in ckpt.objects:
             entry = o.entry
             if isinstance(entry, torchfile.ObjectEntry):
-                out.append({"name": o.name, "readable": True, "value": _jsonable(entry.value)})
+                out.append(non_tensor.describe(o.name, entry.value))
                 continue
             assert reader is not None
             try:
-                value = reader.read_object(entry)
-            except dcp.UnreadableObject as e:
-                out.append({"name": o.name, "readable": False,
-                            "note": f"needs arbitrary unpickling ({e.qualname}); not executed, "
-                                    "not read"})
+                out.append(non_tensor.describe(o.name, non_tensor.read(reader, entry)))
             except InputError as e:
                 out.append({"name": o.name, "readable": False, "note": f"unreadable: {e}"})
-            else:
-                out.append({"name": o.name, "readable": True, "value": _jsonable(value)})
     finally:
         if reader is not None:
             reader.close()

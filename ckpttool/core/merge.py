@@ -22,6 +22,7 @@ from typing import Any
 from ckpttool.core import chunks as chunk_geometry
 from ckpttool.core import dtypes as dtype_policy
 from ckpttool.core import names, source, ties
+from ckpttool.core import objects as non_tensor
 from ckpttool.core.dtypes import DTypePolicy
 from ckpttool.core.fileio import AtomicOutputs, copy_range, pwrite_all
 from ckpttool.errors import InputError, OutputError
@@ -330,8 +331,9 @@ def merge(
     with dcp.Reader(info) as reader:
         drop = (_decide_tie(reader, by_name, hf.config, keep_tied, report)
                 if kind == "model" else frozenset())
-        objects = [(o, reader_object(reader, o)) for o in info.objects]
-        report.non_tensor = [_describe_object(o, value, top_level) for o, value in objects]
+        objects = [(o, non_tensor.read(reader, o)) for o in info.objects]
+        report.non_tensor = [non_tensor.describe(names.canonical_fqn(o.path, top_level), value)
+                             for o, value in objects]
         plan = plan_merge(list(by_name.items()), policy=policy, max_shard_size=shard_limit,
                           drop=drop, stem=stem)
         config_bytes, report.config_changes = _config_output(hf)
@@ -411,26 +413,6 @@ def _decide_tie(
     return frozenset()
 
 
-_UNREADABLE = object()
-
-
-def reader_object(reader: dcp.Reader, entry: dcp.ObjectEntry) -> Any:
-    """The entry's value, or ``_UNREADABLE`` (with the global it named) if reading it would
-    need arbitrary unpickling."""
-    try:
-        return reader.read_object(entry)
-    except dcp.UnreadableObject as e:
-        return (_UNREADABLE, e.qualname)
-
-
-def _describe_object(entry: dcp.ObjectEntry, value: Any, top_level: str) -> dict[str, Any]:
-    canonical = names.canonical_fqn(entry.path, top_level)
-    if isinstance(value, tuple) and value and value[0] is _UNREADABLE:
-        return {"name": canonical, "readable": False,
-                "note": f"needs arbitrary unpickling ({value[1]}); not executed, not read"}
-    return {"name": canonical, "readable": True, "value": _jsonable(value)}
-
-
 OPTIMIZER_JSON = "optimizer.json"
 
 
@@ -442,7 +424,7 @@ def _optimizer_json(objects: list[tuple[dcp.ObjectEntry, Any]]) -> bytes:
     for entry, value in objects:
         path = entry.path[1:] if len(entry.path) > 1 and entry.path[0] == "optimizer" \
             else entry.path
-        if isinstance(value, tuple) and value and value[0] is _UNREADABLE:
+        if isinstance(value, non_tensor.Unreadable):
             unreadable.append(".".join(path))
             continue
         if path[-1] == "params" and isinstance(value, list):
@@ -450,7 +432,7 @@ def _optimizer_json(objects: list[tuple[dcp.ObjectEntry, Any]]) -> bytes:
         node = root
         for part in path[:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = _jsonable(value)
+        node[path[-1]] = non_tensor.jsonable(value)
     doc = _lists(root)
     if unreadable:
         doc["not_read"] = unreadable
@@ -466,16 +448,6 @@ def _lists(node: Any) -> Any:
             range(len(node))):
         return [node[str(i)] for i in range(len(node))]
     return node
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
 
 
 def _config_output(hf: source.HfFiles) -> tuple[bytes | None, list[str]]:

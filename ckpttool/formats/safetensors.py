@@ -133,21 +133,44 @@ def read_layout(path: Path) -> tuple[dict[str, str], tuple[Slot, ...]]:
         header = json.loads(text)
     except ValueError as e:
         raise InputError(f"{path}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise InputError(f"{path}: corrupt safetensors header (not a JSON object)")
     meta = header.pop("__metadata__", {}) or {}
+    if not isinstance(meta, dict):
+        raise InputError(f"{path}: corrupt safetensors header (__metadata__ is not an object)")
     base = 8 + n
     slots = []
     for name, v in header.items():
-        dtype = dtypes.BY_NAME.get(v.get("dtype"))
-        if dtype is None:
-            raise InputError(f"{path}: tensor '{name}' has unknown dtype {v.get('dtype')!r}")
-        begin, end = v["data_offsets"]
-        if base + end > size:
-            raise InputError(
-                f"{path}: tensor '{name}' ends at byte {base + end} but the file has {size} bytes; "
-                "truncated"
-            )
-        slots.append(Slot(name, dtype, tuple(v["shape"]), base + begin, base + end))
+        slots.append(_slot(path, name, v, base, size))
     return meta, tuple(sorted(slots, key=lambda s: s.begin))
+
+
+def _slot(path: Path, name: str, v: object, base: int, size: int) -> Slot:
+    """One header entry, checked field by field: a mangled header is bad input, not a crash."""
+    where = f"{path}: tensor '{name}'"
+    if not isinstance(v, dict):
+        raise InputError(f"{where}: header entry is not an object; corrupt header")
+    dtype = dtypes.BY_NAME.get(v.get("dtype")) if isinstance(v.get("dtype"), str) else None
+    if dtype is None:
+        raise InputError(f"{where} has unknown dtype {v.get('dtype')!r}")
+    shape, offsets = v.get("shape"), v.get("data_offsets")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise InputError(f"{where} has an invalid shape {shape!r}; corrupt header")
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+        raise InputError(f"{where} has invalid data_offsets {offsets!r}; corrupt header")
+    begin, end = offsets
+    numel = 1
+    for d in shape:
+        numel *= d
+    if end - begin != numel * dtype.itemsize:
+        raise InputError(f"{where}: data_offsets span {end - begin} bytes but {dtype.name} "
+                         f"{shape} needs {numel * dtype.itemsize}; corrupt header")
+    if base + end > size:
+        raise InputError(
+            f"{where} ends at byte {base + end} but the file has {size} bytes; truncated"
+        )
+    return Slot(name, dtype, tuple(shape), base + begin, base + end)
 
 
 def shard_names(num_shards: int, stem: str = "model") -> list[str]:

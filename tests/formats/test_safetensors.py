@@ -51,3 +51,24 @@ def test_shard_names() -> None:
     assert st.shard_names(1) == ["model.safetensors"]
     assert st.shard_names(2) == ["model-00001-of-00002.safetensors",
                                  "model-00002-of-00002.safetensors"]
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ('"x"', "header entry is not an object"),
+        ('{"dtype": 3, "shape": [1], "data_offsets": [0, 4]}', "unknown dtype 3"),
+        ('{"dtype": "F32", "shape": "1", "data_offsets": [0, 4]}', "invalid shape '1'"),
+        ('{"dtype": "F32", "shape": [1], "data_offsets": [0]}', "invalid data_offsets [0]"),
+        ('{"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}', "span 4 bytes but F32 [2] needs 8"),
+    ],
+)
+def test_mangled_headers_are_input_errors(tmp_path: Path, entry: str, message: str) -> None:
+    import struct
+
+    text = ('{"t": ' + entry + "}").encode()
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"\0" * 8)
+    with pytest.raises(InputError) as e:
+        st.read_layout(path)
+    assert message in str(e.value)
