@@ -22,8 +22,8 @@ from typing import Any, cast
 
 from ckpttool.core import dtypes as dtype_policy
 from ckpttool.core import names, source, ties
-from ckpttool.core import tensors as sources
 from ckpttool.core import objects as non_tensor
+from ckpttool.core import tensors as sources
 from ckpttool.errors import InputError
 from ckpttool.formats import dcp, torchfile
 from ckpttool.formats import safetensors as st

@@ -150,7 +150,8 @@ def _slot(path: Path, name: str, v: object, base: int, size: int) -> Slot:
     where = f"{path}: tensor '{name}'"
     if not isinstance(v, dict):
         raise InputError(f"{where}: header entry is not an object; corrupt header")
-    dtype = dtypes.BY_NAME.get(v.get("dtype")) if isinstance(v.get("dtype"), str) else None
+    dtype_name = v.get("dtype")
+    dtype = dtypes.BY_NAME.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
         raise InputError(f"{where} has unknown dtype {v.get('dtype')!r}")
     shape, offsets = v.get("shape"), v.get("data_offsets")
