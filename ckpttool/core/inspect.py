@@ -464,56 +464,13 @@ def matches(t: TensorView, pattern: str | None) -> bool:
 # Reading data: every format as a tensors.Source, by element range in C order
 
 
-class TorchFileSource(sources.Source):
-    """A ``torch.save`` file as a :class:`~ckpttool.core.tensors.Source`."""
-
-    format = "torch-save"
-
-    def __init__(self, info: torchfile.TorchFileInfo) -> None:
-        self.info = info
-        self._entries = {t.name: t for t in info.tensors}
-        self.tensors = tuple(sources.SourceTensor(t.name, t.path, t.dtype, t.shape, whole=True)
-                             for t in info.tensors)
-        self._fd: int | None = None
-        self._gathered: tuple[str, bytes] | None = None
-
-    def fd(self) -> int:
-        if self._fd is None:
-            try:
-                self._fd = os.open(self.info.path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise InputError(f"{self.info.path}: no such file") from None
-        return self._fd
-
-    def read(self, key: str, start: int, stop: int) -> bytearray:
-        t = self._entries[key]
-        item = t.dtype.itemsize
-        if t.is_contiguous:
-            out = bytearray((stop - start) * item)
-            at = t.data_offset + (t.storage_offset + start) * item
-            if os.preadv(self.fd(), [out], at) != len(out):
-                raise InputError(f"{self.info.path}: ends inside tensor '{key}' at byte {at}; "
-                                 "truncated")
-            return out
-        gathered = self._gathered  # one local: threads may replace the cache meanwhile
-        if gathered is None or gathered[0] != key:
-            gathered = (key, torchfile.read_tensor(self.fd(), t, where=str(self.info.path)))
-            self._gathered = gathered
-        return bytearray(gathered[1][start * item : stop * item])
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
 def open_source(ckpt: Checkpoint) -> sources.Source:
     """The checkpoint's data, readable by stored name and element range."""
     detail = ckpt.detail
     if isinstance(detail, dcp.DcpInfo):
         return sources.DcpSource(detail)
     if isinstance(detail, torchfile.TorchFileInfo):
-        return TorchFileSource(detail)
+        return sources.TorchFileSource(detail)
     if isinstance(detail, SafetensorsInfo):
         return sources.SafetensorsSource(tuple(
             st.StoredTensor(detail.root / s.name, slot) for s in detail.shards

@@ -14,7 +14,7 @@ from pathlib import Path
 from ckpttool.core import chunks as chunk_geometry
 from ckpttool.core import source as locate
 from ckpttool.errors import InputError
-from ckpttool.formats import dcp
+from ckpttool.formats import dcp, torchfile
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.dtypes import DType
 
@@ -161,8 +161,53 @@ class SafetensorsSource(Source):
         self._fds.clear()
 
 
+class TorchFileSource(Source):
+    """A ``torch.save`` file as a :class:`~ckpttool.core.tensors.Source`."""
+
+    format = "torch-save"
+
+    def __init__(self, info: torchfile.TorchFileInfo) -> None:
+        self.info = info
+        self._entries = {t.name: t for t in info.tensors}
+        # Full weights: every tensor is split on dim 0 as fully_shard splits parameters.
+        self.tensors = tuple(SourceTensor(t.name, t.path, t.dtype, t.shape, whole=False)
+                             for t in info.tensors)
+        self._fd: int | None = None
+        self._gathered: tuple[str, bytes] | None = None
+
+    def fd(self) -> int:
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.info.path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise InputError(f"{self.info.path}: no such file") from None
+        return self._fd
+
+    def read(self, key: str, start: int, stop: int) -> bytearray:
+        t = self._entries[key]
+        item = t.dtype.itemsize
+        if t.is_contiguous:
+            out = bytearray((stop - start) * item)
+            at = t.data_offset + (t.storage_offset + start) * item
+            if os.preadv(self.fd(), [out], at) != len(out):
+                raise InputError(f"{self.info.path}: ends inside tensor '{key}' at byte {at}; "
+                                 "truncated")
+            return out
+        gathered = self._gathered  # one local: threads may replace the cache meanwhile
+        if gathered is None or gathered[0] != key:
+            gathered = (key, torchfile.read_tensor(self.fd(), t, where=str(self.info.path)))
+            self._gathered = gathered
+        return bytearray(gathered[1][start * item : stop * item])
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 def open_source(path: Path) -> Source:
-    """The checkpoint at ``path`` (a DCP directory, a safetensors file or directory), by content.
+    """The checkpoint at ``path`` (a DCP directory, a safetensors file or directory, a
+    ``torch.save`` state dict), by content.
 
     Raises:
         InputError: nothing readable there.
@@ -173,12 +218,11 @@ def open_source(path: Path) -> Source:
     if info is not None:
         return DcpSource(info)
     if path.is_file():
-        with open(path, "rb") as f:
-            head = f.read(9)
-        if len(head) == 9 and head[8:9] == b"{":
+        if st.is_safetensors_file(path):
             return SafetensorsSource(st.read_checkpoint(path))
-        raise InputError(f"{path}: not a safetensors file (torch.save files are not supported "
-                         "here yet)")
+        if torchfile.is_torch_file(path):
+            return TorchFileSource(torchfile.read_info(path))
+        raise InputError(f"{path}: neither a safetensors file nor a torch.save file")
     if (path / st.INDEX_NAME).is_file() or (path / st.SINGLE_NAME).is_file():
         return SafetensorsSource(st.read_checkpoint(path))
     # A training checkpoint directory holding one model DCP, as merge accepts.

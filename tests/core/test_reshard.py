@@ -25,8 +25,10 @@ import ckpttool
 from ckpttool.core.chunks import coverage_problem
 from ckpttool.core.reshard import plan_chunks, reshard
 from ckpttool.errors import InputError, OutputError
+from ckpttool.formats import dcp
 from examples.fsdp2_checkpoint import MODEL_DIR, OPTIMIZER_DIR
 from tests.fsdp2_ranks import run_on_ranks
+from tests.core.test_merge import assert_bit_exact, load_out
 from tests.reference import reference_state_dict
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32,
@@ -568,3 +570,20 @@ def test_other_misuse_is_an_input_error(tiny_dcp: Path, llama_sharded: Path,
     reshard(llama_sharded, tmp_path / "e", to="safetensors")
     with pytest.raises(OutputError, match="already holds model.safetensors"):
         reshard(llama_sharded, tmp_path / "e", to="safetensors")
+
+
+def test_torch_save_full_weights_to_dcp_round_trip(tmp_path: Path) -> None:
+    """A weights-only torch.save state dict -> DCP on 3 ranks (split on dim 0) -> merge."""
+    g = torch.Generator().manual_seed(3)
+    state = {"embed.weight": torch.randn(7, 4, generator=g),
+             "norm.weight": torch.randn(4, generator=g).to(torch.bfloat16),
+             "ids": torch.arange(5), "scale": torch.tensor(2.5)}
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    report = reshard(tmp_path / "pytorch_model.bin", tmp_path / "dcp", ranks=3, prefix="model")
+    assert report.format_in == "torch-save" and report.ranks == 3
+    loaded = reference_state_dict(tmp_path / "dcp")
+    assert set(loaded) == {f"model.{k}" for k in state}
+    info = dcp.read_info(tmp_path / "dcp")
+    assert len(info.tensor("model.embed.weight").chunks) == 3  # 3, 3, 1 rows
+    ckpttool.merge(tmp_path / "dcp", tmp_path / "merged", dtype="keep")
+    assert_bit_exact(load_out(tmp_path / "merged"), state)
