@@ -25,7 +25,8 @@ def test_merge_prints_a_report(llama_ckpt: Path, tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     assert f"used pytorch_model_fsdp_0, found in {llama_ckpt}; skipped optimizer_0" in r.stdout
     assert "wrote model.safetensors" in r.stdout
-    assert "tied: lm_head.weight is identical to model.embed_tokens.weight; written once" in r.stdout
+    assert ("tied: lm_head.weight is identical to model.embed_tokens.weight; written once"
+            in r.stdout)
     assert "config.json: architectures: FSDPLlamaForCausalLM -> LlamaForCausalLM" in r.stdout
 
 

@@ -8,9 +8,11 @@ from hypothesis import strategies as st
 
 from ckpttool.core.chunks import coverage_problem, is_single_run, runs
 
+Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
+
 
 @st.composite
-def split_tensor(draw: st.DrawFn) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+def split_tensor(draw: st.DrawFn) -> tuple[tuple[int, ...], Boxes]:
     """A shape and a grid of chunks (cuts along some dims, possibly empty pieces)."""
     ndim = draw(st.integers(0, 4))
     shape = tuple(draw(st.lists(st.integers(0, 6), min_size=ndim, max_size=ndim)))
@@ -18,7 +20,7 @@ def split_tensor(draw: st.DrawFn) -> tuple[tuple[int, ...], list[tuple[tuple[int
     for n in shape:
         points = sorted(draw(st.lists(st.integers(0, n), max_size=3)))
         edges = [0, *points, n]
-        cuts.append([(a, b - a) for a, b in zip(edges, edges[1:])])
+        cuts.append([(a, b - a) for a, b in zip(edges, edges[1:], strict=False)])
     boxes = [((), ())]
     for dim_cuts in cuts:
         boxes = [(o + (a,), s + (b,)) for o, s in boxes for a, b in dim_cuts]
@@ -33,7 +35,8 @@ def test_runs_of_a_tiling_fill_every_element_once(case) -> None:
     full = np.arange(int(np.prod(shape, dtype=np.int64))).reshape(shape)
     out = np.full(full.size, -1)
     for offsets, sizes in boxes:
-        piece = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].reshape(-1)
+        index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+        piece = full[index].reshape(-1)
         num_runs = 0
         for src, dst, n in runs(shape, offsets, sizes):
             assert (out[dst : dst + n] == -1).all()

@@ -35,11 +35,10 @@ def full_state() -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, out: str, port: int) -> None:
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    import torch.distributed.checkpoint as dcp
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)

@@ -60,7 +60,8 @@ def test_shard_names() -> None:
         ('{"dtype": 3, "shape": [1], "data_offsets": [0, 4]}', "unknown dtype 3"),
         ('{"dtype": "F32", "shape": "1", "data_offsets": [0, 4]}', "invalid shape '1'"),
         ('{"dtype": "F32", "shape": [1], "data_offsets": [0]}', "invalid data_offsets [0]"),
-        ('{"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}', "span 4 bytes but F32 [2] needs 8"),
+        ('{"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}',
+         "span 4 bytes but F32 [2] needs 8"),
     ],
 )
 def test_mangled_headers_are_input_errors(tmp_path: Path, entry: str, message: str) -> None:
