@@ -19,7 +19,7 @@ from ckpttool.cli.verify import verify_command
 
 app = typer.Typer(
     name="ckpttool",
-    help="Merge, inspect and verify sharded PyTorch (FSDP / DCP) checkpoints.",
+    help="Merge, inspect, verify and reshard sharded PyTorch (FSDP / DCP) checkpoints.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -44,7 +44,7 @@ def _root(
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                           help="Show the version and exit.")] = False,
 ) -> None:
-    """Merge, inspect and verify sharded PyTorch (FSDP / DCP) checkpoints."""
+    """Merge, inspect, verify and reshard sharded PyTorch (FSDP / DCP) checkpoints."""
 
 
 def main() -> None:
