@@ -156,6 +156,10 @@ class RecordBytes:
         return data
 
 
+# A data descriptor: CRC and sizes, with or without its signature, 32- or 64-bit sizes.
+_DESCRIPTOR_SIZES = (12, 16, 20, 24)
+
+
 def zip_entries(rb: RecordBytes) -> dict[str, ZipEntry]:
     """The entries of the archive ``rb`` reads, from its central directory (headers only).
 
@@ -187,6 +191,7 @@ def zip_entries(rb: RecordBytes) -> dict[str, ZipEntry]:
         count, cd_size, cd_offset = fields[7], fields[8], fields[9]
     cd = rb.read(cd_offset, cd_size)
     entries: dict[str, ZipEntry] = {}
+    spans: list[tuple[int, int, str, bool]] = []  # (local header, end of data, name, descriptor)
     p = 0
     for _ in range(count):
         if p + _CENTRAL.size > len(cd):
@@ -203,12 +208,27 @@ def zip_entries(rb: RecordBytes) -> dict[str, ZipEntry]:
         if method != 0:
             raise UnsupportedError(f"{where}: record entry '{name}' is compressed; not supported")
         lh = rb.read(local, _LOCAL.size)
-        lsig, *_rest = _LOCAL.unpack(lh)
+        lsig, _, flags, *_rest = _LOCAL.unpack(lh)
         if lsig != b"PK\x03\x04":
             raise InputError(f"{where}: corrupt zip entry '{name}' in torch.save record")
         lnlen, lelen = _rest[-2], _rest[-1]
         short = name.split("/", 1)[1] if "/" in name else name
-        entries[short] = ZipEntry(short, local + _LOCAL.size + lnlen + lelen, usize, crc)
+        data_offset = local + _LOCAL.size + lnlen + lelen
+        # An entry must lie inside its record: a bad header must never point at a neighbour.
+        if data_offset + usize > rb.length or csize != usize:
+            raise InputError(f"{where}: zip entry '{name}' reaches past the end of its "
+                             "torch.save record; corrupt")
+        entries[short] = ZipEntry(short, data_offset, usize, crc)
+        spans.append((local, data_offset + usize, name, bool(flags & 0x08)))
+    # torch.save writes entries back to back (header, data, data descriptor when flag bit 3 is
+    # set), then the directory: a header that moves an entry's data (a flipped length byte)
+    # breaks that and is caught here, before any byte is copied.
+    spans.sort()
+    for (_, end, name, descriptor), nxt in zip(
+            spans, [s[0] for s in spans[1:]] + [cd_offset], strict=True):
+        if nxt - end not in (_DESCRIPTOR_SIZES if descriptor else (0,)):
+            raise InputError(f"{where}: zip entry '{name}' does not end where the next entry "
+                             "of its torch.save record begins; corrupt")
     return entries
 
 
@@ -267,7 +287,19 @@ class _StorageClass:
 def _rebuild_v2(storage: Any, storage_offset: Any, size_: Any, stride: Any, *_: Any) -> TensorRef:
     if not isinstance(storage, StorageRef) or storage.dtype is None:
         raise pickle.UnpicklingError("tensor without a typed storage")
-    return TensorRef(storage, int(storage_offset), size(size_), size(stride), storage.dtype)
+    return _tensor_ref(storage, storage_offset, size_, stride, storage.dtype)
+
+
+def _tensor_ref(storage: StorageRef, storage_offset: Any, size_: Any, stride: Any,
+                dtype: DType) -> TensorRef:
+    """A view's geometry, refused if it could reach outside its storage (negative values)."""
+    shape, strides = size(size_), size(stride)
+    offset = int(storage_offset)
+    if offset < 0 or any(n < 0 for n in shape) or any(s < 0 for s in strides) or (
+            len(shape) != len(strides)):
+        raise pickle.UnpicklingError(
+            f"invalid tensor view (offset {offset}, shape {list(shape)}, stride {list(strides)})")
+    return TensorRef(storage, offset, shape, strides, dtype)
 
 
 def _rebuild_v3(
@@ -276,7 +308,7 @@ def _rebuild_v3(
 ) -> TensorRef:
     if not isinstance(storage, StorageRef) or not isinstance(dtype, DType):
         raise pickle.UnpicklingError("tensor with an unknown dtype")
-    return TensorRef(storage, int(storage_offset), size(size_), size(stride), dtype)
+    return _tensor_ref(storage, storage_offset, size_, stride, dtype)
 
 
 def _rebuild_parameter(data: Any, *_: Any) -> Any:
