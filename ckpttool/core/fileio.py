@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from ckpttool.errors import OutputError
@@ -54,6 +55,14 @@ def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> No
         offset += n
 
 
+def remove_stale(out_dir: Path, keep: set[str], belongs: Callable[[str], bool]) -> None:
+    """With --overwrite: remove a previous output's files (regular files whose name
+    ``belongs`` to this kind of output) that the new output does not have."""
+    for p in out_dir.iterdir():
+        if belongs(p.name) and p.name not in keep and p.is_file() and not p.is_symlink():
+            p.unlink()
+
+
 class AtomicOutputs:
     """Files written under temporary names and renamed into place together by :meth:`commit`.
 
@@ -75,9 +84,12 @@ class AtomicOutputs:
         """Open a new temporary file for ``name``; returns a writable descriptor."""
         final = self.out_dir / name
         tmp = self.out_dir / f".{name}.{os.getpid()}{TMP_SUFFIX}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
         try:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()  # a killed run's leftover, or a planted link: never written through
             # 0o666 so the umask decides the permissions, as for any file a tool creates.
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            fd = os.open(tmp, flags, 0o666)
         except OSError as e:
             raise OutputError(f"{tmp}: cannot create output file: {e.strerror}") from None
         self._pending.append((tmp, final))
@@ -90,15 +102,27 @@ class AtomicOutputs:
         fd = self.create(name)
         pwrite_all(fd, data, 0)
 
-    def commit(self, last: tuple[str, ...] = ()) -> list[Path]:
-        """Close and rename every file into place; names in ``last`` are renamed after the rest
-        (an index file, so that its presence means the shards it names are complete)."""
+    def commit(self, last: tuple[str, ...] = (),
+               before_last: Callable[[], None] | None = None) -> list[Path]:
+        """Close and rename every file into place.
+
+        Args:
+            last: names renamed after the rest (an index file, so that its presence means the
+                shards it names are complete).
+            before_last: run between the two (removing a previous output's stale files, so
+                that they never stand beside a complete new index).
+        """
         for fd in self._fds:
             os.close(fd)
         self._fds.clear()
         ordered = sorted(self._pending, key=lambda p: p[1].name in last)
-        for tmp, final in ordered:
+        for i, (tmp, final) in enumerate(ordered):
+            if before_last is not None and (final.name in last or i == len(ordered) - 1):
+                before_last()
+                before_last = None
             os.replace(tmp, final)
+        if before_last is not None:
+            before_last()
         self._pending.clear()
         return [final for _, final in ordered]
 

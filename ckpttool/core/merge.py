@@ -24,7 +24,7 @@ from ckpttool.core import dtypes as dtype_policy
 from ckpttool.core import names, source, ties
 from ckpttool.core import objects as non_tensor
 from ckpttool.core.dtypes import DTypePolicy
-from ckpttool.core.fileio import AtomicOutputs, copy_range, pwrite_all
+from ckpttool.core.fileio import AtomicOutputs, copy_range, pwrite_all, remove_stale
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats import dcp
 from ckpttool.formats import safetensors as st
@@ -344,7 +344,7 @@ def merge(
         report.copied = [p.name for p in hf.files]
         if kind == "optimizer":
             extra.append((OPTIMIZER_JSON, _optimizer_json(objects)))
-        _check_output(out_path, plan, [name for name, _ in extra], overwrite)
+        _check_output(out_path, plan, [name for name, _ in extra], overwrite, stem)
         if on_start is not None:
             on_start(plan.total_bytes)
         with AtomicOutputs(out_path) as outputs:
@@ -354,9 +354,14 @@ def merge(
                 outputs.write_bytes(plan.index_name, plan.index)
             for name, data in extra:
                 outputs.write_bytes(name, data)
-            written = outputs.commit(last=(plan.index_name,))
-        if overwrite:
-            _remove_stale_weights(out_path, {p.name for p in written})
+            keep = {f.name for f in plan.files} | {n for n, _ in extra}
+            if plan.index is not None:
+                keep.add(plan.index_name)
+            outputs.commit(
+                last=(plan.index_name,),
+                before_last=(lambda: remove_stale(
+                    out_path, keep, lambda name: st.is_weight_file(name, stem)))
+                if overwrite else None)
 
     report.files = [{"name": f.name, "bytes": f.size, "tensors": len(f.tensors)}
                     for f in plan.files]
@@ -459,7 +464,8 @@ def _config_output(hf: source.HfFiles) -> tuple[bytes | None, list[str]]:
     return (json.dumps(fixed, indent=2) + "\n").encode(), [f"architectures: {c}" for c in changes]
 
 
-def _check_output(out: Path, plan: MergePlan, extra: list[str], overwrite: bool) -> None:
+def _check_output(out: Path, plan: MergePlan, extra: list[str], overwrite: bool,
+                  stem: str) -> None:
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a directory; choose another output path")
     try:
@@ -468,7 +474,7 @@ def _check_output(out: Path, plan: MergePlan, extra: list[str], overwrite: bool)
         raise OutputError(f"{out}: cannot create output directory: {e.strerror}") from None
     if not overwrite:
         existing = sorted(p.name for p in out.iterdir()
-                          if st.is_weight_file(p.name) or p.name in extra)
+                          if st.is_weight_file(p.name, stem) or p.name in extra)
         if existing:
             raise OutputError(
                 f"{out}: already holds {', '.join(existing[:3])}"
@@ -484,7 +490,4 @@ def _check_output(out: Path, plan: MergePlan, extra: list[str], overwrite: bool)
         )
 
 
-def _remove_stale_weights(out: Path, keep: set[str]) -> None:
-    for p in out.iterdir():
-        if st.is_weight_file(p.name) and p.name not in keep:
-            p.unlink()
+

@@ -19,7 +19,7 @@ from typing import Any
 
 from ckpttool.core import source as locate
 from ckpttool.core import tensors as sources
-from ckpttool.core.fileio import AtomicOutputs, copy_range, pwrite_all
+from ckpttool.core.fileio import AtomicOutputs, copy_range, pwrite_all, remove_stale
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats import dcp
 from ckpttool.formats import safetensors as st
@@ -173,17 +173,19 @@ def _to_dcp(source: sources.Source, out: Path, num_ranks: int, prefix: str | Non
         for o in objects:
             writer.add_object(o.key, o.path, o.record)
         outputs.write_bytes(dcp.METADATA_FILE, writer.metadata())
-        written = outputs.commit(last=(dcp.METADATA_FILE,))
-    if overwrite:
-        keep = {p.name for p in written}
-        for p in out.glob("*" + dcp.DATA_SUFFIX):
-            if p.name not in keep:
-                p.unlink()
+        keep = set(writer.files) | {dcp.METADATA_FILE}
+        written = outputs.commit(
+            last=(dcp.METADATA_FILE,),
+            before_last=(lambda: remove_stale(out, keep, _is_dcp_file)) if overwrite else None)
     report.ranks = num_ranks
     report.files = [{"name": p.name, "bytes": p.stat().st_size} for p in written]
     report.num_tensors = len(tensors)
     report.num_objects = len(objects)
     report.total_bytes = total
+
+
+def _is_dcp_file(name: str) -> bool:
+    return name == dcp.METADATA_FILE or name.endswith(dcp.DATA_SUFFIX)
 
 
 def _check_dcp_output(out: Path, overwrite: bool) -> None:
@@ -192,8 +194,7 @@ def _check_dcp_output(out: Path, overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if overwrite:
         return
-    existing = sorted(p.name for p in out.iterdir()
-                      if p.name == dcp.METADATA_FILE or p.name.endswith(dcp.DATA_SUFFIX))
+    existing = sorted(p.name for p in out.iterdir() if _is_dcp_file(p.name))
     if existing:
         raise OutputError(f"{out}: already holds a DCP checkpoint ({existing[0]}...); pass "
                           "--overwrite to replace it or choose an empty directory")
@@ -234,15 +235,16 @@ def _to_safetensors(source: sources.SafetensorsSource, out: Path, max_shard_size
                 outputs.write_bytes(st.INDEX_NAME, index)
             for path in hf_files:  # config and tokenizer: the output is a model directory too
                 outputs.write_bytes(path.name, path.read_bytes())
-            written = outputs.commit(last=(st.INDEX_NAME,))
+            keep = {f.name for f in files} | {p.name for p in hf_files}
+            if index is not None:
+                keep.add(st.INDEX_NAME)
+            written = outputs.commit(
+                last=(st.INDEX_NAME,),
+                before_last=(lambda: remove_stale(out, keep, st.is_weight_file))
+                if overwrite else None)
     finally:
         for fd in src_fds.values():
             os.close(fd)
-    if overwrite:
-        keep = {p.name for p in written}
-        for p in out.iterdir():
-            if st.is_weight_file(p.name) and p.name not in keep:
-                p.unlink()
     report.files = [{"name": p.name, "bytes": p.stat().st_size} for p in written]
     report.num_tensors = len(stored)
     report.total_bytes = total

@@ -20,7 +20,7 @@ from ckpttool.formats.dtypes import DType
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-_SHARD_RE = re.compile(r"^(model|optimizer)-\d{5}-of-\d{5}\.safetensors$")
+
 _HEADER_LIMIT = 100 * 1024 * 1024
 
 
@@ -195,11 +195,12 @@ def index_json(weight_map: dict[str, str], total_size: int, total_parameters: in
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
 
 
-def is_weight_file(name: str) -> bool:
-    """True for names this module writes as weights or optimizer state (what --overwrite
-    protects)."""
-    return (name in (SINGLE_NAME, INDEX_NAME, "optimizer.safetensors", index_name("optimizer"))
-            or bool(_SHARD_RE.match(name)))
+def is_weight_file(name: str, stem: str = "model") -> bool:
+    """True for the names a ``stem`` checkpoint is written under (``model.safetensors``, its
+    shards and index): what --overwrite replaces, and nothing else."""
+    return (name in (f"{stem}.safetensors", index_name(stem))
+            or re.fullmatch(rf"{re.escape(stem)}-\d{{5}}-of-\d{{5}}\.safetensors", name)
+            is not None)
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

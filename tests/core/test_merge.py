@@ -317,3 +317,25 @@ def test_interrupt_with_workers_stops_queued_jobs(llama_ckpt: Path, tmp_path: Pa
     assert num_jobs > 20
     assert len(calls) <= 3  # the queue was dropped, not drained (that would be num_jobs)
     assert list(out.iterdir()) == []
+
+
+def test_overwrite_only_replaces_files_of_the_same_kind(llama_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    ckpttool.merge(llama_ckpt / "optimizer_0", out)
+    ckpttool.merge(llama_ckpt, out)  # a model beside optimizer state is no conflict
+    ckpttool.merge(llama_ckpt, out, overwrite=True, max_shard_size="20KB")
+    names = {p.name for p in out.iterdir()}
+    assert {"optimizer.safetensors", "optimizer.json", "model.safetensors.index.json"} <= names
+    assert "model.safetensors" not in names  # the stale single file went before the index came
+
+
+def test_overwrite_never_writes_through_a_planted_link(uneven_ckpt: Path, tmp_path: Path) -> None:
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    (out / f".model.safetensors.{os.getpid()}{fileio.TMP_SUFFIX}").symlink_to(victim)
+    ckpttool.merge(uneven_ckpt, out)
+    assert victim.read_bytes() == b"keep me"

@@ -586,3 +586,12 @@ def test_torch_save_full_weights_to_dcp_round_trip(tmp_path: Path) -> None:
     assert len(info.tensor("model.embed.weight").chunks) == 3  # 3, 3, 1 rows
     ckpttool.merge(tmp_path / "dcp", tmp_path / "merged", dtype="keep")
     assert_bit_exact(load_out(tmp_path / "merged"), state)
+
+
+def test_resplit_overwrite_from_shards_to_one_file_leaves_no_stale_index(
+        llama_sharded: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    reshard(llama_sharded, out, to="safetensors", max_shard_size="8KB")
+    assert (out / "model.safetensors.index.json").exists()
+    reshard(llama_sharded, out, to="safetensors", overwrite=True)
+    assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]
