@@ -236,10 +236,7 @@ def read_checkpoint(path: Path) -> tuple[StoredTensor, ...]:
         return tuple(StoredTensor(path, s) for s in read_layout(path)[1])
     index_path = path / INDEX_NAME
     if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise InputError(f"{index_path}: not a valid index ({e})") from None
+        weight_map = read_index(index_path).weight_map
         files = list(dict.fromkeys(weight_map.values()))
         out: list[StoredTensor] = []
         for name in files:
@@ -300,6 +297,12 @@ def read_index(path: Path) -> Index:
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
         raise InputError(f"{path}: has no weight_map of tensor names to files; not a "
                          "safetensors index")
+    for name, file in weight_map.items():
+        # Shards sit beside their index: a path elsewhere is never followed.
+        if not file or "\0" in file or file in (".", "..") or Path(file).name != file or (
+                "\\" in file):
+            raise InputError(f"{path}: weight_map places '{name}' in '{file}', which is not a "
+                             "file name in this directory; refusing to read it")
     meta = doc.get("metadata")
     total = meta.get("total_size") if isinstance(meta, dict) else None
     return Index(path, dict(weight_map), total if isinstance(total, int) else None,

@@ -73,3 +73,13 @@ def test_mangled_headers_are_input_errors(tmp_path: Path, entry: str, message: s
     with pytest.raises(InputError) as e:
         st.read_layout(path)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("file", ["../outside.safetensors", "/etc/passwd", "sub/x.safetensors",
+                                  "..", ""])
+def test_index_never_points_outside_its_directory(tmp_path: Path, file: str) -> None:
+    import json
+
+    (tmp_path / st.INDEX_NAME).write_text(json.dumps({"weight_map": {"w": file}}))
+    with pytest.raises(InputError, match="not a file name in this directory"):
+        st.read_checkpoint(tmp_path)
