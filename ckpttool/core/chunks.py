@@ -53,14 +53,20 @@ def coverage_problem(
 def _first_overlap(
     boxes: list[tuple[tuple[int, ...], tuple[int, ...]]],
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    # Sweep along dim 0: only boxes whose dim-0 ranges intersect need a full comparison.
-    if not boxes or not boxes[0][0]:
-        return (boxes[0][0], boxes[1][0]) if len(boxes) > 1 else None
-    order = sorted(boxes)
+    if len(boxes) < 2:
+        return None
+    if not boxes[0][0]:  # 0-dim: two non-empty chunks of one element overlap
+        return boxes[0][0], boxes[1][0]
+    # Sweep along the dimension the chunks are split on most (dim 0 for Shard(0), dim 1 for
+    # Shard(1)...): only boxes whose ranges on it intersect need a full comparison, which keeps
+    # a real layout near-linear.
+    ndim = len(boxes[0][0])
+    d = max(range(ndim), key=lambda k: len({o[k] for o, _ in boxes}))
+    order = sorted(boxes, key=lambda b: (b[0][d], b[0]))
     active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     for box in order:
-        start = box[0][0]
-        active = [a for a in active if a[0][0] + a[1][0] > start]
+        start = box[0][d]
+        active = [a for a in active if a[0][d] + a[1][d] > start]
         for other in active:
             if all(o1 < o2 + s2 and o2 < o1 + s1
                    for o1, s1, o2, s2 in zip(box[0], box[1], other[0], other[1], strict=True)):

@@ -11,9 +11,10 @@ from ckpttool.formats import dcp
 
 @dataclass(frozen=True)
 class Unreadable:
-    """An entry whose pickle names a class or function: never executed, so never read."""
+    """An entry not read: its pickle names a class or function (never executed), or it is too
+    large to walk. ``why`` says which."""
 
-    qualname: str
+    why: str
 
 
 def read(reader: dcp.Reader, entry: dcp.ObjectEntry) -> Any:
@@ -21,14 +22,13 @@ def read(reader: dcp.Reader, entry: dcp.ObjectEntry) -> Any:
     try:
         return reader.read_object(entry)
     except dcp.UnreadableObject as e:
-        return Unreadable(e.qualname)
+        return Unreadable(e.why)
 
 
 def describe(name: str, value: Any) -> dict[str, Any]:
     """``{"name", "readable": true, "value"}``, or ``{"name", "readable": false, "note"}``."""
     if isinstance(value, Unreadable):
-        return {"name": name, "readable": False,
-                "note": f"needs arbitrary unpickling ({value.qualname}); not executed, not read"}
+        return {"name": name, "readable": False, "note": f"{value.why}; not executed, not read"}
     return {"name": name, "readable": True, "value": jsonable(value)}
 
 

@@ -411,11 +411,13 @@ class TensorPlaceholder:
 
 
 class UnreadableObject(Exception):
-    """A non-tensor entry that would need arbitrary unpickling; it is never executed."""
+    """A non-tensor entry that is not read: it would need arbitrary unpickling (``qualname``
+    names what it asks for; nothing is executed), or its structure is too large to walk."""
 
-    def __init__(self, qualname: str) -> None:
-        super().__init__(qualname)
+    def __init__(self, qualname: str | None, why: str | None = None) -> None:
         self.qualname = qualname
+        self.why = why or f"needs arbitrary unpickling ({qualname})"
+        super().__init__(self.why)
 
 
 def read_object(fd: int, entry: ObjectEntry, *, where: str) -> Any:
@@ -431,6 +433,8 @@ def read_object(fd: int, entry: ObjectEntry, *, where: str) -> Any:
         value = torchsave.load_pickle(rb, entries)
     except torchsave.Refused as e:
         raise UnreadableObject(e.qualname) from None
+    except torchsave.TooComplex as e:
+        raise UnreadableObject(None, str(e)) from None
     except torchsave.PICKLE_ERRORS as e:
         raise InputError(f"{where}: corrupt record ({e})") from None
     return _plain(value)

@@ -555,6 +555,13 @@ def _coordinate(modes_by_axis: list[tuple[tuple[int, int], ...]], num_ranks: int
     """The mesh coordinate of the rank at ``position`` in the rank map, or None if the layout
     does not tile the rank map. Modes within an axis count row-major, as ``as_strided`` does."""
     modes = [m for axis in modes_by_axis for m in axis]
+    mesh_size = 1
+    for n, _ in modes:
+        if n < 1:
+            return None
+        mesh_size *= n
+        if mesh_size > num_ranks:  # a mesh cannot be larger than the ranks that hold it
+            return None
     reach: dict[int, tuple[int, ...]] = {}  # offset from the group's first rank -> coordinate
     for index in itertools.product(*(range(n) for n, _ in modes)):
         offset = sum(i * s for i, (_, s) in zip(index, modes, strict=True))

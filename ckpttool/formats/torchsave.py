@@ -368,8 +368,65 @@ def load_pickle(rb: RecordBytes, entries: dict[str, ZipEntry], *,
     pkl = entries.get("data.pkl")
     if pkl is None:
         raise InputError(f"{rb.where}: torch.save record has no data.pkl; corrupt")
-    return RecordUnpickler(io.BytesIO(rb.read(pkl.data_offset, pkl.size)), rb.where,
-                           lookup=lookup).load()
+    value = RecordUnpickler(io.BytesIO(rb.read(pkl.data_offset, pkl.size)), rb.where,
+                            lookup=lookup).load()
+    check_size(value)
+    return value
+
+
+# What one unpickled value may expand to: a checkpoint's non-tensor entries and state dicts are
+# far below this, and a pickle of shared references (x = [x, x] forty times) is far above.
+MAX_NODES = 1_000_000
+MAX_DEPTH = 100
+
+
+class TooComplex(pickle.UnpicklingError):
+    """An unpickled value too large (counting shared references each time), too deep, or
+    cyclic to walk safely."""
+
+
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+
+def check_size(root: Any) -> None:
+    """Raise :class:`TooComplex` unless ``root`` expands to at most :data:`MAX_NODES` nodes,
+    :data:`MAX_DEPTH` levels and no cycle. Iterative, and linear in the distinct nodes."""
+    if not isinstance(root, _CONTAINERS):
+        return
+    sizes: dict[int, int] = {}
+    active = {id(root)}
+    frames: list[list[Any]] = [[root, iter(_children(root)), 1]]  # node, children, size
+    while frames:
+        frame = frames[-1]
+        child = next(frame[1], _END)
+        if child is _END:
+            frames.pop()
+            active.discard(id(frame[0]))
+            sizes[id(frame[0])] = frame[2]
+            if frames:
+                frames[-1][2] += frame[2]
+        elif not isinstance(child, _CONTAINERS):
+            frame[2] += 1
+        elif id(child) in sizes:
+            frame[2] += sizes[id(child)]
+        elif id(child) in active:
+            raise TooComplex("the pickle holds a cycle")
+        elif len(frames) >= MAX_DEPTH:
+            raise TooComplex(f"the pickle nests deeper than {MAX_DEPTH} levels")
+        else:
+            active.add(id(child))
+            frames.append([child, iter(_children(child)), 1])
+        if frames and frames[-1][2] > MAX_NODES:
+            raise TooComplex(f"the pickle expands to more than {MAX_NODES:,} values")
+
+
+_END = object()
+
+
+def _children(node: Any) -> list[Any]:
+    if isinstance(node, dict):
+        return [*node.keys(), *node.values()]
+    return list(node)
 
 
 # --------------------------------------------------------------------------------------------

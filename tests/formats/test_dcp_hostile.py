@@ -64,3 +64,48 @@ def test_negative_storage_offset_is_an_input_error(tmp_path: Path) -> None:
     with pytest.raises(InputError):
         ckpttool.merge(ckpt, tmp_path / "out", dtype="keep")
     assert md is not None
+
+
+def _bombs() -> dict[str, object]:
+    shared: list[object] = []
+    for _ in range(60):  # 2**60 values once shared references are expanded
+        shared = [shared, shared]
+    deep: list[object] = []
+    for _ in range(150):  # past MAX_DEPTH (100), within what torch.save can pickle
+        deep = [deep]
+    cycle: list[object] = []
+    cycle.append(cycle)
+    return {"shared": shared, "deep": deep, "cycle": cycle}
+
+
+def test_huge_deep_or_cyclic_entries_are_reported_not_walked(tmp_path: Path) -> None:
+    import io
+
+    import torch
+
+    from ckpttool.core.fileio import AtomicOutputs, pwrite_all
+    from ckpttool.formats.dcp_writer import DcpWriter
+    from ckpttool.formats.dtypes import BY_NAME
+
+    # dcp.save itself expands shared lists (exponential), so the records are written directly:
+    # real torch.save records under torch's own metadata classes.
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    with AtomicOutputs(ckpt) as outputs:
+        writer = DcpWriter(outputs.create, pwrite_all, str(ckpt))
+        writer.declare_tensor("model.w", ("model", "w"), BY_NAME["F32"], (2,))
+        writer.add_chunk("model.w", (0,), (2,), torch.ones(2).numpy().tobytes(), 0)
+        for key, value in _bombs().items():
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            writer.add_object(key, (key,), buf.getvalue())
+        outputs.write_bytes(".metadata", writer.metadata())
+        outputs.commit()
+    report = ckpttool.merge(ckpt, tmp_path / "out")
+    notes = {o["name"]: o.get("note", "") for o in report.non_tensor}
+    assert "expands to more than" in notes["shared"]
+    assert "nests deeper than" in notes["deep"]
+    assert "cycle" in notes["cycle"]
+    assert all(not o["readable"] for o in report.non_tensor)
+    inspected = ckpttool.inspect(ckpt)
+    assert {o["name"] for o in inspected.non_tensor if not o["readable"]} == set(notes)
