@@ -24,6 +24,7 @@ import io
 import os
 import pickle
 import re
+import stat
 import struct
 import zlib
 from collections.abc import Callable
@@ -244,7 +245,11 @@ def read_info(path: str | os.PathLike[str]) -> DcpInfo:
     md = read_metadata_object(md_path)
     if type(md).__name__ != "Metadata" or not isinstance(md, _Stub):
         raise InputError(f"{md_path}: does not hold DCP Metadata (found {type(md).__name__})")
-    return _convert(root, md_path, md)
+    try:
+        return _convert(root, md_path, md)
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
+        raise InputError(f"{md_path}: corrupt .metadata ({type(e).__name__}: {e}); copy it "
+                         "again from the source") from None
 
 
 def _convert(root: Path, md_path: Path, md: _Stub) -> DcpInfo:
@@ -277,7 +282,11 @@ def _convert(root: Path, md_path: Path, md: _Stub) -> DcpInfo:
         rel = _safe_relative(md_path, str(info.field("relative_path")))
         offset = index.field("offset")
         key = (str(index.field("fqn")), None if offset is None else torchsave.size(offset))
-        storage[key] = (rel, int(info.field("offset")), int(info.field("length")))
+        begin, length = int(info.field("offset")), int(info.field("length"))
+        if begin < 0 or length < 0:
+            raise InputError(f"{md_path}: entry '{key[0]}' has a negative byte range "
+                             f"({begin}, {length}); corrupt .metadata")
+        storage[key] = (rel, begin, length)
 
     tensors: list[TensorEntry] = []
     objects: list[ObjectEntry] = []
@@ -344,13 +353,17 @@ def _planner_path(raw: Any, fqn: str) -> tuple[str, ...]:
 
 
 def _safe_relative(md_path: Path, rel: str) -> str:
-    """A storage path must stay inside the checkpoint directory."""
+    """A storage path must name a data file in the checkpoint directory itself (DCP's writer
+    only writes plain names such as ``__0_0.distcp``)."""
     p = Path(rel)
-    if p.is_absolute() or ".." in p.parts or rel == "":
+    if p.is_absolute() or ".." in p.parts:
         raise InputError(
             f"{md_path}: storage path '{rel}' points outside the checkpoint directory; "
             "refusing to read it"
         )
+    if not rel or "\0" in rel or rel in (".", METADATA_FILE) or p.name != rel:
+        raise InputError(f"{md_path}: storage path {rel!r} is not a data file name in the "
+                         "checkpoint directory; refusing to read it")
     return rel
 
 
@@ -483,6 +496,11 @@ class Reader:
                     f"{path}: data file is missing; .metadata references it. Copy the whole "
                     "checkpoint directory again"
                 ) from None
+            except OSError as e:
+                raise InputError(f"{path}: cannot open data file: {e.strerror}") from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise InputError(f"{path}: is not a regular file; .metadata names it as data")
             self._fds[file] = fd
         return fd
 
@@ -568,12 +586,15 @@ def check_files(info: DcpInfo) -> None:
     for file, (end, what) in sorted(ends.items()):
         path = info.path / file
         try:
-            size = path.stat().st_size
+            st = path.stat()
         except FileNotFoundError:
             raise InputError(
                 f"{path}: data file is missing; .metadata references it. Copy the whole "
                 "checkpoint directory again"
             ) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"{path}: is not a regular file; .metadata names it as data")
+        size = st.st_size
         if size < end:
             raise InputError(
                 f"{path}: truncated: .metadata places {what} up to byte {end} but the file has "

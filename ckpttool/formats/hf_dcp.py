@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from ckpttool.errors import InputError
@@ -41,6 +42,19 @@ def _sharding_info(file: Path) -> dict[str, object] | None:
     return info if isinstance(info, dict) else None
 
 
+_SHARD_NAME = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
+
+
+def _check_numbering(root: Path, files: list[Path]) -> None:
+    """Ranks write ``shard-<rank + 1>-...``: a gap in the numbers is a missing rank's file.
+    (The format records no global shapes, so a missing last rank cannot be told apart.)"""
+    numbers = {int(m.group(1)) for f in files if (m := _SHARD_NAME.match(f.name))}
+    missing = sorted(set(range(1, max(numbers, default=0) + 1)) - numbers)
+    if missing:
+        raise InputError(f"{root}: shard {missing[0]:05d} of the ranks' safetensors files is "
+                         "missing; copy every shard-*.safetensors file of the checkpoint")
+
+
 def is_hf_dcp_dir(path: Path) -> bool:
     """True if ``path`` holds safetensors shards that carry DCP sharding offsets."""
     files = _shard_files(path)
@@ -54,6 +68,7 @@ def read_info(path: str | os.PathLike[str]) -> dcp.DcpInfo:
         InputError: a shard lacks sharding offsets, or pieces of a tensor disagree.
     """
     root = Path(path)
+    _check_numbering(root, _shard_files(root))
     pieces: dict[str, list[tuple[DType, dcp.Chunk]]] = {}
     for file in _shard_files(root):
         info = _sharding_info(file)
@@ -63,10 +78,11 @@ def read_info(path: str | os.PathLike[str]) -> dcp.DcpInfo:
         for slot in st.read_layout(file)[1]:
             entry = info.get(slot.name)
             offsets = entry.get("saved_offsets") if isinstance(entry, dict) else None
-            if not isinstance(offsets, list) or len(offsets) != len(slot.shape):
+            if not isinstance(offsets, list) or len(offsets) != len(slot.shape) or not all(
+                    isinstance(o, int) and o >= 0 for o in offsets):
                 raise InputError(f"{file}: tensor '{slot.name}' has no valid saved_offsets in "
                                  f"{SHARDING_KEY}")
-            chunk = dcp.Chunk(tuple(int(o) for o in offsets), slot.shape, file.name,
+            chunk = dcp.Chunk(tuple(offsets), slot.shape, file.name,
                               slot.begin, slot.nbytes, raw=True)
             pieces.setdefault(slot.name, []).append((slot.dtype, chunk))
     tensors = []

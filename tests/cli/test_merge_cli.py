@@ -171,3 +171,22 @@ def test_internal_bug_exit_70(uneven_ckpt: Path, tmp_path: Path,
     assert "RuntimeError: boom" in r.stderr
     assert r.stderr.endswith("ckpttool: internal error (a bug in ckpttool); please report it "
                              "with the traceback above\n")
+
+
+def test_write_failure_is_exit_3_and_leaves_nothing(llama_ckpt: Path, tmp_path: Path) -> None:
+    import resource
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+
+    def limit_file_size() -> None:  # as a full disk or quota would
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
+
+    r = subprocess.run([sys.executable, "-m", "ckpttool", "merge", str(llama_ckpt), str(out)],
+                       preexec_fn=limit_file_size, capture_output=True, text=True)
+    assert r.returncode == 3, r.stderr
+    assert r.stderr == ("ckpttool: error: writing the output failed: File too large; free space "
+                        "(or raise the quota or file-size limit) where the output goes, then run "
+                        "again\n")
+    assert list(out.iterdir()) == []
