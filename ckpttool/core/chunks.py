@@ -33,7 +33,8 @@ def coverage_problem(
     nonempty = []
     for offsets, sizes in boxes:
         if len(offsets) != len(shape) or len(sizes) != len(shape):
-            return f"a chunk has {len(offsets)} dimensions, the tensor {len(shape)}"
+            return (f"a chunk has {len(offsets)} offsets and {len(sizes)} sizes for a tensor of "
+                    f"{len(shape)} dimensions")
         for o, s, n in zip(offsets, sizes, shape, strict=True):
             if o < 0 or s < 0 or o + s > n:
                 return (f"chunk at offsets {list(offsets)} with sizes {list(sizes)} lies outside "

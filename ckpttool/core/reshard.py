@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -156,6 +157,9 @@ def _to_dcp(source: sources.Source, out: Path, num_ranks: int, prefix: str | Non
     objects = source.objects()
     _check_dcp_output(out, overwrite)
     total = sum(t.numel * t.dtype.itemsize for t in tensors)
+    # Each record adds about 1.5 KB of zip and pickle headers to its bytes.
+    _check_space(out, total + 2048 * sum(len(c) for c in plans)
+                 + sum(len(o.record) for o in objects))
     if on_start is not None:
         on_start(total)
     with AtomicOutputs(out) as outputs:
@@ -182,6 +186,13 @@ def _to_dcp(source: sources.Source, out: Path, num_ranks: int, prefix: str | Non
     report.num_tensors = len(tensors)
     report.num_objects = len(objects)
     report.total_bytes = total
+
+
+def _check_space(out: Path, need: int) -> None:
+    free = shutil.disk_usage(out).free
+    if need > free:
+        raise OutputError(f"{out}: not enough free space: the output takes about {need:,} bytes "
+                          f"and {free:,} are free; free some space or choose another directory")
 
 
 def _is_dcp_file(name: str) -> bool:
@@ -216,6 +227,7 @@ def _to_safetensors(source: sources.SafetensorsSource, out: Path, max_shard_size
         raise OutputError(f"{out}: already holds {existing[0]}; pass --overwrite to replace it "
                           "or choose an empty directory")
     total = sum(t.slot.nbytes for t in stored)
+    _check_space(out, sum(f.layout.file_size for f in files) + len(index or b""))
     if on_start is not None:
         on_start(total)
     src_fds: dict[Path, int] = {}
