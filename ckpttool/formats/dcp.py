@@ -134,31 +134,8 @@ class TensorRecord:
 # .metadata: an allow-list unpickler onto inert stand-ins
 
 
-class _Stub:
-    """Inert stand-in for a DCP metadata class: keeps the state pickle hands it, runs nothing."""
-
-    def __init__(self, *args: Any) -> None:
-        self.args = args
-        self.state: Any = None
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def field(self, name: str, default: Any = None) -> Any:
-        state = self.state
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
-            state = {**(state[0] or {}), **state[1]}  # (dict, slots) state
-        if isinstance(state, dict):
-            return state.get(name, default)
-        return default
-
-
-def _stub_class(name: str) -> type[_Stub]:
-    return type(name, (_Stub,), {})
-
-
 _METADATA_CLASSES = {
-    name: _stub_class(name)
+    name: torchsave.stub_class(name)
     for name in (
         "Metadata",
         "TensorStorageMetadata",
@@ -243,7 +220,7 @@ def read_info(path: str | os.PathLike[str]) -> DcpInfo:
     if not md_path.is_file():
         raise InputError(f"{root}: not a DCP checkpoint directory (no {METADATA_FILE} file)")
     md = read_metadata_object(md_path)
-    if type(md).__name__ != "Metadata" or not isinstance(md, _Stub):
+    if type(md).__name__ != "Metadata" or not isinstance(md, torchsave.Stub):
         raise InputError(f"{md_path}: does not hold DCP Metadata (found {type(md).__name__})")
     try:
         return _convert(root, md_path, md)
@@ -252,7 +229,7 @@ def read_info(path: str | os.PathLike[str]) -> DcpInfo:
                          "again from the source") from None
 
 
-def _convert(root: Path, md_path: Path, md: _Stub) -> DcpInfo:
+def _convert(root: Path, md_path: Path, md: torchsave.Stub) -> DcpInfo:
     sd_meta = md.field("state_dict_metadata")
     storage_data = md.field("storage_data")
     planner_data = md.field("planner_data") or {}
@@ -268,7 +245,7 @@ def _convert(root: Path, md_path: Path, md: _Stub) -> DcpInfo:
 
     storage: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
     for index, info in storage_data.items():
-        if type(info).__name__ != "_StorageInfo" or not isinstance(index, _Stub):
+        if type(info).__name__ != "_StorageInfo" or not isinstance(index, torchsave.Stub):
             raise UnsupportedError(
                 f"{md_path}: storage entries of type '{type(info).__name__}' are not supported "
                 "(this reads checkpoints written by torch.distributed.checkpoint.FileSystemWriter)"
@@ -316,12 +293,12 @@ def _tensor_entry(
     md_path: Path,
     fqn: str,
     path: tuple[str, ...],
-    entry: _Stub,
+    entry: torchsave.Stub,
     storage: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]],
 ) -> TensorEntry:
     props = entry.field("properties")
     dtype: Any = None
-    if isinstance(props, _Stub):
+    if isinstance(props, torchsave.Stub):
         state = props.state
         dtype = state[0] if isinstance(state, tuple) and state else props.field("dtype")
     if isinstance(dtype, torchsave.UnknownDType):

@@ -144,23 +144,6 @@ def rank_files(path: Path) -> list[RankFile]:
 # The allow-list: what a pickled DTensor names, as inert stand-ins
 
 
-class _Obj:
-    """Stand-in for a class pickle builds with NEWOBJ and BUILD: keeps its state, runs nothing."""
-
-    state: Any = None
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def field(self, name: str, default: Any = None) -> Any:
-        state = self.state
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
-            state = {**(state[0] or {}), **state[1]}  # (dict, slots) state
-        if isinstance(state, dict):
-            return state.get(name, default)
-        return default
-
-
 class _Fields(tuple):  # type: ignore[type-arg]
     """Stand-in for a NamedTuple pickle builds with NEWOBJ (``TensorMeta``, ``ShardOrderEntry``)."""
 
@@ -168,20 +151,18 @@ class _Fields(tuple):  # type: ignore[type-arg]
         return tuple.__new__(cls, fields)
 
 
-def _obj_class(name: str) -> type[_Obj]:
-    return type(name, (_Obj,), {})
 
 
-_DTensorSpec = _obj_class("DTensorSpec")
-_DeviceMesh = _obj_class("DeviceMesh")
-_MeshLayout = _obj_class("_MeshLayout")
-_FlatLayout = _obj_class("_FlatLayout")
-_Shard = _obj_class("Shard")
-_Replicate = _obj_class("Replicate")
+_DTensorSpec = torchsave.stub_class("DTensorSpec")
+_DeviceMesh = torchsave.stub_class("DeviceMesh")
+_MeshLayout = torchsave.stub_class("_MeshLayout")
+_FlatLayout = torchsave.stub_class("_FlatLayout")
+_Shard = torchsave.stub_class("Shard")
+_Replicate = torchsave.stub_class("Replicate")
 # Recognised only to say they are not supported: a Partial tensor is a sum of the ranks'
 # pieces, a _StridedShard interleaves them.
-_Partial = _obj_class("Partial")
-_StridedShard = _obj_class("_StridedShard")
+_Partial = torchsave.stub_class("Partial")
+_StridedShard = torchsave.stub_class("_StridedShard")
 _TensorMeta = type("TensorMeta", (_Fields,), {})
 _ShardOrderEntry = type("ShardOrderEntry", (_Fields,), {})
 
@@ -345,7 +326,8 @@ def _read_file(root: Path, rf: RankFile) -> list[_Piece]:
             raise InputError(f"{path}: holds a {type(root_value).__name__}, not a state dict")
         meshes: dict[int, _Mesh] = {}
         pieces = []
-        for key_path, value in _flatten(root_value, ()):
+        for key_path, value in torchsave.flatten(root_value, is_tensor=_is_tensor,
+                                                 expand_root=True):
             fqn = ".".join(key_path)
             if "flat_param" in fqn:
                 raise UnsupportedError(FSDP1_LOCAL_MESSAGE.format(path=path))
@@ -359,25 +341,6 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, (torchsave.TensorRef, DTensorRef))
 
 
-def _has_tensor(value: Any) -> bool:
-    if _is_tensor(value):
-        return True
-    if isinstance(value, dict):
-        return any(_has_tensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_has_tensor(v) for v in value)
-    return False
-
-
-def _flatten(value: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Any]]:
-    if isinstance(value, dict) and (_has_tensor(value) or not path):
-        for k, v in value.items():
-            yield from _flatten(v, (*path, str(k)))
-    elif isinstance(value, (list, tuple)) and _has_tensor(value):
-        for i, v in enumerate(value):
-            yield from _flatten(v, (*path, str(i)))
-    else:
-        yield path, value
 
 
 def _piece(path: Path, rf: RankFile, rb: torchsave.RecordBytes,
@@ -502,7 +465,7 @@ def _read_ints(rb: torchsave.RecordBytes, entries: dict[str, torchsave.ZipEntry]
 
 
 def _mesh(path: Path, rf: RankFile, rb: torchsave.RecordBytes,
-          entries: dict[str, torchsave.ZipEntry], fqn: str, mesh: _Obj) -> _Mesh:
+          entries: dict[str, torchsave.ZipEntry], fqn: str, mesh: torchsave.Stub) -> _Mesh:
     """Where this file's rank sits in ``mesh``: the layout picks the ranks of the mesh out of
     ``_rank_map`` (``rank_map.as_strided(complement + layout)``, as ``DeviceMesh.mesh`` does)."""
     layout, rank_map = mesh.field("_layout"), mesh.field("_rank_map")

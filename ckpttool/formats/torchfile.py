@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,7 +137,7 @@ def read_info(path: str | os.PathLike[str]) -> TorchFileInfo:
         os.close(fd)
     tensors: list[TensorEntry] = []
     objects: list[ObjectEntry] = []
-    for key_path, value in _flatten(root, ()):
+    for key_path, value in torchsave.flatten(root):
         name = ".".join(key_path) if key_path else "tensor"
         if isinstance(value, torchsave.TensorRef):
             data = entries.get(f"data/{value.storage.key}")
@@ -154,28 +153,6 @@ def read_info(path: str | os.PathLike[str]) -> TorchFileInfo:
         else:
             objects.append(ObjectEntry(name, key_path, _plain(value)))
     return TorchFileInfo(p, size, tuple(tensors), tuple(objects), tuple(entries.values()))
-
-
-def _has_tensor(value: Any) -> bool:
-    if isinstance(value, torchsave.TensorRef):
-        return True
-    if isinstance(value, dict):
-        return any(_has_tensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_has_tensor(v) for v in value)
-    return False
-
-
-def _flatten(value: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Any]]:
-    """Leaves of containers that hold tensors; a subtree without tensors is one leaf."""
-    if isinstance(value, dict) and _has_tensor(value):
-        for k, v in value.items():
-            yield from _flatten(v, (*path, str(k)))
-    elif isinstance(value, (list, tuple)) and _has_tensor(value):
-        for i, v in enumerate(value):
-            yield from _flatten(v, (*path, str(i)))
-    else:
-        yield path, value
 
 
 def _plain(value: Any) -> Any:

@@ -156,6 +156,64 @@ class RecordBytes:
         return data
 
 
+class Stub:
+    """Stand-in for a class that pickle builds with NEWOBJ and BUILD (DCP's metadata classes,
+    a DTensor's spec and mesh): keeps the state pickle hands it, runs nothing."""
+
+    state: Any = None  # NEWOBJ does not call __init__; BUILD may never come
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+        self.state: Any = None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def field(self, name: str, default: Any = None) -> Any:
+        state = self.state
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}  # (dict, slots) state
+        if isinstance(state, dict):
+            return state.get(name, default)
+        return default
+
+
+def stub_class(name: str) -> type[Stub]:
+    """A distinct :class:`Stub` subclass named like the class it stands for."""
+    return type(name, (Stub,), {})
+
+
+def _is_tensor_ref(value: Any) -> bool:
+    return isinstance(value, TensorRef)
+
+
+def has_tensor(value: Any, is_tensor: Callable[[Any], bool] = _is_tensor_ref) -> bool:
+    """True if a container (dicts, lists, tuples) holds a tensor anywhere."""
+    if is_tensor(value):
+        return True
+    if isinstance(value, dict):
+        return any(has_tensor(v, is_tensor) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(has_tensor(v, is_tensor) for v in value)
+    return False
+
+
+def flatten(value: Any, *, is_tensor: Callable[[Any], bool] = _is_tensor_ref,
+            path: tuple[str, ...] = (), expand_root: bool = False
+            ) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """A state dict's leaves with their key paths: containers that hold tensors are opened,
+    a subtree without tensors is one leaf (a non-tensor entry). ``expand_root`` opens the
+    top-level dict even when it holds no tensor."""
+    if isinstance(value, dict) and (has_tensor(value, is_tensor) or (expand_root and not path)):
+        for k, v in value.items():
+            yield from flatten(v, is_tensor=is_tensor, path=(*path, str(k)))
+    elif isinstance(value, (list, tuple)) and has_tensor(value, is_tensor):
+        for i, v in enumerate(value):
+            yield from flatten(v, is_tensor=is_tensor, path=(*path, str(i)))
+    else:
+        yield path, value
+
+
 # A data descriptor: CRC and sizes, with or without its signature, 32- or 64-bit sizes.
 _DESCRIPTOR_SIZES = (12, 16, 20, 24)
 
