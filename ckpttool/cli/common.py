@@ -55,6 +55,11 @@ def print_json(doc: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(doc, indent=2) + "\n")
 
 
+def count(n: int, word: str) -> str:
+    """``1 tensor``, ``2 tensors``."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
 def human_bytes(n: int) -> str:
     value = float(n)
     for unit in ("B", "KB", "MB", "GB", "TB"):

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ckpttool.cli.common import ProgressBar, exit_codes, human_bytes, print_json
+from ckpttool.cli.common import ProgressBar, count, exit_codes, human_bytes, print_json
 
 EPILOG = """\
 Examples:\n\n
@@ -126,8 +126,3 @@ def _num(v: Any) -> str:
     if isinstance(v, int):
         return str(v)
     return f"{v:.4g}"
-
-
-def count(n: int, word: str) -> str:
-    """``1 tensor``, ``2 tensors``."""
-    return f"{n:,} {word}{'' if n == 1 else 's'}"

@@ -8,8 +8,14 @@ from typing import Annotated, Any
 
 import typer
 
-from ckpttool.cli.common import EXIT_PROBLEMS, ProgressBar, exit_codes, human_bytes, print_json
-from ckpttool.cli.inspect import count
+from ckpttool.cli.common import (
+    EXIT_PROBLEMS,
+    ProgressBar,
+    count,
+    exit_codes,
+    human_bytes,
+    print_json,
+)
 from ckpttool.cli.merge import DTypeChoice
 
 EPILOG = """\

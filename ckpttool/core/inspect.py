@@ -15,10 +15,10 @@ import fnmatch
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from ckpttool.core import dtypes as dtype_policy
 from ckpttool.core import names, source, ties
@@ -401,8 +401,7 @@ def placement(shape: tuple[int, ...], boxes: tuple[Box, ...]) -> str:
 
 def tie_pair(ckpt: Checkpoint) -> tuple[str, str] | None:
     """(output, input) embedding names when both exist with one shape."""
-    # find_pair reads only ``.shape``, which every TensorView has.
-    return ties.find_pair(cast(Mapping[str, dcp.TensorEntry], ckpt.by_name()))
+    return ties.find_pair(ckpt.by_name())
 
 
 def summary(ckpt: Checkpoint) -> dict[str, Any]:

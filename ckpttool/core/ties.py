@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Protocol
 
 from ckpttool.core.tensors import read_range
 from ckpttool.formats import dcp
@@ -22,7 +23,12 @@ INPUT_EMBEDDINGS = (
 _SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
 
 
-def find_pair(tensors: Mapping[str, dcp.TensorEntry]) -> tuple[str, str] | None:
+class _Shaped(Protocol):
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+def find_pair(tensors: Mapping[str, _Shaped]) -> tuple[str, str] | None:
     """(output embedding, input embedding) canonical names when both exist with one shape."""
     head = tensors.get(OUTPUT_EMBEDDING)
     if head is None:
