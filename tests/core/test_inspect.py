@@ -210,3 +210,32 @@ def test_not_a_checkpoint(tmp_path: Path) -> None:
 ])
 def test_placement(shape, boxes, want) -> None:
     assert insp.placement(shape, tuple(boxes)) == want
+
+
+@pytest.mark.parametrize("name", ["F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"])
+@pytest.mark.parametrize("case", ["finite", "zeros", "nan", "inf", "negzero"])
+def test_verify_value_checks_on_raw_bits_match_torch(name: str, case: str) -> None:
+    import torch
+
+    from ckpttool.core.inspect import Stats
+    from ckpttool.formats.dtypes import BY_NAME
+
+    dtype = getattr(torch, BY_NAME[name].torch_name)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3000, generator=g) * 3).to(dtype)
+    if case == "zeros":
+        x = torch.zeros(3000, dtype=dtype)
+    elif case == "negzero":
+        x = torch.full((3000,), -0.0).to(dtype)
+    elif case == "nan":
+        x[[5, 2500]] = float("nan")
+    elif case == "inf" and name != "F8_E4M3":  # e4m3fn has no infinity
+        x[[7, 1000, 2999]] = float("-inf")
+    stats = Stats(BY_NAME[name], full=False)
+    for block in x.view(torch.uint8).split(1024):  # several blocks, like verify's reads
+        stats.update(bytearray(block.numpy().tobytes()))
+    got = stats.result()
+    wide = x.float()
+    assert got.nan == int(torch.isnan(wide).sum())
+    assert got.inf == int(torch.isinf(wide).sum())
+    assert bool(got.all_zero) == bool((wide == 0).all())
