@@ -514,19 +514,6 @@ class Stats:
 
     _SUB = 4 << 20  # elements converted at once for float8 (to float32)
 
-    # For verify's questions (any NaN or Inf? all zero?) one integer reduction on the raw bits
-    # answers a block: max(bits & ~sign) is 0 for an all-zero block and below the exponent
-    # pattern for an all-finite one. Torch's float reductions on bf16 run about ten times
-    # slower. dtype -> (integer view, magnitude mask, smallest non-finite magnitude).
-    _BITS = {
-        "F64": ("int64", 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
-        "F32": ("int32", 0x7FFF_FFFF, 0x7F80_0000),
-        "F16": ("int16", 0x7FFF, 0x7C00),
-        "BF16": ("int16", 0x7FFF, 0x7F80),
-        "F8_E4M3": ("int8", 0x7F, 0x7F),  # no Inf; NaN is the all-ones magnitude
-        "F8_E5M2": ("int8", 0x7F, 0x7C),
-    }
-
     def __init__(self, dtype: DType, *, full: bool) -> None:
         import torch  # values need torch; everything else in inspect and verify does not
 
@@ -544,15 +531,6 @@ class Stats:
         if not self.supported or not len(data):
             return
         torch = self._torch
-        bits = None if self.full else self._BITS.get(self.dtype.name)
-        if bits is not None:
-            view, mask, special = bits
-            raw = torch.frombuffer(data, dtype=getattr(torch, view))
-            top = int((raw & mask).max())
-            if top < special:  # all finite: nothing to count, only whether all are zero
-                self._seen += raw.numel()
-                self.stats.all_zero = top == 0 and self.stats.all_zero is not False
-                return
         t = torch.frombuffer(data, dtype=self._torch_dtype)
         if self.dtype.kind == "float8":
             for i in range(0, t.numel(), self._SUB):
