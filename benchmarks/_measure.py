@@ -270,6 +270,25 @@ def warm_page_cache(path: Path) -> float:
     return time.perf_counter() - start
 
 
+def evict_page_cache(path: Path) -> None:
+    """Drop the clean page-cache pages of every file under ``path`` (``POSIX_FADV_DONTNEED``;
+    no root needed, and only these files are touched). Call after :func:`sync`: dirty pages
+    are not dropped."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for f in files_under(path):
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
 def sync() -> None:
     """Flush dirty pages left by an earlier run so that its write-back does not land inside the
     next measurement."""
@@ -345,3 +364,15 @@ def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
     return a / b
+
+
+def mem_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
