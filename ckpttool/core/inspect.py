@@ -525,7 +525,6 @@ class Stats:
         self.stats = TensorStats()
         self._sum = 0.0
         self._finite = 0
-        self._seen = 0
 
     def update(self, data: bytearray | memoryview) -> None:
         if not self.supported or not len(data):
@@ -545,7 +544,6 @@ class Stats:
     def _update(self, t: Any) -> None:
         torch = self._torch
         s = self.stats
-        self._seen += t.numel()
         mn, mx = (v.item() for v in torch.aminmax(t))
         is_float = t.is_floating_point()
         if is_float and not (_finite(mn) and _finite(mx)):

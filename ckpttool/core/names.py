@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from ckpttool.errors import InputError
 
@@ -29,12 +28,6 @@ def canonical_fqn(path: tuple[str, ...], top_level: str = TOP_LEVEL_WRAPPER) -> 
 def strip_wrappers(dotted: str) -> str:
     """Remove wrapper segments from a dotted parameter name."""
     return ".".join(seg for seg in dotted.split(".") if seg not in WRAPPER_SEGMENTS)
-
-
-@dataclass(frozen=True)
-class Rename:
-    source: str
-    target: str
 
 
 def canonical_names(entries: Iterable[tuple[str, tuple[str, ...]]],

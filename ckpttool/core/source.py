@@ -36,7 +36,6 @@ _OPTIMIZER_ROOTS = frozenset({"optimizer", "optim", "state", "param_groups"})
 class Located:
     dcp_dir: Path
     info: dcp.DcpInfo
-    chosen_from: Path | None  # the parent directory it was found in, when not given directly
     skipped: tuple[tuple[Path, str], ...]  # other checkpoints seen there, and what they are
 
 
@@ -74,7 +73,7 @@ def locate_model(src: Path) -> Located:
                          ".metadata and *.distcp files)")
     info = checkpoint_at(src)
     if info is not None:
-        return Located(src, info, None, ())
+        return Located(src, info, ())
     if (src / dcp.METADATA_FILE).exists():
         dcp.read_info(src)  # raises the precise reason the .metadata is unreadable
     if any(src.glob("*" + dcp.DATA_SUFFIX)):
@@ -94,7 +93,7 @@ def locate_model(src: Path) -> Located:
             others.append((sub, "optimizer"))
     if len(models) == 1:
         sub, info = models[0]
-        return Located(sub, info, src, tuple(others))
+        return Located(sub, info, tuple(others))
     if len(models) > 1:
         names = ", ".join(p.name for p, _ in models)
         raise InputError(

@@ -20,7 +20,6 @@ from ckpttool.formats import safetensors as st
 from ckpttool.formats.dtypes import DType
 
 SHARDING_KEY = "DCP_SHARDING_INFO"
-SHARDED_DIR = "sharded"  # where the writer puts the shards when it also consolidates
 
 
 def _shard_files(path: Path) -> list[Path]:
