@@ -327,6 +327,9 @@ def merge(
     report.dtype = {"requested": policy.requested,
                     "target": policy.target.name if policy.target else None,
                     "source": policy.source}
+    extra_names = [p.name for p in hf.files] + ([OPTIMIZER_JSON] if kind == "optimizer" else [])
+    # Before reading any tensor data (the tie check reads both embeddings): fail fast.
+    _check_existing(out_path, extra_names, overwrite, stem)
 
     with dcp.Reader(info) as reader:
         drop = (_decide_tie(reader, by_name, hf.config, keep_tied, report)
@@ -344,7 +347,7 @@ def merge(
         report.copied = [p.name for p in hf.files]
         if kind == "optimizer":
             extra.append((OPTIMIZER_JSON, _optimizer_json(objects)))
-        _check_output(out_path, plan, [name for name, _ in extra], overwrite, stem)
+        _check_space(out_path, plan.file_bytes + sum(len(data) for _, data in extra))
         if on_start is not None:
             on_start(plan.total_bytes)
         with AtomicOutputs(out_path) as outputs:
@@ -363,12 +366,21 @@ def merge(
                     out_path, keep, lambda name: st.is_weight_file(name, stem)))
                 if overwrite else None)
 
+    _summarise(report, info, plan, dict(extra).get(OPTIMIZER_JSON))
+    report.seconds = round(time.perf_counter() - started, 3)
+    return report
+
+
+def _summarise(report: MergeReport, info: dcp.DcpInfo, plan: MergePlan,
+               optimizer_json: bytes | None) -> None:
+    """Files, counts and bytes per dtype before and after, into ``report``."""
     report.files = [{"name": f.name, "bytes": f.size, "tensors": len(f.tensors)}
                     for f in plan.files]
     if plan.index is not None:
         report.files.append({"name": plan.index_name, "bytes": len(plan.index), "tensors": 0})
-    if kind == "optimizer":
-        report.files.append({"name": OPTIMIZER_JSON, "bytes": len(extra[-1][1]), "tensors": 0})
+    if optimizer_json is not None:
+        report.files.append({"name": OPTIMIZER_JSON, "bytes": len(optimizer_json),
+                             "tensors": 0})
     written_tensors = [t for f in plan.files for t in f.tensors]
     report.num_tensors = len(written_tensors)
     report.num_parameters = sum(t.source.numel for t in written_tensors)
@@ -379,8 +391,6 @@ def merge(
     for out_tensor in written_tensors:
         name = out_tensor.dtype.name
         report.bytes_after[name] = report.bytes_after.get(name, 0) + out_tensor.slot.nbytes
-    report.seconds = round(time.perf_counter() - started, 3)
-    return report
 
 
 def _decide_tie(
@@ -464,25 +474,30 @@ def _config_output(hf: source.HfFiles) -> tuple[bytes | None, list[str]]:
     return (json.dumps(fixed, indent=2) + "\n").encode(), [f"architectures: {c}" for c in changes]
 
 
-def _check_output(out: Path, plan: MergePlan, extra: list[str], overwrite: bool,
-                  stem: str) -> None:
+def _check_existing(out: Path, extra: list[str], overwrite: bool, stem: str) -> None:
+    """OUT must be a directory (or not exist yet) without weights of this kind, unless
+    ``overwrite``. Creates nothing."""
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a directory; choose another output path")
+    if overwrite or not out.is_dir():
+        return
+    existing = sorted(p.name for p in out.iterdir()
+                      if st.is_weight_file(p.name, stem) or p.name in extra)
+    if existing:
+        raise OutputError(
+            f"{out}: already holds {', '.join(existing[:3])}"
+            f"{' and more' if len(existing) > 3 else ''}; pass --overwrite to replace them "
+            "or choose an empty directory"
+        )
+
+
+def _check_space(out: Path, need: int) -> None:
+    """Create OUT and check it can take ``need`` bytes, before any is written."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OutputError(f"{out}: cannot create output directory: {e.strerror}") from None
-    if not overwrite:
-        existing = sorted(p.name for p in out.iterdir()
-                          if st.is_weight_file(p.name, stem) or p.name in extra)
-        if existing:
-            raise OutputError(
-                f"{out}: already holds {', '.join(existing[:3])}"
-                f"{' and more' if len(existing) > 3 else ''}; pass --overwrite to replace them "
-                "or choose an empty directory"
-            )
     free = shutil.disk_usage(out).free
-    need = plan.file_bytes
     if need > free:
         raise OutputError(
             f"{out}: not enough free space: the merge writes {need:,} bytes and "
