@@ -143,14 +143,19 @@ class AtomicOutputs:
             os.close(fd)
         self._fds.clear()
         ordered = sorted(self._pending, key=lambda p: p[1].name in last)
-        for i, (tmp, final) in enumerate(ordered):
-            if before_last is not None and (final.name in last or i == len(ordered) - 1):
+        try:
+            for i, (tmp, final) in enumerate(ordered):
+                if before_last is not None and (final.name in last or i == len(ordered) - 1):
+                    before_last()
+                    before_last = None
+                os.replace(tmp, final)
+                self._pending.remove((tmp, final))
+            if before_last is not None:
                 before_last()
-                before_last = None
-            os.replace(tmp, final)
-        if before_last is not None:
-            before_last()
-        self._pending.clear()
+        except OSError as e:
+            # What was not renamed is removed by abort(); say which name failed.
+            raise OutputError(f"{e.filename or self.out_dir}: cannot put the output in place: "
+                              f"{e.strerror}; check the output directory") from None
         return [final for _, final in ordered]
 
     def abort(self) -> None:

@@ -8,13 +8,12 @@ so that a merge costs about what a copy costs. Torch is imported only to cast.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from ckpttool.core import names, source, ties
 from ckpttool.core import objects as non_tensor
 from ckpttool.core.dtypes import DTypePolicy
 from ckpttool.core.fileio import AtomicOutputs, copy_range, pwrite_all, remove_stale
+from ckpttool.core.torch_threads import one_torch_thread
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats import dcp
 from ckpttool.formats import safetensors as st
@@ -142,27 +142,13 @@ def execute(
     for file in {c.file for _, _, c in jobs}:
         reader.fd(file)  # open every source file before threads share the reader
     jobs.sort(key=lambda j: -j[2].numel * j[1].source.dtype.itemsize)
-    with _one_torch_thread(any(t.cast for _, t, _ in jobs)):
-        _run_jobs(jobs, reader, workers, report)
-
-
-@contextlib.contextmanager
-def _one_torch_thread(casting: bool) -> Iterator[None]:
-    """Casts run in our workers, a block at a time between reads and writes; torch's own
-    thread pool would spin through every gap (4x the CPU, half the speed, measured), so it
-    gets one thread while we cast. Loading torch here, once, also spares the workers from
-    queueing on the import."""
-    if not casting:
-        yield
+    if not any(t.cast for _, t, _ in jobs):
+        _run_jobs(jobs, reader, workers, report)  # no torch at all
         return
-    import torch  # only casting needs torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    # Loaded once here, before the workers (who would queue on the import), with one intra-op
+    # thread while they cast.
+    with one_torch_thread():
+        _run_jobs(jobs, reader, workers, report)
 
 
 def _run_jobs(jobs: list[tuple[int, OutTensor, dcp.Chunk]], reader: dcp.Reader, workers: int,
@@ -505,11 +491,16 @@ def _check_existing(out: Path, extra: list[str], overwrite: bool, stem: str) -> 
     ``overwrite``. Creates nothing."""
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a directory; choose another output path")
-    if overwrite or not out.is_dir():
+    if not out.is_dir():
         return
     existing = sorted(p.name for p in out.iterdir()
                       if st.is_weight_file(p.name, stem) or p.name in extra)
-    if existing:
+    for name in existing:  # not even --overwrite replaces a directory or a link
+        path = out / name
+        if path.is_symlink() or not path.is_file():
+            raise OutputError(f"{path}: is not a regular file, and the output needs this name; "
+                              "move it away first")
+    if existing and not overwrite:
         raise OutputError(
             f"{out}: already holds {', '.join(existing[:3])}"
             f"{' and more' if len(existing) > 3 else ''}; pass --overwrite to replace them "

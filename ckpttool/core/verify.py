@@ -46,6 +46,7 @@ from ckpttool.core.inspect import (
     open_source,
     tie_pair,
 )
+from ckpttool.core.torch_threads import one_torch_thread
 from ckpttool.errors import InputError
 from ckpttool.formats import dcp, torchfile
 from ckpttool.formats import safetensors as st
@@ -1112,25 +1113,11 @@ def _run(job: Callable[[TensorView], _Result], todo: list[TensorView], workers: 
          ) -> dict[str, _Result]:
     """``job`` on every tensor, in ``workers`` threads (tensors are independent)."""
     n_workers = max(1, workers or os.cpu_count() or 1)
-    with _one_torch_thread():
+    with one_torch_thread():
         if n_workers == 1:
             return {t.name: job(t) for t in todo}
         with ThreadPoolExecutor(max_workers=n_workers) as pool:
             return {t.name: r for t, r in zip(todo, pool.map(job, todo), strict=True)}
-
-
-@contextlib.contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    """Tensors are spread over worker threads; torch's own thread pool on top of them only
-    contends for the same cores (its OpenMP threads spin), so it gets one thread meanwhile."""
-    import torch  # the value checks need it in any case
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _warm(src: sources.Source) -> None:

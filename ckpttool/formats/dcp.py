@@ -420,7 +420,7 @@ def read_object(fd: int, entry: ObjectEntry, *, where: str) -> Any:
     rb = torchsave.RecordBytes(fd, entry.offset, entry.length, where)
     entries = torchsave.zip_entries(rb)
     try:
-        value = torchsave.load_pickle(rb, entries)
+        value = torchsave.load_pickle(rb, entries, max_nodes=torchsave.OBJECT_MAX_NODES)
     except torchsave.Refused as e:
         raise UnreadableObject(e.qualname) from None
     except torchsave.TooComplex as e:

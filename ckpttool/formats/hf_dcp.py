@@ -3,7 +3,9 @@
 Each rank writes safetensors files (``shard-00001-model-00001-of-00001.safetensors``...) holding
 its local pieces; the header's ``__metadata__["DCP_SHARDING_INFO"]`` (a JSON string) gives each
 piece's ``saved_offsets`` in the full tensor. There is no ``.metadata``: the global shape of a
-tensor is where its pieces end. The result is an ordinary :class:`~ckpttool.formats.dcp.DcpInfo`
+tensor is where its pieces end, and a rank that held nothing writes no file, so a missing
+last piece cannot be told from a smaller tensor (PyTorch's own reader has the same limit). The
+result is an ordinary :class:`~ckpttool.formats.dcp.DcpInfo`
 whose chunks are raw byte ranges, so every operation on DCP checkpoints applies unchanged.
 """
 
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 from ckpttool.errors import InputError
@@ -41,19 +42,6 @@ def _sharding_info(file: Path) -> dict[str, object] | None:
     return info if isinstance(info, dict) else None
 
 
-_SHARD_NAME = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
-
-
-def _check_numbering(root: Path, files: list[Path]) -> None:
-    """Ranks write ``shard-<rank + 1>-...``: a gap in the numbers is a missing rank's file.
-    (The format records no global shapes, so a missing last rank cannot be told apart.)"""
-    numbers = {int(m.group(1)) for f in files if (m := _SHARD_NAME.match(f.name))}
-    missing = sorted(set(range(1, max(numbers, default=0) + 1)) - numbers)
-    if missing:
-        raise InputError(f"{root}: shard {missing[0]:05d} of the ranks' safetensors files is "
-                         "missing; copy every shard-*.safetensors file of the checkpoint")
-
-
 def is_hf_dcp_dir(path: Path) -> bool:
     """True if ``path`` holds safetensors shards that carry DCP sharding offsets."""
     files = _shard_files(path)
@@ -67,7 +55,6 @@ def read_info(path: str | os.PathLike[str]) -> dcp.DcpInfo:
         InputError: a shard lacks sharding offsets, or pieces of a tensor disagree.
     """
     root = Path(path)
-    _check_numbering(root, _shard_files(root))
     pieces: dict[str, list[tuple[DType, dcp.Chunk]]] = {}
     for file in _shard_files(root):
         info = _sharding_info(file)

@@ -319,6 +319,9 @@ def _read_file(root: Path, rf: RankFile) -> list[_Piece]:
                 "dict of tensors and DTensors never contains; the file may be malicious "
                 "(nothing was executed)"
             ) from None
+        except torchsave.TooComplex as e:
+            raise InputError(f"{path}: {e}, more than any state dict holds; refusing to "
+                             "walk it") from None
         except torchsave.PICKLE_ERRORS as e:
             raise InputError(f"{path}: corrupt pickle in torch.save file ({e}); copy it again") \
                 from None

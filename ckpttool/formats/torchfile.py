@@ -130,6 +130,9 @@ def read_info(path: str | os.PathLike[str]) -> TorchFileInfo:
                 "weights-only load never allows; the file may be malicious (nothing was "
                 "executed). Only a state dict of tensors and plain values can be read"
             ) from None
+        except torchsave.TooComplex as e:
+            raise InputError(f"{p}: {e}, more than any state dict holds; refusing to "
+                             "walk it") from None
         except torchsave.PICKLE_ERRORS as e:
             raise InputError(f"{p}: corrupt pickle in torch.save file ({e}); copy it again") \
                 from None

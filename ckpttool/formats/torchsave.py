@@ -411,7 +411,8 @@ class RecordUnpickler(AllowListUnpickler):
 
 
 def load_pickle(rb: RecordBytes, entries: dict[str, ZipEntry], *,
-                lookup: Callable[[str, str], Any | None] = record_global) -> Any:
+                lookup: Callable[[str, str], Any | None] = record_global,
+                max_nodes: int | None = None) -> Any:
     """The archive's ``data.pkl``, unpickled onto stand-ins (tensors as :class:`TensorRef`).
 
     Args:
@@ -428,13 +429,17 @@ def load_pickle(rb: RecordBytes, entries: dict[str, ZipEntry], *,
         raise InputError(f"{rb.where}: torch.save record has no data.pkl; corrupt")
     value = RecordUnpickler(io.BytesIO(rb.read(pkl.data_offset, pkl.size)), rb.where,
                             lookup=lookup).load()
-    check_size(value)
+    check_size(value, max_nodes)
     return value
 
 
-# What one unpickled value may expand to: a checkpoint's non-tensor entries and state dicts are
-# far below this, and a pickle of shared references (x = [x, x] forty times) is far above.
-MAX_NODES = 1_000_000
+# What one unpickled value may expand to, counting a shared reference each time it is reached
+# (what walking it costs). A state dict of N tensors is about 2N values and an optimizer state
+# about 9N, so the limit for whole files is far above any real model; a non-tensor entry (a
+# step counter, a config) gets the small one. A pickle of shared references (x = [x, x] forty
+# times) is far above both.
+MAX_NODES = 100_000_000
+OBJECT_MAX_NODES = 1_000_000
 MAX_DEPTH = 100
 
 
@@ -446,9 +451,11 @@ class TooComplex(pickle.UnpicklingError):
 _CONTAINERS = (dict, list, tuple, set, frozenset)
 
 
-def check_size(root: Any) -> None:
-    """Raise :class:`TooComplex` unless ``root`` expands to at most :data:`MAX_NODES` nodes,
-    :data:`MAX_DEPTH` levels and no cycle. Iterative, and linear in the distinct nodes."""
+def check_size(root: Any, max_nodes: int | None = None) -> None:
+    """Raise :class:`TooComplex` unless ``root`` expands to at most ``max_nodes`` (default
+    :data:`MAX_NODES`) values, :data:`MAX_DEPTH` levels and no cycle. Iterative, and linear in
+    the distinct nodes."""
+    limit = MAX_NODES if max_nodes is None else max_nodes
     if not isinstance(root, _CONTAINERS):
         return
     sizes: dict[int, int] = {}
@@ -474,8 +481,8 @@ def check_size(root: Any) -> None:
         else:
             active.add(id(child))
             frames.append([child, iter(_children(child)), 1])
-        if frames and frames[-1][2] > MAX_NODES:
-            raise TooComplex(f"the pickle expands to more than {MAX_NODES:,} values")
+        if frames and frames[-1][2] > limit:
+            raise TooComplex(f"the pickle expands to more than {limit:,} values")
 
 
 _END = object()

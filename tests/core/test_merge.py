@@ -315,7 +315,7 @@ def test_interrupt_with_workers_stops_queued_jobs(llama_ckpt: Path, tmp_path: Pa
     info = dcp.read_info(llama_ckpt / "pytorch_model_fsdp_0")
     num_jobs = sum(1 for t in info.tensors for c in t.chunks if c.numel)
     assert num_jobs > 20
-    assert len(calls) <= 3  # the queue was dropped, not drained (that would be num_jobs)
+    assert len(calls) < num_jobs // 2  # the queue was dropped, not drained (num_jobs calls)
     assert list(out.iterdir()) == []
 
 
@@ -339,3 +339,23 @@ def test_overwrite_never_writes_through_a_planted_link(uneven_ckpt: Path, tmp_pa
     (out / f".model.safetensors.{os.getpid()}{fileio.TMP_SUFFIX}").symlink_to(victim)
     ckpttool.merge(uneven_ckpt, out)
     assert victim.read_bytes() == b"keep me"
+
+
+def test_a_directory_at_an_output_name_is_refused_even_with_overwrite(
+        uneven_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "model.safetensors.index.json").mkdir(parents=True)
+    for overwrite in (False, True):
+        with pytest.raises(OutputError, match="is not a regular file"):
+            ckpttool.merge(uneven_ckpt, out, overwrite=overwrite)
+    assert [p.name for p in out.iterdir()] == ["model.safetensors.index.json"]
+
+
+def test_concurrent_casting_merges_restore_torch_threads(llama_ckpt: Path, tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = torch.get_num_threads()
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: ckpttool.merge(llama_ckpt, tmp_path / f"o{i}", dtype="fp16"),
+                      range(4)))
+    assert torch.get_num_threads() == before

@@ -90,29 +90,3 @@ def test_reshard_to_dcp_then_merge_round_trips(hf_ckpt: Path, tmp_path: Path) ->
     reshard(hf_ckpt, tmp_path / "dcp", ranks=3)
     ckpttool.merge(tmp_path / "dcp", tmp_path / "out", dtype="keep")
     assert_bit_exact(load_out(tmp_path / "out"), full_state())
-
-
-def test_missing_middle_shard_is_an_input_error(tmp_path: Path) -> None:
-    import shutil
-
-    from ckpttool.errors import InputError
-
-    # Three ranks' files where the middle one is gone (names as the writer gives them).
-    src = tmp_path / "src"
-    src.mkdir()
-    for n in (1, 3):
-        shutil.copy(_one_shard(tmp_path), src / f"shard-{n:05d}-model-00001-of-00001.safetensors")
-    with pytest.raises(InputError, match="shard 00002 of the ranks' safetensors files is missing"):
-        hf_dcp.read_info(src)
-
-
-def _one_shard(tmp_path: Path) -> Path:
-    import json
-    import struct
-
-    meta = {"DCP_SHARDING_INFO": json.dumps({"w": {"saved_offsets": [0]}}), "format": "pt"}
-    header = json.dumps({"__metadata__": meta,
-                         "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
-    path = tmp_path / "one.safetensors"
-    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
-    return path

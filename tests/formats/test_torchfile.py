@@ -141,3 +141,19 @@ def test_reading_does_not_import_torch(tmp_path: Path) -> None:
             "assert info.tensors[0].shape == (3, 3)\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_large_optimizer_state_is_read(tmp_path: Path) -> None:
+    """~1.1M values once expanded (9 per parameter): far above a non-tensor entry's limit,
+    far below a whole file's."""
+    import torch
+
+    from ckpttool.formats import torchfile
+
+    n = 120_000
+    one = torch.zeros(1)
+    state = {"state": {i: {"step": one, "exp_avg": one, "exp_avg_sq": one} for i in range(n)},
+             "param_groups": [{"lr": 1e-3, "params": list(range(n))}]}
+    torch.save(state, tmp_path / "optimizer.pt")
+    info = torchfile.read_info(tmp_path / "optimizer.pt")
+    assert len(info.tensors) == 3 * n
