@@ -57,19 +57,6 @@ def assert_same_entries(got: dict[str, Any], want: dict[str, Any]) -> None:
         {k: v for k, v in want.items() if not isinstance(v, torch.Tensor)}
 
 
-def load_safetensors_dir(out: Path) -> dict[str, torch.Tensor]:
-    index = out / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values()))
-             if index.exists() else ["model.safetensors"])
-    result: dict[str, torch.Tensor] = {}
-    for name in files:
-        with safe_open(out / name, "pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                assert key not in result
-                result[key] = f.get_tensor(key)
-    return result
-
-
 def data_files(dcp_dir: Path) -> list[str]:
     return sorted(p.name for p in dcp_dir.iterdir())
 
@@ -162,7 +149,7 @@ def test_reshard_then_merge_round_trips_bit_for_bit(tensors: dict[str, torch.Ten
         assert_same_tensors(reference_state_dict(out),
                             {prefix + k: t for k, t in tensors.items()})
         ckpttool.merge(out, merged, dtype="keep")
-        assert_same_tensors(load_safetensors_dir(merged), tensors)
+        assert_same_tensors(load_out(merged), tensors)
 
 
 # --------------------------------------------------------------------------------------
@@ -489,8 +476,8 @@ def test_safetensors_resplit_is_byte_identical_and_loads(
     out = tmp_path / "out"
     report = reshard(llama_sharded, out, to="safetensors", max_shard_size=max_shard_size)
     assert report.format_in == report.format_out == "safetensors"
-    before = load_safetensors_dir(llama_sharded)
-    assert_same_tensors(load_safetensors_dir(out), before)
+    before = load_out(llama_sharded)
+    assert_same_tensors(load_out(out), before)
     assert report.num_tensors == len(before)
     assert {"config.json", "generation_config.json"} <= set(data_files(out))
     if max_shard_size == "5GB":
