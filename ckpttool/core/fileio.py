@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -77,6 +78,41 @@ def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> No
             raise output_error(e) from None
         view = view[n:]
         offset += n
+
+
+def existing_outputs(out_dir: Path, taken: Callable[[str], bool]) -> list[str]:
+    """Names already in ``out_dir`` that the output would take (``taken``), sorted; nothing
+    is created. Whether they may be replaced (--overwrite) is the caller's to say.
+
+    Raises:
+        OutputError: ``out_dir`` is not a directory, or such a name is not a regular file (a
+            directory or a link, which not even --overwrite replaces).
+    """
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputError(f"{out_dir}: exists and is not a directory; choose another output path")
+    if not out_dir.is_dir():
+        return []
+    existing = sorted(p.name for p in out_dir.iterdir() if taken(p.name))
+    for name in existing:
+        path = out_dir / name
+        if path.is_symlink() or not path.is_file():
+            raise OutputError(f"{path}: is not a regular file, and the output needs this name; "
+                              "move it away first")
+    return existing
+
+
+def check_space(out_dir: Path, need: int) -> None:
+    """Create ``out_dir`` and check it can take ``need`` bytes, before any is written."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"{out_dir}: cannot create output directory: {e.strerror}") from None
+    free = shutil.disk_usage(out_dir).free
+    if need > free:
+        raise OutputError(
+            f"{out_dir}: not enough free space: the output takes about {need:,} bytes and "
+            f"{free:,} are free; free some space or choose another output directory"
+        )
 
 
 def remove_stale(out_dir: Path, keep: set[str], belongs: Callable[[str], bool]) -> None:

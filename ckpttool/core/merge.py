@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +23,14 @@ from ckpttool.core import dtypes as dtype_policy
 from ckpttool.core import names, source, ties
 from ckpttool.core import objects as non_tensor
 from ckpttool.core.dtypes import DTypePolicy
-from ckpttool.core.fileio import AtomicOutputs, copy_range, pwrite_all, remove_stale
+from ckpttool.core.fileio import (
+    AtomicOutputs,
+    check_space,
+    copy_range,
+    existing_outputs,
+    pwrite_all,
+    remove_stale,
+)
 from ckpttool.core.torch_threads import one_torch_thread
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats import dcp
@@ -359,7 +365,7 @@ def merge(
         report.copied = [p.name for p in hf.files]
         if kind == "optimizer":
             extra.append((OPTIMIZER_JSON, _optimizer_json(objects)))
-        _check_space(out_path, plan.file_bytes + sum(len(data) for _, data in extra))
+        check_space(out_path, plan.file_bytes + sum(len(data) for _, data in extra))
         if on_start is not None:
             on_start(plan.total_bytes)
         with AtomicOutputs(out_path) as outputs:
@@ -487,38 +493,14 @@ def _config_output(hf: source.HfFiles) -> tuple[bytes | None, list[str]]:
 
 
 def _check_existing(out: Path, extra: list[str], overwrite: bool, stem: str) -> None:
-    """OUT must be a directory (or not exist yet) without weights of this kind, unless
+    """OUT holds no weights of this kind (nor the files written beside them), unless
     ``overwrite``. Creates nothing."""
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: exists and is not a directory; choose another output path")
-    if not out.is_dir():
-        return
-    existing = sorted(p.name for p in out.iterdir()
-                      if st.is_weight_file(p.name, stem) or p.name in extra)
-    for name in existing:  # not even --overwrite replaces a directory or a link
-        path = out / name
-        if path.is_symlink() or not path.is_file():
-            raise OutputError(f"{path}: is not a regular file, and the output needs this name; "
-                              "move it away first")
+    existing = existing_outputs(out, lambda name: st.is_weight_file(name, stem) or name in extra)
     if existing and not overwrite:
         raise OutputError(
             f"{out}: already holds {', '.join(existing[:3])}"
             f"{' and more' if len(existing) > 3 else ''}; pass --overwrite to replace them "
             "or choose an empty directory"
-        )
-
-
-def _check_space(out: Path, need: int) -> None:
-    """Create OUT and check it can take ``need`` bytes, before any is written."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputError(f"{out}: cannot create output directory: {e.strerror}") from None
-    free = shutil.disk_usage(out).free
-    if need > free:
-        raise OutputError(
-            f"{out}: not enough free space: the merge writes {need:,} bytes and "
-            f"{free:,} are free; free some space or choose another output directory"
         )
 
 

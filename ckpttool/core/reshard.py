@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +19,14 @@ from typing import Any
 
 from ckpttool.core import source as locate
 from ckpttool.core import tensors as sources
-from ckpttool.core.fileio import AtomicOutputs, copy_range, pwrite_all, remove_stale
+from ckpttool.core.fileio import (
+    AtomicOutputs,
+    check_space,
+    copy_range,
+    existing_outputs,
+    pwrite_all,
+    remove_stale,
+)
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats import dcp
 from ckpttool.formats import safetensors as st
@@ -158,7 +164,7 @@ def _to_dcp(source: sources.Source, out: Path, num_ranks: int, prefix: str | Non
     _check_dcp_output(out, overwrite)
     total = sum(t.numel * t.dtype.itemsize for t in tensors)
     # Each record adds about 1.5 KB of zip and pickle headers to its bytes.
-    _check_space(out, total + 2048 * sum(len(c) for c in plans)
+    check_space(out, total + 2048 * sum(len(c) for c in plans)
                  + sum(len(o.record) for o in objects))
     if on_start is not None:
         on_start(total)
@@ -188,25 +194,13 @@ def _to_dcp(source: sources.Source, out: Path, num_ranks: int, prefix: str | Non
     report.total_bytes = total
 
 
-def _check_space(out: Path, need: int) -> None:
-    free = shutil.disk_usage(out).free
-    if need > free:
-        raise OutputError(f"{out}: not enough free space: the output takes about {need:,} bytes "
-                          f"and {free:,} are free; free some space or choose another directory")
-
-
 def _is_dcp_file(name: str) -> bool:
     return name == dcp.METADATA_FILE or name.endswith(dcp.DATA_SUFFIX)
 
 
 def _check_dcp_output(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: exists and is not a directory; choose another output path")
-    out.mkdir(parents=True, exist_ok=True)
-    if overwrite:
-        return
-    existing = sorted(p.name for p in out.iterdir() if _is_dcp_file(p.name))
-    if existing:
+    existing = existing_outputs(out, _is_dcp_file)
+    if existing and not overwrite:
         raise OutputError(f"{out}: already holds a DCP checkpoint ({existing[0]}...); pass "
                           "--overwrite to replace it or choose an empty directory")
 
@@ -217,17 +211,14 @@ def _to_safetensors(source: sources.SafetensorsSource, out: Path, max_shard_size
     stored = list(source.stored.values())
     files, index = st.plan_files([(t.slot.name, t.slot.dtype, t.slot.shape) for t in stored],
                                  max_shard_size)
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: exists and is not a directory; choose another output path")
-    out.mkdir(parents=True, exist_ok=True)
-    existing = sorted((p.name for p in out.iterdir()
-                       if st.is_weight_file(p.name) or p.name in {f.name for f in hf_files}),
+    hf_names = {f.name for f in hf_files}
+    existing = sorted(existing_outputs(out, lambda n: st.is_weight_file(n) or n in hf_names),
                       key=lambda name: (not st.is_weight_file(name), name))
     if existing and not overwrite:
         raise OutputError(f"{out}: already holds {existing[0]}; pass --overwrite to replace it "
                           "or choose an empty directory")
     total = sum(t.slot.nbytes for t in stored)
-    _check_space(out, sum(f.layout.file_size for f in files) + len(index or b""))
+    check_space(out, sum(f.layout.file_size for f in files) + len(index or b""))
     if on_start is not None:
         on_start(total)
     src_fds: dict[Path, int] = {}

@@ -582,3 +582,12 @@ def test_resplit_overwrite_from_shards_to_one_file_leaves_no_stale_index(
     assert (out / "model.safetensors.index.json").exists()
     reshard(llama_sharded, out, to="safetensors", overwrite=True)
     assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]
+
+
+def test_resplit_refuses_a_directory_at_an_output_name(llama_sharded: Path,
+                                                       tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "model.safetensors").mkdir(parents=True)
+    with pytest.raises(OutputError, match="is not a regular file"):
+        reshard(llama_sharded, out, to="safetensors", overwrite=True)
+    assert [p.name for p in out.iterdir()] == ["model.safetensors"]
