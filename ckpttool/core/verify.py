@@ -128,21 +128,10 @@ def _coverage_code(reason: str) -> str:
     return "chunk-bounds"
 
 
-def _extents(info: dcp.DcpInfo) -> dict[str, list[tuple[int, str, str]]]:
-    """Per data file: (end byte, what, canonical-or-stored name) of every entry in it."""
-    out: dict[str, list[tuple[int, str, str]]] = {}
-    for t in info.tensors:
-        for c in t.chunks:
-            out.setdefault(c.file, []).append((c.offset + c.length, f"tensor '{t.fqn}'", t.fqn))
-    for o in info.objects:
-        out.setdefault(o.file, []).append((o.offset + o.length, f"entry '{o.fqn}'", o.fqn))
-    return out
-
-
 def _dcp_files(ckpt: Checkpoint, info: dcp.DcpInfo) -> list[Problem]:
     problems = []
     sizes = {f.name: f.size for f in ckpt.files}
-    for file, ends in sorted(_extents(info).items()):
+    for file, ends in sorted(dcp.extents(info).items()):
         size = sizes.get(file)
         path = ckpt.root / file
         if size is None:

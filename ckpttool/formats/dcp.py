@@ -546,21 +546,25 @@ def crc32_of(fd: int, offset: int, size: int, *, block: int = 1 << 24) -> int:
     return crc
 
 
+def extents(info: DcpInfo) -> dict[str, list[tuple[int, str, str]]]:
+    """Per data file: (end byte, what, stored name) of every entry ``.metadata`` places in it."""
+    out: dict[str, list[tuple[int, str, str]]] = {}
+    for t in info.tensors:
+        for c in t.chunks:
+            out.setdefault(c.file, []).append((c.offset + c.length, f"tensor '{t.fqn}'", t.fqn))
+    for o in info.objects:
+        out.setdefault(o.file, []).append((o.offset + o.length, f"entry '{o.fqn}'", o.fqn))
+    return out
+
+
 def check_files(info: DcpInfo) -> None:
     """Every data file that ``.metadata`` references exists and is long enough.
 
     Raises:
         InputError: naming the first missing or truncated file, the entry and byte range.
     """
-    ends: dict[str, tuple[int, str]] = {}
-    for t in info.tensors:
-        for c in t.chunks:
-            if c.offset + c.length > ends.get(c.file, (-1, ""))[0]:
-                ends[c.file] = (c.offset + c.length, f"tensor '{t.fqn}'")
-    for o in info.objects:
-        if o.offset + o.length > ends.get(o.file, (-1, ""))[0]:
-            ends[o.file] = (o.offset + o.length, f"entry '{o.fqn}'")
-    for file, (end, what) in sorted(ends.items()):
+    for file, ends in sorted(extents(info).items()):
+        end, what, _ = max(ends)
         path = info.path / file
         try:
             st = path.stat()
