@@ -42,16 +42,12 @@ class SourceObject:
     record: bytes  # the torch.save record, copied verbatim
 
 
-RecordCache = dict[tuple[str, tuple[int, ...]], dcp.TensorRecord]
-
-
-def read_range(reader: dcp.Reader, entry: dcp.TensorEntry, start: int, stop: int,
-               records: RecordCache | None = None) -> bytearray:
+def read_range(reader: dcp.Reader, entry: dcp.TensorEntry, start: int, stop: int
+               ) -> bytearray:
     """Elements ``[start, stop)`` of the C-ordered full tensor, read from the chunks that hold
     them (only the overlapping bytes of each chunk are read)."""
     item = entry.dtype.itemsize
     out = bytearray((stop - start) * item)
-    records = {} if records is None else records
     for c in entry.chunks:
         if not c.numel:
             continue
@@ -62,9 +58,7 @@ def read_range(reader: dcp.Reader, entry: dcp.TensorEntry, start: int, stop: int
             if lo >= hi:
                 continue
             if rec is None:
-                rec = records.get((entry.fqn, c.offsets))
-                if rec is None:
-                    rec = records[(entry.fqn, c.offsets)] = reader.record(entry, c)
+                rec = reader.record(entry, c)
             src_elem = src + lo - dst
             if rec.is_contiguous:
                 at = rec.data_offset + (rec.storage_offset + src_elem) * item
@@ -108,7 +102,6 @@ class DcpSource(Source):
         self.info = info
         self.reader = dcp.Reader(info)
         self._entries = {t.fqn: t for t in info.tensors}
-        self._records: RecordCache = {}
         self.tensors = tuple(
             SourceTensor(t.fqn, t.path, t.dtype, t.shape,
                          whole=len([c for c in t.chunks if c.numel]) == 1
@@ -117,7 +110,7 @@ class DcpSource(Source):
         )
 
     def read(self, key: str, start: int, stop: int) -> bytearray:
-        return read_range(self.reader, self._entries[key], start, stop, self._records)
+        return read_range(self.reader, self._entries[key], start, stop)
 
     def objects(self) -> list[SourceObject]:
         out = []

@@ -450,6 +450,9 @@ class Reader:
     def __init__(self, info: DcpInfo) -> None:
         self.info = info
         self._fds: dict[str, int] = {}
+        # Decoded record headers, by (tensor, chunk offsets): a tie check and the copy after it
+        # (or several reads of one chunk) parse each record once.
+        self._records: dict[tuple[str, tuple[int, ...]], TensorRecord] = {}
 
     def __enter__(self) -> Reader:
         return self
@@ -486,6 +489,13 @@ class Reader:
 
     def record(self, tensor: TensorEntry, chunk: Chunk) -> TensorRecord:
         """The decoded record of ``chunk``, checked against what ``.metadata`` promises."""
+        key = (tensor.fqn, chunk.offsets)
+        rec = self._records.get(key)
+        if rec is None:
+            rec = self._records[key] = self._decode_record(tensor, chunk)
+        return rec
+
+    def _decode_record(self, tensor: TensorEntry, chunk: Chunk) -> TensorRecord:
         where = self.where(chunk.file, chunk.offset, f"tensor '{tensor.fqn}'")
         if chunk.raw:
             if chunk.length != chunk.numel * tensor.dtype.itemsize:
