@@ -1,12 +1,19 @@
-"""Which dtype each tensor is written in: the ``--dtype`` policy, decided before any data moves."""
+"""Which dtype each tensor is written in (the ``--dtype`` policy, decided before any data
+moves), and what a checkpoint's dtypes say against an expected one (``--expect-dtype``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from ckpttool.core import hf
 from ckpttool.errors import InputError
 from ckpttool.formats import dtypes
+from ckpttool.formats.base import Problem, error, info, warning
 from ckpttool.formats.dtypes import DType
+
+if TYPE_CHECKING:
+    from ckpttool.core.discover import Checkpoint
 
 CHOICES = ("auto", "keep", "bf16", "fp16", "fp32")
 
@@ -52,3 +59,62 @@ def resolve(requested: str, config: dict[str, object] | None, config_name: str =
             if name is not None:
                 return DTypePolicy("auto", dtypes.get(name), f"{config_name} {key}={value}")
     return DTypePolicy("auto", None, f"{config_name} names no dtype, dtypes kept")
+
+
+def check_dtypes(ckpt: Checkpoint, expect: DTypePolicy | None) -> list[Problem]:
+    """Floating tensors against an expected dtype (``--expect-dtype``); float8, integer and
+    bool tensors are judged apart; an ``FSDP`` prefix in config.json's architectures."""
+    problems: list[Problem] = []
+    config = ckpt.hf.config
+    config_name = ckpt.hf.config_path.name if ckpt.hf.config_path else "config.json"
+    if config is not None:
+        _, changes = hf.strip_fsdp_prefix(config)
+        if changes:
+            # merge fixes it on the way out of a sharded checkpoint; in weights that are served
+            # as they are, it is fatal.
+            sharded = ckpt.info is not None and ckpt.info.sharded
+            make = warning if sharded else error
+            problems.append(make("fsdp-prefix", f"{ckpt.hf.config_path}: architectures names "
+                                 f"{', '.join(c.split(' -> ')[0] for c in changes)}, a class no "
+                                 "library defines (vLLM picks the model class from it); ckpttool "
+                                 f"merge writes {', '.join(c.split(' -> ')[1] for c in changes)}",
+                                 file=config_name))
+    if ckpt.kind != "model":
+        return problems
+    floats = [t for t in ckpt.tensors if t.dtype.is_float]
+    if expect is None or expect.target is None:
+        if expect is not None:
+            problems.append(info("dtype-unknown", f"--expect-dtype {expect.requested}: "
+                                  f"{expect.source}; dtypes not checked"))
+            return problems
+        policy = resolve("auto", config, config_name)
+        other = sorted({t.dtype.name for t in floats} - ({policy.target.name}
+                                                         if policy.target else set()))
+        if policy.target is not None and other:
+            problems.append(info("dtype-differs-from-config",
+                                  f"floating tensors are {', '.join(other)} but {policy.source}; "
+                                  "ckpttool merge --dtype auto casts them (check with "
+                                  "--expect-dtype auto)"))
+        return problems
+    target = expect.target
+    why = expect.source if expect.requested == "auto" else f"--expect-dtype {expect.requested}"
+    for t in floats:
+        if t.dtype == target:
+            continue
+        if t.dtype.itemsize > target.itemsize:
+            problems.append(error(
+                "dtype-upcast", f"tensor '{t.name}' is {t.dtype.name}, wider than the expected "
+                f"{target.name} ({why}): mixed precision's fp32 copy? ckpttool merge "
+                f"--dtype {expect.requested} casts it", tensor=t.name))
+        else:
+            problems.append(error(
+                "dtype-mismatch", f"tensor '{t.name}' is {t.dtype.name}, not the expected "
+                f"{target.name} ({why})", tensor=t.name))
+    for kind, label in (("float8", "float8"), ("int", "integer"), ("bool", "bool")):
+        found = [t for t in ckpt.tensors if t.dtype.kind == kind]
+        if found:
+            dts = ", ".join(sorted({t.dtype.name for t in found}))
+            problems.append(info(
+                f"{kind}-tensors", f"{len(found)} {label} tensors ({dts}, e.g. '{found[0].name}') "
+                f"are kept as stored; --expect-dtype does not apply to them"))
+    return problems

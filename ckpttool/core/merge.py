@@ -1,6 +1,6 @@
-"""``merge``: a DCP checkpoint to Hugging Face safetensors.
+"""``merge``: a checkpoint of any format to Hugging Face safetensors.
 
-Plan first: from ``.metadata`` alone, decide every output tensor's name, dtype, file and byte
+Plan first: from the metadata alone, decide every output tensor's name, dtype, file and byte
 range (:func:`plan_merge`, pure). Then execute: fill the output files at those offsets, with
 kernel-side copies where a chunk is one contiguous range of its tensor and no cast is needed,
 so that a merge costs about what a copy costs. Torch is imported only to cast.
@@ -20,26 +20,24 @@ from typing import Any
 
 from ckpttool.core import chunks as chunk_geometry
 from ckpttool.core import dtypes as dtype_policy
-from ckpttool.core import names, source, ties
+from ckpttool.core import hf, names, structure, tensors, ties
 from ckpttool.core import objects as non_tensor
+from ckpttool.core.discover import Checkpoint, ObjectView, discover
 from ckpttool.core.dtypes import DTypePolicy
 from ckpttool.core.fileio import (
     AtomicOutputs,
     check_space,
-    copy_range,
     existing_outputs,
     pwrite_all,
     remove_stale,
 )
+from ckpttool.core.report import SCHEMA, Progress
 from ckpttool.core.torch_threads import one_torch_thread
 from ckpttool.errors import InputError, OutputError
-from ckpttool.formats import dcp
+from ckpttool.formats import registry
 from ckpttool.formats import safetensors as st
+from ckpttool.formats.base import Chunk, Reader, Tensor
 from ckpttool.formats.dtypes import DType
-
-SCHEMA = 1
-Progress = Callable[[int], None]  # called with the number of bytes just written
-
 
 # --------------------------------------------------------------------------------------------
 # The plan
@@ -48,7 +46,7 @@ Progress = Callable[[int], None]  # called with the number of bytes just written
 @dataclass(frozen=True)
 class OutTensor:
     name: str
-    source: dcp.TensorEntry
+    source: Tensor
     dtype: DType  # as written
     slot: st.Slot
 
@@ -85,7 +83,7 @@ class MergePlan:
 
 
 def plan_merge(
-    tensors: list[tuple[str, dcp.TensorEntry]],
+    tensors: list[tuple[str, Tensor]],
     *,
     policy: DTypePolicy,
     max_shard_size: int,
@@ -122,7 +120,7 @@ def plan_merge(
 
 def execute(
     plan: MergePlan,
-    reader: dcp.Reader,
+    reader: Reader,
     outputs: AtomicOutputs,
     *,
     workers: int = 1,
@@ -140,13 +138,12 @@ def execute(
             with lock:
                 progress(n)
 
-    jobs: list[tuple[int, OutTensor, dcp.Chunk]] = []
+    jobs: list[tuple[int, OutTensor, Chunk]] = []
     for f in plan.files:
         fd = outputs.create(f.name, f.size)
         pwrite_all(fd, f.layout.header, 0)
         jobs.extend((fd, t, c) for t in f.tensors for c in t.source.chunks if c.numel)
-    for file in {c.file for _, _, c in jobs}:
-        reader.fd(file)  # open every source file before threads share the reader
+    reader.open_files()  # before threads share the reader
     jobs.sort(key=lambda j: -j[2].numel * j[1].source.dtype.itemsize)
     if not any(t.cast for _, t, _ in jobs):
         _run_jobs(jobs, reader, workers, report)  # no torch at all
@@ -157,7 +154,7 @@ def execute(
         _run_jobs(jobs, reader, workers, report)
 
 
-def _run_jobs(jobs: list[tuple[int, OutTensor, dcp.Chunk]], reader: dcp.Reader, workers: int,
+def _run_jobs(jobs: list[tuple[int, OutTensor, Chunk]], reader: Reader, workers: int,
               report: Progress) -> None:
     if workers <= 1:
         for fd, t, c in jobs:
@@ -174,21 +171,19 @@ def _run_jobs(jobs: list[tuple[int, OutTensor, dcp.Chunk]], reader: dcp.Reader, 
     pool.shutdown(wait=True)
 
 
-def _write_chunk(reader: dcp.Reader, dst: int, t: OutTensor, c: dcp.Chunk,
-                 report: Progress) -> None:
+def _write_chunk(reader: Reader, dst: int, t: OutTensor, c: Chunk, report: Progress) -> None:
     entry = t.source
-    rec = reader.record(entry, c)
-    src_item, dst_item = entry.dtype.itemsize, t.dtype.itemsize
-    single = rec.is_contiguous and chunk_geometry.is_single_run(entry.shape, c.offsets, c.sizes)
-    if single:
+    payload = reader.payload(entry, c)
+    dst_item = t.dtype.itemsize
+    start = payload.start
+    if start is not None and chunk_geometry.is_single_run(entry.shape, c.offsets, c.sizes):
         ((_, dst_elem, n),) = chunk_geometry.runs(entry.shape, c.offsets, c.sizes)
-        src_offset = rec.data_offset + rec.storage_offset * src_item
         if t.cast:
-            _cast_range(reader.fd(c.file), src_offset, dst, t.slot.begin + dst_elem * dst_item,
+            _cast_range(reader, payload.file, start, dst, t.slot.begin + dst_elem * dst_item,
                         n, t, report)
         else:
-            copy_range(reader.fd(c.file), src_offset, dst, t.slot.begin + dst_elem * dst_item,
-                       n * src_item)
+            reader.store.copy_to(payload.file, start, dst, t.slot.begin + dst_elem * dst_item,
+                                 n * entry.dtype.itemsize)
             report(n * dst_item)
         return
     # A strided placement (Shard(1)...): the chunk's rows land apart, so read it whole.
@@ -206,8 +201,8 @@ def _write_chunk(reader: dcp.Reader, dst: int, t: OutTensor, c: dcp.Chunk,
 CAST_BLOCK = 8 << 20
 
 
-def _cast_range(src: int, src_offset: int, dst: int, dst_offset: int, numel: int,
-                t: OutTensor, report: Progress) -> None:
+def _cast_range(reader: Reader, file: str, src_offset: int, dst: int, dst_offset: int,
+                numel: int, t: OutTensor, report: Progress) -> None:
     import torch  # only casting needs torch
 
     src_dtype = getattr(torch, t.source.dtype.torch_name)
@@ -221,10 +216,10 @@ def _cast_range(src: int, src_offset: int, dst: int, dst_offset: int, numel: int
     while done < numel:
         n = min(block, numel - done)
         view = memoryview(buf)[: n * src_item]
-        got = os.preadv(src, [view], src_offset + done * src_item)
+        got = reader.store.readinto(file, src_offset + done * src_item, view)
         if got != len(view):
-            raise InputError(f"source file ended early while reading '{t.source.fqn}'; "
-                             "it is truncated")
+            raise InputError(f"{reader.store.path(file)}: ended early while reading "
+                             f"'{t.source.name}'; it is truncated")
         # Tensor.to semantics (round to nearest even); into a preallocated buffer.
         out[:n].copy_(torch.frombuffer(buf, dtype=src_dtype, count=n))
         pwrite_all(dst, out_bytes[: n * dst_item], dst_offset + done * dst_item)
@@ -252,6 +247,7 @@ class MergeReport:
     checkpoint: str
     out: str
     kind: str = "model"  # or "optimizer"
+    format: str = ""  # the source format's NAME
     files: list[dict[str, Any]] = field(default_factory=list)
     num_tensors: int = 0
     num_parameters: int = 0
@@ -286,10 +282,11 @@ def merge(
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> MergeReport:
-    """Merge the DCP checkpoint at ``src`` into Hugging Face safetensors in ``out``.
+    """Merge the checkpoint at ``src`` into Hugging Face safetensors in ``out``.
 
     Args:
-        src: a DCP directory, or a training checkpoint directory holding one model DCP.
+        src: any checkpoint ckpttool reads (a DCP directory, per-rank files, safetensors, a
+            torch.save file), or a training checkpoint directory holding one model.
         out: output directory (created if missing).
         dtype: ``auto`` (from config.json), ``keep``, ``bf16``, ``fp16`` or ``fp32``.
         max_shard_size: largest shard, e.g. ``"5GB"``; a single file if everything fits.
@@ -311,59 +308,58 @@ def merge(
     started = time.perf_counter()
     src_path, out_path = Path(src), Path(out)
     shard_limit = st.parse_size(str(max_shard_size))
-    located = source.locate_model(src_path)
-    info = located.info
-    dcp.check_files(info)
-    for t in info.tensors:
-        problem = chunk_geometry.coverage_problem(t.shape, [(c.offsets, c.sizes) for c in t.chunks])
-        if problem is not None:
-            raise InputError(f"{info.path}: tensor '{t.fqn}': {problem}; the checkpoint is "
-                             "incomplete or corrupt")
-    kind = source.kind_of(info)
-    if kind == "optimizer":
+    ckpt = discover(src_path, config=config, command="merge")
+    if ckpt.chosen is not None and ckpt.kind == "optimizer":
+        raise InputError(
+            f"{src_path}: holds only optimizer state ({ckpt.chosen}), no model checkpoint; to "
+            f"merge the optimizer state, pass its directory: ckpttool merge "
+            f"{src_path / ckpt.chosen} OUT")
+    assert ckpt.info is not None  # discover(require=True) chose one
+    info = ckpt.info
+    structure.raise_first(structure.check(info, ckpt.canonical()))
+    files = ckpt.hf
+    if ckpt.kind == "optimizer":
         # Optimizer state: keep its dtypes unless asked; no config, tokenizer or ties.
-        hf = source.HfFiles(None, None, ())
         policy = (dtype_policy.DTypePolicy("auto", None, "optimizer state keeps its dtypes")
                   if dtype == "auto" else dtype_policy.resolve(dtype, None))
-        top_level, stem = "optimizer", "optimizer"
+        stem = "optimizer"
     else:
-        hf = source.find_hf_files(located.dcp_dir,
-                                  Path(config) if config is not None else None)
-        policy = dtype_policy.resolve(dtype, hf.config,
-                                      str(hf.config_path) if hf.config_path else "config.json")
-        top_level, stem = names.TOP_LEVEL_WRAPPER, "model"
-    renamed = names.canonical_names(((t.fqn, t.path) for t in info.tensors), top_level)
-    by_name = {renamed[t.fqn]: t for t in info.tensors}
+        policy = dtype_policy.resolve(dtype, files.config, str(files.config_path)
+                                      if files.config_path else "config.json")
+        stem = "model"
+    by_name = {t.name: t.tensor for t in ckpt.tensors}
 
-    report = MergeReport(src=str(src_path), checkpoint=str(located.dcp_dir), out=str(out_path),
-                         kind=kind)
-    report.skipped = [{"path": str(p), "kind": k} for p, k in located.skipped]
-    report.renames = [{"from": t.fqn, "to": renamed[t.fqn]} for t in info.tensors
-                      if renamed[t.fqn] != t.fqn]
-    report.wrappers_removed = names.detected_wrappers(
-        (t.path for t in info.tensors if renamed[t.fqn] != t.fqn), top_level)
+    report = MergeReport(src=str(src_path), checkpoint=str(info.root), out=str(out_path),
+                         kind=ckpt.kind, format=info.format)
+    report.skipped = [{"path": str(src_path / p.path), "kind": p.kind} for p in ckpt.parts
+                      if p.path != ckpt.chosen and p.kind in ("model", "optimizer")
+                      and registry.is_format(p.format)]
+    renamed = [t for t in ckpt.tensors if t.name != t.stored_name]
+    report.renames = [{"from": t.stored_name, "to": t.name} for t in renamed]
+    report.wrappers_removed = names.detected_wrappers((t.path for t in renamed),
+                                                      ckpt.top_level)
     report.dtype = {"requested": policy.requested,
                     "target": policy.target.name if policy.target else None,
                     "source": policy.source}
-    extra_names = [p.name for p in hf.files] + ([OPTIMIZER_JSON] if kind == "optimizer" else [])
+    optimizer = ckpt.kind == "optimizer"
+    extra_names = [p.name for p in files.files] + ([OPTIMIZER_JSON] if optimizer else [])
     # Before reading any tensor data (the tie check reads both embeddings): fail fast.
     _check_existing(out_path, extra_names, overwrite, stem)
 
-    with dcp.Reader(info) as reader:
-        drop = (_decide_tie(reader, by_name, hf.config, keep_tied, report)
-                if kind == "model" else frozenset())
-        objects = [(o, non_tensor.read(reader, o)) for o in info.objects]
-        report.non_tensor = [non_tensor.describe(names.canonical_fqn(o.path, top_level), value)
-                             for o, value in objects]
+    with registry.by_name(info.format).open_reader(info) as reader:
+        drop = (frozenset() if optimizer
+                else _decide_tie(reader, by_name, files.config, keep_tied, report))
+        objects = [(o, non_tensor.read(reader, o.entry)) for o in ckpt.objects]
+        report.non_tensor = [non_tensor.describe(o.name, value) for o, value in objects]
         plan = plan_merge(list(by_name.items()), policy=policy, max_shard_size=shard_limit,
                           drop=drop, stem=stem)
-        config_bytes, report.config_changes = _config_output(hf)
+        config_bytes, report.config_changes = _config_output(files)
         # Small files (config, tokenizer, optimizer.json) written beside the weights.
         extra: list[tuple[str, bytes]] = [
-            (p.name, config_bytes if p == hf.config_path and config_bytes is not None
-             else p.read_bytes()) for p in hf.files]
-        report.copied = [p.name for p in hf.files]
-        if kind == "optimizer":
+            (p.name, config_bytes if p == files.config_path and config_bytes is not None
+             else p.read_bytes()) for p in files.files]
+        report.copied = [p.name for p in files.files]
+        if optimizer:
             extra.append((OPTIMIZER_JSON, _optimizer_json(objects)))
         check_space(out_path, plan.file_bytes + sum(len(data) for _, data in extra))
         if on_start is not None:
@@ -384,12 +380,12 @@ def merge(
                     out_path, keep, lambda name: st.is_weight_file(name, stem)))
                 if overwrite else None)
 
-    _summarise(report, info, plan, dict(extra).get(OPTIMIZER_JSON))
+    _summarise(report, ckpt, plan, dict(extra).get(OPTIMIZER_JSON))
     report.seconds = round(time.perf_counter() - started, 3)
     return report
 
 
-def _summarise(report: MergeReport, info: dcp.DcpInfo, plan: MergePlan,
+def _summarise(report: MergeReport, ckpt: Checkpoint, plan: MergePlan,
                optimizer_json: bytes | None) -> None:
     """Files, counts and bytes per dtype before and after, into ``report``."""
     report.files = [{"name": f.name, "bytes": f.size, "tensors": len(f.tensors)}
@@ -403,7 +399,7 @@ def _summarise(report: MergeReport, info: dcp.DcpInfo, plan: MergePlan,
     report.num_tensors = len(written_tensors)
     report.num_parameters = sum(t.source.numel for t in written_tensors)
     report.total_bytes = plan.total_bytes
-    for entry in info.tensors:
+    for entry in ckpt.tensors:
         name = entry.dtype.name
         report.bytes_before[name] = report.bytes_before.get(name, 0) + entry.nbytes
     for out_tensor in written_tensors:
@@ -412,8 +408,8 @@ def _summarise(report: MergeReport, info: dcp.DcpInfo, plan: MergePlan,
 
 
 def _decide_tie(
-    reader: dcp.Reader,
-    by_name: dict[str, dcp.TensorEntry],
+    reader: Reader,
+    by_name: dict[str, Tensor],
     config: dict[str, Any] | None,
     keep_tied: bool,
     report: MergeReport,
@@ -422,8 +418,9 @@ def _decide_tie(
     if pair is None:
         return frozenset()
     head, embed = pair
-    tied = source.ties_word_embeddings(config)
-    same = ties.identical(reader, by_name[head], by_name[embed])
+    tied = hf.ties_word_embeddings(config)
+    same = tensors.identical(reader, by_name[head], reader, by_name[embed],
+                             block_bytes=ties.COMPARE_BLOCK)
     report.tie = {"output": head, "input": embed, "config_ties": tied, "identical": same}
     if tied and same and not keep_tied:
         report.tie["action"] = "deduplicated"
@@ -449,14 +446,14 @@ def _decide_tie(
 OPTIMIZER_JSON = "optimizer.json"
 
 
-def _optimizer_json(objects: list[tuple[dcp.ObjectEntry, Any]]) -> bytes:
+def _optimizer_json(objects: list[tuple[ObjectView, Any]]) -> bytes:
     """Non-tensor optimizer state (param groups, hyper-parameters) nested as it was saved,
     with parameter names in canonical form."""
     root: dict[str, Any] = {}
     unreadable = []
-    for entry, value in objects:
-        path = entry.path[1:] if len(entry.path) > 1 and entry.path[0] == "optimizer" \
-            else entry.path
+    for view, value in objects:
+        stored = view.entry.path
+        path = stored[1:] if len(stored) > 1 and stored[0] == "optimizer" else stored
         if isinstance(value, non_tensor.Unreadable):
             unreadable.append(".".join(path))
             continue
@@ -483,10 +480,10 @@ def _lists(node: Any) -> Any:
     return node
 
 
-def _config_output(hf: source.HfFiles) -> tuple[bytes | None, list[str]]:
-    if hf.config is None:
+def _config_output(files: hf.HfFiles) -> tuple[bytes | None, list[str]]:
+    if files.config is None:
         return None, []
-    fixed, changes = source.strip_fsdp_prefix(hf.config)
+    fixed, changes = hf.strip_fsdp_prefix(files.config)
     if not changes:
         return None, []
     return (json.dumps(fixed, indent=2) + "\n").encode(), [f"architectures: {c}" for c in changes]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckpttool.formats import dcp
+from ckpttool.formats.base import ObjectEntry, Reader, UnreadableObject
 
 
 @dataclass(frozen=True)
@@ -17,11 +17,11 @@ class Unreadable:
     why: str
 
 
-def read(reader: dcp.Reader, entry: dcp.ObjectEntry) -> Any:
+def read(reader: Reader, entry: ObjectEntry) -> Any:
     """The entry's value, or :class:`Unreadable` naming the global it would need."""
     try:
         return reader.read_object(entry)
-    except dcp.UnreadableObject as e:
+    except UnreadableObject as e:
         return Unreadable(e.why)
 
 

@@ -4,8 +4,12 @@
   ``fully_shard`` splits it (``torch.chunk``: pieces of ceil(n / M) rows, trailing ranks
   possibly empty), one ``__<rank>_0.distcp`` per rank; tensors stored whole in the source
   (buffers, replicated tensors, scalars) stay whole, on the least-loaded rank;
-* from full weights (safetensors) to DCP, optionally under accelerate's ``model`` key;
-* safetensors to safetensors with new shard sizes, byte for byte.
+* from full weights (safetensors, torch.save) to DCP, optionally under accelerate's ``model``
+  key;
+* full weights to safetensors with new shard sizes, byte for byte.
+
+Any format the registry reads is a source; whether it holds a training split (``sharded``) or
+full weights decides what each target means.
 """
 
 from __future__ import annotations
@@ -17,23 +21,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttool.core import source as locate
-from ckpttool.core import tensors as sources
+from ckpttool.core import structure, tensors
+from ckpttool.core.discover import Checkpoint, discover
 from ckpttool.core.fileio import (
     AtomicOutputs,
     check_space,
-    copy_range,
     existing_outputs,
     pwrite_all,
     remove_stale,
 )
+from ckpttool.core.inspect import open_reader
+from ckpttool.core.report import SCHEMA, Progress
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats import dcp
 from ckpttool.formats import safetensors as st
+from ckpttool.formats.base import Reader, Tensor
 from ckpttool.formats.dcp_writer import DcpWriter
-
-SCHEMA = 1
-Progress = Callable[[int], None]
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,8 @@ def reshard(
     """Rewrite the checkpoint at ``src`` into ``out`` with another split.
 
     Args:
-        src: a DCP directory, a safetensors file, or a safetensors model directory.
+        src: any checkpoint ckpttool reads (a sharded one for ``--ranks``, full weights for
+            ``--to safetensors`` and ``--prefix``).
         out: output directory.
         ranks: number of ranks of the DCP output (default: 1 from full weights; required for
             DCP to DCP).
@@ -133,55 +137,63 @@ def reshard(
         raise InputError(f"unknown --to '{to}'; use dcp or safetensors")
     if ranks is not None and ranks < 1:
         raise InputError(f"--ranks must be at least 1, got {ranks}")
-    with sources.open_source(src_path) as source:
-        report = ReshardReport(str(src_path), str(out_path), source.format, target)
+    ckpt = discover(src_path, command="reshard")
+    assert ckpt.info is not None
+    info = ckpt.info
+    structure.raise_first(structure.check(info, ckpt.canonical()))
+    report = ReshardReport(str(src_path), str(out_path), info.format, target)
+    if target == "safetensors" and info.sharded:
+        raise InputError(f"{src_path}: --to safetensors re-splits full weights; to turn a "
+                         f"sharded checkpoint into safetensors run: ckpttool merge {src_path} "
+                         f"{out_path}")
+    if target == "dcp" and info.sharded and ranks is None:
+        raise InputError("DCP to DCP needs --ranks M (the number of ranks to lay the "
+                         "checkpoint out for)")
+    if target == "dcp" and info.sharded and prefix is not None:
+        raise InputError("--prefix applies to full weights; a DCP source keeps its keys")
+    with open_reader(ckpt) as reader:
+        reader.open_files()
         if target == "safetensors":
-            if not isinstance(source, sources.SafetensorsSource):
-                raise InputError(f"{src_path}: --to safetensors re-splits safetensors; to turn "
-                                 f"a DCP checkpoint into safetensors run: ckpttool merge "
-                                 f"{src_path} {out_path}")
-            hf = locate.find_hf_files(src_path if src_path.is_dir() else src_path.parent)
-            _to_safetensors(source, out_path, st.parse_size(str(max_shard_size)), hf.files,
+            _to_safetensors(ckpt, reader, out_path, st.parse_size(str(max_shard_size)),
                             overwrite, report, progress, on_start)
         else:
-            if isinstance(source, sources.DcpSource) and ranks is None:
-                raise InputError("DCP to DCP needs --ranks M (the number of ranks to lay "
-                                 "the checkpoint out for)")
-            if isinstance(source, sources.DcpSource) and prefix is not None:
-                raise InputError("--prefix applies to full weights; a DCP source keeps its keys")
-            _to_dcp(source, out_path, ranks or 1, prefix, overwrite, report, progress,
+            _to_dcp(ckpt, reader, out_path, ranks or 1, prefix, overwrite, report, progress,
                     on_start)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
 
 
-def _to_dcp(source: sources.Source, out: Path, num_ranks: int, prefix: str | None,
+def _to_dcp(ckpt: Checkpoint, reader: Reader, out: Path, num_ranks: int, prefix: str | None,
             overwrite: bool, report: ReshardReport, progress: Progress | None,
             on_start: Callable[[int], None] | None) -> None:
-    tensors = source.tensors
-    plans = plan_chunks([(t.shape, t.dtype.itemsize, t.whole) for t in tensors], num_ranks)
-    objects = source.objects()
+    assert ckpt.info is not None
+    sharded = ckpt.info.sharded
+    stored = [t.tensor for t in ckpt.tensors]
+    plans = plan_chunks([(t.shape, t.dtype.itemsize, tensors.stored_whole(t, sharded=sharded))
+                         for t in stored], num_ranks)
+    objects = [(o.entry, record) for o in ckpt.objects
+               if (record := reader.object_record(o.entry)) is not None]
     _check_dcp_output(out, overwrite)
-    total = sum(t.numel * t.dtype.itemsize for t in tensors)
+    total = sum(t.nbytes for t in stored)
     # Each record adds about 1.5 KB of zip and pickle headers to its bytes.
     check_space(out, total + 2048 * sum(len(c) for c in plans)
-                 + sum(len(o.record) for o in objects))
+                 + sum(len(record) for _, record in objects))
     if on_start is not None:
         on_start(total)
     with AtomicOutputs(out) as outputs:
         writer = DcpWriter(outputs.create, pwrite_all, str(out))
-        for t, chunks in zip(tensors, plans, strict=True):
-            key, path = t.key, t.path
+        for t, chunks in zip(stored, plans, strict=True):
+            key, path = t.name, t.path
             if prefix:
-                key, path = f"{prefix}.{t.key}", (prefix, t.key)
+                key, path = f"{prefix}.{t.name}", (prefix, t.name)
             writer.declare_tensor(key, path, t.dtype, t.shape)
             for c in chunks:
-                writer.add_chunk(key, c.offsets, c.sizes, source.read(t.key, c.start, c.stop),
-                                 c.rank)
+                writer.add_chunk(key, c.offsets, c.sizes,
+                                 tensors.read_range(reader, t, c.start, c.stop), c.rank)
                 if progress is not None:
                     progress((c.stop - c.start) * t.dtype.itemsize)
-        for o in objects:
-            writer.add_object(o.key, o.path, o.record)
+        for o, record in objects:
+            writer.add_object(o.name, o.path, record)
         outputs.write_bytes(dcp.METADATA_FILE, writer.metadata())
         keep = set(writer.files) | {dcp.METADATA_FILE}
         written = outputs.commit(
@@ -189,7 +201,7 @@ def _to_dcp(source: sources.Source, out: Path, num_ranks: int, prefix: str | Non
             before_last=(lambda: remove_stale(out, keep, _is_dcp_file)) if overwrite else None)
     report.ranks = num_ranks
     report.files = [{"name": p.name, "bytes": p.stat().st_size} for p in written]
-    report.num_tensors = len(tensors)
+    report.num_tensors = len(stored)
     report.num_objects = len(objects)
     report.total_bytes = total
 
@@ -205,49 +217,55 @@ def _check_dcp_output(out: Path, overwrite: bool) -> None:
                           "--overwrite to replace it or choose an empty directory")
 
 
-def _to_safetensors(source: sources.SafetensorsSource, out: Path, max_shard_size: int,
-                    hf_files: tuple[Path, ...], overwrite: bool, report: ReshardReport,
-                    progress: Progress | None, on_start: Callable[[int], None] | None) -> None:
-    stored = list(source.stored.values())
-    files, index = st.plan_files([(t.slot.name, t.slot.dtype, t.slot.shape) for t in stored],
+def _to_safetensors(ckpt: Checkpoint, reader: Reader, out: Path, max_shard_size: int,
+                    overwrite: bool, report: ReshardReport, progress: Progress | None,
+                    on_start: Callable[[int], None] | None) -> None:
+    stored = {t.stored_name: t.tensor for t in ckpt.tensors}
+    files, index = st.plan_files([(t.name, t.dtype, t.shape) for t in stored.values()],
                                  max_shard_size)
+    hf_files = ckpt.hf.files  # config and tokenizer: the output is a model directory too
     hf_names = {f.name for f in hf_files}
     existing = sorted(existing_outputs(out, lambda n: st.is_weight_file(n) or n in hf_names),
                       key=lambda name: (not st.is_weight_file(name), name))
     if existing and not overwrite:
         raise OutputError(f"{out}: already holds {existing[0]}; pass --overwrite to replace it "
                           "or choose an empty directory")
-    total = sum(t.slot.nbytes for t in stored)
+    total = sum(t.nbytes for t in stored.values())
     check_space(out, sum(f.layout.file_size for f in files) + len(index or b""))
     if on_start is not None:
         on_start(total)
-    src_fds: dict[Path, int] = {}
-    try:
-        with AtomicOutputs(out) as outputs:
-            for f in files:
-                fd = outputs.create(f.name, f.layout.file_size)
-                pwrite_all(fd, f.layout.header, 0)
-                for slot in f.layout.slots:
-                    t = source.stored[slot.name]
-                    if t.file not in src_fds:
-                        src_fds[t.file] = os.open(t.file, os.O_RDONLY)
-                    copy_range(src_fds[t.file], t.slot.begin, fd, slot.begin, slot.nbytes)
-                    if progress is not None:
-                        progress(slot.nbytes)
-            if index is not None:
-                outputs.write_bytes(st.INDEX_NAME, index)
-            for path in hf_files:  # config and tokenizer: the output is a model directory too
-                outputs.write_bytes(path.name, path.read_bytes())
-            keep = {f.name for f in files} | {p.name for p in hf_files}
-            if index is not None:
-                keep.add(st.INDEX_NAME)
-            written = outputs.commit(
-                last=(st.INDEX_NAME,),
-                before_last=(lambda: remove_stale(out, keep, st.is_weight_file))
-                if overwrite else None)
-    finally:
-        for fd in src_fds.values():
-            os.close(fd)
+    with AtomicOutputs(out) as outputs:
+        for f in files:
+            fd = outputs.create(f.name, f.layout.file_size)
+            pwrite_all(fd, f.layout.header, 0)
+            for slot in f.layout.slots:
+                _copy_tensor(reader, stored[slot.name], fd, slot.begin)
+                if progress is not None:
+                    progress(slot.nbytes)
+        if index is not None:
+            outputs.write_bytes(st.INDEX_NAME, index)
+        for path in hf_files:
+            outputs.write_bytes(path.name, path.read_bytes())
+        keep = {f.name for f in files} | hf_names
+        if index is not None:
+            keep.add(st.INDEX_NAME)
+        written = outputs.commit(
+            last=(st.INDEX_NAME,),
+            before_last=(lambda: remove_stale(out, keep, st.is_weight_file))
+            if overwrite else None)
     report.files = [{"name": p.name, "bytes": p.stat().st_size} for p in written]
     report.num_tensors = len(stored)
     report.total_bytes = total
+
+
+def _copy_tensor(reader: Reader, t: Tensor, fd: int, offset: int) -> None:
+    """A full tensor's bytes into ``fd`` at ``offset``: in the kernel when it is stored as one
+    contiguous run, else in C-ordered blocks."""
+    chunk = t.chunks[0] if len(t.chunks) == 1 else None
+    if chunk is not None and chunk.sizes == t.shape:
+        payload = reader.payload(t, chunk)
+        if payload.start is not None:
+            reader.store.copy_to(payload.file, payload.start, fd, offset, t.nbytes)
+            return
+    for start, block in tensors.blocks(reader, t):
+        pwrite_all(fd, block, offset + start * t.dtype.itemsize)

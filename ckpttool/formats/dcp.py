@@ -20,13 +20,12 @@ of nested keys it came from.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
 import re
-import stat
 import struct
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,79 +33,27 @@ from typing import Any
 
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import torchsave
+from ckpttool.formats.base import (
+    RECORD,
+    CheckpointInfo,
+    Checksummed,
+    Chunk,
+    DataFile,
+    ObjectEntry,
+    Payload,
+    Problem,
+    Reader,
+    Tensor,
+    TensorPlaceholder,
+    UnreadableObject,
+    error,
+)
 from ckpttool.formats.dtypes import DType
+from ckpttool.formats.store import file_size
 
+NAME = "dcp"
 METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
-
-
-# --------------------------------------------------------------------------------------------
-# What this module hands out
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One stored piece of a tensor: where it sits in the tensor and where its record is."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    file: str  # relative to the checkpoint directory
-    offset: int  # byte offset of the torch.save record in ``file``
-    length: int  # byte length of the record
-    # True when the bytes are stored plainly (C order, no torch.save record) at ``offset``:
-    # the safetensors shards of HuggingFaceStorageWriter.
-    raw: bool = False
-
-    @property
-    def numel(self) -> int:
-        return _prod(self.sizes)
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """A tensor as ``.metadata`` describes it."""
-
-    fqn: str  # the flat key in .metadata
-    path: tuple[str, ...]  # nested keys (planner_data), e.g. ("model", "lm_head.weight")
-    dtype: DType
-    shape: tuple[int, ...]
-    chunks: tuple[Chunk, ...]
-
-    @property
-    def numel(self) -> int:
-        return _prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class ObjectEntry:
-    """A non-tensor entry (step counter, config value...): a pickled object in a record."""
-
-    fqn: str
-    path: tuple[str, ...]
-    file: str
-    offset: int
-    length: int
-
-
-@dataclass(frozen=True)
-class DcpInfo:
-    """Everything ``.metadata`` says, as plain values."""
-
-    path: Path
-    tensors: tuple[TensorEntry, ...]  # in .metadata order (the model's order)
-    objects: tuple[ObjectEntry, ...]
-    files: tuple[str, ...]  # data files that storage entries reference, sorted
-    version: str | None
-
-    def tensor(self, fqn: str) -> TensorEntry:
-        for t in self.tensors:
-            if t.fqn == fqn:
-                return t
-        raise KeyError(fqn)
 
 
 @dataclass(frozen=True)
@@ -119,7 +66,8 @@ class TensorRecord:
     storage_offset: int  # in elements
     data_offset: int  # absolute byte offset of the storage payload in the file
     data_size: int  # bytes of the storage payload
-    crc32: int | None  # CRC-32 of the payload as the zip header records it (None: raw bytes)
+    crc32: int | None  # CRC-32 of the payload as the zip header records it
+    entries: tuple[torchsave.ZipEntry, ...] = ()  # every entry, offsets absolute
 
     @property
     def is_contiguous(self) -> bool:
@@ -208,15 +156,27 @@ def read_metadata_object(path: Path) -> Any:
         ) from None
 
 
-def read_info(path: str | os.PathLike[str]) -> DcpInfo:
-    """Read a DCP directory's ``.metadata`` into a :class:`DcpInfo`. Reads no tensor data.
+def detect(path: Path) -> bool:
+    """A directory with a ``.metadata`` file or ``.distcp`` data files (either alone is a
+    damaged DCP checkpoint, which :func:`read_info` explains)."""
+    if not path.is_dir():
+        return False
+    return (path / METADATA_FILE).exists() or any(path.glob("*" + DATA_SUFFIX))
+
+
+def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
+    """Read a DCP directory's ``.metadata``. Reads no tensor data.
 
     Raises:
-        InputError: not a DCP directory, or its ``.metadata`` is unsafe, truncated or corrupt.
+        InputError: not a DCP directory, or its ``.metadata`` is missing, unsafe, truncated or
+            corrupt.
         UnsupportedError: a DCP layout ckpttool does not read yet.
     """
     root = Path(path)
     md_path = root / METADATA_FILE
+    if not md_path.exists() and any(root.glob("*" + DATA_SUFFIX)):
+        raise InputError(f"{root}: has .distcp data files but no {METADATA_FILE}; the copy is "
+                         f"incomplete (copy {METADATA_FILE} too)")
     if not md_path.is_file():
         raise InputError(f"{root}: not a DCP checkpoint directory (no {METADATA_FILE} file)")
     md = read_metadata_object(md_path)
@@ -229,7 +189,7 @@ def read_info(path: str | os.PathLike[str]) -> DcpInfo:
                          "again from the source") from None
 
 
-def _convert(root: Path, md_path: Path, md: torchsave.Stub) -> DcpInfo:
+def _convert(root: Path, md_path: Path, md: torchsave.Stub) -> CheckpointInfo:
     sd_meta = md.field("state_dict_metadata")
     storage_data = md.field("storage_data")
     planner_data = md.field("planner_data") or {}
@@ -265,7 +225,7 @@ def _convert(root: Path, md_path: Path, md: torchsave.Stub) -> DcpInfo:
                              f"({begin}, {length}); corrupt .metadata")
         storage[key] = (rel, begin, length)
 
-    tensors: list[TensorEntry] = []
+    tensors: list[Tensor] = []
     objects: list[ObjectEntry] = []
     for fqn, entry in sd_meta.items():
         fqn = str(fqn)
@@ -283,10 +243,16 @@ def _convert(root: Path, md_path: Path, md: torchsave.Stub) -> DcpInfo:
         else:
             raise UnsupportedError(f"{md_path}: entry '{fqn}' has unknown kind '{kind}'")
 
-    files = sorted({rel for rel, _, _ in storage.values()})
+    names = sorted({rel for rel, _, _ in storage.values()})
+    ranks = {rank_of(f) for f in names}
     version = md.field("version")
-    return DcpInfo(root, tuple(tensors), tuple(objects), tuple(files),
-                   None if version is None else str(version))
+    return CheckpointInfo(
+        format=NAME, root=root, tensors=tuple(tensors), objects=tuple(objects),
+        files=tuple(DataFile(f, file_size(root / f)) for f in names),
+        metadata_name=METADATA_FILE, sharded=True,
+        num_ranks=None if None in ranks else len(ranks),
+        stray=tuple(_stray_files(root, set(names))),
+        version=None if version is None else str(version))
 
 
 def _tensor_entry(
@@ -295,7 +261,7 @@ def _tensor_entry(
     path: tuple[str, ...],
     entry: torchsave.Stub,
     storage: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]],
-) -> TensorEntry:
+) -> Tensor:
     props = entry.field("properties")
     dtype: Any = None
     if isinstance(props, torchsave.Stub):
@@ -319,8 +285,8 @@ def _tensor_entry(
                 f"{md_path}: chunk of '{fqn}' at offsets {list(offsets)} has no storage record; "
                 "the checkpoint is incomplete"
             )
-        chunks.append(Chunk(offsets, sizes, *where))
-    return TensorEntry(fqn, path, dtype, shape, tuple(chunks))
+        chunks.append(Chunk(offsets, sizes, *where, encoding=RECORD))
+    return Tensor(fqn, path, dtype, shape, tuple(chunks))
 
 
 def _planner_path(raw: Any, fqn: str) -> tuple[str, ...]:
@@ -348,7 +314,8 @@ def _safe_relative(md_path: Path, rel: str) -> str:
 # torch.save records: zip headers and the data.pkl that names the storage
 
 
-def read_record(fd: int, *, offset: int, length: int, where: str) -> TensorRecord:
+def read_record(fd: int | Callable[[int, int], bytes], *, offset: int, length: int, where: str
+                ) -> TensorRecord:
     """Decode the ``torch.save`` record of one tensor chunk at ``offset`` in the open file ``fd``.
 
     Reads only headers (two small reads for an ordinary record), never the tensor bytes.
@@ -382,6 +349,8 @@ def read_record(fd: int, *, offset: int, length: int, where: str) -> TensorRecor
         data_offset=offset + data.data_offset,
         data_size=data.size,
         crc32=data.crc32,
+        entries=tuple(torchsave.ZipEntry(e.name, offset + e.data_offset, e.size, e.crc32)
+                      for e in entries.values()),
     )
 
 
@@ -389,28 +358,8 @@ def read_record(fd: int, *, offset: int, length: int, where: str) -> TensorRecor
 # Non-tensor entries
 
 
-@dataclass(frozen=True)
-class TensorPlaceholder:
-    """A tensor found inside a non-tensor entry; described, not loaded."""
-
-    dtype: str
-    shape: tuple[int, ...]
-
-    def __str__(self) -> str:
-        return f"tensor({self.dtype}, {list(self.shape)})"
-
-
-class UnreadableObject(Exception):
-    """A non-tensor entry that is not read: it would need arbitrary unpickling (``qualname``
-    names what it asks for; nothing is executed), or its structure is too large to walk."""
-
-    def __init__(self, qualname: str | None, why: str | None = None) -> None:
-        self.qualname = qualname
-        self.why = why or f"needs arbitrary unpickling ({qualname})"
-        super().__init__(self.why)
-
-
-def read_object(fd: int, entry: ObjectEntry, *, where: str) -> Any:
+def read_object(fd: int | Callable[[int, int], bytes], entry: ObjectEntry, *, where: str
+                ) -> Any:
     """Read a non-tensor entry with weights-only semantics: plain containers and scalars only.
 
     Raises:
@@ -440,71 +389,30 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def record_entries(fd: int | Callable[[int, int], bytes], *, offset: int, length: int,
+                   where: str) -> tuple[torchsave.ZipEntry, ...]:
+    """Every entry of the record at ``offset`` (data.pkl, the storage, byteorder...), with
+    absolute offsets and the CRC-32 the zip headers record."""
+    rb = torchsave.RecordBytes(fd, offset, length, where)
+    return tuple(torchsave.ZipEntry(e.name, offset + e.data_offset, e.size, e.crc32)
+                 for e in torchsave.zip_entries(rb).values())
+
+
 # --------------------------------------------------------------------------------------------
 # Reading data
 
 
-class Reader:
-    """Open data files of one checkpoint, each once; use as a context manager."""
+class DcpReader(Reader):
+    """Chunks are ``torch.save`` records; objects are pickled records."""
 
-    def __init__(self, info: DcpInfo) -> None:
-        self.info = info
-        self._fds: dict[str, int] = {}
-        # Decoded record headers, by (tensor, chunk offsets): a tie check and the copy after it
-        # (or several reads of one chunk) parse each record once.
-        self._records: dict[tuple[str, tuple[int, ...]], TensorRecord] = {}
+    def _pread(self, file: str) -> Callable[[int, int], bytes]:
+        return functools.partial(self.store.pread, file)
 
-    def __enter__(self) -> Reader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    def fd(self, file: str) -> int:
-        fd = self._fds.get(file)
-        if fd is None:
-            path = self.info.path / file
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise InputError(
-                    f"{path}: data file is missing; .metadata references it. Copy the whole "
-                    "checkpoint directory again"
-                ) from None
-            except OSError as e:
-                raise InputError(f"{path}: cannot open data file: {e.strerror}") from None
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                raise InputError(f"{path}: is not a regular file; .metadata names it as data")
-            self._fds[file] = fd
-        return fd
-
-    def where(self, file: str, offset: int, what: str) -> str:
-        return f"{self.info.path / file} at byte {offset} ({what})"
-
-    def record(self, tensor: TensorEntry, chunk: Chunk) -> TensorRecord:
-        """The decoded record of ``chunk``, checked against what ``.metadata`` promises."""
-        key = (tensor.fqn, chunk.offsets)
-        rec = self._records.get(key)
-        if rec is None:
-            rec = self._records[key] = self._decode_record(tensor, chunk)
-        return rec
-
-    def _decode_record(self, tensor: TensorEntry, chunk: Chunk) -> TensorRecord:
-        where = self.where(chunk.file, chunk.offset, f"tensor '{tensor.fqn}'")
-        if chunk.raw:
-            if chunk.length != chunk.numel * tensor.dtype.itemsize:
-                raise InputError(f"{where}: holds {chunk.length} bytes for "
-                                 f"{list(chunk.sizes)} {tensor.dtype.name}; corrupt")
-            return TensorRecord(tensor.dtype, chunk.sizes,
-                                torchsave.contiguous_strides(chunk.sizes), 0, chunk.offset,
-                                chunk.length, None)
-        rec = read_record(self.fd(chunk.file), offset=chunk.offset, length=chunk.length,
+    def _decode(self, tensor: Tensor, chunk: Chunk) -> Payload:
+        if chunk.encoding != RECORD:
+            return super()._decode(tensor, chunk)
+        where = self.where(chunk.file, chunk.offset, f"tensor '{tensor.name}'")
+        rec = read_record(self._pread(chunk.file), offset=chunk.offset, length=chunk.length,
                           where=where)
         if rec.dtype != tensor.dtype or rec.shape != chunk.sizes:
             raise InputError(
@@ -515,91 +423,50 @@ class Reader:
                                      contiguous=rec.is_contiguous) * rec.dtype.itemsize
         if _prod(rec.shape) and need > rec.data_size:
             raise InputError(f"{where}: record's storage is smaller than its tensor; corrupt")
-        return rec
+        item = rec.dtype.itemsize
+        side = tuple(Checksummed(chunk.file, e.data_offset, e.size, e.crc32,
+                                 f"record entry '{e.name}'")
+                     for e in rec.entries if e.data_offset != rec.data_offset)
+        return Payload(
+            chunk.file, rec.data_offset, rec.data_size, rec.crc32,
+            rec.data_offset + rec.storage_offset * item if rec.is_contiguous else None,
+            stride=rec.stride, view_offset=rec.storage_offset, side=side)
 
-    def read_chunk(self, tensor: TensorEntry, chunk: Chunk) -> bytes:
-        """The chunk's bytes, C-contiguous, in its own dtype."""
-        rec = self.record(tensor, chunk)
-        fd = self.fd(chunk.file)
-        if rec.is_contiguous:
-            start = rec.data_offset + rec.storage_offset * rec.dtype.itemsize
-            data = os.pread(fd, rec.nbytes, start)
-            if len(data) != rec.nbytes:
-                raise InputError(
-                    f"{self.where(chunk.file, start, repr(tensor.fqn))}: file ends inside the "
-                    "tensor data; it is truncated"
-                )
-            return data
-        return _gather_strided(os.pread(fd, rec.data_size, rec.data_offset), rec)
+    def other_checksums(self) -> tuple[list[Checksummed], list[Problem]]:
+        """The entries of every non-tensor record (their pickles) whose file holds them."""
+        sums: list[Checksummed] = []
+        problems: list[Problem] = []
+        sizes = {f.name: f.size for f in self.info.files}
+        for o in self.info.objects:
+            size = sizes.get(o.file or "")
+            if o.file is None or size is None or o.offset + o.length > size:
+                continue  # missing or truncated: a structure problem already
+            where = self.where(o.file, o.offset, f"entry '{o.name}'")
+            try:
+                entries = record_entries(self._pread(o.file), offset=o.offset,
+                                         length=o.length, where=where)
+            except InputError as e:
+                problems.append(error("record-corrupt", str(e), file=o.file, offset=o.offset))
+                continue
+            sums += [Checksummed(o.file, e.data_offset, e.size, e.crc32,
+                                 f"record entry '{e.name}'") for e in entries]
+        return sums, problems
 
     def read_object(self, entry: ObjectEntry) -> Any:
-        where = self.where(entry.file, entry.offset, f"entry '{entry.fqn}'")
-        return read_object(self.fd(entry.file), entry, where=where)
+        if entry.file is None:
+            return super().read_object(entry)
+        where = self.where(entry.file, entry.offset, f"entry '{entry.name}'")
+        return read_object(self._pread(entry.file), entry, where=where)
+
+    def object_record(self, entry: ObjectEntry) -> bytes | None:
+        if entry.file is None:
+            return None
+        return self.store.read_exact(entry.file, entry.offset, entry.length,
+                                     what=f"entry '{entry.name}'")
 
 
-def _gather_strided(storage: bytes, rec: TensorRecord) -> bytes:
-    """Copy a strided view out of its storage bytes into C order (rare: DCP saves contiguous)."""
-    return torchsave.gather_strided(storage, itemsize=rec.dtype.itemsize, shape=rec.shape,
-                                    stride=rec.stride, storage_offset=rec.storage_offset)
-
-
-def crc32_of(fd: int, offset: int, size: int, *, block: int = 1 << 24) -> int:
-    """CRC-32 of ``size`` bytes at ``offset`` in ``fd``, read in blocks."""
-    crc = 0
-    done = 0
-    while done < size:
-        data = os.pread(fd, min(block, size - done), offset + done)
-        if not data:
-            break
-        crc = zlib.crc32(data, crc)
-        done += len(data)
-    return crc
-
-
-def extents(info: DcpInfo) -> dict[str, list[tuple[int, str, str]]]:
-    """Per data file: (end byte, what, stored name) of every entry ``.metadata`` places in it."""
-    out: dict[str, list[tuple[int, str, str]]] = {}
-    for t in info.tensors:
-        for c in t.chunks:
-            out.setdefault(c.file, []).append((c.offset + c.length, f"tensor '{t.fqn}'", t.fqn))
-    for o in info.objects:
-        out.setdefault(o.file, []).append((o.offset + o.length, f"entry '{o.fqn}'", o.fqn))
-    return out
-
-
-def check_files(info: DcpInfo) -> None:
-    """Every data file that ``.metadata`` references exists and is long enough.
-
-    Raises:
-        InputError: naming the first missing or truncated file, the entry and byte range.
-    """
-    for file, ends in sorted(extents(info).items()):
-        end, what, _ = max(ends)
-        path = info.path / file
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            raise InputError(
-                f"{path}: data file is missing; .metadata references it. Copy the whole "
-                "checkpoint directory again"
-            ) from None
-        if not stat.S_ISREG(st.st_mode):
-            raise InputError(f"{path}: is not a regular file; .metadata names it as data")
-        size = st.st_size
-        if size < end:
-            raise InputError(
-                f"{path}: truncated: .metadata places {what} up to byte {end} but the file has "
-                f"{size} bytes; copy the checkpoint again"
-            )
-
-
-def record_entries(fd: int, *, offset: int, length: int, where: str
-                   ) -> tuple[torchsave.ZipEntry, ...]:
-    """Every entry of the record at ``offset`` (data.pkl, the storage, byteorder...), with
-    absolute offsets and the CRC-32 the zip headers record: what ``verify`` checks."""
-    rb = torchsave.RecordBytes(fd, offset, length, where)
-    return tuple(torchsave.ZipEntry(e.name, offset + e.data_offset, e.size, e.crc32)
-                 for e in torchsave.zip_entries(rb).values())
+def open_reader(info: CheckpointInfo) -> DcpReader:
+    return DcpReader(info)
 
 
 _DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -611,26 +478,11 @@ def rank_of(file: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def stray_files(info: DcpInfo) -> list[str]:
+def _stray_files(root: Path, referenced: set[str]) -> list[str]:
     """``.distcp`` files in the directory that ``.metadata`` never references (left over from
     another save, or a sign that ``.metadata`` is from a different save)."""
-    referenced = set(info.files)
-    return sorted(p.name for p in info.path.glob("*" + DATA_SUFFIX)
+    return sorted(p.name for p in root.glob("*" + DATA_SUFFIX)
                   if p.name not in referenced and p.is_file())
-
-
-# --------------------------------------------------------------------------------------------
-# Recognising a DCP directory by content
-
-
-def is_dcp_dir(path: Path) -> bool:
-    """True if ``path`` holds a ``.metadata`` that starts like a pickle (not yet loaded)."""
-    md = path / METADATA_FILE
-    try:
-        with open(md, "rb") as f:
-            return f.read(1) == b"\x80"
-    except OSError:
-        return False
 
 
 def _prod(values: tuple[int, ...]) -> int:

@@ -5,8 +5,7 @@ its local pieces; the header's ``__metadata__["DCP_SHARDING_INFO"]`` (a JSON str
 piece's ``saved_offsets`` in the full tensor. There is no ``.metadata``: the global shape of a
 tensor is where its pieces end, and a rank that held nothing writes no file, so a missing
 last piece cannot be told from a smaller tensor (PyTorch's own reader has the same limit). The
-result is an ordinary :class:`~ckpttool.formats.dcp.DcpInfo`
-whose chunks are raw byte ranges, so every operation on DCP checkpoints applies unchanged.
+chunks are raw byte ranges in the shards; safetensors carries no checksum.
 """
 
 from __future__ import annotations
@@ -16,10 +15,12 @@ import os
 from pathlib import Path
 
 from ckpttool.errors import InputError
-from ckpttool.formats import dcp
 from ckpttool.formats import safetensors as st
+from ckpttool.formats.base import RAW, CheckpointInfo, Chunk, DataFile, Reader, Tensor
 from ckpttool.formats.dtypes import DType
+from ckpttool.formats.store import file_size
 
+NAME = "dcp-safetensors"
 SHARDING_KEY = "DCP_SHARDING_INFO"
 
 
@@ -42,20 +43,29 @@ def _sharding_info(file: Path) -> dict[str, object] | None:
     return info if isinstance(info, dict) else None
 
 
+def detect(path: Path) -> bool:
+    return path.is_dir() and is_hf_dcp_dir(path)
+
+
+def open_reader(info: CheckpointInfo) -> Reader:
+    """Pieces are raw byte ranges in the shards: the neutral reader reads them."""
+    return Reader(info)
+
+
 def is_hf_dcp_dir(path: Path) -> bool:
     """True if ``path`` holds safetensors shards that carry DCP sharding offsets."""
     files = _shard_files(path)
     return bool(files) and _sharding_info(files[0]) is not None
 
 
-def read_info(path: str | os.PathLike[str]) -> dcp.DcpInfo:
+def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Describe a ``HuggingFaceStorageWriter`` checkpoint. Reads headers only.
 
     Raises:
         InputError: a shard lacks sharding offsets, or pieces of a tensor disagree.
     """
     root = Path(path)
-    pieces: dict[str, list[tuple[DType, dcp.Chunk]]] = {}
+    pieces: dict[str, list[tuple[DType, Chunk]]] = {}
     for file in _shard_files(root):
         info = _sharding_info(file)
         if info is None:
@@ -68,8 +78,8 @@ def read_info(path: str | os.PathLike[str]) -> dcp.DcpInfo:
                     isinstance(o, int) and o >= 0 for o in offsets):
                 raise InputError(f"{file}: tensor '{slot.name}' has no valid saved_offsets in "
                                  f"{SHARDING_KEY}")
-            chunk = dcp.Chunk(tuple(offsets), slot.shape, file.name,
-                              slot.begin, slot.nbytes, raw=True)
+            chunk = Chunk(tuple(offsets), slot.shape, file.name, slot.begin, slot.nbytes,
+                          encoding=RAW)
             pieces.setdefault(slot.name, []).append((slot.dtype, chunk))
     tensors = []
     for name, found in pieces.items():
@@ -77,13 +87,15 @@ def read_info(path: str | os.PathLike[str]) -> dcp.DcpInfo:
         if len(dtypes) > 1:
             raise InputError(f"{root}: pieces of '{name}' have different dtypes "
                              f"{sorted(d.name for d in dtypes)}; corrupt checkpoint")
-        chunks: dict[tuple[tuple[int, ...], tuple[int, ...]], dcp.Chunk] = {}
+        chunks: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk] = {}
         for _, c in found:
             chunks.setdefault((c.offsets, c.sizes), c)  # a replicated piece may appear twice
         ndim = len(found[0][1].sizes)
         shape = tuple(max(c.offsets[d] + c.sizes[d] for c in chunks.values())
                       for d in range(ndim))
-        tensors.append(dcp.TensorEntry(name, (name,), found[0][0], shape,
-                                       tuple(chunks.values())))
-    files = tuple(sorted({c.file for t in tensors for c in t.chunks}))
-    return dcp.DcpInfo(root, tuple(tensors), (), files, None)
+        tensors.append(Tensor(name, (name,), found[0][0], shape, tuple(chunks.values())))
+    files = sorted({c.file for t in tensors for c in t.chunks})
+    return CheckpointInfo(
+        format=NAME, root=root, tensors=tuple(tensors), objects=(),
+        files=tuple(DataFile(f, file_size(root / f)) for f in files),
+        metadata_name=f"the shards' {SHARDING_KEY}", sharded=True)

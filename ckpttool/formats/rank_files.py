@@ -3,8 +3,8 @@
 verl (and trainers like it) save an FSDP2 model with one ``torch.save(model.state_dict())``
 per rank. Each value is a DTensor (its local piece plus the device mesh and placements that say
 where the piece sits in the full tensor) or, for buffers and in a world of one, a plain tensor.
-The result is an ordinary :class:`~ckpttool.formats.dcp.DcpInfo` whose chunks are raw byte
-ranges inside the rank files, so every operation on DCP checkpoints applies unchanged.
+The result is a :class:`~ckpttool.formats.base.CheckpointInfo` whose chunks are raw byte
+ranges inside the rank files (with the zip's CRC-32 where a piece is its whole storage).
 
 Nothing here imports torch or runs code from the files. A DTensor pickles as
 ``_rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor, (DTensor, dtype, global size,
@@ -34,8 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import InputError, UnsupportedError
-from ckpttool.formats import dcp, torchsave
+from ckpttool.formats import torchsave
+from ckpttool.formats.base import RAW, CheckpointInfo, Chunk, DataFile, Reader, Tensor
 from ckpttool.formats.dtypes import DType
+from ckpttool.formats.store import file_size
+
+NAME = "rank-files"
 
 # verl's FSDPCheckpointManager names; optim_/extra_state_ files beside them are not the model.
 MODEL_FILE_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -92,6 +96,15 @@ def _is_zip(file: Path) -> bool:
             return f.read(4) == torchsave.ZIP_MAGIC
     except OSError:
         return False
+
+
+def detect(path: Path) -> bool:
+    return path.is_dir() and is_rank_files_dir(path)
+
+
+def open_reader(info: CheckpointInfo) -> Reader:
+    """Pieces are raw byte ranges inside the rank files: the neutral reader reads them."""
+    return Reader(info)
 
 
 def is_rank_files_dir(path: Path) -> bool:
@@ -264,7 +277,7 @@ class _Piece:
     dtype: DType
     shape: tuple[int, ...]  # of the whole tensor
     distributed: bool  # a DTensor (else a plain tensor, the same on every rank)
-    chunk: dcp.Chunk | None  # None when this rank's piece is empty
+    chunk: Chunk | None  # None when this rank's piece is empty
 
 
 def _pickle_strings(data: bytes) -> Iterator[str]:
@@ -408,7 +421,7 @@ def _is_c_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 
 
 def _chunk(path: Path, entries: dict[str, torchsave.ZipEntry], fqn: str,
-           t: torchsave.TensorRef, offsets: tuple[int, ...]) -> dcp.Chunk | None:
+           t: torchsave.TensorRef, offsets: tuple[int, ...]) -> Chunk | None:
     numel = 1
     for n in t.shape:
         numel *= n
@@ -429,7 +442,10 @@ def _chunk(path: Path, entries: dict[str, torchsave.ZipEntry], fqn: str,
     start = t.storage_offset * itemsize
     if t.storage_offset < 0 or start + nbytes > data.size:
         raise InputError(f"{path}: tensor '{fqn}' reaches past the end of its storage; corrupt")
-    return dcp.Chunk(offsets, t.shape, path.name, data.data_offset + start, nbytes, raw=True)
+    # The zip's CRC covers the whole storage: it checks this piece when the piece is all of it.
+    crc = data.crc32 if start == 0 and nbytes == data.size else None
+    return Chunk(offsets, t.shape, path.name, data.data_offset + start, nbytes, encoding=RAW,
+                 crc32=crc)
 
 
 # --------------------------------------------------------------------------------------------
@@ -598,12 +614,12 @@ def _local_box(path: Path, fqn: str, shape: tuple[int, ...], mesh: _Mesh,
 # The whole checkpoint
 
 
-def read_info(path: str | os.PathLike[str]) -> dcp.DcpInfo:
+def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Describe a directory of per-rank DTensor state-dict files. Reads pickles and zip
     headers (and each mesh's tiny rank list), never tensor data; runs nothing from the files.
 
     Returns:
-        A :class:`~ckpttool.formats.dcp.DcpInfo` with raw chunks: each sharded piece once,
+        A checkpoint with raw chunks: each sharded piece once,
         a replicated tensor (or a plain one in a world of several) from the lowest rank.
 
     Raises:
@@ -621,7 +637,7 @@ def read_info(path: str | os.PathLike[str]) -> dcp.DcpInfo:
     files = rank_files(root)
     order: list[str] = []
     first: dict[str, _Piece] = {}
-    chunks: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], dcp.Chunk]] = {}
+    chunks: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk]] = {}
     for rf in files:
         pieces = _read_file(root, rf)
         keys = [p.fqn for p in pieces]
@@ -650,11 +666,14 @@ def read_info(path: str | os.PathLike[str]) -> dcp.DcpInfo:
             # A replicated piece appears on several ranks: keep the lowest rank's copy.
             chunks.setdefault(p.fqn, {}).setdefault((p.chunk.offsets, p.chunk.sizes), p.chunk)
     tensors = tuple(
-        dcp.TensorEntry(fqn, (fqn,), first[fqn].dtype, first[fqn].shape,
-                        tuple(chunks.get(fqn, {}).values()))
+        Tensor(fqn, (fqn,), first[fqn].dtype, first[fqn].shape,
+               tuple(chunks.get(fqn, {}).values()))
         for fqn in order
     )
-    return dcp.DcpInfo(root, tensors, (), tuple(f.name for f in files), None)
+    return CheckpointInfo(
+        format=NAME, root=root, tensors=tensors, objects=(),
+        files=tuple(DataFile(f.name, file_size(root / f.name)) for f in files),
+        metadata_name="the rank files' pickles", sharded=True, num_ranks=len(files))
 
 
 def _describe(p: _Piece) -> str:
@@ -669,5 +688,5 @@ def _prod(values: Iterable[int]) -> int:
     return n
 
 
-__all__ = ["FSDP1_LOCAL_MESSAGE", "DTensorRef", "RankFile", "dtensor_global",
-           "is_rank_files_dir", "rank_files", "read_info"]
+__all__ = ["FSDP1_LOCAL_MESSAGE", "NAME", "DTensorRef", "RankFile", "detect", "dtensor_global",
+           "is_rank_files_dir", "open_reader", "rank_files", "read_info"]

@@ -1,4 +1,5 @@
-"""safetensors files and sharded directories (``model.safetensors.index.json``).
+"""safetensors files and sharded directories (``model.safetensors.index.json``): reading them
+as checkpoints, and laying out the files ``merge`` and ``reshard`` write.
 
 A file is an 8-byte little-endian header length, a JSON header (``{"__metadata__": {...},
 name: {"dtype", "shape", "data_offsets": [begin, end]}}``, offsets relative to the end of the
@@ -9,6 +10,7 @@ known offsets, in parallel and with kernel-side copies.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass
@@ -16,8 +18,21 @@ from pathlib import Path
 
 from ckpttool.errors import InputError
 from ckpttool.formats import dtypes
+from ckpttool.formats.base import (
+    RAW,
+    CheckpointInfo,
+    Chunk,
+    DataFile,
+    Problem,
+    Reader,
+    Tensor,
+    error,
+    warning,
+)
 from ckpttool.formats.dtypes import DType
+from ckpttool.formats.store import file_size
 
+NAME = "safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
@@ -115,6 +130,8 @@ def read_layout(path: Path) -> tuple[dict[str, str], tuple[Slot, ...]]:
     Raises:
         InputError: the header is truncated, corrupt or inconsistent with the file size.
     """
+    if path.exists() and not path.is_file():
+        raise InputError(f"{path}: not a regular file")
     try:
         with open(path, "rb") as f:
             raw = f.read(8)
@@ -220,47 +237,6 @@ def parse_size(text: str) -> int:
 
 
 @dataclass(frozen=True)
-class StoredTensor:
-    file: Path
-    slot: Slot
-
-
-def read_checkpoint(path: Path) -> tuple[StoredTensor, ...]:
-    """Every tensor of a safetensors file, or of a directory (``model.safetensors`` or the
-    shards its ``model.safetensors.index.json`` names), in file then offset order.
-
-    Raises:
-        InputError: missing files, unreadable headers, or an index that disagrees with them.
-    """
-    if path.is_file():
-        return tuple(StoredTensor(path, s) for s in read_layout(path)[1])
-    index_path = path / INDEX_NAME
-    if index_path.is_file():
-        weight_map = read_index(index_path).weight_map
-        files = list(dict.fromkeys(weight_map.values()))
-        out: list[StoredTensor] = []
-        for name in files:
-            file_path = path / name
-            if not file_path.is_file():
-                raise InputError(f"{file_path}: shard named in {INDEX_NAME} is missing")
-            slots = read_layout(file_path)[1]
-            for s in slots:
-                if weight_map.get(s.name) != name:
-                    raise InputError(f"{file_path}: holds '{s.name}', which {INDEX_NAME} "
-                                     f"places in {weight_map.get(s.name)!r}")
-            out += [StoredTensor(file_path, s) for s in slots]
-        missing = set(weight_map) - {t.slot.name for t in out}
-        if missing:
-            raise InputError(f"{index_path}: names {len(missing)} tensors that no shard holds, "
-                             f"e.g. '{sorted(missing)[0]}'")
-        return tuple(out)
-    single = path / SINGLE_NAME
-    if single.is_file():
-        return tuple(StoredTensor(single, s) for s in read_layout(single)[1])
-    raise InputError(f"{path}: no {SINGLE_NAME} or {INDEX_NAME} here")
-
-
-@dataclass(frozen=True)
 class Index:
     """A ``*.safetensors.index.json``: which shard holds each tensor."""
 
@@ -317,3 +293,158 @@ def is_safetensors_file(path: Path) -> bool:
     except OSError:
         return False
     return len(head) == 9 and head[8:9] == b"{"
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a checkpoint: a file, or a directory of shards
+
+
+def detect(path: Path) -> bool:
+    """A safetensors file, or a directory holding ``*.safetensors`` files or an index."""
+    if path.is_file():
+        return is_safetensors_file(path)
+    return path.is_dir() and (any((path / index_name(s)).is_file() for s in _STEMS)
+                              or bool(_safetensors_files(path)))
+
+
+def open_reader(info: CheckpointInfo) -> Reader:
+    """Tensors are raw byte ranges: the neutral reader reads them."""
+    return Reader(info)
+
+
+_STEMS = ("model", "optimizer")
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.glob("*.safetensors") if p.is_file())
+
+
+def read_info(path: str | Path) -> CheckpointInfo:
+    """Describe a safetensors file or directory from its headers (and index).
+
+    A shard whose header cannot be read, or an index that disagrees with the shards, does not
+    stop the description: each is a problem in ``info.problems``, for ``verify`` to report and
+    for ``merge`` to refuse.
+
+    Raises:
+        InputError: no safetensors file there, or an index that is not one.
+    """
+    root = Path(path)
+    index: Index | None = None
+    stem = "model"
+    if root.is_file():
+        shard_names = [root.name]
+        base = root.parent
+    else:
+        base = root
+        shard_names = [p.name for p in _safetensors_files(root)]
+        for s in _STEMS:
+            if (root / index_name(s)).is_file():
+                index = read_index(root / index_name(s))
+                shard_names, stem = list(dict.fromkeys(index.weight_map.values())), s
+                break
+            if (root / f"{s}.safetensors").is_file():
+                shard_names, stem = [f"{s}.safetensors"], s
+                break
+        if not shard_names:
+            raise InputError(f"{root}: no {SINGLE_NAME} or {INDEX_NAME} here")
+    problems: list[Problem] = []
+    holders: dict[str, list[str]] = {}
+    tensors: dict[str, Tensor] = {}
+    readable: set[str] = set()
+    slot_bytes = 0
+    for name in shard_names:
+        slots = _read_shard(base, name, index, problems)
+        if slots is None:
+            continue
+        readable.add(name)
+        slot_bytes += sum(s.nbytes for s in slots)
+        problems += _slot_problems(base / name, slots)
+        for slot in slots:
+            holders.setdefault(slot.name, []).append(name)
+            # A name in two shards is a duplicate-tensor problem; describe it once.
+            tensors.setdefault(slot.name, Tensor(
+                slot.name, (slot.name,), slot.dtype, slot.shape,
+                (Chunk((0,) * len(slot.shape), slot.shape, name, slot.begin, slot.nbytes,
+                       encoding=RAW),)))
+    for name, files in holders.items():
+        if len(files) > 1:
+            problems.append(error("duplicate-tensor", f"{base}: tensor '{name}' is stored "
+                                  f"in {len(files)} places ({', '.join(files)}); a loader keeps "
+                                  "one of them at random", tensor=name, file=files[1]))
+    if index is not None:
+        problems += _index_problems(base, index, holders, readable,
+                                    complete=readable == set(shard_names),
+                                    total=slot_bytes)
+    stray = () if index is None else tuple(
+        p.name for p in _safetensors_files(base)
+        if p.name not in shard_names and p.name.startswith(f"{stem}-"))
+    return CheckpointInfo(
+        format=NAME, root=root, tensors=tuple(tensors.values()), objects=(),
+        files=tuple(DataFile(n, file_size(base / n)) for n in shard_names),
+        metadata_name=index.path.name if index else "the safetensors header",
+        problems=tuple(problems), stray=stray)
+
+
+def _read_shard(base: Path, name: str, index: Index | None, problems: list[Problem]
+                ) -> tuple[Slot, ...] | None:
+    path = base / name
+    if file_size(path) is None:
+        named = f" named in {index.path.name}" if index else ""
+        problems.append(error("missing-file", f"{path}: shard{named} is missing; copy the "
+                              "whole directory again", file=name))
+        return None
+    try:
+        return read_layout(path)[1]
+    except InputError as e:
+        problems.append(error("header-corrupt", str(e), file=name))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        problems.append(error("header-corrupt", f"{path}: corrupt safetensors header "
+                              f"({type(e).__name__}: {e})", file=name))
+    return None
+
+
+def _slot_problems(path: Path, slots: tuple[Slot, ...]) -> list[Problem]:
+    problems = []
+    previous = None
+    for slot in slots:
+        need = math.prod(slot.shape) * slot.dtype.itemsize
+        if slot.nbytes != need:
+            problems.append(error(
+                "bad-offsets", f"{path}: tensor '{slot.name}' spans {slot.nbytes} bytes but "
+                f"{slot.dtype.name} {list(slot.shape)} needs {need}; corrupt header",
+                file=path.name, tensor=slot.name, offset=slot.begin))
+        if previous is not None and slot.begin < previous.end:
+            problems.append(error(
+                "bad-offsets", f"{path}: tensors '{previous.name}' and '{slot.name}' overlap at "
+                f"byte {slot.begin}; corrupt header", file=path.name, tensor=slot.name,
+                offset=slot.begin))
+        previous = slot
+    return problems
+
+
+def _index_problems(base: Path, index: Index, holders: dict[str, list[str]],
+                    readable: set[str], *, complete: bool, total: int) -> list[Problem]:
+    problems = []
+    where = index.path
+    for name in index.duplicates:
+        problems.append(error("index-duplicate", f"{where}: lists '{name}' more than once",
+                              file=where.name, tensor=name))
+    for name, file in index.weight_map.items():
+        if file in readable and file not in holders.get(name, []):
+            problems.append(error(
+                "index-missing-tensor", f"{where}: places '{name}' in {file}, which does not "
+                "hold it; a loader will fail on it", file=file, tensor=name))
+    for name, files in holders.items():
+        if name not in index.weight_map:
+            problems.append(error(
+                "index-extra-tensor", f"{base / files[0]}: holds '{name}', which "
+                f"{where.name} does not list; loaders will not see it", file=files[0],
+                tensor=name))
+    if index.total_size is not None and complete and total != index.total_size:
+        problems.append(warning(
+            "index-total-size", f"{where}: metadata.total_size is {index.total_size} but the "
+            f"shards hold {total} bytes of tensors", file=where.name))
+    return problems
+
+

@@ -22,14 +22,28 @@ from typing import Any
 
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import torchsave
+from ckpttool.formats.base import (
+    RAW,
+    VIEW,
+    CheckpointInfo,
+    Checksummed,
+    Chunk,
+    DataFile,
+    ObjectEntry,
+    Payload,
+    Problem,
+    Reader,
+    Tensor,
+)
 from ckpttool.formats.dtypes import DType
 from ckpttool.formats.torchsave import ZipEntry
 
+NAME = "torch-save"
 SUFFIXES = (".bin", ".pt", ".pth")
 
 
 @dataclass(frozen=True)
-class TensorEntry:
+class View:
     """A tensor of the file: a view of one storage (``data/<storage>`` in the archive)."""
 
     name: str  # dotted key path
@@ -62,20 +76,10 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
-class ObjectEntry:
-    """A non-tensor value (an int, a list of floats, a config dict...), read weights-only."""
+class Archive:
+    """What the reader needs beyond the neutral model (``CheckpointInfo.detail``)."""
 
-    name: str
-    path: tuple[str, ...]
-    value: Any  # plain containers and scalars only
-
-
-@dataclass(frozen=True)
-class TorchFileInfo:
-    path: Path
-    size: int  # bytes of the file
-    tensors: tuple[TensorEntry, ...]  # in the order the pickle lists them
-    objects: tuple[ObjectEntry, ...]
+    views: dict[str, View]  # by tensor name
     entries: tuple[ZipEntry, ...]  # every archive entry, offsets absolute (CRC checks)
 
 
@@ -88,7 +92,11 @@ def is_torch_file(path: Path) -> bool:
         return False
 
 
-def read_info(path: str | os.PathLike[str]) -> TorchFileInfo:
+def detect(path: Path) -> bool:
+    return path.is_file() and is_torch_file(path)
+
+
+def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Read a ``torch.save`` file's tensors and non-tensor values. Reads no tensor data.
 
     Raises:
@@ -138,8 +146,9 @@ def read_info(path: str | os.PathLike[str]) -> TorchFileInfo:
                 from None
     finally:
         os.close(fd)
-    tensors: list[TensorEntry] = []
+    views: dict[str, View] = {}
     objects: list[ObjectEntry] = []
+    values: dict[str, Any] = {}
     for key_path, value in torchsave.flatten(root):
         name = ".".join(key_path) if key_path else "tensor"
         if isinstance(value, torchsave.TensorRef):
@@ -147,15 +156,61 @@ def read_info(path: str | os.PathLike[str]) -> TorchFileInfo:
             if data is None:
                 raise InputError(f"{p}: tensor '{name}' names storage "
                                  f"'data/{value.storage.key}', which the archive lacks; corrupt")
-            t = TensorEntry(name, key_path, value.dtype, value.shape, value.stride,
-                            value.storage.key, value.storage_offset, data.data_offset, data.size)
+            t = View(name, key_path, value.dtype, value.shape, value.stride,
+                     value.storage.key, value.storage_offset, data.data_offset, data.size)
             if t.numel and t.extent > t.data_size:
                 raise InputError(f"{p}: tensor '{name}' reaches past the end of its storage; "
                                  "corrupt")
-            tensors.append(t)
+            views[name] = t
         else:
-            objects.append(ObjectEntry(name, key_path, _plain(value)))
-    return TorchFileInfo(p, size, tuple(tensors), tuple(objects), tuple(entries.values()))
+            objects.append(ObjectEntry(name, key_path))
+            values[name] = _plain(value)
+    crcs = {e.data_offset: e.crc32 for e in entries.values()}
+    return CheckpointInfo(
+        format=NAME, root=p, tensors=tuple(_tensor(p.name, v, crcs) for v in views.values()),
+        objects=tuple(objects), files=(DataFile(p.name, size),),
+        metadata_name="the torch.save archive", values=values,
+        detail=Archive(views, tuple(entries.values())))
+
+
+def _tensor(file: str, v: View, crcs: dict[int, int]) -> Tensor:
+    """A contiguous view is one raw byte range (with the storage's CRC when it is all of the
+    storage); any other is a strided view its reader gathers."""
+    zeros = (0,) * len(v.shape)
+    if v.is_contiguous:
+        start = v.data_offset + v.storage_offset * v.dtype.itemsize
+        whole = v.storage_offset == 0 and v.nbytes == v.data_size
+        chunk = Chunk(zeros, v.shape, file, start, v.nbytes, encoding=RAW,
+                      crc32=crcs[v.data_offset] if whole else None)
+    else:
+        chunk = Chunk(zeros, v.shape, file, v.data_offset, v.data_size, encoding=VIEW)
+    return Tensor(v.name, v.path, v.dtype, v.shape, (chunk,))
+
+
+class ArchiveReader(Reader):
+    """Strided views are gathered from their storage; CRCs not covered by a tensor's own
+    bytes (the pickle, shared or partly viewed storages) are listed for ``verify``."""
+
+    def _decode(self, tensor: Tensor, chunk: Chunk) -> Payload:
+        if chunk.encoding != VIEW:
+            return super()._decode(tensor, chunk)
+        archive: Archive = self.info.detail
+        v = archive.views[tensor.name]
+        crc = next(e.crc32 for e in archive.entries if e.data_offset == v.data_offset)
+        return Payload(chunk.file, v.data_offset, v.data_size, crc, None, stride=v.stride,
+                       view_offset=v.storage_offset)
+
+    def other_checksums(self) -> tuple[list[Checksummed], list[Problem]]:
+        archive: Archive = self.info.detail
+        covered = {c.offset for t in self.info.tensors for c in t.chunks
+                   if c.crc32 is not None or c.encoding == VIEW}
+        file = self.info.files[0].name
+        return [Checksummed(file, e.data_offset, e.size, e.crc32, f"entry '{e.name}'")
+                for e in archive.entries if e.data_offset not in covered], []
+
+
+def open_reader(info: CheckpointInfo) -> ArchiveReader:
+    return ArchiveReader(info)
 
 
 def _plain(value: Any) -> Any:
@@ -164,17 +219,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_plain(v) for v in value)
     return value
-
-
-def read_tensor(fd: int, t: TensorEntry, *, where: str) -> bytes:
-    """A non-contiguous tensor's bytes in C order (contiguous ones are one byte range:
-    ``data_offset + storage_offset * itemsize``, ``nbytes`` long).
-
-    Raises:
-        InputError: the file ends inside the storage.
-    """
-    storage = os.pread(fd, t.data_size, t.data_offset)
-    if len(storage) < t.data_size:
-        raise InputError(f"{where}: file ends inside tensor '{t.name}'; it is truncated")
-    return torchsave.gather_strided(storage, itemsize=t.dtype.itemsize, shape=t.shape,
-                                    stride=t.stride, storage_offset=t.storage_offset)

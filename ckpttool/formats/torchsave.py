@@ -14,6 +14,7 @@ ever runs.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -134,12 +135,15 @@ class ZipEntry:
 class RecordBytes:
     """Reads parts of one archive with as few ``pread`` calls as the layout allows."""
 
-    def __init__(self, fd: int, start: int, length: int, where: str) -> None:
-        self.fd, self.start, self.length, self.where = fd, start, length, where
-        self.head = os.pread(fd, min(length, _HEAD_BYTES), start)
+    def __init__(self, fd: int | Callable[[int, int], bytes], start: int, length: int,
+                 where: str) -> None:
+        # ``fd``: an open file, or ``pread(size, offset)`` of a store's file.
+        self.pread = fd if callable(fd) else functools.partial(os.pread, fd)
+        self.start, self.length, self.where = start, length, where
+        self.head = self.pread(min(length, _HEAD_BYTES), start)
         tail_len = min(length, _HEAD_BYTES)
         self.tail_start = length - tail_len
-        self.tail = os.pread(fd, tail_len, start + self.tail_start)
+        self.tail = self.pread(tail_len, start + self.tail_start)
         if len(self.head) < min(length, _HEAD_BYTES) or len(self.tail) < tail_len:
             raise InputError(f"{where}: file ends inside this record; it is truncated")
 
@@ -150,7 +154,7 @@ class RecordBytes:
             return self.head[offset : offset + size]
         if offset >= self.tail_start:
             return self.tail[offset - self.tail_start : offset - self.tail_start + size]
-        data = os.pread(self.fd, size, self.start + offset)
+        data = self.pread(size, self.start + offset)
         if len(data) < size:
             raise InputError(f"{self.where}: file ends inside this record; it is truncated")
         return data
@@ -231,7 +235,7 @@ def zip_entries(rb: RecordBytes) -> dict[str, ZipEntry]:
     if pos < 0 and rb.length > len(tail):  # a zip comment pushed the end record further back
         wider = min(rb.length, 65536 + _EOCD.size)
         rb.tail_start = rb.length - wider
-        rb.tail = tail = os.pread(rb.fd, wider, rb.start + rb.tail_start)
+        rb.tail = tail = rb.pread(wider, rb.start + rb.tail_start)
         pos = tail.rfind(b"PK\x05\x06")
     if pos < 0 or pos + _EOCD.size > len(tail):
         raise InputError(

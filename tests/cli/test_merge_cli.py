@@ -78,7 +78,8 @@ def test_missing_distcp_exit_3(uneven_ckpt: Path, tmp_path: Path) -> None:
     r = run("merge", damaged, tmp_path / "out")
     assert r.exit_code == 3
     assert r.stderr == (f"ckpttool: error: {damaged}/__0_0.distcp: data file is missing; "
-                        ".metadata references it. Copy the whole checkpoint directory again\n")
+                        ".metadata references it (7 entries, e.g. tensor 'model.a'). Copy the "
+                        "whole checkpoint directory again\n")
 
 
 def test_missing_metadata_exit_3(uneven_ckpt: Path, tmp_path: Path) -> None:
@@ -117,7 +118,7 @@ def test_existing_output_exit_3(uneven_ckpt: Path, tmp_path: Path) -> None:
 def test_not_a_checkpoint_exit_3(tmp_path: Path) -> None:
     r = run("merge", tmp_path, tmp_path / "out")
     assert r.exit_code == 3
-    assert r.stderr.startswith(f"ckpttool: error: {tmp_path}: not a DCP checkpoint")
+    assert r.stderr.startswith(f"ckpttool: error: {tmp_path}: no checkpoint here")
     r = run("merge", tmp_path / "nope", tmp_path / "out")
     assert r.exit_code == 3
     assert r.stderr == f"ckpttool: error: {tmp_path / 'nope'}: no such file or directory\n"

@@ -42,6 +42,6 @@ def test_reshard_dcp_to_safetensors_points_to_merge(uneven_ckpt: Path, tmp_path:
     src = uneven_ckpt / "pytorch_model_fsdp_0"
     r = run("reshard", src, tmp_path / "out", "--to", "safetensors")
     assert r.exit_code == 3
-    assert r.stderr == (f"ckpttool: error: {src}: --to safetensors re-splits safetensors; to "
-                        f"turn a DCP checkpoint into safetensors run: ckpttool merge {src} "
+    assert r.stderr == (f"ckpttool: error: {src}: --to safetensors re-splits full weights; to "
+                        f"turn a sharded checkpoint into safetensors run: ckpttool merge {src} "
                         f"{tmp_path / 'out'}\n")

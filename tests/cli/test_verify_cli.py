@@ -57,12 +57,12 @@ def test_flipped_byte_exit_1(uneven_ckpt: Path, tmp_path: Path) -> None:
     info = dcp.read_info(damaged)
     entry = info.tensor("model.c")
     c = entry.chunks[0]
-    with dcp.Reader(info) as reader:
-        rec = reader.record(entry, c)
+    with dcp.open_reader(info) as reader:
+        rec = reader.payload(entry, c)
     with open(damaged / c.file, "r+b") as f:
-        f.seek(rec.data_offset)
+        f.seek(rec.storage_offset)
         byte = f.read(1)
-        f.seek(rec.data_offset)
+        f.seek(rec.storage_offset)
         f.write(bytes([byte[0] ^ 0xFF]))
     r = run("verify", damaged, "--json")
     assert r.exit_code == 1
@@ -70,12 +70,12 @@ def test_flipped_byte_exit_1(uneven_ckpt: Path, tmp_path: Path) -> None:
     assert doc["ok"] is False and doc["counts"]["error"] == 1
     (p,) = [p for p in doc["problems"] if p["severity"] == "error"]
     assert p["code"] == "crc-mismatch"
-    assert p["location"] == {"file": c.file, "tensor": "c", "offset": rec.data_offset}
+    assert p["location"] == {"file": c.file, "tensor": "c", "offset": rec.storage_offset}
     r = run("verify", damaged, "-q")
     assert r.exit_code == 1
     lines = r.stdout.splitlines()
     assert len(lines) == 2 and lines[0].startswith(
-        f"error: crc-mismatch: {damaged}/{c.file} at byte {rec.data_offset} (tensor 'c', chunk "
+        f"error: crc-mismatch: {damaged}/{c.file} at byte {rec.storage_offset} (tensor 'c', chunk "
         "at offsets [0, 0]): CRC-32 of the stored bytes is ")
     assert lines[0].endswith("the bytes changed after they were written (bit rot, a bad copy). "
                              "Copy the checkpoint again from a good source")

@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 import ckpttool
 from ckpttool.core import inspect as insp
+from ckpttool.core.discover import discover
 from ckpttool.core.names import canonical_fqn
 from ckpttool.errors import InputError
 from ckpttool.formats import dcp
@@ -40,7 +41,7 @@ def json_table(doc: dict) -> dict[str, tuple[list[int], str, int]]:
 def dcp_reference(dcp_dir: Path) -> dict[str, torch.Tensor]:
     info = dcp.read_info(dcp_dir)
     ref = reference_state_dict(dcp_dir)
-    return {canonical_fqn(t.path): ref[t.fqn] for t in info.tensors}
+    return {canonical_fqn(t.path): ref[t.name] for t in info.tensors}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -130,10 +131,10 @@ def test_two_models_are_listed_not_chosen(uneven_ckpt: Path, tmp_path: Path) -> 
     doc = ckpttool.inspect(parent).to_json()
     assert doc["format"] == "none" and doc["tensors"] == []
     assert [p["path"] for p in doc["parts"]] == ["a", "b"]
-    assert doc["notes"] == [f"{parent}: holds 2 checkpoints (a, b); pass one of them, e.g. "
-                            f"{parent / 'a'}"]
-    with pytest.raises(InputError, match="holds 2 checkpoints"):
-        insp.open_checkpoint(parent)
+    assert doc["notes"] == [f"{parent}: holds 2 model checkpoints (a, b); pass one of them, "
+                            f"e.g. ckpttool inspect {parent / 'a'}"]
+    with pytest.raises(InputError, match="holds 2 model checkpoints"):
+        discover(parent)
 
 
 def test_mixed_lists_non_tensor_entries(mixed_ckpt: Path) -> None:

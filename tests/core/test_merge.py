@@ -47,7 +47,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def expected(dcp_dir: Path, cast_to: torch.dtype | None) -> dict[str, torch.Tensor]:
     info = dcp.read_info(dcp_dir)
-    paths = {t.fqn: t.path for t in info.tensors}
+    paths = {t.name: t.path for t in info.tensors}
     ref = reference_state_dict(dcp_dir)
     out = {}
     for key, path in paths.items():
@@ -237,7 +237,7 @@ def test_interrupted_merge_leaves_nothing_that_looks_finished(
         real_copy_range(*args)  # type: ignore[arg-type]
 
     real_copy_range = fileio.copy_range
-    monkeypatch.setattr("ckpttool.core.merge.copy_range", interrupted)
+    monkeypatch.setattr("ckpttool.formats.store.copy_range", interrupted)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         ckpttool.merge(uneven_ckpt, out, workers=1)
@@ -308,7 +308,7 @@ def test_interrupt_with_workers_stops_queued_jobs(llama_ckpt: Path, tmp_path: Pa
         time.sleep(0.05)  # the other worker's chunks take a moment, as real ones do
         real_copy_range(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("ckpttool.core.merge.copy_range", interrupted)
+    monkeypatch.setattr("ckpttool.formats.store.copy_range", interrupted)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         ckpttool.merge(llama_ckpt, out, dtype="keep", keep_tied=True, workers=2)

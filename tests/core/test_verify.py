@@ -17,8 +17,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 import ckpttool
+from ckpttool.core import tensors
 from ckpttool.core import verify as ver
-from ckpttool.core.inspect import open_checkpoint
+from ckpttool.core.discover import discover
 from ckpttool.errors import InputError
 from ckpttool.formats import dcp
 from tests.reference import reference_state_dict
@@ -42,8 +43,8 @@ def data_offset(dcp_dir: Path, fqn: str, chunk: int = 0) -> tuple[str, int]:
     info = dcp.read_info(dcp_dir)
     entry = info.tensor(fqn)
     c = [c for c in entry.chunks if c.numel][chunk]
-    with dcp.Reader(info) as r:
-        return c.file, r.record(entry, c).data_offset
+    with dcp.open_reader(info) as r:
+        return c.file, r.payload(entry, c).storage_offset
 
 
 def rewrite_metadata(dcp_dir: Path, change) -> None:
@@ -268,10 +269,10 @@ def test_one_changed_byte_in_the_output_fails(placements_ckpt: Path, tmp_path: P
     out = tmp_path / "out"
     ckpttool.merge(placements_ckpt, out)
     target = out / "model.safetensors"
-    ckpt = open_checkpoint(out)
+    ckpt = discover(out)
     t = ckpt.by_name()["model.layers.0.weight"]  # Shard(1): compared in a second, ordered read
-    slot = next(s for s in ckpt.detail.shards[0].slots if s.name == t.stored_name)
-    at = slot.begin + 4 * 13 + 1
+    slot = t.tensor.chunks[0]
+    at = slot.offset + 4 * 13 + 1
     data = bytearray(target.read_bytes())
     data[at] ^= 0x01
     target.write_bytes(data)
@@ -279,7 +280,7 @@ def test_one_changed_byte_in_the_output_fails(placements_ckpt: Path, tmp_path: P
     assert codes(report) == ["data-differs"]
     p = report.problems[0]
     assert p.location == ver.Location("model.safetensors", "model.layers.0.weight",
-                                      slot.begin + 4 * 13)
+                                      slot.offset + 4 * 13)
     assert p.message == (f"tensor 'model.layers.0.weight' differs between {placements_ckpt}/"
                          f"pytorch_model_fsdp_0 and {out}: first at element 13 (index [1, 3])")
 
@@ -361,14 +362,15 @@ def test_torch_file_bit_flip_is_a_crc_mismatch(tmp_path: Path) -> None:
     path = tmp_path / "pytorch_model.bin"
     torch.save({"w": torch.randn(32, 32), "b": torch.randn(32)}, path)
     assert ckpttool.verify(path).ok
-    info = open_checkpoint(path).detail
-    w = next(t for t in info.tensors if t.name == "w")
+    info = discover(path).info
+    assert info is not None
+    w = info.tensor("w").chunks[0]
     data = bytearray(path.read_bytes())
-    data[w.data_offset + 100] ^= 0x08
+    data[w.offset + 100] ^= 0x08
     path.write_bytes(data)
     report = ckpttool.verify(path)
     assert codes(report) == ["crc-mismatch"]
-    assert report.problems[0].location == ver.Location("pytorch_model.bin", "w", w.data_offset)
+    assert report.problems[0].location == ver.Location("pytorch_model.bin", "w", w.offset)
 
 
 def test_against_a_torch_file_and_manifest_from_it(uneven_ckpt: Path, tmp_path: Path) -> None:
@@ -388,7 +390,7 @@ def test_unravel_is_c_order(shape: list[int], data: st.DataObject) -> None:
     for n in shape:
         numel *= n
     element = data.draw(st.integers(0, numel - 1))
-    index = ver._unravel(element, tuple(shape))
+    index = tensors.unravel(element, tuple(shape))
     assert torch.arange(numel).reshape(shape)[index].item() == element
 
 
@@ -397,15 +399,15 @@ def test_first_difference_finds_the_first_byte(a: bytes, data: st.DataObject) ->
     i = data.draw(st.integers(0, len(a) - 1))
     b = bytearray(a)
     b[i] ^= data.draw(st.integers(1, 255))
-    assert ver._first_difference(a, b) == i
+    assert tensors.first_difference(a, b) == i
 
 
 def test_training_directory_verifies_the_optimizer_too(llama_ckpt: Path, tmp_path: Path) -> None:
     ckpt = tmp_path / "checkpoint-500"
     shutil.copytree(llama_ckpt, ckpt)
     report = ckpttool.verify(ckpt)
-    assert report.ok and report.parts == [{"path": "optimizer_0", "kind": "optimizer",
-                                           "format": "dcp"}]
+    assert report.ok and [(p.path, p.kind, p.format) for p in report.parts] == [
+        ("optimizer_0", "optimizer", "dcp")]
     file, offset = data_offset(ckpt / "optimizer_0",
                                "optimizer.state.model.norm.weight.exp_avg")
     with open(ckpt / "optimizer_0" / file, "r+b") as f:

@@ -71,7 +71,7 @@ def test_reading_metadata_does_not_import_torch(uneven_ckpt: Path) -> None:
     code = (
         "import sys\nfrom ckpttool.formats import dcp\n"
         f"info = dcp.read_info({str(tiny_dcp)!r})\n"
-        "with dcp.Reader(info) as r:\n"
+        "with dcp.open_reader(info) as r:\n"
         "    for t in info.tensors:\n"
         "        for c in t.chunks: r.read_chunk(t, c)\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

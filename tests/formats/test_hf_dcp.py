@@ -17,6 +17,7 @@ import ckpttool
 from ckpttool.cli import app
 from ckpttool.core.reshard import reshard
 from ckpttool.formats import hf_dcp
+from ckpttool.formats.base import RAW
 from tests.core.test_merge import assert_bit_exact, load_out
 
 WORLD = 2
@@ -66,9 +67,9 @@ def hf_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_recognised_by_content(hf_ckpt: Path) -> None:
     assert hf_dcp.is_hf_dcp_dir(hf_ckpt)
     info = hf_dcp.read_info(hf_ckpt)
-    shapes = {t.fqn: t.shape for t in info.tensors}
+    shapes = {t.name: t.shape for t in info.tensors}
     assert shapes == {k: tuple(v.shape) for k, v in full_state().items()}
-    assert all(c.raw for t in info.tensors for c in t.chunks)
+    assert all(c.encoding == RAW for t in info.tensors for c in t.chunks)
 
 
 def test_merge_is_bit_exact_with_int_and_bool(hf_ckpt: Path, tmp_path: Path) -> None:

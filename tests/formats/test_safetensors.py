@@ -82,4 +82,4 @@ def test_index_never_points_outside_its_directory(tmp_path: Path, file: str) -> 
 
     (tmp_path / st.INDEX_NAME).write_text(json.dumps({"weight_map": {"w": file}}))
     with pytest.raises(InputError, match="not a file name in this directory"):
-        st.read_checkpoint(tmp_path)
+        st.read_info(tmp_path)

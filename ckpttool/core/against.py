@@ -1,0 +1,205 @@
+"""``verify --against``: which tensors of two checkpoints to compare and how (pure), the
+streaming comparison fed by the data pass, and what a tensor on one side only means (a tied
+copy stored once is not missing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ckpttool.core import hf, tensors, ties
+from ckpttool.core.discover import Checkpoint, TensorView
+from ckpttool.core.dtypes import DTypePolicy
+from ckpttool.core.report import Progress
+from ckpttool.errors import InputError
+from ckpttool.formats.base import Problem, Reader, error, info
+from ckpttool.formats.dtypes import DType
+
+
+@dataclass(frozen=True)
+class Pair:
+    a: TensorView
+    b: TensorView
+    cast: str | None  # None: bytes must match; "a" or "b": that side is cast to the other's dtype
+
+
+@dataclass(frozen=True)
+class AgainstPlan:
+    pairs: tuple[Pair, ...]
+    problems: tuple[Problem, ...]
+    # Names present on one side only but with their tie partner on both: decided after the
+    # data pass (a deduplicated tie is not an error).
+    tied_missing: tuple[tuple[str, str], ...]  # (missing from B, its partner), A's names
+    tied_extra: tuple[tuple[str, str], ...]  # (missing from A, its partner), B's names
+
+
+def plan_against(a: Checkpoint, b: Checkpoint, *, policy: DTypePolicy | None) -> AgainstPlan:
+    """Match tensors of ``a`` and ``b`` by canonical name. ``policy`` (``--allow-cast``): the
+    dtype conversion that ``merge --dtype`` would apply; without it dtypes must be equal."""
+    names_a, names_b = a.by_name(), b.by_name()
+    problems: list[Problem] = []
+    tied_missing: list[tuple[str, str]] = []
+    tied_extra: list[tuple[str, str]] = []
+    pairs: list[Pair] = []
+
+    def partner(ckpt: Checkpoint, name: str) -> str | None:
+        pair = ties.find_pair(ckpt.by_name())
+        if pair is None or name not in pair:
+            return None
+        return pair[1] if name == pair[0] else pair[0]
+
+    for name, ta in names_a.items():
+        tb = names_b.get(name)
+        if tb is None:
+            other = partner(a, name)
+            if other is not None and other in names_b:
+                tied_missing.append((name, other))
+            else:
+                problems.append(error("missing-tensor", f"tensor '{name}' ({ta.dtype.name} "
+                                       f"{list(ta.shape)}) is in {a.root} but not in {b.root}",
+                                       tensor=name))
+            continue
+        if ta.shape != tb.shape:
+            problems.append(error("shape-differs", f"tensor '{name}' is {list(ta.shape)} in "
+                                   f"{a.root} but {list(tb.shape)} in {b.root}", tensor=name))
+            continue
+        cast = _cast_side(ta.dtype, tb.dtype, policy)
+        if ta.dtype != tb.dtype and cast is None:
+            hint = (" (pass --allow-cast, with --dtype, to compare after the cast merge applies)"
+                    if ta.dtype.is_float and tb.dtype.is_float else "")
+            problems.append(error("dtype-differs", f"tensor '{name}' is {ta.dtype.name} in "
+                                   f"{a.root} but {tb.dtype.name} in {b.root}{hint}", tensor=name))
+            continue
+        pairs.append(Pair(ta, tb, cast))
+    for name, tb in names_b.items():
+        if name in names_a:
+            continue
+        other = partner(b, name)
+        if other is not None and other in names_a:
+            tied_extra.append((name, other))
+        else:
+            problems.append(error("extra-tensor", f"tensor '{name}' ({tb.dtype.name} "
+                                   f"{list(tb.shape)}) is in {b.root} but not in {a.root}",
+                                   tensor=name))
+    return AgainstPlan(tuple(pairs), tuple(problems), tuple(tied_missing), tuple(tied_extra))
+
+
+def _cast_side(da: DType, db: DType, policy: DTypePolicy | None) -> str | None:
+    if da == db or policy is None:
+        return None
+    if policy.output_dtype(da) == db:
+        return "a"
+    if policy.output_dtype(db) == da:
+        return "b"
+    return None
+
+
+
+class Compare:
+    """Feeds blocks of a tensor of A and compares them with the same elements of B."""
+
+    def __init__(self, pair: Pair, a: Checkpoint, b: Checkpoint, reader_b: Reader,
+                 report: Progress) -> None:
+        self.pair, self.a, self.b, self.reader_b, self.report = pair, a, b, reader_b, report
+        self.problem: Problem | None = None
+        self.bytes_read = 0
+
+    def feed(self, start: int, data: memoryview) -> None:
+        if self.problem is not None:
+            return
+        pair = self.pair
+        n = len(data) // pair.a.dtype.itemsize
+        try:
+            other = tensors.read_range(self.reader_b, pair.b.tensor, start, start + n)
+        except InputError as e:
+            self.problem = error("read-error", f"{e}", file=pair.b.files[0],
+                                  tensor=pair.b.name)
+            return
+        self.report(len(other))
+        self.bytes_read += len(other)
+        if pair.cast is None:
+            if data == other:
+                return
+            first = tensors.first_difference(data, other) // pair.a.dtype.itemsize
+        else:
+            found = cast_difference(data, pair.a.dtype, other, pair.b.dtype, pair.cast)
+            if found is None:
+                return
+            first = found
+        element = start + first
+        index = tensors.unravel(element, pair.a.shape)
+        how = ""
+        if pair.cast is not None:
+            src_dt, dst_dt = ((pair.a.dtype, pair.b.dtype) if pair.cast == "a"
+                              else (pair.b.dtype, pair.a.dtype))
+            how = f" after casting {src_dt.name} to {dst_dt.name}"
+        self.problem = error(
+            "data-differs", f"tensor '{pair.a.name}' differs between {self.a.root} and "
+            f"{self.b.root}{how}: first at element {element} (index {list(index)})",
+            tensor=pair.a.name, **_location(self.reader_b, pair.b, element))
+
+
+
+def cast_difference(a: memoryview, da: DType, b: bytearray, db: DType, side: str) -> int | None:
+    """First element where A and B differ once ``side`` is cast to the other's dtype; a NaN
+    equals a NaN (PyTorch's casts do not fix the NaN payload)."""
+    import torch  # only a cast needs torch
+
+    ta = torch.frombuffer(a, dtype=getattr(torch, da.torch_name))
+    tb = torch.frombuffer(b, dtype=getattr(torch, db.torch_name))
+    if side == "a":
+        ta = ta.to(tb.dtype)
+    else:
+        tb = tb.to(ta.dtype)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[ta.element_size()]
+    diff = ta.view(bits) != tb.view(bits)
+    if ta.is_floating_point():
+        diff &= ~(torch.isnan(ta) & torch.isnan(tb))
+    where = diff.nonzero()
+    return int(where[0, 0]) if where.numel() else None
+
+
+
+def decide_tied(a: Checkpoint, b: Checkpoint, plan: AgainstPlan, equal: dict[str, bool | None],
+                digests: dict[str, str], reader_b: Reader, report: Progress) -> list[Problem]:
+    """A tensor on one side only whose tie partner is on both: fine when it is identical to
+    that partner (a deduplicated tie, as merge writes it), unless the config unties them."""
+    problems = []
+    config_ties = hf.ties_word_embeddings(a.hf.config)
+    for name, partner in plan.tied_missing:
+        equal_partner = equal.get(partner)
+        identical = name in digests and digests.get(name) == digests.get(partner)
+        if identical and equal_partner and config_ties is not False:
+            problems.append(info("tie-deduplicated", f"'{name}' is not in {b.root}, but it is "
+                                  f"identical to '{partner}' here: a tied copy stored once",
+                                  tensor=name))
+        else:
+            why = ("it differs from its tie partner" if not identical
+                   else "config.json unties them" if config_ties is False
+                   else "its tie partner differs")
+            problems.append(error("missing-tensor", f"tensor '{name}' is in {a.root} but not "
+                                   f"in {b.root} ({why} '{partner}', so it is not a deduplicated "
+                                   "tie)", tensor=name))
+    by_b = b.by_name()
+    for name, partner in plan.tied_extra:
+        equal_partner = equal.get(partner)
+        try:
+            identical = tensors.identical(reader_b, by_b[name].tensor, reader_b,
+                                          by_b[partner].tensor, report)
+        except InputError:
+            identical = False
+        if identical and equal_partner:
+            problems.append(info("tie-deduplicated", f"'{name}' is only in {b.root}, where it "
+                                  f"is identical to '{partner}': a tied copy stored once here",
+                                  tensor=name))
+        else:
+            problems.append(error("extra-tensor", f"tensor '{name}' is in {b.root} but not in "
+                                   f"{a.root}, and it is not identical to '{partner}'",
+                                   tensor=name))
+    return problems
+
+
+def _location(reader: Reader, t: TensorView, element: int) -> dict[str, Any]:
+    file, offset = tensors.locate(reader, t.tensor, element)
+    return {"file": file, "offset": offset}

@@ -1,0 +1,290 @@
+"""The one recogniser: a path -> the checkpoint(s) in it, with one rule set for every command.
+
+A path is a checkpoint when a format of the registry claims it (by names and first bytes), and
+then that format's ``read_info`` describes it or says precisely why it cannot: a claimed
+directory whose metadata is missing, truncated or unsafe is an error, never "other". A path no
+format claims is a training checkpoint directory (accelerate's ``checkpoint-500/``...): each
+entry is listed with what it is, and its single model checkpoint is chosen (or, with no model,
+its single optimizer checkpoint). Pickles and unknown files are listed, never opened.
+
+The result is a :class:`Checkpoint`: the neutral description plus what core adds (canonical
+names, model or optimizer, the Hugging Face files beside it, the other parts of a training
+directory).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpttool.core import hf, names
+from ckpttool.errors import InputError
+from ckpttool.formats import registry, torchfile
+from ckpttool.formats.base import CheckpointInfo, ObjectEntry, Tensor
+from ckpttool.formats.dtypes import DType
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of one chunk
+
+# Top-level keys under which optimizer state is saved (DCP's optimizer state dicts, torch's).
+_OPTIMIZER_ROOTS = frozenset({"optimizer", "optim", "state", "param_groups"})
+# Entries of a training directory that are checkpoints a user may mean.
+_CHECKPOINT_KINDS = ("model", "optimizer")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One entry of a training checkpoint directory and what it is (the same JSON object in
+    every report)."""
+
+    path: str  # relative to the directory
+    kind: str  # "model", "optimizer" or "other"
+    format: str  # a format's NAME, or "pickle", "json", "directory", "file"
+    note: str = ""
+
+    def to_json(self) -> dict[str, str]:
+        return {"path": self.path, "kind": self.kind, "format": self.format, "note": self.note}
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """A stored tensor under its canonical name."""
+
+    name: str  # canonical: wrapper segments and accelerate's "model" level removed
+    tensor: Tensor
+
+    @property
+    def stored_name(self) -> str:
+        return self.tensor.name
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        return self.tensor.path
+
+    @property
+    def dtype(self) -> DType:
+        return self.tensor.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.tensor.shape
+
+    @property
+    def boxes(self) -> tuple[Box, ...]:
+        return tuple((c.offsets, c.sizes) for c in self.tensor.chunks)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return self.tensor.files
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ObjectView:
+    name: str  # canonical
+    entry: ObjectEntry
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a path holds, from metadata and headers only."""
+
+    path: Path  # as given
+    info: CheckpointInfo | None  # None: a directory holding several checkpoints (no choice)
+    kind: str  # "model" or "optimizer"
+    tensors: tuple[TensorView, ...]  # in stored order
+    objects: tuple[ObjectView, ...]
+    parts: tuple[Part, ...]  # entries of a training checkpoint directory (empty otherwise)
+    hf: hf.HfFiles
+    note: str | None = None  # why no checkpoint was chosen
+    chosen: str | None = None  # the part chosen from a training directory
+    others: tuple[tuple[str, CheckpointInfo], ...] = ()  # its other checkpoints
+
+    @property
+    def root(self) -> Path:
+        return self.info.root if self.info is not None else self.path
+
+    @property
+    def format(self) -> str:
+        return self.info.format if self.info is not None else "none"
+
+    @property
+    def top_level(self) -> str:
+        return top_level(self.kind)
+
+    def by_name(self) -> dict[str, TensorView]:
+        return {t.name: t for t in self.tensors}
+
+    def canonical(self) -> dict[str, str]:
+        """Stored name -> canonical name."""
+        return {t.stored_name: t.name for t in self.tensors}
+
+
+def kind_of(info: CheckpointInfo) -> str:
+    """``"optimizer"`` when every entry sits under optimizer state keys, else ``"model"``."""
+    paths = [t.path for t in info.tensors] + [o.path for o in info.objects]
+    firsts = [p[0] if len(p) > 1 else p[0].split(".", 1)[0] for p in paths if p]
+    if firsts and all(f in _OPTIMIZER_ROOTS for f in firsts):
+        return "optimizer"
+    return "model"
+
+
+def top_level(kind: str) -> str:
+    """The nesting key that is not part of any name: accelerate's ``model`` for a model."""
+    return "optimizer" if kind == "optimizer" else names.TOP_LEVEL_WRAPPER
+
+
+def describe(path: Path, info: CheckpointInfo, *, config: Path | None = None,
+             parts: tuple[Part, ...] = (), chosen: str | None = None,
+             others: tuple[tuple[str, CheckpointInfo], ...] = ()) -> Checkpoint:
+    """``info`` under canonical names, with its Hugging Face files.
+
+    Raises:
+        InputError: two stored names collapse into one canonical name.
+    """
+    kind = kind_of(info)
+    top = top_level(kind)
+    renamed = names.canonical_names(((t.name, t.path) for t in info.tensors), top)
+    tensors = tuple(TensorView(renamed[t.name], t) for t in info.tensors)
+    objects = tuple(ObjectView(names.canonical_fqn(o.path, top) if o.path else o.name, o)
+                    for o in info.objects)
+    hf_dir = info.root if info.root.is_dir() else info.base
+    files = (hf.HfFiles(None, None, ()) if kind == "optimizer" and config is None
+             else hf.find_hf_files(hf_dir, config))
+    return Checkpoint(path, info, kind, tensors, objects, parts, files, chosen=chosen,
+                      others=others)
+
+
+def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | None = None,
+             require: bool = True,
+             command: str = "inspect") -> Checkpoint:
+    """Recognise and describe the checkpoint at ``path``. Reads no tensor data.
+
+    Args:
+        path: any checkpoint a format reads, or a training checkpoint directory holding one.
+        config: a config.json (or its directory) instead of the one found beside it.
+        require: raise when a directory holds several checkpoints (else describe its parts,
+            with ``info`` None and ``note`` saying why).
+        command: the command the user ran, for the next command a message suggests.
+
+    Raises:
+        InputError: nothing readable there, a damaged or unsafe checkpoint, or (``require``)
+            several checkpoints to choose from.
+        UnsupportedError: a layout a format recognises but does not read yet.
+    """
+    given = Path(path)
+    config_path = Path(config) if config is not None else None
+    if not given.exists():
+        raise InputError(f"{given}: no such file or directory")
+    fmt = registry.detect(given)
+    if fmt is not None:
+        return describe(given, fmt.read_info(given), config=config_path)
+    if given.is_file():
+        raise InputError(_not_a_checkpoint_file(given))
+    parts, infos = list_parts(given)
+    chosen = _choose(parts)
+    if chosen is None:
+        message = _no_choice(given, parts, command)
+        if require or not any(registry.is_format(p.format) for p in parts):
+            raise InputError(message)
+        return Checkpoint(given, None, "model", (), (), parts,
+                          hf.find_hf_files(given, config_path), note=message)
+    target = given / chosen.path
+    info = infos.get(chosen.path) or _read(target)
+    others = tuple((name, i) for name, i in infos.items() if name != chosen.path)
+    return describe(given, info, config=config_path, parts=parts, chosen=chosen.path,
+                    others=others)
+
+
+def _read(path: Path) -> CheckpointInfo:
+    fmt = registry.detect(path)
+    if fmt is None:  # listed as a checkpoint, so claimed: only a race gets here
+        raise InputError(f"{path}: no longer a checkpoint")
+    return fmt.read_info(path)
+
+
+def _not_a_checkpoint_file(file: Path) -> str:
+    if file.name == ".metadata":
+        return f"{file}: pass the DCP directory that holds it: {file.parent}"
+    if file.suffix == ".pkl":
+        return (f"{file}: a Python pickle, not a checkpoint; ckpttool never unpickles "
+                "arbitrary pickles")
+    return (f"{file}: not a checkpoint file (expected .safetensors, or a torch.save .bin/.pt "
+            "state dict)")
+
+
+def _no_choice(given: Path, parts: Iterable[Part], command: str) -> str:
+    parts = list(parts)
+    out = " OUT" if command in ("merge", "reshard") else ""
+    for kind in _CHECKPOINT_KINDS:
+        found = [p.path for p in parts if p.kind == kind and registry.is_format(p.format)]
+        if len(found) > 1:
+            return (f"{given}: holds {len(found)} {kind} checkpoints ({', '.join(found)}); pass "
+                    f"one of them, e.g. ckpttool {command} {given / found[0]}{out}")
+    return (f"{given}: no checkpoint here (no .metadata, *.safetensors or torch.save file, "
+            "here or in a subdirectory); pass the directory training saved, e.g. "
+            "checkpoint-500/pytorch_model_fsdp_0")
+
+
+
+
+def _choose(parts: tuple[Part, ...]) -> Part | None:
+    """The one checkpoint a directory holds: its single model, else its single optimizer;
+    None when there are several or none."""
+    for kind in _CHECKPOINT_KINDS:
+        found = [p for p in parts if p.kind == kind and registry.is_format(p.format)]
+        if found:
+            return found[0] if len(found) == 1 else None
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Training checkpoint directories
+
+
+def list_parts(directory: Path) -> tuple[tuple[Part, ...], dict[str, CheckpointInfo]]:
+    """Every entry of ``directory``, sorted, with its kind and format, and the checkpoints
+    read (subdirectories), by entry name. Files are classified by name and first bytes and
+    never read here; pickles are never opened.
+
+    Raises:
+        InputError, UnsupportedError: a subdirectory a format claims cannot be read (the
+            error names the file), so that a damaged model is never taken for "other".
+    """
+    parts = []
+    infos: dict[str, CheckpointInfo] = {}
+    for p in sorted(directory.iterdir(), key=lambda q: q.name):
+        if p.is_dir():
+            fmt = registry.detect(p)
+            if fmt is None:
+                parts.append(Part(p.name, "other", "directory"))
+                continue
+            info = infos[p.name] = fmt.read_info(p)
+            parts.append(Part(p.name, kind_of(info), fmt.NAME,
+                              f"{len(info.tensors)} tensors, {len(info.files)} files"))
+        else:
+            parts.append(_file_part(p))
+    return tuple(parts), infos
+
+
+def _file_part(p: Path) -> Part:
+    name = p.name
+    stem_kind = ("optimizer" if name.startswith("optimizer")
+                 else "model" if name.startswith(("pytorch_model", "model")) else "other")
+    if p.suffix in torchfile.SUFFIXES:
+        fmt = torchfile.NAME if torchfile.detect(p) else "file"
+        return Part(name, stem_kind, fmt)
+    if p.suffix == ".pkl":
+        return Part(name, "other", "pickle", "not unpickled")
+    if p.suffix == ".json":
+        return Part(name, "other", "json")
+    return Part(name, "other", "file")

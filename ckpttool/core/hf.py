@@ -1,0 +1,93 @@
+"""The Hugging Face files (config, tokenizer) that belong beside a model's weights, and what
+the config says about them (tied embeddings, the ``FSDP`` class prefix)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import InputError
+
+# Files a Hugging Face model directory carries besides its weights.
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+)
+
+@dataclass(frozen=True)
+class HfFiles:
+    config: dict[str, Any] | None
+    config_path: Path | None
+    files: tuple[Path, ...]  # files to copy beside the weights
+
+
+def find_hf_files(dcp_dir: Path, config: Path | None = None) -> HfFiles:
+    """Config and tokenizer files beside the checkpoint (or in ``config``'s directory).
+
+    Raises:
+        InputError: ``config`` was given but is missing or not valid JSON.
+    """
+    if config is not None:
+        if config.is_dir():
+            config = config / "config.json"
+        if not config.is_file():
+            raise InputError(f"{config}: no such config file (--config)")
+        dirs = [config.parent]
+    else:
+        # verl keeps the Hugging Face files in a huggingface/ directory beside the rank files.
+        dirs = [dcp_dir, dcp_dir / "huggingface", dcp_dir.parent, dcp_dir.parent / "huggingface"]
+    config_path = config or next((d / "config.json" for d in dirs if (d / "config.json").is_file()),
+                                 None)
+    parsed: dict[str, Any] | None = None
+    if config_path is not None:
+        try:
+            parsed = json.loads(config_path.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise InputError(
+                f"{config_path}: not valid JSON ({e}); fix it or pass --config") from None
+        if not isinstance(parsed, dict):
+            raise InputError(f"{config_path}: not a JSON object; fix it or pass --config")
+        dirs = [config_path.parent] + [d for d in dirs if d != config_path.parent]
+    files: list[Path] = []
+    for name in HF_FILES:
+        found = next((d / name for d in dirs if (d / name).is_file()), None)
+        if found is not None:
+            files.append(found)
+    return HfFiles(parsed, config_path, tuple(files))
+
+
+def ties_word_embeddings(config: dict[str, Any] | None) -> bool | None:
+    """What the config says about tied embeddings; None without a config."""
+    if config is None:
+        return None
+    value = config.get("tie_word_embeddings")
+    if value is None:
+        text = config.get("text_config")
+        if isinstance(text, dict):
+            value = text.get("tie_word_embeddings")
+    return bool(value)
+
+
+def strip_fsdp_prefix(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Remove the ``FSDP`` class prefix that FSDP wrapping leaks into ``architectures``."""
+    arch = config.get("architectures")
+    if not isinstance(arch, list):
+        return config, []
+    fixed = [a[4:] if isinstance(a, str) and a.startswith("FSDP") and len(a) > 4 else a
+             for a in arch]
+    changed = [f"{a} -> {b}" for a, b in zip(arch, fixed, strict=True) if a != b]
+    return ({**config, "architectures": fixed} if changed else config), changed

@@ -1,0 +1,82 @@
+"""``verify --manifest``: a SHA-256 of every tensor's bytes in C order under canonical names
+(so a manifest holds across formats), written once and checked later. Pure, but for the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ckpttool.core.discover import Checkpoint
+from ckpttool.core.fileio import AtomicOutputs
+from ckpttool.core.report import SCHEMA
+from ckpttool.errors import InputError
+from ckpttool.formats.base import Problem, error
+
+MANIFEST_KIND = "ckpttool-manifest"
+
+
+def document(ckpt: Checkpoint, digests: dict[str, str]) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "kind": MANIFEST_KIND,
+        "algorithm": "sha256",
+        "about": "SHA-256 of each tensor's bytes in C order, under canonical names; any format",
+        "tensors": {t.name: {"dtype": t.dtype.name, "shape": list(t.shape),
+                             "sha256": digests[t.name]}
+                    for t in sorted(ckpt.tensors, key=lambda t: t.name) if t.name in digests},
+    }
+
+
+def read(path: Path) -> dict[str, dict[str, Any]]:
+    """The tensors of a manifest written by ``verify --manifest``.
+
+    Raises:
+        InputError: not a ckpttool manifest.
+    """
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: cannot read the manifest ({e}); pass a file that "
+                         "verify --manifest wrote, or a new path to write one") from None
+    if not isinstance(doc, dict) or doc.get("kind") != MANIFEST_KIND or not isinstance(
+            doc.get("tensors"), dict):
+        raise InputError(f"{path}: not a ckpttool manifest (--manifest); pass a file that "
+                         "verify --manifest wrote, or a new path to write one")
+    tensors: dict[str, dict[str, Any]] = doc["tensors"]
+    return tensors
+
+
+def check(ckpt: Checkpoint, expected: dict[str, dict[str, Any]],
+                   digests: dict[str, str], unreadable: set[str], manifest: Path
+                   ) -> list[Problem]:
+    """Each tensor's dtype, shape and SHA-256 against the manifest. Pure."""
+    problems = []
+    have = ckpt.by_name()
+    for name, want in expected.items():
+        t = have.get(name)
+        if t is None:
+            problems.append(error("manifest-missing", f"tensor '{name}' is in {manifest} but "
+                                   "not in the checkpoint", tensor=name))
+        elif (want.get("dtype"), want.get("shape")) != (t.dtype.name, list(t.shape)):
+            problems.append(error("manifest-mismatch", f"tensor '{name}' is {t.dtype.name} "
+                                   f"{list(t.shape)} but {manifest} recorded {want.get('dtype')} "
+                                   f"{want.get('shape')}", tensor=name))
+        elif name not in unreadable and digests.get(name) != want.get("sha256"):
+            problems.append(error("manifest-mismatch", f"tensor '{name}': SHA-256 "
+                                   f"{digests.get(name)} differs from {want.get('sha256')} in "
+                                   f"{manifest}; the data changed since the manifest was "
+                                   "written", tensor=name, file=t.files[0]))
+    for name in have:
+        if name not in expected:
+            problems.append(error("manifest-extra", f"tensor '{name}' is not in {manifest}",
+                                   tensor=name))
+    return problems
+
+
+def write(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with AtomicOutputs(path.parent) as out:
+        out.write_bytes(path.name, (json.dumps(doc, indent=2) + "\n").encode())
+        out.commit()

@@ -1,0 +1,284 @@
+"""``verify``'s data pass: every tensor read once, in bounded blocks, with every check that
+needs its bytes done as they go by (CRC-32s the format records, NaN/Inf/all-zero, SHA-256
+digests, the comparison with another checkpoint).
+
+Format-neutral: a chunk's :class:`~ckpttool.formats.base.Payload` says where its stored bytes
+are and which checksums cover them; what lies outside every chunk (object records, an
+archive's pickle) comes from the reader's ``other_checksums``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import zlib
+from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ckpttool.core import chunks as chunk_geometry
+from ckpttool.core import structure, tensors
+from ckpttool.core.against import AgainstPlan, Compare, decide_tied
+from ckpttool.core.discover import Checkpoint, TensorView
+from ckpttool.core.inspect import Stats, open_reader
+from ckpttool.core.report import Progress
+from ckpttool.core.tensors import BLOCK_BYTES
+from ckpttool.core.torch_threads import one_torch_thread
+from ckpttool.errors import InputError
+from ckpttool.formats.base import Checksummed, Chunk, Payload, Problem, Reader, error, warning
+
+
+class _Unreadable(Exception):
+    """A tensor's bytes cannot be read; the problem saying why is already recorded."""
+
+
+@dataclass
+class Result:
+    """What the data pass found for one tensor of the checkpoint being verified."""
+
+    problems: list[Problem] = field(default_factory=list)
+    digest: str | None = None
+    equal: bool | None = None  # against: None when not compared
+    bytes_read: int = 0
+
+
+@dataclass
+class Pass:
+    problems: list[Problem]  # content problems of the checkpoint read
+    tied: list[Problem]  # against: tensors on one side only, decided once the data is read
+    digests: dict[str, str]
+    bytes_read: int
+
+
+class Scanner:
+    """Streams each tensor of one checkpoint once, in C order where its layout allows,
+    checking CRCs as the bytes go by."""
+
+    def __init__(self, ckpt: Checkpoint, reader: Reader, report: Progress) -> None:
+        self.ckpt = ckpt
+        self.reader = reader
+        self.report = report
+
+    def path(self, file: str) -> str:
+        return str(self.reader.store.path(file))
+
+    def stream(self, t: TensorView, result: Result) -> Iterator[tuple[int | None, memoryview]]:
+        """``(first element, bytes)`` blocks; the first element is None when the chunks do
+        not give the tensor in C order (a column split, a strided view)."""
+        tensor = t.tensor
+        decoded: list[tuple[Chunk, Payload]] = []
+        for c in tensor.chunks:
+            try:
+                p = self.reader.payload(tensor, c)
+                for side in p.side:
+                    self._check(side, t.name, result)
+            except InputError as e:
+                result.problems.append(error("record-corrupt", str(e), file=c.file,
+                                             tensor=t.name, offset=c.offset))
+                raise _Unreadable from None
+            decoded.append((c, p))
+        item = t.dtype.itemsize
+        # Chunks that are each one run of the tensor (Shard(0), whole), read in the order of
+        # their first elements, give the tensor in C order; others (Shard(1)) do not.
+        ordered = all(p.start is not None and chunk_geometry.is_single_run(t.shape, c.offsets,
+                                                                           c.sizes)
+                      for c, p in decoded)
+        firsts = {c.offsets: next(iter(chunk_geometry.runs(t.shape, c.offsets, c.sizes)),
+                                  (0, 0, 0))[1] for c, _ in decoded}
+        if ordered:
+            decoded.sort(key=lambda cp: firsts[cp[0].offsets])
+        whole = len(tensor.chunks) == 1 and not self.reader.info.sharded
+        for c, p in decoded:
+            first = firsts[c.offsets] if ordered else None
+            crc = zlib.crc32(b"") if p.crc32 is not None else None
+            nbytes = c.numel * item
+            if p.start is not None:
+                # Read the whole stored range when a checksum covers it, else just the chunk.
+                offset, size = ((p.storage_offset, p.storage_size) if crc is not None
+                                else (p.start, nbytes))
+                crc = yield from self._range(p.file, offset, size, p.start - offset, nbytes,
+                                             first, t, result, crc)
+            else:  # a strided view (rare): CRC over the storage, then gather the view
+                crc = yield from self._range(p.file, p.storage_offset, p.storage_size, 0, 0,
+                                             None, t, result, crc)
+                yield None, memoryview(bytearray(self.reader.read_chunk(tensor, c)))
+            if p.crc32 is not None and crc != p.crc32:
+                what = "its bytes" if whole else f"chunk at offsets {list(c.offsets)}"
+                result.problems.append(self._crc_problem(p.file, p.storage_offset, t.name,
+                                                         crc or 0, p.crc32, what))
+
+    def _range(self, file: str, offset: int, size: int, first: int, length: int,
+               start: int | None, t: TensorView, result: Result, crc: int | None
+               ) -> Generator[tuple[int | None, memoryview], None, int | None]:
+        """Read ``size`` bytes at ``offset`` of ``file`` in blocks (all into ``crc``), yielding
+        the part ``[first, first + length)`` of them; ``start`` is its first element. Returns
+        the CRC."""
+        item = t.dtype.itemsize
+        buf = bytearray(min(BLOCK_BYTES, size))
+        done = 0
+        while done < size:
+            n = min(len(buf), size - done)
+            view = memoryview(buf)[:n]
+            got = self.reader.store.readinto(file, offset + done, view)
+            if got != n:
+                result.problems.append(error(
+                    "truncated-file", f"{self.path(file)}: ends at byte {offset + done + got}, "
+                    f"inside tensor '{t.name}'; copy the checkpoint again",
+                    file=file, tensor=t.name, offset=offset + done + got))
+                raise _Unreadable
+            self.report(n)
+            result.bytes_read += n
+            if crc is not None:
+                crc = zlib.crc32(view, crc)
+            lo, hi = max(done, first), min(done + n, first + length)
+            if lo < hi:
+                yield (None if start is None else start + (lo - first) // item,
+                       view[lo - done : hi - done])
+            done += n
+        return crc
+
+    def _check(self, s: Checksummed, tensor: str | None, result: Result) -> None:
+        got = crc32_of(self.reader, s.file, s.offset, s.size)
+        self.report(s.size)
+        result.bytes_read += s.size
+        if got != s.crc32:
+            result.problems.append(self._crc_problem(s.file, s.offset, tensor, got, s.crc32,
+                                                     s.what))
+
+    def _crc_problem(self, file: str, offset: int, tensor: str | None, got: int, want: int,
+                     what: str) -> Problem:
+        about = f"tensor '{tensor}', {what}" if tensor else what
+        return error("crc-mismatch", f"{self.path(file)} at byte {offset} ({about}): CRC-32 of "
+                     f"the stored bytes is {got:08x} but the record says {want:08x}; the bytes "
+                     "changed after they were written (bit rot, a bad copy). Copy the checkpoint "
+                     "again from a good source", file=file, tensor=tensor, offset=offset)
+
+    def other_checksums(self) -> Result:
+        """The checksums outside every chunk (object records, an archive's pickle...)."""
+        result = Result()
+        sums, problems = self.reader.other_checksums()
+        result.problems += problems
+        for s in sums:
+            try:
+                self._check(s, None, result)
+            except InputError as e:
+                result.problems.append(error("read-error", str(e), file=s.file, offset=s.offset))
+        return result
+
+
+def crc32_of(reader: Reader, file: str, offset: int, size: int, *, block: int = BLOCK_BYTES
+             ) -> int:
+    """CRC-32 of ``size`` bytes at ``offset`` of ``file``, read in blocks.
+
+    Raises:
+        InputError: the file ends first.
+    """
+    crc = 0
+    done = 0
+    while done < size:
+        n = min(block, size - done)
+        crc = zlib.crc32(reader.store.read_exact(file, offset + done, n, what="a record"), crc)
+        done += n
+    return crc
+
+
+def scan_tensor(scanner: Scanner, t: TensorView, *, digest: bool, compare: Compare | None
+                ) -> Result:
+    """One tensor: CRCs and values from a single read; a second read in C order only when the
+    layout is not (a Shard(1) tensor) and a digest or a comparison needs order."""
+    result = Result()
+    stats = Stats(t.dtype, full=False)
+    hasher = hashlib.sha256() if digest else None
+    ordered = True
+    try:
+        for start, data in scanner.stream(t, result):
+            stats.update(data)
+            if start is None:
+                ordered = False
+                continue
+            if hasher is not None:
+                hasher.update(data)
+            if compare is not None:
+                compare.feed(start, data)
+        if not ordered and (hasher is not None or compare is not None):
+            hasher = hashlib.sha256() if digest else None
+            for start_elem, block in tensors.blocks(scanner.reader, t.tensor):
+                scanner.report(len(block))
+                result.bytes_read += len(block)
+                if hasher is not None:
+                    hasher.update(block)
+                if compare is not None:
+                    compare.feed(start_elem, memoryview(block))
+    except _Unreadable:
+        return result
+    except InputError as e:
+        result.problems.append(error("read-error", str(e), tensor=t.name))
+        return result
+    if hasher is not None:
+        result.digest = hasher.hexdigest()
+    if compare is not None:
+        result.bytes_read += compare.bytes_read
+        if compare.problem is not None:
+            result.problems.append(compare.problem)
+        result.equal = compare.problem is None
+    s = stats.result()
+    if s.nan:
+        result.problems.append(warning("nan", f"tensor '{t.name}' holds {s.nan} NaN "
+                                       f"values (of {t.numel})", tensor=t.name))
+    if s.inf:
+        result.problems.append(warning("inf", f"tensor '{t.name}' holds {s.inf} infinite "
+                                       f"values (of {t.numel})", tensor=t.name))
+    if s.all_zero and t.numel:
+        result.problems.append(warning("all-zero", f"tensor '{t.name}' is entirely zero",
+                                       tensor=t.name))
+    return result
+
+
+def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | None,
+              want_digest: set[str], workers: int | None, read: Progress) -> Pass:
+    """Read every undamaged tensor of ``ckpt`` once: CRCs, values, digests (``want_digest``),
+    and the comparisons ``plan`` asks for with ``other``."""
+    assert ckpt.info is not None
+    skip = structure.damaged(ckpt.info)
+    skip_b = structure.damaged(other.info) if other is not None and other.info else set()
+    todo = [t for t in ckpt.tensors if t.stored_name not in skip]
+    comparisons = {p.a.name: p for p in (plan.pairs if plan else ())
+                   if p.b.stored_name not in skip_b}
+    with contextlib.ExitStack() as stack:
+        reader = stack.enter_context(open_reader(ckpt))
+        reader_b = stack.enter_context(open_reader(other)) if other is not None else None
+        for r in (reader, reader_b):
+            if r is not None:
+                r.open_files()  # before threads share them
+        scanner = Scanner(ckpt, reader, read)
+
+        def job(t: TensorView) -> Result:
+            p = comparisons.get(t.name)
+            compare = None
+            if p is not None and reader_b is not None and other is not None:
+                compare = Compare(p, ckpt, other, reader_b, read)
+            return scan_tensor(scanner, t, digest=t.name in want_digest, compare=compare)
+
+        results = _run(job, todo, workers)
+        problems = [p for t in todo for p in results[t.name].problems]
+        rest = scanner.other_checksums()
+        problems += rest.problems
+        digests = {n: r.digest for n, r in results.items() if r.digest is not None}
+        tied = []
+        if plan is not None and other is not None and reader_b is not None:
+            tied = decide_tied(ckpt, other, plan, {n: r.equal for n, r in results.items()},
+                               digests, reader_b, read)
+    return Pass(problems, tied, digests,
+                sum(r.bytes_read for r in results.values()) + rest.bytes_read)
+
+
+def _run(job: Callable[[TensorView], Result], todo: list[TensorView], workers: int | None
+         ) -> dict[str, Result]:
+    """``job`` on every tensor, in ``workers`` threads (tensors are independent)."""
+    n_workers = max(1, workers or os.cpu_count() or 1)
+    with one_torch_thread():
+        if n_workers == 1:
+            return {t.name: job(t) for t in todo}
+        with ThreadPoolExecutor(max_workers=n_workers) as pool:
+            return {t.name: r for t, r in zip(todo, pool.map(job, todo), strict=True)}

@@ -1,0 +1,349 @@
+"""The neutral checkpoint model and the format protocol: what every format hands to ``core``.
+
+Every on-disk format (DCP, HuggingFaceStorageWriter shards, per-rank files, safetensors,
+``torch.save`` files...) is one module that turns its own metadata into a
+:class:`CheckpointInfo` of :class:`Tensor`, :class:`Chunk` and :class:`ObjectEntry`, and opens
+a :class:`Reader` over it. ``core`` works on these alone and never asks which format it holds,
+as PyTorch DCP's planners work on one ``Metadata`` whatever storage wrote it.
+
+A module is a format when it has (checked by :class:`Format` and the contract tests):
+
+* ``NAME``: how reports and messages name it (``"dcp"``, ``"safetensors"``...);
+* ``detect(path) -> bool``: the path looks like this format, judged from names and the first
+  bytes only, so that a damaged checkpoint is still claimed and ``read_info`` can say exactly
+  what is wrong with it;
+* ``read_info(path) -> CheckpointInfo``: metadata and headers only, never tensor data;
+* ``open_reader(info) -> Reader``: the bytes, through a :class:`~ckpttool.formats.store.Store`.
+
+Nothing here names a format.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from ckpttool.errors import InputError
+from ckpttool.formats import torchsave
+from ckpttool.formats.dtypes import DType
+from ckpttool.formats.store import LocalStore, Store
+
+# How a chunk's bytes are stored (Chunk.encoding).
+RAW = "raw"  # the chunk's elements in C order, exactly ``length`` bytes at ``offset``
+RECORD = "torch-record"  # a torch.save archive at ``offset`` whose storage holds the chunk
+VIEW = "torch-view"  # a strided view of a torch.save storage; the format's reader decodes it
+
+
+# --------------------------------------------------------------------------------------------
+# Findings: what structure checks and verify report
+
+
+SEVERITIES = ("error", "warning", "info")
+
+
+@dataclass(frozen=True)
+class Location:
+    file: str | None = None  # relative to the checkpoint directory, or the file itself
+    tensor: str | None = None  # canonical name where core knows it, else the stored name
+    offset: int | None = None  # byte offset in ``file``
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "tensor": self.tensor, "offset": self.offset}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding. ``error`` fails verification (exit 1) and stops a merge; ``warning`` and
+    ``info`` do neither."""
+
+    severity: str  # "error", "warning" or "info"
+    code: str  # short and stable: "crc-mismatch", "chunk-overlap", "tie-broken"...
+    message: str  # one line: what, where, what to do
+    location: Location = Location()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"severity": self.severity, "code": self.code, "message": self.message,
+                "location": self.location.to_json()}
+
+
+def error(code: str, message: str, **where: Any) -> Problem:
+    return Problem("error", code, message, Location(**where))
+
+
+def warning(code: str, message: str, **where: Any) -> Problem:
+    return Problem("warning", code, message, Location(**where))
+
+
+def info(code: str, message: str, **where: Any) -> Problem:
+    return Problem("info", code, message, Location(**where))
+
+
+# --------------------------------------------------------------------------------------------
+# The model
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored piece of a tensor: where it sits in the tensor and where its bytes are."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str  # relative to the checkpoint's base directory
+    offset: int  # byte offset of the stored piece in ``file``
+    length: int  # its byte length (a record's, with headers, for RECORD)
+    encoding: str = RECORD
+    crc32: int | None = None  # RAW: CRC-32 of the bytes, where the format records one
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A tensor as the checkpoint's metadata describes it."""
+
+    name: str  # the key as stored (DCP flat key, safetensors name, dotted torch.save path)
+    path: tuple[str, ...]  # the nested keys it was saved under, e.g. ("model", "lm_head.weight")
+    dtype: DType
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(sorted({c.file for c in self.chunks}))
+
+
+@dataclass(frozen=True)
+class ObjectEntry:
+    """A non-tensor entry (step counter, param groups, config value...). Stored as a record at
+    ``file``/``offset`` (read on demand), or already read with the metadata (``file`` None)."""
+
+    name: str
+    path: tuple[str, ...]
+    file: str | None = None
+    offset: int = 0
+    length: int = 0
+
+
+@dataclass(frozen=True)
+class DataFile:
+    name: str  # relative to the checkpoint's base directory
+    size: int | None  # None: missing
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """Everything a checkpoint's metadata says, the same for every format."""
+
+    format: str  # the format's NAME
+    root: Path  # what was described: a directory, or a single file
+    tensors: tuple[Tensor, ...]  # in stored order (the model's order)
+    objects: tuple[ObjectEntry, ...]
+    files: tuple[DataFile, ...]  # data files the metadata references
+    # What references the data files, for messages: ".metadata", "model.safetensors.index.json".
+    metadata_name: str
+    # Chunks are pieces of a training split (DCP, per-rank files), not full weights: a tensor
+    # stored as one whole chunk there is replicated (a buffer), and stays whole on reshard.
+    sharded: bool = False
+    num_ranks: int | None = None
+    # Found while reading metadata and headers, format-specific (index disagreements, a shard
+    # whose header is unreadable): structure problems that core reports beside its own.
+    problems: tuple[Problem, ...] = ()
+    stray: tuple[str, ...] = ()  # data files nothing references
+    version: str | None = None
+    values: dict[str, Any] = field(default_factory=dict)  # object values read with metadata
+    detail: Any = None  # the format's own notes for its reader; core never looks at them
+
+    def tensor(self, name: str) -> Tensor:
+        """The tensor stored under ``name``."""
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    @property
+    def base(self) -> Path:
+        """The directory that file names are relative to."""
+        return self.root if self.root.is_dir() else self.root.parent
+
+    def extents(self) -> dict[str, list[tuple[int, str]]]:
+        """Per data file: (end byte, what) of every entry the metadata places in it."""
+        out: dict[str, list[tuple[int, str]]] = {}
+        for t in self.tensors:
+            for c in t.chunks:
+                out.setdefault(c.file, []).append((c.end, f"tensor '{t.name}'"))
+        for o in self.objects:
+            if o.file is not None:
+                out.setdefault(o.file, []).append((o.offset + o.length, f"entry '{o.name}'"))
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Reading bytes
+
+
+@dataclass(frozen=True)
+class Checksummed:
+    """Bytes whose CRC-32 the format records: what ``verify`` recomputes."""
+
+    file: str
+    offset: int
+    size: int
+    crc32: int
+    what: str  # "record entry 'data.pkl'", "storage data/3"...
+
+
+@dataclass(frozen=True)
+class Payload:
+    """Where a chunk's elements are, once its encoding is decoded."""
+
+    file: str
+    storage_offset: int  # absolute byte offset of the stored bytes (what ``crc32`` covers)
+    storage_size: int
+    crc32: int | None  # of the stored bytes, where recorded
+    start: int | None  # absolute offset of the elements in C order; None: a strided view
+    stride: tuple[int, ...] = ()  # strided views: element strides and offset in the storage
+    view_offset: int = 0
+    side: tuple[Checksummed, ...] = ()  # the record's other checksummed entries (headers)
+
+
+class UnreadableObject(Exception):
+    """A non-tensor entry that is not read: it would need arbitrary unpickling (``qualname``
+    names what it asks for; nothing is executed), or its structure is too large to walk."""
+
+    def __init__(self, qualname: str | None, why: str | None = None) -> None:
+        self.qualname = qualname
+        self.why = why or f"needs arbitrary unpickling ({qualname})"
+        super().__init__(self.why)
+
+
+@dataclass(frozen=True)
+class TensorPlaceholder:
+    """A tensor found inside a non-tensor entry; described, not loaded."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"tensor({self.dtype}, {list(self.shape)})"
+
+
+class Reader:
+    """A checkpoint's bytes: chunks decoded into payloads, chunks read in C order, objects.
+    (Element ranges of a whole tensor are geometry over chunks: ``core.tensors``.)
+
+    Shared by worker threads once :meth:`open_files` has run. Formats subclass it for their own
+    encodings (``payload``) and objects; RAW chunks and everything built on payloads are here.
+    """
+
+    def __init__(self, info: CheckpointInfo, store: Store | None = None) -> None:
+        self.info = info
+        self.store = store or LocalStore(info.base, metadata_name=info.metadata_name)
+        # Decoded chunks by (tensor, chunk offsets): a tie check and the copy after it parse
+        # each record once.
+        self._payloads: dict[tuple[str, tuple[int, ...]], Payload] = {}
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.store.close()
+
+    def open_files(self) -> None:
+        """Open every present data file, before threads share the reader."""
+        self.store.open_all(f.name for f in self.info.files if f.size is not None)
+
+    def where(self, file: str, offset: int, what: str) -> str:
+        return f"{self.store.path(file)} at byte {offset} ({what})"
+
+    # -- chunks
+
+    def payload(self, tensor: Tensor, chunk: Chunk) -> Payload:
+        """Where ``chunk``'s elements are, checked against what the metadata promises.
+
+        Raises:
+            InputError: the stored piece is truncated, corrupt or not what was promised.
+        """
+        key = (tensor.name, chunk.offsets)
+        found = self._payloads.get(key)
+        if found is None:
+            found = self._payloads[key] = self._decode(tensor, chunk)
+        return found
+
+    def _decode(self, tensor: Tensor, chunk: Chunk) -> Payload:
+        if chunk.encoding != RAW:
+            raise InputError(f"{self.where(chunk.file, chunk.offset, repr(tensor.name))}: "
+                             f"encoding {chunk.encoding!r} is not readable here")
+        need = chunk.numel * tensor.dtype.itemsize
+        if chunk.length != need:
+            raise InputError(f"{self.where(chunk.file, chunk.offset, repr(tensor.name))}: "
+                             f"holds {chunk.length} bytes for {list(chunk.sizes)} "
+                             f"{tensor.dtype.name}; corrupt")
+        return Payload(chunk.file, chunk.offset, chunk.length, chunk.crc32, chunk.offset)
+
+    def read_chunk(self, tensor: Tensor, chunk: Chunk) -> bytes:
+        """The chunk's elements, C-contiguous, in its own dtype."""
+        p = self.payload(tensor, chunk)
+        item = tensor.dtype.itemsize
+        if p.start is not None:
+            return self.store.read_exact(p.file, p.start, chunk.numel * item,
+                                         what=f"tensor '{tensor.name}'")
+        storage = self.store.read_exact(p.file, p.storage_offset, p.storage_size,
+                                        what=f"tensor '{tensor.name}'")
+        return torchsave.gather_strided(storage, itemsize=item, shape=chunk.sizes,
+                                        stride=p.stride, storage_offset=p.view_offset)
+
+    # -- what verify checks beyond the chunks
+
+    def other_checksums(self) -> tuple[list[Checksummed], list[Problem]]:
+        """Checksummed bytes outside every chunk's payload (object records, an archive's
+        pickle), and problems met while finding them."""
+        return [], []
+
+    # -- non-tensor entries
+
+    def read_object(self, entry: ObjectEntry) -> Any:
+        """The entry's value, read with weights-only semantics (plain containers, scalars).
+
+        Raises:
+            UnreadableObject: it would need arbitrary unpickling (never done) or is too large.
+            InputError: its record is truncated or corrupt.
+        """
+        if entry.file is None:
+            return self.info.values[entry.name]
+        raise InputError(f"{self.store.path(entry.file)}: entry '{entry.name}' is not readable "
+                         "here")
+
+    def object_record(self, entry: ObjectEntry) -> bytes | None:
+        """The entry's stored record, verbatim (what a DCP writer can copy), if it has one."""
+        return None
+
+
+class Format(Protocol):
+    """What a format module provides (modules satisfy it structurally)."""
+
+    NAME: str
+
+    def detect(self, path: Path) -> bool: ...
+
+    def read_info(self, path: Path) -> CheckpointInfo: ...
+
+    def open_reader(self, info: CheckpointInfo) -> Reader: ...

@@ -1,0 +1,36 @@
+"""Every format ckpttool reads, in the order they are tried on a path.
+
+Order matters only where two could claim one path: the layouts that are directories of
+safetensors or ``torch.save`` files with their own markers (DCP sharding offsets in the headers,
+per-rank names) come before plain safetensors and ``torch.save``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ckpttool.formats import dcp, hf_dcp, rank_files, safetensors, torchfile
+from ckpttool.formats.base import Format
+
+FORMATS: tuple[Format, ...] = (dcp, hf_dcp, rank_files, safetensors, torchfile)
+
+
+def detect(path: Path) -> Format | None:
+    """The format that claims ``path`` (a file or directory), or None."""
+    for fmt in FORMATS:
+        if fmt.detect(path):
+            return fmt
+    return None
+
+
+def by_name(name: str) -> Format:
+    """The format whose ``NAME`` is ``name``."""
+    for fmt in FORMATS:
+        if name == fmt.NAME:
+            return fmt
+    raise KeyError(name)
+
+
+def is_format(name: str) -> bool:
+    """True if ``name`` is a format's NAME (not "pickle", "json", "directory"...)."""
+    return any(name == fmt.NAME for fmt in FORMATS)

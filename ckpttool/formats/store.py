@@ -1,0 +1,211 @@
+"""Where a checkpoint's bytes come from: a store of named files, read by byte range.
+
+Readers never open files themselves: they ask a :class:`Store` for ranges of the files their
+metadata names. A store is opened once per checkpoint and shared by worker threads; it can be
+asked for many ranges of one file at once (:meth:`Store.read_ranges`), so that a plan that
+knows every range it needs can batch them per file (local files today; object storage, where
+each request costs a round trip, plugs in here). Positional file I/O helpers used by every
+writer live here too, so that input and output share one copy loop.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
+from ckpttool.errors import InputError, OutputError
+
+_BLOCK = 64 << 20
+_use_copy_file_range = hasattr(os, "copy_file_range")
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
+class Store(Protocol):
+    """Named files of one checkpoint, read by byte range."""
+
+    def path(self, name: str) -> Path: ...
+
+    def pread(self, name: str, size: int, offset: int) -> bytes: ...
+
+    def open_all(self, names: Iterable[str]) -> None: ...
+
+    def read_exact(self, name: str, offset: int, size: int, *, what: str) -> bytes: ...
+
+    def readinto(self, name: str, offset: int, buf: memoryview) -> int: ...
+
+    def read_ranges(self, name: str, ranges: list[tuple[int, int]], *, what: str
+                    ) -> list[bytes]: ...
+
+    def copy_to(self, name: str, offset: int, dst_fd: int, dst_offset: int, size: int
+                ) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalStore:
+    """Files below a local directory, each opened once (thread-safe) and read with ``pread``.
+
+    Args:
+        base: the directory that names are relative to.
+        metadata_name: what references the files, for the "missing" message (".metadata").
+    """
+
+    def __init__(self, base: Path, *, metadata_name: str) -> None:
+        self.base = base
+        self.metadata_name = metadata_name
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def path(self, name: str) -> Path:
+        return self.base / name
+
+    def fd(self, name: str) -> int:
+        """The open file ``name``.
+
+        Raises:
+            InputError: missing, unreadable or not a regular file.
+        """
+        fd = self._fds.get(name)
+        if fd is not None:
+            return fd
+        with self._lock:
+            fd = self._fds.get(name)
+            if fd is None:
+                fd = self._fds[name] = open_data_file(self.path(name), self.metadata_name)
+        return fd
+
+    def open_all(self, names: Iterable[str]) -> None:
+        for name in names:
+            self.fd(name)
+
+    def pread(self, name: str, size: int, offset: int) -> bytes:
+        """Up to ``size`` bytes at ``offset`` (fewer at the file's end)."""
+        return os.pread(self.fd(name), size, offset)
+
+    def read_exact(self, name: str, offset: int, size: int, *, what: str) -> bytes:
+        data = os.pread(self.fd(name), size, offset)
+        if len(data) != size:
+            raise truncated(self.path(name), offset + len(data), what)
+        return data
+
+    def readinto(self, name: str, offset: int, buf: memoryview) -> int:
+        """Fill ``buf`` from ``offset``; returns the bytes read (fewer at the file's end)."""
+        return os.preadv(self.fd(name), [buf], offset)
+
+    def read_ranges(self, name: str, ranges: list[tuple[int, int]], *, what: str
+                    ) -> list[bytes]:
+        """The bytes of each ``(offset, size)`` of ``name``, in the order asked."""
+        return [self.read_exact(name, offset, size, what=what) for offset, size in ranges]
+
+    def copy_to(self, name: str, offset: int, dst_fd: int, dst_offset: int, size: int) -> None:
+        """Copy ``size`` bytes at ``offset`` into an open output file, in the kernel."""
+        copy_range(self.fd(name), offset, dst_fd, dst_offset, size)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def open_data_file(path: Path, metadata_name: str) -> int:
+    """Open a data file that ``metadata_name`` references, for reading.
+
+    Raises:
+        InputError: missing, unreadable, or not a regular file (a FIFO would block).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise InputError(missing_message(path, metadata_name)) from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot open data file: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InputError(f"{path}: is not a regular file; {metadata_name} names it as data")
+    return fd
+
+
+def missing_message(path: Path, metadata_name: str, detail: str = "") -> str:
+    """The one message for a data file that is not there (``detail``: what it should hold)."""
+    about = f" ({detail})" if detail else ""
+    return (f"{path}: data file is missing; {metadata_name} references it{about}. Copy the "
+            "whole checkpoint directory again")
+
+
+def truncated(path: Path, offset: int, what: str) -> InputError:
+    return InputError(f"{path}: ends at byte {offset}, inside {what}; it is truncated. Copy "
+                      "the checkpoint again")
+
+
+def file_size(path: Path) -> int | None:
+    """Size of a regular file; None when it is missing (a non-file counts as missing)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+# --------------------------------------------------------------------------------------------
+# Positional I/O shared with the writers
+
+
+def output_error(e: OSError) -> OutputError:
+    """A failed write, in the user's terms (the temporary files are removed by the caller)."""
+    return OutputError(f"writing the output failed: {e.strerror}; free space (or raise the "
+                       "quota or file-size limit) where the output goes, then run again")
+
+
+def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, size: int) -> None:
+    """Copy ``size`` bytes between open files at the given offsets, in the kernel when it can.
+
+    Raises:
+        InputError: the source ends early. OutputError: the output cannot be written.
+    """
+    global _use_copy_file_range
+    done = 0
+    while done < size and _use_copy_file_range:
+        try:
+            n = os.copy_file_range(src_fd, dst_fd, size - done, src_offset + done,
+                                   dst_offset + done)
+        except OSError as e:
+            if e.errno in _WRITE_ERRNOS:
+                raise output_error(e) from None
+            if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP,
+                           errno.EPERM, errno.EBADF):
+                _use_copy_file_range = False
+                break
+            raise
+        if n == 0:
+            raise InputError(f"a data file ends {size - done} bytes before the tensor bytes "
+                             f"its headers promise (at byte {src_offset + done}); it is truncated")
+        done += n
+    while done < size:
+        data = os.pread(src_fd, min(_BLOCK, size - done), src_offset + done)
+        if not data:
+            raise InputError(f"a data file ends {size - done} bytes before the tensor bytes "
+                             f"its headers promise (at byte {src_offset + done}); it is truncated")
+        pwrite_all(dst_fd, data, dst_offset + done)
+        done += len(data)
+
+
+def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``os.pwrite`` may write less than asked).
+
+    Raises:
+        OutputError: the output cannot be written (no space, quota, file-size limit).
+    """
+    view = memoryview(data).cast("B")
+    while view:
+        try:
+            n = os.pwrite(fd, view, offset)
+        except OSError as e:
+            raise output_error(e) from None
+        view = view[n:]
+        offset += n
