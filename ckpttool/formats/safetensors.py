@@ -367,13 +367,9 @@ def read_info(path: str | Path) -> CheckpointInfo:
                 slot.name, (slot.name,), slot.dtype, slot.shape,
                 (Chunk((0,) * len(slot.shape), slot.shape, name, slot.begin, slot.nbytes,
                        encoding=RAW),)))
-    for name, files in holders.items():
-        if len(files) > 1:
-            problems.append(error("duplicate-tensor", f"{base}: tensor '{name}' is stored "
-                                  f"in {len(files)} places ({', '.join(files)}); a loader keeps "
-                                  "one of them at random", tensor=name, file=files[1]))
+    problems += duplicate_problems(base, holders)
     if index is not None:
-        problems += _index_problems(base, index, holders, readable,
+        problems += index_problems(base, index, holders, readable,
                                     complete=readable == set(shard_names),
                                     total=slot_bytes)
     stray = () if index is None else tuple(
@@ -423,7 +419,15 @@ def _slot_problems(path: Path, slots: tuple[Slot, ...]) -> list[Problem]:
     return problems
 
 
-def _index_problems(base: Path, index: Index, holders: dict[str, list[str]],
+def duplicate_problems(base: Path, holders: dict[str, list[str]]) -> list[Problem]:
+    """A tensor name in several shards (``holders``: name -> the shards holding it)."""
+    return [error("duplicate-tensor", f"{base}: tensor '{name}' is stored in {len(files)} "
+                  f"places ({', '.join(files)}); a loader keeps one of them at random",
+                  tensor=name, file=files[1])
+            for name, files in holders.items() if len(files) > 1]
+
+
+def index_problems(base: Path, index: Index, holders: dict[str, list[str]],
                     readable: set[str], *, complete: bool, total: int) -> list[Problem]:
     problems = []
     where = index.path

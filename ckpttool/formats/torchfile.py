@@ -76,11 +76,12 @@ class View:
 
 
 @dataclass(frozen=True)
-class Archive:
-    """What the reader needs beyond the neutral model (``CheckpointInfo.detail``)."""
+class Archives:
+    """What the reader needs beyond the neutral model (``CheckpointInfo.detail``), for one
+    archive or several (the shards of a ``pytorch_model.bin.index.json``)."""
 
     views: dict[str, View]  # by tensor name
-    entries: tuple[ZipEntry, ...]  # every archive entry, offsets absolute (CRC checks)
+    entries: dict[str, tuple[ZipEntry, ...]]  # per file: every entry, offsets absolute
 
 
 def is_torch_file(path: Path) -> bool:
@@ -170,7 +171,7 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         format=NAME, root=p, tensors=tuple(_tensor(p.name, v, crcs) for v in views.values()),
         objects=tuple(objects), files=(DataFile(p.name, size),),
         metadata_name="the torch.save archive", values=values,
-        detail=Archive(views, tuple(entries.values())))
+        detail=Archives(views, {p.name: tuple(entries.values())}))
 
 
 def _tensor(file: str, v: View, crcs: dict[int, int]) -> Tensor:
@@ -194,19 +195,19 @@ class ArchiveReader(Reader):
     def _decode(self, tensor: Tensor, chunk: Chunk) -> Payload:
         if chunk.encoding != VIEW:
             return super()._decode(tensor, chunk)
-        archive: Archive = self.info.detail
-        v = archive.views[tensor.name]
-        crc = next(e.crc32 for e in archive.entries if e.data_offset == v.data_offset)
+        archives: Archives = self.info.detail
+        v = archives.views[tensor.name]
+        crc = next(e.crc32 for e in archives.entries[chunk.file] if e.data_offset == v.data_offset)
         return Payload(chunk.file, v.data_offset, v.data_size, crc, None, stride=v.stride,
                        view_offset=v.storage_offset)
 
     def other_checksums(self) -> tuple[list[Checksummed], list[Problem]]:
-        archive: Archive = self.info.detail
-        covered = {c.offset for t in self.info.tensors for c in t.chunks
+        archives: Archives = self.info.detail
+        covered = {(c.file, c.offset) for t in self.info.tensors for c in t.chunks
                    if c.crc32 is not None or c.encoding == VIEW}
-        file = self.info.files[0].name
         return [Checksummed(file, e.data_offset, e.size, e.crc32, f"entry '{e.name}'")
-                for e in archive.entries if e.data_offset not in covered], []
+                for file, entries in archives.entries.items() for e in entries
+                if (file, e.data_offset) not in covered], []
 
 
 def open_reader(info: CheckpointInfo) -> ArchiveReader:
