@@ -13,6 +13,7 @@ from typing import Any
 import typer
 
 from ckpttool.errors import CkptError
+from ckpttool.formats import dtypes
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -49,6 +50,21 @@ def exit_codes() -> Iterator[None]:
         err("ckpttool: internal error (a bug in ckpttool); please report it with the "
             "traceback above")
         raise typer.Exit(EXIT_BUG) from None
+
+
+DTYPE_CHOICES = ", ".join(dtypes.CHOICES)
+
+
+def dtype_choice(value: str | None) -> str | None:
+    """Typer callback for ``--dtype``-like options: one of ``dtypes.CHOICES``, also spelled as
+    config.json and torch spell it (``bfloat16``, ``float16``, ``torch.float32``)."""
+    if value is None:
+        return None
+    choice = dtypes.normalize_choice(value)
+    if choice is None:
+        raise typer.BadParameter(f"'{value}' is not one of {DTYPE_CHOICES} (or bfloat16, "
+                                 "float16, float32)")
+    return choice
 
 
 def print_json(doc: dict[str, Any]) -> None:

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from ckpttool.cli.common import ProgressBar, err, exit_codes, human_bytes, print_json
+from ckpttool.cli.common import (
+    DTYPE_CHOICES,
+    ProgressBar,
+    dtype_choice,
+    err,
+    exit_codes,
+    human_bytes,
+    print_json,
+)
 
 EPILOG = """\
 Examples:\n\n
@@ -19,21 +26,16 @@ Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug
 """
 
 
-class DTypeChoice(str, Enum):
-    auto = "auto"
-    keep = "keep"
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
-
-
 def merge_command(
-    src: Annotated[Path, typer.Argument(help="DCP checkpoint directory, or a training "
-                                        "checkpoint directory holding one (checkpoint-500/).")],
+    src: Annotated[Path, typer.Argument(help="A checkpoint in any format inspect reads (DCP "
+                                        "directory, per-rank files, .bin/safetensors), or a "
+                                        "training checkpoint directory holding one "
+                                        "(checkpoint-500/).")],
     out: Annotated[Path, typer.Argument(help="Output directory for the safetensors files.")],
-    dtype: Annotated[DTypeChoice, typer.Option(
-        help="Dtype of floating tensors: auto (config.json's torch_dtype), keep, bf16, fp16, "
-        "fp32. Float8, integer and bool tensors are never cast.")] = DTypeChoice.auto,
+    dtype: Annotated[str, typer.Option(
+        callback=dtype_choice, help=f"Dtype of floating tensors: {DTYPE_CHOICES} (auto: "
+        "config.json's torch_dtype). Float8, integer and bool tensors are never cast.")
+    ] = "auto",
     max_shard_size: Annotated[str, typer.Option(
         help="Largest output shard (5GB, 500MB, 2GiB); one file if everything fits.")] = "5GB",
     config: Annotated[Path | None, typer.Option(
@@ -49,14 +51,14 @@ def merge_command(
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="Print nothing but errors.")] = False,
 ) -> None:
-    """Merge a sharded DCP checkpoint into Hugging Face safetensors, exact to the bit."""
+    """Merge a sharded checkpoint (any format) into Hugging Face safetensors, exact to the bit."""
     from ckpttool.core.merge import merge
 
     bar = ProgressBar("merging", enabled=not quiet)
     on_start, progress = bar.callbacks
     with exit_codes():
         try:
-            report = merge(src, out, dtype=dtype.value, max_shard_size=max_shard_size,
+            report = merge(src, out, dtype=dtype, max_shard_size=max_shard_size,
                            config=config, keep_tied=keep_tied, overwrite=overwrite,
                            workers=workers, progress=progress, on_start=on_start)
         finally:

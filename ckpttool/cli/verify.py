@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -12,11 +11,11 @@ from ckpttool.cli.common import (
     EXIT_PROBLEMS,
     ProgressBar,
     count,
+    dtype_choice,
     exit_codes,
     human_bytes,
     print_json,
 )
-from ckpttool.cli.merge import DTypeChoice
 
 EPILOG = """\
 Examples:\n\n
@@ -32,13 +31,6 @@ Exit codes: 0 nothing at error severity, 1 errors found, 2 usage, 3 PATH cannot 
 SHOWN_PER_CODE = 10
 
 
-class ExpectDType(str, Enum):
-    auto = "auto"
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
-
-
 def verify_command(
     path: Annotated[Path, typer.Argument(help="The checkpoint to check (any format inspect "
                                          "reads).")],
@@ -48,12 +40,13 @@ def verify_command(
     allow_cast: Annotated[bool, typer.Option(
         "--allow-cast", help="With --against: compare after the cast that --dtype would apply "
         "(NaN equals NaN after a cast).")] = False,
-    dtype: Annotated[DTypeChoice | None, typer.Option(
-        help="With --allow-cast: the --dtype given to merge (default auto: config.json's "
-        "torch_dtype).")] = None,
-    expect_dtype: Annotated[ExpectDType | None, typer.Option(
-        help="Floating tensors of another dtype are errors (auto: config.json's torch_dtype). "
-        "Float8, integer and bool tensors are reported apart.")] = None,
+    dtype: Annotated[str | None, typer.Option(
+        callback=dtype_choice, help="With --allow-cast: the --dtype given to merge (default "
+        "auto: config.json's torch_dtype).")] = None,
+    expect_dtype: Annotated[str | None, typer.Option(
+        callback=dtype_choice, help="Floating tensors of another dtype are errors (auto: "
+        "config.json's torch_dtype). Float8, integer and bool tensors are reported apart.")
+    ] = None,
     config: Annotated[Path | None, typer.Option(
         help="config.json (or its directory) to use instead of the one beside PATH.")] = None,
     manifest: Annotated[Path | None, typer.Option(
@@ -69,6 +62,9 @@ def verify_command(
     """Check that a checkpoint is whole and sane; compare it with another."""
     from ckpttool.core.verify import verify
 
+    if expect_dtype == "keep":
+        raise typer.BadParameter("keep checks nothing; use auto, bf16, fp16 or fp32",
+                                 param_hint="--expect-dtype")
     if dtype is not None and not allow_cast:
         raise typer.BadParameter("applies to the cast that --allow-cast allows; pass "
                                  "--allow-cast too", param_hint="--dtype")
@@ -79,8 +75,8 @@ def verify_command(
     with exit_codes():
         try:
             report = verify(path, against=against, allow_cast=allow_cast,
-                            dtype=dtype.value if dtype else None,
-                            expect_dtype=expect_dtype.value if expect_dtype else None,
+                            dtype=dtype,
+                            expect_dtype=expect_dtype,
                             config=config, manifest=manifest, workers=workers,
                             progress=progress, on_start=on_start)
         finally:

@@ -15,7 +15,7 @@ from ckpttool.formats.dtypes import DType
 if TYPE_CHECKING:
     from ckpttool.core.discover import Checkpoint
 
-CHOICES = ("auto", "keep", "bf16", "fp16", "fp32")
+CHOICES = dtypes.CHOICES
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def resolve(requested: str, config: dict[str, object] | None, config_name: str =
     Raises:
         InputError: an unknown ``--dtype`` value.
     """
-    requested = requested.lower()
+    requested = dtypes.normalize_choice(requested) or requested.lower()
     if requested == "keep":
         return DTypePolicy("keep", None, "--dtype keep")
     if requested != "auto":

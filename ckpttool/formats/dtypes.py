@@ -80,6 +80,19 @@ ALIASES: dict[str, str] = {
 }
 
 
+# What --dtype takes (any ALIASES spelling of these is accepted too: bfloat16, float16...).
+CHOICES = ("auto", "keep", "bf16", "fp16", "fp32")
+
+
+def normalize_choice(value: str) -> str | None:
+    """``value`` as one of :data:`CHOICES` (``"bfloat16"`` -> ``"bf16"``), or None."""
+    v = value.lower().removeprefix("torch.")
+    if v in CHOICES:
+        return v
+    name = ALIASES.get(v)
+    return next((c for c in CHOICES if ALIASES.get(c) == name), None) if name else None
+
+
 def get(name: str) -> DType:
     """Return the dtype named ``name`` (safetensors spelling)."""
     return BY_NAME[name]

@@ -191,3 +191,12 @@ def test_write_failure_is_exit_3_and_leaves_nothing(llama_ckpt: Path, tmp_path: 
                         "(or raise the quota or file-size limit) where the output goes, then run "
                         "again\n")
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize(("spelling", "want"), [("bfloat16", "BF16"), ("torch.float16", "F16"),
+                                                ("FP32", "F32")])
+def test_dtype_spelled_as_torch_and_config_spell_it(spelling: str, want: str, uneven_ckpt: Path,
+                                                    tmp_path: Path) -> None:
+    r = run("merge", uneven_ckpt, tmp_path / "out", "--dtype", spelling, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["dtype"]["target"] == want
