@@ -22,7 +22,7 @@ from ckpttool.core import chunks as chunk_geometry
 from ckpttool.core import dtypes as dtype_policy
 from ckpttool.core import hf, names, structure, tensors, ties
 from ckpttool.core import objects as non_tensor
-from ckpttool.core.discover import Checkpoint, ObjectView, discover
+from ckpttool.core.discover import Checkpoint, ObjectView, Part, discover
 from ckpttool.core.dtypes import DTypePolicy
 from ckpttool.core.fileio import (
     AtomicOutputs,
@@ -261,12 +261,14 @@ class MergeReport:
     non_tensor: list[dict[str, Any]] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)
     config_changes: list[str] = field(default_factory=list)
-    skipped: list[dict[str, str]] = field(default_factory=list)
+    parts: list[Part] = field(default_factory=list)  # a training directory's entries
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "command": "merge", **self.__dict__}
+        doc = {"schema": SCHEMA, "command": "merge", **self.__dict__}
+        doc["parts"] = [p.to_json() for p in self.parts]
+        return doc
 
 
 def merge(
@@ -331,9 +333,7 @@ def merge(
 
     report = MergeReport(src=str(src_path), checkpoint=str(info.root), out=str(out_path),
                          kind=ckpt.kind, format=info.format)
-    report.skipped = [{"path": str(src_path / p.path), "kind": p.kind} for p in ckpt.parts
-                      if p.path != ckpt.chosen and p.kind in ("model", "optimizer")
-                      and registry.is_format(p.format)]
+    report.parts = list(ckpt.parts)
     renamed = [t for t in ckpt.tensors if t.name != t.stored_name]
     report.renames = [{"from": t.stored_name, "to": t.name} for t in renamed]
     report.wrappers_removed = names.detected_wrappers((t.path for t in renamed),
