@@ -224,7 +224,7 @@ TORCH_CODE = (
     "dcp_to_torch_save(sys.argv[1], sys.argv[2])"
 )
 TOOL_KEYS = ("ckpttool-keep", "ckpttool-bf16", "accelerate", "torch", "cp", "cp-fp32", "cat",
-             "cat-fp32")
+             "cat-fp32", "baseline-keep", "baseline-bf16")
 GLOBAL_KEYS = ("import-torch", "help")
 # The tools that load the whole model into memory (skippable with --full-load-max).
 FULL_LOAD = ("accelerate", "torch")
@@ -247,7 +247,29 @@ def ckpttool_argv(src: Path, out: Path, dtype: str, workers: int | None) -> list
     return argv
 
 
-def tools(dcp_dir: Path, fp32_dir: Path | None, scratch: Path, workers: int | None) -> list[Tool]:
+def baseline_argv(tree: Path, src: Path, out: Path, dtype: str, workers: int | None
+                  ) -> list[str]:
+    """ckpttool as it was at another revision (``--baseline``): that tree's package first on
+    the path, the same python and dependencies."""
+    argv = ["env", f"PYTHONPATH={tree}", sys.executable, "-m", "ckpttool", "merge", str(src),
+            str(out), "--dtype", dtype, "-q"]
+    return argv + (["--workers", str(workers)] if workers else [])
+
+
+def baseline_tree(workdir: Path, rev: str) -> tuple[str, Path]:
+    """A detached worktree of ``rev`` under ``workdir`` (made once): the code to compare with."""
+    root = Path(__file__).resolve().parents[1]
+    sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", rev], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    tree = workdir / f"baseline-{sha}"
+    if not (tree / "ckpttool").is_dir():
+        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", "-f", str(tree),
+                        sha], check=True, capture_output=True)
+    return sha, tree
+
+
+def tools(dcp_dir: Path, fp32_dir: Path | None, scratch: Path, workers: int | None,
+          baseline: tuple[str, Path] | None = None) -> list[Tool]:
     py = sys.executable
     tl = [
         Tool("ckpttool-keep", "ckpttool merge --dtype keep", "bf16",
@@ -275,6 +297,16 @@ def tools(dcp_dir: Path, fp32_dir: Path | None, scratch: Path, workers: int | No
                  ["cat", *map(str, M.files_under(fp32_dir))], scratch / "nothing",
                  discard_stdout=True),
         ]
+    if baseline is not None:
+        sha, tree = baseline
+        tl.append(Tool("baseline-keep", f"ckpttool@{sha} merge --dtype keep", "bf16",
+                       baseline_argv(tree, dcp_dir, scratch / "baseline-out", "keep", workers),
+                       scratch / "baseline-out"))
+        if fp32_dir is not None:
+            tl.append(Tool("baseline-bf16", f"ckpttool@{sha} merge --dtype bf16", "fp32",
+                           baseline_argv(tree, fp32_dir, scratch / "baseline-bf16-out", "bf16",
+                                         workers),
+                           scratch / "baseline-bf16-out"))
     return tl
 
 
@@ -478,7 +510,8 @@ def measure_size(size_gb: float, workdir: Path, args: argparse.Namespace, check:
     nbytes = {k: M.dir_bytes(d) for k, d in dirs.items() if d is not None}
     scratch = workdir / "out"
     scratch.mkdir(parents=True, exist_ok=True)
-    all_tools = tools(dcp_dir, fp32_dir, scratch, args.workers)
+    baseline = baseline_tree(workdir, args.baseline) if args.baseline else None
+    all_tools = tools(dcp_dir, fp32_dir, scratch, args.workers, baseline)
     by_key = {t.key: t for t in all_tools}
     for t in all_tools:
         remove(t.out)
@@ -830,6 +863,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="run only these (keys: " + ",".join(TOOL_KEYS + GLOBAL_KEYS)
                          + "; or first words: ckpttool,cp,cat)")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness checks")
+    ap.add_argument("--baseline", metavar="REV", default=None,
+                    help="also time ckpttool as it was at git revision REV (a worktree under "
+                         "WORKDIR), side by side in the same run: before/after a change")
     ap.add_argument("--timeout", type=float, default=1800,
                     help="seconds before a tool run is killed and recorded as failed")
     ap.add_argument("--results-md", type=Path,
