@@ -101,3 +101,17 @@ def test_index_that_disagrees_with_the_shards(sharded_bin: Path, tmp_path: Path)
     assert [p.code for p in report.problems if p.severity == "error"] == ["index-missing-tensor"]
     with pytest.raises(ckpttool.InputError, match="places 'ghost.weight' in"):
         ckpttool.merge(damaged, tmp_path / "out")
+
+
+def test_reshard_to_safetensors_and_to_dcp(sharded_bin: Path, tmp_path: Path) -> None:
+    report = ckpttool.reshard(sharded_bin, tmp_path / "st", to="safetensors",
+                              max_shard_size="1KB")
+    assert report.format_in == "torch-save-sharded" and len(report.files) > 2
+    want = _state()
+    got = load_out(tmp_path / "st")
+    assert all(torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in want.items())
+    ckpttool.reshard(sharded_bin, tmp_path / "dcp", ranks=2)
+    ckpttool.merge(tmp_path / "dcp", tmp_path / "merged", dtype="keep")
+    got = load_out(tmp_path / "merged")
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in want.items())
