@@ -330,6 +330,11 @@ def merge(
                                       if files.config_path else "config.json")
         stem = "model"
     by_name = {t.name: t.tensor for t in ckpt.tensors}
+    if not by_name:
+        # An empty model file is worse than an error: say what is there instead.
+        held = f"only {len(ckpt.objects)} non-tensor entries" if ckpt.objects else "nothing"
+        raise InputError(f"{info.root}: holds no tensors ({held}); there is no model to merge. "
+                         f"See what it holds with: ckpttool inspect {src_path}")
 
     report = MergeReport(src=str(src_path), checkpoint=str(info.root), out=str(out_path),
                          kind=ckpt.kind, format=info.format)

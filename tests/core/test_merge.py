@@ -359,3 +359,11 @@ def test_concurrent_casting_merges_restore_torch_threads(llama_ckpt: Path, tmp_p
         list(pool.map(lambda i: ckpttool.merge(llama_ckpt, tmp_path / f"o{i}", dtype="fp16"),
                       range(4)))
     assert torch.get_num_threads() == before
+
+
+def test_a_checkpoint_without_tensors_is_an_error_not_an_empty_model(tmp_path: Path) -> None:
+    torch_dcp.save({"step": 5, "note": "no weights"}, checkpoint_id=tmp_path / "ckpt")
+    with pytest.raises(InputError, match=r"holds no tensors \(only 2 non-tensor entries\); there "
+                       "is no model to merge"):
+        ckpttool.merge(tmp_path / "ckpt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
