@@ -79,8 +79,7 @@ def _print_human(r: object) -> None:
     what = "optimizer state" if r.kind == "optimizer" else "model"
     lines = [f"merged {what} {r.checkpoint} -> {r.out} in {r.seconds:.1f} s"]
     if r.checkpoint != r.src:
-        skipped = "".join(f"; skipped {p.path} ({p.kind})" for p in r.parts
-                          if p.kind != "other" and p.path != Path(r.checkpoint).name)
+        skipped = "".join(f"; skipped {Path(s['path']).name} ({s['kind']})" for s in r.skipped)
         lines.append(f"  used {Path(r.checkpoint).name}, found in {r.src}{skipped}")
     for f in r.files:
         tensors = f" ({f['tensors']} tensors)" if f["tensors"] else ""

@@ -185,6 +185,9 @@ def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | N
     config_path = Path(config) if config is not None else None
     if not given.exists():
         raise InputError(f"{given}: no such file or directory")
+    if not (given.is_file() or given.is_dir()):  # a FIFO, a socket, a device: never opened
+        raise InputError(f"{given}: not a regular file or directory; pass the checkpoint "
+                         "directory or file")
     fmt = registry.detect(given)
     if fmt is not None:
         return describe(given, fmt.read_info(given), config=config_path)

@@ -262,6 +262,7 @@ class MergeReport:
     copied: list[str] = field(default_factory=list)
     config_changes: list[str] = field(default_factory=list)
     parts: list[Part] = field(default_factory=list)  # a training directory's entries
+    skipped: list[dict[str, str]] = field(default_factory=list)  # its other checkpoints
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -339,6 +340,9 @@ def merge(
     report = MergeReport(src=str(src_path), checkpoint=str(info.root), out=str(out_path),
                          kind=ckpt.kind, format=info.format)
     report.parts = list(ckpt.parts)
+    report.skipped = [{"path": str(src_path / p.path), "kind": p.kind} for p in ckpt.parts
+                      if p.path != ckpt.chosen and p.kind != "other"
+                      and registry.is_format(p.format)]
     renamed = [t for t in ckpt.tensors if t.name != t.stored_name]
     report.renames = [{"from": t.stored_name, "to": t.name} for t in renamed]
     report.wrappers_removed = names.detected_wrappers((t.path for t in renamed),

@@ -94,7 +94,10 @@ class Chunk:
     offset: int  # byte offset of the stored piece in ``file``
     length: int  # its byte length (a record's, with headers, for RECORD)
     encoding: str = RECORD
-    crc32: int | None = None  # RAW: CRC-32 of the bytes, where the format records one
+    # RAW: the CRC-32 the format records for the bytes at ``crc_span`` (offset, size), which
+    # hold the chunk's (its storage in an archive); the chunk's own bytes when None.
+    crc32: int | None = None
+    crc_span: tuple[int, int] | None = None
 
     @property
     def numel(self) -> int:
@@ -297,7 +300,8 @@ class Reader:
             raise InputError(f"{self.where(chunk.file, chunk.offset, repr(tensor.name))}: "
                              f"holds {chunk.length} bytes for {list(chunk.sizes)} "
                              f"{tensor.dtype.name}; corrupt")
-        return Payload(chunk.file, chunk.offset, chunk.length, chunk.crc32, chunk.offset)
+        span = chunk.crc_span or (chunk.offset, chunk.length)
+        return Payload(chunk.file, span[0], span[1], chunk.crc32, chunk.offset)
 
     def read_chunk(self, tensor: Tensor, chunk: Chunk) -> bytes:
         """The chunk's elements, C-contiguous, in its own dtype."""

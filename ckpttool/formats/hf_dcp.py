@@ -25,7 +25,7 @@ SHARDING_KEY = "DCP_SHARDING_INFO"
 
 
 def _shard_files(path: Path) -> list[Path]:
-    return sorted(p for p in path.glob("*.safetensors") if p.is_file())
+    return sorted(path.glob("*.safetensors"))
 
 
 def _sharding_info(file: Path) -> dict[str, object] | None:
@@ -54,8 +54,8 @@ def open_reader(info: CheckpointInfo) -> Reader:
 
 def is_hf_dcp_dir(path: Path) -> bool:
     """True if ``path`` holds safetensors shards that carry DCP sharding offsets."""
-    files = _shard_files(path)
-    return bool(files) and _sharding_info(files[0]) is not None
+    first = next((f for f in _shard_files(path) if f.is_file()), None)
+    return first is not None and _sharding_info(first) is not None
 
 
 def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
@@ -67,6 +67,9 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     root = Path(path)
     pieces: dict[str, list[tuple[DType, Chunk]]] = {}
     for file in _shard_files(root):
+        if not file.is_file():
+            raise InputError(f"{file}: not a regular file, where a shard of this checkpoint "
+                             "belongs; copy the checkpoint again")
         info = _sharding_info(file)
         if info is None:
             raise InputError(f"{file}: safetensors shard without {SHARDING_KEY} metadata among "

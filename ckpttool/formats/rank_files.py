@@ -442,10 +442,9 @@ def _chunk(path: Path, entries: dict[str, torchsave.ZipEntry], fqn: str,
     start = t.storage_offset * itemsize
     if t.storage_offset < 0 or start + nbytes > data.size:
         raise InputError(f"{path}: tensor '{fqn}' reaches past the end of its storage; corrupt")
-    # The zip's CRC covers the whole storage: it checks this piece when the piece is all of it.
-    crc = data.crc32 if start == 0 and nbytes == data.size else None
+    # The zip's CRC covers the whole storage the piece lies in (each local tensor has its own).
     return Chunk(offsets, t.shape, path.name, data.data_offset + start, nbytes, encoding=RAW,
-                 crc32=crc)
+                 crc32=data.crc32, crc_span=(data.data_offset, data.size))
 
 
 # --------------------------------------------------------------------------------------------

@@ -225,3 +225,17 @@ def test_piece_placement_matches_dtensor(shape: list[int], mesh: list[int],
     assert got_sizes == tuple(want_sizes)
     if all(got_sizes):  # DTensor's offset of an empty piece is the end of the dim; unused
         assert got_offsets == tuple(want_offsets)
+
+
+def test_a_piece_that_is_part_of_its_storage_is_still_crc_checked(w2: Path,
+                                                                   tmp_path: Path) -> None:
+    ckpt = _copy(w2 / CKPT_DIR, tmp_path / "ckpt")
+    info = rank_files.read_info(ckpt)
+    # An uneven split: rank 1's piece is a view into a larger local storage.
+    chunk = next(c for t in info.tensors for c in t.chunks
+                 if c.crc_span is not None and c.crc_span != (c.offset, c.length))
+    data = bytearray((ckpt / chunk.file).read_bytes())
+    data[chunk.offset] ^= 0x40
+    (ckpt / chunk.file).write_bytes(data)
+    report = ckpttool.verify(ckpt)
+    assert [p.code for p in report.problems if p.severity == "error"] == ["crc-mismatch"]
