@@ -11,6 +11,11 @@ checkpoint directory whose model DCP directory is ``pytorch_model_fsdp_0``.
 * ``tiny_dcp``: a small model DCP directory itself (``uneven_ckpt / "pytorch_model_fsdp_0"``,
   3 ranks, ``__0_0.distcp`` .. ``__2_0.distcp``).
 
+Other formats' real writers (:mod:`tests.layouts`), once per session:
+
+* ``hf_ckpt``: a DCP directory written by PyTorch's ``HuggingFaceStorageWriter`` on 2 ranks
+  (per-rank safetensors shards); the reference is :func:`tests.layouts.hf_full_state`.
+
 The reference for what a merge must produce is :func:`tests.reference.reference_state_dict`
 (PyTorch's own loader), applied to ``ckpt / "pytorch_model_fsdp_0"``.
 """
@@ -23,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from examples.fsdp2_checkpoint import KINDS, MODEL_DIR, start_rank_server, write_checkpoint
+from tests import layouts
 
 MakeCheckpoint = Callable[..., Path]
 
@@ -77,3 +83,9 @@ def placements_ckpt(make_checkpoint: MakeCheckpoint) -> Path:
 def tiny_dcp(uneven_ckpt: Path) -> Path:
     """A small multi-rank model DCP directory (not the training checkpoint around it)."""
     return uneven_ckpt / MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def hf_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """HuggingFaceStorageWriter shards of :func:`tests.layouts.hf_full_state` (2 ranks)."""
+    return layouts.write_hf_storage(tmp_path_factory.mktemp("hf_storage") / "ckpt")

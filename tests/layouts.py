@@ -29,6 +29,14 @@ start_rank_server`, so a rank starts in a fraction of a second):
   state dict.
 * :func:`write_unlisted_global` ``(out, marker)``: a rank file whose pickle names a function
   of this module (:func:`touch`) that would create ``marker`` if it ever ran.
+
+And for :mod:`ckpttool.formats.hf_dcp`:
+
+* :func:`write_hf_storage` ``(out)``: PyTorch's ``HuggingFaceStorageWriter``
+  (``save_distributed=True``) on :data:`HF_WORLD` ranks, saving :func:`hf_full_state`
+  (float, bf16, int64, bool and uint8 tensors) as DTensors placed ``Shard(0)`` (uneven over 2
+  ranks; rank 1's piece of ``small`` is empty), ``Shard(1)`` (``cols``) and ``Replicate()``
+  (``b``). The reference is :func:`hf_full_state` itself.
 """
 
 from __future__ import annotations
@@ -236,4 +244,42 @@ def write_unlisted_global(out: Path, marker: Path) -> Path:
     """A world-of-one rank file whose pickle names :func:`touch`; returns the directory."""
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"up.weight": torch.zeros(2, 2), "trap": _Trap(marker)}, out / rank_file(1, 0))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# HuggingFaceStorageWriter (DCP as per-rank safetensors shards)
+
+HF_WORLD = 2
+
+
+def hf_full_state() -> dict[str, torch.Tensor]:
+    """What :func:`write_hf_storage` saves, as full tensors: the reference."""
+    g = torch.Generator().manual_seed(7)
+    return {
+        "w": torch.randn(5, 3, generator=g),
+        "cols": torch.randn(2, 6, generator=g),  # Shard(1)
+        "b": torch.randn(3, generator=g).to(torch.bfloat16),  # Replicate
+        "ids": torch.arange(7, dtype=torch.int64),  # uneven over 2 ranks
+        "mask": torch.tensor([True, False, True, True]),
+        "small": torch.randint(0, 255, (1, 4), generator=g).to(torch.uint8),  # rank 1 empty
+    }
+
+
+def _hf_storage_job(rank: int, world_size: int, out: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    placements = {"cols": Shard(1), "b": Replicate()}
+    sd = {k: distribute_tensor(v, mesh, [placements.get(k, Shard(0))])
+          for k, v in hf_full_state().items()}
+    dcp.save(sd, storage_writer=HuggingFaceStorageWriter(str(out), save_distributed=True))
+
+
+def write_hf_storage(out: Path) -> Path:
+    """HuggingFaceStorageWriter shards of :func:`hf_full_state` in ``out``; returns ``out``."""
+    _run(_hf_storage_job, HF_WORLD, out)
     return out

@@ -1,16 +1,12 @@
 """DCP checkpoints written by PyTorch's HuggingFaceStorageWriter (per-rank safetensors shards),
-including integer and bool tensors, written by the real writer on 2 gloo ranks."""
+including integer and bool tensors, written by the real writer on 2 gloo ranks (the session
+fixture ``hf_ckpt`` of tests/conftest.py, written by :func:`tests.layouts.write_hf_storage`)."""
 
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 
-import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
 import ckpttool
@@ -19,49 +15,7 @@ from ckpttool.core.reshard import reshard
 from ckpttool.formats import hf_dcp
 from ckpttool.formats.base import RAW
 from tests.core.test_merge import assert_bit_exact, load_out
-
-WORLD = 2
-
-
-def full_state() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return {
-        "w": torch.randn(5, 3, generator=g),
-        "cols": torch.randn(2, 6, generator=g),  # Shard(1)
-        "b": torch.randn(3, generator=g).to(torch.bfloat16),  # Replicate
-        "ids": torch.arange(7, dtype=torch.int64),  # uneven over 2 ranks
-        "mask": torch.tensor([True, False, True, True]),
-        "small": torch.randint(0, 255, (1, 4), generator=g).to(torch.uint8),  # rank 1 empty
-    }
-
-
-def _worker(rank: int, out: str, port: int) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        full = full_state()
-        placements = {"cols": Shard(1), "b": Replicate()}
-        sd = {k: distribute_tensor(v, mesh, [placements.get(k, Shard(0))])
-              for k, v in full.items()}
-        dcp.save(sd, storage_writer=HuggingFaceStorageWriter(out, save_distributed=True))
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="session")
-def hf_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("hf_storage") / "ckpt"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(str(out), port), nprocs=WORLD, start_method="spawn")
-    return out
+from tests.layouts import hf_full_state as full_state
 
 
 def test_recognised_by_content(hf_ckpt: Path) -> None:
