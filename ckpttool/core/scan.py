@@ -70,7 +70,7 @@ class Scanner:
         decoded: list[tuple[Chunk, Payload]] = []
         for c in tensor.chunks:
             try:
-                p = self.reader.payload(tensor, c)
+                p = self.reader.payload(tensor, c, checksums=True)
                 for side in p.side:
                     self._check(side, t.name, result)
             except InputError as e:

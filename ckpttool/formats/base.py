@@ -257,9 +257,6 @@ class Reader:
     def __init__(self, info: CheckpointInfo, store: Store | None = None) -> None:
         self.info = info
         self.store = store or LocalStore(info.base, metadata_name=info.metadata_name)
-        # Decoded chunks by (tensor, chunk offsets): a tie check and the copy after it parse
-        # each record once.
-        self._payloads: dict[tuple[str, tuple[int, ...]], Payload] = {}
 
     def __enter__(self) -> Reader:
         return self
@@ -279,19 +276,21 @@ class Reader:
 
     # -- chunks
 
-    def payload(self, tensor: Tensor, chunk: Chunk) -> Payload:
+    def payload(self, tensor: Tensor, chunk: Chunk, *, checksums: bool = False) -> Payload:
         """Where ``chunk``'s elements are, checked against what the metadata promises.
+
+        Decoded on every call and never kept: a checkpoint of millions of chunks holds no
+        per-chunk state (formats make a repeated decode cheap instead).
+
+        Args:
+            checksums: fill ``Payload.side`` (what ``verify`` checks besides the elements).
 
         Raises:
             InputError: the stored piece is truncated, corrupt or not what was promised.
         """
-        key = (tensor.name, chunk.offsets)
-        found = self._payloads.get(key)
-        if found is None:
-            found = self._payloads[key] = self._decode(tensor, chunk)
-        return found
+        return self._decode(tensor, chunk, checksums)
 
-    def _decode(self, tensor: Tensor, chunk: Chunk) -> Payload:
+    def _decode(self, tensor: Tensor, chunk: Chunk, checksums: bool = False) -> Payload:
         if chunk.encoding != RAW:
             raise InputError(f"{self.where(chunk.file, chunk.offset, repr(tensor.name))}: "
                              f"encoding {chunk.encoding!r} is not readable here")

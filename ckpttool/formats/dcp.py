@@ -20,13 +20,15 @@ of nested keys it came from.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
+import operator
 import os
 import pickle
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,7 +69,7 @@ class TensorRecord:
     data_offset: int  # absolute byte offset of the storage payload in the file
     data_size: int  # bytes of the storage payload
     crc32: int | None  # CRC-32 of the payload as the zip header records it
-    entries: tuple[torchsave.ZipEntry, ...] = ()  # every entry, offsets absolute
+    entries: tuple[torchsave.ZipEntry, ...] = ()  # every entry, offsets relative to the record
 
     @property
     def is_contiguous(self) -> bool:
@@ -82,20 +84,22 @@ class TensorRecord:
 # .metadata: an allow-list unpickler onto inert stand-ins
 
 
-_METADATA_CLASSES = {
-    name: torchsave.stub_class(name)
-    for name in (
+# TensorProperties pickles a tuple state (its own __getstate__): it needs a Stub's
+# __setstate__. Every other class pickles a dict and is built by the C unpickler alone.
+_METADATA_CLASSES: dict[str, type[torchsave.Stub] | type[torchsave.PlainStub]] = {
+    "TensorProperties": torchsave.stub_class("TensorProperties"),
+    **{name: torchsave.plain_stub_class(name) for name in (
         "Metadata",
         "TensorStorageMetadata",
         "BytesStorageMetadata",
         "ChunkStorageMetadata",
-        "TensorProperties",
         "StorageMeta",
         "MetadataIndex",
         "_StorageInfo",
         "_StoragePrefix",
-    )
+    )},
 }
+_STUBS = (torchsave.Stub, torchsave.PlainStub)
 
 def _path(*parts: Any) -> str:
     return "/".join(str(p) for p in parts)
@@ -109,7 +113,8 @@ def _metadata_global(module: str, name: str) -> Any | None:
         if name == "_MEM_FORMAT_ENCODING":
             return int
     if module == "torch":
-        return torchsave.torch_attr(name)
+        # torch.Size((r, c)) is then the tuple itself (REDUCE in C); checked by ints().
+        return tuple if name == "Size" else torchsave.torch_attr(name)
     if module == "torch.serialization" and name == "_get_layout":
         return str
     if module == "pathlib" and name in (
@@ -180,7 +185,7 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     if not md_path.is_file():
         raise InputError(f"{root}: not a DCP checkpoint directory (no {METADATA_FILE} file)")
     md = read_metadata_object(md_path)
-    if type(md).__name__ != "Metadata" or not isinstance(md, torchsave.Stub):
+    if type(md).__name__ != "Metadata" or not isinstance(md, torchsave.PlainStub):
         raise InputError(f"{md_path}: does not hold DCP Metadata (found {type(md).__name__})")
     try:
         return _convert(root, md_path, md)
@@ -189,7 +194,7 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
                          "again from the source") from None
 
 
-def _convert(root: Path, md_path: Path, md: torchsave.Stub) -> CheckpointInfo:
+def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> CheckpointInfo:
     sd_meta = md.field("state_dict_metadata")
     storage_data = md.field("storage_data")
     planner_data = md.field("planner_data") or {}
@@ -204,8 +209,10 @@ def _convert(root: Path, md_path: Path, md: torchsave.Stub) -> CheckpointInfo:
         planner_data = {}
 
     storage: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
+    safe: dict[str, str] = {}  # storage path -> checked (a few files, a million entries)
+    where = str(md_path)
     for index, info in storage_data.items():
-        if type(info).__name__ != "_StorageInfo" or not isinstance(index, torchsave.Stub):
+        if type(info).__name__ != "_StorageInfo" or not isinstance(index, _STUBS):
             raise UnsupportedError(
                 f"{md_path}: storage entries of type '{type(info).__name__}' are not supported "
                 "(this reads checkpoints written by torch.distributed.checkpoint.FileSystemWriter)"
@@ -216,9 +223,10 @@ def _convert(root: Path, md_path: Path, md: torchsave.Stub) -> CheckpointInfo:
                 f"{md_path}: entry '{index.field('fqn')}' is stored with transforms "
                 f"{list(descriptors)}; only untransformed records are supported"
             )
-        rel = _safe_relative(md_path, str(info.field("relative_path")))
+        raw_rel = str(info.field("relative_path"))
+        rel = safe.get(raw_rel) or safe.setdefault(raw_rel, _safe_relative(md_path, raw_rel))
         offset = index.field("offset")
-        key = (str(index.field("fqn")), None if offset is None else torchsave.size(offset))
+        key = (str(index.field("fqn")), None if offset is None else torchsave.ints(offset, where))
         begin, length = int(info.field("offset")), int(info.field("length"))
         if begin < 0 or length < 0:
             raise InputError(f"{md_path}: entry '{key[0]}' has a negative byte range "
@@ -234,12 +242,12 @@ def _convert(root: Path, md_path: Path, md: torchsave.Stub) -> CheckpointInfo:
         if kind == "TensorStorageMetadata":
             tensors.append(_tensor_entry(md_path, fqn, path, entry, storage))
         elif kind == "BytesStorageMetadata":
-            where = storage.get((fqn, None))
-            if where is None:
+            stored = storage.get((fqn, None))
+            if stored is None:
                 raise InputError(
                     f"{md_path}: entry '{fqn}' has no storage record; the checkpoint is incomplete"
                 )
-            objects.append(ObjectEntry(fqn, path, *where))
+            objects.append(ObjectEntry(fqn, path, *stored))
         else:
             raise UnsupportedError(f"{md_path}: entry '{fqn}' has unknown kind '{kind}'")
 
@@ -259,7 +267,7 @@ def _tensor_entry(
     md_path: Path,
     fqn: str,
     path: tuple[str, ...],
-    entry: torchsave.Stub,
+    entry: torchsave.PlainStub,
     storage: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]],
 ) -> Tensor:
     props = entry.field("properties")
@@ -274,11 +282,15 @@ def _tensor_entry(
         )
     if not isinstance(dtype, DType):
         raise InputError(f"{md_path}: tensor '{fqn}' has no readable dtype; corrupt .metadata")
-    shape = torchsave.size(entry.field("size") or ())
+    here = str(md_path)
+    shape = torchsave.ints(entry.field("size") or (), here)
     chunks = []
     for c in entry.field("chunks") or ():
-        offsets = torchsave.size(c.field("offsets"))
-        sizes = torchsave.size(c.field("sizes"))
+        if not isinstance(c, torchsave.PlainStub):
+            raise InputError(f"{md_path}: tensor '{fqn}' has a chunk of type "
+                             f"{type(c).__name__}; corrupt .metadata")
+        offsets = torchsave.ints(c.field("offsets"), here)
+        sizes = torchsave.ints(c.field("sizes"), here)
         where = storage.get((fqn, offsets))
         if where is None:
             raise InputError(
@@ -349,8 +361,7 @@ def read_record(fd: int | Callable[[int, int], bytes], *, offset: int, length: i
         data_offset=offset + data.data_offset,
         data_size=data.size,
         crc32=data.crc32,
-        entries=tuple(torchsave.ZipEntry(e.name, offset + e.data_offset, e.size, e.crc32)
-                      for e in entries.values()),
+        entries=tuple(entries.values()),
     )
 
 
@@ -394,7 +405,7 @@ def record_entries(fd: int | Callable[[int, int], bytes], *, offset: int, length
     """Every entry of the record at ``offset`` (data.pkl, the storage, byteorder...), with
     absolute offsets and the CRC-32 the zip headers record."""
     rb = torchsave.RecordBytes(fd, offset, length, where)
-    return tuple(torchsave.ZipEntry(e.name, offset + e.data_offset, e.size, e.crc32)
+    return tuple(dataclasses.replace(e, data_offset=offset + e.data_offset)
                  for e in torchsave.zip_entries(rb).values())
 
 
@@ -402,15 +413,100 @@ def record_entries(fd: int | Callable[[int, int], bytes], *, offset: int, length
 # Reading data
 
 
+# Records up to this size are read whole to match a template (one read instead of two).
+_SMALL_RECORD = 1 << 16
+
+
+class _Template:
+    """A decoded record, as a pattern for records of the same length, dtype and shape.
+
+    torch's writer gives every chunk of one dtype and shape the same record but for the
+    CRC-32 fields and the contents of the storage (and version) entries: headers, entry names,
+    sizes and offsets, ``data.pkl`` and ``byteorder`` are the same bytes. A record whose bytes
+    equal the template's everywhere else decodes, by the same code, to the same layout, so it
+    is located without parsing its zip directory and unpickling its ``data.pkl`` again (the
+    per-chunk cost that dominates checkpoints of many small chunks). The comparison and the
+    CRC fields are one C-level call each.
+    """
+
+    def __init__(self, rec: TensorRecord, raw: bytes, length: int, data: torchsave.ZipEntry
+                 ) -> None:
+        self.rec = rec  # offsets relative to the record
+        self.head = data.data_offset  # bytes read before the storage's data...
+        self.data_end = data.data_offset + data.size  # ...and after it, to the record's end
+        gap = data.size
+
+        def in_raw(at: int) -> int:  # ``raw`` is [0, head) + [data_end, length)
+            return at if at < self.head else at - gap
+
+        masks = [(at, 4) for e in rec.entries for at in e.crc_fields]
+        masks += [e.descriptor for e in rec.entries if e.descriptor[1]]
+        masks += [(e.data_offset, e.size) for e in rec.entries
+                  if e.name not in ("data.pkl", "byteorder")]
+        segments = []
+        pos = 0
+        for start, size in sorted(masks):
+            if start > pos:
+                segments.append(slice(in_raw(pos), in_raw(start)))
+            pos = max(pos, start + size)
+        if pos < length:
+            segments.append(slice(in_raw(pos), in_raw(length)))
+        self._compared = operator.itemgetter(*segments) if segments else (lambda raw: ())
+        self._expected = self._compared(raw)
+        self._size = len(raw)
+        # Every entry's CRC-32 as the central directory records it, in one unpack: the
+        # storage's first, then the others (what verify checks besides the elements).
+        self.side = tuple(e for e in rec.entries if e is not data)
+        fields = [in_raw(e.crc_fields[0]) for e in (data, *self.side)]
+        order = sorted(range(len(fields)), key=fields.__getitem__)
+        fmt, pos = "<", 0
+        for i in order:
+            fmt += f"{fields[i] - pos}xI"
+            pos = fields[i] + 4
+        self._crcs = struct.Struct(fmt)
+        self._order = order
+
+    def crcs(self, raw: bytes) -> list[int]:
+        """The CRC-32 of the storage entry, then of each ``side`` entry."""
+        values = self._crcs.unpack_from(raw)
+        out = [0] * len(values)
+        for value, i in zip(values, self._order, strict=True):
+            out[i] = value
+        return out
+
+    def matches(self, raw: bytes) -> bool:
+        return len(raw) == self._size and self._compared(raw) == self._expected
+
+
 class DcpReader(Reader):
     """Chunks are ``torch.save`` records; objects are pickled records."""
+
+    def __init__(self, info: CheckpointInfo) -> None:
+        super().__init__(info)
+        self._templates: dict[tuple[int, str, tuple[int, ...]], _Template | None] = {}
 
     def _pread(self, file: str) -> Callable[[int, int], bytes]:
         return functools.partial(self.store.pread, file)
 
-    def _decode(self, tensor: Tensor, chunk: Chunk) -> Payload:
+    def _outside_data(self, chunk: Chunk, head: int, data_end: int) -> bytes:
+        """The record's bytes before and after its storage's data, in one read when small."""
+        if chunk.length <= _SMALL_RECORD:
+            whole = self.store.pread(chunk.file, chunk.length, chunk.offset)
+            return whole[:head] + whole[data_end:] if len(whole) == chunk.length else b""
+        return (self.store.pread(chunk.file, head, chunk.offset)
+                + self.store.pread(chunk.file, chunk.length - data_end, chunk.offset + data_end))
+
+    def _decode(self, tensor: Tensor, chunk: Chunk, checksums: bool = False) -> Payload:
         if chunk.encoding != RECORD:
-            return super()._decode(tensor, chunk)
+            return super()._decode(tensor, chunk, checksums)
+        key = (chunk.length, tensor.dtype.name, chunk.sizes)
+        template = self._templates.get(key)
+        if template is not None:
+            raw = self._outside_data(chunk, template.head, template.data_end)
+            if template.matches(raw):
+                crcs = template.crcs(raw)
+                return _payload(chunk, template.rec, crcs[0],
+                                zip(template.side, crcs[1:], strict=True) if checksums else ())
         where = self.where(chunk.file, chunk.offset, f"tensor '{tensor.name}'")
         rec = read_record(self._pread(chunk.file), offset=chunk.offset, length=chunk.length,
                           where=where)
@@ -423,14 +519,14 @@ class DcpReader(Reader):
                                      contiguous=rec.is_contiguous) * rec.dtype.itemsize
         if _prod(rec.shape) and need > rec.data_size:
             raise InputError(f"{where}: record's storage is smaller than its tensor; corrupt")
-        item = rec.dtype.itemsize
-        side = tuple(Checksummed(chunk.file, e.data_offset, e.size, e.crc32,
-                                 f"record entry '{e.name}'")
-                     for e in rec.entries if e.data_offset != rec.data_offset)
-        return Payload(
-            chunk.file, rec.data_offset, rec.data_size, rec.crc32,
-            rec.data_offset + rec.storage_offset * item if rec.is_contiguous else None,
-            stride=rec.stride, view_offset=rec.storage_offset, side=side)
+        relative = dataclasses.replace(rec, data_offset=rec.data_offset - chunk.offset)
+        data = next(e for e in rec.entries if e.data_offset == relative.data_offset)
+        if key not in self._templates:
+            self._templates[key] = (_Template(relative, self._outside_data(
+                chunk, data.data_offset, data.data_offset + data.size), chunk.length, data)
+                if data.crc_fields else None)
+        return _payload(chunk, relative, rec.crc32,
+                        ((e, e.crc32) for e in rec.entries if e is not data) if checksums else ())
 
     def other_checksums(self) -> tuple[list[Checksummed], list[Problem]]:
         """The entries of every non-tensor record (their pickles) whose file holds them."""
@@ -463,6 +559,19 @@ class DcpReader(Reader):
             return None
         return self.store.read_exact(entry.file, entry.offset, entry.length,
                                      what=f"entry '{entry.name}'")
+
+
+def _payload(chunk: Chunk, rec: TensorRecord, crc: int | None,
+             side: Iterable[tuple[torchsave.ZipEntry, int]]) -> Payload:
+    """Where a chunk's elements are, from its record (``rec``: offsets relative to it)."""
+    at = chunk.offset + rec.data_offset
+    item = rec.dtype.itemsize
+    return Payload(
+        chunk.file, at, rec.data_size, crc,
+        at + rec.storage_offset * item if rec.is_contiguous else None,
+        stride=rec.stride, view_offset=rec.storage_offset,
+        side=tuple(Checksummed(chunk.file, chunk.offset + e.data_offset, e.size, value,
+                               f"record entry '{e.name}'") for e, value in side))
 
 
 def open_reader(info: CheckpointInfo) -> DcpReader:

@@ -192,9 +192,9 @@ class ArchiveReader(Reader):
     """Strided views are gathered from their storage; CRCs not covered by a tensor's own
     bytes (the pickle, shared or partly viewed storages) are listed for ``verify``."""
 
-    def _decode(self, tensor: Tensor, chunk: Chunk) -> Payload:
+    def _decode(self, tensor: Tensor, chunk: Chunk, checksums: bool = False) -> Payload:
         if chunk.encoding != VIEW:
-            return super()._decode(tensor, chunk)
+            return super()._decode(tensor, chunk, checksums)
         archives: Archives = self.info.detail
         v = archives.views[tensor.name]
         crc = next(e.crc32 for e in archives.entries[chunk.file] if e.data_offset == v.data_offset)

@@ -14,6 +14,7 @@ ever runs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import os
@@ -130,6 +131,11 @@ class ZipEntry:
     data_offset: int  # relative to the archive start
     size: int
     crc32: int  # as the zip headers record it
+    # Where the headers store this entry's CRC-32 (central directory first) and the data
+    # descriptor after its data, relative to the archive start: what differs between two
+    # records of one layout, besides entry contents (see dcp's record templates).
+    crc_fields: tuple[int, ...] = ()
+    descriptor: tuple[int, int] = (0, 0)  # (offset, length); length 0 without one
 
 
 class RecordBytes:
@@ -185,6 +191,32 @@ class Stub:
 def stub_class(name: str) -> type[Stub]:
     """A distinct :class:`Stub` subclass named like the class it stands for."""
     return type(name, (Stub,), {})
+
+
+class PlainStub:
+    """Stand-in for a dataclass whose pickled state is a dict (DCP's metadata classes but
+    ``TensorProperties``). Without ``__init__`` or ``__setstate__``, NEWOBJ and BUILD run in
+    the C unpickler alone: no Python frame per object, which is what a ``.metadata`` of
+    millions of chunks costs. A state that is not a dict fails to unpickle (corrupt)."""
+
+    def field(self, name: str, default: Any = None) -> Any:
+        return self.__dict__.get(name, default)
+
+
+def plain_stub_class(name: str) -> type[PlainStub]:
+    """A distinct :class:`PlainStub` subclass named like the class it stands for."""
+    return type(name, (PlainStub,), {})
+
+
+def ints(value: Any, where: str) -> tuple[int, ...]:
+    """``value`` (an unpickled ``torch.Size``) as a tuple of non-negative ints.
+
+    Raises:
+        InputError: it is anything else.
+    """
+    if type(value) is tuple and all(type(v) is int and v >= 0 for v in value):
+        return value
+    raise InputError(f"{where}: holds {value!r} where a size or offset belongs; corrupt")
 
 
 def _is_tensor_ref(value: Any) -> bool:
@@ -264,6 +296,7 @@ def zip_entries(rb: RecordBytes) -> dict[str, ZipEntry]:
         if sig != b"PK\x01\x02":
             raise InputError(f"{where}: corrupt zip directory in torch.save record")
         name = cd[p + _CENTRAL.size : p + _CENTRAL.size + nlen].decode("utf-8", "replace")
+        central_crc = cd_offset + p + 16
         extra = cd[p + _CENTRAL.size + nlen : p + _CENTRAL.size + nlen + elen]
         usize, csize, local = _zip64_extra(extra, usize, csize, local)
         p += _CENTRAL.size + nlen + elen + clen
@@ -280,7 +313,7 @@ def zip_entries(rb: RecordBytes) -> dict[str, ZipEntry]:
         if data_offset + usize > rb.length or csize != usize:
             raise InputError(f"{where}: zip entry '{name}' reaches past the end of its "
                              "torch.save record; corrupt")
-        entries[short] = ZipEntry(short, data_offset, usize, crc)
+        entries[short] = ZipEntry(short, data_offset, usize, crc, (central_crc, local + 14))
         spans.append((local, data_offset + usize, name, bool(flags & 0x08)))
     # torch.save writes entries back to back (header, data, data descriptor when flag bit 3 is
     # set), then the directory: a header that moves an entry's data (a flipped length byte)
@@ -291,6 +324,9 @@ def zip_entries(rb: RecordBytes) -> dict[str, ZipEntry]:
         if nxt - end not in (_DESCRIPTOR_SIZES if descriptor else (0,)):
             raise InputError(f"{where}: zip entry '{name}' does not end where the next entry "
                              "of its torch.save record begins; corrupt")
+        if descriptor:
+            short = name.split("/", 1)[1] if "/" in name else name
+            entries[short] = dataclasses.replace(entries[short], descriptor=(end, nxt - end))
     return entries
 
 
