@@ -128,8 +128,9 @@ def execute(
 ) -> None:
     """Write every planned file under its temporary name.
 
-    Each chunk of each tensor is an independent job (it lands at a known offset), so workers
-    balance by bytes: largest chunks first.
+    Each chunk of each tensor lands at a known offset, so chunks are independent jobs that
+    workers balance by bytes, largest first; small chunks go in batches (a thread-pool task
+    per kilobyte-sized chunk would cost more than copying it).
     """
     lock = threading.Lock()
 
@@ -138,14 +139,16 @@ def execute(
             with lock:
                 progress(n)
 
-    jobs: list[tuple[int, OutTensor, Chunk]] = []
+    jobs: list[_Job] = []
+    casts = False
     for f in plan.files:
         fd = outputs.create(f.name, f.size)
         pwrite_all(fd, f.layout.header, 0)
-        jobs.extend((fd, t, c) for t in f.tensors for c in t.source.chunks if c.numel)
+        jobs += _jobs(fd, f.tensors)
+        casts = casts or any(t.cast for t in f.tensors)
     reader.open_files()  # before threads share the reader
-    jobs.sort(key=lambda j: -j[2].numel * j[1].source.dtype.itemsize)
-    if not any(t.cast for _, t, _ in jobs):
+    jobs.sort(key=lambda j: -j.nbytes)
+    if not casts:
         _run_jobs(jobs, reader, workers, report)  # no torch at all
         return
     # Loaded once here, before the workers (who would queue on the import), with one intra-op
@@ -154,18 +157,64 @@ def execute(
         _run_jobs(jobs, reader, workers, report)
 
 
-def _run_jobs(jobs: list[tuple[int, OutTensor, Chunk]], reader: Reader, workers: int,
-              report: Progress) -> None:
+# A chunk below this many bytes is copied in a batch with others of its file...
+SMALL_CHUNK = 1 << 20
+# ...of at most this many chunks or bytes.
+BATCH_CHUNKS = 512
+BATCH_BYTES = 16 << 20
+
+
+@dataclass
+class _Job:
+    fd: int
+    chunks: list[tuple[OutTensor, Chunk]]
+    nbytes: int
+
+
+def _jobs(fd: int, tensors: tuple[OutTensor, ...]) -> list[_Job]:
+    """A job per large chunk, and batches of small ones, for one output file."""
+    jobs = []
+    batch = _Job(fd, [], 0)
+    for t in tensors:
+        item = t.source.dtype.itemsize
+        for c in t.source.chunks:
+            n = c.numel * item
+            if not n:
+                continue
+            if n >= SMALL_CHUNK:
+                jobs.append(_Job(fd, [(t, c)], n))
+                continue
+            batch.chunks.append((t, c))
+            batch.nbytes += n
+            if len(batch.chunks) >= BATCH_CHUNKS or batch.nbytes >= BATCH_BYTES:
+                jobs.append(batch)
+                batch = _Job(fd, [], 0)
+    if batch.chunks:
+        jobs.append(batch)
+    return jobs
+
+
+def _run_jobs(jobs: list[_Job], reader: Reader, workers: int, report: Progress) -> None:
+    stop = threading.Event()
+
+    def run(job: _Job) -> None:
+        for t, c in job.chunks:
+            if stop.is_set():
+                return
+            _write_chunk(reader, job.fd, t, c, report)
+
     if workers <= 1:
-        for fd, t, c in jobs:
-            _write_chunk(reader, fd, t, c, report)
+        for job in jobs:
+            run(job)
         return
     pool = ThreadPoolExecutor(max_workers=workers)
     try:
-        for fut in [pool.submit(_write_chunk, reader, fd, t, c, report) for fd, t, c in jobs]:
+        for fut in [pool.submit(run, job) for job in jobs]:
             fut.result()
     except BaseException:
-        # Ctrl-C or a failed chunk: drop the queued jobs instead of finishing the merge first.
+        # Ctrl-C or a failed chunk: drop the queued jobs (and the rest of the running
+        # batches) instead of finishing the merge first.
+        stop.set()
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)

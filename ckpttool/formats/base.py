@@ -84,7 +84,7 @@ def info(code: str, message: str, **where: Any) -> Problem:
 # The model
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """One stored piece of a tensor: where it sits in the tensor and where its bytes are."""
 
@@ -108,7 +108,7 @@ class Chunk:
         return self.offset + self.length
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Tensor:
     """A tensor as the checkpoint's metadata describes it."""
 
@@ -131,7 +131,7 @@ class Tensor:
         return tuple(sorted({c.file for c in self.chunks}))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ObjectEntry:
     """A non-tensor entry (step counter, param groups, config value...). Stored as a record at
     ``file``/``offset`` (read on demand), or already read with the metadata (``file`` None)."""
@@ -143,7 +143,7 @@ class ObjectEntry:
     length: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DataFile:
     name: str  # relative to the checkpoint's base directory
     size: int | None  # None: missing
@@ -200,7 +200,7 @@ class CheckpointInfo:
 # Reading bytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Checksummed:
     """Bytes whose CRC-32 the format records: what ``verify`` recomputes."""
 
@@ -211,7 +211,7 @@ class Checksummed:
     what: str  # "record entry 'data.pkl'", "storage data/3"...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Payload:
     """Where a chunk's elements are, once its encoding is decoded."""
 
