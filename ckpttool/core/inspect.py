@@ -145,6 +145,9 @@ class Stats:
     """
 
     _SUB = 4 << 20  # elements converted at once for float8 (to float32)
+    # Blocks smaller than this are gathered first: a reduction per kilobyte-sized chunk costs
+    # far more than the bytes it looks at.
+    _GATHER = 1 << 20
 
     def __init__(self, dtype: DType, *, full: bool) -> None:
         import torch  # values need torch; everything else in inspect and verify does not
@@ -155,12 +158,28 @@ class Stats:
         self.supported = dtype.kind in ("float", "float8", "int", "bool") and dtype.name != "U64"
         self._torch_dtype = getattr(torch, dtype.torch_name) if self.supported else None
         self.stats = TensorStats()
+        self._pending = bytearray()
         self._sum = 0.0
         self._finite = 0
 
     def update(self, data: bytearray | memoryview) -> None:
         if not self.supported or not len(data):
             return
+        if len(data) < self._GATHER:
+            self._pending += data
+            if len(self._pending) < self._GATHER:
+                return
+            data, self._pending = self._pending, bytearray()
+        elif self._pending:
+            self._flush()
+        self._reduce(data)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, bytearray()
+        if pending:
+            self._reduce(pending)
+
+    def _reduce(self, data: bytearray | memoryview) -> None:
         torch = self._torch
         t = torch.frombuffer(data, dtype=self._torch_dtype)
         if self.dtype.kind == "float8":
@@ -199,6 +218,7 @@ class Stats:
             self._finite += t.numel()
 
     def result(self) -> TensorStats:
+        self._flush()
         s = self.stats
         if self.full and self._finite:
             s.mean = self._sum / self._finite

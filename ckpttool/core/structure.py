@@ -16,19 +16,29 @@ from ckpttool.formats.base import CheckpointInfo, Chunk, Problem, error, warning
 from ckpttool.formats.store import missing_message
 
 
-def check(info: CheckpointInfo, canonical: Mapping[str, str]) -> list[Problem]:
-    """Every structure problem of ``info``; ``canonical`` maps stored to canonical names."""
+def check(info: CheckpointInfo, canonical: Mapping[str, str],
+          damaged: set[str] | None = None) -> list[Problem]:
+    """Every structure problem of ``info``; ``canonical`` maps stored to canonical names.
+
+    Args:
+        damaged: filled with the stored names of tensors whose bytes these problems make
+            unreadable (missing or short files, bad tiling): the content pass skips them
+            instead of reporting the same damage again.
+    """
     problems = list(info.problems)
     sizes = {f.name: f.size for f in info.files}
+    bad_files: set[str] = set()  # missing, or shorter than what the metadata places in them
     for file, ends in sorted(info.extents().items()):
         size = sizes.get(file)
         path = info.base / file
         if size is None:
+            bad_files.add(file)
             problems.append(error("missing-file", missing_message(
                 path, info.metadata_name, f"{len(ends)} entries, e.g. {ends[0][1]}"), file=file))
             continue
         beyond = [e for e in ends if e[0] > size]
         if beyond:
+            bad_files.add(file)
             end, what = max(beyond)
             problems.append(error(
                 "truncated-file", f"{path}: truncated: {info.metadata_name} places {what} up to "
@@ -46,22 +56,10 @@ def check(info: CheckpointInfo, canonical: Mapping[str, str]) -> list[Problem]:
             problems.append(error(_coverage_code(reason),
                                   f"{info.root}: tensor '{name}': {reason}; the checkpoint is "
                                   "incomplete or corrupt", tensor=name))
+        if damaged is not None and (reason is not None or (bad_files and any(
+                c.file in bad_files and c.end > (sizes.get(c.file) or 0) for c in t.chunks))):
+            damaged.add(t.name)
     return problems
-
-
-def damaged(info: CheckpointInfo) -> set[str]:
-    """Stored names of tensors whose bytes the structure checks already found missing: the
-    content pass skips them instead of reporting the same damage again."""
-    sizes = {f.name: f.size for f in info.files}
-    bad = set()
-    for t in info.tensors:
-        for c in t.chunks:
-            size = sizes.get(c.file)
-            if size is None or c.end > size:
-                bad.add(t.name)
-        if _coverage(t.shape, t.chunks) is not None:
-            bad.add(t.name)
-    return bad
 
 
 def raise_first(problems: list[Problem]) -> None:

@@ -153,10 +153,13 @@ def verify(
                      for t in c.tensors))
     pair = ties.find_pair(ckpt.by_name()) if ckpt.kind == "model" else None
     want_digest = set(pair or ()) | ({t.name for t in ckpt.tensors} if manifest_path else set())
-    problems = _structure(ckpt)
+    damaged: set[str] = set()
+    damaged_b: set[str] = set()
+    problems = _structure(ckpt, damaged)
     if other is not None:
-        problems += _structure(other)
-    done = scan.data_pass(ckpt, other, plan, want_digest, workers, read)
+        problems += _structure(other, damaged_b)
+    done = scan.data_pass(ckpt, other, plan, want_digest, workers, read, skip=damaged,
+                          skip_b=damaged_b)
     problems += done.problems
     digests = done.digests
     same = None
@@ -168,8 +171,10 @@ def verify(
         problems += [*plan.problems, *done.tied]
     bytes_read = done.bytes_read
     for name, part in parts:  # the rest of a training checkpoint must be whole too
-        part_pass = scan.data_pass(part, None, None, set(), workers, read)
-        for p in _structure(part) + part_pass.problems:
+        part_damaged: set[str] = set()
+        part_problems = _structure(part, part_damaged)
+        part_pass = scan.data_pass(part, None, None, set(), workers, read, skip=part_damaged)
+        for p in part_problems + part_pass.problems:
             file = p.location.file
             problems.append(replace(p, location=replace(
                 p.location, file=None if file is None else f"{name}/{file}")))
@@ -194,9 +199,9 @@ def verify(
     return report
 
 
-def _structure(ckpt: Checkpoint) -> list[Problem]:
+def _structure(ckpt: Checkpoint, damaged: set[str]) -> list[Problem]:
     assert ckpt.info is not None
-    return structure.check(ckpt.info, ckpt.canonical())
+    return structure.check(ckpt.info, ckpt.canonical(), damaged)
 
 
 def _other_parts(ckpt: Checkpoint) -> list[tuple[str, Checkpoint]]:

@@ -209,6 +209,7 @@ class Checksummed:
     size: int
     crc32: int
     what: str  # "record entry 'data.pkl'", "storage data/3"...
+    data: bytes | None = None  # the bytes themselves, when decoding already read them
 
 
 @dataclass(frozen=True, slots=True)

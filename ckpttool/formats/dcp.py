@@ -455,8 +455,11 @@ class _Template:
         self._expected = self._compared(raw)
         self._size = len(raw)
         # Every entry's CRC-32 as the central directory records it, in one unpack: the
-        # storage's first, then the others (what verify checks besides the elements).
+        # storage's first, then the others (what verify checks besides the elements), whose
+        # bytes are in ``raw`` already.
         self.side = tuple(e for e in rec.entries if e is not data)
+        self.side_slices = tuple(slice(in_raw(e.data_offset), in_raw(e.data_offset) + e.size)
+                                 for e in self.side)
         fields = [in_raw(e.crc_fields[0]) for e in (data, *self.side)]
         order = sorted(range(len(fields)), key=fields.__getitem__)
         fmt, pos = "<", 0
@@ -481,9 +484,10 @@ class _Template:
 class DcpReader(Reader):
     """Chunks are ``torch.save`` records; objects are pickled records."""
 
-    def __init__(self, info: CheckpointInfo) -> None:
+    def __init__(self, info: CheckpointInfo, *, templates: bool = True) -> None:
         super().__init__(info)
         self._templates: dict[tuple[int, str, tuple[int, ...]], _Template | None] = {}
+        self._use_templates = templates  # False: decode every record in full (tests compare)
 
     def _pread(self, file: str) -> Callable[[int, int], bytes]:
         return functools.partial(self.store.pread, file)
@@ -500,13 +504,15 @@ class DcpReader(Reader):
         if chunk.encoding != RECORD:
             return super()._decode(tensor, chunk, checksums)
         key = (chunk.length, tensor.dtype.name, chunk.sizes)
-        template = self._templates.get(key)
+        template = self._templates.get(key) if self._use_templates else None
         if template is not None:
             raw = self._outside_data(chunk, template.head, template.data_end)
             if template.matches(raw):
                 crcs = template.crcs(raw)
                 return _payload(chunk, template.rec, crcs[0],
-                                zip(template.side, crcs[1:], strict=True) if checksums else ())
+                                zip(template.side, crcs[1:],
+                                    (raw[s] for s in template.side_slices), strict=True)
+                                if checksums else ())
         where = self.where(chunk.file, chunk.offset, f"tensor '{tensor.name}'")
         rec = read_record(self._pread(chunk.file), offset=chunk.offset, length=chunk.length,
                           where=where)
@@ -521,12 +527,13 @@ class DcpReader(Reader):
             raise InputError(f"{where}: record's storage is smaller than its tensor; corrupt")
         relative = dataclasses.replace(rec, data_offset=rec.data_offset - chunk.offset)
         data = next(e for e in rec.entries if e.data_offset == relative.data_offset)
-        if key not in self._templates:
+        if self._use_templates and key not in self._templates:
             self._templates[key] = (_Template(relative, self._outside_data(
                 chunk, data.data_offset, data.data_offset + data.size), chunk.length, data)
                 if data.crc_fields else None)
         return _payload(chunk, relative, rec.crc32,
-                        ((e, e.crc32) for e in rec.entries if e is not data) if checksums else ())
+                        ((e, e.crc32, None) for e in rec.entries if e is not data)
+                        if checksums else ())
 
     def other_checksums(self) -> tuple[list[Checksummed], list[Problem]]:
         """The entries of every non-tensor record (their pickles) whose file holds them."""
@@ -562,7 +569,7 @@ class DcpReader(Reader):
 
 
 def _payload(chunk: Chunk, rec: TensorRecord, crc: int | None,
-             side: Iterable[tuple[torchsave.ZipEntry, int]]) -> Payload:
+             side: Iterable[tuple[torchsave.ZipEntry, int, bytes | None]]) -> Payload:
     """Where a chunk's elements are, from its record (``rec``: offsets relative to it)."""
     at = chunk.offset + rec.data_offset
     item = rec.dtype.itemsize
@@ -571,7 +578,7 @@ def _payload(chunk: Chunk, rec: TensorRecord, crc: int | None,
         at + rec.storage_offset * item if rec.is_contiguous else None,
         stride=rec.stride, view_offset=rec.storage_offset,
         side=tuple(Checksummed(chunk.file, chunk.offset + e.data_offset, e.size, value,
-                               f"record entry '{e.name}'") for e, value in side))
+                               f"record entry '{e.name}'", data) for e, value, data in side))
 
 
 def open_reader(info: CheckpointInfo) -> DcpReader:

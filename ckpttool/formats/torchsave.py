@@ -349,10 +349,14 @@ def _zip64_extra(extra: bytes, usize: int, csize: int, local: int) -> tuple[int,
 
 
 def check_byteorder(rb: RecordBytes, entries: dict[str, ZipEntry]) -> None:
-    """Raises UnsupportedError for a big-endian archive."""
+    """Raises UnsupportedError for a big-endian archive, InputError for a damaged entry."""
     order = entries.get("byteorder")
-    if order is not None and rb.read(order.data_offset, order.size) != b"little":
+    value = rb.read(order.data_offset, order.size) if order is not None else b"little"
+    if value == b"big":
         raise UnsupportedError(f"{rb.where}: big-endian torch.save record; not supported")
+    if value != b"little":
+        raise InputError(f"{rb.where}: byteorder entry holds {value[:16]!r}, neither little nor "
+                         "big; corrupt")
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,203 @@
+"""Cost per byte, not per chunk: ckpttool on mixture-of-experts-shaped DCP checkpoints of 10k,
+100k and 1M chunks, beside ``cp -r``, ``cat`` and torch's ``dcp_to_torch_save``.
+
+    .venv/bin/python benchmarks/scale.py [--levels 10k,100k,1M] [--torch-max 100k]
+
+1. Generates (once; cached in the work directory) each checkpoint with
+   ``benchmarks/moe_checkpoint.py``: ``layers x experts x 3`` expert projections of [64, 32]
+   bf16 plus norms, routers and an embedding, every tensor split in 64 row chunks as FSDP2 on
+   64 ranks splits it, written by torch's own ``FileSystemWriter`` over 64 ``.distcp`` files.
+2. Runs each command in a fresh process with the checkpoint in the page cache: wall time and
+   peak RSS (``ru_maxrss``), best of ``--repeat``.
+3. Checks that ``merge --dtype keep`` wrote every tensor bit for bit as the generator made it.
+4. Prints the issue's tables: each command against its target (a multiple of ``cp -r`` of the
+   same directory, a peak RSS), time per chunk from level to level, memory per chunk, and
+   ckpttool against ``dcp_to_torch_save``; writes them to ``--results-md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _measure as M  # noqa: E402
+
+# (layers, experts) per level; every tensor is split in (up to) 64 row chunks.
+LEVELS = {"10k": (1, 51), "100k": (10, 51), "1M": (40, 128)}
+RANKS = 64
+TARGETS = {  # command: (max wall / cp -r, max peak RSS MB)
+    "merge": (10.0, 512), "inspect": (3.0, 512), "verify": (12.0, 768)}
+TORCH_CODE = (
+    "import sys, warnings; warnings.simplefilter('ignore')\n"
+    "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
+    "dcp_to_torch_save(sys.argv[1], sys.argv[2])"
+)
+
+
+def ensure(workdir: Path, level: str) -> tuple[Path, dict[str, int]]:
+    layers, experts = LEVELS[level]
+    out = workdir / f"moe-{level}"
+    counts_file = workdir / f"moe-{level}.json"
+    if (out / ".metadata").exists() and counts_file.exists():
+        return out, json.loads(counts_file.read_text())
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"[gen] {level}: {layers} layers x {experts} experts -> {out}", flush=True)
+    t0 = time.perf_counter()
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import moe_checkpoint as m\n"
+            "c = m.write(__import__('pathlib').Path(sys.argv[2]), layers=int(sys.argv[3]), "
+            "experts=int(sys.argv[4]), ranks=int(sys.argv[5]), files=64)\n"
+            "print(json.dumps(c))")
+    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(out),
+                           str(layers), str(experts), str(RANKS)], check=True,
+                          capture_output=True, text=True)
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    counts_file.write_text(json.dumps(counts))
+    print(f"[gen] {level}: {counts} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return out, counts
+
+
+def check_merge(out: Path, level: str) -> str:
+    """The merged output against the generator's tensors, bit for bit."""
+    import moe_checkpoint
+    import torch
+    from safetensors import safe_open
+
+    want = moe_checkpoint.moe_state(*LEVELS[level])
+    files = sorted(out.glob("*.safetensors"))
+    got = 0
+    for f in files:
+        with safe_open(str(f), "pt") as sf:
+            for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
+                t = sf.get_tensor(name)
+                ref = want.pop(name)
+                if t.dtype != ref.dtype or not torch.equal(t.view(torch.uint8),
+                                                           ref.view(torch.uint8)):
+                    return f"MISMATCH in {name}"
+                got += 1
+    return f"bit-exact ({got} tensors)" if not want else f"MISSING {len(want)} tensors"
+
+
+def measure(level: str, ckpt: Path, counts: dict[str, int], args: argparse.Namespace
+            ) -> dict:
+    scratch = args.workdir / "out"
+    scratch.mkdir(parents=True, exist_ok=True)
+    exe = str(Path(sys.executable).parent / "ckpttool")
+    files = [str(p) for p in M.files_under(ckpt)]
+    cmds = {
+        "cp": (["cp", "-r", str(ckpt), str(scratch / "cp")], scratch / "cp", False),
+        "cat": (["cat", *files], None, True),
+        "merge": ([exe, "merge", str(ckpt), str(scratch / "merged"), "--dtype", "keep", "-q"],
+                  scratch / "merged", False),
+        "inspect": ([exe, "inspect", str(ckpt), "--json"], None, True),
+        "verify": ([exe, "verify", str(ckpt), "-q"], None, True),
+    }
+    if counts["chunks"] <= args.torch_max:
+        cmds["torch"] = ([sys.executable, "-c", TORCH_CODE, str(ckpt), str(scratch / "t.pt")],
+                         scratch / "t.pt", False)
+    rows: dict[str, dict] = {}
+    for name, (argv, out, discard) in cmds.items():
+        runs = []
+        for _ in range(args.repeat):
+            if out is not None:
+                shutil.rmtree(out, ignore_errors=True) if out.is_dir() else out.unlink(
+                    missing_ok=True)
+            M.sync()
+            M.warm_page_cache(ckpt)
+            print(f"[{level}] {name}...", end=" ", flush=True)
+            m = M.run_measured(argv, timeout_s=args.timeout, discard_stdout=discard)
+            print(f"{m.wall_s:.2f} s, {m.peak_rss_mb:.0f} MB" if m.ok else
+                  f"FAILED: {m.error_line()}", flush=True)
+            runs.append(m)
+        best = M.best_of(runs)
+        rows[name] = {"ok": best.ok, "wall_s": best.wall_s if best.ok else None,
+                      "rss_mb": max(r.peak_rss_mb for r in runs)}
+        if name == "merge" and best.ok:
+            rows[name]["check"] = check_merge(scratch / "merged", level)
+    for p in (scratch / "merged", scratch / "cp"):
+        shutil.rmtree(p, ignore_errors=True)
+    (scratch / "t.pt").unlink(missing_ok=True)
+    return {"level": level, **counts, "bytes_on_disk": M.dir_bytes(ckpt),
+            "metadata_bytes": (ckpt / ".metadata").stat().st_size, "rows": rows}
+
+
+def report(results: list[dict]) -> str:
+    lines = ["# Scale benchmark: MoE-shaped DCP checkpoints", ""]
+    for r in results:
+        cp = r["rows"]["cp"]["wall_s"]
+        lines.append(f"## {r['level']}: {r['tensors']:,} tensors, {r['chunks']:,} chunks, "
+                     f"{r['payload'] / 1e6:.0f} MB payload, {r['bytes_on_disk'] / 1e9:.2f} GB "
+                     f"on disk, .metadata {r['metadata_bytes'] / 1e6:.0f} MB")
+        lines.append("")
+        table = []
+        for name, row in r["rows"].items():
+            wall = row["wall_s"]
+            ratio = M.ratio(wall, cp)
+            target = TARGETS.get(name)
+            verdict = ""
+            if target and wall is not None:
+                ok = ratio is not None and ratio <= target[0] and row["rss_mb"] <= target[1]
+                verdict = (f"{'PASS' if ok else 'MISS'} (<= {target[0]:g}x, "
+                           f"<= {target[1]} MB)")
+            table.append([name, f"{wall:.2f}" if wall is not None else "failed",
+                          f"{ratio:.1f}x" if ratio is not None else "", f"{row['rss_mb']:.0f}",
+                          f"{wall / r['chunks'] * 1e6:.1f}" if wall else "", verdict,
+                          row.get("check", "")])
+        lines.append(M.markdown_table(["command", "wall s", "vs cp -r", "peak RSS MB",
+                                       "us/chunk", "target", "check"], table))
+        torch_row, merge_row = r["rows"].get("torch"), r["rows"]["merge"]
+        if torch_row and torch_row["wall_s"] and merge_row["wall_s"]:
+            lines += ["", f"torch dcp_to_torch_save / ckpttool merge: "
+                          f"{torch_row['wall_s'] / merge_row['wall_s']:.1f}x"]
+        lines.append("")
+    if len(results) > 1:
+        lines += ["## Growth", ""]
+        table = []
+        first, last = results[0], results[-1]
+        for name in ("merge", "inspect", "verify"):
+            per = [r["rows"][name]["wall_s"] / r["chunks"] * 1e6
+                   for r in results if r["rows"][name]["wall_s"]]
+            spread = max(per) / min(per) if per else None
+            mem = ((last["rows"][name]["rss_mb"] - first["rows"][name]["rss_mb"]) * 1e6
+                   / (last["chunks"] - first["chunks"]))
+            table.append([name, ", ".join(f"{p:.1f}" for p in per),
+                          f"{spread:.2f}x" if spread else "", f"{mem:.0f}",
+                          "PASS" if spread and spread <= 1.5 and mem <= 200 else "MISS"])
+        lines.append(M.markdown_table(
+            ["command", "us/chunk per level", "max/min (<= 1.5x)", "bytes/chunk (<= 200)",
+             "target"], table))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--levels", default="10k,100k,1M")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/ckpttool-scale"))
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--torch-max", type=lambda s: int(float(s.upper().replace("K", "e3")
+                                                         .replace("M", "e6"))),
+                    default=2_000_000, help="run dcp_to_torch_save up to this many chunks")
+    ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--results-md", type=Path,
+                    default=Path(__file__).resolve().parent / "SCALE.md")
+    args = ap.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for level in args.levels.split(","):
+        ckpt, counts = ensure(args.workdir, level)
+        results.append(measure(level, ckpt, counts, args))
+    text = report(results)
+    print(text)
+    (args.workdir / "results-scale.json").write_text(json.dumps(results, indent=2))
+    if str(args.results_md) != "-":
+        args.results_md.write_text(f"Command: `{' '.join(sys.argv)}`\n\n" + text)
+
+
+if __name__ == "__main__":
+    main()

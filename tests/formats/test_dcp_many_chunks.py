@@ -1,0 +1,137 @@
+"""DCP checkpoints of many small chunks (the shape of mixture-of-experts models), written by
+torch's own writer through benchmarks/moe_checkpoint.py: records decoded as templates must give
+exactly what a full decode gives, and damage in any record is still found."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpttool
+from ckpttool.formats import dcp
+from ckpttool.formats.base import Tensor
+from tests.core.test_merge import load_out
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import moe_checkpoint  # noqa: E402
+
+LAYERS, EXPERTS, RANKS = 2, 3, 8
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("moe") / "ckpt"
+    counts = moe_checkpoint.write(out, layers=LAYERS, experts=EXPERTS, ranks=RANKS, files=5)
+    assert counts["chunks"] > 150
+    return out
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(src, tmp_path / "ckpt"))
+
+
+def _late_chunk(info: object, name: str = "model.model.layers.1.mlp.experts.2.up_proj.weight"
+                ) -> tuple[Tensor, dcp.Chunk]:
+    """The last chunk of a tensor: decoded through a template built from earlier ones."""
+    t = info.tensor(name)  # type: ignore[attr-defined]
+    return t, t.chunks[-1]
+
+
+def test_merge_is_bit_exact(moe: Path, tmp_path: Path) -> None:
+    ckpttool.merge(moe, tmp_path / "out", dtype="keep")
+    got = load_out(tmp_path / "out")
+    want = moe_checkpoint.moe_state(LAYERS, EXPERTS)
+    assert set(got) == set(want)
+    for name, ref in want.items():
+        assert torch.equal(got[name].view(torch.uint8), ref.view(torch.uint8)), name
+
+
+def test_templates_decode_exactly_as_a_full_decode(moe: Path) -> None:
+    info = dcp.read_info(moe)
+    with dcp.DcpReader(info) as fast, dcp.DcpReader(info, templates=False) as full:
+        for t in info.tensors:
+            for c in t.chunks:
+                got, want = fast.payload(t, c, checksums=True), full.payload(t, c, checksums=True)
+                # A template hands over the side entries' bytes it read; a full decode does not.
+                for s in got.side:
+                    assert s.data is None or s.data == (moe / c.file).read_bytes()[
+                        s.offset : s.offset + s.size]
+                bare = tuple(dataclasses.replace(s, data=None) for s in got.side)
+                assert dataclasses.replace(got, side=bare) == want
+    assert fast._templates and not full._templates
+
+
+def _flip(path: Path, offset: int, mask: int = 0x01) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= mask
+    path.write_bytes(data)
+
+
+def test_flipped_payload_byte_in_a_templated_record(moe: Path, tmp_path: Path) -> None:
+    damaged = _copy(moe, tmp_path)
+    info = dcp.read_info(damaged)
+    t, c = _late_chunk(info)
+    with dcp.DcpReader(info, templates=False) as r:
+        p = r.payload(t, c)
+    _flip(damaged / c.file, p.storage_offset + 3)
+    report = ckpttool.verify(damaged)
+    assert [x.code for x in report.problems if x.severity == "error"] == ["crc-mismatch"]
+    assert report.problems[0].location.offset == p.storage_offset
+
+
+@pytest.mark.parametrize("entry", ["data.pkl", "version", "byteorder"])
+def test_damage_in_a_templated_record_header(entry: str, moe: Path, tmp_path: Path) -> None:
+    damaged = _copy(moe, tmp_path)
+    info = dcp.read_info(damaged)
+    t, c = _late_chunk(info)
+    with dcp.DcpReader(info, templates=False) as r:
+        side = {s.what: s for s in r.payload(t, c, checksums=True).side}
+    s = side[f"record entry '{entry}'"]
+    _flip(damaged / c.file, s.offset + s.size - 1, 0x02)
+    report = ckpttool.verify(damaged)
+    errors = [x for x in report.problems if x.severity == "error"]
+    assert errors, "damage in a record header went unnoticed"
+    assert errors[0].code in ("crc-mismatch", "record-corrupt")
+    assert any(f"'{entry}'" in x.message or x.code == "record-corrupt" for x in errors)
+
+
+def test_changed_crc_field_in_a_templated_record(moe: Path, tmp_path: Path) -> None:
+    """The CRC the central directory records, read through the template's positions."""
+    damaged = _copy(moe, tmp_path)
+    info = dcp.read_info(damaged)
+    t, c = _late_chunk(info)
+    raw = (damaged / c.file).read_bytes()[c.offset : c.offset + c.length]
+    central = raw.rfind(b"PK\x01\x02")  # the last central entry; its CRC field is at +16
+    (crc,) = struct.unpack_from("<I", raw, central + 16)
+    data = bytearray((damaged / c.file).read_bytes())
+    struct.pack_into("<I", data, c.offset + central + 16, crc ^ 0xFFFF)
+    (damaged / c.file).write_bytes(data)
+    report = ckpttool.verify(damaged)
+    assert [x.code for x in report.problems if x.severity == "error"] == ["crc-mismatch"]
+
+
+def test_a_record_that_differs_from_its_template_is_decoded_in_full(moe: Path,
+                                                                    tmp_path: Path) -> None:
+    """A late record whose pickle promises another shape: refused, not copied by template."""
+    damaged = _copy(moe, tmp_path)
+    info = dcp.read_info(damaged)
+    t, c = _late_chunk(info)
+    with dcp.DcpReader(info, templates=False) as r:
+        side = {s.what: s for s in r.payload(t, c, checksums=True).side}
+    pkl = side["record entry 'data.pkl'"]
+    data = bytearray((damaged / c.file).read_bytes())
+    body = bytes(data[pkl.offset : pkl.offset + pkl.size])
+    rows = c.sizes[0]
+    # The chunk's size (rows, 32) is pickled as two small ints (BININT1): make it (rows, 16).
+    at = body.find(bytes([0x4B, rows, 0x4B, 32]))
+    assert at >= 0
+    data[pkl.offset + at + 3] = 16
+    (damaged / c.file).write_bytes(data)
+    with pytest.raises(ckpttool.InputError, match="record holds BF16 .* but .metadata promises"):
+        ckpttool.merge(damaged, tmp_path / "out")
