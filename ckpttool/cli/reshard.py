@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ckpttool.cli.common import ProgressBar, exit_codes, human_bytes, print_json
+from ckpttool.cli.common import ProgressBar, err, exit_codes, human_bytes, print_json
 
 EPILOG = """\
 Examples:\n\n
@@ -56,6 +56,9 @@ def reshard_command(
                              progress=progress, on_start=on_start)
         finally:
             bar.stop()
+    if not quiet:
+        for w in report.warnings:
+            err(f"ckpttool: warning: {w}")
     if json_output:
         print_json(report.to_json())
     elif not quiet:

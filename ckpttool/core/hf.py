@@ -4,6 +4,8 @@ the config says about them (tied embeddings, the ``FSDP`` class prefix)."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,11 +30,37 @@ HF_FILES = (
     "preprocessor_config.json",
 )
 
+# A side file larger than this is not a config or tokenizer (a 100 GB sparse file planted as
+# chat_template.jinja would fill memory and the output).
+SIDE_FILE_LIMIT = 256 << 20
+
+
 @dataclass(frozen=True)
 class HfFiles:
     config: dict[str, Any] | None
     config_path: Path | None
     files: tuple[Path, ...]  # files to copy beside the weights
+    skipped: tuple[str, ...] = ()  # why a file found there is not used (for warnings)
+
+
+def _unsafe(path: Path, roots: list[Path]) -> str | None:
+    """Why the side file ``path`` must not be read or copied, or None: a link that leads out
+    of the checkpoint's directories (a stranger's checkpoint must not make the user publish
+    /etc/passwd or /proc/self/environ with the merge), not a regular file (a FIFO would block),
+    or too large to be a config or tokenizer."""
+    try:
+        target = path.resolve(strict=True)
+        st = target.stat()
+    except (OSError, RuntimeError):
+        return f"{path}: a broken link; not copied"
+    if path.is_symlink() and not any(target.is_relative_to(r) for r in roots):
+        return f"{path}: a link to {target}, outside the checkpoint; not copied"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path}: not a regular file; not copied"
+    if st.st_size > SIDE_FILE_LIMIT:
+        return (f"{path}: {st.st_size:,} bytes, too large for a config or tokenizer file; "
+                "not copied")
+    return None
 
 
 def find_hf_files(dcp_dir: Path, config: Path | None = None) -> HfFiles:
@@ -50,7 +78,22 @@ def find_hf_files(dcp_dir: Path, config: Path | None = None) -> HfFiles:
     else:
         # verl keeps the Hugging Face files in a huggingface/ directory beside the rank files.
         dirs = [dcp_dir, dcp_dir / "huggingface", dcp_dir.parent, dcp_dir.parent / "huggingface"]
-    config_path = config or next((d / "config.json" for d in dirs if (d / "config.json").is_file()),
+    roots = [d.resolve() for d in dirs if d.is_dir()]
+    skipped: list[str] = []
+
+    def usable(path: Path) -> bool:
+        if not os.path.lexists(path):
+            return False
+        why = _unsafe(path, roots)
+        if why is not None and why not in skipped:
+            skipped.append(why)
+        return why is None
+
+    if config is not None:  # named by the user: read it wherever it is, if it is a file
+        why = _unsafe(config, [config.resolve().parent])
+        if why is not None:
+            raise InputError(f"{why} (--config)")
+    config_path = config or next((d / "config.json" for d in dirs if usable(d / "config.json")),
                                  None)
     parsed: dict[str, Any] | None = None
     if config_path is not None:
@@ -64,10 +107,10 @@ def find_hf_files(dcp_dir: Path, config: Path | None = None) -> HfFiles:
         dirs = [config_path.parent] + [d for d in dirs if d != config_path.parent]
     files: list[Path] = []
     for name in HF_FILES:
-        found = next((d / name for d in dirs if (d / name).is_file()), None)
+        found = next((d / name for d in dirs if usable(d / name)), None)
         if found is not None:
             files.append(found)
-    return HfFiles(parsed, config_path, tuple(files))
+    return HfFiles(parsed, config_path, tuple(files), tuple(skipped))
 
 
 def ties_word_embeddings(config: dict[str, Any] | None) -> bool | None:

@@ -417,6 +417,7 @@ def merge(
             (p.name, config_bytes if p == files.config_path and config_bytes is not None
              else p.read_bytes()) for p in files.files]
         report.copied = [p.name for p in files.files]
+        report.warnings += list(files.skipped)
         if optimizer:
             extra.append((OPTIMIZER_JSON, _optimizer_json(objects)))
         check_space(out_path, plan.file_bytes + sum(len(data) for _, data in extra))

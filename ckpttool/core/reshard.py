@@ -95,6 +95,7 @@ class ReshardReport:
     num_tensors: int = 0
     num_objects: int = 0
     total_bytes: int = 0
+    warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -224,6 +225,7 @@ def _to_safetensors(ckpt: Checkpoint, reader: Reader, out: Path, max_shard_size:
     files, index = st.plan_files([(t.name, t.dtype, t.shape) for t in stored.values()],
                                  max_shard_size)
     hf_files = ckpt.hf.files  # config and tokenizer: the output is a model directory too
+    report.warnings += list(ckpt.hf.skipped)
     hf_names = {f.name for f in hf_files}
     existing = sorted(existing_outputs(out, lambda n: st.is_weight_file(n) or n in hf_names),
                       key=lambda name: (not st.is_weight_file(name), name))

@@ -367,3 +367,26 @@ def test_a_checkpoint_without_tensors_is_an_error_not_an_empty_model(tmp_path: P
                        "is no model to merge"):
         ckpttool.merge(tmp_path / "ckpt", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_side_files_that_lead_outside_or_block_are_not_copied(llama_ckpt: Path,
+                                                              tmp_path: Path) -> None:
+    ckpt = Path(shutil.copytree(llama_ckpt, tmp_path / "ckpt"))
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOKEN=hunter2\n")
+    (ckpt / "tokenizer.json").symlink_to(secret)
+    (ckpt / "vocab.txt").symlink_to("/proc/self/environ")
+    os.mkfifo(ckpt / "merges.txt")
+    with open(ckpt / "chat_template.jinja", "wb") as f:  # sparse: no disk, 1 GB apparent
+        f.truncate(1 << 30)
+    inside = ckpt / "pytorch_model_fsdp_0" / "added_tokens.json"
+    inside.write_text("{}")
+    (ckpt / "added_tokens.json").symlink_to(inside)  # a link inside: fine
+    report = ckpttool.merge(ckpt, tmp_path / "out")
+    out = tmp_path / "out"
+    for name in ("tokenizer.json", "vocab.txt", "merges.txt", "chat_template.jinja"):
+        assert not (out / name).exists(), name
+        assert any(name in w and "not copied" in w for w in report.warnings), name
+    assert (out / "added_tokens.json").read_text() == "{}"
+    assert "hunter2" not in "".join(p.read_text(errors="replace") for p in out.iterdir()
+                                    if p.suffix != ".safetensors")
