@@ -259,8 +259,10 @@ def _cast_range(reader: Reader, file: str, src_offset: int, dst: int, dst_offset
     src_item, dst_item = t.source.dtype.itemsize, t.dtype.itemsize
     block = min(numel, CAST_BLOCK // src_item)
     buf = bytearray(block * src_item)
-    out = torch.empty(block, dtype=dst_dtype)
-    out_bytes = out.view(torch.uint8).numpy().data.cast("B")
+    # The output tensor lives in our own buffer (torch.frombuffer): no numpy, which torch
+    # needs for .numpy() and which a user's own torch install may lack.
+    out_bytes = bytearray(block * dst_item)
+    out = torch.frombuffer(out_bytes, dtype=dst_dtype)
     done = 0
     while done < numel:
         n = min(block, numel - done)
@@ -271,7 +273,7 @@ def _cast_range(reader: Reader, file: str, src_offset: int, dst: int, dst_offset
                              f"'{t.source.name}'; it is truncated")
         # Tensor.to semantics (round to nearest even); into a preallocated buffer.
         out[:n].copy_(torch.frombuffer(buf, dtype=src_dtype, count=n))
-        pwrite_all(dst, out_bytes[: n * dst_item], dst_offset + done * dst_item)
+        pwrite_all(dst, memoryview(out_bytes)[: n * dst_item], dst_offset + done * dst_item)
         done += n
         report(n * dst_item)
 
@@ -280,8 +282,10 @@ def _cast_bytes(data: memoryview, t: OutTensor) -> memoryview:
     import torch
 
     src = torch.frombuffer(bytearray(data), dtype=getattr(torch, t.source.dtype.torch_name))
-    cast = src.to(getattr(torch, t.dtype.torch_name))
-    return cast.view(torch.uint8).numpy().data.cast("B")
+    out = bytearray(len(src) * t.dtype.itemsize)
+    if out:
+        torch.frombuffer(out, dtype=getattr(torch, t.dtype.torch_name)).copy_(src)
+    return memoryview(out)
 
 
 # --------------------------------------------------------------------------------------------

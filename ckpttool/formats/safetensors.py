@@ -103,6 +103,11 @@ def plan_files(
     Returns:
         The files with their layouts, and the index JSON (None for a single file).
     """
+    for name, _, _ in tensors:
+        problem = name_problem(name)
+        if problem is not None:
+            raise InputError(f"tensor {name!r}: {problem}; a safetensors file cannot carry it, "
+                             "so nothing was written")
     shards: list[list[tuple[str, DType, tuple[int, ...]]]] = [[]]
     shard_bytes = 0
     for name, dtype, shape in tensors:
@@ -122,6 +127,19 @@ def plan_files(
     total = sum(s.nbytes for f in files for s in f.layout.slots)
     params = sum(s.nbytes // s.dtype.itemsize for f in files for s in f.layout.slots)
     return files, index_json(weight_map, total, params)
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a tensor name in a safetensors header, or None."""
+    if name == "__metadata__":
+        return "the name is the header's metadata key"
+    if not name:
+        return "the name is empty"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "the name is not valid Unicode (a lone surrogate)"
+    return None
 
 
 def read_layout(path: Path) -> tuple[dict[str, str], tuple[Slot, ...]]:
@@ -164,7 +182,10 @@ def read_layout(path: Path) -> tuple[dict[str, str], tuple[Slot, ...]]:
 
 def _slot(path: Path, name: str, v: object, base: int, size: int) -> Slot:
     """One header entry, checked field by field: a mangled header is bad input, not a crash."""
-    where = f"{path}: tensor '{name}'"
+    where = f"{path}: tensor {name!r}"
+    problem = name_problem(name)
+    if problem is not None:
+        raise InputError(f"{where}: {problem}; safetensors rejects this header")
     if not isinstance(v, dict):
         raise InputError(f"{where}: header entry is not an object; corrupt header")
     dtype_name = v.get("dtype")

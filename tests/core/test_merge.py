@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -390,3 +392,25 @@ def test_side_files_that_lead_outside_or_block_are_not_copied(llama_ckpt: Path,
     assert (out / "added_tokens.json").read_text() == "{}"
     assert "hunter2" not in "".join(p.read_text(errors="replace") for p in out.iterdir()
                                     if p.suffix != ".safetensors")
+
+
+@pytest.mark.parametrize(("name", "why"), [("__metadata__", "the header's metadata key"),
+                                           ("w\ud800", "not valid Unicode")])
+def test_names_a_safetensors_file_cannot_carry_are_refused(name: str, why: str,
+                                                            tmp_path: Path) -> None:
+    torch_dcp.save({name: torch.ones(2), "ok": torch.zeros(2)}, checkpoint_id=tmp_path / "ckpt",
+                   no_dist=True)
+    with pytest.raises(InputError, match=why):
+        ckpttool.merge(tmp_path / "ckpt", tmp_path / "out", dtype="keep")
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_casting_needs_no_numpy(uneven_ckpt: Path, tmp_path: Path) -> None:
+    """torch without numpy (a user's own torch install) still casts."""
+    code = ("import sys\nsys.modules['numpy'] = None  # import numpy fails, as without it\n"
+            "import ckpttool\n"
+            f"ckpttool.merge({str(uneven_ckpt)!r}, {str(tmp_path / 'a')!r}, dtype='bf16')\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    ckpttool.merge(uneven_ckpt, tmp_path / "b", dtype="bf16")
+    assert ((tmp_path / "a" / "model.safetensors").read_bytes()
+            == (tmp_path / "b" / "model.safetensors").read_bytes())
