@@ -4,6 +4,7 @@ completion stay fast."""
 
 from __future__ import annotations
 
+import signal
 from typing import Annotated
 
 import typer
@@ -48,4 +49,7 @@ def _root(
 
 
 def main() -> None:
+    # A reader that goes away (ckpttool inspect X | head -1) ends us quietly, as it ends cat:
+    # status 141, no traceback, never 1 (which verify uses for "errors found").
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     app(prog_name="ckpttool")

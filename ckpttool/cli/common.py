@@ -67,6 +67,18 @@ def dtype_choice(value: str | None) -> str | None:
     return choice
 
 
+def size_option(value: str) -> str:
+    """Typer callback for ``--max-shard-size``: a malformed size is a usage error (exit 2)."""
+    from ckpttool.errors import InputError
+    from ckpttool.formats.safetensors import parse_size  # no torch, no core
+
+    try:
+        parse_size(value)
+    except InputError as e:
+        raise typer.BadParameter(str(e)) from None
+    return value
+
+
 def print_json(doc: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(doc, indent=2) + "\n")
 

@@ -15,6 +15,7 @@ from ckpttool.cli.common import (
     exit_codes,
     human_bytes,
     print_json,
+    size_option,
 )
 
 EPILOG = """\
@@ -37,6 +38,7 @@ def merge_command(
         "config.json's torch_dtype). Float8, integer and bool tensors are never cast.")
     ] = "auto",
     max_shard_size: Annotated[str, typer.Option(
+        callback=size_option,
         help="Largest output shard (5GB, 500MB, 2GiB); one file if everything fits.")] = "5GB",
     config: Annotated[Path | None, typer.Option(
         help="config.json (or its directory) to use instead of the one beside SRC.")] = None,
@@ -45,7 +47,7 @@ def merge_command(
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace model weights already in OUT.")] = False,
     workers: Annotated[int | None, typer.Option(
-        min=1, help="Parallel copy threads (default: number of CPUs).")] = None,
+        min=1, help="Parallel copy threads (default: the CPUs this process may use).")] = None,
     json_output: Annotated[bool, typer.Option(
         "--json", help="Print the report as one JSON document on stdout.")] = False,
     quiet: Annotated[bool, typer.Option(

@@ -8,7 +8,14 @@ from typing import Annotated
 
 import typer
 
-from ckpttool.cli.common import ProgressBar, err, exit_codes, human_bytes, print_json
+from ckpttool.cli.common import (
+    ProgressBar,
+    err,
+    exit_codes,
+    human_bytes,
+    print_json,
+    size_option,
+)
 
 EPILOG = """\
 Examples:\n\n
@@ -36,6 +43,7 @@ def reshard_command(
         help="With DCP output from full weights, nest under this key: 'model' makes a "
         "pytorch_model_fsdp_0 that accelerate's load_fsdp_model reads.")] = None,
     max_shard_size: Annotated[str, typer.Option(
+        callback=size_option,
         help="With --to safetensors: the largest shard (5GB, 500MB...).")] = "5GB",
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace a checkpoint already in OUT.")] = False,

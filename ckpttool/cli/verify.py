@@ -53,7 +53,7 @@ def verify_command(
         metavar="FILE", help="Write a SHA-256 per tensor to FILE, or check them against FILE "
         "if it exists.")] = None,
     workers: Annotated[int | None, typer.Option(
-        min=1, help="Tensors read in parallel (default: number of CPUs).")] = None,
+        min=1, help="Tensors read in parallel (default: the CPUs this process may use).")] = None,
     json_output: Annotated[bool, typer.Option(
         "--json", help="Print the full report as one JSON document on stdout.")] = False,
     quiet: Annotated[bool, typer.Option(

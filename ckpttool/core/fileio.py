@@ -45,6 +45,27 @@ def existing_outputs(out_dir: Path, taken: Callable[[str], bool]) -> list[str]:
     return existing
 
 
+def check_apart(out_dir: Path, *sources: Path) -> None:
+    """OUT is neither a source nor inside one (a merge into its own checkpoint directory would
+    write weights, config and tokenizer among the files it reads).
+
+    Raises:
+        OutputError: naming the source.
+    """
+    out = out_dir.resolve()
+    for src in sources:
+        if src.is_dir():
+            s = src.resolve()
+            inside = out.is_relative_to(s)
+        else:  # a file checkpoint: its own directory is off limits, a subdirectory is fine
+            s = src.resolve().parent
+            inside = out == s
+        if inside:
+            where = "is" if out == s else "is inside"
+            raise OutputError(f"{out_dir}: {where} the checkpoint directory {s}; choose an "
+                              "output directory outside it")
+
+
 def check_space(out_dir: Path, need: int) -> None:
     """Create ``out_dir`` and check it can take ``need`` bytes, before any is written."""
     try:

@@ -26,13 +26,14 @@ from ckpttool.core.discover import Checkpoint, ObjectView, Part, discover
 from ckpttool.core.dtypes import DTypePolicy
 from ckpttool.core.fileio import (
     AtomicOutputs,
+    check_apart,
     check_space,
     existing_outputs,
     pwrite_all,
     remove_stale,
 )
 from ckpttool.core.report import SCHEMA, Progress
-from ckpttool.core.torch_threads import one_torch_thread
+from ckpttool.core.torch_threads import default_workers, one_torch_thread
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats import registry
 from ckpttool.formats import safetensors as st
@@ -349,7 +350,7 @@ def merge(
         config: a config.json (or its directory) to use instead of the one beside ``src``.
         keep_tied: write both copies of tied embeddings even when they are identical.
         overwrite: replace model weights already in ``out``.
-        workers: parallel copy threads (default: number of CPUs).
+        workers: parallel copy threads (default: the CPUs this process may use).
         progress: called with bytes written, as the merge goes.
         on_start: called once with the total bytes to write, before any are written.
 
@@ -372,6 +373,7 @@ def merge(
             f"{src_path / ckpt.chosen} OUT")
     assert ckpt.info is not None  # discover(require=True) chose one
     info = ckpt.info
+    check_apart(out_path, src_path, info.root)
     structure.raise_first(structure.check(info, ckpt.canonical()))
     files = ckpt.hf
     if ckpt.kind == "optimizer":
@@ -428,7 +430,7 @@ def merge(
         if on_start is not None:
             on_start(plan.total_bytes)
         with AtomicOutputs(out_path) as outputs:
-            execute(plan, reader, outputs, workers=workers or os.cpu_count() or 1,
+            execute(plan, reader, outputs, workers=workers or default_workers(),
                     progress=progress)
             if plan.index is not None:
                 outputs.write_bytes(plan.index_name, plan.index)

@@ -25,6 +25,7 @@ from ckpttool.core import structure, tensors
 from ckpttool.core.discover import Checkpoint, discover
 from ckpttool.core.fileio import (
     AtomicOutputs,
+    check_apart,
     check_space,
     existing_outputs,
     pwrite_all,
@@ -141,6 +142,7 @@ def reshard(
     ckpt = discover(src_path, command="reshard")
     assert ckpt.info is not None
     info = ckpt.info
+    check_apart(out_path, src_path, info.root)
     structure.raise_first(structure.check(info, ckpt.canonical()))
     report = ReshardReport(str(src_path), str(out_path), info.format, target)
     if target == "safetensors" and info.sharded:

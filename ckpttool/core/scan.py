@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 from collections.abc import Callable, Generator, Iterator, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from ckpttool.core.discover import Checkpoint, TensorView
 from ckpttool.core.inspect import Stats, open_reader
 from ckpttool.core.report import Progress
 from ckpttool.core.tensors import BLOCK_BYTES
-from ckpttool.core.torch_threads import one_torch_thread
+from ckpttool.core.torch_threads import default_workers, one_torch_thread
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Checksummed, Chunk, Payload, Problem, Reader, error, warning
 
@@ -287,7 +286,7 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
 def _run(job: Callable[[TensorView], Result], todo: list[TensorView], workers: int | None
          ) -> dict[str, Result]:
     """``job`` on every tensor, in ``workers`` threads (tensors are independent)."""
-    n_workers = max(1, workers or os.cpu_count() or 1)
+    n_workers = max(1, workers or default_workers())
     with one_torch_thread():
         if n_workers == 1:
             return {t.name: job(t) for t in todo}

@@ -1,4 +1,4 @@
-"""One torch thread while ckpttool's own workers run torch operations.
+"""One torch thread while ckpttool's own workers run torch operations, and how many workers.
 
 Merge (casting) and verify (value checks) spread their work over their own threads, a block
 at a time between reads and writes. Torch's intra-op pool on top of them only contends for the
@@ -9,9 +9,20 @@ first operation in saves it, the last one out restores it, however many run at o
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+
+def default_workers() -> int:
+    """Threads to use when not told: the CPUs this process may run on (a SLURM job or a
+    taskset gets its share, not the machine's ``os.cpu_count()``)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
 
 _lock = threading.Lock()
 _users = 0

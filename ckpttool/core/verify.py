@@ -98,7 +98,7 @@ def verify(
             dtype are errors.
         config: config.json (or its directory) instead of the one beside ``path``.
         manifest: a file to write SHA-256 digests to, or to check them against if it exists.
-        workers: tensors read in parallel (default: number of CPUs).
+        workers: tensors read in parallel (default: the CPUs this process may use).
         progress: called with bytes read.
         on_start: called once with the bytes about to be read.
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -149,11 +151,13 @@ def test_usage_errors_exit_2(uneven_ckpt: Path, tmp_path: Path) -> None:
     assert run("merge", uneven_ckpt, tmp_path / "o", "--workers", "0").exit_code == 2
 
 
-def test_bad_shard_size_exit_3(uneven_ckpt: Path, tmp_path: Path) -> None:
-    r = run("merge", uneven_ckpt, tmp_path / "o", "--max-shard-size", "huge")
-    assert r.exit_code == 3
-    assert r.stderr == ("ckpttool: error: invalid size 'huge'; write it like 5GB, 500MB or "
-                        "2GiB\n")
+def test_bad_shard_size_is_a_usage_error(uneven_ckpt: Path, tmp_path: Path) -> None:
+    for size in ("huge", "5XB"):
+        r = run("merge", uneven_ckpt, tmp_path / "o", "--max-shard-size", size)
+        assert r.exit_code == 2
+        assert (f"Invalid value for '--max-shard-size': invalid size '{size}'; write it like "
+                "5GB, 500MB or 2GiB") in r.stderr
+        assert not (tmp_path / "o").exists()
 
 
 def test_debug_shows_traceback(tmp_path: Path) -> None:
@@ -200,3 +204,28 @@ def test_dtype_spelled_as_torch_and_config_spell_it(spelling: str, want: str, un
     r = run("merge", uneven_ckpt, tmp_path / "out", "--dtype", spelling, "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["dtype"]["target"] == want
+
+
+def test_out_inside_the_checkpoint_is_refused(uneven_ckpt: Path, tmp_path: Path) -> None:
+    ckpt = Path(shutil.copytree(uneven_ckpt, tmp_path / "ck"))
+    before = sorted(p.name for p in (ckpt / "pytorch_model_fsdp_0").iterdir())
+    for out in (ckpt / "pytorch_model_fsdp_0", ckpt / "pytorch_model_fsdp_0" / "hf", ckpt,
+                ckpt / "merged"):
+        src = ckpt if out.is_relative_to(ckpt) and out != ckpt / "pytorch_model_fsdp_0" \
+            else ckpt / "pytorch_model_fsdp_0"
+        r = run("merge", src, out)
+        assert r.exit_code == 3, (src, out, r.output)
+        assert "choose an output directory outside it" in r.stderr
+    assert sorted(p.name for p in (ckpt / "pytorch_model_fsdp_0").iterdir()) == before
+    assert not (ckpt / "merged").exists() and not (ckpt / "model.safetensors").exists()
+
+
+def test_a_broken_pipe_ends_quietly(uneven_ckpt: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "ckpttool", "inspect", str(uneven_ckpt)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()  # as `| head -1` does
+    proc.wait(timeout=60)
+    assert proc.returncode in (0, -13), proc.returncode  # -13: SIGPIPE, the shell's 141
+    assert proc.stderr.read() == b""
