@@ -6,7 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckpttool.formats.base import ObjectEntry, Reader, UnreadableObject
+from ckpttool.formats.base import ObjectEntry, Problem, Reader, UnreadableObject, error, warning
+
+# Modules whose globals run code or reach the system when a pickle calls them: a checkpoint
+# naming one tries to run code on whoever loads it with torch.load(weights_only=False).
+_CODE_MODULES = frozenset({
+    "os", "posix", "nt", "subprocess", "sys", "builtins", "__builtin__", "shutil", "socket",
+    "importlib", "pickle", "marshal", "types", "code", "codeop", "ctypes", "runpy", "pty",
+    "webbrowser", "multiprocessing", "signal", "io", "pathlib", "tempfile", "urllib", "http",
+    "operator", "functools", "inspect", "pydoc", "timeit", "cProfile", "pdb", "asyncio",
+})
 
 
 @dataclass(frozen=True)
@@ -15,6 +24,7 @@ class Unreadable:
     large to walk. ``why`` says which."""
 
     why: str
+    qualname: str | None = None  # the global the pickle asks for
 
 
 def read(reader: Reader, entry: ObjectEntry) -> Any:
@@ -22,7 +32,21 @@ def read(reader: Reader, entry: ObjectEntry) -> Any:
     try:
         return reader.read_object(entry)
     except UnreadableObject as e:
-        return Unreadable(e.why)
+        return Unreadable(e.why, e.qualname)
+
+
+def problem(name: str, value: Any, where: str | None) -> Problem | None:
+    """What ``verify`` says of a non-tensor entry it could not read (None when it could): an
+    error when it asks for code to run, a warning for another class."""
+    if not isinstance(value, Unreadable):
+        return None
+    q = value.qualname
+    if q is not None and q.split(".")[0] in _CODE_MODULES:
+        return error("code-in-checkpoint", f"entry '{name}' asks for '{q}', which runs code or "
+                     "reaches the system when unpickled; ckpttool did not execute it. Do not "
+                     "load this checkpoint with torch.load(weights_only=False)", file=where)
+    return warning("object-not-read", f"entry '{name}': {value.why}; not executed, not read",
+                   file=where)
 
 
 def describe(name: str, value: Any) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ckpttool.core import chunks as chunk_geometry
-from ckpttool.core import tensors
+from ckpttool.core import objects, tensors
 from ckpttool.core.against import AgainstPlan, Compare, decide_tied
 from ckpttool.core.discover import Checkpoint, TensorView
 from ckpttool.core.inspect import Stats, open_reader
@@ -274,6 +274,7 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
         problems = [p for t in todo for p in results[t.name].problems]
         rest = scanner.other_checksums()
         problems += rest.problems
+        problems += _object_problems(ckpt, reader)
         digests = {n: r.digest for n, r in results.items() if r.digest is not None}
         tied = []
         if plan is not None and other is not None and reader_b is not None:
@@ -281,6 +282,20 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
                                digests, reader_b, read)
     return Pass(problems, tied, digests,
                 sum(r.bytes_read for r in results.values()) + rest.bytes_read)
+
+
+def _object_problems(ckpt: Checkpoint, reader: Reader) -> list[Problem]:
+    """Non-tensor entries that cannot be read safely: one that asks for code is an error."""
+    problems: list[Problem] = []
+    for o in ckpt.objects:
+        try:
+            value = objects.read(reader, o.entry)
+        except InputError:
+            continue  # a damaged record: its CRCs report it
+        found = objects.problem(o.name, value, o.entry.file)
+        if found is not None:
+            problems.append(found)
+    return problems
 
 
 def _run(job: Callable[[TensorView], Result], todo: list[TensorView], workers: int | None

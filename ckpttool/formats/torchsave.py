@@ -435,7 +435,17 @@ def record_global(module: str, name: str) -> Any | None:
         return _StorageClass(None)
     if module == "collections" and name == "OrderedDict":
         return _OrderedDict
+    if module == "_codecs" and name == "encode":
+        return _encode  # how protocol 2 pickles bytes (a dataloader's state, an RNG state)
     return None
+
+
+def _encode(text: Any, encoding: Any = "utf-8") -> bytes:
+    """``_codecs.encode`` as a pickle of ``bytes`` calls it (latin-1 of a str): the one use
+    ``torch.load(weights_only=True)`` allows; anything else is corrupt."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError("_codecs.encode called other than for bytes")
+    return text.encode("latin-1")
 
 
 class RecordUnpickler(AllowListUnpickler):

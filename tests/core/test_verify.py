@@ -416,3 +416,32 @@ def test_training_directory_verifies_the_optimizer_too(llama_ckpt: Path, tmp_pat
     report = ckpttool.verify(ckpt)
     assert codes(report) == ["crc-mismatch"]
     assert report.problems[-1].location.file == f"optimizer_0/{file}"
+
+
+class _RunsCommand:
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (self.command,))
+
+
+def test_an_entry_that_would_run_code_is_an_error(tmp_path: Path) -> None:
+    sentinel = tmp_path / "pwned"
+    torch_dcp.save({"w": torch.ones(3), "evil": _RunsCommand(f"touch {sentinel}")},
+                   checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    report = ckpttool.verify(tmp_path / "ckpt")
+    assert not report.ok
+    (p,) = [p for p in report.problems if p.severity == "error"]
+    assert p.code == "code-in-checkpoint"
+    assert p.message.startswith(f"entry 'evil' asks for '{os.system.__module__}.system'")
+    assert not sentinel.exists()
+
+
+def test_bytes_and_plain_values_are_read_not_called_unsafe(tmp_path: Path) -> None:
+    torch_dcp.save({"w": torch.ones(3), "blob": b"\x00\x01state", "step": 7},
+                   checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    report = ckpttool.verify(tmp_path / "ckpt")
+    assert report.ok and not [p for p in report.problems if p.severity != "info"]
+    values = {o["name"]: o for o in ckpttool.inspect(tmp_path / "ckpt").non_tensor}
+    assert values["blob"]["readable"] and values["step"]["value"] == 7
