@@ -14,7 +14,6 @@ directory).
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -81,11 +80,11 @@ class TensorView:
 
     @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        return self.tensor.numel
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
+        return self.tensor.nbytes
 
 
 @dataclass(frozen=True)

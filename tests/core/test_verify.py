@@ -22,6 +22,7 @@ from ckpttool.core import verify as ver
 from ckpttool.core.discover import discover
 from ckpttool.errors import InputError
 from ckpttool.formats import dcp
+from tests.formats.test_torchfile import _RunsCommand
 from tests.reference import reference_state_dict
 
 KINDS = ("llama", "uneven", "wrappers", "mixed", "placements")
@@ -416,14 +417,6 @@ def test_training_directory_verifies_the_optimizer_too(llama_ckpt: Path, tmp_pat
     report = ckpttool.verify(ckpt)
     assert codes(report) == ["crc-mismatch"]
     assert report.problems[-1].location.file == f"optimizer_0/{file}"
-
-
-class _RunsCommand:
-    def __init__(self, command: str) -> None:
-        self.command = command
-
-    def __reduce__(self) -> tuple[object, tuple[str]]:
-        return (os.system, (self.command,))
 
 
 def test_an_entry_that_would_run_code_is_an_error(tmp_path: Path) -> None:
