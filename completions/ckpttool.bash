@@ -1,4 +1,3 @@
-
 _ckpttool_completion() {
     local IFS=$'
 '

@@ -19,8 +19,10 @@ SHELLS = {"bash": "ckpttool.bash", "zsh": "_ckpttool", "fish": "ckpttool.fish"}
 def script(shell: str) -> str:
     """The completion script for ``shell``."""
     env = {**os.environ, "_CKPTTOOL_COMPLETE": f"source_{shell}"}
-    return subprocess.run([sys.executable, "-m", "ckpttool"], env=env, check=True,
+    text = subprocess.run([sys.executable, "-m", "ckpttool"], env=env, check=True,
                           capture_output=True, text=True).stdout
+    # zsh autoloads a function file from $fpath only when "#compdef" is its very first line.
+    return text.lstrip("\n")
 
 
 def main(argv: list[str]) -> None:

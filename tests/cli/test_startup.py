@@ -51,3 +51,7 @@ def test_default_workers_follow_the_cpus_this_process_may_use() -> None:
 
 def test_typed_package() -> None:
     assert (ROOT / "ckpttool" / "py.typed").exists()
+
+
+def test_zsh_completion_starts_with_compdef() -> None:
+    assert (ROOT / "completions" / "_ckpttool").read_text().startswith("#compdef ckpttool\n")
