@@ -158,7 +158,8 @@ def describe(path: Path, info: CheckpointInfo, *, config: Path | None = None,
                     for o in info.objects)
     hf_dir = info.root if info.root.is_dir() else info.base
     files = (hf.HfFiles(None, None, ()) if kind == "optimizer" and config is None
-             else hf.find_hf_files(hf_dir, config))
+             else hf.find_hf_files(hf_dir, config,
+                                   given=path if path.is_dir() else path.parent))
     return Checkpoint(path, info, kind, tensors, objects, parts, files, chosen=chosen,
                       others=others)
 
@@ -189,7 +190,14 @@ def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | N
                          "directory or file")
     fmt = registry.detect(given)
     if fmt is not None:
-        return describe(given, fmt.read_info(given), config=config_path)
+        info = fmt.read_info(given)
+        if not given.is_dir():
+            return describe(given, info, config=config_path)
+        # A directory claimed whole (safetensors weights at the top of a training directory)
+        # may still hold other checkpoints beside them (optimizer_0/): list and check those.
+        parts, beside = list_parts(given)
+        return describe(given, info, config=config_path, parts=parts if beside else (),
+                        others=tuple(beside.items()))
     if given.is_file():
         raise InputError(_not_a_checkpoint_file(given))
     parts, infos = list_parts(given)

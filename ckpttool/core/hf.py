@@ -53,7 +53,8 @@ def _unsafe(path: Path, roots: list[Path]) -> str | None:
         st = target.stat()
     except (OSError, RuntimeError):
         return f"{path}: a broken link; not copied"
-    if path.is_symlink() and not any(target.is_relative_to(r) for r in roots):
+    through_links = str(target) != os.path.abspath(path)
+    if through_links and not any(target.is_relative_to(r) for r in roots):
         return f"{path}: a link to {target}, outside the checkpoint; not copied"
     if not stat.S_ISREG(st.st_mode):
         return f"{path}: not a regular file; not copied"
@@ -63,8 +64,13 @@ def _unsafe(path: Path, roots: list[Path]) -> str | None:
     return None
 
 
-def find_hf_files(dcp_dir: Path, config: Path | None = None) -> HfFiles:
+def find_hf_files(dcp_dir: Path, config: Path | None = None, *, given: Path | None = None
+                  ) -> HfFiles:
     """Config and tokenizer files beside the checkpoint (or in ``config``'s directory).
+
+    A file reached through a link (itself, or a linked directory such as ``huggingface/``)
+    is used only when it really lies inside the checkpoint directory or the directory the
+    user named (``given``): never the user's home or ``/etc`` by way of a stranger's link.
 
     Raises:
         InputError: ``config`` was given but is missing or not valid JSON.
@@ -78,7 +84,8 @@ def find_hf_files(dcp_dir: Path, config: Path | None = None) -> HfFiles:
     else:
         # verl keeps the Hugging Face files in a huggingface/ directory beside the rank files.
         dirs = [dcp_dir, dcp_dir / "huggingface", dcp_dir.parent, dcp_dir.parent / "huggingface"]
-    roots = [d.resolve() for d in dirs if d.is_dir()]
+    roots = [p.resolve() for p in (dcp_dir, given, config.parent if config else None)
+             if p is not None and p.is_dir()]
     skipped: list[str] = []
 
     def usable(path: Path) -> bool:

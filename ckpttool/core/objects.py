@@ -15,6 +15,8 @@ _CODE_MODULES = frozenset({
     "importlib", "pickle", "marshal", "types", "code", "codeop", "ctypes", "runpy", "pty",
     "webbrowser", "multiprocessing", "signal", "io", "pathlib", "tempfile", "urllib", "http",
     "operator", "functools", "inspect", "pydoc", "timeit", "cProfile", "pdb", "asyncio",
+    "posixsubprocess", "posixpath", "ntpath", "genericpath", "commands", "popen2", "platform",
+    "threading", "thread", "gc", "atexit", "zipimport", "site", "distutils", "setuptools",
 })
 
 
@@ -24,7 +26,8 @@ class Unreadable:
     large to walk. ``why`` says which."""
 
     why: str
-    qualname: str | None = None  # the global the pickle asks for
+    qualname: str | None = None  # the global the pickle asks for first
+    names: tuple[str, ...] = ()  # every global it names
 
 
 def read(reader: Reader, entry: ObjectEntry) -> Any:
@@ -32,7 +35,7 @@ def read(reader: Reader, entry: ObjectEntry) -> Any:
     try:
         return reader.read_object(entry)
     except UnreadableObject as e:
-        return Unreadable(e.why, e.qualname)
+        return Unreadable(e.why, e.qualname, tuple(e.names))
 
 
 def problem(name: str, value: Any, where: str | None) -> Problem | None:
@@ -40,8 +43,9 @@ def problem(name: str, value: Any, where: str | None) -> Problem | None:
     error when it asks for code to run, a warning for another class."""
     if not isinstance(value, Unreadable):
         return None
-    q = value.qualname
-    if q is not None and q.split(".")[0] in _CODE_MODULES:
+    q = next((n for n in value.names if n.split(".")[0] in _CODE_MODULES
+              or n.split(".")[0].lstrip("_") in _CODE_MODULES), None)
+    if q is not None:
         return error("code-in-checkpoint", f"entry '{name}' asks for '{q}', which runs code or "
                      "reaches the system when unpickled; ckpttool did not execute it. Do not "
                      "load this checkpoint with torch.load(weights_only=False)", file=where)

@@ -230,8 +230,10 @@ class UnreadableObject(Exception):
     """A non-tensor entry that is not read: it would need arbitrary unpickling (``qualname``
     names what it asks for; nothing is executed), or its structure is too large to walk."""
 
-    def __init__(self, qualname: str | None, why: str | None = None) -> None:
+    def __init__(self, qualname: str | None, why: str | None = None, *,
+                 names: list[str] | None = None) -> None:
         self.qualname = qualname
+        self.names = names or ([qualname] if qualname else [])  # every global it names
         self.why = why or f"needs arbitrary unpickling ({qualname})"
         super().__init__(self.why)
 

@@ -131,7 +131,10 @@ def _metadata_global(module: str, name: str) -> Any | None:
 
 
 def _unpickle(data: bytes, lookup: Callable[[str, str], Any | None], where: str) -> Any:
-    return torchsave.AllowListUnpickler(io.BytesIO(data), lookup, where).load()
+    try:
+        return torchsave.AllowListUnpickler(io.BytesIO(data), lookup, where).load()
+    except MemoryError:  # a damaged length field asks for an absurd buffer
+        raise pickle.UnpicklingError("a length in the pickle is beyond its data") from None
 
 
 def read_metadata_object(path: Path) -> Any:
@@ -227,10 +230,11 @@ def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> CheckpointIn
         rel = safe.get(raw_rel) or safe.setdefault(raw_rel, _safe_relative(md_path, raw_rel))
         offset = index.field("offset")
         key = (str(index.field("fqn")), None if offset is None else torchsave.ints(offset, where))
-        begin, length = int(info.field("offset")), int(info.field("length"))
-        if begin < 0 or length < 0:
-            raise InputError(f"{md_path}: entry '{key[0]}' has a negative byte range "
-                             f"({begin}, {length}); corrupt .metadata")
+        begin, length = info.field("offset"), info.field("length")
+        if type(begin) is not int or type(length) is not int or begin < 0 or length < 0:
+            raise InputError(f"{md_path}: entry '{key[0]}' has the byte range "
+                             f"({begin!r}, {length!r}), not two non-negative integers; corrupt "
+                             ".metadata")
         storage[key] = (rel, begin, length)
 
     tensors: list[Tensor] = []
@@ -382,7 +386,9 @@ def read_object(fd: int | Callable[[int, int], bytes], entry: ObjectEntry, *, wh
     try:
         value = torchsave.load_pickle(rb, entries, max_nodes=torchsave.OBJECT_MAX_NODES)
     except torchsave.Refused as e:
-        raise UnreadableObject(e.qualname) from None
+        pkl = entries["data.pkl"]
+        names = torchsave.named_globals(rb.read(pkl.data_offset, pkl.size))
+        raise UnreadableObject(e.qualname, names=names or [e.qualname]) from None
     except torchsave.TooComplex as e:
         raise UnreadableObject(None, str(e)) from None
     except torchsave.PICKLE_ERRORS as e:
@@ -437,7 +443,7 @@ class _Template:
         gap = data.size
 
         def in_raw(at: int) -> int:  # ``raw`` is [0, head) + [data_end, length)
-            return at if at < self.head else at - gap
+            return at if at <= self.head else at - gap
 
         masks = [(at, 4) for e in rec.entries for at in e.crc_fields]
         masks += [e.descriptor for e in rec.entries if e.descriptor[1]]

@@ -183,7 +183,7 @@ def read_layout(path: Path) -> tuple[dict[str, str], tuple[Slot, ...]]:
 def _slot(path: Path, name: str, v: object, base: int, size: int) -> Slot:
     """One header entry, checked field by field: a mangled header is bad input, not a crash."""
     where = f"{path}: tensor {name!r}"
-    problem = name_problem(name)
+    problem = name_problem(name) if name else None  # an empty name loads; writing refuses it
     if problem is not None:
         raise InputError(f"{where}: {problem}; safetensors rejects this header")
     if not isinstance(v, dict):

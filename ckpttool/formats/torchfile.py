@@ -152,6 +152,9 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     values: dict[str, Any] = {}
     for key_path, value in torchsave.flatten(root):
         name = ".".join(key_path) if key_path else "tensor"
+        if name in views or name in values:
+            raise InputError(f"{p}: two entries are both named '{name}' once nested keys are "
+                             "joined with dots; the state dict is ambiguous")
         if isinstance(value, torchsave.TensorRef):
             data = entries.get(f"data/{value.storage.key}")
             if data is None:

@@ -65,6 +65,41 @@ class AllowListUnpickler(pickle.Unpickler):
         return found
 
 
+def named_globals(data: bytes) -> list[str]:
+    """Every ``module.name`` a pickle names (GLOBAL, and STACK_GLOBAL from the strings pushed
+    before it, memoized ones included), read from its opcodes without running anything; the
+    pickle's first refused global may be a decoy in front of the one that runs code."""
+    import pickletools
+
+    found: list[str] = []
+    memo: dict[int, Any] = {}
+    recent: list[Any] = []  # the last values pushed, strings or None
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            name = op.name
+            if name == "GLOBAL" and isinstance(arg, str):
+                found.append(arg.replace(" ", ".", 1))
+                recent.append(None)
+            elif name == "STACK_GLOBAL":
+                if len(recent) >= 2 and all(isinstance(v, str) for v in recent[-2:]):
+                    found.append(f"{recent[-2]}.{recent[-1]}")
+                recent.append(None)
+            elif name in ("MEMOIZE",):
+                memo[len(memo)] = recent[-1] if recent else None
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT") and isinstance(arg, int):
+                memo[arg] = recent[-1] if recent else None
+            elif name in ("GET", "BINGET", "LONG_BINGET") and isinstance(arg, int):
+                recent.append(memo.get(arg))
+            elif isinstance(arg, str):
+                recent.append(arg)
+            else:
+                recent.append(None)
+            del recent[:-2]
+    except Exception:  # noqa: BLE001 - a corrupt tail: what was found so far stands
+        pass
+    return list(dict.fromkeys(found))
+
+
 # dtypes torch can name that ckpttool does not convert; kept distinct so the error says so.
 _OTHER_TORCH_DTYPES = frozenset((
     "complex128", "complex32", "cdouble", "cfloat", "chalf", "qint8", "quint8", "qint32",
@@ -481,8 +516,12 @@ def load_pickle(rb: RecordBytes, entries: dict[str, ZipEntry], *,
     pkl = entries.get("data.pkl")
     if pkl is None:
         raise InputError(f"{rb.where}: torch.save record has no data.pkl; corrupt")
-    value = RecordUnpickler(io.BytesIO(rb.read(pkl.data_offset, pkl.size)), rb.where,
-                            lookup=lookup).load()
+    try:
+        value = RecordUnpickler(io.BytesIO(rb.read(pkl.data_offset, pkl.size)), rb.where,
+                                lookup=lookup).load()
+    except MemoryError:
+        # A damaged length field asks the C unpickler for an absurd buffer.
+        raise pickle.UnpicklingError("a length in the pickle is beyond its data") from None
     check_size(value, max_nodes)
     return value
 

@@ -414,3 +414,20 @@ def test_casting_needs_no_numpy(uneven_ckpt: Path, tmp_path: Path) -> None:
     ckpttool.merge(uneven_ckpt, tmp_path / "b", dtype="bf16")
     assert ((tmp_path / "a" / "model.safetensors").read_bytes()
             == (tmp_path / "b" / "model.safetensors").read_bytes())
+
+
+def test_side_files_reached_through_a_linked_directory_or_up_the_tree(llama_ckpt: Path,
+                                                                      tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    (home / ".aws").mkdir(parents=True)
+    (home / ".aws" / "credentials").write_text("aws_secret=1")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "tokenizer.json").write_text('{"stolen": true}')
+    ckpt = Path(shutil.copytree(llama_ckpt, home / "ckpt"))
+    (ckpt / "tokenizer.model").symlink_to("../.aws/credentials")
+    (ckpt / "pytorch_model_fsdp_0" / "huggingface").symlink_to(outside)
+    report = ckpttool.merge(ckpt / "pytorch_model_fsdp_0", tmp_path / "out")
+    assert not (tmp_path / "out" / "tokenizer.model").exists()
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+    assert sum("not copied" in w for w in report.warnings) == 2

@@ -438,3 +438,40 @@ def test_bytes_and_plain_values_are_read_not_called_unsafe(tmp_path: Path) -> No
     assert report.ok and not [p for p in report.problems if p.severity != "info"]
     values = {o["name"]: o for o in ckpttool.inspect(tmp_path / "ckpt").non_tensor}
     assert values["blob"]["readable"] and values["step"]["value"] == 7
+
+
+def test_a_decoy_in_front_of_code_does_not_hide_it(tmp_path: Path) -> None:
+    from collections import UserList
+
+    torch_dcp.save({"w": torch.ones(3), "evil": [UserList(), _RunsCommand("true")]},
+                   checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    report = ckpttool.verify(tmp_path / "ckpt")
+    assert [p.code for p in report.problems if p.severity == "error"] == ["code-in-checkpoint"]
+
+
+def test_checkpoints_beside_top_level_safetensors_are_verified(llama_ckpt: Path,
+                                                               tmp_path: Path) -> None:
+    ckpt = tmp_path / "checkpoint"
+    ckpttool.merge(llama_ckpt, ckpt)
+    shutil.copytree(llama_ckpt / "optimizer_0", ckpt / "optimizer_0")
+    report = ckpttool.verify(ckpt)
+    assert report.ok and [p.path for p in report.parts] == ["optimizer_0"]
+    file, offset = data_offset(ckpt / "optimizer_0", "optimizer.state.model.norm.weight.exp_avg")
+    with open(ckpt / "optimizer_0" / file, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\x00\x01\x02\x03")
+    assert codes(ckpttool.verify(ckpt)) == ["crc-mismatch"]
+
+
+@pytest.mark.parametrize("value", [float("inf"), 1.5, "12"])
+def test_a_byte_range_that_is_not_an_integer_is_corrupt(value: object, uneven_ckpt: Path,
+                                                        tmp_path: Path) -> None:
+    damaged = copy_dcp(uneven_ckpt, tmp_path)
+
+    def change(md) -> None:
+        index = next(iter(md.storage_data))
+        md.storage_data[index].offset = value
+
+    rewrite_metadata(damaged, change)
+    with pytest.raises(InputError, match="not two non-negative integers; corrupt .metadata"):
+        ckpttool.merge(damaged, tmp_path / "out")

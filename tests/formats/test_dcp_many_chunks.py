@@ -135,3 +135,37 @@ def test_a_record_that_differs_from_its_template_is_decoded_in_full(moe: Path,
     (damaged / c.file).write_bytes(data)
     with pytest.raises(ckpttool.InputError, match="record holds BF16 .* but .metadata promises"):
         ckpttool.merge(damaged, tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", ["model.model.embed_tokens.weight",  # data larger than headers
+                                  "model.model.layers.1.mlp.experts.2.up_proj.weight"])
+def test_any_header_byte_changed_decodes_as_a_full_decode(name: str, moe: Path,
+                                                          tmp_path: Path) -> None:
+    """Every byte of a late record outside its storage's data, changed in turn: the templated
+    reader must agree with a full decode (the same payload, or an error)."""
+    damaged = _copy(moe, tmp_path)
+    info = dcp.read_info(damaged)
+    t, c = _late_chunk(info, name)
+    with dcp.DcpReader(info, templates=False) as r:
+        p = r.payload(t, c)
+    path = damaged / c.file
+    original = path.read_bytes()
+    data_lo, data_hi = p.storage_offset - c.offset, p.storage_offset - c.offset + p.storage_size
+
+    def outcome(reader: dcp.DcpReader) -> object:
+        try:
+            got = reader.payload(t, c, checksums=True)
+        except ckpttool.CkptError as e:
+            return type(e)
+        return dataclasses.replace(got, side=tuple(dataclasses.replace(s, data=None)
+                                                   for s in got.side))
+
+    with dcp.DcpReader(info) as fast:
+        fast.payload(t, t.chunks[0])  # the template, from an intact record
+        for i in [*range(0, data_lo), *range(data_hi, c.length)]:
+            data = bytearray(original)
+            data[c.offset + i] ^= 0x04
+            path.write_bytes(data)
+            fast.store.close()  # reopen the changed file
+            with dcp.DcpReader(info, templates=False) as full:
+                assert outcome(fast) == outcome(full), f"byte {i} of the record"

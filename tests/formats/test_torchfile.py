@@ -150,3 +150,10 @@ def test_a_large_optimizer_state_is_read(tmp_path: Path) -> None:
     torch.save(state, tmp_path / "optimizer.pt")
     info = torchfile.read_info(tmp_path / "optimizer.pt")
     assert len(info.tensors) == 3 * n
+
+
+def test_two_entries_of_one_dotted_name_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "ambiguous.bin"
+    torch.save({"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}}, path)
+    with pytest.raises(InputError, match="two entries are both named 'a.b'"):
+        torchfile.read_info(path)
