@@ -26,6 +26,9 @@ def inspect_command(
     filter: Annotated[str | None, typer.Option(
         "--filter", metavar="GLOB", help="Show only tensors whose name matches this glob "
         "(e.g. '*layers.0.*'); the summary still counts them all.")] = None,
+    follow_links: Annotated[bool, typer.Option(
+        "--follow-links", help="Read data files that are links out of the checkpoint "
+        "directory (shared-storage layouts); refused otherwise.")] = False,
     stats: Annotated[bool, typer.Option(
         "--stats", help="Read the data and add min, max, mean, abs-max, NaN and Inf counts "
         "per tensor.")] = False,
@@ -42,7 +45,7 @@ def inspect_command(
     with exit_codes():
         try:
             report = inspect(path, filter=filter, stats=stats, config=config,
-                             progress=progress, on_start=on_start)
+                             follow_links=follow_links, progress=progress, on_start=on_start)
         finally:
             bar.stop()
     if json_output:

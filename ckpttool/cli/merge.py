@@ -46,6 +46,9 @@ def merge_command(
         "--keep-tied", help="Write both tied embedding copies even when identical.")] = False,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace model weights already in OUT.")] = False,
+    follow_links: Annotated[bool, typer.Option(
+        "--follow-links", help="Read data files that are links out of the checkpoint "
+        "directory (shared-storage layouts); refused otherwise.")] = False,
     workers: Annotated[int | None, typer.Option(
         min=1, help="Parallel copy threads (default: the CPUs this process may use).")] = None,
     json_output: Annotated[bool, typer.Option(
@@ -62,7 +65,8 @@ def merge_command(
         try:
             report = merge(src, out, dtype=dtype, max_shard_size=max_shard_size,
                            config=config, keep_tied=keep_tied, overwrite=overwrite,
-                           workers=workers, progress=progress, on_start=on_start)
+                           workers=workers, follow_links=follow_links, progress=progress,
+                           on_start=on_start)
         finally:
             bar.stop()
     if json_output:

@@ -45,6 +45,9 @@ def reshard_command(
     max_shard_size: Annotated[str, typer.Option(
         callback=size_option,
         help="With --to safetensors: the largest shard (5GB, 500MB...).")] = "5GB",
+    follow_links: Annotated[bool, typer.Option(
+        "--follow-links", help="Read data files that are links out of the checkpoint "
+        "directory (shared-storage layouts); refused otherwise.")] = False,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace a checkpoint already in OUT.")] = False,
     json_output: Annotated[bool, typer.Option(
@@ -61,7 +64,7 @@ def reshard_command(
         try:
             report = reshard(src, out, ranks=ranks, to=to.value, prefix=prefix,
                              max_shard_size=max_shard_size, overwrite=overwrite,
-                             progress=progress, on_start=on_start)
+                             follow_links=follow_links, progress=progress, on_start=on_start)
         finally:
             bar.stop()
     if not quiet:

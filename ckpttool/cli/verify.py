@@ -52,6 +52,9 @@ def verify_command(
     manifest: Annotated[Path | None, typer.Option(
         metavar="FILE", help="Write a SHA-256 per tensor to FILE, or check them against FILE "
         "if it exists.")] = None,
+    follow_links: Annotated[bool, typer.Option(
+        "--follow-links", help="Read data files that are links out of the checkpoint "
+        "directory (shared-storage layouts); refused otherwise.")] = False,
     workers: Annotated[int | None, typer.Option(
         min=1, help="Tensors read in parallel (default: the CPUs this process may use).")] = None,
     json_output: Annotated[bool, typer.Option(
@@ -78,7 +81,7 @@ def verify_command(
                             dtype=dtype,
                             expect_dtype=expect_dtype,
                             config=config, manifest=manifest, workers=workers,
-                            progress=progress, on_start=on_start)
+                            follow_links=follow_links, progress=progress, on_start=on_start)
         finally:
             bar.stop()
     doc = report.to_json()

@@ -22,8 +22,9 @@ from pathlib import Path
 from ckpttool.core import hf, names
 from ckpttool.errors import InputError
 from ckpttool.formats import registry, torchfile
-from ckpttool.formats.base import CheckpointInfo, ObjectEntry, Tensor
+from ckpttool.formats.base import CheckpointInfo, ObjectEntry, Reader, Tensor
 from ckpttool.formats.dtypes import DType
+from ckpttool.formats.store import LocalStore
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of one chunk
 
@@ -191,10 +192,10 @@ def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | N
     fmt = registry.detect(given)
     if fmt is not None:
         info = fmt.read_info(given)
-        if not given.is_dir():
+        if not given.is_dir() or info.sharded:
             return describe(given, info, config=config_path)
-        # A directory claimed whole (safetensors weights at the top of a training directory)
-        # may still hold other checkpoints beside them (optimizer_0/): list and check those.
+        # Full weights at the top of a training directory (model.safetensors beside
+        # optimizer_0/): the other checkpoints there are listed and checked too.
         parts, beside = list_parts(given)
         return describe(given, info, config=config_path, parts=parts if beside else (),
                         others=tuple(beside.items()))
@@ -213,6 +214,22 @@ def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | N
     others = tuple((name, i) for name, i in infos.items() if name != chosen.path)
     return describe(given, info, config=config_path, parts=parts, chosen=chosen.path,
                     others=others)
+
+
+def open_reader(ckpt: Checkpoint, *, follow_links: bool = False) -> Reader:
+    """The chosen checkpoint's bytes, through its format's reader.
+
+    Args:
+        follow_links: read data files that are links out of the checkpoint directory
+            (shared-storage layouts); refused otherwise.
+    """
+    info = ckpt.info
+    if info is None:
+        raise InputError(f"{ckpt.path}: holds no single checkpoint to read")
+    reader = registry.by_name(info.format).open_reader(info)
+    if follow_links:
+        reader.store = LocalStore(info.base, metadata_name=info.metadata_name, follow_links=True)
+    return reader
 
 
 def _read(path: Path) -> CheckpointInfo:

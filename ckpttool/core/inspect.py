@@ -19,22 +19,14 @@ from ckpttool.core import dtypes as dtype_policy
 from ckpttool.core import hf, names, ties
 from ckpttool.core import objects as non_tensor
 from ckpttool.core import tensors as tensor_io
-from ckpttool.core.discover import Box, Checkpoint, Part, TensorView, discover
+from ckpttool.core.discover import Box, Checkpoint, Part, TensorView, discover, open_reader
 from ckpttool.core.report import SCHEMA, Progress
 from ckpttool.errors import InputError
-from ckpttool.formats import registry
 from ckpttool.formats.base import Reader
 from ckpttool.formats.dtypes import DType
 
 # Problem codes meaning the metadata itself could not be read: inspect stops on them.
 _UNREADABLE_METADATA = frozenset({"header-corrupt", "missing-file"})
-
-
-def open_reader(ckpt: Checkpoint) -> Reader:
-    """The chosen checkpoint's bytes, through its format's reader."""
-    if ckpt.info is None:
-        raise InputError(f"{ckpt.path}: holds no single checkpoint to read")
-    return registry.by_name(ckpt.info.format).open_reader(ckpt.info)
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,6 +273,7 @@ def inspect(
     filter: str | None = None,
     stats: bool = False,
     config: str | os.PathLike[str] | None = None,
+    follow_links: bool = False,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> InspectReport:
@@ -291,6 +284,7 @@ def inspect(
         filter: a glob on tensor names; narrows the table (and the tensors ``stats`` reads).
         stats: stream the data and add min, max, mean, abs-max, NaN and Inf counts per tensor.
         config: config.json (or its directory) instead of the one beside the checkpoint.
+        follow_links: read data files that are links out of the checkpoint directory.
         progress: called with bytes read (``stats`` only).
         on_start: called once with the bytes ``stats`` will read.
 
@@ -323,7 +317,7 @@ def inspect(
     for p in info.problems:
         if p.code in _UNREADABLE_METADATA:
             raise InputError(f"{p.message}; ckpttool verify {ckpt.path} lists every problem")
-    with open_reader(ckpt) as reader:
+    with open_reader(ckpt, follow_links=follow_links) as reader:
         report.non_tensor = describe_objects(ckpt, reader)
         if stats:
             if on_start is not None:

@@ -22,7 +22,7 @@ from ckpttool.core import chunks as chunk_geometry
 from ckpttool.core import dtypes as dtype_policy
 from ckpttool.core import hf, names, structure, tensors, ties
 from ckpttool.core import objects as non_tensor
-from ckpttool.core.discover import Checkpoint, ObjectView, Part, discover
+from ckpttool.core.discover import Checkpoint, ObjectView, Part, discover, open_reader
 from ckpttool.core.dtypes import DTypePolicy
 from ckpttool.core.fileio import (
     AtomicOutputs,
@@ -336,6 +336,7 @@ def merge(
     keep_tied: bool = False,
     overwrite: bool = False,
     workers: int | None = None,
+    follow_links: bool = False,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> MergeReport:
@@ -351,6 +352,8 @@ def merge(
         keep_tied: write both copies of tied embeddings even when they are identical.
         overwrite: replace model weights already in ``out``.
         workers: parallel copy threads (default: the CPUs this process may use).
+        follow_links: read data files that are links out of the checkpoint directory
+            (shared-storage layouts); refused otherwise.
         progress: called with bytes written, as the merge goes.
         on_start: called once with the total bytes to write, before any are written.
 
@@ -410,7 +413,7 @@ def merge(
     # Before reading any tensor data (the tie check reads both embeddings): fail fast.
     _check_existing(out_path, extra_names, overwrite, stem)
 
-    with registry.by_name(info.format).open_reader(info) as reader:
+    with open_reader(ckpt, follow_links=follow_links) as reader:
         drop = (frozenset() if optimizer
                 else _decide_tie(reader, by_name, files.config, keep_tied, report))
         objects = [(o, non_tensor.read(reader, o.entry)) for o in ckpt.objects]

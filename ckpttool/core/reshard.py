@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.core import structure, tensors
-from ckpttool.core.discover import Checkpoint, discover
+from ckpttool.core.discover import Checkpoint, discover, open_reader
 from ckpttool.core.fileio import (
     AtomicOutputs,
     check_apart,
@@ -31,7 +31,6 @@ from ckpttool.core.fileio import (
     pwrite_all,
     remove_stale,
 )
-from ckpttool.core.inspect import open_reader
 from ckpttool.core.report import SCHEMA, Progress
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats import dcp
@@ -112,6 +111,7 @@ def reshard(
     prefix: str | None = None,
     max_shard_size: str | int = "5GB",
     overwrite: bool = False,
+    follow_links: bool = False,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> ReshardReport:
@@ -128,6 +128,7 @@ def reshard(
             ``model``), so the result loads with ``load_fsdp_model``.
         max_shard_size: with safetensors output, the largest shard.
         overwrite: replace a checkpoint already in ``out``.
+        follow_links: read data files that are links out of the checkpoint directory.
 
     Raises:
         InputError, UnsupportedError, OutputError: as for ``merge``.
@@ -154,7 +155,7 @@ def reshard(
                          "checkpoint out for)")
     if target == "dcp" and info.sharded and prefix is not None:
         raise InputError("--prefix applies to full weights; a DCP source keeps its keys")
-    with open_reader(ckpt) as reader:
+    with open_reader(ckpt, follow_links=follow_links) as reader:
         reader.open_files()
         if target == "safetensors":
             _to_safetensors(ckpt, reader, out_path, st.parse_size(str(max_shard_size)),

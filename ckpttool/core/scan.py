@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from ckpttool.core import chunks as chunk_geometry
 from ckpttool.core import objects, tensors
 from ckpttool.core.against import AgainstPlan, Compare, decide_tied
-from ckpttool.core.discover import Checkpoint, TensorView
-from ckpttool.core.inspect import Stats, open_reader
+from ckpttool.core.discover import Checkpoint, TensorView, open_reader
+from ckpttool.core.inspect import Stats
 from ckpttool.core.report import Progress
 from ckpttool.core.tensors import BLOCK_BYTES
 from ckpttool.core.torch_threads import default_workers, one_torch_thread
@@ -243,7 +243,8 @@ def scan_tensor(scanner: Scanner, t: TensorView, *, digest: bool, compare: Compa
 
 def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | None,
               want_digest: set[str], workers: int | None, read: Progress, *,
-              skip: set[str], skip_b: Set[str] = frozenset()) -> Pass:
+              skip: set[str], skip_b: Set[str] = frozenset(), follow_links: bool = False
+              ) -> Pass:
     """Read every undamaged tensor of ``ckpt`` once: CRCs, values, digests (``want_digest``),
     and the comparisons ``plan`` asks for with ``other``.
 
@@ -256,11 +257,15 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
     comparisons = {p.a.name: p for p in (plan.pairs if plan else ())
                    if p.b.stored_name not in skip_b}
     with contextlib.ExitStack() as stack:
-        reader = stack.enter_context(open_reader(ckpt))
-        reader_b = stack.enter_context(open_reader(other)) if other is not None else None
+        reader = stack.enter_context(open_reader(ckpt, follow_links=follow_links))
+        reader_b = (stack.enter_context(open_reader(other, follow_links=follow_links))
+                    if other is not None else None)
         for r in (reader, reader_b):
             if r is not None:
-                r.open_files()  # before threads share them
+                # Before threads share them (the store also opens safely on first use): a file
+                # that cannot be opened is reported by the tensors that need it.
+                with contextlib.suppress(InputError):
+                    r.open_files()
         scanner = Scanner(ckpt, reader, read)
 
         def job(t: TensorView) -> Result:

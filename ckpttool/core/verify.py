@@ -84,6 +84,7 @@ def verify(
     config: str | os.PathLike[str] | None = None,
     manifest: str | os.PathLike[str] | None = None,
     workers: int | None = None,
+    follow_links: bool = False,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> VerifyReport:
@@ -99,6 +100,7 @@ def verify(
         config: config.json (or its directory) instead of the one beside ``path``.
         manifest: a file to write SHA-256 digests to, or to check them against if it exists.
         workers: tensors read in parallel (default: the CPUs this process may use).
+        follow_links: read data files that are links out of the checkpoint directory.
         progress: called with bytes read.
         on_start: called once with the bytes about to be read.
 
@@ -159,7 +161,7 @@ def verify(
     if other is not None:
         problems += _structure(other, damaged_b)
     done = scan.data_pass(ckpt, other, plan, want_digest, workers, read, skip=damaged,
-                          skip_b=damaged_b)
+                          skip_b=damaged_b, follow_links=follow_links)
     problems += done.problems
     digests = done.digests
     same = None
@@ -173,7 +175,8 @@ def verify(
     for name, part in parts:  # the rest of a training checkpoint must be whole too
         part_damaged: set[str] = set()
         part_problems = _structure(part, part_damaged)
-        part_pass = scan.data_pass(part, None, None, set(), workers, read, skip=part_damaged)
+        part_pass = scan.data_pass(part, None, None, set(), workers, read, skip=part_damaged,
+                                   follow_links=follow_links)
         for p in part_problems + part_pass.problems:
             file = p.location.file
             problems.append(replace(p, location=replace(

@@ -55,9 +55,12 @@ class LocalStore:
         metadata_name: what references the files, for the "missing" message (".metadata").
     """
 
-    def __init__(self, base: Path, *, metadata_name: str) -> None:
+    def __init__(self, base: Path, *, metadata_name: str, follow_links: bool = False) -> None:
         self.base = base
         self.metadata_name = metadata_name
+        # A data file that is a link out of the checkpoint is refused unless asked for
+        # (--follow-links): storage paths are checked by name, a link would sidestep that.
+        self._inside = None if follow_links else os.path.realpath(base)
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -76,7 +79,14 @@ class LocalStore:
         with self._lock:
             fd = self._fds.get(name)
             if fd is None:
-                fd = self._fds[name] = open_data_file(self.path(name), self.metadata_name)
+                path = self.path(name)
+                if self._inside is not None:
+                    real = os.path.realpath(path)
+                    if os.path.commonpath([real, self._inside]) != self._inside:
+                        raise InputError(
+                            f"{path}: a link to {real}, outside the checkpoint directory; "
+                            "pass --follow-links to read data files through links")
+                fd = self._fds[name] = open_data_file(path, self.metadata_name)
         return fd
 
     def open_all(self, names: Iterable[str]) -> None:

@@ -229,3 +229,26 @@ def test_a_broken_pipe_ends_quietly(uneven_ckpt: Path) -> None:
     proc.wait(timeout=60)
     assert proc.returncode in (0, -13), proc.returncode  # -13: SIGPIPE, the shell's 141
     assert proc.stderr.read() == b""
+
+
+def test_a_data_file_linked_out_of_the_checkpoint_needs_follow_links(uneven_ckpt: Path,
+                                                                     tmp_path: Path) -> None:
+    ckpt = Path(shutil.copytree(uneven_ckpt / "pytorch_model_fsdp_0", tmp_path / "ckpt"))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (ckpt / "__1_0.distcp").rename(shared / "__1_0.distcp")
+    (ckpt / "__1_0.distcp").symlink_to(shared / "__1_0.distcp")
+    r = run("merge", ckpt, tmp_path / "out")
+    assert r.exit_code == 3
+    assert r.stderr == (f"ckpttool: error: {ckpt / '__1_0.distcp'}: a link to "
+                        f"{shared / '__1_0.distcp'}, outside the checkpoint directory; pass "
+                        "--follow-links to read data files through links\n")
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    assert run("verify", ckpt).exit_code == 1
+    assert run("merge", ckpt, tmp_path / "out", "--follow-links", "-q").exit_code == 0
+    assert run("verify", ckpt, "--follow-links", "--against", tmp_path / "out").exit_code == 0
+    inside = Path(shutil.copytree(uneven_ckpt / "pytorch_model_fsdp_0", tmp_path / "in"))
+    (inside / "data").mkdir()
+    (inside / "__0_0.distcp").rename(inside / "data" / "__0_0.distcp")
+    (inside / "__0_0.distcp").symlink_to("data/__0_0.distcp")  # a link inside: fine
+    assert run("merge", inside, tmp_path / "out2", "-q").exit_code == 0
