@@ -33,12 +33,13 @@ from ckpttool.core.fileio import (
     remove_stale,
 )
 from ckpttool.core.report import SCHEMA, Progress
-from ckpttool.core.torch_threads import default_workers, one_torch_thread
+from ckpttool.core.torch_threads import default_workers, one_torch_thread, workers_for
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats import registry
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Chunk, Reader, Tensor
 from ckpttool.formats.dtypes import DType
+from ckpttool.formats.torchsave import gc_paused
 
 # --------------------------------------------------------------------------------------------
 # The plan
@@ -149,6 +150,8 @@ def execute(
         casts = casts or any(t.cast for t in f.tensors)
     reader.open_files()  # before threads share the reader
     jobs.sort(key=lambda j: -j.nbytes)
+    workers = workers_for(workers, nbytes=sum(j.nbytes for j in jobs),
+                          chunks=sum(len(j.chunks) for j in jobs))
     if not casts:
         _run_jobs(jobs, reader, workers, report)  # no torch at all
         return
@@ -413,7 +416,9 @@ def merge(
     # Before reading any tensor data (the tie check reads both embeddings): fail fast.
     _check_existing(out_path, extra_names, overwrite, stem)
 
-    with open_reader(ckpt, follow_links=follow_links) as reader:
+    # No cyclic collection while millions of chunk objects live: none are garbage, and each
+    # collection would walk them all.
+    with open_reader(ckpt, follow_links=follow_links) as reader, gc_paused():
         drop = (frozenset() if optimizer
                 else _decide_tie(reader, by_name, files.config, keep_tied, report))
         objects = [(o, non_tensor.read(reader, o.entry)) for o in ckpt.objects]

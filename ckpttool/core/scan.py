@@ -22,9 +22,10 @@ from ckpttool.core.discover import Checkpoint, TensorView, open_reader
 from ckpttool.core.inspect import Stats
 from ckpttool.core.report import Progress
 from ckpttool.core.tensors import BLOCK_BYTES
-from ckpttool.core.torch_threads import default_workers, one_torch_thread
+from ckpttool.core.torch_threads import default_workers, one_torch_thread, workers_for
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Checksummed, Chunk, Payload, Problem, Reader, error, warning
+from ckpttool.formats.torchsave import gc_paused
 
 try:
     # CRC-32 at memory speed: zlib-ng's is 5-6x the standard zlib's here (18 vs 3.2 GB/s on
@@ -256,7 +257,10 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
     todo = [t for t in ckpt.tensors if t.stored_name not in skip]
     comparisons = {p.a.name: p for p in (plan.pairs if plan else ())
                    if p.b.stored_name not in skip_b}
+    workers = workers_for(workers or default_workers(), nbytes=sum(t.nbytes for t in todo),
+                          chunks=sum(len(t.tensor.chunks) for t in todo))
     with contextlib.ExitStack() as stack:
+        stack.enter_context(gc_paused())  # millions of live chunk objects, none garbage
         reader = stack.enter_context(open_reader(ckpt, follow_links=follow_links))
         reader_b = (stack.enter_context(open_reader(other, follow_links=follow_links))
                     if other is not None else None)

@@ -24,6 +24,17 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
+# Below this mean chunk size, one thread does all the work.
+THREADED_CHUNK = 64 << 10
+
+
+def workers_for(workers: int, *, nbytes: int, chunks: int) -> int:
+    """``workers``, or 1 when the chunks are kilobyte-sized: the work is then Python per
+    chunk, and threads only contend for the interpreter (measured on 1M chunks: merge takes
+    25 s on one thread, 31 s on two)."""
+    return 1 if chunks and nbytes / chunks < THREADED_CHUNK else workers
+
+
 _lock = threading.Lock()
 _users = 0
 _saved = 0

@@ -99,7 +99,9 @@ _METADATA_CLASSES: dict[str, type[torchsave.Stub] | type[torchsave.PlainStub]] =
         "_StoragePrefix",
     )},
 }
-_STUBS = (torchsave.Stub, torchsave.PlainStub)
+_STORAGE_INFO = _METADATA_CLASSES["_StorageInfo"]
+_METADATA_INDEX = _METADATA_CLASSES["MetadataIndex"]
+_CHUNK_METADATA = _METADATA_CLASSES["ChunkStorageMetadata"]
 
 def _path(*parts: Any) -> str:
     return "/".join(str(p) for p in parts)
@@ -187,14 +189,16 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
                          f"incomplete (copy {METADATA_FILE} too)")
     if not md_path.is_file():
         raise InputError(f"{root}: not a DCP checkpoint directory (no {METADATA_FILE} file)")
-    md = read_metadata_object(md_path)
-    if type(md).__name__ != "Metadata" or not isinstance(md, torchsave.PlainStub):
-        raise InputError(f"{md_path}: does not hold DCP Metadata (found {type(md).__name__})")
-    try:
-        return _convert(root, md_path, md)
-    except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
-        raise InputError(f"{md_path}: corrupt .metadata ({type(e).__name__}: {e}); copy it "
-                         "again from the source") from None
+    with torchsave.gc_paused():
+        md = read_metadata_object(md_path)
+        if type(md).__name__ != "Metadata" or not isinstance(md, torchsave.PlainStub):
+            raise InputError(f"{md_path}: does not hold DCP Metadata (found "
+                             f"{type(md).__name__})")
+        try:
+            return _convert(root, md_path, md)
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
+            raise InputError(f"{md_path}: corrupt .metadata ({type(e).__name__}: {e}); copy "
+                             "it again from the source") from None
 
 
 def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> CheckpointInfo:
@@ -211,31 +215,7 @@ def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> CheckpointIn
     if not isinstance(planner_data, dict):
         planner_data = {}
 
-    storage: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
-    safe: dict[str, str] = {}  # storage path -> checked (a few files, a million entries)
-    where = str(md_path)
-    for index, info in storage_data.items():
-        if type(info).__name__ != "_StorageInfo" or not isinstance(index, _STUBS):
-            raise UnsupportedError(
-                f"{md_path}: storage entries of type '{type(info).__name__}' are not supported "
-                "(this reads checkpoints written by torch.distributed.checkpoint.FileSystemWriter)"
-            )
-        descriptors = info.field("transform_descriptors")
-        if descriptors:
-            raise UnsupportedError(
-                f"{md_path}: entry '{index.field('fqn')}' is stored with transforms "
-                f"{list(descriptors)}; only untransformed records are supported"
-            )
-        raw_rel = str(info.field("relative_path"))
-        rel = safe.get(raw_rel) or safe.setdefault(raw_rel, _safe_relative(md_path, raw_rel))
-        offset = index.field("offset")
-        key = (str(index.field("fqn")), None if offset is None else torchsave.ints(offset, where))
-        begin, length = info.field("offset"), info.field("length")
-        if type(begin) is not int or type(length) is not int or begin < 0 or length < 0:
-            raise InputError(f"{md_path}: entry '{key[0]}' has the byte range "
-                             f"({begin!r}, {length!r}), not two non-negative integers; corrupt "
-                             ".metadata")
-        storage[key] = (rel, begin, length)
+    storage = _storage(md_path, storage_data)
 
     tensors: list[Tensor] = []
     objects: list[ObjectEntry] = []
@@ -267,6 +247,49 @@ def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> CheckpointIn
         version=None if version is None else str(version))
 
 
+def _storage(md_path: Path, storage_data: dict[Any, Any]
+             ) -> dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]]:
+    """``storage_data`` as (fqn, chunk offsets) -> (file, byte offset, byte length).
+
+    Checked in bulk (types, integers, file names once per file): a million entries cost a few
+    C-level passes, not a million Python-level checks each.
+    """
+    where = str(md_path)
+    keys, infos = list(storage_data), list(storage_data.values())
+    if (set(map(type, infos)) - {_STORAGE_INFO}) or (set(map(type, keys)) - {_METADATA_INDEX}):
+        bad = next(v for k, v in zip(keys, infos, strict=True)
+                   if type(v) is not _STORAGE_INFO or type(k) is not _METADATA_INDEX)
+        raise UnsupportedError(
+            f"{md_path}: storage entries of type '{type(bad).__name__}' are not supported "
+            "(this reads checkpoints written by torch.distributed.checkpoint.FileSystemWriter)")
+    ks = [k.__dict__ for k in keys]
+    vs = [v.__dict__ for v in infos]
+    fqns = [k.get("fqn") for k in ks]
+    if set(map(type, fqns)) - {str}:
+        raise InputError(f"{md_path}: a storage entry has no name; corrupt .metadata")
+    transformed = next((i for i, v in enumerate(vs) if v.get("transform_descriptors")), None)
+    if transformed is not None:
+        raise UnsupportedError(
+            f"{md_path}: entry '{fqns[transformed]}' is stored with transforms "
+            f"{list(vs[transformed]['transform_descriptors'])}; only untransformed records are "
+            "supported")
+    rels = [str(v.get("relative_path")) for v in vs]
+    safe = {rel: _safe_relative(md_path, rel) for rel in set(rels)}
+    offsets = [k.get("offset") for k in ks]
+    torchsave.all_ints([o for o in offsets if o is not None], where)
+    begins = [v.get("offset") for v in vs]
+    lengths = [v.get("length") for v in vs]
+    ranges = begins + lengths
+    if ranges and (set(map(type, ranges)) - {int} or min(ranges) < 0):
+        i = next(i for i, (b, n) in enumerate(zip(begins, lengths, strict=True))
+                 if type(b) is not int or type(n) is not int or b < 0 or n < 0)
+        raise InputError(f"{md_path}: entry '{fqns[i]}' has the byte range "
+                         f"({begins[i]!r}, {lengths[i]!r}), not two non-negative integers; "
+                         "corrupt .metadata")
+    return {(fqn, off): (safe[rel], b, n)
+            for fqn, off, rel, b, n in zip(fqns, offsets, rels, begins, lengths, strict=True)}
+
+
 def _tensor_entry(
     md_path: Path,
     fqn: str,
@@ -288,20 +311,23 @@ def _tensor_entry(
         raise InputError(f"{md_path}: tensor '{fqn}' has no readable dtype; corrupt .metadata")
     here = str(md_path)
     shape = torchsave.ints(entry.field("size") or (), here)
+    found = entry.field("chunks") or ()
+    if not isinstance(found, (list, tuple)) or set(map(type, found)) - {_CHUNK_METADATA}:
+        raise InputError(f"{md_path}: tensor '{fqn}' has chunks that are not chunk "
+                         "metadata; corrupt .metadata")
+    ds = [c.__dict__ for c in found]
+    offsets = [d.get("offsets") for d in ds]
+    sizes = [d.get("sizes") for d in ds]
+    torchsave.all_ints(offsets + sizes, here)
     chunks = []
-    for c in entry.field("chunks") or ():
-        if not isinstance(c, torchsave.PlainStub):
-            raise InputError(f"{md_path}: tensor '{fqn}' has a chunk of type "
-                             f"{type(c).__name__}; corrupt .metadata")
-        offsets = torchsave.ints(c.field("offsets"), here)
-        sizes = torchsave.ints(c.field("sizes"), here)
-        where = storage.get((fqn, offsets))
-        if where is None:
+    for o, size in zip(offsets, sizes, strict=True):
+        stored = storage.get((fqn, o))
+        if stored is None:
             raise InputError(
-                f"{md_path}: chunk of '{fqn}' at offsets {list(offsets)} has no storage record; "
+                f"{md_path}: chunk of '{fqn}' at offsets {list(o)} has no storage record; "
                 "the checkpoint is incomplete"
             )
-        chunks.append(Chunk(offsets, sizes, *where, encoding=RECORD))
+        chunks.append(Chunk(o, size, *stored, RECORD))
     return Tensor(fqn, path, dtype, shape, tuple(chunks))
 
 

@@ -311,6 +311,8 @@ def test_interrupt_with_workers_stops_queued_jobs(llama_ckpt: Path, tmp_path: Pa
         real_copy_range(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr("ckpttool.formats.store.copy_range", interrupted)
+    # The fixture's chunks are small, which alone would make the merge single-threaded.
+    monkeypatch.setattr("ckpttool.core.torch_threads.THREADED_CHUNK", 0)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         ckpttool.merge(llama_ckpt, out, dtype="keep", keep_tied=True, workers=2)
