@@ -22,7 +22,8 @@ Examples:\n\n
   ckpttool verify checkpoint-500\n\n
   ckpttool verify checkpoint-500 --against merged/ --allow-cast\n\n
   ckpttool verify checkpoint-500 --expect-dtype bf16 --json | jq '.problems'\n\n
-  ckpttool verify merged/ --manifest merged.manifest.json   # writes it, or checks it if present\n\n
+  ckpttool verify merged/ --write-manifest merged.manifest.json\n\n
+  ckpttool verify copy/ --check-manifest merged.manifest.json\n\n
 Exit codes: 0 nothing at error severity, 1 errors found, 2 usage, 3 PATH cannot be read,
 4 unsupported, 70 internal bug.
 """
@@ -49,9 +50,11 @@ def verify_command(
     ] = None,
     config: Annotated[Path | None, typer.Option(
         help="config.json (or its directory) to use instead of the one beside PATH.")] = None,
-    manifest: Annotated[Path | None, typer.Option(
-        metavar="FILE", help="Write a SHA-256 per tensor to FILE, or check them against FILE "
-        "if it exists.")] = None,
+    write_manifest: Annotated[Path | None, typer.Option(
+        metavar="FILE", help="Write a SHA-256 per tensor to FILE (a new file).")] = None,
+    check_manifest: Annotated[Path | None, typer.Option(
+        metavar="FILE", help="Check every tensor against the SHA-256s in FILE (written by "
+        "--write-manifest); a missing FILE is an error.")] = None,
     follow_links: Annotated[bool, typer.Option(
         "--follow-links", help="Read data files that are links out of the checkpoint "
         "directory (shared-storage layouts); refused otherwise.")] = False,
@@ -65,6 +68,9 @@ def verify_command(
     """Check that a checkpoint is whole and sane; compare it with another."""
     from ckpttool.core.verify import verify
 
+    if write_manifest is not None and check_manifest is not None:
+        raise typer.BadParameter("pass one of --write-manifest and --check-manifest",
+                                 param_hint="--write-manifest")
     if expect_dtype == "keep":
         raise typer.BadParameter("keep checks nothing; use auto, bf16, fp16 or fp32",
                                  param_hint="--expect-dtype")
@@ -80,7 +86,9 @@ def verify_command(
             report = verify(path, against=against, allow_cast=allow_cast,
                             dtype=dtype,
                             expect_dtype=expect_dtype,
-                            config=config, manifest=manifest, workers=workers,
+                            config=config, manifest=write_manifest or check_manifest,
+                            manifest_action="write" if write_manifest else
+                            "check" if check_manifest else None, workers=workers,
                             follow_links=follow_links, progress=progress, on_start=on_start)
         finally:
             bar.stop()

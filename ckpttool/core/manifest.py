@@ -1,5 +1,6 @@
-"""``verify --manifest``: a SHA-256 of every tensor's bytes in C order under canonical names
-(so a manifest holds across formats), written once and checked later. Pure, but for the file.
+"""``verify --write-manifest`` / ``--check-manifest``: a SHA-256 of every tensor's bytes in C
+order under canonical names (so a manifest holds across formats), written once and checked
+later. Pure, but for the file.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def document(ckpt: Checkpoint, digests: dict[str, str]) -> dict[str, Any]:
 
 
 def read(path: Path) -> dict[str, dict[str, Any]]:
-    """The tensors of a manifest written by ``verify --manifest``.
+    """The tensors of a manifest written by ``verify --write-manifest``.
 
     Raises:
         InputError: not a ckpttool manifest.
@@ -39,11 +40,11 @@ def read(path: Path) -> dict[str, dict[str, Any]]:
         doc = json.loads(path.read_text())
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: cannot read the manifest ({e}); pass a file that "
-                         "verify --manifest wrote, or a new path to write one") from None
+                         "verify --write-manifest wrote") from None
     if not isinstance(doc, dict) or doc.get("kind") != MANIFEST_KIND or not isinstance(
             doc.get("tensors"), dict):
-        raise InputError(f"{path}: not a ckpttool manifest (--manifest); pass a file that "
-                         "verify --manifest wrote, or a new path to write one")
+        raise InputError(f"{path}: not a ckpttool manifest; pass a file that verify "
+                         "--write-manifest wrote")
     tensors: dict[str, dict[str, Any]] = doc["tensors"]
     return tensors
 

@@ -33,7 +33,7 @@ from ckpttool.core import scan, structure, ties
 from ckpttool.core.against import plan_against
 from ckpttool.core.discover import Checkpoint, Part, describe, discover
 from ckpttool.core.report import SCHEMA, Progress
-from ckpttool.errors import InputError
+from ckpttool.errors import InputError, OutputError
 from ckpttool.formats.base import SEVERITIES, Location, Problem, error
 
 __all__ = ["Location", "Problem", "VerifyReport", "verify"]
@@ -83,6 +83,7 @@ def verify(
     expect_dtype: str | None = None,
     config: str | os.PathLike[str] | None = None,
     manifest: str | os.PathLike[str] | None = None,
+    manifest_action: str | None = None,
     workers: int | None = None,
     follow_links: bool = False,
     progress: Progress | None = None,
@@ -99,6 +100,8 @@ def verify(
             dtype are errors.
         config: config.json (or its directory) instead of the one beside ``path``.
         manifest: a file to write SHA-256 digests to, or to check them against if it exists.
+        manifest_action: ``"write"`` (the file must not exist) or ``"check"`` (it must);
+            None: check when it exists, else write.
         workers: tensors read in parallel (default: the CPUs this process may use).
         follow_links: read data files that are links out of the checkpoint directory.
         progress: called with bytes read.
@@ -129,7 +132,17 @@ def verify(
     cast_policy = (dtype_policy.resolve(dtype or "auto", ckpt.hf.config, config_name)
                    if allow_cast else None)
     manifest_path = Path(manifest) if manifest is not None else None
-    expected = manifests.read(manifest_path) if manifest_path and manifest_path.exists() else None
+    if manifest_action not in (None, "write", "check"):
+        raise InputError(f"manifest_action must be 'write' or 'check', not {manifest_action!r}")
+    if manifest_path is not None and manifest_action == "check" and not manifest_path.exists():
+        raise InputError(f"{manifest_path}: no such manifest to check (--check-manifest); "
+                         "write one first with --write-manifest")
+    if manifest_path is not None and manifest_action == "write" and os.path.lexists(
+            manifest_path):
+        raise OutputError(f"{manifest_path}: exists already; check it with --check-manifest, "
+                          "or remove it to write a new one")
+    expected = (manifests.read(manifest_path) if manifest_path and manifest_path.exists()
+                and manifest_action != "write" else None)
 
     report = VerifyReport(path=str(ckpt.path), checkpoint=str(ckpt.root), format=ckpt.format,
                           kind=ckpt.kind, num_tensors=len(ckpt.tensors))

@@ -172,18 +172,32 @@ def test_against_merge_output(llama_ckpt: Path, tmp_path: Path) -> None:
 
 def test_manifest_written_then_checked(uneven_ckpt: Path, tmp_path: Path) -> None:
     manifest = tmp_path / "m.json"
-    r = run("verify", uneven_ckpt, "--manifest", manifest)
+    r = run("verify", uneven_ckpt, "--write-manifest", manifest)
     assert r.exit_code == 0
     assert r.stdout.splitlines()[-1].endswith(f"; manifest written: {manifest}")
-    r = run("verify", uneven_ckpt, "--manifest", manifest)
+    r = run("verify", uneven_ckpt, "--check-manifest", manifest)
     assert r.exit_code == 0
     assert r.stdout.splitlines()[-1].endswith(f"; manifest checked: {manifest}")
     (tmp_path / "junk.json").write_text("{}")
-    r = run("verify", uneven_ckpt, "--manifest", tmp_path / "junk.json")
+    r = run("verify", uneven_ckpt, "--check-manifest", tmp_path / "junk.json")
     assert r.exit_code == 3
-    assert r.stderr == (f"ckpttool: error: {tmp_path / 'junk.json'}: not a ckpttool manifest "
-                        "(--manifest); pass a file that verify --manifest wrote, or a new path "
-                        "to write one\n")
+    assert r.stderr == (f"ckpttool: error: {tmp_path / 'junk.json'}: not a ckpttool manifest; "
+                        "pass a file that verify --write-manifest wrote\n")
+
+
+def test_a_manifest_to_check_must_exist_and_one_to_write_must_not(uneven_ckpt: Path,
+                                                                  tmp_path: Path) -> None:
+    typo = tmp_path / "typo.json"
+    r = run("verify", uneven_ckpt, "--check-manifest", typo)
+    assert r.exit_code == 3
+    assert r.stderr == (f"ckpttool: error: {typo}: no such manifest to check "
+                        "(--check-manifest); write one first with --write-manifest\n")
+    assert not typo.exists()
+    typo.write_text("precious")
+    r = run("verify", uneven_ckpt, "--write-manifest", typo)
+    assert r.exit_code == 3 and typo.read_text() == "precious"
+    r = run("verify", uneven_ckpt, "--write-manifest", typo, "--check-manifest", typo)
+    assert r.exit_code == 2
 
 
 def test_usage_errors_exit_2(uneven_ckpt: Path, tmp_path: Path) -> None:
