@@ -48,10 +48,10 @@ def inspect_command(
                              follow_links=follow_links, progress=progress, on_start=on_start)
         finally:
             bar.stop()
-    if json_output:
-        print_json(report.to_json())
-    else:
-        print(render(report.to_json()))
+        if json_output:
+            print_json(report.to_json())
+        else:
+            print(render(report.to_json()))
 
 
 def render(doc: dict[str, Any]) -> str:

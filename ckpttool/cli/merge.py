@@ -69,13 +69,13 @@ def merge_command(
                            on_start=on_start)
         finally:
             bar.stop()
-    if json_output:
-        print_json(report.to_json())
-    elif not quiet:
-        _print_human(report)
-    if not quiet:
-        for w in report.warnings:
-            err(f"ckpttool: warning: {w}")
+        if json_output:
+            print_json(report.to_json())
+        elif not quiet:
+            _print_human(report)
+        if not quiet:
+            for w in report.warnings:
+                err(f"ckpttool: warning: {w}")
 
 
 def _print_human(r: object) -> None:

@@ -67,17 +67,17 @@ def reshard_command(
                              follow_links=follow_links, progress=progress, on_start=on_start)
         finally:
             bar.stop()
-    if not quiet:
-        for w in report.warnings:
-            err(f"ckpttool: warning: {w}")
-    if json_output:
-        print_json(report.to_json())
-    elif not quiet:
-        layout = f"{report.ranks} ranks" if report.ranks else "safetensors"
-        print(f"resharded {report.src} ({report.format_in}) -> {report.out} ({layout}) in "
-              f"{report.seconds:.1f} s")
-        print(f"  {report.num_tensors} tensors, {human_bytes(report.total_bytes)}"
-              + (f", {report.num_objects} non-tensor entries copied" if report.num_objects
-                 else ""))
-        for f in report.files:
-            print(f"  wrote {f['name']}: {human_bytes(f['bytes'])}")
+        if not quiet:
+            for w in report.warnings:
+                err(f"ckpttool: warning: {w}")
+        if json_output:
+            print_json(report.to_json())
+        elif not quiet:
+            layout = f"{report.ranks} ranks" if report.ranks else "safetensors"
+            print(f"resharded {report.src} ({report.format_in}) -> {report.out} ({layout}) in "
+                  f"{report.seconds:.1f} s")
+            print(f"  {report.num_tensors} tensors, {human_bytes(report.total_bytes)}"
+                  + (f", {report.num_objects} non-tensor entries copied" if report.num_objects
+                     else ""))
+            for f in report.files:
+                print(f"  wrote {f['name']}: {human_bytes(f['bytes'])}")

@@ -92,13 +92,13 @@ def verify_command(
                             follow_links=follow_links, progress=progress, on_start=on_start)
         finally:
             bar.stop()
-    doc = report.to_json()
-    if json_output:
-        print_json(doc)
-    else:
-        print(render(doc, quiet=quiet))
-    if not report.ok:
-        raise typer.Exit(EXIT_PROBLEMS)
+        doc = report.to_json()
+        if json_output:
+            print_json(doc)
+        else:
+            print(render(doc, quiet=quiet))
+        if not report.ok:
+            raise typer.Exit(EXIT_PROBLEMS)
 
 
 def render(doc: dict[str, Any], *, quiet: bool = False) -> str:

@@ -252,3 +252,4 @@ def test_a_data_file_linked_out_of_the_checkpoint_needs_follow_links(uneven_ckpt
     (inside / "__0_0.distcp").rename(inside / "data" / "__0_0.distcp")
     (inside / "__0_0.distcp").symlink_to("data/__0_0.distcp")  # a link inside: fine
     assert run("merge", inside, tmp_path / "out2", "-q").exit_code == 0
+
