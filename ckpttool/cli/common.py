@@ -98,16 +98,24 @@ def human_bytes(n: int) -> str:
 
 
 class ProgressBar:
-    """A rich progress bar on stderr, shown only when stderr is a terminal."""
+    """A rich progress bar on stderr, shown only when stderr is a terminal; on a dumb terminal
+    (``TERM=dumb``: no cursor control) a plain line every tenth of the way instead."""
 
     def __init__(self, description: str, enabled: bool) -> None:
         self.enabled = enabled and sys.stderr.isatty()
+        self.plain = os.environ.get("TERM") == "dumb"
         self.description = description
         self._progress: Any = None
         self._task: Any = None
+        self._total = 0
+        self._done = 0
+        self._shown = 0  # tenths reported so far
 
     def start(self, total: int) -> None:
         if not self.enabled:
+            return
+        if self.plain:
+            self._total = total
             return
         from rich.console import Console
         from rich.progress import (
@@ -134,6 +142,13 @@ class ProgressBar:
     def advance(self, n: int) -> None:
         if self._progress is not None:
             self._progress.advance(self._task, n)
+        elif self.plain and self._total:
+            self._done += n
+            tenths = min(10, self._done * 10 // self._total)
+            if tenths > self._shown:
+                self._shown = tenths
+                err(f"{self.description}: {tenths * 10}% ({human_bytes(self._done)} of "
+                    f"{human_bytes(self._total)})")
 
     def stop(self) -> None:
         if self._progress is not None:

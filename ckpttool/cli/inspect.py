@@ -26,6 +26,9 @@ def inspect_command(
     filter: Annotated[str | None, typer.Option(
         "--filter", metavar="GLOB", help="Show only tensors whose name matches this glob "
         "(e.g. '*layers.0.*'); the summary still counts them all.")] = None,
+    no_progress: Annotated[bool, typer.Option(
+        "--no-progress", help="No progress display on stderr (it shows on a terminal).")
+    ] = False,
     follow_links: Annotated[bool, typer.Option(
         "--follow-links", help="Read data files that are links out of the checkpoint "
         "directory (shared-storage layouts); refused otherwise.")] = False,
@@ -40,7 +43,7 @@ def inspect_command(
     """Show what a checkpoint holds: format, parts, tensors, dtypes, sizes, ties."""
     from ckpttool.core.inspect import inspect
 
-    bar = ProgressBar("reading", enabled=stats)
+    bar = ProgressBar("reading", enabled=stats and not no_progress)
     on_start, progress = bar.callbacks
     with exit_codes():
         try:

@@ -46,6 +46,9 @@ def merge_command(
         "--keep-tied", help="Write both tied embedding copies even when identical.")] = False,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace model weights already in OUT.")] = False,
+    no_progress: Annotated[bool, typer.Option(
+        "--no-progress", help="No progress display on stderr (it shows on a terminal).")
+    ] = False,
     follow_links: Annotated[bool, typer.Option(
         "--follow-links", help="Read data files that are links out of the checkpoint "
         "directory (shared-storage layouts); refused otherwise.")] = False,
@@ -59,7 +62,7 @@ def merge_command(
     """Merge a sharded checkpoint (any format) into Hugging Face safetensors, exact to the bit."""
     from ckpttool.core.merge import merge
 
-    bar = ProgressBar("merging", enabled=not quiet)
+    bar = ProgressBar("merging", enabled=not quiet and not no_progress)
     on_start, progress = bar.callbacks
     with exit_codes():
         try:

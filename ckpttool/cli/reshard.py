@@ -45,6 +45,9 @@ def reshard_command(
     max_shard_size: Annotated[str, typer.Option(
         callback=size_option,
         help="With --to safetensors: the largest shard (5GB, 500MB...).")] = "5GB",
+    no_progress: Annotated[bool, typer.Option(
+        "--no-progress", help="No progress display on stderr (it shows on a terminal).")
+    ] = False,
     follow_links: Annotated[bool, typer.Option(
         "--follow-links", help="Read data files that are links out of the checkpoint "
         "directory (shared-storage layouts); refused otherwise.")] = False,
@@ -58,7 +61,7 @@ def reshard_command(
     """Change how a checkpoint is split: ranks, shard size or format, byte for byte."""
     from ckpttool.core.reshard import reshard
 
-    bar = ProgressBar("resharding", enabled=not quiet)
+    bar = ProgressBar("resharding", enabled=not quiet and not no_progress)
     on_start, progress = bar.callbacks
     with exit_codes():
         try:

@@ -55,6 +55,9 @@ def verify_command(
     check_manifest: Annotated[Path | None, typer.Option(
         metavar="FILE", help="Check every tensor against the SHA-256s in FILE (written by "
         "--write-manifest); a missing FILE is an error.")] = None,
+    no_progress: Annotated[bool, typer.Option(
+        "--no-progress", help="No progress display on stderr (it shows on a terminal).")
+    ] = False,
     follow_links: Annotated[bool, typer.Option(
         "--follow-links", help="Read data files that are links out of the checkpoint "
         "directory (shared-storage layouts); refused otherwise.")] = False,
@@ -79,7 +82,7 @@ def verify_command(
                                  "--allow-cast too", param_hint="--dtype")
     if allow_cast and against is None:
         raise typer.BadParameter("needs --against OTHER", param_hint="--allow-cast")
-    bar = ProgressBar("verifying", enabled=not quiet)
+    bar = ProgressBar("verifying", enabled=not quiet and not no_progress)
     on_start, progress = bar.callbacks
     with exit_codes():
         try:

@@ -55,3 +55,20 @@ def test_typed_package() -> None:
 
 def test_zsh_completion_starts_with_compdef() -> None:
     assert (ROOT / "completions" / "_ckpttool").read_text().startswith("#compdef ckpttool\n")
+
+
+def test_a_dumb_terminal_gets_plain_progress_lines(monkeypatch, capsys) -> None:
+    from ckpttool.cli.common import ProgressBar
+
+    monkeypatch.setenv("TERM", "dumb")
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    bar = ProgressBar("merging", enabled=True)
+    on_start, progress = bar.callbacks
+    assert on_start is not None and progress is not None
+    on_start(1000)
+    for _ in range(20):
+        progress(50)
+    bar.stop()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "merging: 10% (100 B of 1.00 KB)" and len(lines) == 10
+    assert ProgressBar("merging", enabled=False).callbacks == (None, None)
