@@ -8,7 +8,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
@@ -53,6 +53,13 @@ def exit_codes() -> Iterator[None]:
 
 
 DTYPE_CHOICES = ", ".join(dtypes.CHOICES)
+
+# Options every command that reads data takes, defined once.
+FollowLinks = Annotated[bool, typer.Option(
+    "--follow-links", help="Read data files that are links out of the checkpoint directory "
+    "(shared-storage layouts); refused otherwise.")]
+NoProgress = Annotated[bool, typer.Option(
+    "--no-progress", help="No progress display on stderr (it shows on a terminal).")]
 
 
 def dtype_choice(value: str | None) -> str | None:

@@ -7,7 +7,15 @@ from typing import Annotated, Any
 
 import typer
 
-from ckpttool.cli.common import ProgressBar, count, exit_codes, human_bytes, print_json
+from ckpttool.cli.common import (
+    FollowLinks,
+    NoProgress,
+    ProgressBar,
+    count,
+    exit_codes,
+    human_bytes,
+    print_json,
+)
 
 EPILOG = """\
 Examples:\n\n
@@ -26,12 +34,8 @@ def inspect_command(
     filter: Annotated[str | None, typer.Option(
         "--filter", metavar="GLOB", help="Show only tensors whose name matches this glob "
         "(e.g. '*layers.0.*'); the summary still counts them all.")] = None,
-    no_progress: Annotated[bool, typer.Option(
-        "--no-progress", help="No progress display on stderr (it shows on a terminal).")
-    ] = False,
-    follow_links: Annotated[bool, typer.Option(
-        "--follow-links", help="Read data files that are links out of the checkpoint "
-        "directory (shared-storage layouts); refused otherwise.")] = False,
+    no_progress: NoProgress = False,
+    follow_links: FollowLinks = False,
     stats: Annotated[bool, typer.Option(
         "--stats", help="Read the data and add min, max, mean, abs-max, NaN and Inf counts "
         "per tensor.")] = False,

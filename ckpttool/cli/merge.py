@@ -9,6 +9,8 @@ import typer
 
 from ckpttool.cli.common import (
     DTYPE_CHOICES,
+    FollowLinks,
+    NoProgress,
     ProgressBar,
     dtype_choice,
     err,
@@ -46,12 +48,8 @@ def merge_command(
         "--keep-tied", help="Write both tied embedding copies even when identical.")] = False,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace model weights already in OUT.")] = False,
-    no_progress: Annotated[bool, typer.Option(
-        "--no-progress", help="No progress display on stderr (it shows on a terminal).")
-    ] = False,
-    follow_links: Annotated[bool, typer.Option(
-        "--follow-links", help="Read data files that are links out of the checkpoint "
-        "directory (shared-storage layouts); refused otherwise.")] = False,
+    no_progress: NoProgress = False,
+    follow_links: FollowLinks = False,
     workers: Annotated[int | None, typer.Option(
         min=1, help="Parallel copy threads (default: the CPUs this process may use).")] = None,
     json_output: Annotated[bool, typer.Option(

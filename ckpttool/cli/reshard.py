@@ -9,6 +9,8 @@ from typing import Annotated
 import typer
 
 from ckpttool.cli.common import (
+    FollowLinks,
+    NoProgress,
     ProgressBar,
     err,
     exit_codes,
@@ -45,12 +47,8 @@ def reshard_command(
     max_shard_size: Annotated[str, typer.Option(
         callback=size_option,
         help="With --to safetensors: the largest shard (5GB, 500MB...).")] = "5GB",
-    no_progress: Annotated[bool, typer.Option(
-        "--no-progress", help="No progress display on stderr (it shows on a terminal).")
-    ] = False,
-    follow_links: Annotated[bool, typer.Option(
-        "--follow-links", help="Read data files that are links out of the checkpoint "
-        "directory (shared-storage layouts); refused otherwise.")] = False,
+    no_progress: NoProgress = False,
+    follow_links: FollowLinks = False,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace a checkpoint already in OUT.")] = False,
     json_output: Annotated[bool, typer.Option(

@@ -9,6 +9,8 @@ import typer
 
 from ckpttool.cli.common import (
     EXIT_PROBLEMS,
+    FollowLinks,
+    NoProgress,
     ProgressBar,
     count,
     dtype_choice,
@@ -55,12 +57,8 @@ def verify_command(
     check_manifest: Annotated[Path | None, typer.Option(
         metavar="FILE", help="Check every tensor against the SHA-256s in FILE (written by "
         "--write-manifest); a missing FILE is an error.")] = None,
-    no_progress: Annotated[bool, typer.Option(
-        "--no-progress", help="No progress display on stderr (it shows on a terminal).")
-    ] = False,
-    follow_links: Annotated[bool, typer.Option(
-        "--follow-links", help="Read data files that are links out of the checkpoint "
-        "directory (shared-storage layouts); refused otherwise.")] = False,
+    no_progress: NoProgress = False,
+    follow_links: FollowLinks = False,
     workers: Annotated[int | None, typer.Option(
         min=1, help="Tensors read in parallel (default: the CPUs this process may use).")] = None,
     json_output: Annotated[bool, typer.Option(

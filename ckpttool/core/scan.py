@@ -61,8 +61,7 @@ class Scanner:
     """Streams each tensor of one checkpoint once, in C order where its layout allows,
     checking CRCs as the bytes go by."""
 
-    def __init__(self, ckpt: Checkpoint, reader: Reader, report: Progress) -> None:
-        self.ckpt = ckpt
+    def __init__(self, reader: Reader, report: Progress) -> None:
         self.reader = reader
         self.report = report
 
@@ -270,7 +269,7 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
                 # that cannot be opened is reported by the tensors that need it.
                 with contextlib.suppress(InputError):
                     r.open_files()
-        scanner = Scanner(ckpt, reader, read)
+        scanner = Scanner(reader, read)
 
         def job(t: TensorView) -> Result:
             p = comparisons.get(t.name)
