@@ -22,6 +22,7 @@ from ckpttool.core import chunks as chunk_geometry
 from ckpttool.core import dtypes as dtype_policy
 from ckpttool.core import hf, names, structure, tensors, ties
 from ckpttool.core import objects as non_tensor
+from ckpttool.core.derive import Derived, materialise
 from ckpttool.core.discover import Checkpoint, ObjectView, Part, discover, open_reader
 from ckpttool.core.dtypes import DTypePolicy
 from ckpttool.core.fileio import (
@@ -45,10 +46,15 @@ from ckpttool.formats.torchsave import gc_paused
 # The plan
 
 
+# What an output tensor is made from: a stored tensor (copied, or cast on the way), or a tensor
+# computed from whole stored ones (a LoRA update folded in, a fused projection split).
+Source = Tensor | Derived
+
+
 @dataclass(frozen=True)
 class OutTensor:
     name: str
-    source: Tensor
+    source: Source
     dtype: DType  # as written
     slot: st.Slot
 
@@ -85,7 +91,7 @@ class MergePlan:
 
 
 def plan_merge(
-    tensors: list[tuple[str, Tensor]],
+    tensors: list[tuple[str, Source]],
     *,
     policy: DTypePolicy,
     max_shard_size: int,
@@ -147,7 +153,7 @@ def execute(
         fd = outputs.create(f.name, f.size)
         pwrite_all(fd, f.layout.header, 0)
         jobs += _jobs(fd, f.tensors)
-        casts = casts or any(t.cast for t in f.tensors)
+        casts = casts or any(t.cast or isinstance(t.source, Derived) for t in f.tensors)
     reader.open_files()  # before threads share the reader
     jobs.sort(key=lambda j: -j.nbytes)
     workers = workers_for(workers, nbytes=sum(j.nbytes for j in jobs),
@@ -171,15 +177,19 @@ BATCH_BYTES = 16 << 20
 @dataclass
 class _Job:
     fd: int
-    chunks: list[tuple[OutTensor, Chunk]]
+    chunks: list[tuple[OutTensor, Chunk | None]]  # None: a derived tensor, computed whole
     nbytes: int
 
 
 def _jobs(fd: int, tensors: tuple[OutTensor, ...]) -> list[_Job]:
-    """A job per large chunk, and batches of small ones, for one output file."""
+    """A job per large chunk or derived tensor, and batches of small chunks, for one output
+    file."""
     jobs = []
     batch = _Job(fd, [], 0)
     for t in tensors:
+        if isinstance(t.source, Derived):
+            jobs.append(_Job(fd, [(t, None)], t.slot.nbytes))
+            continue
         item = t.source.dtype.itemsize
         for c in t.source.chunks:
             n = c.numel * item
@@ -205,7 +215,10 @@ def _run_jobs(jobs: list[_Job], reader: Reader, workers: int, report: Progress) 
         for t, c in job.chunks:
             if stop.is_set():
                 return
-            _write_chunk(reader, job.fd, t, c, report)
+            if c is None:
+                _write_derived(reader, job.fd, t, report)
+            else:
+                _write_chunk(reader, job.fd, t, c, report)
 
     if workers <= 1:
         for job in jobs:
@@ -224,8 +237,16 @@ def _run_jobs(jobs: list[_Job], reader: Reader, workers: int, report: Progress) 
     pool.shutdown(wait=True)
 
 
+def _write_derived(reader: Reader, dst: int, t: OutTensor, report: Progress) -> None:
+    assert isinstance(t.source, Derived)
+    data = materialise(reader, t.source, t.dtype)
+    pwrite_all(dst, data, t.slot.begin)
+    report(len(data))
+
+
 def _write_chunk(reader: Reader, dst: int, t: OutTensor, c: Chunk, report: Progress) -> None:
     entry = t.source
+    assert isinstance(entry, Tensor)
     payload = reader.payload(entry, c)
     dst_item = t.dtype.itemsize
     start = payload.start
@@ -258,6 +279,7 @@ def _cast_range(reader: Reader, file: str, src_offset: int, dst: int, dst_offset
                 numel: int, t: OutTensor, report: Progress) -> None:
     import torch  # only casting needs torch
 
+    assert isinstance(t.source, Tensor)
     src_dtype = getattr(torch, t.source.dtype.torch_name)
     dst_dtype = getattr(torch, t.dtype.torch_name)
     src_item, dst_item = t.source.dtype.itemsize, t.dtype.itemsize

@@ -1,0 +1,75 @@
+"""Output tensors computed from whole source tensors: a LoRA update folded into a weight, a
+fused projection split or permuted into a model family's own names.
+
+A :class:`Derived` stands where a stored :class:`~ckpttool.formats.base.Tensor` would in a
+merge plan. Merge reads its inputs whole, calls ``compute`` and casts the result by the dtype
+policy, one output tensor at a time: memory is bounded by the inputs of the largest output
+tensor, never by the model. Torch is imported only here, only when a plan holds one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ckpttool.core import tensors
+from ckpttool.errors import InputError
+from ckpttool.formats.base import Reader, Tensor
+from ckpttool.formats.dtypes import DType
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Derived:
+    """An output tensor ``compute(inputs)`` of ``shape``; ``dtype`` is what the dtype policy
+    sees (the dtype of the weight it replaces), whatever dtype ``compute`` returns."""
+
+    name: str  # the output name, for messages
+    inputs: tuple[Tensor, ...]
+    dtype: DType
+    shape: tuple[int, ...]
+    compute: Callable[[list[torch.Tensor]], torch.Tensor]
+    what: str = ""  # one line for reports: "lora fused (scale 2.0)", "split of wqkv"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def read_whole(reader: Reader, tensor: Tensor) -> torch.Tensor:
+    """The full tensor, assembled from its chunks in C order."""
+    import torch
+
+    data = tensors.read_range(reader, tensor, 0, tensor.numel)
+    if not data:
+        return torch.empty(tensor.shape, dtype=getattr(torch, tensor.dtype.torch_name))
+    flat = torch.frombuffer(data, dtype=getattr(torch, tensor.dtype.torch_name))
+    return flat.reshape(tensor.shape)
+
+
+def materialise(reader: Reader, derived: Derived, dtype: DType) -> bytearray:
+    """``derived`` computed and cast to ``dtype``, as C-ordered bytes.
+
+    Raises:
+        InputError: ``compute`` gave a tensor of another shape (a wrong recipe or name map
+            must fail loudly, never write a reshaped tensor).
+    """
+    import torch
+
+    out = derived.compute([read_whole(reader, t) for t in derived.inputs])
+    if tuple(out.shape) != derived.shape:
+        raise InputError(f"'{derived.name}': computed shape {list(out.shape)} is not the "
+                         f"planned {list(derived.shape)} ({derived.what or 'derived tensor'})")
+    target = getattr(torch, dtype.torch_name)
+    buf = bytearray(derived.numel * dtype.itemsize)
+    if buf:  # into our own buffer: no numpy, no storage a view may share with its base
+        torch.frombuffer(buf, dtype=target).copy_(out.reshape(-1).to(target))
+    return buf
