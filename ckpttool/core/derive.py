@@ -34,6 +34,9 @@ class Derived:
     shape: tuple[int, ...]
     compute: Callable[[list[torch.Tensor]], torch.Tensor]
     what: str = ""  # one line for reports: "lora fused (scale 2.0)", "split of wqkv"
+    # The reader of each input where it is not the merge's own (an adapter merged into a
+    # separate base model); empty or None entries: the merge's reader.
+    readers: tuple[Reader | None, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -64,7 +67,9 @@ def materialise(reader: Reader, derived: Derived, dtype: DType) -> bytearray:
     """
     import torch
 
-    out = derived.compute([read_whole(reader, t) for t in derived.inputs])
+    readers = derived.readers + (None,) * (len(derived.inputs) - len(derived.readers))
+    out = derived.compute([read_whole(r or reader, t)
+                           for r, t in zip(readers, derived.inputs, strict=True)])
     if tuple(out.shape) != derived.shape:
         raise InputError(f"'{derived.name}': computed shape {list(out.shape)} is not the "
                          f"planned {list(derived.shape)} ({derived.what or 'derived tensor'})")

@@ -120,6 +120,43 @@ def find_hf_files(dcp_dir: Path, config: Path | None = None, *, given: Path | No
     return HfFiles(parsed, config_path, tuple(files), tuple(skipped))
 
 
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def find_adapter_config(dcp_dir: Path, explicit: Path | None = None, *,
+                        given: Path | None = None) -> tuple[dict[str, Any] | None, Path | None]:
+    """PEFT's ``adapter_config.json`` (parsed, and where it was found): ``explicit`` (a file
+    or its directory), else beside the checkpoint, in the same places as ``config.json`` and
+    under the same link rules. (None, None) when there is none.
+
+    Raises:
+        InputError: ``explicit`` is missing, or the file found is not a JSON object.
+    """
+    if explicit is not None:
+        path = explicit / ADAPTER_CONFIG if explicit.is_dir() else explicit
+        if not path.is_file():
+            raise InputError(f"{path}: no such adapter config file (--adapter-config)")
+        why = _unsafe(path, [path.resolve().parent])
+        if why is not None:
+            raise InputError(f"{why} (--adapter-config)")
+    else:
+        roots = [p.resolve() for p in (dcp_dir, given) if p is not None and p.is_dir()]
+        dirs = [dcp_dir, dcp_dir.parent, dcp_dir / "huggingface", dcp_dir.parent / "huggingface"]
+        found = next((d / ADAPTER_CONFIG for d in dirs if os.path.lexists(d / ADAPTER_CONFIG)
+                      and _unsafe(d / ADAPTER_CONFIG, roots) is None), None)
+        if found is None:
+            return None, None
+        path = found
+    try:
+        parsed = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({e}); fix it or pass --adapter-config"
+                         ) from None
+    if not isinstance(parsed, dict):
+        raise InputError(f"{path}: not a JSON object; fix it or pass --adapter-config")
+    return parsed, path
+
+
 def ties_word_embeddings(config: dict[str, Any] | None) -> bool | None:
     """What the config says about tied embeddings; None without a config."""
     if config is None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from ckpttool.core import chunks as chunk_geometry
 from ckpttool.core import dtypes as dtype_policy
-from ckpttool.core import hf, names, structure, tensors, ties
+from ckpttool.core import hf, lora, names, structure, tensors, ties
 from ckpttool.core import objects as non_tensor
 from ckpttool.core.derive import Derived, materialise
 from ckpttool.core.discover import Checkpoint, ObjectView, Part, discover, open_reader
@@ -337,6 +337,7 @@ class MergeReport:
     renames: list[dict[str, str]] = field(default_factory=list)
     wrappers_removed: list[str] = field(default_factory=list)
     tie: dict[str, Any] | None = None
+    lora: dict[str, Any] | None = None  # the adapter found, and what was done with it
     non_tensor: list[dict[str, Any]] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)
     config_changes: list[str] = field(default_factory=list)
@@ -362,6 +363,9 @@ def merge(
     overwrite: bool = False,
     workers: int | None = None,
     follow_links: bool = False,
+    lora_mode: str | None = None,
+    adapter: str | os.PathLike[str] | None = None,
+    adapter_config: str | os.PathLike[str] | None = None,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> MergeReport:
@@ -379,6 +383,13 @@ def merge(
         workers: parallel copy threads (default: the CPUs this process may use).
         follow_links: read data files that are links out of the checkpoint directory
             (shared-storage layouts); refused otherwise.
+        lora_mode: for a checkpoint holding a LoRA adapter: ``"fuse"`` (default when the base
+            weights are there: fold ``W + scale * B @ A`` into a plain model) or ``"adapter"``
+            (a PEFT adapter directory: ``adapter_model.safetensors`` + ``adapter_config.json``).
+        adapter: a PEFT adapter (directory or ``adapter_model.safetensors``) to fold into
+            ``src``, a model with full weights.
+        adapter_config: PEFT's ``adapter_config.json`` (or its directory), where it is not
+            beside the checkpoint or the adapter.
         progress: called with bytes written, as the merge goes.
         on_start: called once with the total bytes to write, before any are written.
 
@@ -404,21 +415,31 @@ def merge(
     check_apart(out_path, src_path, info.root)
     structure.raise_first(structure.check(info, ckpt.canonical()))
     files = ckpt.hf
-    if ckpt.kind == "optimizer":
-        # Optimizer state: keep its dtypes unless asked; no config, tokenizer or ties.
-        policy = (dtype_policy.DTypePolicy("auto", None, "optimizer state keeps its dtypes")
-                  if dtype == "auto" else dtype_policy.resolve(dtype, None))
-        stem = "optimizer"
-    else:
-        policy = dtype_policy.resolve(dtype, files.config, str(files.config_path)
-                                      if files.config_path else "config.json")
-        stem = "model"
-    by_name = {t.name: t.tensor for t in ckpt.tensors}
-    if not by_name:
+    optimizer = ckpt.kind == "optimizer"
+    if not ckpt.tensors:
         # An empty model file is worse than an error: say what is there instead.
         held = f"only {len(ckpt.objects)} non-tensor entries" if ckpt.objects else "nothing"
         raise InputError(f"{info.root}: holds no tensors ({held}); there is no model to merge. "
                          f"See what it holds with: ckpttool inspect {src_path}")
+    named = [(t.name, t.tensor) for t in ckpt.tensors]
+    adapted = None if optimizer else _adapted(ckpt, named, lora_mode, adapter, adapter_config)
+    mode = adapted.mode if adapted is not None else None
+    if optimizer:
+        # Optimizer state: keep its dtypes unless asked; no config, tokenizer or ties.
+        policy = (dtype_policy.DTypePolicy("auto", None, "optimizer state keeps its dtypes")
+                  if dtype == "auto" else dtype_policy.resolve(dtype, None))
+        stem = "optimizer"
+    elif mode == "adapter":
+        # An adapter keeps the dtypes it trained in, as save_pretrained does, unless asked.
+        policy = (dtype_policy.DTypePolicy("auto", None, "a LoRA adapter keeps its dtypes")
+                  if dtype == "auto" else dtype_policy.resolve(dtype, None))
+        stem = lora.ADAPTER_FILE.removesuffix(".safetensors")
+        files = hf.HfFiles(None, None, ())
+    else:
+        policy = dtype_policy.resolve(dtype, files.config, str(files.config_path)
+                                      if files.config_path else "config.json")
+        stem = "model"
+    sources: list[tuple[str, Source]] = list(named) if adapted is None else adapted.sources
 
     report = MergeReport(src=str(src_path), checkpoint=str(info.root), out=str(out_path),
                          kind=ckpt.kind, format=info.format)
@@ -433,19 +454,25 @@ def merge(
     report.dtype = {"requested": policy.requested,
                     "target": policy.target.name if policy.target else None,
                     "source": policy.source}
-    optimizer = ckpt.kind == "optimizer"
+    if adapted is not None:
+        report.lora = adapted.report
     extra_names = [p.name for p in files.files] + ([OPTIMIZER_JSON] if optimizer else [])
+    if mode == "adapter":
+        extra_names.append(hf.ADAPTER_CONFIG)
     # Before reading any tensor data (the tie check reads both embeddings): fail fast.
     _check_existing(out_path, extra_names, overwrite, stem)
 
     # No cyclic collection while millions of chunk objects live: none are garbage, and each
     # collection would walk them all.
     with open_reader(ckpt, follow_links=follow_links) as reader, gc_paused():
-        drop = (frozenset() if optimizer
-                else _decide_tie(reader, by_name, files.config, keep_tied, report))
+        if adapted is not None and adapted.reader is not None:
+            adapted.reader.open_files()
+        drop = (frozenset() if optimizer or mode == "adapter"
+                else _decide_tie(reader, sources, files.config, keep_tied, report))
         objects = [(o, non_tensor.read(reader, o.entry)) for o in ckpt.objects]
         report.non_tensor = [non_tensor.describe(o.name, value) for o, value in objects]
-        plan = plan_merge(list(by_name.items()), policy=policy, max_shard_size=shard_limit,
+        plan = plan_merge(sources, policy=policy,
+                          max_shard_size=shard_limit if mode != "adapter" else 1 << 62,
                           drop=drop, stem=stem)
         config_bytes, report.config_changes = _config_output(files)
         # Small files (config, tokenizer, optimizer.json) written beside the weights.
@@ -456,24 +483,31 @@ def merge(
         report.warnings += list(files.skipped)
         if optimizer:
             extra.append((OPTIMIZER_JSON, _optimizer_json(objects)))
+        if adapted is not None and mode == "adapter":
+            extra.append((hf.ADAPTER_CONFIG, adapted.config_bytes))
+            report.copied.append(hf.ADAPTER_CONFIG)
         check_space(out_path, plan.file_bytes + sum(len(data) for _, data in extra))
         if on_start is not None:
             on_start(plan.total_bytes)
-        with AtomicOutputs(out_path) as outputs:
-            execute(plan, reader, outputs, workers=workers or default_workers(),
-                    progress=progress)
-            if plan.index is not None:
-                outputs.write_bytes(plan.index_name, plan.index)
-            for name, data in extra:
-                outputs.write_bytes(name, data)
-            keep = {f.name for f in plan.files} | {n for n, _ in extra}
-            if plan.index is not None:
-                keep.add(plan.index_name)
-            outputs.commit(
-                last=(plan.index_name,),
-                before_last=(lambda: remove_stale(
-                    out_path, keep, lambda name: st.is_weight_file(name, stem)))
-                if overwrite else None)
+        try:
+            with AtomicOutputs(out_path) as outputs:
+                execute(plan, reader, outputs, workers=workers or default_workers(),
+                        progress=progress)
+                if plan.index is not None:
+                    outputs.write_bytes(plan.index_name, plan.index)
+                for name, data in extra:
+                    outputs.write_bytes(name, data)
+                keep = {f.name for f in plan.files} | {n for n, _ in extra}
+                if plan.index is not None:
+                    keep.add(plan.index_name)
+                outputs.commit(
+                    last=(plan.index_name,),
+                    before_last=(lambda: remove_stale(
+                        out_path, keep, lambda name: st.is_weight_file(name, stem)))
+                    if overwrite else None)
+        finally:
+            if adapted is not None and adapted.reader is not None:
+                adapted.reader.close()
 
     _summarise(report, ckpt, plan, dict(extra).get(OPTIMIZER_JSON))
     report.seconds = round(time.perf_counter() - started, 3)
@@ -504,18 +538,30 @@ def _summarise(report: MergeReport, ckpt: Checkpoint, plan: MergePlan,
 
 def _decide_tie(
     reader: Reader,
-    by_name: dict[str, Tensor],
+    sources: list[tuple[str, Source]],
     config: dict[str, Any] | None,
     keep_tied: bool,
     report: MergeReport,
 ) -> frozenset[str]:
+    by_name = dict(sources)
     pair = ties.find_pair(by_name)
     if pair is None:
         return frozenset()
     head, embed = pair
     tied = hf.ties_word_embeddings(config)
-    same = tensors.identical(reader, by_name[head], reader, by_name[embed],
-                             block_bytes=ties.COMPARE_BLOCK)
+    a, b = by_name[head], by_name[embed]
+    if isinstance(a, Derived) or isinstance(b, Derived):
+        # A LoRA fold changed one of them. Tied in the config: transformers ties the output
+        # embedding to the (fused) input one on load, as PEFT's merge did to the shared
+        # weight, so one copy is written.
+        if tied and not keep_tied and isinstance(b, Derived) and not isinstance(a, Derived):
+            report.tie = {"output": head, "input": embed, "config_ties": True,
+                          "identical": None, "action": "deduplicated (input embedding fused)"}
+            return frozenset({head})
+        report.tie = {"output": head, "input": embed, "config_ties": tied, "identical": None,
+                      "action": "both written"}
+        return frozenset()
+    same = tensors.identical(reader, a, reader, b, block_bytes=ties.COMPARE_BLOCK)
     report.tie = {"output": head, "input": embed, "config_ties": tied, "identical": same}
     if tied and same and not keep_tied:
         report.tie["action"] = "deduplicated"
@@ -536,6 +582,92 @@ def _decide_tie(
     else:
         report.tie["action"] = "both written"
     return frozenset()
+
+
+@dataclass
+class _Adapted:
+    """A LoRA adapter found for this merge, and what it turns the merge into."""
+
+    mode: str  # "fuse" or "adapter"
+    sources: list[tuple[str, Source]]
+    report: dict[str, Any]
+    config_bytes: bytes = b""
+    reader: Reader | None = None  # the adapter's, when it is not in SRC (--adapter)
+
+
+def _adapted(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str | None,
+             adapter: str | os.PathLike[str] | None,
+             adapter_config: str | os.PathLike[str] | None) -> _Adapted | None:
+    """The LoRA adapter in ``ckpt`` (or given with ``adapter``) planned into merge sources;
+    None for a checkpoint without one.
+
+    Raises:
+        InputError: no alpha anywhere, an incomplete adapter, shapes that disagree, or a mode
+            that cannot apply.
+        UnsupportedError: DoRA, several adapters, another PEFT method.
+    """
+    if mode is not None and mode not in lora.MODES:
+        raise InputError(f"unknown --lora '{mode}'; use one of: {', '.join(lora.MODES)}")
+    explicit = Path(adapter_config) if adapter_config is not None else None
+    found = lora.parse(named)
+    other = "--lora adapter (the adapter alone, for PEFT)"
+    if adapter is not None:
+        if found is not None:
+            raise InputError(f"{ckpt.path}: holds a LoRA adapter itself; --adapter folds an "
+                             "adapter into a model with plain weights")
+        if mode == "adapter":
+            raise InputError("--adapter folds an adapter into SRC; --lora adapter would write "
+                             "the adapter alone: use one or the other")
+        given = Path(adapter)
+        target = given / lora.ADAPTER_FILE if given.is_dir() else given
+        adapter_ckpt = discover(target, command="merge")
+        structure.raise_first(structure.check(adapter_ckpt.info, adapter_ckpt.canonical())
+                              if adapter_ckpt.info is not None else [])
+        found = lora.parse([(t.name, t.tensor) for t in adapter_ckpt.tensors])
+        if found is None or not found.modules:
+            raise InputError(f"{target}: holds no LoRA matrices (lora_A / lora_B); pass a PEFT "
+                             "adapter directory to --adapter")
+        doc, where = hf.find_adapter_config(target.parent, explicit, given=given)
+        if doc is None or where is None:
+            raise lora.missing_config(str(given))
+        config = lora.read_config(doc, str(where))
+        reader = open_reader(adapter_ckpt)
+        try:
+            sources = lora.plan_fuse(found, config, base=named, adapter_reader=reader)
+        except BaseException:
+            reader.close()
+            raise
+        report = {"mode": "fuse", "adapter": str(given), **lora.describe(found, config),
+                  "fused": sum(isinstance(s, Derived) for _, s in sources)}
+        return _Adapted("fuse", sources, report, reader=reader)
+    if found is None:
+        if mode is not None:
+            raise InputError(f"{ckpt.path}: holds no LoRA adapter (no lora_A / lora_B "
+                             "tensors); --lora applies to PEFT checkpoints only")
+        return None
+    assert ckpt.info is not None
+    doc, where = hf.find_adapter_config(ckpt.root if ckpt.root.is_dir() else ckpt.info.base,
+                                        explicit, given=ckpt.path)
+    if doc is None or where is None:
+        raise lora.missing_config(str(ckpt.path))
+    config = lora.read_config(doc, str(where))
+    chosen = mode or ("fuse" if found.has_base else "adapter")
+    if chosen == "fuse":
+        if not found.has_base:
+            raise InputError(
+                f"{ckpt.path}: holds the LoRA adapter alone, no base weights to fold it into; "
+                f"write it with --lora adapter, then fold it into the base model with: "
+                f"ckpttool merge BASE OUT --adapter ADAPTER_OUT")
+        sources = lora.plan_fuse(found, config)
+        report = {"mode": "fuse", **lora.describe(found, config),
+                  "fused": sum(isinstance(s, Derived) for _, s in sources),
+                  "other": f"for {other}, merge again with it"}
+        return _Adapted("fuse", sources, report)
+    adapter_sources: list[tuple[str, Source]] = list(lora.plan_adapter(found))
+    report = {"mode": "adapter", **lora.describe(found, config),
+              "other": ("for a full model with the adapter folded in, merge again with "
+                        "--lora fuse") if found.has_base else None}
+    return _Adapted("adapter", adapter_sources, report, config_bytes=where.read_bytes())
 
 
 OPTIMIZER_JSON = "optimizer.json"

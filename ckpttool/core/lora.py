@@ -1,0 +1,451 @@
+"""LoRA adapters (PEFT) in a checkpoint: recognised by their names, then exported as a PEFT
+adapter or folded into the base weights.
+
+A PEFT model's state dict names every tensor under ``base_model.model.``: a target module's
+weight as ``<module>.base_layer.weight`` beside ``<module>.lora_A.<adapter>.weight`` (``[r,
+in]``) and ``<module>.lora_B.<adapter>.weight`` (``[out, r]``); an embedding's as
+``lora_embedding_A/B.<adapter>`` (no ``.weight``); a ``modules_to_save`` module twice, as
+``<module>.original_module.*`` and ``<module>.modules_to_save.<adapter>.*``; DoRA adds
+``lora_magnitude_vector``. ``PeftModel.save_pretrained`` writes the adapter alone, without
+the adapter name (``lora_A.weight``) and with a trained copy under its base name.
+
+Planning here is pure: it turns names, shapes and ``adapter_config.json`` into merge sources
+(:class:`~ckpttool.core.derive.Derived` for a folded weight). Nothing is guessed: rank comes
+from the shapes and must agree with the config; alpha comes from the config or nowhere.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ckpttool.core.derive import Derived
+from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.formats.base import Problem, Reader, Tensor, error, warning
+
+if TYPE_CHECKING:
+    import torch
+
+PREFIX = "base_model.model."
+ADAPTER_FILE = "adapter_model.safetensors"
+MODES = ("fuse", "adapter")
+
+_LINEAR = {"lora_A": "a", "lora_B": "b"}
+_EMBEDDING = {"lora_embedding_A": "a", "lora_embedding_B": "b"}
+_PEFT_SEGMENTS = frozenset({*_LINEAR, *_EMBEDDING, "lora_magnitude_vector", "base_layer",
+                            "modules_to_save", "original_module"})
+
+
+@dataclass
+class Module:
+    """One LoRA target: its adapter matrices, as stored."""
+
+    name: str  # the base model's module name: "model.layers.0.self_attn.q_proj"
+    embedding: bool = False
+    a: Tensor | None = None
+    b: Tensor | None = None
+    b_bias: Tensor | None = None  # lora_bias=True
+    magnitude: Tensor | None = None  # DoRA
+    stored: dict[str, str] = field(default_factory=dict)  # role -> name as found
+
+    @property
+    def rank(self) -> int | None:
+        return self.a.shape[0] if self.a is not None and self.a.shape else None
+
+
+@dataclass
+class Layout:
+    """A checkpoint's tensors sorted out: base weights under the base model's names, trained
+    copies of ``modules_to_save``, and the LoRA modules."""
+
+    base: list[tuple[str, Tensor]]  # model order, base-model names
+    trained: dict[str, Tensor]  # modules_to_save: base-model name -> trained copy
+    modules: dict[str, Module]
+    adapters: set[str]  # adapter names seen ("default")
+    embedding_bases: dict[str, Tensor] = field(default_factory=dict)  # for the adapter file
+
+    @property
+    def has_base(self) -> bool:
+        return bool(self.base)
+
+
+def is_peft(names: list[str]) -> bool:
+    """Whether these (canonical) names are a PEFT model's or adapter's."""
+    return any(n.startswith(PREFIX) or _PEFT_SEGMENTS.intersection(n.split(".")) for n in names)
+
+
+def parse(tensors: list[tuple[str, Tensor]]) -> Layout | None:
+    """Sort a state dict's tensors (canonical names, model order) into a :class:`Layout`;
+    None when there is no LoRA adapter in them.
+
+    Raises:
+        UnsupportedError: more than one adapter, or PEFT names of another method (IA3,
+            LoKr...) with no LoRA matrices.
+    """
+    layout = Layout([], {}, {}, set())
+    peft_named = False
+    for name, tensor in tensors:
+        plain = name.removeprefix(PREFIX)
+        peft_named = peft_named or plain != name
+        segs = plain.split(".")
+        hit = next((i for i, s in enumerate(segs) if s in _PEFT_SEGMENTS), None)
+        if hit is None:
+            layout.base.append((plain, tensor))
+            continue
+        module, seg, rest = ".".join(segs[:hit]), segs[hit], segs[hit + 1:]
+        if seg == "base_layer":
+            base_name = ".".join([module, *rest])
+            layout.base.append((base_name, tensor))
+            if rest == ["weight"]:
+                layout.embedding_bases[name] = tensor
+            continue
+        if seg == "original_module":
+            layout.base.append((".".join([module, *rest]), tensor))
+            continue
+        adapter, tail = _adapter_and_tail(seg, rest)
+        layout.adapters.add(adapter)
+        if seg == "modules_to_save":
+            layout.trained[".".join([module, *tail])] = tensor
+            continue
+        m = layout.modules.setdefault(module, Module(module))
+        m.stored[seg + ("." + ".".join(tail) if tail else "")] = name
+        if seg == "lora_magnitude_vector":
+            m.magnitude = tensor
+        elif seg in _EMBEDDING:
+            m.embedding = True
+            setattr(m, _EMBEDDING[seg], tensor)
+        elif tail == ["bias"]:
+            if seg == "lora_B":
+                m.b_bias = tensor
+            else:
+                raise UnsupportedError(f"'{name}': a bias on lora_A, which PEFT never writes")
+        else:
+            setattr(m, _LINEAR[seg], tensor)
+    # Embedding base weights matter only to the adapter file (PEFT saves them with the
+    # adapter when an embedding is a target).
+    layout.embedding_bases = {k: v for k, v in layout.embedding_bases.items()
+                              if k.removeprefix(PREFIX).rsplit(".", 2)[0] in {
+                                  m.name for m in layout.modules.values() if m.embedding}}
+    if not layout.modules:
+        if peft_named and not layout.trained and any(
+                _PEFT_SEGMENTS.intersection(n.split(".")) for n, _ in tensors):
+            raise UnsupportedError(
+                "holds a PEFT model without LoRA matrices (another adapter method); ckpttool "
+                "merges LoRA adapters only")
+        if not layout.trained:
+            return None
+    if len(layout.adapters) > 1:
+        raise UnsupportedError(
+            f"holds {len(layout.adapters)} LoRA adapters ({', '.join(sorted(layout.adapters))});"
+            " ckpttool merges one adapter at a time")
+    return layout
+
+
+def _adapter_and_tail(seg: str, rest: list[str]) -> tuple[str, list[str]]:
+    """The adapter name and what follows it. ``save_pretrained`` files carry no adapter name:
+    ``lora_A.weight``, ``lora_embedding_A``, ``lora_magnitude_vector``."""
+    if seg in _EMBEDDING or seg == "lora_magnitude_vector":
+        return (rest[0], rest[1:]) if rest and rest != ["weight"] else ("", rest)
+    if seg in _LINEAR:
+        return (rest[0], rest[1:]) if len(rest) > 1 else ("", rest)
+    return (rest[0], rest[1:]) if rest else ("", rest)
+
+
+# --------------------------------------------------------------------------------------------
+# adapter_config.json
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """What merging needs from PEFT's ``adapter_config.json``."""
+
+    r: int
+    alpha: float
+    use_rslora: bool
+    fan_in_fan_out: bool
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    use_dora: bool
+    modules_to_save: tuple[str, ...]
+    target_modules: Any
+    source: str  # where it was read
+
+    def rank_and_alpha(self, module: str) -> tuple[int, float]:
+        """PEFT's per-module rank and alpha: a ``rank_pattern``/``alpha_pattern`` key matches
+        a module whose name ends in it (as a regular expression, at a dot boundary)."""
+        r = self.r
+        for key, value in self.rank_pattern.items():
+            if re.match(rf"(.*\.)?({key})$", module):
+                r = value
+                break
+        alpha: float = self.alpha
+        for key, given in self.alpha_pattern.items():
+            if re.match(rf"(.*\.)?({key})$", module):
+                alpha = given
+                break
+        return r, alpha
+
+    def scale(self, module: str, rank: int) -> float:
+        """``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA, as PEFT computes it."""
+        _, alpha = self.rank_and_alpha(module)
+        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+
+
+def read_config(doc: dict[str, Any], source: str) -> AdapterConfig:
+    """Parse ``adapter_config.json``.
+
+    Raises:
+        InputError: not a LoRA config, or r / lora_alpha missing or not numbers.
+    """
+    peft_type = doc.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise InputError(f"{source}: peft_type is {peft_type!r}, not LORA; ckpttool merges "
+                         "LoRA adapters only")
+
+    def number(key: str, kind: type) -> Any:
+        value = doc.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                kind is int and not isinstance(value, int)) or value <= 0:
+            raise InputError(f"{source}: '{key}' is {value!r}; it must be a positive "
+                             f"{'integer' if kind is int else 'number'} (LoRA never guesses it)")
+        return value
+
+    def mapping(key: str) -> dict[str, Any]:
+        value = doc.get(key) or {}
+        if not isinstance(value, dict) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
+            raise InputError(f"{source}: '{key}' must map module patterns to numbers")
+        return value
+
+    saved = doc.get("modules_to_save") or ()
+    return AdapterConfig(
+        r=number("r", int), alpha=number("lora_alpha", float),
+        use_rslora=bool(doc.get("use_rslora")), fan_in_fan_out=bool(doc.get("fan_in_fan_out")),
+        rank_pattern=mapping("rank_pattern"), alpha_pattern=mapping("alpha_pattern"),
+        use_dora=bool(doc.get("use_dora")),
+        modules_to_save=tuple(saved) if isinstance(saved, list) else (),
+        target_modules=doc.get("target_modules"), source=source)
+
+
+def missing_config(where: str) -> InputError:
+    return InputError(
+        f"{where}: holds a LoRA adapter but no adapter_config.json was found beside it, and "
+        "lora_alpha cannot be read from the weights (ckpttool never guesses it); put the "
+        "adapter_config.json written at training time beside the checkpoint or pass "
+        "--adapter-config PATH")
+
+
+# --------------------------------------------------------------------------------------------
+# Checks, shared by merge (errors) and verify (problems)
+
+
+def problems(layout: Layout, config: AdapterConfig | None,
+             base: dict[str, Tensor] | None = None) -> list[Problem]:
+    """What is wrong with the adapter, from names, shapes and the config alone.
+
+    Args:
+        base: the base weights to check shapes against (default: the layout's own).
+    """
+    found: list[Problem] = []
+    weights = dict(layout.base) if base is None else base
+    for m in layout.modules.values():
+        where = m.name
+        if m.magnitude is not None or (config is not None and config.use_dora):
+            found.append(error("lora-dora", f"'{where}': DoRA (lora_magnitude_vector); "
+                               "ckpttool does not merge DoRA adapters yet"))
+        if m.a is None or m.b is None:
+            have, lack = ("lora_A", "lora_B") if m.a is not None else ("lora_B", "lora_A")
+            found.append(error("lora-unpaired", f"'{where}': has {have} but no {lack}; the "
+                               "adapter is incomplete"))
+            continue
+        a, b = m.a.shape, m.b.shape
+        if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+            found.append(error("lora-shape", f"'{where}': lora_A {list(a)} and lora_B "
+                               f"{list(b)} do not multiply (A is [r, in], B is [out, r])"))
+            continue
+        if config is not None:
+            want, _ = config.rank_and_alpha(m.name)
+            if want != a[0]:
+                found.append(error("lora-rank", f"'{where}': the adapter has rank {a[0]} but "
+                                   f"{config.source} says r={want}; it belongs to another "
+                                   "adapter"))
+        weight = weights.get(f"{m.name}.weight")
+        if weight is None:
+            if layout.has_base or base is not None:
+                found.append(error("lora-no-base", f"'{where}': no base weight "
+                                   f"'{m.name}.weight' to apply the adapter to"))
+            continue
+        expect = _delta_shape(m, config)
+        if weight.shape != expect:
+            found.append(error("lora-shape", f"'{where}': base weight {list(weight.shape)} "
+                               f"does not match lora_B @ lora_A {list(expect)}"))
+        if m.b_bias is not None and f"{m.name}.bias" not in weights:
+            found.append(error("lora-no-base", f"'{where}': lora_bias without a base bias"))
+    return found
+
+
+def _delta_shape(m: Module, config: AdapterConfig | None) -> tuple[int, ...]:
+    assert m.a is not None and m.b is not None
+    out, into = m.b.shape[0], m.a.shape[1]
+    if m.embedding or (config is not None and config.fan_in_fan_out):
+        return (into, out)
+    return (out, into)
+
+
+def raise_first(found: list[Problem]) -> None:
+    for p in found:
+        if p.severity == "error":
+            cls = UnsupportedError if p.code == "lora-dora" else InputError
+            raise cls(p.message)
+
+
+# --------------------------------------------------------------------------------------------
+# Plans
+
+
+def plan_fuse(layout: Layout, config: AdapterConfig,
+              base: list[tuple[str, Tensor]] | None = None,
+              adapter_reader: Reader | None = None) -> list[tuple[str, Tensor | Derived]]:
+    """The merge sources of the fused model, in model order, under the base model's names.
+
+    Args:
+        base: the base model's tensors, when the adapter came alone (``--adapter``); the
+            layout's own base weights otherwise.
+        adapter_reader: the reader of the adapter's tensors when they are not in the same
+            checkpoint as ``base``.
+
+    Raises:
+        InputError / UnsupportedError: the first of :func:`problems`.
+    """
+    weights = base if base is not None else layout.base
+    by_name = dict(weights)
+    raise_first(problems(layout, config, by_name))
+    for name, tensor in layout.trained.items():
+        if name not in by_name:
+            raise InputError(f"'{name}': a trained copy (modules_to_save) of a weight the base "
+                             "model does not have")
+        if by_name[name].shape != tensor.shape:
+            raise InputError(f"'{name}': the trained copy is {list(tensor.shape)} but the base "
+                             f"weight is {list(by_name[name].shape)}")
+    out: list[tuple[str, Tensor | Derived]] = []
+    for name, tensor in weights:
+        module, _, leaf = name.rpartition(".")
+        m = layout.modules.get(module)
+        if name in layout.trained:
+            out.append((name, layout.trained[name]))
+        elif m is not None and leaf == "weight":
+            out.append((name, _fused_weight(name, tensor, m, config, adapter_reader)))
+        elif m is not None and leaf == "bias" and m.b_bias is not None:
+            out.append((name, _fused_bias(name, tensor, m, config, adapter_reader)))
+        else:
+            out.append((name, tensor))
+    return out
+
+
+def _float_base(name: str, tensor: Tensor) -> None:
+    if not tensor.dtype.is_float or tensor.dtype.name.startswith("float8"):
+        raise UnsupportedError(f"'{name}': a {tensor.dtype.name} base weight; LoRA is folded "
+                               "into floating-point (bf16, fp16, fp32) weights only")
+
+
+def _fused_weight(name: str, weight: Tensor, m: Module, config: AdapterConfig,
+                  reader: Reader | None) -> Derived:
+    _float_base(name, weight)
+    assert m.a is not None and m.b is not None
+    rank = m.a.shape[0]
+    scale = config.scale(m.name, rank)
+    transpose = m.embedding or config.fan_in_fan_out
+
+    # PEFT's own order, so that an fp32 fold equals merge_and_unload() to the bit:
+    # W + transpose(B @ A) * scale, in fp32 (PEFT also upcasts half-precision on CPU).
+    def compute(ts: list[torch.Tensor]) -> torch.Tensor:
+        w, a, b = ts
+        delta = b.float() @ a.float()
+        if transpose:
+            delta = delta.T
+        return w.float() + delta * scale
+
+    what = f"lora fused: rank {rank}, scale {scale:g}"
+    return Derived(name, (weight, m.a, m.b), weight.dtype, weight.shape, compute, what,
+                   readers=(None, reader, reader))
+
+
+def _fused_bias(name: str, bias: Tensor, m: Module, config: AdapterConfig,
+                reader: Reader | None) -> Derived:
+    _float_base(name, bias)
+    assert m.a is not None and m.b_bias is not None
+    scale = config.scale(m.name, m.a.shape[0])
+
+    def compute(ts: list[torch.Tensor]) -> torch.Tensor:
+        return ts[0].float() + ts[1].float() * scale
+
+    return Derived(name, (bias, m.b_bias), bias.dtype, bias.shape, compute,
+                   f"lora bias fused: scale {scale:g}", readers=(None, reader))
+
+
+def plan_adapter(layout: Layout) -> list[tuple[str, Tensor]]:
+    """The tensors of ``adapter_model.safetensors`` under the names ``save_pretrained``
+    writes: no adapter name, ``base_model.model.`` kept, a trained copy under its base name,
+    and the base weights of targeted embeddings.
+
+    Raises:
+        InputError / UnsupportedError: an incomplete or DoRA adapter.
+    """
+    raise_first([p for p in problems(layout, None) if p.code in ("lora-dora", "lora-unpaired")])
+    out: list[tuple[str, Tensor]] = []
+    for m in layout.modules.values():
+        if m.embedding:
+            assert m.a is not None and m.b is not None
+            out += [(f"{PREFIX}{m.name}.lora_embedding_A", m.a),
+                    (f"{PREFIX}{m.name}.lora_embedding_B", m.b)]
+            continue
+        for role, tensor in (("lora_A.weight", m.a), ("lora_B.weight", m.b),
+                             ("lora_B.bias", m.b_bias)):
+            if tensor is not None:
+                out.append((f"{PREFIX}{m.name}.{role}", tensor))
+    out += [(k, v) for k, v in layout.embedding_bases.items()]
+    out += [(PREFIX + name, tensor) for name, tensor in layout.trained.items()]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Reports
+
+
+def describe(layout: Layout, config: AdapterConfig | None) -> dict[str, Any]:
+    """The adapter in a few fields, for inspect and merge reports."""
+    ranks = sorted({m.rank for m in layout.modules.values() if m.rank is not None})
+    targets = sorted({m.name.rsplit(".", 1)[-1] for m in layout.modules.values()})
+    variant = ("dora" if any(m.magnitude is not None for m in layout.modules.values())
+               or (config is not None and config.use_dora)
+               else "rslora" if config is not None and config.use_rslora else "lora")
+    return {
+        "modules": len(layout.modules),
+        "targets": targets,
+        "rank": ranks[0] if len(ranks) == 1 else ranks,
+        "alpha": None if config is None else config.alpha,
+        "alpha_pattern": None if config is None else config.alpha_pattern or None,
+        "rank_pattern": None if config is None else config.rank_pattern or None,
+        "variant": variant,
+        "modules_to_save": sorted(layout.trained),
+        "config": None if config is None else config.source,
+        "parameters": sum(t.numel for m in layout.modules.values()
+                          for t in (m.a, m.b, m.b_bias) if t is not None),
+    }
+
+
+def never_trained(reader: Reader, layout: Layout,
+                  is_zero: Callable[[Reader, Tensor], bool]) -> list[Problem]:
+    """A warning per module whose lora_B is all zeros: PEFT initialises B to zero, so such an
+    adapter never trained and folding it changes nothing."""
+    zero = [m.name for m in layout.modules.values()
+            if m.b is not None and is_zero(reader, m.b)]
+    if not zero:
+        return []
+    return [warning("lora-untrained",
+                    f"lora_B is all zeros in {len(zero)} of {len(layout.modules)} modules "
+                    f"(first: '{zero[0]}'): the adapter never trained, and folding it leaves "
+                    "the base weights unchanged")]
