@@ -89,3 +89,12 @@ def tiny_dcp(uneven_ckpt: Path) -> Path:
 def hf_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """HuggingFaceStorageWriter shards of :func:`tests.layouts.hf_full_state` (2 ranks)."""
     return layouts.write_hf_storage(tmp_path_factory.mktemp("hf_storage") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def lora_ckpts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """PEFT LoRA models trained one step under FSDP2 (2 ranks), one directory per variant of
+    :data:`tests.lora_layouts.VARIANTS` (see :func:`tests.lora_layouts.write_lora`)."""
+    from tests import lora_layouts
+
+    return lora_layouts.write_lora(tmp_path_factory.mktemp("lora"))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -25,6 +25,8 @@ Examples:\n\n
   ckpttool merge checkpoint-500/pytorch_model_fsdp_0 out/\n\n
   ckpttool merge checkpoint-500 out/ --dtype bf16 --max-shard-size 2GB\n\n
   ckpttool merge ckpt out/ --json | jq .files\n\n
+  ckpttool merge lora-checkpoint out/ --lora adapter\n\n
+  ckpttool merge base-model/ out/ --adapter my-adapter/\n\n
 Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug.
 """
 
@@ -48,6 +50,17 @@ def merge_command(
         "--keep-tied", help="Write both tied embedding copies even when identical.")] = False,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace model weights already in OUT.")] = False,
+    lora: Annotated[str | None, typer.Option(
+        "--lora", metavar="[fuse|adapter]", callback=_lora_choice,
+        help="For a checkpoint with a LoRA adapter: fuse (fold W + scale * B @ A into the "
+        "weights; the default when the base weights are there) or adapter (a PEFT adapter "
+        "directory). alpha comes from adapter_config.json.")] = None,
+    adapter: Annotated[Path | None, typer.Option(
+        help="A PEFT adapter directory (adapter_model.safetensors + adapter_config.json) to "
+        "fold into SRC, a model with full weights.")] = None,
+    adapter_config: Annotated[Path | None, typer.Option(
+        help="PEFT's adapter_config.json (or its directory), where it is not beside the "
+        "checkpoint or the adapter.")] = None,
     no_progress: NoProgress = False,
     follow_links: FollowLinks = False,
     workers: Annotated[int | None, typer.Option(
@@ -66,8 +79,9 @@ def merge_command(
         try:
             report = merge(src, out, dtype=dtype, max_shard_size=max_shard_size,
                            config=config, keep_tied=keep_tied, overwrite=overwrite,
-                           workers=workers, follow_links=follow_links, progress=progress,
-                           on_start=on_start)
+                           workers=workers, follow_links=follow_links, lora_mode=lora,
+                           adapter=adapter, adapter_config=adapter_config,
+                           progress=progress, on_start=on_start)
         finally:
             bar.stop()
         if json_output:
@@ -79,11 +93,18 @@ def merge_command(
                 err(f"ckpttool: warning: {w}")
 
 
+def _lora_choice(value: str | None) -> str | None:
+    if value is None or value in ("fuse", "adapter"):
+        return value
+    raise typer.BadParameter(f"'{value}' is not one of: fuse, adapter")
+
+
 def _print_human(r: object) -> None:
     from ckpttool.core.merge import MergeReport
 
     assert isinstance(r, MergeReport)
-    what = "optimizer state" if r.kind == "optimizer" else "model"
+    what = ("optimizer state" if r.kind == "optimizer"
+            else "LoRA adapter" if r.lora and r.lora["mode"] == "adapter" else "model")
     lines = [f"merged {what} {r.checkpoint} -> {r.out} in {r.seconds:.1f} s"]
     if r.checkpoint != r.src:
         skipped = "".join(f"; skipped {Path(s['path']).name} ({s['kind']})" for s in r.skipped)
@@ -97,7 +118,10 @@ def _print_human(r: object) -> None:
     after = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(r.bytes_after.items()))
     lines.append(f"  dtype {r.dtype['target'] or 'kept'} ({r.dtype['source']}): "
                  f"{before} -> {after}")
-    if r.renames:
+    if r.renames and r.lora:
+        lines.append(f"  renamed to the base model's names ({len(r.renames)} stored names; "
+                     "PEFT's base_model.model. and .base_layer removed; all in --json)")
+    elif r.renames:
         removed = ", ".join(r.wrappers_removed)
         lines.append(f"  renamed {len(r.renames)} tensors (removed: {removed}):")
         shown = r.renames if len(r.renames) <= 8 else r.renames[:5]
@@ -110,9 +134,13 @@ def _print_human(r: object) -> None:
         if t["action"] == "deduplicated":
             lines.append(f"  tied: {t['output']} is identical to {t['input']}; written once, "
                          "as transformers does")
+        elif t["identical"] is None:
+            lines.append(f"  tied: {t['output']} / {t['input']}: {t['action']}")
         else:
             state = "identical" if t["identical"] else "different"
             lines.append(f"  tie candidates {t['output']} / {t['input']}: {state}; both written")
+    if r.lora:
+        lines += _lora_lines(r.lora)
     if r.kind == "optimizer" and r.non_tensor:
         lines.append(f"  {len(r.non_tensor)} non-tensor entries (param groups...) written to "
                      "optimizer.json")
@@ -126,3 +154,20 @@ def _print_human(r: object) -> None:
     for c in r.config_changes:
         lines.append(f"  config.json: {c}")
     print("\n".join(lines))
+
+
+def _lora_lines(lo: dict[str, Any]) -> list[str]:
+    rank = lo["rank"] if isinstance(lo["rank"], int) else "/".join(map(str, lo["rank"]))
+    about = (f"rank {rank}, alpha {lo['alpha']:g}, {lo['variant']}, {lo['modules']} modules "
+             f"({', '.join(lo['targets'])})")
+    if lo["mode"] == "fuse":
+        lines = [f"  LoRA folded into {lo['fused']} tensors: {about}"]
+        if lo["modules_to_save"]:
+            lines.append(f"  trained copies used (modules_to_save): "
+                         f"{', '.join(lo['modules_to_save'])}")
+    else:
+        lines = [f"  LoRA adapter written for PEFT: {about}"]
+    lines.append(f"  adapter config: {lo['config']}")
+    if lo.get("other"):
+        lines.append(f"  ({lo['other']})")
+    return lines

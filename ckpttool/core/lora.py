@@ -66,6 +66,7 @@ class Layout:
     modules: dict[str, Module]
     adapters: set[str]  # adapter names seen ("default")
     embedding_bases: dict[str, Tensor] = field(default_factory=dict)  # for the adapter file
+    plain: set[str] = field(default_factory=set)  # base names stored without PEFT segments
 
     @property
     def has_base(self) -> bool:
@@ -94,6 +95,7 @@ def parse(tensors: list[tuple[str, Tensor]]) -> Layout | None:
         hit = next((i for i, s in enumerate(segs) if s in _PEFT_SEGMENTS), None)
         if hit is None:
             layout.base.append((plain, tensor))
+            layout.plain.add(plain)
             continue
         module, seg, rest = ".".join(segs[:hit]), segs[hit], segs[hit + 1:]
         if seg == "base_layer":
@@ -142,6 +144,15 @@ def parse(tensors: list[tuple[str, Tensor]]) -> Layout | None:
             f"holds {len(layout.adapters)} LoRA adapters ({', '.join(sorted(layout.adapters))});"
             " ckpttool merges one adapter at a time")
     return layout
+
+
+def as_adapter_file(layout: Layout) -> Layout:
+    """``layout`` read from an adapter saved alone (``save_pretrained``): a weight under a
+    plain name there is a trained copy (``modules_to_save``), and the base weights of targeted
+    embeddings are the base model's own, not used."""
+    weights = dict(layout.base)
+    trained = {**layout.trained, **{n: weights[n] for n in layout.plain}}
+    return Layout([], trained, layout.modules, layout.adapters, layout.embedding_bases)
 
 
 def _adapter_and_tail(seg: str, rest: list[str]) -> tuple[str, list[str]]:
@@ -335,7 +346,11 @@ def plan_fuse(layout: Layout, config: AdapterConfig,
         module, _, leaf = name.rpartition(".")
         m = layout.modules.get(module)
         if name in layout.trained:
-            out.append((name, layout.trained[name]))
+            copy = layout.trained[name]
+            # From a separate adapter file: read through its own reader.
+            out.append((name, copy if adapter_reader is None else Derived(
+                name, (copy,), copy.dtype, copy.shape, lambda ts: ts[0],
+                "trained copy (modules_to_save)", readers=(adapter_reader,))))
         elif m is not None and leaf == "weight":
             out.append((name, _fused_weight(name, tensor, m, config, adapter_reader)))
         elif m is not None and leaf == "bias" and m.b_bias is not None:

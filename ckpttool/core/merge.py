@@ -610,7 +610,7 @@ def _adapted(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str | None
         raise InputError(f"unknown --lora '{mode}'; use one of: {', '.join(lora.MODES)}")
     explicit = Path(adapter_config) if adapter_config is not None else None
     found = lora.parse(named)
-    other = "--lora adapter (the adapter alone, for PEFT)"
+    other = "--lora adapter"
     if adapter is not None:
         if found is not None:
             raise InputError(f"{ckpt.path}: holds a LoRA adapter itself; --adapter folds an "
@@ -627,6 +627,7 @@ def _adapted(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str | None
         if found is None or not found.modules:
             raise InputError(f"{target}: holds no LoRA matrices (lora_A / lora_B); pass a PEFT "
                              "adapter directory to --adapter")
+        found = lora.as_adapter_file(found)
         doc, where = hf.find_adapter_config(target.parent, explicit, given=given)
         if doc is None or where is None:
             raise lora.missing_config(str(given))
@@ -661,12 +662,12 @@ def _adapted(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str | None
         sources = lora.plan_fuse(found, config)
         report = {"mode": "fuse", **lora.describe(found, config),
                   "fused": sum(isinstance(s, Derived) for _, s in sources),
-                  "other": f"for {other}, merge again with it"}
+                  "other": f"the adapter alone instead: {other}"}
         return _Adapted("fuse", sources, report)
     adapter_sources: list[tuple[str, Source]] = list(lora.plan_adapter(found))
     report = {"mode": "adapter", **lora.describe(found, config),
-              "other": ("for a full model with the adapter folded in, merge again with "
-                        "--lora fuse") if found.has_base else None}
+              "other": ("a full model with the adapter folded in instead: --lora fuse")
+              if found.has_base else None}
     return _Adapted("adapter", adapter_sources, report, config_bytes=where.read_bytes())
 
 

@@ -1,0 +1,209 @@
+"""LoRA (PEFT) checkpoints trained under FSDP2 and saved with ``dcp.save``
+(:mod:`tests.lora_layouts`): fused and exported adapters against PEFT itself, and the errors.
+
+Tolerance: none. The models are fp32, ckpttool folds ``W + transpose(B @ A) * scale`` in PEFT's
+own order in fp32, so fused weights equal ``merge_and_unload()``'s to the bit and the logits
+are identical.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import ckpttool
+from ckpttool.errors import InputError, UnsupportedError
+from tests.lora_layouts import MODEL_DIR, VARIANTS, batch, build_base, reference
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    _, ids = batch()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def variant(request: pytest.FixtureRequest, lora_ckpts: Path) -> Path:
+    return lora_ckpts / request.param
+
+
+@pytest.fixture(scope="module")
+def peft_merged(variant: Path) -> dict[str, torch.Tensor]:
+    """PEFT's own merge_and_unload() of the trained model, state dict."""
+    return {k: v.clone() for k, v in reference(variant).merge_and_unload().state_dict().items()}
+
+
+def test_fuse_equals_merge_and_unload(variant: Path, peft_merged: dict[str, torch.Tensor],
+                                      tmp_path: Path) -> None:
+    report = ckpttool.merge(variant, tmp_path / "out")
+    assert report.lora is not None and report.lora["mode"] == "fuse"
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(got) == set(peft_merged)
+    for name, want in peft_merged.items():
+        assert torch.equal(got[name], want), name
+    # The adapter trained: folding it changed the targeted weights.
+    base = build_base(variant.name).state_dict()
+    assert not torch.equal(got["model.layers.0.self_attn.q_proj.weight"],
+                           base["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_fused_model_gives_peft_merged_logits(variant: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ckpttool.merge(variant, tmp_path / "out")
+    fused = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert torch.equal(logits(fused), logits(reference(variant).merge_and_unload()))
+
+
+def test_adapter_loads_in_peft_with_trained_logits(variant: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+
+    report = ckpttool.merge(variant / MODEL_DIR, tmp_path / "adapter", lora_mode="adapter")
+    assert report.lora is not None and report.lora["mode"] == "adapter"
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    loaded = PeftModel.from_pretrained(build_base(variant.name), tmp_path / "adapter").eval()
+    assert torch.equal(logits(loaded), logits(reference(variant)))
+
+
+def test_adapter_file_is_what_save_pretrained_writes(variant: Path, tmp_path: Path) -> None:
+    reference(variant).save_pretrained(tmp_path / "peft")
+    ckpttool.merge(variant, tmp_path / "ours", lora_mode="adapter")
+    want = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    got = load_file(tmp_path / "ours" / "adapter_model.safetensors")
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    with safe_open(tmp_path / "ours" / "adapter_model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
+def test_adapter_into_full_base_equals_dcp_fuse(variant: Path, tmp_path: Path) -> None:
+    """--adapter: PEFT's saved adapter folded into the base model's safetensors gives the same
+    fused weights as the fuse of the DCP checkpoint."""
+    build_base(variant.name).save_pretrained(tmp_path / "base")
+    reference(variant).save_pretrained(tmp_path / "adapter")
+    ckpttool.merge(variant, tmp_path / "from-dcp")
+    report = ckpttool.merge(tmp_path / "base", tmp_path / "from-base",
+                            adapter=tmp_path / "adapter")
+    assert report.lora is not None and report.lora["fused"] > 0
+    want = load_file(tmp_path / "from-dcp" / "model.safetensors")
+    got = load_file(tmp_path / "from-base" / "model.safetensors")
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_fuse_casts_by_the_dtype_policy(lora_ckpts: Path,
+                                        tmp_path: Path) -> None:
+    variant = lora_ckpts / "lora"
+    ckpttool.merge(variant, tmp_path / "bf16", dtype="bf16")
+    got = load_file(tmp_path / "bf16" / "model.safetensors")
+    want = reference(variant).merge_and_unload().state_dict()
+    for name, tensor in want.items():
+        assert got[name].dtype == torch.bfloat16
+        assert torch.equal(got[name], tensor.to(torch.bfloat16)), name
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+def copy_variant(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("full.pt"))
+    return dst
+
+
+def test_missing_alpha_is_an_error_saying_where_to_put_it(lora_ckpts: Path,
+                                                          tmp_path: Path) -> None:
+    ckpt = copy_variant(lora_ckpts / "lora", tmp_path / "ckpt")
+    (ckpt / "adapter_config.json").unlink()
+    with pytest.raises(InputError, match="no adapter_config.json was found beside it.*"
+                       "--adapter-config PATH"):
+        ckpttool.merge(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    config = json.loads((lora_ckpts / "lora" / "adapter_config.json").read_text())
+    del config["lora_alpha"]
+    (tmp_path / "cfg.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="'lora_alpha' is None; it must be a positive number"):
+        ckpttool.merge(ckpt, tmp_path / "out", adapter_config=tmp_path / "cfg.json")
+
+
+def test_wrong_rank_in_config_is_an_error(lora_ckpts: Path, tmp_path: Path) -> None:
+    ckpt = copy_variant(lora_ckpts / "lora", tmp_path / "ckpt")
+    config = json.loads((ckpt / "adapter_config.json").read_text())
+    config["rank_pattern"] = {}
+    (ckpt / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match=r"o_proj': the adapter has rank 2 but .* says r=4"):
+        ckpttool.merge(ckpt, tmp_path / "out")
+
+
+def test_lora_mode_on_a_plain_checkpoint_is_an_error(uneven_ckpt: Path, tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="holds no LoRA adapter"):
+        ckpttool.merge(uneven_ckpt, tmp_path / "out", lora_mode="fuse")
+
+
+def test_adapter_alone_cannot_be_fused(lora_ckpts: Path, tmp_path: Path) -> None:
+    reference(lora_ckpts / "rslora").save_pretrained(tmp_path / "adapter")
+    with pytest.raises(InputError, match="holds the LoRA adapter alone.*--lora adapter"):
+        ckpttool.merge(tmp_path / "adapter" / "adapter_model.safetensors", tmp_path / "out",
+                       lora_mode="fuse")
+    # Without --lora, an adapter alone is re-exported as an adapter.
+    report = ckpttool.merge(tmp_path / "adapter" / "adapter_model.safetensors",
+                            tmp_path / "out")
+    assert report.lora is not None and report.lora["mode"] == "adapter"
+
+
+def test_adapter_for_another_model_is_a_shape_error(lora_ckpts: Path, tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    reference(lora_ckpts / "rslora").save_pretrained(tmp_path / "adapter")
+    LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=48,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, attention_bias=True)
+                     ).save_pretrained(tmp_path / "other")
+    with pytest.raises(InputError, match=r"q_proj': base weight \[16, 16\] does not match "
+                       r"lora_B @ lora_A \[32, 32\]"):
+        ckpttool.merge(tmp_path / "other", tmp_path / "out", adapter=tmp_path / "adapter")
+    assert not (tmp_path / "out").exists()
+
+
+def _edit_adapter(src: Path, dst: Path, edit) -> Path:  # type: ignore[no-untyped-def]
+    from safetensors.torch import save_file
+
+    dst.mkdir()
+    shutil.copy(src / "adapter_config.json", dst)
+    tensors = load_file(src / "adapter_model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "adapter_model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_lora_a_without_b_is_an_error(lora_ckpts: Path, tmp_path: Path) -> None:
+    reference(lora_ckpts / "rslora").save_pretrained(tmp_path / "adapter")
+    name = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    broken = _edit_adapter(tmp_path / "adapter", tmp_path / "broken",
+                           lambda t: t.pop(name))
+    build_base("rslora").save_pretrained(tmp_path / "base")
+    with pytest.raises(InputError, match="layers.1.self_attn.v_proj': has lora_A but no lora_B"):
+        ckpttool.merge(tmp_path / "base", tmp_path / "out", adapter=broken)
+
+
+def test_dora_is_refused_with_exit_4(lora_ckpts: Path, tmp_path: Path) -> None:
+    reference(lora_ckpts / "rslora").save_pretrained(tmp_path / "adapter")
+    dora = _edit_adapter(
+        tmp_path / "adapter", tmp_path / "dora",
+        lambda t: t.__setitem__(
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector",
+            torch.ones(32)))
+    build_base("rslora").save_pretrained(tmp_path / "base")
+    with pytest.raises(UnsupportedError, match="DoRA"):
+        ckpttool.merge(tmp_path / "base", tmp_path / "out", adapter=dora)
