@@ -84,10 +84,9 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _job(rank: int, world_size: int, out: Path) -> None:
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    import torch.distributed.checkpoint as dcp
 
     mesh = init_device_mesh("cpu", (world_size,))
     for variant in VARIANTS:
