@@ -168,3 +168,13 @@ class ProgressBar:
         if not self.enabled:
             return None, None
         return self.start, self.advance
+
+
+def lora_line(lo: dict[str, Any]) -> str:
+    """A LoRA adapter in one line: rank, alpha, variant, targets."""
+    rank = lo["rank"] if isinstance(lo["rank"], int) else "/".join(map(str, lo["rank"]))
+    alpha = "unknown (no adapter_config.json)" if lo["alpha"] is None else f"{lo['alpha']:g}"
+    return (f"LoRA adapter: rank {rank}, alpha {alpha}, {lo['variant']}, {lo['modules']} "
+            f"modules ({', '.join(lo['targets'])})"
+            + (f", modules_to_save {', '.join(lo['modules_to_save'])}"
+               if lo["modules_to_save"] else ""))

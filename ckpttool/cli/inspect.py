@@ -14,6 +14,7 @@ from ckpttool.cli.common import (
     count,
     exit_codes,
     human_bytes,
+    lora_line,
     print_json,
 )
 
@@ -92,6 +93,8 @@ def render(doc: dict[str, Any]) -> str:
             said = {True: "config ties them", False: "config unties them",
                     None: "no config says"}[t["config_ties"]]
             lines.append(f"  tie candidates: {t['output']} / {t['input']} ({said})")
+        if s.get("lora"):
+            lines.append(f"  {lora_line(s['lora'])}")
     for o in doc["non_tensor"]:
         if o["readable"]:
             lines.append(f"  non-tensor {o['name']} = {_short(o['value'])}")

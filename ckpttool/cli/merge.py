@@ -16,6 +16,7 @@ from ckpttool.cli.common import (
     err,
     exit_codes,
     human_bytes,
+    lora_line,
     print_json,
     size_option,
 )
@@ -157,17 +158,9 @@ def _print_human(r: object) -> None:
 
 
 def _lora_lines(lo: dict[str, Any]) -> list[str]:
-    rank = lo["rank"] if isinstance(lo["rank"], int) else "/".join(map(str, lo["rank"]))
-    about = (f"rank {rank}, alpha {lo['alpha']:g}, {lo['variant']}, {lo['modules']} modules "
-             f"({', '.join(lo['targets'])})")
-    if lo["mode"] == "fuse":
-        lines = [f"  LoRA folded into {lo['fused']} tensors: {about}"]
-        if lo["modules_to_save"]:
-            lines.append(f"  trained copies used (modules_to_save): "
-                         f"{', '.join(lo['modules_to_save'])}")
-    else:
-        lines = [f"  LoRA adapter written for PEFT: {about}"]
-    lines.append(f"  adapter config: {lo['config']}")
+    done = (f"folded into {lo['fused']} tensors" if lo["mode"] == "fuse"
+            else "written for PEFT (adapter_model.safetensors)")
+    lines = [f"  {lora_line(lo)}: {done}", f"  adapter config: {lo['config']}"]
     if lo.get("other"):
         lines.append(f"  ({lo['other']})")
     return lines

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpttool.core import dtypes as dtype_policy
-from ckpttool.core import hf, names, ties
+from ckpttool.core import hf, lora, names, ties
 from ckpttool.core import objects as non_tensor
 from ckpttool.core import tensors as tensor_io
 from ckpttool.core.discover import Box, Checkpoint, Part, TensorView, discover, open_reader
 from ckpttool.core.report import SCHEMA, Progress
-from ckpttool.errors import InputError
-from ckpttool.formats.base import Reader
+from ckpttool.errors import CkptError, InputError
+from ckpttool.formats.base import Reader, Tensor
 from ckpttool.formats.dtypes import DType
 
 # Problem codes meaning the metadata itself could not be read: inspect stops on them.
@@ -48,11 +48,6 @@ def placement(shape: tuple[int, ...], boxes: tuple[Box, ...]) -> str:
     return "+".join(f"Shard({d})" for d in split) + f" x{len(boxes)}"
 
 
-def tie_pair(ckpt: Checkpoint) -> tuple[str, str] | None:
-    """(output, input) embedding names when both exist with one shape."""
-    return ties.find_pair(ckpt.by_name())
-
-
 def summary(ckpt: Checkpoint) -> dict[str, Any]:
     """The summary block of ``inspect``: counts, bytes per dtype, the size ``merge --dtype
     auto`` would write, wrappers, tie candidates. Pure."""
@@ -63,15 +58,16 @@ def summary(ckpt: Checkpoint) -> dict[str, Any]:
     policy = (dtype_policy.DTypePolicy("auto", None, "optimizer state keeps its dtypes")
               if ckpt.kind == "optimizer" else dtype_policy.resolve("auto", ckpt.hf.config,
                                                                      config_name))
-    pair = tie_pair(ckpt) if ckpt.kind == "model" else None
+    written = _written(ckpt)
+    pair = ties.find_pair(dict(written)) if ckpt.kind == "model" else None
     config_ties = hf.ties_word_embeddings(ckpt.hf.config)
     dropped = pair[0] if pair is not None and config_ties else None
     merged: dict[str, int] = {}
-    for t in ckpt.tensors:
-        if t.name == dropped:
+    for name, entry in written:
+        if name == dropped:
             continue
-        out = policy.output_dtype(t.dtype)
-        merged[out.name] = merged.get(out.name, 0) + t.numel * out.itemsize
+        out = policy.output_dtype(entry.dtype)
+        merged[out.name] = merged.get(out.name, 0) + entry.numel * out.itemsize
     assert ckpt.info is not None
     return {
         "kind": ckpt.kind,
@@ -95,6 +91,21 @@ def summary(ckpt: Checkpoint) -> dict[str, Any]:
         "num_non_tensor": len(ckpt.objects),
         "config": str(ckpt.hf.config_path) if ckpt.hf.config_path else None,
     }
+
+
+def _written(ckpt: Checkpoint) -> list[tuple[str, Tensor]]:
+    """The tensors a default merge writes: all of them, or for a LoRA checkpoint the base
+    model's weights (the adapter folded in, trained copies of modules_to_save used)."""
+    entries = [(t.name, t.tensor) for t in ckpt.tensors]
+    if ckpt.kind != "model":
+        return entries
+    try:
+        layout = lora.parse(entries)
+    except CkptError:  # reported by verify and merge
+        return entries
+    if layout is None or not layout.has_base:
+        return entries
+    return [(name, layout.trained.get(name, t)) for name, t in layout.base]
 
 
 def tensor_row(t: TensorView) -> dict[str, Any]:
@@ -305,6 +316,10 @@ def inspect(
         report.seconds = round(time.perf_counter() - started, 3)
         return report
     report.summary = summary(ckpt)
+    layout, adapter_config, lora_problems = lora.adapter_of(ckpt)
+    if layout is not None and layout.modules:
+        report.summary["lora"] = lora.describe(layout, adapter_config)
+        report.notes += [p.message for p in lora_problems]
     shown = [t for t in ckpt.tensors if matches(t, filter)]
     report.tensors = [tensor_row(t) for t in shown]
     info = ckpt.info

@@ -22,12 +22,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ckpttool.core import hf
 from ckpttool.core.derive import Derived
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats.base import Problem, Reader, Tensor, error, warning
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
+
+    from ckpttool.core.discover import Checkpoint
 
 PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -247,6 +252,28 @@ def missing_config(where: str) -> InputError:
         "lora_alpha cannot be read from the weights (ckpttool never guesses it); put the "
         "adapter_config.json written at training time beside the checkpoint or pass "
         "--adapter-config PATH")
+
+
+def adapter_of(ckpt: Checkpoint, explicit: Path | None = None
+               ) -> tuple[Layout | None, AdapterConfig | None, list[Problem]]:
+    """The LoRA adapter in a model checkpoint and its config, for inspect and verify: what
+    merge would raise is returned as problems instead."""
+    if ckpt.kind != "model" or ckpt.info is None:
+        return None, None, []
+    try:
+        layout = parse([(t.name, t.tensor) for t in ckpt.tensors])
+    except UnsupportedError as e:
+        return None, None, [error("lora-unsupported", f"{ckpt.path}: {e}")]
+    if layout is None or not layout.modules:
+        return layout, None, []
+    try:
+        doc, where = hf.find_adapter_config(
+            ckpt.root if ckpt.root.is_dir() else ckpt.info.base, explicit, given=ckpt.path)
+        if doc is None or where is None:
+            return layout, None, [error("lora-no-alpha", str(missing_config(str(ckpt.path))))]
+        return layout, read_config(doc, str(where)), []
+    except InputError as e:
+        return layout, None, [error("lora-config", str(e))]
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.core import dtypes as dtype_policy
+from ckpttool.core import lora, scan, structure, tensors, ties
 from ckpttool.core import manifest as manifests
-from ckpttool.core import scan, structure, ties
 from ckpttool.core.against import plan_against
-from ckpttool.core.discover import Checkpoint, Part, describe, discover
+from ckpttool.core.discover import Checkpoint, Part, describe, discover, open_reader
 from ckpttool.core.report import SCHEMA, Progress
 from ckpttool.errors import InputError, OutputError
-from ckpttool.formats.base import SEVERITIES, Location, Problem, error
+from ckpttool.formats.base import SEVERITIES, Location, Problem, Reader, Tensor, error
 
 __all__ = ["Location", "Problem", "VerifyReport", "verify"]
 
@@ -49,6 +49,7 @@ class VerifyReport:
     kind: str
     against: dict[str, str] | None = None
     manifest: dict[str, Any] | None = None
+    lora: dict[str, Any] | None = None  # the LoRA adapter found (rank, alpha, targets...)
     parts: list[Part] = field(default_factory=list)  # other checkpoints verified
     checks: list[str] = field(default_factory=list)
     num_tensors: int = 0
@@ -86,6 +87,7 @@ def verify(
     manifest_action: str | None = None,
     workers: int | None = None,
     follow_links: bool = False,
+    adapter_config: str | os.PathLike[str] | None = None,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> VerifyReport:
@@ -104,6 +106,8 @@ def verify(
             None: check when it exists, else write.
         workers: tensors read in parallel (default: the CPUs this process may use).
         follow_links: read data files that are links out of the checkpoint directory.
+        adapter_config: PEFT's adapter_config.json for a LoRA checkpoint, where it is not
+            beside it.
         progress: called with bytes read.
         on_start: called once with the bytes about to be read.
 
@@ -181,6 +185,16 @@ def verify(
     if pair is not None and pair[0] in digests and pair[1] in digests:
         same = digests[pair[0]] == digests[pair[1]]
     problems += ties.check_ties(ckpt, same)
+    layout, lora_config, lora_problems = lora.adapter_of(
+        ckpt, Path(adapter_config) if adapter_config is not None else None)
+    if layout is not None and layout.modules:
+        report.checks.append("lora")
+        report.lora = lora.describe(layout, lora_config)
+        problems += lora_problems + lora.problems(layout, lora_config)
+        with open_reader(ckpt, follow_links=follow_links) as reader:
+            problems += lora.never_trained(reader, layout, _all_zero)
+    elif lora_problems:
+        problems += lora_problems
     problems += dtype_policy.check_dtypes(ckpt, expect)
     if plan is not None:
         problems += [*plan.problems, *done.tied]
@@ -213,6 +227,11 @@ def verify(
     report.bytes_read = bytes_read
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+def _all_zero(reader: Reader, tensor: Tensor) -> bool:
+    """Every byte of ``tensor`` is zero (+0.0 in any float dtype), read block by block."""
+    return all(block.count(0) == len(block) for _, block in tensors.blocks(reader, tensor))
 
 
 def _structure(ckpt: Checkpoint, damaged: set[str]) -> list[Problem]:

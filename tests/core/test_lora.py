@@ -207,3 +207,95 @@ def test_dora_is_refused_with_exit_4(lora_ckpts: Path, tmp_path: Path) -> None:
     build_base("rslora").save_pretrained(tmp_path / "base")
     with pytest.raises(UnsupportedError, match="DoRA"):
         ckpttool.merge(tmp_path / "base", tmp_path / "out", adapter=dora)
+
+
+# --------------------------------------------------------------------------------------------
+# inspect and verify
+
+
+def test_inspect_shows_the_adapter(lora_ckpts: Path) -> None:
+    report = ckpttool.inspect(lora_ckpts / "lora")
+    lo = report.summary["lora"]
+    assert lo["rank"] == [2, 4] and lo["alpha"] == 8 and lo["variant"] == "lora"
+    assert lo["alpha_pattern"] == {"v_proj": 24} and lo["modules_to_save"] == ["lm_head.weight"]
+    assert "q_proj" in lo["targets"] and "embed_tokens" in lo["targets"]
+    # What a default merge writes: the base model's tensors, not the adapter's.
+    base = build_base("lora").state_dict()
+    assert report.summary["merged"]["bytes"] == sum(t.numel() * 4 for t in base.values())
+    rs = ckpttool.inspect(lora_ckpts / "rslora").summary["lora"]
+    assert rs["variant"] == "rslora" and rs["rank"] == 8
+
+
+def test_verify_passes_a_trained_adapter(variant: Path) -> None:
+    report = ckpttool.verify(variant)
+    assert report.ok and "lora" in report.checks, report.problems
+    assert not [p for p in report.problems if p.code.startswith("lora")]
+
+
+def test_verify_warns_of_an_adapter_that_never_trained(lora_ckpts: Path,
+                                                       tmp_path: Path) -> None:
+    from tests.lora_layouts import build
+
+    build("rslora").save_pretrained(tmp_path / "untrained")
+    report = ckpttool.verify(tmp_path / "untrained" / "adapter_model.safetensors")
+    assert report.ok
+    untrained = [p for p in report.problems if p.code == "lora-untrained"]
+    assert len(untrained) == 1 and "never trained" in untrained[0].message
+    assert {p.code for p in report.problems} == {"lora-untrained", "all-zero"}
+
+
+def test_verify_without_alpha_is_an_error(lora_ckpts: Path, tmp_path: Path) -> None:
+    ckpt = copy_variant(lora_ckpts / "rslora", tmp_path / "ckpt")
+    (ckpt / "adapter_config.json").unlink()
+    report = ckpttool.verify(ckpt)
+    assert not report.ok
+    assert [p.code for p in report.problems if p.severity == "error"] == ["lora-no-alpha"]
+    ok = ckpttool.verify(ckpt, adapter_config=lora_ckpts / "rslora" / "adapter_config.json")
+    assert ok.ok, ok.problems
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+
+
+def cli(*args: str | Path):  # type: ignore[no-untyped-def]
+    from typer.testing import CliRunner
+
+    from ckpttool.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_cli_fuse_and_adapter_reports(lora_ckpts: Path, tmp_path: Path) -> None:
+    r = cli("merge", lora_ckpts / "lora", tmp_path / "fused")
+    assert r.exit_code == 0, r.output
+    assert "LoRA adapter: rank 2/4, alpha 8, lora, 15 modules" in r.stdout
+    assert "folded into 15 tensors" in r.stdout
+    assert "(the adapter alone instead: --lora adapter)" in r.stdout
+    r = cli("merge", lora_ckpts / "lora", tmp_path / "adapter", "--lora", "adapter", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["lora"]["mode"] == "adapter"
+    assert [f["name"] for f in doc["files"]] == ["adapter_model.safetensors"]
+    assert "adapter_config.json" in doc["copied"]
+
+
+def test_cli_errors_exit_codes(lora_ckpts: Path, tmp_path: Path) -> None:
+    r = cli("merge", lora_ckpts / "lora", tmp_path / "out", "--lora", "merge")
+    assert r.exit_code == 2 and "'merge' is not one of: fuse, adapter" in r.output
+    ckpt = copy_variant(lora_ckpts / "rslora", tmp_path / "ckpt")
+    (ckpt / "adapter_config.json").unlink()
+    r = cli("merge", ckpt, tmp_path / "out")
+    assert r.exit_code == 3
+    assert r.stderr.count("\n") == 1 and "lora_alpha cannot be read" in r.stderr
+    assert "Traceback" not in r.output and not (tmp_path / "out").exists()
+    reference(lora_ckpts / "rslora").save_pretrained(tmp_path / "adapter")
+    dora = _edit_adapter(
+        tmp_path / "adapter", tmp_path / "dora",
+        lambda t: t.__setitem__(
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector",
+            torch.ones(32)))
+    r = cli("merge", dora / "adapter_model.safetensors", tmp_path / "out")
+    assert r.exit_code == 4 and "DoRA" in r.stderr
+    r = cli("verify", ckpt)
+    assert r.exit_code == 1 and "lora-no-alpha" in r.output
