@@ -80,7 +80,7 @@ def merge_command(
         try:
             report = merge(src, out, dtype=dtype, max_shard_size=max_shard_size,
                            config=config, keep_tied=keep_tied, overwrite=overwrite,
-                           workers=workers, follow_links=follow_links, lora_mode=lora,
+                           workers=workers, follow_links=follow_links, lora=lora,
                            adapter=adapter, adapter_config=adapter_config,
                            progress=progress, on_start=on_start)
         finally:

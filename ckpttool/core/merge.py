@@ -20,7 +20,8 @@ from typing import Any
 
 from ckpttool.core import chunks as chunk_geometry
 from ckpttool.core import dtypes as dtype_policy
-from ckpttool.core import hf, lora, names, structure, tensors, ties
+from ckpttool.core import hf, names, structure, tensors, ties
+from ckpttool.core import lora as adapters
 from ckpttool.core import objects as non_tensor
 from ckpttool.core.derive import Derived, materialise
 from ckpttool.core.discover import Checkpoint, ObjectView, Part, discover, open_reader
@@ -363,7 +364,7 @@ def merge(
     overwrite: bool = False,
     workers: int | None = None,
     follow_links: bool = False,
-    lora_mode: str | None = None,
+    lora: str | None = None,
     adapter: str | os.PathLike[str] | None = None,
     adapter_config: str | os.PathLike[str] | None = None,
     progress: Progress | None = None,
@@ -383,7 +384,7 @@ def merge(
         workers: parallel copy threads (default: the CPUs this process may use).
         follow_links: read data files that are links out of the checkpoint directory
             (shared-storage layouts); refused otherwise.
-        lora_mode: for a checkpoint holding a LoRA adapter: ``"fuse"`` (default when the base
+        lora: for a checkpoint holding a LoRA adapter: ``"fuse"`` (default when the base
             weights are there: fold ``W + scale * B @ A`` into a plain model) or ``"adapter"``
             (a PEFT adapter directory: ``adapter_model.safetensors`` + ``adapter_config.json``).
         adapter: a PEFT adapter (directory or ``adapter_model.safetensors``) to fold into
@@ -422,7 +423,7 @@ def merge(
         raise InputError(f"{info.root}: holds no tensors ({held}); there is no model to merge. "
                          f"See what it holds with: ckpttool inspect {src_path}")
     named = [(t.name, t.tensor) for t in ckpt.tensors]
-    adapted = None if optimizer else _adapted(ckpt, named, lora_mode, adapter, adapter_config)
+    adapted = None if optimizer else _adapted(ckpt, named, lora, adapter, adapter_config)
     mode = adapted.mode if adapted is not None else None
     if optimizer:
         # Optimizer state: keep its dtypes unless asked; no config, tokenizer or ties.
@@ -433,7 +434,7 @@ def merge(
         # An adapter keeps the dtypes it trained in, as save_pretrained does, unless asked.
         policy = (dtype_policy.DTypePolicy("auto", None, "a LoRA adapter keeps its dtypes")
                   if dtype == "auto" else dtype_policy.resolve(dtype, None))
-        stem = lora.ADAPTER_FILE.removesuffix(".safetensors")
+        stem = adapters.ADAPTER_FILE.removesuffix(".safetensors")
         files = hf.HfFiles(None, None, ())
     else:
         policy = dtype_policy.resolve(dtype, files.config, str(files.config_path)
@@ -606,10 +607,10 @@ def _adapted(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str | None
             that cannot apply.
         UnsupportedError: DoRA, several adapters, another PEFT method.
     """
-    if mode is not None and mode not in lora.MODES:
-        raise InputError(f"unknown --lora '{mode}'; use one of: {', '.join(lora.MODES)}")
+    if mode is not None and mode not in adapters.MODES:
+        raise InputError(f"unknown --lora '{mode}'; use one of: {', '.join(adapters.MODES)}")
     explicit = Path(adapter_config) if adapter_config is not None else None
-    found = lora.parse(named)
+    found = adapters.parse(named)
     other = "--lora adapter"
     if adapter is not None:
         if found is not None:
@@ -619,26 +620,26 @@ def _adapted(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str | None
             raise InputError("--adapter folds an adapter into SRC; --lora adapter would write "
                              "the adapter alone: use one or the other")
         given = Path(adapter)
-        target = given / lora.ADAPTER_FILE if given.is_dir() else given
+        target = given / adapters.ADAPTER_FILE if given.is_dir() else given
         adapter_ckpt = discover(target, command="merge")
         structure.raise_first(structure.check(adapter_ckpt.info, adapter_ckpt.canonical())
                               if adapter_ckpt.info is not None else [])
-        found = lora.parse([(t.name, t.tensor) for t in adapter_ckpt.tensors])
+        found = adapters.parse([(t.name, t.tensor) for t in adapter_ckpt.tensors])
         if found is None or not found.modules:
             raise InputError(f"{target}: holds no LoRA matrices (lora_A / lora_B); pass a PEFT "
                              "adapter directory to --adapter")
-        found = lora.as_adapter_file(found)
+        found = adapters.as_adapter_file(found)
         doc, where = hf.find_adapter_config(target.parent, explicit, given=given)
         if doc is None or where is None:
-            raise lora.missing_config(str(given))
-        config = lora.read_config(doc, str(where))
+            raise adapters.missing_config(str(given))
+        config = adapters.read_config(doc, str(where))
         reader = open_reader(adapter_ckpt)
         try:
-            sources = lora.plan_fuse(found, config, base=named, adapter_reader=reader)
+            sources = adapters.plan_fuse(found, config, base=named, adapter_reader=reader)
         except BaseException:
             reader.close()
             raise
-        report = {"mode": "fuse", "adapter": str(given), **lora.describe(found, config),
+        report = {"mode": "fuse", "adapter": str(given), **adapters.describe(found, config),
                   "fused": sum(isinstance(s, Derived) for _, s in sources)}
         return _Adapted("fuse", sources, report, reader=reader)
     if found is None:
@@ -650,8 +651,8 @@ def _adapted(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str | None
     doc, where = hf.find_adapter_config(ckpt.root if ckpt.root.is_dir() else ckpt.info.base,
                                         explicit, given=ckpt.path)
     if doc is None or where is None:
-        raise lora.missing_config(str(ckpt.path))
-    config = lora.read_config(doc, str(where))
+        raise adapters.missing_config(str(ckpt.path))
+    config = adapters.read_config(doc, str(where))
     chosen = mode or ("fuse" if found.has_base else "adapter")
     if chosen == "fuse":
         if not found.has_base:
@@ -659,13 +660,13 @@ def _adapted(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str | None
                 f"{ckpt.path}: holds the LoRA adapter alone, no base weights to fold it into; "
                 f"write it with --lora adapter, then fold it into the base model with: "
                 f"ckpttool merge BASE OUT --adapter ADAPTER_OUT")
-        sources = lora.plan_fuse(found, config)
-        report = {"mode": "fuse", **lora.describe(found, config),
+        sources = adapters.plan_fuse(found, config)
+        report = {"mode": "fuse", **adapters.describe(found, config),
                   "fused": sum(isinstance(s, Derived) for _, s in sources),
                   "other": f"the adapter alone instead: {other}"}
         return _Adapted("fuse", sources, report)
-    adapter_sources: list[tuple[str, Source]] = list(lora.plan_adapter(found))
-    report = {"mode": "adapter", **lora.describe(found, config),
+    adapter_sources: list[tuple[str, Source]] = list(adapters.plan_adapter(found))
+    report = {"mode": "adapter", **adapters.describe(found, config),
               "other": ("a full model with the adapter folded in instead: --lora fuse")
               if found.has_base else None}
     return _Adapted("adapter", adapter_sources, report, config_bytes=where.read_bytes())

@@ -66,7 +66,7 @@ def test_fused_model_gives_peft_merged_logits(variant: Path, tmp_path: Path) -> 
 def test_adapter_loads_in_peft_with_trained_logits(variant: Path, tmp_path: Path) -> None:
     from peft import PeftModel
 
-    report = ckpttool.merge(variant / MODEL_DIR, tmp_path / "adapter", lora_mode="adapter")
+    report = ckpttool.merge(variant / MODEL_DIR, tmp_path / "adapter", lora="adapter")
     assert report.lora is not None and report.lora["mode"] == "adapter"
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors"]
@@ -76,7 +76,7 @@ def test_adapter_loads_in_peft_with_trained_logits(variant: Path, tmp_path: Path
 
 def test_adapter_file_is_what_save_pretrained_writes(variant: Path, tmp_path: Path) -> None:
     reference(variant).save_pretrained(tmp_path / "peft")
-    ckpttool.merge(variant, tmp_path / "ours", lora_mode="adapter")
+    ckpttool.merge(variant, tmp_path / "ours", lora="adapter")
     want = load_file(tmp_path / "peft" / "adapter_model.safetensors")
     got = load_file(tmp_path / "ours" / "adapter_model.safetensors")
     assert set(got) == set(want)
@@ -148,14 +148,14 @@ def test_wrong_rank_in_config_is_an_error(lora_ckpts: Path, tmp_path: Path) -> N
 
 def test_lora_mode_on_a_plain_checkpoint_is_an_error(uneven_ckpt: Path, tmp_path: Path) -> None:
     with pytest.raises(InputError, match="holds no LoRA adapter"):
-        ckpttool.merge(uneven_ckpt, tmp_path / "out", lora_mode="fuse")
+        ckpttool.merge(uneven_ckpt, tmp_path / "out", lora="fuse")
 
 
 def test_adapter_alone_cannot_be_fused(lora_ckpts: Path, tmp_path: Path) -> None:
     reference(lora_ckpts / "rslora").save_pretrained(tmp_path / "adapter")
     with pytest.raises(InputError, match="holds the LoRA adapter alone.*--lora adapter"):
         ckpttool.merge(tmp_path / "adapter" / "adapter_model.safetensors", tmp_path / "out",
-                       lora_mode="fuse")
+                       lora="fuse")
     # Without --lora, an adapter alone is re-exported as an adapter.
     report = ckpttool.merge(tmp_path / "adapter" / "adapter_model.safetensors",
                             tmp_path / "out")
