@@ -362,7 +362,7 @@ def _getattr(obj: Any, name: Any) -> Any:
     nothing real is ever reached."""
     if obj is _ShardedTensorClass and name == "ProcessGroupState":
         return _ProcessGroupState
-    raise torchsave.Refused("builtins", f"getattr({type(obj).__name__}, {name!r})")
+    raise torchsave.Refused("builtins", f"getattr(..., {name!r})")
 
 
 def _rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, *_: Any) -> _WrapperArgs:
