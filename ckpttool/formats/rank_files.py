@@ -1,10 +1,15 @@
-"""Per-rank ``torch.save`` files of DTensor state dicts: ``model_world_size_<W>_rank_<R>.pt``.
+"""Per-rank ``torch.save`` files of distributed state dicts, recognised by content.
 
-verl (and trainers like it) save an FSDP2 model with one ``torch.save(model.state_dict())``
-per rank. Each value is a DTensor (its local piece plus the device mesh and placements that say
-where the piece sits in the full tensor) or, for buffers and in a world of one, a plain tensor.
-The result is a :class:`~ckpttool.formats.base.CheckpointInfo` whose chunks are raw byte
-ranges inside the rank files (with the zip's CRC-32 where a piece is its whole storage).
+FSDP trainers may save a model with one ``torch.save(model.state_dict())`` per rank: verl as
+``model_world_size_<W>_rank_<R>.pt`` (FSDP2), accelerate's ``save_fsdp_model(...,
+use_dcp=False)`` as ``pytorch_model_fsdp_0_rank<R>.bin`` straight into the training directory,
+beside ``optimizer_0_rank<R>.bin`` (FSDP2 DTensors, or FSDP1 ``SHARDED_STATE_DICT``
+ShardedTensors). A directory is claimed when a ``torch.save`` file in it names DTensor or
+ShardedTensor classes (its pickle read as opcodes, never run); the files of one set are those
+whose names differ only in the rank number (:func:`name_rank`), and of several sets the one that
+is not an optimizer's state is the model. The result is a
+:class:`~ckpttool.formats.base.CheckpointInfo` whose chunks are raw byte ranges inside the rank
+files (with the zip's CRC-32 where a piece is its whole storage).
 
 Nothing here imports torch or runs code from the files. A DTensor pickles as
 ``_rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor, (DTensor, dtype, global size,
@@ -12,10 +17,15 @@ global stride, storage offset, layout, device, requires_grad), state)`` where ``
 ``_local_tensor`` (an ordinary tensor whose storage is a ``data/<key>`` entry of the same
 archive) and ``_spec``: a ``DTensorSpec`` whose ``mesh`` (a ``DeviceMesh``) carries its ranks
 as a small int tensor (``_rank_map``) viewed through a ``_MeshLayout``, and whose
-``placements`` are ``Shard(dim)`` / ``Replicate()``. The allow-list maps exactly those globals
-(as torch 2.13 writes them) onto inert stand-ins; anything else is refused by name before it is
-looked up. The rank comes from the file name; each piece's offsets follow from the rank's
-coordinate in the mesh and the placements, as DTensor computes them.
+``placements`` are ``Shard(dim)`` / ``Replicate()``. A ShardedTensor pickles the same way with
+``ShardedTensor.__getstate__``'s tuple as state: its local shards (tensor plus
+``ShardMetadata`` offsets and sizes), the global ``ShardedTensorMetadata`` and the writer's
+``ProcessGroupState`` (its rank and world size). The allow-list maps exactly those globals (as
+torch 2.13 writes them) onto inert stand-ins; anything else is refused by name before it is
+looked up. The rank comes from the file name and is cross-checked with what the writer pickled
+(the mesh's ``_rank``, the process group's ``global_rank``); DTensor pieces are placed by the
+rank's coordinate in the mesh and the placements, as DTensor computes them, ShardedTensor pieces
+by their shard metadata.
 
 FSDP1 ``LOCAL_STATE_DICT`` files (flat parameters as ``ShardedTensor``) are recognised too, and
 refused: flattened parameters cannot be split back into tensors without the model.
@@ -543,6 +553,12 @@ def _read_file(root: Path, rf: RankFile) -> list[_Piece]:
         raise InputError(f"{path}: cannot read: {e.strerror}") from None
     try:
         rb, entries, root_value = _load(path, fd)
+        if root_value and {str(k) for k in root_value} <= _OPTIMIZER_KEYS:
+            raise UnsupportedError(
+                f"{path}: per-rank optimizer state (its keys are {sorted(root_value)}); "
+                "ckpttool merges per-rank model files only. Save the optimizer with "
+                "torch.distributed.checkpoint (accelerate: use_dcp=True) to merge it"
+            )
         meshes: dict[int, _Mesh] = {}
         pieces = []
         for key_path, value in torchsave.flatten(root_value, is_tensor=_is_tensor,

@@ -408,3 +408,27 @@ def test_sharded_tensor_allow_list_still_names_live_torch_classes() -> None:
     for module, name in rank_files._SHARDED_TENSOR_GLOBALS:
         assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
     assert hasattr(ShardedTensor, "ProcessGroupState")
+
+
+def test_one_rank_file_alone_points_at_its_directory(acc_fsdp1: Path) -> None:
+    file = acc_fsdp1 / ACC / acc_file(0)
+    r = run("merge", file, acc_fsdp1 / "never")
+    assert r.exit_code == 3, r.output
+    assert r.stderr == (f"ckpttool: error: {file}: one rank's file of a sharded checkpoint "
+                        "(DTensor or ShardedTensor values); pass the directory that holds "
+                        f"every rank's file ({acc_fsdp1 / ACC})\n")
+    assert not (acc_fsdp1 / "never").exists()
+
+
+def test_per_rank_optimizer_files_alone_are_unsupported(acc_fsdp2: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for r in range(3):
+        shutil.copy(acc_fsdp2 / ACC / acc_file(r, "optimizer"), ckpt)
+    r = run("inspect", ckpt)
+    assert r.exit_code == 4, r.output
+    assert r.stderr == (
+        f"ckpttool: error: {ckpt / acc_file(0, 'optimizer')}: per-rank optimizer state (its "
+        "keys are ['param_groups', 'state']); ckpttool merges per-rank model files only. Save "
+        "the optimizer with torch.distributed.checkpoint (accelerate: use_dcp=True) to merge "
+        "it\n")
