@@ -73,6 +73,9 @@ class Small(nn.Module):
         self.down = nn.Linear(5, 3)
         self.register_buffer("steps", torch.arange(7, dtype=torch.int64) * 3 - 5)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.up(x))
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -177,6 +180,90 @@ def _fsdp1_local(rank: int, world_size: int, out: Path) -> None:
 def write_fsdp2(out: Path, world_size: int, *, extras: bool = False) -> Path:
     """The verl layout on ``world_size`` ranks (see the module docstring); returns ``out``."""
     _run(_fsdp2_extras_job if extras else _fsdp2_job, world_size, out)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# accelerate's save_fsdp_model / save_fsdp_optimizer with use_dcp=False
+
+
+ACCELERATE_DIR = "checkpoint-500"  # save_fsdp_* write their rank files straight into it
+
+
+def accelerate_file(rank: int, what: str = "pytorch_model_fsdp") -> str:
+    """accelerate's per-rank names (``use_dcp=False``, first model / optimizer)."""
+    return f"{what}_0_rank{rank}.bin"
+
+
+def _accelerate_job(rank: int, world_size: int, out: Path, fsdp_version: int) -> None:
+    """accelerate's own save functions on a hand-sharded :class:`Small`. On CPU accelerate
+    runs MULTI_CPU, not its FSDP mode (that wants an accelerator device), so the model is
+    sharded here and the plugin handed over directly, as tests/core/test_reshard.py does;
+    of the Accelerator the savers use ``num_processes`` and ``process_index``."""
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import save_fsdp_model, save_fsdp_optimizer
+
+    accelerator = Accelerator(cpu=True)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=fsdp_version,
+                                            state_dict_type="SHARDED_STATE_DICT")
+    torch.manual_seed(SEED)
+    model: nn.Module = Small()
+    if fsdp_version == 2:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        fully_shard(model.up, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        model.up = FSDP(model.up, device_id=torch.device("cpu"))  # nested: two flat params
+        model = FSDP(model, device_id=torch.device("cpu"), use_orig_params=False)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(SEED + 3)
+    x = torch.randn(6, 4, generator=g)
+    model(x).square().sum().backward()
+    optim.step()
+
+    ckpt = out / ACCELERATE_DIR
+    save_fsdp_model(plugin, accelerator, model, str(ckpt), use_dcp=False)
+    save_fsdp_optimizer(plugin, accelerator, optim, model, str(ckpt), use_dcp=False)
+    if rank == 0:  # beside them, as Accelerator.save_state leaves them: not model files
+        torch.save({"last_epoch": 1, "_step_count": 2}, ckpt / "scheduler.bin")
+        torch.save({"step": 1, "torch_manual_seed": torch.get_rng_state()},
+                   ckpt / "random_states_0.pkl")
+    # The reference: the full state dict, gathered by the writer itself.
+    if fsdp_version == 2:
+        full = _full(model.state_dict())
+    else:
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        # offload_to_cpu on a CPU model frees the very storage it gathers into: left off.
+        config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+            full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if rank == 0:
+        torch.save(full, out / "reference.pt")
+
+
+def _accelerate_fsdp2_job(rank: int, world_size: int, out: Path) -> None:
+    _accelerate_job(rank, world_size, out, 2)
+
+
+def _accelerate_fsdp1_job(rank: int, world_size: int, out: Path) -> None:
+    _accelerate_job(rank, world_size, out, 1)
+
+
+def write_accelerate(out: Path, world_size: int, *, fsdp_version: int) -> Path:
+    """accelerate's ``save_fsdp_model`` and ``save_fsdp_optimizer`` with ``use_dcp=False``
+    and ``SHARDED_STATE_DICT`` (FSDP2: DTensors; FSDP1: ShardedTensors) after one AdamW step:
+    ``out/"checkpoint-500"`` holds ``pytorch_model_fsdp_0_rank<R>.bin``,
+    ``optimizer_0_rank<R>.bin``, ``scheduler.bin`` and ``random_states_0.pkl``; the full
+    state dict the ranks gathered is ``out/"reference.pt"``. Returns ``out``."""
+    _run(_accelerate_fsdp2_job if fsdp_version == 2 else _accelerate_fsdp1_job, world_size, out)
     return out
 
 

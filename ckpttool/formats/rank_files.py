@@ -1,10 +1,15 @@
-"""Per-rank ``torch.save`` files of DTensor state dicts: ``model_world_size_<W>_rank_<R>.pt``.
+"""Per-rank ``torch.save`` files of distributed state dicts, recognised by content.
 
-verl (and trainers like it) save an FSDP2 model with one ``torch.save(model.state_dict())``
-per rank. Each value is a DTensor (its local piece plus the device mesh and placements that say
-where the piece sits in the full tensor) or, for buffers and in a world of one, a plain tensor.
-The result is a :class:`~ckpttool.formats.base.CheckpointInfo` whose chunks are raw byte
-ranges inside the rank files (with the zip's CRC-32 where a piece is its whole storage).
+FSDP trainers may save a model with one ``torch.save(model.state_dict())`` per rank: verl as
+``model_world_size_<W>_rank_<R>.pt`` (FSDP2), accelerate's ``save_fsdp_model(...,
+use_dcp=False)`` as ``pytorch_model_fsdp_0_rank<R>.bin`` straight into the training directory,
+beside ``optimizer_0_rank<R>.bin`` (FSDP2 DTensors, or FSDP1 ``SHARDED_STATE_DICT``
+ShardedTensors). A directory is claimed when a ``torch.save`` file in it names DTensor or
+ShardedTensor classes (its pickle read as opcodes, never run); the files of one set are those
+whose names differ only in the rank number (:func:`name_rank`), and of several sets the one that
+is not an optimizer's state is the model. The result is a
+:class:`~ckpttool.formats.base.CheckpointInfo` whose chunks are raw byte ranges inside the rank
+files (with the zip's CRC-32 where a piece is its whole storage).
 
 Nothing here imports torch or runs code from the files. A DTensor pickles as
 ``_rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor, (DTensor, dtype, global size,
@@ -12,10 +17,15 @@ global stride, storage offset, layout, device, requires_grad), state)`` where ``
 ``_local_tensor`` (an ordinary tensor whose storage is a ``data/<key>`` entry of the same
 archive) and ``_spec``: a ``DTensorSpec`` whose ``mesh`` (a ``DeviceMesh``) carries its ranks
 as a small int tensor (``_rank_map``) viewed through a ``_MeshLayout``, and whose
-``placements`` are ``Shard(dim)`` / ``Replicate()``. The allow-list maps exactly those globals
-(as torch 2.13 writes them) onto inert stand-ins; anything else is refused by name before it is
-looked up. The rank comes from the file name; each piece's offsets follow from the rank's
-coordinate in the mesh and the placements, as DTensor computes them.
+``placements`` are ``Shard(dim)`` / ``Replicate()``. A ShardedTensor pickles the same way with
+``ShardedTensor.__getstate__``'s tuple as state: its local shards (tensor plus
+``ShardMetadata`` offsets and sizes), the global ``ShardedTensorMetadata`` and the writer's
+``ProcessGroupState`` (its rank and world size). The allow-list maps exactly those globals (as
+torch 2.13 writes them) onto inert stand-ins; anything else is refused by name before it is
+looked up. The rank comes from the file name and is cross-checked with what the writer pickled
+(the mesh's ``_rank``, the process group's ``global_rank``); DTensor pieces are placed by the
+rank's coordinate in the mesh and the placements, as DTensor computes them, ShardedTensor pieces
+by their shard metadata.
 
 FSDP1 ``LOCAL_STATE_DICT`` files (flat parameters as ``ShardedTensor``) are recognised too, and
 refused: flattened parameters cannot be split back into tensors without the model.
@@ -33,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.errors import CkptError, InputError, UnsupportedError
 from ckpttool.formats import torchsave
 from ckpttool.formats.base import RAW, CheckpointInfo, Chunk, DataFile, Reader, Tensor
 from ckpttool.formats.dtypes import DType
@@ -43,8 +53,6 @@ NAME = "rank-files"
 
 # verl's FSDPCheckpointManager names; optim_/extra_state_ files beside them are not the model.
 MODEL_FILE_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
-# accelerate's names for FSDP1 LOCAL_STATE_DICT saves (recognised only to explain the refusal).
-ACCELERATE_LOCAL_RE = re.compile(r"^pytorch_model_fsdp(?:_\d+)?_rank(\d+)\.bin$")
 
 FSDP1_LOCAL_MESSAGE = (
     "{path}: FSDP1 LOCAL_STATE_DICT files (flattened parameters) cannot be merged without the "
@@ -81,15 +89,6 @@ def _model_files(path: Path) -> list[RankFile]:
     return sorted(found, key=lambda f: (f.rank, f.world_size))
 
 
-def _accelerate_local_files(path: Path) -> list[tuple[int, str]]:
-    try:
-        names = [p.name for p in path.iterdir() if p.is_file()]
-    except OSError:
-        return []
-    found = [(int(m.group(1)), n) for n in names if (m := ACCELERATE_LOCAL_RE.match(n))]
-    return sorted(found)
-
-
 def _is_zip(file: Path) -> bool:
     try:
         with open(file, "rb") as f:
@@ -108,28 +107,113 @@ def open_reader(info: CheckpointInfo) -> Reader:
 
 
 def is_rank_files_dir(path: Path) -> bool:
-    """True if ``path`` holds per-rank ``torch.save`` files (``model_world_size_<W>_rank_<R>.pt``,
-    or accelerate's FSDP1 ``pytorch_model_fsdp_rank<R>.bin``) that start like zip archives.
+    """True if ``path`` holds per-rank ``torch.save`` files: verl's
+    ``model_world_size_<W>_rank_<R>.pt`` (by name and zip magic), or files under any names
+    whose pickles name DTensor or ShardedTensor (read as opcodes, never run).
 
-    Only the names and the zip magic are looked at here: a damaged or unsafe file is still
-    recognised, so that :func:`read_info` can say precisely what is wrong with it.
+    A set of rank files is claimed when one of its files shows distributed tensors, so that a
+    damaged or unsafe sibling is still recognised and :func:`read_info` can say precisely what
+    is wrong with it.
     """
     model = _model_files(path)
     if model:
         return _is_zip(path / model[0].name)
-    local = _accelerate_local_files(path)
-    return bool(local) and _is_zip(path / local[0][1])
+    return bool(_rank_sets(path))
+
+
+# Any names: a set of rank files is the files whose names differ only in the rank number.
+
+# The rank number: the digits after "rank" (accelerate's ``_rank0``, ``rank_0``, ``rank-0``),
+# else the last digits of the name.
+_RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
+_DIGITS = re.compile(r"\d+")
+# Never a per-rank torch.save file: DCP's data files (records, not one archive) and pickles,
+# which are listed but never opened.
+_NOT_RANK_FILES = (".distcp", ".pkl", ".pickle")
+# What a pickle of distributed tensors names (module prefixes of their classes).
+_DISTRIBUTED_MODULES = (b"torch.distributed.tensor", b"torch.distributed._shard")
+
+
+@dataclass(frozen=True)
+class RankSet:
+    """Per-rank files under one name pattern: ``pattern`` has ``<R>`` where the rank goes."""
+
+    pattern: str
+    files: tuple[tuple[int | None, str], ...]  # (rank in the name, file name), by rank
+
+    def name(self, rank: int) -> str:
+        return self.pattern.replace("<R>", str(rank))
+
+
+def name_rank(name: str) -> tuple[str, int | None]:
+    """``(pattern, rank)`` of a file name: ``pytorch_model_fsdp_0_rank1.bin`` ->
+    ``("pytorch_model_fsdp_0_rank<R>.bin", 1)``; a name without digits has no rank."""
+    found = list(_RANK_IN_NAME.finditer(name))
+    if found:
+        start, end = found[-1].span(1)
+    else:
+        digits = list(_DIGITS.finditer(name))
+        if not digits:
+            return name, None
+        start, end = digits[-1].span()
+    return f"{name[:start]}<R>{name[end:]}", int(name[start:end])
+
+
+def _holds_distributed_tensors(file: Path) -> bool:
+    """The pickle of the ``torch.save`` archive ``file`` names DTensor or ShardedTensor
+    classes. Reads the zip directory and the pickle's bytes; unpickles nothing."""
+    try:
+        fd = os.open(file, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        rb = torchsave.RecordBytes(fd, 0, os.fstat(fd).st_size, str(file))
+        pkl = torchsave.zip_entries(rb).get("data.pkl")
+        if pkl is None:
+            return False
+        data = rb.read(pkl.data_offset, pkl.size)
+    except (CkptError, OSError):
+        return False  # damaged: a sibling may still show what the set holds
+    finally:
+        os.close(fd)
+    if not any(m in data for m in _DISTRIBUTED_MODULES):  # the common answer, at C speed
+        return False
+    return any(g.startswith(tuple(m.decode() for m in _DISTRIBUTED_MODULES))
+               for g in torchsave.named_globals(data))
+
+
+def _rank_sets(path: Path) -> list[RankSet]:
+    """The sets of per-rank files of ``path`` that hold distributed tensors, by pattern."""
+    try:
+        files = sorted(p.name for p in path.iterdir()
+                       if p.is_file() and not p.name.endswith(_NOT_RANK_FILES))
+    except OSError:
+        return []
+    by_pattern: dict[str, list[tuple[int | None, str]]] = {}
+    for name in files:
+        if _is_zip(path / name):
+            pattern, rank = name_rank(name)
+            by_pattern.setdefault(pattern, []).append((rank, name))
+    sets = []
+    for pattern, members in by_pattern.items():
+        members.sort(key=lambda m: (m[0] is None, m[0] or 0, m[1]))
+        if any(_holds_distributed_tensors(path / name) for _, name in members):
+            sets.append(RankSet(pattern, tuple(members)))
+    return sets
 
 
 def rank_files(path: Path) -> list[RankFile]:
-    """The model rank files of ``path``, ordered by rank, checked to be one complete world.
+    """The model rank files of ``path``, ordered by rank, checked to be one complete world:
+    verl's ``model_world_size_<W>_rank_<R>.pt`` if there are any, else the one set of files
+    under any names that holds distributed tensors (the model's, when an optimizer's set lies
+    beside it, as accelerate's ``use_dcp=False`` saves leave them).
 
     Raises:
-        InputError: none found, world sizes differ, or a rank's file is missing.
+        InputError: none found, several sets, world sizes differ, or a rank's file is missing.
     """
     files = _model_files(path)
     if not files:
-        raise InputError(f"{path}: no model_world_size_<W>_rank_<R>.pt files")
+        return _set_files(path, _chosen_set(path))
     sizes = sorted({f.world_size for f in files})
     if len(sizes) > 1:
         examples = ", ".join(next(f.name for f in files if f.world_size == w) for w in sizes)
@@ -151,6 +235,55 @@ def rank_files(path: Path) -> list[RankFile]:
         raise InputError(f"{path / extra[0].name}: rank {extra[0].rank} in a world of {world}; "
                          "the file is misnamed or from another save")
     return files
+
+
+# Top-level keys of a torch optimizer's state dict (accelerate saves it beside the model).
+_OPTIMIZER_KEYS = frozenset({"state", "param_groups"})
+
+
+def _is_optimizer(path: Path, rank_set: RankSet) -> bool:
+    for _, name in rank_set.files:
+        keys = _top_keys(path / name)
+        if keys is not None:
+            return bool(keys) and set(keys) <= _OPTIMIZER_KEYS
+    return False
+
+
+def _chosen_set(path: Path) -> RankSet:
+    sets = _rank_sets(path)
+    if not sets:
+        raise InputError(f"{path}: no per-rank torch.save files of DTensors or ShardedTensors")
+    if len(sets) == 1:
+        return sets[0]
+    models = [s for s in sets if not _is_optimizer(path, s)]
+    if len(models) == 1:
+        return models[0]
+    found = models or sets
+    raise InputError(
+        f"{path}: holds {len(found)} sets of per-rank model files "
+        f"({', '.join(s.pattern for s in found)}); ckpttool reads one set per directory: move "
+        "the files of the one to read into a directory of their own"
+    )
+
+
+def _set_files(path: Path, rank_set: RankSet) -> list[RankFile]:
+    """The files of a set as ranks 0 .. W-1, W the highest rank in the names plus one."""
+    if rank_set.files[0][0] is None:  # a name without digits: a set of its own
+        return [RankFile(0, 1, rank_set.files[0][1])]
+    by_rank: dict[int, str] = {}
+    for rank, name in rank_set.files:
+        assert rank is not None  # names of one pattern all have the rank digits
+        if rank in by_rank:
+            raise InputError(f"{path / name}: a second file for rank {rank} (beside "
+                             f"{by_rank[rank]}); keep one file per rank")
+        by_rank[rank] = name
+    world = max(by_rank) + 1
+    missing = [r for r in range(world) if r not in by_rank]
+    if missing:
+        others = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise InputError(f"{path / rank_set.name(missing[0])}: missing{others}; a world of "
+                         f"at least {world} needs one file per rank. Copy every rank's file")
+    return [RankFile(r, world, by_rank[r]) for r in range(world)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,16 +333,65 @@ class DTensorRef:
     spec: Any  # _DTensorSpec stand-in when well formed
 
 
+class _ShardedTensorClass:
+    """Stand-in for the ``ShardedTensor`` class object (an argument, never instantiated)."""
+
+
+@dataclass(frozen=True)
+class ShardedTensorRef:
+    """An FSDP1 ShardedTensor as the pickle describes it (``ShardedTensor.__getstate__``):
+    global dtype and shape, this rank's shards, the global metadata and the process group the
+    writer saw."""
+
+    dtype: Any
+    shape: tuple[int, ...]
+    local_shards: Any  # a list of _LocalShard stand-ins when well formed
+    metadata: Any  # _ShardedTensorMetadata stand-in when well formed
+    process_group: Any  # _ProcessGroupState stand-in when well formed
+
+
+_LocalShard = torchsave.stub_class("Shard")  # sharded_tensor.shard.Shard: tensor + metadata
+_ShardMetadata = torchsave.stub_class("ShardMetadata")
+_ShardedTensorMetadata = torchsave.stub_class("ShardedTensorMetadata")
+_TensorProperties = torchsave.stub_class("TensorProperties")
+_RemoteDevice = torchsave.stub_class("_remote_device")
+_ChunkShardingSpec = torchsave.stub_class("ChunkShardingSpec")
+_ProcessGroupState = torchsave.stub_class("ProcessGroupState")
+
+
+def _mem_format_encoding(value: Any) -> int:
+    """``MEM_FORMAT_ENCODING(n)``, the enum ``TensorProperties`` pickles its memory format as."""
+    if not isinstance(value, int):
+        raise pickle.UnpicklingError("MEM_FORMAT_ENCODING of a non-integer")
+    return value
+
+
+def _getattr(obj: Any, name: Any) -> Any:
+    """``getattr`` as a ShardedTensor pickle calls it: ``getattr(ShardedTensor,
+    "ProcessGroupState")`` (a nested class) and nothing else; the object is a stand-in, so
+    nothing real is ever reached."""
+    if obj is _ShardedTensorClass and name == "ProcessGroupState":
+        return _ProcessGroupState
+    raise torchsave.Refused("builtins", f"getattr(..., {name!r})")
+
+
 def _rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, *_: Any) -> _WrapperArgs:
-    if cls is not _DTensorClass:
-        raise pickle.UnpicklingError("a tensor subclass other than DTensor")
+    if cls is not _DTensorClass and cls is not _ShardedTensorClass:
+        raise pickle.UnpicklingError("a tensor subclass other than DTensor and ShardedTensor")
     return _WrapperArgs(dtype, torchsave.size(size))
 
 
-def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> DTensorRef:
-    if func is not _rebuild_wrapper_subclass or new_type is not _DTensorClass:
-        raise pickle.UnpicklingError("a tensor subclass other than DTensor")
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any,
+                          state: Any) -> DTensorRef | ShardedTensorRef:
+    if func is not _rebuild_wrapper_subclass or new_type not in (_DTensorClass,
+                                                                  _ShardedTensorClass):
+        raise pickle.UnpicklingError("a tensor subclass other than DTensor and ShardedTensor")
     wrapper = func(*args)
+    if new_type is _ShardedTensorClass:
+        # (local shards, metadata, process group state, sharding spec, init_rrefs)
+        if not isinstance(state, tuple) or len(state) != 5:
+            raise pickle.UnpicklingError("ShardedTensor without its state")
+        return ShardedTensorRef(wrapper.dtype, wrapper.shape, state[0], state[1], state[2])
     if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
         state = {**(state[0] or {}), **state[1]}
     if not isinstance(state, dict):
@@ -241,9 +423,25 @@ _DTENSOR_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch.serialization", "_get_layout"): str,
 }
 
+# What FSDP1's SHARDED_STATE_DICT pickles (torch 2.13 names); the enum and the nested class
+# come through a call (MEM_FORMAT_ENCODING(0), getattr(ShardedTensor, "ProcessGroupState")).
+_ST = "torch.distributed._shard.sharded_tensor"
+_SHARDED_TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
+    (f"{_ST}.api", "ShardedTensor"): _ShardedTensorClass,
+    (f"{_ST}.shard", "Shard"): _LocalShard,
+    ("torch.distributed._shard.metadata", "ShardMetadata"): _ShardMetadata,
+    (f"{_ST}.metadata", "ShardedTensorMetadata"): _ShardedTensorMetadata,
+    (f"{_ST}.metadata", "TensorProperties"): _TensorProperties,
+    (f"{_ST}.metadata", "MEM_FORMAT_ENCODING"): _mem_format_encoding,
+    ("torch.distributed._shard.sharding_spec.chunk_sharding_spec", "ChunkShardingSpec"):
+        _ChunkShardingSpec,
+    ("torch.distributed.remote_device", "_remote_device"): _RemoteDevice,
+}
+
 
 class _ShardedTensorFound(Exception):
-    """The pickle names ``torch.distributed._shard`` (FSDP1's ShardedTensor); nothing was run."""
+    """The pickle names a ``torch.distributed._shard`` global that is not allowed (another
+    form of ShardedTensor than FSDP1's SHARDED_STATE_DICT writes); nothing was run."""
 
     def __init__(self, qualname: str) -> None:
         super().__init__(qualname)
@@ -251,15 +449,18 @@ class _ShardedTensorFound(Exception):
 
 
 def dtensor_global(module: str, name: str) -> Any | None:
-    """The allow-list of a DTensor state-dict pickle: :func:`torchsave.record_global` plus
-    DTensor's spec, mesh and placements (torch 2.13 names), as inert stand-ins.
+    """The allow-list of a per-rank state-dict pickle: :func:`torchsave.record_global` plus
+    DTensor's spec, mesh and placements and FSDP1 ShardedTensor's shards and metadata (torch
+    2.13 names), as inert stand-ins.
 
     Raises:
-        _ShardedTensorFound: a ``torch.distributed._shard`` global (an FSDP1 ShardedTensor).
+        _ShardedTensorFound: another ``torch.distributed._shard`` global.
     """
-    found = _DTENSOR_GLOBALS.get((module, name))
+    found = _DTENSOR_GLOBALS.get((module, name)) or _SHARDED_TENSOR_GLOBALS.get((module, name))
     if found is not None:
         return found
+    if module in ("__builtin__", "builtins") and name == "getattr":
+        return _getattr
     if module == "torch.distributed._shard" or module.startswith("torch.distributed._shard."):
         raise _ShardedTensorFound(f"{module}.{name}")
     return torchsave.record_global(module, name)
@@ -276,8 +477,8 @@ class _Piece:
     fqn: str
     dtype: DType
     shape: tuple[int, ...]  # of the whole tensor
-    distributed: bool  # a DTensor (else a plain tensor, the same on every rank)
-    chunk: Chunk | None  # None when this rank's piece is empty
+    distributed: bool  # a DTensor or ShardedTensor (else a plain tensor, the same everywhere)
+    chunks: tuple[Chunk, ...]  # this rank's non-empty pieces (FSDP: one at most)
 
 
 def _pickle_strings(data: bytes) -> Iterator[str]:
@@ -294,52 +495,70 @@ def _has_flat_param(names: Iterable[str]) -> bool:
     return any("flat_param" in n for n in names)
 
 
+def _load(path: Path, fd: int) -> tuple[torchsave.RecordBytes, dict[str, torchsave.ZipEntry],
+                                        dict[Any, Any]]:
+    """The archive of an open rank file and its state dict, unpickled onto stand-ins.
+
+    Raises:
+        InputError: damaged, truncated, unsafe, or not a dict.
+        UnsupportedError: FSDP1 flat parameters, torch.distributed classes not on the list.
+    """
+    where = str(path)
+    size = os.fstat(fd).st_size
+    if os.pread(fd, 4, 0) != torchsave.ZIP_MAGIC:
+        raise InputError(f"{path}: not a torch.save file (no zip header); the rank file is "
+                         "damaged, copy it again")
+    rb = torchsave.RecordBytes(fd, 0, size, where)
+    entries = torchsave.zip_entries(rb)
+    torchsave.check_byteorder(rb, entries)
+    try:
+        root_value = torchsave.load_pickle(rb, entries, lookup=dtensor_global)
+    except _ShardedTensorFound as e:
+        pkl = entries["data.pkl"]
+        if _has_flat_param(_pickle_strings(rb.read(pkl.data_offset, pkl.size))):
+            raise UnsupportedError(FSDP1_LOCAL_MESSAGE.format(path=path)) from None
+        raise UnsupportedError(
+            f"{path}: holds ShardedTensor values naming '{e.qualname}', which FSDP1's "
+            "SHARDED_STATE_DICT (torch 2.13) does not write; ckpttool does not read this form. "
+            "Save with torch.distributed.checkpoint (a DCP checkpoint) instead"
+        ) from None
+    except torchsave.Refused as e:
+        if e.qualname.startswith("torch.distributed."):
+            raise UnsupportedError(
+                f"{path}: the pickle names '{e.qualname}', a torch.distributed class "
+                "ckpttool does not read (DTensor files are read as torch 2.13 writes them; "
+                "this one may come from another torch version). Nothing was executed"
+            ) from None
+        raise InputError(
+            f"{path}: refused to load: the pickle asks for '{e.qualname}', which a state "
+            "dict of tensors and DTensors never contains; the file may be malicious "
+            "(nothing was executed)"
+        ) from None
+    except torchsave.TooComplex as e:
+        raise InputError(f"{path}: {e}, more than any state dict holds; refusing to "
+                         "walk it") from None
+    except torchsave.PICKLE_ERRORS as e:
+        raise InputError(f"{path}: corrupt pickle in torch.save file ({e}); copy it again") \
+            from None
+    if not isinstance(root_value, dict):
+        raise InputError(f"{path}: holds a {type(root_value).__name__}, not a state dict")
+    return rb, entries, root_value
+
+
 def _read_file(root: Path, rf: RankFile) -> list[_Piece]:
     path = root / rf.name
-    where = str(path)
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
         raise InputError(f"{path}: cannot read: {e.strerror}") from None
     try:
-        size = os.fstat(fd).st_size
-        if os.pread(fd, 4, 0) != torchsave.ZIP_MAGIC:
-            raise InputError(f"{path}: not a torch.save file (no zip header); the rank file is "
-                             "damaged, copy it again")
-        rb = torchsave.RecordBytes(fd, 0, size, where)
-        entries = torchsave.zip_entries(rb)
-        torchsave.check_byteorder(rb, entries)
-        try:
-            root_value = torchsave.load_pickle(rb, entries, lookup=dtensor_global)
-        except _ShardedTensorFound as e:
-            pkl = entries["data.pkl"]
-            if _has_flat_param(_pickle_strings(rb.read(pkl.data_offset, pkl.size))):
-                raise UnsupportedError(FSDP1_LOCAL_MESSAGE.format(path=path)) from None
+        rb, entries, root_value = _load(path, fd)
+        if root_value and {str(k) for k in root_value} <= _OPTIMIZER_KEYS:
             raise UnsupportedError(
-                f"{path}: holds ShardedTensor values ('{e.qualname}'), as FSDP1 "
-                "SHARDED_STATE_DICT saved with torch.save writes them; ckpttool does not read "
-                "these yet. Save with torch.distributed.checkpoint (a DCP checkpoint) instead"
-            ) from None
-        except torchsave.Refused as e:
-            if e.qualname.startswith("torch.distributed."):
-                raise UnsupportedError(
-                    f"{path}: the pickle names '{e.qualname}', a torch.distributed class "
-                    "ckpttool does not read (DTensor files are read as torch 2.13 writes them; "
-                    "this one may come from another torch version). Nothing was executed"
-                ) from None
-            raise InputError(
-                f"{path}: refused to load: the pickle asks for '{e.qualname}', which a state "
-                "dict of tensors and DTensors never contains; the file may be malicious "
-                "(nothing was executed)"
-            ) from None
-        except torchsave.TooComplex as e:
-            raise InputError(f"{path}: {e}, more than any state dict holds; refusing to "
-                             "walk it") from None
-        except torchsave.PICKLE_ERRORS as e:
-            raise InputError(f"{path}: corrupt pickle in torch.save file ({e}); copy it again") \
-                from None
-        if not isinstance(root_value, dict):
-            raise InputError(f"{path}: holds a {type(root_value).__name__}, not a state dict")
+                f"{path}: per-rank optimizer state (its keys are {sorted(root_value)}); "
+                "ckpttool merges per-rank model files only. Save the optimizer with "
+                "torch.distributed.checkpoint (accelerate: use_dcp=True) to merge it"
+            )
         meshes: dict[int, _Mesh] = {}
         pieces = []
         for key_path, value in torchsave.flatten(root_value, is_tensor=_is_tensor,
@@ -353,10 +572,22 @@ def _read_file(root: Path, rf: RankFile) -> list[_Piece]:
         os.close(fd)
 
 
+def _top_keys(path: Path) -> list[str] | None:
+    """The top-level keys of a rank file's state dict, or None if it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return [str(k) for k in _load(path, fd)[2]]
+    except CkptError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def _is_tensor(value: Any) -> bool:
-    return isinstance(value, (torchsave.TensorRef, DTensorRef))
-
-
+    return isinstance(value, (torchsave.TensorRef, DTensorRef, ShardedTensorRef))
 
 
 def _piece(path: Path, rf: RankFile, rb: torchsave.RecordBytes,
@@ -365,7 +596,9 @@ def _piece(path: Path, rf: RankFile, rb: torchsave.RecordBytes,
     if isinstance(value, torchsave.TensorRef):
         dtype = _dtype(path, fqn, value.dtype)
         chunk = _chunk(path, entries, fqn, value, (0,) * len(value.shape))
-        return _Piece(fqn, dtype, value.shape, False, chunk)
+        return _Piece(fqn, dtype, value.shape, False, _some(chunk))
+    if isinstance(value, ShardedTensorRef):
+        return _sharded_piece(path, rf, entries, fqn, value)
     if not isinstance(value, DTensorRef):
         raise UnsupportedError(
             f"{path}: entry '{fqn}' is a {type(value).__name__}, not a tensor; ckpttool merges "
@@ -395,7 +628,74 @@ def _piece(path: Path, rf: RankFile, rb: torchsave.RecordBytes,
             f"{path}: DTensor '{fqn}' holds a local piece of shape {list(local.shape)} where its "
             f"placements put {list(sizes)} on rank {rf.rank}; the file is corrupt or misnamed"
         )
-    return _Piece(fqn, dtype, value.shape, True, _chunk(path, entries, fqn, local, offsets))
+    return _Piece(fqn, dtype, value.shape, True,
+                  _some(_chunk(path, entries, fqn, local, offsets)))
+
+
+
+
+def _some(chunk: Chunk | None) -> tuple[Chunk, ...]:
+    return () if chunk is None else (chunk,)
+
+
+def _sharded_piece(path: Path, rf: RankFile, entries: dict[str, torchsave.ZipEntry], fqn: str,
+                   value: ShardedTensorRef) -> _Piece:
+    """An FSDP1 ShardedTensor: this rank's shards sit where their metadata says; the rank and
+    world the writer saw must be the file's."""
+    dtype = _dtype(path, fqn, value.dtype)
+    shards, metadata, group = value.local_shards, value.metadata, value.process_group
+    if not isinstance(metadata, _ShardedTensorMetadata) or not isinstance(group,
+                                                                          _ProcessGroupState):
+        raise InputError(f"{path}: ShardedTensor '{fqn}' lacks its metadata; corrupt")
+    global_rank, world = group.field("global_rank"), group.field("global_world_size")
+    if isinstance(global_rank, int) and global_rank != rf.rank:
+        raise InputError(f"{path}: written by rank {global_rank} but named for rank {rf.rank}; "
+                         "the rank files were renamed. Restore the original names")
+    if isinstance(world, int) and world != rf.world_size:
+        raise InputError(f"{path}: written by one of {world} ranks, but the files here make a "
+                         f"world of {rf.world_size}; a rank file is missing or from another "
+                         "save. Copy every rank's file")
+    where = f"{path}: ShardedTensor '{fqn}'"
+    size = metadata.field("size")
+    if not isinstance(size, tuple) or size != value.shape:
+        raise InputError(f"{where} has size {size!r} in its metadata but {list(value.shape)} "
+                         "in the tensor; corrupt")
+    listed = metadata.field("shards_metadata")
+    boxes = {_shard_box(where, value.shape, m) for m in listed} \
+        if isinstance(listed, list) else set()
+    if not isinstance(shards, list):
+        raise InputError(f"{where} has no list of local shards; corrupt")
+    chunks: list[Chunk] = []
+    for shard in shards:
+        local, shard_md = (shard.field("tensor"), shard.field("metadata")) \
+            if isinstance(shard, _LocalShard) else (None, None)
+        if not isinstance(local, torchsave.TensorRef) or not isinstance(shard_md,
+                                                                          _ShardMetadata):
+            raise InputError(f"{where} has a local shard without tensor or metadata; corrupt")
+        offsets, sizes = _shard_box(where, value.shape, shard_md)
+        if local.shape != sizes or local.dtype != dtype:
+            raise InputError(
+                f"{where} holds a {local.dtype.name} piece of shape {list(local.shape)} where "
+                f"its metadata says {dtype.name} {list(sizes)}; corrupt")
+        if (offsets, sizes) not in boxes:
+            raise InputError(f"{where}: the local shard at {list(offsets)} is not among the "
+                             "shards its metadata lists; corrupt")
+        chunks.extend(_some(_chunk(path, entries, fqn, local, offsets)))
+    return _Piece(fqn, dtype, value.shape, True, tuple(chunks))
+
+
+def _shard_box(where: str, shape: tuple[int, ...],
+               md: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A ShardMetadata's (offsets, sizes), checked to lie inside ``shape``."""
+    offsets = md.field("shard_offsets") if isinstance(md, _ShardMetadata) else None
+    sizes = md.field("shard_sizes") if isinstance(md, _ShardMetadata) else None
+    if not (isinstance(offsets, list) and isinstance(sizes, list)
+            and len(offsets) == len(sizes) == len(shape)
+            and all(isinstance(v, int) and v >= 0 for v in (*offsets, *sizes))
+            and all(o + n <= d for o, n, d in zip(offsets, sizes, shape, strict=True))):
+        raise InputError(f"{where} has a shard at {offsets!r} of size {sizes!r}, not inside its "
+                         f"shape {list(shape)}; corrupt")
+    return tuple(offsets), tuple(sizes)
 
 
 def _dtype(path: Path, fqn: str, dtype: Any) -> DType:
@@ -512,7 +812,8 @@ def _mesh(path: Path, rf: RankFile, rb: torchsave.RecordBytes,
     bad = [r for r in ranks if not 0 <= r < rf.world_size]
     if bad:
         raise InputError(f"{path}: the device mesh of DTensor '{fqn}' names rank {bad[0]}, "
-                         f"outside the world of {rf.world_size} the file names give")
+                         f"outside the world of {rf.world_size} whose rank files are here; a "
+                         "rank file is missing or from another save. Copy every rank's file")
     shape = tuple(_prod(n for n, _ in modes) for modes in modes_by_axis)
     coordinate = _coordinate(modes_by_axis, len(ranks), ranks.index(rf.rank))
     if coordinate is None:
@@ -627,12 +928,6 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
             non-contiguous pieces, non-tensor entries.
     """
     root = Path(path)
-    if not _model_files(root):
-        local = _accelerate_local_files(root)
-        if local:
-            _read_file(root, RankFile(local[0][0], len(local), local[0][1]))  # raises FSDP1
-            raise InputError(f"{root / local[0][1]}: a per-rank file without the world size in "
-                             "its name; expected model_world_size_<W>_rank_<R>.pt files")
     files = rank_files(root)
     order: list[str] = []
     first: dict[str, _Piece] = {}
@@ -658,12 +953,11 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
                     f"{_describe(p)} but {_describe(ref)} on rank 0; the rank files come from "
                     "different saves or models"
                 )
-            if p.chunk is None:
-                continue
             if not p.distributed and rf.rank != 0:
-                continue  # a plain tensor is the same on every rank (an FSDP2 buffer)
-            # A replicated piece appears on several ranks: keep the lowest rank's copy.
-            chunks.setdefault(p.fqn, {}).setdefault((p.chunk.offsets, p.chunk.sizes), p.chunk)
+                continue  # a plain tensor is the same on every rank (an FSDP buffer)
+            for c in p.chunks:
+                # A replicated piece appears on several ranks: keep the lowest rank's copy.
+                chunks.setdefault(p.fqn, {}).setdefault((c.offsets, c.sizes), c)
     tensors = tuple(
         Tensor(fqn, (fqn,), first[fqn].dtype, first[fqn].shape,
                tuple(chunks.get(fqn, {}).values()))
@@ -676,7 +970,7 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
 
 
 def _describe(p: _Piece) -> str:
-    kind = "a DTensor" if p.distributed else "a tensor"
+    kind = "a distributed tensor" if p.distributed else "a tensor"
     return f"{kind} {p.dtype.name} {list(p.shape)}"
 
 
@@ -687,5 +981,6 @@ def _prod(values: Iterable[int]) -> int:
     return n
 
 
-__all__ = ["FSDP1_LOCAL_MESSAGE", "NAME", "DTensorRef", "RankFile", "detect", "dtensor_global",
+__all__ = ["FSDP1_LOCAL_MESSAGE", "NAME", "DTensorRef", "RankFile", "RankSet", "ShardedTensorRef",
+           "detect", "dtensor_global", "name_rank",
            "is_rank_files_dir", "open_reader", "rank_files", "read_info"]

@@ -2,7 +2,7 @@
 
 Order matters only where two could claim one path: the layouts that are directories of
 safetensors or ``torch.save`` files with their own markers (DCP sharding offsets in the headers,
-per-rank names) come before plain safetensors and ``torch.save``.
+per-rank files of DTensors or ShardedTensors) come before plain safetensors and ``torch.save``.
 """
 
 from __future__ import annotations

@@ -134,6 +134,11 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         try:
             root = torchsave.load_pickle(rb, entries)
         except torchsave.Refused as e:
+            if _names_distributed_tensors(rb, entries):
+                raise InputError(
+                    f"{p}: one rank's file of a sharded checkpoint (DTensor or ShardedTensor "
+                    f"values); pass the directory that holds every rank's file ({p.parent})"
+                ) from None
             raise InputError(
                 f"{p}: refused to load: the pickle asks for '{e.qualname}', which a "
                 "weights-only load never allows; the file may be malicious (nothing was "
@@ -175,6 +180,13 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         objects=tuple(objects), files=(DataFile(p.name, size),),
         metadata_name="the torch.save archive", values=values,
         detail=Archives(views, {p.name: tuple(entries.values())}))
+
+
+def _names_distributed_tensors(rb: torchsave.RecordBytes, entries: dict[str, ZipEntry]) -> bool:
+    """The pickle names DTensor or ShardedTensor classes (read as opcodes, nothing run)."""
+    pkl = entries["data.pkl"]
+    return any(g.startswith(("torch.distributed.tensor.", "torch.distributed._shard."))
+               for g in torchsave.named_globals(rb.read(pkl.data_offset, pkl.size)))
 
 
 def _tensor(file: str, v: View, crcs: dict[int, int]) -> Tensor:

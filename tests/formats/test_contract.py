@@ -67,6 +67,35 @@ class TestRankFiles(FormatContract):
         return out / layouts.CKPT_DIR, torch.load(out / "reference.pt", weights_only=True)
 
 
+class TestRankFilesAccelerateFsdp2(FormatContract):
+    """accelerate's save_fsdp_model(..., use_dcp=False) of FSDP2 DTensors, 2 ranks: rank files
+    pytorch_model_fsdp_0_rank<R>.bin in the training directory, beside the optimizer's
+    optimizer_0_rank<R>.bin (DTensors too), scheduler.bin and random_states_0.pkl."""
+
+    FORMAT = "rank-files"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def ckpt(cls, tmp_path_factory: pytest.TempPathFactory) -> Ckpt:
+        out = layouts.write_accelerate(tmp_path_factory.mktemp("contract-rank-files-acc2"), 2,
+                                       fsdp_version=2)
+        return out / layouts.ACCELERATE_DIR, torch.load(out / "reference.pt", weights_only=True)
+
+
+class TestRankFilesFsdp1Sharded(FormatContract):
+    """accelerate's save_fsdp_model(..., use_dcp=False) of FSDP1 SHARDED_STATE_DICT
+    (ShardedTensors), 3 ranks, uneven."""
+
+    FORMAT = "rank-files"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def ckpt(cls, tmp_path_factory: pytest.TempPathFactory) -> Ckpt:
+        out = layouts.write_accelerate(tmp_path_factory.mktemp("contract-rank-files-acc1"), 3,
+                                       fsdp_version=1)
+        return out / layouts.ACCELERATE_DIR, torch.load(out / "reference.pt", weights_only=True)
+
+
 class TestSafetensorsFile(FormatContract):
     """safetensors.torch.save_file: one file."""
 

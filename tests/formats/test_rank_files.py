@@ -1,11 +1,15 @@
-"""Per-rank torch.save files (verl's model_world_size_<W>_rank_<R>.pt), merged bit for bit
-against the full state dict the ranks gathered themselves (``DTensor.full_tensor()``)."""
+"""Per-rank torch.save files (verl's model_world_size_<W>_rank_<R>.pt; accelerate's
+pytorch_model_fsdp_0_rank<R>.bin of FSDP2 DTensors and FSDP1 ShardedTensors), merged bit for
+bit against the full state dict the ranks gathered themselves (``DTensor.full_tensor()``,
+FSDP1's FULL_STATE_DICT)."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -239,3 +243,192 @@ def test_a_piece_that_is_part_of_its_storage_is_still_crc_checked(w2: Path,
     (ckpt / chunk.file).write_bytes(data)
     report = ckpttool.verify(ckpt)
     assert [p.code for p in report.problems if p.severity == "error"] == ["crc-mismatch"]
+
+
+# --------------------------------------------------------------------------------------------
+# Any names: accelerate's save_fsdp_model(..., use_dcp=False), FSDP2 DTensors and FSDP1
+# SHARDED_STATE_DICT ShardedTensors, recognised by what the pickles hold
+
+
+@pytest.fixture(scope="session")
+def acc_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return layouts.write_accelerate(tmp_path_factory.mktemp("rank-files-acc-fsdp2"), 3,
+                                    fsdp_version=2)
+
+
+@pytest.fixture(scope="session")
+def acc_fsdp1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # 4 ranks: rows of 5 and 3 split 2-2-1-0 and 1-1-1-0, so rank 3 holds no shard of them
+    return layouts.write_accelerate(tmp_path_factory.mktemp("rank-files-acc-fsdp1"), 4,
+                                    fsdp_version=1)
+
+
+ACC = layouts.ACCELERATE_DIR
+acc_file = layouts.accelerate_file
+
+
+@pytest.mark.parametrize("fixture", ["acc_fsdp2", "acc_fsdp1"])
+def test_accelerate_rank_files_merge_bit_exact(fixture: str, request: pytest.FixtureRequest,
+                                               tmp_path: Path) -> None:
+    base: Path = request.getfixturevalue(fixture)
+    r = run("merge", base / ACC, tmp_path / "out", "--dtype", "keep", "--json")
+    assert r.exit_code == 0, r.output
+    want = torch.load(base / "reference.pt", weights_only=True)
+    assert_bit_exact(load_out(tmp_path / "out"), want)
+    info = rank_files.read_info(base / ACC)
+    world = 3 if fixture == "acc_fsdp2" else 4
+    # The model's files only, by rank: the optimizer's rank files (distributed tensors too),
+    # scheduler.bin and random_states_0.pkl beside them are not part of it.
+    assert [f.name for f in info.files] == [acc_file(r) for r in range(world)]
+    assert info.num_ranks == world and info.format == "rank-files"
+
+
+def test_fsdp1_shards_sit_where_their_metadata_says(acc_fsdp1: Path) -> None:
+    info = rank_files.read_info(acc_fsdp1 / ACC)
+    weight = info.tensor("up.weight")  # 5 rows on 4 ranks: 2, 2, 1, none
+    assert [(c.file, c.offsets, c.sizes) for c in weight.chunks] == [
+        (acc_file(0), (0, 0), (2, 4)), (acc_file(1), (2, 0), (2, 4)),
+        (acc_file(2), (4, 0), (1, 4))]
+    assert [c.file for c in info.tensor("steps").chunks] == [acc_file(0)]  # a plain buffer
+
+
+def test_inspect_json_of_fsdp1_sharded(acc_fsdp1: Path) -> None:
+    r = run("inspect", acc_fsdp1 / ACC, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["format"] == "rank-files" and doc["summary"]["num_ranks"] == 4
+    placements = {t["name"]: t["placement"] for t in doc["tensors"]}
+    assert placements["up.weight"] == "Shard(0) x3" and placements["steps"] == "whole"
+
+
+def test_accelerate_training_directory_found_from_its_parent(acc_fsdp2: Path,
+                                                             tmp_path: Path) -> None:
+    report = ckpttool.merge(acc_fsdp2, tmp_path / "out", dtype="keep")
+    assert report.checkpoint == str(acc_fsdp2 / ACC)
+
+
+def test_accelerate_renamed_rank_files_are_caught(acc_fsdp1: Path, acc_fsdp2: Path,
+                                                  tmp_path: Path) -> None:
+    for base in (acc_fsdp1, acc_fsdp2):
+        ckpt = _copy(base / ACC, tmp_path / base.name)
+        (ckpt / acc_file(0)).rename(ckpt / "tmp")
+        (ckpt / acc_file(1)).rename(ckpt / acc_file(0))
+        (ckpt / "tmp").rename(ckpt / acc_file(1))
+        with pytest.raises(InputError) as e:
+            rank_files.read_info(ckpt)
+        assert str(e.value) == (f"{ckpt / acc_file(0)}: written by rank 1 but named for rank "
+                                "0; the rank files were renamed. Restore the original names")
+
+
+def test_accelerate_missing_rank_file_is_named(acc_fsdp1: Path, tmp_path: Path) -> None:
+    ckpt = _copy(acc_fsdp1 / ACC, tmp_path / "ckpt")
+    (ckpt / acc_file(1)).unlink()
+    r = run("merge", ckpt, tmp_path / "out")
+    assert r.exit_code == 3, r.output
+    assert r.stderr == (f"ckpttool: error: {ckpt / acc_file(1)}: missing; a world of at least 4 "
+                        "needs one file per rank. Copy every rank's file\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_last_rank_file_is_caught_by_content(acc_fsdp1: Path, acc_fsdp2: Path,
+                                                     tmp_path: Path) -> None:
+    """The names cannot tell that the last rank is missing; what the writer pickled can."""
+    ckpt = _copy(acc_fsdp1 / ACC, tmp_path / "fsdp1")
+    (ckpt / acc_file(3)).unlink()
+    with pytest.raises(InputError) as e:
+        rank_files.read_info(ckpt)
+    assert str(e.value) == (f"{ckpt / acc_file(0)}: written by one of 4 ranks, but the files "
+                            "here make a world of 3; a rank file is missing or from another "
+                            "save. Copy every rank's file")
+    ckpt = _copy(acc_fsdp2 / ACC, tmp_path / "fsdp2")
+    (ckpt / acc_file(2)).unlink()
+    with pytest.raises(InputError, match=r"names rank 2, outside the world of 2 whose rank "
+                                         r"files are here; a rank file is missing"):
+        rank_files.read_info(ckpt)
+
+
+def test_two_sets_of_model_rank_files_are_not_guessed(acc_fsdp2: Path, tmp_path: Path) -> None:
+    ckpt = _copy(acc_fsdp2 / ACC, tmp_path / "ckpt")
+    for r in range(3):  # a second model, as save_fsdp_model(..., model_index=1) names it
+        shutil.copy(ckpt / acc_file(r), ckpt / f"pytorch_model_fsdp_1_rank{r}.bin")
+    with pytest.raises(InputError) as e:
+        ckpttool.merge(ckpt, tmp_path / "out")
+    assert str(e.value) == (
+        f"{ckpt}: holds 2 sets of per-rank model files (pytorch_model_fsdp_0_rank<R>.bin, "
+        "pytorch_model_fsdp_1_rank<R>.bin); ckpttool reads one set per directory: move the "
+        "files of the one to read into a directory of their own")
+
+
+def test_other_torch_save_files_are_not_rank_files(acc_fsdp2: Path, tmp_path: Path) -> None:
+    """scheduler.bin and a full state dict are torch.save files without distributed tensors:
+    the directory is not claimed (the full state dict is then read as torch-save)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(acc_fsdp2 / ACC / "scheduler.bin", ckpt)
+    assert not rank_files.detect(ckpt)
+    shutil.copy(acc_fsdp2 / "reference.pt", ckpt / "pytorch_model.bin")
+    assert registry.detect(ckpt) is None
+    assert ckpttool.inspect(ckpt).format == "torch-save"
+
+
+@pytest.mark.parametrize(("name", "pattern", "rank"), [
+    ("pytorch_model_fsdp_0_rank12.bin", "pytorch_model_fsdp_0_rank<R>.bin", 12),
+    ("model_world_size_4_rank_3.pt", "model_world_size_4_rank_<R>.pt", 3),
+    ("optimizer_0_Rank-2.bin", "optimizer_0_Rank-<R>.bin", 2),
+    ("shard_07.pt", "shard_<R>.pt", 7),
+    ("model.pt", "model.pt", None),
+])
+def test_rank_number_in_a_name(name: str, pattern: str, rank: int | None) -> None:
+    assert rank_files.name_rank(name) == (pattern, rank)
+
+
+class _GetAttr:
+    """Pickles as getattr(ShardedTensor, "__init__"): a call the allow-list refuses."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+
+        return (getattr, (ShardedTensor, "__init__"))
+
+
+def test_getattr_other_than_process_group_state_is_refused(tmp_path: Path) -> None:
+    torch.save({"w": torch.zeros(2), "x": _GetAttr()}, tmp_path / "model_rank0.bin")
+    r = run("inspect", tmp_path)
+    assert r.exit_code == 3, r.output
+    assert r.stderr == (
+        f"ckpttool: error: {tmp_path / 'model_rank0.bin'}: refused to load: the pickle asks "
+        "for 'builtins.getattr(..., '__init__')', which a state dict of tensors and DTensors "
+        "never contains; the file may be malicious (nothing was executed)\n")
+
+
+def test_sharded_tensor_allow_list_still_names_live_torch_classes() -> None:
+    """If a torch upgrade moves these, FSDP1 sharded files would be refused: fail here first."""
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+
+    for module, name in rank_files._SHARDED_TENSOR_GLOBALS:
+        assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
+    assert hasattr(ShardedTensor, "ProcessGroupState")
+
+
+def test_one_rank_file_alone_points_at_its_directory(acc_fsdp1: Path) -> None:
+    file = acc_fsdp1 / ACC / acc_file(0)
+    r = run("merge", file, acc_fsdp1 / "never")
+    assert r.exit_code == 3, r.output
+    assert r.stderr == (f"ckpttool: error: {file}: one rank's file of a sharded checkpoint "
+                        "(DTensor or ShardedTensor values); pass the directory that holds "
+                        f"every rank's file ({acc_fsdp1 / ACC})\n")
+    assert not (acc_fsdp1 / "never").exists()
+
+
+def test_per_rank_optimizer_files_alone_are_unsupported(acc_fsdp2: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for r in range(3):
+        shutil.copy(acc_fsdp2 / ACC / acc_file(r, "optimizer"), ckpt)
+    r = run("inspect", ckpt)
+    assert r.exit_code == 4, r.output
+    assert r.stderr == (
+        f"ckpttool: error: {ckpt / acc_file(0, 'optimizer')}: per-rank optimizer state (its "
+        "keys are ['param_groups', 'state']); ckpttool merges per-rank model files only. Save "
+        "the optimizer with torch.distributed.checkpoint (accelerate: use_dcp=True) to merge "
+        "it\n")
