@@ -299,3 +299,30 @@ def test_cli_errors_exit_codes(lora_ckpts: Path, tmp_path: Path) -> None:
     assert r.exit_code == 4 and "DoRA" in r.stderr
     r = cli("verify", ckpt)
     assert r.exit_code == 1 and "lora-no-alpha" in r.output
+
+
+def test_fan_in_fan_out_adapter_on_gpt2(tmp_path: Path) -> None:
+    """GPT-2's Conv1D stores weights [in, out] (fan_in_fan_out): the fold is transposed."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(5)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    base = GPT2LMHeadModel(config)
+    base.save_pretrained(tmp_path / "base")
+    model = get_peft_model(base, LoraConfig(r=2, lora_alpha=6, fan_in_fan_out=True,
+                                            target_modules=["c_attn", "c_fc"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    model.save_pretrained(tmp_path / "adapter")
+    ckpttool.merge(tmp_path / "base", tmp_path / "out", adapter=tmp_path / "adapter")
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    want = model.merge_and_unload().state_dict()
+    assert set(got) <= set(want)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, want[name]), name
+    before = load_file(tmp_path / "base" / "model.safetensors")
+    assert not torch.equal(got["transformer.h.0.attn.c_attn.weight"],
+                           before["transformer.h.0.attn.c_attn.weight"])
