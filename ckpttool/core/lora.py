@@ -403,12 +403,14 @@ def _fused_weight(name: str, weight: Tensor, m: Module, config: AdapterConfig,
 
     # PEFT's own order, so that an fp32 fold equals merge_and_unload() to the bit:
     # W + transpose(B @ A) * scale, in fp32 (PEFT also upcasts half-precision on CPU).
+    # In place where the values are the same (one rounding per step either way): memory is
+    # the weight in fp32 and one delta, not four temporaries.
     def compute(ts: list[torch.Tensor]) -> torch.Tensor:
         w, a, b = ts
         delta = b.float() @ a.float()
         if transpose:
             delta = delta.T
-        return w.float() + delta * scale
+        return w.float().add_(delta.mul_(scale))
 
     what = f"lora fused: rank {rank}, scale {scale:g}"
     return Derived(name, (weight, m.a, m.b), weight.dtype, weight.shape, compute, what,

@@ -561,6 +561,12 @@ def _decide_tie(
             return frozenset({head})
         report.tie = {"output": head, "input": embed, "config_ties": tied, "identical": None,
                       "action": "both written"}
+        if tied:
+            report.warnings.append(
+                f"config ties word embeddings but the LoRA fold changed '{head}' and not "
+                f"'{embed}' alike; both were written, but transformers will tie them on load "
+                f"and drop the folded '{head}'. Set tie_word_embeddings to false in "
+                "config.json to keep it")
         return frozenset()
     same = tensors.identical(reader, a, reader, b, block_bytes=ties.COMPARE_BLOCK)
     report.tie = {"output": head, "input": embed, "config_ties": tied, "identical": same}
