@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckpttool.formats import bin_index, dcp, hf_dcp, rank_files, safetensors, torchfile
+from ckpttool.formats import bin_index, dcp, deepspeed, hf_dcp, rank_files, safetensors, torchfile
 from ckpttool.formats.base import Format
 
-FORMATS: tuple[Format, ...] = (dcp, hf_dcp, rank_files, bin_index, safetensors, torchfile)
+FORMATS: tuple[Format, ...] = (
+    dcp, hf_dcp, rank_files, bin_index, safetensors, deepspeed, torchfile)
 
 
 def detect(path: Path) -> Format | None:

@@ -3,7 +3,9 @@ on a checkpoint its real writer wrote during this session."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -164,8 +166,42 @@ class TestTorchSaveSharded(FormatContract):
         return out, state
 
 
+class _DeepSpeedContract(FormatContract):
+    """DeepSpeedEngine.save_checkpoint on CPU gloo ranks (tests/ds_layouts.py), bf16 training,
+    the fp32 masters merged; copied without its config.json, so that the tied head is written
+    as stored. Skipped where deepspeed is not installed."""
+
+    FORMAT = "deepspeed"
+    STAGE: ClassVar[int]
+    WORLD: ClassVar[int]
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def ckpt(cls, tmp_path_factory: pytest.TempPathFactory) -> Ckpt:
+        from tests import ds_layouts
+
+        if not ds_layouts.DEEPSPEED:
+            pytest.skip("deepspeed is not installed")
+        base = tmp_path_factory.mktemp(f"contract-deepspeed-zero{cls.STAGE}")
+        written = ds_layouts.write_zero(base / "written", cls.STAGE, cls.WORLD)
+        ckpt = base / "ckpt"
+        shutil.copytree(written, ckpt, ignore=shutil.ignore_patterns("config.json"))
+        return ckpt, torch.load(base / "reference.pt", weights_only=True)
+
+
+class TestDeepSpeedZero2(_DeepSpeedContract):
+    STAGE, WORLD = 2, 2
+
+
+class TestDeepSpeedZero3(_DeepSpeedContract):
+    STAGE, WORLD = 3, 3
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [c for s in cls.__subclasses__() for c in (s, *_subclasses(s))]
+
+
 def test_every_format_runs_the_contract() -> None:
     """A format added to the registry gets its subclass here too."""
-    covered = {cls.FORMAT for cls in FormatContract.__subclasses__()
-               if cls.__module__ == __name__}
+    covered = {cls.FORMAT for cls in _subclasses(FormatContract) if cls.__module__ == __name__}
     assert {fmt.NAME for fmt in registry.FORMATS} <= covered
