@@ -19,6 +19,7 @@ from ckpttool.cli.common import (
     print_json,
     size_option,
 )
+from ckpttool.core.report import storage_note
 
 EPILOG = """\
 Examples:\n\n
@@ -88,6 +89,9 @@ def _print_human(r: object) -> None:
     if r.checkpoint != r.src:
         skipped = "".join(f"; skipped {Path(s['path']).name} ({s['kind']})" for s in r.skipped)
         lines.append(f"  used {Path(r.checkpoint).name}, found in {r.src}{skipped}")
+    note = storage_note(r.storage)
+    if note:
+        lines.append(f"  source: {r.format}, {note}")
     for f in r.files:
         tensors = f" ({f['tensors']} tensors)" if f["tensors"] else ""
         lines.append(f"  wrote {f['name']}: {human_bytes(f['bytes'])}{tensors}")

@@ -18,6 +18,7 @@ from ckpttool.cli.common import (
     human_bytes,
     print_json,
 )
+from ckpttool.core.report import storage_note
 
 EPILOG = """\
 Examples:\n\n
@@ -124,6 +125,9 @@ def render(doc: dict[str, Any], *, quiet: bool = False) -> str:
     manifest = ""
     if doc["manifest"]:
         manifest = f"; manifest {doc['manifest']['action']}: {doc['manifest']['path']}"
+    note = storage_note(doc.get("storage") or {})
+    if note:
+        manifest += f"; {note}"
     verdict = "OK" if doc["ok"] else "FAILED"
     counts = ", ".join(count(c[s], word) for s, word in (("error", "error"),
                                                           ("warning", "warning"),

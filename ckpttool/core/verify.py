@@ -47,6 +47,7 @@ class VerifyReport:
     checkpoint: str
     format: str
     kind: str
+    storage: dict[str, Any] = field(default_factory=dict)  # CheckpointInfo.storage
     against: dict[str, str] | None = None
     manifest: dict[str, Any] | None = None
     parts: list[Part] = field(default_factory=list)  # other checkpoints verified
@@ -145,7 +146,8 @@ def verify(
                 and manifest_action != "write" else None)
 
     report = VerifyReport(path=str(ckpt.path), checkpoint=str(ckpt.root), format=ckpt.format,
-                          kind=ckpt.kind, num_tensors=len(ckpt.tensors))
+                          kind=ckpt.kind, num_tensors=len(ckpt.tensors),
+                          storage=dict(ckpt.info.storage) if ckpt.info else {})
     report.checks = ["structure", "content", "ties", "dtypes"]
     plan = None
     if other is not None:
