@@ -19,7 +19,6 @@ from ckpttool.cli.common import (
     print_json,
     size_option,
 )
-from ckpttool.core.report import storage_note
 
 EPILOG = """\
 Examples:\n\n
@@ -89,6 +88,8 @@ def _print_human(r: object) -> None:
     if r.checkpoint != r.src:
         skipped = "".join(f"; skipped {Path(s['path']).name} ({s['kind']})" for s in r.skipped)
         lines.append(f"  used {Path(r.checkpoint).name}, found in {r.src}{skipped}")
+    from ckpttool.core.report import storage_note
+
     note = storage_note(r.storage)
     if note:
         lines.append(f"  source: {r.format}, {note}")

@@ -18,7 +18,6 @@ from ckpttool.cli.common import (
     human_bytes,
     print_json,
 )
-from ckpttool.core.report import storage_note
 
 EPILOG = """\
 Examples:\n\n
@@ -125,6 +124,8 @@ def render(doc: dict[str, Any], *, quiet: bool = False) -> str:
     manifest = ""
     if doc["manifest"]:
         manifest = f"; manifest {doc['manifest']['action']}: {doc['manifest']['path']}"
+    from ckpttool.core.report import storage_note  # not at import: --help stays light
+
     note = storage_note(doc.get("storage") or {})
     if note:
         manifest += f"; {note}"
