@@ -15,6 +15,9 @@ Other formats' real writers (:mod:`tests.layouts`), once per session:
 
 * ``hf_ckpt``: a DCP directory written by PyTorch's ``HuggingFaceStorageWriter`` on 2 ranks
   (per-rank safetensors shards); the reference is :func:`tests.layouts.hf_full_state`.
+* ``dcp_options``: DCP directories written with each ``FileSystemWriter`` option
+  (safetensors serialization, rank-local metadata, zstd) on 2 ranks, and their reference
+  (:func:`tests.layouts.write_dcp_options`).
 
 The reference for what a merge must produce is :func:`tests.reference.reference_state_dict`
 (PyTorch's own loader), applied to ``ckpt / "pytorch_model_fsdp_0"``.
@@ -98,3 +101,9 @@ def lora_ckpts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests import lora_layouts
 
     return lora_layouts.write_lora(tmp_path_factory.mktemp("lora"))
+
+
+@pytest.fixture(scope="session")
+def dcp_options(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``dcp.save`` with FileSystemWriter's options (:func:`tests.layouts.write_dcp_options`)."""
+    return layouts.write_dcp_options(tmp_path_factory.mktemp("dcp_options"))

@@ -370,3 +370,70 @@ def write_hf_storage(out: Path) -> Path:
     """HuggingFaceStorageWriter shards of :func:`hf_full_state` in ``out``; returns ``out``."""
     _run(_hf_storage_job, HF_WORLD, out)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# FileSystemWriter's options (torch.distributed.checkpoint.save)
+
+OPTIONS_WORLD = 2
+OPTION_DIRS = ("safetensors", "rank_local", "zstd")
+
+
+def _options_state(rank: int, world_size: int) -> dict[str, Any]:
+    """FSDP2 :class:`Small` (uneven ``Shard(0)``, an int64 buffer stored whole) plus DTensors
+    placed ``Replicate()`` (bf16), ``Shard(1)`` and ``Shard(0)`` (empty on rank 1), and a step
+    counter: every rank holds the same values."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(SEED)
+    model = Small()
+    fully_shard(model.up, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    g = torch.Generator().manual_seed(SEED + 3)
+    state: dict[str, Any] = dict(model.state_dict())
+    state["replicated"] = distribute_tensor(torch.randn(3, 4, generator=g).to(torch.bfloat16),
+                                            mesh, [Replicate()])
+    state["columns"] = distribute_tensor(torch.randn(2, 6, generator=g), mesh, [Shard(1)])
+    state["one_row"] = distribute_tensor(torch.randn(1, 3, generator=g), mesh, [Shard(0)])
+    state["step"] = 500
+    return state
+
+
+def _options_job(rank: int, world_size: int, out: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    state = _options_state(rank, world_size)
+    full = _full({k: v for k, v in state.items() if isinstance(v, torch.Tensor)})
+    if rank == 0:
+        torch.save(full, out / "reference.pt")
+    dcp.save(state, storage_writer=FileSystemWriter(
+        out / "safetensors", serialization_format=SerializationFormat.SAFETENSORS))
+    dcp.save(state, storage_writer=FileSystemWriter(out / "rank_local"), use_collectives=False)
+    dcp.save(state, storage_writer=FileSystemWriter(out / "zstd", _extensions=[ZStandard()]))
+    # Ranks that disagree on a tensor every rank stores whole, saved without coordination.
+    differs = {"w": state["up.weight"], "counter": torch.full((4,), float(rank))}
+    dcp.save(differs, storage_writer=FileSystemWriter(out / "rank_local_differs"),
+             use_collectives=False)
+    # Both options at once: torch records no usable offsets (its own loader fails too).
+    dcp.save(state, storage_writer=FileSystemWriter(
+        out / "safetensors_zstd", serialization_format=SerializationFormat.SAFETENSORS,
+        _extensions=[ZStandard()]))
+
+
+def write_dcp_options(out: Path) -> Path:
+    """On :data:`OPTIONS_WORLD` gloo ranks, ``dcp.save`` of :func:`_options_state` with each
+    ``FileSystemWriter`` option: ``out/"safetensors"`` (``serialization_format=
+    SerializationFormat.SAFETENSORS``), ``out/"rank_local"`` (``use_collectives=False``: one
+    ``__<rank>.metadata`` per rank, replicated tensors and the step written by both),
+    ``out/"zstd"`` (``_extensions=[ZStandard()]``), ``out/"rank_local_differs"`` (a plain
+    tensor ``counter`` whose value is the rank, saved whole by each rank without
+    coordination) and ``out/"safetensors_zstd"`` (both options). The full tensors are
+    ``out/"reference.pt"``; returns ``out``."""
+    _run(_options_job, OPTIONS_WORLD, out)
+    return out

@@ -110,6 +110,11 @@ def _print_human(r: object) -> None:
     if r.checkpoint != r.src:
         skipped = "".join(f"; skipped {Path(s['path']).name} ({s['kind']})" for s in r.skipped)
         lines.append(f"  used {Path(r.checkpoint).name}, found in {r.src}{skipped}")
+    from ckpttool.core.report import storage_note
+
+    note = storage_note(r.storage)
+    if note:
+        lines.append(f"  source: {r.format}, {note}")
     for f in r.files:
         tensors = f" ({f['tensors']} tensors)" if f["tensors"] else ""
         lines.append(f"  wrote {f['name']}: {human_bytes(f['bytes'])}{tensors}")

@@ -124,6 +124,11 @@ def render(doc: dict[str, Any], *, quiet: bool = False) -> str:
     manifest = ""
     if doc["manifest"]:
         manifest = f"; manifest {doc['manifest']['action']}: {doc['manifest']['path']}"
+    from ckpttool.core.report import storage_note  # not at import: --help stays light
+
+    note = storage_note(doc.get("storage") or {})
+    if note:
+        manifest += f"; {note}"
     verdict = "OK" if doc["ok"] else "FAILED"
     counts = ", ".join(count(c[s], word) for s, word in (("error", "error"),
                                                           ("warning", "warning"),

@@ -89,6 +89,7 @@ def summary(ckpt: Checkpoint) -> dict[str, Any]:
         "tie": None if pair is None else {"output": pair[0], "input": pair[1],
                                           "config_ties": config_ties},
         "num_non_tensor": len(ckpt.objects),
+        "storage": dict(ckpt.info.storage),
         "config": str(ckpt.hf.config_path) if ckpt.hf.config_path else None,
     }
 

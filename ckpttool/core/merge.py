@@ -328,6 +328,7 @@ class MergeReport:
     out: str
     kind: str = "model"  # or "optimizer"
     format: str = ""  # the source format's NAME
+    storage: dict[str, Any] = field(default_factory=dict)  # CheckpointInfo.storage
     files: list[dict[str, Any]] = field(default_factory=list)
     num_tensors: int = 0
     num_parameters: int = 0
@@ -443,7 +444,7 @@ def merge(
     sources: list[tuple[str, Source]] = list(named) if adapted is None else adapted.sources
 
     report = MergeReport(src=str(src_path), checkpoint=str(info.root), out=str(out_path),
-                         kind=ckpt.kind, format=info.format)
+                         kind=ckpt.kind, format=info.format, storage=dict(info.storage))
     report.parts = list(ckpt.parts)
     report.skipped = [{"path": str(src_path / p.path), "kind": p.kind} for p in ckpt.parts
                       if p.path != ckpt.chosen and p.kind != "other"
@@ -466,6 +467,8 @@ def merge(
     # No cyclic collection while millions of chunk objects live: none are garbage, and each
     # collection would walk them all.
     with open_reader(ckpt, follow_links=follow_links) as reader, gc_paused():
+        # Chunks several ranks stored (use_collectives=False) must agree before one is used.
+        structure.raise_first(reader.check_copies())
         if adapted is not None and adapted.reader is not None:
             adapted.reader.open_files()
         drop = (frozenset() if optimizer or mode == "adapter"

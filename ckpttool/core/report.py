@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 # Version of every ``--json`` document (``"schema"``); bumped when a shape changes.
 SCHEMA = 1
 
 # Called with the number of bytes just read or written, as an operation goes.
 Progress = Callable[[int], None]
+
+
+def storage_note(storage: dict[str, Any]) -> str | None:
+    """How a checkpoint was stored, in words, where it departs from the format's default
+    (``CheckpointInfo.storage``): ``"safetensors records, zstd-compressed, rank-local
+    metadata"``; None for the default."""
+    words = []
+    serialization = storage.get("serialization")
+    if serialization not in (None, "torch_save"):
+        words.append(f"{serialization} records")
+    if storage.get("compression"):
+        words.append(f"{storage['compression']}-compressed")
+    if storage.get("metadata") not in (None, "global"):
+        words.append(f"{storage['metadata']} metadata")
+    return ", ".join(words) or None

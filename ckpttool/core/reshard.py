@@ -156,6 +156,7 @@ def reshard(
     if target == "dcp" and info.sharded and prefix is not None:
         raise InputError("--prefix applies to full weights; a DCP source keeps its keys")
     with open_reader(ckpt, follow_links=follow_links) as reader:
+        structure.raise_first(reader.check_copies())  # replicated chunks every rank stored
         reader.open_files()
         if target == "safetensors":
             _to_safetensors(ckpt, reader, out_path, st.parse_size(str(max_shard_size)),

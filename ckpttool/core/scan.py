@@ -73,11 +73,15 @@ class Scanner:
         not give the tensor in C order (a column split, a strided view)."""
         tensor = t.tensor
         decoded: list[tuple[Chunk, Payload]] = []
+        damaged: set[Chunk] = set()  # compressed chunks whose CRCs already failed
         for c in tensor.chunks:
             try:
                 p = self.reader.payload(tensor, c, checksums=True)
+                found = len(result.problems)
                 for side in p.side:
                     self._check(side, t.name, result)
+                if p.compression is not None and len(result.problems) > found:
+                    damaged.add(c)
             except InputError as e:
                 result.problems.append(error("record-corrupt", str(e), file=c.file,
                                              tensor=t.name, offset=c.offset))
@@ -85,9 +89,10 @@ class Scanner:
             decoded.append((c, p))
         item = t.dtype.itemsize
         # Chunks that are each one run of the tensor (Shard(0), whole), read in the order of
-        # their first elements, give the tensor in C order; others (Shard(1)) do not.
-        ordered = all(p.start is not None and chunk_geometry.is_single_run(t.shape, c.offsets,
-                                                                           c.sizes)
+        # their first elements, give the tensor in C order; others (Shard(1)) do not. A
+        # compressed chunk comes decompressed, in C order.
+        ordered = all((p.start is not None or p.compression is not None)
+                      and chunk_geometry.is_single_run(t.shape, c.offsets, c.sizes)
                       for c, p in decoded)
         firsts = {c.offsets: next(iter(chunk_geometry.runs(t.shape, c.offsets, c.sizes)),
                                   (0, 0, 0))[1] for c, _ in decoded}
@@ -98,6 +103,20 @@ class Scanner:
             first = firsts[c.offsets] if ordered else None
             crc = 0 if p.crc32 is not None else None
             nbytes = c.numel * item
+            if p.compression is not None:
+                # Decompressed one record at a time by the reader; its CRCs (the archive's,
+                # in ``side``) were checked above.
+                try:
+                    data = self.reader.read_chunk(tensor, c)
+                except InputError as e:
+                    if c not in damaged:
+                        result.problems.append(error("record-corrupt", str(e), file=c.file,
+                                                     tensor=t.name, offset=c.offset))
+                    raise _Unreadable from None
+                self.report(p.storage_size)
+                result.bytes_read += p.storage_size
+                yield first, memoryview(data)
+                continue
             if p.start is not None:
                 # Read the whole stored range when a checksum covers it, else just the chunk.
                 offset, size = ((p.storage_offset, p.storage_size) if crc is not None
@@ -282,6 +301,7 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
         problems = [p for t in todo for p in results[t.name].problems]
         rest = scanner.other_checksums()
         problems += rest.problems
+        problems += reader.check_copies()
         problems += _object_problems(ckpt, reader)
         digests = {n: r.digest for n, r in results.items() if r.digest is not None}
         tied = []

@@ -47,6 +47,7 @@ class VerifyReport:
     checkpoint: str
     format: str
     kind: str
+    storage: dict[str, Any] = field(default_factory=dict)  # CheckpointInfo.storage
     against: dict[str, str] | None = None
     manifest: dict[str, Any] | None = None
     lora: dict[str, Any] | None = None  # the LoRA adapter found (rank, alpha, targets...)
@@ -149,7 +150,8 @@ def verify(
                 and manifest_action != "write" else None)
 
     report = VerifyReport(path=str(ckpt.path), checkpoint=str(ckpt.root), format=ckpt.format,
-                          kind=ckpt.kind, num_tensors=len(ckpt.tensors))
+                          kind=ckpt.kind, num_tensors=len(ckpt.tensors),
+                          storage=dict(ckpt.info.storage) if ckpt.info else {})
     report.checks = ["structure", "content", "ties", "dtypes"]
     plan = None
     if other is not None:

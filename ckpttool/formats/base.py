@@ -170,6 +170,9 @@ class CheckpointInfo:
     stray: tuple[str, ...] = ()  # data files nothing references
     version: str | None = None
     values: dict[str, Any] = field(default_factory=dict)  # object values read with metadata
+    # How the format stored this checkpoint, where it has several ways, for reports (inspect's
+    # summary, merge and verify): DCP's {"serialization", "compression", "metadata"}.
+    storage: dict[str, Any] = field(default_factory=dict)
     detail: Any = None  # the format's own notes for its reader; core never looks at them
 
     def tensor(self, name: str) -> Tensor:
@@ -224,6 +227,10 @@ class Payload:
     stride: tuple[int, ...] = ()  # strided views: element strides and offset in the storage
     view_offset: int = 0
     side: tuple[Checksummed, ...] = ()  # the record's other checksummed entries (headers)
+    # The stored bytes at ``storage_offset`` are compressed ("zstd"): the elements are reached
+    # only through ``Reader.read_chunk``, which decompresses one record at a time (``start``
+    # is None); ``side`` then holds the decompressed entries with their CRC-32s.
+    compression: str | None = None
 
 
 class UnreadableObject(Exception):
@@ -318,6 +325,13 @@ class Reader:
                                         stride=p.stride, storage_offset=p.view_offset)
 
     # -- what verify checks beyond the chunks
+
+    def check_copies(self) -> list[Problem]:
+        """Bytes stored more than once that must agree, compared: a replicated chunk that
+        every rank wrote without coordination (DCP's ``use_collectives=False``). One error
+        per copy that differs from the one the chunks use; reads every copy. ``merge`` and
+        ``reshard`` stop on the first error, ``verify`` reports them all."""
+        return []
 
     def other_checksums(self) -> tuple[list[Checksummed], list[Problem]]:
         """Checksummed bytes outside every chunk's payload (object records, an archive's

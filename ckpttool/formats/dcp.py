@@ -14,8 +14,27 @@ The layout is taken from what the real writer produces (torch/distributed/checkp
 metadata.py and filesystem.py): ``Metadata.state_dict_metadata`` maps each flat key to a
 ``TensorStorageMetadata`` (dtype, global size, chunks with offsets and sizes) or a
 ``BytesStorageMetadata``; ``Metadata.storage_data`` maps a ``MetadataIndex(fqn, offset)`` to a
-``_StorageInfo(relative_path, offset, length)``; ``planner_data`` maps each flat key to the path
-of nested keys it came from.
+``_StorageInfo(relative_path, offset, length, transform_descriptors)``; ``planner_data`` maps
+each flat key to the path of nested keys it came from.
+
+``FileSystemWriter``'s options, as torch 2.13 writes them:
+
+* ``serialization_format=SerializationFormat.SAFETENSORS``: a rank's non-tensor records come
+  first (``torch.save`` records as usual), then one safetensors blob of all its tensor chunks,
+  keyed by flat key, whose ``__metadata__`` ``DCP_SHARDING_INFO`` gives each chunk's
+  ``saved_offsets``. ``.metadata`` records every chunk of the file at the blob's start with
+  the chunk's byte length (nothing locates it inside the blob), so the blob's header is read
+  here to place each chunk; no checksum covers the bytes. (torch's own ``FileSystemReader``
+  cannot load these: it hands the blob to ``torch.load``.)
+* ``dcp.save(..., use_collectives=False)``: every rank writes its own ``__<rank>.metadata``,
+  describing only its own chunks and no global ``.metadata``; a replicated tensor is written
+  by every rank. The checkpoint is the union of the rank files; a chunk stored by several
+  ranks is read from the lowest rank, once the others are known to hold the same bytes
+  (:meth:`DcpReader.check_copies`).
+* ``_extensions=[ZStandard()]``: every record (tensor chunk or not) is one zstd frame of the
+  usual ``torch.save`` record, with the descriptor ``stream.zstd/1`` in its storage entry.
+  Records are decompressed one at a time (:mod:`ckpttool.formats.zstd`); the archive's CRC-32s
+  are the only checksums.
 """
 
 from __future__ import annotations
@@ -23,19 +42,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import itertools
+import json
+import math
 import operator
 import os
 import pickle
 import re
 import struct
-from collections.abc import Callable, Iterable
+import threading
+import zlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import InputError, UnsupportedError
-from ckpttool.formats import torchsave
+from ckpttool.formats import safetensors as st
+from ckpttool.formats import torchsave, zstd
 from ckpttool.formats.base import (
+    RAW,
     RECORD,
     CheckpointInfo,
     Checksummed,
@@ -56,6 +82,34 @@ from ckpttool.formats.store import file_size
 NAME = "dcp"
 METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
+# A chunk's record compressed by DCP's ZStandard extension (one zstd frame of a RECORD).
+ZSTD_RECORD = "torch-record-zstd"
+RANK_METADATA = "the __<rank>.metadata files"  # CheckpointInfo.metadata_name, rank-local
+SHARDING_KEY = "DCP_SHARDING_INFO"  # in a SAFETENSORS blob's __metadata__
+# A decompressed record holds its chunk's bytes plus a few hundred bytes of zip and pickle
+# headers (DCP's writer gives each chunk a storage of its own size); beyond this it is corrupt.
+_RECORD_OVERHEAD = 1 << 16
+_OBJECT_LIMIT = 256 << 20  # a compressed non-tensor record decompresses to at most this
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A chunk (or non-tensor record) that several ranks stored: ``kept`` is the one the
+    checkpoint's tensors use, ``other`` another rank's copy that must hold the same bytes."""
+
+    name: str  # the stored name
+    kept: Chunk | ObjectEntry
+    other: Chunk | ObjectEntry
+    kept_from: str  # the metadata files that list them
+    other_from: str
+
+
+@dataclass(frozen=True)
+class Detail:
+    """What :func:`read_info` tells :class:`DcpReader` (``CheckpointInfo.detail``)."""
+
+    compressed_objects: frozenset[tuple[str, int]] = frozenset()  # (file, offset)
+    copies: tuple[Copy, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -167,41 +221,106 @@ def read_metadata_object(path: Path) -> Any:
 
 
 def detect(path: Path) -> bool:
-    """A directory with a ``.metadata`` file or ``.distcp`` data files (either alone is a
-    damaged DCP checkpoint, which :func:`read_info` explains)."""
+    """A directory with a ``.metadata`` file, ``__<rank>.metadata`` files or ``.distcp`` data
+    files (data files alone are a damaged DCP checkpoint, which :func:`read_info` explains)."""
     if not path.is_dir():
         return False
-    return (path / METADATA_FILE).exists() or any(path.glob("*" + DATA_SUFFIX))
+    return ((path / METADATA_FILE).exists() or any(path.glob("*" + DATA_SUFFIX))
+            or bool(_rank_metadata_files(path)))
+
+
+_RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
+
+
+def _rank_metadata_files(root: Path) -> list[tuple[int, Path]]:
+    """``__<rank>.metadata`` files (``dcp.save(use_collectives=False)``), by rank."""
+    found = []
+    for p in root.glob("__*.metadata"):
+        m = _RANK_METADATA_RE.match(p.name)
+        if m:
+            found.append((int(m.group(1)), p))
+    return sorted(found)
 
 
 def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
-    """Read a DCP directory's ``.metadata``. Reads no tensor data.
+    """Read a DCP directory's ``.metadata`` (or, without one, every ``__<rank>.metadata``),
+    plus the header of each safetensors blob (``SerializationFormat.SAFETENSORS``). Reads no
+    tensor data.
 
     Raises:
-        InputError: not a DCP directory, or its ``.metadata`` is missing, unsafe, truncated or
+        InputError: not a DCP directory, or its metadata is missing, unsafe, truncated or
             corrupt.
         UnsupportedError: a DCP layout ckpttool does not read yet.
     """
     root = Path(path)
     md_path = root / METADATA_FILE
-    if not md_path.exists() and any(root.glob("*" + DATA_SUFFIX)):
+    ranks = _rank_metadata_files(root) if not md_path.exists() else []
+    if not md_path.exists() and not ranks and any(root.glob("*" + DATA_SUFFIX)):
         raise InputError(f"{root}: has .distcp data files but no {METADATA_FILE}; the copy is "
                          f"incomplete (copy {METADATA_FILE} too)")
-    if not md_path.is_file():
+    if not ranks and not md_path.is_file():
         raise InputError(f"{root}: not a DCP checkpoint directory (no {METADATA_FILE} file)")
     with torchsave.gc_paused():
-        md = read_metadata_object(md_path)
-        if type(md).__name__ != "Metadata" or not isinstance(md, torchsave.PlainStub):
-            raise InputError(f"{md_path}: does not hold DCP Metadata (found "
-                             f"{type(md).__name__})")
-        try:
-            return _convert(root, md_path, md)
-        except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
-            raise InputError(f"{md_path}: corrupt .metadata ({type(e).__name__}: {e}); copy "
-                             "it again from the source") from None
+        if not ranks:
+            read = _read_one(root, md_path)
+            tensors, objects = read.tensors, read.objects
+            copies: list[Copy] = []
+            metadata_name, problems = METADATA_FILE, []
+            zstd_records = read.compressed_all
+        else:
+            reads = [(r, _read_one(root, p)) for r, p in ranks]
+            read = reads[0][1]
+            tensors, objects, copies = _union(reads)
+            metadata_name, problems = RANK_METADATA, _missing_rank_metadata(root, reads)
+            zstd_records = frozenset().union(*(r.compressed_all for _, r in reads))
+        tensors, serialization = _locate_safetensors(root, tensors)
+    names = sorted({c.file for t in tensors for c in t.chunks}
+                   | {o.file for o in objects if o.file is not None})
+    ranks_of = {rank_of(f) for f in names}
+    # Copies of objects are read too (check_copies): every compressed record is listed.
+    compressed = zstd_records & frozenset((o.file, o.offset) for o in objects if o.file)
+    if copies:
+        compressed |= zstd_records & frozenset(
+            (c.other.file, c.other.offset) for c in copies
+            if isinstance(c.other, ObjectEntry) and c.other.file)
+    any_zstd = bool(zstd_records)
+    return CheckpointInfo(
+        format=NAME, root=root, tensors=tuple(tensors), objects=tuple(objects),
+        files=tuple(DataFile(f, file_size(root / f)) for f in names),
+        metadata_name=metadata_name, sharded=True,
+        num_ranks=None if None in ranks_of else len(ranks_of),
+        problems=tuple(problems),
+        stray=tuple(_stray_files(root, set(names))),
+        version=read.version,
+        storage={"serialization": serialization,
+                 "compression": zstd.NAME if any_zstd else None,
+                 "metadata": "rank-local" if ranks else "global"},
+        detail=Detail(compressed, tuple(copies)))
 
 
-def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> CheckpointInfo:
+@dataclass
+class _Read:
+    """One metadata file, converted."""
+
+    path: Path
+    tensors: list[Tensor]
+    objects: list[ObjectEntry]
+    version: str | None
+    compressed_all: frozenset[tuple[str, int]]  # (file, offset) of every compressed record
+
+
+def _read_one(root: Path, md_path: Path) -> _Read:
+    md = read_metadata_object(md_path)
+    if type(md).__name__ != "Metadata" or not isinstance(md, torchsave.PlainStub):
+        raise InputError(f"{md_path}: does not hold DCP Metadata (found {type(md).__name__})")
+    try:
+        return _convert(root, md_path, md)
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
+        raise InputError(f"{md_path}: corrupt metadata ({type(e).__name__}: {e}); copy it "
+                         "again from the source") from None
+
+
+def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> _Read:
     sd_meta = md.field("state_dict_metadata")
     storage_data = md.field("storage_data")
     planner_data = md.field("planner_data") or {}
@@ -215,7 +334,7 @@ def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> CheckpointIn
     if not isinstance(planner_data, dict):
         planner_data = {}
 
-    storage = _storage(md_path, storage_data)
+    storage, compressed = _storage(md_path, storage_data)
 
     tensors: list[Tensor] = []
     objects: list[ObjectEntry] = []
@@ -224,7 +343,7 @@ def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> CheckpointIn
         path = _planner_path(planner_data.get(fqn), fqn)
         kind = type(entry).__name__
         if kind == "TensorStorageMetadata":
-            tensors.append(_tensor_entry(md_path, fqn, path, entry, storage))
+            tensors.append(_tensor_entry(md_path, fqn, path, entry, storage, compressed))
         elif kind == "BytesStorageMetadata":
             stored = storage.get((fqn, None))
             if stored is None:
@@ -234,22 +353,16 @@ def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> CheckpointIn
             objects.append(ObjectEntry(fqn, path, *stored))
         else:
             raise UnsupportedError(f"{md_path}: entry '{fqn}' has unknown kind '{kind}'")
-
-    names = sorted({rel for rel, _, _ in storage.values()})
-    ranks = {rank_of(f) for f in names}
     version = md.field("version")
-    return CheckpointInfo(
-        format=NAME, root=root, tensors=tuple(tensors), objects=tuple(objects),
-        files=tuple(DataFile(f, file_size(root / f)) for f in names),
-        metadata_name=METADATA_FILE, sharded=True,
-        num_ranks=None if None in ranks else len(ranks),
-        stray=tuple(_stray_files(root, set(names))),
-        version=None if version is None else str(version))
+    return _Read(md_path, tensors, objects, None if version is None else str(version),
+                 compressed)
 
 
 def _storage(md_path: Path, storage_data: dict[Any, Any]
-             ) -> dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]]:
-    """``storage_data`` as (fqn, chunk offsets) -> (file, byte offset, byte length).
+             ) -> tuple[dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]],
+                        frozenset[tuple[str, int]]]:
+    """``storage_data`` as (fqn, chunk offsets) -> (file, byte offset, byte length), and the
+    (file, offset) of every record stored zstd-compressed.
 
     Checked in bulk (types, integers, file names once per file): a million entries cost a few
     C-level passes, not a million Python-level checks each.
@@ -267,12 +380,6 @@ def _storage(md_path: Path, storage_data: dict[Any, Any]
     fqns = [k.get("fqn") for k in ks]
     if set(map(type, fqns)) - {str}:
         raise InputError(f"{md_path}: a storage entry has no name; corrupt .metadata")
-    transformed = next((i for i, v in enumerate(vs) if v.get("transform_descriptors")), None)
-    if transformed is not None:
-        raise UnsupportedError(
-            f"{md_path}: entry '{fqns[transformed]}' is stored with transforms "
-            f"{list(vs[transformed]['transform_descriptors'])}; only untransformed records are "
-            "supported")
     rels = [str(v.get("relative_path")) for v in vs]
     safe = {rel: _safe_relative(md_path, rel) for rel in set(rels)}
     offsets = [k.get("offset") for k in ks]
@@ -286,8 +393,30 @@ def _storage(md_path: Path, storage_data: dict[Any, Any]
         raise InputError(f"{md_path}: entry '{fqns[i]}' has the byte range "
                          f"({begins[i]!r}, {lengths[i]!r}), not two non-negative integers; "
                          "corrupt .metadata")
-    return {(fqn, off): (safe[rel], b, n)
-            for fqn, off, rel, b, n in zip(fqns, offsets, rels, begins, lengths, strict=True)}
+    compressed = _transforms(md_path, fqns, vs, rels, begins)
+    return ({(fqn, off): (safe[rel], b, n)
+             for fqn, off, rel, b, n in zip(fqns, offsets, rels, begins, lengths, strict=True)},
+            compressed)
+
+
+def _transforms(md_path: Path, fqns: list[str], vs: list[dict[str, Any]], rels: list[str],
+                begins: list[int]) -> frozenset[tuple[str, int]]:
+    """The (file, offset) of the records stored through DCP's stream extensions (zstd only:
+    anything else is refused by name)."""
+    descriptors = [v.get("transform_descriptors") for v in vs]
+    kinds = {tuple(d) if isinstance(d, (list, tuple)) else d for d in descriptors if d}
+    if not kinds:
+        return frozenset()
+    for kind in kinds:
+        if not (isinstance(kind, tuple) and len(kind) == 1 and isinstance(kind[0], str)
+                and zstd.supported(kind[0])):
+            i = next(i for i, d in enumerate(descriptors)
+                     if d and (tuple(d) if isinstance(d, (list, tuple)) else d) == kind)
+            shown = list(kind) if isinstance(kind, tuple) else kind
+            raise UnsupportedError(
+                f"{md_path}: entry '{fqns[i]}' is stored with transforms {shown!r}; ckpttool "
+                f"reads DCP's ZStandard extension ({zstd.DESCRIPTOR}/1) only")
+    return frozenset((rel, b) for d, rel, b in zip(descriptors, rels, begins, strict=True) if d)
 
 
 def _tensor_entry(
@@ -296,6 +425,7 @@ def _tensor_entry(
     path: tuple[str, ...],
     entry: torchsave.PlainStub,
     storage: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]],
+    compressed: frozenset[tuple[str, int]],
 ) -> Tensor:
     props = entry.field("properties")
     dtype: Any = None
@@ -327,8 +457,141 @@ def _tensor_entry(
                 f"{md_path}: chunk of '{fqn}' at offsets {list(o)} has no storage record; "
                 "the checkpoint is incomplete"
             )
-        chunks.append(Chunk(o, size, *stored, RECORD))
+        encoding = ZSTD_RECORD if compressed and stored[:2] in compressed else RECORD
+        chunks.append(Chunk(o, size, *stored, encoding))
     return Tensor(fqn, path, dtype, shape, tuple(chunks))
+
+
+# --------------------------------------------------------------------------------------------
+# SerializationFormat.SAFETENSORS: chunks placed by the blob's header
+
+
+def _locate_safetensors(root: Path, tensors: list[Tensor]) -> tuple[list[Tensor], str]:
+    """Tensors whose chunks lie in a safetensors blob (``.metadata`` gives each the blob's
+    start and the chunk's byte length, which no ``torch.save`` record can have) as RAW chunks
+    at the places the blob's header gives; and the serialization the data files use
+    (``torch_save``, ``safetensors``, or both joined by ``+``)."""
+    blobs: dict[str, int] = {}  # file -> the blob's start
+    record_files: set[str] = set()
+    for t in tensors:
+        item = t.dtype.itemsize
+        for c in t.chunks:
+            if c.length == math.prod(c.sizes) * item:
+                if c.encoding == ZSTD_RECORD:
+                    raise UnsupportedError(
+                        f"{root / c.file}: tensor '{t.name}' is stored as safetensors "
+                        "(SerializationFormat.SAFETENSORS) through the ZStandard extension; "
+                        "torch writes no usable offsets for that combination (its own loader "
+                        "cannot read it either); save with one of the two options")
+                if blobs.setdefault(c.file, c.offset) != c.offset:
+                    raise InputError(
+                        f"{root / c.file}: .metadata places safetensors chunks at bytes "
+                        f"{blobs[c.file]} and {c.offset}; corrupt metadata")
+            else:
+                record_files.add(c.file)
+    mixed = sorted(set(blobs) & record_files)
+    if mixed:
+        raise InputError(f"{root / mixed[0]}: .metadata places both torch.save records and "
+                         "safetensors chunks in this file; corrupt metadata")
+    if not blobs:
+        return tensors, "torch_save"
+    serialization = "safetensors+torch_save" if record_files else "safetensors"
+    slots = {f: _blob_slots(root / f, at) for f, at in blobs.items()
+             if (root / f).is_file()}  # a missing file: structure checks report it
+    out = []
+    for t in tensors:
+        if not any(c.file in slots for c in t.chunks):
+            out.append(t)
+            continue
+        out.append(dataclasses.replace(t, chunks=tuple(
+            _blob_chunk(root, t, c, *slots[c.file]) if c.file in slots else c
+            for c in t.chunks)))
+    return out, serialization
+
+
+def _blob_slots(path: Path, offset: int) -> tuple[dict[str, st.Slot], dict[str, Any]]:
+    """The blob's slots by name, and each name's ``saved_offsets``."""
+    meta, slots = st.read_layout(path, offset=offset)
+    raw = meta.get(SHARDING_KEY)
+    try:
+        sharding = json.loads(raw) if isinstance(raw, str) else None
+    except ValueError:
+        sharding = None
+    if not isinstance(sharding, dict):
+        raise InputError(f"{path} at byte {offset}: safetensors blob without readable "
+                         f"{SHARDING_KEY} offsets; corrupt")
+    return {s.name: s for s in slots}, sharding
+
+
+def _blob_chunk(root: Path, t: Tensor, c: Chunk, slots: dict[str, st.Slot],
+                sharding: dict[str, Any]) -> Chunk:
+    where = f"{root / c.file} at byte {c.offset} (safetensors blob)"
+    slot = slots.get(t.name)
+    if slot is None:
+        raise InputError(f"{where}: has no tensor '{t.name}', which .metadata places there; "
+                         "corrupt")
+    saved = sharding.get(t.name)
+    saved = saved.get("saved_offsets") if isinstance(saved, dict) else None
+    if (slot.dtype != t.dtype or slot.shape != c.sizes
+            or not isinstance(saved, list) or tuple(saved) != c.offsets):
+        raise InputError(
+            f"{where}: tensor '{t.name}' is {slot.dtype.name} {list(slot.shape)} at offsets "
+            f"{saved!r}, but .metadata promises {t.dtype.name} {list(c.sizes)} at "
+            f"{list(c.offsets)}; the checkpoint is inconsistent")
+    return Chunk(c.offsets, c.sizes, c.file, slot.begin, slot.nbytes, RAW)
+
+
+# --------------------------------------------------------------------------------------------
+# use_collectives=False: the union of every rank's metadata
+
+
+def _union(reads: list[tuple[int, _Read]]
+           ) -> tuple[list[Tensor], list[ObjectEntry], list[Copy]]:
+    """Every rank's tensors and objects once: a chunk (same offsets and sizes) or object that
+    several ranks stored is kept from the lowest rank, the others listed as copies."""
+    Box = tuple[tuple[int, ...], tuple[int, ...]]
+    tensors: dict[str, tuple[Tensor, dict[Box, tuple[Chunk, str]], str]] = {}
+    objects: dict[str, tuple[ObjectEntry, str]] = {}
+    copies: list[Copy] = []
+    for _, read in reads:
+        here = read.path.name
+        for t in read.tensors:
+            have = tensors.get(t.name)
+            if have is None:
+                tensors[t.name] = (t, {(c.offsets, c.sizes): (c, here) for c in t.chunks},
+                                   here)
+                continue
+            first, chunks, there = have
+            if (t.dtype, t.shape) != (first.dtype, first.shape):
+                raise InputError(
+                    f"{read.path}: tensor '{t.name}' is {t.dtype.name} {list(t.shape)} here "
+                    f"but {first.dtype.name} {list(first.shape)} in {there}; the rank metadata "
+                    "files are from different saves")
+            for c in t.chunks:
+                kept, listed = chunks.setdefault((c.offsets, c.sizes), (c, here))
+                if kept is not c:
+                    copies.append(Copy(t.name, kept, c, listed, here))
+        for o in read.objects:
+            kept_o, listed_o = objects.setdefault(o.name, (o, here))
+            if kept_o is not o:
+                copies.append(Copy(o.name, kept_o, o, listed_o, here))
+    return ([dataclasses.replace(t, chunks=tuple(c for c, _ in chunks.values()))
+             for t, chunks, _ in tensors.values()],
+            [o for o, _ in objects.values()], copies)
+
+
+def _missing_rank_metadata(root: Path, reads: list[tuple[int, _Read]]) -> list[Problem]:
+    """Data files of a rank whose ``__<rank>.metadata`` is missing: its chunks are unknown."""
+    have = {r for r, _ in reads}
+    orphans: dict[int, list[str]] = {}
+    for p in sorted(root.glob("*" + DATA_SUFFIX)):
+        r = rank_of(p.name)
+        if r is not None and r not in have:
+            orphans.setdefault(r, []).append(p.name)
+    return [error("missing-file", f"{root / f'__{r}.metadata'}: missing; rank {r}'s data "
+                  f"({', '.join(files)}) is described by no metadata. Copy the checkpoint "
+                  "again, with every __<rank>.metadata", file=f"__{r}.metadata")
+            for r, files in sorted(orphans.items())]
 
 
 def _planner_path(raw: Any, fqn: str) -> tuple[str, ...]:
@@ -514,12 +777,21 @@ class _Template:
 
 
 class DcpReader(Reader):
-    """Chunks are ``torch.save`` records; objects are pickled records."""
+    """Chunks are ``torch.save`` records (zstd-compressed ones included) or ranges of a
+    safetensors blob; objects are pickled records."""
 
     def __init__(self, info: CheckpointInfo, *, templates: bool = True) -> None:
         super().__init__(info)
         self._templates: dict[tuple[int, str, tuple[int, ...]], _Template | None] = {}
         self._use_templates = templates  # False: decode every record in full (tests compare)
+        self.detail = info.detail if isinstance(info.detail, Detail) else Detail()
+        # The last record each thread decompressed: payload() then read_chunk() of one chunk
+        # decompress it once. One record per thread is all that is ever held.
+        self._inflated = threading.local()
+
+    def close(self) -> None:
+        self._inflated = threading.local()
+        super().close()
 
     def _pread(self, file: str) -> Callable[[int, int], bytes]:
         return functools.partial(self.store.pread, file)
@@ -532,7 +804,85 @@ class DcpReader(Reader):
         return (self.store.pread(chunk.file, head, chunk.offset)
                 + self.store.pread(chunk.file, chunk.length - data_end, chunk.offset + data_end))
 
+    # -- zstd-compressed records
+
+    def _inflate(self, file: str, offset: int, length: int, *, limit: int, what: str) -> bytes:
+        """The decompressed record at ``offset`` (the thread's last one, when asked again)."""
+        key = (file, offset, length)
+        last = getattr(self._inflated, "record", None)
+        if last is not None and last[0] == key:
+            return last[1]  # type: ignore[no-any-return]
+        data = zstd.inflate(self._pread(file), offset, length, limit=limit,
+                            where=self.where(file, offset, f"{what}, zstd-compressed record"))
+        self._inflated.record = (key, data)
+        return data
+
+    def _zstd_record(self, tensor: Tensor, chunk: Chunk) -> tuple[TensorRecord, bytes, str]:
+        """A compressed chunk's record, decoded from its decompressed bytes, and those bytes;
+        checked against what the metadata promises as an uncompressed record is."""
+        what = f"tensor '{tensor.name}'"
+        need = chunk.numel * tensor.dtype.itemsize
+        raw = self._inflate(chunk.file, chunk.offset, chunk.length,
+                            limit=need + _RECORD_OVERHEAD, what=what)
+        where = self.where(chunk.file, chunk.offset, f"{what}, zstd-compressed record")
+        rec = read_record(functools.partial(_slice, raw), offset=0, length=len(raw),
+                          where=where)
+        if rec.dtype != tensor.dtype or rec.shape != chunk.sizes:
+            raise InputError(
+                f"{where}: record holds {rec.dtype.name} {list(rec.shape)} but the metadata "
+                f"promises {tensor.dtype.name} {list(chunk.sizes)}; the checkpoint is "
+                "inconsistent")
+        extent = torchsave.view_extent(rec.shape, rec.stride, rec.storage_offset,
+                                       contiguous=rec.is_contiguous) * rec.dtype.itemsize
+        if _prod(rec.shape) and extent > rec.data_size:
+            raise InputError(f"{where}: record's storage is smaller than its tensor; corrupt")
+        return rec, raw, where
+
+    def read_chunk(self, tensor: Tensor, chunk: Chunk) -> bytes:
+        if chunk.encoding != ZSTD_RECORD:
+            return super().read_chunk(tensor, chunk)
+        rec, raw, where = self._zstd_record(tensor, chunk)
+        storage = memoryview(raw)[rec.data_offset : rec.data_offset + rec.data_size]
+        # Nothing else checks a compressed record (its zstd frame has no checksum), and it is
+        # decompressed anyway: the archive's CRC-32 of the storage costs little more.
+        crc = zlib.crc32(storage)
+        if rec.crc32 is not None and crc != rec.crc32:
+            raise InputError(f"{where}: CRC-32 of the decompressed storage is {crc:08x} but "
+                             f"the record says {rec.crc32:08x}; the record is damaged. Copy "
+                             "the checkpoint again from a good source")
+        item = tensor.dtype.itemsize
+        if rec.is_contiguous:
+            start = rec.storage_offset * item
+            return bytes(storage[start : start + chunk.numel * item])
+        return torchsave.gather_strided(bytes(storage), itemsize=item, shape=chunk.sizes,
+                                        stride=rec.stride, storage_offset=rec.storage_offset)
+
+    def _zstd_payload(self, tensor: Tensor, chunk: Chunk, checksums: bool) -> Payload:
+        rec, raw, _ = self._zstd_record(tensor, chunk)
+        side = tuple(Checksummed(chunk.file, chunk.offset, e.size, e.crc32,
+                                 f"record entry '{e.name}', decompressed",
+                                 raw[e.data_offset : e.data_offset + e.size])
+                     for e in rec.entries) if checksums else ()
+        return Payload(chunk.file, chunk.offset, chunk.length, None, None, stride=rec.stride,
+                       view_offset=rec.storage_offset, side=side, compression=zstd.NAME)
+
+    def _object_bytes(self, entry: ObjectEntry) -> tuple[Callable[[int, int], bytes],
+                                                          ObjectEntry]:
+        """``pread`` over the entry's record and the entry relative to it (decompressed for
+        a compressed record)."""
+        assert entry.file is not None
+        if (entry.file, entry.offset) not in self.detail.compressed_objects:
+            return self._pread(entry.file), entry
+        raw = self._inflate(entry.file, entry.offset, entry.length, limit=_OBJECT_LIMIT,
+                            what=f"entry '{entry.name}'")
+        return (functools.partial(_slice, raw),
+                dataclasses.replace(entry, offset=0, length=len(raw)))
+
+    # -- chunks
+
     def _decode(self, tensor: Tensor, chunk: Chunk, checksums: bool = False) -> Payload:
+        if chunk.encoding == ZSTD_RECORD:
+            return self._zstd_payload(tensor, chunk, checksums)
         if chunk.encoding != RECORD:
             return super()._decode(tensor, chunk, checksums)
         key = (chunk.length, tensor.dtype.name, chunk.sizes)
@@ -568,36 +918,153 @@ class DcpReader(Reader):
                         if checksums else ())
 
     def other_checksums(self) -> tuple[list[Checksummed], list[Problem]]:
-        """The entries of every non-tensor record (their pickles) whose file holds them."""
+        """The entries of every non-tensor record (their pickles) whose file holds them, and
+        every copy of a replicated chunk or record that another rank stored too."""
         sums: list[Checksummed] = []
         problems: list[Problem] = []
-        sizes = {f.name: f.size for f in self.info.files}
-        for o in self.info.objects:
-            size = sizes.get(o.file or "")
-            if o.file is None or size is None or o.offset + o.length > size:
+        objects = list(self.info.objects) + [c.other for c in self.detail.copies
+                                             if isinstance(c.other, ObjectEntry)]
+        for o in objects:
+            if o.file is None or not self._present(o.file, o.offset + o.length):
                 continue  # missing or truncated: a structure problem already
             where = self.where(o.file, o.offset, f"entry '{o.name}'")
             try:
-                entries = record_entries(self._pread(o.file), offset=o.offset,
-                                         length=o.length, where=where)
+                pread, rel = self._object_bytes(o)
+                entries = record_entries(pread, offset=rel.offset, length=rel.length,
+                                         where=where)
             except InputError as e:
                 problems.append(error("record-corrupt", str(e), file=o.file, offset=o.offset))
                 continue
-            sums += [Checksummed(o.file, e.data_offset, e.size, e.crc32,
-                                 f"record entry '{e.name}'") for e in entries]
+            if rel is o:
+                sums += [Checksummed(o.file, e.data_offset, e.size, e.crc32,
+                                     f"record entry '{e.name}'") for e in entries]
+            else:
+                sums += [Checksummed(o.file, o.offset, e.size, e.crc32,
+                                     f"record entry '{e.name}', decompressed",
+                                     pread(e.size, e.data_offset)) for e in entries]
+        tensors = {t.name: t for t in self.info.tensors} if self.detail.copies else {}
+        for copy in self.detail.copies:
+            c = copy.other
+            if not isinstance(c, Chunk) or not self._present(c.file, c.end):
+                continue
+            t = tensors[copy.name]
+            try:
+                p = self.payload(t, c, checksums=True)
+            except InputError as e:
+                problems.append(error("record-corrupt", str(e), file=c.file, tensor=t.name,
+                                      offset=c.offset))
+                continue
+            sums += p.side
+            if p.crc32 is not None:
+                sums.append(Checksummed(c.file, p.storage_offset, p.storage_size, p.crc32,
+                                        f"tensor '{t.name}', the copy listed in "
+                                        f"{copy.other_from}"))
         return sums, problems
+
+    def _present(self, file: str, end: int) -> bool:
+        size = self._sizes.get(file)
+        return size is not None and end <= size
+
+    @functools.cached_property
+    def _sizes(self) -> dict[str, int | None]:
+        return {f.name: f.size for f in self.info.files}
+
+    def check_copies(self) -> list[Problem]:
+        """Each chunk (and non-tensor record) several ranks stored against the copy the
+        checkpoint uses, byte for byte, in blocks."""
+        problems: list[Problem] = []
+        tensors = {t.name: t for t in self.info.tensors} if self.detail.copies else {}
+        for copy in self.detail.copies:
+            kept, other = copy.kept, copy.other
+            ends = [(x.file, x.end if isinstance(x, Chunk) else x.offset + x.length)
+                    for x in (kept, other)]
+            if not all(f is not None and self._present(f, e) for f, e in ends):
+                continue  # missing or truncated: a structure problem already
+            try:
+                if isinstance(kept, Chunk) and isinstance(other, Chunk):
+                    at = _first_difference(self._chunk_blocks(tensors[copy.name], kept),
+                                           self._chunk_blocks(tensors[copy.name], other))
+                    what = f"tensor '{copy.name}', chunk at offsets {list(kept.offsets)}"
+                else:
+                    assert isinstance(kept, ObjectEntry) and isinstance(other, ObjectEntry)
+                    at = self._object_difference(kept, other)
+                    what = f"entry '{copy.name}'"
+            except InputError as e:  # a damaged copy: verify's CRCs name it too
+                problems.append(error("record-corrupt", str(e), file=other.file,
+                                      tensor=copy.name, offset=other.offset))
+                continue
+            if at is None:
+                continue
+            problems.append(error(
+                "copy-differs",
+                f"{self.info.root}: {what} is stored by several ranks, and the copies differ "
+                f"(from byte {at}): {other.file} at byte {other.offset} (listed in "
+                f"{copy.other_from}) and {kept.file} at byte {kept.offset} (listed in "
+                f"{copy.kept_from}). The ranks saved different values without coordination "
+                "(dcp.save(use_collectives=False)) or a copy is damaged; ckpttool verify "
+                "names damaged records",
+                file=other.file, tensor=copy.name, offset=other.offset))
+        return problems
+
+    def _chunk_blocks(self, tensor: Tensor, chunk: Chunk) -> Iterator[bytes]:
+        """The chunk's elements in C order, in blocks of ``_COMPARE_BLOCK`` bytes."""
+        n = chunk.numel * tensor.dtype.itemsize
+        p = self.payload(tensor, chunk)
+        if p.start is not None:
+            for at in range(0, n, _COMPARE_BLOCK):
+                yield self.store.read_exact(p.file, p.start + at, min(_COMPARE_BLOCK, n - at),
+                                            what=f"tensor '{tensor.name}'")
+            return
+        data = self.read_chunk(tensor, chunk)  # a compressed record or a strided view
+        for at in range(0, n, _COMPARE_BLOCK):
+            yield data[at : at + _COMPARE_BLOCK]
+
+    def _object_difference(self, kept: ObjectEntry, other: ObjectEntry) -> int | None:
+        """Where two copies of a non-tensor record first differ (None: they do not). A record
+        is compared decompressed, whole (records of non-tensor entries are small)."""
+        def record(o: ObjectEntry) -> bytes:
+            pread, rel = self._object_bytes(o)
+            return pread(rel.length, rel.offset)
+
+        return _first_difference(iter([record(kept)]), iter([record(other)]))
 
     def read_object(self, entry: ObjectEntry) -> Any:
         if entry.file is None:
             return super().read_object(entry)
         where = self.where(entry.file, entry.offset, f"entry '{entry.name}'")
-        return read_object(self._pread(entry.file), entry, where=where)
+        pread, rel = self._object_bytes(entry)
+        return read_object(pread, rel, where=where)
 
     def object_record(self, entry: ObjectEntry) -> bytes | None:
         if entry.file is None:
             return None
+        if (entry.file, entry.offset) in self.detail.compressed_objects:
+            pread, rel = self._object_bytes(entry)
+            return pread(rel.length, rel.offset)  # a DCP writer stores it uncompressed
         return self.store.read_exact(entry.file, entry.offset, entry.length,
                                      what=f"entry '{entry.name}'")
+
+
+# Bytes of two copies compared at a time.
+_COMPARE_BLOCK = 16 << 20
+
+
+def _slice(data: bytes, size: int, offset: int) -> bytes:
+    """``pread(size, offset)`` over bytes in memory."""
+    return data[offset : offset + size]
+
+
+def _first_difference(a: Iterator[bytes], b: Iterator[bytes]) -> int | None:
+    """The first byte at which two equally cut block streams differ; None if they do not."""
+    done = 0
+    for x, y in itertools.zip_longest(a, b):
+        if x is None or y is None:
+            return done
+        if x != y:
+            return done + next((i for i, (u, v) in enumerate(zip(x, y, strict=False))
+                                if u != v), min(len(x), len(y)))
+        done += len(x)
+    return None
 
 
 def _payload(chunk: Chunk, rec: TensorRecord, crc: int | None,

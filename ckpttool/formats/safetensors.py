@@ -142,28 +142,36 @@ def name_problem(name: str) -> str | None:
     return None
 
 
-def read_layout(path: Path) -> tuple[dict[str, str], tuple[Slot, ...]]:
+def read_layout(path: Path, *, offset: int = 0) -> tuple[dict[str, str], tuple[Slot, ...]]:
     """Read and check a safetensors file's header (no tensor data).
+
+    Args:
+        offset: where the safetensors data starts in ``path`` (0: a file of its own; DCP's
+            ``SerializationFormat.SAFETENSORS`` appends it after the rank's other records).
+            Slots are absolute offsets in ``path`` either way; past the start, their ends are
+            not checked against the file size (the caller's structure checks report that).
 
     Raises:
         InputError: the header is truncated, corrupt or inconsistent with the file size.
     """
     if path.exists() and not path.is_file():
         raise InputError(f"{path}: not a regular file")
+    where = f"{path} at byte {offset}" if offset else str(path)
     try:
         with open(path, "rb") as f:
+            f.seek(offset)
             raw = f.read(8)
             if len(raw) < 8:
-                raise InputError(f"{path}: too short for a safetensors file")
+                raise InputError(f"{where}: too short for a safetensors file")
             (n,) = struct.unpack("<Q", raw)
             if n > _HEADER_LIMIT:
-                raise InputError(f"{path}: header length {n} is implausible; not safetensors")
+                raise InputError(f"{where}: header length {n} is implausible; not safetensors")
             text = f.read(n)
-            size = f.seek(0, 2)
+            size = f.seek(0, 2) if not offset else None
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
     if len(text) < n:
-        raise InputError(f"{path}: truncated safetensors header")
+        raise InputError(f"{where}: truncated safetensors header")
     try:
         header = json.loads(text)
     except ValueError as e:
@@ -173,14 +181,14 @@ def read_layout(path: Path) -> tuple[dict[str, str], tuple[Slot, ...]]:
     meta = header.pop("__metadata__", {}) or {}
     if not isinstance(meta, dict):
         raise InputError(f"{path}: corrupt safetensors header (__metadata__ is not an object)")
-    base = 8 + n
+    base = offset + 8 + n
     slots = []
     for name, v in header.items():
         slots.append(_slot(path, name, v, base, size))
     return meta, tuple(sorted(slots, key=lambda s: s.begin))
 
 
-def _slot(path: Path, name: str, v: object, base: int, size: int) -> Slot:
+def _slot(path: Path, name: str, v: object, base: int, size: int | None) -> Slot:
     """One header entry, checked field by field: a mangled header is bad input, not a crash."""
     where = f"{path}: tensor {name!r}"
     problem = name_problem(name) if name else None  # an empty name loads; writing refuses it
@@ -205,7 +213,7 @@ def _slot(path: Path, name: str, v: object, base: int, size: int) -> Slot:
     if end - begin != numel * dtype.itemsize:
         raise InputError(f"{where}: data_offsets span {end - begin} bytes but {dtype.name} "
                          f"{shape} needs {numel * dtype.itemsize}; corrupt header")
-    if base + end > size:
+    if size is not None and base + end > size:
         raise InputError(
             f"{where} ends at byte {base + end} but the file has {size} bytes; truncated"
         )

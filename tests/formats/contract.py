@@ -52,6 +52,10 @@ class Site:
     offset: int  # absolute byte offset in ``file``
     tensor: str  # canonical name
     checksummed: bool  # the chunk's Payload.crc32 is not None
+    # The chunk's stored bytes are compressed (Payload.compression): no element byte lies in
+    # the file, so the site is the middle of the compressed record, which the record's own
+    # checks (decompression, the CRC-32s inside) must catch.
+    compressed: bool = False
 
 
 def copy_checkpoint(path: Path, tmp_path: Path) -> Path:
@@ -66,7 +70,8 @@ def copy_checkpoint(path: Path, tmp_path: Path) -> Path:
 
 
 def payload_sites(path: Path) -> list[Site]:
-    """The first element byte of every non-empty chunk, in stored order."""
+    """The first element byte of every non-empty chunk (the middle byte of a compressed one),
+    in stored order."""
     fmt = registry.detect(path)
     assert fmt is not None, f"{path}: no format claims it"
     info = fmt.read_info(path)
@@ -78,6 +83,10 @@ def payload_sites(path: Path) -> list[Site]:
                 if c.numel == 0:
                     continue
                 p = reader.payload(t, c)
+                if p.compression is not None:
+                    sites.append(Site(p.file, p.storage_offset + p.storage_size // 2,
+                                      canonical[t.name], False, compressed=True))
+                    continue
                 first = (p.start if p.start is not None
                          else p.storage_offset + p.view_offset * t.dtype.itemsize)
                 sites.append(Site(p.file, first, canonical[t.name], p.crc32 is not None))
@@ -85,14 +94,14 @@ def payload_sites(path: Path) -> list[Site]:
 
 
 def representative_sites(path: Path) -> list[Site]:
-    """The first site a checksum covers and the first it does not (those that exist): a
-    format may have both (per-rank files: a piece that is a whole storage has the zip's CRC,
-    a padded one has none)."""
+    """The first site a checksum covers and the first it does not, and the first compressed
+    one (those that exist): a format may have several kinds (per-rank files: a piece that is
+    a whole storage has the zip's CRC, a padded one has none)."""
     sites = payload_sites(path)
     assert sites, f"{path}: no chunk holds any bytes"
-    chosen: dict[bool, Site] = {}
+    chosen: dict[tuple[bool, bool], Site] = {}
     for s in sites:
-        chosen.setdefault(s.checksummed, s)
+        chosen.setdefault((s.checksummed, s.compressed), s)
     return list(chosen.values())
 
 
@@ -128,7 +137,8 @@ def truncate(path: Path) -> str:
                 if c.file == file and c.numel:
                     p = reader.payload(t, c)
                     start = p.start if p.start is not None else p.storage_offset
-                    ends.append((start, c.numel * t.dtype.itemsize))
+                    ends.append((start, p.storage_size if p.compression is not None
+                                 else c.numel * t.dtype.itemsize))
     start, nbytes = max(ends)
     target = info.base / file
     with open(target, "r+b") as f:
@@ -309,7 +319,14 @@ class FormatContract:
         for i, site in enumerate(representative_sites(path)):
             damaged = copy_checkpoint(path, tmp_path / str(i))
             flip(base_of(damaged), site)
-            if site.checksummed:
+            if site.compressed:  # the record's decompression or its CRC-32s must fail
+                report = ckpttool.verify(damaged)
+                found = [p for p in report.problems if p.severity == "error"
+                         and p.code in ("crc-mismatch", "record-corrupt")]
+                assert not report.ok, site
+                assert found and {(p.location.file, p.location.tensor) for p in found} == {
+                    (site.file, site.tensor)}, report.problems
+            elif site.checksummed:
                 report = ckpttool.verify(damaged)
                 found = [p for p in report.problems if p.code == "crc-mismatch"]
                 assert not report.ok, site
@@ -391,7 +408,7 @@ class FormatContract:
         site = representative_sites(path)[0]
         damaged = copy_checkpoint(path, tmp_path / "flipped")
         flip(base_of(damaged), site)
-        against = () if site.checksummed else ("--against", merged[0])
+        against = () if site.checksummed or site.compressed else ("--against", merged[0])
         r = cli("verify", damaged, *against)
         assert r.exit_code == 1, r.output
 

@@ -45,6 +45,45 @@ class TestDcp(FormatContract):
         return tiny_dcp, expected(tiny_dcp, None)  # canonical names: "model.a" -> "a"
 
 
+def _options_ckpt(dcp_options: Path, layout: str) -> Ckpt:
+    return dcp_options / layout, torch.load(dcp_options / "reference.pt", weights_only=True)
+
+
+class TestDcpSafetensorsSerialization(FormatContract):
+    """FileSystemWriter(serialization_format=SerializationFormat.SAFETENSORS), 2 gloo ranks
+    (tests/layouts.py): chunks are ranges of a safetensors blob per rank, no checksum."""
+
+    FORMAT = "dcp"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def ckpt(cls, dcp_options: Path) -> Ckpt:
+        return _options_ckpt(dcp_options, "safetensors")
+
+
+class TestDcpRankLocal(FormatContract):
+    """dcp.save(use_collectives=False), 2 gloo ranks: one __<rank>.metadata per rank,
+    replicated tensors stored by both."""
+
+    FORMAT = "dcp"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def ckpt(cls, dcp_options: Path) -> Ckpt:
+        return _options_ckpt(dcp_options, "rank_local")
+
+
+class TestDcpZstd(FormatContract):
+    """FileSystemWriter(_extensions=[ZStandard()]), 2 gloo ranks: every record compressed."""
+
+    FORMAT = "dcp"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def ckpt(cls, dcp_options: Path) -> Ckpt:
+        return _options_ckpt(dcp_options, "zstd")
+
+
 class TestDcpSafetensors(FormatContract):
     """HuggingFaceStorageWriter shards on 2 gloo ranks (tests/conftest.py)."""
 
