@@ -326,3 +326,23 @@ def test_fan_in_fan_out_adapter_on_gpt2(tmp_path: Path) -> None:
     before = load_file(tmp_path / "base" / "model.safetensors")
     assert not torch.equal(got["transformer.h.0.attn.c_attn.weight"],
                            before["transformer.h.0.attn.c_attn.weight"])
+
+
+def test_cli_adapter_errors_exit_3_one_line(lora_ckpts: Path, tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    reference(lora_ckpts / "rslora").save_pretrained(tmp_path / "adapter")
+    build_base("rslora").save_pretrained(tmp_path / "base")
+    name = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    unpaired = _edit_adapter(tmp_path / "adapter", tmp_path / "unpaired", lambda t: t.pop(name))
+    r = cli("merge", tmp_path / "base", tmp_path / "out", "--adapter", unpaired)
+    assert r.exit_code == 3 and r.stderr.count("\n") == 1
+    assert "layers.1.self_attn.v_proj': has lora_A but no lora_B" in r.stderr
+    LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=48,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, attention_bias=True)
+                     ).save_pretrained(tmp_path / "other")
+    r = cli("merge", tmp_path / "other", tmp_path / "out", "--adapter", tmp_path / "adapter")
+    assert r.exit_code == 3 and r.stderr.count("\n") == 1
+    assert "does not match lora_B @ lora_A [32, 32]" in r.stderr
+    assert not (tmp_path / "out").exists()
