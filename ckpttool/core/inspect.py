@@ -68,7 +68,7 @@ def summary(ckpt: Checkpoint) -> dict[str, Any]:
     dropped = pair[0] if pair is not None and config_ties else None
     merged: dict[str, int] = {}
     for t in ckpt.tensors:
-        if t.name == dropped:
+        if t.name == dropped or t.part != ckpt.kind:  # merge writes one part
             continue
         out = policy.output_dtype(t.dtype)
         merged[out.name] = merged.get(out.name, 0) + t.numel * out.itemsize
@@ -98,7 +98,7 @@ def summary(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 def tensor_row(t: TensorView) -> dict[str, Any]:
-    return {"name": t.name, "stored_name": t.stored_name, "shape": list(t.shape),
+    return {"name": t.name, "stored_name": t.stored_name, "part": t.part, "shape": list(t.shape),
             "dtype": t.dtype.name, "bytes": t.nbytes, "chunks": len(t.boxes),
             "placement": placement(t.shape, t.boxes), "files": list(t.files), "stats": None}
 
@@ -237,6 +237,7 @@ def describe_objects(ckpt: Checkpoint, reader: Reader) -> list[dict[str, Any]]:
             out.append(non_tensor.describe(o.name, non_tensor.read(reader, o.entry)))
         except InputError as e:
             out.append({"name": o.name, "readable": False, "note": f"unreadable: {e}"})
+        out[-1]["part"] = o.part
     return out
 
 
@@ -253,6 +254,7 @@ class InspectReport:
     format: str
     kind: str
     parts: list[Part] = field(default_factory=list)
+    contents: list[dict[str, Any]] = field(default_factory=list)  # model, optimizer, ...
     summary: dict[str, Any] = field(default_factory=dict)
     tensors: list[dict[str, Any]] = field(default_factory=list)  # the --filter'ed table
     non_tensor: list[dict[str, Any]] = field(default_factory=list)
@@ -305,6 +307,9 @@ def inspect(
         report.seconds = round(time.perf_counter() - started, 3)
         return report
     report.summary = summary(ckpt)
+    report.contents = [c.to_json() for c in ckpt.contents()]
+    report.notes += list(ckpt.side_notes)
+    report.notes += [p.message for p in ckpt.info.problems if p.code == "tensors-unplaced"]
     shown = [t for t in ckpt.tensors if matches(t, filter)]
     report.tensors = [tensor_row(t) for t in shown]
     info = ckpt.info

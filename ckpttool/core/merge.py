@@ -22,7 +22,7 @@ from ckpttool.core import chunks as chunk_geometry
 from ckpttool.core import dtypes as dtype_policy
 from ckpttool.core import hf, names, structure, tensors, ties
 from ckpttool.core import objects as non_tensor
-from ckpttool.core.discover import Checkpoint, ObjectView, Part, discover, open_reader
+from ckpttool.core.discover import Checkpoint, ObjectView, Part, discover, open_reader, select
 from ckpttool.core.dtypes import DTypePolicy
 from ckpttool.core.fileio import (
     AtomicOutputs,
@@ -32,6 +32,7 @@ from ckpttool.core.fileio import (
     pwrite_all,
     remove_stale,
 )
+from ckpttool.core.parts import MERGEABLE
 from ckpttool.core.report import SCHEMA, Progress
 from ckpttool.core.torch_threads import default_workers, one_torch_thread, workers_for
 from ckpttool.errors import InputError, OutputError
@@ -320,6 +321,9 @@ class MergeReport:
     config_changes: list[str] = field(default_factory=list)
     parts: list[Part] = field(default_factory=list)  # a training directory's entries
     skipped: list[dict[str, str]] = field(default_factory=list)  # its other checkpoints
+    part: str = "model"  # what was written: "model" or "optimizer" (core.parts)
+    contents: list[dict[str, Any]] = field(default_factory=list)  # every part of the source
+    left_out: list[dict[str, Any]] = field(default_factory=list)  # the parts not written
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -340,6 +344,7 @@ def merge(
     overwrite: bool = False,
     workers: int | None = None,
     follow_links: bool = False,
+    part: str | None = None,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> MergeReport:
@@ -357,6 +362,10 @@ def merge(
         workers: parallel copy threads (default: the CPUs this process may use).
         follow_links: read data files that are links out of the checkpoint directory
             (shared-storage layouts); refused otherwise.
+        part: what to write of a checkpoint that holds more than the model (optimizer,
+            lr scheduler, dataloader...): ``"model"`` (model.safetensors) or ``"optimizer"``
+            (optimizer.safetensors and optimizer.json). Default: the model, or the optimizer
+            state of a checkpoint that holds nothing else. The rest is reported, not written.
         progress: called with bytes written, as the merge goes.
         on_start: called once with the total bytes to write, before any are written.
 
@@ -371,8 +380,10 @@ def merge(
     started = time.perf_counter()
     src_path, out_path = Path(src), Path(out)
     shard_limit = st.parse_size(str(max_shard_size))
+    if part not in (None, *MERGEABLE):
+        raise InputError(f"part {part!r} cannot be merged; choose one of {', '.join(MERGEABLE)}")
     ckpt = discover(src_path, config=config, command="merge")
-    if ckpt.chosen is not None and ckpt.kind == "optimizer":
+    if ckpt.chosen is not None and ckpt.kind == "optimizer" and part is None:
         raise InputError(
             f"{src_path}: holds only optimizer state ({ckpt.chosen}), no model checkpoint; to "
             f"merge the optimizer state, pass its directory: ckpttool merge "
@@ -381,6 +392,7 @@ def merge(
     info = ckpt.info
     check_apart(out_path, src_path, info.root)
     structure.raise_first(structure.check(info, ckpt.canonical()))
+    whole, ckpt = ckpt, select(ckpt, part or ckpt.kind)  # one part; the rest is reported
     files = ckpt.hf
     if ckpt.kind == "optimizer":
         # Optimizer state: keep its dtypes unless asked; no config, tokenizer or ties.
@@ -399,7 +411,9 @@ def merge(
                          f"See what it holds with: ckpttool inspect {src_path}")
 
     report = MergeReport(src=str(src_path), checkpoint=str(info.root), out=str(out_path),
-                         kind=ckpt.kind, format=info.format)
+                         kind=ckpt.kind, format=info.format, part=ckpt.kind)
+    report.contents = [c.to_json() for c in whole.contents()]
+    report.left_out = [c for c in report.contents if c["part"] != ckpt.kind or c["file"]]
     report.parts = list(ckpt.parts)
     report.skipped = [{"path": str(src_path / p.path), "kind": p.kind} for p in ckpt.parts
                       if p.path != ckpt.chosen and p.kind != "other"
@@ -421,8 +435,10 @@ def merge(
     with open_reader(ckpt, follow_links=follow_links) as reader, gc_paused():
         drop = (frozenset() if optimizer
                 else _decide_tie(reader, by_name, files.config, keep_tied, report))
-        objects = [(o, non_tensor.read(reader, o.entry)) for o in ckpt.objects]
-        report.non_tensor = [non_tensor.describe(o.name, value) for o, value in objects]
+        objects = [(o, non_tensor.read(reader, o.entry)) for o in whole.objects]
+        report.non_tensor = [{**non_tensor.describe(o.name, value), "part": o.part}
+                             for o, value in objects]
+        objects = [(o, value) for o, value in objects if o.part == ckpt.kind]
         plan = plan_merge(list(by_name.items()), policy=policy, max_shard_size=shard_limit,
                           drop=drop, stem=stem)
         config_bytes, report.config_changes = _config_output(files)
@@ -433,7 +449,7 @@ def merge(
         report.copied = [p.name for p in files.files]
         report.warnings += list(files.skipped)
         if optimizer:
-            extra.append((OPTIMIZER_JSON, _optimizer_json(objects)))
+            extra.append((OPTIMIZER_JSON, _optimizer_json(objects, ckpt.top_level)))
         check_space(out_path, plan.file_bytes + sum(len(data) for _, data in extra))
         if on_start is not None:
             on_start(plan.total_bytes)
@@ -519,14 +535,14 @@ def _decide_tie(
 OPTIMIZER_JSON = "optimizer.json"
 
 
-def _optimizer_json(objects: list[tuple[ObjectView, Any]]) -> bytes:
-    """Non-tensor optimizer state (param groups, hyper-parameters) nested as it was saved,
-    with parameter names in canonical form."""
+def _optimizer_json(objects: list[tuple[ObjectView, Any]], top: str = "optimizer") -> bytes:
+    """Non-tensor optimizer state (param groups, hyper-parameters) nested as it was saved
+    (below its top-level key ``top``), with parameter names in canonical form."""
     root: dict[str, Any] = {}
     unreadable = []
     for view, value in objects:
         stored = view.entry.path
-        path = stored[1:] if len(stored) > 1 and stored[0] == "optimizer" else stored
+        path = stored[1:] if len(stored) > 1 and stored[0] == top else stored
         if isinstance(value, non_tensor.Unreadable):
             unreadable.append(".".join(path))
             continue

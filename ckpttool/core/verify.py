@@ -31,7 +31,7 @@ from ckpttool.core import dtypes as dtype_policy
 from ckpttool.core import manifest as manifests
 from ckpttool.core import scan, structure, ties
 from ckpttool.core.against import plan_against
-from ckpttool.core.discover import Checkpoint, Part, describe, discover
+from ckpttool.core.discover import Checkpoint, Part, describe, discover, select
 from ckpttool.core.report import SCHEMA, Progress
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats.base import SEVERITIES, Location, Problem, error
@@ -50,6 +50,7 @@ class VerifyReport:
     against: dict[str, str] | None = None
     manifest: dict[str, Any] | None = None
     parts: list[Part] = field(default_factory=list)  # other checkpoints verified
+    contents: list[dict[str, Any]] = field(default_factory=list)  # model, optimizer... all read
     checks: list[str] = field(default_factory=list)
     num_tensors: int = 0
     bytes_read: int = 0
@@ -146,13 +147,18 @@ def verify(
 
     report = VerifyReport(path=str(ckpt.path), checkpoint=str(ckpt.root), format=ckpt.format,
                           kind=ckpt.kind, num_tensors=len(ckpt.tensors))
+    report.contents = [c.to_json() for c in ckpt.contents()]
+    # Ties, dtypes and --against concern what merge writes: the model (or the optimizer state
+    # --against names); every part is still read and checked for damage.
+    model = select(ckpt, ckpt.kind) if ckpt.has_part(ckpt.kind) else ckpt
     report.checks = ["structure", "content", "ties", "dtypes"]
     plan = None
     if other is not None:
         report.checks.append("against")
         report.against = {"path": str(other.path), "checkpoint": str(other.root),
                           "format": other.format}
-        plan = plan_against(ckpt, other, policy=cast_policy)
+        plan = plan_against(select(ckpt, other.kind) if ckpt.has_part(other.kind) else ckpt,
+                            other, policy=cast_policy)
     if manifest_path is not None:
         report.checks.append("manifest")
     parts = _other_parts(ckpt)
@@ -166,7 +172,7 @@ def verify(
     if on_start is not None:
         on_start(sum(t.nbytes for c in (ckpt, other, *(p for _, p in parts)) if c is not None
                      for t in c.tensors))
-    pair = ties.find_pair(ckpt.by_name()) if ckpt.kind == "model" else None
+    pair = ties.find_pair(model.by_name()) if ckpt.kind == "model" else None
     want_digest = set(pair or ()) | ({t.name for t in ckpt.tensors} if manifest_path else set())
     damaged: set[str] = set()
     damaged_b: set[str] = set()
@@ -180,8 +186,8 @@ def verify(
     same = None
     if pair is not None and pair[0] in digests and pair[1] in digests:
         same = digests[pair[0]] == digests[pair[1]]
-    problems += ties.check_ties(ckpt, same)
-    problems += dtype_policy.check_dtypes(ckpt, expect)
+    problems += ties.check_ties(model, same)
+    problems += dtype_policy.check_dtypes(model, expect)
     if plan is not None:
         problems += [*plan.problems, *done.tied]
     bytes_read = done.bytes_read
@@ -192,8 +198,9 @@ def verify(
                                    follow_links=follow_links)
         for p in part_problems + part_pass.problems:
             file = p.location.file
-            problems.append(replace(p, location=replace(
-                p.location, file=None if file is None else f"{name}/{file}")))
+            if file is not None and name not in dict(ckpt.side):  # a side file: beside ckpt
+                file = f"{name}/{file}"
+            problems.append(replace(p, location=replace(p.location, file=file)))
         bytes_read += part_pass.bytes_read
     report.parts = [p for p in ckpt.parts if p.path in dict(parts)]
     if manifest_path is not None:
@@ -222,5 +229,7 @@ def _structure(ckpt: Checkpoint, damaged: set[str]) -> list[Problem]:
 
 def _other_parts(ckpt: Checkpoint) -> list[tuple[str, Checkpoint]]:
     """The other checkpoints of a training directory (optimizer_0/ beside the model's
-    pytorch_model_fsdp_0/), each verified for structure and content too."""
-    return [(name, describe(ckpt.path / name, info)) for name, info in ckpt.others]
+    pytorch_model_fsdp_0/) and the side files of a checkpoint (Lightning's meta.pt), each
+    verified for structure and content too."""
+    return ([(name, describe(ckpt.path / name, info)) for name, info in ckpt.others]
+            + [(name, describe(ckpt.root / name, info)) for name, info in ckpt.side])

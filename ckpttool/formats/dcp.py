@@ -36,6 +36,7 @@ from typing import Any
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import torchsave
 from ckpttool.formats.base import (
+    RAW,
     RECORD,
     CheckpointInfo,
     Checksummed,
@@ -235,6 +236,12 @@ def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> CheckpointIn
         else:
             raise UnsupportedError(f"{md_path}: entry '{fqn}' has unknown kind '{kind}'")
 
+    nested = Nested()
+    if not md.field("planner_data"):
+        # Saved without flattening (DefaultSavePlanner(flatten_state_dict=False)): every
+        # top-level value is one record, and a nested dict of tensors is pickled whole in it.
+        objects = _open_nested(root, md_path, objects, tensors, nested)
+
     names = sorted({rel for rel, _, _ in storage.values()})
     ranks = {rank_of(f) for f in names}
     version = md.field("version")
@@ -244,7 +251,88 @@ def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> CheckpointIn
         metadata_name=METADATA_FILE, sharded=True,
         num_ranks=None if None in ranks else len(ranks),
         stray=tuple(_stray_files(root, set(names))),
-        version=None if version is None else str(version))
+        version=None if version is None else str(version),
+        problems=tuple(nested.problems), values=nested.values, detail=nested)
+
+
+@dataclass
+class Nested:
+    """Records of a checkpoint saved without flattening whose pickles were opened
+    (``CheckpointInfo.detail``): their tensors became tensors of the checkpoint."""
+
+    records: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)  # their other leaves
+    problems: list[Problem] = dataclasses.field(default_factory=list)
+
+
+def _open_nested(root: Path, md_path: Path, objects: list[ObjectEntry], tensors: list[Tensor],
+                 nested: Nested) -> list[ObjectEntry]:
+    """Open the records of ``objects`` that hold tensors: each tensor becomes a tensor of the
+    checkpoint, placed in its record's storage entry (a raw byte range with that entry's
+    CRC-32), each other leaf an object read already. A record holding DTensors (one rank's
+    shards, pickled whole) cannot be placed: a problem says why. Returns the objects left."""
+    kept: list[ObjectEntry] = []
+    for o in objects:
+        path = root / (o.file or "")
+        if o.file is None or not path.is_file():
+            kept.append(o)  # a missing file is a structure problem
+            continue
+        where = f"{path} at byte {o.offset} (entry '{o.name}')"
+        try:
+            with open(path, "rb") as f:
+                rb = torchsave.RecordBytes(f.fileno(), o.offset, o.length, where)
+                entries = torchsave.zip_entries(rb)
+                value = torchsave.load_pickle(rb, entries, max_nodes=torchsave.MAX_NODES)
+        except torchsave.Refused:
+            with open(path, "rb") as f:
+                rb = torchsave.RecordBytes(f.fileno(), o.offset, o.length, where)
+                pkl = torchsave.zip_entries(rb)["data.pkl"]
+                named = torchsave.named_globals(rb.read(pkl.data_offset, pkl.size))
+            dist = next((n for n in named if n.startswith("torch.distributed.")), None)
+            if dist is not None:
+                nested.problems.append(error(
+                    "tensors-unplaced",
+                    f"{md_path}: entry '{o.name}' holds distributed tensors ('{dist}') "
+                    "pickled whole by one rank: the checkpoint was saved without flattening "
+                    "(DefaultSavePlanner(flatten_state_dict=False)), so only one rank's shards "
+                    "were written and the others' are not in it; save it again with the "
+                    "default planner (flatten_state_dict=True)", file=o.file, offset=o.offset))
+            kept.append(o)
+            continue
+        except (InputError, UnsupportedError, *torchsave.PICKLE_ERRORS):
+            kept.append(o)  # damaged: verify reports its CRCs, merge its structure
+            continue
+        if not torchsave.has_tensor(value):
+            kept.append(o)
+            continue
+        nested.records.append((o.file, o.offset, o.length))
+        for key_path, leaf in torchsave.flatten(value, path=o.path):
+            name = ".".join(key_path)
+            if not isinstance(leaf, torchsave.TensorRef):
+                kept.append(ObjectEntry(name, key_path))
+                nested.values[name] = _plain(leaf)
+                continue
+            tensors.append(_nested_tensor(md_path, o, name, key_path, leaf, entries))
+    return kept
+
+
+def _nested_tensor(md_path: Path, o: ObjectEntry, name: str, key_path: tuple[str, ...],
+                   ref: torchsave.TensorRef, entries: dict[str, torchsave.ZipEntry]) -> Tensor:
+    assert o.file is not None
+    data = entries.get(f"data/{ref.storage.key}")
+    n = _prod(ref.shape) * ref.dtype.itemsize
+    start = ref.storage_offset * ref.dtype.itemsize
+    contiguous = ref.stride == torchsave.contiguous_strides(ref.shape) or _prod(ref.shape) <= 1
+    if data is None or start + n > data.size:
+        raise InputError(f"{md_path}: tensor '{name}' in entry '{o.name}' reaches past its "
+                         "storage; corrupt")
+    if not contiguous:
+        raise UnsupportedError(f"{md_path}: tensor '{name}' in entry '{o.name}' is a strided "
+                               "view; ckpttool reads contiguous tensors of unflattened records")
+    at = o.offset + data.data_offset
+    chunk = Chunk((0,) * len(ref.shape), ref.shape, o.file, at + start, n, RAW,
+                  crc32=data.crc32, crc_span=(at, data.size))
+    return Tensor(name, key_path, ref.dtype, ref.shape, (chunk,))
 
 
 def _storage(md_path: Path, storage_data: dict[Any, Any]
@@ -572,6 +660,21 @@ class DcpReader(Reader):
         sums: list[Checksummed] = []
         problems: list[Problem] = []
         sizes = {f.name: f.size for f in self.info.files}
+        nested: Nested | None = self.info.detail
+        if nested is not None and nested.records:
+            covered = {(c.file, c.crc_span[0]) for t in self.info.tensors for c in t.chunks
+                       if c.crc_span is not None}
+            for file, offset, length in nested.records:
+                where = self.where(file, offset, "a record of nested values")
+                try:
+                    entries = record_entries(self._pread(file), offset=offset, length=length,
+                                             where=where)
+                except InputError as e:
+                    problems.append(error("record-corrupt", str(e), file=file, offset=offset))
+                    continue
+                sums += [Checksummed(file, e.data_offset, e.size, e.crc32,
+                                     f"record entry '{e.name}'") for e in entries
+                         if (file, e.data_offset) not in covered]
         for o in self.info.objects:
             size = sizes.get(o.file or "")
             if o.file is None or size is None or o.offset + o.length > size:
