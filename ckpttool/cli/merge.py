@@ -153,6 +153,6 @@ def _print_human(r: object) -> None:
             lines.append(f"  non-tensor entry {o['name']}: {o['note']}")
     if r.copied:
         lines.append(f"  copied {', '.join(r.copied)}")
-    for c in r.config_changes:
-        lines.append(f"  config.json: {c}")
+    for change in r.config_changes:
+        lines.append(f"  config.json: {change}")
     print("\n".join(lines))

@@ -117,7 +117,8 @@ def classify(entries: Sequence[tuple[tuple[str, ...], bool]]) -> list[Label]:
         root = top if nested else None
         if top in optimizer_roots:
             labels.append(Label(OPTIMIZER, None if top in _BARE_OPTIMIZER else root))
-        elif top in _NAMED:
+        elif top in _NAMED and (nested or not is_tensor):
+            # A flat tensor keeps its place in the model whatever its name (a "steps" buffer).
             labels.append(Label(_NAMED[top], root))
         elif nested and top in model_roots:
             labels.append(Label(MODEL, root))

@@ -299,7 +299,7 @@ def _open_nested(root: Path, md_path: Path, objects: list[ObjectEntry], tensors:
                     "default planner (flatten_state_dict=True)", file=o.file, offset=o.offset))
             kept.append(o)
             continue
-        except (InputError, UnsupportedError, *torchsave.PICKLE_ERRORS):
+        except (InputError, UnsupportedError, torchsave.TooComplex) + torchsave.PICKLE_ERRORS:
             kept.append(o)  # damaged: verify reports its CRCs, merge its structure
             continue
         if not torchsave.has_tensor(value):
