@@ -34,7 +34,7 @@ from ckpttool.core.against import plan_against
 from ckpttool.core.discover import Checkpoint, Part, describe, discover, select
 from ckpttool.core.report import SCHEMA, Progress
 from ckpttool.errors import InputError, OutputError
-from ckpttool.formats.base import SEVERITIES, Location, Problem, error
+from ckpttool.formats.base import SEVERITIES, Location, Problem, error, warning
 
 __all__ = ["Location", "Problem", "VerifyReport", "verify"]
 
@@ -177,6 +177,10 @@ def verify(
     damaged: set[str] = set()
     damaged_b: set[str] = set()
     problems = _structure(ckpt, damaged)
+    # A side file (meta.pt) that does not read: damage, unless it only names classes that a
+    # weights-only reader refuses (a custom object in the saved state).
+    problems += [(warning if "refused to load" in note else error)(
+        "side-file-unreadable", note) for note in ckpt.side_notes]
     if other is not None:
         problems += _structure(other, damaged_b)
     done = scan.data_pass(ckpt, other, plan, want_digest, workers, read, skip=damaged,
