@@ -73,6 +73,20 @@ def render(doc: dict[str, Any]) -> str:
         for p in doc["parts"]:
             note = f"; {p['note']}" if p["note"] else ""
             lines.append(f"    {p['path']}: {p['kind']} ({p['format']}{note})")
+    if len(doc["contents"]) > 1:  # a training checkpoint: model, optimizer, train state...
+        lines.append("  contents:")
+        for c in doc["contents"]:
+            held = ", ".join(x for x in (
+                f"{count(c['tensors'], 'tensor')}, {human_bytes(c['bytes'])}"
+                if c["tensors"] else "",
+                f"{c['non_tensor']:,} non-tensor entr{'y' if c['non_tensor'] == 1 else 'ies'}"
+                if c["non_tensor"] else "") if x)
+            where = f" in {c['file']}" if c["file"] else ""
+            note = ("; not recognised, never merged" if c["part"] == "other" else
+                    "; merge writes it" if c["part"] == doc["kind"] and not c["file"] else
+                    "; merge --part optimizer writes it"
+                    if c["part"] == "optimizer" and not c["file"] else "")
+            lines.append(f"    {c['part']}{where}: {held} (keys {', '.join(c['keys'])}{note})")
     s = doc["summary"]
     if s:
         where = ", ".join(x for x in (
@@ -100,7 +114,16 @@ def render(doc: dict[str, Any]) -> str:
             lines.append(f"  tie candidates: {t['output']} / {t['input']} ({said})")
         if s.get("lora"):
             lines.append(f"  {lora_line(s['lora'])}")
+    # Optimizer hyper-parameters (one per parameter in torchtitan's layout) are counted, not
+    # listed, beside a model; --json has them all.
+    hidden = [o for o in doc["non_tensor"]
+              if o.get("part") == "optimizer" and doc["kind"] != "optimizer"]
+    if hidden:
+        lines.append(f"  non-tensor optimizer state: {len(hidden):,} entries (param groups; "
+                     "listed in --json)")
     for o in doc["non_tensor"]:
+        if o.get("part") == "optimizer" and doc["kind"] != "optimizer":
+            continue
         if o["readable"]:
             lines.append(f"  non-tensor {o['name']} = {_short(o['value'])}")
         else:
@@ -108,7 +131,8 @@ def render(doc: dict[str, Any]) -> str:
     lines += [f"  note: {n}" for n in doc["notes"]]
     if doc["tensors"]:
         lines.append("")
-        lines.append(_table(doc["tensors"], doc["stats"]))
+        parted = len({r.get("part") for r in doc["tensors"]}) > 1
+        lines.append(_table(doc["tensors"], doc["stats"], parted))
     elif doc["filter"] and s:
         lines.append(f"  no tensor matches --filter {doc['filter']!r}")
     return "\n".join(lines)
@@ -119,8 +143,10 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _table(rows: list[dict[str, Any]], stats: bool) -> str:
+def _table(rows: list[dict[str, Any]], stats: bool, parted: bool = False) -> str:
     header = ["name", "shape", "dtype", "size", "chunks", "placement", "files"]
+    if parted:
+        header.insert(1, "part")
     if stats:
         header += ["min", "max", "mean", "abs max", "nan", "inf"]
     table = [header]
@@ -128,6 +154,8 @@ def _table(rows: list[dict[str, Any]], stats: bool) -> str:
         files = r["files"][0] if len(r["files"]) == 1 else f"{len(r['files'])} files"
         row = [r["name"], "x".join(map(str, r["shape"])) or "scalar", r["dtype"],
                human_bytes(r["bytes"]), str(r["chunks"]), r["placement"], files]
+        if parted:
+            row.insert(1, r.get("part") or "")
         if stats:
             st = r["stats"] or {}
             row += [_num(st.get("min")), _num(st.get("max")), _num(st.get("mean")),

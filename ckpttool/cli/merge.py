@@ -12,6 +12,7 @@ from ckpttool.cli.common import (
     FollowLinks,
     NoProgress,
     ProgressBar,
+    count,
     dtype_choice,
     err,
     exit_codes,
@@ -28,6 +29,7 @@ Examples:\n\n
   ckpttool merge ckpt out/ --json | jq .files\n\n
   ckpttool merge lora-checkpoint out/ --lora adapter\n\n
   ckpttool merge base-model/ out/ --adapter my-adapter/\n\n
+  ckpttool merge checkpoint/step-1000 optim/ --part optimizer\n\n
 Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug.
 """
 
@@ -62,6 +64,12 @@ def merge_command(
     adapter_config: Annotated[Path | None, typer.Option(
         help="PEFT's adapter_config.json (or its directory), where it is not beside the "
         "checkpoint or the adapter.")] = None,
+    part: Annotated[str | None, typer.Option(
+        "--part", metavar="PART", callback=_part_choice,
+        help="What to write of a checkpoint that holds more than the model (optimizer, lr "
+        "scheduler, dataloader...): model (model.safetensors) or optimizer "
+        "(optimizer.safetensors + optimizer.json). Default: the model; the rest is reported.")
+    ] = None,
     no_progress: NoProgress = False,
     follow_links: FollowLinks = False,
     workers: Annotated[int | None, typer.Option(
@@ -81,7 +89,7 @@ def merge_command(
             report = merge(src, out, dtype=dtype, max_shard_size=max_shard_size,
                            config=config, keep_tied=keep_tied, overwrite=overwrite,
                            workers=workers, follow_links=follow_links, lora=lora,
-                           adapter=adapter, adapter_config=adapter_config,
+                           adapter=adapter, adapter_config=adapter_config, part=part,
                            progress=progress, on_start=on_start)
         finally:
             bar.stop()
@@ -98,6 +106,13 @@ def _lora_choice(value: str | None) -> str | None:
     if value is None or value in ("fuse", "adapter"):
         return value
     raise typer.BadParameter(f"'{value}' is not one of: fuse, adapter")
+
+
+def _part_choice(value: str | None) -> str | None:
+    """``--part``: model or optimizer (a usage error otherwise, exit 2)."""
+    if value is None or value in ("model", "optimizer"):
+        return value
+    raise typer.BadParameter(f"{value!r} is not one of model, optimizer")
 
 
 def _print_human(r: object) -> None:
@@ -147,18 +162,32 @@ def _print_human(r: object) -> None:
             lines.append(f"  tie candidates {t['output']} / {t['input']}: {state}; both written")
     if r.lora:
         lines += _lora_lines(r.lora)
-    if r.kind == "optimizer" and r.non_tensor:
-        lines.append(f"  {len(r.non_tensor)} non-tensor entries (param groups...) written to "
+    written = [o for o in r.non_tensor if o.get("part", r.kind) == r.kind]
+    if r.kind == "optimizer" and written:
+        lines.append(f"  {len(written)} non-tensor entries (param groups...) written to "
                      "optimizer.json")
-    for o in r.non_tensor if r.kind == "model" else ():
+    for c in r.left_out:
+        size = f", {human_bytes(c['bytes'])}" if c["tensors"] else ""
+        held = ", ".join(x for x in (
+            f"{count(c['tensors'], 'tensor')}{size}" if c["tensors"] else "",
+            f"{c['non_tensor']:,} non-tensor entr{'y' if c['non_tensor'] == 1 else 'ies'}"
+            if c["non_tensor"] else "") if x)
+        where = f" in {c['file']}" if c["file"] else ""
+        how = (" (merge it with --part optimizer)" if c["part"] == "optimizer"
+               and r.kind != "optimizer" and c["tensors"] else
+               " (not recognised; check what it is with ckpttool inspect)"
+               if c["part"] == "other" else "")
+        lines.append(f"  left out {c['part']}{where}: {held}; keys "
+                     f"{', '.join(c['keys'])}{how}")
+    for o in written if r.kind == "model" else ():
         if o["readable"]:
             lines.append(f"  non-tensor entry {o['name']} = {o['value']!r} (not written)")
         else:
             lines.append(f"  non-tensor entry {o['name']}: {o['note']}")
     if r.copied:
         lines.append(f"  copied {', '.join(r.copied)}")
-    for c in r.config_changes:
-        lines.append(f"  config.json: {c}")
+    for change in r.config_changes:
+        lines.append(f"  config.json: {change}")
     print("\n".join(lines))
 
 

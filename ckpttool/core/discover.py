@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ckpttool.core import hf, names
-from ckpttool.errors import InputError
+from ckpttool.core import parts as key_parts
+from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import registry, torchfile
 from ckpttool.formats.base import CheckpointInfo, ObjectEntry, Reader, Tensor
 from ckpttool.formats.dtypes import DType
@@ -28,8 +29,6 @@ from ckpttool.formats.store import LocalStore
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of one chunk
 
-# Top-level keys under which optimizer state is saved (DCP's optimizer state dicts, torch's).
-_OPTIMIZER_ROOTS = frozenset({"optimizer", "optim", "state", "param_groups"})
 # Entries of a training directory that are checkpoints a user may mean.
 _CHECKPOINT_KINDS = ("model", "optimizer")
 
@@ -54,6 +53,8 @@ class TensorView:
 
     name: str  # canonical: wrapper segments and accelerate's "model" level removed
     tensor: Tensor
+    part: str = key_parts.MODEL  # what it is: core.parts.PARTS
+    root: str | None = None  # the top-level key nesting it that no name inside its part has
 
     @property
     def stored_name(self) -> str:
@@ -92,6 +93,8 @@ class TensorView:
 class ObjectView:
     name: str  # canonical
     entry: ObjectEntry
+    part: str = key_parts.MODEL
+    root: str | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,11 @@ class Checkpoint:
     note: str | None = None  # why no checkpoint was chosen
     chosen: str | None = None  # the part chosen from a training directory
     others: tuple[tuple[str, CheckpointInfo], ...] = ()  # its other checkpoints
+    top: str | None = None  # the nesting key no name has, when one part was selected
+    # Files beside the checkpoint that hold the rest of its training state (Lightning's
+    # meta.pt), read weights-only; verified with it, listed in its contents.
+    side: tuple[tuple[str, CheckpointInfo], ...] = ()
+    side_notes: tuple[str, ...] = ()  # side files that could not be read, and why
 
     @property
     def root(self) -> Path:
@@ -119,23 +127,56 @@ class Checkpoint:
 
     @property
     def top_level(self) -> str:
-        return top_level(self.kind)
+        return self.top if self.top is not None else top_level(self.kind)
 
     def by_name(self) -> dict[str, TensorView]:
         return {t.name: t for t in self.tensors}
+
+    def contents(self) -> list[key_parts.Content]:
+        """Its parts (model, optimizer, lr_scheduler...), with those of its side files."""
+        found = key_parts.contents([(t.part, t.path, t.nbytes) for t in self.tensors]
+                               + [(o.part, o.entry.path or (o.name,), None)
+                                  for o in self.objects])
+        for name, info in self.side:
+            labels = _labels(info)
+            n = len(info.tensors)
+            found += key_parts.contents(
+                [(lab.part, t.path, t.nbytes)
+                 for t, lab in zip(info.tensors, labels[:n], strict=True)]
+                + [(lab.part, o.path or (o.name,), None)
+                   for o, lab in zip(info.objects, labels[n:], strict=True)], file=name)
+        return found
+
+    def has_part(self, part: str) -> bool:
+        return any(t.part == part for t in self.tensors)
 
     def canonical(self) -> dict[str, str]:
         """Stored name -> canonical name."""
         return {t.stored_name: t.name for t in self.tensors}
 
 
+def _labels(info: CheckpointInfo) -> list[key_parts.Label]:
+    """The part of every tensor, then of every object (:func:`ckpttool.core.parts.classify`)."""
+    return key_parts.classify([(t.path or (t.name,), True) for t in info.tensors]
+                          + [(o.path or (o.name,), False) for o in info.objects])
+
+
 def kind_of(info: CheckpointInfo) -> str:
-    """``"optimizer"`` when every entry sits under optimizer state keys, else ``"model"``."""
-    paths = [t.path for t in info.tensors] + [o.path for o in info.objects]
-    firsts = [p[0] if len(p) > 1 else p[0].split(".", 1)[0] for p in paths if p]
-    if firsts and all(f in _OPTIMIZER_ROOTS for f in firsts):
+    """``"optimizer"`` when every entry is optimizer state, else ``"model"``."""
+    labels = _labels(info)
+    if labels and all(lab.part == key_parts.OPTIMIZER for lab in labels):
         return "optimizer"
     return "model"
+
+
+def _name(path: tuple[str, ...], stored: str, label: key_parts.Label, whole: str) -> str:
+    """An entry's canonical name: inside its part when that part is what is described
+    (``whole``: the checkpoint's kind, or a selected part), else the full key path."""
+    if not path:
+        return stored
+    if label.part == whole:
+        return names.canonical_fqn(path, label.root or top_level(whole))
+    return names.strip_wrappers(".".join(path))
 
 
 def top_level(kind: str) -> str:
@@ -151,18 +192,89 @@ def describe(path: Path, info: CheckpointInfo, *, config: Path | None = None,
     Raises:
         InputError: two stored names collapse into one canonical name.
     """
-    kind = kind_of(info)
-    top = top_level(kind)
-    renamed = names.canonical_names(((t.name, t.path) for t in info.tensors), top)
-    tensors = tuple(TensorView(renamed[t.name], t) for t in info.tensors)
-    objects = tuple(ObjectView(names.canonical_fqn(o.path, top) if o.path else o.name, o)
-                    for o in info.objects)
+    labels = _labels(info)
+    kind = ("optimizer" if labels and all(lab.part == key_parts.OPTIMIZER for lab in labels)
+            else "model")
+    n = len(info.tensors)
+    renamed = names.unique_names((t.name, _name(t.path, t.name, lab, kind))
+                                 for t, lab in zip(info.tensors, labels[:n], strict=True))
+    tensors = tuple(TensorView(renamed[t.name], t, lab.part, lab.root)
+                    for t, lab in zip(info.tensors, labels[:n], strict=True))
+    objects = tuple(ObjectView(_name(o.path, o.name, lab, kind), o, lab.part, lab.root)
+                    for o, lab in zip(info.objects, labels[n:], strict=True))
     hf_dir = info.root if info.root.is_dir() else info.base
     files = (hf.HfFiles(None, None, ()) if kind == "optimizer" and config is None
              else hf.find_hf_files(hf_dir, config,
                                    given=path if path.is_dir() else path.parent))
+    side, notes = _side_files(info)
     return Checkpoint(path, info, kind, tensors, objects, parts, files, chosen=chosen,
-                      others=others)
+                      others=others, side=side, side_notes=notes)
+
+
+def select(ckpt: Checkpoint, part: str) -> Checkpoint:
+    """``ckpt`` narrowed to one part, named as a merge of that part writes it: the model
+    under its canonical names, the optimizer state without its top-level key
+    (``state.<fqn>.exp_avg``). Pure.
+
+    Raises:
+        InputError: ``ckpt`` holds no tensors of that part (the message says what it holds),
+            or two of its names collapse into one.
+    """
+    tensors = [t for t in ckpt.tensors if t.part == part]
+    if not ckpt.tensors:
+        return ckpt  # nothing to narrow: the caller says what is there instead
+    if not tensors:
+        raise InputError(_no_part(ckpt, part))
+    if part == ckpt.kind and all(t.part == part for t in ckpt.tensors) and all(
+            o.part == part for o in ckpt.objects):
+        return ckpt
+    renamed = names.unique_names(
+        (t.stored_name, _name(t.path, t.stored_name, key_parts.Label(part, t.root), part))
+        for t in tensors)
+    chosen = tuple(replace(t, name=renamed[t.stored_name]) for t in tensors)
+    objects = tuple(replace(o, name=_name(o.entry.path, o.entry.name, key_parts.Label(part, o.root),
+                                          part))
+                    for o in ckpt.objects if o.part == part)
+    roots = sorted({t.root for t in chosen if t.root is not None})
+    files = ckpt.hf if part == key_parts.MODEL else hf.HfFiles(None, None, ())
+    return replace(ckpt, kind=part, tensors=chosen, objects=objects, hf=files,
+                   top=roots[0] if roots else top_level(part))
+
+
+def _no_part(ckpt: Checkpoint, part: str) -> str:
+    held = ckpt.contents()
+    what = "; ".join(key_parts.describe(c) for c in held) or "nothing"
+    where = ckpt.info.root if ckpt.info is not None else ckpt.path
+    hint = ""
+    if part == key_parts.MODEL and any(c.part == key_parts.OPTIMIZER and c.num_tensors
+                                       for c in held):
+        hint = f"; to merge its optimizer state: ckpttool merge {ckpt.path} OUT --part optimizer"
+    stray = [k for c in held if c.part == key_parts.OTHER and c.num_tensors for k in c.keys]
+    if part == key_parts.MODEL and stray:
+        hint += (f"; the tensors under {', '.join(stray)} are not recognised as model weights "
+                 "(a model is stored flat, or under a key such as 'model')")
+    return f"{where}: holds no {part} tensors; it holds {what}{hint}"
+
+
+# Side files of a DCP directory that hold the rest of the training state (Lightning's
+# fabric.save writes meta.pt beside the .distcp files).
+_SIDE_SUFFIXES = (".pt",)
+
+
+def _side_files(info: CheckpointInfo) -> tuple[tuple[tuple[str, CheckpointInfo], ...],
+                                               tuple[str, ...]]:
+    if not info.sharded or not info.root.is_dir():
+        return (), ()
+    found = []
+    notes = []
+    for p in sorted(info.root.iterdir(), key=lambda q: q.name):
+        if p.suffix not in _SIDE_SUFFIXES or p.is_symlink() or not torchfile.detect(p):
+            continue
+        try:
+            found.append((p.name, torchfile.read_info(p)))
+        except (InputError, UnsupportedError) as e:
+            notes.append(f"{p.name}: not read ({e})")
+    return tuple(found), tuple(notes)
 
 
 def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | None = None,

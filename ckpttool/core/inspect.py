@@ -19,7 +19,15 @@ from ckpttool.core import dtypes as dtype_policy
 from ckpttool.core import hf, lora, names, ties
 from ckpttool.core import objects as non_tensor
 from ckpttool.core import tensors as tensor_io
-from ckpttool.core.discover import Box, Checkpoint, Part, TensorView, discover, open_reader
+from ckpttool.core.discover import (
+    Box,
+    Checkpoint,
+    Part,
+    TensorView,
+    discover,
+    open_reader,
+    select,
+)
 from ckpttool.core.report import SCHEMA, Progress
 from ckpttool.errors import CkptError, InputError
 from ckpttool.formats.base import Reader, Tensor
@@ -97,7 +105,7 @@ def summary(ckpt: Checkpoint) -> dict[str, Any]:
 def _written(ckpt: Checkpoint) -> list[tuple[str, Tensor]]:
     """The tensors a default merge writes: all of them, or for a LoRA checkpoint the base
     model's weights (the adapter folded in, trained copies of modules_to_save used)."""
-    entries = [(t.name, t.tensor) for t in ckpt.tensors]
+    entries = [(t.name, t.tensor) for t in ckpt.tensors if t.part == ckpt.kind]
     if ckpt.kind != "model":
         return entries
     try:
@@ -110,7 +118,7 @@ def _written(ckpt: Checkpoint) -> list[tuple[str, Tensor]]:
 
 
 def tensor_row(t: TensorView) -> dict[str, Any]:
-    return {"name": t.name, "stored_name": t.stored_name, "shape": list(t.shape),
+    return {"name": t.name, "stored_name": t.stored_name, "part": t.part, "shape": list(t.shape),
             "dtype": t.dtype.name, "bytes": t.nbytes, "chunks": len(t.boxes),
             "placement": placement(t.shape, t.boxes), "files": list(t.files), "stats": None}
 
@@ -249,6 +257,7 @@ def describe_objects(ckpt: Checkpoint, reader: Reader) -> list[dict[str, Any]]:
             out.append(non_tensor.describe(o.name, non_tensor.read(reader, o.entry)))
         except InputError as e:
             out.append({"name": o.name, "readable": False, "note": f"unreadable: {e}"})
+        out[-1]["part"] = o.part
     return out
 
 
@@ -265,6 +274,7 @@ class InspectReport:
     format: str
     kind: str
     parts: list[Part] = field(default_factory=list)
+    contents: list[dict[str, Any]] = field(default_factory=list)  # model, optimizer, ...
     summary: dict[str, Any] = field(default_factory=dict)
     tensors: list[dict[str, Any]] = field(default_factory=list)  # the --filter'ed table
     non_tensor: list[dict[str, Any]] = field(default_factory=list)
@@ -317,7 +327,11 @@ def inspect(
         report.seconds = round(time.perf_counter() - started, 3)
         return report
     report.summary = summary(ckpt)
-    layout, adapter_config, lora_problems = lora.adapter_of(ckpt)
+    report.contents = [c.to_json() for c in ckpt.contents()]
+    report.notes += list(ckpt.side_notes)
+    report.notes += [p.message for p in ckpt.info.problems if p.code == "tensors-unplaced"]
+    layout, adapter_config, lora_problems = lora.adapter_of(
+        select(ckpt, ckpt.kind) if ckpt.has_part(ckpt.kind) else ckpt)
     if layout is not None and layout.modules:
         report.summary["lora"] = lora.describe(layout, adapter_config)
         report.notes += [p.message for p in lora_problems]

@@ -24,7 +24,7 @@ from ckpttool.core import hf, names, structure, tensors, ties
 from ckpttool.core import lora as adapters
 from ckpttool.core import objects as non_tensor
 from ckpttool.core.derive import Derived, materialise
-from ckpttool.core.discover import Checkpoint, ObjectView, Part, discover, open_reader
+from ckpttool.core.discover import Checkpoint, ObjectView, Part, discover, open_reader, select
 from ckpttool.core.dtypes import DTypePolicy
 from ckpttool.core.fileio import (
     AtomicOutputs,
@@ -34,6 +34,7 @@ from ckpttool.core.fileio import (
     pwrite_all,
     remove_stale,
 )
+from ckpttool.core.parts import MERGEABLE
 from ckpttool.core.report import SCHEMA, Progress
 from ckpttool.core.torch_threads import default_workers, one_torch_thread, workers_for
 from ckpttool.errors import InputError, OutputError
@@ -345,6 +346,9 @@ class MergeReport:
     config_changes: list[str] = field(default_factory=list)
     parts: list[Part] = field(default_factory=list)  # a training directory's entries
     skipped: list[dict[str, str]] = field(default_factory=list)  # its other checkpoints
+    part: str = "model"  # what was written: "model" or "optimizer" (core.parts)
+    contents: list[dict[str, Any]] = field(default_factory=list)  # every part of the source
+    left_out: list[dict[str, Any]] = field(default_factory=list)  # the parts not written
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -368,6 +372,7 @@ def merge(
     lora: str | None = None,
     adapter: str | os.PathLike[str] | None = None,
     adapter_config: str | os.PathLike[str] | None = None,
+    part: str | None = None,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> MergeReport:
@@ -392,6 +397,10 @@ def merge(
             ``src``, a model with full weights.
         adapter_config: PEFT's ``adapter_config.json`` (or its directory), where it is not
             beside the checkpoint or the adapter.
+        part: what to write of a checkpoint that holds more than the model (optimizer,
+            lr scheduler, dataloader...): ``"model"`` (model.safetensors) or ``"optimizer"``
+            (optimizer.safetensors and optimizer.json). Default: the model, or the optimizer
+            state of a checkpoint that holds nothing else. The rest is reported, not written.
         progress: called with bytes written, as the merge goes.
         on_start: called once with the total bytes to write, before any are written.
 
@@ -406,8 +415,10 @@ def merge(
     started = time.perf_counter()
     src_path, out_path = Path(src), Path(out)
     shard_limit = st.parse_size(str(max_shard_size))
+    if part not in (None, *MERGEABLE):
+        raise InputError(f"part {part!r} cannot be merged; choose one of {', '.join(MERGEABLE)}")
     ckpt = discover(src_path, config=config, command="merge")
-    if ckpt.chosen is not None and ckpt.kind == "optimizer":
+    if ckpt.chosen is not None and ckpt.kind == "optimizer" and part is None:
         raise InputError(
             f"{src_path}: holds only optimizer state ({ckpt.chosen}), no model checkpoint; to "
             f"merge the optimizer state, pass its directory: ckpttool merge "
@@ -416,6 +427,7 @@ def merge(
     info = ckpt.info
     check_apart(out_path, src_path, info.root)
     structure.raise_first(structure.check(info, ckpt.canonical()))
+    whole, ckpt = ckpt, select(ckpt, part or ckpt.kind)  # one part; the rest is reported
     files = ckpt.hf
     optimizer = ckpt.kind == "optimizer"
     if not ckpt.tensors:
@@ -444,7 +456,10 @@ def merge(
     sources: list[tuple[str, Source]] = list(named) if adapted is None else adapted.sources
 
     report = MergeReport(src=str(src_path), checkpoint=str(info.root), out=str(out_path),
-                         kind=ckpt.kind, format=info.format, storage=dict(info.storage))
+                         kind=ckpt.kind, format=info.format, storage=dict(info.storage),
+                         part=ckpt.kind)
+    report.contents = [c.to_json() for c in whole.contents()]
+    report.left_out = [c for c in report.contents if c["part"] != ckpt.kind or c["file"]]
     report.parts = list(ckpt.parts)
     report.skipped = [{"path": str(src_path / p.path), "kind": p.kind} for p in ckpt.parts
                       if p.path != ckpt.chosen and p.kind != "other"
@@ -473,8 +488,10 @@ def merge(
             adapted.reader.open_files()
         drop = (frozenset() if optimizer or mode == "adapter"
                 else _decide_tie(reader, sources, files.config, keep_tied, report))
-        objects = [(o, non_tensor.read(reader, o.entry)) for o in ckpt.objects]
-        report.non_tensor = [non_tensor.describe(o.name, value) for o, value in objects]
+        objects = [(o, non_tensor.read(reader, o.entry)) for o in whole.objects]
+        report.non_tensor = [{**non_tensor.describe(o.name, value), "part": o.part}
+                             for o, value in objects]
+        objects = [(o, value) for o, value in objects if o.part == ckpt.kind]
         plan = plan_merge(sources, policy=policy,
                           max_shard_size=shard_limit if mode != "adapter" else 1 << 62,
                           drop=drop, stem=stem)
@@ -486,7 +503,7 @@ def merge(
         report.copied = [p.name for p in files.files]
         report.warnings += list(files.skipped)
         if optimizer:
-            extra.append((OPTIMIZER_JSON, _optimizer_json(objects)))
+            extra.append((OPTIMIZER_JSON, _optimizer_json(objects, ckpt.top_level)))
         if adapted is not None and mode == "adapter":
             extra.append((hf.ADAPTER_CONFIG, adapted.config_bytes))
             report.copied.append(hf.ADAPTER_CONFIG)
@@ -684,14 +701,14 @@ def _adapted(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str | None
 OPTIMIZER_JSON = "optimizer.json"
 
 
-def _optimizer_json(objects: list[tuple[ObjectView, Any]]) -> bytes:
-    """Non-tensor optimizer state (param groups, hyper-parameters) nested as it was saved,
-    with parameter names in canonical form."""
+def _optimizer_json(objects: list[tuple[ObjectView, Any]], top: str = "optimizer") -> bytes:
+    """Non-tensor optimizer state (param groups, hyper-parameters) nested as it was saved
+    (below its top-level key ``top``), with parameter names in canonical form."""
     root: dict[str, Any] = {}
     unreadable = []
     for view, value in objects:
         stored = view.entry.path
-        path = stored[1:] if len(stored) > 1 and stored[0] == "optimizer" else stored
+        path = stored[1:] if len(stored) > 1 and stored[0] == top else stored
         if isinstance(value, non_tensor.Unreadable):
             unreadable.append(".".join(path))
             continue

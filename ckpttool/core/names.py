@@ -41,10 +41,18 @@ def canonical_names(entries: Iterable[tuple[str, tuple[str, ...]]],
     Raises:
         InputError: two source keys collapse to one canonical name.
     """
+    return unique_names((fqn, canonical_fqn(path, top_level)) for fqn, path in entries)
+
+
+def unique_names(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """(stored key, canonical name) pairs as a map, checked one to one.
+
+    Raises:
+        InputError: two source keys collapse to one canonical name.
+    """
     out: dict[str, str] = {}
     seen: dict[str, str] = {}
-    for fqn, path in entries:
-        name = canonical_fqn(path, top_level)
+    for fqn, name in pairs:
         if name in seen:
             raise InputError(
                 f"tensors '{seen[name]}' and '{fqn}' both become '{name}' once wrapper segments "

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ckpttool.formats import torchsave
 from ckpttool.formats.base import ObjectEntry, Problem, Reader, UnreadableObject, error, warning
 
 # Modules whose globals run code or reach the system when a pickle calls them: a checkpoint
@@ -43,14 +44,22 @@ def problem(name: str, value: Any, where: str | None) -> Problem | None:
     error when it asks for code to run, a warning for another class."""
     if not isinstance(value, Unreadable):
         return None
-    q = next((n for n in value.names if n.split(".")[0] in _CODE_MODULES
-              or n.split(".")[0].lstrip("_") in _CODE_MODULES), None)
+    q = next((n for n in value.names if not _allowed(n) and (
+        n.split(".")[0] in _CODE_MODULES or n.split(".")[0].lstrip("_") in _CODE_MODULES)),
+        None)
     if q is not None:
         return error("code-in-checkpoint", f"entry '{name}' asks for '{q}', which runs code or "
                      "reaches the system when unpickled; ckpttool did not execute it. Do not "
                      "load this checkpoint with torch.load(weights_only=False)", file=where)
     return warning("object-not-read", f"entry '{name}': {value.why}; not executed, not read",
                    file=where)
+
+
+def _allowed(qualname: str) -> bool:
+    """A global the weights-only reader builds itself (``__builtin__.set``): named beside a
+    refused one, it is not what asks for code."""
+    module, _, name = qualname.rpartition(".")
+    return torchsave.record_global(module, name) is not None
 
 
 def describe(name: str, value: Any) -> dict[str, Any]:

@@ -273,7 +273,8 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
     """
     assert ckpt.info is not None
     todo = [t for t in ckpt.tensors if t.stored_name not in skip]
-    comparisons = {p.a.name: p for p in (plan.pairs if plan else ())
+    # By stored name: the plan may name A's tensors inside one part (core.discover.select).
+    comparisons = {p.a.stored_name: p for p in (plan.pairs if plan else ())
                    if p.b.stored_name not in skip_b}
     workers = workers_for(workers or default_workers(), nbytes=sum(t.nbytes for t in todo),
                           chunks=sum(len(t.tensor.chunks) for t in todo))
@@ -291,7 +292,7 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
         scanner = Scanner(reader, read)
 
         def job(t: TensorView) -> Result:
-            p = comparisons.get(t.name)
+            p = comparisons.get(t.stored_name)
             compare = None
             if p is not None and reader_b is not None and other is not None:
                 compare = Compare(p, ckpt, other, reader_b, read)

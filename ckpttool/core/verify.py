@@ -31,10 +31,10 @@ from ckpttool.core import dtypes as dtype_policy
 from ckpttool.core import lora, scan, structure, tensors, ties
 from ckpttool.core import manifest as manifests
 from ckpttool.core.against import plan_against
-from ckpttool.core.discover import Checkpoint, Part, describe, discover, open_reader
+from ckpttool.core.discover import Checkpoint, Part, describe, discover, open_reader, select
 from ckpttool.core.report import SCHEMA, Progress
 from ckpttool.errors import InputError, OutputError
-from ckpttool.formats.base import SEVERITIES, Location, Problem, Reader, Tensor, error
+from ckpttool.formats.base import SEVERITIES, Location, Problem, Reader, Tensor, error, warning
 
 __all__ = ["Location", "Problem", "VerifyReport", "verify"]
 
@@ -52,6 +52,7 @@ class VerifyReport:
     manifest: dict[str, Any] | None = None
     lora: dict[str, Any] | None = None  # the LoRA adapter found (rank, alpha, targets...)
     parts: list[Part] = field(default_factory=list)  # other checkpoints verified
+    contents: list[dict[str, Any]] = field(default_factory=list)  # model, optimizer... all read
     checks: list[str] = field(default_factory=list)
     num_tensors: int = 0
     bytes_read: int = 0
@@ -152,13 +153,18 @@ def verify(
     report = VerifyReport(path=str(ckpt.path), checkpoint=str(ckpt.root), format=ckpt.format,
                           kind=ckpt.kind, num_tensors=len(ckpt.tensors),
                           storage=dict(ckpt.info.storage) if ckpt.info else {})
+    report.contents = [c.to_json() for c in ckpt.contents()]
+    # Ties, dtypes and --against concern what merge writes: the model (or the optimizer state
+    # --against names); every part is still read and checked for damage.
+    model = select(ckpt, ckpt.kind) if ckpt.has_part(ckpt.kind) else ckpt
     report.checks = ["structure", "content", "ties", "dtypes"]
     plan = None
     if other is not None:
         report.checks.append("against")
         report.against = {"path": str(other.path), "checkpoint": str(other.root),
                           "format": other.format}
-        plan = plan_against(ckpt, other, policy=cast_policy)
+        plan = plan_against(select(ckpt, other.kind) if ckpt.has_part(other.kind) else ckpt,
+                            other, policy=cast_policy)
     if manifest_path is not None:
         report.checks.append("manifest")
     parts = _other_parts(ckpt)
@@ -172,11 +178,15 @@ def verify(
     if on_start is not None:
         on_start(sum(t.nbytes for c in (ckpt, other, *(p for _, p in parts)) if c is not None
                      for t in c.tensors))
-    pair = ties.find_pair(ckpt.by_name()) if ckpt.kind == "model" else None
+    pair = ties.find_pair(model.by_name()) if ckpt.kind == "model" else None
     want_digest = set(pair or ()) | ({t.name for t in ckpt.tensors} if manifest_path else set())
     damaged: set[str] = set()
     damaged_b: set[str] = set()
     problems = _structure(ckpt, damaged)
+    # A side file (meta.pt) that does not read: damage, unless it only names classes that a
+    # weights-only reader refuses (a custom object in the saved state).
+    problems += [(warning if "refused to load" in note else error)(
+        "side-file-unreadable", note) for note in ckpt.side_notes]
     if other is not None:
         problems += _structure(other, damaged_b)
     done = scan.data_pass(ckpt, other, plan, want_digest, workers, read, skip=damaged,
@@ -186,9 +196,9 @@ def verify(
     same = None
     if pair is not None and pair[0] in digests and pair[1] in digests:
         same = digests[pair[0]] == digests[pair[1]]
-    problems += ties.check_ties(ckpt, same)
+    problems += ties.check_ties(model, same)
     layout, lora_config, lora_problems = lora.adapter_of(
-        ckpt, Path(adapter_config) if adapter_config is not None else None)
+        model, Path(adapter_config) if adapter_config is not None else None)
     if layout is not None and layout.modules:
         report.checks.append("lora")
         report.lora = lora.describe(layout, lora_config)
@@ -197,7 +207,7 @@ def verify(
             problems += lora.never_trained(reader, layout, _all_zero)
     elif lora_problems:
         problems += lora_problems
-    problems += dtype_policy.check_dtypes(ckpt, expect)
+    problems += dtype_policy.check_dtypes(model, expect)
     if plan is not None:
         problems += [*plan.problems, *done.tied]
     bytes_read = done.bytes_read
@@ -208,8 +218,9 @@ def verify(
                                    follow_links=follow_links)
         for p in part_problems + part_pass.problems:
             file = p.location.file
-            problems.append(replace(p, location=replace(
-                p.location, file=None if file is None else f"{name}/{file}")))
+            if file is not None and name not in dict(ckpt.side):  # a side file: beside ckpt
+                file = f"{name}/{file}"
+            problems.append(replace(p, location=replace(p.location, file=file)))
         bytes_read += part_pass.bytes_read
     report.parts = [p for p in ckpt.parts if p.path in dict(parts)]
     if manifest_path is not None:
@@ -243,5 +254,7 @@ def _structure(ckpt: Checkpoint, damaged: set[str]) -> list[Problem]:
 
 def _other_parts(ckpt: Checkpoint) -> list[tuple[str, Checkpoint]]:
     """The other checkpoints of a training directory (optimizer_0/ beside the model's
-    pytorch_model_fsdp_0/), each verified for structure and content too."""
-    return [(name, describe(ckpt.path / name, info)) for name, info in ckpt.others]
+    pytorch_model_fsdp_0/) and the side files of a checkpoint (Lightning's meta.pt), each
+    verified for structure and content too."""
+    return ([(name, describe(ckpt.path / name, info)) for name, info in ckpt.others]
+            + [(name, describe(ckpt.root / name, info)) for name, info in ckpt.side])

@@ -110,6 +110,7 @@ class Detail:
 
     compressed_objects: frozenset[tuple[str, int]] = frozenset()  # (file, offset)
     copies: tuple[Copy, ...] = ()
+    nested: Nested | None = None  # records of an unflattened save, opened
 
 
 @dataclass(frozen=True)
@@ -263,12 +264,14 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     with torchsave.gc_paused():
         if not ranks:
             read = _read_one(root, md_path)
+            per_file = [(0, read)]
             tensors, objects = read.tensors, read.objects
             copies: list[Copy] = []
             metadata_name, problems = METADATA_FILE, []
             zstd_records = read.compressed_all
         else:
             reads = [(r, _read_one(root, p)) for r, p in ranks]
+            per_file = reads
             read = reads[0][1]
             tensors, objects, copies = _union(reads)
             metadata_name, problems = RANK_METADATA, _missing_rank_metadata(root, reads)
@@ -289,13 +292,19 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         files=tuple(DataFile(f, file_size(root / f)) for f in names),
         metadata_name=metadata_name, sharded=True,
         num_ranks=None if None in ranks_of else len(ranks_of),
-        problems=tuple(problems),
+        problems=tuple(problems) + tuple(p for _, r in per_file for p in r.nested.problems),
+        values={k: v for _, r in per_file for k, v in r.nested.values.items()},
         stray=tuple(_stray_files(root, set(names))),
         version=read.version,
         storage={"serialization": serialization,
                  "compression": zstd.NAME if any_zstd else None,
                  "metadata": "rank-local" if ranks else "global"},
-        detail=Detail(compressed, tuple(copies)))
+        detail=Detail(compressed, tuple(copies), _nested(per_file)))
+
+
+def _nested(reads: list[tuple[int, _Read]]) -> Nested | None:
+    records = [rec for _, r in reads for rec in r.nested.records]
+    return Nested(records) if records else None
 
 
 @dataclass
@@ -307,6 +316,7 @@ class _Read:
     objects: list[ObjectEntry]
     version: str | None
     compressed_all: frozenset[tuple[str, int]]  # (file, offset) of every compressed record
+    nested: Nested  # records of an unflattened save, opened
 
 
 def _read_one(root: Path, md_path: Path) -> _Read:
@@ -353,9 +363,95 @@ def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> _Read:
             objects.append(ObjectEntry(fqn, path, *stored))
         else:
             raise UnsupportedError(f"{md_path}: entry '{fqn}' has unknown kind '{kind}'")
+
+    nested = Nested()
+    if not md.field("planner_data"):
+        # Saved without flattening (DefaultSavePlanner(flatten_state_dict=False)): every
+        # top-level value is one record, and a nested dict of tensors is pickled whole in it.
+        objects = _open_nested(root, md_path, objects, tensors, nested)
     version = md.field("version")
     return _Read(md_path, tensors, objects, None if version is None else str(version),
-                 compressed)
+                 compressed, nested)
+
+
+@dataclass
+class Nested:
+    """Records of a checkpoint saved without flattening whose pickles were opened
+    (``CheckpointInfo.detail``): their tensors became tensors of the checkpoint."""
+
+    records: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)  # their other leaves
+    problems: list[Problem] = dataclasses.field(default_factory=list)
+
+
+def _open_nested(root: Path, md_path: Path, objects: list[ObjectEntry], tensors: list[Tensor],
+                 nested: Nested) -> list[ObjectEntry]:
+    """Open the records of ``objects`` that hold tensors: each tensor becomes a tensor of the
+    checkpoint, placed in its record's storage entry (a raw byte range with that entry's
+    CRC-32), each other leaf an object read already. A record holding DTensors (one rank's
+    shards, pickled whole) cannot be placed: a problem says why. Returns the objects left."""
+    kept: list[ObjectEntry] = []
+    for o in objects:
+        path = root / (o.file or "")
+        if o.file is None or not path.is_file():
+            kept.append(o)  # a missing file is a structure problem
+            continue
+        where = f"{path} at byte {o.offset} (entry '{o.name}')"
+        try:
+            with open(path, "rb") as f:
+                rb = torchsave.RecordBytes(f.fileno(), o.offset, o.length, where)
+                entries = torchsave.zip_entries(rb)
+                value = torchsave.load_pickle(rb, entries, max_nodes=torchsave.MAX_NODES)
+        except torchsave.Refused:
+            with open(path, "rb") as f:
+                rb = torchsave.RecordBytes(f.fileno(), o.offset, o.length, where)
+                pkl = torchsave.zip_entries(rb)["data.pkl"]
+                named = torchsave.named_globals(rb.read(pkl.data_offset, pkl.size))
+            dist = next((n for n in named if n.startswith("torch.distributed.")), None)
+            if dist is not None:
+                nested.problems.append(error(
+                    "tensors-unplaced",
+                    f"{md_path}: entry '{o.name}' holds distributed tensors ('{dist}') "
+                    "pickled whole by one rank: the checkpoint was saved without flattening "
+                    "(DefaultSavePlanner(flatten_state_dict=False)), so only one rank's shards "
+                    "were written and the others' are not in it; save it again with the "
+                    "default planner (flatten_state_dict=True)", file=o.file, offset=o.offset))
+            kept.append(o)
+            continue
+        except (InputError, UnsupportedError, torchsave.TooComplex) + torchsave.PICKLE_ERRORS:
+            kept.append(o)  # damaged: verify reports its CRCs, merge its structure
+            continue
+        if not torchsave.has_tensor(value):
+            kept.append(o)
+            continue
+        nested.records.append((o.file, o.offset, o.length))
+        for key_path, leaf in torchsave.flatten(value, path=o.path):
+            name = ".".join(key_path)
+            if not isinstance(leaf, torchsave.TensorRef):
+                kept.append(ObjectEntry(name, key_path))
+                nested.values[name] = _plain(leaf)
+                continue
+            tensors.append(_nested_tensor(md_path, o, name, key_path, leaf, entries))
+    return kept
+
+
+def _nested_tensor(md_path: Path, o: ObjectEntry, name: str, key_path: tuple[str, ...],
+                   ref: torchsave.TensorRef, entries: dict[str, torchsave.ZipEntry]) -> Tensor:
+    assert o.file is not None
+    data = entries.get(f"data/{ref.storage.key}")
+    n = _prod(ref.shape) * ref.dtype.itemsize
+    start = ref.storage_offset * ref.dtype.itemsize
+    contiguous = ref.stride == torchsave.contiguous_strides(ref.shape) or _prod(ref.shape) <= 1
+    if data is None or start + n > data.size:
+        raise InputError(f"{md_path}: tensor '{name}' in entry '{o.name}' reaches past its "
+                         "storage; corrupt")
+    if not contiguous:
+        raise UnsupportedError(f"{md_path}: tensor '{name}' in entry '{o.name}' is a strided "
+                               "view; ckpttool reads contiguous tensors of unflattened records")
+    at = o.offset + data.data_offset
+    chunk = Chunk((0,) * len(ref.shape), ref.shape, o.file, at + start, n, RAW,
+                  crc32=data.crc32, crc_span=(at, data.size))
+    return Tensor(name, key_path, ref.dtype, ref.shape, (chunk,))
 
 
 def _storage(md_path: Path, storage_data: dict[Any, Any]
@@ -922,6 +1018,21 @@ class DcpReader(Reader):
         every copy of a replicated chunk or record that another rank stored too."""
         sums: list[Checksummed] = []
         problems: list[Problem] = []
+        nested = self.detail.nested
+        if nested is not None and nested.records:
+            covered = {(c.file, c.crc_span[0]) for t in self.info.tensors for c in t.chunks
+                       if c.crc_span is not None}
+            for file, offset, length in nested.records:
+                where = self.where(file, offset, "a record of nested values")
+                try:
+                    entries = record_entries(self._pread(file), offset=offset, length=length,
+                                             where=where)
+                except InputError as e:
+                    problems.append(error("record-corrupt", str(e), file=file, offset=offset))
+                    continue
+                sums += [Checksummed(file, e.data_offset, e.size, e.crc32,
+                                     f"record entry '{e.name}'") for e in entries
+                         if (file, e.data_offset) not in covered]
         objects = list(self.info.objects) + [c.other for c in self.detail.copies
                                              if isinstance(c.other, ObjectEntry)]
         for o in objects:

@@ -155,7 +155,7 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     views: dict[str, View] = {}
     objects: list[ObjectEntry] = []
     values: dict[str, Any] = {}
-    for key_path, value in torchsave.flatten(root):
+    for key_path, value in torchsave.flatten(root, expand_root=True):
         name = ".".join(key_path) if key_path else "tensor"
         if name in views or name in values:
             raise InputError(f"{p}: two entries are both named '{name}' once nested keys are "

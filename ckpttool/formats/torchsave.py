@@ -504,15 +504,73 @@ def record_global(module: str, name: str) -> Any | None:
     if module == "torch":
         if name in dtypes.BY_STORAGE_CLASS:
             return _StorageClass(dtypes.BY_STORAGE_CLASS[name])
-        attr = torch_attr(name)
-        return None if attr is size else attr
+        if name == "device":
+            return _device
+        return torch_attr(name)  # dtypes, layouts, memory formats, Size (a tuple)
     if module == "torch.storage" and name == "UntypedStorage":
         return _StorageClass(None)
+    if module == "torch.serialization" and name == "_get_layout":
+        return str
     if module == "collections" and name == "OrderedDict":
         return _OrderedDict
+    if module == "collections" and name == "Counter":
+        return _counter
     if module == "_codecs" and name == "encode":
         return _encode  # how protocol 2 pickles bytes (a dataloader's state, an RNG state)
+    if module in ("builtins", "__builtin__"):  # protocol 2 names builtins "__builtin__"
+        return _BUILTINS.get(name)
     return None
+
+
+# The plain values torch.load(weights_only=True) builds from builtins (set, bytearray,
+# complex), and two it refuses although they are as inert: an empty bytes value (protocol 2
+# pickles b"" as bytes()) and a frozenset. Each checks its arguments, so that a pickle cannot
+# make them allocate what it likes (bytearray(10**12)).
+def _bytes(*args: Any) -> bytes:
+    if args:
+        raise pickle.UnpicklingError("bytes() called other than for an empty value")
+    return b""
+
+
+def _bytearray(data: Any = b"") -> bytearray:
+    if not isinstance(data, (bytes, bytearray)):
+        raise pickle.UnpicklingError("bytearray() called other than with bytes")
+    return bytearray(data)
+
+
+def _set(items: Any = ()) -> set[Any]:
+    if not isinstance(items, (list, tuple)):
+        raise pickle.UnpicklingError("set() called other than with a list")
+    return set(items)
+
+
+def _frozenset(items: Any = ()) -> frozenset[Any]:
+    return frozenset(_set(items))
+
+
+def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
+    if not all(type(v) in (int, float) for v in (real, imag)):
+        raise pickle.UnpicklingError("complex() called other than with numbers")
+    return complex(real, imag)
+
+
+def _counter(items: Any = None) -> dict[Any, Any]:
+    if items is not None and not isinstance(items, dict):
+        raise pickle.UnpicklingError("Counter() called other than with a dict")
+    return dict(items or {})
+
+
+def _device(kind: Any, index: Any = None) -> str:
+    """``torch.device`` as its string (``cuda:0``)."""
+    if not isinstance(kind, str) or not (index is None or type(index) is int):
+        raise pickle.UnpicklingError("torch.device() called other than with a name")
+    return kind if index is None else f"{kind}:{index}"
+
+
+_BUILTINS: dict[str, Callable[..., Any]] = {
+    "bytes": _bytes, "bytearray": _bytearray, "set": _set, "frozenset": _frozenset,
+    "complex": _complex,
+}
 
 
 def _encode(text: Any, encoding: Any = "utf-8") -> bytes:

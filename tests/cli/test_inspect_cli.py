@@ -54,8 +54,8 @@ def test_json_shape_is_the_same_for_every_format(uneven_ckpt: Path, tmp_path: Pa
         assert set(doc) == set(docs[0])
         assert set(doc["summary"]) == set(docs[0]["summary"])
         for t in doc["tensors"]:
-            assert set(t) == {"name", "stored_name", "shape", "dtype", "bytes", "chunks",
-                              "placement", "files", "stats"}
+            assert set(t) == {"name", "stored_name", "part", "shape", "dtype", "bytes",
+                              "chunks", "placement", "files", "stats"}
     assert [d["format"] for d in docs] == ["dcp", "safetensors", "safetensors", "torch-save"]
 
 

@@ -140,7 +140,8 @@ def test_two_models_are_listed_not_chosen(uneven_ckpt: Path, tmp_path: Path) -> 
 def test_mixed_lists_non_tensor_entries(mixed_ckpt: Path) -> None:
     doc = ckpttool.inspect(mixed_ckpt).to_json()
     entries = {o["name"]: o for o in doc["non_tensor"]}
-    assert entries["step"] == {"name": "step", "readable": True, "value": 500}
+    assert entries["step"] == {"name": "step", "readable": True, "value": 500,
+                              "part": "train_state"}
     assert entries["meta.lr"]["value"] == 0.001
     assert not entries["opaque"]["readable"] and "OpaqueThing" in entries["opaque"]["note"]
 

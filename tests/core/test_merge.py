@@ -108,7 +108,8 @@ def test_mixed_has_every_dtype_and_reports_non_tensor_entries(mixed_ckpt: Path,
     assert {torch.float8_e4m3fn, torch.float8_e5m2, torch.bool, torch.int64} <= dtypes_seen
     assert torch.float32 not in dtypes_seen and torch.float64 not in dtypes_seen
     entries = {o["name"]: o for o in report.non_tensor}
-    assert entries["step"] == {"name": "step", "readable": True, "value": 500}
+    assert entries["step"] == {"name": "step", "readable": True, "value": 500,
+                              "part": "train_state"}
     assert entries["meta.run"]["value"] == "demo"
     opaque = entries["opaque"]
     assert not opaque["readable"]
