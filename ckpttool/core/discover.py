@@ -267,8 +267,10 @@ def _side_files(info: CheckpointInfo) -> tuple[tuple[tuple[str, CheckpointInfo],
         return (), ()
     found = []
     notes = []
+    own = {f.name for f in info.files}  # the checkpoint's data files are not side files
     for p in sorted(info.root.iterdir(), key=lambda q: q.name):
-        if p.suffix not in _SIDE_SUFFIXES or p.is_symlink() or not torchfile.detect(p):
+        if (p.name in own or p.suffix not in _SIDE_SUFFIXES or p.is_symlink()
+                or not torchfile.detect(p)):
             continue
         try:
             found.append((p.name, torchfile.read_info(p)))

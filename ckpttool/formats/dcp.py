@@ -572,6 +572,8 @@ def _locate_safetensors(root: Path, tensors: list[Tensor]) -> tuple[list[Tensor]
     for t in tensors:
         item = t.dtype.itemsize
         for c in t.chunks:
+            if c.encoding == RAW:  # already placed (a tensor of an opened nested record)
+                continue
             if c.length == math.prod(c.sizes) * item:
                 if c.encoding == ZSTD_RECORD:
                     raise UnsupportedError(
