@@ -155,7 +155,12 @@ def _print_human(r: object) -> None:
     if r.name_map:
         counts = ", ".join(f"{n} {op}" for op, n in r.name_map["counts"].items())
         lines.append(f"  names ({r.name_map['map']}): {counts}")
-        lines += [f"    dropped {d['name']}: {d['note']}" for d in r.name_map["dropped"]]
+        by_note: dict[str, list[str]] = {}
+        for d in r.name_map["dropped"]:
+            by_note.setdefault(d["note"], []).append(d["name"])
+        for note, dropped in by_note.items():
+            more = f" and {len(dropped) - 1} more" if len(dropped) > 1 else ""
+            lines.append(f"    dropped {dropped[0]}{more}: {note}")
     if r.tie:
         t = r.tie
         if t["action"] == "deduplicated":
