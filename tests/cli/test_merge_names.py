@@ -245,3 +245,15 @@ def test_the_cli_lists_every_map() -> None:
     from ckpttool.core.namemaps import NAMES
 
     assert NAME_MAPS == NAMES
+
+
+def test_names_with_a_lora_adapter_is_not_supported_yet(lora_ckpts: Path,
+                                                        tmp_path: Path) -> None:
+    ckpt = lora_ckpts / "lora"
+    out = tmp_path / "out"
+    r = run("merge", ckpt, out, "--names", "torchtitan-llama3")
+    assert r.exit_code == 4, r.output
+    assert r.stderr == (f"ckpttool: error: {ckpt}/pytorch_model_fsdp_0: --names with a LoRA "
+                        "adapter is not supported yet; merge without the adapter, or without "
+                        "--names\n")
+    assert not (out / "model.safetensors").exists()
