@@ -30,8 +30,20 @@ Examples:\n\n
   ckpttool merge lora-checkpoint out/ --lora adapter\n\n
   ckpttool merge base-model/ out/ --adapter my-adapter/\n\n
   ckpttool merge checkpoint/step-1000 optim/ --part optimizer\n\n
+  ckpttool merge outputs/checkpoint/step-1000 out/ --names torchtitan-llama3 --config hf/\n\n
 Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug.
 """
+
+
+# The name maps of ckpttool.core.namemaps (NAMES), spelled here so that --help imports no core.
+NAME_MAPS = ("torchtitan-llama3", "torchtitan-qwen3")
+
+
+def names_choice(value: str | None) -> str | None:
+    """Typer callback for ``--names``: one of :data:`NAME_MAPS` (else a usage error)."""
+    if value is not None and value not in NAME_MAPS:
+        raise typer.BadParameter(f"'{value}' is not one of {', '.join(NAME_MAPS)}")
+    return value
 
 
 def merge_command(
@@ -72,6 +84,11 @@ def merge_command(
     ] = None,
     no_progress: NoProgress = False,
     follow_links: FollowLinks = False,
+    names: Annotated[str | None, typer.Option(
+        callback=names_choice, help=f"Map a training framework's names and layouts to a "
+        f"Hugging Face model family's: {', '.join(NAME_MAPS)} (renames, RoPE permutation, "
+        "fused wqkv and grouped-expert splits). Needs the model's config.json (--config).")
+    ] = None,
     workers: Annotated[int | None, typer.Option(
         min=1, help="Parallel copy threads (default: the CPUs this process may use).")] = None,
     json_output: Annotated[bool, typer.Option(
@@ -90,6 +107,7 @@ def merge_command(
                            config=config, keep_tied=keep_tied, overwrite=overwrite,
                            workers=workers, follow_links=follow_links, lora=lora,
                            adapter=adapter, adapter_config=adapter_config, part=part,
+                           names=names,
                            progress=progress, on_start=on_start)
         finally:
             bar.stop()
@@ -150,6 +168,15 @@ def _print_human(r: object) -> None:
         if len(shown) < len(r.renames):
             lines.append(f"    ... and {len(r.renames) - len(shown)} more (every rename is in "
                          "--json)")
+    if r.name_map:
+        counts = ", ".join(f"{n} {op}" for op, n in r.name_map["counts"].items())
+        lines.append(f"  names ({r.name_map['map']}): {counts}")
+        by_note: dict[str, list[str]] = {}
+        for d in r.name_map["dropped"]:
+            by_note.setdefault(d["note"], []).append(d["name"])
+        for note, dropped in by_note.items():
+            more = f" and {len(dropped) - 1} more" if len(dropped) > 1 else ""
+            lines.append(f"    dropped {dropped[0]}{more}: {note}")
     if r.tie:
         t = r.tie
         if t["action"] == "deduplicated":

@@ -37,6 +37,10 @@ class Derived:
     # The reader of each input where it is not the merge's own (an adapter merged into a
     # separate base model); empty or None entries: the merge's reader.
     readers: tuple[Reader | None, ...] = ()
+    # Per input, an index along its dim 0 to read instead of the whole tensor (one expert of
+    # a grouped [E, ...] weight): only that slice's bytes are read, so splitting a tensor in E
+    # costs its bytes once, not E times. Empty: every input whole.
+    select: tuple[int | None, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -58,6 +62,18 @@ def read_whole(reader: Reader, tensor: Tensor) -> torch.Tensor:
     return flat.reshape(tensor.shape)
 
 
+def read_slice(reader: Reader, tensor: Tensor, index: int) -> torch.Tensor:
+    """``tensor[index]`` (along dim 0), reading only its bytes."""
+    import torch
+
+    inner = math.prod(tensor.shape[1:])
+    data = tensors.read_range(reader, tensor, index * inner, (index + 1) * inner)
+    dtype = getattr(torch, tensor.dtype.torch_name)
+    if not data:
+        return torch.empty(tensor.shape[1:], dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype).reshape(tensor.shape[1:])
+
+
 def materialise(reader: Reader, derived: Derived, dtype: DType) -> bytearray:
     """``derived`` computed and cast to ``dtype``, as C-ordered bytes.
 
@@ -67,9 +83,12 @@ def materialise(reader: Reader, derived: Derived, dtype: DType) -> bytearray:
     """
     import torch
 
-    readers = derived.readers + (None,) * (len(derived.inputs) - len(derived.readers))
-    out = derived.compute([read_whole(r or reader, t)
-                           for r, t in zip(readers, derived.inputs, strict=True)])
+    num = len(derived.inputs)
+    readers = derived.readers + (None,) * (num - len(derived.readers))
+    select = derived.select + (None,) * (num - len(derived.select))
+    out = derived.compute([
+        read_whole(r or reader, t) if i is None else read_slice(r or reader, t, i)
+        for r, t, i in zip(readers, derived.inputs, select, strict=True)])
     if tuple(out.shape) != derived.shape:
         raise InputError(f"'{derived.name}': computed shape {list(out.shape)} is not the "
                          f"planned {list(derived.shape)} ({derived.what or 'derived tensor'})")

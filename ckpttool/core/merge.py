@@ -20,7 +20,7 @@ from typing import Any
 
 from ckpttool.core import chunks as chunk_geometry
 from ckpttool.core import dtypes as dtype_policy
-from ckpttool.core import hf, names, structure, tensors, ties
+from ckpttool.core import hf, namemaps, names, structure, tensors, ties
 from ckpttool.core import lora as adapters
 from ckpttool.core import objects as non_tensor
 from ckpttool.core.derive import Derived, materialise
@@ -34,10 +34,11 @@ from ckpttool.core.fileio import (
     pwrite_all,
     remove_stale,
 )
+from ckpttool.core.names import detected_wrappers
 from ckpttool.core.parts import MERGEABLE
 from ckpttool.core.report import SCHEMA, Progress
 from ckpttool.core.torch_threads import default_workers, one_torch_thread, workers_for
-from ckpttool.errors import InputError, OutputError
+from ckpttool.errors import InputError, OutputError, UnsupportedError
 from ckpttool.formats import registry
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Chunk, Reader, Tensor
@@ -340,6 +341,7 @@ class MergeReport:
     renames: list[dict[str, str]] = field(default_factory=list)
     wrappers_removed: list[str] = field(default_factory=list)
     tie: dict[str, Any] | None = None
+    name_map: dict[str, Any] | None = None  # --names: the map and what it did to each tensor
     lora: dict[str, Any] | None = None  # the adapter found, and what was done with it
     non_tensor: list[dict[str, Any]] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)
@@ -373,6 +375,7 @@ def merge(
     adapter: str | os.PathLike[str] | None = None,
     adapter_config: str | os.PathLike[str] | None = None,
     part: str | None = None,
+    names: str | None = None,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> MergeReport:
@@ -401,6 +404,8 @@ def merge(
             lr scheduler, dataloader...): ``"model"`` (model.safetensors) or ``"optimizer"``
             (optimizer.safetensors and optimizer.json). Default: the model, or the optimizer
             state of a checkpoint that holds nothing else. The rest is reported, not written.
+        names: a name map (``namemaps.NAMES``, e.g. ``"torchtitan-llama3"``) from the
+            training framework's names and layouts to the Hugging Face model family's.
         progress: called with bytes written, as the merge goes.
         on_start: called once with the total bytes to write, before any are written.
 
@@ -454,6 +459,17 @@ def merge(
                                       if files.config_path else "config.json")
         stem = "model"
     sources: list[tuple[str, Source]] = list(named) if adapted is None else adapted.sources
+    mapped = None
+    if names is not None:
+        if optimizer:
+            raise InputError(f"{info.root}: holds optimizer state; --names maps a model's "
+                             "weights: pass the model checkpoint")
+        if adapted is not None:
+            raise UnsupportedError(f"{info.root}: --names with a LoRA adapter is not supported "
+                                   "yet; merge without the adapter, or without --names")
+        mapped = namemaps.apply(names, named, files.config, config_path=str(
+            files.config_path) if files.config_path else None)
+        sources = list(mapped.tensors)
 
     report = MergeReport(src=str(src_path), checkpoint=str(info.root), out=str(out_path),
                          kind=ckpt.kind, format=info.format, storage=dict(info.storage),
@@ -466,13 +482,14 @@ def merge(
                       and registry.is_format(p.format)]
     renamed = [t for t in ckpt.tensors if t.name != t.stored_name]
     report.renames = [{"from": t.stored_name, "to": t.name} for t in renamed]
-    report.wrappers_removed = names.detected_wrappers((t.path for t in renamed),
-                                                      ckpt.top_level)
+    report.wrappers_removed = detected_wrappers((t.path for t in renamed), ckpt.top_level)
     report.dtype = {"requested": policy.requested,
                     "target": policy.target.name if policy.target else None,
                     "source": policy.source}
     if adapted is not None:
         report.lora = adapted.report
+    if mapped is not None:
+        report.name_map = mapped.to_json()
     extra_names = [p.name for p in files.files] + ([OPTIMIZER_JSON] if optimizer else [])
     if mode == "adapter":
         extra_names.append(hf.ADAPTER_CONFIG)
@@ -488,6 +505,8 @@ def merge(
             adapted.reader.open_files()
         drop = (frozenset() if optimizer or mode == "adapter"
                 else _decide_tie(reader, sources, files.config, keep_tied, report))
+        if mapped is not None:
+            report.warnings += namemaps.check_dropped(reader, mapped)
         objects = [(o, non_tensor.read(reader, o.entry)) for o in whole.objects]
         report.non_tensor = [{**non_tensor.describe(o.name, value), "part": o.part}
                              for o, value in objects]

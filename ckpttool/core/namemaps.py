@@ -1,0 +1,504 @@
+"""Name maps: a training framework's parameter names and layouts to a Hugging Face model
+family's (``ckpttool merge --names torchtitan-llama3``).
+
+A map is a table of :class:`Rule`: a stored name pattern (``{L}``: a layer number), the Hugging
+Face name it becomes, the shape config.json implies for it, and what happens to its values on
+the way: nothing (a rename: the stored tensor under a new name, still copied file to file), the
+rotary-embedding row permutation, one part of a fused ``wqkv``, one expert of a grouped
+``[E, ...]`` weight (a :class:`~ckpttool.core.derive.Derived` each), or a declared drop. The
+facts are those of torchtitan 0.3's own ``state_dict_adapter.py`` (``to_hf``) and its fused
+``FusedQKVLinear``, written down as data.
+
+A wrong map fails loudly and never writes a misnamed or reshaped model: config.json's
+``model_type`` must be the map's family, every stored tensor must match a rule (nothing is
+passed through or dropped unless the table says so), every stored shape must be the one
+config.json implies, and every layer must come out complete.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from ckpttool.core.derive import Derived, read_whole
+from ckpttool.errors import InputError
+from ckpttool.formats.base import Reader, Tensor
+
+if TYPE_CHECKING:
+    import torch
+
+Source = Tensor | Derived
+
+# What a rule does to the stored values.
+RENAME = "rename"  # the stored tensor under another name, bytes untouched
+ROPE = "rope"  # rows permuted from torchtitan's interleaved RoPE pairs to HF's halves
+EXPERTS = "experts"  # a grouped [E, ...] weight split into E tensors ("{E}" in the target)
+WQKV_Q, WQKV_K, WQKV_V = "wqkv-q", "wqkv-k", "wqkv-v"  # one part of a fused wqkv
+DROP = "drop"  # no Hugging Face counterpart; warned about when not all zero
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One stored tensor pattern and what it becomes."""
+
+    source: str  # stored (canonical) name; "{L}" stands for a layer number
+    target: str  # Hugging Face name; "{L}" the same layer, "{E}" each expert (EXPERTS)
+    shape: tuple[str, ...]  # the stored shape, in the config dimensions of DIMS
+    op: str = RENAME
+    rope_heads: str = ""  # ROPE and fused parts: the heads permuted ("heads", "kv_heads")
+    note: str = ""  # DROP: why, and what dropping a non-zero tensor changes
+
+
+@dataclass(frozen=True)
+class NameMap:
+    name: str
+    family: str  # for messages: "Llama 3"
+    model_types: tuple[str, ...]  # config.json model_type values this map is for
+    rules: tuple[Rule, ...]
+    required: tuple[str, ...]  # Hugging Face names every model has ("{L}": every layer)
+    dense_mlp: tuple[str, ...]  # per layer, a dense feed-forward ("{L}")
+    moe_mlp: tuple[str, ...] = ()  # per layer, a mixture of experts ("{L}", "{E}")
+
+
+# --------------------------------------------------------------------------------------------
+# config.json dimensions
+
+
+def _int(config: Mapping[str, Any], key: str) -> int | None:
+    value = config.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class _Missing(InputError):
+    """config.json lacks a dimension (``key``)."""
+
+    def __init__(self, message: str, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The dimensions a map needs, from a Hugging Face config.json."""
+
+    config: Mapping[str, Any]
+    where: str  # the config's path, for messages
+    map_name: str
+
+    def number(self, key: str) -> int:
+        value = _int(self.config, key)
+        if value is None or value < 0:
+            raise _Missing(f"{self.where}: needs an integer '{key}' for --names "
+                           f"{self.map_name}; pass the model's Hugging Face config.json "
+                           "with --config", key)
+        return value
+
+    @property
+    def heads(self) -> int:
+        return self.number("num_attention_heads")
+
+    @property
+    def kv_heads(self) -> int:
+        if self.config.get("num_key_value_heads") is None:
+            return self.heads
+        return self.number("num_key_value_heads")
+
+    @property
+    def head_dim(self) -> int:
+        if self.config.get("head_dim") is not None:
+            return self.number("head_dim")
+        return self.number("hidden_size") // max(self.heads, 1)
+
+    @property
+    def experts(self) -> int:
+        # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts.
+        if self.config.get("num_experts") is None and "num_local_experts" in self.config:
+            return self.number("num_local_experts")
+        return self.number("num_experts")
+
+    def size(self, symbol: str) -> int:
+        return DIMS[symbol][1](self)
+
+    def describe(self, symbols: set[str]) -> str:
+        keys = sorted({k for s in symbols for k in DIMS[s][2]})
+        return ", ".join(f"{k} {self.config[k]}" for k in keys if k in self.config)
+
+
+# symbol -> (how messages spell it, its size, the config.json keys it comes from)
+DIMS: dict[str, tuple[str, Callable[[Dims], int], tuple[str, ...]]] = {
+    "vocab": ("vocab_size", lambda d: d.number("vocab_size"), ("vocab_size",)),
+    "hidden": ("hidden_size", lambda d: d.number("hidden_size"), ("hidden_size",)),
+    "head_dim": ("head_dim", lambda d: d.head_dim,
+                 ("head_dim", "hidden_size", "num_attention_heads")),
+    "q": ("num_attention_heads*head_dim", lambda d: d.heads * d.head_dim,
+          ("num_attention_heads", "head_dim", "hidden_size")),
+    "kv": ("num_key_value_heads*head_dim", lambda d: d.kv_heads * d.head_dim,
+           ("num_key_value_heads", "num_attention_heads", "head_dim", "hidden_size")),
+    "qkv": ("(num_attention_heads+2*num_key_value_heads)*head_dim",
+            lambda d: (d.heads + 2 * d.kv_heads) * d.head_dim,
+            ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")),
+    "ffn": ("intermediate_size", lambda d: d.number("intermediate_size"),
+            ("intermediate_size",)),
+    "experts": ("num_experts", lambda d: d.experts, ("num_experts", "num_local_experts")),
+    "moe_ffn": ("moe_intermediate_size", lambda d: d.number("moe_intermediate_size"),
+                ("moe_intermediate_size",)),
+}
+
+
+def _sparse_layers(dims: Dims, num_layers: int) -> frozenset[int]:
+    """The layers config.json gives a mixture of experts, as transformers' Qwen3-MoE decides
+    (``num_experts``, ``decoder_sparse_step``, ``mlp_only_layers``); none for a dense model."""
+    if not (_int(dims.config, "num_experts") or _int(dims.config, "num_local_experts")):
+        return frozenset()
+    step = _int(dims.config, "decoder_sparse_step") or 1
+    only = set(dims.config.get("mlp_only_layers") or ())
+    return frozenset(i for i in range(num_layers) if i not in only and (i + 1) % step == 0)
+
+
+# --------------------------------------------------------------------------------------------
+# The tables
+
+
+def _decoder_rules(attention: str, *, rope: bool, qk_norm: bool) -> tuple[Rule, ...]:
+    """torchtitan's decoder names (models/common), shared by its Llama 3 and Qwen 3."""
+    a, hf = f"layers.{{L}}.{attention}", "model.layers.{L}.self_attn"
+    q_op, k_op = (ROPE, ROPE) if rope else (RENAME, RENAME)
+    rules = [
+        Rule("tok_embeddings.weight", "model.embed_tokens.weight", ("vocab", "hidden")),
+        Rule("norm.weight", "model.norm.weight", ("hidden",)),
+        Rule("lm_head.weight", "lm_head.weight", ("vocab", "hidden")),
+        Rule(f"{a}.qkv_linear.wq.weight", f"{hf}.q_proj.weight", ("q", "hidden"), q_op,
+             "heads" if rope else ""),
+        Rule(f"{a}.qkv_linear.wk.weight", f"{hf}.k_proj.weight", ("kv", "hidden"), k_op,
+             "kv_heads" if rope else ""),
+        Rule(f"{a}.qkv_linear.wv.weight", f"{hf}.v_proj.weight", ("kv", "hidden")),
+        # FusedQKVLinear's own parameter: torchtitan's state_dict hook splits it on save, so a
+        # checkpoint holds it only when saved from the parameters themselves.
+        Rule(f"{a}.qkv_linear.wqkv.weight", f"{hf}.q_proj.weight", ("qkv", "hidden"), WQKV_Q,
+             "heads" if rope else ""),
+        Rule(f"{a}.qkv_linear.wqkv.weight", f"{hf}.k_proj.weight", ("qkv", "hidden"), WQKV_K,
+             "kv_heads" if rope else ""),
+        Rule(f"{a}.qkv_linear.wqkv.weight", f"{hf}.v_proj.weight", ("qkv", "hidden"), WQKV_V),
+        Rule(f"{a}.wo.weight", f"{hf}.o_proj.weight", ("hidden", "q")),
+        Rule("layers.{L}.feed_forward.w1.weight", "model.layers.{L}.mlp.gate_proj.weight",
+             ("ffn", "hidden")),
+        Rule("layers.{L}.feed_forward.w3.weight", "model.layers.{L}.mlp.up_proj.weight",
+             ("ffn", "hidden")),
+        Rule("layers.{L}.feed_forward.w2.weight", "model.layers.{L}.mlp.down_proj.weight",
+             ("hidden", "ffn")),
+        Rule("layers.{L}.attention_norm.weight", "model.layers.{L}.input_layernorm.weight",
+             ("hidden",)),
+        Rule("layers.{L}.ffn_norm.weight", "model.layers.{L}.post_attention_layernorm.weight",
+             ("hidden",)),
+    ]
+    if qk_norm:
+        rules += [Rule(f"{a}.q_norm.weight", f"{hf}.q_norm.weight", ("head_dim",)),
+                  Rule(f"{a}.k_norm.weight", f"{hf}.k_norm.weight", ("head_dim",))]
+    return tuple(rules)
+
+
+_ATTENTION = tuple(f"model.layers.{{L}}.{n}" for n in (
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"))
+_TOP = ("model.embed_tokens.weight", "model.norm.weight")
+_DENSE = tuple(f"model.layers.{{L}}.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
+
+_MOE = "layers.{L}.moe"
+_QWEN3_MOE_RULES = (
+    # GroupedExperts: w1/w3 [E, moe_ffn, hidden] and w2 [E, hidden, moe_ffn], each expert's
+    # slice already in nn.Linear's [out, in] layout: a split, no transposition.
+    Rule(f"{_MOE}.routed_experts.inner_experts.w1_EFD",
+         "model.layers.{L}.mlp.experts.{E}.gate_proj.weight", ("experts", "moe_ffn", "hidden"),
+         EXPERTS),
+    Rule(f"{_MOE}.routed_experts.inner_experts.w3_EFD",
+         "model.layers.{L}.mlp.experts.{E}.up_proj.weight", ("experts", "moe_ffn", "hidden"),
+         EXPERTS),
+    Rule(f"{_MOE}.routed_experts.inner_experts.w2_EDF",
+         "model.layers.{L}.mlp.experts.{E}.down_proj.weight", ("experts", "hidden", "moe_ffn"),
+         EXPERTS),
+    Rule(f"{_MOE}.router.gate.weight", "model.layers.{L}.mlp.gate.weight",
+         ("experts", "hidden")),
+    Rule(f"{_MOE}.expert_bias_E", "", ("experts",), DROP, note=(
+        "torchtitan's load-balancing expert bias, which Hugging Face's Qwen3-MoE has no place "
+        "for (torchtitan's own to_hf drops it too)")),
+)
+
+MAPS: dict[str, NameMap] = {m.name: m for m in (
+    NameMap(
+        name="torchtitan-llama3", family="Llama 3", model_types=("llama",),
+        rules=_decoder_rules("attention", rope=True, qk_norm=False),
+        required=_TOP + _ATTENTION, dense_mlp=_DENSE),
+    NameMap(
+        name="torchtitan-qwen3", family="Qwen 3 (dense and MoE)",
+        model_types=("qwen3", "qwen3_moe"),
+        # CosSinRoPE rotates halves, as transformers does: no permutation.
+        rules=_decoder_rules("attention", rope=False, qk_norm=True) + _QWEN3_MOE_RULES,
+        required=_TOP + _ATTENTION + ("model.layers.{L}.self_attn.q_norm.weight",
+                                      "model.layers.{L}.self_attn.k_norm.weight"),
+        dense_mlp=_DENSE,
+        moe_mlp=("model.layers.{L}.mlp.gate.weight",
+                 "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
+                 "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
+                 "model.layers.{L}.mlp.experts.{E}.down_proj.weight")),
+)}
+
+NAMES = tuple(MAPS)
+
+
+# --------------------------------------------------------------------------------------------
+# Values: what the derived tensors compute
+
+
+def _rope_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """torchtitan's rows, (re, im) pairs interleaved per head, into transformers' order (the
+    real halves, then the imaginary halves: ``rotate_half``), as torchtitan's to_hf does."""
+    rows, cols = w.shape
+    return w.reshape(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _wqkv_part(inputs: list[torch.Tensor], *, op: str, kv_heads: int, head_dim: int,
+               rope_heads: int) -> torch.Tensor:
+    """One of q, k, v from FusedQKVLinear's ``[kv_heads, heads/kv_heads + 2, head_dim, in]``
+    rows (each KV group's query heads, then its key, then its value)."""
+    (w,) = inputs
+    rows, cols = w.shape
+    per_group = rows // (kv_heads * head_dim)
+    grouped = w.reshape(kv_heads, per_group, head_dim, cols)
+    part = {WQKV_Q: grouped[:, : per_group - 2], WQKV_K: grouped[:, per_group - 2],
+            WQKV_V: grouped[:, per_group - 1]}[op]
+    out = part.reshape(-1, cols)
+    return _rope_permute(out, rope_heads) if rope_heads else out
+
+
+def _first(inputs: list[torch.Tensor]) -> torch.Tensor:
+    return inputs[0]
+
+
+def _permuted(inputs: list[torch.Tensor], *, heads: int) -> torch.Tensor:
+    return _rope_permute(inputs[0], heads)
+
+
+# --------------------------------------------------------------------------------------------
+# Applying a map
+
+
+@dataclass
+class Mapped:
+    """A map applied: the output tensors, and what was done, for the report."""
+
+    map: str
+    tensors: list[tuple[str, Source]]
+    how: list[dict[str, str]] = field(default_factory=list)  # {"from", "to", "op"}
+    dropped: list[tuple[str, Tensor, str]] = field(default_factory=list)  # name, tensor, note
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for h in self.how:
+            out[h["op"]] = out.get(h["op"], 0) + 1
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"map": self.map, "counts": self.counts(), "tensors": self.how,
+                "dropped": [{"name": n, "note": note} for n, _, note in self.dropped]}
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    rule: Rule
+    pattern: re.Pattern[str]
+
+
+def _compile(rule: Rule) -> _Compiled:
+    return _Compiled(rule, re.compile(re.escape(rule.source).replace(r"\{L\}", r"(?P<L>\d+)")))
+
+
+def apply(map_name: str, tensors: list[tuple[str, Tensor]],
+          config: Mapping[str, Any] | None, *, config_path: str | None = None) -> Mapped:
+    """The Hugging Face tensors the map ``map_name`` makes of ``tensors``. Pure: no data read.
+
+    Args:
+        map_name: one of :data:`NAMES`.
+        tensors: (canonical name, stored tensor), in model order.
+        config: the model's Hugging Face config.json, for dimensions and checks.
+        config_path: where it came from, for messages.
+
+    Returns:
+        A :class:`Mapped`: (Hugging Face name, source) in model order, renames as the stored
+        tensors themselves.
+
+    Raises:
+        InputError: an unknown map, no or another family's config, a stored tensor no rule
+            maps, a shape config.json does not imply, or an incomplete model.
+    """
+    nmap = MAPS.get(map_name)
+    if nmap is None:
+        raise InputError(f"no name map '{map_name}'; choose one of {', '.join(NAMES)}")
+    where = config_path or "config.json"
+    if config is None:
+        raise InputError(f"--names {map_name} needs the model's Hugging Face config.json "
+                         "(heads, sizes); put it beside the checkpoint or pass --config")
+    model_type = config.get("model_type")
+    if model_type not in nmap.model_types:
+        raise InputError(
+            f"{where}: model_type '{model_type}' is not {nmap.family} "
+            f"({', '.join(nmap.model_types)}), which --names {map_name} maps to; pass the "
+            "config.json of the model that was trained, or the map of its family")
+    dims = Dims(config, where, map_name)
+    compiled = [_compile(r) for r in nmap.rules]
+    matched = [(name, tensor, [(c.rule, m) for c in compiled
+                                if (m := c.pattern.fullmatch(name))])
+               for name, tensor in tensors]
+    # Errors name tensors in sorted order, whatever order the checkpoint stores them in.
+    unmapped = sorted(name for name, _, matches in matched if not matches)
+    if unmapped:
+        shown = ", ".join(f"'{n}'" for n in unmapped[:3])
+        more = f" and {len(unmapped) - 3} more" if len(unmapped) > 3 else ""
+        raise InputError(
+            f"--names {map_name}: no rule maps {shown}{more}; this is not a torchtitan "
+            f"{nmap.family} model checkpoint (or it holds more than the model). Check the map, "
+            "or merge without --names")
+    for name, tensor, matches in sorted(matched, key=lambda x: x[0]):
+        for rule, _ in matches:
+            _check_shape(nmap, dims, rule, name, tensor)
+    out = Mapped(map_name, [])
+    for name, tensor, matches in matched:
+        for rule, m in matches:
+            layer = m.groupdict().get("L")
+            target = rule.target.replace("{L}", layer) if layer is not None else rule.target
+            _emit(out, dims, rule, name, tensor, target)
+    _check_complete(nmap, dims, out)
+    return out
+
+
+def _check_shape(nmap: NameMap, dims: Dims, rule: Rule, name: str, tensor: Tensor) -> None:
+    try:
+        expected = tuple(dims.size(s) for s in rule.shape)
+    except _Missing as e:
+        raise InputError(
+            f"'{name}': {dims.where} has no '{e.key}', which --names {nmap.name} needs for "
+            f"this tensor: it describes another model (model_type "
+            f"{dims.config.get('model_type')}); pass the config.json of the model that was "
+            "trained") from None
+    if tensor.shape == expected:
+        return
+    spec = ", ".join(DIMS[s][0] for s in rule.shape)
+    raise InputError(
+        f"'{name}': shape {list(tensor.shape)}, but --names {nmap.name} with {dims.where} "
+        f"({dims.describe(set(rule.shape))}) expects {list(expected)} ([{spec}]); the "
+        "checkpoint is not this model: check the map and config.json")
+
+
+def _emit(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor, target: str) -> None:
+    """The output tensor(s) of one rule for one stored tensor, into ``out``."""
+    if rule.op == DROP:
+        out.dropped.append((name, tensor, rule.note))
+        return
+    if rule.op == RENAME:
+        out.tensors.append((target, tensor))
+        out.how.append({"from": name, "to": target, "op": "renamed"})
+        return
+    rope_heads = getattr(dims, rule.rope_heads) if rule.rope_heads else 0
+    if rope_heads and dims.head_dim % 2:
+        raise InputError(f"{dims.where}: head_dim {dims.head_dim} is odd; RoPE rotates pairs, "
+                         f"so '{name}' cannot be a {rule.op} of this model")
+    if rule.op == ROPE:
+        derived = Derived(target, (tensor,), tensor.dtype, tensor.shape,
+                          partial(_permuted, heads=rope_heads),
+                          f"RoPE row permutation of {name} ({rope_heads} heads)")
+        out.tensors.append((target, derived))
+        out.how.append({"from": name, "to": target, "op": "rope-permuted"})
+    elif rule.op in (WQKV_Q, WQKV_K, WQKV_V):
+        if dims.heads % max(dims.kv_heads, 1):
+            raise InputError(f"{dims.where}: num_attention_heads {dims.heads} is not a "
+                             f"multiple of num_key_value_heads {dims.kv_heads}; '{name}' "
+                             "cannot be a fused wqkv of this model")
+        rows = dims.size("q" if rule.op == WQKV_Q else "kv")
+        derived = Derived(target, (tensor,), tensor.dtype, (rows, tensor.shape[1]),
+                          partial(_wqkv_part, op=rule.op, kv_heads=dims.kv_heads,
+                                  head_dim=dims.head_dim, rope_heads=rope_heads),
+                          f"{rule.op[-1]} of fused {name}"
+                          + (" with RoPE row permutation" if rope_heads else ""))
+        out.tensors.append((target, derived))
+        out.how.append({"from": name, "to": target,
+                        "op": "split-rope-permuted" if rope_heads else "split"})
+    elif rule.op == EXPERTS:
+        for e in range(tensor.shape[0]):
+            expert = target.replace("{E}", str(e))
+            out.tensors.append((expert, Derived(
+                expert, (tensor,), tensor.dtype, tensor.shape[1:], _first,
+                f"expert {e} of {name}", select=(e,))))
+            out.how.append({"from": f"{name}[{e}]", "to": expert, "op": "expert-split"})
+    else:  # pragma: no cover - a table names an op this module lacks
+        raise AssertionError(rule.op)
+
+
+def _check_complete(nmap: NameMap, dims: Dims, out: Mapped) -> None:
+    """Every output name once; every layer config.json describes, and each complete."""
+    seen: set[str] = set()
+    for name, _ in out.tensors:
+        if name in seen:
+            sources = [h["from"] for h in out.how if h["to"] == name]
+            raise InputError(f"--names {nmap.name}: '{name}' would be written twice (from "
+                             f"{', '.join(repr(s) for s in sources)}); the checkpoint holds "
+                             "one weight in two forms")
+        seen.add(name)
+    num_layers = dims.number("num_hidden_layers")
+    layers = {int(m.group(1)) for n in seen if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    if layers != set(range(num_layers)):
+        held = f"layers 0-{max(layers)}" if layers == set(range(len(layers))) else (
+            f"layers {', '.join(map(str, sorted(layers)))}")
+        raise InputError(f"--names {nmap.name}: the checkpoint has {held}, but {dims.where} "
+                         f"says num_hidden_layers {num_layers}; pass the config of the model "
+                         "that was trained (a pipeline stage alone is not a model)")
+    sparse = _sparse_layers(dims, num_layers)
+    tied = dims.config.get("tie_word_embeddings") is True
+    needed = [n for n in nmap.required if "{L}" not in n]
+    if not tied:
+        needed.append("lm_head.weight")
+    for layer in range(num_layers):
+        per_layer = [n for n in nmap.required if "{L}" in n]
+        if layer in sparse:
+            experts = dims.size("experts")
+            per_layer += [n.replace("{E}", str(e)) for n in nmap.moe_mlp
+                          for e in (range(experts) if "{E}" in n else (0,))]
+        else:
+            per_layer += list(nmap.dense_mlp)
+        needed += [n.replace("{L}", str(layer)) for n in per_layer]
+    missing = [n for n in needed if n not in seen]
+    if missing:
+        kind = ""
+        if any(".mlp." in n for n in missing):
+            kind = (f" ({dims.where} describes layer {_layer(missing[0])} as "
+                    f"{'a mixture of experts' if _layer(missing[0]) in sparse else 'dense'})")
+        raise InputError(
+            f"--names {nmap.name}: nothing in the checkpoint becomes '{missing[0]}'"
+            f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}{kind}; the "
+            "checkpoint is not the model config.json describes: check the map and config")
+    stray = sorted(seen - set(needed) - {"lm_head.weight"})
+    if stray:
+        raise InputError(
+            f"--names {nmap.name}: '{stray[0]}' has no place in the model {dims.where} "
+            f"describes{f' (and {len(stray) - 1} more)' if len(stray) > 1 else ''}; check "
+            "the map and config.json")
+
+
+def _layer(name: str) -> int | None:
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def check_dropped(reader: Reader, mapped: Mapped) -> list[str]:
+    """A warning for each dropped tensor that is not all zero (a trained value the Hugging
+    Face model has no place for). Reads those tensors (small: a bias per layer)."""
+    warnings = []
+    for name, tensor, note in mapped.dropped:
+        values = read_whole(reader, tensor)
+        if values.numel() and bool(values.ne(0).any()):
+            top = float(values.float().abs().max())
+            warnings.append(
+                f"dropped '{name}', which is not zero (max |value| {top:.3g}): {note}; the "
+                "merged model can behave differently from the trained one")
+    return warnings
