@@ -92,14 +92,6 @@ def _names(directory: Path) -> list[str]:
         return []
 
 
-def _is_zip(file: Path) -> bool:
-    try:
-        with open(file, "rb") as f:
-            return f.read(4) == torchsave.ZIP_MAGIC
-    except OSError:
-        return False
-
-
 def is_tag_dir(path: Path) -> bool:
     """True if ``path`` holds ZeRO optimizer-state and model-state files (names and zip magic
     only: a damaged one is still claimed, so that ``read_info`` says what is wrong)."""
@@ -108,7 +100,7 @@ def is_tag_dir(path: Path) -> bool:
     names = _names(path)
     optim = sorted(n for n in names if _OPTIM_RE.match(n))
     model = [n for n in names if _MODEL_RE.match(n) or _ZERO3_MODEL_RE.match(n)]
-    return bool(optim) and bool(model) and _is_zip(path / optim[0])
+    return bool(optim) and bool(model) and torchsave.is_zip(path / optim[0])
 
 
 def _read_latest(path: Path) -> str | None:

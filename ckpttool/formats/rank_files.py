@@ -89,14 +89,6 @@ def _model_files(path: Path) -> list[RankFile]:
     return sorted(found, key=lambda f: (f.rank, f.world_size))
 
 
-def _is_zip(file: Path) -> bool:
-    try:
-        with open(file, "rb") as f:
-            return f.read(4) == torchsave.ZIP_MAGIC
-    except OSError:
-        return False
-
-
 def detect(path: Path) -> bool:
     return path.is_dir() and is_rank_files_dir(path)
 
@@ -117,7 +109,7 @@ def is_rank_files_dir(path: Path) -> bool:
     """
     model = _model_files(path)
     if model:
-        return _is_zip(path / model[0].name)
+        return torchsave.is_zip(path / model[0].name)
     return bool(_rank_sets(path))
 
 
@@ -191,7 +183,7 @@ def _rank_sets(path: Path) -> list[RankSet]:
         return []
     by_pattern: dict[str, list[tuple[int | None, str]]] = {}
     for name in files:
-        if _is_zip(path / name):
+        if torchsave.is_zip(path / name):
             pattern, rank = name_rank(name)
             by_pattern.setdefault(pattern, []).append((rank, name))
     sets = []

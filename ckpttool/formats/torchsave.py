@@ -39,6 +39,15 @@ PICKLE_ERRORS: tuple[type[Exception], ...] = (
 ZIP_MAGIC = b"PK\x03\x04"
 
 
+def is_zip(file: str | os.PathLike[str]) -> bool:
+    """Whether ``file`` starts like a zip archive (what ``torch.save`` writes)."""
+    try:
+        with open(file, "rb") as f:
+            return f.read(4) == ZIP_MAGIC
+    except OSError:
+        return False
+
+
 # --------------------------------------------------------------------------------------------
 # Allow-list unpickling
 
