@@ -209,16 +209,9 @@ def _load(root: Path, name: str) -> _File:
     except OSError as e:
         raise InputError(f"{path}: cannot read: {e.strerror}") from None
     try:
-        st = os.fstat(fd)
         if not os.path.isfile(path):
             raise InputError(f"{path}: not a regular file; copy the checkpoint again")
-        size = st.st_size
-        if os.pread(fd, 4, 0) != torchsave.ZIP_MAGIC:
-            raise InputError(f"{path}: not a torch.save file (no zip header); copy the "
-                             "checkpoint again")
-        rb = torchsave.RecordBytes(fd, 0, size, where)
-        entries = torchsave.zip_entries(rb)
-        torchsave.check_byteorder(rb, entries)
+        rb, entries = torchsave.open_file_archive(fd, where, "copy the checkpoint again")
         try:
             value = torchsave.load_pickle(rb, entries, lookup=deepspeed_global)
         except torchsave.Refused as e:
@@ -242,7 +235,7 @@ def _load(root: Path, name: str) -> _File:
         os.close(fd)
     if not isinstance(value, dict):
         raise InputError(f"{path}: holds a {type(value).__name__}, not a DeepSpeed state dict")
-    return _File(name, path, value, entries, size)
+    return _File(name, path, value, entries, rb.length)
 
 
 @dataclass(frozen=True)

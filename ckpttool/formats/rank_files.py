@@ -495,14 +495,8 @@ def _load(path: Path, fd: int) -> tuple[torchsave.RecordBytes, dict[str, torchsa
         InputError: damaged, truncated, unsafe, or not a dict.
         UnsupportedError: FSDP1 flat parameters, torch.distributed classes not on the list.
     """
-    where = str(path)
-    size = os.fstat(fd).st_size
-    if os.pread(fd, 4, 0) != torchsave.ZIP_MAGIC:
-        raise InputError(f"{path}: not a torch.save file (no zip header); the rank file is "
-                         "damaged, copy it again")
-    rb = torchsave.RecordBytes(fd, 0, size, where)
-    entries = torchsave.zip_entries(rb)
-    torchsave.check_byteorder(rb, entries)
+    rb, entries = torchsave.open_file_archive(fd, str(path),
+                                              "the rank file is damaged, copy it again")
     try:
         root_value = torchsave.load_pickle(rb, entries, lookup=dtensor_global)
     except _ShardedTensorFound as e:

@@ -86,11 +86,7 @@ class Archives:
 
 def is_torch_file(path: Path) -> bool:
     """True if ``path`` is a file that starts like a zip archive (not yet read further)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == torchsave.ZIP_MAGIC
-    except OSError:
-        return False
+    return torchsave.is_zip(path)
 
 
 def detect(path: Path) -> bool:

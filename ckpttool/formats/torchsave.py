@@ -443,6 +443,24 @@ def check_byteorder(rb: RecordBytes, entries: dict[str, ZipEntry]) -> None:
                          "big; corrupt")
 
 
+def open_file_archive(fd: int, where: str, damaged: str
+                      ) -> tuple[RecordBytes, dict[str, ZipEntry]]:
+    """A whole ``torch.save`` file open at ``fd``: zip magic, entries and byte order checked.
+
+    Args:
+        damaged: what to do, said after "not a torch.save file (no zip header); ".
+
+    Raises:
+        InputError: no zip header, damaged entries; UnsupportedError: big-endian.
+    """
+    if os.pread(fd, 4, 0) != ZIP_MAGIC:
+        raise InputError(f"{where}: not a torch.save file (no zip header); {damaged}")
+    rb = RecordBytes(fd, 0, os.fstat(fd).st_size, where)
+    entries = zip_entries(rb)
+    check_byteorder(rb, entries)
+    return rb, entries
+
+
 # --------------------------------------------------------------------------------------------
 # The pickle: tensors become references to storages, nothing else is allowed
 
