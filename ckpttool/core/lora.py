@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.core import hf
+from ckpttool.core import hf, tensors
 from ckpttool.core.derive import Derived
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats.base import Problem, Reader, Tensor, error, warning
@@ -54,7 +53,6 @@ class Module:
     b: Tensor | None = None
     b_bias: Tensor | None = None  # lora_bias=True
     magnitude: Tensor | None = None  # DoRA
-    stored: dict[str, str] = field(default_factory=dict)  # role -> name as found
 
     @property
     def rank(self) -> int | None:
@@ -76,11 +74,6 @@ class Layout:
     @property
     def has_base(self) -> bool:
         return bool(self.base)
-
-
-def is_peft(names: list[str]) -> bool:
-    """Whether these (canonical) names are a PEFT model's or adapter's."""
-    return any(n.startswith(PREFIX) or _PEFT_SEGMENTS.intersection(n.split(".")) for n in names)
 
 
 def parse(tensors: list[tuple[str, Tensor]]) -> Layout | None:
@@ -118,7 +111,6 @@ def parse(tensors: list[tuple[str, Tensor]]) -> Layout | None:
             layout.trained[".".join([module, *tail])] = tensor
             continue
         m = layout.modules.setdefault(module, Module(module))
-        m.stored[seg + ("." + ".".join(tail) if tail else "")] = name
         if seg == "lora_magnitude_vector":
             m.magnitude = tensor
         elif seg in _EMBEDDING:
@@ -481,15 +473,18 @@ def describe(layout: Layout, config: AdapterConfig | None) -> dict[str, Any]:
     }
 
 
-def never_trained(reader: Reader, layout: Layout,
-                  is_zero: Callable[[Reader, Tensor], bool]) -> list[Problem]:
-    """A warning per module whose lora_B is all zeros: PEFT initialises B to zero, so such an
-    adapter never trained and folding it changes nothing."""
-    zero = [m.name for m in layout.modules.values()
-            if m.b is not None and is_zero(reader, m.b)]
+def never_trained(reader: Reader, layout: Layout) -> list[Problem]:
+    """A warning when lora_B is all zeros: PEFT initialises B to zero, so such an adapter
+    never trained and folding it changes nothing."""
+    zero = [m.name for m in layout.modules.values() if m.b is not None and _all_zero(reader, m.b)]
     if not zero:
         return []
     return [warning("lora-untrained",
                     f"lora_B is all zeros in {len(zero)} of {len(layout.modules)} modules "
                     f"(first: '{zero[0]}'): the adapter never trained, and folding it leaves "
                     "the base weights unchanged")]
+
+
+def _all_zero(reader: Reader, tensor: Tensor) -> bool:
+    """Every byte of ``tensor`` is zero (+0.0 in any float dtype), read block by block."""
+    return all(block.count(0) == len(block) for _, block in tensors.blocks(reader, tensor))

@@ -8,6 +8,7 @@ so that a merge costs about what a copy costs. Torch is imported only to cast.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -498,11 +499,15 @@ def merge(
 
     # No cyclic collection while millions of chunk objects live: none are garbage, and each
     # collection would walk them all.
-    with open_reader(ckpt, follow_links=follow_links) as reader, gc_paused():
+    # The adapter's own reader (--adapter) is closed with the checkpoint's.
+    adapter_reader = adapted.reader if adapted is not None else None
+    with (open_reader(ckpt, follow_links=follow_links) as reader,
+          adapter_reader if adapter_reader is not None else contextlib.nullcontext(),
+          gc_paused()):
         # Chunks several ranks stored (use_collectives=False) must agree before one is used.
         structure.raise_first(reader.check_copies())
-        if adapted is not None and adapted.reader is not None:
-            adapted.reader.open_files()
+        if adapter_reader is not None:
+            adapter_reader.open_files()
         drop = (frozenset() if optimizer or mode == "adapter"
                 else _decide_tie(reader, sources, files.config, keep_tied, report))
         if mapped is not None:
@@ -529,25 +534,21 @@ def merge(
         check_space(out_path, plan.file_bytes + sum(len(data) for _, data in extra))
         if on_start is not None:
             on_start(plan.total_bytes)
-        try:
-            with AtomicOutputs(out_path) as outputs:
-                execute(plan, reader, outputs, workers=workers or default_workers(),
-                        progress=progress)
-                if plan.index is not None:
-                    outputs.write_bytes(plan.index_name, plan.index)
-                for name, data in extra:
-                    outputs.write_bytes(name, data)
-                keep = {f.name for f in plan.files} | {n for n, _ in extra}
-                if plan.index is not None:
-                    keep.add(plan.index_name)
-                outputs.commit(
-                    last=(plan.index_name,),
-                    before_last=(lambda: remove_stale(
-                        out_path, keep, lambda name: st.is_weight_file(name, stem)))
-                    if overwrite else None)
-        finally:
-            if adapted is not None and adapted.reader is not None:
-                adapted.reader.close()
+        with AtomicOutputs(out_path) as outputs:
+            execute(plan, reader, outputs, workers=workers or default_workers(),
+                    progress=progress)
+            if plan.index is not None:
+                outputs.write_bytes(plan.index_name, plan.index)
+            for name, data in extra:
+                outputs.write_bytes(name, data)
+            keep = {f.name for f in plan.files} | {n for n, _ in extra}
+            if plan.index is not None:
+                keep.add(plan.index_name)
+            outputs.commit(
+                last=(plan.index_name,),
+                before_last=(lambda: remove_stale(
+                    out_path, keep, lambda name: st.is_weight_file(name, stem)))
+                if overwrite else None)
 
     _summarise(report, ckpt, plan, dict(extra).get(OPTIMIZER_JSON))
     report.seconds = round(time.perf_counter() - started, 3)

@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.core import dtypes as dtype_policy
-from ckpttool.core import lora, scan, structure, tensors, ties
+from ckpttool.core import lora, scan, structure, ties
 from ckpttool.core import manifest as manifests
 from ckpttool.core.against import plan_against
 from ckpttool.core.discover import Checkpoint, Part, describe, discover, open_reader, select
 from ckpttool.core.report import SCHEMA, Progress
 from ckpttool.errors import InputError, OutputError
-from ckpttool.formats.base import SEVERITIES, Location, Problem, Reader, Tensor, error, warning
+from ckpttool.formats.base import SEVERITIES, Location, Problem, error, warning
 
 __all__ = ["Location", "Problem", "VerifyReport", "verify"]
 
@@ -204,7 +204,7 @@ def verify(
         report.lora = lora.describe(layout, lora_config)
         problems += lora_problems + lora.problems(layout, lora_config)
         with open_reader(ckpt, follow_links=follow_links) as reader:
-            problems += lora.never_trained(reader, layout, _all_zero)
+            problems += lora.never_trained(reader, layout)
     elif lora_problems:
         problems += lora_problems
     problems += dtype_policy.check_dtypes(model, expect)
@@ -240,11 +240,6 @@ def verify(
     report.bytes_read = bytes_read
     report.seconds = round(time.perf_counter() - started, 3)
     return report
-
-
-def _all_zero(reader: Reader, tensor: Tensor) -> bool:
-    """Every byte of ``tensor`` is zero (+0.0 in any float dtype), read block by block."""
-    return all(block.count(0) == len(block) for _, block in tensors.blocks(reader, tensor))
 
 
 def _structure(ckpt: Checkpoint, damaged: set[str]) -> list[Problem]:
