@@ -53,25 +53,24 @@ class Derived:
 
 def read_whole(reader: Reader, tensor: Tensor) -> torch.Tensor:
     """The full tensor, assembled from its chunks in C order."""
-    import torch
-
-    data = tensors.read_range(reader, tensor, 0, tensor.numel)
-    if not data:
-        return torch.empty(tensor.shape, dtype=getattr(torch, tensor.dtype.torch_name))
-    flat = torch.frombuffer(data, dtype=getattr(torch, tensor.dtype.torch_name))
-    return flat.reshape(tensor.shape)
+    return _read_elements(reader, tensor, 0, tensor.numel, tensor.shape)
 
 
 def read_slice(reader: Reader, tensor: Tensor, index: int) -> torch.Tensor:
     """``tensor[index]`` (along dim 0), reading only its bytes."""
+    inner = math.prod(tensor.shape[1:])
+    return _read_elements(reader, tensor, index * inner, (index + 1) * inner, tensor.shape[1:])
+
+
+def _read_elements(reader: Reader, tensor: Tensor, start: int, stop: int,
+                   shape: tuple[int, ...]) -> torch.Tensor:
     import torch
 
-    inner = math.prod(tensor.shape[1:])
-    data = tensors.read_range(reader, tensor, index * inner, (index + 1) * inner)
     dtype = getattr(torch, tensor.dtype.torch_name)
+    data = tensors.read_range(reader, tensor, start, stop)
     if not data:
-        return torch.empty(tensor.shape[1:], dtype=dtype)
-    return torch.frombuffer(data, dtype=dtype).reshape(tensor.shape[1:])
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype).reshape(shape)
 
 
 def materialise(reader: Reader, derived: Derived, dtype: DType) -> bytearray:
