@@ -82,8 +82,7 @@ def find_hf_files(dcp_dir: Path, config: Path | None = None, *, given: Path | No
             raise InputError(f"{config}: no such config file (--config)")
         dirs = [config.parent]
     else:
-        # verl keeps the Hugging Face files in a huggingface/ directory beside the rank files.
-        dirs = [dcp_dir, dcp_dir / "huggingface", dcp_dir.parent, dcp_dir.parent / "huggingface"]
+        dirs = _beside(dcp_dir)
     roots = [p.resolve() for p in (dcp_dir, given, config.parent if config else None)
              if p is not None and p.is_dir()]
     skipped: list[str] = []
@@ -104,13 +103,7 @@ def find_hf_files(dcp_dir: Path, config: Path | None = None, *, given: Path | No
                                  None)
     parsed: dict[str, Any] | None = None
     if config_path is not None:
-        try:
-            parsed = json.loads(config_path.read_text())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise InputError(
-                f"{config_path}: not valid JSON ({e}); fix it or pass --config") from None
-        if not isinstance(parsed, dict):
-            raise InputError(f"{config_path}: not a JSON object; fix it or pass --config")
+        parsed = _json_object(config_path, "--config")
         dirs = [config_path.parent] + [d for d in dirs if d != config_path.parent]
     files: list[Path] = []
     for name in HF_FILES:
@@ -141,20 +134,34 @@ def find_adapter_config(dcp_dir: Path, explicit: Path | None = None, *,
             raise InputError(f"{why} (--adapter-config)")
     else:
         roots = [p.resolve() for p in (dcp_dir, given) if p is not None and p.is_dir()]
-        dirs = [dcp_dir, dcp_dir.parent, dcp_dir / "huggingface", dcp_dir.parent / "huggingface"]
-        found = next((d / ADAPTER_CONFIG for d in dirs if os.path.lexists(d / ADAPTER_CONFIG)
+        found = next((d / ADAPTER_CONFIG for d in _beside(dcp_dir)
+                      if os.path.lexists(d / ADAPTER_CONFIG)
                       and _unsafe(d / ADAPTER_CONFIG, roots) is None), None)
         if found is None:
             return None, None
         path = found
+    return _json_object(path, "--adapter-config"), path
+
+
+def _beside(dcp_dir: Path) -> list[Path]:
+    """Where a checkpoint's side files are looked for, in order. verl keeps the Hugging Face
+    files in a huggingface/ directory beside the rank files."""
+    return [dcp_dir, dcp_dir / "huggingface", dcp_dir.parent, dcp_dir.parent / "huggingface"]
+
+
+def _json_object(path: Path, option: str) -> dict[str, Any]:
+    """``path`` parsed; it must hold a JSON object.
+
+    Raises:
+        InputError: not valid JSON, or not an object (the message names ``option``).
+    """
     try:
         parsed = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: not valid JSON ({e}); fix it or pass --adapter-config"
-                         ) from None
+        raise InputError(f"{path}: not valid JSON ({e}); fix it or pass {option}") from None
     if not isinstance(parsed, dict):
-        raise InputError(f"{path}: not a JSON object; fix it or pass --adapter-config")
-    return parsed, path
+        raise InputError(f"{path}: not a JSON object; fix it or pass {option}")
+    return parsed
 
 
 def ties_word_embeddings(config: dict[str, Any] | None) -> bool | None:
