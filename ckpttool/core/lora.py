@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"
+# What PeftModel.save_pretrained writes, by preference: safetensors, or torch.save with
+# safe_serialization=False.
+ADAPTER_FILES = (ADAPTER_FILE, "adapter_model.bin")
 MODES = ("fuse", "adapter")
 
 _LINEAR = {"lora_A": "a", "lora_B": "b"}

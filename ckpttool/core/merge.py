@@ -666,7 +666,8 @@ def _adapted(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str | None
             raise InputError("--adapter folds an adapter into SRC; --lora adapter would write "
                              "the adapter alone: use one or the other")
         given = Path(adapter)
-        target = given / adapters.ADAPTER_FILE if given.is_dir() else given
+        target = (next((given / n for n in adapters.ADAPTER_FILES if (given / n).exists()),
+                       given / adapters.ADAPTER_FILE) if given.is_dir() else given)
         adapter_ckpt = discover(target, command="merge")
         structure.raise_first(structure.check(adapter_ckpt.info, adapter_ckpt.canonical())
                               if adapter_ckpt.info is not None else [])

@@ -346,3 +346,20 @@ def test_cli_adapter_errors_exit_3_one_line(lora_ckpts: Path, tmp_path: Path) ->
     assert r.exit_code == 3 and r.stderr.count("\n") == 1
     assert "does not match lora_B @ lora_A [32, 32]" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_adapter_saved_as_bin_folds_the_same(lora_ckpts: Path, tmp_path: Path) -> None:
+    """save_pretrained(safe_serialization=False) writes adapter_model.bin: --adapter DIR reads
+    it (allow-list unpickler) and folds the same bits as the safetensors adapter."""
+    build_base("rslora").save_pretrained(tmp_path / "base")
+    model = reference(lora_ckpts / "rslora")
+    model.save_pretrained(tmp_path / "st")
+    model.save_pretrained(tmp_path / "bin", safe_serialization=False)
+    assert (tmp_path / "bin" / "adapter_model.bin").exists()
+    ckpttool.merge(tmp_path / "base", tmp_path / "from-st", adapter=tmp_path / "st")
+    ckpttool.merge(tmp_path / "base", tmp_path / "from-bin", adapter=tmp_path / "bin")
+    want = load_file(tmp_path / "from-st" / "model.safetensors")
+    got = load_file(tmp_path / "from-bin" / "model.safetensors")
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
