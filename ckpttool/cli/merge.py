@@ -47,11 +47,11 @@ def names_choice(value: str | None) -> str | None:
 
 
 def merge_command(
-    src: Annotated[Path, typer.Argument(help="A checkpoint in any format inspect reads (DCP "
+    src: Annotated[str, typer.Argument(help="A checkpoint in any format inspect reads (DCP "
                                         "directory, per-rank files, .bin/safetensors), or a "
                                         "training checkpoint directory holding one "
                                         "(checkpoint-500/).")],
-    out: Annotated[Path, typer.Argument(help="Output directory for the safetensors files.")],
+    out: Annotated[str, typer.Argument(help="Output directory for the safetensors files.")],
     dtype: Annotated[str, typer.Option(
         callback=dtype_choice, help=f"Dtype of floating tensors: {DTYPE_CHOICES} (auto: "
         "config.json's torch_dtype). Float8, integer and bool tensors are never cast.")
