@@ -30,6 +30,7 @@ Examples:\n\n
   ckpttool merge lora-checkpoint out/ --lora adapter\n\n
   ckpttool merge base-model/ out/ --adapter my-adapter/\n\n
   ckpttool merge checkpoint/step-1000 optim/ --part optimizer\n\n
+  ckpttool merge s3://bucket/run/checkpoint-500 s3://bucket/merged/  (pip install ckpttool[s3])\n\n
   ckpttool merge outputs/checkpoint/step-1000 out/ --names torchtitan-llama3 --config hf/\n\n
 Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug.
 """

@@ -93,7 +93,8 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
         except CkptError as e:
             e.args = tuple(_rename(a, renames) if isinstance(a, str) else a for a in e.args)
             raise
-        return _renamed(result, renames)
+        renamed: R = _renamed(result, renames)
+        return renamed
 
 
 def _rename(text: str, renames: list[tuple[str, str]]) -> str:

@@ -153,8 +153,9 @@ def error(e: Exception, url: Url | str, doing: str) -> CkptError | None:
     if isinstance(e, bx.ProfileNotFound):
         return InputError(f"{url}: {e}; check AWS_PROFILE and ~/.aws/config")
     if isinstance(e, bx.EndpointConnectionError | bx.ConnectTimeoutError):
-        return InputError(f"{url}: cannot reach the object store ({e.kwargs.get('endpoint_url', '')}); "
-                          "check AWS_ENDPOINT_URL and the network")
+        where = e.kwargs.get("endpoint_url", "")
+        return InputError(f"{url}: cannot reach the object store ({where}); check "
+                          "AWS_ENDPOINT_URL and the network")
     if isinstance(e, bx.ClientError):
         err = e.response.get("Error", {})
         code = str(err.get("Code", ""))
