@@ -29,7 +29,7 @@ Exit codes: 0 ok, 2 usage, 3 bad input, 4 unsupported, 70 internal bug.
 
 
 def inspect_command(
-    path: Annotated[Path, typer.Argument(help="A DCP directory, a .safetensors file or sharded "
+    path: Annotated[str, typer.Argument(help="A DCP directory, a .safetensors file or sharded "
                                          "directory, a torch.save .bin/.pt state dict, or a "
                                          "training checkpoint directory (checkpoint-500/).")],
     filter: Annotated[str | None, typer.Option(

@@ -30,6 +30,7 @@ Examples:\n\n
   ckpttool merge lora-checkpoint out/ --lora adapter\n\n
   ckpttool merge base-model/ out/ --adapter my-adapter/\n\n
   ckpttool merge checkpoint/step-1000 optim/ --part optimizer\n\n
+  ckpttool merge s3://bucket/run/checkpoint-500 s3://bucket/merged/  (pip install ckpttool[s3])\n\n
   ckpttool merge outputs/checkpoint/step-1000 out/ --names torchtitan-llama3 --config hf/\n\n
 Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug.
 """
@@ -47,11 +48,11 @@ def names_choice(value: str | None) -> str | None:
 
 
 def merge_command(
-    src: Annotated[Path, typer.Argument(help="A checkpoint in any format inspect reads (DCP "
+    src: Annotated[str, typer.Argument(help="A checkpoint in any format inspect reads (DCP "
                                         "directory, per-rank files, .bin/safetensors), or a "
                                         "training checkpoint directory holding one "
                                         "(checkpoint-500/).")],
-    out: Annotated[Path, typer.Argument(help="Output directory for the safetensors files.")],
+    out: Annotated[str, typer.Argument(help="Output directory for the safetensors files.")],
     dtype: Annotated[str, typer.Option(
         callback=dtype_choice, help=f"Dtype of floating tensors: {DTYPE_CHOICES} (auto: "
         "config.json's torch_dtype). Float8, integer and bool tensors are never cast.")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from enum import Enum
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -34,9 +33,9 @@ class Target(str, Enum):
 
 
 def reshard_command(
-    src: Annotated[Path, typer.Argument(help="DCP directory, safetensors file, or safetensors "
+    src: Annotated[str, typer.Argument(help="DCP directory, safetensors file, or safetensors "
                                         "model directory.")],
-    out: Annotated[Path, typer.Argument(help="Output directory.")],
+    out: Annotated[str, typer.Argument(help="Output directory.")],
     ranks: Annotated[int | None, typer.Option(
         min=1, help="Ranks of the DCP output, split on dim 0 as FSDP2 does (default 1 from "
         "full weights; required from DCP).")] = None,

@@ -35,9 +35,9 @@ SHOWN_PER_CODE = 10
 
 
 def verify_command(
-    path: Annotated[Path, typer.Argument(help="The checkpoint to check (any format inspect "
+    path: Annotated[str, typer.Argument(help="The checkpoint to check (any format inspect "
                                          "reads).")],
-    against: Annotated[Path | None, typer.Option(
+    against: Annotated[str | None, typer.Option(
         metavar="OTHER", help="Another checkpoint (any format) that must hold the same tensors "
         "under canonical names, bit for bit: e.g. the output of ckpttool merge.")] = None,
     allow_cast: Annotated[bool, typer.Option(

@@ -25,7 +25,7 @@ from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import registry, torchfile
 from ckpttool.formats.base import CheckpointInfo, ObjectEntry, Reader, Tensor
 from ckpttool.formats.dtypes import DType
-from ckpttool.formats.store import LocalStore
+from ckpttool.formats.store import open_store
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of one chunk
 
@@ -342,7 +342,9 @@ def open_reader(ckpt: Checkpoint, *, follow_links: bool = False) -> Reader:
         raise InputError(f"{ckpt.path}: holds no single checkpoint to read")
     reader = registry.by_name(info.format).open_reader(info)
     if follow_links:
-        reader.store = LocalStore(info.base, metadata_name=info.metadata_name, follow_links=True)
+        reader.store.close()
+        reader.store = open_store(info.base, metadata_name=info.metadata_name,
+                                  follow_links=True)
     return reader
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpttool.core import dtypes as dtype_policy
-from ckpttool.core import hf, lora, names, ties
+from ckpttool.core import hf, lora, names, remote, ties
 from ckpttool.core import objects as non_tensor
 from ckpttool.core import tensors as tensor_io
 from ckpttool.core.discover import (
@@ -289,6 +289,7 @@ class InspectReport:
         return doc
 
 
+@remote.urls(sources=("path",))
 def inspect(
     path: str | os.PathLike[str],
     *,

@@ -21,7 +21,7 @@ from typing import Any
 
 from ckpttool.core import chunks as chunk_geometry
 from ckpttool.core import dtypes as dtype_policy
-from ckpttool.core import hf, namemaps, names, structure, tensors, ties
+from ckpttool.core import hf, namemaps, names, remote, structure, tensors, ties
 from ckpttool.core import lora as adapters
 from ckpttool.core import objects as non_tensor
 from ckpttool.core.derive import Derived, materialise
@@ -159,7 +159,11 @@ def execute(
         jobs += _jobs(fd, f.tensors)
         casts = casts or any(t.cast or isinstance(t.source, Derived) for t in f.tensors)
     reader.open_files()  # before threads share the reader
-    jobs.sort(key=lambda j: -j.nbytes)
+    plan_reads = getattr(reader.store, "plan_reads", None)
+    if plan_reads is None:
+        jobs.sort(key=lambda j: -j.nbytes)
+    else:
+        jobs = _stored_order(jobs, plan_reads)
     workers = workers_for(workers, nbytes=sum(j.nbytes for j in jobs),
                           chunks=sum(len(j.chunks) for j in jobs))
     if not casts:
@@ -209,6 +213,21 @@ def _jobs(fd: int, tensors: tuple[OutTensor, ...]) -> list[_Job]:
                 batch = _Job(fd, [], 0)
     if batch.chunks:
         jobs.append(batch)
+    return jobs
+
+
+def _stored_order(jobs: list[_Job], plan_reads: Callable[[list[tuple[str, int, int]]], None]
+                  ) -> list[_Job]:
+    """Object storage (``formats/remote.py``): jobs in stored order, every range they read
+    told to the store first, which turns them into coalesced GETs fetched ahead in that order
+    (largest-first would scatter the reads over the files and defeat the read-ahead)."""
+    def first(job: _Job) -> tuple[str, int]:
+        return min(((c.file, c.offset) for _, c in job.chunks if c is not None),
+                   default=("", 0))
+
+    jobs = sorted(jobs, key=first)
+    plan_reads([(c.file, c.offset, c.length) for j in jobs for _, c in j.chunks
+                if c is not None])
     return jobs
 
 
@@ -361,6 +380,7 @@ class MergeReport:
         return doc
 
 
+@remote.urls(sources=("src",), output="out")
 def merge(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],

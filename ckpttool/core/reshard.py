@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttool.core import structure, tensors
+from ckpttool.core import remote, structure, tensors
 from ckpttool.core.discover import Checkpoint, discover, open_reader
 from ckpttool.core.fileio import (
     AtomicOutputs,
@@ -102,6 +102,7 @@ class ReshardReport:
         return {"schema": SCHEMA, "command": "reshard", **self.__dict__}
 
 
+@remote.urls(sources=("src",), output="out")
 def reshard(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],

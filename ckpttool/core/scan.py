@@ -289,6 +289,11 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
                 # that cannot be opened is reported by the tensors that need it.
                 with contextlib.suppress(InputError):
                     r.open_files()
+        for r, side in ((reader, todo), (reader_b, [p.b for p in comparisons.values()])):
+            plan_reads = getattr(r.store, "plan_reads", None) if r is not None else None
+            if plan_reads is not None:  # object storage: coalesced GETs, read ahead in order
+                plan_reads([(c.file, c.offset, c.length) for t in side
+                            for c in t.tensor.chunks])
         scanner = Scanner(reader, read)
 
         def job(t: TensorView) -> Result:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.core import dtypes as dtype_policy
-from ckpttool.core import lora, scan, structure, ties
+from ckpttool.core import lora, remote, scan, structure, ties
 from ckpttool.core import manifest as manifests
 from ckpttool.core.against import plan_against
 from ckpttool.core.discover import Checkpoint, Part, describe, discover, open_reader, select
@@ -77,6 +77,7 @@ class VerifyReport:
         return doc
 
 
+@remote.urls(sources=("path", "against"))
 def verify(
     path: str | os.PathLike[str],
     *,

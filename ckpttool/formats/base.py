@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from ckpttool.errors import InputError
 from ckpttool.formats import torchsave
 from ckpttool.formats.dtypes import DType
-from ckpttool.formats.store import LocalStore, Store
+from ckpttool.formats.store import Store, open_store
 
 # How a chunk's bytes are stored (Chunk.encoding).
 RAW = "raw"  # the chunk's elements in C order, exactly ``length`` bytes at ``offset``
@@ -266,7 +266,7 @@ class Reader:
 
     def __init__(self, info: CheckpointInfo, store: Store | None = None) -> None:
         self.info = info
-        self.store = store or LocalStore(info.base, metadata_name=info.metadata_name)
+        self.store = store or open_store(info.base, metadata_name=info.metadata_name)
 
     def __enter__(self) -> Reader:
         return self

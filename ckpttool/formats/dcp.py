@@ -77,7 +77,7 @@ from ckpttool.formats.base import (
     error,
 )
 from ckpttool.formats.dtypes import DType
-from ckpttool.formats.store import file_size
+from ckpttool.formats.store import file_size, pread_of
 
 NAME = "dcp"
 METADATA_FILE = ".metadata"
@@ -397,30 +397,31 @@ def _open_nested(root: Path, md_path: Path, objects: list[ObjectEntry], tensors:
             kept.append(o)  # a missing file is a structure problem
             continue
         where = f"{path} at byte {o.offset} (entry '{o.name}')"
-        try:
-            with open(path, "rb") as f:
-                rb = torchsave.RecordBytes(f.fileno(), o.offset, o.length, where)
+        # Through the store's pread: a remote checkpoint's data file is read by ranged GETs.
+        with pread_of(path) as pread:
+            try:
+                rb = torchsave.RecordBytes(pread, o.offset, o.length, where)
                 entries = torchsave.zip_entries(rb)
                 value = torchsave.load_pickle(rb, entries, max_nodes=torchsave.MAX_NODES)
-        except torchsave.Refused:
-            with open(path, "rb") as f:
-                rb = torchsave.RecordBytes(f.fileno(), o.offset, o.length, where)
+            except torchsave.Refused:
+                rb = torchsave.RecordBytes(pread, o.offset, o.length, where)
                 pkl = torchsave.zip_entries(rb)["data.pkl"]
                 named = torchsave.named_globals(rb.read(pkl.data_offset, pkl.size))
-            dist = next((n for n in named if n.startswith("torch.distributed.")), None)
-            if dist is not None:
-                nested.problems.append(error(
-                    "tensors-unplaced",
-                    f"{md_path}: entry '{o.name}' holds distributed tensors ('{dist}') "
-                    "pickled whole by one rank: the checkpoint was saved without flattening "
-                    "(DefaultSavePlanner(flatten_state_dict=False)), so only one rank's shards "
-                    "were written and the others' are not in it; save it again with the "
-                    "default planner (flatten_state_dict=True)", file=o.file, offset=o.offset))
-            kept.append(o)
-            continue
-        except (InputError, UnsupportedError, torchsave.TooComplex) + torchsave.PICKLE_ERRORS:
-            kept.append(o)  # damaged: verify reports its CRCs, merge its structure
-            continue
+                dist = next((n for n in named if n.startswith("torch.distributed.")), None)
+                if dist is not None:
+                    nested.problems.append(error(
+                        "tensors-unplaced",
+                        f"{md_path}: entry '{o.name}' holds distributed tensors ('{dist}') "
+                        "pickled whole by one rank: the checkpoint was saved without "
+                        "flattening (DefaultSavePlanner(flatten_state_dict=False)), so only one "
+                        "rank's shards were written and the others' are not in it; save it "
+                        "again with the default planner (flatten_state_dict=True)",
+                        file=o.file, offset=o.offset))
+                kept.append(o)
+                continue
+            except (InputError, UnsupportedError, torchsave.TooComplex) + torchsave.PICKLE_ERRORS:
+                kept.append(o)  # damaged: verify reports its CRCs, merge its structure
+                continue
         if not torchsave.has_tensor(value):
             kept.append(o)
             continue

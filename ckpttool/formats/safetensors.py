@@ -30,7 +30,7 @@ from ckpttool.formats.base import (
     warning,
 )
 from ckpttool.formats.dtypes import DType
-from ckpttool.formats.store import file_size
+from ckpttool.formats.store import file_size, pread_of
 
 NAME = "safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -158,16 +158,16 @@ def read_layout(path: Path, *, offset: int = 0) -> tuple[dict[str, str], tuple[S
         raise InputError(f"{path}: not a regular file")
     where = f"{path} at byte {offset}" if offset else str(path)
     try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            raw = f.read(8)
+        # Through the store's pread: a remote checkpoint's data file is read by ranged GETs.
+        with pread_of(path) as pread:
+            raw = pread(8, offset)
             if len(raw) < 8:
                 raise InputError(f"{where}: too short for a safetensors file")
             (n,) = struct.unpack("<Q", raw)
             if n > _HEADER_LIMIT:
                 raise InputError(f"{where}: header length {n} is implausible; not safetensors")
-            text = f.read(n)
-            size = f.seek(0, 2) if not offset else None
+            text = pread(n, offset + 8)
+            size = file_size(path) if not offset else None
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
     if len(text) < n:

@@ -10,13 +10,15 @@ writer live here too, so that input and output share one copy loop.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import os
 import stat
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ckpttool.errors import InputError, OutputError
 
@@ -121,6 +123,54 @@ class LocalStore:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+# Local directories that stand for remote checkpoints (formats/remote.py's mirrors), with the
+# factory of the store that serves their data files: readers ask open_store, never which
+# storage a checkpoint is on.
+_MIRRORS: dict[Path, Callable[[Path, str], Any]] = {}
+
+
+def register_mirror(directory: Path, factory: Callable[[Path, str], Any]) -> None:
+    """Serve the data files below ``directory`` with ``factory(base, metadata_name)``."""
+    _MIRRORS[directory] = factory
+
+
+def unregister_mirror(directory: Path) -> None:
+    _MIRRORS.pop(directory, None)
+
+
+def open_store(base: Path, *, metadata_name: str, follow_links: bool = False) -> Store:
+    """The store of the checkpoint whose files are relative to ``base``: a remote one for a
+    mirror of object storage, else a :class:`LocalStore`."""
+    for directory, factory in list(_MIRRORS.items()):
+        if base == directory or directory in base.parents:
+            store: Store = factory(base, metadata_name)
+            return store
+    return LocalStore(base, metadata_name=metadata_name, follow_links=follow_links)
+
+
+@contextlib.contextmanager
+def pread_of(path: Path) -> Iterator[Callable[[int, int], bytes]]:
+    """``pread(size, offset)`` over one file while the block runs: by ranged reads of its
+    store for a data file of a remote checkpoint (its local placeholder holds no data).
+
+    Raises:
+        OSError: as ``open`` (FileNotFoundError...).
+    """
+    for directory in list(_MIRRORS):
+        if directory in path.parents:
+            store = open_store(path.parent, metadata_name=path.name)
+            try:
+                yield functools.partial(store.pread, path.name)
+            finally:
+                store.close()
+            return
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        yield functools.partial(os.pread, fd)
+    finally:
+        os.close(fd)
 
 
 def open_data_file(path: Path, metadata_name: str) -> int:

@@ -1,0 +1,123 @@
+"""Remote URLs (``s3://bucket/prefix``) wherever a command takes a checkpoint or output path.
+
+One decorator, :func:`urls`, wraps each command (merge, inspect, verify, reshard): a source URL
+is replaced by a local mirror of it (:class:`ckpttool.formats.remote.Mirror`: small files
+downloaded, data files read in place by ranged GETs), an output URL by a private staging
+directory under TMPDIR, written by the command exactly as a local output (``AtomicOutputs``:
+free space checked, index last) and then uploaded (:class:`ckpttool.formats.remote.Upload`:
+data files first, index last, every multipart upload aborted on failure or Ctrl-C). Errors and
+reports name the URLs, never the temporary paths. The commands themselves never see a URL, so
+local paths take exactly the path they always took.
+
+Staging the output keeps every output rule (temporary names, ``--overwrite``, the index
+renamed last) in one place, at the cost of local disk for one copy of the output; a
+streaming upload (parts sent as the merge writes them) would need none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+from ckpttool.errors import CkptError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _is_url(value: object) -> bool:
+    # The scheme test without importing the remote module (and so boto3) for local paths.
+    return isinstance(value, str) and value.startswith("s3://")
+
+
+def urls(*, sources: tuple[str, ...], output: str | None = None
+         ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Let the parameters ``sources`` (checkpoints read) and ``output`` (a directory written)
+    of the decorated command be object-storage URLs."""
+
+    def wrap(fn: Callable[P, R]) -> Callable[P, R]:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def run(*args: P.args, **kwargs: P.kwargs) -> R:
+            bound = signature.bind(*args, **kwargs)
+            given = bound.arguments
+            names = [n for n in (*sources, output) if n is not None]
+            values = {n: os.fspath(given[n]) if isinstance(given.get(n), os.PathLike)
+                      else given.get(n) for n in names}
+            if not any(_is_url(v) for v in values.values()):
+                return fn(*args, **kwargs)
+            return _remote(fn, bound, values, output)
+
+        return run
+
+    return wrap
+
+
+def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[str, Any],
+            output: str | None) -> R:
+    from ckpttool.formats import remote
+
+    renames: list[tuple[str, str]] = []  # (local path, URL) for messages and reports
+    with contextlib.ExitStack() as stack:
+        try:
+            out_url = None
+            if output is not None and _is_url(values[output]):
+                overwrite = bool(bound.arguments.get("overwrite", False))
+                out_url = remote.check_output(values[output], overwrite=overwrite)
+            for name, value in values.items():
+                if name != output and _is_url(value):
+                    mirror = stack.enter_context(remote.Mirror(value))
+                    bound.arguments[name] = str(mirror.local)
+                    renames.append((str(mirror.dir), str(mirror.base_url)))
+            staged = None
+            if out_url is not None:
+                tmp = remote.staging_dir()
+                stack.callback(shutil.rmtree, tmp, ignore_errors=True)
+                staged = tmp / (out_url.name or "out")
+                assert output is not None
+                bound.arguments[output] = str(staged)
+                renames.append((str(staged), str(out_url)))
+            result = fn(*bound.args, **bound.kwargs)
+            if out_url is not None and staged is not None:
+                with remote.errors(out_url, "uploading"):
+                    remote.Upload(out_url, overwrite=bool(
+                        bound.arguments.get("overwrite", False))).run(staged)
+        except CkptError as e:
+            e.args = tuple(_rename(a, renames) if isinstance(a, str) else a for a in e.args)
+            raise
+        renamed: R = _renamed(result, renames)
+        return renamed
+
+
+def _rename(text: str, renames: list[tuple[str, str]]) -> str:
+    for local, url in renames:
+        text = text.replace(local, url)
+    return text
+
+
+def _renamed(value: Any, renames: list[tuple[str, str]]) -> Any:
+    """``value`` (a report) with the temporary paths in its strings written as URLs."""
+    if isinstance(value, str):
+        return _rename(value, renames)
+    if isinstance(value, Path):
+        return _rename(str(value), renames)
+    if isinstance(value, list):
+        return [_renamed(v, renames) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_renamed(v, renames) for v in value)
+    if isinstance(value, dict):
+        return {_renamed(k, renames): _renamed(v, renames) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            with contextlib.suppress(dataclasses.FrozenInstanceError, AttributeError):
+                object.__setattr__(value, f.name, _renamed(getattr(value, f.name), renames))
+        return value
+    return value
