@@ -136,7 +136,8 @@ class Scanner:
                 at = p.start - p.storage_offset
                 self.report(len(p.data))
                 result.bytes_read += len(p.data)
-                yield first, memoryview(p.data)[at : at + nbytes]
+                # A writable copy: value checks view it through torch.frombuffer.
+                yield first, memoryview(bytearray(memoryview(p.data)[at : at + nbytes]))
             elif p.start is not None:
                 # Read the whole stored range when a checksum covers it, else just the chunk.
                 offset, size = ((p.storage_offset, p.storage_size) if crc is not None
