@@ -111,3 +111,19 @@ def is_single_run(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[
     while k > 0 and all(sizes[d] == shape[d] for d in range(k, ndim)):
         k -= 1
     return all(sizes[d] == 1 for d in range(k))
+
+
+def single_run_start(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]
+                     ) -> int | None:
+    """The tensor element where the chunk begins, if it is one contiguous range of the full
+    tensor (``Shard(0)`` rows, a whole tensor); None otherwise. The per-chunk question of a
+    merge of millions of row chunks: answered without building the runs."""
+    if not _prod(sizes):
+        return None
+    if len(shape) == len(sizes) == len(offsets) and shape[1:] == sizes[1:]:
+        # Rows: every dimension after the first is whole.
+        row = _prod(shape[1:]) if len(shape) > 1 else 1
+        return offsets[0] * row if shape else 0
+    if not is_single_run(shape, offsets, sizes):
+        return None
+    return next(runs(shape, offsets, sizes))[1]

@@ -42,7 +42,7 @@ from ckpttool.core.torch_threads import default_workers, one_torch_thread, worke
 from ckpttool.errors import InputError, OutputError, UnsupportedError
 from ckpttool.formats import registry
 from ckpttool.formats import safetensors as st
-from ckpttool.formats.base import Chunk, Reader, Tensor
+from ckpttool.formats.base import Chunk, Payload, Reader, Tensor
 from ckpttool.formats.dtypes import DType
 from ckpttool.formats.torchsave import gc_paused
 
@@ -191,9 +191,11 @@ class _Job:
 
 def _jobs(fd: int, tensors: tuple[OutTensor, ...]) -> list[_Job]:
     """A job per large chunk or derived tensor, and batches of small chunks, for one output
-    file."""
+    file. Small chunks are batched in the order their bytes lie in the source files, so that
+    a batch reads back-to-back records together (:meth:`Reader.payloads`); every chunk's
+    place in the output is known, so the order of writes does not matter."""
     jobs = []
-    batch = _Job(fd, [], 0)
+    small: list[tuple[OutTensor, Chunk]] = []
     for t in tensors:
         if isinstance(t.source, Derived):
             jobs.append(_Job(fd, [(t, None)], t.slot.nbytes))
@@ -206,11 +208,15 @@ def _jobs(fd: int, tensors: tuple[OutTensor, ...]) -> list[_Job]:
             if n >= SMALL_CHUNK:
                 jobs.append(_Job(fd, [(t, c)], n))
                 continue
-            batch.chunks.append((t, c))
-            batch.nbytes += n
-            if len(batch.chunks) >= BATCH_CHUNKS or batch.nbytes >= BATCH_BYTES:
-                jobs.append(batch)
-                batch = _Job(fd, [], 0)
+            small.append((t, c))
+    small.sort(key=lambda tc: (tc[1].file, tc[1].offset))
+    batch = _Job(fd, [], 0)
+    for t, c in small:
+        batch.chunks.append((t, c))
+        batch.nbytes += c.numel * t.source.dtype.itemsize
+        if len(batch.chunks) >= BATCH_CHUNKS or batch.nbytes >= BATCH_BYTES:
+            jobs.append(batch)
+            batch = _Job(fd, [], 0)
     if batch.chunks:
         jobs.append(batch)
     return jobs
@@ -235,13 +241,14 @@ def _run_jobs(jobs: list[_Job], reader: Reader, workers: int, report: Progress) 
     stop = threading.Event()
 
     def run(job: _Job) -> None:
-        for t, c in job.chunks:
-            if stop.is_set():
-                return
-            if c is None:
-                _write_derived(reader, job.fd, t, report)
-            else:
-                _write_chunk(reader, job.fd, t, c, report)
+        if len(job.chunks) > 1:
+            _write_batch(reader, job, report, stop)
+            return
+        ((t, c),) = job.chunks
+        if c is None:
+            _write_derived(reader, job.fd, t, report)
+        else:
+            _write_chunk(reader, job.fd, t, c, report)
 
     if workers <= 1:
         for job in jobs:
@@ -267,10 +274,36 @@ def _write_derived(reader: Reader, dst: int, t: OutTensor, report: Progress) -> 
     report(len(data))
 
 
-def _write_chunk(reader: Reader, dst: int, t: OutTensor, c: Chunk, report: Progress) -> None:
+def _write_batch(reader: Reader, job: _Job, report: Progress, stop: threading.Event) -> None:
+    """Small chunks, decoded together: a chunk whose stored bytes came with its record and
+    that is one run of its tensor (Shard(0), whole) is written from memory, with no further
+    read; any other goes the way of :func:`_write_chunk`."""
+    items = [(t, c) for t, c in job.chunks if c is not None]
+    done = 0
+    sources = [(t.source, c) for t, c in items if isinstance(t.source, Tensor)]
+    for (t, c), p in zip(items, reader.payloads(sources), strict=True):
+        if stop.is_set():
+            break
+        entry = t.source
+        assert isinstance(entry, Tensor)
+        data, start = p.data, p.start
+        first = None if data is None or start is None or t.cast else \
+            chunk_geometry.single_run_start(entry.shape, c.offsets, c.sizes)
+        if data is None or start is None or first is None:
+            _write_chunk(reader, job.fd, t, c, lambda n: None, payload=p)
+        else:
+            at = start - p.storage_offset
+            n = c.numel * entry.dtype.itemsize
+            pwrite_all(job.fd, data[at : at + n], t.slot.begin + first * t.dtype.itemsize)
+        done += c.numel * t.dtype.itemsize
+    report(done)
+
+
+def _write_chunk(reader: Reader, dst: int, t: OutTensor, c: Chunk, report: Progress,
+                 payload: Payload | None = None) -> None:
     entry = t.source
     assert isinstance(entry, Tensor)
-    payload = reader.payload(entry, c)
+    payload = payload or reader.payload(entry, c)
     dst_item = t.dtype.itemsize
     start = payload.start
     if start is not None and chunk_geometry.is_single_run(entry.shape, c.offsets, c.sizes):

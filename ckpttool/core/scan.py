@@ -13,7 +13,7 @@ import contextlib
 import hashlib
 from collections.abc import Callable, Generator, Iterator, Set
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ckpttool.core import chunks as chunk_geometry
 from ckpttool.core import objects, tensors
@@ -33,6 +33,11 @@ try:
     from zlib_ng.zlib_ng import crc32
 except ImportError:  # the optional "fast" extra is not installed
     from zlib import crc32
+
+
+# Stored bytes that one tensor's payloads may hold from their records' reads (beyond it, they
+# are read again as they are streamed): memory stays bounded whatever the number of chunks.
+HELD_BYTES = 64 << 20
 
 
 class _Unreadable(Exception):
@@ -74,9 +79,16 @@ class Scanner:
         tensor = t.tensor
         decoded: list[tuple[Chunk, Payload]] = []
         damaged: set[Chunk] = set()  # compressed chunks whose CRCs already failed
-        for c in tensor.chunks:
+        held = 0  # bytes of stored data the payloads hold (read with their records)
+        chunks = tensor.chunks
+        payloads = self.reader.payloads([(tensor, c) for c in chunks], checksums=True)
+        for c in chunks:
             try:
-                p = self.reader.payload(tensor, c, checksums=True)
+                p = next(payloads)
+                if p.data is not None:
+                    held += len(p.data)
+                    if held > HELD_BYTES:  # a tensor of very many chunks: read them again
+                        p = replace(p, data=None)
                 found = len(result.problems)
                 for side in p.side:
                     self._check(side, t.name, result)
@@ -94,8 +106,8 @@ class Scanner:
         ordered = all((p.start is not None or p.compression is not None)
                       and chunk_geometry.is_single_run(t.shape, c.offsets, c.sizes)
                       for c, p in decoded)
-        firsts = {c.offsets: next(iter(chunk_geometry.runs(t.shape, c.offsets, c.sizes)),
-                                  (0, 0, 0))[1] for c, _ in decoded}
+        firsts = {c.offsets: chunk_geometry.single_run_start(t.shape, c.offsets, c.sizes) or 0
+                  for c, _ in decoded} if ordered else {}
         if ordered:
             decoded.sort(key=lambda cp: firsts[cp[0].offsets])
         whole = len(tensor.chunks) == 1 and not self.reader.info.sharded
@@ -117,7 +129,16 @@ class Scanner:
                 result.bytes_read += p.storage_size
                 yield first, memoryview(data)
                 continue
-            if p.start is not None:
+            if p.start is not None and p.data is not None:
+                # Read already, with its record: checked and handed on from memory.
+                if crc is not None:
+                    crc = crc32(p.data)
+                at = p.start - p.storage_offset
+                self.report(len(p.data))
+                result.bytes_read += len(p.data)
+                # A writable copy: value checks view it through torch.frombuffer.
+                yield first, memoryview(bytearray(memoryview(p.data)[at : at + nbytes]))
+            elif p.start is not None:
                 # Read the whole stored range when a checksum covers it, else just the chunk.
                 offset, size = ((p.storage_offset, p.storage_size) if crc is not None
                                 else (p.start, nbytes))

@@ -21,6 +21,7 @@ Nothing here names a format.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -231,6 +232,9 @@ class Payload:
     # only through ``Reader.read_chunk``, which decompresses one record at a time (``start``
     # is None); ``side`` then holds the decompressed entries with their CRC-32s.
     compression: str | None = None
+    # The stored bytes themselves (``storage_size`` of them, from ``storage_offset``), when
+    # decoding read them already (small records are read whole): no second read is needed.
+    data: bytes | memoryview | None = None
 
 
 class UnreadableObject(Exception):
@@ -299,6 +303,19 @@ class Reader:
             InputError: the stored piece is truncated, corrupt or not what was promised.
         """
         return self._decode(tensor, chunk, checksums)
+
+    def payloads(self, items: Sequence[tuple[Tensor, Chunk]], *, checksums: bool = False
+                 ) -> Iterator[Payload]:
+        """:meth:`payload` of each ``(tensor, chunk)``, in order: the batched form, for a
+        caller that knows many chunks it needs (merge, verify). Formats read what lies
+        together together (DCP: back-to-back records in one read, ``Payload.data`` filled),
+        so a caller that asks in file and offset order pays per span, not per chunk.
+
+        Raises:
+            InputError: as :meth:`payload`, when the failing item is reached.
+        """
+        for tensor, chunk in items:
+            yield self._decode(tensor, chunk, checksums)
 
     def _decode(self, tensor: Tensor, chunk: Chunk, checksums: bool = False) -> Payload:
         if chunk.encoding != RAW:

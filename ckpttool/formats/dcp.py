@@ -52,7 +52,7 @@ import re
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,8 +126,8 @@ class TensorRecord:
     crc32: int | None  # CRC-32 of the payload as the zip header records it
     entries: tuple[torchsave.ZipEntry, ...] = ()  # every entry, offsets relative to the record
 
-    @property
-    def is_contiguous(self) -> bool:
+    @functools.cached_property
+    def is_contiguous(self) -> bool:  # cached: a template's record answers it per chunk
         return self.stride == torchsave.contiguous_strides(self.shape) or _prod(self.shape) <= 1
 
     @property
@@ -809,6 +809,8 @@ def record_entries(fd: int | Callable[[int, int], bytes], *, offset: int, length
 
 # Records up to this size are read whole to match a template (one read instead of two).
 _SMALL_RECORD = 1 << 16
+# Back-to-back small records are read together up to this many bytes (Reader.payloads).
+_SPAN = 4 << 20
 
 
 class _Template:
@@ -895,13 +897,18 @@ class DcpReader(Reader):
     def _pread(self, file: str) -> Callable[[int, int], bytes]:
         return functools.partial(self.store.pread, file)
 
-    def _outside_data(self, chunk: Chunk, head: int, data_end: int) -> bytes:
-        """The record's bytes before and after its storage's data, in one read when small."""
+    def _outside_data(self, chunk: Chunk, head: int, data_end: int
+                      ) -> tuple[bytes, bytes | None]:
+        """The record's bytes before and after its storage's data, in one read when small;
+        and then the whole record (None when it is read in two parts)."""
         if chunk.length <= _SMALL_RECORD:
             whole = self.store.pread(chunk.file, chunk.length, chunk.offset)
-            return whole[:head] + whole[data_end:] if len(whole) == chunk.length else b""
+            if len(whole) != chunk.length:
+                return b"", None
+            return whole[:head] + whole[data_end:], whole
         return (self.store.pread(chunk.file, head, chunk.offset)
-                + self.store.pread(chunk.file, chunk.length - data_end, chunk.offset + data_end))
+                + self.store.pread(chunk.file, chunk.length - data_end, chunk.offset + data_end),
+                None)
 
     # -- zstd-compressed records
 
@@ -979,7 +986,9 @@ class DcpReader(Reader):
 
     # -- chunks
 
-    def _decode(self, tensor: Tensor, chunk: Chunk, checksums: bool = False) -> Payload:
+    def _decode(self, tensor: Tensor, chunk: Chunk, checksums: bool = False,
+                whole: bytes | None = None) -> Payload:
+        """``whole``: the record's bytes, when the caller read them already (:meth:`payloads`)."""
         if chunk.encoding == ZSTD_RECORD:
             return self._zstd_payload(tensor, chunk, checksums)
         if chunk.encoding != RECORD:
@@ -987,13 +996,18 @@ class DcpReader(Reader):
         key = (chunk.length, tensor.dtype.name, chunk.sizes)
         template = self._templates.get(key) if self._use_templates else None
         if template is not None:
-            raw = self._outside_data(chunk, template.head, template.data_end)
+            if whole is None:
+                raw, whole = self._outside_data(chunk, template.head, template.data_end)
+            else:
+                raw = whole[:template.head] + whole[template.data_end:]
             if template.matches(raw):
                 crcs = template.crcs(raw)
                 return _payload(chunk, template.rec, crcs[0],
                                 zip(template.side, crcs[1:],
                                     (raw[s] for s in template.side_slices), strict=True)
-                                if checksums else ())
+                                if checksums else (),
+                                None if whole is None
+                                else memoryview(whole)[template.head:template.data_end])
         where = self.where(chunk.file, chunk.offset, f"tensor '{tensor.name}'")
         rec = read_record(self._pread(chunk.file), offset=chunk.offset, length=chunk.length,
                           where=where)
@@ -1010,11 +1024,39 @@ class DcpReader(Reader):
         data = next(e for e in rec.entries if e.data_offset == relative.data_offset)
         if self._use_templates and key not in self._templates:
             self._templates[key] = (_Template(relative, self._outside_data(
-                chunk, data.data_offset, data.data_offset + data.size), chunk.length, data)
+                chunk, data.data_offset, data.data_offset + data.size)[0], chunk.length, data)
                 if data.crc_fields else None)
         return _payload(chunk, relative, rec.crc32,
                         ((e, e.crc32, None) for e in rec.entries if e is not data)
                         if checksums else ())
+
+    def payloads(self, items: Sequence[tuple[Tensor, Chunk]], *, checksums: bool = False
+                 ) -> Iterator[Payload]:
+        """Records that lie back to back in one file (as a writer leaves them, and as a
+        caller that sorts by file and offset asks for them) are read together, in one read
+        of up to ``_SPAN`` bytes, and decoded from memory with their stored bytes."""
+        i, n = 0, len(items)
+        while i < n:
+            first = items[i][1]
+            if first.encoding != RECORD or first.length > _SMALL_RECORD:
+                yield self._decode(items[i][0], first, checksums)
+                i += 1
+                continue
+            j, end = i + 1, first.end
+            while j < n:
+                c = items[j][1]
+                if (c.offset != end or c.file != first.file or c.encoding != RECORD
+                        or c.length > _SMALL_RECORD or c.end - first.offset > _SPAN):
+                    break
+                end = c.end
+                j += 1
+            span = self.store.pread(first.file, end - first.offset, first.offset)
+            for t, c in items[i:j]:
+                at = c.offset - first.offset
+                # A short read (a truncated file): decoded alone, which says where it ends.
+                yield self._decode(t, c, checksums, span[at : at + c.length]
+                                   if at + c.length <= len(span) else None)
+            i = j
 
     def other_checksums(self) -> tuple[list[Checksummed], list[Problem]]:
         """The entries of every non-tensor record (their pickles) whose file holds them, and
@@ -1182,8 +1224,10 @@ def _first_difference(a: Iterator[bytes], b: Iterator[bytes]) -> int | None:
 
 
 def _payload(chunk: Chunk, rec: TensorRecord, crc: int | None,
-             side: Iterable[tuple[torchsave.ZipEntry, int, bytes | None]]) -> Payload:
-    """Where a chunk's elements are, from its record (``rec``: offsets relative to it)."""
+             side: Iterable[tuple[torchsave.ZipEntry, int, bytes | None]],
+             data: memoryview | None = None) -> Payload:
+    """Where a chunk's elements are, from its record (``rec``: offsets relative to it);
+    ``data``: the stored bytes, when they were read with the record."""
     at = chunk.offset + rec.data_offset
     item = rec.dtype.itemsize
     return Payload(
@@ -1191,7 +1235,9 @@ def _payload(chunk: Chunk, rec: TensorRecord, crc: int | None,
         at + rec.storage_offset * item if rec.is_contiguous else None,
         stride=rec.stride, view_offset=rec.storage_offset,
         side=tuple(Checksummed(chunk.file, chunk.offset + e.data_offset, e.size, value,
-                               f"record entry '{e.name}'", data) for e, value, data in side))
+                               f"record entry '{e.name}'", side_data)
+                   for e, value, side_data in side),
+        data=data)
 
 
 def open_reader(info: CheckpointInfo) -> DcpReader:

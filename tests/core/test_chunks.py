@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpttool.core.chunks import coverage_problem, is_single_run, runs
+from ckpttool.core.chunks import coverage_problem, is_single_run, runs, single_run_start
 
 Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
 
@@ -44,6 +44,12 @@ def test_runs_of_a_tiling_fill_every_element_once(case) -> None:
             num_runs += 1
         if is_single_run(shape, offsets, sizes) and piece.size:
             assert num_runs == 1
+        # The shortcut merge and verify take per chunk agrees with the runs.
+        start = single_run_start(shape, offsets, sizes)
+        if num_runs == 1:
+            assert start == next(runs(shape, offsets, sizes))[1]
+        else:
+            assert start is None
     assert (out == full.reshape(-1)).all()
 
 

@@ -15,7 +15,7 @@ import torch
 
 import ckpttool
 from ckpttool.formats import dcp
-from ckpttool.formats.base import Tensor
+from ckpttool.formats.base import Payload, Tensor
 from tests.core.test_merge import load_out
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -54,6 +54,7 @@ def test_merge_is_bit_exact(moe: Path, tmp_path: Path) -> None:
 
 def test_templates_decode_exactly_as_a_full_decode(moe: Path) -> None:
     info = dcp.read_info(moe)
+    unread = 0
     with dcp.DcpReader(info) as fast, dcp.DcpReader(info, templates=False) as full:
         for t in info.tensors:
             for c in t.chunks:
@@ -63,8 +64,22 @@ def test_templates_decode_exactly_as_a_full_decode(moe: Path) -> None:
                     assert s.data is None or s.data == (moe / c.file).read_bytes()[
                         s.offset : s.offset + s.size]
                 bare = tuple(dataclasses.replace(s, data=None) for s in got.side)
-                assert dataclasses.replace(got, side=bare) == want
+                # ...and the stored bytes it read with the record (small records; not the
+                # record a template is made from, which is decoded in full).
+                if got.data is None:
+                    unread += 1
+                else:
+                    assert bytes(got.data) == _stored(moe, got)
+                assert dataclasses.replace(got, side=bare, data=None) == want
     assert fast._templates and not full._templates
+    assert unread == len(fast._templates)
+
+
+def _stored(root: Path, p: Payload) -> bytes:
+    """The bytes a payload's ``storage_offset`` and ``storage_size`` name, from the file."""
+    with open(root / p.file, "rb") as f:
+        f.seek(p.storage_offset)
+        return f.read(p.storage_size)
 
 
 def _flip(path: Path, offset: int, mask: int = 0x01) -> None:
@@ -157,8 +172,9 @@ def test_any_header_byte_changed_decodes_as_a_full_decode(name: str, moe: Path,
             got = reader.payload(t, c, checksums=True)
         except ckpttool.CkptError as e:
             return type(e)
+        assert got.data is None or bytes(got.data) == _stored(damaged, got)
         return dataclasses.replace(got, side=tuple(dataclasses.replace(s, data=None)
-                                                   for s in got.side))
+                                                   for s in got.side), data=None)
 
     with dcp.DcpReader(info) as fast:
         fast.payload(t, t.chunks[0])  # the template, from an intact record
@@ -169,3 +185,81 @@ def test_any_header_byte_changed_decodes_as_a_full_decode(name: str, moe: Path,
             fast.store.close()  # reopen the changed file
             with dcp.DcpReader(info, templates=False) as full:
                 assert outcome(fast) == outcome(full), f"byte {i} of the record"
+
+
+def _bare(p: Payload) -> Payload:
+    return dataclasses.replace(p, data=None, side=tuple(dataclasses.replace(s, data=None)
+                                                       for s in p.side))
+
+
+def _check_batched(root: Path, *, file_order: bool = True) -> int:
+    """``Reader.payloads`` over every chunk (in file and offset order, as merge asks, or in
+    the tensors' order, as verify asks) against ``payload`` one chunk at a time; returns how
+    many payloads came with their stored bytes."""
+    info = dcp.read_info(root)
+    items = [(t, c) for t in info.tensors for c in t.chunks]
+    if file_order:
+        items.sort(key=lambda tc: (tc[1].file, tc[1].offset))
+    with_data = 0
+    with dcp.DcpReader(info) as batched, dcp.DcpReader(info, templates=False) as one:
+        for _ in range(2):  # cold (templates being made), then warm
+            got = list(batched.payloads(items, checksums=True))
+            assert len(got) == len(items)
+            for (t, c), p in zip(items, got, strict=True):
+                assert _bare(p) == _bare(one.payload(t, c, checksums=True)), (t.name, c)
+                if p.data is not None:
+                    assert bytes(p.data) == _stored(root, p)
+                    with_data += 1
+    return with_data
+
+
+def test_payloads_read_back_to_back_records_together(moe: Path) -> None:
+    """In file order, each file's records come in one read (they lie back to back), all
+    decoded from memory with their stored bytes, exactly as one at a time."""
+    info = dcp.read_info(moe)
+    items = sorted(((t, c) for t in info.tensors for c in t.chunks),
+                   key=lambda tc: (tc[1].file, tc[1].offset))
+    with dcp.DcpReader(info) as r:
+        list(r.payloads(items))  # templates made
+        reads = []
+        pread = r.store.pread
+        r.store.pread = lambda name, size, offset: reads.append(size) or pread(  # type: ignore[method-assign]
+            name, size, offset)
+        got = list(r.payloads(items))
+    assert len(reads) == len(info.files)  # one per file (each well under dcp._SPAN)
+    assert all(p.data is not None for p in got)
+    assert _check_batched(moe) > len(items)  # and the same as one at a time, cold and warm
+
+
+def test_payloads_in_tensor_order(moe: Path) -> None:
+    assert _check_batched(moe, file_order=False) > 0
+
+
+@pytest.mark.parametrize("kind,world", [("placements", None), ("uneven", 11), ("mixed", None)])
+def test_payloads_of_real_layouts(kind: str, world: int | None, make_checkpoint) -> None:
+    """Replicate, Shard(1), bf16, uneven and empty pieces, several dtypes: batched as one
+    at a time."""
+    from examples.fsdp2_checkpoint import MODEL_DIR
+
+    root = make_checkpoint(kind, world) / MODEL_DIR
+    assert _check_batched(root) > 0
+    assert _check_batched(root, file_order=False) > 0
+
+
+def test_payloads_of_a_truncated_file_fail_as_one_at_a_time(moe: Path, tmp_path: Path) -> None:
+    damaged = _copy(moe, tmp_path)
+    info = dcp.read_info(damaged)
+    t, c = _late_chunk(info)
+    path = damaged / c.file
+    path.write_bytes(path.read_bytes()[: c.offset + c.length // 2])
+    items = sorted(((t2, c2) for t2 in info.tensors for c2 in t2.chunks if c2.file == c.file),
+                   key=lambda tc: tc[1].offset)
+    with dcp.DcpReader(info) as r, pytest.raises(ckpttool.InputError) as one:
+        r.payload(t, c)
+    with dcp.DcpReader(info) as r:
+        got = []
+        with pytest.raises(ckpttool.InputError) as batched:
+            for p in r.payloads(items):
+                got.append(p)
+    assert str(batched.value) == str(one.value)
+    assert len(got) == next(i for i, (_, c2) in enumerate(items) if c2.end > c.offset)
