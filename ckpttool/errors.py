@@ -20,6 +20,19 @@ class InputError(CkptError):
     exit_code = 3
 
 
+class UnreadableError(InputError):
+    """A file that is there but this process may not read (permissions): a problem of the
+    environment, not damage in the checkpoint, so ``verify`` stops on it (exit 3) instead of
+    reporting every tensor stored in it."""
+
+    @classmethod
+    def of(cls, path: object, e: OSError) -> UnreadableError:
+        """The one message for ``path`` that ``e`` (a ``PermissionError``...) kept us from
+        reading."""
+        return cls(f"{path}: cannot read it: {e.strerror or e}; make it readable for this "
+                   "user (chmod a+r, and a+x on its directories) or run as its owner")
+
+
 class UnsupportedError(CkptError):
     """A valid checkpoint that uses something ckpttool does not handle yet."""
 

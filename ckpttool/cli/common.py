@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ckpttool.errors import CkptError
+from ckpttool.errors import CkptError, UnreadableError
 from ckpttool.formats import dtypes
 
 EXIT_OK = 0
@@ -31,7 +31,9 @@ def err(message: str) -> None:
 @contextmanager
 def exit_codes() -> Iterator[None]:
     """Turn errors into one line on stderr and a documented exit code (no traceback unless
-    ``CKPTTOOL_DEBUG=1``); unexpected exceptions are bugs: traceback and exit 70."""
+    ``CKPTTOOL_DEBUG=1``); unexpected exceptions are bugs: traceback and exit 70. A file this
+    user may not read (exit 3) and a missing torch (exit 4) are never bugs, wherever they
+    surface."""
     debug = os.environ.get("CKPTTOOL_DEBUG") == "1"
     try:
         yield
@@ -45,21 +47,55 @@ def exit_codes() -> Iterator[None]:
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except (typer.Exit, typer.Abort, typer.BadParameter):
         raise
+    except PermissionError as e:  # a file or directory this user may not read: not our bug
+        if debug:
+            traceback.print_exc()
+        err(f"ckpttool: error: {UnreadableError.of(e.filename or '?', e)}")
+        raise typer.Exit(EXIT_INPUT) from None
+    except ImportError as e:
+        if (e.name or "").partition(".")[0] != "torch":
+            raise _bug() from None
+        if debug:
+            traceback.print_exc()
+        err("ckpttool: error: this needs PyTorch (reading values, casting, writing DCP), which "
+            "is not installed here; install it: pip install torch")
+        raise typer.Exit(EXIT_UNSUPPORTED) from None
     except Exception:  # noqa: BLE001 - anything else is our bug, reported as one
-        traceback.print_exc()
-        err("ckpttool: internal error (a bug in ckpttool); please report it with the "
-            "traceback above")
-        raise typer.Exit(EXIT_BUG) from None
+        raise _bug() from None
+
+
+def _bug() -> typer.Exit:
+    """Report the exception being handled as a bug (traceback, exit 70)."""
+    traceback.print_exc()
+    err("ckpttool: internal error (a bug in ckpttool); please report it with the traceback "
+        "above")
+    return typer.Exit(EXIT_BUG)
 
 
 DTYPE_CHOICES = ", ".join(dtypes.CHOICES)
+
+
+def epilog(examples: list[str], *notes: str) -> str:
+    """A command's epilog: the examples as written, one per line (never re-wrapped to the
+    terminal: a wrapped example breaks copy-paste), then paragraphs of notes."""
+    # A paragraph after a line holding only "\b" is printed as is (the help formatter's
+    # documented escape).
+    block = "\n".join(f"  {e}" for e in examples)
+    return "\n\n".join(["Examples:", f"\b\n{block}", *notes]) + "\n"
+
 
 # Options every command that reads data takes, defined once.
 FollowLinks = Annotated[bool, typer.Option(
     "--follow-links", help="Read data files that are links out of the checkpoint directory "
     "(shared-storage layouts); refused otherwise.")]
 NoProgress = Annotated[bool, typer.Option(
-    "--no-progress", help="No progress display on stderr (it shows on a terminal).")]
+    "--no-progress", help="No progress display on stderr (it shows on a terminal; plain "
+    "lines when TERM=dumb).")]
+JsonOutput = Annotated[bool, typer.Option(
+    "--json", help="Print the report as one JSON document on stdout.")]
+Workers = Annotated[int | None, typer.Option(
+    min=1, metavar="N", help="Threads reading (and writing) data in parallel (default: the CPUs "
+    "this process may use).")]
 
 
 def dtype_choice(value: str | None) -> str | None:

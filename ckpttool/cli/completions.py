@@ -21,8 +21,21 @@ def script(shell: str) -> str:
     env = {**os.environ, "_CKPTTOOL_COMPLETE": f"source_{shell}"}
     text = subprocess.run([sys.executable, "-m", "ckpttool"], env=env, check=True,
                           capture_output=True, text=True).stdout
-    # zsh autoloads a function file from $fpath only when "#compdef" is its very first line.
-    return text.lstrip("\n")
+    text = text.lstrip("\n")
+    if shell == "zsh":
+        # zsh autoloads a function file from $fpath only when "#compdef" is its very first
+        # line, and then runs the file as the function _ckpttool on the first TAB: that run
+        # must complete too (not merely register the completer for the next TAB). Sourced,
+        # the file registers it as before.
+        register = "compdef _ckpttool_completion ckpttool"
+        if register in text:
+            text = text.replace(register, (
+                'if [[ "${funcstack[1]}" == _ckpttool ]]; then\n'
+                '  _ckpttool_completion "$@"\n'
+                "else\n"
+                f"  {register}\n"
+                "fi"))
+    return text
 
 
 def main(argv: list[str]) -> None:

@@ -9,29 +9,32 @@ import typer
 
 from ckpttool.cli.common import (
     FollowLinks,
+    JsonOutput,
     NoProgress,
     ProgressBar,
+    Workers,
     count,
+    epilog,
     exit_codes,
     human_bytes,
     lora_line,
     print_json,
 )
 
-EPILOG = """\
-Examples:\n\n
-  ckpttool inspect checkpoint-500\n\n
-  ckpttool inspect model.safetensors --filter '*embed*' --stats\n\n
-  ckpttool inspect pytorch_model.bin --json | jq '.summary'\n\n
-Reads only metadata and headers unless --stats is given.\n\n
-Exit codes: 0 ok, 2 usage, 3 bad input, 4 unsupported, 70 internal bug.
-"""
+EPILOG = epilog([
+    "ckpttool inspect checkpoint-500",
+    "ckpttool inspect model.safetensors --filter '*embed*' --stats",
+    "ckpttool inspect pytorch_model.bin --json | jq '.summary'",
+    "ckpttool inspect checkpoint-500 -q && echo readable",
+], "Reads only metadata and headers unless --stats is given.",
+   "Exit codes: 0 ok, 2 usage, 3 bad input, 4 unsupported, 70 internal bug.")
 
 
 def inspect_command(
-    path: Annotated[str, typer.Argument(help="A DCP directory, a .safetensors file or sharded "
-                                         "directory, a torch.save .bin/.pt state dict, or a "
-                                         "training checkpoint directory (checkpoint-500/).")],
+    path: Annotated[str, typer.Argument(
+        metavar="PATH", help="A checkpoint in any format ckpttool reads (a DCP directory, a "
+        ".safetensors file or sharded directory, a torch.save .bin/.pt state dict...), or a "
+        "training checkpoint directory (checkpoint-500/).")],
     filter: Annotated[str | None, typer.Option(
         "--filter", metavar="GLOB", help="Show only tensors whose name matches this glob "
         "(e.g. '*layers.0.*'); the summary still counts them all.")] = None,
@@ -41,24 +44,29 @@ def inspect_command(
         "--stats", help="Read the data and add min, max, mean, abs-max, NaN and Inf counts "
         "per tensor.")] = False,
     config: Annotated[Path | None, typer.Option(
+        metavar="PATH",
         help="config.json (or its directory) to use instead of the one beside PATH.")] = None,
-    json_output: Annotated[bool, typer.Option(
-        "--json", help="Print the report as one JSON document on stdout.")] = False,
+    workers: Workers = None,
+    json_output: JsonOutput = False,
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", help="Print nothing but errors: the exit code says whether PATH is a "
+        "checkpoint ckpttool reads.")] = False,
 ) -> None:
     """Show what a checkpoint holds: format, parts, tensors, dtypes, sizes, ties."""
     from ckpttool.core.inspect import inspect
 
-    bar = ProgressBar("reading", enabled=stats and not no_progress)
+    bar = ProgressBar("reading", enabled=stats and not quiet and not no_progress)
     on_start, progress = bar.callbacks
     with exit_codes():
         try:
             report = inspect(path, filter=filter, stats=stats, config=config,
-                             follow_links=follow_links, progress=progress, on_start=on_start)
+                             follow_links=follow_links, workers=workers, progress=progress,
+                             on_start=on_start)
         finally:
             bar.stop()
         if json_output:
             print_json(report.to_json())
-        else:
+        elif not quiet:
             print(render(report.to_json()))
 
 

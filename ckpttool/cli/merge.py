@@ -10,10 +10,13 @@ import typer
 from ckpttool.cli.common import (
     DTYPE_CHOICES,
     FollowLinks,
+    JsonOutput,
     NoProgress,
     ProgressBar,
+    Workers,
     count,
     dtype_choice,
+    epilog,
     err,
     exit_codes,
     human_bytes,
@@ -22,18 +25,17 @@ from ckpttool.cli.common import (
     size_option,
 )
 
-EPILOG = """\
-Examples:\n\n
-  ckpttool merge checkpoint-500/pytorch_model_fsdp_0 out/\n\n
-  ckpttool merge checkpoint-500 out/ --dtype bf16 --max-shard-size 2GB\n\n
-  ckpttool merge ckpt out/ --json | jq .files\n\n
-  ckpttool merge lora-checkpoint out/ --lora adapter\n\n
-  ckpttool merge base-model/ out/ --adapter my-adapter/\n\n
-  ckpttool merge checkpoint/step-1000 optim/ --part optimizer\n\n
-  ckpttool merge s3://bucket/run/checkpoint-500 s3://bucket/merged/  (pip install ckpttool[s3])\n\n
-  ckpttool merge outputs/checkpoint/step-1000 out/ --names torchtitan-llama3 --config hf/\n\n
-Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug.
-"""
+EPILOG = epilog([
+    "ckpttool merge checkpoint-500/pytorch_model_fsdp_0 out/",
+    "ckpttool merge checkpoint-500 out/ --dtype bf16 --max-shard-size 2GB",
+    "ckpttool merge checkpoint-500 out/ --dry-run --json | jq '.tensors[] | [.name, .dtype]'",
+    "ckpttool merge ckpt out/ --json | jq .files",
+    "ckpttool merge lora-checkpoint out/ --lora adapter",
+    "ckpttool merge base-model/ out/ --adapter my-adapter/",
+    "ckpttool merge checkpoint/step-1000 optim/ --part optimizer",
+    "ckpttool merge s3://bucket/run/checkpoint-500 s3://bucket/merged/",
+    "ckpttool merge outputs/checkpoint/step-1000 out/ --names torchtitan-llama3 --config hf/",
+], "Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug.")
 
 
 # The name maps of ckpttool.core.namemaps (NAMES), spelled here so that --help imports no core.
@@ -48,19 +50,23 @@ def names_choice(value: str | None) -> str | None:
 
 
 def merge_command(
-    src: Annotated[str, typer.Argument(help="A checkpoint in any format inspect reads (DCP "
-                                        "directory, per-rank files, .bin/safetensors), or a "
-                                        "training checkpoint directory holding one "
-                                        "(checkpoint-500/).")],
-    out: Annotated[str, typer.Argument(help="Output directory for the safetensors files.")],
+    src: Annotated[str, typer.Argument(
+        metavar="SRC", help="A checkpoint in any format inspect reads (DCP directory, per-rank "
+        "files, a .bin/.pt or safetensors model, sharded or not), or a training checkpoint "
+        "directory holding one (checkpoint-500/).")],
+    out: Annotated[str, typer.Argument(
+        metavar="OUT", help="Output directory for the safetensors files (not SRC, nor inside "
+        "it).")],
     dtype: Annotated[str, typer.Option(
-        callback=dtype_choice, help=f"Dtype of floating tensors: {DTYPE_CHOICES} (auto: "
-        "config.json's torch_dtype). Float8, integer and bool tensors are never cast.")
+        callback=dtype_choice, metavar="DTYPE", help=f"Dtype of floating tensors: "
+        f"{DTYPE_CHOICES}, also spelled bfloat16, float16, float32 (auto: config.json's "
+        "torch_dtype). Float8, integer and bool tensors are never cast.")
     ] = "auto",
     max_shard_size: Annotated[str, typer.Option(
-        callback=size_option,
+        callback=size_option, metavar="SIZE",
         help="Largest output shard (5GB, 500MB, 2GiB); one file if everything fits.")] = "5GB",
     config: Annotated[Path | None, typer.Option(
+        metavar="PATH",
         help="config.json (or its directory) to use instead of the one beside SRC.")] = None,
     keep_tied: Annotated[bool, typer.Option(
         "--keep-tied", help="Write both tied embedding copies even when identical.")] = False,
@@ -72,11 +78,11 @@ def merge_command(
         "weights; the default when the base weights are there) or adapter (a PEFT adapter "
         "directory). alpha comes from adapter_config.json.")] = None,
     adapter: Annotated[Path | None, typer.Option(
-        help="A PEFT adapter directory (adapter_model.safetensors + adapter_config.json) to "
-        "fold into SRC, a model with full weights.")] = None,
+        metavar="DIR", help="A PEFT adapter directory (adapter_model.safetensors + "
+        "adapter_config.json) to fold into SRC, a model with full weights.")] = None,
     adapter_config: Annotated[Path | None, typer.Option(
-        help="PEFT's adapter_config.json (or its directory), where it is not beside the "
-        "checkpoint or the adapter.")] = None,
+        metavar="PATH", help="PEFT's adapter_config.json (or its directory), where it is not "
+        "beside the checkpoint or the adapter.")] = None,
     part: Annotated[str | None, typer.Option(
         "--part", metavar="PART", callback=_part_choice,
         help="What to write of a checkpoint that holds more than the model (optimizer, lr "
@@ -86,21 +92,24 @@ def merge_command(
     no_progress: NoProgress = False,
     follow_links: FollowLinks = False,
     names: Annotated[str | None, typer.Option(
-        callback=names_choice, help=f"Map a training framework's names and layouts to a "
-        f"Hugging Face model family's: {', '.join(NAME_MAPS)} (renames, RoPE permutation, "
+        callback=names_choice, metavar="MAP", help=f"Map a training framework's names and "
+        f"layouts to a Hugging Face model family's: {', '.join(NAME_MAPS)} (renames, RoPE "
+        "permutation, "
         "fused wqkv and grouped-expert splits). Needs the model's config.json (--config).")
     ] = None,
-    workers: Annotated[int | None, typer.Option(
-        min=1, help="Parallel copy threads (default: the CPUs this process may use).")] = None,
-    json_output: Annotated[bool, typer.Option(
-        "--json", help="Print the report as one JSON document on stdout.")] = False,
+    workers: Workers = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Show what would be written (files, sizes, every tensor's name, "
+        "dtype and shape) after every check a merge makes, and write nothing: OUT is not "
+        "created.")] = False,
+    json_output: JsonOutput = False,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="Print nothing but errors.")] = False,
 ) -> None:
     """Merge a sharded checkpoint (any format) into Hugging Face safetensors, exact to the bit."""
     from ckpttool.core.merge import merge
 
-    bar = ProgressBar("merging", enabled=not quiet and not no_progress)
+    bar = ProgressBar("merging", enabled=not quiet and not no_progress and not dry_run)
     on_start, progress = bar.callbacks
     with exit_codes():
         try:
@@ -108,7 +117,7 @@ def merge_command(
                            config=config, keep_tied=keep_tied, overwrite=overwrite,
                            workers=workers, follow_links=follow_links, lora=lora,
                            adapter=adapter, adapter_config=adapter_config, part=part,
-                           names=names,
+                           names=names, dry_run=dry_run,
                            progress=progress, on_start=on_start)
         finally:
             bar.stop()
@@ -140,7 +149,9 @@ def _print_human(r: object) -> None:
     assert isinstance(r, MergeReport)
     what = ("optimizer state" if r.kind == "optimizer"
             else "LoRA adapter" if r.lora and r.lora["mode"] == "adapter" else "model")
-    lines = [f"merged {what} {r.checkpoint} -> {r.out} in {r.seconds:.1f} s"]
+    lines = ([f"dry run: would merge {what} {r.checkpoint} -> {r.out} (nothing written)"]
+             if r.dry_run else [f"merged {what} {r.checkpoint} -> {r.out} in {r.seconds:.1f} s"])
+    did = "would write" if r.dry_run else "wrote"
     if r.checkpoint != r.src:
         skipped = "".join(f"; skipped {Path(s['path']).name} ({s['kind']})" for s in r.skipped)
         lines.append(f"  used {Path(r.checkpoint).name}, found in {r.src}{skipped}")
@@ -151,7 +162,7 @@ def _print_human(r: object) -> None:
         lines.append(f"  source: {r.format}, {note}")
     for f in r.files:
         tensors = f" ({f['tensors']} tensors)" if f["tensors"] else ""
-        lines.append(f"  wrote {f['name']}: {human_bytes(f['bytes'])}{tensors}")
+        lines.append(f"  {did} {f['name']}: {human_bytes(f['bytes'])}{tensors}")
     lines.append(f"  {r.num_tensors} tensors, {r.num_parameters:,} parameters, "
                  f"{human_bytes(r.total_bytes)}")
     before = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(r.bytes_before.items()))
@@ -213,10 +224,22 @@ def _print_human(r: object) -> None:
         else:
             lines.append(f"  non-tensor entry {o['name']}: {o['note']}")
     if r.copied:
-        lines.append(f"  copied {', '.join(r.copied)}")
+        lines.append(f"  {'would copy' if r.dry_run else 'copied'} {', '.join(r.copied)}")
     for change in r.config_changes:
         lines.append(f"  config.json: {change}")
+    if r.dry_run:
+        lines += ["", _plan_table(r.tensors)]
     print("\n".join(lines))
+
+
+def _plan_table(rows: list[dict[str, Any]]) -> str:
+    """A dry run's tensors, one per line, as they would be written."""
+    table = [["name", "shape", "dtype", "from", "size", "file"]]
+    table += [[t["name"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"],
+               t["source_dtype"], human_bytes(t["bytes"]), t["file"]] for t in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
+                     .rstrip() for row in table)
 
 
 def _lora_lines(lo: dict[str, Any]) -> list[str]:

@@ -9,8 +9,11 @@ import typer
 
 from ckpttool.cli.common import (
     FollowLinks,
+    JsonOutput,
     NoProgress,
     ProgressBar,
+    Workers,
+    epilog,
     err,
     exit_codes,
     human_bytes,
@@ -18,13 +21,11 @@ from ckpttool.cli.common import (
     size_option,
 )
 
-EPILOG = """\
-Examples:\n\n
-  ckpttool reshard ckpt/pytorch_model_fsdp_0 ckpt8/pytorch_model_fsdp_0 --ranks 8\n\n
-  ckpttool reshard merged/ resume/pytorch_model_fsdp_0 --to dcp --prefix model\n\n
-  ckpttool reshard merged/ resplit/ --to safetensors --max-shard-size 2GB\n\n
-Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug.
-"""
+EPILOG = epilog([
+    "ckpttool reshard ckpt/pytorch_model_fsdp_0 ckpt8/pytorch_model_fsdp_0 --ranks 8",
+    "ckpttool reshard merged/ resume/pytorch_model_fsdp_0 --to dcp --prefix model",
+    "ckpttool reshard merged/ resplit/ --to safetensors --max-shard-size 2GB",
+], "Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug.")
 
 
 class Target(str, Enum):
@@ -33,25 +34,26 @@ class Target(str, Enum):
 
 
 def reshard_command(
-    src: Annotated[str, typer.Argument(help="DCP directory, safetensors file, or safetensors "
-                                        "model directory.")],
-    out: Annotated[str, typer.Argument(help="Output directory.")],
+    src: Annotated[str, typer.Argument(
+        metavar="SRC", help="A checkpoint in any format ckpttool reads: a DCP directory (or "
+        "another training split) for --ranks, full weights (safetensors, .bin) for --to.")],
+    out: Annotated[str, typer.Argument(metavar="OUT", help="Output directory.")],
     ranks: Annotated[int | None, typer.Option(
-        min=1, help="Ranks of the DCP output, split on dim 0 as FSDP2 does (default 1 from "
-        "full weights; required from DCP).")] = None,
+        min=1, metavar="M", help="Ranks of the DCP output, split on dim 0 as FSDP2 does "
+        "(default 1 from full weights; required from DCP).")] = None,
     to: Annotated[Target, typer.Option(help="Output format.")] = Target.dcp,
     prefix: Annotated[str | None, typer.Option(
-        help="With DCP output from full weights, nest under this key: 'model' makes a "
-        "pytorch_model_fsdp_0 that accelerate's load_fsdp_model reads.")] = None,
+        metavar="KEY", help="With DCP output from full weights, nest under this key: 'model' "
+        "makes a pytorch_model_fsdp_0 that accelerate's load_fsdp_model reads.")] = None,
     max_shard_size: Annotated[str, typer.Option(
-        callback=size_option,
+        callback=size_option, metavar="SIZE",
         help="With --to safetensors: the largest shard (5GB, 500MB...).")] = "5GB",
     no_progress: NoProgress = False,
     follow_links: FollowLinks = False,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace a checkpoint already in OUT.")] = False,
-    json_output: Annotated[bool, typer.Option(
-        "--json", help="Print the report as one JSON document on stdout.")] = False,
+    workers: Workers = None,
+    json_output: JsonOutput = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")
                      ] = False,
 ) -> None:
@@ -64,7 +66,8 @@ def reshard_command(
         try:
             report = reshard(src, out, ranks=ranks, to=to.value, prefix=prefix,
                              max_shard_size=max_shard_size, overwrite=overwrite,
-                             follow_links=follow_links, progress=progress, on_start=on_start)
+                             follow_links=follow_links, workers=workers, progress=progress,
+                             on_start=on_start)
         finally:
             bar.stop()
         if not quiet:

@@ -10,33 +10,34 @@ import typer
 from ckpttool.cli.common import (
     EXIT_PROBLEMS,
     FollowLinks,
+    JsonOutput,
     NoProgress,
     ProgressBar,
+    Workers,
     count,
     dtype_choice,
+    epilog,
     exit_codes,
     human_bytes,
     print_json,
 )
 
-EPILOG = """\
-Examples:\n\n
-  ckpttool verify checkpoint-500\n\n
-  ckpttool verify checkpoint-500 --against merged/ --allow-cast\n\n
-  ckpttool verify checkpoint-500 --expect-dtype bf16 --json | jq '.problems'\n\n
-  ckpttool verify merged/ --write-manifest merged.manifest.json\n\n
-  ckpttool verify copy/ --check-manifest merged.manifest.json\n\n
-Exit codes: 0 nothing at error severity, 1 errors found, 2 usage, 3 PATH cannot be read,
-4 unsupported, 70 internal bug.
-"""
+EPILOG = epilog([
+    "ckpttool verify checkpoint-500",
+    "ckpttool verify checkpoint-500 --against merged/ --allow-cast",
+    "ckpttool verify checkpoint-500 --expect-dtype bf16 --json | jq '.problems'",
+    "ckpttool verify merged/ --write-manifest merged.manifest.json",
+    "ckpttool verify copy/ --check-manifest merged.manifest.json",
+], "Exit codes: 0 nothing at error severity, 1 errors found, 2 usage, 3 PATH cannot be read, "
+   "4 unsupported, 70 internal bug.")
 
 # Problems of one code shown before "... and N more" (all are in --json).
 SHOWN_PER_CODE = 10
 
 
 def verify_command(
-    path: Annotated[str, typer.Argument(help="The checkpoint to check (any format inspect "
-                                         "reads).")],
+    path: Annotated[str, typer.Argument(
+        metavar="PATH", help="The checkpoint to check (any format inspect reads).")],
     against: Annotated[str | None, typer.Option(
         metavar="OTHER", help="Another checkpoint (any format) that must hold the same tensors "
         "under canonical names, bit for bit: e.g. the output of ckpttool merge.")] = None,
@@ -44,13 +45,15 @@ def verify_command(
         "--allow-cast", help="With --against: compare after the cast that --dtype would apply "
         "(NaN equals NaN after a cast).")] = False,
     dtype: Annotated[str | None, typer.Option(
-        callback=dtype_choice, help="With --allow-cast: the --dtype given to merge (default "
-        "auto: config.json's torch_dtype).")] = None,
+        callback=dtype_choice, metavar="DTYPE", help="With --allow-cast: the --dtype given to "
+        "merge (default auto: config.json's torch_dtype).")] = None,
     expect_dtype: Annotated[str | None, typer.Option(
-        callback=dtype_choice, help="Floating tensors of another dtype are errors (auto: "
-        "config.json's torch_dtype). Float8, integer and bool tensors are reported apart.")
+        callback=dtype_choice, metavar="DTYPE", help="Floating tensors of another dtype are "
+        "errors (auto: config.json's torch_dtype; also spelled bfloat16, float16, float32). "
+        "Float8, integer and bool tensors are reported apart.")
     ] = None,
     config: Annotated[Path | None, typer.Option(
+        metavar="PATH",
         help="config.json (or its directory) to use instead of the one beside PATH.")] = None,
     write_manifest: Annotated[Path | None, typer.Option(
         metavar="FILE", help="Write a SHA-256 per tensor to FILE (a new file).")] = None,
@@ -59,10 +62,8 @@ def verify_command(
         "--write-manifest); a missing FILE is an error.")] = None,
     no_progress: NoProgress = False,
     follow_links: FollowLinks = False,
-    workers: Annotated[int | None, typer.Option(
-        min=1, help="Tensors read in parallel (default: the CPUs this process may use).")] = None,
-    json_output: Annotated[bool, typer.Option(
-        "--json", help="Print the full report as one JSON document on stdout.")] = False,
+    workers: Workers = None,
+    json_output: JsonOutput = False,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="Print only errors and the summary line.")] = False,
 ) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import InputError
+from ckpttool.errors import InputError, UnreadableError
 
 # Files a Hugging Face model directory carries besides its weights.
 HF_FILES = (
@@ -153,10 +153,13 @@ def _json_object(path: Path, option: str) -> dict[str, Any]:
     """``path`` parsed; it must hold a JSON object.
 
     Raises:
+        UnreadableError: this process may not read it.
         InputError: not valid JSON, or not an object (the message names ``option``).
     """
     try:
         parsed = json.loads(path.read_text())
+    except PermissionError as e:
+        raise UnreadableError.of(path, e) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: not valid JSON ({e}); fix it or pass {option}") from None
     if not isinstance(parsed, dict):

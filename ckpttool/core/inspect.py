@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +31,7 @@ from ckpttool.core.discover import (
     select,
 )
 from ckpttool.core.report import SCHEMA, Progress
+from ckpttool.core.torch_threads import default_workers, one_torch_thread, workers_for
 from ckpttool.errors import CkptError, InputError
 from ckpttool.formats.base import Reader, Tensor
 from ckpttool.formats.dtypes import DType
@@ -297,6 +300,7 @@ def inspect(
     stats: bool = False,
     config: str | os.PathLike[str] | None = None,
     follow_links: bool = False,
+    workers: int | None = None,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> InspectReport:
@@ -308,6 +312,8 @@ def inspect(
         stats: stream the data and add min, max, mean, abs-max, NaN and Inf counts per tensor.
         config: config.json (or its directory) instead of the one beside the checkpoint.
         follow_links: read data files that are links out of the checkpoint directory.
+        workers: with ``stats``, tensors read in parallel (default: the CPUs this process
+            may use).
         progress: called with bytes read (``stats`` only).
         on_start: called once with the bytes ``stats`` will read.
 
@@ -353,12 +359,31 @@ def inspect(
         if stats:
             if on_start is not None:
                 on_start(sum(t.nbytes for t in shown))
-            for t, row in zip(shown, report.tensors, strict=True):
-                acc = Stats(t.dtype, full=True)
-                for _, data in tensor_io.blocks(reader, t.tensor):
-                    acc.update(data)
-                    if progress is not None:
-                        progress(len(data))
-                row["stats"] = acc.result().to_json()
+            for row, result in zip(report.tensors, _stats(reader, shown, workers, progress),
+                                   strict=True):
+                row["stats"] = result.to_json()
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+def _stats(reader: Reader, shown: list[TensorView], workers: int | None,
+           progress: Progress | None) -> list[TensorStats]:
+    """Each tensor's statistics, tensors read in ``workers`` threads."""
+    lock = threading.Lock()
+
+    def one(t: TensorView) -> TensorStats:
+        acc = Stats(t.dtype, full=True)
+        for _, data in tensor_io.blocks(reader, t.tensor):
+            acc.update(data)
+            if progress is not None:
+                with lock:
+                    progress(len(data))
+        return acc.result()
+
+    n = workers_for(workers or default_workers(), nbytes=sum(t.nbytes for t in shown),
+                    chunks=sum(len(t.tensor.chunks) for t in shown))
+    with one_torch_thread():
+        if n <= 1:
+            return [one(t) for t in shown]
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            return list(pool.map(one, shown))

@@ -405,6 +405,10 @@ class MergeReport:
     contents: list[dict[str, Any]] = field(default_factory=list)  # every part of the source
     left_out: list[dict[str, Any]] = field(default_factory=list)  # the parts not written
     warnings: list[str] = field(default_factory=list)
+    dry_run: bool = False  # nothing was written: files and tensors are what would be
+    # dry_run only: every tensor as it would be written ({"name", "file", "dtype",
+    # "source_dtype", "shape", "bytes", "offsets": [begin, end], byte offsets in the file})
+    tensors: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -430,6 +434,7 @@ def merge(
     adapter_config: str | os.PathLike[str] | None = None,
     part: str | None = None,
     names: str | None = None,
+    dry_run: bool = False,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> MergeReport:
@@ -460,6 +465,10 @@ def merge(
             state of a checkpoint that holds nothing else. The rest is reported, not written.
         names: a name map (``namemaps.NAMES``, e.g. ``"torchtitan-llama3"``) from the
             training framework's names and layouts to the Hugging Face model family's.
+        dry_run: plan the merge and report it (files, sizes, every tensor's name, dtype,
+            shape and place: ``report.tensors``) without writing or creating anything. Every
+            check a merge makes before writing is made (a tie is decided by reading both
+            embeddings), except free space.
         progress: called with bytes written, as the merge goes.
         on_start: called once with the total bytes to write, before any are written.
 
@@ -584,28 +593,42 @@ def merge(
         if adapted is not None and mode == "adapter":
             extra.append((hf.ADAPTER_CONFIG, adapted.config_bytes))
             report.copied.append(hf.ADAPTER_CONFIG)
-        check_space(out_path, plan.file_bytes + sum(len(data) for _, data in extra))
-        if on_start is not None:
-            on_start(plan.total_bytes)
-        with AtomicOutputs(out_path) as outputs:
-            execute(plan, reader, outputs, workers=workers or default_workers(),
-                    progress=progress)
-            if plan.index is not None:
-                outputs.write_bytes(plan.index_name, plan.index)
-            for name, data in extra:
-                outputs.write_bytes(name, data)
-            keep = {f.name for f in plan.files} | {n for n, _ in extra}
-            if plan.index is not None:
-                keep.add(plan.index_name)
-            outputs.commit(
-                last=(plan.index_name,),
-                before_last=(lambda: remove_stale(
-                    out_path, keep, lambda name: st.is_weight_file(name, stem)))
-                if overwrite else None)
+        # A dry run stops here: the plan it reports is the one a merge would write.
+        if not dry_run:
+            check_space(out_path, plan.file_bytes + sum(len(data) for _, data in extra))
+            if on_start is not None:
+                on_start(plan.total_bytes)
+            _write(plan, reader, out_path, extra, stem=stem, overwrite=overwrite,
+                   workers=workers or default_workers(), progress=progress)
 
     _summarise(report, ckpt, plan, dict(extra).get(OPTIMIZER_JSON))
+    if dry_run:
+        report.dry_run = True
+        report.tensors = [{"name": t.name, "file": f.name, "dtype": t.dtype.name,
+                           "source_dtype": t.source.dtype.name, "shape": list(t.slot.shape),
+                           "bytes": t.slot.nbytes, "offsets": [t.slot.begin, t.slot.end]}
+                          for f in plan.files for t in f.tensors]
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+def _write(plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]], *,
+           stem: str, overwrite: bool, workers: int, progress: Progress | None) -> None:
+    """Write ``plan`` and the small ``extra`` files into ``out``, all or nothing."""
+    with AtomicOutputs(out) as outputs:
+        execute(plan, reader, outputs, workers=workers, progress=progress)
+        if plan.index is not None:
+            outputs.write_bytes(plan.index_name, plan.index)
+        for name, data in extra:
+            outputs.write_bytes(name, data)
+        keep = {f.name for f in plan.files} | {n for n, _ in extra}
+        if plan.index is not None:
+            keep.add(plan.index_name)
+        outputs.commit(
+            last=(plan.index_name,),
+            before_last=(lambda: remove_stale(
+                out, keep, lambda name: st.is_weight_file(name, stem)))
+            if overwrite else None)
 
 
 def _summarise(report: MergeReport, ckpt: Checkpoint, plan: MergePlan,

@@ -14,9 +14,13 @@ full weights decides what each target means.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Generator, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +36,7 @@ from ckpttool.core.fileio import (
     remove_stale,
 )
 from ckpttool.core.report import SCHEMA, Progress
+from ckpttool.core.torch_threads import default_workers, workers_for
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats import dcp
 from ckpttool.formats import safetensors as st
@@ -113,6 +118,7 @@ def reshard(
     max_shard_size: str | int = "5GB",
     overwrite: bool = False,
     follow_links: bool = False,
+    workers: int | None = None,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> ReshardReport:
@@ -130,6 +136,8 @@ def reshard(
         max_shard_size: with safetensors output, the largest shard.
         overwrite: replace a checkpoint already in ``out``.
         follow_links: read data files that are links out of the checkpoint directory.
+        workers: threads reading (and writing) data in parallel (default: the CPUs this
+            process may use); DCP output holds up to this many chunks in memory at once.
 
     Raises:
         InputError, UnsupportedError, OutputError: as for ``merge``.
@@ -156,22 +164,58 @@ def reshard(
                          "checkpoint out for)")
     if target == "dcp" and info.sharded and prefix is not None:
         raise InputError("--prefix applies to full weights; a DCP source keeps its keys")
+    n_workers = workers_for(workers or default_workers(),
+                            nbytes=sum(t.nbytes for t in ckpt.tensors),
+                            chunks=sum(len(t.tensor.chunks) for t in ckpt.tensors))
+    if progress is not None:  # called from the worker threads
+        progress = _locked(progress)
     with open_reader(ckpt, follow_links=follow_links) as reader:
         structure.raise_first(reader.check_copies())  # replicated chunks every rank stored
         reader.open_files()
         if target == "safetensors":
             _to_safetensors(ckpt, reader, out_path, st.parse_size(str(max_shard_size)),
-                            overwrite, report, progress, on_start)
+                            overwrite, report, progress, on_start, n_workers)
         else:
             _to_dcp(ckpt, reader, out_path, ranks or 1, prefix, overwrite, report, progress,
-                    on_start)
+                    on_start, n_workers)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
 
 
+def _locked(progress: Progress) -> Progress:
+    lock = threading.Lock()
+
+    def report(n: int) -> None:
+        with lock:
+            progress(n)
+
+    return report
+
+
+def _in_order(fn: Callable[[Any], bytes | bytearray], items: Iterable[Any], workers: int
+              ) -> Generator[bytes | bytearray, None, None]:
+    """``fn(item)`` for each item, in order, computed by ``workers`` threads at most that many
+    ahead (memory: ``workers`` results)."""
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        ahead: deque[Future[bytes | bytearray]] = deque()
+        try:
+            for item in items:
+                ahead.append(pool.submit(fn, item))
+                if len(ahead) >= workers:
+                    yield ahead.popleft().result()
+            while ahead:
+                yield ahead.popleft().result()
+        finally:
+            for f in ahead:
+                f.cancel()
+
+
 def _to_dcp(ckpt: Checkpoint, reader: Reader, out: Path, num_ranks: int, prefix: str | None,
             overwrite: bool, report: ReshardReport, progress: Progress | None,
-            on_start: Callable[[int], None] | None) -> None:
+            on_start: Callable[[int], None] | None, workers: int) -> None:
     assert ckpt.info is not None
     sharded = ckpt.info.sharded
     stored = [t.tensor for t in ckpt.tensors]
@@ -186,7 +230,14 @@ def _to_dcp(ckpt: Checkpoint, reader: Reader, out: Path, num_ranks: int, prefix:
                  + sum(len(record) for _, record in objects))
     if on_start is not None:
         on_start(total)
-    with AtomicOutputs(out) as outputs:
+    def read(tc: tuple[Tensor, PlannedChunk]) -> bytes | bytearray:
+        t, c = tc
+        return tensors.read_range(reader, t, c.start, c.stop)
+
+    pieces = [(t, c) for t, chunks in zip(stored, plans, strict=True) for c in chunks]
+    # Read ahead in threads, written in order; closed (pending reads cancelled) on any exit.
+    with AtomicOutputs(out) as outputs, contextlib.closing(
+            _in_order(read, pieces, workers)) as data:
         writer = DcpWriter(outputs.create, pwrite_all, str(out))
         for t, chunks in zip(stored, plans, strict=True):
             key, path = t.name, t.path
@@ -194,8 +245,7 @@ def _to_dcp(ckpt: Checkpoint, reader: Reader, out: Path, num_ranks: int, prefix:
                 key, path = f"{prefix}.{t.name}", (prefix, t.name)
             writer.declare_tensor(key, path, t.dtype, t.shape)
             for c in chunks:
-                writer.add_chunk(key, c.offsets, c.sizes,
-                                 tensors.read_range(reader, t, c.start, c.stop), c.rank)
+                writer.add_chunk(key, c.offsets, c.sizes, next(data), c.rank)
                 if progress is not None:
                     progress((c.stop - c.start) * t.dtype.itemsize)
         for o, record in objects:
@@ -225,7 +275,7 @@ def _check_dcp_output(out: Path, overwrite: bool) -> None:
 
 def _to_safetensors(ckpt: Checkpoint, reader: Reader, out: Path, max_shard_size: int,
                     overwrite: bool, report: ReshardReport, progress: Progress | None,
-                    on_start: Callable[[int], None] | None) -> None:
+                    on_start: Callable[[int], None] | None, workers: int) -> None:
     stored = {t.stored_name: t.tensor for t in ckpt.tensors}
     files, index = st.plan_files([(t.name, t.dtype, t.shape) for t in stored.values()],
                                  max_shard_size)
@@ -242,13 +292,24 @@ def _to_safetensors(ckpt: Checkpoint, reader: Reader, out: Path, max_shard_size:
     if on_start is not None:
         on_start(total)
     with AtomicOutputs(out) as outputs:
+        jobs = []
         for f in files:
             fd = outputs.create(f.name, f.layout.file_size)
             pwrite_all(fd, f.layout.header, 0)
-            for slot in f.layout.slots:
-                _copy_tensor(reader, stored[slot.name], fd, slot.begin)
-                if progress is not None:
-                    progress(slot.nbytes)
+            jobs += [(fd, slot) for slot in f.layout.slots]
+
+        def copy(job: tuple[int, st.Slot]) -> None:  # each tensor to its own byte range
+            fd, slot = job
+            _copy_tensor(reader, stored[slot.name], fd, slot.begin)
+            if progress is not None:
+                progress(slot.nbytes)
+
+        if workers <= 1:
+            for job in jobs:
+                copy(job)
+        else:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                list(pool.map(copy, jobs))
         if index is not None:
             outputs.write_bytes(st.INDEX_NAME, index)
         for path in hf_files:

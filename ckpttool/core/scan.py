@@ -23,7 +23,7 @@ from ckpttool.core.inspect import Stats
 from ckpttool.core.report import Progress
 from ckpttool.core.tensors import BLOCK_BYTES
 from ckpttool.core.torch_threads import default_workers, one_torch_thread, workers_for
-from ckpttool.errors import InputError
+from ckpttool.errors import InputError, UnreadableError
 from ckpttool.formats.base import Checksummed, Chunk, Payload, Problem, Reader, error, warning
 from ckpttool.formats.torchsave import gc_paused
 
@@ -307,9 +307,14 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
         for r in (reader, reader_b):
             if r is not None:
                 # Before threads share them (the store also opens safely on first use): a file
-                # that cannot be opened is reported by the tensors that need it.
-                with contextlib.suppress(InputError):
+                # that cannot be opened is reported by the tensors that need it, but one this
+                # process may not read stops verify (exit 3): no damage to report.
+                try:
                     r.open_files()
+                except UnreadableError:
+                    raise
+                except InputError:
+                    pass
         for r, side in ((reader, todo), (reader_b, [p.b for p in comparisons.values()])):
             plan_reads = getattr(r.store, "plan_reads", None) if r is not None else None
             if plan_reads is not None:  # object storage: coalesced GETs, read ahead in order

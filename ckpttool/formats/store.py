@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from ckpttool.errors import InputError, OutputError
+from ckpttool.errors import InputError, OutputError, UnreadableError
 
 _BLOCK = 64 << 20
 _use_copy_file_range = hasattr(os, "copy_file_range")
@@ -177,12 +177,15 @@ def open_data_file(path: Path, metadata_name: str) -> int:
     """Open a data file that ``metadata_name`` references, for reading.
 
     Raises:
+        UnreadableError: this process may not read it.
         InputError: missing, unreadable, or not a regular file (a FIFO would block).
     """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise InputError(missing_message(path, metadata_name)) from None
+    except PermissionError as e:
+        raise UnreadableError.of(path, e) from None
     except OSError as e:
         raise InputError(f"{path}: cannot open data file: {e.strerror}") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
