@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -91,6 +93,13 @@ def merge_command(
     ] = None,
     workers: Annotated[int | None, typer.Option(
         min=1, help="Parallel copy threads (default: the CPUs this process may use).")] = None,
+    slice_: Annotated[str | None, typer.Option(
+        "--slice", metavar="I/N", help="Without a launcher (array jobs): write share I of N "
+        "(0 <= I < N) into OUT's temporary files; then run once with --finish. Under torchrun "
+        "the work is shared without it.")] = None,
+    finish: Annotated[bool, typer.Option(
+        "--finish", help="After every --slice I/N of this merge: check and put the output in "
+        "place (same SRC, OUT and options).")] = False,
     json_output: Annotated[bool, typer.Option(
         "--json", help="Print the report as one JSON document on stdout.")] = False,
     quiet: Annotated[bool, typer.Option(
@@ -99,25 +108,50 @@ def merge_command(
     """Merge a sharded checkpoint (any format) into Hugging Face safetensors, exact to the bit."""
     from ckpttool.core.merge import merge
 
-    bar = ProgressBar("merging", enabled=not quiet and not no_progress)
-    on_start, progress = bar.callbacks
-    with exit_codes():
+    if slice_ is not None and finish:
+        raise typer.BadParameter("--slice writes one share, --finish commits them all: run "
+                                 "each slice, then --finish once", param_hint="--finish")
+    with exit_codes(), _shared(slice_, finish) as shared:
+        # Under torchrun, rank 0 speaks for all; the others print only their errors.
+        speaks = shared is None or shared.first
+        quiet = quiet or not speaks
+        bar = ProgressBar("merging", enabled=not quiet and not no_progress)
+        on_start, progress = bar.callbacks
         try:
             report = merge(src, out, dtype=dtype, max_shard_size=max_shard_size,
                            config=config, keep_tied=keep_tied, overwrite=overwrite,
                            workers=workers, follow_links=follow_links, lora=lora,
                            adapter=adapter, adapter_config=adapter_config, part=part,
-                           names=names,
+                           names=names, shared=shared,
                            progress=progress, on_start=on_start)
         finally:
             bar.stop()
-        if json_output:
+        if json_output and speaks:
             print_json(report.to_json())
         elif not quiet:
             _print_human(report)
         if not quiet:
             for w in report.warnings:
                 err(f"ckpttool: warning: {w}")
+
+
+@contextmanager
+def _shared(slice_: str | None, finish: bool) -> Iterator[Any]:
+    """How this process shares the merge: --slice, --finish, a torchrun job (from the
+    launcher's variables), or not at all (None)."""
+    from ckpttool.core import multihost
+
+    if slice_ is not None:
+        yield multihost.Slice(*multihost.parse_slice(slice_))
+    elif finish:
+        yield multihost.Finish()
+    else:
+        team = multihost.team_from_env()
+        try:
+            yield team
+        finally:
+            if team is not None:
+                team.close()
 
 
 def _lora_choice(value: str | None) -> str | None:
@@ -140,6 +174,18 @@ def _print_human(r: object) -> None:
     what = ("optimizer state" if r.kind == "optimizer"
             else "LoRA adapter" if r.lora and r.lora["mode"] == "adapter" else "model")
     lines = [f"merged {what} {r.checkpoint} -> {r.out} in {r.seconds:.1f} s"]
+    if r.distributed:
+        d = r.distributed
+        how = {"torchrun": "processes (torchrun)", "slices": "slices",
+               "slice": "slices; this is slice"}[d["mode"]]
+        which = f" {d['slice']}" if d["mode"] == "slice" else ""
+        lines.append(f"  shared by {d['processes']} {how}{which}: "
+                     f"{human_bytes(max(d['bytes']))} at most each, balance "
+                     f"{d['balance']:.3f} (largest / mean)")
+        if d["mode"] == "slice":
+            lines[0] = f"wrote slice {d['slice']}/{d['processes']} of {r.checkpoint} -> {r.out}"
+            lines.append("  when every slice is done, run the same command with --finish "
+                         "instead of --slice")
     if r.checkpoint != r.src:
         skipped = "".join(f"; skipped {Path(s['path']).name} ({s['kind']})" for s in r.skipped)
         lines.append(f"  used {Path(r.checkpoint).name}, found in {r.src}{skipped}")
