@@ -7,8 +7,8 @@ one contiguous run of its tensor (what ``Shard(0)`` and whole chunks are) is cut
 element boundary, so one huge tensor, or a single output file, still splits evenly: each process
 writes a disjoint byte range of the same file. Only strided chunks (``Shard(1)``: their rows lie
 apart in the output) and computed tensors (LoRA folds, name-map splits) are kept whole; each
-goes to the side of the cut it overshoots least, so a process is off its share by at most half
-of the largest such piece, and the errors never add up (the cut points are fixed).
+goes to the side of the cut it overshoots least, so each end of a process's share is off by at
+most half of the largest such piece, and the errors never add up (the cut points are fixed).
 
 Cuts inside a chunk fall on output offsets that are multiples of :data:`ALIGN`, so on a shared
 filesystem two processes meet at a page boundary wherever the work allows it.
