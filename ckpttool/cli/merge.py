@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -102,6 +104,13 @@ def merge_command(
         "--dry-run", help="Show what would be written (files, sizes, every tensor's name, "
         "dtype and shape) after every check a merge makes, and write nothing: OUT is not "
         "created.")] = False,
+    slice_: Annotated[str | None, typer.Option(
+        "--slice", metavar="I/N", help="Without a launcher (array jobs): write share I of N "
+        "(0 <= I < N) into OUT's temporary files; then run once with --finish. Under torchrun "
+        "the work is shared without it.")] = None,
+    finish: Annotated[bool, typer.Option(
+        "--finish", help="After every --slice I/N of this merge: check and put the output in "
+        "place (same SRC, OUT and options).")] = False,
     json_output: JsonOutput = False,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="Print nothing but errors.")] = False,
@@ -109,25 +118,51 @@ def merge_command(
     """Merge a sharded checkpoint (any format) into Hugging Face safetensors, exact to the bit."""
     from ckpttool.core.merge import merge
 
-    bar = ProgressBar("merging", enabled=not quiet and not no_progress and not dry_run)
-    on_start, progress = bar.callbacks
-    with exit_codes():
+    if slice_ is not None and finish:
+        raise typer.BadParameter("--slice writes one share, --finish commits them all: run "
+                                 "each slice, then --finish once", param_hint="--finish")
+    with exit_codes(), _shared(slice_, finish) as shared:
+        # Under torchrun, rank 0 speaks for all; the others print only their errors.
+        speaks = shared is None or shared.first
+        quiet = quiet or not speaks
+        bar = ProgressBar("merging", enabled=not quiet and not no_progress
+                          and not dry_run)
+        on_start, progress = bar.callbacks
         try:
             report = merge(src, out, dtype=dtype, max_shard_size=max_shard_size,
                            config=config, keep_tied=keep_tied, overwrite=overwrite,
                            workers=workers, follow_links=follow_links, lora=lora,
                            adapter=adapter, adapter_config=adapter_config, part=part,
-                           names=names, dry_run=dry_run,
+                           names=names, dry_run=dry_run, shared=shared,
                            progress=progress, on_start=on_start)
         finally:
             bar.stop()
-        if json_output:
+        if json_output and speaks:
             print_json(report.to_json())
         elif not quiet:
             _print_human(report)
         if not quiet:
             for w in report.warnings:
                 err(f"ckpttool: warning: {w}")
+
+
+@contextmanager
+def _shared(slice_: str | None, finish: bool) -> Iterator[Any]:
+    """How this process shares the merge: --slice, --finish, a torchrun job (from the
+    launcher's variables), or not at all (None)."""
+    from ckpttool.core import multihost
+
+    if slice_ is not None:
+        yield multihost.Slice(*multihost.parse_slice(slice_))
+    elif finish:
+        yield multihost.Finish()
+    else:
+        team = multihost.team_from_env()
+        try:
+            yield team
+        finally:
+            if team is not None:
+                team.close()
 
 
 def _lora_choice(value: str | None) -> str | None:
@@ -152,6 +187,18 @@ def _print_human(r: object) -> None:
     lines = ([f"dry run: would merge {what} {r.checkpoint} -> {r.out} (nothing written)"]
              if r.dry_run else [f"merged {what} {r.checkpoint} -> {r.out} in {r.seconds:.1f} s"])
     did = "would write" if r.dry_run else "wrote"
+    if r.distributed:
+        d = r.distributed
+        how = {"torchrun": "processes (torchrun)", "slices": "slices",
+               "slice": "slices; this is slice"}[d["mode"]]
+        which = f" {d['slice']}" if d["mode"] == "slice" else ""
+        lines.append(f"  shared by {d['processes']} {how}{which}: "
+                     f"{human_bytes(max(d['bytes']))} at most each, balance "
+                     f"{d['balance']:.3f} (largest / mean)")
+        if d["mode"] == "slice":
+            lines[0] = f"wrote slice {d['slice']}/{d['processes']} of {r.checkpoint} -> {r.out}"
+            lines.append("  when every slice is done, run the same command with --finish "
+                         "instead of --slice")
     if r.checkpoint != r.src:
         skipped = "".join(f"; skipped {Path(s['path']).name} ({s['kind']})" for s in r.skipped)
         lines.append(f"  used {Path(r.checkpoint).name}, found in {r.src}{skipped}")

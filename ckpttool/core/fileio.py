@@ -105,10 +105,11 @@ class AtomicOutputs:
     def __exit__(self, *exc: object) -> None:
         self.abort()
 
-    def create(self, name: str, size: int | None = None) -> int:
-        """Open a new temporary file for ``name``; returns a writable descriptor."""
+    def create(self, name: str, size: int | None = None, *, tag: str | None = None) -> int:
+        """Open a new temporary file for ``name``; returns a writable descriptor. ``tag``
+        names it instead of the process id (a run id other processes write into too)."""
         final = self.out_dir / name
-        tmp = self.out_dir / f".{name}.{os.getpid()}{TMP_SUFFIX}"
+        tmp = self.out_dir / f".{name}.{tag or os.getpid()}{TMP_SUFFIX}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
         try:
             with contextlib.suppress(FileNotFoundError):
@@ -125,6 +126,11 @@ class AtomicOutputs:
             except OSError as e:
                 raise output_error(e) from None
         return fd
+
+    def adopt(self, name: str, tmp: Path) -> None:
+        """Take ``tmp``, a complete temporary file made elsewhere (by the processes of a
+        shared merge), as ``name``'s: renamed by :meth:`commit`, removed by :meth:`abort`."""
+        self._pending.append((tmp, self.out_dir / name))
 
     def write_bytes(self, name: str, data: bytes) -> None:
         fd = self.create(name)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpttool.core import chunks as chunk_geometry
 from ckpttool.core import dtypes as dtype_policy
@@ -36,6 +36,7 @@ from ckpttool.core.fileio import (
     remove_stale,
 )
 from ckpttool.core.names import detected_wrappers
+from ckpttool.core.partition import Unit
 from ckpttool.core.parts import MERGEABLE
 from ckpttool.core.report import SCHEMA, Progress
 from ckpttool.core.torch_threads import default_workers, one_torch_thread, workers_for
@@ -45,6 +46,9 @@ from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Chunk, Payload, Reader, Tensor
 from ckpttool.formats.dtypes import DType
 from ckpttool.formats.torchsave import gc_paused
+
+if TYPE_CHECKING:
+    from ckpttool.core.multihost import Shared
 
 # --------------------------------------------------------------------------------------------
 # The plan
@@ -175,6 +179,59 @@ def execute(
         _run_jobs(jobs, reader, workers, report)
 
 
+def execute_share(
+    plan: MergePlan,
+    share: list[Unit],
+    reader: Reader,
+    fds: dict[int, int],
+    *,
+    workers: int = 1,
+    progress: Progress | None = None,
+) -> None:
+    """Write one process's share of ``plan`` (:func:`ckpttool.core.partition.split`) into
+    output files that exist already at their full size, headers written (``fds``: index in
+    ``plan.files`` -> writable descriptor): the copy of a merge that several processes share
+    (:mod:`ckpttool.core.multihost`). Parts of chunks are jobs of their own; small whole chunks
+    go in batches, as in :func:`execute`."""
+    lock = threading.Lock()
+
+    def report(n: int) -> None:
+        if progress is not None and n:
+            with lock:
+                progress(n)
+
+    jobs: list[_Job] = []
+    batches: dict[int, _Job] = {}
+    casts = False
+    for u in share:
+        t = plan.files[u.file].tensors[u.tensor]
+        fd = fds[u.file]
+        casts = casts or t.cast or isinstance(t.source, Derived)
+        if u.chunk is None:
+            jobs.append(_Job(fd, [(t, None)], u.nbytes))
+            continue
+        assert isinstance(t.source, Tensor)
+        c = t.source.chunks[u.chunk]
+        if u.elements is not None or u.nbytes >= SMALL_CHUNK:
+            jobs.append(_Job(fd, [(t, c)], u.nbytes, u.elements))
+            continue
+        batch = batches.setdefault(u.file, _Job(fd, [], 0))
+        batch.chunks.append((t, c))
+        batch.nbytes += u.nbytes
+        if len(batch.chunks) >= BATCH_CHUNKS or batch.nbytes >= BATCH_BYTES:
+            jobs.append(batches.pop(u.file))
+    jobs += batches.values()
+    reader.open_files()  # before threads share the reader
+    jobs.sort(key=lambda j: -j.nbytes)
+    workers = workers_for(workers, nbytes=sum(j.nbytes for j in jobs),
+                          chunks=sum(len(j.chunks) for j in jobs))
+    if not casts:
+        _run_jobs(jobs, reader, workers, report)
+        return
+    with one_torch_thread():
+        _run_jobs(jobs, reader, workers, report)
+
+
 # A chunk below this many bytes is copied in a batch with others of its file...
 SMALL_CHUNK = 1 << 20
 # ...of at most this many chunks or bytes.
@@ -187,6 +244,8 @@ class _Job:
     fd: int
     chunks: list[tuple[OutTensor, Chunk | None]]  # None: a derived tensor, computed whole
     nbytes: int
+    # A part [lo, hi) of a one-chunk job's single run, in elements (core.partition); None: all
+    elements: tuple[int, int] | None = None
 
 
 def _jobs(fd: int, tensors: tuple[OutTensor, ...]) -> list[_Job]:
@@ -248,7 +307,7 @@ def _run_jobs(jobs: list[_Job], reader: Reader, workers: int, report: Progress) 
         if c is None:
             _write_derived(reader, job.fd, t, report)
         else:
-            _write_chunk(reader, job.fd, t, c, report)
+            _write_chunk(reader, job.fd, t, c, report, elements=job.elements)
 
     if workers <= 1:
         for job in jobs:
@@ -300,26 +359,36 @@ def _write_batch(reader: Reader, job: _Job, report: Progress, stop: threading.Ev
 
 
 def _write_chunk(reader: Reader, dst: int, t: OutTensor, c: Chunk, report: Progress,
-                 payload: Payload | None = None) -> None:
+                 payload: Payload | None = None, elements: tuple[int, int] | None = None
+                 ) -> None:
     entry = t.source
     assert isinstance(entry, Tensor)
     payload = payload or reader.payload(entry, c)
     dst_item = t.dtype.itemsize
     start = payload.start
-    if start is not None and chunk_geometry.is_single_run(entry.shape, c.offsets, c.sizes):
+    single = chunk_geometry.is_single_run(entry.shape, c.offsets, c.sizes)
+    if single:
         ((_, dst_elem, n),) = chunk_geometry.runs(entry.shape, c.offsets, c.sizes)
-        if t.cast:
-            _cast_range(reader, payload.file, start, dst, t.slot.begin + dst_elem * dst_item,
-                        n, t, report)
-        else:
-            reader.store.copy_to(payload.file, start, dst, t.slot.begin + dst_elem * dst_item,
-                                 n * entry.dtype.itemsize)
-            report(n * dst_item)
-        return
-    # A strided placement (Shard(1)...): the chunk's rows land apart, so read it whole.
+        lo, hi = elements or (0, n)
+        at = t.slot.begin + (dst_elem + lo) * dst_item
+        if start is not None:
+            src = start + lo * entry.dtype.itemsize
+            if t.cast:
+                _cast_range(reader, payload.file, src, dst, at, hi - lo, t, report)
+            else:
+                reader.store.copy_to(payload.file, src, dst, at, (hi - lo) * entry.dtype.itemsize)
+                report((hi - lo) * dst_item)
+            return
+    # A strided placement (Shard(1)...): the chunk's rows land apart, so read it whole (so are
+    # elements reached only through a whole read: a compressed record, a strided storage).
     data = memoryview(reader.read_chunk(entry, c))
     if t.cast:
         data = _cast_bytes(data, t)
+    if elements is not None:  # a part of a single run (core.partition splits nothing else)
+        assert single
+        pwrite_all(dst, data[lo * dst_item : hi * dst_item], at)
+        report((hi - lo) * dst_item)
+        return
     for src_elem, dst_elem, n in chunk_geometry.runs(entry.shape, c.offsets, c.sizes):
         pwrite_all(dst, data[src_elem * dst_item : (src_elem + n) * dst_item],
                    t.slot.begin + dst_elem * dst_item)
@@ -409,6 +478,8 @@ class MergeReport:
     # dry_run only: every tensor as it would be written ({"name", "file", "dtype",
     # "source_dtype", "shape", "bytes", "offsets": [begin, end], byte offsets in the file})
     tensors: list[dict[str, Any]] = field(default_factory=list)
+    # A merge several processes shared (core.multihost): how, and the bytes each wrote.
+    distributed: dict[str, Any] | None = None
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -435,6 +506,7 @@ def merge(
     part: str | None = None,
     names: str | None = None,
     dry_run: bool = False,
+    shared: Shared | None = None,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> MergeReport:
@@ -469,6 +541,9 @@ def merge(
             shape and place: ``report.tensors``) without writing or creating anything. Every
             check a merge makes before writing is made (a tie is decided by reading both
             embeddings), except free space.
+        shared: this process's part in a merge that several processes share
+            (:mod:`ckpttool.core.multihost`: a torchrun ``Team``, a ``Slice``, a ``Finish``);
+            every process calls ``merge`` with the same arguments. None: this process alone.
         progress: called with bytes written, as the merge goes.
         on_start: called once with the total bytes to write, before any are written.
 
@@ -566,14 +641,22 @@ def merge(
     with (open_reader(ckpt, follow_links=follow_links) as reader,
           adapter_reader if adapter_reader is not None else contextlib.nullcontext(),
           gc_paused()):
-        # Chunks several ranks stored (use_collectives=False) must agree before one is used.
-        structure.raise_first(reader.check_copies())
         if adapter_reader is not None:
             adapter_reader.open_files()
-        drop = (frozenset() if optimizer or mode == "adapter"
-                else _decide_tie(reader, sources, files.config, keep_tied, report))
-        if mapped is not None:
-            report.warnings += namemaps.check_dropped(reader, mapped)
+
+        def decide() -> dict[str, Any]:
+            """What reads tensor data before the plan: done once when processes share it."""
+            # Chunks several ranks stored (use_collectives=False) must agree before one is used.
+            structure.raise_first(reader.check_copies())
+            drop = (frozenset() if optimizer or mode == "adapter"
+                    else _decide_tie(reader, sources, files.config, keep_tied, report))
+            if mapped is not None:
+                report.warnings += namemaps.check_dropped(reader, mapped)
+            return {"drop": sorted(drop), "tie": report.tie, "warnings": report.warnings}
+
+        decided = decide() if shared is None else shared.once(decide)
+        drop = frozenset(decided["drop"])
+        report.tie, report.warnings = decided["tie"], list(decided["warnings"])
         objects = [(o, non_tensor.read(reader, o.entry)) for o in whole.objects]
         report.non_tensor = [{**non_tensor.describe(o.name, value), "part": o.part}
                              for o, value in objects]
@@ -596,10 +679,15 @@ def merge(
         # A dry run stops here: the plan it reports is the one a merge would write.
         if not dry_run:
             check_space(out_path, plan.file_bytes + sum(len(data) for _, data in extra))
-            if on_start is not None:
-                on_start(plan.total_bytes)
-            _write(plan, reader, out_path, extra, stem=stem, overwrite=overwrite,
-                   workers=workers or default_workers(), progress=progress)
+            if shared is not None:  # this process writes its share (core.multihost)
+                report.distributed = shared.write(
+                    plan, reader, out_path, extra, overwrite=overwrite, stem=stem,
+                    workers=workers, progress=progress, on_start=on_start)
+            else:
+                if on_start is not None:
+                    on_start(plan.total_bytes)
+                _write(plan, reader, out_path, extra, stem=stem, overwrite=overwrite,
+                       workers=workers or default_workers(), progress=progress)
 
     _summarise(report, ckpt, plan, dict(extra).get(OPTIMIZER_JSON))
     if dry_run:
@@ -617,18 +705,26 @@ def _write(plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, by
     """Write ``plan`` and the small ``extra`` files into ``out``, all or nothing."""
     with AtomicOutputs(out) as outputs:
         execute(plan, reader, outputs, workers=workers, progress=progress)
-        if plan.index is not None:
-            outputs.write_bytes(plan.index_name, plan.index)
-        for name, data in extra:
-            outputs.write_bytes(name, data)
-        keep = {f.name for f in plan.files} | {n for n, _ in extra}
-        if plan.index is not None:
-            keep.add(plan.index_name)
-        outputs.commit(
-            last=(plan.index_name,),
-            before_last=(lambda: remove_stale(
-                out, keep, lambda name: st.is_weight_file(name, stem)))
-            if overwrite else None)
+        commit_outputs(outputs, plan, extra, overwrite=overwrite, stem=stem)
+
+
+def commit_outputs(outputs: AtomicOutputs, plan: MergePlan, extra: list[tuple[str, bytes]],
+                   *, overwrite: bool, stem: str) -> None:
+    """Write the index and the side files (``extra``: config, tokenizer...), then rename
+    everything into place, the index last (with ``overwrite``, a previous output's other
+    weight files are removed just before it)."""
+    out = outputs.out_dir
+    if plan.index is not None:
+        outputs.write_bytes(plan.index_name, plan.index)
+    for name, data in extra:
+        outputs.write_bytes(name, data)
+    keep = {f.name for f in plan.files} | {n for n, _ in extra}
+    if plan.index is not None:
+        keep.add(plan.index_name)
+    outputs.commit(
+        last=(plan.index_name,),
+        before_last=(lambda: remove_stale(out, keep, lambda name: st.is_weight_file(name, stem)))
+        if overwrite else None)
 
 
 def _summarise(report: MergeReport, ckpt: Checkpoint, plan: MergePlan,

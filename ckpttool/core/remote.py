@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-from ckpttool.errors import CkptError
+from ckpttool.errors import CkptError, UnsupportedError
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -70,6 +70,14 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
         try:
             out_url = None
             if output is not None and _is_url(values[output]):
+                if bound.arguments.get("shared") is not None:
+                    # Each process would stage its share on its own disk: nothing would join
+                    # them. Parts of one multipart upload per rank would; not built yet.
+                    raise UnsupportedError(
+                        f"{values[output]}: a merge shared by several processes (torchrun, "
+                        "--slice, --finish) writes to a shared filesystem, not to object "
+                        "storage yet; write OUT to a shared directory and upload it, or merge "
+                        "to the URL in one process")
                 overwrite = bool(bound.arguments.get("overwrite", False))
                 out_url = remote.check_output(values[output], overwrite=overwrite)
             for name, value in values.items():

@@ -61,6 +61,25 @@ def test_merge_from_s3_is_bit_exact(remote_llama: str, local_merged: Path,
     assert "ckpttool-s3-" not in r.stdout  # no temporary path leaks into the report
 
 
+def test_slices_read_from_s3_into_a_shared_directory(remote_llama: str, local_merged: Path,
+                                                     tmp_path: Path) -> None:
+    """A merge shared without a launcher reads its source from object storage: each slice
+    mirrors it, writes its share, and --finish gives the one-process output."""
+    out = tmp_path / "out"
+    for how in (["--slice", "1/2"], ["--slice", "0/2"], ["--finish"]):
+        r = run("merge", remote_llama, out, "--max-shard-size", "20KB", *how)
+        assert r.exit_code == 0, r.output
+    same_files(out, local_merged)
+
+
+def test_shared_merge_to_s3_is_refused(s3: S3, llama_ckpt: Path) -> None:
+    r = run("merge", llama_ckpt, f"s3://{BUCKET}/shared-out", "--slice", "0/2")
+    assert r.exit_code == 4
+    assert r.output.count("\n") == 1 and "shared filesystem" in r.output
+    listed = s3.client.list_objects_v2(Bucket=BUCKET, Prefix="shared-out/")
+    assert listed.get("KeyCount", 0) == 0
+
+
 def test_merge_to_s3_uploads_the_same_files(s3: S3, llama_ckpt: Path, local_merged: Path,
                                             tmp_path: Path) -> None:
     r = run("merge", llama_ckpt, f"s3://{BUCKET}/out/merged", "--max-shard-size", "20KB")
