@@ -59,7 +59,7 @@ from typing import Any
 
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import safetensors as st
-from ckpttool.formats import torchsave, zstd
+from ckpttool.formats import dcp_metadata, torchsave, zstd
 from ckpttool.formats.base import (
     RAW,
     RECORD,
@@ -320,6 +320,15 @@ class _Read:
 
 
 def _read_one(root: Path, md_path: Path) -> _Read:
+    # Columns first (millions of chunks without an object each); anything it does not
+    # recognise with certainty is read by the allow-list unpickler, which decides.
+    fast = dcp_metadata.read(md_path, _metadata_global, metadata_file=METADATA_FILE)
+    if fast is not None:
+        return _Read(md_path, fast.tensors, fast.objects, fast.version, frozenset(), Nested())
+    return _read_unpickled(root, md_path)
+
+
+def _read_unpickled(root: Path, md_path: Path) -> _Read:
     md = read_metadata_object(md_path)
     if type(md).__name__ != "Metadata" or not isinstance(md, torchsave.PlainStub):
         raise InputError(f"{md_path}: does not hold DCP Metadata (found {type(md).__name__})")
