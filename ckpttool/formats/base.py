@@ -177,6 +177,16 @@ class ChunkColumns(Sequence[Chunk]):
     def __repr__(self) -> str:
         return f"ChunkColumns({list(self)!r})"
 
+    def boxes(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+        """``(offsets, sizes)`` of every chunk (without building the chunks)."""
+        b, nd = self.table.boxes, self.ndim
+        at = self.box
+        out = []
+        for _ in range(self.num_chunks):
+            out.append((tuple(b[at : at + nd]), tuple(b[at + nd : at + 2 * nd])))
+            at += 2 * nd
+        return tuple(out)
+
     @property
     def files(self) -> tuple[str, ...]:
         """The data files the chunks lie in, sorted (without building the chunks)."""
@@ -270,8 +280,9 @@ class CheckpointInfo:
         """Per data file: (end byte, what) of every entry the metadata places in it."""
         out: dict[str, list[tuple[int, str]]] = {}
         for t in self.tensors:
+            what = f"tensor '{t.name}'"  # one string per tensor, not per chunk
             for c in t.chunks:
-                out.setdefault(c.file, []).append((c.end, f"tensor '{t.name}'"))
+                out.setdefault(c.file, []).append((c.end, what))
         for o in self.objects:
             if o.file is not None:
                 out.setdefault(o.file, []).append((o.offset + o.length, f"entry '{o.name}'"))

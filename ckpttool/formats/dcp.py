@@ -58,14 +58,15 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import InputError, UnsupportedError
-from ckpttool.formats import safetensors as st
 from ckpttool.formats import dcp_metadata, torchsave, zstd
+from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import (
     RAW,
     RECORD,
     CheckpointInfo,
     Checksummed,
     Chunk,
+    ChunkColumns,
     DataFile,
     ObjectEntry,
     Payload,
@@ -277,7 +278,7 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
             metadata_name, problems = RANK_METADATA, _missing_rank_metadata(root, reads)
             zstd_records = frozenset().union(*(r.compressed_all for _, r in reads))
         tensors, serialization = _locate_safetensors(root, tensors)
-    names = sorted({c.file for t in tensors for c in t.chunks}
+    names = sorted({f for t in tensors for f in t.files}
                    | {o.file for o in objects if o.file is not None})
     ranks_of = {rank_of(f) for f in names}
     # Copies of objects are read too (check_copies): every compressed record is listed.
@@ -580,6 +581,9 @@ def _locate_safetensors(root: Path, tensors: list[Tensor]) -> tuple[list[Tensor]
     blobs: dict[str, int] = {}  # file -> the blob's start
     record_files: set[str] = set()
     for t in tensors:
+        if isinstance(t.chunks, ChunkColumns):  # records only (dcp_metadata checked)
+            record_files.update(t.chunks.files)
+            continue
         item = t.dtype.itemsize
         for c in t.chunks:
             if c.encoding == RAW:  # already placed (a tensor of an opened nested record)
@@ -608,7 +612,7 @@ def _locate_safetensors(root: Path, tensors: list[Tensor]) -> tuple[list[Tensor]
              if (root / f).is_file()}  # a missing file: structure checks report it
     out = []
     for t in tensors:
-        if not any(c.file in slots for c in t.chunks):
+        if not any(f in slots for f in t.files):
             out.append(t)
             continue
         out.append(dataclasses.replace(t, chunks=tuple(

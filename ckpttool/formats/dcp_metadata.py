@@ -432,12 +432,11 @@ class _Machine:
             elif op in (0x85, 0x86, 0x87):  # TUPLE1..3
                 k = op - 0x84
                 self.above_fence(stack, marks, k)
-                items = tuple(stack[-k:])
+                tup = tuple(stack[-k:])
                 del stack[-k:]
-                stack.append(items)
+                stack.append(tup)
             elif op == 0x74:  # TUPLE
-                items = tuple(self.pop_mark(stack, marks))
-                stack.append(items)
+                stack.append(tuple(self.pop_mark(stack, marks)))
             elif op == 0x75:  # SETITEMS
                 items = self.pop_mark(stack, marks)
                 self.setitems(stack, items, marks)
@@ -727,12 +726,12 @@ def _convert(vm: _Machine, md: Any, metadata_file: str) -> Columnar:  # noqa: C9
     at = 0
     for fqn, nd, index, f, b, n in zip(vm.s_fqn, vm.s_ndim, vm.s_index, vm.s_file, vm.s_begin,
                                        vm.s_length, strict=True):
-        t = by_fqn.get(fqn)
-        if t is not None:
-            if index >= t.num or t.ndim != nd:
+        tr = by_fqn.get(fqn)
+        if tr is not None:
+            if index >= tr.num or tr.ndim != nd:
                 raise Fallback("index")
-            g = t.first + index
-            box = t.box + 2 * nd * index
+            g = tr.first + index
+            box = tr.box + 2 * nd * index
             if length[g] != -1 or boxes[box : box + nd] != s_offs[at : at + nd]:
                 raise Fallback("storage mismatch")
             file[g], begin[g], length[g] = f, b, n
