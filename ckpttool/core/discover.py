@@ -23,7 +23,7 @@ from ckpttool.core import hf, names
 from ckpttool.core import parts as key_parts
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import registry, torchfile
-from ckpttool.formats.base import CheckpointInfo, ObjectEntry, Reader, Tensor
+from ckpttool.formats.base import CheckpointInfo, ChunkColumns, ObjectEntry, Reader, Tensor
 from ckpttool.formats.dtypes import DType
 from ckpttool.formats.store import open_store
 
@@ -74,7 +74,10 @@ class TensorView:
 
     @property
     def boxes(self) -> tuple[Box, ...]:
-        return tuple((c.offsets, c.sizes) for c in self.tensor.chunks)
+        chunks = self.tensor.chunks
+        if isinstance(chunks, ChunkColumns):  # millions of chunks: no Chunk built
+            return chunks.boxes()
+        return tuple((c.offsets, c.sizes) for c in chunks)
 
     @property
     def files(self) -> tuple[str, ...]:

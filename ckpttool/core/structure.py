@@ -8,7 +8,7 @@ its metadata (``CheckpointInfo.problems``: a safetensors index that disagrees wi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ckpttool.core import chunks as chunk_geometry
 from ckpttool.errors import InputError
@@ -69,7 +69,7 @@ def raise_first(problems: list[Problem]) -> None:
             raise InputError(p.message)
 
 
-def _coverage(shape: tuple[int, ...], chunks: tuple[Chunk, ...]) -> str | None:
+def _coverage(shape: tuple[int, ...], chunks: Sequence[Chunk]) -> str | None:
     return chunk_geometry.coverage_problem(shape, [(c.offsets, c.sizes) for c in chunks])
 
 

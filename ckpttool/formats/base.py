@@ -21,6 +21,7 @@ Nothing here names a format.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +110,91 @@ class Chunk:
         return self.offset + self.length
 
 
+class ChunkTable:
+    """The chunks of many tensors as columns, for a checkpoint of millions of chunks (a DCP
+    ``.metadata``): about 50 bytes a chunk where :class:`Chunk` objects take several hundred.
+    Row ``g`` is a chunk: ``names[file[g]]``, ``offset[g]``, ``length[g]``; its offsets and
+    sizes are in ``boxes`` where its :class:`ChunkColumns` says."""
+
+    __slots__ = ("boxes", "encoding", "file", "length", "names", "offset")
+
+    def __init__(self, names: Sequence[str], file: array[int], offset: array[int],
+                 length: array[int], boxes: array[int], encoding: str) -> None:
+        self.names = tuple(names)
+        self.file = file
+        self.offset = offset
+        self.length = length
+        self.boxes = boxes  # per chunk: its offsets, then its sizes (ndim each)
+        self.encoding = encoding
+
+
+class ChunkColumns(Sequence[Chunk]):
+    """A tensor's chunks, rows ``first .. first + num_chunks`` of a :class:`ChunkTable` whose
+    offsets and sizes start at ``boxes[box]``: a read-only sequence that builds each
+    :class:`Chunk` when asked for it (nothing per chunk is kept), equal to the tuple of them."""
+
+    __slots__ = ("box", "num_chunks", "first", "ndim", "table")
+
+    def __init__(self, table: ChunkTable, *, first: int, num_chunks: int, box: int,
+                 ndim: int) -> None:
+        self.table = table
+        self.first = first
+        self.num_chunks = num_chunks
+        self.box = box
+        self.ndim = ndim
+
+    def __len__(self) -> int:
+        return self.num_chunks
+
+    def _chunk(self, i: int) -> Chunk:
+        t, nd = self.table, self.ndim
+        g, b = self.first + i, self.box + 2 * nd * i
+        boxes = t.boxes
+        return Chunk(tuple(boxes[b : b + nd]), tuple(boxes[b + nd : b + 2 * nd]),
+                     t.names[t.file[g]], t.offset[g], t.length[g], t.encoding)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return tuple(self._chunk(j) for j in range(*i.indices(self.num_chunks)))
+        if i < 0:
+            i += self.num_chunks
+        if not 0 <= i < self.num_chunks:
+            raise IndexError(i)
+        return self._chunk(i)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        for i in range(self.num_chunks):
+            yield self._chunk(i)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, (tuple, list, ChunkColumns)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"ChunkColumns({list(self)!r})"
+
+    def boxes(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+        """``(offsets, sizes)`` of every chunk (without building the chunks)."""
+        b, nd = self.table.boxes, self.ndim
+        at = self.box
+        out = []
+        for _ in range(self.num_chunks):
+            out.append((tuple(b[at : at + nd]), tuple(b[at + nd : at + 2 * nd])))
+            at += 2 * nd
+        return tuple(out)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The data files the chunks lie in, sorted (without building the chunks)."""
+        t = self.table
+        return tuple(sorted({t.names[f] for f in set(t.file[self.first : self.first
+                                                             + self.num_chunks])}))
+
+
 @dataclass(frozen=True, slots=True)
 class Tensor:
     """A tensor as the checkpoint's metadata describes it."""
@@ -117,7 +203,7 @@ class Tensor:
     path: tuple[str, ...]  # the nested keys it was saved under, e.g. ("model", "lm_head.weight")
     dtype: DType
     shape: tuple[int, ...]
-    chunks: tuple[Chunk, ...]
+    chunks: Sequence[Chunk]  # a tuple, or ChunkColumns (nothing per chunk kept)
 
     @property
     def numel(self) -> int:
@@ -129,6 +215,8 @@ class Tensor:
 
     @property
     def files(self) -> tuple[str, ...]:
+        if isinstance(self.chunks, ChunkColumns):
+            return self.chunks.files
         return tuple(sorted({c.file for c in self.chunks}))
 
 
@@ -192,8 +280,9 @@ class CheckpointInfo:
         """Per data file: (end byte, what) of every entry the metadata places in it."""
         out: dict[str, list[tuple[int, str]]] = {}
         for t in self.tensors:
+            what = f"tensor '{t.name}'"  # one string per tensor, not per chunk
             for c in t.chunks:
-                out.setdefault(c.file, []).append((c.end, f"tensor '{t.name}'"))
+                out.setdefault(c.file, []).append((c.end, what))
         for o in self.objects:
             if o.file is not None:
                 out.setdefault(o.file, []).append((o.offset + o.length, f"entry '{o.name}'"))

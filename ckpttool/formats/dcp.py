@@ -58,14 +58,15 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.formats import dcp_metadata, torchsave, zstd
 from ckpttool.formats import safetensors as st
-from ckpttool.formats import torchsave, zstd
 from ckpttool.formats.base import (
     RAW,
     RECORD,
     CheckpointInfo,
     Checksummed,
     Chunk,
+    ChunkColumns,
     DataFile,
     ObjectEntry,
     Payload,
@@ -277,7 +278,7 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
             metadata_name, problems = RANK_METADATA, _missing_rank_metadata(root, reads)
             zstd_records = frozenset().union(*(r.compressed_all for _, r in reads))
         tensors, serialization = _locate_safetensors(root, tensors)
-    names = sorted({c.file for t in tensors for c in t.chunks}
+    names = sorted({f for t in tensors for f in t.files}
                    | {o.file for o in objects if o.file is not None})
     ranks_of = {rank_of(f) for f in names}
     # Copies of objects are read too (check_copies): every compressed record is listed.
@@ -320,6 +321,15 @@ class _Read:
 
 
 def _read_one(root: Path, md_path: Path) -> _Read:
+    # Columns first (millions of chunks without an object each); anything it does not
+    # recognise with certainty is read by the allow-list unpickler, which decides.
+    fast = dcp_metadata.read(md_path, _metadata_global, metadata_file=METADATA_FILE)
+    if fast is not None:
+        return _Read(md_path, fast.tensors, fast.objects, fast.version, frozenset(), Nested())
+    return _read_unpickled(root, md_path)
+
+
+def _read_unpickled(root: Path, md_path: Path) -> _Read:
     md = read_metadata_object(md_path)
     if type(md).__name__ != "Metadata" or not isinstance(md, torchsave.PlainStub):
         raise InputError(f"{md_path}: does not hold DCP Metadata (found {type(md).__name__})")
@@ -571,6 +581,9 @@ def _locate_safetensors(root: Path, tensors: list[Tensor]) -> tuple[list[Tensor]
     blobs: dict[str, int] = {}  # file -> the blob's start
     record_files: set[str] = set()
     for t in tensors:
+        if isinstance(t.chunks, ChunkColumns):  # records only (dcp_metadata checked)
+            record_files.update(t.chunks.files)
+            continue
         item = t.dtype.itemsize
         for c in t.chunks:
             if c.encoding == RAW:  # already placed (a tensor of an opened nested record)
@@ -599,7 +612,7 @@ def _locate_safetensors(root: Path, tensors: list[Tensor]) -> tuple[list[Tensor]
              if (root / f).is_file()}  # a missing file: structure checks report it
     out = []
     for t in tensors:
-        if not any(c.file in slots for c in t.chunks):
+        if not any(f in slots for f in t.files):
             out.append(t)
             continue
         out.append(dataclasses.replace(t, chunks=tuple(

@@ -1,0 +1,160 @@
+"""The columnar ``.metadata`` reader (formats/dcp_metadata.py) against the allow-list
+unpickler it stands in for: on every DCP fixture the two give the same tensors, chunks, objects
+and version, field by field; on mutated files the columnar reader either gives what the
+allow-list path gives or leaves the file to it (None), never a different answer."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.formats import dcp, dcp_metadata
+from ckpttool.formats.base import ChunkColumns
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import moe_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("moe") / "ckpt"
+    moe_checkpoint.write(out, layers=2, experts=3, ranks=8, files=5)
+    return out
+
+
+def _allow_list(md: Path) -> Any:
+    """What the allow-list path makes of ``md``: a ``_Read``, or the error it raises."""
+    try:
+        return dcp._read_unpickled(md.parent, md)
+    except (InputError, UnsupportedError) as e:
+        return e
+
+
+def _same(md: Path) -> bool:
+    """The columnar reader agrees with the allow-list path on ``md``; True if it answered."""
+    fast = dcp_metadata.read(md, dcp._metadata_global)
+    if fast is None:
+        return False
+    slow = _allow_list(md)
+    assert not isinstance(slow, Exception), f"columnar answered where the allow-list raised {slow}"
+    assert [t.name for t in fast.tensors] == [t.name for t in slow.tensors]
+    for a, b in zip(fast.tensors, slow.tensors, strict=True):
+        assert (a.name, a.path, a.dtype, a.shape) == (b.name, b.path, b.dtype, b.shape)
+        assert list(a.chunks) == list(b.chunks), a.name
+        assert len(a.chunks) == len(b.chunks) and a.files == b.files
+        assert a == b
+    assert fast.objects == slow.objects
+    assert fast.version == slow.version
+    assert slow.compressed_all == frozenset() and not slow.nested.records
+    return True
+
+
+def _metadata_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.metadata") if p.is_file())
+
+
+def test_every_fixture_reads_the_same(llama_ckpt: Path, uneven_ckpt: Path, wrappers_ckpt: Path,
+                                      mixed_ckpt: Path, placements_ckpt: Path,
+                                      dcp_options: Path, moe: Path) -> None:
+    answered: dict[Path, bool] = {}
+    for root in (llama_ckpt, uneven_ckpt, wrappers_ckpt, mixed_ckpt, placements_ckpt,
+                 dcp_options, moe):
+        files = _metadata_files(root)
+        assert files, root
+        for md in files:
+            answered[md] = _same(md)
+    # Every fixture has saves the columns read (the test would pass vacuously otherwise).
+    for root in (llama_ckpt, uneven_ckpt, wrappers_ckpt, mixed_ckpt, placements_ckpt,
+                 dcp_options, moe):
+        assert any(v for md, v in answered.items() if md.is_relative_to(root)), root
+    print(sorted((str(md), v) for md, v in answered.items()))
+
+
+def test_moe_chunks_are_columns(moe: Path) -> None:
+    info = dcp.read_info(moe)
+    assert all(isinstance(t.chunks, ChunkColumns) for t in info.tensors)
+    t = info.tensors[-1]
+    assert t.chunks[-1] == list(t.chunks)[-1] and t.chunks[-len(t.chunks)] == t.chunks[0]
+    assert t.chunks[1:3] == tuple(t.chunks)[1:3]
+    with pytest.raises(IndexError):
+        t.chunks[len(t.chunks)]
+
+
+def test_read_info_is_unchanged_by_the_columns(moe: Path, monkeypatch: pytest.MonkeyPatch
+                                               ) -> None:
+    fast = dcp.read_info(moe)
+    monkeypatch.setattr(dcp_metadata, "read", lambda *a, **k: None)
+    slow = dcp.read_info(moe)
+    assert fast.tensors == slow.tensors and fast.objects == slow.objects
+    assert fast.files == slow.files and fast.storage == slow.storage
+    assert fast.num_ranks == slow.num_ranks and fast.version == slow.version
+
+
+def _mutations(data: bytes, rng: random.Random, n: int) -> list[bytes]:
+    out = []
+    interesting = b"\x94hjKMJ\x8a\x8c)(}]uebR\x81\x85\x86\x87t.N\x95"
+    for _ in range(n):
+        kind = rng.randrange(5)
+        at = rng.randrange(2, len(data))
+        if kind == 0:  # flip a bit
+            b = bytearray(data)
+            b[at] ^= 1 << rng.randrange(8)
+        elif kind == 1:  # an opcode in place of a byte
+            b = bytearray(data)
+            b[at] = interesting[rng.randrange(len(interesting))]
+        elif kind == 2:  # truncated
+            b = bytearray(data[:at])
+        elif kind == 3:  # a byte dropped
+            b = bytearray(data[:at] + data[at + 1 :])
+        else:  # a byte inserted
+            b = bytearray(data[:at] + bytes([rng.randrange(256)]) + data[at:])
+        out.append(bytes(b))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mutations_agree_or_fall_back(moe: Path, tmp_path: Path, seed: int) -> None:
+    root = Path(shutil.copytree(moe, tmp_path / "ckpt"))
+    md = root / ".metadata"
+    data = md.read_bytes()
+    rng = random.Random(seed)
+    answered = 0
+    for mutated in _mutations(data, rng, 150):
+        md.write_bytes(mutated)
+        answered += _same(md)
+    assert answered  # some mutations (an int of a chunk, a file name) are still read
+
+
+def test_chunk_int_mutations_agree(moe: Path, tmp_path: Path) -> None:
+    """Values inside the chunk and storage runs changed (offsets, sizes, byte ranges, the
+    index hint): the columns see exactly what the allow-list sees, or fall back."""
+    root = Path(shutil.copytree(moe, tmp_path / "ckpt"))
+    md = root / ".metadata"
+    data = md.read_bytes()
+    rng = random.Random(7)
+    spots = [i for i in range(len(data) - 1) if data[i] == 0x4B]  # BININT1 arguments
+    answered = 0
+    for at in rng.sample(spots, 200):
+        b = bytearray(data)
+        b[at + 1] = rng.choice([0, 1, 32, 64, 255, b[at + 1] ^ 1])
+        md.write_bytes(bytes(b))
+        answered += _same(md)
+    assert answered
+
+
+def test_refused_global_falls_back_with_the_same_message(moe: Path, tmp_path: Path) -> None:
+    root = Path(shutil.copytree(moe, tmp_path / "ckpt"))
+    md = root / ".metadata"
+    data = md.read_bytes()
+    name = b"ChunkStorageMetadata"
+    md.write_bytes(data.replace(b"\x8c\x14" + name, b"\x8c\x14" + b"os\x00system".ljust(20, b"_"),
+                                1))
+    assert dcp_metadata.read(md, dcp._metadata_global) is None
+    with pytest.raises(InputError, match="refused to load"):
+        dcp.read_info(root)
