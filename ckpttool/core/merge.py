@@ -13,11 +13,11 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from ckpttool.core import chunks as chunk_geometry
 from ckpttool.core import dtypes as dtype_policy
@@ -216,6 +216,7 @@ def execute_share(
             jobs.append(_Job(fd, [(t, c)], u.nbytes, u.elements))
             continue
         batch = batches.setdefault(u.file, _Job(fd, [], 0))
+        assert isinstance(batch.chunks, list)
         batch.chunks.append((t, c))
         batch.nbytes += u.nbytes
         if len(batch.chunks) >= BATCH_CHUNKS or batch.nbytes >= BATCH_BYTES:
@@ -242,7 +243,8 @@ BATCH_BYTES = 16 << 20
 @dataclass
 class _Job:
     fd: int
-    chunks: list[tuple[OutTensor, Chunk | None]]  # None: a derived tensor, computed whole
+    # None: a derived tensor, computed whole
+    chunks: list[tuple[OutTensor, Chunk | None]] | _Small
     nbytes: int
     # A part [lo, hi) of a one-chunk job's single run, in elements (core.partition); None: all
     elements: tuple[int, int] | None = None
@@ -254,31 +256,59 @@ def _jobs(fd: int, tensors: tuple[OutTensor, ...]) -> list[_Job]:
     a batch reads back-to-back records together (:meth:`Reader.payloads`); every chunk's
     place in the output is known, so the order of writes does not matter."""
     jobs = []
-    small: list[tuple[OutTensor, Chunk]] = []
+    # (place in the source files, bytes, tensor, chunk number): a small chunk's Chunk is built
+    # again when it is copied, so that a merge of a million chunks holds no Chunk objects.
+    small: list[tuple[int, int, OutTensor, int]] = []
+    file_ids: dict[str, int] = {}
     for t in tensors:
         if isinstance(t.source, Derived):
             jobs.append(_Job(fd, [(t, None)], t.slot.nbytes))
             continue
         item = t.source.dtype.itemsize
-        for c in t.source.chunks:
+        for k, c in enumerate(t.source.chunks):
             n = c.numel * item
             if not n:
                 continue
             if n >= SMALL_CHUNK:
                 jobs.append(_Job(fd, [(t, c)], n))
                 continue
-            small.append((t, c))
-    small.sort(key=lambda tc: (tc[1].file, tc[1].offset))
-    batch = _Job(fd, [], 0)
-    for t, c in small:
-        batch.chunks.append((t, c))
-        batch.nbytes += c.numel * t.source.dtype.itemsize
-        if len(batch.chunks) >= BATCH_CHUNKS or batch.nbytes >= BATCH_BYTES:
-            jobs.append(batch)
-            batch = _Job(fd, [], 0)
-    if batch.chunks:
-        jobs.append(batch)
+            fid = file_ids.setdefault(c.file, len(file_ids))
+            small.append(((fid << 48) | c.offset, n, t, k))
+    small.sort(key=lambda s: s[0])
+    start = nbytes = 0
+    for i, (_, n, _, _) in enumerate(small):
+        nbytes += n
+        if i + 1 - start >= BATCH_CHUNKS or nbytes >= BATCH_BYTES or i + 1 == len(small):
+            jobs.append(_Job(fd, _Small(small[start : i + 1]), nbytes))
+            start, nbytes = i + 1, 0
     return jobs
+
+
+class _Small(Sequence[tuple[OutTensor, Chunk | None]]):
+    """A batch of small chunks as ``(sort key, bytes, tensor, chunk number)``, each
+    ``(tensor, Chunk)`` built when asked for."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[tuple[int, int, OutTensor, int]]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[OutTensor, Chunk | None]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[OutTensor, Chunk | None]]: ...
+
+    def __getitem__(self, i: int | slice
+                    ) -> tuple[OutTensor, Chunk | None] | list[tuple[OutTensor, Chunk | None]]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self.items)))]
+        _, _, t, k = self.items[i]
+        assert isinstance(t.source, Tensor)
+        return t, t.source.chunks[k]
 
 
 def _stored_order(jobs: list[_Job], plan_reads: Callable[[list[tuple[str, int, int]]], None]
