@@ -47,13 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         with args.records.open("w") as f:
             for rec in c.records:
                 f.write(json.dumps(rec) + "\n")
-    shown = 0
-    for rows, rec in c.failures():
+    for shown, (rows, rec) in enumerate(c.failures()):
         if shown < args.show:
             print(f"{','.join(rows)}: {rec['mutant']} | {rec['command']} exit {rec['exit']} | "
                   f"{(rec['stderr'].strip().splitlines() or [''])[-1][:200]} "
                   f"{rec.get('outside') or ''} {rec.get('bad_output') or ''}")
-        shown += 1
     if only:
         for rec in c.records:
             print(json.dumps(rec, indent=1)[:3000])

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.fuzz.mutate import Mutant, mutation, seed_files
+from tests.fuzz.mutate import mutation, seed_files
 
 TIMEOUT_S = 20.0
 ADDRESS_SPACE = 4 << 30
