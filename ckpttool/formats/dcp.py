@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.errors import CkptError, InputError, UnsupportedError
 from ckpttool.formats import dcp_metadata, torchsave, zstd
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import (
@@ -193,6 +193,10 @@ def _unpickle(data: bytes, lookup: Callable[[str, str], Any | None], where: str)
         return torchsave.AllowListUnpickler(io.BytesIO(data), lookup, where).load()
     except MemoryError:  # a damaged length field asks for an absurd buffer
         raise pickle.UnpicklingError("a length in the pickle is beyond its data") from None
+    except (torchsave.Refused, CkptError, pickle.UnpicklingError):
+        raise
+    except Exception as e:  # noqa: BLE001 - anything else a damaged pickle raises
+        raise torchsave.corrupt(e) from None
 
 
 def read_metadata_object(path: Path) -> Any:

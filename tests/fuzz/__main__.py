@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.fuzz.harness import Campaign, findings
+from tests.fuzz.harness import Campaign, findings, materialize
 from tests.fuzz.seeds import write_seeds
 
 
@@ -36,11 +36,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=Path,
                     default=Path(tempfile.gettempdir()) / "ckpttool-fuzz-seeds")
     ap.add_argument("--only", help="comma-separated mutant indices to rerun")
+    ap.add_argument("--materialize", type=Path,
+                    help="with --only I: write mutant I into this directory and print the path "
+                    "to give the commands; run nothing")
     ap.add_argument("--records", type=Path, help="write every run's record here (JSON lines)")
     ap.add_argument("--show", type=int, default=30, help="failing runs to print")
     args = ap.parse_args(argv)
     c = Campaign(campaign_seeds(args.seeds), campaign=args.campaign, workers=args.workers)
     only = [int(i) for i in args.only.split(",")] if args.only else None
+    if args.materialize is not None and only:
+        for job in c.jobs(0, only[:1]):
+            m, path = materialize(job, args.materialize)
+            print(m.describe())
+            print(path)
+        return 0
     started = time.monotonic()
     c.run(args.n, only, progress=True)
     if args.records:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.fuzz.mutate import mutation, seed_files
+from tests.fuzz.mutate import Mutant, mutation, seed_files
 
 TIMEOUT_S = 20.0
 ADDRESS_SPACE = 4 << 30
@@ -159,6 +159,30 @@ def _one_line(stderr: str) -> bool:
     return True
 
 
+def materialize(job: dict[str, Any], dest: Path, *, marker: Path | None = None,
+                cache: dict[str, Any] | None = None) -> tuple[Mutant, str]:
+    """Write the mutant ``job`` names into ``dest`` (a copy of its seed's directory with one
+    file changed); returns it and the path to give the commands."""
+    seed, index, campaign = job["seed"], job["index"], job["campaign"]
+    cache = {} if cache is None else cache
+    root, rel = Path(job["root"]), job["rel"]
+    if seed not in cache:
+        # The checkpoint's own files and the JSON files beside it, not its neighbours'.
+        top = Path(rel).parts[0] if rel else ""
+        cache[seed] = [(n, d) for n, d in seed_files(root)
+                       if not top or n.startswith(top + "/") or ("/" not in n
+                                                                 and n.endswith(".json"))]
+    marker = marker if marker is not None else dest.parent / f"ran-{index}"
+    m = mutation(seed, cache[seed], index, campaign=campaign, marker=str(marker))
+    shutil.copytree(root, dest, symlinks=True)
+    target = dest / m.file
+    if m.data is None:
+        target.unlink()
+    else:
+        target.write_bytes(m.data)
+    return m, str(dest / rel) if rel else str(dest)
+
+
 def worker_main() -> None:  # pragma: no cover - runs in the worker process
     soft = ADDRESS_SPACE
     with contextlib.suppress(ValueError, OSError):
@@ -171,32 +195,17 @@ def worker_main() -> None:  # pragma: no cover - runs in the worker process
     watch = _Watch()
     runner = CliRunner()
     work = Path(tempfile.mkdtemp(prefix="ckpttool-fuzz-"))
-    seeds: dict[str, tuple[Path, str, list[tuple[str, bytes]]]] = {}
+    seeds: dict[str, Any] = {}
     out_stream = sys.stdout
     sys.stdout = sys.stderr  # stray prints must not break the protocol
     for line in sys.stdin:
         job = json.loads(line)
-        seed, index, campaign = job["seed"], job["index"], job["campaign"]
-        if seed not in seeds:
-            root, rel = Path(job["root"]), job["rel"]
-            # The checkpoint's own files and the files beside it, not its neighbours'.
-            top = Path(rel).parts[0] if rel else ""
-            seeds[seed] = (root, rel, [
-                (n, d) for n, d in seed_files(root)
-                if not top or n.startswith(top + "/") or ("/" not in n and n.endswith(".json"))])
-        root, rel, files = seeds[seed]
+        seed, index = job["seed"], job["index"]
         here = work / f"m{index}"
         shutil.rmtree(here, ignore_errors=True)
-        ckpt, out, trap = here / "ckpt", here / "out", work / "trap"
+        out, trap = here / "out", work / "trap"
         marker = trap / f"ran-{index}"
-        m = mutation(seed, files, index, campaign=campaign, marker=str(marker))
-        shutil.copytree(root, ckpt, symlinks=True)
-        target = ckpt / m.file
-        if m.data is None:
-            target.unlink()
-        else:
-            target.write_bytes(m.data)
-        path = str(ckpt / rel) if rel else str(ckpt)
+        m, path = materialize(job, here / "ckpt", marker=marker, cache=seeds)
         for args in commands(seed, index, path, str(out)):
             out_stream.write(json.dumps({"begin": args[0]}) + "\n")
             out_stream.flush()
