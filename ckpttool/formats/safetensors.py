@@ -206,7 +206,7 @@ def read_layout(path: Path, *, offset: int = 0) -> tuple[dict[str, str], tuple[S
     try:
         header = json.loads(text)
     except (ValueError, RecursionError) as e:  # RecursionError: arrays nested too deep
-        raise InputError(f"{path}: corrupt safetensors header ({type(e).__name__})") from None
+        raise InputError(f"{path}: corrupt safetensors header ({json_error(e)})") from None
     if not isinstance(header, dict):
         raise InputError(f"{path}: corrupt safetensors header (not a JSON object)")
     meta = header.pop("__metadata__", {}) or {}
