@@ -92,7 +92,7 @@ class _Watch:
     start a process, while ``active``."""
 
     EXEC_EVENTS = ("os.system", "subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn",
-                   "os.fork", "os.forkpty", "pty.spawn", "ctypes.dlopen", "webbrowser.open")
+                   "os.fork", "os.forkpty", "pty.spawn", "webbrowser.open")
     WRITE_EVENTS = ("os.remove", "os.rename", "os.rmdir", "shutil.rmtree", "os.mkdir",
                     "os.symlink", "os.link", "os.truncate", "os.chmod")
 
@@ -112,6 +112,10 @@ class _Watch:
             return
         if event.startswith(self.EXEC_EVENTS):
             self.found.append(f"{event} {args!r:.200}")
+        elif event == "ctypes.dlopen" and args and isinstance(args[0], str) and "/" in args[0]:
+            # A library by path (a lazy import loading libc by name is no finding).
+            if not os.path.abspath(args[0]).startswith(self.system):
+                self.found.append(f"{event} {args[0]}")
         elif event == "open" or event.startswith(self.WRITE_EVENTS):
             path = args[0] if args else None
             if isinstance(path, int) or path is None:
