@@ -225,3 +225,14 @@ def test_files_and_directory_are_synced_before_the_index_is_published(
         f"rename {INDEX}",
         "fsync out",
     ]
+
+
+def test_fsync_can_be_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CKPTTOOL_FSYNC=0``: no sync at all (scratch outputs)."""
+    synced: list[int] = []
+    monkeypatch.setattr(os, "fsync", synced.append)
+    monkeypatch.setenv("CKPTTOOL_FSYNC", "0")
+    with fileio.AtomicOutputs(tmp_path) as outputs:
+        outputs.write_bytes("a", b"x")
+        outputs.commit()
+    assert synced == [] and (tmp_path / "a").read_bytes() == b"x"
