@@ -13,6 +13,11 @@ class CkptError(Exception):
 
     exit_code = 3
 
+    def __str__(self) -> str:
+        # One line, whatever a message quotes (an exception text from a damaged file may hold
+        # line breaks).
+        return " ".join(super().__str__().splitlines())
+
 
 class InputError(CkptError):
     """Missing path, not a checkpoint, truncated or corrupt file, unsafe content, bad option."""

@@ -4,11 +4,15 @@ completion stay fast."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import sys
 from typing import Annotated
 
 import typer
 
+from ckpttool.cli.common import EXIT_INTERRUPTED
 from ckpttool.cli.inspect import EPILOG as INSPECT_EPILOG
 from ckpttool.cli.inspect import inspect_command
 from ckpttool.cli.merge import EPILOG as MERGE_EPILOG
@@ -52,4 +56,30 @@ def main() -> None:
     # A reader that goes away (ckpttool inspect X | head -1) ends us quietly, as it ends cat:
     # status 141, no traceback, never 1 (which verify uses for "errors found").
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    app(prog_name="ckpttool")
+    # Ctrl-C at any moment exits 130: inside a command exit_codes() says so and cleans up;
+    # before or after it (start-up, rendering, shutdown) the status still says interrupted.
+    interrupted = False
+
+    def on_sigint(signum: int, frame: object) -> None:
+        nonlocal interrupted
+        interrupted = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+    code: int | str | None = 0
+    try:
+        app(prog_name="ckpttool")
+    except SystemExit as e:
+        code = e.code
+    except KeyboardInterrupt:
+        interrupted = True
+    signal.signal(signal.SIGINT, _interrupted_at_exit)
+    sys.exit(EXIT_INTERRUPTED if interrupted else code)
+
+
+def _interrupted_at_exit(signum: int, frame: object) -> None:
+    """Ctrl-C while the interpreter shuts down: the work is done; exit 130 at once."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(EXIT_INTERRUPTED)

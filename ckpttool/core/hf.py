@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import InputError, UnreadableError
+from ckpttool.formats.safetensors import json_error, read_json_text
 
 # Files a Hugging Face model directory carries besides its weights.
 HF_FILES = (
@@ -157,11 +158,12 @@ def _json_object(path: Path, option: str) -> dict[str, Any]:
         InputError: not valid JSON, or not an object (the message names ``option``).
     """
     try:
-        parsed = json.loads(path.read_text())
+        parsed = json.loads(read_json_text(path))
     except PermissionError as e:
         raise UnreadableError.of(path, e) from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: not valid JSON ({e}); fix it or pass {option}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise InputError(f"{path}: not valid JSON ({json_error(e)}); fix it or pass "
+                         f"{option}") from None
     if not isinstance(parsed, dict):
         raise InputError(f"{path}: not a JSON object; fix it or pass {option}")
     return parsed

@@ -38,7 +38,7 @@ def read(path: Path) -> dict[str, dict[str, Any]]:
     """
     try:
         doc = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
         raise InputError(f"{path}: cannot read the manifest ({e}); pass a file that "
                          "verify --write-manifest wrote") from None
     if not isinstance(doc, dict) or doc.get("kind") != MANIFEST_KIND or not isinstance(

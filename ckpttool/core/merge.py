@@ -733,7 +733,9 @@ def merge(
 def _write(plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]], *,
            stem: str, overwrite: bool, workers: int, progress: Progress | None) -> None:
     """Write ``plan`` and the small ``extra`` files into ``out``, all or nothing."""
-    with AtomicOutputs(out) as outputs:
+    # Under the output's lock, OUT is looked at again: another run may have written it.
+    with AtomicOutputs(out, check=lambda: _check_existing(
+            out, [name for name, _ in extra], overwrite, stem)) as outputs:
         execute(plan, reader, outputs, workers=workers, progress=progress)
         commit_outputs(outputs, plan, extra, overwrite=overwrite, stem=stem)
 

@@ -251,7 +251,8 @@ class Team:
         if on_start is not None:
             on_start(sum(u.nbytes for u in share))
         try:
-            with AtomicOutputs(out) as outputs:
+            # The first process holds OUT's lock for the group; the others write into its files.
+            with AtomicOutputs(out, lock=self.first) as outputs:
                 fds: dict[int, int] = {}
                 failure: BaseException | None = None
                 if self.first:

@@ -236,7 +236,8 @@ def _to_dcp(ckpt: Checkpoint, reader: Reader, out: Path, num_ranks: int, prefix:
 
     pieces = [(t, c) for t, chunks in zip(stored, plans, strict=True) for c in chunks]
     # Read ahead in threads, written in order; closed (pending reads cancelled) on any exit.
-    with AtomicOutputs(out) as outputs, contextlib.closing(
+    with AtomicOutputs(out, check=lambda: _check_dcp_output(out, overwrite)) as outputs, \
+            contextlib.closing(
             _in_order(read, pieces, workers)) as data:
         writer = DcpWriter(outputs.create, pwrite_all, str(out))
         for t, chunks in zip(stored, plans, strict=True):
@@ -282,16 +283,21 @@ def _to_safetensors(ckpt: Checkpoint, reader: Reader, out: Path, max_shard_size:
     hf_files = ckpt.hf.files  # config and tokenizer: the output is a model directory too
     report.warnings += list(ckpt.hf.skipped)
     hf_names = {f.name for f in hf_files}
-    existing = sorted(existing_outputs(out, lambda n: st.is_weight_file(n) or n in hf_names),
-                      key=lambda name: (not st.is_weight_file(name), name))
-    if existing and not overwrite:
-        raise OutputError(f"{out}: already holds {existing[0]}; pass --overwrite to replace it "
-                          "or choose an empty directory")
+
+    def check_existing() -> None:
+        existing = sorted(existing_outputs(out, lambda n: st.is_weight_file(n) or n in hf_names),
+                          key=lambda name: (not st.is_weight_file(name), name))
+        if existing and not overwrite:
+            raise OutputError(f"{out}: already holds {existing[0]}; pass --overwrite to replace "
+                              "it or choose an empty directory")
+
+    check_existing()
     total = sum(t.nbytes for t in stored.values())
     check_space(out, sum(f.layout.file_size for f in files) + len(index or b""))
     if on_start is not None:
         on_start(total)
-    with AtomicOutputs(out) as outputs:
+    # Under the output's lock, OUT is looked at again: another run may have written it.
+    with AtomicOutputs(out, check=check_existing) as outputs:
         jobs = []
         for f in files:
             fd = outputs.create(f.name, f.layout.file_size)

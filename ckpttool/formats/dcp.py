@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.errors import CkptError, InputError, UnsupportedError
 from ckpttool.formats import dcp_metadata, torchsave, zstd
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import (
@@ -193,6 +193,10 @@ def _unpickle(data: bytes, lookup: Callable[[str, str], Any | None], where: str)
         return torchsave.AllowListUnpickler(io.BytesIO(data), lookup, where).load()
     except MemoryError:  # a damaged length field asks for an absurd buffer
         raise pickle.UnpicklingError("a length in the pickle is beyond its data") from None
+    except (torchsave.Refused, CkptError, pickle.UnpicklingError):
+        raise
+    except Exception as e:  # noqa: BLE001 - anything else a damaged pickle raises
+        raise torchsave.corrupt(e) from None
 
 
 def read_metadata_object(path: Path) -> Any:
@@ -355,6 +359,15 @@ def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> _Read:
         planner_data = {}
 
     storage, compressed = _storage(md_path, storage_data)
+    # Every chunk has a storage record of its own: a .metadata that lists more chunks than
+    # records (one chunk object repeated millions of times costs a few bytes each) is refused
+    # before any per-chunk work, which stays bounded by what the files hold.
+    claimed = sum(len(chunks) for e in sd_meta.values()
+                  if isinstance(e, torchsave.PlainStub)
+                  and isinstance(chunks := e.field("chunks"), (list, tuple)))
+    if claimed > len(storage):
+        raise InputError(f"{md_path}: lists {claimed:,} tensor chunks but {len(storage):,} "
+                         "storage records; corrupt .metadata, copy it again from the source")
 
     tensors: list[Tensor] = []
     objects: list[ObjectEntry] = []
@@ -627,7 +640,7 @@ def _blob_slots(path: Path, offset: int) -> tuple[dict[str, st.Slot], dict[str, 
     raw = meta.get(SHARDING_KEY)
     try:
         sharding = json.loads(raw) if isinstance(raw, str) else None
-    except ValueError:
+    except (ValueError, RecursionError):
         sharding = None
     if not isinstance(sharding, dict):
         raise InputError(f"{path} at byte {offset}: safetensors blob without readable "

@@ -801,6 +801,8 @@ def read(path: Path, lookup: Callable[[str, str], Any | None], *,
                 vm = _Machine(f, size, lookup)
                 md = vm.run()
                 return _convert(vm, md, metadata_file)
-    except (Fallback, OSError, MemoryError, RecursionError):
+    except (Fallback, OSError, MemoryError, RecursionError, OverflowError):
+        # OverflowError: a number beyond int64 in a damaged file (array('q') refuses it); the
+        # allow-list path reads the file again and says what is wrong.
         return None
 

@@ -38,7 +38,7 @@ def _sharding_info(file: Path) -> dict[str, object] | None:
         return None
     try:
         info = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return info if isinstance(info, dict) else None
 

@@ -45,7 +45,16 @@ from typing import Any
 
 from ckpttool.errors import CkptError, InputError, UnsupportedError
 from ckpttool.formats import torchsave
-from ckpttool.formats.base import RAW, CheckpointInfo, Chunk, DataFile, Reader, Tensor
+from ckpttool.formats.base import (
+    RAW,
+    CheckpointInfo,
+    Checksummed,
+    Chunk,
+    DataFile,
+    Problem,
+    Reader,
+    Tensor,
+)
 from ckpttool.formats.dtypes import DType
 from ckpttool.formats.store import file_size
 
@@ -93,9 +102,23 @@ def detect(path: Path) -> bool:
     return path.is_dir() and is_rank_files_dir(path)
 
 
-def open_reader(info: CheckpointInfo) -> Reader:
+class RankReader(Reader):
     """Pieces are raw byte ranges inside the rank files: the neutral reader reads them."""
-    return Reader(info)
+
+    def other_checksums(self) -> tuple[list[Checksummed], list[Problem]]:
+        """Every archive entry no chunk's CRC check covers: each pickle, and the storages of
+        the copies no chunk uses (a plain tensor or a replicated piece on every rank but
+        the lowest)."""
+        entries: dict[str, tuple[torchsave.ZipEntry, ...]] = self.info.detail or {}
+        covered = {(c.file, c.crc_span[0]) for t in self.info.tensors for c in t.chunks
+                   if c.crc32 is not None and c.crc_span is not None}
+        return [Checksummed(file, e.data_offset, e.size, e.crc32, f"entry '{e.name}'")
+                for file, found in entries.items() for e in found
+                if (file, e.data_offset) not in covered], []
+
+
+def open_reader(info: CheckpointInfo) -> Reader:
+    return RankReader(info)
 
 
 def is_rank_files_dir(path: Path) -> bool:
@@ -531,7 +554,8 @@ def _load(path: Path, fd: int) -> tuple[torchsave.RecordBytes, dict[str, torchsa
     return rb, entries, root_value
 
 
-def _read_file(root: Path, rf: RankFile) -> list[_Piece]:
+def _read_file(root: Path, rf: RankFile
+               ) -> tuple[list[_Piece], tuple[torchsave.ZipEntry, ...]]:
     path = root / rf.name
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -553,7 +577,7 @@ def _read_file(root: Path, rf: RankFile) -> list[_Piece]:
             if "flat_param" in fqn:
                 raise UnsupportedError(FSDP1_LOCAL_MESSAGE.format(path=path))
             pieces.append(_piece(path, rf, rb, entries, meshes, fqn, value))
-        return pieces
+        return pieces, tuple(entries.values())
     finally:
         os.close(fd)
 
@@ -918,8 +942,9 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     order: list[str] = []
     first: dict[str, _Piece] = {}
     chunks: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk]] = {}
+    archives: dict[str, tuple[torchsave.ZipEntry, ...]] = {}  # every entry, for verify's CRCs
     for rf in files:
-        pieces = _read_file(root, rf)
+        pieces, archives[rf.name] = _read_file(root, rf)
         keys = [p.fqn for p in pieces]
         if rf.rank == 0:
             order = keys
@@ -952,7 +977,8 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     return CheckpointInfo(
         format=NAME, root=root, tensors=tensors, objects=(),
         files=tuple(DataFile(f.name, file_size(root / f.name)) for f in files),
-        metadata_name="the rank files' pickles", sharded=True, num_ranks=len(files))
+        metadata_name="the rank files' pickles", sharded=True, num_ranks=len(files),
+        detail=archives)
 
 
 def _describe(p: _Piece) -> str:

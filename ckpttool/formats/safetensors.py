@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,6 +144,35 @@ def name_problem(name: str) -> str | None:
     return None
 
 
+# An index or a config.json of a real model is megabytes at most.
+JSON_LIMIT = 256 * 1000 * 1000
+
+
+def read_json_text(path: Path) -> str:
+    """The text of a small JSON file (an index, a config), read only when it is a regular file
+    of at most :data:`JSON_LIMIT` bytes (a FIFO is never waited on).
+
+    Raises:
+        FileNotFoundError: no such file.
+        InputError: not a regular file, or too large.
+        UnicodeDecodeError: not UTF-8.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InputError(f"{path}: not a regular file")
+        if info.st_size > JSON_LIMIT:
+            raise InputError(f"{path}: {info.st_size:,} bytes is too large for a JSON index or "
+                             f"config (at most {JSON_LIMIT:,}); corrupt")
+        return f.read(JSON_LIMIT + 1).decode("utf-8")
+
+
+def json_error(e: Exception) -> str:
+    """What went wrong parsing JSON, in a few words."""
+    return "arrays or objects nested too deeply" if isinstance(e, RecursionError) else str(e)
+
+
 def read_layout(path: Path, *, offset: int = 0) -> tuple[dict[str, str], tuple[Slot, ...]]:
     """Read and check a safetensors file's header (no tensor data).
 
@@ -174,8 +205,8 @@ def read_layout(path: Path, *, offset: int = 0) -> tuple[dict[str, str], tuple[S
         raise InputError(f"{where}: truncated safetensors header")
     try:
         header = json.loads(text)
-    except ValueError as e:
-        raise InputError(f"{path}: corrupt safetensors header ({e})") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: arrays nested too deep
+        raise InputError(f"{path}: corrupt safetensors header ({json_error(e)})") from None
     if not isinstance(header, dict):
         raise InputError(f"{path}: corrupt safetensors header (not a JSON object)")
     meta = header.pop("__metadata__", {}) or {}
@@ -292,11 +323,12 @@ def read_index(path: Path) -> Index:
         return seen
 
     try:
-        doc = json.loads(path.read_text(), object_pairs_hook=pairs)
+        doc = json.loads(read_json_text(path), object_pairs_hook=pairs)
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: not valid JSON ({e}); not a safetensors index") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise InputError(f"{path}: not valid JSON ({json_error(e)}); not a safetensors "
+                         "index") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.errors import CkptError, InputError, UnsupportedError
 from ckpttool.formats import dtypes
 from ckpttool.formats.dtypes import DType
 
@@ -58,6 +58,14 @@ class Refused(Exception):
     def __init__(self, module: str, name: str) -> None:
         super().__init__(f"{module}.{name}")
         self.qualname = f"{module}.{name}"
+
+
+def corrupt(e: Exception) -> pickle.UnpicklingError:
+    """A damaged pickle makes the C unpickler raise almost anything (an opcode applied to the
+    wrong value: AttributeError, OverflowError for a FRAME length, RecursionError...): every
+    one of them is a corrupt pickle, in one line."""
+    text = " ".join(str(e).split())
+    return pickle.UnpicklingError(f"{type(e).__name__}: {text}" if text else type(e).__name__)
 
 
 class AllowListUnpickler(pickle.Unpickler):
@@ -402,6 +410,8 @@ def zip_entries(rb: RecordBytes) -> dict[str, ZipEntry]:
     # torch.save writes entries back to back (header, data, data descriptor when flag bit 3 is
     # set), then the directory: a header that moves an entry's data (a flipped length byte)
     # breaks that and is caught here, before any byte is copied.
+    if not spans:
+        raise InputError(f"{where}: torch.save record with no entries; corrupt")
     spans.sort()
     for (_, end, name, descriptor), nxt in zip(
             spans, [s[0] for s in spans[1:]] + [cd_offset], strict=True):
@@ -648,6 +658,10 @@ def load_pickle(rb: RecordBytes, entries: dict[str, ZipEntry], *,
     except MemoryError:
         # A damaged length field asks the C unpickler for an absurd buffer.
         raise pickle.UnpicklingError("a length in the pickle is beyond its data") from None
+    except (Refused, CkptError, pickle.UnpicklingError):
+        raise
+    except Exception as e:  # noqa: BLE001 - see corrupt()
+        raise corrupt(e) from None
     check_size(value, max_nodes)
     return value
 
