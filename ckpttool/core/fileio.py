@@ -164,6 +164,7 @@ class AtomicOutputs:
 
     def __enter__(self) -> AtomicOutputs:
         try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
             self._dir_fd = os.open(self.out_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except OSError as e:
             raise OutputError(f"{self.out_dir}: cannot open the output directory: "

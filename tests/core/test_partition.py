@@ -79,7 +79,7 @@ def _merge_by_shares(plan: MergePlan, src: Path, out: Path, shares: list[list[pa
 
 def _merge_alone(plan: MergePlan, src: Path, out: Path) -> None:
     with (open_reader(discover(src, command="merge")) as reader, AtomicOutputs(out) as outputs):
-        out.mkdir()
+        out.mkdir(exist_ok=True)  # AtomicOutputs made it (to lock it) already
         execute(plan, reader, outputs)
         outputs.commit()
 
