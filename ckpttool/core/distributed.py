@@ -126,6 +126,10 @@ class Group:
         import torch.distributed as dist
 
         if self._own and dist.is_initialized():
+            # Tear down together: a process that destroys the group while a peer is still
+            # using it can make gloo abort the peer (seen as SIGABRT after a failed share).
+            with contextlib.suppress(RuntimeError):
+                dist.barrier(group=self._group)
             dist.destroy_process_group()
 
 

@@ -129,7 +129,9 @@ def test_a_rank_that_fails_or_dies_leaves_nothing_and_every_rank_fails(
                       **{FAIL_ENV: how})
     codes = [code for code, _, _ in results]
     assert codes[0] == 3, results[0][2]
-    assert codes[1] == (3 if how == "1" else -9)
+    # Rank 1 raised: exit 3, though about one run in six gloo aborts it (-6) while the group
+    # is torn down after the failure; either way it fails and rank 0 reports it.
+    assert codes[1] in ((3, -6) if how == "1" else (-9,)), results[1][2]
     assert says in results[0][2]
     assert sorted(p.name for p in out.iterdir()) == []
 
