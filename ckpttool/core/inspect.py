@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +29,7 @@ from ckpttool.core.discover import (
     open_reader,
     select,
 )
-from ckpttool.core.report import SCHEMA, Progress
+from ckpttool.core.report import SCHEMA, Progress, locked
 from ckpttool.core.torch_threads import default_workers, one_torch_thread, workers_for
 from ckpttool.errors import CkptError, InputError
 from ckpttool.formats.base import Reader, Tensor
@@ -369,15 +368,13 @@ def inspect(
 def _stats(reader: Reader, shown: list[TensorView], workers: int | None,
            progress: Progress | None) -> list[TensorStats]:
     """Each tensor's statistics, tensors read in ``workers`` threads."""
-    lock = threading.Lock()
+    report = locked(progress)
 
     def one(t: TensorView) -> TensorStats:
         acc = Stats(t.dtype, full=True)
         for _, data in tensor_io.blocks(reader, t.tensor):
             acc.update(data)
-            if progress is not None:
-                with lock:
-                    progress(len(data))
+            report(len(data))
         return acc.result()
 
     n = workers_for(workers or default_workers(), nbytes=sum(t.nbytes for t in shown),

@@ -38,7 +38,7 @@ from ckpttool.core.fileio import (
 from ckpttool.core.names import detected_wrappers
 from ckpttool.core.partition import Unit
 from ckpttool.core.parts import MERGEABLE
-from ckpttool.core.report import SCHEMA, Progress
+from ckpttool.core.report import SCHEMA, Progress, locked
 from ckpttool.core.torch_threads import default_workers, one_torch_thread, workers_for
 from ckpttool.errors import InputError, OutputError, UnsupportedError
 from ckpttool.formats import registry
@@ -148,13 +148,7 @@ def execute(
     workers balance by bytes, largest first; small chunks go in batches (a thread-pool task
     per kilobyte-sized chunk would cost more than copying it).
     """
-    lock = threading.Lock()
-
-    def report(n: int) -> None:
-        if progress is not None and n:
-            with lock:
-                progress(n)
-
+    report = locked(progress)
     jobs: list[_Job] = []
     casts = False
     for f in plan.files:
@@ -162,21 +156,7 @@ def execute(
         pwrite_all(fd, f.layout.header, 0)
         jobs += _jobs(fd, f.tensors)
         casts = casts or any(t.cast or isinstance(t.source, Derived) for t in f.tensors)
-    reader.open_files()  # before threads share the reader
-    plan_reads = getattr(reader.store, "plan_reads", None)
-    if plan_reads is None:
-        jobs.sort(key=lambda j: -j.nbytes)
-    else:
-        jobs = _stored_order(jobs, plan_reads)
-    workers = workers_for(workers, nbytes=sum(j.nbytes for j in jobs),
-                          chunks=sum(len(j.chunks) for j in jobs))
-    if not casts:
-        _run_jobs(jobs, reader, workers, report)  # no torch at all
-        return
-    # Loaded once here, before the workers (who would queue on the import), with one intra-op
-    # thread while they cast.
-    with one_torch_thread():
-        _run_jobs(jobs, reader, workers, report)
+    _run(jobs, reader, workers=workers, casts=casts, report=report)
 
 
 def execute_share(
@@ -193,13 +173,7 @@ def execute_share(
     ``plan.files`` -> writable descriptor): the copy of a merge that several processes share
     (:mod:`ckpttool.core.multihost`). Parts of chunks are jobs of their own; small whole chunks
     go in batches, as in :func:`execute`."""
-    lock = threading.Lock()
-
-    def report(n: int) -> None:
-        if progress is not None and n:
-            with lock:
-                progress(n)
-
+    report = locked(progress)
     jobs: list[_Job] = []
     batches: dict[int, _Job] = {}
     casts = False
@@ -222,13 +196,26 @@ def execute_share(
         if len(batch.chunks) >= BATCH_CHUNKS or batch.nbytes >= BATCH_BYTES:
             jobs.append(batches.pop(u.file))
     jobs += batches.values()
+    _run(jobs, reader, workers=workers, casts=casts, report=report)
+
+
+def _run(jobs: list[_Job], reader: Reader, *, workers: int, casts: bool, report: Progress
+         ) -> None:
+    """Run ``jobs`` in up to ``workers`` threads: largest first, or in stored order where the
+    store reads ahead (object storage)."""
     reader.open_files()  # before threads share the reader
-    jobs.sort(key=lambda j: -j.nbytes)
+    plan_reads = getattr(reader.store, "plan_reads", None)
+    if plan_reads is None:
+        jobs.sort(key=lambda j: -j.nbytes)
+    else:
+        jobs = _stored_order(jobs, plan_reads)
     workers = workers_for(workers, nbytes=sum(j.nbytes for j in jobs),
                           chunks=sum(len(j.chunks) for j in jobs))
     if not casts:
-        _run_jobs(jobs, reader, workers, report)
+        _run_jobs(jobs, reader, workers, report)  # no torch at all
         return
+    # Loaded once here, before the workers (who would queue on the import), with one intra-op
+    # thread while they cast.
     with one_torch_thread():
         _run_jobs(jobs, reader, workers, report)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,19 @@ SCHEMA = 1
 
 # Called with the number of bytes just read or written, as an operation goes.
 Progress = Callable[[int], None]
+
+
+def locked(progress: Progress | None) -> Progress:
+    """``progress`` for worker threads to share: one call at a time, none for 0 bytes (a
+    no-op when there is no ``progress``)."""
+    lock = threading.Lock()
+
+    def report(n: int) -> None:
+        if progress is not None and n:
+            with lock:
+                progress(n)
+
+    return report
 
 
 def storage_note(storage: dict[str, Any]) -> str | None:

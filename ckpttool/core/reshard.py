@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable
@@ -35,7 +34,7 @@ from ckpttool.core.fileio import (
     pwrite_all,
     remove_stale,
 )
-from ckpttool.core.report import SCHEMA, Progress
+from ckpttool.core.report import SCHEMA, Progress, locked
 from ckpttool.core.torch_threads import default_workers, workers_for
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats import dcp
@@ -168,7 +167,7 @@ def reshard(
                             nbytes=sum(t.nbytes for t in ckpt.tensors),
                             chunks=sum(len(t.tensor.chunks) for t in ckpt.tensors))
     if progress is not None:  # called from the worker threads
-        progress = _locked(progress)
+        progress = locked(progress)
     with open_reader(ckpt, follow_links=follow_links) as reader:
         structure.raise_first(reader.check_copies())  # replicated chunks every rank stored
         reader.open_files()
@@ -179,16 +178,6 @@ def reshard(
             _to_dcp(ckpt, reader, out_path, ranks or 1, prefix, overwrite, report, progress,
                     on_start, n_workers)
     report.seconds = round(time.perf_counter() - started, 3)
-    return report
-
-
-def _locked(progress: Progress) -> Progress:
-    lock = threading.Lock()
-
-    def report(n: int) -> None:
-        with lock:
-            progress(n)
-
     return report
 
 

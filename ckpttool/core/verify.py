@@ -20,7 +20,6 @@ Only values (NaN counts, casts) need torch; the CRC pass does not.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -32,7 +31,7 @@ from ckpttool.core import lora, remote, scan, structure, ties
 from ckpttool.core import manifest as manifests
 from ckpttool.core.against import plan_against
 from ckpttool.core.discover import Checkpoint, Part, describe, discover, open_reader, select
-from ckpttool.core.report import SCHEMA, Progress
+from ckpttool.core.report import SCHEMA, Progress, locked
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats.base import SEVERITIES, Location, Problem, error, warning
 
@@ -169,13 +168,7 @@ def verify(
     if manifest_path is not None:
         report.checks.append("manifest")
     parts = _other_parts(ckpt)
-    lock = threading.Lock()
-
-    def read(n: int) -> None:
-        if progress is not None and n:
-            with lock:
-                progress(n)
-
+    read = locked(progress)
     if on_start is not None:
         on_start(sum(t.nbytes for c in (ckpt, other, *(p for _, p in parts)) if c is not None
                      for t in c.tensors))

@@ -143,11 +143,19 @@ def unregister_mirror(directory: Path) -> None:
 def open_store(base: Path, *, metadata_name: str, follow_links: bool = False) -> Store:
     """The store of the checkpoint whose files are relative to ``base``: a remote one for a
     mirror of object storage, else a :class:`LocalStore`."""
-    for directory, factory in list(_MIRRORS.items()):
-        if base == directory or directory in base.parents:
-            store: Store = factory(base, metadata_name)
-            return store
+    factory = _mirror_factory(base)
+    if factory is not None:
+        store: Store = factory(base, metadata_name)
+        return store
     return LocalStore(base, metadata_name=metadata_name, follow_links=follow_links)
+
+
+def _mirror_factory(path: Path) -> Callable[[Path, str], Any] | None:
+    """The store factory of the mirror ``path`` lies in (or is); None for a local path."""
+    for directory, factory in list(_MIRRORS.items()):
+        if path == directory or directory in path.parents:
+            return factory
+    return None
 
 
 @contextlib.contextmanager
@@ -158,14 +166,13 @@ def pread_of(path: Path) -> Iterator[Callable[[int, int], bytes]]:
     Raises:
         OSError: as ``open`` (FileNotFoundError...).
     """
-    for directory in list(_MIRRORS):
-        if directory in path.parents:
-            store = open_store(path.parent, metadata_name=path.name)
-            try:
-                yield functools.partial(store.pread, path.name)
-            finally:
-                store.close()
-            return
+    if _mirror_factory(path.parent) is not None:
+        store = open_store(path.parent, metadata_name=path.name)
+        try:
+            yield functools.partial(store.pread, path.name)
+        finally:
+            store.close()
+        return
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     try:
         yield functools.partial(os.pread, fd)
