@@ -13,7 +13,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +43,7 @@ from ckpttool.core.torch_threads import default_workers, one_torch_thread, worke
 from ckpttool.errors import InputError, OutputError, UnsupportedError
 from ckpttool.formats import registry
 from ckpttool.formats import safetensors as st
-from ckpttool.formats.base import Chunk, Payload, Reader, Tensor
+from ckpttool.formats.base import Chunk, ChunkColumns, Payload, Reader, Tensor
 from ckpttool.formats.dtypes import DType
 from ckpttool.formats.torchsave import gc_paused
 
@@ -231,26 +231,99 @@ BATCH_BYTES = 16 << 20
 class _Job:
     fd: int
     # None: a derived tensor, computed whole
-    chunks: list[tuple[OutTensor, Chunk | None]] | _Small
+    chunks: list[tuple[OutTensor, Chunk | None]] | _Small | _WindowChunks
     nbytes: int
     # A part [lo, hi) of a one-chunk job's single run, in elements (core.partition); None: all
     elements: tuple[int, int] | None = None
 
 
+class _Window(_Job):
+    """Small tensors that lie back to back in the output: made whole in memory (their chunks
+    read in the order they are stored, back-to-back records together) and written in one
+    piece. What a checkpoint of millions of kilobyte-sized chunks (mixture-of-experts) is
+    made of; the cost is then a decode per chunk, not a write."""
+
+    def __init__(self, fd: int, first: OutTensor) -> None:
+        self.tensors: list[OutTensor] = []
+        super().__init__(fd, _WindowChunks(self.tensors), 0)
+        self.begin = first.slot.begin
+        self.stored = 0  # bytes its chunks take in the source files
+
+    def fits(self, t: OutTensor, stored: int) -> bool:
+        return (t.slot.begin == self.begin + self.nbytes
+                and self.nbytes + t.slot.nbytes <= WINDOW_BYTES
+                and self.stored + stored <= WINDOW_STORED)
+
+    def add(self, t: OutTensor, stored: int) -> None:
+        self.tensors.append(t)
+        self.nbytes += t.slot.nbytes
+        self.stored += stored
+
+
+class _WindowChunks(Sequence[tuple[OutTensor, Chunk | None]]):
+    """Every ``(tensor, chunk)`` of a window, built when asked for (only for object storage's
+    read planning: the window itself reads from columns)."""
+
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: list[OutTensor]) -> None:
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return sum(len(_stored(t).chunks) for t in self.tensors)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[OutTensor, Chunk | None]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[OutTensor, Chunk | None]]: ...
+
+    def __getitem__(self, i: int | slice
+                    ) -> tuple[OutTensor, Chunk | None] | list[tuple[OutTensor, Chunk | None]]:
+        return list(self)[i]
+
+    def __iter__(self) -> Iterator[tuple[OutTensor, Chunk | None]]:
+        for t in self.tensors:
+            for c in _stored(t).chunks:
+                yield t, c
+
+
+def _stored(t: OutTensor) -> Tensor:
+    assert isinstance(t.source, Tensor)
+    return t.source
+
+
+# A tensor below this many bytes (stored and written) goes in a window of others; a window
+# holds at most this many bytes of output, and of stored chunks (records with headers).
+WINDOW_TENSOR = 1 << 20
+WINDOW_BYTES = 16 << 20
+WINDOW_STORED = 32 << 20
+
+
 def _jobs(fd: int, tensors: tuple[OutTensor, ...]) -> list[_Job]:
-    """A job per large chunk or derived tensor, and batches of small chunks, for one output
-    file. Small chunks are batched in the order their bytes lie in the source files, so that
-    a batch reads back-to-back records together (:meth:`Reader.payloads`); every chunk's
-    place in the output is known, so the order of writes does not matter."""
-    jobs = []
+    """A window of small tensors, a job per large chunk or derived tensor, and batches of
+    the small chunks of large tensors, for one output file. Small chunks are batched in the
+    order their bytes lie in the source files, so that a batch reads back-to-back records
+    together (:meth:`Reader.payloads`); every chunk's place in the output is known, so the
+    order of writes does not matter."""
+    jobs: list[_Job] = []
     # (place in the source files, bytes, tensor, chunk number): a small chunk's Chunk is built
     # again when it is copied, so that a merge of a million chunks holds no Chunk objects.
     small: list[tuple[int, int, OutTensor, int]] = []
     file_ids: dict[str, int] = {}
+    window: _Window | None = None
     for t in tensors:
         if isinstance(t.source, Derived):
             jobs.append(_Job(fd, [(t, None)], t.slot.nbytes))
             continue
+        if max(t.slot.nbytes, t.source.nbytes) < WINDOW_TENSOR:
+            stored = t.source.stored_bytes
+            if stored <= WINDOW_STORED:
+                if window is None or not window.fits(t, stored):
+                    window = _Window(fd, t)
+                    jobs.append(window)
+                window.add(t, stored)
+                continue
         item = t.source.dtype.itemsize
         for k, c in enumerate(t.source.chunks):
             n = c.numel * item
@@ -317,6 +390,9 @@ def _run_jobs(jobs: list[_Job], reader: Reader, workers: int, report: Progress) 
     stop = threading.Event()
 
     def run(job: _Job) -> None:
+        if isinstance(job, _Window):
+            _write_window(reader, job, report, stop)
+            return
         if len(job.chunks) > 1:
             _write_batch(reader, job, report, stop)
             return
@@ -373,6 +449,73 @@ def _write_batch(reader: Reader, job: _Job, report: Progress, stop: threading.Ev
             pwrite_all(job.fd, data[at : at + n], t.slot.begin + first * t.dtype.itemsize)
         done += c.numel * t.dtype.itemsize
     report(done)
+
+
+def _write_window(reader: Reader, job: _Window, report: Progress, stop: threading.Event
+                  ) -> None:
+    """The window's tensors made whole in memory, then written at once. Chunks are decoded in
+    the order they are stored; a chunk that is one run of its tensor (Shard(0), whole) and
+    came with its record is copied from memory, any other is read in C order and placed run
+    by run. A tensor to cast is made whole in its own dtype first."""
+    out = bytearray(job.nbytes)
+    view = memoryview(out)
+    # Per tensor: where its elements go (the window, or a buffer in its own dtype to cast).
+    targets: list[memoryview] = []
+    # Per tensor, the first element of each chunk when every chunk is rows (Shard(0)).
+    firsts: list[list[int] | None] = []
+    order: list[tuple[str, int, int, int]] = []  # (file, offset, tensor, chunk) to sort
+    for i, t in enumerate(job.tensors):
+        entry = _stored(t)
+        at = t.slot.begin - job.begin
+        targets.append(memoryview(bytearray(entry.nbytes)) if t.cast
+                       else view[at : at + t.slot.nbytes])
+        split = entry.chunks.rows(entry.shape) if isinstance(entry.chunks, ChunkColumns) \
+            else None
+        firsts.append(None if split is None or not entry.shape[0] else
+                      [o * (entry.numel // entry.shape[0]) for o in split[0]])
+        order += _positions(entry, i)
+    order.sort()
+    items = []
+    for _, _, i, k in order:
+        entry = _stored(job.tensors[i])
+        items.append((entry, entry.chunks[k]))
+    for (entry, c), (_, _, i, k), p in zip(items, order, reader.payloads(items), strict=True):
+        if stop.is_set():
+            return
+        target, item, row_firsts = targets[i], entry.dtype.itemsize, firsts[i]
+        data, start = p.data, p.start
+        first = None if data is None or start is None else row_firsts[k] \
+            if row_firsts is not None \
+            else chunk_geometry.single_run_start(entry.shape, c.offsets, c.sizes)
+        if first is not None:
+            assert data is not None and start is not None
+            at = start - p.storage_offset
+            n = c.numel * item
+            target[first * item : first * item + n] = data[at : at + n]
+            continue
+        whole = memoryview(reader.read_chunk(entry, c))  # strided, compressed: in C order
+        for src, dst, n in chunk_geometry.runs(entry.shape, c.offsets, c.sizes):
+            target[dst * item : (dst + n) * item] = whole[src * item : (src + n) * item]
+    for t, target in zip(job.tensors, targets, strict=True):
+        if t.cast:
+            at = t.slot.begin - job.begin
+            view[at : at + t.slot.nbytes] = _cast_bytes(target, t)
+    pwrite_all(job.fd, view, job.begin)
+    report(job.nbytes)
+
+
+def _positions(entry: Tensor, i: int) -> list[tuple[str, int, int, int]]:
+    """``(file, offset, i, chunk number)`` of each non-empty chunk of ``entry``, read from
+    columns where it has them."""
+    chunks = entry.chunks
+    if isinstance(chunks, ChunkColumns):
+        table, lo = chunks.table, chunks.first
+        names = table.names
+        numel = chunks.numels()
+        return [(names[f], o, i, k) for k, (f, o) in enumerate(zip(
+            table.file[lo : lo + len(chunks)], table.offset[lo : lo + len(chunks)],
+            strict=True)) if numel[k]]
+    return [(c.file, c.offset, i, k) for k, c in enumerate(chunks) if c.numel]
 
 
 def _write_chunk(reader: Reader, dst: int, t: OutTensor, c: Chunk, report: Progress,
