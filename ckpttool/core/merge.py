@@ -463,9 +463,8 @@ def _write_window(reader: Reader, job: _Window, report: Progress, stop: threadin
     targets: list[memoryview] = []
     # Per tensor, the first element of each chunk when every chunk is rows (Shard(0)).
     firsts: list[list[int] | None] = []
-    order: list[tuple[str, int, int, int]] = []  # (file, offset, tensor, chunk) to sort
-    for i, t in enumerate(job.tensors):
-        entry = _stored(t)
+    entries = [_stored(t) for t in job.tensors]
+    for t, entry in zip(job.tensors, entries, strict=True):
         at = t.slot.begin - job.begin
         targets.append(memoryview(bytearray(entry.nbytes)) if t.cast
                        else view[at : at + t.slot.nbytes])
@@ -473,16 +472,11 @@ def _write_window(reader: Reader, job: _Window, report: Progress, stop: threadin
             else None
         firsts.append(None if split is None or not entry.shape[0] else
                       [o * (entry.numel // entry.shape[0]) for o in split[0]])
-        order += _positions(entry, i)
-    order.sort()
-    items = []
-    for _, _, i, k in order:
-        entry = _stored(job.tensors[i])
-        items.append((entry, entry.chunks[k]))
-    for (entry, c), (_, _, i, k), p in zip(items, order, reader.payloads(items), strict=True):
+    for i, k, c, p in tensors.in_stored_order(reader, entries, empty=False):
         if stop.is_set():
             return
-        target, item, row_firsts = targets[i], entry.dtype.itemsize, firsts[i]
+        entry, target, row_firsts = entries[i], targets[i], firsts[i]
+        item = entry.dtype.itemsize
         data, start = p.data, p.start
         first = None if data is None or start is None else row_firsts[k] \
             if row_firsts is not None \
@@ -502,20 +496,6 @@ def _write_window(reader: Reader, job: _Window, report: Progress, stop: threadin
             view[at : at + t.slot.nbytes] = _cast_bytes(target, t)
     pwrite_all(job.fd, view, job.begin)
     report(job.nbytes)
-
-
-def _positions(entry: Tensor, i: int) -> list[tuple[str, int, int, int]]:
-    """``(file, offset, i, chunk number)`` of each non-empty chunk of ``entry``, read from
-    columns where it has them."""
-    chunks = entry.chunks
-    if isinstance(chunks, ChunkColumns):
-        table, lo = chunks.table, chunks.first
-        names = table.names
-        numel = chunks.numels()
-        return [(names[f], o, i, k) for k, (f, o) in enumerate(zip(
-            table.file[lo : lo + len(chunks)], table.offset[lo : lo + len(chunks)],
-            strict=True)) if numel[k]]
-    return [(c.file, c.offset, i, k) for k, c in enumerate(chunks) if c.numel]
 
 
 def _write_chunk(reader: Reader, dst: int, t: OutTensor, c: Chunk, report: Progress,

@@ -355,6 +355,9 @@ class Payload:
     stride: tuple[int, ...] = ()  # strided views: element strides and offset in the storage
     view_offset: int = 0
     side: tuple[Checksummed, ...] = ()  # the record's other checksummed entries (headers)
+    # Bytes of those entries whose CRC-32s the format checked already, while decoding (they
+    # are then not in ``side``): a checkpoint of millions of records checks them in C.
+    checked: int = 0
     # The stored bytes at ``storage_offset`` are compressed ("zstd"): the elements are reached
     # only through ``Reader.read_chunk``, which decompresses one record at a time (``start``
     # is None); ``side`` then holds the decompressed entries with their CRC-32s.
