@@ -9,6 +9,7 @@ so that a merge costs about what a copy costs. Torch is imported only to cast.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import threading
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 from ckpttool.core import chunks as chunk_geometry
 from ckpttool.core import dtypes as dtype_policy
-from ckpttool.core import hf, namemaps, names, remote, structure, tensors, ties
+from ckpttool.core import forked, hf, namemaps, names, remote, structure, tensors, ties
 from ckpttool.core import lora as adapters
 from ckpttool.core import objects as non_tensor
 from ckpttool.core.derive import Derived, materialise
@@ -156,7 +157,7 @@ def execute(
         pwrite_all(fd, f.layout.header, 0)
         jobs += _jobs(fd, f.tensors)
         casts = casts or any(t.cast or isinstance(t.source, Derived) for t in f.tensors)
-    _run(jobs, reader, workers=workers, casts=casts, report=report)
+    _run(jobs, reader, workers=workers, casts=casts, report=report, fork=True)
 
 
 def execute_share(
@@ -199,25 +200,50 @@ def execute_share(
     _run(jobs, reader, workers=workers, casts=casts, report=report)
 
 
-def _run(jobs: list[_Job], reader: Reader, *, workers: int, casts: bool, report: Progress
-         ) -> None:
+def _run(jobs: list[_Job], reader: Reader, *, workers: int, casts: bool, report: Progress,
+         fork: bool = False) -> None:
     """Run ``jobs`` in up to ``workers`` threads: largest first, or in stored order where the
-    store reads ahead (object storage)."""
+    store reads ahead (object storage). Jobs whose cost is Python per chunk (kilobyte-sized
+    chunks) run in up to ``workers`` processes instead, where ``fork`` allows
+    (:mod:`ckpttool.core.forked`)."""
     reader.open_files()  # before threads share the reader
     plan_reads = getattr(reader.store, "plan_reads", None)
     if plan_reads is None:
         jobs.sort(key=lambda j: -j.nbytes)
     else:
         jobs = _stored_order(jobs, plan_reads)
-    workers = workers_for(workers, nbytes=sum(j.nbytes for j in jobs),
+    threads = workers_for(workers, nbytes=sum(j.nbytes for j in jobs),
                           chunks=sum(len(j.chunks) for j in jobs))
+    if threads < workers and len(jobs) > 1 and fork and plan_reads is None and \
+            forked.available(needs_torch=casts):
+        # Python per chunk: shares in processes of their own, each writing its own jobs.
+        forked.run([functools.partial(_run_share, share, reader, casts)
+                    for share in _deal(jobs, workers)], report)
+        return
+    _run_share(jobs, reader, casts, report, threading.Event(), threads)
+
+
+def _run_share(jobs: list[_Job], reader: Reader, casts: bool, report: Progress,
+               stop: threading.Event, threads: int = 1) -> None:
     if not casts:
-        _run_jobs(jobs, reader, workers, report)  # no torch at all
+        _run_jobs(jobs, reader, threads, report, stop)  # no torch at all
         return
     # Loaded once here, before the workers (who would queue on the import), with one intra-op
     # thread while they cast.
     with one_torch_thread():
-        _run_jobs(jobs, reader, workers, report)
+        _run_jobs(jobs, reader, threads, report, stop)
+
+
+def _deal(jobs: list[_Job], n: int) -> list[list[_Job]]:
+    """``jobs`` dealt into at most ``n`` shares of about as many chunks each (the cost of a
+    Python-bound merge), each in the order given."""
+    shares: list[list[_Job]] = [[] for _ in range(min(n, len(jobs)))]
+    load = [0] * len(shares)
+    for job in sorted(jobs, key=lambda j: -len(j.chunks)):
+        i = load.index(min(load))
+        shares[i].append(job)
+        load[i] += len(job.chunks)
+    return shares
 
 
 # A chunk below this many bytes is copied in a batch with others of its file...
@@ -386,8 +412,8 @@ def _stored_order(jobs: list[_Job], plan_reads: Callable[[list[tuple[str, int, i
     return jobs
 
 
-def _run_jobs(jobs: list[_Job], reader: Reader, workers: int, report: Progress) -> None:
-    stop = threading.Event()
+def _run_jobs(jobs: list[_Job], reader: Reader, workers: int, report: Progress,
+              stop: threading.Event) -> None:
 
     def run(job: _Job) -> None:
         if isinstance(job, _Window):
@@ -404,6 +430,8 @@ def _run_jobs(jobs: list[_Job], reader: Reader, workers: int, report: Progress) 
 
     if workers <= 1:
         for job in jobs:
+            if stop.is_set():
+                return
             run(job)
         return
     pool = ThreadPoolExecutor(max_workers=workers)
