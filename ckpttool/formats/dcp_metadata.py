@@ -213,24 +213,25 @@ class _Boxes(dict[bytes, tuple[int, ...]]):
         return got
 
 
-class _MemoStrs(dict[bytes, int]):
-    """A GET's bytes -> the number of the memoized str it fetches, numbered in ``numbers`` in
-    the order first seen; -1 (not kept) where the memo holds no str there (yet). Memo entries
-    never change once a run was matched (a PUT then falls back), so a found one stays true."""
+class _MemoStrs(dict[bytes | int, int]):
+    """A memo GET (its bytes, or the memo index) -> the number of the memoized str it fetches,
+    numbered in ``numbers`` in the order first seen; -1 (not kept) where the memo holds no str
+    there (yet). Memo entries never change once a run was matched (a PUT then falls back), so
+    a found one stays true."""
 
     def __init__(self, memo: dict[int, Any], numbers: dict[str, int]) -> None:
         super().__init__()
         self.memo = memo
         self.numbers = numbers
 
-    def __missing__(self, lit: bytes) -> int:
-        got = self.memo.get(_get_index(lit))
+    def __missing__(self, key: bytes | int) -> int:
+        got = self.memo.get(key if type(key) is int else _get_index(key))  # type: ignore[arg-type]
         if type(got) is not str:
             return -1
         n = self.numbers.get(got)
         if n is None:
             n = self.numbers[got] = len(self.numbers)
-        self[lit] = n
+        self[key] = n
         return n
 
 
@@ -263,6 +264,122 @@ def _int_column(col: Sequence[bytes], ints: _Ints) -> array[int]:
     if min(out) < 0:
         raise Fallback("negative")
     return out
+
+
+# Runs of one layout. Within a run the entries usually differ in their values only: every int
+# has the same opcode (width) as in the first entry, so every entry has its size and its
+# opcodes at the same places. Then the run is checked by comparing its bytes with the first
+# entry's, value bytes blanked in both (memcmp), and each value is gathered from every entry at
+# once by strided byte slices: no object per entry at all.
+
+_MIN_LAID_OUT = 16  # fewer entries of one layout: matched one by one (widths that vary)
+_Field = tuple[int, int, bool]  # an int in an entry: offset of its bytes, their number, signed
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """One entry's bytes with its value bytes zeroed, and where the values are."""
+
+    size: int
+    blank: bytes
+    fields: tuple[_Field, ...]
+    # The bytes every entry of its kind starts with, whatever its widths: those before the
+    # first value's opcode.
+    prefix: bytes
+
+    @staticmethod
+    def of(buf: bytes, m: re.Match[bytes], groups: Sequence[tuple[int, str]]) -> _Layout:
+        """The layout of the entry ``m`` matched, from its ``groups``: (number, kind), kind
+        ``get`` (a memo GET: its index is the value), ``int`` or ``tuple`` (of ints)."""
+        start = m.start()
+        fields: list[_Field] = []
+        for g, kind in groups:
+            a, b = m.span(g)
+            if kind == "get":
+                fields.append((a + 1 - start, 1 if buf[a] == 0x68 else 4, False))
+                continue
+            if kind == "tuple":
+                if buf[a] == 0x29:  # the empty tuple
+                    continue
+                a, b = (a + 1 if buf[a] == 0x28 else a), b - 2
+            while a < b:
+                op = buf[a]
+                if op == 0x8A:
+                    k = buf[a + 1]
+                    if k > 8:
+                        raise Fallback("long")  # beyond int64
+                    fields.append((a + 2 - start, k, True))
+                    a += 2 + k
+                else:
+                    k = 1 if op == 0x4B else 2 if op == 0x4D else 4
+                    fields.append((a + 1 - start, k, op == 0x4A))
+                    a += 1 + k
+        blank = bytearray(buf[start : m.end()])
+        for at, width, _ in fields:
+            blank[at : at + width] = bytes(width)
+        prefix = bytes(blank[: max(fields[0][0] - 2, 0)] if fields else blank)
+        return _Layout(len(blank), bytes(blank), tuple(fields), prefix)
+
+    def count(self, buf: bytes, start: int, limit: int) -> int:
+        """How many entries from ``start`` have this layout (at most ``limit``, within
+        ``buf``): their bytes, value bytes blanked, are the blank entry's."""
+        size = self.size
+        n = min(limit, (len(buf) - start) // size)
+        if n <= 0:
+            return 0
+        # Where the run ends, nearly always: the first entry not starting as this one does.
+        starts = buf[start : start + n * size : size]
+        n -= len(starts.lstrip(self.blank[:1]))
+        if n <= 0:
+            return 0
+        block = bytearray(buf[start : start + n * size])
+        zeros = bytes(n)
+        for at, width, _ in self.fields:
+            for i in range(width):
+                block[at + i :: size] = zeros
+        want = self.blank * n
+        if block == want:
+            return n
+        # The first byte that differs: the highest bit of the difference, read big-endian.
+        x = int.from_bytes(block, "big") ^ int.from_bytes(want, "big")
+        return (len(block) - 1 - (x.bit_length() - 1) // 8) // size
+
+    def whole(self, buf: bytes, start: int, n: int) -> bool:
+        """``n`` entries of this layout from ``start`` are a whole run: enough of them, or not
+        followed by an entry of another layout (ints of other widths), which one by one
+        matching takes (a run whose widths keep changing is not cut into tiny ones)."""
+        return n >= _MIN_LAID_OUT or (n > 0 and not buf.startswith(self.prefix,
+                                                                     start + n * self.size))
+
+    def run(self, buf: bytes, start: int) -> int:
+        """How many entries from ``start`` have this layout, up to ``_MAX_RUN``; looked at in
+        growing blocks (a tensor's chunk list is often short)."""
+        n, limit = 0, 64
+        while n < _MAX_RUN:
+            limit = min(limit, _MAX_RUN - n)
+            got = self.count(buf, start + n * self.size, limit)
+            n += got
+            if got < limit:
+                break
+            limit *= 4
+        return n
+
+    def gather(self, buf: bytes, start: int, n: int, fields: Sequence[_Field]) -> array[int]:
+        """The values of ``fields`` in ``n`` entries from ``start``, entry by entry (each
+        entry's fields in order), as ``array('q')``; negative ones raise :class:`Fallback`."""
+        k, size = len(fields), self.size
+        raw = bytearray(8 * k * n)
+        end = start + n * size
+        for j, (at, width, signed) in enumerate(fields):
+            at += start
+            for i in range(width):
+                raw[8 * j + i :: 8 * k] = buf[at + i : end : size]
+            if signed and width and max(buf[at + width - 1 : end : size]) >= 0x80:
+                raise Fallback("negative")
+        out = array("q", raw)
+        if _BIG_ENDIAN:
+            out.byteswap()
+        return out
 
 
 class _Marker:
@@ -330,6 +447,9 @@ class _Machine:
         self.chunk_patterns: dict[tuple[bytes, int], tuple[re.Pattern[bytes], _Boxes]] = {}
         self.storage_patterns: dict[tuple[bytes, int], re.Pattern[bytes]] = {}
         self.tuples = _Tuples()  # decoded by their bytes
+        # The layouts of the last runs laid out (and their ndim): usually the next one's.
+        self.chunk_layout: tuple[_Layout, int] | None = None
+        self.storage_layout: tuple[_Layout, int] | None = None
         self.ints = _Ints()
 
     # -- bytes
@@ -372,6 +492,13 @@ class _Machine:
         """ChunkStorageMetadata entries from ``pos`` (at a GET of the class), into columns."""
         self.ahead()
         buf, p = self.buf, self.pos
+        # Most chunk lists are laid out as the last one was: no pattern needed.
+        if self.chunk_layout is not None:
+            laid, nd = self.chunk_layout
+            n = laid.run(buf, p)
+            if laid.whole(buf, p, n):
+                return self.chunk_rows(laid.gather(buf, p, n, laid.fields), n, nd,
+                                       p + n * laid.size)
         head = _CHUNK_HEAD.match(buf, p)
         if head is None:
             return None
@@ -385,30 +512,47 @@ class _Machine:
                     and self.memo_is(head[3], self.size_fn) and self.memo_is(head[5], "sizes")
                     and self.memo_is(head[6], self.size_fn)):
                 return None
-            # One group from the offsets to the sizes: decoded together, by their bytes.
-            t = _tuple_of(nd)
+            # One group from the offsets to the sizes (decoded together, by their bytes), and
+            # one for each (the layout).
+            t = b"(" + _tuple_of(nd) + b")"
             between = _REDUCED + re.escape(head[5] + head[6])
             pat = re.compile(re.escape(head[1]) + _NEWOBJ + re.escape(head[2] + head[3])
                              + b"(" + t + between + t + b")" + _REDUCED + rb"ub", re.DOTALL)
-            pair = re.compile(b"(" + t + b")" + between + b"(" + t + rb")\Z", re.DOTALL)
+            pair = re.compile(t + between + t + rb"\Z", re.DOTALL)
             run = self.chunk_patterns[key] = (pat, _Boxes(pair))
         pat, decoded = run
-        ms = _matches(pat, buf, p)
-        if not ms:
+        m = pat.match(buf, p)
+        if m is None:
             return None
-        first, box, n = self.num_rows, len(self.boxes), len(ms)
-        self.boxes.extend(chain.from_iterable(map(decoded.__getitem__, map(_group1, ms))))
+        laid = _Layout.of(buf, m, ((2, "tuple"), (3, "tuple")))
+        n = laid.run(buf, p)
+        if laid.whole(buf, p, n):  # offsets then sizes: the rows' boxes as they are kept
+            self.chunk_layout = laid, nd
+            return self.chunk_rows(laid.gather(buf, p, n, laid.fields), n, nd,
+                                   p + n * laid.size)
+        ms = _matches(pat, buf, p)  # ints of several widths: one by one
+        got = array("q", chain.from_iterable(map(decoded.__getitem__, map(_group1, ms))))
         if len(decoded) > _CACHE:
             decoded.clear()
+        return self.chunk_rows(got, len(ms), nd, ms[-1].end())
+
+    def chunk_rows(self, boxes: array[int], n: int, nd: int, end: int) -> _ChunkRun:
+        run = _ChunkRun(self.num_rows, len(self.boxes), n, nd)
+        self.boxes.extend(boxes)
         self.num_rows += n
         self.num_memo += n * (2 + 2 * _size_memos(nd))
-        self.pos = ms[-1].end()
-        return _ChunkRun(first, box, n, nd)
+        self.pos = end
+        return run
 
     def storage_run(self) -> _StorageRun | None:
         """MetadataIndex -> _StorageInfo pairs from ``pos`` (at a GET of the index class)."""
         self.ahead()
         buf, p = self.buf, self.pos
+        if self.storage_layout is not None:
+            laid, nd = self.storage_layout
+            n = laid.run(buf, p)
+            if laid.whole(buf, p, n):
+                return self.storage_rows(buf, p, laid, n, nd)
         head = _STORAGE_HEAD.match(buf, p)
         if head is None:
             return None
@@ -430,41 +574,72 @@ class _Machine:
                 + e[5] + _NEWOBJ + e[6] + b"(" + _GET + b")" + e[7] + b"(" + _INT + b")"
                 + e[8] + b"(" + _INT + b")" + rb"ub", re.DOTALL)
             self.storage_patterns[key] = pat
+        m = pat.match(buf, p)
+        if m is None:
+            return None
+        laid = _Layout.of(buf, m, ((1, "get"), (2, "int"), (3, "tuple"), (4, "get"), (5, "int"),
+                                   (6, "int")))
+        n = laid.run(buf, p)
+        if laid.whole(buf, p, n):
+            self.storage_layout = laid, nd
+            return self.storage_rows(buf, p, laid, n, nd)
+        # Ints of several widths: one by one, each column decoded at once.
         ms = _matches(pat, buf, p)
-        if not ms:
-            return None
-        g_fqn, i_index, t_offs, g_rel, i_begin, i_length = zip(*map(_groups, ms), strict=True)
-        # The run ends before the first entry whose name or file is not a memoized str: the
-        # interpreter builds that one, and the conversion decides.
-        fqn = array("i", map(self.fqn_numbers.__getitem__, g_fqn))
-        n = fqn.index(-1) if min(fqn) < 0 else len(ms)
-        file = array("i", map(self.file_numbers.__getitem__, islice(g_rel, n)))
-        if n and min(file) < 0:
-            n = file.index(-1)
-        if not n:
-            return None
-        if n < len(ms):
-            del ms[n:], fqn[n:], file[n:]
-            i_index, t_offs, i_begin, i_length = (
-                i_index[:n], t_offs[:n], i_begin[:n], i_length[:n])
+        k_fqn, i_index, t_offs, k_rel, i_begin, i_length = zip(*map(_groups, ms), strict=True)
         ints = self.ints
         index = _int_column(i_index, ints)
         begin = _int_column(i_begin, ints)
         length = _int_column(i_length, ints)
+        offs = array("q", chain.from_iterable(map(self.tuples.__getitem__, t_offs)))
+        if len(ints) > _CACHE:
+            ints.clear()
+        if len(self.tuples) > _CACHE:
+            self.tuples.clear()
+        n = self.storage_columns(k_fqn, index, offs, k_rel, begin, length, nd)
+        if not n:
+            return None
+        self.pos = ms[n - 1].end()
+        return _StorageRun()
+
+    def storage_rows(self, buf: bytes, p: int, laid: _Layout, n: int, nd: int
+                     ) -> _StorageRun | None:
+        f = laid.fields
+
+        def column(fields: Sequence[_Field]) -> array[int]:
+            return laid.gather(buf, p, n, fields)
+
+        n = self.storage_columns(column(f[:1]), column(f[1:2]), column(f[2 : 2 + nd]),
+                                 column(f[2 + nd : 3 + nd]), column(f[3 + nd : 4 + nd]),
+                                 column(f[4 + nd :]), nd)
+        if not n:
+            return None
+        self.pos = p + n * laid.size
+        return _StorageRun()
+
+    def storage_columns(self, k_fqn: Sequence[bytes | int], index: array[int], offs: array[int],
+                        k_rel: Sequence[bytes | int], begin: array[int], length: array[int],
+                        nd: int) -> int:
+        """A run's entries into the storage columns, up to the first whose name or file is
+        not a memoized str (the interpreter builds that one, and the conversion decides).
+        Returns how many."""
+        fqn = array("i", map(self.fqn_numbers.__getitem__, k_fqn))
+        file = array("i", map(self.file_numbers.__getitem__, k_rel))
+        n = len(fqn)
+        bad = min(fqn.index(-1) if min(fqn) < 0 else n, file.index(-1) if min(file) < 0 else n)
+        if not bad:
+            return 0
+        if bad < n:
+            n = bad
+            del fqn[n:], file[n:], index[n:], begin[n:], length[n:], offs[n * nd :]
         self.s_runs.append((len(self.s_fqn), n, nd, len(self.s_offs)))
-        self.s_offs.extend(chain.from_iterable(map(self.tuples.__getitem__, t_offs)))
+        self.s_offs.extend(offs)
         self.s_fqn.extend(fqn)
         self.s_index.extend(index)
         self.s_file.extend(file)
         self.s_begin.extend(begin)
         self.s_length.extend(length)
-        if len(ints) > _CACHE:
-            ints.clear()
-        if len(self.tuples) > _CACHE:
-            self.tuples.clear()
         self.num_memo += n * (4 + _size_memos(nd))
-        self.pos = ms[-1].end()
-        return _StorageRun()
+        return n
 
     # -- the walk
 
