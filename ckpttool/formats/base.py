@@ -180,13 +180,22 @@ class ChunkColumns(Sequence[Chunk]):
 
     def boxes(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
         """``(offsets, sizes)`` of every chunk (without building the chunks)."""
-        b, nd = self.table.boxes, self.ndim
-        at = self.box
-        out = []
-        for _ in range(self.num_chunks):
-            out.append((tuple(b[at : at + nd]), tuple(b[at + nd : at + 2 * nd])))
-            at += 2 * nd
-        return tuple(out)
+        nd = self.ndim
+        if not nd:
+            return (((), ()),) * self.num_chunks
+        offsets = zip(*(self.column(k) for k in range(nd)), strict=True)
+        sizes = zip(*(self.column(nd + k) for k in range(nd)), strict=True)
+        return tuple(zip(offsets, sizes, strict=True))
+
+    def column(self, k: int) -> array[int]:
+        """Entry ``k`` of every chunk's box, its offsets then its sizes: ``column(d)`` is each
+        chunk's offset along dimension ``d``, ``column(ndim + d)`` its size there (one strided
+        copy, nothing per chunk built)."""
+        if not 0 <= k < 2 * self.ndim:
+            raise IndexError(k)
+        step = 2 * self.ndim
+        start = self.box + k
+        return self.table.boxes[start : start + step * self.num_chunks : step]
 
     def rows(self, shape: tuple[int, ...]) -> tuple[array[int], array[int]] | None:
         """Dimension 0's offsets and sizes of every chunk, when every chunk spans every other
