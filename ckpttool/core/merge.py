@@ -46,6 +46,7 @@ from ckpttool.formats import registry
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Chunk, ChunkColumns, Payload, Reader, Tensor
 from ckpttool.formats.dtypes import DType
+from ckpttool.formats.store import LocalStore
 from ckpttool.formats.torchsave import gc_paused
 
 if TYPE_CHECKING:
@@ -214,8 +215,8 @@ def _run(jobs: list[_Job], reader: Reader, *, workers: int, casts: bool, report:
         jobs = _stored_order(jobs, plan_reads)
     threads = workers_for(workers, nbytes=sum(j.nbytes for j in jobs),
                           chunks=sum(len(j.chunks) for j in jobs))
-    if threads < workers and len(jobs) > 1 and fork and plan_reads is None and \
-            forked.available(needs_torch=casts):
+    if threads < workers and len(jobs) > 1 and fork and isinstance(reader.store, LocalStore) \
+            and forked.available(needs_torch=casts):
         # Python per chunk: shares in processes of their own, each writing its own jobs.
         forked.run([functools.partial(_run_share, share, reader, casts)
                     for share in _deal(jobs, workers)], report)

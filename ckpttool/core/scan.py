@@ -10,14 +10,16 @@ archive's pickle) comes from the reader's ``other_checksums``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import threading
 from collections.abc import Callable, Generator, Iterator, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import cast
+from typing import Any, cast
 
 from ckpttool.core import chunks as chunk_geometry
-from ckpttool.core import objects, tensors
+from ckpttool.core import forked, objects, tensors
 from ckpttool.core.against import AgainstPlan, Compare, decide_tied
 from ckpttool.core.discover import Checkpoint, TensorView, open_reader
 from ckpttool.core.inspect import Stats
@@ -36,6 +38,7 @@ from ckpttool.formats.base import (
     warning,
 )
 from ckpttool.formats.crc import crc32
+from ckpttool.formats.store import LocalStore
 from ckpttool.formats.torchsave import gc_paused
 
 # Stored bytes that one tensor's payloads may hold from their records' reads (beyond it, they
@@ -55,6 +58,15 @@ class Result:
     digest: str | None = None
     equal: bool | None = None  # against: None when not compared
     bytes_read: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"problems": [p.to_json() for p in self.problems], "digest": self.digest,
+                "equal": self.equal, "bytes_read": self.bytes_read}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Result:
+        return cls([Problem.from_json(p) for p in doc["problems"]], doc["digest"],
+                   doc["equal"], doc["bytes_read"])
 
 
 @dataclass
@@ -394,8 +406,7 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
     # By stored name: the plan may name A's tensors inside one part (core.discover.select).
     comparisons = {p.a.stored_name: p for p in (plan.pairs if plan else ())
                    if p.b.stored_name not in skip_b}
-    workers = workers_for(workers or default_workers(), nbytes=sum(t.nbytes for t in todo),
-                          chunks=sum(len(t.tensor.chunks) for t in todo))
+    workers = workers or default_workers()
     with contextlib.ExitStack() as stack:
         stack.enter_context(gc_paused())  # millions of live chunk objects, none garbage
         reader = stack.enter_context(open_reader(ckpt, follow_links=follow_links))
@@ -427,7 +438,10 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
             return scan_tensor(scanner, t, digest=t.name in want_digest, compare=compare,
                                given=given)
 
-        results = _run(lambda group: scan_group(scanner, group, job), groups(todo), workers)
+        results = _run(lambda group: scan_group(scanner, group, job), groups(todo), workers,
+                       fork=all(isinstance(r.store, LocalStore) for r in (reader, reader_b)
+                                if r is not None),
+                       report=read, scanner=scanner)
         problems = [p for t in todo for p in results[t.name].problems]
         rest = scanner.other_checksums()
         problems += rest.problems
@@ -457,13 +471,48 @@ def _object_problems(ckpt: Checkpoint, reader: Reader) -> list[Problem]:
 
 
 def _run(job: Callable[[list[TensorView]], list[Result]], todo: list[list[TensorView]],
-         workers: int | None) -> dict[str, Result]:
-    """``job`` on every group of tensors, in ``workers`` threads (they are independent)."""
-    n_workers = max(1, workers or default_workers())
+         workers: int, *, fork: bool, report: Progress, scanner: Scanner
+         ) -> dict[str, Result]:
+    """``job`` on every group of tensors, in ``workers`` threads (they are independent); or,
+    where the work is Python per chunk (kilobyte-sized chunks), in up to ``workers`` forked
+    processes (:mod:`ckpttool.core.forked`), each sending its results back."""
+    chunks = sum(len(t.tensor.chunks) for g in todo for t in g)
+    threads = workers_for(workers, nbytes=sum(t.nbytes for g in todo for t in g), chunks=chunks)
+    if threads < workers and len(todo) > 1 and fork and forked.available(needs_torch=True):
+        shares = _deal(todo, workers)
+
+        def share(groups: list[list[TensorView]], progress: Progress, stop: threading.Event
+                  ) -> dict[str, Any]:
+            scanner.report = progress  # this process's own scanner (a forked copy)
+            done: dict[str, Any] = {}
+            with one_torch_thread():
+                for g in groups:
+                    if stop.is_set():
+                        break
+                    done.update((t.name, r.to_json()) for t, r in zip(g, job(g), strict=True))
+            return done
+
+        parent = scanner.report
+        try:
+            found = forked.run([functools.partial(share, s) for s in shares], report)
+        finally:
+            scanner.report = parent
+        return {name: Result.from_json(doc) for part in found for name, doc in part.items()}
     with one_torch_thread():
-        if n_workers == 1:
+        if threads == 1:
             done = list(map(job, todo))
         else:
-            with ThreadPoolExecutor(max_workers=n_workers) as pool:
+            with ThreadPoolExecutor(max_workers=threads) as pool:
                 done = list(pool.map(job, todo))
     return {t.name: r for g, rs in zip(todo, done, strict=True) for t, r in zip(g, rs, strict=True)}
+
+
+def _deal(todo: list[list[TensorView]], n: int) -> list[list[list[TensorView]]]:
+    """Groups dealt into at most ``n`` shares of about as many chunks each."""
+    shares: list[list[list[TensorView]]] = [[] for _ in range(min(n, len(todo)))]
+    load = [0] * len(shares)
+    for g in sorted(todo, key=lambda g: -sum(len(t.tensor.chunks) for t in g)):
+        i = load.index(min(load))
+        shares[i].append(g)
+        load[i] += sum(len(t.tensor.chunks) for t in g)
+    return shares

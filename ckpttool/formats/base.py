@@ -70,6 +70,11 @@ class Problem:
         return {"severity": self.severity, "code": self.code, "message": self.message,
                 "location": self.location.to_json()}
 
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Problem:
+        """What :meth:`to_json` gave (from a worker process of our own)."""
+        return cls(doc["severity"], doc["code"], doc["message"], Location(**doc["location"]))
+
 
 def error(code: str, message: str, **where: Any) -> Problem:
     return Problem("error", code, message, Location(**where))
