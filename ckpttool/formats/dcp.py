@@ -893,6 +893,8 @@ class _Template:
         self._sides = operator.itemgetter(*self.side_whole) if len(self.side) > 1 else (
             lambda whole: tuple(whole[s] for s in self.side_whole))
         self.side_bytes = sum(e.size for e in self.side)
+        # Where the elements start in the stored bytes (None: a strided view).
+        self.start = rec.storage_offset * rec.dtype.itemsize if rec.is_contiguous else None
         fields = [e.crc_fields[0] for e in (data, *self.side)]
         order = sorted(range(len(fields)), key=fields.__getitem__)
         self._crcs = self._fields([in_raw(f) for f in fields], order)
@@ -916,16 +918,29 @@ class _Template:
             out[i] = value
         return out
 
-    def sides_check(self, whole: bytes, crcs: list[int]) -> bool:
-        """True if every ``side`` entry of the ``whole`` record has the CRC-32 its header
-        records (``crcs[1:]``): all of them in one C-level pass."""
-        return list(map(crc32, self._sides(whole))) == crcs[1:]
+    def decode_whole(self, chunk: Chunk, whole: bytes, checksums: bool) -> Payload | None:
+        """The payload of ``chunk``, whose ``whole`` record was read already, if the record
+        matches this template; None if it does not (then it is decoded in full). With
+        ``checksums``, the other entries' CRC-32s are checked here, in C (``checked``), and
+        handed on in ``side`` only when one fails."""
+        if len(whole) != self.length or self._compared_whole(whole) != self._expected:
+            return None
+        rec = self.rec
+        at = chunk.offset + rec.data_offset
+        stored = memoryview(whole)[self.head : self.data_end]
+        start = at + self.start if self.start is not None else None
+        if not checksums:
+            return Payload(chunk.file, at, rec.data_size, None, start, rec.stride,
+                           rec.storage_offset, data=stored)
+        crcs = self.crcs(whole, whole=True)
+        if list(map(crc32, self._sides(whole))) == crcs[1:]:
+            return Payload(chunk.file, at, rec.data_size, crcs[0], start, rec.stride,
+                           rec.storage_offset, checked=self.side_bytes, data=stored)
+        return _payload(chunk, rec, crcs[0], zip(self.side, crcs[1:], (
+            whole[s] for s in self.side_whole), strict=True), stored)
 
     def matches(self, raw: bytes) -> bool:
         return len(raw) == self._size and self._compared(raw) == self._expected
-
-    def matches_whole(self, whole: bytes) -> bool:
-        return len(whole) == self.length and self._compared_whole(whole) == self._expected
 
 
 class DcpReader(Reader):
@@ -1048,18 +1063,9 @@ class DcpReader(Reader):
         template = self._templates.get(key) if self._use_templates else None
         if template is not None:
             if whole is not None:  # read with its neighbours: compared in place
-                if template.matches_whole(whole):
-                    stored = memoryview(whole)[template.head:template.data_end]
-                    if not checksums:
-                        return _payload(chunk, template.rec, None, (), stored)
-                    crcs = template.crcs(whole, whole=True)
-                    if template.sides_check(whole, crcs):
-                        return _payload(chunk, template.rec, crcs[0], (), stored,
-                                        checked=template.side_bytes)
-                    return _payload(chunk, template.rec, crcs[0],
-                                    zip(template.side, crcs[1:],
-                                        (whole[s] for s in template.side_whole), strict=True),
-                                    stored)
+                p = template.decode_whole(chunk, whole, checksums)
+                if p is not None:
+                    return p
             else:
                 raw, whole = self._outside_data(chunk, template.head, template.data_end)
                 if template.matches(raw):
@@ -1113,11 +1119,17 @@ class DcpReader(Reader):
                 end = c.end
                 j += 1
             span = self.store.pread(first.file, end - first.offset, first.offset)
+            templates = self._templates if self._use_templates else {}
             for t, c in items[i:j]:
                 at = c.offset - first.offset
-                # A short read (a truncated file): decoded alone, which says where it ends.
-                yield self._decode(t, c, checksums, span[at : at + c.length]
-                                   if at + c.length <= len(span) else None)
+                if at + c.length > len(span):
+                    # A short read (a truncated file): decoded alone, which says where it ends.
+                    yield self._decode(t, c, checksums)
+                    continue
+                whole = span[at : at + c.length]
+                template = templates.get((c.length, t.dtype.name, c.sizes))
+                p = template.decode_whole(c, whole, checksums) if template is not None else None
+                yield p if p is not None else self._decode(t, c, checksums, whole)
             i = j
 
     def other_checksums(self) -> tuple[list[Checksummed], list[Problem]]:
@@ -1287,7 +1299,7 @@ def _first_difference(a: Iterator[bytes], b: Iterator[bytes]) -> int | None:
 
 def _payload(chunk: Chunk, rec: TensorRecord, crc: int | None,
              side: Iterable[tuple[torchsave.ZipEntry, int, bytes | None]],
-             data: memoryview | None = None, checked: int = 0) -> Payload:
+             data: memoryview | None = None) -> Payload:
     """Where a chunk's elements are, from its record (``rec``: offsets relative to it);
     ``data``: the stored bytes, when they were read with the record."""
     at = chunk.offset + rec.data_offset
@@ -1299,7 +1311,7 @@ def _payload(chunk: Chunk, rec: TensorRecord, crc: int | None,
         side=tuple(Checksummed(chunk.file, chunk.offset + e.data_offset, e.size, value,
                                f"record entry '{e.name}'", side_data)
                    for e, value, side_data in side),
-        data=data, checked=checked)
+        data=data)
 
 
 def open_reader(info: CheckpointInfo) -> DcpReader:

@@ -59,15 +59,34 @@ def small_jobs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 # forked.run on its own
 
 
-def _no_children_left() -> bool:
-    try:
-        os.waitpid(-1, os.WNOHANG)
-    except ChildProcessError:
-        return True
-    return False
+@pytest.fixture
+def pids(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The children forked.run starts."""
+    started: list[int] = []
+    real = os.fork
+
+    def fork() -> int:
+        pid = real()
+        if pid:
+            started.append(pid)
+        return pid
+
+    monkeypatch.setattr(os, "fork", fork)
+    return started
 
 
-def test_results_in_order_and_progress_from_every_process() -> None:
+def _reaped(pids: list[int]) -> bool:
+    """Every one of ``pids`` ended and reaped (no zombie, nothing running)."""
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            continue
+        return False
+    return bool(pids)
+
+
+def test_results_in_order_and_progress_from_every_process(pids: list[int]) -> None:
     seen: list[int] = []
     lock = threading.Lock()
 
@@ -85,10 +104,10 @@ def test_results_in_order_and_progress_from_every_process() -> None:
     assert [g["i"] for g in got] == [0, 1, 2, 3]
     assert [g["pid_differs"] for g in got] == [0, 1, 1, 1]
     assert sorted(seen) == sorted([1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4])
-    assert _no_children_left()
+    assert _reaped(pids)
 
 
-def test_a_childs_error_is_raised_as_the_same_error() -> None:
+def test_a_childs_error_is_raised_as_the_same_error(pids: list[int]) -> None:
     def fails(progress: object, stop: threading.Event) -> None:
         raise OutputError("/out/model.safetensors: no space left on device; free some")
 
@@ -98,19 +117,19 @@ def test_a_childs_error_is_raised_as_the_same_error() -> None:
 
     with pytest.raises(OutputError, match="^/out/model.safetensors: no space left"):
         forked.run([waits, fails], lambda n: None)
-    assert _no_children_left()
+    assert _reaped(pids)
 
 
-def test_a_child_that_dies_is_a_failure() -> None:
+def test_a_child_that_dies_is_a_failure(pids: list[int]) -> None:
     def dies(progress: object, stop: threading.Event) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     with pytest.raises(forked.WorkerFailed, match="status -9"):
         forked.run([lambda p, s: None, dies], lambda n: None)
-    assert _no_children_left()
+    assert _reaped(pids)
 
 
-def test_a_failure_here_ends_the_children() -> None:
+def test_a_failure_here_ends_the_children(pids: list[int]) -> None:
     def forever(progress: object, stop: threading.Event) -> None:
         time.sleep(600)
 
@@ -121,7 +140,7 @@ def test_a_failure_here_ends_the_children() -> None:
     with pytest.raises(InputError, match="^here$"):
         forked.run([fails, forever, forever], lambda n: None)
     assert time.monotonic() - started < 60
-    assert _no_children_left()
+    assert _reaped(pids)
 
 
 def test_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
