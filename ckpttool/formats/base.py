@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import operator
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -132,6 +132,18 @@ class ChunkTable:
         self.length = length
         self.boxes = boxes  # per chunk: its offsets, then its sizes (ndim each)
         self.encoding = encoding
+
+
+    def inside(self, sizes: Mapping[str, int | None]) -> bool:
+        """True if every row lies inside its file, given each file's size (None: missing)."""
+        limits: list[int] = []
+        for name in self.names:
+            size = sizes.get(name)
+            if size is None:
+                return False
+            limits.append(size)
+        return all(map(operator.le, map(operator.add, self.offset, self.length),
+                       map(limits.__getitem__, self.file)))
 
 
 class ChunkColumns(Sequence[Chunk]):
