@@ -475,6 +475,15 @@ class Reader:
         for tensor, chunk in items:
             yield self._decode(tensor, chunk, checksums)
 
+    def elements(self, items: Sequence[tuple[Tensor, int]]) -> Iterator[memoryview | None]:
+        """For each ``(tensor, chunk number)``, in order, the chunk's elements in C order when
+        the format has them in memory from reading many together, else None (the caller
+        then reads the chunk itself: :meth:`read_chunk`). The copy of millions of small
+        chunks (a merge's windows), with nothing built per chunk; callers ask in file and
+        offset order. Formats without such a batched path give None for every chunk."""
+        for _ in items:
+            yield None
+
     def _decode(self, tensor: Tensor, chunk: Chunk, checksums: bool = False) -> Payload:
         if chunk.encoding != RAW:
             raise InputError(f"{self.where(chunk.file, chunk.offset, repr(tensor.name))}: "
