@@ -900,6 +900,12 @@ class _Template:
         self._crcs = self._fields([in_raw(f) for f in fields], order)
         self._crcs_whole = self._fields(fields, order)
         self._order = order
+        # Every entry's bytes in the whole record, in the order of their CRC fields: one
+        # comparison checks them all.
+        entries = [slice(self.head, self.data_end), *self.side_whole]
+        ordered = [entries[i] for i in order]
+        self._all_entries = operator.itemgetter(*ordered) if len(ordered) > 1 else (
+            lambda whole: (whole[ordered[0]],))
 
     @staticmethod
     def _fields(fields: list[int], order: list[int]) -> struct.Struct:
@@ -943,9 +949,7 @@ class _Template:
         """The bytes of the ``whole`` record (matching this template) whose CRC-32s were
         checked, all of its entries' (storage and side), if every one matches its header's;
         None if one does not."""
-        crcs = self.crcs(whole, whole=True)
-        if crc32(memoryview(whole)[self.head : self.data_end]) != crcs[0] or \
-                list(map(crc32, self._sides(whole))) != crcs[1:]:
+        if tuple(map(crc32, self._all_entries(whole))) != self._crcs_whole.unpack_from(whole):
             return None
         return self.data_end - self.head + self.side_bytes
 
