@@ -276,3 +276,74 @@ def test_payloads_of_a_truncated_file_fail_as_one_at_a_time(moe: Path, tmp_path:
                 got.append(p)
     assert str(batched.value) == str(one.value)
     assert len(got) == next(i for i, (_, c2) in enumerate(items) if c2.end > c.offset)
+
+
+def _check_elements(root: Path) -> int:
+    """``Reader.elements`` and ``checked_elements`` over every chunk in stored order (as merge
+    windows and verify groups ask), cold then warm: each chunk they hand over equals its
+    ``read_chunk`` bytes, and what they count as checked is the record's stored entries;
+    returns how many came from memory."""
+    from ckpttool.core.tensors import stored_order
+
+    info = dcp.read_info(root)
+    tensors = list(info.tensors)
+    items = [(tensors[i], k) for _, _, i, k in stored_order(tensors)]
+    given = 0
+    with dcp.DcpReader(info) as r, dcp.DcpReader(info, templates=False) as full:
+        for _ in range(2):
+            for (t, k), data, checked in zip(items, r.elements(items),
+                                             r.checked_elements(items), strict=True):
+                c = t.chunks[k]
+                want = full.read_chunk(t, c)
+                if data is None:  # the caller reads it itself, which makes its template
+                    assert checked is None
+                    assert r.read_chunk(t, c) == want
+                    continue
+                assert bytes(data) == want, (t.name, c)
+                assert checked is not None and bytes(checked[0]) == want
+                p = full.payload(t, c, checksums=True)
+                assert checked[1] == p.storage_size + sum(s.size for s in p.side)
+                given += 1
+    return given
+
+
+def test_elements_of_many_chunks(moe: Path) -> None:
+    info = dcp.read_info(moe)
+    num = sum(len(t.chunks) for t in info.tensors)
+    # Every chunk but the first of each record shape, in both passes.
+    assert _check_elements(moe) >= 2 * num - 2 * len({(c.length, t.dtype, c.sizes)
+                                                      for t in info.tensors for c in t.chunks})
+
+
+@pytest.mark.parametrize("kind,world", [("placements", None), ("uneven", 11), ("mixed", None)])
+def test_elements_of_real_layouts(kind: str, world: int | None, make_checkpoint) -> None:
+    """Replicate, Shard(1), uneven and empty pieces, several dtypes and files per rank."""
+    from examples.fsdp2_checkpoint import MODEL_DIR
+
+    assert _check_elements(make_checkpoint(kind, world) / MODEL_DIR) > 0
+
+
+def test_checked_elements_withhold_a_chunk_whose_checksum_fails(moe: Path,
+                                                               tmp_path: Path) -> None:
+    damaged = _copy(moe, tmp_path)
+    info = dcp.read_info(damaged)
+    t, c = _late_chunk(info)
+    with dcp.DcpReader(info, templates=False) as r:
+        p = r.payload(t, c)
+    _flip(damaged / c.file, p.storage_offset + 1)
+    info = dcp.read_info(damaged)
+    from ckpttool.core.tensors import stored_order
+
+    tensors = list(info.tensors)
+    items = [(tensors[i], k) for _, _, i, k in stored_order(tensors)]
+    with dcp.DcpReader(info) as r:
+        for (t2, k2), data in zip(items, r.elements(items), strict=True):
+            if data is None:
+                r.read_chunk(t2, t2.chunks[k2])  # templates made, as a caller makes them
+        got = dict(zip([(t.name, k) for t, k in items], r.checked_elements(items),
+                       strict=True))
+        plain = dict(zip([(t.name, k) for t, k in items], r.elements(items), strict=True))
+    k = next(i for i, x in enumerate(t.chunks) if x == c)
+    assert got[(t.name, k)] is None  # withheld: the caller reads it and reports the CRC
+    assert plain[(t.name, k)] is not None  # a copy checks no CRC
+    assert sum(v is not None for v in got.values()) == len(got) - 1
