@@ -365,16 +365,20 @@ def scan_group(scanner: Scanner, group: list[TensorView],
     checked = [0] * len(ts)
     order = tensors.stored_order(ts)
     items = [(ts[i], k) for _, _, i, k in order]
-    for (_, _, i, k), got in zip(order, scanner.reader.checked_elements(items), strict=True):
-        whole, at = wholes[i], firsts[i]
-        if whole is None or at is None:
-            continue
-        if got is None:
-            wholes[i] = None
-            continue
-        data, n = got
-        whole[at[k] : at[k] + len(data)] = data
-        checked[i] += n
+    try:
+        for (_, _, i, k), got in zip(order, scanner.reader.checked_elements(items),
+                                     strict=True):
+            whole, at = wholes[i], firsts[i]
+            if whole is None or at is None:
+                continue
+            if got is None:
+                wholes[i] = None
+                continue
+            data, n = got
+            whole[at[k] : at[k] + len(data)] = data
+            checked[i] += n
+    except InputError:  # a file that cannot be read: each tensor says so on its own
+        wholes = [None] * len(ts)
     return [job(t, None if w is None else (w, n))
             for t, w, n in zip(group, wholes, checked, strict=True)]
 
