@@ -11,20 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 from collections.abc import Callable, Generator, Iterator, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from ckpttool.core import chunks as chunk_geometry
-from ckpttool.core import objects, tensors
+from ckpttool.core import objects, tensors, values
 from ckpttool.core.against import AgainstPlan, Compare, decide_tied
 from ckpttool.core.discover import Checkpoint, TensorView, open_reader
-from ckpttool.core.inspect import Stats
 from ckpttool.core.report import Progress
 from ckpttool.core.tensors import BLOCK_BYTES
 from ckpttool.core.torch_threads import default_workers, one_torch_thread, workers_for
 from ckpttool.errors import InputError, UnreadableError
 from ckpttool.formats.base import Checksummed, Chunk, Payload, Problem, Reader, error, warning
+from ckpttool.formats.store import read_blocks
 from ckpttool.formats.torchsave import gc_paused
 
 try:
@@ -69,6 +70,16 @@ class Scanner:
     def __init__(self, reader: Reader, report: Progress) -> None:
         self.reader = reader
         self.report = report
+        self._local = threading.local()
+
+    def _buffer(self) -> bytearray:
+        """This thread's buffer for ranges that are read rather than mapped
+        (:func:`~ckpttool.formats.store.read_blocks`), made once: a new one per chunk costs a
+        page fault per 4 KB of it."""
+        buf: bytearray | None = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = bytearray(BLOCK_BYTES)
+        return buf
 
     def path(self, file: str) -> str:
         return str(self.reader.store.path(file))
@@ -160,18 +171,10 @@ class Scanner:
         the part ``[first, first + length)`` of them; ``start`` is its first element. Returns
         the CRC."""
         item = t.dtype.itemsize
-        buf = bytearray(min(BLOCK_BYTES, size))
         done = 0
-        while done < size:
-            n = min(len(buf), size - done)
-            view = memoryview(buf)[:n]
-            got = self.reader.store.readinto(file, offset + done, view)
-            if got != n:
-                result.problems.append(error(
-                    "truncated-file", f"{self.path(file)}: ends at byte {offset + done + got}, "
-                    f"inside tensor '{t.name}'; copy the checkpoint again",
-                    file=file, tensor=t.name, offset=offset + done + got))
-                raise _Unreadable
+        for view in read_blocks(self.reader.store, file, offset, size,
+                                memoryview(self._buffer())):
+            n = len(view)
             self.report(n)
             result.bytes_read += n
             if crc is not None:
@@ -181,6 +184,12 @@ class Scanner:
                 yield (None if start is None else start + (lo - first) // item,
                        view[lo - done : hi - done])
             done += n
+        if done != size:
+            result.problems.append(error(
+                "truncated-file", f"{self.path(file)}: ends at byte {offset + done}, "
+                f"inside tensor '{t.name}'; copy the checkpoint again",
+                file=file, tensor=t.name, offset=offset + done))
+            raise _Unreadable
         return crc
 
     def _check(self, s: Checksummed, tensor: str | None, result: Result) -> None:
@@ -234,7 +243,7 @@ def scan_tensor(scanner: Scanner, t: TensorView, *, digest: bool, compare: Compa
     """One tensor: CRCs and values from a single read; a second read in C order only when the
     layout is not (a Shard(1) tensor) and a digest or a comparison needs order."""
     result = Result()
-    stats = Stats(t.dtype, full=False)
+    stats = values.check(t.dtype)
     hasher = hashlib.sha256() if digest else None
     ordered = True
     try:
@@ -329,7 +338,15 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
                 compare = Compare(p, ckpt, other, reader_b, read)
             return scan_tensor(scanner, t, digest=t.name in want_digest, compare=compare)
 
-        results = _run(job, todo, workers)
+        # torch only where a value check or a comparison after a cast needs it: importing it
+        # costs more than checking gigabytes.
+        casts = any(p.cast is not None for p in comparisons.values())
+        torch = casts or any(values.needs_torch(t.dtype) for t in todo)
+        # Largest first, so that no thread is left with a big tensor at the end; object
+        # storage reads ahead in stored order, which the jobs then keep.
+        order = (todo if getattr(reader.store, "plan_reads", None) is not None
+                 else sorted(todo, key=lambda t: -t.nbytes))
+        results = _run(job, order, workers, torch=torch)
         problems = [p for t in todo for p in results[t.name].problems]
         rest = scanner.other_checksums()
         problems += rest.problems
@@ -358,11 +375,12 @@ def _object_problems(ckpt: Checkpoint, reader: Reader) -> list[Problem]:
     return problems
 
 
-def _run(job: Callable[[TensorView], Result], todo: list[TensorView], workers: int | None
-         ) -> dict[str, Result]:
-    """``job`` on every tensor, in ``workers`` threads (tensors are independent)."""
+def _run(job: Callable[[TensorView], Result], todo: list[TensorView], workers: int | None, *,
+         torch: bool) -> dict[str, Result]:
+    """``job`` on every tensor, in ``workers`` threads (tensors are independent); with
+    ``torch``, torch held at one thread of its own."""
     n_workers = max(1, workers or default_workers())
-    with one_torch_thread():
+    with one_torch_thread() if torch else contextlib.nullcontext():
         if n_workers == 1:
             return {t.name: job(t) for t in todo}
         with ThreadPoolExecutor(max_workers=n_workers) as pool:
