@@ -36,6 +36,11 @@ except ImportError:  # the optional "fast" extra is not installed
     from zlib import crc32
 
 
+# Bytes read at a time: checked (CRC-32, values) while they are still in the CPU's caches.
+# Measured on 3 GB: 2 MB blocks took 15% less time than 16 MB ones, and than mapping the
+# files (mapped pages come cold to each check).
+READ_BLOCK = 2 << 20
+
 # Stored bytes that one tensor's payloads may hold from their records' reads (beyond it, they
 # are read again as they are streamed): memory stays bounded whatever the number of chunks.
 HELD_BYTES = 64 << 20
@@ -73,12 +78,11 @@ class Scanner:
         self._local = threading.local()
 
     def _buffer(self) -> bytearray:
-        """This thread's buffer for ranges that are read rather than mapped
-        (:func:`~ckpttool.formats.store.read_blocks`), made once: a new one per chunk costs a
-        page fault per 4 KB of it."""
+        """This thread's read buffer, made once: a new one per chunk costs a page fault per
+        4 KB of it."""
         buf: bytearray | None = getattr(self._local, "buf", None)
         if buf is None:
-            buf = self._local.buf = bytearray(BLOCK_BYTES)
+            buf = self._local.buf = bytearray(READ_BLOCK)
         return buf
 
     def path(self, file: str) -> str:
@@ -173,7 +177,7 @@ class Scanner:
         item = t.dtype.itemsize
         done = 0
         for view in read_blocks(self.reader.store, file, offset, size,
-                                memoryview(self._buffer())):
+                                memoryview(self._buffer()), mapped=False):
             n = len(view)
             self.report(n)
             result.bytes_read += n

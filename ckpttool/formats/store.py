@@ -245,19 +245,19 @@ def file_size(path: Path) -> int | None:
 MAP_MIN = 1 << 20
 
 
-def read_blocks(store: Store, name: str, offset: int, size: int, buf: memoryview
-                ) -> Iterator[memoryview]:
+def read_blocks(store: Store, name: str, offset: int, size: int, buf: memoryview, *,
+                mapped: bool = True) -> Iterator[memoryview]:
     """The ``size`` bytes at ``offset`` of ``name``, in consecutive blocks of at most
     ``len(buf)`` bytes, each valid until the next is asked for; fewer bytes in all where the
     file ends first (the caller says so, in its words).
 
     A local file's large ranges come mapped from the page cache (measured on 6 GB: copying
     them into ``buf`` with ``pread`` took 0.3-1.0 s of system time, mapping 0.1 s); anything
-    else is read into ``buf``. A mapped file cut short while it is read would end the process
-    (SIGBUS), as for any reader that maps files (safetensors, numpy.memmap); its size is
-    checked first.
+    else (or with ``mapped=False``) is read into ``buf``. A mapped file cut short while it is
+    read would end the process (SIGBUS), as for any reader that maps files (safetensors,
+    numpy.memmap); its size is checked first.
     """
-    views = getattr(store, "views", None)
+    views = getattr(store, "views", None) if mapped else None
     if views is not None and size >= MAP_MIN:
         yield from views(name, offset, size, len(buf))
         return
