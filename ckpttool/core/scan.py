@@ -58,6 +58,7 @@ class Result:
     digest: str | None = None
     equal: bool | None = None  # against: None when not compared
     bytes_read: int = 0
+    complete: bool = False  # every byte was read (CRCs may still have failed)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Pass:
     tied: list[Problem]  # against: tensors on one side only, decided once the data is read
     digests: dict[str, str]
     bytes_read: int
+    complete: set[str] = field(default_factory=set)  # tensors whose every byte was read
 
 
 class Scanner:
@@ -274,6 +276,7 @@ def scan_tensor(scanner: Scanner, t: TensorView, *, digest: bool, compare: Compa
     except InputError as e:
         result.problems.append(error("read-error", str(e), tensor=t.name))
         return result
+    result.complete = True
     if hasher is not None:
         result.digest = hasher.hexdigest()
     if compare is not None:
@@ -362,7 +365,8 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
             tied = decide_tied(ckpt, other, plan, {n: r.equal for n, r in results.items()},
                                digests, reader_b, read)
     return Pass(problems, tied, digests,
-                sum(r.bytes_read for r in results.values()) + rest.bytes_read)
+                sum(r.bytes_read for r in results.values()) + rest.bytes_read,
+                {n for n, r in results.items() if r.complete})
 
 
 def _object_problems(ckpt: Checkpoint, reader: Reader) -> list[Problem]:
