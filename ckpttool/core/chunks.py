@@ -51,6 +51,24 @@ def coverage_problem(
     return None
 
 
+def rows_tile(length: int, offsets: Sequence[int], sizes: Sequence[int]) -> bool:
+    """True if the ranges ``[offsets[i], offsets[i] + sizes[i])`` tile ``[0, length)`` exactly
+    (empty ones anywhere inside it): a tiling of row chunks, checked on columns. False says
+    only "not certainly": :func:`coverage_problem` then explains."""
+    if min(offsets, default=0) < 0 or min(sizes, default=0) < 0:
+        return False
+    pos = 0
+    for o, s in sorted(zip(offsets, sizes, strict=True)):
+        if not s:
+            if o > length:
+                return False
+        elif o != pos:
+            return False
+        else:
+            pos = o + s
+    return pos == length
+
+
 def _first_overlap(
     boxes: list[tuple[tuple[int, ...], tuple[int, ...]]],
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

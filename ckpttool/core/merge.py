@@ -9,11 +9,12 @@ so that a merge costs about what a copy costs. Torch is imported only to cast.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 from ckpttool.core import chunks as chunk_geometry
 from ckpttool.core import dtypes as dtype_policy
-from ckpttool.core import hf, namemaps, names, remote, structure, tensors, ties
+from ckpttool.core import forked, hf, namemaps, names, remote, structure, tensors, ties
 from ckpttool.core import lora as adapters
 from ckpttool.core import objects as non_tensor
 from ckpttool.core.derive import Derived, materialise
@@ -44,9 +45,9 @@ from ckpttool.core.torch_threads import default_workers, one_torch_thread, worke
 from ckpttool.errors import InputError, OutputError, UnsupportedError
 from ckpttool.formats import registry
 from ckpttool.formats import safetensors as st
-from ckpttool.formats.base import Chunk, Payload, Reader, Tensor
+from ckpttool.formats.base import Chunk, ChunkColumns, Payload, Reader, Tensor
 from ckpttool.formats.dtypes import DType
-from ckpttool.formats.store import read_blocks
+from ckpttool.formats.store import LocalStore, read_blocks
 from ckpttool.formats.torchsave import gc_paused
 
 if TYPE_CHECKING:
@@ -161,7 +162,7 @@ def execute(
         jobs += _jobs(fd, f.tensors)
         casts = casts or any(t.cast or isinstance(t.source, Derived) for t in f.tensors)
     with write_behind(fds, report) as counted:
-        _run(jobs, reader, workers=workers, casts=casts, report=counted)
+        _run(jobs, reader, workers=workers, casts=casts, report=counted, fork=True)
 
 
 def execute_share(
@@ -204,25 +205,50 @@ def execute_share(
     _run(jobs, reader, workers=workers, casts=casts, report=report)
 
 
-def _run(jobs: list[_Job], reader: Reader, *, workers: int, casts: bool, report: Progress
-         ) -> None:
+def _run(jobs: list[_Job], reader: Reader, *, workers: int, casts: bool, report: Progress,
+         fork: bool = False) -> None:
     """Run ``jobs`` in up to ``workers`` threads: largest first, or in stored order where the
-    store reads ahead (object storage)."""
+    store reads ahead (object storage). Jobs whose cost is Python per chunk (kilobyte-sized
+    chunks) run in up to ``workers`` processes instead, where ``fork`` allows
+    (:mod:`ckpttool.core.forked`)."""
     reader.open_files()  # before threads share the reader
     plan_reads = getattr(reader.store, "plan_reads", None)
     if plan_reads is None:
         jobs.sort(key=lambda j: -j.nbytes)
     else:
         jobs = _stored_order(jobs, plan_reads)
-    workers = workers_for(workers, nbytes=sum(j.nbytes for j in jobs),
+    threads = workers_for(workers, nbytes=sum(j.nbytes for j in jobs),
                           chunks=sum(len(j.chunks) for j in jobs))
+    if threads < workers and len(jobs) > 1 and fork and isinstance(reader.store, LocalStore) \
+            and forked.available(needs_torch=casts):
+        # Python per chunk: shares in processes of their own, each writing its own jobs.
+        forked.run([functools.partial(_run_share, share, reader, casts)
+                    for share in _deal(jobs, workers)], report)
+        return
+    _run_share(jobs, reader, casts, report, threading.Event(), threads)
+
+
+def _run_share(jobs: list[_Job], reader: Reader, casts: bool, report: Progress,
+               stop: threading.Event, threads: int = 1) -> None:
     if not casts:
-        _run_jobs(jobs, reader, workers, report)  # no torch at all
+        _run_jobs(jobs, reader, threads, report, stop)  # no torch at all
         return
     # Loaded once here, before the workers (who would queue on the import), with one intra-op
     # thread while they cast.
     with one_torch_thread():
-        _run_jobs(jobs, reader, workers, report)
+        _run_jobs(jobs, reader, threads, report, stop)
+
+
+def _deal(jobs: list[_Job], n: int) -> list[list[_Job]]:
+    """``jobs`` dealt into at most ``n`` shares of about as many chunks each (the cost of a
+    Python-bound merge), each in the order given."""
+    shares: list[list[_Job]] = [[] for _ in range(min(n, len(jobs)))]
+    load = [0] * len(shares)
+    for job in sorted(jobs, key=lambda j: -len(j.chunks)):
+        i = load.index(min(load))
+        shares[i].append(job)
+        load[i] += len(job.chunks)
+    return shares
 
 
 # A chunk below this many bytes is copied in a batch with others of its file...
@@ -236,26 +262,99 @@ BATCH_BYTES = 16 << 20
 class _Job:
     fd: int
     # None: a derived tensor, computed whole
-    chunks: list[tuple[OutTensor, Chunk | None]] | _Small
+    chunks: list[tuple[OutTensor, Chunk | None]] | _Small | _WindowChunks
     nbytes: int
     # A part [lo, hi) of a one-chunk job's single run, in elements (core.partition); None: all
     elements: tuple[int, int] | None = None
 
 
+class _Window(_Job):
+    """Small tensors that lie back to back in the output: made whole in memory (their chunks
+    read in the order they are stored, back-to-back records together) and written in one
+    piece. What a checkpoint of millions of kilobyte-sized chunks (mixture-of-experts) is
+    made of; the cost is then a decode per chunk, not a write."""
+
+    def __init__(self, fd: int, first: OutTensor) -> None:
+        self.tensors: list[OutTensor] = []
+        super().__init__(fd, _WindowChunks(self.tensors), 0)
+        self.begin = first.slot.begin
+        self.stored = 0  # bytes its chunks take in the source files
+
+    def fits(self, t: OutTensor, stored: int) -> bool:
+        return (t.slot.begin == self.begin + self.nbytes
+                and self.nbytes + t.slot.nbytes <= WINDOW_BYTES
+                and self.stored + stored <= WINDOW_STORED)
+
+    def add(self, t: OutTensor, stored: int) -> None:
+        self.tensors.append(t)
+        self.nbytes += t.slot.nbytes
+        self.stored += stored
+
+
+class _WindowChunks(Sequence[tuple[OutTensor, Chunk | None]]):
+    """Every ``(tensor, chunk)`` of a window, built when asked for (only for object storage's
+    read planning: the window itself reads from columns)."""
+
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: list[OutTensor]) -> None:
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return sum(len(_stored(t).chunks) for t in self.tensors)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[OutTensor, Chunk | None]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[OutTensor, Chunk | None]]: ...
+
+    def __getitem__(self, i: int | slice
+                    ) -> tuple[OutTensor, Chunk | None] | list[tuple[OutTensor, Chunk | None]]:
+        return list(self)[i]
+
+    def __iter__(self) -> Iterator[tuple[OutTensor, Chunk | None]]:
+        for t in self.tensors:
+            for c in _stored(t).chunks:
+                yield t, c
+
+
+def _stored(t: OutTensor) -> Tensor:
+    assert isinstance(t.source, Tensor)
+    return t.source
+
+
+# A tensor below this many bytes (stored and written) goes in a window of others; a window
+# holds at most this many bytes of output, and of stored chunks (records with headers).
+WINDOW_TENSOR = 1 << 20
+WINDOW_BYTES = 16 << 20
+WINDOW_STORED = 32 << 20
+
+
 def _jobs(fd: int, tensors: tuple[OutTensor, ...]) -> list[_Job]:
-    """A job per large chunk or derived tensor, and batches of small chunks, for one output
-    file. Small chunks are batched in the order their bytes lie in the source files, so that
-    a batch reads back-to-back records together (:meth:`Reader.payloads`); every chunk's
-    place in the output is known, so the order of writes does not matter."""
-    jobs = []
+    """A window of small tensors, a job per large chunk or derived tensor, and batches of
+    the small chunks of large tensors, for one output file. Small chunks are batched in the
+    order their bytes lie in the source files, so that a batch reads back-to-back records
+    together (:meth:`Reader.payloads`); every chunk's place in the output is known, so the
+    order of writes does not matter."""
+    jobs: list[_Job] = []
     # (place in the source files, bytes, tensor, chunk number): a small chunk's Chunk is built
     # again when it is copied, so that a merge of a million chunks holds no Chunk objects.
     small: list[tuple[int, int, OutTensor, int]] = []
     file_ids: dict[str, int] = {}
+    window: _Window | None = None
     for t in tensors:
         if isinstance(t.source, Derived):
             jobs.append(_Job(fd, [(t, None)], t.slot.nbytes))
             continue
+        if max(t.slot.nbytes, t.source.nbytes) < WINDOW_TENSOR:
+            stored = t.source.stored_bytes
+            if stored <= WINDOW_STORED:
+                if window is None or not window.fits(t, stored):
+                    window = _Window(fd, t)
+                    jobs.append(window)
+                window.add(t, stored)
+                continue
         item = t.source.dtype.itemsize
         for k, c in enumerate(t.source.chunks):
             n = c.numel * item
@@ -318,8 +417,8 @@ def _stored_order(jobs: list[_Job], plan_reads: Callable[[list[tuple[str, int, i
     return jobs
 
 
-def _run_jobs(jobs: list[_Job], reader: Reader, workers: int, report: Progress) -> None:
-    stop = threading.Event()
+def _run_jobs(jobs: list[_Job], reader: Reader, workers: int, report: Progress,
+              stop: threading.Event) -> None:
     # Large writes into one output file take turns (local sources; object storage waits on the
     # network, not on the file): the kernel serialises writes to a file on its inode lock, and
     # a thread waiting there spins on a CPU that a cast could use (measured: two threads
@@ -328,6 +427,9 @@ def _run_jobs(jobs: list[_Job], reader: Reader, workers: int, report: Progress) 
     locks = {j.fd: threading.Lock() for j in jobs} if local and workers > 1 else {}
 
     def run(job: _Job) -> None:
+        if isinstance(job, _Window):
+            _write_window(reader, job, report, stop)
+            return
         if len(job.chunks) > 1:
             _write_batch(reader, job, report, stop)
             return
@@ -341,6 +443,8 @@ def _run_jobs(jobs: list[_Job], reader: Reader, workers: int, report: Progress) 
     if workers <= 1:
         try:
             for job in jobs:
+                if stop.is_set():
+                    return
                 run(job)
         finally:
             _scratch.__dict__.clear()  # this thread goes on: give its buffers back
@@ -388,6 +492,53 @@ def _write_batch(reader: Reader, job: _Job, report: Progress, stop: threading.Ev
             pwrite_all(job.fd, data[at : at + n], t.slot.begin + first * t.dtype.itemsize)
         done += c.numel * t.dtype.itemsize
     report(done)
+
+
+def _write_window(reader: Reader, job: _Window, report: Progress, stop: threading.Event
+                  ) -> None:
+    """The window's tensors made whole in memory, then written at once. Chunks are decoded in
+    the order they are stored; a chunk that is one run of its tensor (Shard(0), whole) and
+    came with its record is copied from memory, any other is read in C order and placed run
+    by run. A tensor to cast is made whole in its own dtype first."""
+    out = bytearray(job.nbytes)
+    view = memoryview(out)
+    # Per tensor: where its elements go (the window, or a buffer in its own dtype to cast).
+    targets: list[memoryview] = []
+    # Per tensor, the first element of each chunk when every chunk is rows (Shard(0)).
+    firsts: list[list[int] | None] = []
+    entries = [_stored(t) for t in job.tensors]
+    for t, entry in zip(job.tensors, entries, strict=True):
+        at = t.slot.begin - job.begin
+        targets.append(memoryview(bytearray(entry.nbytes)) if t.cast
+                       else view[at : at + t.slot.nbytes])
+        split = entry.chunks.rows(entry.shape) if isinstance(entry.chunks, ChunkColumns) \
+            else None
+        firsts.append(None if split is None or not entry.shape[0] else
+                      [o * (entry.numel // entry.shape[0]) for o in split[0]])
+    for i, k, c, p in tensors.in_stored_order(reader, entries, empty=False):
+        if stop.is_set():
+            return
+        entry, target, row_firsts = entries[i], targets[i], firsts[i]
+        item = entry.dtype.itemsize
+        data, start = p.data, p.start
+        first = None if data is None or start is None else row_firsts[k] \
+            if row_firsts is not None \
+            else chunk_geometry.single_run_start(entry.shape, c.offsets, c.sizes)
+        if first is not None:
+            assert data is not None and start is not None
+            at = start - p.storage_offset
+            n = c.numel * item
+            target[first * item : first * item + n] = data[at : at + n]
+            continue
+        whole = memoryview(reader.read_chunk(entry, c))  # strided, compressed: in C order
+        for src, dst, n in chunk_geometry.runs(entry.shape, c.offsets, c.sizes):
+            target[dst * item : (dst + n) * item] = whole[src * item : (src + n) * item]
+    for t, target in zip(job.tensors, targets, strict=True):
+        if t.cast:
+            at = t.slot.begin - job.begin
+            view[at : at + t.slot.nbytes] = _cast_bytes(target, t)
+    pwrite_all(job.fd, view, job.begin)
+    report(job.nbytes)
 
 
 def _write_chunk(reader: Reader, dst: int, t: OutTensor, c: Chunk, report: Progress,

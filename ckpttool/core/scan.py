@@ -10,31 +10,35 @@ archive's pickle) comes from the reader's ``other_checksums``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import threading
 from collections.abc import Callable, Generator, Iterator, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 from ckpttool.core import chunks as chunk_geometry
-from ckpttool.core import objects, tensors, values
+from ckpttool.core import forked, objects, tensors, values
 from ckpttool.core.against import AgainstPlan, Compare, decide_tied
 from ckpttool.core.discover import Checkpoint, TensorView, open_reader
 from ckpttool.core.report import Progress
 from ckpttool.core.tensors import BLOCK_BYTES
 from ckpttool.core.torch_threads import default_workers, one_torch_thread, workers_for
 from ckpttool.errors import InputError, UnreadableError
-from ckpttool.formats.base import Checksummed, Chunk, Payload, Problem, Reader, error, warning
-from ckpttool.formats.store import read_blocks
+from ckpttool.formats.base import (
+    Checksummed,
+    Chunk,
+    ChunkColumns,
+    Payload,
+    Problem,
+    Reader,
+    error,
+    warning,
+)
+from ckpttool.formats.crc import crc32
+from ckpttool.formats.store import LocalStore, read_blocks
 from ckpttool.formats.torchsave import gc_paused
-
-try:
-    # CRC-32 at memory speed: zlib-ng's is 5-6x the standard zlib's here (18 vs 3.2 GB/s on
-    # 64 MB, 72 vs 232 ns per 64-byte record entry); the same function otherwise.
-    from zlib_ng.zlib_ng import crc32
-except ImportError:  # the optional "fast" extra is not installed
-    from zlib import crc32
-
 
 # Bytes read at a time: checked (CRC-32, values) while they are still in the CPU's caches.
 # Measured on 3 GB: 2 MB blocks took 15% less time than 16 MB ones, and than mapping the
@@ -59,6 +63,15 @@ class Result:
     equal: bool | None = None  # against: None when not compared
     bytes_read: int = 0
     complete: bool = False  # every byte was read (CRCs may still have failed)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"problems": [p.to_json() for p in self.problems], "digest": self.digest,
+                "equal": self.equal, "bytes_read": self.bytes_read, "complete": self.complete}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Result:
+        return cls([Problem.from_json(p) for p in doc["problems"]], doc["digest"],
+                   doc["equal"], doc["bytes_read"], doc["complete"])
 
 
 @dataclass
@@ -90,15 +103,26 @@ class Scanner:
     def path(self, file: str) -> str:
         return str(self.reader.store.path(file))
 
-    def stream(self, t: TensorView, result: Result) -> Iterator[tuple[int | None, memoryview]]:
+    def stream(self, t: TensorView, result: Result, given: list[Payload] | None = None
+               ) -> Iterator[tuple[int | None, memoryview]]:
         """``(first element, bytes)`` blocks; the first element is None when the chunks do
-        not give the tensor in C order (a column split, a strided view)."""
+        not give the tensor in C order (a column split, a strided view).
+
+        Args:
+            given: every chunk's payload, decoded already with others (:func:`scan_group`).
+        """
         tensor = t.tensor
+        if given is not None:
+            made = self._rows_in_memory(t, given, result)
+            if made is not None:
+                yield 0, made
+                return
         decoded: list[tuple[Chunk, Payload]] = []
         damaged: set[Chunk] = set()  # compressed chunks whose CRCs already failed
         held = 0  # bytes of stored data the payloads hold (read with their records)
         chunks = tensor.chunks
-        payloads = self.reader.payloads([(tensor, c) for c in chunks], checksums=True)
+        payloads = iter(given) if given is not None else self.reader.payloads(
+            [(tensor, c) for c in chunks], checksums=True)
         for c in chunks:
             try:
                 p = next(payloads)
@@ -109,6 +133,9 @@ class Scanner:
                 found = len(result.problems)
                 for side in p.side:
                     self._check(side, t.name, result)
+                if p.checked:
+                    self.report(p.checked)
+                    result.bytes_read += p.checked
                 if p.compression is not None and len(result.problems) > found:
                     damaged.add(c)
             except InputError as e:
@@ -169,6 +196,40 @@ class Scanner:
                 what = "its bytes" if whole else f"chunk at offsets {list(c.offsets)}"
                 result.problems.append(self._crc_problem(p.file, p.storage_offset, t.name,
                                                          crc or 0, p.crc32, what))
+
+    def _rows_in_memory(self, t: TensorView, given: list[Payload], result: Result
+                        ) -> memoryview | None:
+        """A small tensor of row chunks (Shard(0)) whose stored bytes all came with their
+        records: checked and made whole from memory, chunk by chunk on columns (nothing per
+        chunk is built unless one is damaged). None where that does not apply."""
+        tensor = t.tensor
+        chunks = tensor.chunks
+        split = chunks.rows(tensor.shape) if isinstance(chunks, ChunkColumns) else None
+        if split is None or any(p.data is None or p.start is None or p.compression is not None
+                                for p in given):
+            return None
+        item = tensor.dtype.itemsize
+        row = item * (tensor.numel // tensor.shape[0]) if tensor.shape[0] else 0
+        out = bytearray(tensor.nbytes)
+        whole = len(chunks) == 1 and not self.reader.info.sharded
+        nbytes = 0
+        for k, (first, rows, p) in enumerate(zip(*split, given, strict=True)):
+            data = p.data
+            assert data is not None and p.start is not None
+            for side in p.side:
+                self._check(side, t.name, result)
+            if p.crc32 is not None:
+                crc = crc32(data)
+                if crc != p.crc32:
+                    what = "its bytes" if whole else f"chunk at offsets {list(chunks[k].offsets)}"
+                    result.problems.append(self._crc_problem(p.file, p.storage_offset, t.name,
+                                                             crc, p.crc32, what))
+            at = p.start - p.storage_offset
+            out[first * row : (first + rows) * row] = data[at : at + rows * row]
+            nbytes += len(data) + p.checked
+        self.report(nbytes)
+        result.bytes_read += nbytes
+        return memoryview(out)
 
     def _range(self, file: str, offset: int, size: int, first: int, length: int,
                start: int | None, t: TensorView, result: Result, crc: int | None
@@ -244,16 +305,20 @@ def crc32_of(reader: Reader, file: str, offset: int, size: int, *, block: int = 
     return crc
 
 
-def scan_tensor(scanner: Scanner, t: TensorView, *, digest: bool, compare: Compare | None
-                ) -> Result:
+def scan_tensor(scanner: Scanner, t: TensorView, *, digest: bool, compare: Compare | None,
+                given: list[Payload] | None = None) -> Result:
     """One tensor: CRCs and values from a single read; a second read in C order only when the
-    layout is not (a Shard(1) tensor) and a digest or a comparison needs order."""
+    layout is not (a Shard(1) tensor) and a digest or a comparison needs order.
+
+    Args:
+        given: its chunks' payloads, decoded already (:func:`scan_group`).
+    """
     result = Result()
     stats = values.check(t.dtype)
     hasher = hashlib.sha256() if digest else None
     ordered = True
     try:
-        for start, data in scanner.stream(t, result):
+        for start, data in scanner.stream(t, result, given):
             stats.update(data)
             if start is None:
                 ordered = False
@@ -297,6 +362,48 @@ def scan_tensor(scanner: Scanner, t: TensorView, *, digest: bool, compare: Compa
     return result
 
 
+# A tensor below this many bytes is read in a group of others, of at most this many stored
+# bytes: their chunks decoded in stored order (a read per span of records, not per chunk).
+GROUP_TENSOR = 1 << 20
+GROUP_STORED = 32 << 20
+
+
+def groups(todo: list[TensorView]) -> list[list[TensorView]]:
+    """``todo`` cut into jobs: runs of small tensors (in stored order, which keeps a group's
+    records together), and every other tensor alone."""
+    out: list[list[TensorView]] = []
+    stored = 0
+    group: list[TensorView] | None = None
+    for t in todo:
+        n = t.tensor.stored_bytes if t.nbytes < GROUP_TENSOR else GROUP_STORED + 1
+        if n > GROUP_STORED:
+            out.append([t])
+            continue
+        if group is None or stored + n > GROUP_STORED:
+            group, stored = [], 0
+            out.append(group)
+        group.append(t)
+        stored += n
+    return out
+
+
+def scan_group(scanner: Scanner, group: list[TensorView], job: Callable[
+        [TensorView, list[Payload] | None], Result]) -> list[Result]:
+    """``job`` on each tensor of ``group``, their chunks decoded together first (each
+    tensor decodes its own when one of them is damaged: that path says where)."""
+    given: list[list[Payload | None]] | None = None
+    if len(group) > 1:
+        given = [[None] * len(t.tensor.chunks) for t in group]
+        try:
+            for i, k, _, p in tensors.in_stored_order(scanner.reader,
+                                                      [t.tensor for t in group], checksums=True):
+                given[i][k] = p
+        except InputError:
+            given = None
+    return [job(t, cast("list[Payload]", given[i]) if given is not None else None)
+            for i, t in enumerate(group)]
+
+
 def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | None,
               want_digest: set[str], workers: int | None, read: Progress, *,
               skip: set[str], skip_b: Set[str] = frozenset(), follow_links: bool = False
@@ -313,8 +420,7 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
     # By stored name: the plan may name A's tensors inside one part (core.discover.select).
     comparisons = {p.a.stored_name: p for p in (plan.pairs if plan else ())
                    if p.b.stored_name not in skip_b}
-    workers = workers_for(workers or default_workers(), nbytes=sum(t.nbytes for t in todo),
-                          chunks=sum(len(t.tensor.chunks) for t in todo))
+    workers = workers or default_workers()
     with contextlib.ExitStack() as stack:
         stack.enter_context(gc_paused())  # millions of live chunk objects, none garbage
         reader = stack.enter_context(open_reader(ckpt, follow_links=follow_links))
@@ -338,12 +444,13 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
                             for c in t.tensor.chunks])
         scanner = Scanner(reader, read)
 
-        def job(t: TensorView) -> Result:
+        def job(t: TensorView, given: list[Payload] | None) -> Result:
             p = comparisons.get(t.stored_name)
             compare = None
             if p is not None and reader_b is not None and other is not None:
                 compare = Compare(p, ckpt, other, reader_b, read)
-            return scan_tensor(scanner, t, digest=t.name in want_digest, compare=compare)
+            return scan_tensor(scanner, t, digest=t.name in want_digest, compare=compare,
+                               given=given)
 
         # torch only where a value check or a comparison after a cast needs it: importing it
         # costs more than checking gigabytes.
@@ -351,9 +458,13 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
         torch = casts or any(values.needs_torch(t.dtype) for t in todo)
         # Largest first, so that no thread is left with a big tensor at the end; object
         # storage reads ahead in stored order, which the jobs then keep.
-        order = (todo if getattr(reader.store, "plan_reads", None) is not None
-                 else sorted(todo, key=lambda t: -t.nbytes))
-        results = _run(job, order, workers, torch=torch)
+        jobs = groups(todo)
+        if getattr(reader.store, "plan_reads", None) is None:
+            jobs.sort(key=lambda g: -sum(t.nbytes for t in g))
+        results = _run(lambda group: scan_group(scanner, group, job), jobs, workers,
+                       fork=all(isinstance(r.store, LocalStore) for r in (reader, reader_b)
+                                if r is not None),
+                       report=read, scanner=scanner, torch=torch)
         problems = [p for t in todo for p in results[t.name].problems]
         rest = scanner.other_checksums()
         problems += rest.problems
@@ -383,13 +494,50 @@ def _object_problems(ckpt: Checkpoint, reader: Reader) -> list[Problem]:
     return problems
 
 
-def _run(job: Callable[[TensorView], Result], todo: list[TensorView], workers: int | None, *,
-         torch: bool) -> dict[str, Result]:
-    """``job`` on every tensor, in ``workers`` threads (tensors are independent); with
-    ``torch``, torch held at one thread of its own."""
-    n_workers = max(1, workers or default_workers())
+def _run(job: Callable[[list[TensorView]], list[Result]], todo: list[list[TensorView]],
+         workers: int, *, fork: bool, report: Progress, scanner: Scanner, torch: bool
+         ) -> dict[str, Result]:
+    """``job`` on every group of tensors, in ``workers`` threads (they are independent); or,
+    where the work is Python per chunk (kilobyte-sized chunks), in up to ``workers`` forked
+    processes (:mod:`ckpttool.core.forked`), each sending its results back. With ``torch``
+    (value checks or comparisons that need it), torch held at one thread of its own."""
+    chunks = sum(len(t.tensor.chunks) for g in todo for t in g)
+    threads = workers_for(workers, nbytes=sum(t.nbytes for g in todo for t in g), chunks=chunks)
+    if threads < workers and len(todo) > 1 and fork and forked.available(needs_torch=torch):
+        shares = _deal(todo, workers)
+
+        def share(groups: list[list[TensorView]], progress: Progress, stop: threading.Event
+                  ) -> dict[str, Any]:
+            scanner.report = progress  # this process's own scanner (a forked copy)
+            done: dict[str, Any] = {}
+            with one_torch_thread() if torch else contextlib.nullcontext():
+                for g in groups:
+                    if stop.is_set():
+                        break
+                    done.update((t.name, r.to_json()) for t, r in zip(g, job(g), strict=True))
+            return done
+
+        parent = scanner.report
+        try:
+            found = forked.run([functools.partial(share, s) for s in shares], report)
+        finally:
+            scanner.report = parent
+        return {name: Result.from_json(doc) for part in found for name, doc in part.items()}
     with one_torch_thread() if torch else contextlib.nullcontext():
-        if n_workers == 1:
-            return {t.name: job(t) for t in todo}
-        with ThreadPoolExecutor(max_workers=n_workers) as pool:
-            return {t.name: r for t, r in zip(todo, pool.map(job, todo), strict=True)}
+        if threads == 1:
+            done = list(map(job, todo))
+        else:
+            with ThreadPoolExecutor(max_workers=threads) as pool:
+                done = list(pool.map(job, todo))
+    return {t.name: r for g, rs in zip(todo, done, strict=True) for t, r in zip(g, rs, strict=True)}
+
+
+def _deal(todo: list[list[TensorView]], n: int) -> list[list[list[TensorView]]]:
+    """Groups dealt into at most ``n`` shares of about as many chunks each."""
+    shares: list[list[list[TensorView]]] = [[] for _ in range(min(n, len(todo)))]
+    load = [0] * len(shares)
+    for g in sorted(todo, key=lambda g: -sum(len(t.tensor.chunks) for t in g)):
+        i = load.index(min(load))
+        shares[i].append(g)
+        load[i] += sum(len(t.tensor.chunks) for t in g)
+    return shares

@@ -9,10 +9,11 @@ its metadata (``CheckpointInfo.problems``: a safetensors index that disagrees wi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from ckpttool.core import chunks as chunk_geometry
 from ckpttool.errors import InputError
-from ckpttool.formats.base import CheckpointInfo, Chunk, Problem, error, warning
+from ckpttool.formats.base import CheckpointInfo, Chunk, ChunkColumns, Problem, error, warning
 from ckpttool.formats.store import missing_message
 
 
@@ -28,18 +29,17 @@ def check(info: CheckpointInfo, canonical: Mapping[str, str],
     problems = list(info.problems)
     sizes = {f.name: f.size for f in info.files}
     bad_files: set[str] = set()  # missing, or shorter than what the metadata places in them
-    for file, ends in sorted(info.extents().items()):
+    for file, placed in sorted(_placed(info).items()):
         size = sizes.get(file)
         path = info.base / file
         if size is None:
             bad_files.add(file)
             problems.append(error("missing-file", missing_message(
-                path, info.metadata_name, f"{len(ends)} entries, e.g. {ends[0][1]}"), file=file))
-            continue
-        beyond = [e for e in ends if e[0] > size]
-        if beyond:
+                path, info.metadata_name, f"{placed.count} entries, e.g. {placed.first}"),
+                file=file))
+        elif placed.last[0] > size:
             bad_files.add(file)
-            end, what = max(beyond)
+            end, what = placed.last
             problems.append(error(
                 "truncated-file", f"{path}: truncated: {info.metadata_name} places {what} up to "
                 f"byte {end} but the file has {size} bytes; copy the checkpoint again",
@@ -69,7 +69,48 @@ def raise_first(problems: list[Problem]) -> None:
             raise InputError(p.message)
 
 
+@dataclass
+class _Placed:
+    """What the metadata places in one data file: how many entries, the first, and the
+    (end byte, what) of the one that ends last."""
+
+    count: int
+    first: str
+    last: tuple[int, str]
+
+
+def _placed(info: CheckpointInfo) -> dict[str, _Placed]:
+    """Per data file, what the metadata places in it: from a tensor's columns where it has
+    them (nothing per chunk is built), else from its chunks."""
+    out: dict[str, _Placed] = {}
+
+    def add(file: str, count: int, end: int, what: str) -> None:
+        p = out.get(file)
+        if p is None:
+            out[file] = _Placed(count, what, (end, what))
+        else:
+            p.count += count
+            p.last = max(p.last, (end, what))
+
+    for t in info.tensors:
+        what = f"tensor '{t.name}'"
+        if isinstance(t.chunks, ChunkColumns):
+            for file, (count, end) in t.chunks.placed().items():
+                add(file, count, end, what)
+        else:
+            for c in t.chunks:
+                add(c.file, 1, c.end, what)
+    for o in info.objects:
+        if o.file is not None:
+            add(o.file, 1, o.offset + o.length, f"entry '{o.name}'")
+    return out
+
+
 def _coverage(shape: tuple[int, ...], chunks: Sequence[Chunk]) -> str | None:
+    if isinstance(chunks, ChunkColumns):
+        rows = chunks.rows(shape)
+        if rows is not None and chunk_geometry.rows_tile(shape[0], *rows):
+            return None  # row chunks that tile it, seen on columns
     return chunk_geometry.coverage_problem(shape, [(c.offsets, c.sizes) for c in chunks])
 
 

@@ -21,6 +21,7 @@ Nothing here names a format.
 from __future__ import annotations
 
 import math
+import operator
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,11 @@ class Problem:
     def to_json(self) -> dict[str, Any]:
         return {"severity": self.severity, "code": self.code, "message": self.message,
                 "location": self.location.to_json()}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Problem:
+        """What :meth:`to_json` gave (from a worker process of our own)."""
+        return cls(doc["severity"], doc["code"], doc["message"], Location(**doc["location"]))
 
 
 def error(code: str, message: str, **where: Any) -> Problem:
@@ -179,13 +185,64 @@ class ChunkColumns(Sequence[Chunk]):
 
     def boxes(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
         """``(offsets, sizes)`` of every chunk (without building the chunks)."""
-        b, nd = self.table.boxes, self.ndim
-        at = self.box
-        out = []
-        for _ in range(self.num_chunks):
-            out.append((tuple(b[at : at + nd]), tuple(b[at + nd : at + 2 * nd])))
-            at += 2 * nd
-        return tuple(out)
+        nd = self.ndim
+        if not nd:
+            return (((), ()),) * self.num_chunks
+        offsets = zip(*(self.column(k) for k in range(nd)), strict=True)
+        sizes = zip(*(self.column(nd + k) for k in range(nd)), strict=True)
+        return tuple(zip(offsets, sizes, strict=True))
+
+    def column(self, k: int) -> array[int]:
+        """Entry ``k`` of every chunk's box, its offsets then its sizes: ``column(d)`` is each
+        chunk's offset along dimension ``d``, ``column(ndim + d)`` its size there (one strided
+        copy, nothing per chunk built)."""
+        if not 0 <= k < 2 * self.ndim:
+            raise IndexError(k)
+        step = 2 * self.ndim
+        start = self.box + k
+        return self.table.boxes[start : start + step * self.num_chunks : step]
+
+    def rows(self, shape: tuple[int, ...]) -> tuple[array[int], array[int]] | None:
+        """Dimension 0's offsets and sizes of every chunk, when every chunk spans every other
+        dimension of ``shape`` whole (what ``Shard(0)`` gives): what a tiling check needs,
+        without building the chunks. None otherwise (and for 0-dim tensors)."""
+        nd, n = self.ndim, self.num_chunks
+        if nd != len(shape) or not nd:
+            return None
+        step = 2 * nd
+        b = self.table.boxes[self.box : self.box + step * n]
+        for d in range(1, nd):
+            if b[d::step].count(0) != n or b[nd + d :: step].count(shape[d]) != n:
+                return None
+        return b[0::step], b[nd::step]
+
+    def placed(self) -> dict[str, tuple[int, int]]:
+        """Per data file: how many of the chunks lie in it, and the end byte of the one that
+        ends last (without building the chunks)."""
+        t = self.table
+        count: dict[int, int] = {}
+        last: dict[int, int] = {}
+        lo, hi = self.first, self.first + self.num_chunks
+        for f, end in zip(t.file[lo:hi], map(operator.add, t.offset[lo:hi], t.length[lo:hi]),
+                          strict=True):
+            count[f] = count.get(f, 0) + 1
+            if end > last.get(f, -1):
+                last[f] = end
+        return {t.names[f]: (n, last[f]) for f, n in count.items()}
+
+    def numels(self) -> list[int]:
+        """Elements of every chunk (without building the chunks)."""
+        nd, n = self.ndim, self.num_chunks
+        b = self.table.boxes
+        at = self.box + nd
+        if nd == 1:
+            return list(b[at : at + 2 * n : 2])
+        return [math.prod(b[at + 2 * nd * k : at + 2 * nd * k + nd]) for k in range(n)]
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes the chunks take where they are stored."""
+        return sum(self.table.length[self.first : self.first + self.num_chunks])
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -212,6 +269,13 @@ class Tensor:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes its chunks take where they are stored (records with their headers)."""
+        if isinstance(self.chunks, ChunkColumns):
+            return self.chunks.stored_bytes
+        return sum(c.length for c in self.chunks)
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -276,18 +340,6 @@ class CheckpointInfo:
         """The directory that file names are relative to."""
         return self.root if self.root.is_dir() else self.root.parent
 
-    def extents(self) -> dict[str, list[tuple[int, str]]]:
-        """Per data file: (end byte, what) of every entry the metadata places in it."""
-        out: dict[str, list[tuple[int, str]]] = {}
-        for t in self.tensors:
-            what = f"tensor '{t.name}'"  # one string per tensor, not per chunk
-            for c in t.chunks:
-                out.setdefault(c.file, []).append((c.end, what))
-        for o in self.objects:
-            if o.file is not None:
-                out.setdefault(o.file, []).append((o.offset + o.length, f"entry '{o.name}'"))
-        return out
-
 
 # --------------------------------------------------------------------------------------------
 # Reading bytes
@@ -317,6 +369,9 @@ class Payload:
     stride: tuple[int, ...] = ()  # strided views: element strides and offset in the storage
     view_offset: int = 0
     side: tuple[Checksummed, ...] = ()  # the record's other checksummed entries (headers)
+    # Bytes of those entries whose CRC-32s the format checked already, while decoding (they
+    # are then not in ``side``): a checkpoint of millions of records checks them in C.
+    checked: int = 0
     # The stored bytes at ``storage_offset`` are compressed ("zstd"): the elements are reached
     # only through ``Reader.read_chunk``, which decompresses one record at a time (``start``
     # is None); ``side`` then holds the decompressed entries with their CRC-32s.
@@ -386,7 +441,9 @@ class Reader:
         per-chunk state (formats make a repeated decode cheap instead).
 
         Args:
-            checksums: fill ``Payload.side`` (what ``verify`` checks besides the elements).
+            checksums: fill ``Payload.side`` (what ``verify`` checks besides the elements);
+                without it, ``Payload.crc32`` may be None where a format would have to
+                decode it (a copy needs no CRC).
 
         Raises:
             InputError: the stored piece is truncated, corrupt or not what was promised.

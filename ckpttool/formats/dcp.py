@@ -77,6 +77,7 @@ from ckpttool.formats.base import (
     UnreadableObject,
     error,
 )
+from ckpttool.formats.crc import crc32
 from ckpttool.formats.dtypes import DType
 from ckpttool.formats.store import file_size, pread_of
 
@@ -865,39 +866,78 @@ class _Template:
         masks += [e.descriptor for e in rec.entries if e.descriptor[1]]
         masks += [(e.data_offset, e.size) for e in rec.entries
                   if e.name not in ("data.pkl", "byteorder")]
-        segments = []
+        spans = []  # in record coordinates; the storage's data is masked, so none spans it
         pos = 0
         for start, size in sorted(masks):
             if start > pos:
-                segments.append(slice(in_raw(pos), in_raw(start)))
+                spans.append((pos, start))
             pos = max(pos, start + size)
         if pos < length:
-            segments.append(slice(in_raw(pos), in_raw(length)))
+            spans.append((pos, length))
+        segments = [slice(in_raw(a), in_raw(b)) for a, b in spans]
         self._compared = operator.itemgetter(*segments) if segments else (lambda raw: ())
         self._expected = self._compared(raw)
         self._size = len(raw)
+        self.length = length
+        # The same comparison on the whole record (read with others: no copy of its parts).
+        self._compared_whole = (operator.itemgetter(*(slice(a, b) for a, b in spans))
+                                if spans else (lambda whole: ()))
         # Every entry's CRC-32 as the central directory records it, in one unpack: the
         # storage's first, then the others (what verify checks besides the elements), whose
         # bytes are in ``raw`` already.
         self.side = tuple(e for e in rec.entries if e is not data)
         self.side_slices = tuple(slice(in_raw(e.data_offset), in_raw(e.data_offset) + e.size)
                                  for e in self.side)
-        fields = [in_raw(e.crc_fields[0]) for e in (data, *self.side)]
+        self.side_whole = tuple(slice(e.data_offset, e.data_offset + e.size)
+                                for e in self.side)
+        self._sides = operator.itemgetter(*self.side_whole) if len(self.side) > 1 else (
+            lambda whole: tuple(whole[s] for s in self.side_whole))
+        self.side_bytes = sum(e.size for e in self.side)
+        # Where the elements start in the stored bytes (None: a strided view).
+        self.start = rec.storage_offset * rec.dtype.itemsize if rec.is_contiguous else None
+        fields = [e.crc_fields[0] for e in (data, *self.side)]
         order = sorted(range(len(fields)), key=fields.__getitem__)
+        self._crcs = self._fields([in_raw(f) for f in fields], order)
+        self._crcs_whole = self._fields(fields, order)
+        self._order = order
+
+    @staticmethod
+    def _fields(fields: list[int], order: list[int]) -> struct.Struct:
         fmt, pos = "<", 0
         for i in order:
             fmt += f"{fields[i] - pos}xI"
             pos = fields[i] + 4
-        self._crcs = struct.Struct(fmt)
-        self._order = order
+        return struct.Struct(fmt)
 
-    def crcs(self, raw: bytes) -> list[int]:
-        """The CRC-32 of the storage entry, then of each ``side`` entry."""
-        values = self._crcs.unpack_from(raw)
+    def crcs(self, raw: bytes, *, whole: bool = False) -> list[int]:
+        """The CRC-32 of the storage entry, then of each ``side`` entry (from the record
+        without its storage's data, or from the ``whole`` record)."""
+        values = (self._crcs_whole if whole else self._crcs).unpack_from(raw)
         out = [0] * len(values)
         for value, i in zip(values, self._order, strict=True):
             out[i] = value
         return out
+
+    def decode_whole(self, chunk: Chunk, whole: bytes, checksums: bool) -> Payload | None:
+        """The payload of ``chunk``, whose ``whole`` record was read already, if the record
+        matches this template; None if it does not (then it is decoded in full). With
+        ``checksums``, the other entries' CRC-32s are checked here, in C (``checked``), and
+        handed on in ``side`` only when one fails."""
+        if len(whole) != self.length or self._compared_whole(whole) != self._expected:
+            return None
+        rec = self.rec
+        at = chunk.offset + rec.data_offset
+        stored = memoryview(whole)[self.head : self.data_end]
+        start = at + self.start if self.start is not None else None
+        if not checksums:
+            return Payload(chunk.file, at, rec.data_size, None, start, rec.stride,
+                           rec.storage_offset, data=stored)
+        crcs = self.crcs(whole, whole=True)
+        if list(map(crc32, self._sides(whole))) == crcs[1:]:
+            return Payload(chunk.file, at, rec.data_size, crcs[0], start, rec.stride,
+                           rec.storage_offset, checked=self.side_bytes, data=stored)
+        return _payload(chunk, rec, crcs[0], zip(self.side, crcs[1:], (
+            whole[s] for s in self.side_whole), strict=True), stored)
 
     def matches(self, raw: bytes) -> bool:
         return len(raw) == self._size and self._compared(raw) == self._expected
@@ -1022,18 +1062,20 @@ class DcpReader(Reader):
         key = (chunk.length, tensor.dtype.name, chunk.sizes)
         template = self._templates.get(key) if self._use_templates else None
         if template is not None:
-            if whole is None:
-                raw, whole = self._outside_data(chunk, template.head, template.data_end)
+            if whole is not None:  # read with its neighbours: compared in place
+                p = template.decode_whole(chunk, whole, checksums)
+                if p is not None:
+                    return p
             else:
-                raw = whole[:template.head] + whole[template.data_end:]
-            if template.matches(raw):
-                crcs = template.crcs(raw)
-                return _payload(chunk, template.rec, crcs[0],
-                                zip(template.side, crcs[1:],
-                                    (raw[s] for s in template.side_slices), strict=True)
-                                if checksums else (),
-                                None if whole is None
-                                else memoryview(whole)[template.head:template.data_end])
+                raw, whole = self._outside_data(chunk, template.head, template.data_end)
+                if template.matches(raw):
+                    crcs = template.crcs(raw)
+                    return _payload(chunk, template.rec, crcs[0],
+                                    zip(template.side, crcs[1:],
+                                        (raw[s] for s in template.side_slices), strict=True)
+                                    if checksums else (),
+                                    None if whole is None
+                                    else memoryview(whole)[template.head:template.data_end])
         where = self.where(chunk.file, chunk.offset, f"tensor '{tensor.name}'")
         rec = read_record(self._pread(chunk.file), offset=chunk.offset, length=chunk.length,
                           where=where)
@@ -1077,11 +1119,17 @@ class DcpReader(Reader):
                 end = c.end
                 j += 1
             span = self.store.pread(first.file, end - first.offset, first.offset)
+            templates = self._templates if self._use_templates else {}
             for t, c in items[i:j]:
                 at = c.offset - first.offset
-                # A short read (a truncated file): decoded alone, which says where it ends.
-                yield self._decode(t, c, checksums, span[at : at + c.length]
-                                   if at + c.length <= len(span) else None)
+                if at + c.length > len(span):
+                    # A short read (a truncated file): decoded alone, which says where it ends.
+                    yield self._decode(t, c, checksums)
+                    continue
+                whole = span[at : at + c.length]
+                template = templates.get((c.length, t.dtype.name, c.sizes))
+                p = template.decode_whole(c, whole, checksums) if template is not None else None
+                yield p if p is not None else self._decode(t, c, checksums, whole)
             i = j
 
     def other_checksums(self) -> tuple[list[Checksummed], list[Problem]]:

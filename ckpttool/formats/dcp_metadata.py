@@ -24,11 +24,15 @@ recursion), and memory per chunk is bounded by the columns.
 from __future__ import annotations
 
 import math
+import operator
 import re
 import struct
+import sys
 from array import array
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain, islice, repeat
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -39,7 +43,8 @@ from ckpttool.formats.dtypes import DType
 _WINDOW = 4 << 20  # bytes of the file held at a time
 _AHEAD = 1 << 18  # before a run of entries is matched, at least this much is in the window
 _MAX_NDIM = 64
-_CACHE = 1 << 16  # decoded int tuples kept by their bytes
+_CACHE = 1 << 16  # decoded ints and int tuples kept by their bytes
+_MAX_RUN = 1 << 14  # entries matched at once (torch's pickler batches 1000 per SETITEMS/APPENDS)
 
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
@@ -137,6 +142,246 @@ def _tuple_ints(blob: bytes) -> tuple[int, ...]:
     return _ints(blob[:-2])
 
 
+# --------------------------------------------------------------------------------------------
+# Columns of a run, decoded by C-level passes: a run's matches are split into columns of bytes,
+# and each column is decoded at once (a join and strided byte copies for ints of one width, a
+# dict lookup per entry for values seen before). Python code runs per entry only for bytes not
+# seen yet (``__missing__``), or not at all.
+
+# Drains an iterator in C (a map of __setitem__: a scatter).
+_consume: Callable[[Iterator[Any]], None] = deque(maxlen=0).extend
+_group1 = operator.itemgetter(1)
+_groups = re.Match.groups
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def _matches(pattern: re.Pattern[bytes], buf: bytes, pos: int) -> list[re.Match[bytes]]:
+    """Back-to-back matches of ``pattern`` from ``pos`` until one fails (at most ``_MAX_RUN``).
+
+    ``Pattern.scanner`` (CPython's sre since Python 2; no stub) anchors each match where the
+    last one ended, so the loop runs in C; elsewhere, the same loop in Python.
+    """
+    scanner = getattr(pattern, "scanner", None)
+    if scanner is not None:
+        return list(islice(iter(scanner(buf, pos).match, None), _MAX_RUN))
+    out: list[re.Match[bytes]] = []
+    while len(out) < _MAX_RUN:
+        m = pattern.match(buf, pos)
+        if m is None:
+            break
+        out.append(m)
+        pos = m.end()
+    return out
+
+
+class _Ints(dict[bytes, int]):
+    """One pickled int (BININT1/BININT2/BININT/LONG1) by its bytes, decoded when first seen."""
+
+    def __missing__(self, blob: bytes) -> int:
+        got = self[blob] = _int(blob)
+        return got
+
+
+class _Tuples(dict[bytes, tuple[int, ...]]):
+    """A pickled tuple of ints (as :func:`_tuple_of` matches it) by its bytes; negative ints are
+    not decoded (:class:`Fallback`)."""
+
+    def __missing__(self, blob: bytes) -> tuple[int, ...]:
+        got = _tuple_ints(blob)
+        if got and min(got) < 0:
+            raise Fallback("negative")
+        self[blob] = got
+        return got
+
+
+class _Boxes(dict[bytes, tuple[int, ...]]):
+    """A chunk's offsets and sizes, pickled as two ``torch.Size`` of ``ndim`` ints with the
+    bytes ``pair`` matches between them, by those bytes: the offsets, then the sizes."""
+
+    def __init__(self, pair: re.Pattern[bytes]) -> None:
+        super().__init__()
+        self.pair = pair
+
+    def __missing__(self, blob: bytes) -> tuple[int, ...]:
+        m = self.pair.match(blob)
+        if m is None:  # the run's pattern matched these bytes: cannot happen
+            raise Fallback("box")
+        got = _tuple_ints(m[1]) + _tuple_ints(m[2])
+        if got and min(got) < 0:
+            raise Fallback("negative")
+        self[blob] = got
+        return got
+
+
+class _MemoStrs(dict[bytes | int, int]):
+    """A memo GET (its bytes, or the memo index) -> the number of the memoized str it fetches,
+    numbered in ``numbers`` in the order first seen; -1 (not kept) where the memo holds no str
+    there (yet). Memo entries never change once a run was matched (a PUT then falls back), so
+    a found one stays true."""
+
+    def __init__(self, memo: dict[int, Any], numbers: dict[str, int]) -> None:
+        super().__init__()
+        self.memo = memo
+        self.numbers = numbers
+
+    def __missing__(self, key: bytes | int) -> int:
+        got = self.memo.get(key if type(key) is int else _get_index(key))  # type: ignore[arg-type]
+        if type(got) is not str:
+            return -1
+        n = self.numbers.get(got)
+        if n is None:
+            n = self.numbers[got] = len(self.numbers)
+        self[key] = n
+        return n
+
+
+def _int_column(col: Sequence[bytes], ints: _Ints) -> array[int]:
+    """The ints of ``col`` (each one pickled int), as ``array('q')``.
+
+    All of one width (the common case: a run's byte offsets, lengths, indices), the values'
+    bytes are copied out of the joined column by strided slices, in C; otherwise each is
+    looked up in ``ints``. Negative values raise :class:`Fallback`.
+    """
+    n = len(col)
+    first = col[0]
+    w = len(first)
+    op = first[0]
+    joined = b"".join(col)
+    skip, k = (2, first[1]) if op == 0x8A else (1, w - 1)
+    if (len(joined) == n * w and k <= 8 and joined[::w] == joined[:1] * n
+            and (op != 0x8A or joined[1::w] == joined[1:2] * n)):
+        # K and M are unsigned; J and LONG1 are two's complement: a top bit set is negative.
+        if op in (0x4A, 0x8A) and k and max(joined[skip + k - 1 :: w]) >= 0x80:
+            raise Fallback("negative")
+        raw = bytearray(8 * n)
+        for i in range(k):
+            raw[i::8] = joined[skip + i :: w]
+        out = array("q", raw)
+        if _BIG_ENDIAN:
+            out.byteswap()
+        return out
+    out = array("q", map(ints.__getitem__, col))
+    if min(out) < 0:
+        raise Fallback("negative")
+    return out
+
+
+# Runs of one layout. Within a run the entries usually differ in their values only: every int
+# has the same opcode (width) as in the first entry, so every entry has its size and its
+# opcodes at the same places. Then the run is checked by comparing its bytes with the first
+# entry's, value bytes blanked in both (memcmp), and each value is gathered from every entry at
+# once by strided byte slices: no object per entry at all.
+
+_MIN_LAID_OUT = 16  # fewer entries of one layout: matched one by one (widths that vary)
+_Field = tuple[int, int, bool]  # an int in an entry: offset of its bytes, their number, signed
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """One entry's bytes with its value bytes zeroed, and where the values are."""
+
+    size: int
+    blank: bytes
+    fields: tuple[_Field, ...]
+    # The bytes every entry of its kind starts with, whatever its widths: those before the
+    # first value's opcode.
+    prefix: bytes
+
+    @staticmethod
+    def of(buf: bytes, m: re.Match[bytes], groups: Sequence[tuple[int, str]]) -> _Layout:
+        """The layout of the entry ``m`` matched, from its ``groups``: (number, kind), kind
+        ``get`` (a memo GET: its index is the value), ``int`` or ``tuple`` (of ints)."""
+        start = m.start()
+        fields: list[_Field] = []
+        for g, kind in groups:
+            a, b = m.span(g)
+            if kind == "get":
+                fields.append((a + 1 - start, 1 if buf[a] == 0x68 else 4, False))
+                continue
+            if kind == "tuple":
+                if buf[a] == 0x29:  # the empty tuple
+                    continue
+                a, b = (a + 1 if buf[a] == 0x28 else a), b - 2
+            while a < b:
+                op = buf[a]
+                if op == 0x8A:
+                    k = buf[a + 1]
+                    if k > 8:
+                        raise Fallback("long")  # beyond int64
+                    fields.append((a + 2 - start, k, True))
+                    a += 2 + k
+                else:
+                    k = 1 if op == 0x4B else 2 if op == 0x4D else 4
+                    fields.append((a + 1 - start, k, op == 0x4A))
+                    a += 1 + k
+        blank = bytearray(buf[start : m.end()])
+        for at, width, _ in fields:
+            blank[at : at + width] = bytes(width)
+        prefix = bytes(blank[: max(fields[0][0] - 2, 0)] if fields else blank)
+        return _Layout(len(blank), bytes(blank), tuple(fields), prefix)
+
+    def count(self, buf: bytes, start: int, limit: int) -> int:
+        """How many entries from ``start`` have this layout (at most ``limit``, within
+        ``buf``): their bytes, value bytes blanked, are the blank entry's."""
+        size = self.size
+        n = min(limit, (len(buf) - start) // size)
+        if n <= 0:
+            return 0
+        # Where the run ends, nearly always: the first entry not starting as this one does.
+        starts = buf[start : start + n * size : size]
+        n -= len(starts.lstrip(self.blank[:1]))
+        if n <= 0:
+            return 0
+        block = bytearray(buf[start : start + n * size])
+        zeros = bytes(n)
+        for at, width, _ in self.fields:
+            for i in range(width):
+                block[at + i :: size] = zeros
+        want = self.blank * n
+        if block == want:
+            return n
+        # The first byte that differs: the highest bit of the difference, read big-endian.
+        x = int.from_bytes(block, "big") ^ int.from_bytes(want, "big")
+        return (len(block) - 1 - (x.bit_length() - 1) // 8) // size
+
+    def whole(self, buf: bytes, start: int, n: int) -> bool:
+        """``n`` entries of this layout from ``start`` are a whole run: enough of them, or not
+        followed by an entry of another layout (ints of other widths), which one by one
+        matching takes (a run whose widths keep changing is not cut into tiny ones)."""
+        return n >= _MIN_LAID_OUT or (n > 0 and not buf.startswith(self.prefix,
+                                                                     start + n * self.size))
+
+    def run(self, buf: bytes, start: int) -> int:
+        """How many entries from ``start`` have this layout, up to ``_MAX_RUN``; looked at in
+        growing blocks (a tensor's chunk list is often short)."""
+        n, limit = 0, 64
+        while n < _MAX_RUN:
+            limit = min(limit, _MAX_RUN - n)
+            got = self.count(buf, start + n * self.size, limit)
+            n += got
+            if got < limit:
+                break
+            limit *= 4
+        return n
+
+    def gather(self, buf: bytes, start: int, n: int, fields: Sequence[_Field]) -> array[int]:
+        """The values of ``fields`` in ``n`` entries from ``start``, entry by entry (each
+        entry's fields in order), as ``array('q')``; negative ones raise :class:`Fallback`."""
+        k, size = len(fields), self.size
+        raw = bytearray(8 * k * n)
+        end = start + n * size
+        for j, (at, width, signed) in enumerate(fields):
+            at += start
+            for i in range(width):
+                raw[8 * j + i :: 8 * k] = buf[at + i : end : size]
+            if signed and width and max(buf[at + width - 1 : end : size]) >= 0x80:
+                raise Fallback("negative")
+        out = array("q", raw)
+        if _BIG_ENDIAN:
+            out.byteswap()
+        return out
+
+
 class _Marker:
     """Stands on the stack for a run of entries the columns took."""
 
@@ -182,22 +427,30 @@ class _Machine:
         self.size_fn = lookup("torch", "Size")
         if None in (self.chunk_cls, self.index_cls, self.info_cls, self.size_fn):
             raise Fallback("lookup")
-        # Columns: chunk rows, and storage entries (joined with them after the walk).
+        # Columns: chunk rows, and storage entries (joined with them after the walk). A
+        # storage entry's name and file are numbers: in ``fqn_numbers``, ``names``.
         self.boxes = array("q")
         self.num_rows = 0
-        self.s_fqn: list[str] = []
+        self.s_fqn = array("i")
         self.s_index = array("q")
         self.s_offs = array("q")
-        self.s_ndim = array("B")
         self.s_file = array("i")
         self.s_begin = array("q")
         self.s_length = array("q")
+        self.s_runs: list[tuple[int, int, int, int]] = []  # (first entry, entries, ndim, offs)
         self.names: dict[str, int] = {}
+        self.fqns: dict[str, int] = {}
+        self.fqn_numbers = _MemoStrs(self.memo, self.fqns)
+        self.file_numbers = _MemoStrs(self.memo, self.names)
         self.markers: list[_Marker] = []
         self.storage_dicts: dict[int, dict[Any, Any]] = {}  # dicts storage runs went into
-        self.chunk_patterns: dict[tuple[bytes, int, int], re.Pattern[bytes]] = {}
+        self.chunk_patterns: dict[tuple[bytes, int], tuple[re.Pattern[bytes], _Boxes]] = {}
         self.storage_patterns: dict[tuple[bytes, int], re.Pattern[bytes]] = {}
-        self.decoded: dict[bytes, tuple[int, ...]] = {}  # tuples by their bytes
+        self.tuples = _Tuples()  # decoded by their bytes
+        # The layouts of the last runs laid out (and their ndim): usually the next one's.
+        self.chunk_layout: tuple[_Layout, int] | None = None
+        self.storage_layout: tuple[_Layout, int] | None = None
+        self.ints = _Ints()
 
     # -- bytes
 
@@ -227,15 +480,7 @@ class _Machine:
         return b
 
     def tuple_of(self, blob: bytes) -> tuple[int, ...]:
-        got = self.decoded.get(blob)
-        if got is None:
-            got = _tuple_ints(blob)
-            if got and min(got) < 0:
-                raise Fallback("negative")
-            if len(self.decoded) >= _CACHE:
-                self.decoded.clear()
-            self.decoded[blob] = got
-        return got
+        return self.tuples[blob]
 
     # -- runs of entries
 
@@ -247,49 +492,67 @@ class _Machine:
         """ChunkStorageMetadata entries from ``pos`` (at a GET of the class), into columns."""
         self.ahead()
         buf, p = self.buf, self.pos
+        # Most chunk lists are laid out as the last one was: no pattern needed.
+        if self.chunk_layout is not None:
+            laid, nd = self.chunk_layout
+            n = laid.run(buf, p)
+            if laid.whole(buf, p, n):
+                return self.chunk_rows(laid.gather(buf, p, n, laid.fields), n, nd,
+                                       p + n * laid.size)
         head = _CHUNK_HEAD.match(buf, p)
         if head is None:
             return None
         nd = len(self.tuple_of(head[4]))
         if len(self.tuple_of(head[7])) != nd or nd > _MAX_NDIM:
             return None
-        key = (head[1] + head[2] + head[3] + head[5] + head[6], nd, 0)
-        pat = self.chunk_patterns.get(key)
-        if pat is None:
+        key = (head[1] + head[2] + head[3] + head[5] + head[6], nd)
+        run = self.chunk_patterns.get(key)
+        if run is None:
             if not (self.memo_is(head[1], self.chunk_cls) and self.memo_is(head[2], "offsets")
                     and self.memo_is(head[3], self.size_fn) and self.memo_is(head[5], "sizes")
                     and self.memo_is(head[6], self.size_fn)):
                 return None
+            # One group from the offsets to the sizes (decoded together, by their bytes), and
+            # one for each (the layout).
             t = b"(" + _tuple_of(nd) + b")"
-            pat = re.compile(re.escape(head[1]) + _NEWOBJ + re.escape(head[2] + head[3]) + t
-                             + _REDUCED + re.escape(head[5] + head[6]) + t + _REDUCED + rb"ub",
-                             re.DOTALL)
-            self.chunk_patterns[key] = pat
-        first, box, end = self.num_rows, len(self.boxes), len(buf)
-        boxes, tuple_of, match = self.boxes, self.tuple_of, pat.match
-        n = 0
-        while p < end:
-            m = match(buf, p)
-            if m is None:
-                break
-            o, s = tuple_of(m[1]), tuple_of(m[2])
-            if len(o) != nd or len(s) != nd:
-                break
-            boxes.extend(o)
-            boxes.extend(s)
-            n += 1
-            p = m.end()
-        if not n:
+            between = _REDUCED + re.escape(head[5] + head[6])
+            pat = re.compile(re.escape(head[1]) + _NEWOBJ + re.escape(head[2] + head[3])
+                             + b"(" + t + between + t + b")" + _REDUCED + rb"ub", re.DOTALL)
+            pair = re.compile(t + between + t + rb"\Z", re.DOTALL)
+            run = self.chunk_patterns[key] = (pat, _Boxes(pair))
+        pat, decoded = run
+        m = pat.match(buf, p)
+        if m is None:
             return None
+        laid = _Layout.of(buf, m, ((2, "tuple"), (3, "tuple")))
+        n = laid.run(buf, p)
+        if laid.whole(buf, p, n):  # offsets then sizes: the rows' boxes as they are kept
+            self.chunk_layout = laid, nd
+            return self.chunk_rows(laid.gather(buf, p, n, laid.fields), n, nd,
+                                   p + n * laid.size)
+        ms = _matches(pat, buf, p)  # ints of several widths: one by one
+        got = array("q", chain.from_iterable(map(decoded.__getitem__, map(_group1, ms))))
+        if len(decoded) > _CACHE:
+            decoded.clear()
+        return self.chunk_rows(got, len(ms), nd, ms[-1].end())
+
+    def chunk_rows(self, boxes: array[int], n: int, nd: int, end: int) -> _ChunkRun:
+        run = _ChunkRun(self.num_rows, len(self.boxes), n, nd)
+        self.boxes.extend(boxes)
         self.num_rows += n
         self.num_memo += n * (2 + 2 * _size_memos(nd))
-        self.pos = p
-        return _ChunkRun(first, box, n, nd)
+        self.pos = end
+        return run
 
     def storage_run(self) -> _StorageRun | None:
         """MetadataIndex -> _StorageInfo pairs from ``pos`` (at a GET of the index class)."""
         self.ahead()
         buf, p = self.buf, self.pos
+        if self.storage_layout is not None:
+            laid, nd = self.storage_layout
+            n = laid.run(buf, p)
+            if laid.whole(buf, p, n):
+                return self.storage_rows(buf, p, laid, n, nd)
         head = _STORAGE_HEAD.match(buf, p)
         if head is None:
             return None
@@ -311,53 +574,72 @@ class _Machine:
                 + e[5] + _NEWOBJ + e[6] + b"(" + _GET + b")" + e[7] + b"(" + _INT + b")"
                 + e[8] + b"(" + _INT + b")" + rb"ub", re.DOTALL)
             self.storage_patterns[key] = pat
-        end, match, memo, names = len(buf), pat.match, self.memo, self.names
-        tuple_of = self.tuple_of
-        s_fqn, s_index, s_offs = self.s_fqn, self.s_index, self.s_offs
-        s_file, s_begin, s_length = self.s_file, self.s_begin, self.s_length
-        strings: dict[bytes, str | None] = {}  # GET bytes -> the memoized str (fixed here)
-        files: dict[bytes, int] = {}  # GET bytes of a relative path -> its file number
-        n = 0
-        while p < end:
-            m = match(buf, p)
-            if m is None:
-                break
-            g_fqn, i_index, t_offs, g_rel, i_begin, i_length = m.groups()
-            fqn = strings.get(g_fqn, _MISSING)
-            if fqn is _MISSING:
-                got = memo.get(_get_index(g_fqn))
-                fqn = strings[g_fqn] = got if type(got) is str else None
-            file = files.get(g_rel)
-            if file is None:
-                rel = memo.get(_get_index(g_rel))
-                if type(rel) is not str:
-                    break
-                file = names.get(rel)
-                if file is None:
-                    file = names[rel] = len(names)
-                files[g_rel] = file
-            if fqn is None:
-                break  # the interpreter builds it; the conversion decides
-            index, begin, length = _int(i_index), _int(i_begin), _int(i_length)
-            offs = tuple_of(t_offs)
-            if index < 0 or begin < 0 or length < 0:
-                raise Fallback("negative")
-            if len(offs) != nd:
-                break
-            s_fqn.append(fqn)  # type: ignore[arg-type]
-            s_index.append(index)
-            s_offs.extend(offs)
-            s_file.append(file)
-            s_begin.append(begin)
-            s_length.append(length)
-            n += 1
-            p = m.end()
-        self.s_ndim.extend(array("B", [nd]) * n)
+        m = pat.match(buf, p)
+        if m is None:
+            return None
+        laid = _Layout.of(buf, m, ((1, "get"), (2, "int"), (3, "tuple"), (4, "get"), (5, "int"),
+                                   (6, "int")))
+        n = laid.run(buf, p)
+        if laid.whole(buf, p, n):
+            self.storage_layout = laid, nd
+            return self.storage_rows(buf, p, laid, n, nd)
+        # Ints of several widths: one by one, each column decoded at once.
+        ms = _matches(pat, buf, p)
+        k_fqn, i_index, t_offs, k_rel, i_begin, i_length = zip(*map(_groups, ms), strict=True)
+        ints = self.ints
+        index = _int_column(i_index, ints)
+        begin = _int_column(i_begin, ints)
+        length = _int_column(i_length, ints)
+        offs = array("q", chain.from_iterable(map(self.tuples.__getitem__, t_offs)))
+        if len(ints) > _CACHE:
+            ints.clear()
+        if len(self.tuples) > _CACHE:
+            self.tuples.clear()
+        n = self.storage_columns(k_fqn, index, offs, k_rel, begin, length, nd)
         if not n:
             return None
-        self.num_memo += n * (4 + _size_memos(nd))
-        self.pos = p
+        self.pos = ms[n - 1].end()
         return _StorageRun()
+
+    def storage_rows(self, buf: bytes, p: int, laid: _Layout, n: int, nd: int
+                     ) -> _StorageRun | None:
+        f = laid.fields
+
+        def column(fields: Sequence[_Field]) -> array[int]:
+            return laid.gather(buf, p, n, fields)
+
+        n = self.storage_columns(column(f[:1]), column(f[1:2]), column(f[2 : 2 + nd]),
+                                 column(f[2 + nd : 3 + nd]), column(f[3 + nd : 4 + nd]),
+                                 column(f[4 + nd :]), nd)
+        if not n:
+            return None
+        self.pos = p + n * laid.size
+        return _StorageRun()
+
+    def storage_columns(self, k_fqn: Sequence[bytes | int], index: array[int], offs: array[int],
+                        k_rel: Sequence[bytes | int], begin: array[int], length: array[int],
+                        nd: int) -> int:
+        """A run's entries into the storage columns, up to the first whose name or file is
+        not a memoized str (the interpreter builds that one, and the conversion decides).
+        Returns how many."""
+        fqn = array("i", map(self.fqn_numbers.__getitem__, k_fqn))
+        file = array("i", map(self.file_numbers.__getitem__, k_rel))
+        n = len(fqn)
+        bad = min(fqn.index(-1) if min(fqn) < 0 else n, file.index(-1) if min(file) < 0 else n)
+        if not bad:
+            return 0
+        if bad < n:
+            n = bad
+            del fqn[n:], file[n:], index[n:], begin[n:], length[n:], offs[n * nd :]
+        self.s_runs.append((len(self.s_fqn), n, nd, len(self.s_offs)))
+        self.s_offs.extend(offs)
+        self.s_fqn.extend(fqn)
+        self.s_index.extend(index)
+        self.s_file.extend(file)
+        self.s_begin.extend(begin)
+        self.s_length.extend(length)
+        self.num_memo += n * (4 + _size_memos(nd))
+        return n
 
     # -- the walk
 
@@ -628,6 +910,39 @@ class _TensorRows:
     ndim: int
 
 
+def _check_rows(t: _TensorRows, number: int, boxes: array[int], length: array[int],
+                row_fqn: array[int], row_offs: list[array[int]]) -> None:
+    """The rows of ``t`` against the storage entries placed in them, and what the allow-list
+    path would read differently: C-level passes over the tensor's columns."""
+    num, nd, a = t.num, t.ndim, t.first
+    if not num:
+        return
+    lengths = length[a : a + num]
+    if min(lengths) < 0:
+        raise Fallback("no storage")  # the allow-list path says which
+    if row_fqn[a : a + num] != array("i", [number]) * num:
+        raise Fallback("index")  # an entry of another tensor in its rows
+    step = 2 * nd
+    end = t.box + step * num
+    offs = [boxes[t.box + k : end : step] for k in range(nd)]
+    if any(offs[k] != row_offs[k][a : a + num] for k in range(nd)):
+        raise Fallback("storage mismatch")
+    # The same offsets twice in one tensor: the allow-list path gives both one entry.
+    if num > 1 and (nd == 0 or (all(len(set(c)) != num for c in offs)
+                                and len(set(zip(*offs, strict=True))) != num)):
+        raise Fallback("duplicate offsets")
+    # A chunk whose length is its elements' (SerializationFormat.SAFETENSORS): dcp places it.
+    # A record is longer than the largest chunk's elements unless one may be that.
+    sizes = [boxes[t.box + nd + k : end : step] for k in range(nd)]
+    item = t.dtype.itemsize
+    if min(lengths) <= math.prod(max(c) for c in sizes) * item:
+        nbytes: Iterator[int] = repeat(item, num)
+        for c in sizes:
+            nbytes = map(operator.mul, nbytes, c)
+        if any(map(operator.eq, lengths, nbytes)):
+            raise Fallback("raw chunk")
+
+
 def _convert(vm: _Machine, md: Any, metadata_file: str) -> Columnar:  # noqa: C901, PLR0912
     if type(md) is not vm.lookup(_MD, "Metadata"):
         raise Fallback("not Metadata")
@@ -705,43 +1020,67 @@ def _convert(vm: _Machine, md: Any, metadata_file: str) -> Columnar:  # noqa: C9
     file = array("i", [-1]) * num
     begin = array("q", [0]) * num
     length = array("q", [-1]) * num
+    # Per row, what its entry said: the entry's name (a number in vm.fqns) and offsets, one
+    # column per dimension; compared with the rows' own, tensor by tensor, once all are placed.
+    fqns = vm.fqns
+    row_fqn = array("i", [-1]) * num
+    row_offs = [array("q", [-1]) * num for _ in range(max((t.ndim for t in rows), default=0))]
+    by_number: list[_TensorRows | None] = [None] * len(fqns)
+    for t in rows:
+        n = fqns.setdefault(t.fqn, len(fqns))
+        if n == len(by_number):
+            by_number.append(t)
+        else:
+            by_number[n] = t
+    # Per ndim of a run: the first row of each name's tensor if it has that ndim, else -1.
+    first_of = {nd: [-1 if t is None or t.ndim != nd else t.first for t in by_number]
+                for nd in {nd for _, _, nd, _ in vm.s_runs}}
     names = vm.names
     object_storage: dict[str, tuple[str, int, int]] = {}
+    placed = 0
 
-    def place(fqn: str, index: Any, offs: tuple[int, ...] | array[int], f: int, b: int,
-              n: int) -> None:
+    def place(fqn: str, index: Any, offs: Sequence[int], f: int, b: int, n: int) -> int:
         t = by_fqn.get(fqn)
         if t is None:
-            return  # an entry no tensor uses (the allow-list path ignores it too)
-        if type(index) is not int or not 0 <= index < t.num:
+            return 0  # an entry no tensor uses (the allow-list path ignores it too)
+        if type(index) is not int or not 0 <= index < t.num or len(offs) != t.ndim:
             raise Fallback("index")
         g = t.first + index
-        at = t.box + 2 * t.ndim * index
-        if length[g] != -1 or len(offs) != t.ndim or boxes[at : at + t.ndim] != (
-                offs if isinstance(offs, array) else array("q", offs)):
+        if length[g] != -1:
             raise Fallback("storage mismatch")
-        file[g], begin[g], length[g] = f, b, n
+        file[g], begin[g], length[g], row_fqn[g] = f, b, n, fqns[fqn]
+        for k, o in enumerate(offs):
+            row_offs[k][g] = o
+        return 1
 
-    s_offs = vm.s_offs
-    at = 0
-    for fqn, nd, index, f, b, n in zip(vm.s_fqn, vm.s_ndim, vm.s_index, vm.s_file, vm.s_begin,
-                                       vm.s_length, strict=True):
-        tr = by_fqn.get(fqn)
-        if tr is not None:
-            if index >= tr.num or tr.ndim != nd:
-                raise Fallback("index")
-            g = tr.first + index
-            box = tr.box + 2 * nd * index
-            if length[g] != -1 or boxes[box : box + nd] != s_offs[at : at + nd]:
-                raise Fallback("storage mismatch")
-            file[g], begin[g], length[g] = f, b, n
-        at += nd
-    del vm.s_fqn[:]
+    fqn_names = list(fqns)  # by number
+    for at, n, nd, o_at in vm.s_runs:  # runs of entries, placed by C-level passes
+        fq = vm.s_fqn[at : at + n]
+        index = vm.s_index[at : at + n]
+        offs = vm.s_offs[o_at : o_at + nd * n]
+        firsts = array("q", map(first_of[nd].__getitem__, fq))
+        if min(firsts) < 0:  # no tensor, or not of this ndim: one by one
+            for i, (q, idx) in enumerate(zip(fq, index, strict=True)):
+                placed += place(fqn_names[q], idx, offs[nd * i : nd * i + nd],
+                                vm.s_file[at + i], vm.s_begin[at + i], vm.s_length[at + i])
+            continue
+        rows_at = array("q", map(operator.add, firsts, index))
+        try:  # a row past the table: IndexError (an index past its tensor: checked below)
+            _consume(map(row_fqn.__setitem__, rows_at, fq))
+        except IndexError as e:
+            raise Fallback("index") from e
+        _consume(map(file.__setitem__, rows_at, vm.s_file[at : at + n]))
+        _consume(map(begin.__setitem__, rows_at, vm.s_begin[at : at + n]))
+        _consume(map(length.__setitem__, rows_at, vm.s_length[at : at + n]))
+        for k in range(nd):
+            _consume(map(row_offs[k].__setitem__, rows_at, offs[k::nd]))
+        placed += n
+    del vm.s_fqn[:], vm.s_index[:], vm.s_offs[:], vm.s_file[:], vm.s_begin[:], vm.s_length[:]
     for k, v in storage_data.items():
         if type(k) is not vm.index_cls or type(v) is not vm.info_cls:
             raise Fallback("storage kind")
         kd, vd = k.__dict__, v.__dict__
-        fqn, offs = kd.get("fqn"), kd.get("offset")
+        fqn, offs_ = kd.get("fqn"), kd.get("offset")
         rel = vd.get("relative_path")
         b, n = vd.get("offset"), vd.get("length")
         if type(fqn) is not str or type(rel) is not str or type(b) is not int or \
@@ -750,31 +1089,25 @@ def _convert(vm: _Machine, md: Any, metadata_file: str) -> Columnar:  # noqa: C9
         f = names.get(rel)
         if f is None:
             f = names[rel] = len(names)
-        if offs is None:
+        if offs_ is None:
             object_storage[fqn] = (rel, b, n)
             continue
-        place(fqn, kd.get("index"), _nonneg_ints(offs), f, b, n)
+        placed += place(fqn, kd.get("index"), _nonneg_ints(offs_), f, b, n)
+    # As many entries placed as the tensors have rows, and none of those rows left without
+    # one (_check_rows): each row got exactly one. (Rows a tensor's chunks were copied from,
+    # above, are no tensor's.)
+    if placed != sum(t.num for t in rows):
+        raise Fallback("storage count")  # the allow-list path says what is wrong
     for rel in names:
         _plain_name(rel, metadata_file)
 
     table = ChunkTable(list(names), file, begin, length, boxes, RECORD)
     tensors = []
     for t in rows:
-        nd, item = t.ndim, t.dtype.itemsize
-        if -1 in length[t.first : t.first + t.num]:
-            raise Fallback("no storage")  # the allow-list path says which
-        seen: set[tuple[int, ...]] = set()
-        at = t.box
-        for g in range(t.first, t.first + t.num):
-            seen.add(tuple(boxes[at : at + nd]))
-            if length[g] == math.prod(boxes[at + nd : at + 2 * nd]) * item:
-                raise Fallback("raw chunk")  # SerializationFormat.SAFETENSORS: dcp places it
-            at += 2 * nd
-        if len(seen) != t.num:
-            raise Fallback("duplicate offsets")
+        _check_rows(t, fqns[t.fqn], boxes, length, row_fqn, row_offs)
         tensors.append(Tensor(t.fqn, t.path, t.dtype, t.shape,
                               ChunkColumns(table, first=t.first, num_chunks=t.num, box=t.box,
-                                           ndim=nd)))
+                                           ndim=t.ndim)))
     out_objects = []
     for fqn, path in objects:
         stored = object_storage.get(fqn)

@@ -241,3 +241,14 @@ def test_verify_value_checks_on_raw_bits_match_torch(name: str, case: str) -> No
     assert got.nan == int(torch.isnan(wide).sum())
     assert got.inf == int(torch.isinf(wide).sum())
     assert bool(got.all_zero) == bool((wide == 0).all())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_placement_from_columns_is_placement_of_the_boxes(kind: str, request) -> None:
+    """tensor_placement reads DCP's chunk columns (no box per chunk): the same words as
+    placement() over the boxes, on every tensor of every fixture (Shard(0), Shard(1), both,
+    whole, replicated, uneven and empty pieces)."""
+    ckpt = discover(request.getfixturevalue(f"{kind}_ckpt"), require=False)
+    assert ckpt.tensors
+    for t in ckpt.tensors:
+        assert insp.tensor_placement(t) == insp.placement(t.shape, t.boxes), t.name

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 import ckpttool
 from ckpttool.core import fileio
+from ckpttool.core import merge as merge_mod
 from ckpttool.core.names import canonical_fqn
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats import dcp
@@ -228,8 +229,9 @@ def test_existing_output_needs_overwrite_and_stale_shards_go(llama_ckpt: Path,
     assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]
 
 
+@pytest.mark.parametrize("windows", [False, True])
 def test_interrupted_merge_leaves_nothing_that_looks_finished(
-    uneven_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    windows: bool, uneven_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = []
 
@@ -237,10 +239,15 @@ def test_interrupted_merge_leaves_nothing_that_looks_finished(
         calls.append(args)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        real_copy_range(*args)  # type: ignore[arg-type]
+        real(*args)  # type: ignore[arg-type]
 
-    real_copy_range = fileio.copy_range
-    monkeypatch.setattr("ckpttool.formats.store.copy_range", interrupted)
+    if windows:  # small tensors made whole in memory, written with pwrite
+        real = merge_mod.pwrite_all
+        monkeypatch.setattr("ckpttool.core.merge.pwrite_all", interrupted)
+    else:  # every chunk its own copy, in the kernel
+        monkeypatch.setattr("ckpttool.core.merge.WINDOW_TENSOR", 0)
+        real = fileio.copy_range
+        monkeypatch.setattr("ckpttool.formats.store.copy_range", interrupted)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         ckpttool.merge(uneven_ckpt, out, workers=1)
@@ -259,14 +266,16 @@ def test_chunk_missing_from_storage_is_an_input_error(uneven_ckpt: Path, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+# Mapped: every range cast straight from the page cache, in windows that start anywhere in a
+# page (the fixtures' ranges are all below the size that is mapped by default).
+@pytest.mark.parametrize(("windows", "mapped"), [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("kind", ["llama", "mixed"])
-@pytest.mark.parametrize("mapped", [True, False])
-def test_cast_in_many_small_blocks_is_exact(kind: str, mapped: bool, make_checkpoint,
-                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                            ) -> None:
+def test_cast_in_many_small_blocks_is_exact(kind: str, windows: bool, mapped: bool,
+                                            make_checkpoint, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("ckpttool.core.merge.CAST_BLOCK", 64)  # 8 to 64 elements a block
-    # Mapped: every range cast straight from the page cache, in windows that start anywhere
-    # in a page (the fixtures' ranges are all below the size that is mapped by default).
+    if not windows:  # else small tensors are cast whole, in memory
+        monkeypatch.setattr("ckpttool.core.merge.WINDOW_TENSOR", 0)
     monkeypatch.setattr("ckpttool.formats.store.MAP_MIN", 0 if mapped else 1 << 62)
     report = ckpttool.merge(make_checkpoint(kind), tmp_path / "out", dtype="bf16",
                             keep_tied=True, workers=3)
@@ -317,8 +326,10 @@ def test_interrupt_with_workers_stops_queued_jobs(llama_ckpt: Path, tmp_path: Pa
         real_copy_range(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr("ckpttool.formats.store.copy_range", interrupted)
-    # The fixture's chunks are small, which alone would make the merge single-threaded.
+    # The fixture's chunks are small, which alone would make the merge single-threaded, and
+    # its tensors too, which would put them in windows (whole tensors, written by pwrite).
     monkeypatch.setattr("ckpttool.core.torch_threads.THREADED_CHUNK", 0)
+    monkeypatch.setattr("ckpttool.core.merge.WINDOW_TENSOR", 0)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         ckpttool.merge(llama_ckpt, out, dtype="keep", keep_tied=True, workers=2)

@@ -15,7 +15,8 @@ import torch
 
 import ckpttool
 from ckpttool.formats import dcp
-from ckpttool.formats.base import Payload, Tensor
+from ckpttool.formats.base import Checksummed, Payload, Tensor
+from ckpttool.formats.crc import crc32
 from tests.core.test_merge import load_out
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -192,6 +193,12 @@ def _bare(p: Payload) -> Payload:
                                                        for s in p.side))
 
 
+def _stored_side(root: Path, s: Checksummed) -> bytes:
+    with open(root / s.file, "rb") as f:
+        f.seek(s.offset)
+        return f.read(s.size)
+
+
 def _check_batched(root: Path, *, file_order: bool = True) -> int:
     """``Reader.payloads`` over every chunk (in file and offset order, as merge asks, or in
     the tensors' order, as verify asks) against ``payload`` one chunk at a time; returns how
@@ -206,7 +213,13 @@ def _check_batched(root: Path, *, file_order: bool = True) -> int:
             got = list(batched.payloads(items, checksums=True))
             assert len(got) == len(items)
             for (t, c), p in zip(items, got, strict=True):
-                assert _bare(p) == _bare(one.payload(t, c, checksums=True)), (t.name, c)
+                q = one.payload(t, c, checksums=True)
+                if p.checked:  # the record's other entries, checked while decoding...
+                    assert not p.side and p.checked == sum(s.size for s in q.side)
+                    # ...and rightly so: each one's bytes have the CRC-32 its header records.
+                    assert all(crc32(_stored_side(root, s)) == s.crc32 for s in q.side)
+                    q = dataclasses.replace(q, side=(), checked=p.checked)
+                assert _bare(p) == _bare(q), (t.name, c)
                 if p.data is not None:
                     assert bytes(p.data) == _stored(root, p)
                     with_data += 1

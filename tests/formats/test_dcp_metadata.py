@@ -158,3 +158,92 @@ def test_refused_global_falls_back_with_the_same_message(moe: Path, tmp_path: Pa
     assert dcp_metadata.read(md, dcp._metadata_global) is None
     with pytest.raises(InputError, match="refused to load"):
         dcp.read_info(root)
+
+
+def _write_rows(out: Path, sd: dict[str, Any], *, ranks: int, files: int) -> Path:
+    """``sd`` saved by torch's DCP writer in the row chunks of ``ranks`` ranks over ``files``
+    files (benchmarks/moe_checkpoint.py's planner)."""
+    import warnings
+
+    import torch.distributed.checkpoint as tdcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tdcp.save({"model": sd}, storage_writer=tdcp.FileSystemWriter(out, thread_count=files),
+                  planner=moe_checkpoint.RowChunkPlanner(ranks), no_dist=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def widths(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Ints whose pickled widths change inside runs: row offsets 0 (K), 1094.. (M) and
+    65640.. (J) in one chunk list; byte offsets K -> M -> J in every file; record lengths that
+    alternate M and J from entry to entry (small and 80 kB chunks in turn); 1-D and 2-D
+    tensors; a tensor of fewer rows than ranks (empty ranks) and a one-chunk one."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    sd: dict[str, Any] = {"tall": torch.randn(70000, 1, generator=g).to(torch.bfloat16)}
+    for i in range(24):
+        sd[f"small.{i}"] = torch.randn(64, 4, generator=g)
+        sd[f"wide.{i}"] = torch.randn(64, 20000, generator=g).to(torch.bfloat16)
+    sd["norm"] = torch.randn(16, generator=g)
+    sd["scalar"] = torch.randn(1, generator=g)
+    return _write_rows(tmp_path_factory.mktemp("widths") / "ckpt", sd, ranks=64, files=3)
+
+
+def test_widths_that_change_inside_runs(widths: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    md = widths / ".metadata"
+    laid_out, one_by_one = [], []
+    gather, matches = dcp_metadata._Layout.gather, dcp_metadata._matches
+
+    def spy_gather(self: Any, buf: bytes, start: int, n: int, fields: Any) -> Any:
+        laid_out.append(n)
+        return gather(self, buf, start, n, fields)
+
+    def spy_matches(pattern: Any, buf: bytes, pos: int) -> Any:
+        got = matches(pattern, buf, pos)
+        one_by_one.append(len(got))
+        return got
+
+    monkeypatch.setattr(dcp_metadata._Layout, "gather", spy_gather)
+    monkeypatch.setattr(dcp_metadata, "_matches", spy_matches)
+    assert _same(md)
+    # Both ways were taken: runs of one layout, and runs whose widths keep changing.
+    assert sum(laid_out) > 1000 and sum(one_by_one) > 100
+    info = dcp.read_info(widths)
+    tall = info.tensor("model.tall")
+    assert [c.offsets[0] for c in tall.chunks][:3] == [0, 1094, 2188]
+    assert tall.chunks[-1].offsets[0] > 65536
+
+
+def test_width_mutations_agree_or_fall_back(widths: Path, tmp_path: Path) -> None:
+    """Value bytes of wide ints changed (a sign bit set, a byte offset moved, a row offset
+    changed): the columns see exactly what the allow-list sees, or fall back."""
+    root = Path(shutil.copytree(widths, tmp_path / "ckpt"))
+    md = root / ".metadata"
+    data = md.read_bytes()
+    rng = random.Random(11)
+    spots = [i for i in range(len(data) - 5) if data[i] in (0x4A, 0x4D)]
+    answered = 0
+    for at in rng.sample(spots, 150):
+        b = bytearray(data)
+        width = 4 if data[at] == 0x4A else 2
+        b[at + rng.randrange(1, width + 1)] = rng.choice([0, 1, 0x7F, 0x80, 0xFF])
+        md.write_bytes(bytes(b))
+        answered += _same(md)
+    assert answered
+
+
+def test_columns_are_the_chunks(widths: Path, moe: Path) -> None:
+    for root in (widths, moe):
+        for t in dcp.read_info(root).tensors:
+            assert isinstance(t.chunks, ChunkColumns)
+            chunks = list(t.chunks)
+            assert t.chunks.boxes() == tuple((c.offsets, c.sizes) for c in chunks)
+            nd = len(t.shape)
+            for d in range(nd):
+                assert list(t.chunks.column(d)) == [c.offsets[d] for c in chunks]
+                assert list(t.chunks.column(nd + d)) == [c.sizes[d] for c in chunks]
+            with pytest.raises(IndexError):
+                t.chunks.column(2 * nd)

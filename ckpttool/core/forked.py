@@ -1,0 +1,174 @@
+"""Python-bound work on several CPUs: shares of a job list run in forked processes.
+
+A merge or verify of millions of kilobyte-sized chunks spends its time in Python, per chunk
+(decoding a record, placing its bytes), where threads only take turns on the interpreter. A
+forked child starts with everything the parent planned (the chunk columns, the open files)
+without reading or pickling any of it, writes its share at the offsets the plan gave (merge)
+or sends its findings back as JSON (verify), and reports progress through a pipe.
+
+Used only where it is safe: Linux (``os.fork`` with no surprises from system libraries),
+a local store (no client connections or threads to inherit), and torch not loaded in the
+parent when a share needs it (its thread pools do not survive a fork); ``CKPTTOOL_FORK=0``
+turns it off. A child never runs the parent's clean-up: it leaves by ``os._exit``; the
+parent removes what the command wrote, as it does for its own failures.
+
+Messages from a child: a type byte, a 4-byte length, then the body: ``P`` bytes done (8-byte
+int), ``R`` the share's result (JSON), ``E`` an error (JSON: class name and message).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import struct
+import sys
+import threading
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from ckpttool import errors
+from ckpttool.core.report import Progress
+
+_HEAD = struct.Struct("<cI")
+_ERRORS: dict[str, type[errors.CkptError]] = {
+    cls.__name__: cls for cls in (errors.CkptError, errors.InputError, errors.UnreadableError,
+                                  errors.UnsupportedError, errors.IntegrityError,
+                                  errors.OutputError)}
+
+# What a share does: given a progress callback and an event that says "stop", its result
+# (JSON-able: it crosses the pipe from a child).
+Share = Callable[[Progress, threading.Event], Any]
+
+
+class WorkerFailed(Exception):
+    """A child process ended without saying why (killed, or an error that is not ours)."""
+
+
+def available(*, needs_torch: bool = False) -> bool:
+    """True if shares may run in forked processes here (see the module docstring)."""
+    if os.environ.get("CKPTTOOL_FORK", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    return not (needs_torch and "torch" in sys.modules)
+
+
+def run(shares: list[Share], report: Progress) -> list[Any]:
+    """``shares[0]`` in this process and each other one in a forked child, at the same time;
+    their results in order. The first failure (here or in a child) stops the others and is
+    raised here: a child's :class:`~ckpttool.errors.CkptError` as the same class with the
+    same message."""
+    stop = threading.Event()
+    children: list[_Child] = []
+    readers: list[threading.Thread] = []
+    try:
+        for share in shares[1:]:
+            child = _Child.start(share)
+            children.append(child)
+            readers.append(threading.Thread(target=child.listen, args=(report, stop),
+                                            daemon=True))
+            readers[-1].start()
+        first = shares[0](report, stop)
+        if stop.is_set():  # a child failed: the others need not finish
+            _end(children)
+        for t in readers:
+            t.join()
+        _end(children)
+    except BaseException:
+        stop.set()
+        _end(children)
+        raise
+    for c in sorted(children, key=lambda c: c.error is None):  # one that said why first
+        c.raise_failure()
+    return [first] + [c.result for c in children]
+
+
+class _Child:
+    def __init__(self, pid: int, fd: int) -> None:
+        self.pid = pid
+        self.fd = fd
+        self.result: Any = None
+        self.error: tuple[str, str] | None = None
+        self.status: int | None = None
+
+    @classmethod
+    def start(cls, share: Share) -> _Child:
+        r, w = os.pipe()
+        with warnings.catch_warnings():
+            # Python 3.12+ warns on fork() with threads running (a progress bar's): the child
+            # only runs the share, which takes no lock those threads may hold.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: never returns
+            os.close(r)
+            _child_main(share, w)
+        os.close(w)
+        return cls(pid, r)
+
+    def listen(self, report: Progress, stop: threading.Event) -> None:
+        """Read the child's messages until it closes its end."""
+        with os.fdopen(self.fd, "rb") as pipe:
+            while True:
+                head = pipe.read(_HEAD.size)
+                if len(head) < _HEAD.size:
+                    return
+                kind, n = _HEAD.unpack(head)
+                body = pipe.read(n)
+                if kind == b"P":
+                    report(int.from_bytes(body, "little"))
+                elif kind == b"R":
+                    self.result = json.loads(body)
+                elif kind == b"E":
+                    doc = json.loads(body)
+                    self.error = (doc["class"], doc["message"])
+                    stop.set()
+
+    def raise_failure(self) -> None:
+        if self.error is not None:
+            name, message = self.error
+            cls = _ERRORS.get(name)
+            if cls is not None:
+                raise cls(message)
+            raise WorkerFailed(f"a worker process failed: {message}")
+        if self.status is not None and self.status != 0:
+            raise WorkerFailed(f"a worker process ended with status {self.status}")
+
+
+def _end(children: list[_Child]) -> None:
+    """Every child gone: asked to stop (SIGTERM) where it is still running, then reaped."""
+    for c in children:
+        if c.status is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(c.pid, signal.SIGTERM)
+    for c in children:
+        if c.status is None:
+            _, status = os.waitpid(c.pid, 0)
+            c.status = os.waitstatus_to_exitcode(status)
+
+
+def _child_main(share: Share, w: int) -> None:
+    code = 0
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+        def send(kind: bytes, body: bytes) -> None:
+            os.write(w, _HEAD.pack(kind, len(body)) + body)
+
+        result = share(lambda n: send(b"P", n.to_bytes(8, "little")), threading.Event())
+        send(b"R", json.dumps(result).encode())
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
+        code = e.exit_code if isinstance(e, errors.CkptError) else 70
+        if os.environ.get("CKPTTOOL_DEBUG"):
+            traceback.print_exc()
+        try:
+            body = json.dumps({"class": type(e).__name__ if isinstance(e, errors.CkptError)
+                               else "", "message": str(e) or type(e).__name__}).encode()
+            os.write(w, _HEAD.pack(b"E", len(body)) + body)
+        except BaseException:  # noqa: BLE001, S110 - the status still says it failed
+            pass
+    finally:
+        os._exit(code)
