@@ -3,6 +3,7 @@ where in the full (C-ordered) tensor."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 from itertools import product
 
@@ -57,6 +58,10 @@ def rows_tile(length: int, offsets: Sequence[int], sizes: Sequence[int]) -> bool
     only "not certainly": :func:`coverage_problem` then explains."""
     if min(offsets, default=0) < 0 or min(sizes, default=0) < 0:
         return False
+    if offsets and min(sizes) > 0:  # in order, none empty (the usual case): compared in C
+        ends = list(map(operator.add, offsets, sizes))
+        if offsets[0] == 0 and ends[-1] == length and list(offsets[1:]) == ends[:-1]:
+            return True
     pos = 0
     for o, s in sorted(zip(offsets, sizes, strict=True)):
         if not s:

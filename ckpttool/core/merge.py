@@ -515,22 +515,20 @@ def _write_window(reader: Reader, job: _Window, report: Progress, stop: threadin
             else None
         firsts.append(None if split is None or not entry.shape[0] else
                       [o * (entry.numel // entry.shape[0]) for o in split[0]])
-    for i, k, c, p in tensors.in_stored_order(reader, entries, empty=False):
+    order = tensors.stored_order(entries, empty=False)
+    items = [(entries[i], k) for _, _, i, k in order]
+    for (entry, k), data, row_firsts, target in zip(
+            items, reader.elements(items), (firsts[i] for _, _, i, _ in order),
+            (targets[i] for _, _, i, _ in order), strict=True):
         if stop.is_set():
             return
-        entry, target, row_firsts = entries[i], targets[i], firsts[i]
         item = entry.dtype.itemsize
-        data, start = p.data, p.start
-        first = None if data is None or start is None else row_firsts[k] \
-            if row_firsts is not None \
-            else chunk_geometry.single_run_start(entry.shape, c.offsets, c.sizes)
-        if first is not None:
-            assert data is not None and start is not None
-            at = start - p.storage_offset
-            n = c.numel * item
-            target[first * item : first * item + n] = data[at : at + n]
+        if data is not None and row_firsts is not None:  # rows, from memory: the usual case
+            first = row_firsts[k] * item
+            target[first : first + len(data)] = data
             continue
-        whole = memoryview(reader.read_chunk(entry, c))  # strided, compressed: in C order
+        c = entry.chunks[k]
+        whole = memoryview(data if data is not None else reader.read_chunk(entry, c))
         for src, dst, n in chunk_geometry.runs(entry.shape, c.offsets, c.sizes):
             target[dst * item : (dst + n) * item] = whole[src * item : (src + n) * item]
     for t, target in zip(job.tensors, targets, strict=True):

@@ -29,7 +29,7 @@ def check(info: CheckpointInfo, canonical: Mapping[str, str],
     problems = list(info.problems)
     sizes = {f.name: f.size for f in info.files}
     bad_files: set[str] = set()  # missing, or shorter than what the metadata places in them
-    for file, placed in sorted(_placed(info).items()):
+    for file, placed in sorted(_placed(info, sizes).items()):
         size = sizes.get(file)
         path = info.base / file
         if size is None:
@@ -79,10 +79,15 @@ class _Placed:
     last: tuple[int, str]
 
 
-def _placed(info: CheckpointInfo) -> dict[str, _Placed]:
+def _placed(info: CheckpointInfo, sizes: Mapping[str, int | None]) -> dict[str, _Placed]:
     """Per data file, what the metadata places in it: from a tensor's columns where it has
-    them (nothing per chunk is built), else from its chunks."""
+    them (nothing per chunk is built), else from its chunks. Tensors of a column table whose
+    every row lies inside a present file are left out (one C-level pass over the table: the
+    usual case, where nothing is missing or short)."""
     out: dict[str, _Placed] = {}
+    tables = {id(t.chunks.table): t.chunks.table for t in info.tensors
+              if isinstance(t.chunks, ChunkColumns)}
+    whole = {key for key, table in tables.items() if table.inside(sizes)}
 
     def add(file: str, count: int, end: int, what: str) -> None:
         p = out.get(file)
@@ -95,6 +100,8 @@ def _placed(info: CheckpointInfo) -> dict[str, _Placed]:
     for t in info.tensors:
         what = f"tensor '{t.name}'"
         if isinstance(t.chunks, ChunkColumns):
+            if id(t.chunks.table) in whole:
+                continue
             for file, (count, end) in t.chunks.placed().items():
                 add(file, count, end, what)
         else:

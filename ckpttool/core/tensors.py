@@ -62,7 +62,19 @@ def in_stored_order(reader: Reader, tensors: Sequence[Tensor], *, checksums: boo
     Raises:
         InputError: as :meth:`Reader.payloads`, when the failing chunk is reached.
     """
-    order: list[tuple[str, int, int, int]] = []  # (file, offset, tensor, chunk)
+    order = stored_order(tensors, empty=empty)
+    items = [(tensors[i], tensors[i].chunks[k]) for _, _, i, k in order]
+    for (_, _, i, k), (_, c), p in zip(order, items, reader.payloads(items, checksums=checksums),
+                                       strict=True):
+        yield i, k, c, p
+
+
+def stored_order(tensors: Sequence[Tensor], *, empty: bool = True
+                 ) -> list[tuple[str, int, int, int]]:
+    """``(file, offset, tensor index, chunk number)`` of every chunk of ``tensors`` (empty
+    ones too, unless ``empty`` is False), in the order their bytes are stored; from columns
+    where a tensor has them (nothing per chunk is built)."""
+    order: list[tuple[str, int, int, int]] = []
     for i, t in enumerate(tensors):
         chunks = t.chunks
         if isinstance(chunks, ChunkColumns):
@@ -78,10 +90,7 @@ def in_stored_order(reader: Reader, tensors: Sequence[Tensor], *, checksums: boo
             order += [(c.file, c.offset, i, k) for k, c in enumerate(chunks)
                       if empty or c.numel]
     order.sort()
-    items = [(tensors[i], tensors[i].chunks[k]) for _, _, i, k in order]
-    for (_, _, i, k), (_, c), p in zip(order, items, reader.payloads(items, checksums=checksums),
-                                       strict=True):
-        yield i, k, c, p
+    return order
 
 
 def stored_whole(tensor: Tensor, *, sharded: bool) -> bool:

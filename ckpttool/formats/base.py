@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import operator
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -132,6 +132,18 @@ class ChunkTable:
         self.length = length
         self.boxes = boxes  # per chunk: its offsets, then its sizes (ndim each)
         self.encoding = encoding
+
+
+    def inside(self, sizes: Mapping[str, int | None]) -> bool:
+        """True if every row lies inside its file, given each file's size (None: missing)."""
+        limits: list[int] = []
+        for name in self.names:
+            size = sizes.get(name)
+            if size is None:
+                return False
+            limits.append(size)
+        return all(map(operator.le, map(operator.add, self.offset, self.length),
+                       map(limits.__getitem__, self.file)))
 
 
 class ChunkColumns(Sequence[Chunk]):
@@ -462,6 +474,15 @@ class Reader:
         """
         for tensor, chunk in items:
             yield self._decode(tensor, chunk, checksums)
+
+    def elements(self, items: Sequence[tuple[Tensor, int]]) -> Iterator[memoryview | None]:
+        """For each ``(tensor, chunk number)``, in order, the chunk's elements in C order when
+        the format has them in memory from reading many together, else None (the caller
+        then reads the chunk itself: :meth:`read_chunk`). The copy of millions of small
+        chunks (a merge's windows), with nothing built per chunk; callers ask in file and
+        offset order. Formats without such a batched path give None for every chunk."""
+        for _ in items:
+            yield None
 
     def _decode(self, tensor: Tensor, chunk: Chunk, checksums: bool = False) -> Payload:
         if chunk.encoding != RAW:

@@ -923,7 +923,7 @@ class _Template:
         matches this template; None if it does not (then it is decoded in full). With
         ``checksums``, the other entries' CRC-32s are checked here, in C (``checked``), and
         handed on in ``side`` only when one fails."""
-        if len(whole) != self.length or self._compared_whole(whole) != self._expected:
+        if not self.matches_whole(whole):
             return None
         rec = self.rec
         at = chunk.offset + rec.data_offset
@@ -941,6 +941,9 @@ class _Template:
 
     def matches(self, raw: bytes) -> bool:
         return len(raw) == self._size and self._compared(raw) == self._expected
+
+    def matches_whole(self, whole: bytes) -> bool:
+        return len(whole) == self.length and self._compared_whole(whole) == self._expected
 
 
 class DcpReader(Reader):
@@ -1130,6 +1133,60 @@ class DcpReader(Reader):
                 template = templates.get((c.length, t.dtype.name, c.sizes))
                 p = template.decode_whole(c, whole, checksums) if template is not None else None
                 yield p if p is not None else self._decode(t, c, checksums, whole)
+            i = j
+
+    def elements(self, items: Sequence[tuple[Tensor, int]]) -> Iterator[memoryview | None]:
+        """Chunks of column tables (a ``.metadata`` of many chunks) whose records lie back to
+        back are read together, as in :meth:`payloads`, and each record that matches its
+        template hands over its elements, located by the template: no Chunk or Payload is
+        built. None for any other chunk (a record with no template yet, or not matching it,
+        a strided view, a compressed or large record): the caller reads it the usual way,
+        which decodes it in full (and makes the template)."""
+        templates = self._templates if self._use_templates else {}
+        i, n = 0, len(items)
+        while i < n:
+            t, k = items[i]
+            cols = t.chunks
+            g = cols.first + k if isinstance(cols, ChunkColumns) else 0
+            if not isinstance(cols, ChunkColumns) or cols.table.encoding != RECORD or \
+                    cols.table.length[g] > _SMALL_RECORD:
+                yield None
+                i += 1
+                continue
+            table = cols.table
+            file_col, offset_col, length_col = table.file, table.offset, table.length
+            file, start = file_col[g], offset_col[g]
+            end = start + length_col[g]
+            j = i + 1
+            while j < n:  # the run of back-to-back records in this table and file
+                t2, k2 = items[j]
+                c2 = t2.chunks
+                if not isinstance(c2, ChunkColumns) or c2.table is not table:
+                    break
+                g2 = c2.first + k2
+                if file_col[g2] != file or offset_col[g2] != end or \
+                        length_col[g2] > _SMALL_RECORD or end + length_col[g2] - start > _SPAN:
+                    break
+                end += length_col[g2]
+                j += 1
+            span = self.store.pread(table.names[file], end - start, start)
+            for t2, k2 in items[i:j]:
+                c2 = t2.chunks
+                assert isinstance(c2, ChunkColumns)
+                g2, nd = c2.first + k2, c2.ndim
+                at, length = offset_col[g2] - start, length_col[g2]
+                b = c2.box + 2 * nd * k2 + nd
+                sizes = tuple(table.boxes[b : b + nd])
+                template = templates.get((length, t2.dtype.name, sizes))
+                if template is None or template.start is None or at + length > len(span):
+                    yield None
+                    continue
+                whole = span[at : at + length]
+                if not template.matches_whole(whole):
+                    yield None
+                    continue
+                first = template.head + template.start
+                yield memoryview(whole)[first : first + math.prod(sizes) * t2.dtype.itemsize]
             i = j
 
     def other_checksums(self) -> tuple[list[Checksummed], list[Problem]]:

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpttool.core.chunks import coverage_problem, is_single_run, runs, single_run_start
+from ckpttool.core.chunks import (
+    coverage_problem,
+    is_single_run,
+    rows_tile,
+    runs,
+    single_run_start,
+)
 
 Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
 
@@ -72,3 +80,32 @@ def test_shard0_is_one_run_shard1_is_one_per_row() -> None:
     assert list(runs((4, 3), (2, 0), (2, 3))) == [(0, 6, 6)]
     assert list(runs((2, 4), (0, 2), (2, 2))) == [(0, 2, 2), (2, 6, 2)]
     assert list(runs((), (), ())) == [(0, 0, 1)]
+
+
+@settings(max_examples=400, deadline=None)
+@given(length=st.integers(0, 12), rows=st.integers(0, 3),
+       pieces=st.lists(st.tuples(st.integers(-1, 13), st.integers(-1, 13)), max_size=8),
+       shuffle=st.randoms())
+def test_rows_tile_on_columns_agrees_with_coverage(length: int, rows: int,
+                                                   pieces: list[tuple[int, int]],
+                                                   shuffle: random.Random) -> None:
+    """The column check of row chunks (structure's fast path) never says "tiles" where the
+    full check finds a problem, and says it wherever row chunks do tile."""
+    shuffle.shuffle(pieces)
+    shape = (length, rows)
+    boxes = [((o, 0), (s, rows)) for o, s in pieces]
+    fast = rows_tile(length, [o for o, _ in pieces], [s for _, s in pieces])
+    full = coverage_problem(shape, boxes) is None
+    if fast:
+        assert full, (shape, pieces)
+    if full and rows and all(o >= 0 and s >= 0 for o, s in pieces):
+        assert fast, (shape, pieces)
+
+
+def test_rows_tile_of_real_splits() -> None:
+    assert rows_tile(10, [0, 3, 6, 9], [3, 3, 3, 1])  # FSDP2 rows, the last one short
+    assert rows_tile(10, [0, 5, 10, 10], [5, 5, 0, 0])  # empty pieces at the end
+    assert rows_tile(4, [2, 0], [2, 2])  # any order
+    assert not rows_tile(10, [0, 3], [3, 3])  # a gap
+    assert not rows_tile(10, [0, 2, 6], [3, 4, 4])  # an overlap
+    assert not rows_tile(4, [0, 2], [2, 3])  # beyond the end
