@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Generator, Iterator, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any
 
 from ckpttool.core import chunks as chunk_geometry
 from ckpttool.core import forked, objects, tensors, values
@@ -48,6 +48,11 @@ READ_BLOCK = 2 << 20
 # Stored bytes that one tensor's payloads may hold from their records' reads (beyond it, they
 # are read again as they are streamed): memory stays bounded whatever the number of chunks.
 HELD_BYTES = 64 << 20
+
+
+# A tensor made whole from its records and checked (every CRC-32 matched), and the bytes
+# those checksums covered.
+Given = tuple[bytearray, int]
 
 
 class _Unreadable(Exception):
@@ -103,26 +108,27 @@ class Scanner:
     def path(self, file: str) -> str:
         return str(self.reader.store.path(file))
 
-    def stream(self, t: TensorView, result: Result, given: list[Payload] | None = None
+    def stream(self, t: TensorView, result: Result, given: Given | None = None
                ) -> Iterator[tuple[int | None, memoryview]]:
         """``(first element, bytes)`` blocks; the first element is None when the chunks do
         not give the tensor in C order (a column split, a strided view).
 
         Args:
-            given: every chunk's payload, decoded already with others (:func:`scan_group`).
+            given: the tensor made whole from its records, every checksum of which matched,
+                and the bytes they cover (:func:`scan_group`).
         """
         tensor = t.tensor
         if given is not None:
-            made = self._rows_in_memory(t, given, result)
-            if made is not None:
-                yield 0, made
-                return
+            made, checked = given
+            self.report(checked)
+            result.bytes_read += checked
+            yield 0, memoryview(made)
+            return
         decoded: list[tuple[Chunk, Payload]] = []
         damaged: set[Chunk] = set()  # compressed chunks whose CRCs already failed
         held = 0  # bytes of stored data the payloads hold (read with their records)
         chunks = tensor.chunks
-        payloads = iter(given) if given is not None else self.reader.payloads(
-            [(tensor, c) for c in chunks], checksums=True)
+        payloads = self.reader.payloads([(tensor, c) for c in chunks], checksums=True)
         for c in chunks:
             try:
                 p = next(payloads)
@@ -196,40 +202,6 @@ class Scanner:
                 what = "its bytes" if whole else f"chunk at offsets {list(c.offsets)}"
                 result.problems.append(self._crc_problem(p.file, p.storage_offset, t.name,
                                                          crc or 0, p.crc32, what))
-
-    def _rows_in_memory(self, t: TensorView, given: list[Payload], result: Result
-                        ) -> memoryview | None:
-        """A small tensor of row chunks (Shard(0)) whose stored bytes all came with their
-        records: checked and made whole from memory, chunk by chunk on columns (nothing per
-        chunk is built unless one is damaged). None where that does not apply."""
-        tensor = t.tensor
-        chunks = tensor.chunks
-        split = chunks.rows(tensor.shape) if isinstance(chunks, ChunkColumns) else None
-        if split is None or any(p.data is None or p.start is None or p.compression is not None
-                                for p in given):
-            return None
-        item = tensor.dtype.itemsize
-        row = item * (tensor.numel // tensor.shape[0]) if tensor.shape[0] else 0
-        out = bytearray(tensor.nbytes)
-        whole = len(chunks) == 1 and not self.reader.info.sharded
-        nbytes = 0
-        for k, (first, rows, p) in enumerate(zip(*split, given, strict=True)):
-            data = p.data
-            assert data is not None and p.start is not None
-            for side in p.side:
-                self._check(side, t.name, result)
-            if p.crc32 is not None:
-                crc = crc32(data)
-                if crc != p.crc32:
-                    what = "its bytes" if whole else f"chunk at offsets {list(chunks[k].offsets)}"
-                    result.problems.append(self._crc_problem(p.file, p.storage_offset, t.name,
-                                                             crc, p.crc32, what))
-            at = p.start - p.storage_offset
-            out[first * row : (first + rows) * row] = data[at : at + rows * row]
-            nbytes += len(data) + p.checked
-        self.report(nbytes)
-        result.bytes_read += nbytes
-        return memoryview(out)
 
     def _range(self, file: str, offset: int, size: int, first: int, length: int,
                start: int | None, t: TensorView, result: Result, crc: int | None
@@ -306,12 +278,12 @@ def crc32_of(reader: Reader, file: str, offset: int, size: int, *, block: int = 
 
 
 def scan_tensor(scanner: Scanner, t: TensorView, *, digest: bool, compare: Compare | None,
-                given: list[Payload] | None = None) -> Result:
+                given: Given | None = None) -> Result:
     """One tensor: CRCs and values from a single read; a second read in C order only when the
     layout is not (a Shard(1) tensor) and a digest or a comparison needs order.
 
     Args:
-        given: its chunks' payloads, decoded already (:func:`scan_group`).
+        given: the tensor, made whole and checked already (:func:`scan_group`).
     """
     result = Result()
     stats = values.check(t.dtype)
@@ -387,21 +359,38 @@ def groups(todo: list[TensorView]) -> list[list[TensorView]]:
     return out
 
 
-def scan_group(scanner: Scanner, group: list[TensorView], job: Callable[
-        [TensorView, list[Payload] | None], Result]) -> list[Result]:
-    """``job`` on each tensor of ``group``, their chunks decoded together first (each
-    tensor decodes its own when one of them is damaged: that path says where)."""
-    given: list[list[Payload | None]] | None = None
-    if len(group) > 1:
-        given = [[None] * len(t.tensor.chunks) for t in group]
-        try:
-            for i, k, _, p in tensors.in_stored_order(scanner.reader,
-                                                      [t.tensor for t in group], checksums=True):
-                given[i][k] = p
-        except InputError:
-            given = None
-    return [job(t, cast("list[Payload]", given[i]) if given is not None else None)
-            for i, t in enumerate(group)]
+def scan_group(scanner: Scanner, group: list[TensorView],
+               job: Callable[[TensorView, Given | None], Result]) -> list[Result]:
+    """``job`` on each tensor of ``group``. Small tensors of row chunks are first made whole
+    together, their records read in stored order and every checksum checked as they go by
+    (:meth:`Reader.checked_elements`); a tensor any of whose chunks that does not cover (a
+    failed checksum, a record unlike the others, another layout) is read on its own, by the
+    path that says what is wrong."""
+    ts = [t.tensor for t in group]
+    if len(group) == 1 and group[0].nbytes >= GROUP_TENSOR:
+        return [job(group[0], None)]
+    firsts: list[list[int] | None] = []
+    for t in ts:
+        split = t.chunks.rows(t.shape) if isinstance(t.chunks, ChunkColumns) else None
+        row = t.nbytes // t.shape[0] if split is not None and t.shape[0] else 0
+        firsts.append([o * row for o in split[0]] if split is not None and row else None)
+    wholes = [bytearray(t.nbytes) if f is not None else None for t, f in zip(ts, firsts,
+                                                                             strict=True)]
+    checked = [0] * len(ts)
+    order = tensors.stored_order(ts)
+    items = [(ts[i], k) for _, _, i, k in order]
+    for (_, _, i, k), got in zip(order, scanner.reader.checked_elements(items), strict=True):
+        whole, at = wholes[i], firsts[i]
+        if whole is None or at is None:
+            continue
+        if got is None:
+            wholes[i] = None
+            continue
+        data, n = got
+        whole[at[k] : at[k] + len(data)] = data
+        checked[i] += n
+    return [job(t, None if w is None else (w, n))
+            for t, w, n in zip(group, wholes, checked, strict=True)]
 
 
 def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | None,
@@ -444,7 +433,7 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
                             for c in t.tensor.chunks])
         scanner = Scanner(reader, read)
 
-        def job(t: TensorView, given: list[Payload] | None) -> Result:
+        def job(t: TensorView, given: Given | None) -> Result:
             p = comparisons.get(t.stored_name)
             compare = None
             if p is not None and reader_b is not None and other is not None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from ckpttool.core import chunks as chunk_geometry
 from ckpttool.errors import InputError
-from ckpttool.formats.base import Chunk, ChunkColumns, Payload, Reader, Tensor
+from ckpttool.formats.base import ChunkColumns, Payload, Reader, Tensor
 
 # Bytes read per step when data is streamed: memory stays flat whatever the tensor size.
 BLOCK_BYTES = 16 << 20
@@ -49,24 +49,6 @@ def blocks(reader: Reader, tensor: Tensor, block_bytes: int = BLOCK_BYTES
     step = max(1, block_bytes // tensor.dtype.itemsize)
     for start in range(0, tensor.numel, step):
         yield start, read_range(reader, tensor, start, min(start + step, tensor.numel))
-
-
-def in_stored_order(reader: Reader, tensors: Sequence[Tensor], *, checksums: bool = False,
-                    empty: bool = True) -> Iterator[tuple[int, int, Chunk, Payload]]:
-    """``(tensor index, chunk number, chunk, payload)`` of every chunk of ``tensors`` (empty
-    ones too, unless ``empty`` is False), decoded in the order their bytes are stored: what
-    lies back to back is read together (:meth:`Reader.payloads`), so many small tensors cost
-    a read per span of records, not one per chunk. Their positions come from columns where a
-    tensor has them; each :class:`Chunk` is built once, here.
-
-    Raises:
-        InputError: as :meth:`Reader.payloads`, when the failing chunk is reached.
-    """
-    order = stored_order(tensors, empty=empty)
-    items = [(tensors[i], tensors[i].chunks[k]) for _, _, i, k in order]
-    for (_, _, i, k), (_, c), p in zip(order, items, reader.payloads(items, checksums=checksums),
-                                       strict=True):
-        yield i, k, c, p
 
 
 def stored_order(tensors: Sequence[Tensor], *, empty: bool = True

@@ -484,6 +484,15 @@ class Reader:
         for _ in items:
             yield None
 
+    def checked_elements(self, items: Sequence[tuple[Tensor, int]]
+                         ) -> Iterator[tuple[memoryview, int] | None]:
+        """:meth:`elements` for ``verify``: each chunk's elements and the stored bytes whose
+        CRC-32s the format checked with them (the whole record's, every entry), where all
+        of them matched; else None (no batched path, or a checksum that failed: the caller
+        then decodes the chunk with :meth:`payload` and reports what is wrong)."""
+        for _ in items:
+            yield None
+
     def _decode(self, tensor: Tensor, chunk: Chunk, checksums: bool = False) -> Payload:
         if chunk.encoding != RAW:
             raise InputError(f"{self.where(chunk.file, chunk.offset, repr(tensor.name))}: "

@@ -939,6 +939,16 @@ class _Template:
         return _payload(chunk, rec, crcs[0], zip(self.side, crcs[1:], (
             whole[s] for s in self.side_whole), strict=True), stored)
 
+    def checked(self, whole: bytes) -> int | None:
+        """The bytes of the ``whole`` record (matching this template) whose CRC-32s were
+        checked, all of its entries' (storage and side), if every one matches its header's;
+        None if one does not."""
+        crcs = self.crcs(whole, whole=True)
+        if crc32(memoryview(whole)[self.head : self.data_end]) != crcs[0] or \
+                list(map(crc32, self._sides(whole))) != crcs[1:]:
+            return None
+        return self.data_end - self.head + self.side_bytes
+
     def matches(self, raw: bytes) -> bool:
         return len(raw) == self._size and self._compared(raw) == self._expected
 
@@ -1142,6 +1152,17 @@ class DcpReader(Reader):
         built. None for any other chunk (a record with no template yet, or not matching it,
         a strided view, a compressed or large record): the caller reads it the usual way,
         which decodes it in full (and makes the template)."""
+        for got in self._from_templates(items, checksums=False):
+            yield None if got is None else got[0]
+
+    def checked_elements(self, items: Sequence[tuple[Tensor, int]]
+                         ) -> Iterator[tuple[memoryview, int] | None]:
+        return self._from_templates(items, checksums=True)
+
+    def _from_templates(self, items: Sequence[tuple[Tensor, int]], *, checksums: bool
+                        ) -> Iterator[tuple[memoryview, int] | None]:
+        """(elements, bytes checked) per item, as :meth:`elements` and
+        :meth:`checked_elements` say."""
         templates = self._templates if self._use_templates else {}
         i, n = 0, len(items)
         while i < n:
@@ -1186,7 +1207,13 @@ class DcpReader(Reader):
                     yield None
                     continue
                 first = template.head + template.start
-                yield memoryview(whole)[first : first + math.prod(sizes) * t2.dtype.itemsize]
+                elements = memoryview(whole)[first : first + math.prod(sizes)
+                                             * t2.dtype.itemsize]
+                if not checksums:
+                    yield elements, 0
+                    continue
+                checked = template.checked(whole)
+                yield None if checked is None else (elements, checked)
             i = j
 
     def other_checksums(self) -> tuple[list[Checksummed], list[Problem]]:
