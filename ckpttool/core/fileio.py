@@ -72,6 +72,70 @@ def _fsync_wanted() -> bool:
     return os.environ.get("CKPTTOOL_FSYNC") != "0"
 
 
+# Bytes written between two early syncs (write_behind).
+WRITE_BEHIND = 256 << 20
+
+
+@contextlib.contextmanager
+def write_behind(fds: list[int], report: Callable[[int], None]) -> Iterator[Callable[[int], None]]:
+    """While the block writes into ``fds``, sync what it has written so far in a thread of
+    its own, every :data:`WRITE_BEHIND` bytes it reports through the callback yielded (which
+    passes them on to ``report``): the disk takes the data while the rest is being written,
+    and the fsync before the output is published (:meth:`AtomicOutputs.commit`) waits for the
+    last part only. Nothing is synced with ``CKPTTOOL_FSYNC=0``."""
+    if not _fsync_wanted() or not fds:
+        yield report
+        return
+    lock = threading.Lock()
+    wake = threading.Event()
+    done = asked = False
+    written = 0
+    failed: list[OSError] = []
+
+    def counted(n: int) -> None:
+        nonlocal written, asked
+        report(n)
+        with lock:
+            written += n
+            if written >= WRITE_BEHIND:
+                written, asked = 0, True
+                wake.set()
+
+    def syncer() -> None:
+        nonlocal asked
+        while True:
+            wake.wait()
+            with lock:
+                wake.clear()
+                sync, asked = asked, False
+                last = done
+            if sync:  # a sync asked for before the block ended is still made
+                try:
+                    for fd in fds:
+                        os.fdatasync(fd)
+                except OSError as e:  # reported here: a later fsync of the file may not be
+                    failed.append(e)
+                    return
+            if last:
+                return
+
+    thread = threading.Thread(target=syncer, name="ckpttool-write-behind", daemon=True)
+    thread.start()
+    try:
+        yield counted
+    except BaseException:
+        with lock:
+            asked = False  # no sync for an output about to be removed (Ctrl-C, an error)
+        raise
+    finally:
+        with lock:
+            done = True
+            wake.set()
+        thread.join()
+    if failed:
+        raise output_error(failed[0]) from None
+
+
 def _fsync_dir(fd: int) -> None:
     if not _fsync_wanted():
         return

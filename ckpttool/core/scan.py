@@ -19,10 +19,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckpttool.core import chunks as chunk_geometry
-from ckpttool.core import forked, objects, tensors
+from ckpttool.core import forked, objects, tensors, values
 from ckpttool.core.against import AgainstPlan, Compare, decide_tied
 from ckpttool.core.discover import Checkpoint, TensorView, open_reader
-from ckpttool.core.inspect import Stats
 from ckpttool.core.report import Progress
 from ckpttool.core.tensors import BLOCK_BYTES
 from ckpttool.core.torch_threads import default_workers, one_torch_thread, workers_for
@@ -38,8 +37,13 @@ from ckpttool.formats.base import (
     warning,
 )
 from ckpttool.formats.crc import crc32
-from ckpttool.formats.store import LocalStore
+from ckpttool.formats.store import LocalStore, read_blocks
 from ckpttool.formats.torchsave import gc_paused
+
+# Bytes read at a time: checked (CRC-32, values) while they are still in the CPU's caches.
+# Measured on 3 GB: 2 MB blocks took 15% less time than 16 MB ones, and than mapping the
+# files (mapped pages come cold to each check).
+READ_BLOCK = 2 << 20
 
 # Stored bytes that one tensor's payloads may hold from their records' reads (beyond it, they
 # are read again as they are streamed): memory stays bounded whatever the number of chunks.
@@ -63,15 +67,16 @@ class Result:
     digest: str | None = None
     equal: bool | None = None  # against: None when not compared
     bytes_read: int = 0
+    complete: bool = False  # every byte was read (CRCs may still have failed)
 
     def to_json(self) -> dict[str, Any]:
         return {"problems": [p.to_json() for p in self.problems], "digest": self.digest,
-                "equal": self.equal, "bytes_read": self.bytes_read}
+                "equal": self.equal, "bytes_read": self.bytes_read, "complete": self.complete}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Result:
         return cls([Problem.from_json(p) for p in doc["problems"]], doc["digest"],
-                   doc["equal"], doc["bytes_read"])
+                   doc["equal"], doc["bytes_read"], doc["complete"])
 
 
 @dataclass
@@ -80,6 +85,7 @@ class Pass:
     tied: list[Problem]  # against: tensors on one side only, decided once the data is read
     digests: dict[str, str]
     bytes_read: int
+    complete: set[str] = field(default_factory=set)  # tensors whose every byte was read
 
 
 class Scanner:
@@ -89,6 +95,15 @@ class Scanner:
     def __init__(self, reader: Reader, report: Progress) -> None:
         self.reader = reader
         self.report = report
+        self._local = threading.local()
+
+    def _buffer(self) -> bytearray:
+        """This thread's read buffer, made once: a new one per chunk costs a page fault per
+        4 KB of it."""
+        buf: bytearray | None = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = bytearray(READ_BLOCK)
+        return buf
 
     def path(self, file: str) -> str:
         return str(self.reader.store.path(file))
@@ -195,18 +210,10 @@ class Scanner:
         the part ``[first, first + length)`` of them; ``start`` is its first element. Returns
         the CRC."""
         item = t.dtype.itemsize
-        buf = bytearray(min(BLOCK_BYTES, size))
         done = 0
-        while done < size:
-            n = min(len(buf), size - done)
-            view = memoryview(buf)[:n]
-            got = self.reader.store.readinto(file, offset + done, view)
-            if got != n:
-                result.problems.append(error(
-                    "truncated-file", f"{self.path(file)}: ends at byte {offset + done + got}, "
-                    f"inside tensor '{t.name}'; copy the checkpoint again",
-                    file=file, tensor=t.name, offset=offset + done + got))
-                raise _Unreadable
+        for view in read_blocks(self.reader.store, file, offset, size,
+                                memoryview(self._buffer()), mapped=False):
+            n = len(view)
             self.report(n)
             result.bytes_read += n
             if crc is not None:
@@ -216,6 +223,12 @@ class Scanner:
                 yield (None if start is None else start + (lo - first) // item,
                        view[lo - done : hi - done])
             done += n
+        if done != size:
+            result.problems.append(error(
+                "truncated-file", f"{self.path(file)}: ends at byte {offset + done}, "
+                f"inside tensor '{t.name}'; copy the checkpoint again",
+                file=file, tensor=t.name, offset=offset + done))
+            raise _Unreadable
         return crc
 
     def _check(self, s: Checksummed, tensor: str | None, result: Result) -> None:
@@ -273,7 +286,7 @@ def scan_tensor(scanner: Scanner, t: TensorView, *, digest: bool, compare: Compa
         given: the tensor, made whole and checked already (:func:`scan_group`).
     """
     result = Result()
-    stats = Stats(t.dtype, full=False)
+    stats = values.check(t.dtype)
     hasher = hashlib.sha256() if digest else None
     ordered = True
     try:
@@ -300,6 +313,7 @@ def scan_tensor(scanner: Scanner, t: TensorView, *, digest: bool, compare: Compa
     except InputError as e:
         result.problems.append(error("read-error", str(e), tensor=t.name))
         return result
+    result.complete = True
     if hasher is not None:
         result.digest = hasher.hexdigest()
     if compare is not None:
@@ -431,10 +445,19 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
             return scan_tensor(scanner, t, digest=t.name in want_digest, compare=compare,
                                given=given)
 
-        results = _run(lambda group: scan_group(scanner, group, job), groups(todo), workers,
+        # torch only where a value check or a comparison after a cast needs it: importing it
+        # costs more than checking gigabytes.
+        casts = any(p.cast is not None for p in comparisons.values())
+        torch = casts or any(values.needs_torch(t.dtype) for t in todo)
+        # Largest first, so that no thread is left with a big tensor at the end; object
+        # storage reads ahead in stored order, which the jobs then keep.
+        jobs = groups(todo)
+        if getattr(reader.store, "plan_reads", None) is None:
+            jobs.sort(key=lambda g: -sum(t.nbytes for t in g))
+        results = _run(lambda group: scan_group(scanner, group, job), jobs, workers,
                        fork=all(isinstance(r.store, LocalStore) for r in (reader, reader_b)
                                 if r is not None),
-                       report=read, scanner=scanner)
+                       report=read, scanner=scanner, torch=torch)
         problems = [p for t in todo for p in results[t.name].problems]
         rest = scanner.other_checksums()
         problems += rest.problems
@@ -446,7 +469,8 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
             tied = decide_tied(ckpt, other, plan, {n: r.equal for n, r in results.items()},
                                digests, reader_b, read)
     return Pass(problems, tied, digests,
-                sum(r.bytes_read for r in results.values()) + rest.bytes_read)
+                sum(r.bytes_read for r in results.values()) + rest.bytes_read,
+                {n for n, r in results.items() if r.complete})
 
 
 def _object_problems(ckpt: Checkpoint, reader: Reader) -> list[Problem]:
@@ -464,21 +488,22 @@ def _object_problems(ckpt: Checkpoint, reader: Reader) -> list[Problem]:
 
 
 def _run(job: Callable[[list[TensorView]], list[Result]], todo: list[list[TensorView]],
-         workers: int, *, fork: bool, report: Progress, scanner: Scanner
+         workers: int, *, fork: bool, report: Progress, scanner: Scanner, torch: bool
          ) -> dict[str, Result]:
     """``job`` on every group of tensors, in ``workers`` threads (they are independent); or,
     where the work is Python per chunk (kilobyte-sized chunks), in up to ``workers`` forked
-    processes (:mod:`ckpttool.core.forked`), each sending its results back."""
+    processes (:mod:`ckpttool.core.forked`), each sending its results back. With ``torch``
+    (value checks or comparisons that need it), torch held at one thread of its own."""
     chunks = sum(len(t.tensor.chunks) for g in todo for t in g)
     threads = workers_for(workers, nbytes=sum(t.nbytes for g in todo for t in g), chunks=chunks)
-    if threads < workers and len(todo) > 1 and fork and forked.available(needs_torch=True):
+    if threads < workers and len(todo) > 1 and fork and forked.available(needs_torch=torch):
         shares = _deal(todo, workers)
 
         def share(groups: list[list[TensorView]], progress: Progress, stop: threading.Event
                   ) -> dict[str, Any]:
             scanner.report = progress  # this process's own scanner (a forked copy)
             done: dict[str, Any] = {}
-            with one_torch_thread():
+            with one_torch_thread() if torch else contextlib.nullcontext():
                 for g in groups:
                     if stop.is_set():
                         break
@@ -491,7 +516,7 @@ def _run(job: Callable[[list[TensorView]], list[Result]], todo: list[list[Tensor
         finally:
             scanner.report = parent
         return {name: Result.from_json(doc) for part in found for name, doc in part.items()}
-    with one_torch_thread():
+    with one_torch_thread() if torch else contextlib.nullcontext():
         if threads == 1:
             done = list(map(job, todo))
         else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import mmap
 import os
 import stat
 import threading
@@ -118,6 +119,23 @@ class LocalStore:
         """Copy ``size`` bytes at ``offset`` into an open output file, in the kernel."""
         copy_range(self.fd(name), offset, dst_fd, dst_offset, size)
 
+    def views(self, name: str, offset: int, size: int, block: int) -> Iterator[memoryview]:
+        """The ``size`` bytes at ``offset`` of ``name`` as consecutive views of at most
+        ``block`` bytes, mapped from the page cache (no copy; see :func:`read_blocks`); they
+        stop early where the file ends."""
+        fd = self.fd(name)
+        end = min(offset + size, os.fstat(fd).st_size)
+        pos = offset
+        while pos < end:
+            n = min(block, end - pos)
+            base = pos - pos % mmap.ALLOCATIONGRANULARITY
+            # Copy-on-write: writable views (torch.frombuffer warns on read-only ones) that no
+            # write ever reaches the file through. Unmapped when the last view of it goes.
+            window = mmap.mmap(fd, pos + n - base, access=mmap.ACCESS_COPY, offset=base)
+            yield memoryview(window)[pos - base : pos - base + n]
+            del window
+            pos += n
+
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
@@ -220,6 +238,38 @@ def file_size(path: Path) -> int | None:
     except OSError:
         return None
     return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+# Ranges at least this large are mapped (:func:`read_blocks`); smaller ones are read: mapping
+# and unmapping cost more than copying a few pages.
+MAP_MIN = 1 << 20
+
+
+def read_blocks(store: Store, name: str, offset: int, size: int, buf: memoryview, *,
+                mapped: bool = True) -> Iterator[memoryview]:
+    """The ``size`` bytes at ``offset`` of ``name``, in consecutive blocks of at most
+    ``len(buf)`` bytes, each valid until the next is asked for; fewer bytes in all where the
+    file ends first (the caller says so, in its words).
+
+    A local file's large ranges come mapped from the page cache (measured on 6 GB: copying
+    them into ``buf`` with ``pread`` took 0.3-1.0 s of system time, mapping 0.1 s); anything
+    else (or with ``mapped=False``) is read into ``buf``. A mapped file cut short while it is
+    read would end the process (SIGBUS), as for any reader that maps files (safetensors,
+    numpy.memmap); its size is checked first.
+    """
+    views = getattr(store, "views", None) if mapped else None
+    if views is not None and size >= MAP_MIN:
+        yield from views(name, offset, size, len(buf))
+        return
+    done = 0
+    while done < size:
+        n = min(len(buf), size - done)
+        got = store.readinto(name, offset + done, buf[:n])
+        if got:
+            yield buf[:got]
+        if got != n:
+            return
+        done += n
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,9 +39,11 @@ def cli_env() -> dict[str, str]:
 
 
 def run_without(module: str, *args: str | Path) -> subprocess.CompletedProcess[str]:
-    """The CLI in a process where ``import <module>`` fails, as on a machine without it."""
-    code = (f"import sys\nsys.modules[{module!r}] = None\n"
-            f"sys.argv = ['ckpttool', *{[str(a) for a in args]!r}]\n"
+    """The CLI in a process where ``import <module>`` fails, as on a machine without it
+    (``module``: one name, or several separated by commas)."""
+    code = ("import sys\n"
+            + "".join(f"sys.modules[{m!r}] = None\n" for m in module.split(","))
+            + f"sys.argv = ['ckpttool', *{[str(a) for a in args]!r}]\n"
             "from ckpttool.cli import main\nmain()\n")
     return subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
                           text=True, env=cli_env(), timeout=300)
@@ -71,9 +73,10 @@ def test_casts_and_value_checks_need_no_numpy(llama_ckpt: Path, tmp_path: Path) 
 
 def test_without_torch_the_commands_that_need_it_say_install_torch(llama_ckpt: Path,
                                                                      tmp_path: Path) -> None:
-    for args in (("merge", llama_ckpt, tmp_path / "out", "--dtype", "bf16"),
-                 ("verify", llama_ckpt), ("inspect", llama_ckpt, "--stats")):
-        r = run_without("torch", *args)
+    for without, args in (("torch", ("merge", llama_ckpt, tmp_path / "out", "--dtype", "bf16")),
+                          ("torch,numpy", ("verify", llama_ckpt)),
+                          ("torch", ("inspect", llama_ckpt, "--stats"))):
+        r = run_without(without, *args)
         assert r.returncode == 4, (args, r.stderr)
         assert r.stderr == ("ckpttool: error: this needs PyTorch (reading values, casting, "
                             "writing DCP), which is not installed here; install it: pip "
@@ -83,6 +86,10 @@ def test_without_torch_the_commands_that_need_it_say_install_torch(llama_ckpt: P
     r = run_without("torch", "merge", llama_ckpt, tmp_path / "kept", "--dtype", "keep", "-q")
     assert r.returncode == 0, r.stderr
     assert run_without("torch", "inspect", llama_ckpt, "-q").returncode == 0
+    # verify checks values from their bit patterns with numpy, without torch.
+    r = run_without("torch", "verify", llama_ckpt)
+    assert r.returncode == 0, r.stderr
+    assert "0 errors" in r.stdout
 
 
 # -- shell completion, in each shell

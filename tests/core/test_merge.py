@@ -266,14 +266,17 @@ def test_chunk_missing_from_storage_is_an_input_error(uneven_ckpt: Path, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("windows", [False, True])
+# Mapped: every range cast straight from the page cache, in windows that start anywhere in a
+# page (the fixtures' ranges are all below the size that is mapped by default).
+@pytest.mark.parametrize(("windows", "mapped"), [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("kind", ["llama", "mixed"])
-def test_cast_in_many_small_blocks_is_exact(kind: str, windows: bool, make_checkpoint,
-                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                            ) -> None:
+def test_cast_in_many_small_blocks_is_exact(kind: str, windows: bool, mapped: bool,
+                                            make_checkpoint, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("ckpttool.core.merge.CAST_BLOCK", 64)  # 8 to 64 elements a block
     if not windows:  # else small tensors are cast whole, in memory
         monkeypatch.setattr("ckpttool.core.merge.WINDOW_TENSOR", 0)
+    monkeypatch.setattr("ckpttool.formats.store.MAP_MIN", 0 if mapped else 1 << 62)
     report = ckpttool.merge(make_checkpoint(kind), tmp_path / "out", dtype="bf16",
                             keep_tied=True, workers=3)
     assert_bit_exact(load_out(tmp_path / "out"), expected(Path(report.checkpoint), torch.bfloat16),
@@ -447,3 +450,30 @@ def test_side_files_reached_through_a_linked_directory_or_up_the_tree(llama_ckpt
     assert not (tmp_path / "out" / "tokenizer.model").exists()
     assert not (tmp_path / "out" / "tokenizer.json").exists()
     assert sum("not copied" in w for w in report.warnings) == 2
+
+
+def test_written_bytes_are_synced_as_they_go(uneven_ckpt: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Early syncs every few bytes (fileio.write_behind) leave the output as it would be."""
+    monkeypatch.setattr("ckpttool.core.fileio.WRITE_BEHIND", 64)
+    monkeypatch.delenv("CKPTTOOL_FSYNC", raising=False)
+    for dtype in ("keep", "bf16"):
+        report = ckpttool.merge(uneven_ckpt, tmp_path / dtype, dtype=dtype, workers=2)
+        cast = torch.bfloat16 if dtype == "bf16" else None
+        assert_bit_exact(load_out(tmp_path / dtype), expected(Path(report.checkpoint), cast),
+                         cast=cast is not None)
+
+
+def test_a_failed_early_sync_is_an_output_error(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error of a sync made while writing is reported (a later fsync of the same file
+    might not report it again), never swallowed."""
+    monkeypatch.delenv("CKPTTOOL_FSYNC", raising=False)
+    read, write = os.pipe()  # fdatasync of a pipe fails (EINVAL)
+    try:
+        with pytest.raises(OutputError, match="writing the output failed"), \
+                fileio.write_behind([write], lambda n: None) as report:
+            report(fileio.WRITE_BEHIND)  # asks for a sync, made before the block ends
+    finally:
+        os.close(read)
+        os.close(write)
