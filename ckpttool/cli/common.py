@@ -123,7 +123,22 @@ def size_option(value: str) -> str:
 
 
 def print_json(doc: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    """``doc`` indented, except that each object of a top-level list (inspect's tensors,
+    verify's problems) is one line: greppable, and written by json's C encoder, which a
+    document of 15,000 tensors needs (``indent`` takes Python's: 4x slower)."""
+    sys.stdout.write(_layout(doc) + "\n")
+
+
+def _layout(doc: dict[str, Any]) -> str:
+    lines = []
+    for key, value in doc.items():
+        name = json.dumps(key)
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            items = ",\n".join("    " + json.dumps(v) for v in value)
+            lines.append(f"  {name}: [\n{items}\n  ]")
+        else:
+            lines.append(f"  {name}: " + json.dumps(value, indent=2).replace("\n", "\n  "))
+    return "{\n" + ",\n".join(lines) + "\n}" if lines else "{}"
 
 
 def count(n: int, word: str) -> str:

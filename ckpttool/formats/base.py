@@ -151,7 +151,7 @@ class ChunkColumns(Sequence[Chunk]):
     offsets and sizes start at ``boxes[box]``: a read-only sequence that builds each
     :class:`Chunk` when asked for it (nothing per chunk is kept), equal to the tuple of them."""
 
-    __slots__ = ("box", "num_chunks", "first", "ndim", "table")
+    __slots__ = ("_files", "box", "first", "ndim", "num_chunks", "table")
 
     def __init__(self, table: ChunkTable, *, first: int, num_chunks: int, box: int,
                  ndim: int) -> None:
@@ -160,6 +160,7 @@ class ChunkColumns(Sequence[Chunk]):
         self.num_chunks = num_chunks
         self.box = box
         self.ndim = ndim
+        self._files: tuple[str, ...] | None = None
 
     def __len__(self) -> int:
         return self.num_chunks
@@ -259,9 +260,12 @@ class ChunkColumns(Sequence[Chunk]):
     @property
     def files(self) -> tuple[str, ...]:
         """The data files the chunks lie in, sorted (without building the chunks)."""
+        if self._files is not None:
+            return self._files
         t = self.table
-        return tuple(sorted({t.names[f] for f in set(t.file[self.first : self.first
-                                                             + self.num_chunks])}))
+        self._files = tuple(sorted({t.names[f] for f in set(t.file[self.first : self.first
+                                                                   + self.num_chunks])}))
+        return self._files
 
 
 @dataclass(frozen=True, slots=True)
