@@ -14,7 +14,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -291,7 +291,7 @@ class _Window(_Job):
         self.stored += stored
 
 
-class _WindowChunks(Sequence[tuple[OutTensor, Chunk | None]]):
+class _WindowChunks(Collection[tuple[OutTensor, Chunk | None]]):
     """Every ``(tensor, chunk)`` of a window, built when asked for (only for object storage's
     read planning: the window itself reads from columns)."""
 
@@ -303,15 +303,8 @@ class _WindowChunks(Sequence[tuple[OutTensor, Chunk | None]]):
     def __len__(self) -> int:
         return sum(len(_stored(t).chunks) for t in self.tensors)
 
-    @overload
-    def __getitem__(self, i: int) -> tuple[OutTensor, Chunk | None]: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[tuple[OutTensor, Chunk | None]]: ...
-
-    def __getitem__(self, i: int | slice
-                    ) -> tuple[OutTensor, Chunk | None] | list[tuple[OutTensor, Chunk | None]]:
-        return list(self)[i]
+    def __contains__(self, item: object) -> bool:
+        return any(x == item for x in self)
 
     def __iter__(self) -> Iterator[tuple[OutTensor, Chunk | None]]:
         for t in self.tensors:

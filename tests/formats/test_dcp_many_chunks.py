@@ -89,16 +89,23 @@ def _flip(path: Path, offset: int, mask: int = 0x01) -> None:
     path.write_bytes(data)
 
 
-def test_flipped_payload_byte_in_a_templated_record(moe: Path, tmp_path: Path) -> None:
+def _flipped_payload(moe: Path, tmp_path: Path, at: int
+                     ) -> tuple[Path, Tensor, dcp.Chunk, int]:
+    """A copy with byte ``at`` of a late chunk's stored bytes flipped; and where they begin."""
     damaged = _copy(moe, tmp_path)
     info = dcp.read_info(damaged)
     t, c = _late_chunk(info)
     with dcp.DcpReader(info, templates=False) as r:
         p = r.payload(t, c)
-    _flip(damaged / c.file, p.storage_offset + 3)
+    _flip(damaged / c.file, p.storage_offset + at)
+    return damaged, t, c, p.storage_offset
+
+
+def test_flipped_payload_byte_in_a_templated_record(moe: Path, tmp_path: Path) -> None:
+    damaged, _, _, stored = _flipped_payload(moe, tmp_path, 3)
     report = ckpttool.verify(damaged)
     assert [x.code for x in report.problems if x.severity == "error"] == ["crc-mismatch"]
-    assert report.problems[0].location.offset == p.storage_offset
+    assert report.problems[0].location.offset == stored
 
 
 @pytest.mark.parametrize("entry", ["data.pkl", "version", "byteorder"])
@@ -325,12 +332,7 @@ def test_elements_of_real_layouts(kind: str, world: int | None, make_checkpoint)
 
 def test_checked_elements_withhold_a_chunk_whose_checksum_fails(moe: Path,
                                                                tmp_path: Path) -> None:
-    damaged = _copy(moe, tmp_path)
-    info = dcp.read_info(damaged)
-    t, c = _late_chunk(info)
-    with dcp.DcpReader(info, templates=False) as r:
-        p = r.payload(t, c)
-    _flip(damaged / c.file, p.storage_offset + 1)
+    damaged, t, c, _ = _flipped_payload(moe, tmp_path, 1)
     info = dcp.read_info(damaged)
     from ckpttool.core.tensors import stored_order
 
