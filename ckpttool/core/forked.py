@@ -28,7 +28,7 @@ import threading
 import traceback
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ckpttool import errors
 from ckpttool.core.report import Progress
@@ -39,6 +39,8 @@ _ERRORS: dict[str, type[errors.CkptError]] = {
                                   errors.UnsupportedError, errors.IntegrityError,
                                   errors.OutputError)}
 
+T = TypeVar("T")
+
 # What a share does: given a progress callback and an event that says "stop", its result
 # (JSON-able: it crosses the pipe from a child).
 Share = Callable[[Progress, threading.Event], Any]
@@ -46,6 +48,18 @@ Share = Callable[[Progress, threading.Event], Any]
 
 class WorkerFailed(Exception):
     """A child process ended without saying why (killed, or an error that is not ours)."""
+
+
+def deal(items: list[T], n: int, weight: Callable[[T], int]) -> list[list[T]]:
+    """``items`` dealt into at most ``n`` shares of about equal ``weight`` each (heaviest
+    first, each to the lightest share so far)."""
+    shares: list[list[T]] = [[] for _ in range(min(n, len(items)))]
+    load = [0] * len(shares)
+    for item in sorted(items, key=lambda x: -weight(x)):
+        i = load.index(min(load))
+        shares[i].append(item)
+        load[i] += weight(item)
+    return shares
 
 
 def available(*, needs_torch: bool = False) -> bool:

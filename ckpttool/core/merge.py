@@ -45,7 +45,7 @@ from ckpttool.core.torch_threads import default_workers, one_torch_thread, worke
 from ckpttool.errors import InputError, OutputError, UnsupportedError
 from ckpttool.formats import registry
 from ckpttool.formats import safetensors as st
-from ckpttool.formats.base import Chunk, ChunkColumns, Payload, Reader, Tensor
+from ckpttool.formats.base import Chunk, Payload, Reader, Tensor
 from ckpttool.formats.dtypes import DType
 from ckpttool.formats.store import LocalStore, read_blocks
 from ckpttool.formats.torchsave import gc_paused
@@ -223,7 +223,7 @@ def _run(jobs: list[_Job], reader: Reader, *, workers: int, casts: bool, report:
             and forked.available(needs_torch=casts):
         # Python per chunk: shares in processes of their own, each writing its own jobs.
         forked.run([functools.partial(_run_share, share, reader, casts)
-                    for share in _deal(jobs, workers)], report)
+                    for share in forked.deal(jobs, workers, lambda j: len(j.chunks))], report)
         return
     _run_share(jobs, reader, casts, report, threading.Event(), threads)
 
@@ -237,18 +237,6 @@ def _run_share(jobs: list[_Job], reader: Reader, casts: bool, report: Progress,
     # thread while they cast.
     with one_torch_thread():
         _run_jobs(jobs, reader, threads, report, stop)
-
-
-def _deal(jobs: list[_Job], n: int) -> list[list[_Job]]:
-    """``jobs`` dealt into at most ``n`` shares of about as many chunks each (the cost of a
-    Python-bound merge), each in the order given."""
-    shares: list[list[_Job]] = [[] for _ in range(min(n, len(jobs)))]
-    load = [0] * len(shares)
-    for job in sorted(jobs, key=lambda j: -len(j.chunks)):
-        i = load.index(min(load))
-        shares[i].append(job)
-        load[i] += len(job.chunks)
-    return shares
 
 
 # A chunk below this many bytes is copied in a batch with others of its file...
@@ -489,37 +477,33 @@ def _write_batch(reader: Reader, job: _Job, report: Progress, stop: threading.Ev
 
 def _write_window(reader: Reader, job: _Window, report: Progress, stop: threading.Event
                   ) -> None:
-    """The window's tensors made whole in memory, then written at once. Chunks are decoded in
-    the order they are stored; a chunk that is one run of its tensor (Shard(0), whole) and
-    came with its record is copied from memory, any other is read in C order and placed run
-    by run. A tensor to cast is made whole in its own dtype first."""
+    """The window's tensors made whole in memory, then written at once. Chunks are read in
+    the order they are stored (:meth:`Reader.elements`); a chunk of a tensor of rows
+    (Shard(0)) whose elements came that way is copied in place, any other is read in C order
+    (:meth:`Reader.read_chunk` where they did not come) and placed run by run. A tensor to
+    cast is made whole in its own dtype first."""
     out = bytearray(job.nbytes)
     view = memoryview(out)
     # Per tensor: where its elements go (the window, or a buffer in its own dtype to cast).
     targets: list[memoryview] = []
-    # Per tensor, the first element of each chunk when every chunk is rows (Shard(0)).
-    firsts: list[list[int] | None] = []
     entries = [_stored(t) for t in job.tensors]
     for t, entry in zip(job.tensors, entries, strict=True):
         at = t.slot.begin - job.begin
         targets.append(memoryview(bytearray(entry.nbytes)) if t.cast
                        else view[at : at + t.slot.nbytes])
-        split = entry.chunks.rows(entry.shape) if isinstance(entry.chunks, ChunkColumns) \
-            else None
-        firsts.append(None if split is None or not entry.shape[0] else
-                      [o * (entry.numel // entry.shape[0]) for o in split[0]])
+    # Per tensor, where each chunk begins when every chunk is rows (Shard(0)).
+    starts = [tensors.row_starts(entry) for entry in entries]
     order = tensors.stored_order(entries, empty=False)
     items = [(entries[i], k) for _, _, i, k in order]
-    for (entry, k), data, row_firsts, target in zip(
-            items, reader.elements(items), (firsts[i] for _, _, i, _ in order),
+    for (entry, k), data, row_starts, target in zip(
+            items, reader.elements(items), (starts[i] for _, _, i, _ in order),
             (targets[i] for _, _, i, _ in order), strict=True):
         if stop.is_set():
             return
-        item = entry.dtype.itemsize
-        if data is not None and row_firsts is not None:  # rows, from memory: the usual case
-            first = row_firsts[k] * item
-            target[first : first + len(data)] = data
+        if data is not None and row_starts is not None:  # rows, from memory: the usual case
+            target[row_starts[k] : row_starts[k] + len(data)] = data
             continue
+        item = entry.dtype.itemsize
         c = entry.chunks[k]
         whole = memoryview(data if data is not None else reader.read_chunk(entry, c))
         for src, dst, n in chunk_geometry.runs(entry.shape, c.offsets, c.sizes):

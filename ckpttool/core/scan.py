@@ -29,7 +29,6 @@ from ckpttool.errors import InputError, UnreadableError
 from ckpttool.formats.base import (
     Checksummed,
     Chunk,
-    ChunkColumns,
     Payload,
     Problem,
     Reader,
@@ -369,11 +368,7 @@ def scan_group(scanner: Scanner, group: list[TensorView],
     ts = [t.tensor for t in group]
     if len(group) == 1 and group[0].nbytes >= GROUP_TENSOR:
         return [job(group[0], None)]
-    firsts: list[list[int] | None] = []
-    for t in ts:
-        split = t.chunks.rows(t.shape) if isinstance(t.chunks, ChunkColumns) else None
-        row = t.nbytes // t.shape[0] if split is not None and t.shape[0] else 0
-        firsts.append([o * row for o in split[0]] if split is not None and row else None)
+    firsts = [tensors.row_starts(t) for t in ts]
     wholes = [bytearray(t.nbytes) if f is not None else None for t, f in zip(ts, firsts,
                                                                              strict=True)]
     checked = [0] * len(ts)
@@ -497,7 +492,7 @@ def _run(job: Callable[[list[TensorView]], list[Result]], todo: list[list[Tensor
     chunks = sum(len(t.tensor.chunks) for g in todo for t in g)
     threads = workers_for(workers, nbytes=sum(t.nbytes for g in todo for t in g), chunks=chunks)
     if threads < workers and len(todo) > 1 and fork and forked.available(needs_torch=torch):
-        shares = _deal(todo, workers)
+        shares = forked.deal(todo, workers, lambda g: sum(len(t.tensor.chunks) for t in g))
 
         def share(groups: list[list[TensorView]], progress: Progress, stop: threading.Event
                   ) -> dict[str, Any]:
@@ -523,14 +518,3 @@ def _run(job: Callable[[list[TensorView]], list[Result]], todo: list[list[Tensor
             with ThreadPoolExecutor(max_workers=threads) as pool:
                 done = list(pool.map(job, todo))
     return {t.name: r for g, rs in zip(todo, done, strict=True) for t, r in zip(g, rs, strict=True)}
-
-
-def _deal(todo: list[list[TensorView]], n: int) -> list[list[list[TensorView]]]:
-    """Groups dealt into at most ``n`` shares of about as many chunks each."""
-    shares: list[list[list[TensorView]]] = [[] for _ in range(min(n, len(todo)))]
-    load = [0] * len(shares)
-    for g in sorted(todo, key=lambda g: -sum(len(t.tensor.chunks) for t in g)):
-        i = load.index(min(load))
-        shares[i].append(g)
-        load[i] += sum(len(t.tensor.chunks) for t in g)
-    return shares

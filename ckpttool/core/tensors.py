@@ -51,6 +51,18 @@ def blocks(reader: Reader, tensor: Tensor, block_bytes: int = BLOCK_BYTES
         yield start, read_range(reader, tensor, start, min(start + step, tensor.numel))
 
 
+def row_starts(tensor: Tensor) -> list[int] | None:
+    """The byte at which each chunk begins in the C-ordered tensor, when every chunk is rows
+    (``Shard(0)``: whole in every other dimension), read from columns; None otherwise (or
+    when the columns are not there, or the tensor has no rows)."""
+    chunks = tensor.chunks
+    split = chunks.rows(tensor.shape) if isinstance(chunks, ChunkColumns) else None
+    if split is None or not tensor.shape[0]:
+        return None
+    row = tensor.nbytes // tensor.shape[0]
+    return [o * row for o in split[0]]
+
+
 def stored_order(tensors: Sequence[Tensor], *, empty: bool = True
                  ) -> list[tuple[str, int, int, int]]:
     """``(file, offset, tensor index, chunk number)`` of every chunk of ``tensors`` (empty
