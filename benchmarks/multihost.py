@@ -35,10 +35,10 @@ sys.path.insert(0, str(ROOT))
 import _measure as M  # noqa: E402
 import merge as bench  # noqa: E402
 
-from ckpttool.core import dtypes as dtype_policy  # noqa: E402
-from ckpttool.core import partition  # noqa: E402
-from ckpttool.core.discover import discover  # noqa: E402
-from ckpttool.core.merge import plan_merge  # noqa: E402
+from ckpttool.core import dtype_policy  # noqa: E402
+from ckpttool.core.checkpoint.discover import discover  # noqa: E402
+from ckpttool.core.merge import partition  # noqa: E402
+from ckpttool.core.merge.operation import plan_merge  # noqa: E402
 from ckpttool.formats.safetensors import parse_size  # noqa: E402
 
 

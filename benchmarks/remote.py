@@ -108,7 +108,7 @@ def main() -> int:
             return time.perf_counter() - started
 
         def merge() -> float:
-            from ckpttool.core.merge import merge as ck_merge
+            from ckpttool.core.merge.operation import merge as ck_merge
 
             out = work / "merged"
             shutil.rmtree(out, ignore_errors=True)

@@ -13,22 +13,22 @@ from ckpttool.errors import CkptError, InputError, IntegrityError, OutputError, 
 
 if TYPE_CHECKING:
     from ckpttool.core.inspect import InspectReport, inspect
-    from ckpttool.core.merge import MergeReport, merge
+    from ckpttool.core.merge.operation import MergeReport, merge
     from ckpttool.core.reshard import ReshardReport, reshard
-    from ckpttool.core.verify import Problem, VerifyReport, verify
+    from ckpttool.core.verify.operation import Problem, VerifyReport, verify
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "inspect": "ckpttool.core.inspect",
     "InspectReport": "ckpttool.core.inspect",
-    "merge": "ckpttool.core.merge",
-    "MergeReport": "ckpttool.core.merge",
+    "merge": "ckpttool.core.merge.operation",
+    "MergeReport": "ckpttool.core.merge.operation",
     "reshard": "ckpttool.core.reshard",
     "ReshardReport": "ckpttool.core.reshard",
-    "verify": "ckpttool.core.verify",
-    "VerifyReport": "ckpttool.core.verify",
-    "Problem": "ckpttool.core.verify",
+    "verify": "ckpttool.core.verify.operation",
+    "VerifyReport": "ckpttool.core.verify.operation",
+    "Problem": "ckpttool.core.verify.operation",
 }
 
 

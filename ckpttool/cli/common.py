@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from ckpttool.errors import CkptError, UnreadableError
-from ckpttool.formats import dtypes
+from ckpttool.formats.codecs import dtypes
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1

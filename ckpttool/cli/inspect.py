@@ -103,7 +103,7 @@ def render(doc: dict[str, Any]) -> str:
         per_dtype = ", ".join(f"{k} {human_bytes(v)}" for k, v in s["bytes_per_dtype"].items())
         lines.append(f"  {where}; {count(s['num_tensors'], 'tensor')}, {s['num_parameters']:,} "
                      f"parameters, {human_bytes(s['bytes'])} ({per_dtype or 'no tensors'})")
-        from ckpttool.core.report import storage_note  # not at import: --help stays light
+        from ckpttool.core.runtime.report import storage_note  # not at import: --help stays light
 
         stored = storage_note(s.get("storage") or {})
         if stored:

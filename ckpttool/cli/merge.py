@@ -40,7 +40,8 @@ EPILOG = epilog([
 ], "Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug.")
 
 
-# The name maps of ckpttool.core.namemaps (NAMES), spelled here so that --help imports no core.
+# The name maps of ckpttool.core.transforms.namemaps (NAMES), spelled here so that --help
+# imports no core.
 NAME_MAPS = ("torchtitan-llama3", "torchtitan-qwen3")
 
 
@@ -116,7 +117,7 @@ def merge_command(
         "--quiet", "-q", help="Print nothing but errors.")] = False,
 ) -> None:
     """Merge a sharded checkpoint (any format) into Hugging Face safetensors, exact to the bit."""
-    from ckpttool.core.merge import merge
+    from ckpttool.core.merge.operation import merge
 
     if slice_ is not None and finish:
         raise typer.BadParameter("--slice writes one share, --finish commits them all: run "
@@ -150,7 +151,7 @@ def merge_command(
 def _shared(slice_: str | None, finish: bool) -> Iterator[Any]:
     """How this process shares the merge: --slice, --finish, a torchrun job (from the
     launcher's variables), or not at all (None)."""
-    from ckpttool.core import multihost
+    from ckpttool.core.merge import multihost
 
     if slice_ is not None:
         yield multihost.Slice(*multihost.parse_slice(slice_))
@@ -179,7 +180,7 @@ def _part_choice(value: str | None) -> str | None:
 
 
 def _print_human(r: object) -> None:
-    from ckpttool.core.merge import MergeReport
+    from ckpttool.core.merge.operation import MergeReport
 
     assert isinstance(r, MergeReport)
     what = ("optimizer state" if r.kind == "optimizer"
@@ -202,7 +203,7 @@ def _print_human(r: object) -> None:
     if r.checkpoint != r.src:
         skipped = "".join(f"; skipped {Path(s['path']).name} ({s['kind']})" for s in r.skipped)
         lines.append(f"  used {Path(r.checkpoint).name}, found in {r.src}{skipped}")
-    from ckpttool.core.report import storage_note
+    from ckpttool.core.runtime.report import storage_note
 
     note = storage_note(r.storage)
     if note:

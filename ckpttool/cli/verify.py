@@ -68,7 +68,7 @@ def verify_command(
         "--quiet", "-q", help="Print only errors and the summary line.")] = False,
 ) -> None:
     """Check that a checkpoint is whole and sane; compare it with another."""
-    from ckpttool.core.verify import verify
+    from ckpttool.core.verify.operation import verify
 
     if write_manifest is not None and check_manifest is not None:
         raise typer.BadParameter("pass one of --write-manifest and --check-manifest",
@@ -125,7 +125,7 @@ def render(doc: dict[str, Any], *, quiet: bool = False) -> str:
     manifest = ""
     if doc["manifest"]:
         manifest = f"; manifest {doc['manifest']['action']}: {doc['manifest']['path']}"
-    from ckpttool.core.report import storage_note  # not at import: --help stays light
+    from ckpttool.core.runtime.report import storage_note  # not at import: --help stays light
 
     note = storage_note(doc.get("storage") or {})
     if note:

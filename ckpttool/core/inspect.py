@@ -1,6 +1,7 @@
 """``inspect``: what is in a checkpoint of any supported format, from metadata and headers.
 
-:func:`~ckpttool.core.discover.discover` recognises the path and describes it the same way for
+:func:`~ckpttool.core.checkpoint.discover.discover` recognises the path and describes it the same
+way for
 every format; this module summarises that description (counts, bytes per dtype, what a merge
 would write, placements) without reading tensor data. ``--stats`` streams the data
 (:class:`Stats`, the only part that imports torch).
@@ -16,11 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpttool.core import dtypes as dtype_policy
-from ckpttool.core import hf, lora, names, remote, ties
-from ckpttool.core import objects as non_tensor
-from ckpttool.core import tensors as tensor_io
-from ckpttool.core.discover import (
+from ckpttool.core import dtype_policy, ties
+from ckpttool.core.checkpoint import hf, names, non_tensor
+from ckpttool.core.checkpoint import tensors as tensor_io
+from ckpttool.core.checkpoint.discover import (
     Box,
     Checkpoint,
     Part,
@@ -29,11 +29,13 @@ from ckpttool.core.discover import (
     open_reader,
     select,
 )
-from ckpttool.core.report import SCHEMA, Progress, locked
-from ckpttool.core.torch_threads import default_workers, one_torch_thread, workers_for
+from ckpttool.core.runtime import urls as remote
+from ckpttool.core.runtime.report import SCHEMA, Progress, locked
+from ckpttool.core.runtime.torch_threads import default_workers, one_torch_thread, workers_for
+from ckpttool.core.transforms import lora
 from ckpttool.errors import CkptError, InputError
 from ckpttool.formats.base import ChunkColumns, Reader, Tensor
-from ckpttool.formats.dtypes import DType
+from ckpttool.formats.codecs.dtypes import DType
 
 # Problem codes meaning the metadata itself could not be read: inspect stops on them.
 _UNREADABLE_METADATA = frozenset({"header-corrupt", "missing-file"})

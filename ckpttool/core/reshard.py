@@ -24,9 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttool.core import remote, structure, tensors
-from ckpttool.core.discover import Checkpoint, discover, open_reader
-from ckpttool.core.fileio import (
+from ckpttool.core.checkpoint import structure, tensors
+from ckpttool.core.checkpoint.discover import Checkpoint, discover, open_reader
+from ckpttool.core.runtime import urls as remote
+from ckpttool.core.runtime.report import SCHEMA, Progress, locked
+from ckpttool.core.runtime.torch_threads import default_workers, workers_for
+from ckpttool.errors import InputError, OutputError
+from ckpttool.formats import safetensors as st
+from ckpttool.formats.base import Reader, Tensor
+from ckpttool.formats.dcp import reader as dcp
+from ckpttool.formats.dcp.writer import DcpWriter
+from ckpttool.storage.outputs import (
     AtomicOutputs,
     check_apart,
     check_space,
@@ -34,13 +42,6 @@ from ckpttool.core.fileio import (
     pwrite_all,
     remove_stale,
 )
-from ckpttool.core.report import SCHEMA, Progress, locked
-from ckpttool.core.torch_threads import default_workers, workers_for
-from ckpttool.errors import InputError, OutputError
-from ckpttool.formats import dcp
-from ckpttool.formats import safetensors as st
-from ckpttool.formats.base import Reader, Tensor
-from ckpttool.formats.dcp_writer import DcpWriter
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,17 @@
 """Tied word embeddings: which pair to look at, and what a checkpoint's pair means against its
-config (whether the two copies are bit-identical is :func:`ckpttool.core.tensors.identical`)."""
+config (whether the two copies are bit-identical is
+:func:`ckpttool.core.checkpoint.tensors.identical`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from ckpttool.core import hf
+from ckpttool.core.checkpoint import hf
 from ckpttool.formats.base import Problem, error, info
 
 if TYPE_CHECKING:
-    from ckpttool.core.discover import Checkpoint
+    from ckpttool.core.checkpoint.discover import Checkpoint
 
 
 OUTPUT_EMBEDDING = "lm_head.weight"

@@ -16,7 +16,7 @@ import functools
 from typing import Any, Protocol
 
 from ckpttool.core.inspect import Stats, TensorStats
-from ckpttool.formats.dtypes import DType
+from ckpttool.formats.codecs.dtypes import DType
 
 # Exponent mask of each IEEE format, by safetensors name (sign bit: the top one).
 _EXPONENT = {"F64": 0x7FF0_0000_0000_0000, "F32": 0x7F80_0000, "F16": 0x7C00, "BF16": 0x7F80}

@@ -13,7 +13,7 @@ A module is a format when it has (checked by :class:`Format` and the contract te
   bytes only, so that a damaged checkpoint is still claimed and ``read_info`` can say exactly
   what is wrong with it;
 * ``read_info(path) -> CheckpointInfo``: metadata and headers only, never tensor data;
-* ``open_reader(info) -> Reader``: the bytes, through a :class:`~ckpttool.formats.store.Store`.
+* ``open_reader(info) -> Reader``: the bytes, through a :class:`~ckpttool.storage.store.Store`.
 
 Nothing here names a format.
 """
@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ckpttool.errors import InputError
-from ckpttool.formats import torchsave
-from ckpttool.formats.dtypes import DType
-from ckpttool.formats.store import Store, open_store
+from ckpttool.formats.codecs import torchsave
+from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.storage.store import Store, open_store
 
 # How a chunk's bytes are stored (Chunk.encoding).
 RAW = "raw"  # the chunk's elements in C order, exactly ``length`` bytes at ``offset``

@@ -16,8 +16,8 @@ from typing import Any
 from ckpttool.errors import InputError
 from ckpttool.formats import safetensors, torchfile
 from ckpttool.formats.base import CheckpointInfo, DataFile, ObjectEntry, Problem, Tensor, error
-from ckpttool.formats.store import file_size
 from ckpttool.formats.torchfile import ArchiveReader, Archives, View
+from ckpttool.storage.store import file_size
 
 NAME = "torch-save-sharded"
 INDEX_NAME = "pytorch_model.bin.index.json"

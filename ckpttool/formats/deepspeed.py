@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import InputError, UnsupportedError
-from ckpttool.formats import torchsave
 from ckpttool.formats.base import (
     RAW,
     CheckpointInfo,
@@ -61,8 +60,9 @@ from ckpttool.formats.base import (
     Reader,
     Tensor,
 )
-from ckpttool.formats.dtypes import DType
-from ckpttool.formats.store import file_size
+from ckpttool.formats.codecs import torchsave
+from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.storage.store import file_size
 
 NAME = "deepspeed"
 LATEST = "latest"

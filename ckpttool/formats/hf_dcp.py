@@ -17,8 +17,8 @@ from pathlib import Path
 from ckpttool.errors import InputError
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import RAW, CheckpointInfo, Chunk, DataFile, Reader, Tensor
-from ckpttool.formats.dtypes import DType
-from ckpttool.formats.store import file_size
+from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.storage.store import file_size
 
 NAME = "dcp-safetensors"
 SHARDING_KEY = "DCP_SHARDING_INFO"

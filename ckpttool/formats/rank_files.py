@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import CkptError, InputError, UnsupportedError
-from ckpttool.formats import torchsave
 from ckpttool.formats.base import (
     RAW,
     CheckpointInfo,
@@ -55,8 +54,9 @@ from ckpttool.formats.base import (
     Reader,
     Tensor,
 )
-from ckpttool.formats.dtypes import DType
-from ckpttool.formats.store import file_size
+from ckpttool.formats.codecs import torchsave
+from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.storage.store import file_size
 
 NAME = "rank-files"
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckpttool.formats import bin_index, dcp, deepspeed, hf_dcp, rank_files, safetensors, torchfile
+from ckpttool.formats import bin_index, deepspeed, hf_dcp, rank_files, safetensors, torchfile
 from ckpttool.formats.base import Format
+from ckpttool.formats.dcp import reader as dcp
 
 FORMATS: tuple[Format, ...] = (
     dcp, hf_dcp, rank_files, bin_index, safetensors, deepspeed, torchfile)

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpttool.errors import InputError
-from ckpttool.formats import dtypes
 from ckpttool.formats.base import (
     RAW,
     CheckpointInfo,
@@ -31,8 +30,9 @@ from ckpttool.formats.base import (
     error,
     warning,
 )
-from ckpttool.formats.dtypes import DType
-from ckpttool.formats.store import file_size, pread_of
+from ckpttool.formats.codecs import dtypes
+from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.storage.store import file_size, pread_of
 
 NAME = "safetensors"
 INDEX_NAME = "model.safetensors.index.json"

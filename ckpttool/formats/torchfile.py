@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import InputError, UnsupportedError
-from ckpttool.formats import torchsave
 from ckpttool.formats.base import (
     RAW,
     VIEW,
@@ -35,8 +34,9 @@ from ckpttool.formats.base import (
     Reader,
     Tensor,
 )
-from ckpttool.formats.dtypes import DType
-from ckpttool.formats.torchsave import ZipEntry
+from ckpttool.formats.codecs import torchsave
+from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.formats.codecs.torchsave import ZipEntry
 
 NAME = "torch-save"
 SUFFIXES = (".bin", ".pt", ".pth")

@@ -170,7 +170,7 @@ def test_internal_bug_exit_70(uneven_ckpt: Path, tmp_path: Path,
     def boom(*args: object, **kwargs: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("ckpttool.core.merge.plan_merge", boom)
+    monkeypatch.setattr("ckpttool.core.merge.operation.plan_merge", boom)
     r = run("merge", uneven_ckpt, tmp_path / "out")
     assert r.exit_code == 70
     assert "RuntimeError: boom" in r.stderr

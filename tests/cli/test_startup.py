@@ -44,7 +44,7 @@ def test_python_dash_m_works() -> None:
 
 def test_default_workers_follow_the_cpus_this_process_may_use() -> None:
     code = ("import os\nos.sched_setaffinity(0, {0})\n"
-            "from ckpttool.core.torch_threads import default_workers\n"
+            "from ckpttool.core.runtime.torch_threads import default_workers\n"
             "assert default_workers() == 1, default_workers()\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli import app
-from ckpttool.formats import dcp
+from ckpttool.formats.dcp import reader as dcp
 from tests.formats.test_dcp_safety import write_malicious
 
 KINDS = ("llama", "uneven", "wrappers", "mixed", "placements")

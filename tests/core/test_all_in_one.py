@@ -18,10 +18,10 @@ from typer.testing import CliRunner
 
 import ckpttool
 from ckpttool.cli import app
-from ckpttool.core import parts
-from ckpttool.core.discover import discover
+from ckpttool.core.checkpoint import parts
+from ckpttool.core.checkpoint.discover import discover
 from ckpttool.errors import InputError
-from ckpttool.formats import dcp
+from ckpttool.formats.dcp import reader as dcp
 from tests import all_in_one
 from tests.core.test_merge import assert_bit_exact, load_out
 from tests.reference import reference_state_dict

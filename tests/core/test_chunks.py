@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpttool.core.chunks import (
+from ckpttool.core.checkpoint.geometry import (
     coverage_problem,
     is_single_run,
     rows_tile,

@@ -2,7 +2,7 @@
 ``--overwrite``, Ctrl-C at any moment, fsync before publishing.
 
 Each run is a real ``python -m ckpttool`` process; the fault is placed with the test hook of
-:mod:`ckpttool.core.fileio` (``CKPTTOOL_TEST_FAULT=kill:K`` / ``pause:K:FILE``), which counts
+:mod:`ckpttool.storage.outputs` (``CKPTTOOL_TEST_FAULT=kill:K`` / ``pause:K:FILE``), which counts
 publishing steps (an output file created, fsync'ed, renamed, unlinked).
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from ckpttool.core import fileio
+from ckpttool.storage import outputs as fileio
 
 ROOT = Path(__file__).resolve().parents[2]
 INDEX = "model.safetensors.index.json"

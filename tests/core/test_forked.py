@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import ckpttool
-from ckpttool.core import forked
+from ckpttool.core.runtime import forked
 from ckpttool.errors import InputError, OutputError
-from ckpttool.formats import dcp
+from ckpttool.formats.dcp import reader as dcp
 from tests.core.test_merge import load_out
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -42,8 +42,8 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def small_jobs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Windows and groups of a few tensors each (many jobs on a small checkpoint), and a
     count of the forked runs."""
-    monkeypatch.setattr("ckpttool.core.merge.WINDOW_STORED", 8 << 10)
-    monkeypatch.setattr("ckpttool.core.scan.GROUP_STORED", 8 << 10)
+    monkeypatch.setattr("ckpttool.core.merge.operation.WINDOW_STORED", 8 << 10)
+    monkeypatch.setattr("ckpttool.core.verify.scan.GROUP_STORED", 8 << 10)
     runs: list[int] = []
     real = forked.run
 
@@ -51,7 +51,7 @@ def small_jobs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         runs.append(len(shares))
         return real(shares, report)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("ckpttool.core.forked.run", counted)
+    monkeypatch.setattr("ckpttool.core.runtime.forked.run", counted)
     return runs
 
 
@@ -211,7 +211,8 @@ def test_a_damaged_record_in_a_share_stops_the_merge(moe: Path, tmp_path: Path,
 
 _VERIFY = """
 import json, sys
-from ckpttool.core import forked, scan
+from ckpttool.core.runtime import forked
+from ckpttool.core.verify import scan
 runs = []
 real = forked.run
 def counted(shares, report):

@@ -16,10 +16,10 @@ from safetensors import safe_open
 
 import ckpttool
 from ckpttool.core import inspect as insp
-from ckpttool.core.discover import discover
-from ckpttool.core.names import canonical_fqn
+from ckpttool.core.checkpoint.discover import discover
+from ckpttool.core.checkpoint.names import canonical_fqn
 from ckpttool.errors import InputError
-from ckpttool.formats import dcp
+from ckpttool.formats.dcp import reader as dcp
 from tests.reference import reference_state_dict
 
 KINDS = ("llama", "uneven", "wrappers", "mixed", "placements")
@@ -220,7 +220,7 @@ def test_verify_value_checks_on_raw_bits_match_torch(name: str, case: str) -> No
     import torch
 
     from ckpttool.core.inspect import Stats
-    from ckpttool.formats.dtypes import BY_NAME
+    from ckpttool.formats.codecs.dtypes import BY_NAME
 
     dtype = getattr(torch, BY_NAME[name].torch_name)
     g = torch.Generator().manual_seed(0)

@@ -17,11 +17,11 @@ import torch.distributed.checkpoint as torch_dcp
 from safetensors import safe_open
 
 import ckpttool
-from ckpttool.core import fileio
-from ckpttool.core import merge as merge_mod
-from ckpttool.core.names import canonical_fqn
+from ckpttool.core.checkpoint.names import canonical_fqn
+from ckpttool.core.merge import operation as merge_mod
 from ckpttool.errors import InputError, OutputError
-from ckpttool.formats import dcp
+from ckpttool.formats.dcp import reader as dcp
+from ckpttool.storage import outputs as fileio
 from tests.reference import reference_state_dict
 
 KINDS = ("llama", "uneven", "wrappers", "mixed", "placements")
@@ -243,11 +243,11 @@ def test_interrupted_merge_leaves_nothing_that_looks_finished(
 
     if windows:  # small tensors made whole in memory, written with pwrite
         real = merge_mod.pwrite_all
-        monkeypatch.setattr("ckpttool.core.merge.pwrite_all", interrupted)
+        monkeypatch.setattr("ckpttool.core.merge.operation.pwrite_all", interrupted)
     else:  # every chunk its own copy, in the kernel
-        monkeypatch.setattr("ckpttool.core.merge.WINDOW_TENSOR", 0)
+        monkeypatch.setattr("ckpttool.core.merge.operation.WINDOW_TENSOR", 0)
         real = fileio.copy_range
-        monkeypatch.setattr("ckpttool.formats.store.copy_range", interrupted)
+        monkeypatch.setattr("ckpttool.storage.store.copy_range", interrupted)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         ckpttool.merge(uneven_ckpt, out, workers=1)
@@ -273,10 +273,10 @@ def test_chunk_missing_from_storage_is_an_input_error(uneven_ckpt: Path, tmp_pat
 def test_cast_in_many_small_blocks_is_exact(kind: str, windows: bool, mapped: bool,
                                             make_checkpoint, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ckpttool.core.merge.CAST_BLOCK", 64)  # 8 to 64 elements a block
+    monkeypatch.setattr("ckpttool.core.merge.operation.CAST_BLOCK", 64)  # 8 to 64 elements a block
     if not windows:  # else small tensors are cast whole, in memory
-        monkeypatch.setattr("ckpttool.core.merge.WINDOW_TENSOR", 0)
-    monkeypatch.setattr("ckpttool.formats.store.MAP_MIN", 0 if mapped else 1 << 62)
+        monkeypatch.setattr("ckpttool.core.merge.operation.WINDOW_TENSOR", 0)
+    monkeypatch.setattr("ckpttool.storage.store.MAP_MIN", 0 if mapped else 1 << 62)
     report = ckpttool.merge(make_checkpoint(kind), tmp_path / "out", dtype="bf16",
                             keep_tied=True, workers=3)
     assert_bit_exact(load_out(tmp_path / "out"), expected(Path(report.checkpoint), torch.bfloat16),
@@ -325,11 +325,11 @@ def test_interrupt_with_workers_stops_queued_jobs(llama_ckpt: Path, tmp_path: Pa
         time.sleep(0.05)  # the other worker's chunks take a moment, as real ones do
         real_copy_range(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("ckpttool.formats.store.copy_range", interrupted)
+    monkeypatch.setattr("ckpttool.storage.store.copy_range", interrupted)
     # The fixture's chunks are small, which alone would make the merge single-threaded, and
     # its tensors too, which would put them in windows (whole tensors, written by pwrite).
-    monkeypatch.setattr("ckpttool.core.torch_threads.THREADED_CHUNK", 0)
-    monkeypatch.setattr("ckpttool.core.merge.WINDOW_TENSOR", 0)
+    monkeypatch.setattr("ckpttool.core.runtime.torch_threads.THREADED_CHUNK", 0)
+    monkeypatch.setattr("ckpttool.core.merge.operation.WINDOW_TENSOR", 0)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         ckpttool.merge(llama_ckpt, out, dtype="keep", keep_tied=True, workers=2)
@@ -455,7 +455,7 @@ def test_side_files_reached_through_a_linked_directory_or_up_the_tree(llama_ckpt
 def test_written_bytes_are_synced_as_they_go(uneven_ckpt: Path, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Early syncs every few bytes (fileio.write_behind) leave the output as it would be."""
-    monkeypatch.setattr("ckpttool.core.fileio.WRITE_BEHIND", 64)
+    monkeypatch.setattr("ckpttool.storage.outputs.WRITE_BEHIND", 64)
     monkeypatch.delenv("CKPTTOOL_FSYNC", raising=False)
     for dtype in ("keep", "bf16"):
         report = ckpttool.merge(uneven_ckpt, tmp_path / dtype, dtype=dtype, workers=2)

@@ -12,11 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpttool.core import namemaps
-from ckpttool.core.derive import Derived
+from ckpttool.core.transforms import namemaps
+from ckpttool.core.transforms.derive import Derived
 from ckpttool.errors import InputError
-from ckpttool.formats import dtypes
 from ckpttool.formats.base import Tensor
+from ckpttool.formats.codecs import dtypes
 
 # The published config.json of each model (the fields the maps read).
 LLAMA_3_1_8B = {

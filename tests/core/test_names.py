@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckpttool.core.names import canonical_fqn, canonical_names, detected_wrappers
+from ckpttool.core.checkpoint.names import canonical_fqn, canonical_names, detected_wrappers
 from ckpttool.errors import InputError
 
 

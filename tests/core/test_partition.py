@@ -16,14 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 import ckpttool
-from ckpttool.core import dtypes as dtype_policy
-from ckpttool.core import multihost, partition
-from ckpttool.core.discover import discover, open_reader
-from ckpttool.core.fileio import AtomicOutputs, pwrite_all
-from ckpttool.core.merge import MergePlan, execute, execute_share, plan_merge
+from ckpttool.core import dtype_policy
+from ckpttool.core.checkpoint.discover import discover, open_reader
+from ckpttool.core.merge import multihost, partition
+from ckpttool.core.merge.operation import MergePlan, execute, execute_share, plan_merge
 from ckpttool.errors import InputError, OutputError
-from ckpttool.formats import dtypes
 from ckpttool.formats.base import RAW, Chunk, Tensor
+from ckpttool.formats.codecs import dtypes
+from ckpttool.storage.outputs import AtomicOutputs, pwrite_all
 from tests.core.test_merge import assert_bit_exact, load_out
 
 

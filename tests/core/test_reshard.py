@@ -21,10 +21,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import ckpttool
-from ckpttool.core.chunks import coverage_problem
+from ckpttool.core.checkpoint.geometry import coverage_problem
 from ckpttool.core.reshard import plan_chunks, reshard
 from ckpttool.errors import InputError, OutputError
-from ckpttool.formats import dcp
+from ckpttool.formats.dcp import reader as dcp
 from examples.fsdp2_checkpoint import MODEL_DIR, OPTIMIZER_DIR
 from tests.core.test_merge import assert_bit_exact, load_out
 from tests.fsdp2_ranks import run_on_ranks

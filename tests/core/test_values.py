@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ckpttool.core import values
 from ckpttool.core.inspect import Stats
-from ckpttool.formats.dtypes import BY_NAME, DType
+from ckpttool.formats.codecs.dtypes import BY_NAME, DType
 
 DTYPES = [d.name for d in BY_NAME.values() if d.kind != "complex"]
 SPECIAL = [0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf"), 1.0, -2.5,

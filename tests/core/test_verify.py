@@ -17,11 +17,11 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 import ckpttool
-from ckpttool.core import tensors
-from ckpttool.core import verify as ver
-from ckpttool.core.discover import discover
+from ckpttool.core.checkpoint import tensors
+from ckpttool.core.checkpoint.discover import discover
+from ckpttool.core.verify import operation as ver
 from ckpttool.errors import InputError
-from ckpttool.formats import dcp
+from ckpttool.formats.dcp import reader as dcp
 from tests.formats.test_torchfile import _RunsCommand
 from tests.reference import reference_state_dict
 

@@ -28,8 +28,8 @@ from typer.testing import CliRunner, Result
 
 import ckpttool
 from ckpttool.cli import app
-from ckpttool.core.discover import discover
-from ckpttool.core.merge import MergeReport
+from ckpttool.core.checkpoint.discover import discover
+from ckpttool.core.merge.operation import MergeReport
 from ckpttool.formats import registry
 from tests.core.test_inspect import as_table, json_table
 from tests.core.test_merge import assert_bit_exact, load_out

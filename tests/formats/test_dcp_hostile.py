@@ -11,7 +11,7 @@ import pytest
 
 import ckpttool
 from ckpttool.errors import InputError
-from ckpttool.formats import dcp
+from ckpttool.formats.dcp import reader as dcp
 
 
 def _copy(uneven_ckpt: Path, tmp_path: Path) -> Path:
@@ -83,9 +83,9 @@ def test_huge_deep_or_cyclic_entries_are_reported_not_walked(tmp_path: Path) -> 
 
     import torch
 
-    from ckpttool.core.fileio import AtomicOutputs, pwrite_all
-    from ckpttool.formats.dcp_writer import DcpWriter
-    from ckpttool.formats.dtypes import BY_NAME
+    from ckpttool.formats.codecs.dtypes import BY_NAME
+    from ckpttool.formats.dcp.writer import DcpWriter
+    from ckpttool.storage.outputs import AtomicOutputs, pwrite_all
 
     # dcp.save itself expands shared lists (exponential), so the records are written directly:
     # real torch.save records under torch's own metadata classes.

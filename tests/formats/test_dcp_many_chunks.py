@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import ckpttool
-from ckpttool.formats import dcp
 from ckpttool.formats.base import Checksummed, Payload, Tensor
-from ckpttool.formats.crc import crc32
+from ckpttool.formats.codecs.crc import crc32
+from ckpttool.formats.dcp import reader as dcp
 from tests.core.test_merge import load_out
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -290,7 +290,7 @@ def _check_elements(root: Path) -> int:
     windows and verify groups ask), cold then warm: each chunk they hand over equals its
     ``read_chunk`` bytes, and what they count as checked is the record's stored entries;
     returns how many came from memory."""
-    from ckpttool.core.tensors import stored_order
+    from ckpttool.core.checkpoint.tensors import stored_order
 
     info = dcp.read_info(root)
     tensors = list(info.tensors)
@@ -334,7 +334,7 @@ def test_checked_elements_withhold_a_chunk_whose_checksum_fails(moe: Path,
                                                                tmp_path: Path) -> None:
     damaged, t, c, _ = _flipped_payload(moe, tmp_path, 1)
     info = dcp.read_info(damaged)
-    from ckpttool.core.tensors import stored_order
+    from ckpttool.core.checkpoint.tensors import stored_order
 
     tensors = list(info.tensors)
     items = [(tensors[i], k) for _, _, i, k in stored_order(tensors)]

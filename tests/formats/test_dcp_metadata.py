@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from ckpttool.errors import InputError, UnsupportedError
-from ckpttool.formats import dcp, dcp_metadata
 from ckpttool.formats.base import ChunkColumns
+from ckpttool.formats.dcp import columns as dcp_metadata
+from ckpttool.formats.dcp import reader as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import moe_checkpoint  # noqa: E402

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ckpttool
-from ckpttool.formats import dcp
+from ckpttool.formats.dcp import reader as dcp
 from tests.core.test_merge import assert_bit_exact, load_out
 from tests.formats.contract import cli, copy_checkpoint, flip, payload_sites
 from tests.reference import reference_state_dict

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ckpttool.errors import InputError
-from ckpttool.formats import dcp
+from ckpttool.formats.dcp import reader as dcp
 
 
 class _RunsCommand:

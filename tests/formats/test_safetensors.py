@@ -7,8 +7,8 @@ import torch
 from safetensors import safe_open
 
 from ckpttool.errors import InputError
-from ckpttool.formats import dtypes
 from ckpttool.formats import safetensors as st
+from ckpttool.formats.codecs import dtypes
 
 
 def test_layout_is_read_by_the_safetensors_library(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from ckpttool.cli import app
-from ckpttool.formats import remote
+from ckpttool.storage import s3 as remote
 from tests.remote.conftest import BUCKET, S3, _free_port, boto3
 
 

@@ -20,15 +20,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
-from ckpttool.core import chunks as chunk_geometry
-from ckpttool.core import dtypes as dtype_policy
-from ckpttool.core import forked, hf, namemaps, names, remote, structure, tensors, ties
-from ckpttool.core import lora as adapters
-from ckpttool.core import objects as non_tensor
-from ckpttool.core.derive import Derived, materialise
-from ckpttool.core.discover import Checkpoint, ObjectView, Part, discover, open_reader, select
-from ckpttool.core.dtypes import DTypePolicy
-from ckpttool.core.fileio import (
+from ckpttool.core import dtype_policy, ties
+from ckpttool.core.checkpoint import geometry as chunk_geometry
+from ckpttool.core.checkpoint import hf, names, non_tensor, structure, tensors
+from ckpttool.core.checkpoint.discover import (
+    Checkpoint,
+    ObjectView,
+    Part,
+    discover,
+    open_reader,
+    select,
+)
+from ckpttool.core.checkpoint.names import detected_wrappers
+from ckpttool.core.checkpoint.parts import MERGEABLE
+from ckpttool.core.dtype_policy import DTypePolicy
+from ckpttool.core.merge.partition import Unit
+from ckpttool.core.runtime import forked
+from ckpttool.core.runtime import urls as remote
+from ckpttool.core.runtime.report import SCHEMA, Progress, locked
+from ckpttool.core.runtime.torch_threads import default_workers, one_torch_thread, workers_for
+from ckpttool.core.transforms import lora as adapters
+from ckpttool.core.transforms import namemaps
+from ckpttool.core.transforms.derive import Derived, materialise
+from ckpttool.errors import InputError, OutputError, UnsupportedError
+from ckpttool.formats import registry
+from ckpttool.formats import safetensors as st
+from ckpttool.formats.base import Chunk, Payload, Reader, Tensor
+from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.formats.codecs.torchsave import gc_paused
+from ckpttool.storage.outputs import (
     AtomicOutputs,
     check_apart,
     check_space,
@@ -37,21 +57,10 @@ from ckpttool.core.fileio import (
     remove_stale,
     write_behind,
 )
-from ckpttool.core.names import detected_wrappers
-from ckpttool.core.partition import Unit
-from ckpttool.core.parts import MERGEABLE
-from ckpttool.core.report import SCHEMA, Progress, locked
-from ckpttool.core.torch_threads import default_workers, one_torch_thread, workers_for
-from ckpttool.errors import InputError, OutputError, UnsupportedError
-from ckpttool.formats import registry
-from ckpttool.formats import safetensors as st
-from ckpttool.formats.base import Chunk, Payload, Reader, Tensor
-from ckpttool.formats.dtypes import DType
-from ckpttool.formats.store import LocalStore, read_blocks
-from ckpttool.formats.torchsave import gc_paused
+from ckpttool.storage.store import LocalStore, read_blocks
 
 if TYPE_CHECKING:
-    from ckpttool.core.multihost import Shared
+    from ckpttool.core.merge.multihost import Shared
 
 # --------------------------------------------------------------------------------------------
 # The plan
@@ -174,10 +183,11 @@ def execute_share(
     workers: int = 1,
     progress: Progress | None = None,
 ) -> None:
-    """Write one process's share of ``plan`` (:func:`ckpttool.core.partition.split`) into
+    """Write one process's share of ``plan`` (:func:`ckpttool.core.merge.partition.split`) into
     output files that exist already at their full size, headers written (``fds``: index in
     ``plan.files`` -> writable descriptor): the copy of a merge that several processes share
-    (:mod:`ckpttool.core.multihost`). Parts of chunks are jobs of their own; small whole chunks
+    (:mod:`ckpttool.core.merge.multihost`). Parts of chunks are jobs of their own; small whole
+    chunks
     go in batches, as in :func:`execute`."""
     report = locked(progress)
     jobs: list[_Job] = []
@@ -210,7 +220,7 @@ def _run(jobs: list[_Job], reader: Reader, *, workers: int, casts: bool, report:
     """Run ``jobs`` in up to ``workers`` threads: largest first, or in stored order where the
     store reads ahead (object storage). Jobs whose cost is Python per chunk (kilobyte-sized
     chunks) run in up to ``workers`` processes instead, where ``fork`` allows
-    (:mod:`ckpttool.core.forked`)."""
+    (:mod:`ckpttool.core.runtime.forked`)."""
     reader.open_files()  # before threads share the reader
     plan_reads = getattr(reader.store, "plan_reads", None)
     if plan_reads is None:
@@ -721,7 +731,7 @@ def merge(
             check a merge makes before writing is made (a tie is decided by reading both
             embeddings), except free space.
         shared: this process's part in a merge that several processes share
-            (:mod:`ckpttool.core.multihost`: a torchrun ``Team``, a ``Slice``, a ``Finish``);
+            (:mod:`ckpttool.core.merge.multihost`: a torchrun ``Team``, a ``Slice``, a ``Finish``);
             every process calls ``merge`` with the same arguments. None: this process alone.
         progress: called with bytes written, as the merge goes.
         on_start: called once with the total bytes to write, before any are written.

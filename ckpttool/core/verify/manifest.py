@@ -9,11 +9,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ckpttool.core.discover import Checkpoint
-from ckpttool.core.fileio import AtomicOutputs
-from ckpttool.core.report import SCHEMA
+from ckpttool.core.checkpoint.discover import Checkpoint
+from ckpttool.core.runtime.report import SCHEMA
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Problem, error
+from ckpttool.storage.outputs import AtomicOutputs
 
 MANIFEST_KIND = "ckpttool-manifest"
 

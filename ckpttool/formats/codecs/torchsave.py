@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpttool.errors import CkptError, InputError, UnsupportedError
-from ckpttool.formats import dtypes
-from ckpttool.formats.dtypes import DType
+from ckpttool.formats.codecs import dtypes
+from ckpttool.formats.codecs.dtypes import DType
 
 # What a corrupt pickle raises in the C unpickler (a refused global raises Refused instead).
 PICKLE_ERRORS: tuple[type[Exception], ...] = (

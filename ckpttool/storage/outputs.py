@@ -1,5 +1,5 @@
 """Atomic outputs, shared by every operation that writes files (the positional I/O they use,
-``copy_range`` and ``pwrite_all``, lives with the input side in :mod:`ckpttool.formats.store`).
+``copy_range`` and ``pwrite_all``, lives with the input side in :mod:`ckpttool.storage.store`).
 
 Outputs are created under a hidden temporary name in the output directory, filled at known
 offsets, and renamed to their real names only when everything is complete. Anything that stops
@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ckpttool.errors import OutputError
-from ckpttool.formats.store import copy_range, output_error, pwrite_all
+from ckpttool.storage.store import copy_range, output_error, pwrite_all
 
 __all__ = ["TMP_SUFFIX", "AtomicOutputs", "check_space", "copy_range", "existing_outputs",
            "output_error", "pwrite_all", "remove_stale"]

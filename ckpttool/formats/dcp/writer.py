@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpttool.formats.dcp import METADATA_FILE
-from ckpttool.formats.dtypes import DType
+from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.formats.dcp.reader import METADATA_FILE
 
 OpenFile = Callable[[str], int]  # name -> writable descriptor
 WriteAt = Callable[[int, bytes, int], None]  # (fd, data, offset)

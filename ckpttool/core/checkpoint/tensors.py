@@ -2,14 +2,14 @@
 streams, identity, and where an element is stored. The one implementation of each.
 
 A format's :class:`~ckpttool.formats.base.Reader` decodes chunks; the geometry of how chunks
-make up a tensor (:mod:`ckpttool.core.chunks`) is core's.
+make up a tensor (:mod:`ckpttool.core.checkpoint.geometry`) is core's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-from ckpttool.core import chunks as chunk_geometry
+from ckpttool.core.checkpoint import geometry as chunk_geometry
 from ckpttool.errors import InputError
 from ckpttool.formats.base import ChunkColumns, Payload, Reader, Tensor
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckpttool.core import hf, tensors, ties
-from ckpttool.core.discover import Checkpoint, TensorView
-from ckpttool.core.dtypes import DTypePolicy
-from ckpttool.core.report import Progress
+from ckpttool.core import ties
+from ckpttool.core.checkpoint import hf, tensors
+from ckpttool.core.checkpoint.discover import Checkpoint, TensorView
+from ckpttool.core.dtype_policy import DTypePolicy
+from ckpttool.core.runtime.report import Progress
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Problem, Reader, error, info
-from ckpttool.formats.dtypes import DType
+from ckpttool.formats.codecs.dtypes import DType
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ckpttool.core import chunks as chunk_geometry
-from ckpttool.core import forked, objects, tensors, values
-from ckpttool.core.against import AgainstPlan, Compare, decide_tied
-from ckpttool.core.discover import Checkpoint, TensorView, open_reader
-from ckpttool.core.report import Progress
-from ckpttool.core.tensors import BLOCK_BYTES
-from ckpttool.core.torch_threads import default_workers, one_torch_thread, workers_for
+from ckpttool.core import values
+from ckpttool.core.checkpoint import geometry as chunk_geometry
+from ckpttool.core.checkpoint import non_tensor as objects
+from ckpttool.core.checkpoint import tensors
+from ckpttool.core.checkpoint.discover import Checkpoint, TensorView, open_reader
+from ckpttool.core.checkpoint.tensors import BLOCK_BYTES
+from ckpttool.core.runtime import forked
+from ckpttool.core.runtime.report import Progress
+from ckpttool.core.runtime.torch_threads import default_workers, one_torch_thread, workers_for
+from ckpttool.core.verify.against import AgainstPlan, Compare, decide_tied
 from ckpttool.errors import InputError, UnreadableError
 from ckpttool.formats.base import (
     Checksummed,
@@ -35,9 +38,9 @@ from ckpttool.formats.base import (
     error,
     warning,
 )
-from ckpttool.formats.crc import crc32
-from ckpttool.formats.store import LocalStore, read_blocks
-from ckpttool.formats.torchsave import gc_paused
+from ckpttool.formats.codecs.crc import crc32
+from ckpttool.formats.codecs.torchsave import gc_paused
+from ckpttool.storage.store import LocalStore, read_blocks
 
 # Bytes read at a time: checked (CRC-32, values) while they are still in the CPU's caches.
 # Measured on 3 GB: 2 MB blocks took 15% less time than 16 MB ones, and than mapping the
@@ -401,7 +404,7 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
 
     Args:
         skip, skip_b: stored names of tensors of ``ckpt`` and ``other`` that structure checks
-            found unreadable (:func:`ckpttool.core.structure.check`'s ``damaged``).
+            found unreadable (:func:`ckpttool.core.checkpoint.structure.check`'s ``damaged``).
     """
     assert ckpt.info is not None
     todo = [t for t in ckpt.tensors if t.stored_name not in skip]
@@ -487,7 +490,7 @@ def _run(job: Callable[[list[TensorView]], list[Result]], todo: list[list[Tensor
          ) -> dict[str, Result]:
     """``job`` on every group of tensors, in ``workers`` threads (they are independent); or,
     where the work is Python per chunk (kilobyte-sized chunks), in up to ``workers`` forked
-    processes (:mod:`ckpttool.core.forked`), each sending its results back. With ``torch``
+    processes (:mod:`ckpttool.core.runtime.forked`), each sending its results back. With ``torch``
     (value checks or comparisons that need it), torch held at one thread of its own."""
     chunks = sum(len(t.tensor.chunks) for g in todo for t in g)
     threads = workers_for(workers, nbytes=sum(t.nbytes for g in todo for t in g), chunks=chunks)

@@ -22,7 +22,7 @@ temporary directory and creates each large data file there (``.distcp``, ``.safe
 a sparse placeholder of its listed size, so that every format's detection and listing works
 unchanged. A safetensors placeholder holds its real header bytes (fetched here), the only
 bytes of a data file a format reads while describing it. The mirror's directory is registered
-in :mod:`ckpttool.formats.store`, so readers opened on it get a :class:`RemoteStore`, which
+in :mod:`ckpttool.storage.store`, so readers opened on it get a :class:`RemoteStore`, which
 serves every data byte by ranged GETs; a format never reads a placeholder's zeros.
 
 Nothing here prints or stores credentials; they never appear on the command line.
@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import CkptError, InputError, OutputError, UnsupportedError
-from ckpttool.formats import store as stores
+from ckpttool.storage import store as stores
 
 SCHEME = "s3://"
 EXTRA = "pip install 'ckpttool[s3]'"

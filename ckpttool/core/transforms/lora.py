@@ -10,7 +10,8 @@ in]``) and ``<module>.lora_B.<adapter>.weight`` (``[out, r]``); an embedding's a
 the adapter name (``lora_A.weight``) and with a trained copy under its base name.
 
 Planning here is pure: it turns names, shapes and ``adapter_config.json`` into merge sources
-(:class:`~ckpttool.core.derive.Derived` for a folded weight). Nothing is guessed: rank comes
+(:class:`~ckpttool.core.transforms.derive.Derived` for a folded weight). Nothing is guessed: rank
+comes
 from the shapes and must agree with the config; alpha comes from the config or nowhere.
 """
 
@@ -21,8 +22,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.core import hf, tensors
-from ckpttool.core.derive import Derived
+from ckpttool.core.checkpoint import hf, tensors
+from ckpttool.core.transforms.derive import Derived
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats.base import Problem, Reader, Tensor, error, warning
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from ckpttool.core.discover import Checkpoint
+    from ckpttool.core.checkpoint.discover import Checkpoint
 
 PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"

@@ -1,4 +1,4 @@
-"""A DCP ``.metadata`` read into columns: what :mod:`ckpttool.formats.dcp` gets from the
+"""A DCP ``.metadata`` read into columns: what :mod:`ckpttool.formats.dcp.reader` gets from the
 allow-list unpickler, without the million-object graph.
 
 torch pickles ``.metadata`` with protocol 4, which memoizes every object it writes; an
@@ -36,9 +36,9 @@ from itertools import chain, islice, repeat
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ckpttool.formats import torchsave
 from ckpttool.formats.base import RECORD, ChunkColumns, ChunkTable, ObjectEntry, Tensor
-from ckpttool.formats.dtypes import DType
+from ckpttool.formats.codecs import torchsave
+from ckpttool.formats.codecs.dtypes import DType
 
 _WINDOW = 4 << 20  # bytes of the file held at a time
 _AHEAD = 1 << 18  # before a run of entries is matched, at least this much is in the window

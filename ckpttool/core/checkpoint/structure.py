@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ckpttool.core import chunks as chunk_geometry
+from ckpttool.core.checkpoint import geometry as chunk_geometry
 from ckpttool.errors import InputError
 from ckpttool.formats.base import CheckpointInfo, Chunk, ChunkColumns, Problem, error, warning
-from ckpttool.formats.store import missing_message
+from ckpttool.storage.store import missing_message
 
 
 def check(info: CheckpointInfo, canonical: Mapping[str, str],

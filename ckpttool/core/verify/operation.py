@@ -3,16 +3,18 @@
 The orchestration of pure checks and one data pass, each a source of
 :class:`~ckpttool.formats.base.Problem` with a severity and a location:
 
-* structure (:mod:`~ckpttool.core.structure`, pure): chunks tile every tensor; every data file
+* structure (:mod:`~ckpttool.core.checkpoint.structure`, pure): chunks tile every tensor; every
+  data file
   exists and holds every byte range; no stray data files; what the format found in its
   metadata (a safetensors index that disagrees with its shards);
-* content (:mod:`~ckpttool.core.scan`, one streaming pass, bounded memory): every stored piece
+* content (:mod:`~ckpttool.core.verify.scan`, one streaming pass, bounded memory): every stored
+  piece
   decodes as the metadata promises and its CRC-32 matches; NaN / Inf counts; all-zero tensors;
 * ties (:func:`~ckpttool.core.ties.check_ties`) and dtypes
-  (:func:`~ckpttool.core.dtypes.check_dtypes`), pure;
-* ``against`` (:mod:`~ckpttool.core.against`): names, shapes, dtypes and bytes of another
+  (:func:`~ckpttool.core.dtype_policy.check_dtypes`), pure;
+* ``against`` (:mod:`~ckpttool.core.verify.against`): names, shapes, dtypes and bytes of another
   checkpoint, in the same pass;
-* ``manifest`` (:mod:`~ckpttool.core.manifest`): a SHA-256 per tensor, written or checked.
+* ``manifest`` (:mod:`~ckpttool.core.verify.manifest`): a SHA-256 per tensor, written or checked.
 
 Only values (NaN counts, casts) need torch; the CRC pass does not.
 """
@@ -27,12 +29,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ckpttool.core import dtypes as dtype_policy
-from ckpttool.core import lora, remote, scan, structure, tensors, ties
-from ckpttool.core import manifest as manifests
-from ckpttool.core.against import plan_against
-from ckpttool.core.discover import Checkpoint, Part, describe, discover, open_reader, select
-from ckpttool.core.report import SCHEMA, Progress, locked
+from ckpttool.core import dtype_policy, ties
+from ckpttool.core.checkpoint import structure, tensors
+from ckpttool.core.checkpoint.discover import (
+    Checkpoint,
+    Part,
+    describe,
+    discover,
+    open_reader,
+    select,
+)
+from ckpttool.core.runtime import urls as remote
+from ckpttool.core.runtime.report import SCHEMA, Progress, locked
+from ckpttool.core.transforms import lora
+from ckpttool.core.verify import manifest as manifests
+from ckpttool.core.verify import scan
+from ckpttool.core.verify.against import plan_against
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats.base import SEVERITIES, Location, Problem, error, warning
 
@@ -97,7 +109,7 @@ def verify(
     """Check the checkpoint at ``path``; problems are reported, not raised.
 
     Args:
-        path: any supported checkpoint (see :func:`~ckpttool.core.discover.discover`).
+        path: any supported checkpoint (see :func:`~ckpttool.core.checkpoint.discover.discover`).
         against: another checkpoint (any format) that must hold the same tensors, bit for bit.
         allow_cast: with ``against``, compare after the cast ``merge --dtype`` would apply.
         dtype: that ``--dtype`` (default ``auto``: the config's); only with ``allow_cast``.

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ckpttool.core import tensors
+from ckpttool.core.checkpoint import tensors
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Reader, Tensor
-from ckpttool.formats.dtypes import DType
+from ckpttool.formats.codecs.dtypes import DType
 
 if TYPE_CHECKING:
     import torch

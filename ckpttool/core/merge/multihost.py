@@ -1,7 +1,7 @@
 """Merges that several processes share, on one host or many, writing to one shared directory.
 
 The plan is made by every process from the metadata alone (the same inputs give the same plan)
-and split by bytes (:func:`ckpttool.core.partition.split`): each process writes a disjoint set
+and split by bytes (:func:`ckpttool.core.merge.partition.split`): each process writes a disjoint set
 of byte ranges of the same output files, so a single ``model.safetensors`` is shared as evenly
 as many shards. Under torchrun (:class:`Team`):
 
@@ -36,15 +36,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ckpttool import errors
-from ckpttool.core import partition
-from ckpttool.core.distributed import Group
-from ckpttool.core.fileio import TMP_SUFFIX, AtomicOutputs, pwrite_all
-from ckpttool.core.merge import MergePlan, commit_outputs, execute_share
-from ckpttool.core.report import Progress
-from ckpttool.core.torch_threads import default_workers
+from ckpttool.core.merge import partition
+from ckpttool.core.merge.distributed import Group
+from ckpttool.core.merge.operation import MergePlan, commit_outputs, execute_share
+from ckpttool.core.runtime.report import Progress
+from ckpttool.core.runtime.torch_threads import default_workers
 from ckpttool.errors import CkptError, InputError, OutputError
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Reader
+from ckpttool.storage.outputs import TMP_SUFFIX, AtomicOutputs, pwrite_all
 
 __all__ = ["FAIL_ENV", "Finish", "Shared", "Slice", "Team", "check_headers", "parse_slice",
            "team_from_env"]
@@ -191,7 +191,7 @@ def _raise_from(status: dict[str, Any], rank: int, what: str) -> None:
 
 
 class Team:
-    """One process of a torchrun job (:class:`~ckpttool.core.distributed.Group`)."""
+    """One process of a torchrun job (:class:`~ckpttool.core.merge.distributed.Group`)."""
 
     def __init__(self, group: Group) -> None:
         self.group = group
@@ -295,7 +295,7 @@ class Team:
 def team_from_env() -> Team | None:
     """A :class:`Team` when a launcher started this process as one of several (joined now: a
     collective), else None."""
-    from ckpttool.core.distributed import launched
+    from ckpttool.core.merge.distributed import launched
 
     return Team.join() if launched() else None
 

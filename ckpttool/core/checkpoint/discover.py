@@ -19,13 +19,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ckpttool.core import hf, names
-from ckpttool.core import parts as key_parts
+from ckpttool.core.checkpoint import hf, names
+from ckpttool.core.checkpoint import parts as key_parts
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import registry, torchfile
 from ckpttool.formats.base import CheckpointInfo, ChunkColumns, ObjectEntry, Reader, Tensor
-from ckpttool.formats.dtypes import DType
-from ckpttool.formats.store import open_store
+from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.storage.store import open_store
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of one chunk
 
@@ -159,7 +159,8 @@ class Checkpoint:
 
 
 def _labels(info: CheckpointInfo) -> list[key_parts.Label]:
-    """The part of every tensor, then of every object (:func:`ckpttool.core.parts.classify`)."""
+    """The part of every tensor, then of every object
+    (:func:`ckpttool.core.checkpoint.parts.classify`)."""
     return key_parts.classify([(t.path or (t.name,), True) for t in info.tensors]
                           + [(o.path or (o.name,), False) for o in info.objects])
 

@@ -5,7 +5,8 @@ A map is a table of :class:`Rule`: a stored name pattern (``{L}``: a layer numbe
 Face name it becomes, the shape config.json implies for it, and what happens to its values on
 the way: nothing (a rename: the stored tensor under a new name, still copied file to file), the
 rotary-embedding row permutation, one part of a fused ``wqkv``, one expert of a grouped
-``[E, ...]`` weight (a :class:`~ckpttool.core.derive.Derived` each), or a declared drop. The
+``[E, ...]`` weight (a :class:`~ckpttool.core.transforms.derive.Derived` each), or a declared drop.
+The
 facts are those of torchtitan 0.3's own ``state_dict_adapter.py`` (``to_hf``) and its fused
 ``FusedQKVLinear``, written down as data.
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.core.derive import Derived, read_whole
+from ckpttool.core.transforms.derive import Derived, read_whole
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Reader, Tensor
 

@@ -33,7 +33,8 @@ each flat key to the path of nested keys it came from.
   (:meth:`DcpReader.check_copies`).
 * ``_extensions=[ZStandard()]``: every record (tensor chunk or not) is one zstd frame of the
   usual ``torch.save`` record, with the descriptor ``stream.zstd/1`` in its storage entry.
-  Records are decompressed one at a time (:mod:`ckpttool.formats.zstd`); the archive's CRC-32s
+  Records are decompressed one at a time (:mod:`ckpttool.formats.codecs.zstd`); the archive's
+  CRC-32s
   are the only checksums.
 """
 
@@ -58,7 +59,6 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import CkptError, InputError, UnsupportedError
-from ckpttool.formats import dcp_metadata, torchsave, zstd
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import (
     RAW,
@@ -77,9 +77,11 @@ from ckpttool.formats.base import (
     UnreadableObject,
     error,
 )
-from ckpttool.formats.crc import crc32
-from ckpttool.formats.dtypes import DType
-from ckpttool.formats.store import file_size, pread_of
+from ckpttool.formats.codecs import torchsave, zstd
+from ckpttool.formats.codecs.crc import crc32
+from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.formats.dcp import columns as dcp_metadata
+from ckpttool.storage.store import file_size, pread_of
 
 NAME = "dcp"
 METADATA_FILE = ".metadata"

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckpttool.formats import torchsave
 from ckpttool.formats.base import ObjectEntry, Problem, Reader, UnreadableObject, error, warning
+from ckpttool.formats.codecs import torchsave
 
 # Modules whose globals run code or reach the system when a pickle calls them: a checkpoint
 # naming one tries to run code on whoever loads it with torch.load(weights_only=False).

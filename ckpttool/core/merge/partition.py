@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ckpttool.core import chunks as chunk_geometry
-from ckpttool.core.derive import Derived
+from ckpttool.core.checkpoint import geometry as chunk_geometry
+from ckpttool.core.transforms.derive import Derived
 
 if TYPE_CHECKING:
-    from ckpttool.core.merge import MergePlan
+    from ckpttool.core.merge.operation import MergePlan
 
 __all__ = ["ALIGN", "Unit", "balance", "rank_bytes", "split", "units"]
 

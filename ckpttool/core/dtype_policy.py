@@ -6,14 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ckpttool.core import hf
+from ckpttool.core.checkpoint import hf
 from ckpttool.errors import InputError
-from ckpttool.formats import dtypes
 from ckpttool.formats.base import Problem, error, info, warning
-from ckpttool.formats.dtypes import DType
+from ckpttool.formats.codecs import dtypes
+from ckpttool.formats.codecs.dtypes import DType
 
 if TYPE_CHECKING:
-    from ckpttool.core.discover import Checkpoint
+    from ckpttool.core.checkpoint.discover import Checkpoint
 
 CHOICES = dtypes.CHOICES
 

@@ -1,10 +1,10 @@
 """Remote URLs (``s3://bucket/prefix``) wherever a command takes a checkpoint or output path.
 
 One decorator, :func:`urls`, wraps each command (merge, inspect, verify, reshard): a source URL
-is replaced by a local mirror of it (:class:`ckpttool.formats.remote.Mirror`: small files
+is replaced by a local mirror of it (:class:`ckpttool.storage.s3.Mirror`: small files
 downloaded, data files read in place by ranged GETs), an output URL by a private staging
 directory under TMPDIR, written by the command exactly as a local output (``AtomicOutputs``:
-free space checked, index last) and then uploaded (:class:`ckpttool.formats.remote.Upload`:
+free space checked, index last) and then uploaded (:class:`ckpttool.storage.s3.Upload`:
 data files first, index last, every multipart upload aborted on failure or Ctrl-C). Errors and
 reports name the URLs, never the temporary paths. The commands themselves never see a URL, so
 local paths take exactly the path they always took.
@@ -63,7 +63,7 @@ def urls(*, sources: tuple[str, ...], output: str | None = None
 
 def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[str, Any],
             output: str | None) -> R:
-    from ckpttool.formats import remote
+    from ckpttool.storage import s3 as remote
 
     renames: list[tuple[str, str]] = []  # (local path, URL) for messages and reports
     with contextlib.ExitStack() as stack:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ckpttool import errors
-from ckpttool.core.report import Progress
+from ckpttool.core.runtime.report import Progress
 
 _HEAD = struct.Struct("<cI")
 _ERRORS: dict[str, type[errors.CkptError]] = {
