@@ -18,7 +18,7 @@ from ckpttool.errors import InputError
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import RAW, CheckpointInfo, Chunk, DataFile, Reader, Tensor
 from ckpttool.formats.codecs.dtypes import DType
-from ckpttool.storage.store import file_size
+from ckpttool.storage.store import LOCAL, Store, Stores, file_size
 
 NAME = "dcp-safetensors"
 SHARDING_KEY = "DCP_SHARDING_INFO"
@@ -47,9 +47,9 @@ def detect(path: Path) -> bool:
     return path.is_dir() and is_hf_dcp_dir(path)
 
 
-def open_reader(info: CheckpointInfo) -> Reader:
+def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> Reader:
     """Pieces are raw byte ranges in the shards: the neutral reader reads them."""
-    return Reader(info)
+    return Reader(info, store)
 
 
 def is_hf_dcp_dir(path: Path) -> bool:
@@ -58,7 +58,7 @@ def is_hf_dcp_dir(path: Path) -> bool:
     return first is not None and _sharding_info(first) is not None
 
 
-def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
+def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> CheckpointInfo:
     """Describe a ``HuggingFaceStorageWriter`` checkpoint. Reads headers only.
 
     Raises:

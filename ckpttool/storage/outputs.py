@@ -1,5 +1,6 @@
-"""Atomic outputs, shared by every operation that writes files (the positional I/O they use,
-``copy_range`` and ``pwrite_all``, lives with the input side in :mod:`ckpttool.storage.store`).
+"""Output I/O, shared by every operation that writes files: atomic outputs, write-behind,
+space checks, and the positional writes and copies (``pwrite_all``, ``copy_range``) that
+writers and local stores use.
 
 Outputs are created under a hidden temporary name in the output directory, filled at known
 offsets, and renamed to their real names only when everything is complete. Anything that stops
@@ -22,6 +23,7 @@ Test hook (tests/core/test_faults.py): ``CKPTTOOL_TEST_FAULT=kill:K`` ends the p
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import shutil
@@ -31,13 +33,16 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ckpttool.errors import OutputError
-from ckpttool.storage.store import copy_range, output_error, pwrite_all
+from ckpttool.errors import InputError, OutputError
 
 __all__ = ["TMP_SUFFIX", "AtomicOutputs", "check_space", "copy_range", "existing_outputs",
            "output_error", "pwrite_all", "remove_stale"]
 
 TMP_SUFFIX = ".ckpttool-tmp"
+
+_BLOCK = 64 << 20
+_use_copy_file_range = hasattr(os, "copy_file_range")
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 
 try:
     import fcntl
@@ -373,3 +378,62 @@ def _signals_deferred() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+# --------------------------------------------------------------------------------------------
+# Positional writes and copies
+
+
+def output_error(e: OSError) -> OutputError:
+    """A failed write, in the user's terms (the temporary files are removed by the caller)."""
+    return OutputError(f"writing the output failed: {e.strerror}; free space (or raise the "
+                       "quota or file-size limit) where the output goes, then run again")
+
+
+def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, size: int) -> None:
+    """Copy ``size`` bytes between open files at the given offsets, in the kernel when it can.
+
+    Raises:
+        InputError: the source ends early. OutputError: the output cannot be written.
+    """
+    global _use_copy_file_range
+    done = 0
+    while done < size and _use_copy_file_range:
+        try:
+            n = os.copy_file_range(src_fd, dst_fd, size - done, src_offset + done,
+                                   dst_offset + done)
+        except OSError as e:
+            if e.errno in _WRITE_ERRNOS:
+                raise output_error(e) from None
+            if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP,
+                           errno.EPERM, errno.EBADF):
+                _use_copy_file_range = False
+                break
+            raise
+        if n == 0:
+            raise InputError(f"a data file ends {size - done} bytes before the tensor bytes "
+                             f"its headers promise (at byte {src_offset + done}); it is truncated")
+        done += n
+    while done < size:
+        data = os.pread(src_fd, min(_BLOCK, size - done), src_offset + done)
+        if not data:
+            raise InputError(f"a data file ends {size - done} bytes before the tensor bytes "
+                             f"its headers promise (at byte {src_offset + done}); it is truncated")
+        pwrite_all(dst_fd, data, dst_offset + done)
+        done += len(data)
+
+
+def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``os.pwrite`` may write less than asked).
+
+    Raises:
+        OutputError: the output cannot be written (no space, quota, file-size limit).
+    """
+    view = memoryview(data).cast("B")
+    while view:
+        try:
+            n = os.pwrite(fd, view, offset)
+        except OSError as e:
+            raise output_error(e) from None
+        view = view[n:]
+        offset += n

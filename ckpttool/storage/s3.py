@@ -1,4 +1,6 @@
-"""Object storage (S3 and S3-compatible stores: MinIO, Ceph, R2) as a checkpoint's store.
+"""Object storage (S3 and S3-compatible stores: MinIO, Ceph, R2): the client, its errors in
+the user's terms, ranged GETs, :class:`RemoteStore` and multipart uploads. Names no format:
+which objects an output replaces and which goes last are the caller's to say.
 
 Why boto3/botocore, not obstore or s3fs (compared for this module):
 
@@ -16,14 +18,7 @@ Why boto3/botocore, not obstore or s3fs (compared for this module):
   upload that has not completed can be aborted on a failure or Ctrl-C, and nothing that looks
   finished is left behind; s3fs and obstore hide them behind writers that finish on close.
 
-How a remote checkpoint is read: :class:`Mirror` lists the prefix once, downloads the small
-files (``.metadata``, JSON, tokenizer files, small ``torch.save`` side files) into a private
-temporary directory and creates each large data file there (``.distcp``, ``.safetensors``) as
-a sparse placeholder of its listed size, so that every format's detection and listing works
-unchanged. A safetensors placeholder holds its real header bytes (fetched here), the only
-bytes of a data file a format reads while describing it. The mirror's directory is registered
-in :mod:`ckpttool.storage.store`, so readers opened on it get a :class:`RemoteStore`, which
-serves every data byte by ranged GETs; a format never reads a placeholder's zeros.
+How a remote checkpoint is read: see :mod:`ckpttool.storage.mirror`.
 
 Nothing here prints or stores credentials; they never appear on the command line.
 """
@@ -33,18 +28,18 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
-import shutil
 import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ckpttool.errors import CkptError, InputError, OutputError, UnsupportedError
+from ckpttool.storage import outputs
 from ckpttool.storage import store as stores
 
 SCHEME = "s3://"
@@ -60,12 +55,6 @@ CACHE = 2 * CONCURRENCY * GET
 # Multipart uploads: parts of at least PART bytes (S3 allows 10,000 parts per object).
 PART = 16 << 20
 MAX_PARTS = 10_000
-# Files other than .distcp/.safetensors data files are downloaded whole into the mirror up to
-# this size (configs, tokenizers, .metadata, small torch.save side files); a larger one would
-# be a data file that only a local read can describe.
-DOWNLOAD_LIMIT = 64 << 20
-# Data files read in place by ranged GETs; their formats read headers through the store.
-RANGED_SUFFIXES = (".distcp", ".safetensors")
 # Transient failures of a response body (botocore retries the requests themselves).
 RETRIES = 4
 
@@ -273,118 +262,6 @@ def head(url: Url) -> tuple[int, str] | None:
 # Reading: the mirror and the store
 
 
-class Mirror:
-    """A remote checkpoint (a prefix, or one object) described by a local temporary
-    directory, whose data files a :class:`RemoteStore` serves. A context manager: the
-    directory is removed on exit.
-
-    Raises (on construction):
-        InputError: nothing at the URL, the bucket is missing, access is denied.
-        UnsupportedError: a large data file of a format that is only read locally.
-    """
-
-    def __init__(self, value: str) -> None:
-        self.url = parse(value)
-        objects = list_objects(self.url)
-        self.tmp = Path(tempfile.mkdtemp(prefix="ckpttool-s3-"))
-        try:
-            if objects:  # a prefix: the directory it stands for
-                self.base_url = self.url
-                self.dir = self.root = self.tmp / self.url.name
-            else:  # one object, in the directory of its parent prefix
-                single = head(self.url) if self.url.key else None
-                if single is None:
-                    raise InputError(f"{self.url}: no such object or prefix; check the URL")
-                self.base_url = Url(self.url.bucket, self.url.key.rpartition("/")[0])
-                objects = {self.url.name: single}
-                self.dir = self.tmp / self.base_url.name
-                self.root = self.dir / self.url.name
-            # ``self.dir`` stands for ``base_url``; every file lies below it.
-            self.objects = objects
-            self._build()
-        except BaseException:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            raise
-        stores.register_mirror(self.dir, self._store)
-
-    def _build(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        downloads: list[tuple[str, int, str]] = []
-        heads: list[tuple[str, int, str]] = []
-        for rel, (size, etag) in sorted(self.objects.items()):
-            target = self.dir / rel
-            if not _inside(self.dir, target):
-                continue  # a key with ".." segments: not part of any checkpoint we read
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if rel.endswith(RANGED_SUFFIXES):
-                with open(target, "wb") as f:
-                    f.truncate(size)  # sparse: no bytes stored, the size listed
-                if rel.endswith(".safetensors"):
-                    heads.append((rel, size, etag))
-            elif size <= DOWNLOAD_LIMIT:
-                downloads.append((rel, size, etag))
-            else:
-                raise UnsupportedError(
-                    f"{self.base_url.child(rel)}: a {size:,}-byte file that ckpttool reads "
-                    "only from a local disk (it reads .distcp and .safetensors data files "
-                    "from object storage); download the checkpoint first (aws s3 cp "
-                    f"--recursive {self.url} DIR) and pass DIR")
-        with ThreadPoolExecutor(max_workers=CONCURRENCY) as pool:
-            jobs = [pool.submit(self._download, *d) for d in downloads]
-            jobs += [pool.submit(self._fill_header, *h) for h in heads]
-            for j in jobs:
-                j.result()
-
-    def _download(self, rel: str, size: int, etag: str) -> None:
-        data = get_range(self.base_url.child(rel), 0, size, etag)
-        (self.dir / rel).write_bytes(data)
-
-    def _fill_header(self, rel: str, size: int, etag: str) -> None:
-        """The real bytes of a safetensors file's header in its placeholder: what describing
-        it reads (the length, then the JSON), and nothing else."""
-        url = self.base_url.child(rel)
-        first = get_range(url, 0, min(size, 64 << 10), etag)
-        if len(first) >= 8:
-            n = int.from_bytes(first[:8], "little")
-            end = min(size, 8 + n)
-            if n <= 100 << 20 and end > len(first):
-                first += get_range(url, len(first), end - len(first), etag)
-            first = first[:max(8, end)] if n <= 100 << 20 else first[:8]
-        with open(self.dir / rel, "r+b") as f:
-            f.write(first)
-
-    def _store(self, base: Path, metadata_name: str) -> RemoteStore:
-        rel = base.relative_to(self.dir).as_posix()
-        url = self.base_url if rel == "." else self.base_url.child(rel)
-        prefix = "" if rel == "." else rel + "/"
-        objects = {k[len(prefix):]: v for k, v in self.objects.items() if k.startswith(prefix)}
-        return RemoteStore(base, url, objects, metadata_name)
-
-    def to_url(self, text: str) -> str:
-        """``text`` with the mirror's paths written as the URLs they stand for."""
-        return text.replace(str(self.dir), str(self.base_url))
-
-    def close(self) -> None:
-        stores.unregister_mirror(self.dir)
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-    def __enter__(self) -> Mirror:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def local(self) -> Path:
-        """The local path that stands for the URL given."""
-        return self.root
-
-
-def _inside(base: Path, target: Path) -> bool:
-    real, inside = os.path.normpath(target), os.path.normpath(base)
-    return os.path.commonpath([real, inside]) == inside
-
-
 @dataclass
 class _Group:
     """One coalesced GET: bytes [start, end) of a file."""
@@ -414,8 +291,9 @@ class RemoteStore:
     reads from them; a read outside the plan is a GET of its own. Thread-safe.
     """
 
-    # Threads that keep the pool busy: the copy workers of a remote merge (core/merge.py).
-    workers = CONCURRENCY
+    capabilities: ClassVar[stores.Capabilities] = stores.Capabilities(
+        many_ranges=True, local_files=False, listing=True, multipart_writes=True,
+        workers=CONCURRENCY)
 
     def __init__(self, base: Path, url: Url, objects: dict[str, tuple[int, str]],
                  metadata_name: str) -> None:
@@ -484,9 +362,15 @@ class RemoteStore:
                 raise InputError(f"{self.path(name)}: ends {size - done} bytes before the "
                                  f"tensor bytes its headers promise (at byte {offset + done}); "
                                  "it is truncated")
-            piece = self._piece(name, offset + done, size - done)
-            stores.pwrite_all(dst_fd, piece, dst_offset + done)
+            piece = self._piece(name, offset + done, min(size - done, end - offset - done))
+            outputs.pwrite_all(dst_fd, piece, dst_offset + done)
             done += len(piece)
+
+    def views(self, name: str, offset: int, size: int, block: int) -> Iterator[memoryview]:
+        raise NotImplementedError("object storage maps nothing (capabilities.local_files)")
+
+    def list_files(self) -> dict[str, int]:
+        return {name: size for name, (size, _) in self.objects.items()}
 
     def close(self) -> None:
         with self._lock:
@@ -619,23 +503,20 @@ class RemoteStore:
 # Writing: multipart uploads
 
 
-def _is_weight(name: str) -> bool:
-    """Objects an output of ckpttool replaces: weights, their indexes and DCP files."""
-    return name.endswith((".safetensors", ".safetensors.index.json", ".distcp")) or \
-        name == ".metadata"
+@dataclass(frozen=True)
+class OutputNames:
+    """Which objects of an output matter, told by the caller (storage names no format)."""
+
+    replaces: Callable[[str], bool]  # objects a new output replaces (weights, indexes...)
+    last: Callable[[str], bool]  # what makes an output look complete: uploaded after the rest
 
 
-def is_last(name: str) -> bool:
-    """What makes an output look complete: written after everything else."""
-    return name.endswith(".index.json") or name == ".metadata"
+def existing_weights(url: Url, names: OutputNames) -> list[str]:
+    """Objects directly below ``url`` that an output would replace."""
+    return sorted(n for n in list_objects(url) if "/" not in n and names.replaces(n))
 
 
-def existing_weights(url: Url) -> list[str]:
-    """Weight objects directly below ``url`` (what an output would replace)."""
-    return sorted(n for n in list_objects(url) if "/" not in n and _is_weight(n))
-
-
-def check_output(value: str, *, overwrite: bool) -> Url:
+def check_output(value: str, *, overwrite: bool, names: OutputNames) -> Url:
     """The output URL, checked before any work: the bucket exists and is writable by these
     credentials (as far as a listing tells), and holds no weights unless ``overwrite``.
 
@@ -643,7 +524,7 @@ def check_output(value: str, *, overwrite: bool) -> Url:
         InputError: bad credentials, missing bucket. OutputError: weights there already.
     """
     url = parse(value)
-    existing = existing_weights(url)
+    existing = existing_weights(url, names)
     if existing and not overwrite:
         raise OutputError(f"{url}: already holds {', '.join(existing[:3])}"
                           f"{' and more' if len(existing) > 3 else ''}; pass --overwrite to "
@@ -659,9 +540,10 @@ class Upload:
     created are deleted, so nothing that looks finished is left.
     """
 
-    def __init__(self, url: Url, *, overwrite: bool) -> None:
+    def __init__(self, url: Url, *, overwrite: bool, names: OutputNames) -> None:
         self.url = url
         self.overwrite = overwrite
+        self.names = names
         self._uploads: dict[str, str] = {}  # key -> UploadId in progress
         self._created: list[str] = []  # keys this upload completed
         self._lock = threading.Lock()
@@ -669,11 +551,12 @@ class Upload:
     def run(self, local: Path) -> list[str]:
         """Upload every file of ``local`` (recursively); returns the names uploaded."""
         names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
-        before = set(existing_weights(self.url))
-        first = [n for n in names if not is_last(n)]
+        rule = self.names
+        before = set(existing_weights(self.url, rule))
+        first = [n for n in names if not rule.last(n)]
         # Weights before everything else, then the configs, the index last.
-        first.sort(key=lambda n: (not _is_weight(n), n))
-        last = [n for n in names if is_last(n)]
+        first.sort(key=lambda n: (not rule.replaces(n), n))
+        last = [n for n in names if rule.last(n)]
         pool = ThreadPoolExecutor(max_workers=CONCURRENCY, thread_name_prefix="ckpttool-put")
         try:
             for name in first:

@@ -1,8 +1,9 @@
 """Remote URLs (``s3://bucket/prefix``) wherever a command takes a checkpoint or output path.
 
 One decorator, :func:`urls`, wraps each command (merge, inspect, verify, reshard): a source URL
-is replaced by a local mirror of it (:class:`ckpttool.storage.s3.Mirror`: small files
-downloaded, data files read in place by ranged GETs), an output URL by a private staging
+is replaced by a local mirror of it (:class:`ckpttool.storage.mirror.Mirror`: small files
+downloaded, data files read in place by ranged GETs), which the command is handed as its
+``stores`` (it opens every reader's store through it); an output URL by a private staging
 directory under TMPDIR, written by the command exactly as a local output (``AtomicOutputs``:
 free space checked, index last) and then uploaded (:class:`ckpttool.storage.s3.Upload`:
 data files first, index last, every multipart upload aborted on failure or Ctrl-C). Errors and
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 from ckpttool.errors import CkptError, UnsupportedError
+from ckpttool.storage import scheme_of
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -34,7 +36,32 @@ R = TypeVar("R")
 
 def _is_url(value: object) -> bool:
     # The scheme test without importing the remote module (and so boto3) for local paths.
-    return isinstance(value, str) and value.startswith("s3://")
+    return scheme_of(value) is not None
+
+
+# What storage is told about formats (it names none): which files of a remote checkpoint are
+# data files, read in place by ranged GETs (the others are small and downloaded), which
+# objects an output replaces, and which makes an output look complete (uploaded last).
+DATA_SUFFIXES = (".distcp", ".safetensors")
+_REPLACED_SUFFIXES = (".safetensors", ".safetensors.index.json", ".distcp")
+_LAST_SUFFIXES = (".index.json",)
+_METADATA = ".metadata"
+
+
+def _replaced(name: str) -> bool:
+    return name.endswith(_REPLACED_SUFFIXES) or name == _METADATA
+
+
+def _last(name: str) -> bool:
+    return name.endswith(_LAST_SUFFIXES) or name == _METADATA
+
+
+def _head(name: str, size: int, pread: Callable[[int, int], bytes]) -> bytes:
+    """What a data file's local stand-in holds: a safetensors file's header, which
+    recognising and describing it reads."""
+    from ckpttool.formats import safetensors
+
+    return safetensors.header_bytes(size, pread) if name.endswith(".safetensors") else b""
 
 
 def urls(*, sources: tuple[str, ...], output: str | None = None
@@ -63,8 +90,10 @@ def urls(*, sources: tuple[str, ...], output: str | None = None
 
 def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[str, Any],
             output: str | None) -> R:
+    from ckpttool.storage import mirror as mirrors
     from ckpttool.storage import s3 as remote
 
+    names = remote.OutputNames(replaces=_replaced, last=_last)
     renames: list[tuple[str, str]] = []  # (local path, URL) for messages and reports
     with contextlib.ExitStack() as stack:
         try:
@@ -79,12 +108,17 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
                         "storage yet; write OUT to a shared directory and upload it, or merge "
                         "to the URL in one process")
                 overwrite = bool(bound.arguments.get("overwrite", False))
-                out_url = remote.check_output(values[output], overwrite=overwrite)
+                out_url = remote.check_output(values[output], overwrite=overwrite, names=names)
+            mounted = []
             for name, value in values.items():
                 if name != output and _is_url(value):
-                    mirror = stack.enter_context(remote.Mirror(value))
+                    mirror = stack.enter_context(
+                        mirrors.Mirror(value, data_suffixes=DATA_SUFFIXES, head=_head))
+                    mounted.append(mirror)
                     bound.arguments[name] = str(mirror.local)
                     renames.append((str(mirror.dir), str(mirror.base_url)))
+            if mounted:  # the command opens its stores through the mirrors
+                bound.arguments["stores"] = mirrors.Mounts(mounted)
             staged = None
             if out_url is not None:
                 tmp = remote.staging_dir()
@@ -97,7 +131,7 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
             if out_url is not None and staged is not None:
                 with remote.errors(out_url, "uploading"):
                     remote.Upload(out_url, overwrite=bool(
-                        bound.arguments.get("overwrite", False))).run(staged)
+                        bound.arguments.get("overwrite", False)), names=names).run(staged)
         except CkptError as e:
             e.args = tuple(_rename(a, renames) if isinstance(a, str) else a for a in e.args)
             raise

@@ -47,6 +47,7 @@ from ckpttool.core.verify import scan
 from ckpttool.core.verify.against import plan_against
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats.base import SEVERITIES, Location, Problem, error, warning
+from ckpttool.storage.store import LOCAL, Stores
 
 __all__ = ["Location", "Problem", "VerifyReport", "verify"]
 
@@ -105,6 +106,7 @@ def verify(
     adapter_config: str | os.PathLike[str] | None = None,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
+    stores: Stores = LOCAL,
 ) -> VerifyReport:
     """Check the checkpoint at ``path``; problems are reported, not raised.
 
@@ -140,8 +142,9 @@ def verify(
                          "--allow-cast too, or leave --dtype out")
     if allow_cast and against is None:
         raise InputError("--allow-cast needs --against OTHER")
-    ckpt = discover(path, config=config, command="verify")
-    other = discover(against, command="verify") if against is not None else None
+    ckpt = discover(path, config=config, command="verify", stores=stores)
+    other = (discover(against, command="verify", stores=stores) if against is not None
+             else None)
     config_name = str(ckpt.hf.config_path) if ckpt.hf.config_path else "config.json"
     expect = None
     if expect_dtype is not None:
@@ -271,5 +274,7 @@ def _other_parts(ckpt: Checkpoint) -> list[tuple[str, Checkpoint]]:
     """The other checkpoints of a training directory (optimizer_0/ beside the model's
     pytorch_model_fsdp_0/) and the side files of a checkpoint (Lightning's meta.pt), each
     verified for structure and content too."""
-    return ([(name, describe(ckpt.path / name, info)) for name, info in ckpt.others]
-            + [(name, describe(ckpt.root / name, info)) for name, info in ckpt.side])
+    return ([(name, describe(ckpt.path / name, info, stores=ckpt.stores))
+             for name, info in ckpt.others]
+            + [(name, describe(ckpt.root / name, info, stores=ckpt.stores))
+               for name, info in ckpt.side])
