@@ -76,6 +76,10 @@ class Mirror:
                 self.dir = self.tmp / self.base_url.name
                 self.root = self.dir / self.url.name
             # ``self.dir`` stands for ``base_url``; every file lies below it.
+            if s3.LOCK_NAME in objects:
+                self._warn(f"warning: {self.base_url}: a ckpttool run is writing it, or one "
+                           f"was killed while writing it ({s3.LOCK_NAME} is there); what is "
+                           "read may be incomplete")
             self.objects = self._usable(objects)
             self._build()
         except BaseException:

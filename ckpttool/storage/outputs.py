@@ -17,7 +17,8 @@ the new output lacks go, and the new index comes last.
 
 Test hook (tests/core/test_faults.py): ``CKPTTOOL_TEST_FAULT=kill:K`` ends the process as
 ``kill -9`` would at the K-th publishing step (creating an output file, fsync, rename, unlink),
-``pause:K:FILE`` creates FILE there and waits for a signal.
+``pause:K:FILE`` creates FILE there and waits for a signal. ``CKPTTOOL_TEST_REMOTE_FAULT`` does
+the same at the steps of an upload to object storage (:func:`fault_step`).
 """
 
 from __future__ import annotations
@@ -49,16 +50,17 @@ try:
 except ImportError:  # pragma: no cover - not on POSIX: no lock
     fcntl = None  # type: ignore[assignment]
 
-_steps = itertools.count(1)
+_steps = {"CKPTTOOL_TEST_FAULT": itertools.count(1),
+          "CKPTTOOL_TEST_REMOTE_FAULT": itertools.count(1)}
 
 
-def _step() -> None:
+def _step(hook: str = "CKPTTOOL_TEST_FAULT") -> None:
     """One publishing step; the test hook acts here (see the module docstring)."""
-    fault = os.environ.get("CKPTTOOL_TEST_FAULT")
+    fault = os.environ.get(hook)
     if not fault:
         return
     action, at, *rest = fault.split(":", 2)
-    if next(_steps) != int(at):
+    if next(_steps[hook]) != int(at):
         return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -69,6 +71,12 @@ def _step() -> None:
             time.sleep(0.05)
             if signal.sigpending():
                 break
+
+
+def fault_step() -> None:
+    """A step of a remote commit (each object put or deleted by an upload to object
+    storage), counted apart by ``CKPTTOOL_TEST_REMOTE_FAULT`` (same actions)."""
+    _step("CKPTTOOL_TEST_REMOTE_FAULT")
 
 
 def _fsync_wanted() -> bool:
@@ -282,8 +290,9 @@ class AtomicOutputs:
         return fd
 
     def adopt(self, name: str, tmp: Path) -> None:
-        """Take ``tmp``, a complete temporary file made elsewhere (by the processes of a
-        shared merge), as ``name``'s: renamed by :meth:`commit`, removed by :meth:`abort`."""
+        """Take ``tmp``, a complete temporary file made elsewhere (by the slices of a shared
+        merge), as ``name``'s: renamed by :meth:`commit`, kept by :meth:`abort` (it is the
+        slices' work: a failed or interrupted ``--finish`` leaves it for the next one)."""
         self._pending.append((tmp, self.out_dir / name))
         self._adopted.append(tmp)
 
@@ -356,6 +365,8 @@ class AtomicOutputs:
                 os.close(fd)
         self._fds.clear()
         for tmp, _ in self._pending:
+            if tmp in self._adopted:
+                continue
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
         self._pending.clear()

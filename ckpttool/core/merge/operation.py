@@ -821,7 +821,8 @@ def merge(
     if mode == "adapter":
         extra_names.append(hf.ADAPTER_CONFIG)
     # Before reading any tensor data (the tie check reads both embeddings): fail fast.
-    _check_existing(out_path, extra_names, overwrite, stem)
+    if shared is None or not shared.commits_slices:  # --finish knows which files are its own
+        _check_existing(out_path, extra_names, overwrite, stem)
 
     # No cyclic collection while millions of chunk objects live: none are garbage, and each
     # collection would walk them all.

@@ -23,7 +23,7 @@ import functools
 import inspect
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -93,7 +93,6 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
     from ckpttool.storage import mirror as mirrors
     from ckpttool.storage import s3 as remote
 
-    names = remote.OutputNames(replaces=_replaced, last=_last)
     renames: list[tuple[str, str]] = []  # (local path, URL) for messages and reports
     with contextlib.ExitStack() as stack:
         try:
@@ -108,7 +107,7 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
                         "storage yet; write OUT to a shared directory and upload it, or merge "
                         "to the URL in one process")
                 overwrite = bool(bound.arguments.get("overwrite", False))
-                out_url = remote.check_output(values[output], overwrite=overwrite, names=names)
+                out_url = stack.enter_context(claimed(values[output], overwrite=overwrite))
             mounted = []
             for name, value in values.items():
                 if name != output and _is_url(value):
@@ -129,14 +128,43 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
                 renames.append((str(staged), str(out_url)))
             result = fn(*bound.args, **bound.kwargs)
             if out_url is not None and staged is not None:
-                with remote.errors(out_url, "uploading"):
-                    remote.Upload(out_url, overwrite=bool(
-                        bound.arguments.get("overwrite", False)), names=names).run(staged)
+                upload(out_url, staged, overwrite=bool(bound.arguments.get("overwrite", False)))
         except CkptError as e:
             e.args = tuple(_rename(a, renames) if isinstance(a, str) else a for a in e.args)
             raise
         renamed: R = _renamed(result, renames)
         return renamed
+
+
+def output_names() -> Any:
+    """What storage is told about an output's objects (``s3.OutputNames``)."""
+    from ckpttool.storage import s3 as remote
+
+    return remote.OutputNames(replaces=_replaced, last=_last)
+
+
+@contextlib.contextmanager
+def claimed(value: str, *, overwrite: bool) -> Iterator[Any]:
+    """The output URL checked (weights there need ``overwrite``) and locked for this run
+    while the block runs (:class:`~ckpttool.storage.s3.Lock`), before any work."""
+    from ckpttool.storage import s3 as remote
+
+    url = remote.check_output(value, overwrite=overwrite, names=output_names())
+    lock = remote.Lock(url)
+    lock.acquire()
+    try:
+        yield url
+    finally:
+        lock.release()
+
+
+def upload(url: Any, staged: Path, *, overwrite: bool) -> None:
+    """Upload the finished local output ``staged`` to ``url`` (index last; see
+    :class:`~ckpttool.storage.s3.Upload`)."""
+    from ckpttool.storage import s3 as remote
+
+    with remote.errors(url, "uploading"):
+        remote.Upload(url, overwrite=overwrite, names=output_names()).run(staged)
 
 
 def _rename(text: str, renames: list[tuple[str, str]]) -> str:
