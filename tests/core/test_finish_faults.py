@@ -1,7 +1,10 @@
-"""``--finish`` under faults, in real processes: killed (SIGKILL) or interrupted (SIGINT) at
-every publishing step (``CKPTTOOL_TEST_FAULT``), it leaves no index or the finished output,
-and the slices' work stays, so that a second ``--finish`` commits exactly what a merge alone
-writes. A finish also removes (and names) the slices' temporary files of another plan."""
+"""``--finish`` and ``reshard --overwrite`` under faults, in real processes.
+
+Killed (SIGKILL) or interrupted (SIGINT) at every publishing step (``CKPTTOOL_TEST_FAULT``),
+``--finish`` leaves no index or the finished output, and the slices' work stays, so that a
+second ``--finish`` commits exactly what a merge alone writes; it also removes (and names) the
+slices' temporary files of another plan. ``reshard --overwrite`` killed at every step leaves
+the previous output, the new one, or no ``.metadata``."""
 
 from __future__ import annotations
 
@@ -88,3 +91,51 @@ def test_finish_removes_other_plans_temporary_files(llama_ckpt: Path, tmp_path: 
     assert report.distributed is not None
     assert report.distributed["removed_temporary"] == others
     assert not [p for p in out.iterdir() if p.name.endswith(".ckpttool-tmp")]
+
+
+def _dcp_state(out: Path) -> dict[str, bytes] | None:
+    """The files of a finished-looking DCP output (None without .metadata)."""
+    if not (out / ".metadata").exists():
+        return None
+    return {p.name: p.read_bytes() for p in out.iterdir() if not p.name.endswith(".ckpttool-tmp")}
+
+
+def _which(state: dict[str, bytes] | None, old: dict[str, bytes] | None,
+           new: dict[str, bytes] | None) -> str:
+    """"none", "old" or "new" (a .metadata names a save id, so the new one is told by its data
+    files); a mixed output fails."""
+    assert old is not None and new is not None
+    if state is None:
+        return "none"
+    data = {k: v for k, v in state.items() if k != ".metadata"}
+    if state[".metadata"] == old[".metadata"]:
+        assert data == {k: v for k, v in old.items() if k != ".metadata"}, "old index, mixed"
+        return "old"
+    assert data == {k: v for k, v in new.items() if k != ".metadata"}, "new index, mixed"
+    return "new"
+
+
+def test_reshard_overwrite_killed_at_every_step(llama_ckpt: Path, tmp_path: Path) -> None:
+    refs = {}
+    for ranks in ("2", "3"):
+        ref = tmp_path / f"ref{ranks}"
+        ckpttool.reshard(llama_ckpt, ref, ranks=int(ranks))
+        refs[ranks] = _dcp_state(ref)
+    out = tmp_path / "out"
+    seen = set()
+    for step in range(1, 80):
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(tmp_path / "ref2", out)
+        env = dict(os.environ, PYTHONPATH=str(ROOT), CKPTTOOL_TEST_FAULT=f"kill:{step}")
+        p = subprocess.run([sys.executable, "-m", "ckpttool", "reshard", str(llama_ckpt),
+                            str(out), "--ranks", "3", "--overwrite", "-q"],
+                           capture_output=True, text=True, env=env, timeout=300)
+        state = _which(_dcp_state(out), refs["2"], refs["3"])
+        if p.returncode == 0:
+            assert state == "new"
+            break
+        assert p.returncode == -signal.SIGKILL, p.stderr
+        seen.add(state)
+    else:
+        raise AssertionError("reshard never finished")
+    assert {"old", "none"} <= seen
