@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 PY     := $(VENV)/bin/python
 DEMO   ?= demo
 
-.PHONY: setup demo test bench completions
+.PHONY: setup demo test lint bench completions
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The guards CI runs beside the tests: ruff, and mypy --strict (configured in pyproject.toml).
+lint: setup
+	$(VENV)/bin/ruff check ckpttool tests benchmarks examples
+	$(VENV)/bin/mypy
 
 bench: setup
 	$(PY) benchmarks/merge.py

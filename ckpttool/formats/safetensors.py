@@ -199,14 +199,14 @@ def read_layout(path: Path, *, offset: int = 0) -> tuple[dict[str, str], tuple[S
                 raise InputError(f"{where}: header length {n} is implausible; not safetensors")
             text = pread(n, offset + 8)
             size = file_size(path) if not offset else None
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
+    except FileNotFoundError as err:
+        raise InputError(f"{path}: no such file") from err
     if len(text) < n:
         raise InputError(f"{where}: truncated safetensors header")
     try:
         header = json.loads(text)
     except (ValueError, RecursionError) as e:  # RecursionError: arrays nested too deep
-        raise InputError(f"{path}: corrupt safetensors header ({json_error(e)})") from None
+        raise InputError(f"{path}: corrupt safetensors header ({json_error(e)})") from e
     if not isinstance(header, dict):
         raise InputError(f"{path}: corrupt safetensors header (not a JSON object)")
     meta = header.pop("__metadata__", {}) or {}
@@ -324,11 +324,11 @@ def read_index(path: Path) -> Index:
 
     try:
         doc = json.loads(read_json_text(path), object_pairs_hook=pairs)
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
+    except FileNotFoundError as err:
+        raise InputError(f"{path}: no such file") from err
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise InputError(f"{path}: not valid JSON ({json_error(e)}); not a safetensors "
-                         "index") from None
+                         "index") from e
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):

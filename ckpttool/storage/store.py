@@ -207,12 +207,12 @@ def open_data_file(path: Path, metadata_name: str) -> int:
     """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise InputError(missing_message(path, metadata_name)) from None
+    except FileNotFoundError as err:
+        raise InputError(missing_message(path, metadata_name)) from err
     except PermissionError as e:
-        raise UnreadableError.of(path, e) from None
+        raise UnreadableError.of(path, e) from e
     except OSError as e:
-        raise InputError(f"{path}: cannot open data file: {e.strerror}") from None
+        raise InputError(f"{path}: cannot open data file: {e.strerror}") from e
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise InputError(f"{path}: is not a regular file; {metadata_name} names it as data")
@@ -296,7 +296,7 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, size:
                                    dst_offset + done)
         except OSError as e:
             if e.errno in _WRITE_ERRNOS:
-                raise output_error(e) from None
+                raise output_error(e) from e
             if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP,
                            errno.EPERM, errno.EBADF):
                 _use_copy_file_range = False
@@ -326,6 +326,6 @@ def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> No
         try:
             n = os.pwrite(fd, view, offset)
         except OSError as e:
-            raise output_error(e) from None
+            raise output_error(e) from e
         view = view[n:]
         offset += n

@@ -160,10 +160,10 @@ def _json_object(path: Path, option: str) -> dict[str, Any]:
     try:
         parsed = json.loads(read_json_text(path))
     except PermissionError as e:
-        raise UnreadableError.of(path, e) from None
+        raise UnreadableError.of(path, e) from e
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise InputError(f"{path}: not valid JSON ({json_error(e)}); fix it or pass "
-                         f"{option}") from None
+                         f"{option}") from e
     if not isinstance(parsed, dict):
         raise InputError(f"{path}: not a JSON object; fix it or pass {option}")
     return parsed

@@ -38,7 +38,8 @@ from typing import Any, Protocol
 from ckpttool import errors, settings
 from ckpttool.core.merge import partition
 from ckpttool.core.merge.distributed import Group
-from ckpttool.core.merge.operation import MergePlan, commit_outputs, execute_share
+from ckpttool.core.merge.engine import commit_outputs, execute_share
+from ckpttool.core.merge.plan import MergePlan
 from ckpttool.core.runtime.report import Progress
 from ckpttool.core.runtime.torch_threads import default_workers
 from ckpttool.errors import CkptError, InputError, OutputError
@@ -88,7 +89,7 @@ def check_headers(plan: MergePlan, temps: dict[str, Path]) -> None:
             meta, slots = st.read_layout(path)
         except (OSError, InputError) as e:
             raise OutputError(f"{path}: cannot read the output back ({e}); nothing was put in "
-                              "place") from None
+                              "place") from e
         if (head != f.layout.header or size != f.size or meta != {"format": "pt"}
                 or slots != tuple(sorted(f.layout.slots, key=lambda s: s.begin))):
             raise OutputError(f"{path}: does not read back as written (header or size "
@@ -104,7 +105,7 @@ def _open_shared(path: Path, size: int, *, create: bool = False) -> int:
     try:
         fd = os.open(path, flags, 0o666)
     except OSError as e:
-        raise OutputError(f"{path}: cannot open the shared output file: {e.strerror}") from None
+        raise OutputError(f"{path}: cannot open the shared output file: {e.strerror}") from e
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -116,7 +117,7 @@ def _open_shared(path: Path, size: int, *, create: bool = False) -> int:
                               "run is using this directory? run again")
     except OSError as e:
         os.close(fd)
-        raise OutputError(f"{path}: cannot size the shared output file: {e.strerror}") from None
+        raise OutputError(f"{path}: cannot size the shared output file: {e.strerror}") from e
     except BaseException:
         os.close(fd)
         raise
@@ -373,7 +374,7 @@ class Slice(_Alone):
                 os.fsync(fd)  # before the marker says so: another host will commit
         except OSError as e:
             raise OutputError(f"{out}: slice {self.index}/{self.count} failed: {e.strerror}; "
-                              "run it again") from None
+                              "run it again") from e
         finally:
             for fd in fds.values():
                 with contextlib.suppress(OSError):
@@ -417,9 +418,9 @@ class Finish(_Alone):
         for (i, _), marker in sorted(found.items()):
             try:
                 done = json.loads(marker.read_text())
-            except (OSError, ValueError):
+            except (OSError, ValueError) as err:
                 raise OutputError(f"{marker}: unreadable slice marker; run slice {i}/{count} "
-                                  "again") from None
+                                  "again") from err
             for fi, f in enumerate(plan.files):
                 try:
                     inode = paths[fi].lstat().st_ino

@@ -382,7 +382,7 @@ def _check_shape(nmap: NameMap, dims: Dims, rule: Rule, name: str, tensor: Tenso
             f"'{name}': {dims.where} has no '{e.key}', which --names {nmap.name} needs for "
             f"this tensor: it describes another model (model_type "
             f"{dims.config.get('model_type')}); pass the config.json of the model that was "
-            "trained") from None
+            "trained") from e
     if tensor.shape == expected:
         return
     spec = ", ".join(DIMS[s][0] for s in rule.shape)

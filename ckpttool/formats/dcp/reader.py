@@ -194,12 +194,12 @@ def _metadata_global(module: str, name: str) -> Any | None:
 def _unpickle(data: bytes, lookup: Callable[[str, str], Any | None], where: str) -> Any:
     try:
         return torchsave.AllowListUnpickler(io.BytesIO(data), lookup, where).load()
-    except MemoryError:  # a damaged length field asks for an absurd buffer
-        raise pickle.UnpicklingError("a length in the pickle is beyond its data") from None
+    except MemoryError as err:  # a damaged length field asks for an absurd buffer
+        raise pickle.UnpicklingError("a length in the pickle is beyond its data") from err
     except (torchsave.Refused, CkptError, pickle.UnpicklingError):
         raise
     except Exception as e:  # noqa: BLE001 - anything else a damaged pickle raises
-        raise torchsave.corrupt(e) from None
+        raise torchsave.corrupt(e) from e
 
 
 def read_metadata_object(path: Path) -> Any:
@@ -210,23 +210,23 @@ def read_metadata_object(path: Path) -> Any:
     """
     try:
         data = path.read_bytes()
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
+    except FileNotFoundError as err:
+        raise InputError(f"{path}: no such file") from err
     except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror}") from None
+        raise InputError(f"{path}: cannot read: {e.strerror}") from e
     try:
         return _unpickle(data, _metadata_global, str(path))
     except torchsave.Refused as e:
         raise InputError(
             f"{path}: refused to load: the pickle asks for '{e.qualname}', which a DCP "
             ".metadata never contains; the file may be malicious (nothing was executed)"
-        ) from None
+        ) from e
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
             IndexError, KeyError, struct.error, UnicodeDecodeError) as e:
         raise InputError(
             f"{path}: truncated or corrupt .metadata ({type(e).__name__}: {e}); "
             "copy it again from the source"
-        ) from None
+        ) from e
 
 
 def detect(path: Path) -> bool:
@@ -344,7 +344,7 @@ def _read_unpickled(root: Path, md_path: Path) -> _Read:
         return _convert(root, md_path, md)
     except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
         raise InputError(f"{md_path}: corrupt metadata ({type(e).__name__}: {e}); copy it "
-                         "again from the source") from None
+                         "again from the source") from e
 
 
 def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> _Read:
@@ -766,9 +766,9 @@ def read_record(fd: int | Callable[[int, int], bytes], *, offset: int, length: i
         raise InputError(
             f"{where}: tensor record asks for '{e.qualname}', which a tensor never needs; "
             "refused (nothing was executed)"
-        ) from None
+        ) from e
     except torchsave.PICKLE_ERRORS as e:
-        raise InputError(f"{where}: corrupt tensor record ({e})") from None
+        raise InputError(f"{where}: corrupt tensor record ({e})") from e
     if not isinstance(ref, torchsave.TensorRef):
         raise InputError(f"{where}: record holds a {type(ref).__name__}, not a tensor")
     data = entries.get(f"data/{ref.storage.key}")
@@ -805,11 +805,11 @@ def read_object(fd: int | Callable[[int, int], bytes], entry: ObjectEntry, *, wh
     except torchsave.Refused as e:
         pkl = entries["data.pkl"]
         names = torchsave.named_globals(rb.read(pkl.data_offset, pkl.size))
-        raise UnreadableObject(e.qualname, names=names or [e.qualname]) from None
+        raise UnreadableObject(e.qualname, names=names or [e.qualname]) from e
     except torchsave.TooComplex as e:
-        raise UnreadableObject(None, str(e)) from None
+        raise UnreadableObject(None, str(e)) from e
     except torchsave.PICKLE_ERRORS as e:
-        raise InputError(f"{where}: corrupt record ({e})") from None
+        raise InputError(f"{where}: corrupt record ({e})") from e
     return _plain(value)
 
 
