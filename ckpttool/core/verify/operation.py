@@ -14,7 +14,9 @@ The orchestration of pure checks and one data pass, each a source of
   (:func:`~ckpttool.core.dtype_policy.check_dtypes`), pure;
 * ``against`` (:mod:`~ckpttool.core.verify.against`): names, shapes, dtypes and bytes of another
   checkpoint, in the same pass;
-* ``manifest`` (:mod:`~ckpttool.core.verify.manifest`): a SHA-256 per tensor, written or checked.
+* ``manifest`` (:mod:`~ckpttool.core.verify.manifest`): a SHA-256 per tensor, written or checked;
+* ``receipt`` (:mod:`~ckpttool.core.merge.receipt`): an output of ``merge --all`` checked against
+  the receipt it carries (files, sizes, every tensor's SHA-256), unless a manifest is given.
 
 Only values (NaN counts, casts) need torch; the CRC pass does not.
 """
@@ -39,6 +41,7 @@ from ckpttool.core.checkpoint.discover import (
     open_reader,
     select,
 )
+from ckpttool.core.merge import receipt as receipts
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import SCHEMA, Progress, locked
 from ckpttool.core.transforms import lora
@@ -180,6 +183,10 @@ def verify(
                             other, policy=cast_policy)
     if manifest_path is not None:
         report.checks.append("manifest")
+    receipt = (receipts.read(ckpt.root) if manifest_path is None and ckpt.root.is_dir()
+               else None)
+    if receipt is not None:
+        report.checks.append("receipt")
     parts = _other_parts(ckpt)
     read = locked(progress)
     if on_start is not None:
@@ -188,7 +195,7 @@ def verify(
     pair = ties.find_pair(model.by_name()) if ckpt.kind == "model" else None
     # The tied pair is compared after the pass (below); --against decides a deduplicated tie
     # from its digests.
-    want_digest = ({t.name for t in ckpt.tensors} if manifest_path
+    want_digest = ({t.name for t in ckpt.tensors} if manifest_path or receipt
                    else set(pair or ()) if other is not None else set())
     damaged: set[str] = set()
     damaged_b: set[str] = set()
@@ -256,6 +263,12 @@ def verify(
             manifests.write(manifest_path, manifests.document(ckpt, digests))
             report.manifest = {"path": str(manifest_path), "action": "written",
                                "tensors": len(digests)}
+    if receipt is not None:
+        where = ckpt.root / receipts.RECEIPT_NAME
+        unreadable = {t.name for t in ckpt.tensors} - set(digests)
+        problems += receipts.check(ckpt, receipt, digests, unreadable, where)
+        report.manifest = {"path": str(where), "action": "receipt checked",
+                           "tensors": len(receipt.tensors)}
     report.problems = problems
     report.bytes_read = bytes_read
     report.seconds = round(time.perf_counter() - started, 3)
