@@ -415,20 +415,29 @@ def sweep(
 
 
 def receipt_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The merge options a receipt records: those that change the output, as JSON values
-    (sizes in bytes, paths as strings)."""
+    """The merge options a receipt records: those that change the output, with
+    :func:`merge`'s defaults where not given, as JSON values (sizes in bytes, paths as
+    absolute strings), so that the library and the command line record the same."""
+    import inspect
+
+    from ckpttool.core.merge.operation import merge
     from ckpttool.formats import safetensors as st
 
+    defaults = inspect.signature(merge).parameters
     doc: dict[str, Any] = {}
-    for key in ("dtype", "max_shard_size", "config", "keep_tied", "lora", "adapter",
-                "adapter_config", "part", "names"):
-        value = options.get(key)
+    for key in RECORDED:
+        value = options.get(key, defaults[key].default)
         if key == "max_shard_size" and value is not None:
             value = st.parse_size(str(value))
         elif isinstance(value, os.PathLike):
             value = str(Path(value).resolve())
         doc[key] = value
     return doc
+
+
+# merge()'s keywords that change what it writes (recorded in receipts).
+RECORDED = ("dtype", "max_shard_size", "config", "keep_tied", "lora", "adapter",
+            "adapter_config", "part", "names")
 
 
 def _merge_one(merge: MergeFunction, f: Found, out: Path, options: dict[str, Any],
