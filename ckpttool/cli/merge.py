@@ -247,6 +247,10 @@ def _print_human(r: object) -> None:
             lines[0] = f"wrote slice {d['slice']}/{d['processes']} of {r.checkpoint} -> {r.out}"
             lines.append("  when every slice is done, run the same command with --finish "
                          "instead of --slice")
+    if r.resumed and r.resumed["done_before"]:
+        lines.append(f"  resumed a cut merge: {r.resumed['done_before']} of "
+                     f"{r.resumed['pieces']} pieces were written already "
+                     f"({human_bytes(r.resumed['bytes_skipped'])} not written again)")
     if r.checkpoint != r.src:
         skipped = "".join(f"; skipped {Path(s['path']).name} ({s['kind']})" for s in r.skipped)
         lines.append(f"  used {Path(r.checkpoint).name}, found in {r.src}{skipped}")

@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from ckpttool.cli import app
 from ckpttool.core.merge import receipt as receipts
 from ckpttool.core.merge import sweep as sweeps
+from ckpttool.core.merge.operation import merge
 from ckpttool.core.verify.operation import verify
 from ckpttool.errors import InputError
 from tests import runs
@@ -244,3 +245,78 @@ def test_watch_merges_checkpoints_as_they_appear(trained: Path, tmp_path: Path) 
         _assert_exact(out / f"checkpoint-{step}", trained, step)
     assert log.read_text().split("\n")[:2] == [f"1 {out / 'checkpoint-1'}",
                                                f"2 {out / 'checkpoint-2'}"]
+
+
+# --------------------------------------------------------------------------------------------
+# Resuming a cut merge (core.merge.resume): pieces of 4 KB, so that these small checkpoints
+# have several (model.safetensors: 3 pieces).
+
+PIECE = "4096"
+
+
+def _cut_merge(args: list[str], kill_after: int = 2) -> subprocess.CompletedProcess[str]:
+    """A real merge process that kills itself (SIGKILL) after recording ``kill_after``
+    pieces."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]),
+           "CKPTTOOL_RESUME_PIECE": PIECE, "CKPTTOOL_TEST_RESUME_KILL": str(kill_after)}
+    done = subprocess.run([sys.executable, "-m", "ckpttool", "merge", *args], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    return done
+
+
+def test_a_killed_merge_resumes_bit_exact_writing_only_what_was_missing(
+        trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, out = trained / "run" / "checkpoint-3", tmp_path / "out"
+    _cut_merge([str(src), str(out)])
+    assert not (out / "model.safetensors").exists()  # nothing looks finished
+    assert len(list(out.glob(".*.ckpttool-tmp"))) == 2  # the file, and its journal
+
+    monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", PIECE)
+    written: list[int] = []
+    report = merge(src, out, progress=written.append)
+    assert report.resumed is not None
+    assert report.resumed["pieces"] == 3 and report.resumed["done_before"] == 2
+    assert sum(written) == report.total_bytes - report.resumed["bytes_skipped"] > 0
+    _assert_exact(out, trained, 3)
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]  # journal gone
+
+
+@pytest.mark.parametrize("doubt", ["source changed", "journal line cut", "file replaced"])
+def test_a_doubtful_cut_merge_is_redone(trained: Path, tmp_path: Path, doubt: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    src, out = tmp_path / "checkpoint-3", tmp_path / "out"
+    shutil.copytree(trained / "run" / "checkpoint-3", src)
+    _cut_merge([str(src), str(out)])
+    (journal,) = out.glob(".*.journal.ckpttool-tmp")
+    (temp,) = out.glob(".model.safetensors.*.ckpttool-tmp")
+    if doubt == "source changed":
+        data = src / "pytorch_model_fsdp_0" / "__0_0.distcp"
+        os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10**9))
+        redone = 0
+    elif doubt == "journal line cut":
+        journal.write_text(journal.read_text()[:-10])  # the second piece's line cut short
+        redone = 1
+    else:
+        other = temp.with_name("other")
+        other.write_bytes(temp.read_bytes())
+        os.replace(other, temp)  # another file (inode) with the same bytes
+        redone = 0
+    monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", PIECE)
+    report = merge(src, out)
+    assert report.resumed is not None and report.resumed["done_before"] == redone
+    _assert_exact(out, trained, 3)
+
+
+def test_all_resumes_the_checkpoint_it_was_merging(trained: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "merged"
+    _cut_merge([str(trained / "run"), str(out), "--all", "--settle", "0"])
+    monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", PIECE)
+    report = sweeps.sweep(trained / "run", out, settle=0)
+    assert _states(report.outcomes) == {"checkpoint-1": "merged", "checkpoint-2": "merged",
+                                        "checkpoint-3": "merged", "checkpoint-4": "waiting"}
+    first = report.outcomes[0].merge
+    assert first is not None and first["resumed"]["done_before"] == 2
+    for step in STEPS:
+        _assert_exact(out / f"checkpoint-{step}", trained, step)

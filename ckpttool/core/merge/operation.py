@@ -160,17 +160,33 @@ def execute(
     workers balance by bytes, largest first; small chunks go in batches (a thread-pool task
     per kilobyte-sized chunk would cost more than copying it).
     """
-    report = locked(progress)
-    jobs: list[_Job] = []
-    casts = False
     fds = []
     for f in plan.files:
         fd = outputs.create(f.name, f.size)
         fds.append(fd)
         pwrite_all(fd, f.layout.header, 0)
+    execute_into(plan, reader, fds, workers=workers, progress=progress)
+
+
+def execute_into(
+    plan: MergePlan,
+    reader: Reader,
+    fds: Sequence[int],
+    *,
+    workers: int = 1,
+    progress: Progress | None = None,
+) -> None:
+    """Write every tensor of ``plan`` into ``fds`` (one per ``plan.files``: files that exist
+    at their full size, headers written), as :func:`execute` does: also what a resumed merge
+    (:mod:`ckpttool.core.merge.resume`) calls for each piece still missing, with a plan of
+    that piece's tensors."""
+    report = locked(progress)
+    jobs: list[_Job] = []
+    casts = False
+    for f, fd in zip(plan.files, fds, strict=True):
         jobs += _jobs(fd, f.tensors)
         casts = casts or any(t.cast or isinstance(t.source, Derived) for t in f.tensors)
-    with write_behind(fds, report) as counted:
+    with write_behind(list(fds), report) as counted:
         _run(jobs, reader, workers=workers, casts=casts, report=counted, fork=True)
 
 
@@ -669,6 +685,9 @@ class MergeReport:
     tensors: list[dict[str, Any]] = field(default_factory=list)
     # A merge several processes shared (core.multihost): how, and the bytes each wrote.
     distributed: dict[str, Any] | None = None
+    # A merge written in pieces (core.merge.resume): {"pieces", "done_before": found done by a
+    # cut run and not written again, "bytes_skipped"}; None: written whole.
+    resumed: dict[str, Any] | None = None
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -875,8 +894,10 @@ def merge(
             else:
                 if on_start is not None:
                     on_start(plan.total_bytes)
-                _write(plan, reader, out_path, extra, stem=stem, overwrite=overwrite,
-                       workers=workers or default_workers(), progress=progress)
+                report.resumed = _write(plan, reader, out_path, extra, stem=stem,
+                                        overwrite=overwrite,
+                                        workers=workers or default_workers(),
+                                        progress=progress)
 
     _summarise(report, ckpt, plan, dict(extra).get(OPTIMIZER_JSON))
     if dry_run:
@@ -890,13 +911,25 @@ def merge(
 
 
 def _write(plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]], *,
-           stem: str, overwrite: bool, workers: int, progress: Progress | None) -> None:
-    """Write ``plan`` and the small ``extra`` files into ``out``, all or nothing."""
+           stem: str, overwrite: bool, workers: int, progress: Progress | None
+           ) -> dict[str, Any] | None:
+    """Write ``plan`` and the small ``extra`` files into ``out``, all or nothing. A large
+    merge is written in pieces that a cut one leaves for the next to finish
+    (:mod:`ckpttool.core.merge.resume`); returns what that found, or None."""
+    from ckpttool.core.merge import resume
+
     # Under the output's lock, OUT is looked at again: another run may have written it.
-    with AtomicOutputs(out, check=lambda: _check_existing(
-            out, [name for name, _ in extra], overwrite, stem)) as outputs:
+    def check() -> None:
+        _check_existing(out, [name for name, _ in extra], overwrite, stem)
+
+    if resume.wanted(plan):
+        return resume.write(plan, reader, out, check=check, workers=workers, progress=progress,
+                            commit=lambda outputs: commit_outputs(
+                                outputs, plan, extra, overwrite=overwrite, stem=stem))
+    with AtomicOutputs(out, check=check) as outputs:
         execute(plan, reader, outputs, workers=workers, progress=progress)
         commit_outputs(outputs, plan, extra, overwrite=overwrite, stem=stem)
+    return None
 
 
 def commit_outputs(outputs: AtomicOutputs, plan: MergePlan, extra: list[tuple[str, bytes]],
