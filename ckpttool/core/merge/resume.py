@@ -44,7 +44,7 @@ from ckpttool.storage.outputs import TMP_SUFFIX, AtomicOutputs, output_error, pw
 
 # Bytes of output per piece, and so the least a merge writes to be resumable: a smaller one is
 # quicker to write again than to check. CKPTTOOL_RESUME_PIECE overrides it (tests: kilobytes).
-PIECE_BYTES = 1 << 30
+PIECE_BYTES = 256 << 20
 PIECE_ENV = "CKPTTOOL_RESUME_PIECE"
 # Tests only: the process kills itself (SIGKILL) once this many pieces are recorded.
 KILL_ENV = "CKPTTOOL_TEST_RESUME_KILL"
