@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ckpttool import settings
 from ckpttool.errors import CkptError, UnreadableError
 from ckpttool.formats.codecs import dtypes
 
@@ -34,7 +35,7 @@ def exit_codes() -> Iterator[None]:
     ``CKPTTOOL_DEBUG=1``); unexpected exceptions are bugs: traceback and exit 70. A file this
     user may not read (exit 3) and a missing torch (exit 4) are never bugs, wherever they
     surface."""
-    debug = os.environ.get("CKPTTOOL_DEBUG") == "1"
+    debug = settings.debug()
     try:
         yield
     except CkptError as e:

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ckpttool import settings
 from ckpttool.errors import OutputError
 from ckpttool.storage.store import copy_range, output_error, pwrite_all
 
@@ -49,7 +50,7 @@ _steps = itertools.count(1)
 
 def _step() -> None:
     """One publishing step; the test hook acts here (see the module docstring)."""
-    fault = os.environ.get("CKPTTOOL_TEST_FAULT")
+    fault = settings.test_fault()
     if not fault:
         return
     action, at, *rest = fault.split(":", 2)
@@ -69,7 +70,7 @@ def _step() -> None:
 def _fsync_wanted() -> bool:
     """``CKPTTOOL_FSYNC=0`` skips the syncs (about 0.3 s per GB written on a page-cache-warm
     run: benchmarks/README.md), for scratch outputs a power cut may lose."""
-    return os.environ.get("CKPTTOOL_FSYNC") != "0"
+    return settings.fsync()
 
 
 # Bytes written between two early syncs (write_behind).

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from ckpttool import errors
+from ckpttool import errors, settings
 from ckpttool.core.merge import partition
 from ckpttool.core.merge.distributed import Group
 from ckpttool.core.merge.operation import MergePlan, commit_outputs, execute_share
@@ -140,7 +140,7 @@ def _write_share(plan: MergePlan, share: list[partition.Unit], reader: Reader,
 
 
 def _fault(progress: Progress | None, who: str) -> Progress | None:
-    spec = os.environ.get(FAIL_ENV)
+    spec = settings.test_fail_rank()
     if not spec:
         return progress
     target, _, how = spec.partition(":")
