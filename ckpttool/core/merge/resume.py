@@ -1,8 +1,8 @@
 """Resuming a merge that was cut: killed, out of disk space, interrupted.
 
-A large merge (more than one piece, :data:`PIECE_BYTES` of output) writes into temporary files
+A large merge (more than one piece, :func:`piece_bytes` of output) writes into temporary files
 whose names come from its plan (``.model.safetensors.r<plan key>.ckpttool-tmp``, not from the
-process), in pieces: consecutive tensors of one output file, about :data:`PIECE_BYTES` each, in
+process), in pieces: consecutive tensors of one output file, about :func:`piece_bytes` each, in
 a fixed order (:func:`pieces`, pure). Each piece, once written and synced, is recorded in a
 journal beside the temporary files (``.<stem>.r<plan key>.journal.ckpttool-tmp``, JSON Lines):
 the first line says what the files are for (the plan key, a digest of the source's file names,
@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ckpttool import settings
 from ckpttool.core.merge import receipt as receipts
 from ckpttool.core.merge.multihost import check_headers, plan_key
 from ckpttool.core.merge.operation import MergePlan, execute_into
@@ -42,27 +43,11 @@ from ckpttool.errors import OutputError
 from ckpttool.formats.base import Reader
 from ckpttool.storage.outputs import TMP_SUFFIX, AtomicOutputs, output_error, pwrite_all
 
-# Bytes of output per piece, and so the least a merge writes to be resumable: a smaller one is
-# quicker to write again than to check. CKPTTOOL_RESUME_PIECE overrides it (tests: kilobytes).
-PIECE_BYTES = 256 << 20
-PIECE_ENV = "CKPTTOOL_RESUME_PIECE"
-# Tests only: the process kills itself (SIGKILL) once this many pieces are recorded.
-KILL_ENV = "CKPTTOOL_TEST_RESUME_KILL"
-
 
 def piece_bytes() -> int:
-    """:data:`PIECE_BYTES`, or ``CKPTTOOL_RESUME_PIECE`` when set (a positive integer)."""
-    raw = os.environ.get(PIECE_ENV)
-    if raw is None:
-        return PIECE_BYTES
-    try:
-        value = int(raw)
-        if value <= 0:
-            raise ValueError(raw)
-    except ValueError:
-        raise OutputError(f"{PIECE_ENV}={raw!r}: expected a positive number of bytes, e.g. "
-                          f"{PIECE_ENV}={PIECE_BYTES}") from None
-    return value
+    """Bytes of output per piece, and so the least a merge writes to be resumable (a smaller
+    one is quicker to write again than to check): ``CKPTTOOL_RESUME_PIECE``, 256 MiB."""
+    return settings.resume_piece()
 
 
 @dataclass(frozen=True)
@@ -146,7 +131,7 @@ def write(plan: MergePlan, reader: Reader, out: Path, *, check: Callable[[], Non
                 part = replace(plan, files=(replace(f, tensors=f.tensors[p.first : p.end]),))
                 execute_into(part, reader, [fds[f.name]], workers=workers, progress=progress)
                 _record(journal, fds[f.name], p)
-                if os.environ.get(KILL_ENV) == str(n):
+                if settings.test_resume_kill() == n:
                     os.kill(os.getpid(), signal.SIGKILL)
             for fd in fds.values():
                 os.close(fd)
@@ -239,7 +224,7 @@ def _recorded(plan: MergePlan, journal: Path, temps: dict[str, Path], source: st
 
 def _record(journal: Path, fd: int, piece: Piece) -> None:
     """``piece`` is done: its bytes synced first, then the line that says so."""
-    if os.environ.get("CKPTTOOL_FSYNC") != "0":
+    if settings.fsync():
         try:
             os.fdatasync(fd)
         except OSError as e:
@@ -255,7 +240,7 @@ def _append(journal: Path, doc: dict[str, Any], *, create: bool = False) -> None
         fd = os.open(journal, flags, 0o666)
         try:
             _write_all(fd, (json.dumps(doc) + "\n").encode())
-            if os.environ.get("CKPTTOOL_FSYNC") != "0":
+            if settings.fsync():
                 os.fdatasync(fd)
         finally:
             os.close(fd)

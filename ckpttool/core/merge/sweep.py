@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpttool import settings
 from ckpttool.core.merge import receipt as receipts
 from ckpttool.core.runtime.report import SCHEMA
 from ckpttool.errors import CkptError, InputError, UnsupportedError
@@ -467,7 +468,7 @@ def _merge_one(merge: MergeFunction, f: Found, out: Path, options: dict[str, Any
         outcome.status, outcome.exit_code = FAILED, InputError.exit_code
         outcome.reason = f"{e.filename or f.path}: {e.strerror or e}"
     except Exception as e:  # noqa: BLE001 - one checkpoint's bug must not stop the others
-        if os.environ.get("CKPTTOOL_DEBUG") == "1":
+        if settings.debug():
             raise
         outcome.status, outcome.exit_code = FAILED, EXIT_BUG
         outcome.reason = (f"internal error (a bug in ckpttool): {e!r}; please report it, with "
