@@ -35,10 +35,14 @@ KNOBS: tuple[Knob, ...] = (
          "run started from inside one rank of a training job)"),
     Knob("CKPTTOOL_DIST_TIMEOUT", "1800", "seconds to wait for the other processes of a "
          "shared merge"),
+    Knob("CKPTTOOL_RESUME_PIECE", str(256 << 20), "bytes of output per piece of a resumable "
+         "merge; merges larger than one piece are written resumably"),
     Knob("CKPTTOOL_TEST_FAULT", "", "test hook: kill or pause at a publishing step "
          "(kill:N, pause:N:PIDFILE)", test_only=True),
     Knob("CKPTTOOL_TEST_FAIL_RANK", "", "test hook: fail one process of a shared merge "
          "(WHO:HOW)", test_only=True),
+    Knob("CKPTTOOL_TEST_RESUME_KILL", "", "test hook: a resumable merge kills itself after "
+         "recording N pieces", test_only=True),
 )
 
 
@@ -90,6 +94,36 @@ def dist_timeout() -> float:
     if value <= 0:
         raise OutputError(f"CKPTTOOL_DIST_TIMEOUT={raw!r}: expected a number of seconds above 0")
     return value
+
+
+RESUME_PIECE_DEFAULT = 256 << 20
+
+
+def resume_piece() -> int:
+    """Bytes of output per piece of a resumable merge (``CKPTTOOL_RESUME_PIECE``); a merge
+    of one piece or less is written whole (quicker to redo than to check).
+
+    Raises:
+        OutputError: the value is not a positive number of bytes.
+    """
+    raw = os.environ.get("CKPTTOOL_RESUME_PIECE")
+    if raw is None:
+        return RESUME_PIECE_DEFAULT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise OutputError(f"CKPTTOOL_RESUME_PIECE={raw!r}: expected a positive number of bytes, "
+                          f"e.g. {RESUME_PIECE_DEFAULT}")
+    return value
+
+
+def test_resume_kill() -> int | None:
+    """Test hook: a resumable merge kills itself (SIGKILL) after recording this many pieces
+    (core.merge.resume)."""
+    raw = os.environ.get("CKPTTOOL_TEST_RESUME_KILL", "")
+    return int(raw) if raw.isdigit() else None
 
 
 def test_fault() -> str:

@@ -44,7 +44,8 @@ def exit_codes() -> Iterator[None]:
         err(f"ckpttool: error: {e}")
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
-        err("ckpttool: interrupted; temporary output files were removed")
+        err("ckpttool: interrupted; no incomplete output was put in place (the same merge "
+            "command resumes a large one from the pieces it finished)")
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except (typer.Exit, typer.Abort, typer.BadParameter):
         raise

@@ -37,7 +37,12 @@ EPILOG = epilog([
     "ckpttool merge checkpoint/step-1000 optim/ --part optimizer",
     "ckpttool merge s3://bucket/run/checkpoint-500 s3://bucket/merged/",
     "ckpttool merge outputs/checkpoint/step-1000 out/ --names torchtitan-llama3 --config hf/",
-], "Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug.")
+    "ckpttool merge run/ merged/ --all --steps 'every 1000' --dtype bf16",
+    "ckpttool merge run/ merged/ --all --watch --then 'lm_eval --model_args pretrained={out}'",
+    "ckpttool merge run/ merged/ --all --task $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT",
+], "Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug. "
+   "--all: 0 when no checkpoint failed, else the most serious failure's (70, 3, 4); which "
+   "failed is in the summary.")
 
 
 # The name maps of ckpttool.core.transforms.namemaps (NAMES), spelled here so that --help
@@ -112,11 +117,53 @@ def merge_command(
     finish: Annotated[bool, typer.Option(
         "--finish", help="After every --slice I/N of this merge: check and put the output in "
         "place (same SRC, OUT and options).")] = False,
+    all_: Annotated[bool, typer.Option(
+        "--all", help="SRC is a training run directory: merge every complete checkpoint in "
+        "it (checkpoint-N/, global_stepN/, step-N/... whatever the format), in step order, "
+        "each into OUT/<its name>/ with a receipt; those merged already are skipped.")
+    ] = False,
+    steps: Annotated[str | None, typer.Option(
+        metavar="STEPS", help="With --all: which checkpoints, by step: 1000-5000, 500,1500, "
+        "'every 1000', latest, joined by commas.")] = None,
+    watch: Annotated[bool, typer.Option(
+        "--watch", help="With --all: keep going, merging each new checkpoint once it is "
+        "complete, until Ctrl-C.")] = False,
+    poll: Annotated[float, typer.Option(
+        metavar="SECONDS", min=0.0, help="With --watch: seconds between looks at RUN.")
+    ] = 30.0,
+    then: Annotated[str | None, typer.Option(
+        metavar="CMD", help="With --all: a shell command to run after each merge; {out}, "
+        "{src}, {step} and {name} are replaced (quoted). A non-zero exit fails the checkpoint."
+    )] = None,
+    task: Annotated[str | None, typer.Option(
+        metavar="I/N", help="With --all: merge only task I's share of N (array jobs), "
+        "balanced by bytes; every task computes the same shares.")] = None,
+    settle: Annotated[float, typer.Option(
+        metavar="SECONDS", min=0.0, help="With --all: a checkpoint whose files changed less "
+        "than this long ago is still being written, and waits.")] = 5.0,
     json_output: JsonOutput = False,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="Print nothing but errors.")] = False,
 ) -> None:
-    """Merge a sharded checkpoint (any format) into Hugging Face safetensors, exact to the bit."""
+    """Merge a sharded checkpoint (any format) into Hugging Face safetensors, exact to the bit.
+    With --all, every checkpoint of a training run."""
+    from ckpttool.cli import sweep
+
+    sweep.check_flags(all_=all_, given={"--steps": steps is not None, "--watch": watch,
+                                        "--poll": poll != 30.0, "--then": then is not None,
+                                        "--task": task is not None, "--settle": settle != 5.0},
+                      dry_run=dry_run, watch=watch, shared=slice_ is not None or finish,
+                      then=then)
+    if all_:
+        sweep.sweep_command(
+            src, out, merge_options={
+                "dtype": dtype, "max_shard_size": max_shard_size, "config": config,
+                "keep_tied": keep_tied, "lora": lora, "adapter": adapter,
+                "adapter_config": adapter_config, "part": part, "names": names},
+            steps=steps, task=task, overwrite=overwrite, dry_run=dry_run, settle=settle,
+            watch=watch, poll=poll, then=then, workers=workers, follow_links=follow_links,
+            json_output=json_output, quiet=quiet)
+        return
     from ckpttool.core.merge.operation import merge
 
     if slice_ is not None and finish:
@@ -200,6 +247,10 @@ def _print_human(r: object) -> None:
             lines[0] = f"wrote slice {d['slice']}/{d['processes']} of {r.checkpoint} -> {r.out}"
             lines.append("  when every slice is done, run the same command with --finish "
                          "instead of --slice")
+    if r.resumed and r.resumed["done_before"]:
+        lines.append(f"  resumed a cut merge: {r.resumed['done_before']} of "
+                     f"{r.resumed['pieces']} pieces were written already "
+                     f"({human_bytes(r.resumed['bytes_skipped'])} not written again)")
     if r.checkpoint != r.src:
         skipped = "".join(f"; skipped {Path(s['path']).name} ({s['kind']})" for s in r.skipped)
         lines.append(f"  used {Path(r.checkpoint).name}, found in {r.src}{skipped}")

@@ -13,7 +13,11 @@ A module is a format when it has (checked by :class:`Format` and the contract te
   bytes only, so that a damaged checkpoint is still claimed and ``read_info`` can say exactly
   what is wrong with it;
 * ``read_info(path) -> CheckpointInfo``: metadata and headers only, never tensor data;
-* ``open_reader(info) -> Reader``: the bytes, through a :class:`~ckpttool.storage.store.Store`.
+* ``open_reader(info) -> Reader``: the bytes, through a :class:`~ckpttool.storage.store.Store`;
+* ``pending(path) -> str | None``: why a checkpoint the format claims is still being written
+  (its writer's last step, e.g. DCP's ``.metadata``, has not happened yet), from names and
+  sizes only; None when nothing the format records says so. What a sweep of a training run
+  (``merge --all``) waits for instead of merging half a checkpoint.
 
 Nothing here names a format.
 """
@@ -564,3 +568,6 @@ class Format(Protocol):
     def read_info(self, path: Path) -> CheckpointInfo: ...
 
     def open_reader(self, info: CheckpointInfo) -> Reader: ...
+
+    def pending(self, path: Path) -> str | None: ...
+

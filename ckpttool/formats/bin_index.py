@@ -27,6 +27,12 @@ def detect(path: Path) -> bool:
     return path.is_dir() and (path / INDEX_NAME).is_file()
 
 
+def pending(path: Path) -> str | None:
+    """save_pretrained writes the index after the shards: a shard it names that is missing or
+    short is damage (read_info reports it), not a save in progress."""
+    return None
+
+
 def open_reader(info: CheckpointInfo) -> ArchiveReader:
     return ArchiveReader(info)
 

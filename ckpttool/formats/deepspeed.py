@@ -138,6 +138,26 @@ def detect(path: Path) -> bool:
         return False
 
 
+def pending(path: Path) -> str | None:
+    """DeepSpeed writes ``latest`` (beside the tag directories) once a save is complete: a tag
+    directory newer than the tag ``latest`` names (by its step number) is still being
+    written. Without ``latest`` nothing says so."""
+    if not is_tag_dir(path):
+        return None
+    tag = _read_latest(path.parent)
+    if tag is None or tag == path.name:
+        return None
+    mine, theirs = _step_of(path.name), _step_of(tag)
+    if mine is not None and theirs is not None and mine > theirs:
+        return f"{LATEST} names {tag}, an earlier tag (DeepSpeed writes {LATEST} last)"
+    return None
+
+
+def _step_of(tag: str) -> int | None:
+    found = re.findall(r"\d+", tag)
+    return int(found[-1]) if found else None
+
+
 # --------------------------------------------------------------------------------------------
 # The allow-list: what DeepSpeed's pickles name, as inert stand-ins
 
@@ -654,4 +674,4 @@ def open_reader(info: CheckpointInfo) -> ZeroReader:
 
 
 __all__ = ["LATEST", "NAME", "deepspeed_global", "detect", "flat_boxes", "is_tag_dir",
-           "open_reader", "read_info"]
+           "open_reader", "pending", "read_info"]

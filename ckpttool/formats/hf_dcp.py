@@ -47,6 +47,16 @@ def detect(path: Path) -> bool:
     return path.is_dir() and is_hf_dcp_dir(path)
 
 
+def pending(path: Path) -> str | None:
+    """HuggingFaceStorageWriter's distributed save writes no marker at the end: only the
+    sizes its shard headers promise tell a shard still being written."""
+    for f in _shard_files(path):
+        why = st.pending_file(f)
+        if why is not None:
+            return why
+    return None
+
+
 def open_reader(info: CheckpointInfo) -> Reader:
     """Pieces are raw byte ranges in the shards: the neutral reader reads them."""
     return Reader(info)

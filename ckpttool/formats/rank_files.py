@@ -102,6 +102,31 @@ def detect(path: Path) -> bool:
     return path.is_dir() and is_rank_files_dir(path)
 
 
+def pending(path: Path) -> str | None:
+    """Each rank saves its own file, with no marker at the end: missing ranks (of the world
+    size the names give) or a file whose zip end record is not there yet."""
+    found = {m[2]: m for n in _dir_names(path) if (m := MODEL_FILE_RE.match(n))}
+    sizes = {int(m[1]) for m in found.values()}
+    if len(sizes) == 1:
+        (world,) = sizes
+        missing = [r for r in range(world) if str(r) not in found]
+        if missing:
+            return (f"{len(missing)} of {world} rank files not written yet (rank "
+                    f"{missing[0]} first)")
+    for name in sorted(m[0] for m in found.values()):
+        why = torchsave.pending_file(path / name)
+        if why is not None:
+            return why
+    return None
+
+
+def _dir_names(path: Path) -> list[str]:
+    try:
+        return [p.name for p in path.iterdir()]
+    except OSError:
+        return []
+
+
 class RankReader(Reader):
     """Pieces are raw byte ranges inside the rank files: the neutral reader reads them."""
 
@@ -995,4 +1020,4 @@ def _prod(values: Iterable[int]) -> int:
 
 __all__ = ["FSDP1_LOCAL_MESSAGE", "NAME", "DTensorRef", "RankFile", "RankSet", "ShardedTensorRef",
            "detect", "dtensor_global", "name_rank",
-           "is_rank_files_dir", "open_reader", "rank_files", "read_info"]
+           "is_rank_files_dir", "open_reader", "pending", "rank_files", "read_info"]

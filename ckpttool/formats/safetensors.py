@@ -373,6 +373,50 @@ def open_reader(info: CheckpointInfo) -> Reader:
     return Reader(info)
 
 
+def pending(path: Path) -> str | None:
+    """A file shorter than its header says is still being written; so is a directory of
+    shards whose index is not written yet (save_pretrained writes it last) or whose shards
+    are short."""
+    if path.is_file():
+        return pending_file(path)
+    files = _safetensors_files(path)
+    sharded = any(re.fullmatch(r".+-\d+-of-(\d+)\.safetensors", f.name) for f in files)
+    if sharded and not any((path / index_name(s)).is_file() for s in _STEMS):
+        return "shards but no index yet (save_pretrained writes the index last)"
+    for f in files:
+        why = pending_file(f)
+        if why is not None:
+            return why
+    return None
+
+
+def pending_file(path: Path) -> str | None:
+    """Why the safetensors file at ``path`` is incomplete (shorter than its header says, or
+    its header not all there), from its first bytes and size; None when it is whole."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            size = os.fstat(f.fileno()).st_size
+            if len(head) < 8:
+                return f"{path.name}: {size} bytes, no header yet"
+            (n,) = struct.unpack("<Q", head)
+            if n > _HEADER_LIMIT:
+                return None  # not ours to judge: read_info says what is wrong
+            if size < 8 + n:
+                return f"{path.name}: header not all written yet"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    ends = [v["data_offsets"][1] for k, v in header.items()
+            if k != "__metadata__" and isinstance(v, dict)
+            and isinstance(v.get("data_offsets"), list) and len(v["data_offsets"]) == 2
+            and isinstance(v["data_offsets"][1], int)] if isinstance(header, dict) else []
+    need = 8 + n + max(ends, default=0)
+    if size < need:
+        return f"{path.name}: {size:,} of {need:,} bytes written so far"
+    return None
+
+
 _STEMS = ("model", "optimizer")
 
 

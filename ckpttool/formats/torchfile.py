@@ -93,6 +93,11 @@ def detect(path: Path) -> bool:
     return path.is_file() and is_torch_file(path)
 
 
+def pending(path: Path) -> str | None:
+    """A torch.save archive whose zip end record is not written yet."""
+    return torchsave.pending_file(path)
+
+
 def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Read a ``torch.save`` file's tensors and non-tensor values. Reads no tensor data.
 

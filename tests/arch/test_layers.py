@@ -20,7 +20,7 @@ ALLOWED = {
     "settings": {"errors"},
     "storage": {"storage", "settings", "errors"},
     "formats": {"formats", "storage", "settings", "errors"},
-    "core": {"core", "formats", "storage", "settings", "errors"},
+    "core": {"core", "formats", "storage", "settings", "errors", "__init__"},  # __version__
     "cli": {"cli", "core", "formats", "storage", "settings", "errors", "__init__"},
     "__init__": {"core", "errors"},
     "__main__": {"cli"},

@@ -53,17 +53,33 @@ def execute(
     workers balance by bytes, largest first; small chunks go in batches (a thread-pool task
     per kilobyte-sized chunk would cost more than copying it).
     """
-    report = locked(progress)
-    jobs: list[_Job] = []
-    casts = False
     fds = []
     for f in plan.files:
         fd = outputs.create(f.name, f.size)
         fds.append(fd)
         pwrite_all(fd, f.layout.header, 0)
+    execute_into(plan, reader, fds, workers=workers, progress=progress)
+
+
+def execute_into(
+    plan: MergePlan,
+    reader: Reader,
+    fds: Sequence[int],
+    *,
+    workers: int = 1,
+    progress: Progress | None = None,
+) -> None:
+    """Write every tensor of ``plan`` into ``fds`` (one per ``plan.files``: files that exist
+    at their full size, headers written), as :func:`execute` does: also what a resumed merge
+    (:mod:`ckpttool.core.merge.resume`) calls for each piece still missing, with a plan of
+    that piece's tensors."""
+    report = locked(progress)
+    jobs: list[_Job] = []
+    casts = False
+    for f, fd in zip(plan.files, fds, strict=True):
         jobs += _jobs(fd, f.tensors)
         casts = casts or any(t.cast or isinstance(t.source, Derived) for t in f.tensors)
-    with write_behind(fds, report) as counted:
+    with write_behind(list(fds), report) as counted:
         _run(jobs, reader, workers=workers, casts=casts, report=counted, fork=True)
 
 

@@ -27,7 +27,8 @@ from ckpttool.core.checkpoint.discover import Checkpoint, Part, discover, open_r
 from ckpttool.core.checkpoint.names import detected_wrappers
 from ckpttool.core.checkpoint.parts import MERGEABLE
 from ckpttool.core.dtype_policy import DTypePolicy
-from ckpttool.core.merge.engine import check_existing, write
+from ckpttool.core.merge import resume
+from ckpttool.core.merge.engine import check_existing, commit_outputs, write
 from ckpttool.core.merge.optimizer import OPTIMIZER_JSON, optimizer_json
 from ckpttool.core.merge.plan import MergePlan, Source, plan_merge
 from ckpttool.core.runtime import urls as remote
@@ -85,6 +86,9 @@ class MergeReport:
     tensors: list[dict[str, Any]] = field(default_factory=list)
     # A merge several processes shared (core.multihost): how, and the bytes each wrote.
     distributed: dict[str, Any] | None = None
+    # A merge written in pieces (core.merge.resume): {"pieces", "done_before": found done by a
+    # cut run and not written again, "bytes_skipped"}; None: written whole.
+    resumed: dict[str, Any] | None = None
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -205,9 +209,9 @@ def merge(
         extra = _side_files(report, whole, ckpt, reader, files, adapted)
         # A dry run stops here: the plan it reports is the one a merge would write.
         if not dry_run:
-            report.distributed = _write(plan, reader, out_path, extra, stem=stem,
-                                        overwrite=overwrite, workers=workers, shared=shared,
-                                        progress=progress, on_start=on_start)
+            report.distributed, report.resumed = _write(
+                plan, reader, out_path, extra, stem=stem, overwrite=overwrite, workers=workers,
+                shared=shared, progress=progress, on_start=on_start)
 
     _summarise(report, ckpt, plan, dict(extra).get(OPTIMIZER_JSON), dry_run=dry_run)
     report.seconds = round(time.perf_counter() - started, 3)
@@ -231,17 +235,27 @@ def _decide(reader: Reader, sources: list[tuple[str, Source]], config: dict[str,
 def _write(plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]], *,
            stem: str, overwrite: bool, workers: int | None, shared: Shared | None,
            progress: Progress | None, on_start: Callable[[int], None] | None
-           ) -> dict[str, Any] | None:
-    """Write the plan, alone or this process's share of it; the ``distributed`` report."""
+           ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """Write the plan: alone, this process's share of it, or in pieces that a cut merge
+    leaves for the next run to finish (:mod:`ckpttool.core.merge.resume`). The report's
+    ``distributed`` and ``resumed`` sections."""
     check_space(out, plan.file_bytes + sum(len(data) for _, data in extra))
     if shared is not None:  # this process writes its share (core.merge.multihost)
         return shared.write(plan, reader, out, extra, overwrite=overwrite, stem=stem,
-                            workers=workers, progress=progress, on_start=on_start)
+                            workers=workers, progress=progress, on_start=on_start), None
     if on_start is not None:
         on_start(plan.total_bytes)
-    write(plan, reader, out, extra, stem=stem, overwrite=overwrite,
-          workers=workers or default_workers(), progress=progress)
-    return None
+    workers = workers or default_workers()
+    if resume.wanted(plan):
+        # Under the output's lock, OUT is looked at again: another run may have written it.
+        return None, resume.write(
+            plan, reader, out, workers=workers, progress=progress,
+            check=lambda: check_existing(out, [name for name, _ in extra], overwrite, stem),
+            commit=lambda outputs: commit_outputs(outputs, plan, extra, overwrite=overwrite,
+                                                  stem=stem))
+    write(plan, reader, out, extra, stem=stem, overwrite=overwrite, workers=workers,
+          progress=progress)
+    return None, None
 
 
 def _recognise(src: Path, out: Path, config: str | os.PathLike[str] | None,

@@ -14,7 +14,9 @@ The orchestration of pure checks and one data pass, each a source of
   (:func:`~ckpttool.core.dtype_policy.check_dtypes`), pure;
 * ``against`` (:mod:`~ckpttool.core.verify.against`): names, shapes, dtypes and bytes of another
   checkpoint, in the same pass;
-* ``manifest`` (:mod:`~ckpttool.core.verify.manifest`): a SHA-256 per tensor, written or checked.
+* ``manifest`` (:mod:`~ckpttool.core.verify.manifest`): a SHA-256 per tensor, written or checked;
+* ``receipt`` (:mod:`~ckpttool.core.merge.receipt`): an output of ``merge --all`` checked against
+  the receipt it carries (files, sizes, every tensor's SHA-256), unless a manifest is given.
 
 Only values (NaN counts, casts) need torch; the CRC pass does not.
 """
@@ -38,6 +40,7 @@ from ckpttool.core.checkpoint.discover import (
     select,
 )
 from ckpttool.core.dtype_policy import DTypePolicy
+from ckpttool.core.merge import receipt as receipts
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import SCHEMA, Progress, locked
 from ckpttool.core.transforms import lora
@@ -158,6 +161,10 @@ def verify(
                             other, policy=cast_policy)
     if manifest_path is not None:
         report.checks.append("manifest")
+    receipt = (receipts.read(ckpt.root) if manifest_path is None and ckpt.root.is_dir()
+               else None)
+    if receipt is not None:
+        report.checks.append("receipt")
     parts = _other_parts(ckpt)
     read = locked(progress)
     if on_start is not None:
@@ -166,7 +173,7 @@ def verify(
     pair = ties.find_pair(model.by_name()) if ckpt.kind == "model" else None
     # The tied pair is compared after the pass (below); --against decides a deduplicated tie
     # from its digests.
-    want_digest = ({t.name for t in ckpt.tensors} if manifest_path
+    want_digest = ({t.name for t in ckpt.tensors} if manifest_path or receipt
                    else set(pair or ()) if other is not None else set())
     damaged: set[str] = set()
     damaged_b: set[str] = set()
@@ -200,6 +207,9 @@ def verify(
     report.parts = [p for p in ckpt.parts if p.path in dict(parts)]
     if manifest_path is not None:
         found, report.manifest = manifests.finish(ckpt, manifest_path, expected, digests)
+        problems += found
+    elif receipt is not None:
+        found, report.manifest = receipts.verify(ckpt, receipt, digests)
         problems += found
     report.problems = problems
     report.bytes_read = done.bytes_read + part_bytes

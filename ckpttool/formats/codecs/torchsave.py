@@ -48,6 +48,31 @@ def is_zip(file: str | os.PathLike[str]) -> bool:
         return False
 
 
+# The zip end-of-central-directory record: torch.save writes it last, with no comment after it.
+_END_RECORD = b"PK\x05\x06"
+_END_RECORD_SIZE = 22
+
+
+def pending_file(file: str | os.PathLike[str]) -> str | None:
+    """Why the zip archive at ``file`` is still being written (its end record, which
+    ``torch.save`` writes last, is not at its end yet); None when it is there, or when the
+    file is no zip at all (not ours to judge: reading it says what is wrong)."""
+    try:
+        with open(file, "rb") as f:
+            if f.read(4) != ZIP_MAGIC:
+                return None
+            size = os.fstat(f.fileno()).st_size
+            if size < _END_RECORD_SIZE:
+                return f"{os.path.basename(file)}: {size} bytes, still being written"
+            f.seek(size - _END_RECORD_SIZE)
+            tail = f.read(_END_RECORD_SIZE)
+    except OSError:
+        return None
+    if tail[:4] != _END_RECORD:
+        return f"{os.path.basename(file)}: no zip end record yet (torch.save writes it last)"
+    return None
+
+
 # --------------------------------------------------------------------------------------------
 # Allow-list unpickling
 

@@ -238,6 +238,15 @@ def detect(path: Path) -> bool:
             or bool(_rank_metadata_files(path)))
 
 
+def pending(path: Path) -> str | None:
+    """``dcp.save`` writes ``.metadata`` (or, without collectives, each rank its
+    ``__<rank>.metadata``) after every data file: without one, the save is still going on, or
+    its writer was killed before the end."""
+    if (path / METADATA_FILE).is_file() or _rank_metadata_files(path):
+        return None
+    return f"no {METADATA_FILE} yet (dcp.save writes it after every data file)"
+
+
 _RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
 
 
