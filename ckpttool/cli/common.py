@@ -23,6 +23,19 @@ EXIT_UNSUPPORTED = 4
 EXIT_INTERRUPTED = 130
 EXIT_BUG = 70
 
+# What each exit status means, for every command (README's table is generated from this).
+EXIT_MEANINGS: tuple[tuple[int, str], ...] = (
+    (EXIT_OK, "success (`verify`: nothing at error severity)"),
+    (EXIT_PROBLEMS, "`verify` found something at error severity"),
+    (EXIT_USAGE, "usage error: unknown option, bad value, options that do not go together"),
+    (EXIT_INPUT, "bad input or output: missing path, not a checkpoint, truncated, corrupt or "
+                 "unsafe file, unreadable file, output exists, no space"),
+    (EXIT_UNSUPPORTED, "a valid checkpoint using something not supported yet, or a library it "
+                       "needs that is not installed (torch, zstandard, boto3)"),
+    (EXIT_BUG, "internal error: a bug in ckpttool (traceback shown; please report it)"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C); temporary files removed"),
+)
+
 
 def err(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
