@@ -39,7 +39,8 @@ COMMANDS = ("merge", "inspect", "verify", "reshard")
 
 _BLOCK = re.compile(r"(<!-- BEGIN generated:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)"
                     r"(<!-- END generated:(?P=name) -->)", re.S)
-_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+# An inline link's target, or a reference definition's ("[name]: target").
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|^\[[^\]]+\]:\s*(\S+)", re.M)
 _CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
 
 
@@ -68,9 +69,7 @@ def options_table(command: str) -> str:
             value = "" if p.is_flag else f"`{p.metavar or p.name.upper()}`"
             if isinstance(p.default, Enum):  # a choice: name them all
                 value = "`" + "`, `".join(str(e.value) for e in type(p.default)) + "`"
-            if p.is_flag:
-                default = ""
-            elif p.default is None:
+            if p.is_flag or p.default is None:
                 default = ""
             else:
                 d = p.default.value if isinstance(p.default, Enum) else p.default
@@ -169,7 +168,7 @@ def broken_links(root: Path = ROOT) -> list[str]:
     for page in pages(root):
         text = _CODE.sub("", page.read_text())
         for m in _LINK.finditer(text):
-            target = m.group(1)
+            target = m.group(1) or m.group(2)
             if target.startswith(("http://", "https://", "mailto:")):
                 for prefix in (BLOB_URL, TREE_URL):
                     if target.startswith(prefix):
