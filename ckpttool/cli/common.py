@@ -111,6 +111,23 @@ Workers = Annotated[int | None, typer.Option(
     "this process may use).")]
 
 
+def completer(*choices: tuple[str, str]) -> Callable[[str], list[tuple[str, str]]]:
+    """An ``autocompletion=`` function for an option's values: the choices that begin with
+    what was typed, each with a one-line description (shells show it beside the value)."""
+
+    def complete(incomplete: str) -> list[tuple[str, str]]:
+        return [(value, about) for value, about in choices if value.startswith(incomplete)]
+
+    return complete
+
+
+# --dtype's values (dtypes.CHOICES, in its order; a test keeps them equal) with descriptions.
+DTYPE_VALUES = (("auto", "config.json's torch_dtype"), ("keep", "as stored"),
+                ("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32"))
+complete_dtype = completer(*DTYPE_VALUES)
+complete_expect_dtype = completer(*(v for v in DTYPE_VALUES if v[0] != "keep"))
+
+
 def dtype_choice(value: str | None) -> str | None:
     """Typer callback for ``--dtype``-like options: one of ``dtypes.CHOICES``, also spelled as
     config.json and torch spell it (``bfloat16``, ``float16``, ``torch.float32``)."""

@@ -16,6 +16,8 @@ from ckpttool.cli.common import (
     NoProgress,
     ProgressBar,
     Workers,
+    complete_dtype,
+    completer,
     count,
     dtype_choice,
     epilog,
@@ -61,7 +63,8 @@ def merge_command(
         metavar="OUT", help="Output directory for the safetensors files (not SRC, nor inside "
         "it).")],
     dtype: Annotated[str, typer.Option(
-        callback=dtype_choice, metavar="DTYPE", help=f"Dtype of floating tensors: "
+        callback=dtype_choice, autocompletion=complete_dtype, metavar="DTYPE",
+        help=f"Dtype of floating tensors: "
         f"{DTYPE_CHOICES}, also spelled bfloat16, float16, float32 (auto: config.json's "
         "torch_dtype). Float8, integer and bool tensors are never cast.")
     ] = "auto",
@@ -77,6 +80,8 @@ def merge_command(
         "--overwrite", help="Replace model weights already in OUT.")] = False,
     lora: Annotated[str | None, typer.Option(
         "--lora", metavar="[fuse|adapter]", callback=_lora_choice,
+        autocompletion=completer(("fuse", "fold the adapter into the weights"),
+                                 ("adapter", "write the adapter alone, for PEFT")),
         help="For a checkpoint with a LoRA adapter: fuse (fold W + scale * B @ A into the "
         "weights; the default when the base weights are there) or adapter (a PEFT adapter "
         "directory). alpha comes from adapter_config.json.")] = None,
@@ -88,6 +93,8 @@ def merge_command(
         "beside the checkpoint or the adapter.")] = None,
     part: Annotated[str | None, typer.Option(
         "--part", metavar="PART", callback=_part_choice,
+        autocompletion=completer(("model", "model.safetensors"),
+                                 ("optimizer", "optimizer.safetensors + optimizer.json")),
         help="What to write of a checkpoint that holds more than the model (optimizer, lr "
         "scheduler, dataloader...): model (model.safetensors) or optimizer "
         "(optimizer.safetensors + optimizer.json). Default: the model; the rest is reported.")
@@ -95,7 +102,9 @@ def merge_command(
     no_progress: NoProgress = False,
     follow_links: FollowLinks = False,
     names: Annotated[str | None, typer.Option(
-        callback=names_choice, metavar="MAP", help=f"Map a training framework's names and "
+        callback=names_choice, metavar="MAP",
+        autocompletion=completer(*((m, "torchtitan names to Hugging Face's") for m in NAME_MAPS)),
+        help=f"Map a training framework's names and "
         f"layouts to a Hugging Face model family's: {', '.join(NAME_MAPS)} (renames, RoPE "
         "permutation, "
         "fused wqkv and grouped-expert splits). Needs the model's config.json (--config).")
