@@ -749,7 +749,7 @@ def merge(
     shard_limit = st.parse_size(str(max_shard_size))
     if part not in (None, *MERGEABLE):
         raise InputError(f"part {part!r} cannot be merged; choose one of {', '.join(MERGEABLE)}")
-    ckpt = discover(src_path, config=config, command="merge")
+    ckpt = discover(src_path, config=config, command="merge", prefer=part)
     if ckpt.chosen is not None and ckpt.kind == "optimizer" and part is None:
         raise InputError(
             f"{src_path}: holds only optimizer state ({ckpt.chosen}), no model checkpoint; to "

@@ -1,0 +1,46 @@
+"""Everyday friction a new user met (issue 24), each pinned by the CLI as the user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*args: str | Path, env: dict[str, str] | None = None):
+    return CliRunner().invoke(app, [str(a) for a in args], env=env)
+
+
+def cli_env() -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)}
+
+
+def test_part_optimizer_of_a_training_directory_uses_the_optimizer_beside_the_model(
+        llama_ckpt: Path, tmp_path: Path) -> None:
+    r = run("merge", llama_ckpt, tmp_path / "a", "--part", "optimizer")
+    assert r.exit_code == 0, r.output
+    assert f"  used optimizer_0, found in {llama_ckpt}" in r.stdout
+    r = run("merge", llama_ckpt / "optimizer_0", tmp_path / "b", "-q")
+    assert r.exit_code == 0, r.output
+    for name in ("optimizer.safetensors", "optimizer.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_torch_without_numpy_says_nothing_about_numpy(llama_ckpt: Path) -> None:
+    # The user's own torch build without numpy: no "Failed to initialize NumPy" lines.
+    code = ("import sys\nsys.modules['numpy'] = None\n"
+            f"sys.argv = ['ckpttool', 'inspect', {str(llama_ckpt)!r}, '--stats', '-q']\n"
+            "from ckpttool.cli import main\nmain()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=cli_env(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
