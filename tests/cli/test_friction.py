@@ -44,3 +44,12 @@ def test_torch_without_numpy_says_nothing_about_numpy(llama_ckpt: Path) -> None:
                        env=cli_env(), timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""
+
+
+@pytest.mark.parametrize("given", ["3/3", "0/0", "-1/2", "a/b"])
+def test_a_bad_slice_is_a_usage_error(given: str, llama_ckpt: Path, tmp_path: Path) -> None:
+    r = run("merge", llama_ckpt, tmp_path / "out", f"--slice={given}")
+    assert r.exit_code == 2, r.output
+    assert r.stderr == (f"ckpttool: error: --slice '{given}': expected I/N with 0 <= I < N, "
+                        "e.g. --slice 0/8\n")
+    assert not (tmp_path / "out").exists()

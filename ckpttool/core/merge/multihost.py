@@ -41,7 +41,7 @@ from ckpttool.core.merge.distributed import Group
 from ckpttool.core.merge.operation import MergePlan, commit_outputs, execute_share
 from ckpttool.core.runtime.report import Progress
 from ckpttool.core.runtime.torch_threads import default_workers
-from ckpttool.errors import CkptError, InputError, OutputError
+from ckpttool.errors import CkptError, InputError, OutputError, UsageError
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Reader
 from ckpttool.storage.outputs import TMP_SUFFIX, AtomicOutputs, pwrite_all
@@ -308,11 +308,11 @@ def parse_slice(text: str) -> tuple[int, int]:
     """``"I/N"`` -> (I, N), 0 <= I < N.
 
     Raises:
-        InputError: anything else.
+        UsageError: anything else.
     """
     m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
     if m is None or not int(m[2]) or int(m[1]) >= int(m[2]):
-        raise InputError(f"--slice {text!r}: expected I/N with 0 <= I < N, e.g. --slice 0/8")
+        raise UsageError(f"--slice {text!r}: expected I/N with 0 <= I < N, e.g. --slice 0/8")
     return int(m[1]), int(m[2])
 
 
