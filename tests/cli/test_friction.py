@@ -53,3 +53,20 @@ def test_a_bad_slice_is_a_usage_error(given: str, llama_ckpt: Path, tmp_path: Pa
     assert r.stderr == (f"ckpttool: error: --slice '{given}': expected I/N with 0 <= I < N, "
                         "e.g. --slice 0/8\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_fifo_as_data_file_is_called_a_fifo_not_missing(llama_ckpt: Path,
+                                                           tmp_path: Path) -> None:
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(llama_ckpt / "pytorch_model_fsdp_0", ckpt)
+    data = ckpt / "__1_0.distcp"
+    data.unlink()
+    os.mkfifo(data)
+    said = (f"{data}: is a FIFO, not a regular file; .metadata references it as a data file (")
+    r = run("merge", ckpt, tmp_path / "out")
+    assert r.exit_code == 3 and r.stderr.startswith(f"ckpttool: error: {said}"), r.output
+    assert "missing" not in r.stderr
+    r = run("verify", ckpt)
+    assert r.exit_code == 1 and f"error: missing-file: {said}" in r.stdout, r.output
