@@ -8,6 +8,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -75,6 +76,29 @@ def exit_codes() -> Iterator[None]:
         raise typer.Exit(EXIT_UNSUPPORTED) from None
     except Exception:  # noqa: BLE001 - anything else is our bug, reported as one
         raise _bug() from None
+
+
+@contextmanager
+def removes_new_dirs(out: str) -> Iterator[None]:
+    """A command that fails (an error, Ctrl-C) leaves no empty output directory that it
+    created: ``out`` and the parents it lacked are removed again where they are still empty.
+    A directory that was there before, or holds anything (a slice's temporary files, another
+    process's output), is left alone. Not for URLs."""
+    missing: list[Path] = []
+    if "://" not in out:
+        p = Path(out).absolute()
+        while not os.path.lexists(p) and p != p.parent:
+            missing.append(p)
+            p = p.parent
+    try:
+        yield
+    except BaseException:
+        for d in missing:  # deepest first
+            try:
+                d.rmdir()
+            except OSError:  # not empty (or gone): what is there is not ours to remove
+                break
+        raise
 
 
 def _bug() -> typer.Exit:

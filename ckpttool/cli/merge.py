@@ -26,6 +26,7 @@ from ckpttool.cli.common import (
     human_bytes,
     lora_line,
     print_json,
+    removes_new_dirs,
     size_option,
 )
 
@@ -131,7 +132,7 @@ def merge_command(
     if slice_ is not None and finish:
         raise typer.BadParameter("--slice writes one share, --finish commits them all: run "
                                  "each slice, then --finish once", param_hint="--finish")
-    with exit_codes(), _shared(slice_, finish) as shared:
+    with exit_codes(), removes_new_dirs(out), _shared(slice_, finish) as shared:
         # Under torchrun, rank 0 speaks for all; the others print only their errors.
         speaks = shared is None or shared.first
         quiet = quiet or not speaks

@@ -18,6 +18,7 @@ from ckpttool.cli.common import (
     exit_codes,
     human_bytes,
     print_json,
+    removes_new_dirs,
     size_option,
 )
 
@@ -62,7 +63,7 @@ def reshard_command(
 
     bar = ProgressBar("resharding", enabled=not quiet and not no_progress)
     on_start, progress = bar.callbacks
-    with exit_codes():
+    with exit_codes(), removes_new_dirs(out):
         try:
             report = reshard(src, out, ranks=ranks, to=to.value, prefix=prefix,
                              max_shard_size=max_shard_size, overwrite=overwrite,

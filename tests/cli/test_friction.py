@@ -70,3 +70,29 @@ def test_a_fifo_as_data_file_is_called_a_fifo_not_missing(llama_ckpt: Path,
     assert "missing" not in r.stderr
     r = run("verify", ckpt)
     assert r.exit_code == 1 and f"error: missing-file: {said}" in r.stdout, r.output
+
+
+def test_a_failed_merge_removes_the_output_directory_it_created(llama_ckpt: Path,
+                                                                tmp_path: Path) -> None:
+    out = tmp_path / "new" / "out"
+    r = run("merge", llama_ckpt, out, "--finish")  # no slice ran: fails after creating OUT
+    assert r.exit_code == 3 and "no finished slice of this merge" in r.stderr, r.output
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "there").mkdir()
+    r = run("merge", llama_ckpt, tmp_path / "there", "--finish")
+    assert r.exit_code == 3 and (tmp_path / "there").is_dir()  # it was there before
+
+
+def test_an_interrupted_command_leaves_no_directory_it_created(tmp_path: Path) -> None:
+    from ckpttool.cli.common import removes_new_dirs
+
+    out = tmp_path / "a" / "b"
+    with pytest.raises(KeyboardInterrupt), removes_new_dirs(str(out)):
+        out.mkdir(parents=True)
+        raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(KeyboardInterrupt), removes_new_dirs(str(out)):
+        out.mkdir(parents=True)
+        (out / ".x.ckpttool-tmp").touch()  # a slice's work: kept
+        raise KeyboardInterrupt
+    assert (out / ".x.ckpttool-tmp").exists()
