@@ -206,7 +206,10 @@ def _print_human(r: object) -> None:
         lines.append(f"  shared by {d['processes']} {how}{which}: "
                      f"{human_bytes(max(d['bytes']))} at most each, balance "
                      f"{d['balance']:.3f} (largest / mean)")
-        if d["mode"] == "slice":
+        if d["mode"] == "slice" and r.dry_run:
+            lines[0] = (f"dry run: slice {d['slice']}/{d['processes']} of {r.checkpoint} -> "
+                        f"{r.out} (nothing written); its tensors are listed below")
+        elif d["mode"] == "slice":
             lines[0] = f"wrote slice {d['slice']}/{d['processes']} of {r.checkpoint} -> {r.out}"
             lines.append("  when every slice is done, run the same command with --finish "
                          "instead of --slice")

@@ -96,3 +96,25 @@ def test_an_interrupted_command_leaves_no_directory_it_created(tmp_path: Path) -
         (out / ".x.ckpttool-tmp").touch()  # a slice's work: kept
         raise KeyboardInterrupt
     assert (out / ".x.ckpttool-tmp").exists()
+
+
+def test_dry_run_of_a_slice_shows_that_slice(llama_ckpt: Path, tmp_path: Path) -> None:
+    import json
+
+    out = tmp_path / "out"
+    whole = json.loads(run("merge", llama_ckpt, out, "--dry-run", "--json").stdout)
+    names: list[str] = []
+    for i in range(4):
+        r = run("merge", llama_ckpt, out, "--dry-run", "--slice", f"{i}/4", "--json")
+        assert r.exit_code == 0, r.output
+        doc = json.loads(r.stdout)
+        assert doc["distributed"]["mode"] == "slice" and doc["distributed"]["slice"] == i
+        assert doc["distributed"]["processes"] == 4
+        assert 0 < len(doc["tensors"]) < len(whole["tensors"])
+        names += [t["name"] for t in doc["tensors"]]
+    # every tensor is some slice's (one cut between two slices is in both)
+    assert set(names) == {t["name"] for t in whole["tensors"]}
+    r = run("merge", llama_ckpt, out, "--dry-run", "--slice", "1/4")
+    assert r.stdout.startswith("dry run: slice 1/4 of "), r.stdout
+    assert "--finish" not in r.stdout
+    assert not out.exists()

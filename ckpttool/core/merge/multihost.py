@@ -71,6 +71,17 @@ class Shared(Protocol):
         """Write this process's part of ``plan`` (and commit, where it is the one to);
         returns what the report says about the sharing."""
 
+    def preview(self, plan: MergePlan) -> dict[str, Any] | None:
+        """For a dry run: what :meth:`write` would report, with ``tensors``, the names of
+        the tensors this process would write (some of them in part); None: all of them."""
+
+
+def _preview(mode: str, merge_plan: MergePlan, shares: list[list[partition.Unit]],
+             index: int, **more: Any) -> dict[str, Any]:
+    mine = sorted({(u.file, u.tensor) for u in shares[index]})
+    names = [merge_plan.files[f].tensors[t].name for f, t in mine]
+    return _describe(mode, shares, tensors=names, **more)
+
 
 def check_headers(plan: MergePlan, temps: dict[str, Path]) -> None:
     """Read every output file's header back and check it is the planned one, and the file its
@@ -240,6 +251,10 @@ class Team:
             if status is not None:
                 _raise_from(status, rank, what)
 
+    def preview(self, plan: MergePlan) -> dict[str, Any] | None:
+        return _preview("torchrun", plan, partition.split(plan, self.group.size),
+                        self.group.rank)
+
     def write(self, plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
               *, overwrite: bool, stem: str, workers: int | None, progress: Progress | None,
               on_start: Callable[[int], None] | None) -> dict[str, Any]:
@@ -341,6 +356,9 @@ class _Alone:
     def once(self, decide: Callable[[], Any]) -> Any:
         return decide()
 
+    def preview(self, plan: MergePlan) -> dict[str, Any] | None:
+        return None
+
 
 class Slice(_Alone):
     """``--slice I/N``: one of N processes started without a launcher; writes its share and a
@@ -348,6 +366,10 @@ class Slice(_Alone):
 
     def __init__(self, index: int, count: int) -> None:
         self.index, self.count = index, count
+
+    def preview(self, plan: MergePlan) -> dict[str, Any] | None:
+        return _preview("slice", plan, partition.split(plan, self.count), self.index,
+                        slice=self.index, plan=plan_key(plan))
 
     def write(self, plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
               *, overwrite: bool, stem: str, workers: int | None, progress: Progress | None,

@@ -881,10 +881,15 @@ def merge(
     _summarise(report, ckpt, plan, dict(extra).get(OPTIMIZER_JSON))
     if dry_run:
         report.dry_run = True
+        # Shared (--slice I/N, torchrun): the sharing and this process's tensors only.
+        share = shared.preview(plan) if shared is not None else None
+        mine = set(share.pop("tensors")) if share is not None else None
+        report.distributed = share
         report.tensors = [{"name": t.name, "file": f.name, "dtype": t.dtype.name,
                            "source_dtype": t.source.dtype.name, "shape": list(t.slot.shape),
                            "bytes": t.slot.nbytes, "offsets": [t.slot.begin, t.slot.end]}
-                          for f in plan.files for t in f.tensors]
+                          for f in plan.files for t in f.tensors
+                          if mine is None or t.name in mine]
     report.seconds = round(time.perf_counter() - started, 3)
     return report
 
