@@ -222,20 +222,28 @@ def _print_human(r: object) -> None:
     if note:
         lines.append(f"  source: {r.format}, {note}")
     for f in r.files:
-        tensors = f" ({f['tensors']} tensors)" if f["tensors"] else ""
+        tensors = f" ({count(f['tensors'], 'tensor')})" if f["tensors"] else ""
         lines.append(f"  {did} {f['name']}: {human_bytes(f['bytes'])}{tensors}")
-    lines.append(f"  {r.num_tensors} tensors, {r.num_parameters:,} parameters, "
+    lines.append(f"  {count(r.num_tensors, 'tensor')}, {r.num_parameters:,} parameters, "
                  f"{human_bytes(r.total_bytes)}")
     before = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(r.bytes_before.items()))
     after = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(r.bytes_after.items()))
-    lines.append(f"  dtype {r.dtype['target'] or 'kept'} ({r.dtype['source']}): "
-                 f"{before} -> {after}")
+    if r.dtype["target"]:
+        lines.append(f"  dtype {r.dtype['target']} ({r.dtype['source']}): {before} -> {after}")
+    else:  # nothing cast: one figure (a tied copy written once is said on its own line)
+        why = r.dtype["source"].removesuffix(", dtypes kept")
+        lines.append(f"  dtypes kept as stored ({why}): {before}")
     if r.renames and r.lora:
         lines.append(f"  renamed to the base model's names ({len(r.renames)} stored names; "
                      "PEFT's base_model.model. and .base_layer removed; all in --json)")
+    elif r.renames and r.wrappers_removed:
+        # One line says it: the renames differ only by the wrapper taken out.
+        removed = ", ".join(f"'{w}'" for w in r.wrappers_removed)
+        lines.append(f"  removed wrapper{'s' if len(r.wrappers_removed) > 1 else ''} "
+                     f"{removed} from {count(len(r.renames), 'name')} (every rename is in "
+                     "--json)")
     elif r.renames:
-        removed = ", ".join(r.wrappers_removed)
-        lines.append(f"  renamed {len(r.renames)} tensors (removed: {removed}):")
+        lines.append(f"  renamed {count(len(r.renames), 'tensor')}:")
         shown = r.renames if len(r.renames) <= 8 else r.renames[:5]
         lines += [f"    {x['from']} -> {x['to']}" for x in shown]
         if len(shown) < len(r.renames):

@@ -102,6 +102,7 @@ class ReshardReport:
     total_bytes: int = 0
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    checkpoint: str = ""  # the checkpoint read: SRC, or the one found in it (checkpoint-500/)
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "command": "reshard", **self.__dict__}
@@ -154,7 +155,8 @@ def reshard(
     info = ckpt.info
     check_apart(out_path, src_path, info.root)
     structure.raise_first(structure.check(info, ckpt.canonical()))
-    report = ReshardReport(str(src_path), str(out_path), info.format, target)
+    report = ReshardReport(str(src_path), str(out_path), info.format, target,
+                           checkpoint=str(info.root))
     if target == "safetensors" and info.sharded:
         raise InputError(f"{src_path}: --to safetensors re-splits full weights; to turn a "
                          f"sharded checkpoint into safetensors run: ckpttool merge {src_path} "

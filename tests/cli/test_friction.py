@@ -118,3 +118,41 @@ def test_dry_run_of_a_slice_shows_that_slice(llama_ckpt: Path, tmp_path: Path) -
     assert r.stdout.startswith("dry run: slice 1/4 of "), r.stdout
     assert "--finish" not in r.stdout
     assert not out.exists()
+
+
+def test_reshard_of_a_training_directory_says_which_checkpoint_it_used(
+        llama_ckpt: Path, tmp_path: Path) -> None:
+    r = run("reshard", llama_ckpt, tmp_path / "out", "--ranks", "1")
+    assert r.exit_code == 0, r.output
+    used = llama_ckpt / "pytorch_model_fsdp_0"
+    assert r.stdout.startswith(f"resharded {used} (dcp) -> {tmp_path / 'out'} (1 rank) in ")
+    assert f"  used pytorch_model_fsdp_0, found in {llama_ckpt}\n" in r.stdout
+
+
+def test_merge_report_wording(llama_ckpt: Path, tmp_path: Path) -> None:
+    r = run("merge", llama_ckpt, tmp_path / "out", "--dtype", "keep")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert "  wrote model.safetensors: 92.78 KB (20 tensors)" in lines
+    # nothing cast: one figure; the tied copy written once has its own line
+    assert "  dtypes kept as stored (--dtype keep): F32 107.14 KB" in lines
+    assert "  removed wrapper 'model' from 21 names (every rename is in --json)" in lines
+    assert not [line for line in lines if " -> model." in line]
+    assert [line for line in lines if line.startswith("  tied: lm_head.weight is identical")]
+
+
+def test_no_space_is_said_in_units(tmp_path: Path) -> None:
+    from ckpttool.errors import OutputError
+    from ckpttool.storage.outputs import check_space
+
+    with pytest.raises(OutputError, match=r"takes about 1000\.00 TB and [0-9.]+ [KMGT]B are "
+                                          "free; free some space"):
+        check_space(tmp_path / "out", 10**15)
+
+
+def test_counts_are_singular_when_one(llama_ckpt: Path, tmp_path: Path) -> None:
+    r = run("inspect", llama_ckpt)
+    assert "    optimizer_0: optimizer (dcp; 60 tensors, 2 files)" in r.stdout.splitlines()
+    from ckpttool.core.checkpoint.discover import _count
+
+    assert _count(1, "file") == "1 file" and _count(2, "file") == "2 files"

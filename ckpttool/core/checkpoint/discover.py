@@ -422,10 +422,15 @@ def list_parts(directory: Path) -> tuple[tuple[Part, ...], dict[str, CheckpointI
                 continue
             info = infos[p.name] = fmt.read_info(p)
             parts.append(Part(p.name, kind_of(info), fmt.NAME,
-                              f"{len(info.tensors)} tensors, {len(info.files)} files"))
+                              f"{_count(len(info.tensors), 'tensor')}, "
+                              f"{_count(len(info.files), 'file')}"))
         else:
             parts.append(_file_part(p))
     return tuple(parts), infos
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def _file_part(p: Path) -> Part:
