@@ -209,19 +209,52 @@ def human_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-class ProgressBar:
-    """A rich progress bar on stderr, shown only when stderr is a terminal; on a dumb terminal
-    (``TERM=dumb``: no cursor control) a plain line every tenth of the way instead."""
+# Below this terminal width the progress line drops the transfer columns (sizes, speed):
+# rich wraps a line wider than the terminal into two rows, redrawn on every refresh.
+NARROW_COLUMNS = 72
 
-    def __init__(self, description: str, enabled: bool) -> None:
-        self.enabled = enabled and sys.stderr.isatty()
+
+class ProgressBar:
+    """A rich progress display on stderr, shown only when stderr is a terminal; on a dumb
+    terminal (``TERM=dumb``: no cursor control) a plain line every tenth of the way instead.
+
+    :meth:`begin` shows "planning" with the time spent (recognising the checkpoint, reading
+    its metadata, importing torch: seconds before the first byte moves, which a bar at 0%
+    would not explain); the library's ``on_start`` then turns it into the bar. The bar fits
+    the terminal: below :data:`NARROW_COLUMNS` columns it keeps the bar, the percentage and
+    the time left."""
+
+    def __init__(self, description: str, enabled: bool, *, console: Any = None) -> None:
+        self.enabled = enabled and (sys.stderr.isatty() if console is None
+                                    else console.is_terminal)
         self.plain = os.environ.get("TERM") == "dumb"
         self.description = description
+        self._console = console
         self._progress: Any = None
         self._task: Any = None
         self._total = 0
         self._done = 0
         self._shown = 0  # tenths reported so far
+
+    def _make(self, *columns: Any) -> Any:
+        from rich.console import Console
+        from rich.progress import Progress
+
+        if self._console is None:
+            self._console = Console(stderr=True)
+        progress = Progress(*columns, console=self._console, transient=True)
+        progress.start()
+        return progress
+
+    def begin(self) -> None:
+        """Show the planning phase (nothing is known of the size yet)."""
+        if not self.enabled or self.plain:
+            return
+        from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self._progress = self._make(SpinnerColumn(), TextColumn("{task.description}"),
+                                    TimeElapsedColumn())
+        self._task = self._progress.add_task(f"{self.description}: planning", total=None)
 
     def start(self, total: int) -> None:
         if not self.enabled:
@@ -229,27 +262,33 @@ class ProgressBar:
         if self.plain:
             self._total = total
             return
-        from rich.console import Console
         from rich.progress import (
             BarColumn,
             DownloadColumn,
-            Progress,
+            TaskProgressColumn,
             TextColumn,
             TimeRemainingColumn,
             TransferSpeedColumn,
         )
 
-        self._progress = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-            console=Console(stderr=True),
-            transient=True,
-        )
-        self._progress.start()
+        self.stop()  # the planning line
+        width = self._width()
+        if width < NARROW_COLUMNS:
+            columns: tuple[Any, ...] = (
+                TextColumn("{task.description}"), BarColumn(bar_width=None),
+                TaskProgressColumn(), TimeRemainingColumn())
+        else:
+            columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                       TransferSpeedColumn(), TimeRemainingColumn())
+        self._progress = self._make(*columns)
         self._task = self._progress.add_task(self.description, total=total)
+
+    def _width(self) -> int:
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(stderr=True)
+        return int(self._console.width)
 
     def advance(self, n: int) -> None:
         if self._progress is not None:
@@ -266,6 +305,19 @@ class ProgressBar:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+    def rendered(self) -> str:
+        """The progress line as drawn now (for tests)."""
+        if self._progress is None:
+            return ""
+        import io
+
+        from rich.console import Console
+
+        out = io.StringIO()
+        Console(file=out, width=self._width(), color_system=None).print(
+            self._progress.make_tasks_table(self._progress.tasks))
+        return out.getvalue()
 
     @property
     def callbacks(self) -> tuple[Callable[[int], None] | None, Callable[[int], None] | None]:

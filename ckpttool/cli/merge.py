@@ -139,6 +139,7 @@ def merge_command(
         bar = ProgressBar("merging", enabled=not quiet and not no_progress
                           and not dry_run)
         on_start, progress = bar.callbacks
+        bar.begin()
         try:
             report = merge(src, out, dtype=dtype, max_shard_size=max_shard_size,
                            config=config, keep_tied=keep_tied, overwrite=overwrite,

@@ -66,6 +66,7 @@ def reshard_command(
     bar = ProgressBar("resharding", enabled=not quiet and not no_progress)
     on_start, progress = bar.callbacks
     with exit_codes(), removes_new_dirs(out):
+        bar.begin()
         try:
             report = reshard(src, out, ranks=ranks, to=to.value, prefix=prefix,
                              max_shard_size=max_shard_size, overwrite=overwrite,

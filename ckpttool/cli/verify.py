@@ -88,6 +88,7 @@ def verify_command(
     bar = ProgressBar("verifying", enabled=not quiet and not no_progress)
     on_start, progress = bar.callbacks
     with exit_codes():
+        bar.begin()
         try:
             report = verify(path, against=against, allow_cast=allow_cast,
                             dtype=dtype,

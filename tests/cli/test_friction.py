@@ -156,3 +156,26 @@ def test_counts_are_singular_when_one(llama_ckpt: Path, tmp_path: Path) -> None:
     from ckpttool.core.checkpoint.discover import _count
 
     assert _count(1, "file") == "1 file" and _count(2, "file") == "2 files"
+
+
+@pytest.mark.parametrize("width", [40, 60, 100])
+def test_progress_fits_the_terminal_and_says_planning_first(width: int) -> None:
+    import io
+
+    from rich.console import Console
+
+    from ckpttool.cli.common import ProgressBar
+
+    console = Console(file=io.StringIO(), width=width, force_terminal=True, color_system=None)
+    bar = ProgressBar("merging", enabled=True, console=console)
+    on_start, progress = bar.callbacks
+    assert on_start is not None and progress is not None
+    bar.begin()
+    planning = bar.rendered().splitlines()
+    assert len(planning) == 1 and "merging: planning" in planning[0]
+    on_start(1_500_000_000)
+    progress(600_000_000)
+    drawn = bar.rendered().splitlines()
+    bar.stop()
+    assert len(drawn) == 1 and len(drawn[0]) <= width, drawn
+    assert "planning" not in drawn[0] and "40%" in drawn[0] or "0.6/1.5 GB" in drawn[0]
