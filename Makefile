@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 PY     := $(VENV)/bin/python
 DEMO   ?= demo
 
-.PHONY: setup demo test lint bench completions
+.PHONY: setup demo test lint bench completions docs
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,3 +34,9 @@ bench: setup
 
 completions: setup
 	$(PY) -m ckpttool.cli.completions completions
+
+# Rewrite the generated tables in README.md and docs/ from the code, then fail on a stale
+# table or a broken link (tests/test_docs.py checks the same).
+docs: setup
+	$(PY) -m ckpttool.cli.docs
+	$(PY) -m ckpttool.cli.docs --check

@@ -58,6 +58,7 @@ def inspect_command(
     bar = ProgressBar("reading", enabled=stats and not quiet and not no_progress)
     on_start, progress = bar.callbacks
     with exit_codes():
+        bar.begin()
         try:
             report = inspect(path, filter=filter, stats=stats, config=config,
                              follow_links=follow_links, workers=workers, progress=progress,

@@ -562,6 +562,8 @@ class Format(Protocol):
     """What a format module provides (modules satisfy it structurally)."""
 
     NAME: str
+    SUMMARY: str  # what it looks like on disk (docs/formats.md)
+    WRITTEN_BY: str  # which writers produce it (docs/formats.md)
 
     def detect(self, path: Path) -> bool: ...
 

@@ -65,6 +65,10 @@ from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage.store import file_size
 
 NAME = "deepspeed"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = ('`latest` + `global_step<N>/` with `*_optim_states.pt` and `*_model_states.pt` '
+    '(ZeRO-1/2/3)')
+WRITTEN_BY = "DeepSpeed's `engine.save_checkpoint` (HF Trainer with DeepSpeed)"
 LATEST = "latest"
 _LATEST_LIMIT = 1024  # a tag name; a larger "latest" is not DeepSpeed's
 

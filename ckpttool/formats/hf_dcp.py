@@ -21,6 +21,9 @@ from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage.store import file_size
 
 NAME = "dcp-safetensors"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = 'per-rank safetensors shards with `DCP_SHARDING_INFO` offsets'
+WRITTEN_BY = "PyTorch's `HuggingFaceStorageWriter`"
 SHARDING_KEY = "DCP_SHARDING_INFO"
 
 

@@ -59,6 +59,10 @@ from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage.store import file_size
 
 NAME = "rank-files"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = ('per-rank `torch.save` files of DTensor (FSDP2) or ShardedTensor (FSDP1 '
+    '`SHARDED_STATE_DICT`) state dicts, any names')
+WRITTEN_BY = "verl; accelerate's `save_fsdp_model(..., use_dcp=False)`"
 
 # verl's FSDPCheckpointManager names; optim_/extra_state_ files beside them are not the model.
 MODEL_FILE_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")

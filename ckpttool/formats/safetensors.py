@@ -35,6 +35,9 @@ from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage.store import file_size, pread_of
 
 NAME = "safetensors"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = 'a `.safetensors` file, or a directory with `model.safetensors` or an index and shards'
+WRITTEN_BY = 'transformers, `ckpttool merge`'
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 

@@ -39,6 +39,9 @@ from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.formats.codecs.torchsave import ZipEntry
 
 NAME = "torch-save"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = 'one `.bin` / `.pt` / `.pth` state dict'
+WRITTEN_BY = '`torch.save`'
 SUFFIXES = (".bin", ".pt", ".pth")
 
 

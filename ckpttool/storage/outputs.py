@@ -195,9 +195,19 @@ def check_space(out_dir: Path, need: int) -> None:
     free = shutil.disk_usage(out_dir).free
     if need > free:
         raise OutputError(
-            f"{out_dir}: not enough free space: the output takes about {need:,} bytes and "
-            f"{free:,} are free; free some space or choose another output directory"
+            f"{out_dir}: not enough free space: the output takes about {_size(need)} and "
+            f"{_size(free)} are free; free some space or choose another output directory"
         )
+
+
+def _size(n: int) -> str:
+    """Bytes for a message: ``3.21 GB`` (decimal units, as ``--max-shard-size`` reads them)."""
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{n} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
 
 
 def remove_stale(out_dir: Path, keep: set[str], belongs: Callable[[str], bool]) -> None:

@@ -220,10 +220,30 @@ def open_data_file(path: Path, metadata_name: str) -> int:
 
 
 def missing_message(path: Path, metadata_name: str, detail: str = "") -> str:
-    """The one message for a data file that is not there (``detail``: what it should hold)."""
+    """The one message for a data file that is not there (``detail``: what it should hold),
+    or is there but not a regular file (a FIFO, socket, device or directory: never opened,
+    and never called missing, which would send the user looking for a file they can see)."""
     about = f" ({detail})" if detail else ""
+    kind = _special_kind(path)
+    if kind is not None:
+        return (f"{path}: is a {kind}, not a regular file; {metadata_name} references it as a "
+                f"data file{about}. ckpttool never reads one: put the checkpoint's file there")
     return (f"{path}: data file is missing; {metadata_name} references it{about}. Copy the "
             "whole checkpoint directory again")
+
+
+def _special_kind(path: Path) -> str | None:
+    """What ``path`` is when it exists but is not a regular file; None otherwise."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    for test, kind in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISDIR, "directory")):
+        if test(mode):
+            return kind
+    return None
 
 
 def truncated(path: Path, offset: int, what: str) -> InputError:

@@ -285,7 +285,7 @@ def _side_files(info: CheckpointInfo) -> tuple[tuple[tuple[str, CheckpointInfo],
 
 def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | None = None,
              require: bool = True,
-             command: str = "inspect") -> Checkpoint:
+             command: str = "inspect", prefer: str | None = None) -> Checkpoint:
     """Recognise and describe the checkpoint at ``path``. Reads no tensor data.
 
     Args:
@@ -294,6 +294,9 @@ def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | N
         require: raise when a directory holds several checkpoints (else describe its parts,
             with ``info`` None and ``note`` saying why).
         command: the command the user ran, for the next command a message suggests.
+        prefer: the kind of checkpoint to take from a training directory that holds one of
+            each (``"optimizer"``: accelerate's ``optimizer_0/`` beside the model, for
+            ``merge --part optimizer``); default: its model.
 
     Raises:
         InputError: nothing readable there, a damaged or unsafe checkpoint, or (``require``)
@@ -320,7 +323,7 @@ def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | N
     if given.is_file():
         raise InputError(_not_a_checkpoint_file(given))
     parts, infos = list_parts(given)
-    chosen = _choose(parts)
+    chosen = _choose(parts, prefer)
     if chosen is None:
         message = _no_choice(given, parts, command)
         if require or not any(registry.is_format(p.format) for p in parts):
@@ -384,10 +387,12 @@ def _no_choice(given: Path, parts: Iterable[Part], command: str) -> str:
 
 
 
-def _choose(parts: tuple[Part, ...]) -> Part | None:
-    """The one checkpoint a directory holds: its single model, else its single optimizer;
-    None when there are several or none."""
-    for kind in _CHECKPOINT_KINDS:
+def _choose(parts: tuple[Part, ...], prefer: str | None = None) -> Part | None:
+    """The one checkpoint a directory holds: its single model, else its single optimizer
+    (``prefer`` first, where there is one of that kind); None when there are several or
+    none."""
+    kinds = sorted(_CHECKPOINT_KINDS, key=lambda k: k != prefer)
+    for kind in kinds:
         found = [p for p in parts if p.kind == kind and registry.is_format(p.format)]
         if found:
             return found[0] if len(found) == 1 else None
@@ -417,10 +422,15 @@ def list_parts(directory: Path) -> tuple[tuple[Part, ...], dict[str, CheckpointI
                 continue
             info = infos[p.name] = fmt.read_info(p)
             parts.append(Part(p.name, kind_of(info), fmt.NAME,
-                              f"{len(info.tensors)} tensors, {len(info.files)} files"))
+                              f"{_count(len(info.tensors), 'tensor')}, "
+                              f"{_count(len(info.files), 'file')}"))
         else:
             parts.append(_file_part(p))
     return tuple(parts), infos
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def _file_part(p: Path) -> Part:

@@ -213,7 +213,8 @@ def merge(
                 plan, reader, out_path, extra, stem=stem, overwrite=overwrite, workers=workers,
                 shared=shared, progress=progress, on_start=on_start)
 
-    _summarise(report, ckpt, plan, dict(extra).get(OPTIMIZER_JSON), dry_run=dry_run)
+    _summarise(report, ckpt, plan, dict(extra).get(OPTIMIZER_JSON), dry_run=dry_run,
+               shared=shared)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
 
@@ -268,7 +269,7 @@ def _recognise(src: Path, out: Path, config: str | os.PathLike[str] | None,
     """
     if part not in (None, *MERGEABLE):
         raise InputError(f"part {part!r} cannot be merged; choose one of {', '.join(MERGEABLE)}")
-    ckpt = discover(src, config=config, command="merge")
+    ckpt = discover(src, config=config, command="merge", prefer=part)
     if ckpt.chosen is not None and ckpt.kind == "optimizer" and part is None:
         raise InputError(
             f"{src}: holds only optimizer state ({ckpt.chosen}), no model checkpoint; to "
@@ -367,7 +368,7 @@ def _side_files(report: MergeReport, whole: Checkpoint, ckpt: Checkpoint, reader
 
 
 def _summarise(report: MergeReport, ckpt: Checkpoint, plan: MergePlan,
-               optimizer_json: bytes | None, *, dry_run: bool) -> None:
+               optimizer_json: bytes | None, *, dry_run: bool, shared: Shared | None) -> None:
     """Files, counts and bytes per dtype before and after, into ``report``; a dry run's
     every tensor as it would be written."""
     report.files = [{"name": f.name, "bytes": f.size, "tensors": len(f.tensors)}
@@ -389,10 +390,15 @@ def _summarise(report: MergeReport, ckpt: Checkpoint, plan: MergePlan,
         report.bytes_after[name] = report.bytes_after.get(name, 0) + out_tensor.slot.nbytes
     if dry_run:
         report.dry_run = True
+        # Shared (--slice I/N, torchrun): the sharing and this process's tensors only.
+        share = shared.preview(plan) if shared is not None else None
+        mine = set(share.pop("tensors")) if share is not None else None
+        report.distributed = share
         report.tensors = [{"name": t.name, "file": f.name, "dtype": t.dtype.name,
                            "source_dtype": t.source.dtype.name, "shape": list(t.slot.shape),
                            "bytes": t.slot.nbytes, "offsets": [t.slot.begin, t.slot.end]}
-                          for f in plan.files for t in f.tensors]
+                          for f in plan.files for t in f.tensors
+                          if mine is None or t.name in mine]
 
 
 def _config_output(files: hf.HfFiles) -> tuple[bytes | None, list[str]]:

@@ -84,6 +84,10 @@ from ckpttool.formats.dcp import columns as dcp_metadata
 from ckpttool.storage.store import file_size, pread_of
 
 NAME = "dcp"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = '`.metadata` (or one `__<rank>.metadata` per rank) + `__<rank>_<n>.distcp` files'
+WRITTEN_BY = ('`torch.distributed.checkpoint.save` (FSDP2, accelerate, torchtitan, Lightning '
+    'Fabric...), with any `FileSystemWriter` option')
 METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
 # A chunk's record compressed by DCP's ZStandard extension (one zstd frame of a RECORD).
