@@ -677,5 +677,6 @@ def open_reader(info: CheckpointInfo) -> ZeroReader:
     return ZeroReader(info)
 
 
-__all__ = ["LATEST", "NAME", "SUMMARY", "WRITTEN_BY", "deepspeed_global", "detect", "flat_boxes", "is_tag_dir",
+__all__ = ["LATEST", "NAME", "SUMMARY", "WRITTEN_BY",
+           "detect", "flat_boxes", "is_tag_dir",
            "open_reader", "pending", "read_info"]

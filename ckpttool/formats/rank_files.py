@@ -1022,6 +1022,7 @@ def _prod(values: Iterable[int]) -> int:
     return n
 
 
-__all__ = ["FSDP1_LOCAL_MESSAGE", "NAME", "SUMMARY", "WRITTEN_BY", "DTensorRef", "RankFile", "RankSet", "ShardedTensorRef",
+__all__ = ["FSDP1_LOCAL_MESSAGE", "NAME", "SUMMARY", "WRITTEN_BY",
+           "DTensorRef", "RankFile", "RankSet", "ShardedTensorRef",
            "detect", "dtensor_global", "name_rank",
            "is_rank_files_dir", "open_reader", "pending", "rank_files", "read_info"]
