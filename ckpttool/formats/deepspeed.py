@@ -678,5 +678,5 @@ def open_reader(info: CheckpointInfo) -> ZeroReader:
 
 
 __all__ = ["LATEST", "NAME", "SUMMARY", "WRITTEN_BY",
-           "detect", "flat_boxes", "is_tag_dir",
+           "deepspeed_global", "detect", "flat_boxes", "is_tag_dir",
            "open_reader", "pending", "read_info"]
