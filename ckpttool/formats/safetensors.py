@@ -361,11 +361,38 @@ def is_safetensors_file(path: Path) -> bool:
 
 
 def detect(path: Path) -> bool:
-    """A safetensors file, or a directory holding ``*.safetensors`` files or an index."""
+    """A safetensors file, or a directory that holds one model in safetensors: an index,
+    ``model.safetensors``, the shards of one set (``model-00001-of-00002.safetensors``...), or
+    a single ``*.safetensors`` file and no subdirectory.
+
+    Several unrelated files, or one beside subdirectories, are not one model: such a directory
+    is a training directory, whose candidates the recogniser lists and chooses from (a loose
+    ``ref.safetensors`` beside ``pytorch_model_fsdp_0/`` must never win over it).
+    """
     if path.is_file():
         return is_safetensors_file(path)
-    return path.is_dir() and (any((path / index_name(s)).is_file() for s in _STEMS)
-                              or bool(_safetensors_files(path)))
+    if not path.is_dir():
+        return False
+    if any((path / index_name(s)).is_file() or (path / f"{s}.safetensors").is_file()
+           for s in _STEMS):
+        return True
+    files = _safetensors_files(path)
+    if _shard_set(files) is not None:
+        return True
+    return len(files) == 1 and not any(p.is_dir() for p in path.iterdir())
+
+
+_SHARD = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.safetensors")
+
+
+def _shard_set(files: list[Path]) -> list[Path] | None:
+    """``files`` when they are the shards of one set (one stem, one count), else None."""
+    matches = [_SHARD.fullmatch(p.name) for p in files]
+    if not matches or any(m is None for m in matches):
+        return None
+    if len({(m.group(1), m.group(3)) for m in matches if m is not None}) != 1:
+        return None
+    return files
 
 
 def open_reader(info: CheckpointInfo) -> Reader:
@@ -398,7 +425,9 @@ def read_info(path: str | Path) -> CheckpointInfo:
         base = root.parent
     else:
         base = root
-        shard_names = [p.name for p in _safetensors_files(root)]
+        files = _safetensors_files(root)
+        shard_names = [p.name for p in (_shard_set(files) or (files if len(files) == 1
+                                                               else []))]
         for s in _STEMS:
             if (root / index_name(s)).is_file():
                 index = read_index(root / index_name(s))
@@ -408,7 +437,9 @@ def read_info(path: str | Path) -> CheckpointInfo:
                 shard_names, stem = [f"{s}.safetensors"], s
                 break
         if not shard_names:
-            raise InputError(f"{root}: no {SINGLE_NAME} or {INDEX_NAME} here")
+            raise InputError(f"{root}: no {SINGLE_NAME} or {INDEX_NAME} here" + (
+                f" (and {len(files)} unrelated *.safetensors files: pass one of them)"
+                if files else ""))
     problems: list[Problem] = []
     holders: dict[str, list[str]] = {}
     tensors: dict[str, Tensor] = {}

@@ -181,6 +181,25 @@ def ties_word_embeddings(config: dict[str, Any] | None) -> bool | None:
     return bool(value)
 
 
+def with_written_dtype(config: dict[str, Any], dtype: str | None
+                       ) -> tuple[dict[str, Any], list[str]]:
+    """``config`` saying the dtype the weights are written in, as ``save_pretrained`` does
+    (``config.dtype`` = the model's first floating parameter's dtype), so ``from_pretrained``
+    loads the precision that was written. ``torch_dtype`` (the older key, which older
+    transformers read) is updated where present, never added.
+
+    Args:
+        dtype: a torch dtype name (``"float32"``), or None (no floating tensor: unchanged).
+    """
+    if dtype is None:
+        return config, []
+    keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
+    changes = [f"{k}: {config.get(k)} -> {dtype}" for k in keys if config.get(k) != dtype]
+    if not changes:
+        return config, []
+    return {**config, **dict.fromkeys(keys, dtype)}, changes
+
+
 def strip_fsdp_prefix(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """Remove the ``FSDP`` class prefix that FSDP wrapping leaks into ``architectures``."""
     arch = config.get("architectures")

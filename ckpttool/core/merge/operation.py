@@ -853,7 +853,7 @@ def merge(
         plan = plan_merge(sources, policy=policy,
                           max_shard_size=shard_limit if mode != "adapter" else 1 << 62,
                           drop=drop, stem=stem)
-        config_bytes, report.config_changes = _config_output(files)
+        config_bytes, report.config_changes = _config_output(files, plan, sources)
         # Small files (config, tokenizer, optimizer.json) written beside the weights.
         extra: list[tuple[str, bytes]] = [
             (p.name, config_bytes if p == files.config_path and config_bytes is not None
@@ -1119,13 +1119,23 @@ def _lists(node: Any) -> Any:
     return node
 
 
-def _config_output(files: hf.HfFiles) -> tuple[bytes | None, list[str]]:
+def _config_output(files: hf.HfFiles, plan: MergePlan, sources: list[tuple[str, Source]]
+                   ) -> tuple[bytes | None, list[str]]:
+    """config.json as written beside the weights: the FSDP class prefix removed, and the dtype
+    the weights are written in (that of the first floating tensor in model order, as
+    ``save_pretrained`` records ``model.dtype``)."""
     if files.config is None:
         return None, []
     fixed, changes = hf.strip_fsdp_prefix(files.config)
+    changes = [f"architectures: {c}" for c in changes]
+    written = {t.name: t.dtype for f in plan.files for t in f.tensors}
+    first = next((written[n] for n, _ in sources
+                  if n in written and written[n].kind in ("float", "float8")), None)
+    fixed, dtype_changes = hf.with_written_dtype(fixed, first.torch_name if first else None)
+    changes += dtype_changes
     if not changes:
         return None, []
-    return (json.dumps(fixed, indent=2) + "\n").encode(), [f"architectures: {c}" for c in changes]
+    return (json.dumps(fixed, indent=2) + "\n").encode(), changes
 
 
 def _check_existing(out: Path, extra: list[str], overwrite: bool, stem: str) -> None:

@@ -1,0 +1,121 @@
+"""Issue 20 (trust, round 3) through the CLI: no exit 0 with a wrong or mixed output from
+local inputs, hostile content or files that change under a running command."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from ckpttool.cli import app
+
+
+def run(*args: str | Path, env: dict[str, str] | None = None):
+    return CliRunner().invoke(app, [str(a) for a in args], env=env)
+
+
+# --------------------------------------------------------------------------------------------
+# 1. A loose *.safetensors file in a training directory is never taken as the model
+
+
+def _training_dir(llama_ckpt: Path, tmp_path: Path) -> Path:
+    ckpt = tmp_path / "checkpoint-500"
+    shutil.copytree(llama_ckpt, ckpt)
+    return ckpt
+
+
+def test_loose_safetensors_beside_dcp_is_a_candidate(llama_ckpt: Path, tmp_path: Path) -> None:
+    ckpt = _training_dir(llama_ckpt, tmp_path)
+    save_file({"w": torch.ones(2)}, ckpt / "ref.safetensors")
+    save_file({"step": torch.zeros(())}, ckpt / "ref_optimizer.safetensors")
+    r = run("merge", ckpt, tmp_path / "out")
+    assert r.exit_code == 3, r.output
+    assert r.stderr == (
+        f"ckpttool: error: {ckpt}: holds 2 model checkpoints (pytorch_model_fsdp_0, "
+        f"ref.safetensors); pass one of them, e.g. ckpttool merge "
+        f"{ckpt / 'pytorch_model_fsdp_0'} OUT\n")
+    assert not (tmp_path / "out").exists()
+    r = run("inspect", ckpt, "--json")
+    parts = {p["path"]: p for p in json.loads(r.stdout)["parts"]}
+    assert parts["ref.safetensors"]["kind"] == "model"
+    assert parts["ref_optimizer.safetensors"]["kind"] == "optimizer"
+
+
+def test_two_dcp_models_and_a_loose_file_exit_3(llama_ckpt: Path, tmp_path: Path) -> None:
+    ckpt = _training_dir(llama_ckpt, tmp_path)
+    shutil.copytree(ckpt / "pytorch_model_fsdp_0", ckpt / "pytorch_model_fsdp_1")
+    save_file({"w": torch.ones(2)}, ckpt / "x.safetensors")
+    r = run("merge", ckpt, tmp_path / "out")
+    assert r.exit_code == 3, r.output
+    assert "holds 3 model checkpoints (pytorch_model_fsdp_0, pytorch_model_fsdp_1, " \
+           "x.safetensors)" in r.stderr
+
+
+def test_adapter_file_beside_dcp_model_merges_the_model(llama_ckpt: Path,
+                                                          tmp_path: Path) -> None:
+    ckpt = _training_dir(llama_ckpt, tmp_path)
+    save_file({"base_model.model.x.lora_A.weight": torch.ones(2, 2)},
+              ckpt / "adapter_model.safetensors")
+    r = run("merge", ckpt, tmp_path / "out", "--dtype", "keep")
+    assert r.exit_code == 0, r.output
+    assert "used pytorch_model_fsdp_0" in r.stdout
+    assert run("merge", llama_ckpt, tmp_path / "ref", "--dtype", "keep").exit_code == 0
+    got, want = load_file(tmp_path / "out/model.safetensors"), load_file(
+        tmp_path / "ref/model.safetensors")
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_directory_of_one_safetensors_file_still_merges(tmp_path: Path) -> None:
+    src = tmp_path / "weights"
+    src.mkdir()
+    save_file({"a": torch.arange(4.0)}, src / "weights.safetensors")
+    r = run("merge", src, tmp_path / "out", "--dtype", "keep")
+    assert r.exit_code == 0, r.output
+    assert torch.equal(load_file(tmp_path / "out/model.safetensors")["a"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize("loose", ["x.safetensors", "model-00001-of-00003.safetensors"])
+def test_shard_set_ignores_unrelated_files(tmp_path: Path, loose: str) -> None:
+    src = tmp_path / "shards"
+    src.mkdir()
+    save_file({"a": torch.ones(2)}, src / "model-00001-of-00002.safetensors")
+    save_file({"b": torch.ones(2)}, src / "model-00002-of-00002.safetensors")
+    save_file({"c": torch.ones(2)}, src / loose)
+    r = run("merge", src, tmp_path / "out", "--dtype", "keep")
+    assert r.exit_code == 3, r.output
+
+
+# --------------------------------------------------------------------------------------------
+# 6. config.json records the dtype actually written, as save_pretrained does
+
+
+@pytest.mark.parametrize(("flag", "want"), [("fp32", "float32"), ("fp16", "float16"),
+                                            ("keep", "float32"), ("auto", "bfloat16")])
+def test_config_dtype_is_the_written_dtype(llama_ckpt: Path, tmp_path: Path, flag: str,
+                                           want: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    r = run("merge", llama_ckpt, out, "--dtype", flag, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert (f"dtype: bfloat16 -> {want}" in doc["config_changes"]) == (want != "bfloat16")
+    assert json.loads((out / "config.json").read_text())["dtype"] == want
+    assert str(AutoConfig.from_pretrained(out).dtype).removeprefix("torch.") == want
+    # What save_pretrained writes for the model loaded from OUT says the same dtype.
+    model = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert str(model.dtype).removeprefix("torch.") == want
+    model.save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved/config.json").read_text())["dtype"] == want
+
+
+def test_config_dtype_change_is_reported(llama_ckpt: Path, tmp_path: Path) -> None:
+    r = run("merge", llama_ckpt, tmp_path / "out", "--dtype", "fp32")
+    assert r.exit_code == 0, r.output
+    assert "config.json: dtype: bfloat16 -> float32" in r.stdout
