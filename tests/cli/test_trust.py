@@ -119,3 +119,39 @@ def test_config_dtype_change_is_reported(llama_ckpt: Path, tmp_path: Path) -> No
     r = run("merge", llama_ckpt, tmp_path / "out", "--dtype", "fp32")
     assert r.exit_code == 0, r.output
     assert "config.json: dtype: bfloat16 -> float32" in r.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# 7. A URL scheme ckpttool does not read is exit 4, never a local path
+
+
+@pytest.mark.parametrize("url", ["gs://bucket/merged", "az://c/merged", "abfs://c@a/x",
+                                 "hf://org/model", "https://host/x", "HTTP://host/x"])
+def test_unsupported_scheme_as_output_is_exit_4(tiny_dcp: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 url: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    for cmd in (["merge", tiny_dcp, url], ["reshard", tiny_dcp, url, "--ranks", "1"]):
+        r = run(*cmd)
+        assert r.exit_code == 4, r.output
+        scheme = url.split(":")[0]
+        assert r.stderr == (f"ckpttool: error: {url}: {scheme}:// is not a storage ckpttool "
+                            "reads or writes (as output); supported: local paths, s3://\n")
+    assert list(tmp_path.iterdir()) == []  # no "gs:" directory
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "verify", "merge"])
+def test_unsupported_scheme_as_source_is_exit_4(tmp_path: Path, cmd: str) -> None:
+    args = [cmd, "gs://bucket/ckpt"] + ([tmp_path / "out"] if cmd == "merge" else [])
+    r = run(*args)
+    assert r.exit_code == 4, r.output
+    assert r.stderr == ("ckpttool: error: gs://bucket/ckpt: gs:// is not a storage ckpttool "
+                        "reads or writes (as source); supported: local paths, s3://\n")
+
+
+def test_url_for_a_local_only_option_is_exit_4(tiny_dcp: Path, tmp_path: Path) -> None:
+    r = run("merge", tiny_dcp, tmp_path / "out", "--config", "s3://b/config.json")
+    assert r.exit_code == 4, r.output
+    assert "s3:/b/config.json: --config takes a local path, not a s3:// URL" in r.stderr
+    r = run("verify", tiny_dcp, "--against", "https://x/y")
+    assert r.exit_code == 4 and "(as source)" in r.stderr
