@@ -173,7 +173,8 @@ def json_error(e: Exception) -> str:
     return "arrays or objects nested too deeply" if isinstance(e, RecursionError) else str(e)
 
 
-def read_layout(path: Path, *, offset: int = 0) -> tuple[dict[str, str], tuple[Slot, ...]]:
+def read_layout(path: Path, *, offset: int = 0, exact: bool = False
+                ) -> tuple[dict[str, str], tuple[Slot, ...]]:
     """Read and check a safetensors file's header (no tensor data).
 
     Args:
@@ -181,6 +182,10 @@ def read_layout(path: Path, *, offset: int = 0) -> tuple[dict[str, str], tuple[S
             ``SerializationFormat.SAFETENSORS`` appends it after the rank's other records).
             Slots are absolute offsets in ``path`` either way; past the start, their ends are
             not checked against the file size (the caller's structure checks report that).
+        exact: (a file of its own) the tensors must tile the data area exactly, as the
+            safetensors format requires and its library checks: no gap, no overlap, no byte
+            after the last tensor. A header that moves one tensor by a few bytes would
+            otherwise be read as shifted values.
 
     Raises:
         InputError: the header is truncated, corrupt or inconsistent with the file size.
@@ -216,7 +221,30 @@ def read_layout(path: Path, *, offset: int = 0) -> tuple[dict[str, str], tuple[S
     slots = []
     for name, v in header.items():
         slots.append(_slot(path, name, v, base, size))
-    return meta, tuple(sorted(slots, key=lambda s: s.begin))
+    ordered = tuple(sorted(slots, key=lambda s: (s.begin, s.end)))
+    if exact and size is not None:
+        problem = tiling_problem(ordered, base, size)
+        if problem is not None:
+            raise InputError(f"{path}: {problem}; corrupt header (the safetensors library "
+                             "refuses this file too)")
+    return meta, ordered
+
+
+def tiling_problem(slots: tuple[Slot, ...], begin: int, end: int) -> str | None:
+    """How ``slots`` (sorted by offset) fail to tile the bytes ``[begin, end)`` exactly, or
+    None: the first gap, overlap or trailing byte, with its offset."""
+    pos = begin
+    for slot in slots:
+        if slot.begin < pos:
+            return (f"tensor '{slot.name}' starts at byte {slot.begin}, inside the "
+                    f"{'header' if pos == begin else 'tensor before it'} (which ends at {pos})")
+        if slot.begin > pos:
+            return (f"tensor '{slot.name}' starts at byte {slot.begin}, leaving bytes "
+                    f"{pos}-{slot.begin - 1} that no tensor holds")
+        pos = slot.end
+    if pos != end:
+        return f"bytes {pos}-{end - 1} after the last tensor belong to no tensor"
+    return None
 
 
 def _slot(path: Path, name: str, v: object, base: int, size: int | None) -> Slot:
@@ -483,7 +511,7 @@ def _read_shard(base: Path, name: str, index: Index | None, problems: list[Probl
                               "whole directory again", file=name))
         return None
     try:
-        return read_layout(path)[1]
+        return read_layout(path, exact=True)[1]
     except InputError as e:
         problems.append(error("header-corrupt", str(e), file=name))
     except (KeyError, TypeError, ValueError, AttributeError) as e:

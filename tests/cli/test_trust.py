@@ -155,3 +155,57 @@ def test_url_for_a_local_only_option_is_exit_4(tiny_dcp: Path, tmp_path: Path) -
     assert "s3:/b/config.json: --config takes a local path, not a s3:// URL" in r.stderr
     r = run("verify", tiny_dcp, "--against", "https://x/y")
     assert r.exit_code == 4 and "(as source)" in r.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# 4. safetensors header offsets must tile the data area exactly
+
+
+def shift_tensor(file: Path, by: int = 2) -> str:
+    """Move the first tensor of a safetensors file by ``by`` bytes in its header (the same
+    header length): it overlaps its neighbour and leaves a gap. Returns its name."""
+    raw = file.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    name = min((k for k in header if k != "__metadata__"),
+               key=lambda k: header[k]["data_offsets"][0])
+    header[name]["data_offsets"] = [o + by for o in header[name]["data_offsets"]]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    file.write_bytes(raw[:8] + text.ljust(n) + raw[8 + n:])
+    return name
+
+
+def test_hf_storage_shard_with_a_shifted_tensor_is_refused(hf_ckpt: Path,
+                                                           tmp_path: Path) -> None:
+    import safetensors
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(hf_ckpt, ckpt)
+    shard = sorted(ckpt.glob("*.safetensors"))[0]
+    name = shift_tensor(shard)
+    with pytest.raises(safetensors.SafetensorError):  # the library refuses it too
+        load_file(shard)
+    r = run("merge", ckpt, tmp_path / "out", "--dtype", "keep")
+    assert r.exit_code == 3, r.output
+    assert r.stderr.startswith(f"ckpttool: error: {shard}: tensor ")
+    assert "corrupt header (the safetensors library refuses this file too)" in r.stderr
+    assert not (tmp_path / "out").exists()
+    r = run("verify", ckpt)
+    assert r.exit_code in (1, 3) and "corrupt header" in r.output, r.output
+    assert name
+
+
+@pytest.mark.parametrize("edit", ["shift", "trailing"])
+def test_safetensors_file_that_does_not_tile_fails_verify(tmp_path: Path, edit: str) -> None:
+    src = tmp_path / "model.safetensors"
+    save_file({"a": torch.arange(4.0), "b": torch.arange(8.0)}, src)
+    if edit == "shift":
+        shift_tensor(src)
+    else:
+        src.write_bytes(src.read_bytes() + b"\0" * 8)
+    r = run("verify", src)
+    assert r.exit_code == 1, r.output
+    assert "corrupt header" in r.output
+    r = run("merge", src, tmp_path / "out")
+    assert r.exit_code == 3, r.output
