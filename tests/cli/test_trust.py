@@ -209,3 +209,29 @@ def test_safetensors_file_that_does_not_tile_fails_verify(tmp_path: Path, edit: 
     assert "corrupt header" in r.output
     r = run("merge", src, tmp_path / "out")
     assert r.exit_code == 3, r.output
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Manifests hold across the tie de-duplication merge does
+
+
+def test_manifest_holds_across_a_deduplicated_tie(llama_ckpt: Path, tmp_path: Path) -> None:
+    src_manifest, out_manifest = tmp_path / "src.json", tmp_path / "out.json"
+    out = tmp_path / "out"
+    assert run("verify", llama_ckpt, "--write-manifest", src_manifest).exit_code == 0
+    assert run("merge", llama_ckpt, out, "--dtype", "keep", "-q").exit_code == 0
+    r = run("verify", out, "--check-manifest", src_manifest, "--json")
+    assert r.exit_code == 0, r.output
+    codes = [p["code"] for p in json.loads(r.stdout)["problems"]]
+    assert "tie-deduplicated" in codes and "manifest-missing" not in codes
+    # The other way round: a manifest of the merged output checked against the source.
+    assert run("verify", out, "--write-manifest", out_manifest).exit_code == 0
+    r = run("verify", llama_ckpt, "--check-manifest", out_manifest)
+    assert r.exit_code == 0, r.output
+    # A recorded copy that is not identical to its partner is still missing.
+    doc = json.loads(src_manifest.read_text())
+    doc["tensors"]["lm_head.weight"]["sha256"] = "0" * 64
+    src_manifest.write_text(json.dumps(doc))
+    r = run("verify", out, "--check-manifest", src_manifest)
+    assert r.exit_code == 1
+    assert "manifest-missing" in r.output or "not in the checkpoint" in r.output
