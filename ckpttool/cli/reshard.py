@@ -18,6 +18,7 @@ from ckpttool.cli.common import (
     exit_codes,
     human_bytes,
     print_json,
+    printable,
     size_option,
 )
 
@@ -77,10 +78,10 @@ def reshard_command(
             print_json(report.to_json())
         elif not quiet:
             layout = f"{report.ranks} ranks" if report.ranks else "safetensors"
-            print(f"resharded {report.src} ({report.format_in}) -> {report.out} ({layout}) in "
-                  f"{report.seconds:.1f} s")
+            print(printable(f"resharded {report.src} ({report.format_in}) -> {report.out} "
+                            f"({layout}) in {report.seconds:.1f} s"))
             print(f"  {report.num_tensors} tensors, {human_bytes(report.total_bytes)}"
                   + (f", {report.num_objects} non-tensor entries copied" if report.num_objects
                      else ""))
             for f in report.files:
-                print(f"  wrote {f['name']}: {human_bytes(f['bytes'])}")
+                print(printable(f"  wrote {f['name']}: {human_bytes(f['bytes'])}"))

@@ -235,3 +235,38 @@ def test_manifest_holds_across_a_deduplicated_tie(llama_ckpt: Path, tmp_path: Pa
     r = run("verify", out, "--check-manifest", src_manifest)
     assert r.exit_code == 1
     assert "manifest-missing" in r.output or "not in the checkpoint" in r.output
+
+
+# --------------------------------------------------------------------------------------------
+# 12. Control and bidi characters are escaped in human output; JSON stays exact
+
+HOSTILE = "w\x1b[2J\x1b]0;owned\x07\r\nverify OK\u202e"
+
+
+def test_hostile_names_are_escaped_for_humans(tmp_path: Path) -> None:
+    src = tmp_path / "model.safetensors"
+    save_file({HOSTILE: torch.ones(2)}, src)
+    shown = "w\\x1b[2J\\x1b]0;owned\\x07\\r\\nverify OK\\u202e"
+    for args in (["inspect", src], ["verify", src], ["merge", src, tmp_path / "out"],
+                 ["merge", src, tmp_path / "dry", "--dry-run"]):
+        r = run(*args)
+        assert r.exit_code == 0, r.output
+        assert shown in r.output or not (args[0] == "inspect" or "--dry-run" in args), args
+        assert not any(c in r.output for c in "\x1b\x07\r\u202e"), args
+        assert "\nverify OK" not in r.output
+    r = run("verify", src, "--expect-dtype", "bf16")  # a problem naming the tensor
+    assert r.exit_code == 1 and shown in r.output and "\x1b" not in r.output
+    r = run("inspect", src, "--json")
+    assert HOSTILE in [t["name"] for t in json.loads(r.stdout)["tensors"]]
+    assert load_file(tmp_path / "out/model.safetensors").keys() == {HOSTILE}
+
+
+def test_hostile_names_are_escaped_in_errors(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({"a": torch.ones(2)}, ckpt / "a\x1b[31m.safetensors")
+    save_file({"b": torch.ones(2)}, ckpt / "b\u202e.safetensors")
+    r = run("merge", ckpt, tmp_path / "out")
+    assert r.exit_code == 3, r.output
+    assert "a\\x1b[31m.safetensors" in r.stderr and "b\\u202e.safetensors" in r.stderr
+    assert r.stderr.count("\n") == 1 and "\x1b" not in r.stderr
