@@ -4,6 +4,7 @@ local inputs, hostile content or files that change under a running command."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -270,3 +271,95 @@ def test_hostile_names_are_escaped_in_errors(tmp_path: Path) -> None:
     assert r.exit_code == 3, r.output
     assert "a\\x1b[31m.safetensors" in r.stderr and "b\\u202e.safetensors" in r.stderr
     assert r.stderr.count("\n") == 1 and "\x1b" not in r.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# 8. Files that change under a running command: checked on the opened descriptor
+
+
+@pytest.fixture(scope="module")
+def unflattened(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.all_in_one import write_unflattened
+
+    return write_unflattened(tmp_path_factory.mktemp("unflattened"))
+
+
+def _swap_after_discovery(monkeypatch: pytest.MonkeyPatch, swap) -> None:  # noqa: ANN001
+    """Run ``swap()`` right after the side files are found (discovery), before merge reads
+    them: the race an attacker with write access to the checkpoint wins 1 time in 4."""
+    from ckpttool.core.checkpoint import hf
+
+    found = hf.find_hf_files
+
+    def then_swap(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        files = found(*args, **kwargs)
+        swap()
+        return files
+
+    monkeypatch.setattr(hf, "find_hf_files", then_swap)
+
+
+@pytest.mark.parametrize("swap_to", ["link-out", "fifo", "huge"])
+def test_side_file_swapped_after_discovery_is_refused(llama_ckpt: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      swap_to: str) -> None:
+    ckpt = _training_dir(llama_ckpt, tmp_path)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("outside")
+    side = ckpt / "tokenizer_config.json"
+
+    def swap() -> None:
+        side.unlink()
+        if swap_to == "link-out":
+            side.symlink_to(secret)
+        elif swap_to == "fifo":
+            os.mkfifo(side)
+        else:
+            with open(side, "wb") as f:
+                f.truncate(8 << 30)  # sparse
+
+    _swap_after_discovery(monkeypatch, swap)
+    r = run("merge", ckpt, tmp_path / "out")
+    assert r.exit_code == 3, r.output
+    assert r.stderr.startswith(f"ckpttool: error: {side}: ")
+    assert "it changed since the checkpoint was read" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_data_file_swapped_for_a_link_before_open_is_refused(tiny_dcp: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """The link is swapped in after every check by name (here: just as it is opened), so
+    only a check of the open descriptor sees it."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dcp, ckpt)
+    victim = sorted(ckpt.glob("*.distcp"))[0]
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(victim, outside)
+    real_open = os.open
+
+    def swapping_open(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if os.fspath(path) == str(victim) and not victim.is_symlink():
+            victim.unlink()
+            victim.symlink_to(outside)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", swapping_open)
+    r = run("merge", ckpt, tmp_path / "out", "--dtype", "keep")
+    monkeypatch.undo()
+    assert r.exit_code == 3, r.output
+    assert f"{victim}: a link to {outside}, outside the checkpoint directory" in r.stderr
+
+
+def test_nested_record_that_links_out_is_refused(unflattened: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "plain"
+    shutil.copytree(unflattened / "plain", ckpt)
+    victim = sorted(ckpt.glob("*.distcp"))[0]
+    outside = tmp_path / "outside.distcp"
+    shutil.move(victim, outside)
+    victim.symlink_to(outside)
+    for cmd in (["inspect", ckpt], ["merge", ckpt, tmp_path / "out"]):
+        r = run(*cmd)
+        assert r.exit_code == 3, r.output
+        assert (f"{victim}: a link to {outside}, outside the checkpoint directory; copy the "
+                "file into the checkpoint directory") in r.stderr

@@ -857,7 +857,7 @@ def merge(
         # Small files (config, tokenizer, optimizer.json) written beside the weights.
         extra: list[tuple[str, bytes]] = [
             (p.name, config_bytes if p == files.config_path and config_bytes is not None
-             else p.read_bytes()) for p in files.files]
+             else hf.read_side_file(p, files.roots)) for p in files.files]
         report.copied = [p.name for p in files.files]
         report.warnings += list(files.skipped)
         if optimizer:
