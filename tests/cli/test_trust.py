@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -363,3 +366,38 @@ def test_nested_record_that_links_out_is_refused(unflattened: Path, tmp_path: Pa
         assert r.exit_code == 3, r.output
         assert (f"{victim}: a link to {outside}, outside the checkpoint directory; copy the "
                 "file into the checkpoint directory") in r.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# 15. A bounded set of open files: 1,100 ranks under ulimit -n 1024
+
+
+def _cli(*args: str | Path, nofile: int | None = None) -> subprocess.CompletedProcess[str]:
+    """The CLI in a process of its own (with ``ulimit -n nofile``)."""
+
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return subprocess.run([sys.executable, "-m", "ckpttool", *map(str, args)],
+                          capture_output=True, text=True, env=env, preexec_fn=limit,
+                          timeout=600, check=False)
+
+
+def test_1100_ranks_merge_and_verify_under_ulimit_1024(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    full = {"w": torch.arange(1100 * 4, dtype=torch.float32).reshape(1100, 4),
+            "b": torch.ones(3)}
+    save_file(full, src / "model.safetensors")
+    ckpt = tmp_path / "ranks"
+    r = run("reshard", src, ckpt, "--ranks", "1100", "-q")
+    assert r.exit_code == 0, r.output
+    assert len(list(ckpt.glob("*.distcp"))) == 1100
+    p = _cli("verify", ckpt, nofile=1024)
+    assert p.returncode == 0, p.stderr
+    p = _cli("merge", ckpt, tmp_path / "out", "--dtype", "keep", nofile=1024)
+    assert p.returncode == 0, p.stderr
+    got = load_file(tmp_path / "out/model.safetensors")
+    assert all(torch.equal(got[k], v) for k, v in full.items())
