@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -39,8 +40,39 @@ EXIT_MEANINGS: tuple[tuple[int, str], ...] = (
 )
 
 
+# Characters a terminal acts on instead of showing: C0 and C1 controls and DEL (ESC sequences
+# clear the screen or set the window title, CR and LF forge lines), and the bidirectional
+# controls that reorder what is shown (U+202E), with the line and paragraph separators.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029"
+                          "\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` for a terminal: every control or bidi character written as its Python escape
+    (``\\x1b``, ``\\n``, ``\\u202e``), so a tensor name or file name from a checkpoint can
+    neither run terminal commands nor forge a line. JSON output is never escaped this way: it
+    stays exact."""
+    return _UNPRINTABLE.sub(_escape, text)
+
+
+def _escape(m: re.Match[str]) -> str:
+    return repr(m.group())[1:-1]
+
+
+def printable_doc(doc: Any) -> Any:
+    """A report document (``to_json()``) with every string, key and value, made
+    :func:`printable`, for the human renderers."""
+    if isinstance(doc, str):
+        return printable(doc)
+    if isinstance(doc, dict):
+        return {printable_doc(k): printable_doc(v) for k, v in doc.items()}
+    if isinstance(doc, list | tuple):
+        return type(doc)(printable_doc(v) for v in doc)
+    return doc
+
+
 def err(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    print(printable(message), file=sys.stderr, flush=True)
 
 
 @contextmanager

@@ -26,6 +26,8 @@ from ckpttool.cli.common import (
     human_bytes,
     lora_line,
     print_json,
+    printable,
+    printable_doc,
     removes_new_dirs,
     size_option,
 )
@@ -348,8 +350,9 @@ def _print_human(r: object) -> None:
         lines.append(f"  {'would copy' if r.dry_run else 'copied'} {', '.join(r.copied)}")
     for change in r.config_changes:
         lines.append(f"  config.json: {change}")
+    lines = [printable(line) for line in lines]  # names from the checkpoint: never raw
     if r.dry_run:
-        lines += ["", _plan_table(r.tensors)]
+        lines += ["", _plan_table(printable_doc(r.tensors))]
     print("\n".join(lines))
 
 

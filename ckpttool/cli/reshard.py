@@ -20,6 +20,7 @@ from ckpttool.cli.common import (
     exit_codes,
     human_bytes,
     print_json,
+    printable,
     removes_new_dirs,
     size_option,
 )
@@ -81,12 +82,12 @@ def reshard_command(
             print_json(report.to_json())
         elif not quiet:
             layout = count(report.ranks, "rank") if report.ranks else "safetensors"
-            print(f"resharded {report.checkpoint} ({report.format_in}) -> {report.out} "
-                  f"({layout}) in {report.seconds:.1f} s")
+            print(printable(f"resharded {report.checkpoint} ({report.format_in}) -> "
+                            f"{report.out} ({layout}) in {report.seconds:.1f} s"))
             if report.checkpoint != report.src:
-                print(f"  used {Path(report.checkpoint).name}, found in {report.src}")
+                print(printable(f"  used {Path(report.checkpoint).name}, found in {report.src}"))
             print(f"  {count(report.num_tensors, 'tensor')}, {human_bytes(report.total_bytes)}"
                   + (f", {report.num_objects} non-tensor entries copied" if report.num_objects
                      else ""))
             for f in report.files:
-                print(f"  wrote {f['name']}: {human_bytes(f['bytes'])}")
+                print(printable(f"  wrote {f['name']}: {human_bytes(f['bytes'])}"))

@@ -22,6 +22,7 @@ from ckpttool.cli.common import (
     exit_codes,
     human_bytes,
     print_json,
+    printable_doc,
 )
 
 EPILOG = epilog([
@@ -103,7 +104,7 @@ def verify_command(
         if json_output:
             print_json(doc)
         else:
-            print(render(doc, quiet=quiet))
+            print(render(printable_doc(doc), quiet=quiet))
         if not report.ok:
             raise typer.Exit(EXIT_PROBLEMS)
 

@@ -22,15 +22,17 @@ from pathlib import Path
 from ckpttool.core.checkpoint import hf, names
 from ckpttool.core.checkpoint import parts as key_parts
 from ckpttool.errors import InputError, UnsupportedError
-from ckpttool.formats import registry, torchfile
+from ckpttool.formats import registry, safetensors, torchfile
 from ckpttool.formats.base import CheckpointInfo, ChunkColumns, ObjectEntry, Reader, Tensor
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage.store import open_store
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of one chunk
 
-# Entries of a training directory that are checkpoints a user may mean.
-_CHECKPOINT_KINDS = ("model", "optimizer")
+# Entries of a training directory that are checkpoints a user may mean, by preference: a
+# PEFT adapter file (adapter_model.safetensors) beside the model it was trained on is chosen
+# only when there is no model.
+_CHECKPOINT_KINDS = ("model", "adapter", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class Part:
     every report)."""
 
     path: str  # relative to the directory
-    kind: str  # "model", "optimizer" or "other"
+    kind: str  # "model", "optimizer", "adapter" (a PEFT adapter file) or "other"
     format: str  # a format's NAME, or "pickle", "json", "directory", "file"
     note: str = ""
 
@@ -440,6 +442,14 @@ def _file_part(p: Path) -> Part:
     if p.suffix in torchfile.SUFFIXES:
         fmt = torchfile.NAME if torchfile.detect(p) else "file"
         return Part(name, stem_kind, fmt)
+    if p.suffix == ".safetensors":
+        if not safetensors.detect(p):
+            return Part(name, "other", "file")
+        # Any loose safetensors file may be a model: with another candidate beside it, the
+        # user chooses (never a silent pick of the wrong one).
+        kind = ("optimizer" if "optimizer" in p.stem
+                else "adapter" if p.stem.startswith("adapter_model") else "model")
+        return Part(name, kind, safetensors.NAME)
     if p.suffix == ".pkl":
         return Part(name, "other", "pickle", "not unpickled")
     if p.suffix == ".json":

@@ -206,7 +206,7 @@ def merge(
         plan = plan_merge(sources, policy=policy,
                           max_shard_size=shard_limit if mode != "adapter" else 1 << 62,
                           drop=frozenset(decided["drop"]), stem=stem)
-        extra = _side_files(report, whole, ckpt, reader, files, adapted)
+        extra = _side_files(report, whole, ckpt, reader, files, adapted, plan, sources)
         # A dry run stops here: the plan it reports is the one a merge would write.
         if not dry_run:
             report.distributed, report.resumed = _write(
@@ -346,17 +346,18 @@ def _start_report(src: Path, out: Path, whole: Checkpoint, ckpt: Checkpoint,
 
 
 def _side_files(report: MergeReport, whole: Checkpoint, ckpt: Checkpoint, reader: Reader,
-                files: hf.HfFiles, adapted: Adapted | None) -> list[tuple[str, bytes]]:
+                files: hf.HfFiles, adapted: Adapted | None, plan: MergePlan,
+                sources: list[tuple[str, Source]]) -> list[tuple[str, bytes]]:
     """The small files written beside the weights (config, tokenizer, optimizer.json, an
     adapter's config), and the non-tensor entries, into ``report``."""
     objects = [(o, non_tensor.read(reader, o.entry)) for o in whole.objects]
     report.non_tensor = [{**non_tensor.describe(o.name, value), "part": o.part}
                          for o, value in objects]
     objects = [(o, value) for o, value in objects if o.part == ckpt.kind]
-    config_bytes, report.config_changes = _config_output(files)
+    config_bytes, report.config_changes = _config_output(files, plan, sources)
     extra: list[tuple[str, bytes]] = [
         (p.name, config_bytes if p == files.config_path and config_bytes is not None
-         else p.read_bytes()) for p in files.files]
+         else hf.read_side_file(p, files.roots)) for p in files.files]
     report.copied = [p.name for p in files.files]
     report.warnings += list(files.skipped)
     if ckpt.kind == "optimizer":
@@ -401,10 +402,20 @@ def _summarise(report: MergeReport, ckpt: Checkpoint, plan: MergePlan,
                           if mine is None or t.name in mine]
 
 
-def _config_output(files: hf.HfFiles) -> tuple[bytes | None, list[str]]:
+def _config_output(files: hf.HfFiles, plan: MergePlan, sources: list[tuple[str, Source]]
+                   ) -> tuple[bytes | None, list[str]]:
+    """config.json as written beside the weights: the FSDP class prefix removed, and the dtype
+    the weights are written in (that of the first floating tensor in model order, as
+    ``save_pretrained`` records ``model.dtype``)."""
     if files.config is None:
         return None, []
     fixed, changes = hf.strip_fsdp_prefix(files.config)
+    changes = [f"architectures: {c}" for c in changes]
+    written = {t.name: t.dtype for f in plan.files for t in f.tensors}
+    first = next((written[n] for n, _ in sources
+                  if n in written and written[n].kind in ("float", "float8")), None)
+    fixed, dtype_changes = hf.with_written_dtype(fixed, first.torch_name if first else None)
+    changes += dtype_changes
     if not changes:
         return None, []
-    return (json.dumps(fixed, indent=2) + "\n").encode(), [f"architectures: {c}" for c in changes]
+    return (json.dumps(fixed, indent=2) + "\n").encode(), changes

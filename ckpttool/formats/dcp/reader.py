@@ -437,7 +437,8 @@ def _open_nested(root: Path, md_path: Path, objects: list[ObjectEntry], tensors:
             continue
         where = f"{path} at byte {o.offset} (entry '{o.name}')"
         # Through the store's pread: a remote checkpoint's data file is read by ranged GETs.
-        with pread_of(path) as pread:
+        # Only a file really inside the checkpoint, as the data files a store reads.
+        with pread_of(path, inside=os.path.realpath(root)) as pread:
             try:
                 rb = torchsave.RecordBytes(pread, o.offset, o.length, where)
                 entries = torchsave.zip_entries(rb)
