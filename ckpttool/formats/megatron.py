@@ -362,7 +362,8 @@ def read_info(path: str | os.PathLike[str], *, iteration: int | None = None) -> 
                 objects.append(ObjectEntry(key, (key,)))
     tensors = [t if len(t.path) != 1 or "/" not in t.name else replace(t, path=_path_of(t.name))
                for t in base.tensors]
-    args = common.get("args") if isinstance(common.get("args"), dict) else {}
+    found = common.get("args")
+    args: dict[str, Any] = found if isinstance(found, dict) else {}
     layout = _layout(args, common.get("iteration", _iteration_of(root)), backend)
     files = base.files
     if COMMON in names:  # a file of the checkpoint: verify checks it is there, never a side file

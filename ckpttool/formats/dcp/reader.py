@@ -253,9 +253,10 @@ def _refusal(path: Path, qualname: str, data: bytes) -> CkptError:
               if _metadata_global(*g.rsplit(".", 1)) is None] or [qualname]
     kinds = [next((what for prefix, what in _KNOWN_WRITERS if g.startswith(prefix)), None)
              for g in others]
-    if all(kinds):
+    known = [k for k in kinds if k is not None]
+    if len(known) == len(kinds):
         return UnsupportedError(
-            f"{path}: a valid DCP .metadata that also holds {', '.join(dict.fromkeys(kinds))} "
+            f"{path}: a valid DCP .metadata that also holds {', '.join(dict.fromkeys(known))} "
             f"('{others[0]}'); not supported as a plain DCP directory yet. A Megatron-Core "
             "torch_dist checkpoint is read from its iter_NNNNNNN directory with its "
             "metadata.json, or from the run directory (latest_checkpointed_iteration.txt)")
