@@ -114,7 +114,8 @@ def _model(v: Variant, tp: int, pp: int) -> Any:
         use_cpu_initialization=True, gated_linear_unit=True, activation_func=F.silu,
         normalization="RMSNorm", layernorm_epsilon=1e-6, add_bias_linear=False,
         add_qkv_bias=v.qkv_bias, qk_layernorm=v.qk_norm, params_dtype=torch.float32,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
         transformer_impl="local", persist_layer_norm=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, attention_dropout=0.0,
         hidden_dropout=0.0)
@@ -125,6 +126,31 @@ def _model(v: Variant, tp: int, pp: int) -> Any:
                      pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage())
     return model
+
+
+def _vary_norms_and_biases(model: Any) -> None:
+    """Norm weights start at 1 and biases at 0: a map that swapped two norms, or split a bias
+    wrongly, would still give the same logits. Each gets values of its own, drawn whole from a
+    generator seeded by its name and sliced to this TP rank's part, so any TP writes the same
+    model."""
+    import zlib
+
+    from megatron.core import parallel_state as ps
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name and not name.endswith("bias"):
+                continue
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            if getattr(p, "tensor_model_parallel", False):
+                d = p.partition_dim
+                shape = list(p.shape)
+                shape[d] *= tp
+                value = torch.randn(shape, generator=g).narrow(d, rank * p.shape[d], p.shape[d])
+            else:
+                value = torch.randn(tuple(p.shape), generator=g)
+            p.copy_(value * 0.1 + (1.0 if "norm" in name else 0.0))
 
 
 def _rng_state() -> Any:
@@ -153,6 +179,7 @@ def _save(v: Variant, run: Path) -> None:
     # and keeps its slice, so the same seed gives the same model at any TP.
     torch.manual_seed(1234 + len(v.name))
     model = _model(v, v.tp, v.pp)
+    _vary_norms_and_biases(model)
     state = {"args": _args(v), "checkpoint_version": 3.0, "iteration": ITERATION,
              "num_floating_point_operations_so_far": 1.5e9,
              "model": model.sharded_state_dict(), "rng_state": _rng_state()}
@@ -171,7 +198,6 @@ def _reference(v: Variant, run: Path) -> None:
     """Megatron's own loader into a TP=1, PP=1 model, and its forward pass."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
-
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     ps.initialize_model_parallel()
@@ -261,3 +287,61 @@ if __name__ == "__main__":  # python -m tests.megatron_layouts OUT [VARIANT...]
     import sys
 
     write_runs(Path(sys.argv[1]), sys.argv[2:] or None)
+
+
+def hf_reference(run: Path) -> dict[str, torch.Tensor]:
+    """What a merge of ``run`` must write, bit for bit: Megatron's own loaded state dict
+    (``reference.pt``, a TP=1 model) rearranged into Hugging Face's names with plain torch
+    indexing, written out here apart from ckpttool's tables: q/k/v rows taken per query group,
+    ``linear_fc1`` halved into gate and up, the vocabulary padding cut."""
+    config = json.loads((run / "config.json").read_text())
+    sd = torch.load(run / "reference.pt", weights_only=True)["state_dict"]
+    vocab, groups = config["vocab_size"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"][:vocab],
+           "model.norm.weight": sd["decoder.final_layernorm.weight"]}
+    if not config["tie_word_embeddings"]:
+        out["lm_head.weight"] = sd["output_layer.weight"][:vocab]
+    for layer in range(config["num_hidden_layers"]):
+        m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
+        for suffix in ("weight", "bias"):
+            qkv = sd.get(f"{m}self_attention.linear_qkv.{suffix}")
+            if qkv is None:
+                continue
+            grouped = qkv.reshape(groups, -1, head_dim, *qkv.shape[1:])
+            rest = qkv.shape[1:]
+            out[f"{h}self_attn.q_proj.{suffix}"] = grouped[:, :-2].reshape(-1, *rest)
+            out[f"{h}self_attn.k_proj.{suffix}"] = grouped[:, -2].reshape(-1, *rest)
+            out[f"{h}self_attn.v_proj.{suffix}"] = grouped[:, -1].reshape(-1, *rest)
+        gate, up = sd[f"{m}mlp.linear_fc1.weight"].chunk(2)
+        out.update({
+            f"{h}input_layernorm.weight": sd[f"{m}input_layernorm.weight"],
+            f"{h}self_attn.o_proj.weight": sd[f"{m}self_attention.linear_proj.weight"],
+            f"{h}post_attention_layernorm.weight": sd[f"{m}pre_mlp_layernorm.weight"],
+            f"{h}mlp.gate_proj.weight": gate, f"{h}mlp.up_proj.weight": up,
+            f"{h}mlp.down_proj.weight": sd[f"{m}mlp.linear_fc2.weight"]})
+        for norm in ("q", "k"):
+            value = sd.get(f"{m}self_attention.{norm}_layernorm.weight")
+            if value is not None:
+                out[f"{h}self_attn.{norm}_norm.weight"] = value
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def native_reference(run: Path) -> dict[str, torch.Tensor]:
+    """The global tensors a torch_dist checkpoint of ``run`` holds, under Megatron's stored
+    names (what a merge with ``--names none`` writes): Megatron's own loaded state dict
+    (``reference.pt``) with each layer's tensors stacked on a new first axis, the norms under
+    the names the local spec saves them as (Transformer Engine's fused ones)."""
+    sd = torch.load(run / "reference.pt", weights_only=True)["state_dict"]
+    saved_as = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+    out: dict[str, torch.Tensor] = {}
+    layers: dict[str, list[torch.Tensor]] = {}
+    for name, value in sd.items():
+        if name.startswith("decoder.layers."):
+            rest = name.split(".", 3)[3]
+            layers.setdefault(f"decoder.layers.{saved_as.get(rest, rest)}", []).append(value)
+        else:
+            out[name] = value
+    out.update({k: torch.stack(v) for k, v in layers.items()})
+    return out

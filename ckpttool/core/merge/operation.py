@@ -726,6 +726,8 @@ def merge(
             state of a checkpoint that holds nothing else. The rest is reported, not written.
         names: a name map (``namemaps.NAMES``, e.g. ``"torchtitan-llama3"``) from the
             training framework's names and layouts to the Hugging Face model family's.
+            Default: the map a Megatron-Core model needs (``namemaps.implied``), else none;
+            ``"none"`` keeps the stored names always.
         dry_run: plan the merge and report it (files, sizes, every tensor's name, dtype,
             shape and place: ``report.tensors``) without writing or creating anything. Every
             check a merge makes before writing is made (a tie is decided by reading both
@@ -787,6 +789,12 @@ def merge(
         stem = "model"
     sources: list[tuple[str, Source]] = list(named) if adapted is None else adapted.sources
     mapped = None
+    if names is None and not optimizer and adapted is None:
+        # Megatron's names are no loader's: its family's map applies unasked.
+        names = namemaps.implied(named, files.config, config_path=str(
+            files.config_path) if files.config_path else None)
+    if names == namemaps.KEEP:  # the stored names, asked for
+        names = None
     if names is not None:
         if optimizer:
             raise InputError(f"{info.root}: holds optimizer state; --names maps a model's "
