@@ -45,6 +45,7 @@ MEGATRON = importlib.util.find_spec("megatron.core") is not None
 WORLD_SIZE = 2
 ITERATION = 2
 VOCAB = 50  # padded to 64 by make_vocab_size_divisible_by 16 (x TP)
+
 TOKENS = [[3, 17, 49, 0, 22, 8, 31, 5]]
 
 
@@ -61,6 +62,11 @@ class Variant:
     heads: int = 4
     groups: int = 2
     layers: int = 2
+    hidden: int = 32
+    ffn: int = 48
+    vocab: int = VOCAB
+    dtype: str = "float32"
+    reference: bool = True  # also write reference.pt (benchmarks do without)
 
 
 VARIANTS = {v.name: v for v in (
@@ -71,13 +77,12 @@ VARIANTS = {v.name: v for v in (
     Variant("qwen2-tp2", "qwen2", tp=2, qkv_bias=True),
     Variant("qwen3", "qwen3", qk_norm=True, kv_channels=16, tied=True),
 )}
-HIDDEN, FFN = 32, 48
 
 
-def padded_vocab(tp: int, divisible_by: int = 16) -> int:
+def padded_vocab(tp: int, divisible_by: int = 16, vocab: int = VOCAB) -> int:
     """Megatron-LM's ``_vocab_size_with_padding``."""
     multiple = divisible_by * tp
-    return -(-VOCAB // multiple) * multiple
+    return -(-vocab // multiple) * multiple
 
 
 def _args(v: Variant) -> argparse.Namespace:
@@ -86,16 +91,19 @@ def _args(v: Variant) -> argparse.Namespace:
     from megatron.core.transformer.enums import AttnBackend
 
     return argparse.Namespace(
-        num_layers=v.layers, hidden_size=HIDDEN, ffn_hidden_size=FFN,
+        num_layers=v.layers, hidden_size=v.hidden, ffn_hidden_size=v.ffn,
         num_attention_heads=v.heads, num_query_groups=v.groups, group_query_attention=True,
-        kv_channels=v.kv_channels or HIDDEN // v.heads, max_position_embeddings=64,
-        seq_length=16, padded_vocab_size=padded_vocab(v.tp), make_vocab_size_divisible_by=16,
+        kv_channels=v.kv_channels or v.hidden // v.heads, max_position_embeddings=64,
+        seq_length=16, padded_vocab_size=padded_vocab(v.tp, vocab=v.vocab),
+        make_vocab_size_divisible_by=16,
         tensor_model_parallel_size=v.tp, pipeline_model_parallel_size=v.pp,
         expert_model_parallel_size=1, num_experts=None, swiglu=True, normalization="RMSNorm",
         norm_epsilon=1e-6, untie_embeddings_and_output_weights=not v.tied,
+        vocab_size=v.vocab,
         add_qkv_bias=v.qkv_bias, add_bias_linear=False, qk_layernorm=v.qk_norm,
         position_embedding_type="rope", rotary_base=10000, ckpt_format="torch_dist",
-        params_dtype=torch.float32, bf16=False, fp16=False, iteration=ITERATION,
+        params_dtype=getattr(torch, v.dtype), bf16=v.dtype == "bfloat16", fp16=False,
+        iteration=ITERATION,
         transformer_impl="local", attention_backend=AttnBackend.auto,
         tokenizer_type="NullTokenizer", world_size=WORLD_SIZE, data_parallel_size=WORLD_SIZE
         // (v.tp * v.pp), consumed_train_samples=8, use_distributed_optimizer=False)
@@ -109,18 +117,19 @@ def _model(v: Variant, tp: int, pp: int) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
-        num_layers=v.layers, hidden_size=HIDDEN, ffn_hidden_size=FFN,
+        num_layers=v.layers, hidden_size=v.hidden, ffn_hidden_size=v.ffn,
         num_attention_heads=v.heads, num_query_groups=v.groups, kv_channels=v.kv_channels,
         use_cpu_initialization=True, gated_linear_unit=True, activation_func=F.silu,
         normalization="RMSNorm", layernorm_epsilon=1e-6, add_bias_linear=False,
-        add_qkv_bias=v.qkv_bias, qk_layernorm=v.qk_norm, params_dtype=torch.float32,
+        add_qkv_bias=v.qkv_bias, qk_layernorm=v.qk_norm, params_dtype=getattr(torch, v.dtype),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        pipeline_dtype=torch.float32,
+        pipeline_dtype=getattr(torch, v.dtype), bf16=v.dtype == "bfloat16",
         transformer_impl="local", persist_layer_norm=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, attention_dropout=0.0,
         hidden_dropout=0.0)
     spec = get_gpt_layer_local_spec(qk_layernorm=v.qk_norm, normalization="RMSNorm")
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=padded_vocab(v.tp),
+    model = GPTModel(config=config, transformer_layer_spec=spec,
+                     vocab_size=padded_vocab(v.tp, vocab=v.vocab),
                      max_sequence_length=64, position_embedding_type="rope",
                      share_embeddings_and_output_weights=v.tied,
                      pre_process=ps.is_pipeline_first_stage(),
@@ -224,7 +233,7 @@ def _reference(v: Variant, run: Path) -> None:
     ps.destroy_model_parallel()
 
 
-def _rank(rank: int, world_size: int, port: int, out: str, names: list[str]) -> None:
+def _rank(rank: int, world_size: int, port: int, out: str, variants: list[Variant]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -240,11 +249,11 @@ def _rank(rank: int, world_size: int, port: int, out: str, names: list[str]) -> 
     import logging
 
     logging.getLogger("megatron").setLevel(logging.ERROR)
-    for name in names:
-        v = VARIANTS[name]
-        run = Path(out) / name
+    for v in variants:
+        run = Path(out) / v.name
         _save(v, run)
-        _reference(v, run)
+        if v.reference:
+            _reference(v, run)
     torch.distributed.destroy_process_group()
 
 
@@ -256,12 +265,12 @@ def hf_config(v: Variant) -> dict[str, Any]:
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "qwen3": transformers.Qwen3Config}[v.family]
     kwargs: dict[str, Any] = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
+        vocab_size=v.vocab, hidden_size=v.hidden, intermediate_size=v.ffn,
         num_hidden_layers=v.layers, num_attention_heads=v.heads, num_key_value_heads=v.groups,
         max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=v.tied,
-        torch_dtype="float32")
+        torch_dtype=v.dtype)
     if v.family == "llama":
-        kwargs.update(attention_bias=False, mlp_bias=False, head_dim=HIDDEN // v.heads)
+        kwargs.update(attention_bias=False, mlp_bias=False, head_dim=v.hidden // v.heads)
     if v.family == "qwen3":
         kwargs.update(head_dim=v.kv_channels, attention_bias=False)
     config = cls(**kwargs)
@@ -270,16 +279,17 @@ def hf_config(v: Variant) -> dict[str, Any]:
     return dict(config.to_dict())
 
 
-def write_runs(out: Path, names: list[str] | None = None) -> Path:
-    """Write the runs of ``names`` (default: every variant) into ``out/<name>/``, each with
-    its ``reference.pt`` and ``config.json`` beside ``latest_checkpointed_iteration.txt``."""
-    names = list(names or VARIANTS)
+def write_runs(out: Path, names: list[str] | None = None, *,
+               variants: list[Variant] | None = None) -> Path:
+    """Write the runs of ``names`` (default: every variant; or ``variants`` themselves) into
+    ``out/<name>/``, each with its ``reference.pt`` and ``config.json`` beside
+    ``latest_checkpointed_iteration.txt``."""
+    chosen = variants if variants is not None else [VARIANTS[n] for n in names or VARIANTS]
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_rank, args=(WORLD_SIZE, _free_port(), str(out), names),
+    mp.start_processes(_rank, args=(WORLD_SIZE, _free_port(), str(out), chosen),
                        nprocs=WORLD_SIZE, join=True, start_method=start_rank_server(KINDS))
-    for name in names:
-        (out / name / "config.json").write_text(json.dumps(hf_config(VARIANTS[name]),
-                                                           indent=2))
+    for v in chosen:
+        (out / v.name / "config.json").write_text(json.dumps(hf_config(v), indent=2))
     return out
 
 

@@ -42,9 +42,12 @@ from ckpttool.formats.base import (
     CheckpointInfo,
     DataFile,
     ObjectEntry,
+    Problem,
     Reader,
     TensorPlaceholder,
     UnreadableObject,
+    error,
+    warning,
 )
 from ckpttool.formats.base import info as info_problem
 from ckpttool.formats.codecs import torchsave
@@ -391,8 +394,78 @@ def _read_json(path: Path) -> dict[str, Any]:
     return value
 
 
+INTEGRITY = "integrity.json"
+_HASH_BLOCK = 8 << 20
+
+
+def _integrity_entries(doc: Any) -> dict[str, str] | None:
+    """``{file: sha256 hex}`` from an ``integrity.json``: a mapping of file to digest (a hex
+    string, or an object with ``sha256``), at the top level or under ``files``; or a list of
+    objects naming the file (``path``/``file``/``name``) and its ``sha256``. None: not one."""
+    if isinstance(doc, dict) and isinstance(doc.get("files"), (dict, list)):
+        doc = doc["files"]
+    out: dict[str, str] = {}
+    items: list[tuple[Any, Any]] = []
+    if isinstance(doc, dict):
+        items = list(doc.items())
+    elif isinstance(doc, list):
+        for e in doc:
+            if not isinstance(e, dict):
+                return None
+            items.append((e.get("path") or e.get("file") or e.get("name"), e))
+    else:
+        return None
+    for name, value in items:
+        digest = value.get("sha256") if isinstance(value, dict) else value
+        if not isinstance(name, str) or not isinstance(digest, str) or not re.fullmatch(
+                r"[0-9a-fA-F]{64}", digest):
+            continue  # other fields (a version, an algorithm name)
+        out[name] = digest.lower()
+    return out or None
+
+
 class MegatronReader(dcp.DcpReader):
-    """DCP's reader; the common state was read with the metadata."""
+    """DCP's reader; the common state was read with the metadata; ``integrity.json``, where
+    the writer left one, is checked by ``verify``."""
+
+    def check_file_digests(self) -> list[Problem]:
+        import hashlib
+
+        base = self.info.base
+        path = base / INTEGRITY
+        if not path.is_file():
+            return []
+        try:
+            entries = _integrity_entries(json.loads(path.read_bytes()))
+        except (OSError, ValueError) as e:
+            return [error("integrity-unreadable", f"{path}: not readable JSON ({e}); the "
+                          "file digests were not checked", file=INTEGRITY)]
+        if entries is None:
+            return [warning("integrity-unknown", f"{path}: no SHA-256 per file found in it; "
+                            "not checked", file=INTEGRITY)]
+        problems = []
+        for name, want in sorted(entries.items()):
+            target = (base / name).resolve()
+            if base.resolve() not in target.parents:
+                problems.append(error("integrity-outside", f"{path}: names '{name}', outside "
+                                      "the checkpoint; not read", file=INTEGRITY))
+                continue
+            digest = hashlib.sha256()
+            try:
+                with open(target, "rb") as f:
+                    while block := f.read(_HASH_BLOCK):
+                        digest.update(block)
+            except OSError as e:
+                problems.append(error("integrity-missing", f"{target}: listed in {INTEGRITY} "
+                                      f"but not readable ({e.strerror}); copy it again",
+                                      file=name))
+                continue
+            if digest.hexdigest() != want:
+                problems.append(error("integrity-mismatch", f"{target}: SHA-256 "
+                                      f"{digest.hexdigest()[:16]}... is not the "
+                                      f"{want[:16]}... {INTEGRITY} records; the file changed "
+                                      "since the save: copy it again", file=name))
+        return problems
 
     def read_object(self, entry: ObjectEntry) -> Any:
         if entry.file is None and isinstance(self.info.values.get(entry.name), UnreadableObject):

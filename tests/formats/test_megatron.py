@@ -169,3 +169,23 @@ def test_family_without_a_map_is_exit_4(megatron_runs: Path, tmp_path: Path) -> 
                 tmp_path / "config.json")
     assert r.exit_code == 4, r.output  # type: ignore[attr-defined]
     assert "model_type 'gemma' has no Megatron-Core map yet" in r.output  # type: ignore[attr-defined]
+
+
+def test_verify_checks_integrity_json(megatron_runs: Path, tmp_path: Path) -> None:
+    """integrity.json (SHA-256 per file) is written here by hashing the files, as the writers
+    that add one do (megatron-core 0.16 writes none): intact, it passes; a changed
+    metadata.json, which no CRC-32 of DCP covers, is found."""
+    import hashlib
+
+    run = tmp_path / "run"
+    shutil.copytree(megatron_runs / "llama", run)
+    it = run / "iter_0000002"
+    files = sorted(p for p in it.iterdir() if p.is_file())
+    (it / "integrity.json").write_text(json.dumps({"files": {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}}))
+    assert ckpttool.verify(run).ok
+    meta = it / "metadata.json"
+    meta.write_text(json.dumps(json.loads(meta.read_text()), indent=1))  # same JSON, new bytes
+    report = ckpttool.verify(run)
+    found = [p for p in report.problems if p.code == "integrity-mismatch"]
+    assert not report.ok and [p.location.file for p in found] == ["metadata.json"]

@@ -202,6 +202,8 @@ def verify(
     done = scan.data_pass(ckpt, other, plan, want_digest, workers, read, skip=damaged,
                           skip_b=damaged_b, follow_links=follow_links)
     problems += done.problems
+    with open_reader(ckpt, follow_links=follow_links) as reader:  # integrity.json and such
+        problems += reader.check_file_digests()
     digests = done.digests
     same = None
     if pair is not None and pair[0] in done.complete and pair[1] in done.complete:
