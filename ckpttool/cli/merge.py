@@ -42,6 +42,7 @@ EPILOG = epilog([
     "ckpttool merge checkpoint/step-1000 optim/ --part optimizer",
     "ckpttool merge s3://bucket/run/checkpoint-500 s3://bucket/merged/",
     "ckpttool merge outputs/checkpoint/step-1000 out/ --names torchtitan-llama3 --config hf/",
+    "ckpttool merge megatron-run/ out/ --config hf-config.json",
     "ckpttool merge run/ merged/ --all --steps 'every 1000' --dtype bf16",
     "ckpttool merge run/ merged/ --all --watch --then 'lm_eval --model_args pretrained={out}'",
     "ckpttool merge run/ merged/ --all --task $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT",
@@ -52,13 +53,14 @@ EPILOG = epilog([
 
 # The name maps of ckpttool.core.transforms.namemaps (NAMES), spelled here so that --help
 # imports no core.
-NAME_MAPS = ("torchtitan-llama3", "torchtitan-qwen3")
+NAME_MAPS = ("megatron-llama", "megatron-qwen2", "megatron-qwen3", "torchtitan-llama3",
+             "torchtitan-qwen3")
 
 
 def names_choice(value: str | None) -> str | None:
     """Typer callback for ``--names``: one of :data:`NAME_MAPS` (else a usage error)."""
-    if value is not None and value not in NAME_MAPS:
-        raise typer.BadParameter(f"'{value}' is not one of {', '.join(NAME_MAPS)}")
+    if value is not None and value not in (*NAME_MAPS, "none"):
+        raise typer.BadParameter(f"'{value}' is not one of {', '.join(NAME_MAPS)}, none")
     return value
 
 
@@ -115,7 +117,9 @@ def merge_command(
         help=f"Map a training framework's names and "
         f"layouts to a Hugging Face model family's: {', '.join(NAME_MAPS)} (renames, RoPE "
         "permutation, "
-        "fused wqkv and grouped-expert splits). Needs the model's config.json (--config).")
+        "fused wqkv and grouped-expert splits). Needs the model's config.json (--config). A "
+        "Megatron-Core model gets its family's map (megatron-*) unasked; none keeps the "
+        "stored names.")
     ] = None,
     workers: Workers = None,
     dry_run: Annotated[bool, typer.Option(

@@ -147,6 +147,8 @@ def merge(
             state of a checkpoint that holds nothing else. The rest is reported, not written.
         names: a name map (``namemaps.NAMES``, e.g. ``"torchtitan-llama3"``) from the
             training framework's names and layouts to the Hugging Face model family's.
+            Default: the map a Megatron-Core model needs (``namemaps.implied``), else none;
+            ``"none"`` keeps the stored names always.
         dry_run: plan the merge and report it (files, sizes, every tensor's name, dtype,
             shape and place: ``report.tensors``) without writing or creating anything. Every
             check a merge makes before writing is made (a tie is decided by reading both
@@ -308,8 +310,12 @@ def _policy(dtype: str, files: hf.HfFiles, *, optimizer: bool, mode: str | None
 
 def _mapped(names: str | None, ckpt: Checkpoint, named: list[tuple[str, Any]],
             files: hf.HfFiles, *, optimizer: bool, adapted: Adapted | None) -> Mapped | None:
-    """``--names`` applied to the model's tensors (None without it)."""
-    if names is None:
+    """``--names`` applied to the model's tensors (None without it, or with ``"none"``); a
+    Megatron-Core model's family map applies unasked, as its names are no loader's."""
+    if names is None and not optimizer and adapted is None:
+        names = namemaps.implied(named, files.config, config_path=str(
+            files.config_path) if files.config_path else None)
+    if names is None or names == namemaps.KEEP:
         return None
     assert ckpt.info is not None
     if optimizer:

@@ -37,6 +37,7 @@ from ckpttool.core.checkpoint.discover import (
     Part,
     describe,
     discover,
+    open_reader,
     select,
 )
 from ckpttool.core.dtype_policy import DTypePolicy
@@ -187,6 +188,8 @@ def verify(
     done = scan.data_pass(ckpt, other, plan, want_digest, workers, read, skip=damaged,
                           skip_b=damaged_b, follow_links=follow_links)
     problems += done.problems
+    with open_reader(ckpt, follow_links=follow_links) as reader:  # integrity.json and such
+        problems += reader.check_file_digests()
     digests = done.digests
     same = (ties.pair_identical(ckpt, model, pair, done.complete, digests,
                                 follow_links=follow_links, block_bytes=scan.READ_BLOCK)
