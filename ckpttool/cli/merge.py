@@ -100,6 +100,12 @@ def merge_command(
         "permutation, "
         "fused wqkv and grouped-expert splits). Needs the model's config.json (--config).")
     ] = None,
+    layout: Annotated[str, typer.Option(
+        "--layout", metavar="[hub|stored]", callback=_layout_choice,
+        help="hub: write what save_pretrained writes for config.json's model family "
+        "(experts one tensor each, vision-language models' hub names), as every loader "
+        "reads it; stored: transformers 5's runtime names and fused experts as stored.")
+    ] = "hub",
     workers: Workers = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Show what would be written (files, sizes, every tensor's name, "
@@ -134,7 +140,7 @@ def merge_command(
                            config=config, keep_tied=keep_tied, overwrite=overwrite,
                            workers=workers, follow_links=follow_links, lora=lora,
                            adapter=adapter, adapter_config=adapter_config, part=part,
-                           names=names, dry_run=dry_run, shared=shared,
+                           names=names, layout=layout, dry_run=dry_run, shared=shared,
                            progress=progress, on_start=on_start)
         finally:
             bar.stop()
@@ -170,6 +176,12 @@ def _lora_choice(value: str | None) -> str | None:
     if value is None or value in ("fuse", "adapter"):
         return value
     raise typer.BadParameter(f"'{value}' is not one of: fuse, adapter")
+
+
+def _layout_choice(value: str) -> str:
+    if value not in ("hub", "stored"):
+        raise typer.BadParameter(f"'{value}': choose hub or stored", param_hint="--layout")
+    return value
 
 
 def _part_choice(value: str | None) -> str | None:
@@ -237,6 +249,11 @@ def _print_human(r: object) -> None:
         for note, dropped in by_note.items():
             more = f" and {len(dropped) - 1} more" if len(dropped) > 1 else ""
             lines.append(f"    dropped {dropped[0]}{more}: {note}")
+    if r.layout:
+        lay = r.layout
+        lines.append(f"  layout of save_pretrained ({', '.join(lay['families'])}): "
+                     f"{lay['split']} fused tensors split into per-expert tensors, "
+                     f"{lay['renamed']} renamed (--layout stored keeps them as stored)")
     if r.tie:
         t = r.tie
         if t["action"] == "deduplicated":

@@ -39,8 +39,8 @@ from ckpttool.core.runtime import forked
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import SCHEMA, Progress, locked
 from ckpttool.core.runtime.torch_threads import default_workers, one_torch_thread, workers_for
+from ckpttool.core.transforms import hub_layout, namemaps
 from ckpttool.core.transforms import lora as adapters
-from ckpttool.core.transforms import namemaps
 from ckpttool.core.transforms.derive import Derived, materialise
 from ckpttool.errors import InputError, OutputError, UnsupportedError
 from ckpttool.formats import registry
@@ -653,6 +653,9 @@ class MergeReport:
     wrappers_removed: list[str] = field(default_factory=list)
     tie: dict[str, Any] | None = None
     name_map: dict[str, Any] | None = None  # --names: the map and what it did to each tensor
+    # transformers 5's runtime names and fused experts turned into save_pretrained's layout
+    # (core.transforms.hub_layout): the families, counts and examples; None: nothing to do
+    layout: dict[str, Any] | None = None
     lora: dict[str, Any] | None = None  # the adapter found, and what was done with it
     non_tensor: list[dict[str, Any]] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)
@@ -694,6 +697,7 @@ def merge(
     adapter_config: str | os.PathLike[str] | None = None,
     part: str | None = None,
     names: str | None = None,
+    layout: str = "hub",
     dry_run: bool = False,
     shared: Shared | None = None,
     progress: Progress | None = None,
@@ -726,6 +730,10 @@ def merge(
             state of a checkpoint that holds nothing else. The rest is reported, not written.
         names: a name map (``namemaps.NAMES``, e.g. ``"torchtitan-llama3"``) from the
             training framework's names and layouts to the Hugging Face model family's.
+        layout: ``"hub"`` (default): where config.json names a family whose transformers 5
+            runtime layout differs from what ``save_pretrained`` writes (fused experts,
+            nested vision-language models), write save_pretrained's; ``"stored"``: the names
+            and fused tensors as stored.
         dry_run: plan the merge and report it (files, sizes, every tensor's name, dtype,
             shape and place: ``report.tensors``) without writing or creating anything. Every
             check a merge makes before writing is made (a tie is decided by reading both
@@ -747,6 +755,9 @@ def merge(
     started = time.perf_counter()
     src_path, out_path = Path(src), Path(out)
     shard_limit = st.parse_size(str(max_shard_size))
+    if layout not in hub_layout.CHOICES:
+        raise InputError(f"unknown layout {layout!r}; choose one of "
+                         f"{', '.join(hub_layout.CHOICES)}")
     if part not in (None, *MERGEABLE):
         raise InputError(f"part {part!r} cannot be merged; choose one of {', '.join(MERGEABLE)}")
     ckpt = discover(src_path, config=config, command="merge")
@@ -846,6 +857,8 @@ def merge(
         decided = decide() if shared is None else shared.once(decide)
         drop = frozenset(decided["drop"])
         report.tie, report.warnings = decided["tie"], list(decided["warnings"])
+        if mapped is None and mode != "adapter" and not optimizer:
+            sources, drop = _hub_layout(sources, drop, files, layout, report)
         objects = [(o, non_tensor.read(reader, o.entry)) for o in whole.objects]
         report.non_tensor = [{**non_tensor.describe(o.name, value), "part": o.part}
                              for o, value in objects]
@@ -938,6 +951,21 @@ def _summarise(report: MergeReport, ckpt: Checkpoint, plan: MergePlan,
     for out_tensor in written_tensors:
         name = out_tensor.dtype.name
         report.bytes_after[name] = report.bytes_after.get(name, 0) + out_tensor.slot.nbytes
+
+
+def _hub_layout(sources: list[tuple[str, Source]], drop: frozenset[str], files: hf.HfFiles,
+                layout: str, report: MergeReport
+                ) -> tuple[list[tuple[str, Source]], frozenset[str]]:
+    """``sources`` in the layout save_pretrained writes for config.json's family
+    (:mod:`ckpttool.core.transforms.hub_layout`), the tied weight left out renamed alike."""
+    if layout == "stored":
+        return sources, drop
+    converted = hub_layout.convert(sources, files.config)
+    if converted is None:
+        report.warnings += hub_layout.unconverted(sources, files.config)
+        return sources, drop
+    report.layout = converted.to_json()
+    return converted.sources, frozenset(converted.renamed.get(n, n) for n in drop)
 
 
 def _decide_tie(
