@@ -249,6 +249,8 @@ def _print_human(r: object) -> None:
         for note, dropped in by_note.items():
             more = f" and {len(dropped) - 1} more" if len(dropped) > 1 else ""
             lines.append(f"    dropped {dropped[0]}{more}: {note}")
+    if r.config and r.config["found_in"]:
+        lines.append(f"  config.json from {r.config['found_in']}: {r.config['path']}")
     if r.layout:
         lay = r.layout
         lines.append(f"  layout of save_pretrained ({', '.join(lay['families'])}): "

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, overload
 from ckpttool.core import dtype_policy, ties
 from ckpttool.core.checkpoint import geometry as chunk_geometry
 from ckpttool.core.checkpoint import hf, names, non_tensor, structure, tensors
+from ckpttool.core.checkpoint.copies import model_copies
 from ckpttool.core.checkpoint.discover import (
     Checkpoint,
     ObjectView,
@@ -656,6 +657,12 @@ class MergeReport:
     # transformers 5's runtime names and fused experts turned into save_pretrained's layout
     # (core.transforms.hub_layout): the families, counts and examples; None: nothing to do
     layout: dict[str, Any] | None = None
+    # A directory holding the model twice (core.checkpoint.copies): the copy read, the
+    # others and why; None: one copy
+    copies: dict[str, Any] | None = None
+    # The config.json used ({"path", "found_in"}: "found_in" None when beside the checkpoint
+    # or given); None: none found, the output is weights only
+    config: dict[str, Any] | None = None
     lora: dict[str, Any] | None = None  # the adapter found, and what was done with it
     non_tensor: list[dict[str, Any]] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)
@@ -824,6 +831,15 @@ def merge(
     report.dtype = {"requested": policy.requested,
                     "target": policy.target.name if policy.target else None,
                     "source": policy.source}
+    if not optimizer and mode != "adapter":
+        if files.config_path is not None:
+            report.config = {"path": str(files.config_path), "found_in": files.found_in}
+        else:
+            report.warnings.append(hf.no_config_warning(info.root, ckpt.path))
+    copies = model_copies(whole)
+    if copies is not None:
+        report.copies = copies.to_json()
+        report.warnings.append(copies.message("merge"))
     if adapted is not None:
         report.lora = adapted.report
     if mapped is not None:
