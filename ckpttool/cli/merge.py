@@ -42,7 +42,8 @@ EPILOG = epilog([
 
 # The name maps of ckpttool.core.transforms.namemaps (NAMES), spelled here so that --help
 # imports no core.
-NAME_MAPS = ("torchtitan-llama3", "torchtitan-qwen3")
+NAME_MAPS = ("torchtitan-llama3", "torchtitan-qwen3", "torchtitan-deepseek-v3",
+             "torchtitan-gpt-oss", "torchtune-llama", "torchtune-qwen2")
 
 
 def names_choice(value: str | None) -> str | None:
