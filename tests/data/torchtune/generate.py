@@ -4,7 +4,8 @@ torchtune 0.6.1 needs torchao 0.11, which the test environment does not carry, s
 in a venv of its own that sees the test environment's packages (torch, transformers):
 
     python -m venv /work/venvs/torchtune
-    echo <main venv>/lib/python3.11/site-packages > /work/venvs/torchtune/lib/python3.11/site-packages/shared.pth
+    cd /work/venvs/torchtune/lib/python3.11/site-packages
+    echo <main venv>/lib/python3.11/site-packages > shared.pth
     /work/venvs/torchtune/bin/pip install --no-deps torchtune==0.6.1 torchao==0.11.0 \\
         omegaconf tiktoken sentencepiece blobfile kagglehub
     /work/venvs/torchtune/bin/python tests/data/torchtune/generate.py
