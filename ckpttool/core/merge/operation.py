@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
 from ckpttool.core import dtype_policy, ties
+from ckpttool.core.checkpoint import architecture, hf, names, non_tensor, structure, tensors
 from ckpttool.core.checkpoint import geometry as chunk_geometry
-from ckpttool.core.checkpoint import hf, names, non_tensor, structure, tensors
 from ckpttool.core.checkpoint.copies import model_copies
 from ckpttool.core.checkpoint.discover import (
     Checkpoint,
@@ -663,6 +663,9 @@ class MergeReport:
     # The config.json used ({"path", "found_in"}: "found_in" None when beside the checkpoint
     # or given); None: none found, the output is weights only
     config: dict[str, Any] | None = None
+    # Names no transformers model of config.json's architecture has (a training framework's
+    # own, core.checkpoint.architecture): whose, how many, the --names maps; None: they fit
+    foreign_names: dict[str, Any] | None = None
     lora: dict[str, Any] | None = None  # the adapter found, and what was done with it
     non_tensor: list[dict[str, Any]] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)
@@ -875,6 +878,10 @@ def merge(
         report.tie, report.warnings = decided["tie"], list(decided["warnings"])
         if mapped is None and mode != "adapter" and not optimizer:
             sources, drop = _hub_layout(sources, drop, files, layout, report)
+            foreign = architecture.check([n for n, _ in sources], files.config)
+            if foreign is not None:
+                report.foreign_names = foreign.to_json()
+                report.warnings.append(foreign.message())
         objects = [(o, non_tensor.read(reader, o.entry)) for o in whole.objects]
         report.non_tensor = [{**non_tensor.describe(o.name, value), "part": o.part}
                              for o, value in objects]

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.core import dtype_policy, ties
-from ckpttool.core.checkpoint import structure, tensors
+from ckpttool.core.checkpoint import architecture, structure, tensors
 from ckpttool.core.checkpoint.discover import (
     Checkpoint,
     Part,
@@ -217,6 +217,9 @@ def verify(
                                          reader, views[pair[1]].tensor,
                                          block_bytes=scan.READ_BLOCK)
     problems += ties.check_ties(model, same)
+    if model.kind == "model":
+        problems += architecture.problems(
+            [t.name for t in model.tensors if t.part == "model"], model.hf.config)
     layout, lora_config, lora_problems = lora.adapter_of(
         model, Path(adapter_config) if adapter_config is not None else None)
     if layout is not None and layout.modules:
