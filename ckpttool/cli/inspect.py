@@ -74,8 +74,10 @@ def inspect_command(
 
 def render(doc: dict[str, Any]) -> str:
     """The human report: a summary block, then the tensor table."""
-    lines = [f"{doc['format']} checkpoint {doc['checkpoint']}"
-             + (f" ({doc['kind']})" if doc["format"] != "none" else "")]
+    if doc["format"] == "none":  # a directory of several checkpoints: none chosen
+        lines = [f"{doc['path']}: a directory of several checkpoints (see the note)"]
+    else:
+        lines = [f"{doc['format']} checkpoint {doc['checkpoint']} ({doc['kind']})"]
     if doc["checkpoint"] != doc["path"]:
         lines[0] += f", found in {doc['path']}"
     if doc["parts"]:

@@ -54,7 +54,8 @@ EPILOG = epilog([
 # The name maps of ckpttool.core.transforms.namemaps (NAMES), spelled here so that --help
 # imports no core.
 NAME_MAPS = ("megatron-llama", "megatron-qwen2", "megatron-qwen3", "torchtitan-llama3",
-             "torchtitan-qwen3")
+             "torchtitan-qwen3", "torchtitan-deepseek-v3", "torchtitan-gpt-oss",
+             "torchtune-llama", "torchtune-qwen2")
 
 
 def names_choice(value: str | None) -> str | None:
@@ -121,6 +122,12 @@ def merge_command(
         "Megatron-Core model gets its family's map (megatron-*) unasked; none keeps the "
         "stored names.")
     ] = None,
+    layout: Annotated[str, typer.Option(
+        "--layout", metavar="[hub|stored]", callback=_layout_choice,
+        help="hub: write what save_pretrained writes for config.json's model family "
+        "(experts one tensor each, vision-language models' hub names), as every loader "
+        "reads it; stored: transformers 5's runtime names and fused experts as stored.")
+    ] = "hub",
     workers: Workers = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Show what would be written (files, sizes, every tensor's name, "
@@ -198,7 +205,7 @@ def merge_command(
                            config=config, keep_tied=keep_tied, overwrite=overwrite,
                            workers=workers, follow_links=follow_links, lora=lora,
                            adapter=adapter, adapter_config=adapter_config, part=part,
-                           names=names, dry_run=dry_run, shared=shared,
+                           names=names, layout=layout, dry_run=dry_run, shared=shared,
                            progress=progress, on_start=on_start)
         finally:
             bar.stop()
@@ -234,6 +241,12 @@ def _lora_choice(value: str | None) -> str | None:
     if value is None or value in ("fuse", "adapter"):
         return value
     raise typer.BadParameter(f"'{value}' is not one of: fuse, adapter")
+
+
+def _layout_choice(value: str) -> str:
+    if value not in ("hub", "stored"):
+        raise typer.BadParameter(f"'{value}': choose hub or stored", param_hint="--layout")
+    return value
 
 
 def _part_choice(value: str | None) -> str | None:
@@ -316,6 +329,13 @@ def _print_human(r: object) -> None:
         for note, dropped in by_note.items():
             more = f" and {len(dropped) - 1} more" if len(dropped) > 1 else ""
             lines.append(f"    dropped {dropped[0]}{more}: {note}")
+    if r.config and r.config["found_in"]:
+        lines.append(f"  config.json from {r.config['found_in']}: {r.config['path']}")
+    if r.layout:
+        lay = r.layout
+        lines.append(f"  layout of save_pretrained ({', '.join(lay['families'])}): "
+                     f"{lay['split']} fused tensors split into per-expert tensors, "
+                     f"{lay['renamed']} renamed (--layout stored keeps them as stored)")
     if r.tie:
         t = r.tie
         if t["action"] == "deduplicated":

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.core import dtype_policy, ties
-from ckpttool.core.checkpoint import hf, non_tensor, structure
+from ckpttool.core.checkpoint import architecture, hf, non_tensor, structure
+from ckpttool.core.checkpoint.copies import model_copies
 from ckpttool.core.checkpoint.discover import Checkpoint, Part, discover, open_reader, select
 from ckpttool.core.checkpoint.names import detected_wrappers
 from ckpttool.core.checkpoint.parts import MERGEABLE
@@ -34,8 +35,8 @@ from ckpttool.core.merge.plan import MergePlan, Source, plan_merge
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import SCHEMA, Progress
 from ckpttool.core.runtime.torch_threads import default_workers
+from ckpttool.core.transforms import hub_layout, namemaps
 from ckpttool.core.transforms import lora as adapters
-from ckpttool.core.transforms import namemaps
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import registry
 from ckpttool.formats import safetensors as st
@@ -70,6 +71,18 @@ class MergeReport:
     wrappers_removed: list[str] = field(default_factory=list)
     tie: dict[str, Any] | None = None
     name_map: dict[str, Any] | None = None  # --names: the map and what it did to each tensor
+    # transformers 5's runtime names and fused experts turned into save_pretrained's layout
+    # (core.transforms.hub_layout): the families, counts and examples; None: nothing to do
+    layout: dict[str, Any] | None = None
+    # A directory holding the model twice (core.checkpoint.copies): the copy read, the
+    # others and why; None: one copy
+    copies: dict[str, Any] | None = None
+    # The config.json used ({"path", "found_in"}: "found_in" None when beside the checkpoint
+    # or given); None: none found, the output is weights only
+    config: dict[str, Any] | None = None
+    # Names no transformers model of config.json's architecture has (a training framework's
+    # own, core.checkpoint.architecture): whose, how many, the --names maps; None: they fit
+    foreign_names: dict[str, Any] | None = None
     lora: dict[str, Any] | None = None  # the adapter found, and what was done with it
     non_tensor: list[dict[str, Any]] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)
@@ -115,6 +128,7 @@ def merge(
     adapter_config: str | os.PathLike[str] | None = None,
     part: str | None = None,
     names: str | None = None,
+    layout: str = "hub",
     dry_run: bool = False,
     shared: Shared | None = None,
     progress: Progress | None = None,
@@ -149,6 +163,10 @@ def merge(
             training framework's names and layouts to the Hugging Face model family's.
             Default: the map a Megatron-Core model needs (``namemaps.implied``), else none;
             ``"none"`` keeps the stored names always.
+        layout: ``"hub"`` (default): where config.json names a family whose transformers 5
+            runtime layout differs from what ``save_pretrained`` writes (fused experts,
+            nested vision-language models), write save_pretrained's; ``"stored"``: the names
+            and fused tensors as stored.
         dry_run: plan the merge and report it (files, sizes, every tensor's name, dtype,
             shape and place: ``report.tensors``) without writing or creating anything. Every
             check a merge makes before writing is made (a tie is decided by reading both
@@ -170,7 +188,7 @@ def merge(
     started = time.perf_counter()
     src_path, out_path = Path(src), Path(out)
     shard_limit = st.parse_size(str(max_shard_size))
-    whole, ckpt = _recognise(src_path, out_path, config, part)
+    whole, ckpt = _recognise(src_path, out_path, config, part, layout)
     files, optimizer = ckpt.hf, ckpt.kind == "optimizer"
     named = [(t.name, t.tensor) for t in ckpt.tensors]
     adapted = (None if optimizer else
@@ -181,7 +199,8 @@ def merge(
     sources: list[tuple[str, Source]] = (
         list(mapped.tensors) if mapped is not None
         else list(named) if adapted is None else adapted.sources)
-    report = _start_report(src_path, out_path, whole, ckpt, policy)
+    report = _start_report(src_path, out_path, whole, ckpt, policy, files,
+                           model=not optimizer and mode != "adapter")
     report.lora = adapted.report if adapted is not None else None
     report.name_map = mapped.to_json() if mapped is not None else None
     extra_names = [p.name for p in files.files] + ([OPTIMIZER_JSON] if optimizer else [])
@@ -205,9 +224,12 @@ def merge(
                                    ties_apply=not optimizer and mode != "adapter", mapped=mapped)
         decided = decide() if shared is None else shared.once(decide)
         report.tie, report.warnings = decided["tie"], list(decided["warnings"])
+        sources, drop = _output_layout(sources, frozenset(decided["drop"]), files, layout,
+                                       report, stored=mapped is None and mode != "adapter"
+                                       and not optimizer)
         plan = plan_merge(sources, policy=policy,
                           max_shard_size=shard_limit if mode != "adapter" else 1 << 62,
-                          drop=frozenset(decided["drop"]), stem=stem)
+                          drop=drop, stem=stem)
         extra = _side_files(report, whole, ckpt, reader, files, adapted, plan, sources)
         # A dry run stops here: the plan it reports is the one a merge would write.
         if not dry_run:
@@ -262,13 +284,16 @@ def _write(plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, by
 
 
 def _recognise(src: Path, out: Path, config: str | os.PathLike[str] | None,
-               part: str | None) -> tuple[Checkpoint, Checkpoint]:
+               part: str | None, layout: str) -> tuple[Checkpoint, Checkpoint]:
     """The checkpoint at ``src`` (whole) and the part of it a merge writes, checked whole.
 
     Raises:
         InputError: not a checkpoint, damaged, only optimizer state where none was asked for,
             no tensors, or OUT inside SRC.
     """
+    if layout not in hub_layout.CHOICES:
+        raise InputError(f"unknown layout {layout!r}; choose one of "
+                         f"{', '.join(hub_layout.CHOICES)}")
     if part not in (None, *MERGEABLE):
         raise InputError(f"part {part!r} cannot be merged; choose one of {', '.join(MERGEABLE)}")
     ckpt = discover(src, config=config, command="merge", prefer=part)
@@ -329,7 +354,7 @@ def _mapped(names: str | None, ckpt: Checkpoint, named: list[tuple[str, Any]],
 
 
 def _start_report(src: Path, out: Path, whole: Checkpoint, ckpt: Checkpoint,
-                  policy: DTypePolicy) -> MergeReport:
+                  policy: DTypePolicy, files: hf.HfFiles, *, model: bool) -> MergeReport:
     """What is known before any data is read: the source, its parts, renames, the dtype."""
     assert ckpt.info is not None
     info = ckpt.info
@@ -348,7 +373,40 @@ def _start_report(src: Path, out: Path, whole: Checkpoint, ckpt: Checkpoint,
     report.dtype = {"requested": policy.requested,
                     "target": policy.target.name if policy.target else None,
                     "source": policy.source}
+    if model:
+        if files.config_path is not None:
+            report.config = {"path": str(files.config_path), "found_in": files.found_in}
+        else:
+            report.warnings.append(hf.no_config_warning(info.root, ckpt.path))
+    copies = model_copies(whole)
+    if copies is not None:
+        report.copies = copies.to_json()
+        report.warnings.append(copies.message("merge"))
     return report
+
+
+def _output_layout(sources: list[tuple[str, Source]], drop: frozenset[str], files: hf.HfFiles,
+                   layout: str, report: MergeReport, *, stored: bool
+                   ) -> tuple[list[tuple[str, Source]], frozenset[str]]:
+    """``sources`` in the layout save_pretrained writes for config.json's family
+    (:mod:`ckpttool.core.transforms.hub_layout`), the tied weight left out renamed alike, and
+    a warning for names no model of that architecture has. ``stored``: the model's weights
+    under their stored names (no name map, no adapter), the only case this applies to."""
+    if not stored:
+        return sources, drop
+    if layout != "stored":
+        converted = hub_layout.convert(sources, files.config)
+        if converted is None:
+            report.warnings += hub_layout.unconverted(sources, files.config)
+        else:
+            report.layout = converted.to_json()
+            sources = converted.sources
+            drop = frozenset(converted.renamed.get(n, n) for n in drop)
+    foreign = architecture.check([n for n, _ in sources], files.config)
+    if foreign is not None:
+        report.foreign_names = foreign.to_json()
+        report.warnings.append(foreign.message())
+    return sources, drop
 
 
 def _side_files(report: MergeReport, whole: Checkpoint, ckpt: Checkpoint, reader: Reader,

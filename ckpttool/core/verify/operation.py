@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.core import dtype_policy, ties
-from ckpttool.core.checkpoint import structure
+from ckpttool.core.checkpoint import architecture, structure
 from ckpttool.core.checkpoint.discover import (
     Checkpoint,
     Part,
@@ -195,6 +195,9 @@ def verify(
                                 follow_links=follow_links, block_bytes=scan.READ_BLOCK)
             if pair is not None else None)
     problems += ties.check_ties(model, same)
+    if model.kind == "model":
+        problems += architecture.problems(
+            [t.name for t in model.tensors if t.part == "model"], model.hf.config)
     report.lora, lora_problems = lora.verify_adapter(
         ckpt, model, Path(adapter_config) if adapter_config is not None else None,
         follow_links=follow_links)
