@@ -16,7 +16,7 @@ import functools
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -203,22 +203,11 @@ def merge(
                            model=not optimizer and mode != "adapter")
     report.lora = adapted.report if adapted is not None else None
     report.name_map = mapped.to_json() if mapped is not None else None
-    extra_names = [p.name for p in files.files] + ([OPTIMIZER_JSON] if optimizer else [])
-    if mode == "adapter":
-        extra_names.append(hf.ADAPTER_CONFIG)
     # Before reading any tensor data (the tie check reads both embeddings): fail fast.
-    check_existing(out_path, extra_names, overwrite, stem)
-
-    # No cyclic collection while millions of chunk objects live: none are garbage, and each
-    # collection would walk them all. The adapter's own reader (--adapter) is closed with the
-    # checkpoint's.
-    adapter_reader = adapted.reader if adapted is not None else None
-    with (open_reader(ckpt, follow_links=follow_links) as reader,
-          adapter_reader if adapter_reader is not None else contextlib.nullcontext(),
-          gc_paused()):
-        if adapter_reader is not None:
-            adapter_reader.open_files()
-
+    check_existing(out_path, [p.name for p in files.files] + ([OPTIMIZER_JSON] if optimizer
+                              else [hf.ADAPTER_CONFIG] if mode == "adapter" else []),
+                   overwrite, stem)
+    with _readers(ckpt, adapted, follow_links=follow_links) as reader:
         decide = functools.partial(_decide, reader, sources, files.config, report.warnings,
                                    keep_tied=keep_tied,
                                    ties_apply=not optimizer and mode != "adapter", mapped=mapped)
@@ -241,6 +230,21 @@ def merge(
                shared=shared)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+@contextlib.contextmanager
+def _readers(ckpt: Checkpoint, adapted: Adapted | None, *, follow_links: bool
+             ) -> Iterator[Reader]:
+    """The checkpoint's reader, with the adapter's own (``--adapter``) open beside it and
+    closed with it. No cyclic collection while they live: millions of chunk objects are no
+    garbage, and each collection would walk them all."""
+    adapter_reader = adapted.reader if adapted is not None else None
+    with (open_reader(ckpt, follow_links=follow_links) as reader,
+          adapter_reader if adapter_reader is not None else contextlib.nullcontext(),
+          gc_paused()):
+        if adapter_reader is not None:
+            adapter_reader.open_files()
+        yield reader
 
 
 def _decide(reader: Reader, sources: list[tuple[str, Source]], config: dict[str, Any] | None,

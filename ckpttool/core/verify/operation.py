@@ -176,15 +176,7 @@ def verify(
     # from its digests.
     want_digest = ({t.name for t in ckpt.tensors} if manifest_path or receipt
                    else set(pair or ()) if other is not None else set())
-    damaged: set[str] = set()
-    damaged_b: set[str] = set()
-    problems = _structure(ckpt, damaged)
-    # A side file (meta.pt) that does not read: damage, unless it only names classes that a
-    # weights-only reader refuses (a custom object in the saved state).
-    problems += [(warning if "refused to load" in note else error)(
-        "side-file-unreadable", note) for note in ckpt.side_notes]
-    if other is not None:
-        problems += _structure(other, damaged_b)
+    problems, damaged, damaged_b = _structures(ckpt, other)
     done = scan.data_pass(ckpt, other, plan, want_digest, workers, read, skip=damaged,
                           skip_b=damaged_b, follow_links=follow_links)
     problems += done.problems
@@ -194,10 +186,7 @@ def verify(
     same = (ties.pair_identical(ckpt, model, pair, done.complete, digests,
                                 follow_links=follow_links, block_bytes=scan.READ_BLOCK)
             if pair is not None else None)
-    problems += ties.check_ties(model, same)
-    if model.kind == "model":
-        problems += architecture.problems(
-            [t.name for t in model.tensors if t.part == "model"], model.hf.config)
+    problems += ties.check_ties(model, same) + architecture.problems_of(model)
     report.lora, lora_problems = lora.verify_adapter(
         ckpt, model, Path(adapter_config) if adapter_config is not None else None,
         follow_links=follow_links)
@@ -221,6 +210,22 @@ def verify(
     report.bytes_read = done.bytes_read + part_bytes
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+def _structures(ckpt: Checkpoint, other: Checkpoint | None
+                ) -> tuple[list[Problem], set[str], set[str]]:
+    """Structure problems of both sides, and the tensors of each found damaged (the data pass
+    skips them)."""
+    damaged: set[str] = set()
+    damaged_b: set[str] = set()
+    problems = _structure(ckpt, damaged)
+    # A side file (meta.pt) that does not read: damage, unless it only names classes that a
+    # weights-only reader refuses (a custom object in the saved state).
+    problems += [(warning if "refused to load" in note else error)(
+        "side-file-unreadable", note) for note in ckpt.side_notes]
+    if other is not None:
+        problems += _structure(other, damaged_b)
+    return problems, damaged, damaged_b
 
 
 def _check_options(dtype: str | None, *, allow_cast: bool,
