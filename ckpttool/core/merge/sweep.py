@@ -366,6 +366,10 @@ def sweep(
     """
     from ckpttool.core.merge.operation import merge
 
+    if str(run).startswith("s3://") or str(out_root).startswith("s3://"):
+        raise UnsupportedError(f"{run if str(run).startswith('s3://') else out_root}: merge "
+                               "--all works on local directories only, not yet s3://; merge "
+                               "each checkpoint with ckpttool merge s3://... OUT")
     run_path, root = Path(run), Path(out_root)
     options = dict(merge_options or {})
     recorded = receipt_options(options)
