@@ -3,12 +3,12 @@
 A large merge (more than one piece, :func:`piece_bytes` of output) writes into temporary files
 whose names come from its plan (``.model.safetensors.resume-<plan key>.ckpttool-tmp``, not
 from the process), in pieces: consecutive tensors of one output file, about
-:func:`piece_bytes` each, in a fixed order (:func:`pieces`, pure). Each piece, once written and synced, is recorded in a
-journal beside the temporary files (``.<stem>.resume-<plan key>.journal.ckpttool-tmp``, JSON
-Lines):
-the first line says what the files are for (the plan key, a digest of the source's file names,
-sizes and modification times, each temporary file's inode), each further line one finished
-piece. A cut merge leaves both.
+:func:`piece_bytes` each, in a fixed order (:func:`pieces`, pure). Each piece, once written
+and synced, is recorded in a journal beside the temporary files
+(``.<stem>.resume-<plan key>.journal.ckpttool-tmp``, JSON Lines): the first line says what the
+files are for (the plan key, a digest of the source's file names, sizes and modification
+times, each temporary file's inode), each further line one finished piece. A cut merge leaves
+both.
 
 The same merge again (same source, options and output) finds them and checks, before trusting
 anything: the plan key (same files, headers, sizes: same options), the source digest (no file
