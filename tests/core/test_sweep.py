@@ -13,18 +13,25 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as hs
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from ckpttool.cli import app
+from ckpttool.core import dtype_policy
 from ckpttool.core.merge import receipt as receipts
+from ckpttool.core.merge import resume
 from ckpttool.core.merge import sweep as sweeps
-from ckpttool.core.merge.operation import merge
+from ckpttool.core.merge.operation import merge, plan_merge
 from ckpttool.core.verify.operation import verify
 from ckpttool.errors import InputError
+from ckpttool.formats.base import RAW, Chunk, Tensor
+from ckpttool.formats.codecs import dtypes
 from tests import runs
 
 STEPS = (1, 2, 3)
@@ -320,3 +327,24 @@ def test_all_resumes_the_checkpoint_it_was_merging(trained: Path, tmp_path: Path
     assert first is not None and first["resumed"]["done_before"] == 2
     for step in STEPS:
         _assert_exact(out / f"checkpoint-{step}", trained, step)
+
+
+@given(rows=hs.lists(hs.integers(1, 64), min_size=1, max_size=20),
+       piece=hs.integers(8, 2048), shard=hs.sampled_from([256, 1024, 1 << 40]))
+def test_pieces_tile_every_file_in_order(rows: list[int], piece: int, shard: int) -> None:
+    """Pieces cover every tensor of every output file exactly once, consecutive, and each but
+    a file's last holds at least ``piece`` bytes (a resumed merge writes the rest)."""
+    f32 = dtypes.get("F32")
+    tensors: list[tuple[str, Any]] = [
+        (f"t{i}", Tensor(f"t{i}", (f"t{i}",), f32, (n, 2),
+                         (Chunk((0, 0), (n, 2), "f", 0, n * 8, RAW),)))
+        for i, n in enumerate(rows)]
+    plan = plan_merge(tensors, policy=dtype_policy.resolve("keep", None), max_shard_size=shard)
+    found = resume.pieces(plan, piece)
+    for i, f in enumerate(plan.files):
+        mine = [p for p in found if p.file == i]
+        assert [p.first for p in mine] == [0] + [p.end for p in mine[:-1]]
+        assert mine[-1].end == len(f.tensors)
+        assert all(p.nbytes >= piece for p in mine[:-1])
+        assert sum(p.nbytes for p in mine) == sum(t.slot.nbytes for t in f.tensors)
+    assert resume.pieces(plan, piece) == found  # the same for every run
