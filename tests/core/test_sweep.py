@@ -120,6 +120,12 @@ def test_a_changed_source_is_left_unless_overwrite(run_copy: Path, tmp_path: Pat
                                     "--overwrite to merge it again")
     redo = sweeps.sweep(run_copy, out, settle=0, steps=sweeps.parse_steps("2"), overwrite=True)
     assert _states(redo.outcomes) == {"checkpoint-2": "merged"}
+    # An output without its receipt (a sweep cut just before writing it) is left too.
+    (out / "checkpoint-2" / receipts.RECEIPT_NAME).unlink()
+    bare = sweeps.sweep(run_copy, out, settle=0, steps=sweeps.parse_steps("2"))
+    assert bare.outcomes[0].status == "changed" and bare.exit_code == 0
+    assert f"holds an output without a {receipts.RECEIPT_NAME}" in (bare.outcomes[0].reason or "")
+    sweeps.sweep(run_copy, out, settle=0, steps=sweeps.parse_steps("2"), overwrite=True)
     # Other options make another output: not done either.
     other = sweeps.sweep(run_copy, out, settle=0, steps=sweeps.parse_steps("2"),
                          merge_options={"dtype": "bf16"})

@@ -310,13 +310,27 @@ def decide(found: Found, out: Path, options: dict[str, Any], *, overwrite: bool
         return WAITING, found.pending
     receipt = receipts.read(out)
     if receipt is None:
-        return PLANNED, None
+        if not _holds_output(out):
+            return PLANNED, None
+        # A merge made by hand, or a sweep cut between the output and its receipt.
+        bare = f"{out} holds an output without a {receipts.RECEIPT_NAME}"
+        return (PLANNED, f"merging again: {bare}") if overwrite else (
+            CHANGED, f"{bare}; pass --overwrite to merge it again")
     why = receipts.compare(receipt, found.path.resolve(), found.files, options, out)
     if why is None:
         return DONE, f"merged already ({receipts.RECEIPT_NAME} matches)"
     if overwrite:
         return PLANNED, f"merging again: {why}"
     return CHANGED, f"{why}; pass --overwrite to merge it again"
+
+
+def _holds_output(out: Path) -> bool:
+    """``out`` holds safetensors weights or an index (names only)."""
+    try:
+        return any(p.name.endswith((".safetensors", ".index.json")) for p in out.iterdir()
+                   if not p.name.startswith("."))
+    except OSError:
+        return False
 
 
 MergeFunction = Callable[..., Any]  # ckpttool.core.merge.operation.merge
