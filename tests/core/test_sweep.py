@@ -149,6 +149,19 @@ def test_one_failure_does_not_stop_the_others(run_copy: Path, tmp_path: Path) ->
     assert not (out / "checkpoint-2" / "model.safetensors").exists()
 
 
+def test_only_stepped_checkpoints_are_the_runs(run_copy: Path, trained: Path) -> None:
+    """HF Trainer leaves its final model and training_args.bin beside checkpoint-N/; accelerate
+    nests checkpoints/checkpoint_N/. Neither the final model nor the pickle is a step."""
+    torch.save({"learning_rate": 0.1}, run_copy / "training_args.bin")
+    shutil.copy2(run_copy / "checkpoint-1" / "pytorch_model_fsdp_0" / "__0_0.distcp",
+                 run_copy / "model-00001-of-00002.safetensors")
+    (run_copy / "checkpoints").mkdir()
+    shutil.copytree(trained / "run" / "checkpoint-2", run_copy / "checkpoints" / "checkpoint_7")
+    names = [f.name for f in sweeps.find(run_copy)]
+    assert names == ["checkpoint-1", "checkpoint-2", "checkpoint-3", "checkpoint-4",
+                     "checkpoints/checkpoint_7"]
+
+
 def test_files_still_changing_wait_for_settle(trained: Path) -> None:
     found = sweeps.find(trained / "run", settle=0)
     newest = max(f.mtime_ns for f in receipts.source_files(found[0].path)) / 1e9
