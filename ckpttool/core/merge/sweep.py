@@ -384,6 +384,7 @@ def sweep(
 
     Raises:
         InputError: ``run`` is not a directory, or a bad option.
+        UnsupportedError: an ``s3://`` run or output root (not yet).
     """
     from ckpttool.core.merge.operation import merge
 
