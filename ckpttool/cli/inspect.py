@@ -19,6 +19,7 @@ from ckpttool.cli.common import (
     human_bytes,
     lora_line,
     print_json,
+    printable_doc,
 )
 
 EPILOG = epilog([
@@ -58,6 +59,7 @@ def inspect_command(
     bar = ProgressBar("reading", enabled=stats and not quiet and not no_progress)
     on_start, progress = bar.callbacks
     with exit_codes():
+        bar.begin()
         try:
             report = inspect(path, filter=filter, stats=stats, config=config,
                              follow_links=follow_links, workers=workers, progress=progress,
@@ -67,7 +69,7 @@ def inspect_command(
         if json_output:
             print_json(report.to_json())
         elif not quiet:
-            print(render(report.to_json()))
+            print(render(printable_doc(report.to_json())))
 
 
 def render(doc: dict[str, Any]) -> str:

@@ -16,6 +16,8 @@ from ckpttool.cli.common import (
     NoProgress,
     ProgressBar,
     Workers,
+    complete_dtype,
+    completer,
     count,
     dtype_choice,
     epilog,
@@ -24,6 +26,9 @@ from ckpttool.cli.common import (
     human_bytes,
     lora_line,
     print_json,
+    printable,
+    printable_doc,
+    removes_new_dirs,
     size_option,
 )
 
@@ -37,6 +42,7 @@ EPILOG = epilog([
     "ckpttool merge checkpoint/step-1000 optim/ --part optimizer",
     "ckpttool merge s3://bucket/run/checkpoint-500 s3://bucket/merged/",
     "ckpttool merge outputs/checkpoint/step-1000 out/ --names torchtitan-llama3 --config hf/",
+    "ckpttool merge megatron-run/ out/ --config hf-config.json",
     "ckpttool merge run/ merged/ --all --steps 'every 1000' --dtype bf16",
     "ckpttool merge run/ merged/ --all --watch --then 'lm_eval --model_args pretrained={out}'",
     "ckpttool merge run/ merged/ --all --task $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT",
@@ -47,13 +53,14 @@ EPILOG = epilog([
 
 # The name maps of ckpttool.core.transforms.namemaps (NAMES), spelled here so that --help
 # imports no core.
-NAME_MAPS = ("torchtitan-llama3", "torchtitan-qwen3")
+NAME_MAPS = ("megatron-llama", "megatron-qwen2", "megatron-qwen3", "torchtitan-llama3",
+             "torchtitan-qwen3")
 
 
 def names_choice(value: str | None) -> str | None:
     """Typer callback for ``--names``: one of :data:`NAME_MAPS` (else a usage error)."""
-    if value is not None and value not in NAME_MAPS:
-        raise typer.BadParameter(f"'{value}' is not one of {', '.join(NAME_MAPS)}")
+    if value is not None and value not in (*NAME_MAPS, "none"):
+        raise typer.BadParameter(f"'{value}' is not one of {', '.join(NAME_MAPS)}, none")
     return value
 
 
@@ -66,7 +73,8 @@ def merge_command(
         metavar="OUT", help="Output directory for the safetensors files (not SRC, nor inside "
         "it).")],
     dtype: Annotated[str, typer.Option(
-        callback=dtype_choice, metavar="DTYPE", help=f"Dtype of floating tensors: "
+        callback=dtype_choice, autocompletion=complete_dtype, metavar="DTYPE",
+        help=f"Dtype of floating tensors: "
         f"{DTYPE_CHOICES}, also spelled bfloat16, float16, float32 (auto: config.json's "
         "torch_dtype). Float8, integer and bool tensors are never cast.")
     ] = "auto",
@@ -82,6 +90,8 @@ def merge_command(
         "--overwrite", help="Replace model weights already in OUT.")] = False,
     lora: Annotated[str | None, typer.Option(
         "--lora", metavar="[fuse|adapter]", callback=_lora_choice,
+        autocompletion=completer(("fuse", "fold the adapter into the weights"),
+                                 ("adapter", "write the adapter alone, for PEFT")),
         help="For a checkpoint with a LoRA adapter: fuse (fold W + scale * B @ A into the "
         "weights; the default when the base weights are there) or adapter (a PEFT adapter "
         "directory). alpha comes from adapter_config.json.")] = None,
@@ -93,6 +103,8 @@ def merge_command(
         "beside the checkpoint or the adapter.")] = None,
     part: Annotated[str | None, typer.Option(
         "--part", metavar="PART", callback=_part_choice,
+        autocompletion=completer(("model", "model.safetensors"),
+                                 ("optimizer", "optimizer.safetensors + optimizer.json")),
         help="What to write of a checkpoint that holds more than the model (optimizer, lr "
         "scheduler, dataloader...): model (model.safetensors) or optimizer "
         "(optimizer.safetensors + optimizer.json). Default: the model; the rest is reported.")
@@ -100,10 +112,14 @@ def merge_command(
     no_progress: NoProgress = False,
     follow_links: FollowLinks = False,
     names: Annotated[str | None, typer.Option(
-        callback=names_choice, metavar="MAP", help=f"Map a training framework's names and "
+        callback=names_choice, metavar="MAP",
+        autocompletion=completer(*((m, "torchtitan names to Hugging Face's") for m in NAME_MAPS)),
+        help=f"Map a training framework's names and "
         f"layouts to a Hugging Face model family's: {', '.join(NAME_MAPS)} (renames, RoPE "
         "permutation, "
-        "fused wqkv and grouped-expert splits). Needs the model's config.json (--config).")
+        "fused wqkv and grouped-expert splits). Needs the model's config.json (--config). A "
+        "Megatron-Core model gets its family's map (megatron-*) unasked; none keeps the "
+        "stored names.")
     ] = None,
     workers: Workers = None,
     dry_run: Annotated[bool, typer.Option(
@@ -169,13 +185,14 @@ def merge_command(
     if slice_ is not None and finish:
         raise typer.BadParameter("--slice writes one share, --finish commits them all: run "
                                  "each slice, then --finish once", param_hint="--finish")
-    with exit_codes(), _shared(slice_, finish) as shared:
+    with exit_codes(), removes_new_dirs(out), _shared(slice_, finish) as shared:
         # Under torchrun, rank 0 speaks for all; the others print only their errors.
         speaks = shared is None or shared.first
         quiet = quiet or not speaks
         bar = ProgressBar("merging", enabled=not quiet and not no_progress
                           and not dry_run)
         on_start, progress = bar.callbacks
+        bar.begin()
         try:
             report = merge(src, out, dtype=dtype, max_shard_size=max_shard_size,
                            config=config, keep_tied=keep_tied, overwrite=overwrite,
@@ -243,7 +260,10 @@ def _print_human(r: object) -> None:
         lines.append(f"  shared by {d['processes']} {how}{which}: "
                      f"{human_bytes(max(d['bytes']))} at most each, balance "
                      f"{d['balance']:.3f} (largest / mean)")
-        if d["mode"] == "slice":
+        if d["mode"] == "slice" and r.dry_run:
+            lines[0] = (f"dry run: slice {d['slice']}/{d['processes']} of {r.checkpoint} -> "
+                        f"{r.out} (nothing written); its tensors are listed below")
+        elif d["mode"] == "slice":
             lines[0] = f"wrote slice {d['slice']}/{d['processes']} of {r.checkpoint} -> {r.out}"
             lines.append("  when every slice is done, run the same command with --finish "
                          "instead of --slice")
@@ -260,20 +280,28 @@ def _print_human(r: object) -> None:
     if note:
         lines.append(f"  source: {r.format}, {note}")
     for f in r.files:
-        tensors = f" ({f['tensors']} tensors)" if f["tensors"] else ""
+        tensors = f" ({count(f['tensors'], 'tensor')})" if f["tensors"] else ""
         lines.append(f"  {did} {f['name']}: {human_bytes(f['bytes'])}{tensors}")
-    lines.append(f"  {r.num_tensors} tensors, {r.num_parameters:,} parameters, "
+    lines.append(f"  {count(r.num_tensors, 'tensor')}, {r.num_parameters:,} parameters, "
                  f"{human_bytes(r.total_bytes)}")
     before = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(r.bytes_before.items()))
     after = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(r.bytes_after.items()))
-    lines.append(f"  dtype {r.dtype['target'] or 'kept'} ({r.dtype['source']}): "
-                 f"{before} -> {after}")
+    if r.dtype["target"]:
+        lines.append(f"  dtype {r.dtype['target']} ({r.dtype['source']}): {before} -> {after}")
+    else:  # nothing cast: one figure (a tied copy written once is said on its own line)
+        why = r.dtype["source"].removesuffix(", dtypes kept")
+        lines.append(f"  dtypes kept as stored ({why}): {before}")
     if r.renames and r.lora:
         lines.append(f"  renamed to the base model's names ({len(r.renames)} stored names; "
                      "PEFT's base_model.model. and .base_layer removed; all in --json)")
+    elif r.renames and r.wrappers_removed:
+        # One line says it: the renames differ only by the wrapper taken out.
+        removed = ", ".join(f"'{w}'" for w in r.wrappers_removed)
+        lines.append(f"  removed wrapper{'s' if len(r.wrappers_removed) > 1 else ''} "
+                     f"{removed} from {count(len(r.renames), 'name')} (every rename is in "
+                     "--json)")
     elif r.renames:
-        removed = ", ".join(r.wrappers_removed)
-        lines.append(f"  renamed {len(r.renames)} tensors (removed: {removed}):")
+        lines.append(f"  renamed {count(len(r.renames), 'tensor')}:")
         shown = r.renames if len(r.renames) <= 8 else r.renames[:5]
         lines += [f"    {x['from']} -> {x['to']}" for x in shown]
         if len(shown) < len(r.renames):
@@ -326,8 +354,9 @@ def _print_human(r: object) -> None:
         lines.append(f"  {'would copy' if r.dry_run else 'copied'} {', '.join(r.copied)}")
     for change in r.config_changes:
         lines.append(f"  config.json: {change}")
+    lines = [printable(line) for line in lines]  # names from the checkpoint: never raw
     if r.dry_run:
-        lines += ["", _plan_table(r.tensors)]
+        lines += ["", _plan_table(printable_doc(r.tensors))]
     print("\n".join(lines))
 
 

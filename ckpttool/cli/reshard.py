@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -13,11 +14,14 @@ from ckpttool.cli.common import (
     NoProgress,
     ProgressBar,
     Workers,
+    count,
     epilog,
     err,
     exit_codes,
     human_bytes,
     print_json,
+    printable,
+    removes_new_dirs,
     size_option,
 )
 
@@ -62,7 +66,8 @@ def reshard_command(
 
     bar = ProgressBar("resharding", enabled=not quiet and not no_progress)
     on_start, progress = bar.callbacks
-    with exit_codes():
+    with exit_codes(), removes_new_dirs(out):
+        bar.begin()
         try:
             report = reshard(src, out, ranks=ranks, to=to.value, prefix=prefix,
                              max_shard_size=max_shard_size, overwrite=overwrite,
@@ -76,11 +81,13 @@ def reshard_command(
         if json_output:
             print_json(report.to_json())
         elif not quiet:
-            layout = f"{report.ranks} ranks" if report.ranks else "safetensors"
-            print(f"resharded {report.src} ({report.format_in}) -> {report.out} ({layout}) in "
-                  f"{report.seconds:.1f} s")
-            print(f"  {report.num_tensors} tensors, {human_bytes(report.total_bytes)}"
+            layout = count(report.ranks, "rank") if report.ranks else "safetensors"
+            print(printable(f"resharded {report.checkpoint} ({report.format_in}) -> "
+                            f"{report.out} ({layout}) in {report.seconds:.1f} s"))
+            if report.checkpoint != report.src:
+                print(printable(f"  used {Path(report.checkpoint).name}, found in {report.src}"))
+            print(f"  {count(report.num_tensors, 'tensor')}, {human_bytes(report.total_bytes)}"
                   + (f", {report.num_objects} non-tensor entries copied" if report.num_objects
                      else ""))
             for f in report.files:
-                print(f"  wrote {f['name']}: {human_bytes(f['bytes'])}")
+                print(printable(f"  wrote {f['name']}: {human_bytes(f['bytes'])}"))

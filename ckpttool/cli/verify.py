@@ -14,12 +14,15 @@ from ckpttool.cli.common import (
     NoProgress,
     ProgressBar,
     Workers,
+    complete_dtype,
+    complete_expect_dtype,
     count,
     dtype_choice,
     epilog,
     exit_codes,
     human_bytes,
     print_json,
+    printable_doc,
 )
 
 EPILOG = epilog([
@@ -45,10 +48,12 @@ def verify_command(
         "--allow-cast", help="With --against: compare after the cast that --dtype would apply "
         "(NaN equals NaN after a cast).")] = False,
     dtype: Annotated[str | None, typer.Option(
-        callback=dtype_choice, metavar="DTYPE", help="With --allow-cast: the --dtype given to "
+        callback=dtype_choice, autocompletion=complete_dtype, metavar="DTYPE",
+        help="With --allow-cast: the --dtype given to "
         "merge (default auto: config.json's torch_dtype).")] = None,
     expect_dtype: Annotated[str | None, typer.Option(
-        callback=dtype_choice, metavar="DTYPE", help="Floating tensors of another dtype are "
+        callback=dtype_choice, autocompletion=complete_expect_dtype, metavar="DTYPE",
+        help="Floating tensors of another dtype are "
         "errors (auto: config.json's torch_dtype; also spelled bfloat16, float16, float32). "
         "Float8, integer and bool tensors are reported apart.")
     ] = None,
@@ -84,6 +89,7 @@ def verify_command(
     bar = ProgressBar("verifying", enabled=not quiet and not no_progress)
     on_start, progress = bar.callbacks
     with exit_codes():
+        bar.begin()
         try:
             report = verify(path, against=against, allow_cast=allow_cast,
                             dtype=dtype,
@@ -98,7 +104,7 @@ def verify_command(
         if json_output:
             print_json(doc)
         else:
-            print(render(doc, quiet=quiet))
+            print(render(printable_doc(doc), quiet=quiet))
         if not report.ok:
             raise typer.Exit(EXIT_PROBLEMS)
 

@@ -539,6 +539,12 @@ class Reader:
         pickle), and problems met while finding them."""
         return [], []
 
+    def check_file_digests(self) -> list[Problem]:
+        """Whole-file digests the format records beside the data (Megatron's
+        ``integrity.json``: SHA-256 per file), recomputed: one error per file that differs or
+        is missing. Reads every such file whole; ``verify`` calls it, ``merge`` does not."""
+        return []
+
     # -- non-tensor entries
 
     def read_object(self, entry: ObjectEntry) -> Any:
@@ -562,6 +568,8 @@ class Format(Protocol):
     """What a format module provides (modules satisfy it structurally)."""
 
     NAME: str
+    SUMMARY: str  # what it looks like on disk (docs/formats.md)
+    WRITTEN_BY: str  # which writers produce it (docs/formats.md)
 
     def detect(self, path: Path) -> bool: ...
 

@@ -20,6 +20,9 @@ from ckpttool.formats.torchfile import ArchiveReader, Archives, View
 from ckpttool.storage.store import file_size
 
 NAME = "torch-save-sharded"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = '`pytorch_model.bin.index.json` + `.bin` shards'
+WRITTEN_BY = 'transformers / huggingface_hub with `safe_serialization=False`'
 INDEX_NAME = "pytorch_model.bin.index.json"
 
 

@@ -21,6 +21,9 @@ from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage.store import file_size
 
 NAME = "dcp-safetensors"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = 'per-rank safetensors shards with `DCP_SHARDING_INFO` offsets'
+WRITTEN_BY = "PyTorch's `HuggingFaceStorageWriter`"
 SHARDING_KEY = "DCP_SHARDING_INFO"
 
 
@@ -84,7 +87,7 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         if info is None:
             raise InputError(f"{file}: safetensors shard without {SHARDING_KEY} metadata among "
                              "DCP shards; the directory mixes checkpoints")
-        for slot in st.read_layout(file)[1]:
+        for slot in st.read_layout(file, exact=True)[1]:
             entry = info.get(slot.name)
             offsets = entry.get("saved_offsets") if isinstance(entry, dict) else None
             if not isinstance(offsets, list) or len(offsets) != len(slot.shape) or not all(

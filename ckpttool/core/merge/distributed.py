@@ -79,7 +79,7 @@ class Group:
             raise OutputError(
                 f"cannot join the other processes (MASTER_ADDR={os.environ.get('MASTER_ADDR')} "
                 f"MASTER_PORT={os.environ.get('MASTER_PORT')}): {str(e).splitlines()[0]}; "
-                f"check the launcher, or set {DISABLE_ENV}=0 to run alone") from None
+                f"check the launcher, or set {DISABLE_ENV}=0 to run alone") from e
         _terminate_as_interrupt()
         return cls(group, dist.get_rank(group), dist.get_world_size(group), own)
 
@@ -106,7 +106,7 @@ class Group:
         except RuntimeError as e:  # gloo: a peer's connection closed, or the timeout
             raise OutputError(f"rank {self.rank}: lost contact with the other processes "
                               f"({_gist(e)}); one of them failed or was killed: see its own "
-                              "error") from None
+                              "error") from e
         return [json.loads(bytes(t[: int(n.item())].tolist())) for t, n in zip(
             everyone, sizes, strict=True)]
 

@@ -191,3 +191,12 @@ def check(ckpt: Checkpoint, receipt: Receipt, digests: dict[str, str], unreadabl
                                   f"{size:,} bytes; merge it again with ckpttool merge "
                                   f"{receipt.source} {ckpt.root} --overwrite", file=name))
     return problems
+
+
+def verify(ckpt: Checkpoint, receipt: Receipt, digests: dict[str, str]
+           ) -> tuple[list[Problem], dict[str, Any]]:
+    """verify's receipt check of an output: problems, and the report's ``manifest`` section."""
+    where = ckpt.root / RECEIPT_NAME
+    unreadable = {t.name for t in ckpt.tensors} - set(digests)
+    return (check(ckpt, receipt, digests, unreadable, where),
+            {"path": str(where), "action": "receipt checked", "tensors": len(receipt.tensors)})

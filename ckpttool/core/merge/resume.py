@@ -37,8 +37,9 @@ from typing import Any
 
 from ckpttool import settings
 from ckpttool.core.merge import receipt as receipts
+from ckpttool.core.merge.engine import execute_into
 from ckpttool.core.merge.multihost import check_headers, plan_key
-from ckpttool.core.merge.operation import MergePlan, execute_into
+from ckpttool.core.merge.plan import MergePlan
 from ckpttool.core.runtime.report import Progress
 from ckpttool.errors import OutputError
 from ckpttool.formats.base import Reader

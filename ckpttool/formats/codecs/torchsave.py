@@ -680,13 +680,13 @@ def load_pickle(rb: RecordBytes, entries: dict[str, ZipEntry], *,
         with gc_paused():
             value = RecordUnpickler(io.BytesIO(rb.read(pkl.data_offset, pkl.size)), rb.where,
                                     lookup=lookup).load()
-    except MemoryError:
+    except MemoryError as err:
         # A damaged length field asks the C unpickler for an absurd buffer.
-        raise pickle.UnpicklingError("a length in the pickle is beyond its data") from None
+        raise pickle.UnpicklingError("a length in the pickle is beyond its data") from err
     except (Refused, CkptError, pickle.UnpicklingError):
         raise
     except Exception as e:  # noqa: BLE001 - see corrupt()
-        raise corrupt(e) from None
+        raise corrupt(e) from e
     check_size(value, max_nodes)
     return value
 
