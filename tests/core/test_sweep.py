@@ -13,18 +13,25 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as hs
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from ckpttool.cli import app
+from ckpttool.core import dtype_policy
 from ckpttool.core.merge import receipt as receipts
+from ckpttool.core.merge import resume
 from ckpttool.core.merge import sweep as sweeps
-from ckpttool.core.merge.operation import merge
+from ckpttool.core.merge.operation import merge, plan_merge
 from ckpttool.core.verify.operation import verify
 from ckpttool.errors import InputError
+from ckpttool.formats.base import RAW, Chunk, Tensor
+from ckpttool.formats.codecs import dtypes
 from tests import runs
 
 STEPS = (1, 2, 3)
@@ -113,6 +120,12 @@ def test_a_changed_source_is_left_unless_overwrite(run_copy: Path, tmp_path: Pat
                                     "--overwrite to merge it again")
     redo = sweeps.sweep(run_copy, out, settle=0, steps=sweeps.parse_steps("2"), overwrite=True)
     assert _states(redo.outcomes) == {"checkpoint-2": "merged"}
+    # An output without its receipt (a sweep cut just before writing it) is left too.
+    (out / "checkpoint-2" / receipts.RECEIPT_NAME).unlink()
+    bare = sweeps.sweep(run_copy, out, settle=0, steps=sweeps.parse_steps("2"))
+    assert bare.outcomes[0].status == "changed" and bare.exit_code == 0
+    assert f"holds an output without a {receipts.RECEIPT_NAME}" in (bare.outcomes[0].reason or "")
+    sweeps.sweep(run_copy, out, settle=0, steps=sweeps.parse_steps("2"), overwrite=True)
     # Other options make another output: not done either.
     other = sweeps.sweep(run_copy, out, settle=0, steps=sweeps.parse_steps("2"),
                          merge_options={"dtype": "bf16"})
@@ -134,6 +147,19 @@ def test_one_failure_does_not_stop_the_others(run_copy: Path, tmp_path: Path) ->
     assert lines[1]["exit_code"] == 3 and "__1_0.distcp" in lines[1]["reason"]
     assert "failed: checkpoint-2 (exit 3): " in result.stderr
     assert not (out / "checkpoint-2" / "model.safetensors").exists()
+
+
+def test_only_stepped_checkpoints_are_the_runs(run_copy: Path, trained: Path) -> None:
+    """HF Trainer leaves its final model and training_args.bin beside checkpoint-N/; accelerate
+    nests checkpoints/checkpoint_N/. Neither the final model nor the pickle is a step."""
+    torch.save({"learning_rate": 0.1}, run_copy / "training_args.bin")
+    shutil.copy2(run_copy / "checkpoint-1" / "pytorch_model_fsdp_0" / "__0_0.distcp",
+                 run_copy / "model-00001-of-00002.safetensors")
+    (run_copy / "checkpoints").mkdir()
+    shutil.copytree(trained / "run" / "checkpoint-2", run_copy / "checkpoints" / "checkpoint_7")
+    names = [f.name for f in sweeps.find(run_copy)]
+    assert names == ["checkpoint-1", "checkpoint-2", "checkpoint-3", "checkpoint-4",
+                     "checkpoints/checkpoint_7"]
 
 
 def test_files_still_changing_wait_for_settle(trained: Path) -> None:
@@ -320,3 +346,24 @@ def test_all_resumes_the_checkpoint_it_was_merging(trained: Path, tmp_path: Path
     assert first is not None and first["resumed"]["done_before"] == 2
     for step in STEPS:
         _assert_exact(out / f"checkpoint-{step}", trained, step)
+
+
+@given(rows=hs.lists(hs.integers(1, 64), min_size=1, max_size=20),
+       piece=hs.integers(8, 2048), shard=hs.sampled_from([256, 1024, 1 << 40]))
+def test_pieces_tile_every_file_in_order(rows: list[int], piece: int, shard: int) -> None:
+    """Pieces cover every tensor of every output file exactly once, consecutive, and each but
+    a file's last holds at least ``piece`` bytes (a resumed merge writes the rest)."""
+    f32 = dtypes.get("F32")
+    tensors: list[tuple[str, Any]] = [
+        (f"t{i}", Tensor(f"t{i}", (f"t{i}",), f32, (n, 2),
+                         (Chunk((0, 0), (n, 2), "f", 0, n * 8, RAW),)))
+        for i, n in enumerate(rows)]
+    plan = plan_merge(tensors, policy=dtype_policy.resolve("keep", None), max_shard_size=shard)
+    found = resume.pieces(plan, piece)
+    for i, f in enumerate(plan.files):
+        mine = [p for p in found if p.file == i]
+        assert [p.first for p in mine] == [0] + [p.end for p in mine[:-1]]
+        assert mine[-1].end == len(f.tensors)
+        assert all(p.nbytes >= piece for p in mine[:-1])
+        assert sum(p.nbytes for p in mine) == sum(t.slot.nbytes for t in f.tensors)
+    assert resume.pieces(plan, piece) == found  # the same for every run

@@ -1,13 +1,14 @@
 """Resuming a merge that was cut: killed, out of disk space, interrupted.
 
 A large merge (more than one piece, :func:`piece_bytes` of output) writes into temporary files
-whose names come from its plan (``.model.safetensors.r<plan key>.ckpttool-tmp``, not from the
-process), in pieces: consecutive tensors of one output file, about :func:`piece_bytes` each, in
-a fixed order (:func:`pieces`, pure). Each piece, once written and synced, is recorded in a
-journal beside the temporary files (``.<stem>.r<plan key>.journal.ckpttool-tmp``, JSON Lines):
-the first line says what the files are for (the plan key, a digest of the source's file names,
-sizes and modification times, each temporary file's inode), each further line one finished
-piece. A cut merge leaves both.
+whose names come from its plan (``.model.safetensors.resume-<plan key>.ckpttool-tmp``, not
+from the process), in pieces: consecutive tensors of one output file, about
+:func:`piece_bytes` each, in a fixed order (:func:`pieces`, pure). Each piece, once written
+and synced, is recorded in a journal beside the temporary files
+(``.<stem>.resume-<plan key>.journal.ckpttool-tmp``, JSON Lines): the first line says what the
+files are for (the plan key, a digest of the source's file names, sizes and modification
+times, each temporary file's inode), each further line one finished piece. A cut merge leaves
+both.
 
 The same merge again (same source, options and output) finds them and checks, before trusting
 anything: the plan key (same files, headers, sizes: same options), the source digest (no file
@@ -43,6 +44,9 @@ from ckpttool.core.runtime.report import Progress
 from ckpttool.errors import OutputError
 from ckpttool.formats.base import Reader
 from ckpttool.storage.outputs import TMP_SUFFIX, AtomicOutputs, output_error, pwrite_all
+
+# Names the temporary files and the journal: ``.<file>.resume-<plan key>.ckpttool-tmp``.
+TAG = "resume-"
 
 
 def piece_bytes() -> int:
@@ -113,8 +117,8 @@ def write(plan: MergePlan, reader: Reader, out: Path, *, check: Callable[[], Non
     size = piece_bytes()
     key = plan_key(plan)
     stem = plan.index_name.split(".")[0]
-    temps = {f.name: out / f".{f.name}.r{key}{TMP_SUFFIX}" for f in plan.files}
-    journal = out / f".{stem}.r{key}.journal{TMP_SUFFIX}"
+    temps = {f.name: out / f".{f.name}.{TAG}{key}{TMP_SUFFIX}" for f in plan.files}
+    journal = out / f".{stem}.{TAG}{key}.journal{TMP_SUFFIX}"
     source = source_digest(reader.info.root)
     todo = pieces(plan, size)
     with AtomicOutputs(out, check=check) as outputs:
@@ -122,6 +126,7 @@ def write(plan: MergePlan, reader: Reader, out: Path, *, check: Callable[[], Non
         fds: dict[str, int] = {}
         try:
             if not done:
+                _forget(out, plan, stem)
                 _start(plan, journal, temps, fds, source, key)
             else:
                 for f in plan.files:
@@ -149,6 +154,17 @@ def write(plan: MergePlan, reader: Reader, out: Path, *, check: Callable[[], Non
         journal.unlink()
     return {"pieces": len(todo), "done_before": sum(p.key in done for p in todo),
             "bytes_skipped": sum(p.nbytes for p in todo if p.key in done)}
+
+
+def _forget(out: Path, plan: MergePlan, stem: str) -> None:
+    """Remove what cut merges of other plans into ``out`` left (other options, another
+    source): no later run could use it. Under the output's lock, so none is running."""
+    names = [f".{f.name}.{TAG}*{TMP_SUFFIX}" for f in plan.files]
+    names.append(f".{stem}.{TAG}*.journal{TMP_SUFFIX}")
+    for pattern in names:
+        for p in out.glob(pattern):
+            with contextlib.suppress(OSError):
+                p.unlink()
 
 
 def _start(plan: MergePlan, journal: Path, temps: dict[str, Path], fds: dict[str, int],

@@ -2,10 +2,11 @@
 
 Steps, each a function of its own:
 
-1. :func:`find`: the checkpoints under RUN, in step order: each entry (or an entry of a
-   directory of them, such as accelerate's ``checkpoints/``) that a format claims, or that
-   holds one that a format claims (``checkpoint-500/pytorch_model_fsdp_0``), recognised by the
-   same registry as every command. Each says whether it is still being written: what its
+1. :func:`find`: the checkpoints under RUN, in step order: each entry with a step number in
+   its name (or such an entry of a directory of them, such as accelerate's ``checkpoints/``)
+   that a format claims, or that holds one that a format claims
+   (``checkpoint-500/pytorch_model_fsdp_0``), recognised by the same registry as every
+   command. Each says whether it is still being written: what its
    format says (:func:`ckpttool.formats.base.Format.pending`: DCP's ``.metadata`` not there yet,
    DeepSpeed's ``latest`` naming an earlier tag...), or files changed less than ``settle``
    seconds ago. Names and ``stat`` only.
@@ -113,18 +114,24 @@ def _claimed(path: Path) -> bool:
 
 
 def _candidates(directory: Path, skipped: set[Path], depth: int) -> list[Path]:
-    """Entries of ``directory`` that are checkpoints (a format claims them, or an entry of
-    theirs), looking ``depth`` levels down through directories that hold checkpoints."""
+    """Entries of ``directory`` that are checkpoints: a step number in the name, and a format
+    claims them or an entry of theirs. Directories without a step are looked into, ``depth``
+    levels down (accelerate's ``checkpoints/``). Files of a directory a format claims are its
+    own (HF Trainer's final ``model-00001-of-00002.safetensors`` at the top of a run), and
+    entries without a step are not checkpoints of the run (``training_args.bin``)."""
     out = []
+    own_files = registry.detect(directory) is not None
     for p in _entries(directory):
-        if p.resolve() in skipped:
+        if p.resolve() in skipped or p.is_symlink():
             continue
-        if _claimed(p):
-            out.append(p)
-        elif p.is_dir() and not p.is_symlink():
-            if any(_claimed(q) for q in _entries(p)):
-                out.append(p)  # a training checkpoint directory (checkpoint-500/)
-            elif depth > 1:
+        stepped = step_of(p.name) is not None
+        if p.is_file():
+            if stepped and not own_files and _claimed(p):
+                out.append(p)
+        elif p.is_dir():
+            if stepped and (_claimed(p) or any(_claimed(q) for q in _entries(p))):
+                out.append(p)  # a checkpoint, or a training checkpoint directory
+            elif not stepped and depth > 1:
                 out += _candidates(p, skipped, depth - 1)
     return out
 
@@ -310,13 +317,27 @@ def decide(found: Found, out: Path, options: dict[str, Any], *, overwrite: bool
         return WAITING, found.pending
     receipt = receipts.read(out)
     if receipt is None:
-        return PLANNED, None
+        if not _holds_output(out):
+            return PLANNED, None
+        # A merge made by hand, or a sweep cut between the output and its receipt.
+        bare = f"{out} holds an output without a {receipts.RECEIPT_NAME}"
+        return (PLANNED, f"merging again: {bare}") if overwrite else (
+            CHANGED, f"{bare}; pass --overwrite to merge it again")
     why = receipts.compare(receipt, found.path.resolve(), found.files, options, out)
     if why is None:
         return DONE, f"merged already ({receipts.RECEIPT_NAME} matches)"
     if overwrite:
         return PLANNED, f"merging again: {why}"
     return CHANGED, f"{why}; pass --overwrite to merge it again"
+
+
+def _holds_output(out: Path) -> bool:
+    """``out`` holds safetensors weights or an index (names only)."""
+    try:
+        return any(p.name.endswith((".safetensors", ".index.json")) for p in out.iterdir()
+                   if not p.name.startswith("."))
+    except OSError:
+        return False
 
 
 MergeFunction = Callable[..., Any]  # ckpttool.core.merge.operation.merge
@@ -363,9 +384,14 @@ def sweep(
 
     Raises:
         InputError: ``run`` is not a directory, or a bad option.
+        UnsupportedError: an ``s3://`` run or output root (not yet).
     """
     from ckpttool.core.merge.operation import merge
 
+    if str(run).startswith("s3://") or str(out_root).startswith("s3://"):
+        raise UnsupportedError(f"{run if str(run).startswith('s3://') else out_root}: merge "
+                               "--all works on local directories only, not yet s3://; merge "
+                               "each checkpoint with ckpttool merge s3://... OUT")
     run_path, root = Path(run), Path(out_root)
     options = dict(merge_options or {})
     recorded = receipt_options(options)
