@@ -657,5 +657,6 @@ def open_reader(info: CheckpointInfo) -> ZeroReader:
     return ZeroReader(info)
 
 
-__all__ = ["LATEST", "NAME", "deepspeed_global", "detect", "flat_boxes", "is_tag_dir",
+__all__ = ["LATEST", "NAME", "SUMMARY", "WRITTEN_BY", "deepspeed_global", "detect",
+           "flat_boxes", "is_tag_dir",
            "open_reader", "read_info"]

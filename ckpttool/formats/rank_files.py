@@ -997,6 +997,7 @@ def _prod(values: Iterable[int]) -> int:
     return n
 
 
-__all__ = ["FSDP1_LOCAL_MESSAGE", "NAME", "DTensorRef", "RankFile", "RankSet", "ShardedTensorRef",
+__all__ = ["FSDP1_LOCAL_MESSAGE", "NAME", "SUMMARY", "WRITTEN_BY", "DTensorRef", "RankFile",
+           "RankSet", "ShardedTensorRef",
            "detect", "dtensor_global", "name_rank",
            "is_rank_files_dir", "open_reader", "rank_files", "read_info"]
