@@ -206,3 +206,41 @@ def test_quiet_and_verbose_together_is_a_usage_error(command: str, tmp_path: Pat
     r = run(command, *args, "-q", "-v")
     assert r.exit_code == 2
     assert "pass one of --quiet and --verbose" in r.output
+
+
+# -- examples/fsdp2_checkpoint.py
+
+
+def test_the_example_writer_says_transformers_is_missing_before_starting(
+        tmp_path: Path) -> None:
+    code = ("import sys, runpy\nsys.modules['transformers'] = None\n"
+            f"sys.argv = ['fsdp2_checkpoint.py', {str(tmp_path / 'ckpt')!r}]\n"
+            f"sys.path.insert(0, {str(ROOT)!r})\n"
+            "from examples.fsdp2_checkpoint import main\nraise SystemExit(main())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=cli_env(), timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines()[-1] == (
+        "fsdp2_checkpoint.py: error: --kind llama needs transformers, which is not installed: "
+        "pip install transformers (make demo installs it in .venv)")
+    assert "Traceback" not in r.stderr and not (tmp_path / "ckpt").exists()
+
+
+def test_the_example_writer_takes_sizes(tmp_path: Path) -> None:
+    import json
+
+    from safetensors import safe_open
+
+    from examples.fsdp2_checkpoint import main
+
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "x"), "--hidden-size", "30"])  # not a multiple of 4
+    out = tmp_path / "ckpt"
+    assert main([str(out), "--hidden-size", "48", "--layers", "1", "--vocab-size", "160"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
+            config["vocab_size"]) == (48, 96, 1, 160)
+    assert run("merge", out, tmp_path / "merged", "-q").exit_code == 0
+    with safe_open(str(tmp_path / "merged" / "model.safetensors"), "np") as f:
+        assert f.get_slice("model.embed_tokens.weight").get_shape() == [160, 48]
+        assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_shape() == [96, 48]
