@@ -74,7 +74,7 @@ def options_table(command: str) -> str:
             else:
                 d = p.default.value if isinstance(p.default, Enum) else p.default
                 default = f"`{d}`"
-        rows.append(f"| {name} | {value} | {default} | {_cell(p.help or '')} |")
+        rows.append(f"| {name} | {_cell(value)} | {_cell(default)} | {_cell(p.help or '')} |")
     return "\n".join(rows) + "\n"
 
 

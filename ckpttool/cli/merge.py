@@ -14,7 +14,9 @@ from ckpttool.cli.common import (
     FollowLinks,
     JsonOutput,
     NoProgress,
+    Phases,
     ProgressBar,
+    Verbose,
     Workers,
     complete_dtype,
     completer,
@@ -28,8 +30,10 @@ from ckpttool.cli.common import (
     print_json,
     printable,
     printable_doc,
+    quiet_or_verbose,
     removes_new_dirs,
     size_option,
+    verbose_lines,
 )
 
 EPILOG = epilog([
@@ -167,6 +171,7 @@ def merge_command(
     json_output: JsonOutput = False,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="Print nothing but errors.")] = False,
+    verbose: Verbose = False,
 ) -> None:
     """Merge a sharded checkpoint (any format) into Hugging Face safetensors, exact to the bit.
     With --all, every checkpoint of a training run."""
@@ -189,6 +194,8 @@ def merge_command(
         return
     from ckpttool.core.merge.operation import merge
 
+    quiet_or_verbose(quiet, verbose)
+    phases = Phases(verbose)
     if slice_ is not None and finish:
         raise typer.BadParameter("--slice writes one share, --finish commits them all: run "
                                  "each slice, then --finish once", param_hint="--finish")
@@ -198,7 +205,7 @@ def merge_command(
         quiet = quiet or not speaks
         bar = ProgressBar("merging", enabled=not quiet and not no_progress
                           and not dry_run)
-        on_start, progress = bar.callbacks
+        on_start, progress = phases.callbacks(*bar.callbacks)
         bar.begin()
         try:
             report = merge(src, out, dtype=dtype, max_shard_size=max_shard_size,
@@ -216,6 +223,8 @@ def merge_command(
         if not quiet:
             for w in report.warnings:
                 err(f"ckpttool: warning: {w}")
+        if verbose and speaks:
+            verbose_lines(_verbose(report, phases))
 
 
 @contextmanager
@@ -378,6 +387,28 @@ def _print_human(r: object) -> None:
     if r.dry_run:
         lines += ["", _plan_table(printable_doc(r.tensors))]
     print("\n".join(lines))
+
+
+def _verbose(r: Any, phases: Phases) -> list[str]:
+    """--verbose: what was read, the plan, the time each phase took."""
+    note = ""
+    from ckpttool.core.runtime.report import storage_note
+
+    if storage_note(r.storage):
+        note = f"; {storage_note(r.storage)}"
+    lines = [f"read {r.checkpoint} ({r.format}{note})"]
+    if r.copied:
+        lines.append(f"side files: {', '.join(r.copied)}")
+    lines.append(f"dtype: {r.dtype['source']}")
+    planned = ", ".join(f"{f['name']} ({human_bytes(f['bytes'])})" for f in r.files)
+    lines.append(f"plan: {count(r.num_tensors, 'tensor')}, {human_bytes(r.total_bytes)} into "
+                 f"{planned or 'nothing'}")
+    if r.distributed:
+        d = r.distributed
+        lines.append(f"shared: {d['mode']}, {d['processes']} processes, "
+                     f"{human_bytes(max(d['bytes']))} at most each")
+    lines.append(phases.line("writing", "a dry run: nothing written"))
+    return lines
 
 
 def _plan_table(rows: list[dict[str, Any]]) -> str:

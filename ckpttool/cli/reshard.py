@@ -12,7 +12,9 @@ from ckpttool.cli.common import (
     FollowLinks,
     JsonOutput,
     NoProgress,
+    Phases,
     ProgressBar,
+    Verbose,
     Workers,
     count,
     epilog,
@@ -21,8 +23,10 @@ from ckpttool.cli.common import (
     human_bytes,
     print_json,
     printable,
+    quiet_or_verbose,
     removes_new_dirs,
     size_option,
+    verbose_lines,
 )
 
 EPILOG = epilog([
@@ -60,12 +64,15 @@ def reshard_command(
     json_output: JsonOutput = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")
                      ] = False,
+    verbose: Verbose = False,
 ) -> None:
     """Change how a checkpoint is split: ranks, shard size or format, byte for byte."""
     from ckpttool.core.reshard import reshard
 
+    quiet_or_verbose(quiet, verbose)
+    phases = Phases(verbose)
     bar = ProgressBar("resharding", enabled=not quiet and not no_progress)
-    on_start, progress = bar.callbacks
+    on_start, progress = phases.callbacks(*bar.callbacks)
     with exit_codes(), removes_new_dirs(out):
         bar.begin()
         try:
@@ -91,3 +98,8 @@ def reshard_command(
                      else ""))
             for f in report.files:
                 print(printable(f"  wrote {f['name']}: {human_bytes(f['bytes'])}"))
+        if verbose:
+            verbose_lines([f"read {report.checkpoint} ({report.format_in})",
+                           f"plan: {count(report.num_tensors, 'tensor')}, "
+                           f"{human_bytes(report.total_bytes)} into {len(report.files)} files",
+                           phases.line("writing")])

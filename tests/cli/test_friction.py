@@ -179,3 +179,68 @@ def test_progress_fits_the_terminal_and_says_planning_first(width: int) -> None:
     bar.stop()
     assert len(drawn) == 1 and len(drawn[0]) <= width, drawn
     assert "planning" not in drawn[0] and "40%" in drawn[0] or "0.6/1.5 GB" in drawn[0]
+
+
+def test_verbose_shows_what_was_read_the_plan_and_the_phases(llama_ckpt: Path,
+                                                             tmp_path: Path) -> None:
+    r = run("merge", llama_ckpt, tmp_path / "out", "-v")
+    assert r.exit_code == 0, r.output
+    said = [line.removeprefix("ckpttool: ") for line in r.stderr.splitlines()]
+    assert said[0] == f"read {llama_ckpt / 'pytorch_model_fsdp_0'} (dcp)"
+    assert said[1].startswith("side files: config.json, generation_config.json")
+    assert said[2] == f"dtype: {llama_ckpt / 'config.json'} dtype=bfloat16"
+    assert said[3] == "plan: 20 tensors, 45.38 KB into model.safetensors (47.42 KB)"
+    assert said[4].startswith("timings: planning ") and ", writing " in said[4]
+    for command in (["verify", llama_ckpt], ["inspect", llama_ckpt],
+                    ["reshard", llama_ckpt, tmp_path / "re", "--ranks", "2"]):
+        r = run(*command, "--verbose")
+        assert r.exit_code == 0, r.output
+        assert "ckpttool: timings: " in r.stderr, r.stderr
+    assert "ckpttool: checks: structure, content, ties, dtypes" in run(
+        "verify", llama_ckpt, "-v").stderr
+
+
+@pytest.mark.parametrize("command", ["merge", "inspect", "verify", "reshard"])
+def test_quiet_and_verbose_together_is_a_usage_error(command: str, tmp_path: Path) -> None:
+    args = [tmp_path, tmp_path / "out"] if command in ("merge", "reshard") else [tmp_path]
+    r = run(command, *args, "-q", "-v")
+    assert r.exit_code == 2
+    assert "pass one of --quiet and --verbose" in r.output
+
+
+# -- examples/fsdp2_checkpoint.py
+
+
+def test_the_example_writer_says_transformers_is_missing_before_starting(
+        tmp_path: Path) -> None:
+    code = ("import sys, runpy\nsys.modules['transformers'] = None\n"
+            f"sys.argv = ['fsdp2_checkpoint.py', {str(tmp_path / 'ckpt')!r}]\n"
+            f"sys.path.insert(0, {str(ROOT)!r})\n"
+            "from examples.fsdp2_checkpoint import main\nraise SystemExit(main())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=cli_env(), timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines()[-1] == (
+        "fsdp2_checkpoint.py: error: --kind llama needs transformers, which is not installed: "
+        "pip install transformers (make demo installs it in .venv)")
+    assert "Traceback" not in r.stderr and not (tmp_path / "ckpt").exists()
+
+
+def test_the_example_writer_takes_sizes(tmp_path: Path) -> None:
+    import json
+
+    from safetensors import safe_open
+
+    from examples.fsdp2_checkpoint import main
+
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "x"), "--hidden-size", "30"])  # not a multiple of 4
+    out = tmp_path / "ckpt"
+    assert main([str(out), "--hidden-size", "48", "--layers", "1", "--vocab-size", "160"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
+            config["vocab_size"]) == (48, 96, 1, 160)
+    assert run("merge", out, tmp_path / "merged", "-q").exit_code == 0
+    with safe_open(str(tmp_path / "merged" / "model.safetensors"), "np") as f:
+        assert f.get_slice("model.embed_tokens.weight").get_shape() == [160, 48]
+        assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_shape() == [96, 48]

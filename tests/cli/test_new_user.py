@@ -504,7 +504,17 @@ def test_the_package_is_typed_in_the_wheel(tmp_path: Path) -> None:
     import zipfile
 
     (wheel,) = tmp_path.glob("ckpttool-*.whl")
-    assert "ckpttool/py.typed" in zipfile.ZipFile(wheel).namelist()
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "ckpttool/py.typed" in names
+    # issue 24: completion scripts where the shells look, the license, the project's URLs
+    data = "ckpttool-0.1.0.data/data/share/"
+    for script in ("bash-completion/completions/ckpttool.bash", "zsh/site-functions/_ckpttool",
+                   "fish/vendor_completions.d/ckpttool.fish"):
+        assert data + script in names
+    assert "ckpttool-0.1.0.dist-info/licenses/LICENSE" in names
+    metadata = zipfile.ZipFile(wheel).read("ckpttool-0.1.0.dist-info/METADATA").decode()
+    assert "Project-URL: Documentation, https://github.com/ckpttool/ckpttool/blob/main/docs/" in (
+        metadata)
 
 
 def test_every_report_is_json_serialisable(uneven_ckpt: Path, tmp_path: Path) -> None:
