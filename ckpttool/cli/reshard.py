@@ -21,6 +21,7 @@ from ckpttool.cli.common import (
     printable,
     size_option,
 )
+from ckpttool.storage.outputs import take_stale_notes
 
 EPILOG = epilog([
     "ckpttool reshard ckpt/pytorch_model_fsdp_0 ckpt8/pytorch_model_fsdp_0 --ranks 8",
@@ -71,6 +72,8 @@ def reshard_command(
                              on_start=on_start)
         finally:
             bar.stop()
+            for note in take_stale_notes():  # a killed run's leftovers, now removed
+                err(f"ckpttool: warning: {note}")
         if not quiet:
             for w in report.warnings:
                 err(f"ckpttool: warning: {w}")
