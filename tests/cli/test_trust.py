@@ -449,3 +449,33 @@ def test_a_killed_runs_temporary_files_are_named_and_removed(tiny_dcp: Path,
     for q in left:
         assert f"ckpttool: warning: {q}: removed a temporary file (" in p.stderr
     assert not [q for q in out.iterdir() if q.name.endswith(".ckpttool-tmp")]
+
+
+# --------------------------------------------------------------------------------------------
+# 14. Dimensions and sizes in .metadata are bounded when parsed
+
+
+def _metadata_claiming(tiny_dcp: Path, dest: Path, first_dim: int) -> Path:
+    """A copy of ``tiny_dcp`` whose .metadata gives its first tensor a first dimension of
+    ``first_dim`` (a plain tuple where torch.Size cannot hold it)."""
+    import pickle
+
+    shutil.copytree(tiny_dcp, dest)
+    md = pickle.loads((dest / ".metadata").read_bytes())  # noqa: S301 - our own fixture
+    entry = next(v for v in md.state_dict_metadata.values() if hasattr(v, "chunks"))
+    rest = tuple(entry.size)[1:]
+    entry.size = torch.Size((first_dim, *rest)) if first_dim < 2**63 else (first_dim, *rest)
+    (dest / ".metadata").write_bytes(pickle.dumps(md, protocol=2))
+    return dest
+
+
+@pytest.mark.parametrize("dim", [10**400, 10**5000, 2**62], ids=["1e400", "1e5000", "2**62"])
+def test_huge_dimensions_in_metadata_are_exit_3(tiny_dcp: Path, tmp_path: Path,
+                                                dim: int) -> None:
+    ckpt = _metadata_claiming(tiny_dcp, tmp_path / "ckpt", dim)
+    for args in (["inspect", ckpt], ["inspect", ckpt, "--json"], ["verify", ckpt],
+                 ["merge", ckpt, tmp_path / "out"]):
+        r = run(*args)
+        assert r.exit_code == 3, (args, r.output)
+        assert r.stderr.startswith(f"ckpttool: error: {ckpt / '.metadata'}: ")
+        assert r.stderr.endswith("corrupt\n") and r.stderr.count("\n") == 1

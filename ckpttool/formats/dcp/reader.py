@@ -285,6 +285,12 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
             metadata_name, problems = RANK_METADATA, _missing_rank_metadata(root, reads)
             zstd_records = frozenset().union(*(r.compressed_all for _, r in reads))
         tensors, serialization = _locate_safetensors(root, tensors)
+    for t in tensors:
+        # No file holds 2**63 bytes: a larger claim is damage, refused before any size is
+        # computed or printed from it (sizes past a float's range cannot be formatted).
+        if math.prod(t.shape) * t.dtype.itemsize > torchsave.MAX_INT:
+            raise InputError(f"{root / metadata_name}: tensor '{t.name}' claims shape "
+                             f"{list(t.shape)[:8]}, more than 2**63 bytes; corrupt")
     names = sorted({f for t in tensors for f in t.files}
                    | {o.file for o in objects if o.file is not None})
     ranks_of = {rank_of(f) for f in names}
