@@ -479,3 +479,27 @@ def test_huge_dimensions_in_metadata_are_exit_3(tiny_dcp: Path, tmp_path: Path,
         assert r.exit_code == 3, (args, r.output)
         assert r.stderr.startswith(f"ckpttool: error: {ckpt / '.metadata'}: ")
         assert r.stderr.endswith("corrupt\n") and r.stderr.count("\n") == 1
+
+
+# --------------------------------------------------------------------------------------------
+# 13. A zstd record that claims far more than its compressed size is refused unread
+
+
+def test_zstd_record_claiming_a_gibibyte_is_refused_unread(dcp_options: Path,
+                                                          tmp_path: Path) -> None:
+    import pickle
+
+    ckpt = tmp_path / "zstd"
+    shutil.copytree(dcp_options / "zstd", ckpt)
+    md = pickle.loads((ckpt / ".metadata").read_bytes())  # noqa: S301 - our own fixture
+    entry = md.state_dict_metadata["replicated"]  # one chunk: Replicate()
+    claim = torch.Size([1 << 14, 1 << 15])  # bf16: 1 GiB from a few hundred bytes
+    entry.size = claim
+    entry.chunks[0] = type(entry.chunks[0])(offsets=entry.chunks[0].offsets, sizes=claim)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md, protocol=2))
+    for args in (["merge", ckpt, tmp_path / "out"], ["verify", ckpt]):
+        r = run(*args)
+        assert r.exit_code in (1, 3), r.output
+        assert "refused as a likely decompression bomb" in r.output, r.output
+        assert "CKPTTOOL_ZSTD_MAX_RATIO" in r.output
+    assert not (tmp_path / "out").exists()
