@@ -35,6 +35,7 @@ from ckpttool.cli.common import (
     size_option,
     verbose_lines,
 )
+from ckpttool.storage.outputs import take_stale_notes
 
 EPILOG = epilog([
     "ckpttool merge checkpoint-500/pytorch_model_fsdp_0 out/",
@@ -216,6 +217,8 @@ def merge_command(
                            progress=progress, on_start=on_start)
         finally:
             bar.stop()
+            for note in take_stale_notes():  # a killed run's leftovers, now removed
+                err(f"ckpttool: warning: {note}")
         if json_output and speaks:
             print_json(report.to_json())
         elif not quiet:

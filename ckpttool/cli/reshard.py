@@ -28,6 +28,7 @@ from ckpttool.cli.common import (
     size_option,
     verbose_lines,
 )
+from ckpttool.storage.outputs import take_stale_notes
 
 EPILOG = epilog([
     "ckpttool reshard ckpt/pytorch_model_fsdp_0 ckpt8/pytorch_model_fsdp_0 --ranks 8",
@@ -82,6 +83,8 @@ def reshard_command(
                              on_start=on_start)
         finally:
             bar.stop()
+            for note in take_stale_notes():  # a killed run's leftovers, now removed
+                err(f"ckpttool: warning: {note}")
         if not quiet:
             for w in report.warnings:
                 err(f"ckpttool: warning: {w}")

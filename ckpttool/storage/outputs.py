@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import shutil
 import signal
 import threading
@@ -33,10 +34,11 @@ from pathlib import Path
 
 from ckpttool import settings
 from ckpttool.errors import OutputError
+from ckpttool.storage import store
 from ckpttool.storage.store import copy_range, output_error, pwrite_all
 
 __all__ = ["TMP_SUFFIX", "AtomicOutputs", "check_space", "copy_range", "existing_outputs",
-           "output_error", "pwrite_all", "remove_stale"]
+           "output_error", "pwrite_all", "remove_stale", "take_stale_notes"]
 
 TMP_SUFFIX = ".ckpttool-tmp"
 
@@ -54,6 +56,8 @@ def _step() -> None:
     if not fault:
         return
     action, at, *rest = fault.split(":", 2)
+    if action not in ("kill", "pause"):  # another hook's (storage.store)
+        return
     if next(_steps) != int(at):
         return
     if action == "kill":
@@ -219,6 +223,88 @@ def remove_stale(out_dir: Path, keep: set[str], belongs: Callable[[str], bool]) 
             p.unlink()
 
 
+# A temporary file of a single-process run: tagged with its process id. Shared runs tag theirs
+# with a run id ("r..." under torchrun, "s..." for --slice): those outlive a process on purpose.
+_PID_TEMPORARY = re.compile(rf"\..+\.(\d+){re.escape(TMP_SUFFIX)}")
+
+# Temporary files being written by this process, removed by the SIGBUS guard.
+_LIVE: set[str] = set()
+_removed_stale: list[str] = []
+
+
+def take_stale_notes() -> list[str]:
+    """What this process removed as a killed run's leftovers since last asked (for the CLI
+    to say, as warnings)."""
+    notes = list(_removed_stale)
+    _removed_stale.clear()
+    return notes
+
+
+def _remove_abandoned(out_dir: Path) -> None:
+    """Remove temporary files that a killed single-process run left in ``out_dir``, and note
+    them. Called with the directory's lock held: every process that writes such files holds
+    it while they exist, so a free lock proves they are abandoned."""
+    try:
+        entries = sorted(out_dir.iterdir())
+    except OSError:
+        return
+    for p in entries:
+        m = _PID_TEMPORARY.fullmatch(p.name)
+        if m is None or int(m.group(1)) == os.getpid() or not p.is_file() or p.is_symlink():
+            continue
+        with contextlib.suppress(OSError):
+            size = p.stat().st_size
+            p.unlink()
+            _removed_stale.append(f"{p}: removed a temporary file ({size:,} bytes) that a "
+                                  "killed or crashed run left")
+
+
+_sigbus_installed = False
+
+
+def _install_sigbus_guard() -> None:
+    """Turn SIGBUS (a source file cut short while it is read through a mapping: the kernel's
+    answer to touching a page past its new end) into the one-line error, with this process's
+    temporary files removed, instead of a silent death with exit 135 that leaves them.
+
+    Python's ``signal`` module cannot do this: its handler only sets a flag, and the faulting
+    load would run again forever. A C-level handler (through ctypes) runs on the faulting
+    thread, which at that point is inside a copy from mapped memory (torch's cast, with the
+    interpreter lock released); it writes the message, unlinks the files and leaves by
+    ``os._exit`` at once, never returning into the copy.
+    """
+    global _sigbus_installed
+    if _sigbus_installed or not hasattr(signal, "SIGBUS"):
+        return
+    _sigbus_installed = True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        handler_t = ctypes.CFUNCTYPE(None, ctypes.c_int)
+        libc.signal.argtypes = [ctypes.c_int, handler_t]
+        libc.signal.restype = ctypes.c_void_p
+    except (OSError, AttributeError):  # no libc to ask: SIGBUS keeps its default
+        return
+
+    def on_sigbus(signum: int) -> None:
+        where = store.mapped_file() or "a source file"
+        os.write(2, (f"ckpttool: error: {where}: changed (cut short) while it was read; "
+                     "nothing was written. Run again on a checkpoint nothing is writing "
+                     "to\n").encode("utf-8", "replace"))
+        for path in list(_LIVE):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        os._exit(3)
+
+    global _sigbus_handler
+    _sigbus_handler = handler_t(on_sigbus)  # kept alive for the process's life
+    libc.signal(signal.SIGBUS, _sigbus_handler)
+
+
+_sigbus_handler: object = None
+
+
 class AtomicOutputs:
     """Files written under temporary names and renamed into place together by :meth:`commit`.
 
@@ -254,11 +340,14 @@ class AtomicOutputs:
                     f"{self.out_dir}: another ckpttool process is writing into this directory; "
                     "wait for it to finish or choose another output directory") from err
         try:
+            if self._lock:
+                _remove_abandoned(self.out_dir)
             if self._check is not None:
                 self._check()
         except BaseException:
             self.abort()
             raise
+        _install_sigbus_guard()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -279,6 +368,7 @@ class AtomicOutputs:
         except OSError as e:
             raise OutputError(f"{tmp}: cannot create output file: {e.strerror}") from e
         self._pending.append((tmp, final))
+        _LIVE.add(str(tmp))
         self._fds.append(fd)
         if size is not None:
             try:
@@ -345,6 +435,7 @@ class AtomicOutputs:
                         _fsync_dir(self._dir_fd)  # every name it indexes is on disk first
                     _step()
                     os.replace(tmp, final)
+                    _LIVE.discard(str(tmp))
                     self._pending.remove((tmp, final))
                 if before_last is not None:
                     before_last()
@@ -364,6 +455,7 @@ class AtomicOutputs:
         for tmp, _ in self._pending:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+            _LIVE.discard(str(tmp))
         self._pending.clear()
         self._adopted.clear()
         if self._dir_fd is not None:

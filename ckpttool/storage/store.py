@@ -18,6 +18,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -182,6 +183,7 @@ class LocalStore:
         with self.use(name) as fd:
             end = min(offset + size, os.fstat(fd).st_size)
         pos = offset
+        _mapped[threading.get_ident()] = str(self.path(name))
         while pos < end:
             n = min(block, end - pos)
             base = pos - pos % mmap.ALLOCATIONGRANULARITY
@@ -190,9 +192,11 @@ class LocalStore:
             # (a mapping holds its own reference to the file: closing the descriptor is safe).
             with self.use(name) as fd:
                 window = mmap.mmap(fd, pos + n - base, access=mmap.ACCESS_COPY, offset=base)
+            _test_pause_after_map()
             yield memoryview(window)[pos - base : pos - base + n]
             del window
             pos += n
+        _mapped.pop(threading.get_ident(), None)
 
     def close(self) -> None:
         with self._lock:
@@ -200,6 +204,35 @@ class LocalStore:
                 os.close(fd)
             self._fds.clear()
             self._pins.clear()
+
+
+# The file each thread reads through a mapping now, for the SIGBUS message
+# (ckpttool.storage.outputs): a mapped file cut short ends the read there.
+_mapped: dict[int, str] = {}
+
+
+def mapped_file() -> str | None:
+    """The file the calling thread reads through a mapping, if any."""
+    return _mapped.get(threading.get_ident())
+
+
+def _test_pause_after_map() -> None:
+    """Test hook (tests/cli/test_trust.py): ``CKPTTOOL_TEST_FAULT=pause-map:FILE`` creates
+    FILE once a window is mapped and waits (at most 60 s) until FILE is removed, so that a
+    test can cut the source file short under the mapping."""
+    fault = os.environ.get("CKPTTOOL_TEST_FAULT", "")
+    if not fault.startswith("pause-map:"):
+        return
+    flag = fault.split(":", 1)[1]
+    if os.path.exists(flag + ".done"):
+        return
+    with open(flag, "w") as f:
+        f.write(str(os.getpid()))
+    open(flag + ".done", "w").close()
+    for _ in range(1200):
+        time.sleep(0.05)
+        if not os.path.exists(flag):
+            return
 
 
 # Local directories that stand for remote checkpoints (formats/remote.py's mirrors), with the

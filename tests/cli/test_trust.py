@@ -9,6 +9,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -401,3 +402,104 @@ def test_1100_ranks_merge_and_verify_under_ulimit_1024(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     got = load_file(tmp_path / "out/model.safetensors")
     assert all(torch.equal(got[k], v) for k, v in full.items())
+
+
+# --------------------------------------------------------------------------------------------
+# 9. A source cut short under a mapped cast; a killed run's temporary files
+
+
+def test_source_cut_short_during_a_mapped_cast_is_one_line(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"w": torch.ones(4 << 20)}, src / "model.safetensors")  # 16 MiB of F32
+    out, flag = tmp_path / "out", tmp_path / "mapped"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+           "CKPTTOOL_TEST_FAULT": f"pause-map:{flag}"}
+    proc = subprocess.Popen([sys.executable, "-m", "ckpttool", "merge", str(src), str(out),
+                             "--dtype", "bf16"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for _ in range(1200):
+        if flag.exists() or proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    assert flag.exists(), proc.communicate()
+    os.truncate(src / "model.safetensors", 1 << 20)  # under the mapped window
+    flag.unlink()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 3, stderr  # not 135 (SIGBUS) with no message
+    assert stderr == (f"ckpttool: error: {src / 'model.safetensors'}: changed (cut short) "
+                      "while it was read; nothing was written. Run again on a checkpoint "
+                      "nothing is writing to\n")
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_a_killed_runs_temporary_files_are_named_and_removed(tiny_dcp: Path,
+                                                            tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {"CKPTTOOL_TEST_FAULT": "kill:2"}  # killed (-9) after creating its first file
+    p = subprocess.run([sys.executable, "-m", "ckpttool", "merge", str(tiny_dcp), str(out)],
+                       env={**os.environ, **env, "PYTHONPATH": str(Path(__file__).resolve()
+                                                                   .parents[2])},
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == -9
+    left = [q for q in out.iterdir() if q.name.endswith(".ckpttool-tmp")]
+    assert left
+    p = _cli("merge", tiny_dcp, out)
+    assert p.returncode == 0, p.stderr
+    for q in left:
+        assert f"ckpttool: warning: {q}: removed a temporary file (" in p.stderr
+    assert not [q for q in out.iterdir() if q.name.endswith(".ckpttool-tmp")]
+
+
+# --------------------------------------------------------------------------------------------
+# 14. Dimensions and sizes in .metadata are bounded when parsed
+
+
+def _metadata_claiming(tiny_dcp: Path, dest: Path, first_dim: int) -> Path:
+    """A copy of ``tiny_dcp`` whose .metadata gives its first tensor a first dimension of
+    ``first_dim`` (a plain tuple where torch.Size cannot hold it)."""
+    import pickle
+
+    shutil.copytree(tiny_dcp, dest)
+    md = pickle.loads((dest / ".metadata").read_bytes())  # noqa: S301 - our own fixture
+    entry = next(v for v in md.state_dict_metadata.values() if hasattr(v, "chunks"))
+    rest = tuple(entry.size)[1:]
+    entry.size = torch.Size((first_dim, *rest)) if first_dim < 2**63 else (first_dim, *rest)
+    (dest / ".metadata").write_bytes(pickle.dumps(md, protocol=2))
+    return dest
+
+
+@pytest.mark.parametrize("dim", [10**400, 10**5000, 2**62], ids=["1e400", "1e5000", "2**62"])
+def test_huge_dimensions_in_metadata_are_exit_3(tiny_dcp: Path, tmp_path: Path,
+                                                dim: int) -> None:
+    ckpt = _metadata_claiming(tiny_dcp, tmp_path / "ckpt", dim)
+    for args in (["inspect", ckpt], ["inspect", ckpt, "--json"], ["verify", ckpt],
+                 ["merge", ckpt, tmp_path / "out"]):
+        r = run(*args)
+        assert r.exit_code == 3, (args, r.output)
+        assert r.stderr.startswith(f"ckpttool: error: {ckpt / '.metadata'}: ")
+        assert r.stderr.endswith("corrupt\n") and r.stderr.count("\n") == 1
+
+
+# --------------------------------------------------------------------------------------------
+# 13. A zstd record that claims far more than its compressed size is refused unread
+
+
+def test_zstd_record_claiming_a_gibibyte_is_refused_unread(dcp_options: Path,
+                                                          tmp_path: Path) -> None:
+    import pickle
+
+    ckpt = tmp_path / "zstd"
+    shutil.copytree(dcp_options / "zstd", ckpt)
+    md = pickle.loads((ckpt / ".metadata").read_bytes())  # noqa: S301 - our own fixture
+    entry = md.state_dict_metadata["replicated"]  # one chunk: Replicate()
+    claim = torch.Size([1 << 14, 1 << 15])  # bf16: 1 GiB from a few hundred bytes
+    entry.size = claim
+    entry.chunks[0] = type(entry.chunks[0])(offsets=entry.chunks[0].offsets, sizes=claim)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md, protocol=2))
+    for args in (["merge", ckpt, tmp_path / "out"], ["verify", ckpt]):
+        r = run(*args)
+        assert r.exit_code in (1, 3), r.output
+        assert "refused as a likely decompression bomb" in r.output, r.output
+        assert "CKPTTOOL_ZSTD_MAX_RATIO" in r.output
+    assert not (tmp_path / "out").exists()

@@ -307,9 +307,23 @@ _INT = {int}
 _TUPLE = {tuple}
 
 
+# torch stores sizes and offsets as int64: a larger one is damage (and 10**5000 could not
+# even be printed: Python refuses int-to-string conversions past 4,300 digits).
+MAX_INT = 2**63 - 1
+
+
+def _shown(value: Any) -> str:
+    """``value`` for a message, never a number too long to print."""
+    if isinstance(value, tuple | list) and any(type(x) is int and x > MAX_INT for x in value):
+        return f"a number above {MAX_INT} (2**63 - 1)"
+    if type(value) is int and value > MAX_INT:
+        return f"a number above {MAX_INT} (2**63 - 1)"
+    return repr(value)[:200]
+
+
 def all_ints(values: list[Any], where: str) -> None:
-    """Every item of ``values`` is a tuple of non-negative ints, checked in three C-level
-    passes (a ``.metadata`` of a million chunks holds millions of them).
+    """Every item of ``values`` is a tuple of ints in ``[0, 2**63)``, checked in three
+    C-level passes (a ``.metadata`` of a million chunks holds millions of them).
 
     Raises:
         InputError: one is anything else.
@@ -318,10 +332,12 @@ def all_ints(values: list[Any], where: str) -> None:
         return
     flat = list(itertools.chain.from_iterable(values)) if set(map(type, values)) == _TUPLE \
         else None
-    if flat is None or (flat and (set(map(type, flat)) != _INT or min(flat) < 0)):
+    if flat is None or (flat and (set(map(type, flat)) != _INT or min(flat) < 0
+                                  or max(flat) > MAX_INT)):
         bad = next(v for v in values if type(v) is not tuple
-                   or any(type(x) is not int or x < 0 for x in v))
-        raise InputError(f"{where}: holds {bad!r} where a size or offset belongs; corrupt")
+                   or any(type(x) is not int or x < 0 or x > MAX_INT for x in v))
+        raise InputError(f"{where}: holds {_shown(bad)} where a size or offset belongs; "
+                         "corrupt")
 
 
 def ints(value: Any, where: str) -> tuple[int, ...]:
@@ -331,9 +347,10 @@ def ints(value: Any, where: str) -> tuple[int, ...]:
         InputError: it is anything else.
     """
     # C-level checks: this runs twice per chunk of a .metadata of millions of chunks.
-    if type(value) is tuple and (not value or (set(map(type, value)) == _INT and min(value) >= 0)):
+    if type(value) is tuple and (not value or (set(map(type, value)) == _INT and min(value) >= 0
+                                               and max(value) <= MAX_INT)):
         return value
-    raise InputError(f"{where}: holds {value!r} where a size or offset belongs; corrupt")
+    raise InputError(f"{where}: holds {_shown(value)} where a size or offset belongs; corrupt")
 
 
 def _is_tensor_ref(value: Any) -> bool:

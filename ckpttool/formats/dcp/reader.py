@@ -337,6 +337,12 @@ def read_info(path: str | os.PathLike[str], *, lookup: Lookup | None = None) -> 
             metadata_name, problems = RANK_METADATA, _missing_rank_metadata(root, reads)
             zstd_records = frozenset().union(*(r.compressed_all for _, r in reads))
         tensors, serialization = _locate_safetensors(root, tensors)
+    for t in tensors:
+        # No file holds 2**63 bytes: a larger claim is damage, refused before any size is
+        # computed or printed from it (sizes past a float's range cannot be formatted).
+        if math.prod(t.shape) * t.dtype.itemsize > torchsave.MAX_INT:
+            raise InputError(f"{root / metadata_name}: tensor '{t.name}' claims shape "
+                             f"{list(t.shape)[:8]}, more than 2**63 bytes; corrupt")
     names = sorted({f for t in tensors for f in t.files}
                    | {o.file for o in objects if o.file is not None})
     ranks_of = {rank_of(f) for f in names}
@@ -1050,7 +1056,8 @@ class DcpReader(Reader):
 
     # -- zstd-compressed records
 
-    def _inflate(self, file: str, offset: int, length: int, *, limit: int, what: str) -> bytes:
+    def _inflate(self, file: str, offset: int, length: int, *, limit: int, what: str
+                 ) -> bytes | bytearray:
         """The decompressed record at ``offset`` (the thread's last one, when asked again)."""
         key = (file, offset, length)
         last = getattr(self._inflated, "record", None)
@@ -1061,7 +1068,8 @@ class DcpReader(Reader):
         self._inflated.record = (key, data)
         return data
 
-    def _zstd_record(self, tensor: Tensor, chunk: Chunk) -> tuple[TensorRecord, bytes, str]:
+    def _zstd_record(self, tensor: Tensor, chunk: Chunk
+                     ) -> tuple[TensorRecord, bytes | bytearray, str]:
         """A compressed chunk's record, decoded from its decompressed bytes, and those bytes;
         checked against what the metadata promises as an uncompressed record is."""
         what = f"tensor '{tensor.name}'"
@@ -1105,7 +1113,7 @@ class DcpReader(Reader):
         rec, raw, _ = self._zstd_record(tensor, chunk)
         side = tuple(Checksummed(chunk.file, chunk.offset, e.size, e.crc32,
                                  f"record entry '{e.name}', decompressed",
-                                 raw[e.data_offset : e.data_offset + e.size])
+                                 bytes(raw[e.data_offset : e.data_offset + e.size]))
                      for e in rec.entries) if checksums else ()
         return Payload(chunk.file, chunk.offset, chunk.length, None, None, stride=rec.stride,
                        view_offset=rec.storage_offset, side=side, compression=zstd.NAME)
@@ -1422,9 +1430,9 @@ class DcpReader(Reader):
 _COMPARE_BLOCK = 16 << 20
 
 
-def _slice(data: bytes, size: int, offset: int) -> bytes:
+def _slice(data: bytes | bytearray, size: int, offset: int) -> bytes:
     """``pread(size, offset)`` over bytes in memory."""
-    return data[offset : offset + size]
+    return bytes(memoryview(data)[offset : offset + size])
 
 
 def _first_difference(a: Iterator[bytes], b: Iterator[bytes]) -> int | None:
