@@ -374,20 +374,20 @@ _ChunkShardingSpec = torchsave.stub_class("ChunkShardingSpec")
 _ProcessGroupState = torchsave.stub_class("ProcessGroupState")
 
 
-def _mem_format_encoding(value: Any) -> int:
-    """``MEM_FORMAT_ENCODING(n)``, the enum ``TensorProperties`` pickles its memory format as."""
-    if not isinstance(value, int):
-        raise pickle.UnpicklingError("MEM_FORMAT_ENCODING of a non-integer")
-    return value
+# The enum TensorProperties pickles its memory format as (torch 2.13's members).
+_MEM_FORMAT_ENCODING = torchsave.EnumClass("MEM_FORMAT_ENCODING", {
+    "TORCH_CONTIGUOUS_FORMAT": 0, "TORCH_CHANNELS_LAST": 1, "TORCH_PRESERVE_FORMAT": 2})
 
 
 def _getattr(obj: Any, name: Any) -> Any:
     """``getattr`` as a ShardedTensor pickle calls it: ``getattr(ShardedTensor,
-    "ProcessGroupState")`` (a nested class) and nothing else; the object is a stand-in, so
-    nothing real is ever reached."""
-    if obj is _ShardedTensorClass and name == "ProcessGroupState":
-        return _ProcessGroupState
-    raise torchsave.Refused("builtins", f"getattr(..., {name!r})")
+    "ProcessGroupState")`` (a nested class) or an allow-listed Enum member by name (Python
+    3.11), nothing else; the object is a stand-in, so nothing real is ever reached."""
+    if obj is _ShardedTensorClass:
+        if name == "ProcessGroupState":
+            return _ProcessGroupState
+        raise torchsave.Refused("builtins", f"getattr(ShardedTensor, {str(name)[:60]!r})")
+    return torchsave.enum_getattr(obj, name)
 
 
 def _rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, *_: Any) -> _WrapperArgs:
@@ -447,7 +447,7 @@ _SHARDED_TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch.distributed._shard.metadata", "ShardMetadata"): _ShardMetadata,
     (f"{_ST}.metadata", "ShardedTensorMetadata"): _ShardedTensorMetadata,
     (f"{_ST}.metadata", "TensorProperties"): _TensorProperties,
-    (f"{_ST}.metadata", "MEM_FORMAT_ENCODING"): _mem_format_encoding,
+    (f"{_ST}.metadata", "MEM_FORMAT_ENCODING"): _MEM_FORMAT_ENCODING,
     ("torch.distributed._shard.sharding_spec.chunk_sharding_spec", "ChunkShardingSpec"):
         _ChunkShardingSpec,
     ("torch.distributed.remote_device", "_remote_device"): _RemoteDevice,

@@ -166,6 +166,45 @@ class _OrderedDict(dict):  # type: ignore[type-arg]
         pass
 
 
+class EnumClass:
+    """Stand-in for an allow-listed ``enum.Enum`` class: its real member names and values.
+
+    Most Pythons pickle a member by value, ``Class(value)``, which calls this; Python 3.11.0 to
+    3.11.x (Debian 12's system ``python3``) pickles it by name, ``getattr(Class, 'NAME')``,
+    which :func:`enum_getattr` answers. Either way only these members are reached: the value
+    stands for the member, nothing of the real class is looked up.
+    """
+
+    __slots__ = ("qualname", "members")
+
+    def __init__(self, qualname: str, members: dict[str, int]) -> None:
+        self.qualname = qualname
+        self.members = dict(members)  # name -> value, as the real class defines them
+
+    def __call__(self, value: Any) -> int:
+        if type(value) is not int or value not in self.members.values():
+            raise pickle.UnpicklingError(f"{value!r:.40} is not a member of {self.qualname}")
+        return value
+
+    def __repr__(self) -> str:
+        return self.qualname
+
+
+def enum_getattr(obj: Any, name: Any) -> int:
+    """``builtins.getattr`` as Python 3.11 pickles an Enum member: allowed exactly for an
+    :class:`EnumClass` and one of its real member names.
+
+    Raises:
+        Refused: anything else (another object, another name, a dunder); nothing is looked up.
+    """
+    if isinstance(obj, EnumClass) and type(name) is str and name in obj.members:
+        return obj.members[name]
+    # Named as the pickle names it: the stand-in's class name, else the value's type.
+    what = (obj.qualname if isinstance(obj, EnumClass)
+            else obj.__name__ if isinstance(obj, type) else type(obj).__name__)
+    raise Refused("builtins", f"getattr({what}, {str(name)[:60]!r})")
+
+
 # --------------------------------------------------------------------------------------------
 # The zip container
 
