@@ -981,6 +981,40 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         detail=archives)
 
 
+def sets_beside(path: Path, own: frozenset[str]) -> list[RankSet]:
+    """The other sets of per-rank files of distributed tensors in ``path``, none of whose
+    files is in ``own`` (verl's ``optim_world_size_<W>_rank_<R>.pt`` beside its model files)."""
+    return [s for s in _rank_sets(path) if not any(name in own for _, name in s.files)]
+
+
+def read_archives(path: Path, rank_set: RankSet) -> CheckpointInfo:
+    """A set of per-rank files that ckpttool checks but does not merge (an optimizer's
+    DTensor state, which :func:`read_info` refuses): every file of the world is there, each
+    archive's headers are sound and its pickle passes the allow-list (nothing is run), and
+    every entry is listed for verify's CRC checks. No tensors are described.
+
+    Raises:
+        InputError: a rank's file is missing, damaged or unsafe.
+        UnsupportedError: a form of ShardedTensor or torch.distributed class not read.
+    """
+    files = _set_files(path, rank_set)
+    archives: dict[str, tuple[torchsave.ZipEntry, ...]] = {}
+    for rf in files:
+        try:
+            fd = os.open(path / rf.name, os.O_RDONLY)
+        except OSError as e:
+            raise InputError(f"{path / rf.name}: cannot read: {e.strerror}") from None
+        try:
+            archives[rf.name] = tuple(_load(path / rf.name, fd)[1].values())
+        finally:
+            os.close(fd)
+    return CheckpointInfo(
+        format=NAME, root=path, tensors=(), objects=(),
+        files=tuple(DataFile(f.name, file_size(path / f.name)) for f in files),
+        metadata_name="the rank files' pickles", sharded=True, num_ranks=len(files),
+        detail=archives)
+
+
 def _describe(p: _Piece) -> str:
     kind = "a distributed tensor" if p.distributed else "a tensor"
     return f"{kind} {p.dtype.name} {list(p.shape)}"
