@@ -403,20 +403,20 @@ _ChunkShardingSpec = torchsave.stub_class("ChunkShardingSpec")
 _ProcessGroupState = torchsave.stub_class("ProcessGroupState")
 
 
-def _mem_format_encoding(value: Any) -> int:
-    """``MEM_FORMAT_ENCODING(n)``, the enum ``TensorProperties`` pickles its memory format as."""
-    if not isinstance(value, int):
-        raise pickle.UnpicklingError("MEM_FORMAT_ENCODING of a non-integer")
-    return value
+# The enum TensorProperties pickles its memory format as (torch 2.13's members).
+_MEM_FORMAT_ENCODING = torchsave.EnumClass("MEM_FORMAT_ENCODING", {
+    "TORCH_CONTIGUOUS_FORMAT": 0, "TORCH_CHANNELS_LAST": 1, "TORCH_PRESERVE_FORMAT": 2})
 
 
 def _getattr(obj: Any, name: Any) -> Any:
     """``getattr`` as a ShardedTensor pickle calls it: ``getattr(ShardedTensor,
-    "ProcessGroupState")`` (a nested class) and nothing else; the object is a stand-in, so
-    nothing real is ever reached."""
-    if obj is _ShardedTensorClass and name == "ProcessGroupState":
-        return _ProcessGroupState
-    raise torchsave.Refused("builtins", f"getattr(..., {name!r})")
+    "ProcessGroupState")`` (a nested class) or an allow-listed Enum member by name (Python
+    3.11), nothing else; the object is a stand-in, so nothing real is ever reached."""
+    if obj is _ShardedTensorClass:
+        if name == "ProcessGroupState":
+            return _ProcessGroupState
+        raise torchsave.Refused("builtins", f"getattr(ShardedTensor, {str(name)[:60]!r})")
+    return torchsave.enum_getattr(obj, name)
 
 
 def _rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, *_: Any) -> _WrapperArgs:
@@ -476,7 +476,7 @@ _SHARDED_TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch.distributed._shard.metadata", "ShardMetadata"): _ShardMetadata,
     (f"{_ST}.metadata", "ShardedTensorMetadata"): _ShardedTensorMetadata,
     (f"{_ST}.metadata", "TensorProperties"): _TensorProperties,
-    (f"{_ST}.metadata", "MEM_FORMAT_ENCODING"): _mem_format_encoding,
+    (f"{_ST}.metadata", "MEM_FORMAT_ENCODING"): _MEM_FORMAT_ENCODING,
     ("torch.distributed._shard.sharding_spec.chunk_sharding_spec", "ChunkShardingSpec"):
         _ChunkShardingSpec,
     ("torch.distributed.remote_device", "_remote_device"): _RemoteDevice,
@@ -1006,6 +1006,40 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     return CheckpointInfo(
         format=NAME, root=root, tensors=tensors, objects=(),
         files=tuple(DataFile(f.name, file_size(root / f.name)) for f in files),
+        metadata_name="the rank files' pickles", sharded=True, num_ranks=len(files),
+        detail=archives)
+
+
+def sets_beside(path: Path, own: frozenset[str]) -> list[RankSet]:
+    """The other sets of per-rank files of distributed tensors in ``path``, none of whose
+    files is in ``own`` (verl's ``optim_world_size_<W>_rank_<R>.pt`` beside its model files)."""
+    return [s for s in _rank_sets(path) if not any(name in own for _, name in s.files)]
+
+
+def read_archives(path: Path, rank_set: RankSet) -> CheckpointInfo:
+    """A set of per-rank files that ckpttool checks but does not merge (an optimizer's
+    DTensor state, which :func:`read_info` refuses): every file of the world is there, each
+    archive's headers are sound and its pickle passes the allow-list (nothing is run), and
+    every entry is listed for verify's CRC checks. No tensors are described.
+
+    Raises:
+        InputError: a rank's file is missing, damaged or unsafe.
+        UnsupportedError: a form of ShardedTensor or torch.distributed class not read.
+    """
+    files = _set_files(path, rank_set)
+    archives: dict[str, tuple[torchsave.ZipEntry, ...]] = {}
+    for rf in files:
+        try:
+            fd = os.open(path / rf.name, os.O_RDONLY)
+        except OSError as e:
+            raise InputError(f"{path / rf.name}: cannot read: {e.strerror}") from None
+        try:
+            archives[rf.name] = tuple(_load(path / rf.name, fd)[1].values())
+        finally:
+            os.close(fd)
+    return CheckpointInfo(
+        format=NAME, root=path, tensors=(), objects=(),
+        files=tuple(DataFile(f.name, file_size(path / f.name)) for f in files),
         metadata_name="the rank files' pickles", sharded=True, num_ranks=len(files),
         detail=archives)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from ckpttool.core.checkpoint import hf, names
 from ckpttool.core.checkpoint import parts as key_parts
 from ckpttool.errors import InputError, UnsupportedError
-from ckpttool.formats import registry, safetensors, torchfile
+from ckpttool.formats import rank_files, registry, safetensors, torchfile
 from ckpttool.formats.base import CheckpointInfo, ChunkColumns, ObjectEntry, Reader, Tensor
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage.store import open_store
@@ -274,6 +274,13 @@ def _side_files(info: CheckpointInfo) -> tuple[tuple[tuple[str, CheckpointInfo],
     found = []
     notes = []
     own = {f.name for f in info.files}  # the checkpoint's data files are not side files
+    # A set of per-rank files beside them (verl's optimizer state): checked as one.
+    for rank_set in rank_files.sets_beside(info.root, frozenset(own)):
+        own.update(name for _, name in rank_set.files)
+        try:
+            found.append((rank_set.pattern, rank_files.read_archives(info.root, rank_set)))
+        except (InputError, UnsupportedError) as e:
+            notes.append(f"{rank_set.pattern}: not read ({e})")
     for p in sorted(info.root.iterdir(), key=lambda q: q.name):
         if (p.name in own or p.suffix not in _SIDE_SUFFIXES or p.is_symlink()
                 or not torchfile.detect(p)):

@@ -170,13 +170,20 @@ def _path(*parts: Any) -> str:
     return "/".join(str(p) for p in parts)
 
 
+# How TensorProperties pickles its memory format (torch 2.13's members, unchanged since 2.0).
+_MEM_FORMAT_ENCODING = torchsave.EnumClass("_MEM_FORMAT_ENCODING", {
+    "TORCH_CONTIGUOUS_FORMAT": 0, "TORCH_CHANNELS_LAST": 1, "TORCH_PRESERVE_FORMAT": 2})
+
+
 def _metadata_global(module: str, name: str) -> Any | None:
     if module in ("torch.distributed.checkpoint.metadata",
                   "torch.distributed.checkpoint.filesystem"):
         if name in _METADATA_CLASSES:
             return _METADATA_CLASSES[name]
         if name == "_MEM_FORMAT_ENCODING":
-            return int
+            return _MEM_FORMAT_ENCODING
+    if module in ("builtins", "__builtin__") and name == "getattr":
+        return torchsave.enum_getattr  # an Enum member pickled by name (Python 3.11)
     if module == "torch":
         # torch.Size((r, c)) is then the tuple itself (REDUCE in C); checked by ints().
         return tuple if name == "Size" else torchsave.torch_attr(name)
