@@ -29,6 +29,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from ckpttool import settings
+
 PROJECT_URL = "https://github.com/ckpttool/ckpttool"
 # Where README's absolute links to files of this repository point (the default branch).
 BLOB_URL = f"{PROJECT_URL}/blob/main/"
@@ -112,7 +114,8 @@ def exit_codes_table() -> str:
 def generators() -> dict[str, Callable[[], str]]:
     """Each generated block's name -> the function that writes its body."""
     found: dict[str, Callable[[], str]] = {
-        "formats": formats_table, "verify-codes": codes_table, "exit-codes": exit_codes_table}
+        "formats": formats_table, "verify-codes": codes_table, "exit-codes": exit_codes_table,
+        "settings": settings.table}
     for command in COMMANDS:
         found[f"options-{command}"] = lambda c=command: options_table(c)  # type: ignore[misc]
     return found
