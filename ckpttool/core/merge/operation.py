@@ -815,6 +815,8 @@ def merge(
                     "source": policy.source}
     if adapted is not None:
         report.lora = adapted.report
+        if adapted.report.get("assumed"):
+            report.warnings.append(adapters.assumed_warning(adapted.report))
     if mapped is not None:
         report.name_map = mapped.to_json()
     extra_names = [p.name for p in files.files] + ([OPTIMIZER_JSON] if optimizer else [])
@@ -1058,13 +1060,14 @@ def _adapted(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str | None
                              "tensors); --lora applies to PEFT checkpoints only")
         return None
     assert ckpt.info is not None
-    doc, where = hf.find_adapter_config(ckpt.root if ckpt.root.is_dir() else ckpt.info.base,
-                                        explicit, given=ckpt.path)
-    if doc is None or where is None:
-        raise adapters.missing_config(str(ckpt.path))
-    config = adapters.read_config(doc, str(where))
+    known = adapters.find_config(ckpt.root if ckpt.root.is_dir() else ckpt.info.base, explicit,
+                                 given=ckpt.path, layout=found)
     chosen = mode or ("fuse" if found.has_base else "adapter")
+    if known.config is None and chosen == "fuse":
+        raise adapters.missing_config(str(ckpt.path))
     if chosen == "fuse":
+        assert known.config is not None
+        config = known.config
         if not found.has_base:
             raise InputError(
                 f"{ckpt.path}: holds the LoRA adapter alone, no base weights to fold it into; "
@@ -1076,10 +1079,11 @@ def _adapted(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str | None
                   "other": f"the adapter alone instead: {other}"}
         return _Adapted("fuse", sources, report)
     adapter_sources: list[tuple[str, Source]] = list(adapters.plan_adapter(found))
-    report = {"mode": "adapter", **adapters.describe(found, config),
+    report = {"mode": "adapter", **adapters.describe(found, known.config),
               "other": ("a full model with the adapter folded in instead: --lora fuse")
-              if found.has_base else None}
-    return _Adapted("adapter", adapter_sources, report, config_bytes=where.read_bytes())
+              if found.has_base else None,
+              "config_from": known.source, "assumed": list(known.assumed)}
+    return _Adapted("adapter", adapter_sources, report, config_bytes=known.text)
 
 
 OPTIMIZER_JSON = "optimizer.json"
