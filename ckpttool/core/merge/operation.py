@@ -1083,6 +1083,8 @@ def _adapted(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str | None
               "other": ("a full model with the adapter folded in instead: --lora fuse")
               if found.has_base else None,
               "config_from": known.source, "assumed": list(known.assumed)}
+    if known.config is None:
+        report["config"] = "built from the weights (assumed values: see the warning)"
     return _Adapted("adapter", adapter_sources, report, config_bytes=known.text)
 
 

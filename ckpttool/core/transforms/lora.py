@@ -325,9 +325,12 @@ def _trainer_dirs(root: Path) -> list[Path]:
     """Where trainers record the adapter beyond what :func:`hf.find_adapter_config` reads,
     nearest first: the checkpoint's directory and the one above (verl's actor/ holds
     lora_train_meta.json), and the run directory above a step directory (the Trainer's
-    output_dir above checkpoint-N)."""
+    output_dir above checkpoint-N, accelerate's project_dir above checkpoints/checkpoint_N)."""
     dirs = [root, root.parent]
-    dirs += [d.parent for d in (root, root.parent) if _STEP_DIR.match(d.name)]
+    for step in (d for d in (root, root.parent) if _STEP_DIR.match(d.name)):
+        dirs.append(step.parent)
+        if step.parent.name == "checkpoints":  # accelerate: project_dir/checkpoints/checkpoint_N
+            dirs.append(step.parent.parent)
     return list(dict.fromkeys(dirs))
 
 
