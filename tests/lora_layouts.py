@@ -132,7 +132,7 @@ TRAINER = "trainer"
 
 
 def _verl_job(rank: int, world_size: int, out: Path) -> None:
-    """verl's FSDP checkpoint manager with a PEFT model: each rank ``torch.save``\ s its
+    """verl's FSDP checkpoint manager with a PEFT model: each rank saves its
     ``model.state_dict()`` (DTensors, PEFT names) as ``model_world_size_<W>_rank_<R>.pt``; rank 0
     writes ``lora_train_meta.json`` ({"r", "lora_alpha", "task_type"}, verl's fields) and the
     base config under ``huggingface/``. No adapter_config.json."""

@@ -39,7 +39,8 @@ def acc(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _logits(model: torch.nn.Module) -> torch.Tensor:
     _, ids = batch()
     with torch.no_grad():
-        return model(input_ids=ids).logits
+        out: torch.Tensor = model(input_ids=ids).logits
+    return out
 
 
 def _assert_fold_exact(out: Path, full: Path) -> None:
