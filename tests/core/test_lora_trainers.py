@@ -113,3 +113,35 @@ def test_accelerate_config_in_the_project_dir(acc: Path, tmp_path: Path) -> None
     report = ckpttool.merge(run / STEP, tmp_path / "fused")
     assert report.lora is not None and report.lora["config"] == str(run / "adapter_config.json")
     _assert_fold_exact(tmp_path / "fused", acc / "full.pt")
+
+
+# --------------------------------------------------------------------------------------------
+# verify MERGED --against BASE: a "merged" model still identical to its base (verl#7285)
+
+
+def test_merged_identical_to_base_warns(lora_ckpts: Path, tmp_path: Path) -> None:
+    """verl's merger layout (the adapter under lora_adapter/ inside the merged model) whose
+    weights are the base's, byte for byte: a warning naming the targets' config."""
+    variant = lora_ckpts / "lora"
+    build_base("lora").save_pretrained(tmp_path / "base")
+    out = Path(shutil.copytree(tmp_path / "base", tmp_path / "out"))
+    (out / "lora_adapter").mkdir()
+    shutil.copy(variant / "adapter_config.json", out / "lora_adapter")
+    r = CliRunner().invoke(app, ["verify", str(out), "--against", str(tmp_path / "base")])
+    assert r.exit_code == 0, r.output
+    assert (f"warning: unchanged-from-base: {out}: all 15 LoRA target weights (target_modules "
+            f"in {out / 'lora_adapter' / 'adapter_config.json'}) are bit-identical to "
+            f"{tmp_path / 'base'}") in r.output
+
+
+def test_a_real_fold_does_not_warn(lora_ckpts: Path, tmp_path: Path) -> None:
+    variant = lora_ckpts / "lora"
+    build_base("lora").save_pretrained(tmp_path / "base")
+    ckpttool.merge(variant, tmp_path / "fused")
+    report = ckpttool.verify(tmp_path / "fused", against=tmp_path / "base",
+                             adapter_config=variant / "adapter_config.json")
+    codes = {p.code for p in report.problems}
+    assert "unchanged-from-base" not in codes and "data-differs" in codes
+    # Without an adapter config nothing says it was a LoRA merge: identical is success.
+    plain = ckpttool.verify(tmp_path / "base", against=tmp_path / "base")
+    assert plain.ok and not plain.problems

@@ -590,6 +590,66 @@ def plan_adapter(layout: Layout) -> list[tuple[str, Tensor]]:
 
 
 # --------------------------------------------------------------------------------------------
+# A merged model that is still its base (verl#7285: a merge that never applied the adapter)
+
+# verl's model merger writes the adapter it folded under <target_dir>/lora_adapter/.
+MERGER_ADAPTER_DIR = "lora_adapter"
+
+
+def merged_adapter_config(root: Path, explicit: Path | None
+                          ) -> tuple[dict[str, Any] | None, str | None]:
+    """The ``adapter_config.json`` a merged model says it was made from: ``--adapter-config``,
+    PEFT's file beside it, or verl's ``lora_adapter/`` inside it. (None, None) if none.
+
+    Raises:
+        InputError: the file is not a JSON object, or ``explicit`` is missing.
+    """
+    doc, where = hf.find_adapter_config(root, explicit, given=root)
+    if doc is not None and where is not None:
+        return doc, str(where)
+    inner = root / MERGER_ADAPTER_DIR / hf.ADAPTER_CONFIG
+    found = _json_file(inner)
+    return (found, str(inner)) if found is not None else (None, None)
+
+
+def _is_target(module: str, targets: Any) -> bool:
+    """PEFT's rule: a string is a regular expression the whole module name must match; a list
+    holds module names or name suffixes at a dot boundary."""
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            return not module.endswith(("lm_head", "embed_tokens"))
+        return re.fullmatch(targets, module) is not None
+    if isinstance(targets, (list, tuple)):
+        return any(isinstance(t, str) and (module == t or module.endswith("." + t))
+                   for t in targets)
+    return False
+
+
+def unchanged_from_base(compared: dict[str, tuple[int, ...]], unchanged: set[str],
+                        doc: dict[str, Any], source: str, model: str, base: str
+                        ) -> list[Problem]:
+    """A warning when every LoRA target weight of a merged model is bit-identical to its
+    base: the adapter was not folded in. Pure.
+
+    Args:
+        compared: the merged model's weights compared with the base, name -> shape.
+        unchanged: those whose bytes were equal.
+        doc: the adapter_config.json the merge says it used (``target_modules``).
+    """
+    targets = [n for n, shape in compared.items() if n.endswith(".weight") and len(shape) == 2
+               and _is_target(n.removesuffix(".weight"), doc.get("target_modules"))]
+    if not targets or any(n not in unchanged for n in targets):
+        return []
+    return [warning(
+        "unchanged-from-base",
+        f"{model}: all {len(targets)} LoRA target weights (target_modules in {source}) are "
+        f"bit-identical to {base}: the adapter was never folded in, or never trained. Merge "
+        "again from the training checkpoint (ckpttool merge CKPT OUT folds it) and check the "
+        "adapter with ckpttool verify CKPT",
+        tensor=targets[0])]
+
+
+# --------------------------------------------------------------------------------------------
 # Reports
 
 

@@ -44,7 +44,7 @@ from ckpttool.core.runtime.report import SCHEMA, Progress, locked
 from ckpttool.core.transforms import lora
 from ckpttool.core.verify import manifest as manifests
 from ckpttool.core.verify import scan
-from ckpttool.core.verify.against import plan_against
+from ckpttool.core.verify.against import AgainstPlan, plan_against
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats.base import SEVERITIES, Location, Problem, error, warning
 
@@ -230,6 +230,7 @@ def verify(
     problems += dtype_policy.check_dtypes(model, expect)
     if plan is not None:
         problems += [*plan.problems, *done.tied]
+        problems += _unchanged_from_base(ckpt, other, plan, done, problems, adapter_config)
     bytes_read = done.bytes_read
     for name, part in parts:  # the rest of a training checkpoint must be whole too
         part_damaged: set[str] = set()
@@ -260,6 +261,28 @@ def verify(
     report.bytes_read = bytes_read
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+def _unchanged_from_base(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan,
+                         done: scan.Pass, problems: list[Problem],
+                         adapter_config: str | os.PathLike[str] | None) -> list[Problem]:
+    """``verify MERGED --against BASE`` of a model merged from a LoRA adapter (its
+    adapter_config.json beside it or given) whose target weights all equal the base's."""
+    if other is None:
+        return []
+    try:
+        doc, source = lora.merged_adapter_config(
+            ckpt.root if ckpt.root.is_dir() else ckpt.root.parent,
+            Path(adapter_config) if adapter_config is not None else None)
+    except InputError:
+        return []  # the LoRA check above reports a bad --adapter-config
+    if doc is None or source is None:
+        return []
+    flagged = {p.location.tensor for p in problems if p.location.tensor is not None}
+    compared = {pair.a.name: pair.a.tensor.shape for pair in plan.pairs}
+    unchanged = {n for n in compared if n in done.complete and n not in flagged}
+    return lora.unchanged_from_base(compared, unchanged, doc, source, str(ckpt.root),
+                                    str(other.root))
 
 
 def _structure(ckpt: Checkpoint, damaged: set[str]) -> list[Problem]:
