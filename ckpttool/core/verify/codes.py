@@ -120,4 +120,7 @@ CODES: tuple[Code, ...] = (
     Code("manifest-extra", "error", "manifests", "PATH holds a tensor the manifest lacks"),
     Code("manifest-incomplete", "error", "manifests",
          "the manifest was not written: some tensors could not be read"),
+    # receipts (merge --all): a tensor that differs is reported as manifest-mismatch
+    Code("receipt-mismatch", "error", "manifests",
+         "an output file is missing, or its size differs from its merge --all receipt's"),
 )
