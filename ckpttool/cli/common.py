@@ -36,8 +36,7 @@ EXIT_MEANINGS: tuple[tuple[int, str], ...] = (
     (EXIT_UNSUPPORTED, "a valid checkpoint using something not supported yet, or a library it "
                        "needs that is not installed (torch, zstandard, boto3)"),
     (EXIT_BUG, "internal error: a bug in ckpttool (traceback shown; please report it)"),
-    (EXIT_INTERRUPTED, "interrupted (Ctrl-C); nothing incomplete put in place (a large "
-                       "merge keeps its finished pieces: the same command resumes it)"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C); temporary files removed"),
 )
 
 
