@@ -120,4 +120,17 @@ CODES: tuple[Code, ...] = (
     Code("manifest-extra", "error", "manifests", "PATH holds a tensor the manifest lacks"),
     Code("manifest-incomplete", "error", "manifests",
          "the manifest was not written: some tensors could not be read"),
+    # receipts (merge --all): a tensor that differs is reported as manifest-mismatch
+    Code("receipt-mismatch", "error", "manifests",
+         "an output file is missing, or its size differs from its merge --all receipt's"),
+    # Megatron-Core's integrity.json (SHA-256 per file), checked when present
+    Code("integrity-mismatch", "error", "integrity.json",
+         "a file's SHA-256 differs from the one `integrity.json` records"),
+    Code("integrity-missing", "error", "integrity.json",
+         "a file `integrity.json` lists is not in the checkpoint"),
+    Code("integrity-outside", "error", "integrity.json",
+         "`integrity.json` names a path outside the checkpoint"),
+    Code("integrity-unreadable", "error", "integrity.json", "`integrity.json` is not readable JSON"),
+    Code("integrity-unknown", "warning", "integrity.json",
+         "`integrity.json` holds no SHA-256 per file that ckpttool knows how to check"),
 )
