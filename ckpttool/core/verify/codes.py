@@ -130,7 +130,8 @@ CODES: tuple[Code, ...] = (
          "a file `integrity.json` lists is not in the checkpoint"),
     Code("integrity-outside", "error", "integrity.json",
          "`integrity.json` names a path outside the checkpoint"),
-    Code("integrity-unreadable", "error", "integrity.json", "`integrity.json` is not readable JSON"),
+    Code("integrity-unreadable", "error", "integrity.json",
+         "`integrity.json` is not readable JSON"),
     Code("integrity-unknown", "warning", "integrity.json",
          "`integrity.json` holds no SHA-256 per file that ckpttool knows how to check"),
 )
