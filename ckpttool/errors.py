@@ -46,6 +46,15 @@ class UnreadableError(InputError):
                    "user (chmod a+r, and a+x on its directories) or run as its owner")
 
 
+class TransportError(CkptError):
+    """The storage a checkpoint is on did not answer properly (a reset connection, a
+    timeout, a short body, a server error, throttling) after bounded retries: a problem of
+    the network or the store, never damage in the checkpoint, so nothing that reports damage
+    (``verify``'s findings, "corrupt" messages) catches it."""
+
+    exit_code = 3
+
+
 class UnsupportedError(CkptError):
     """A valid checkpoint that uses something ckpttool does not handle yet."""
 

@@ -37,6 +37,7 @@ from ckpttool.core.transforms import lora
 from ckpttool.errors import CkptError, InputError
 from ckpttool.formats.base import ChunkColumns, Reader, Tensor
 from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.storage.store import LOCAL, Stores
 
 # Problem codes meaning the metadata itself could not be read: inspect stops on them.
 _UNREADABLE_METADATA = frozenset({"header-corrupt", "missing-file"})
@@ -318,6 +319,7 @@ def inspect(
     workers: int | None = None,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
+    stores: Stores = LOCAL,
 ) -> InspectReport:
     """Describe the checkpoint at ``path`` from its metadata (and, with ``stats``, its data).
 
@@ -340,7 +342,7 @@ def inspect(
         UnsupportedError: a format or layout ckpttool does not read yet.
     """
     started = time.perf_counter()
-    ckpt = discover(path, config=config, require=False)
+    ckpt = discover(path, config=config, require=False, stores=stores)
     report = InspectReport(path=str(ckpt.path), checkpoint=str(ckpt.root), format=ckpt.format,
                            kind=ckpt.kind, filter=filter, stats=stats)
     report.parts = list(ckpt.parts)

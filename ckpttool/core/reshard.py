@@ -42,6 +42,7 @@ from ckpttool.storage.outputs import (
     pwrite_all,
     remove_stale,
 )
+from ckpttool.storage.store import LOCAL, Stores
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ def reshard(
     workers: int | None = None,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
+    stores: Stores = LOCAL,
 ) -> ReshardReport:
     """Rewrite the checkpoint at ``src`` into ``out`` with another split.
 
@@ -150,7 +152,7 @@ def reshard(
         raise UsageError(f"unknown --to '{to}'; use dcp or safetensors")
     if ranks is not None and ranks < 1:
         raise UsageError(f"--ranks must be at least 1, got {ranks}")
-    ckpt = discover(src_path, command="reshard")
+    ckpt = discover(src_path, command="reshard", stores=stores)
     assert ckpt.info is not None
     info = ckpt.info
     check_apart(out_path, src_path, info.root)
@@ -331,7 +333,7 @@ def _copy_tensor(reader: Reader, t: Tensor, fd: int, offset: int) -> None:
     if chunk is not None and chunk.sizes == t.shape:
         payload = reader.payload(t, chunk)
         if payload.start is not None:
-            reader.store.copy_to(payload.file, payload.start, fd, offset, t.nbytes)
+            reader.copy_to(payload.file, payload.start, fd, offset, t.nbytes)
             return
     for start, block in tensors.blocks(reader, t):
         pwrite_all(fd, block, offset + start * t.dtype.itemsize)

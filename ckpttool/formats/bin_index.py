@@ -17,7 +17,7 @@ from ckpttool.errors import InputError
 from ckpttool.formats import safetensors, torchfile
 from ckpttool.formats.base import CheckpointInfo, DataFile, ObjectEntry, Problem, Tensor, error
 from ckpttool.formats.torchfile import ArchiveReader, Archives, View
-from ckpttool.storage.store import file_size
+from ckpttool.storage.store import LOCAL, Store, Stores, file_size
 
 NAME = "torch-save-sharded"
 # What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
@@ -36,11 +36,11 @@ def pending(path: Path) -> str | None:
     return None
 
 
-def open_reader(info: CheckpointInfo) -> ArchiveReader:
-    return ArchiveReader(info)
+def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> ArchiveReader:
+    return ArchiveReader(info, store)
 
 
-def read_info(path: str | Path) -> CheckpointInfo:
+def read_info(path: str | Path, *, stores: Stores = LOCAL) -> CheckpointInfo:
     """Describe the shards an index names, from their pickles and zip headers.
 
     A missing or unreadable shard, or an index that disagrees with the shards, is a problem in

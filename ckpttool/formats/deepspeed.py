@@ -62,7 +62,7 @@ from ckpttool.formats.base import (
 )
 from ckpttool.formats.codecs import torchsave
 from ckpttool.formats.codecs.dtypes import DType
-from ckpttool.storage.store import file_size
+from ckpttool.storage.store import LOCAL, Store, Stores, file_size
 
 NAME = "deepspeed"
 # What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
@@ -394,7 +394,7 @@ def _tag(root: Path) -> tuple[Path, str]:
     return root / tag, f"{tag}/"
 
 
-def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
+def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> CheckpointInfo:
     """Describe a DeepSpeed ZeRO checkpoint (the directory holding ``latest``, or the tag
     directory). Reads pickles and zip headers only, never tensor data; runs nothing.
 
@@ -673,8 +673,8 @@ class ZeroReader(Reader):
                 if (file, e.data_offset) not in covered], []
 
 
-def open_reader(info: CheckpointInfo) -> ZeroReader:
-    return ZeroReader(info)
+def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> ZeroReader:
+    return ZeroReader(info, store)
 
 
 __all__ = ["LATEST", "NAME", "SUMMARY", "WRITTEN_BY",

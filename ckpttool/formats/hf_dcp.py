@@ -18,7 +18,7 @@ from ckpttool.errors import InputError
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import RAW, CheckpointInfo, Chunk, DataFile, Reader, Tensor
 from ckpttool.formats.codecs.dtypes import DType
-from ckpttool.storage.store import file_size
+from ckpttool.storage.store import LOCAL, Store, Stores, file_size
 
 NAME = "dcp-safetensors"
 # What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
@@ -60,9 +60,9 @@ def pending(path: Path) -> str | None:
     return None
 
 
-def open_reader(info: CheckpointInfo) -> Reader:
+def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> Reader:
     """Pieces are raw byte ranges in the shards: the neutral reader reads them."""
-    return Reader(info)
+    return Reader(info, store)
 
 
 def is_hf_dcp_dir(path: Path) -> bool:
@@ -71,7 +71,7 @@ def is_hf_dcp_dir(path: Path) -> bool:
     return first is not None and _sharding_info(first) is not None
 
 
-def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
+def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> CheckpointInfo:
     """Describe a ``HuggingFaceStorageWriter`` checkpoint. Reads headers only.
 
     Raises:

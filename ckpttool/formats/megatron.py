@@ -52,7 +52,7 @@ from ckpttool.formats.base import (
 from ckpttool.formats.base import info as info_problem
 from ckpttool.formats.codecs import torchsave
 from ckpttool.formats.dcp import reader as dcp
-from ckpttool.storage.store import file_size
+from ckpttool.storage.store import LOCAL, Store, Stores, file_size
 
 NAME = "megatron"
 # What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
@@ -323,7 +323,8 @@ def _path_of(name: str) -> tuple[str, ...]:
     return (key, shard) if sep else (name,)
 
 
-def read_info(path: str | os.PathLike[str], *, iteration: int | None = None) -> CheckpointInfo:
+def read_info(path: str | os.PathLike[str], *, iteration: int | None = None,
+              stores: Stores = LOCAL) -> CheckpointInfo:
     """Read a run's (or one iteration's) metadata: DCP's ``.metadata``, ``metadata.json`` and
     the common state. Reads no tensor data.
 
@@ -486,5 +487,5 @@ class MegatronReader(dcp.DcpReader):
         return super().read_object(entry)
 
 
-def open_reader(info: CheckpointInfo) -> Reader:
-    return MegatronReader(info)
+def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> Reader:
+    return MegatronReader(info, store)

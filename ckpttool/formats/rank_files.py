@@ -56,7 +56,7 @@ from ckpttool.formats.base import (
 )
 from ckpttool.formats.codecs import torchsave
 from ckpttool.formats.codecs.dtypes import DType
-from ckpttool.storage.store import file_size
+from ckpttool.storage.store import LOCAL, Store, Stores, file_size
 
 NAME = "rank-files"
 # What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
@@ -146,8 +146,8 @@ class RankReader(Reader):
                 if (file, e.data_offset) not in covered], []
 
 
-def open_reader(info: CheckpointInfo) -> Reader:
-    return RankReader(info)
+def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> Reader:
+    return RankReader(info, store)
 
 
 def is_rank_files_dir(path: Path) -> bool:
@@ -953,7 +953,7 @@ def _local_box(path: Path, fqn: str, shape: tuple[int, ...], mesh: _Mesh,
 # The whole checkpoint
 
 
-def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
+def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> CheckpointInfo:
     """Describe a directory of per-rank DTensor state-dict files. Reads pickles and zip
     headers (and each mesh's tiny rank list), never tensor data; runs nothing from the files.
 

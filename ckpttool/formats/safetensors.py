@@ -15,6 +15,7 @@ import os
 import re
 import stat
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from ckpttool.formats.base import (
 )
 from ckpttool.formats.codecs import dtypes
 from ckpttool.formats.codecs.dtypes import DType
-from ckpttool.storage.store import file_size, pread_of
+from ckpttool.storage.store import LOCAL, Store, Stores, file_size, pread_of
 
 NAME = "safetensors"
 # What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
@@ -176,7 +177,8 @@ def json_error(e: Exception) -> str:
     return "arrays or objects nested too deeply" if isinstance(e, RecursionError) else str(e)
 
 
-def read_layout(path: Path, *, offset: int = 0, exact: bool = False
+def read_layout(path: Path, *, offset: int = 0, exact: bool = False,
+                stores: Stores = LOCAL
                 ) -> tuple[dict[str, str], tuple[Slot, ...]]:
     """Read and check a safetensors file's header (no tensor data).
 
@@ -198,7 +200,7 @@ def read_layout(path: Path, *, offset: int = 0, exact: bool = False
     where = f"{path} at byte {offset}" if offset else str(path)
     try:
         # Through the store's pread: a remote checkpoint's data file is read by ranged GETs.
-        with pread_of(path) as pread:
+        with pread_of(path, stores) as pread:
             raw = pread(8, offset)
             if len(raw) < 8:
                 raise InputError(f"{where}: too short for a safetensors file")
@@ -377,6 +379,23 @@ def read_index(path: Path) -> Index:
                  tuple(dup))
 
 
+def header_bytes(size: int, pread: Callable[[int, int], bytes]) -> bytes:
+    """The leading bytes of a safetensors file of ``size`` bytes that describing it reads
+    (the length, then the JSON header), through ``pread(size, offset)``: what a local stand-in
+    of a remote file holds (:mod:`ckpttool.storage.mirror`), so that it is described by the
+    code that describes a local one."""
+    first = pread(min(size, 64 << 10), 0)
+    if len(first) < 8:
+        return first
+    n = int.from_bytes(first[:8], "little")
+    if n > _HEADER_LIMIT:
+        return first[:8]  # read_layout says what is wrong with it
+    end = min(size, 8 + n)
+    if end > len(first):
+        first += pread(end - len(first), len(first))
+    return first[:max(8, end)]
+
+
 def is_safetensors_file(path: Path) -> bool:
     """True if ``path`` starts like a safetensors file (a length, then a JSON object)."""
     try:
@@ -426,9 +445,9 @@ def _shard_set(files: list[Path]) -> list[Path] | None:
     return files
 
 
-def open_reader(info: CheckpointInfo) -> Reader:
+def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> Reader:
     """Tensors are raw byte ranges: the neutral reader reads them."""
-    return Reader(info)
+    return Reader(info, store)
 
 
 def pending(path: Path) -> str | None:
@@ -482,7 +501,7 @@ def _safetensors_files(path: Path) -> list[Path]:
     return sorted(p for p in path.glob("*.safetensors") if p.is_file())
 
 
-def read_info(path: str | Path) -> CheckpointInfo:
+def read_info(path: str | Path, *, stores: Stores = LOCAL) -> CheckpointInfo:
     """Describe a safetensors file or directory from its headers (and index).
 
     A shard whose header cannot be read, or an index that disagrees with the shards, does not

@@ -37,6 +37,7 @@ from ckpttool.formats.base import (
 from ckpttool.formats.codecs import torchsave
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.formats.codecs.torchsave import ZipEntry
+from ckpttool.storage.store import LOCAL, Store, Stores
 
 NAME = "torch-save"
 # What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
@@ -101,7 +102,7 @@ def pending(path: Path) -> str | None:
     return torchsave.pending_file(path)
 
 
-def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
+def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> CheckpointInfo:
     """Read a ``torch.save`` file's tensors and non-tensor values. Reads no tensor data.
 
     Raises:
@@ -229,8 +230,8 @@ class ArchiveReader(Reader):
                 if (file, e.data_offset) not in covered], []
 
 
-def open_reader(info: CheckpointInfo) -> ArchiveReader:
-    return ArchiveReader(info)
+def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> ArchiveReader:
+    return ArchiveReader(info, store)
 
 
 def _plain(value: Any) -> Any:

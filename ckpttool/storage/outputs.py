@@ -1,5 +1,6 @@
-"""Atomic outputs, shared by every operation that writes files (the positional I/O they use,
-``copy_range`` and ``pwrite_all``, lives with the input side in :mod:`ckpttool.storage.store`).
+"""Output I/O, shared by every operation that writes files: atomic outputs, write-behind,
+space checks, and the positional writes and copies (``pwrite_all``, ``copy_range``) that
+writers and local stores use.
 
 Outputs are created under a hidden temporary name in the output directory, filled at known
 offsets, and renamed to their real names only when everything is complete. Anything that stops
@@ -16,12 +17,14 @@ the new output lacks go, and the new index comes last.
 
 Test hook (tests/core/test_faults.py): ``CKPTTOOL_TEST_FAULT=kill:K`` ends the process as
 ``kill -9`` would at the K-th publishing step (creating an output file, fsync, rename, unlink),
-``pause:K:FILE`` creates FILE there and waits for a signal.
+``pause:K:FILE`` creates FILE there and waits for a signal. ``CKPTTOOL_TEST_REMOTE_FAULT`` does
+the same at the steps of an upload to object storage (:func:`fault_step`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import re
@@ -33,32 +36,35 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ckpttool import settings
-from ckpttool.errors import OutputError
-from ckpttool.storage import store
-from ckpttool.storage.store import copy_range, output_error, pwrite_all
+from ckpttool.errors import InputError, OutputError
 
 __all__ = ["TMP_SUFFIX", "AtomicOutputs", "check_space", "copy_range", "existing_outputs",
            "output_error", "pwrite_all", "remove_stale", "take_stale_notes"]
 
 TMP_SUFFIX = ".ckpttool-tmp"
 
+_BLOCK = 64 << 20
+_use_copy_file_range = hasattr(os, "copy_file_range")
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not on POSIX: no lock
     fcntl = None  # type: ignore[assignment]
 
-_steps = itertools.count(1)
+_steps = {"CKPTTOOL_TEST_FAULT": itertools.count(1),
+          "CKPTTOOL_TEST_REMOTE_FAULT": itertools.count(1)}
 
 
-def _step() -> None:
+def _step(hook: str = "CKPTTOOL_TEST_FAULT") -> None:
     """One publishing step; the test hook acts here (see the module docstring)."""
-    fault = settings.test_fault()
+    fault = settings.test_fault() if hook == "CKPTTOOL_TEST_FAULT" else os.environ.get(hook)
     if not fault:
         return
     action, at, *rest = fault.split(":", 2)
     if action not in ("kill", "pause"):  # another hook's (storage.store)
         return
-    if next(_steps) != int(at):
+    if next(_steps[hook]) != int(at):
         return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -69,6 +75,12 @@ def _step() -> None:
             time.sleep(0.05)
             if signal.sigpending():
                 break
+
+
+def fault_step() -> None:
+    """A step of a remote commit (each object put or deleted by an upload to object
+    storage), counted apart by ``CKPTTOOL_TEST_REMOTE_FAULT`` (same actions)."""
+    _step("CKPTTOOL_TEST_REMOTE_FAULT")
 
 
 def _fsync_wanted() -> bool:
@@ -288,6 +300,8 @@ def _install_sigbus_guard() -> None:
         return
 
     def on_sigbus(signum: int) -> None:
+        from ckpttool.storage import store  # which imports this module
+
         where = store.mapped_file() or "a source file"
         os.write(2, (f"ckpttool: error: {where}: changed (cut short) while it was read; "
                      "nothing was written. Run again on a checkpoint nothing is writing "
@@ -378,8 +392,9 @@ class AtomicOutputs:
         return fd
 
     def adopt(self, name: str, tmp: Path) -> None:
-        """Take ``tmp``, a complete temporary file made elsewhere (by the processes of a
-        shared merge), as ``name``'s: renamed by :meth:`commit`, removed by :meth:`abort`."""
+        """Take ``tmp``, a complete temporary file made elsewhere (by the slices of a shared
+        merge), as ``name``'s: renamed by :meth:`commit`, kept by :meth:`abort` (it is the
+        slices' work: a failed or interrupted ``--finish`` leaves it for the next one)."""
         self._pending.append((tmp, self.out_dir / name))
         self._adopted.append(tmp)
 
@@ -453,6 +468,8 @@ class AtomicOutputs:
                 os.close(fd)
         self._fds.clear()
         for tmp, _ in self._pending:
+            if tmp in self._adopted:
+                continue
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
             _LIVE.discard(str(tmp))
@@ -476,3 +493,62 @@ def _signals_deferred() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+# --------------------------------------------------------------------------------------------
+# Positional writes and copies
+
+
+def output_error(e: OSError) -> OutputError:
+    """A failed write, in the user's terms (the temporary files are removed by the caller)."""
+    return OutputError(f"writing the output failed: {e.strerror}; free space (or raise the "
+                       "quota or file-size limit) where the output goes, then run again")
+
+
+def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, size: int) -> None:
+    """Copy ``size`` bytes between open files at the given offsets, in the kernel when it can.
+
+    Raises:
+        InputError: the source ends early. OutputError: the output cannot be written.
+    """
+    global _use_copy_file_range
+    done = 0
+    while done < size and _use_copy_file_range:
+        try:
+            n = os.copy_file_range(src_fd, dst_fd, size - done, src_offset + done,
+                                   dst_offset + done)
+        except OSError as e:
+            if e.errno in _WRITE_ERRNOS:
+                raise output_error(e) from e
+            if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP,
+                           errno.EPERM, errno.EBADF):
+                _use_copy_file_range = False
+                break
+            raise
+        if n == 0:
+            raise InputError(f"a data file ends {size - done} bytes before the tensor bytes "
+                             f"its headers promise (at byte {src_offset + done}); it is truncated")
+        done += n
+    while done < size:
+        data = os.pread(src_fd, min(_BLOCK, size - done), src_offset + done)
+        if not data:
+            raise InputError(f"a data file ends {size - done} bytes before the tensor bytes "
+                             f"its headers promise (at byte {src_offset + done}); it is truncated")
+        pwrite_all(dst_fd, data, dst_offset + done)
+        done += len(data)
+
+
+def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``os.pwrite`` may write less than asked).
+
+    Raises:
+        OutputError: the output cannot be written (no space, quota, file-size limit).
+    """
+    view = memoryview(data).cast("B")
+    while view:
+        try:
+            n = os.pwrite(fd, view, offset)
+        except OSError as e:
+            raise output_error(e) from e
+        view = view[n:]
+        offset += n

@@ -1,18 +1,24 @@
 """Where a checkpoint's bytes come from: a store of named files, read by byte range.
 
-Readers never open files themselves: they ask a :class:`Store` for ranges of the files their
-metadata names. A store is opened once per checkpoint and shared by worker threads; it can be
-asked for many ranges of one file at once (:meth:`Store.read_ranges`), so that a plan that
-knows every range it needs can batch them per file (local files today; object storage, where
-each request costs a round trip, plugs in here). Positional file I/O helpers used by every
-writer live here too, so that input and output share one copy loop.
+Readers never open files themselves: they are *given* a :class:`Store` (``open_reader(info,
+store=...)``) and ask it for ranges of the files their metadata names. A store declares what
+it can do (:class:`Capabilities`) instead of being probed with ``getattr``/``isinstance``, as
+obstore's and fsspec's stores do: whether it reads many planned ranges at once (object
+storage, where each request costs a round trip), whether its bytes are local files (mapped
+views, kernel copies, readers shared with forked processes), whether it lists and writes.
+
+Which store serves a path is decided by a :class:`Stores` (an opener) that the caller holds
+and passes down: :data:`LOCAL` for local directories; a mirror of object storage
+(:mod:`ckpttool.storage.mirror`) for its own directory. Nothing here is process-global.
+
+A new store is one module plus one subclass of the store contract suite
+(``tests/storage/contract.py``).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import functools
 import mmap
 import os
@@ -20,36 +26,132 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import ClassVar, Protocol
 
-from ckpttool.errors import InputError, OutputError, UnreadableError
+from ckpttool.errors import InputError, UnreadableError
+from ckpttool.storage import outputs
 
-_BLOCK = 64 << 20
-_use_copy_file_range = hasattr(os, "copy_file_range")
-_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a store does well, declared once per store class."""
+
+    # Told every range a command will read (:meth:`Store.plan_reads`), it fetches them as
+    # coalesced requests ahead of the readers; readers then go in stored order.
+    many_ranges: bool
+    # Its bytes are local files: large ranges come mapped (:meth:`Store.views`), copies run in
+    # the kernel, and forked processes may share its open files.
+    local_files: bool
+    # :meth:`Store.list_files` names every file below it with its size.
+    listing: bool
+    # Large files are written in parts sent in parallel (object storage's multipart uploads).
+    multipart_writes: bool
+    # Threads that keep it busy when reads wait on the network (0: the caller's own choice).
+    workers: int = 0
 
 
 class Store(Protocol):
-    """Named files of one checkpoint, read by byte range."""
+    """Named files of one checkpoint, read by byte range. Thread-safe once
+    :meth:`open_all` has run."""
 
-    def path(self, name: str) -> Path: ...
+    capabilities: ClassVar[Capabilities]
 
-    def pread(self, name: str, size: int, offset: int) -> bytes: ...
+    def path(self, name: str) -> Path:
+        """The local path that stands for ``name`` in messages (a mirror's for a remote one)."""
+        ...
+
+    def size(self, name: str) -> int:
+        """The file's size. Raises InputError when it is missing."""
+        ...
 
     def open_all(self, names: Iterable[str]) -> None: ...
 
-    def read_exact(self, name: str, offset: int, size: int, *, what: str) -> bytes: ...
+    def pread(self, name: str, size: int, offset: int) -> bytes:
+        """Up to ``size`` bytes at ``offset`` (fewer at the file's end)."""
+        ...
 
-    def readinto(self, name: str, offset: int, buf: memoryview) -> int: ...
+    def read_exact(self, name: str, offset: int, size: int, *, what: str) -> bytes:
+        """Exactly ``size`` bytes; InputError naming ``what`` when the file ends first."""
+        ...
+
+    def readinto(self, name: str, offset: int, buf: memoryview) -> int:
+        """Fill ``buf`` from ``offset``; returns the bytes read (fewer at the file's end)."""
+        ...
 
     def read_ranges(self, name: str, ranges: list[tuple[int, int]], *, what: str
-                    ) -> list[bytes]: ...
+                    ) -> list[bytes]:
+        """The bytes of each ``(offset, size)`` of ``name``, in the order asked."""
+        ...
+
+    def plan_reads(self, reads: list[tuple[str, int, int]]) -> None:
+        """The ``(name, offset, size)`` ranges about to be read, in that order (a no-op
+        unless ``capabilities.many_ranges``)."""
+        ...
+
+    def views(self, name: str, offset: int, size: int, block: int) -> Iterator[memoryview]:
+        """Consecutive mapped views (only with ``capabilities.local_files``)."""
+        ...
 
     def copy_to(self, name: str, offset: int, dst_fd: int, dst_offset: int, size: int
-                ) -> None: ...
+                ) -> None:
+        """Copy ``size`` bytes at ``offset`` into an open output file."""
+        ...
+
+    def list_files(self) -> dict[str, int]:
+        """Every file below the store (relative name -> size); with ``capabilities.listing``."""
+        ...
 
     def close(self) -> None: ...
+
+
+class Stores(Protocol):
+    """Opens the store of a checkpoint directory: what a caller passes down to discovery
+    and to readers, so that no reader looks its storage up."""
+
+    def open(self, base: Path, *, metadata_name: str, follow_links: bool = False) -> Store:
+        """The store of the files below ``base`` (``metadata_name``: what references them,
+        for the "missing" message; ``follow_links``: read local data files that link out)."""
+        ...
+
+    def reading(self, path: Path, *, inside: str | None = None
+                ) -> contextlib.AbstractContextManager[Callable[[int, int], bytes]]:
+        """``pread(size, offset)`` over one file while the block runs (what a format reads
+        while describing a checkpoint: headers, nested records); ``inside``: a real
+        directory a local file must lie in (checked on the descriptor)."""
+        ...
+
+
+class LocalStores:
+    """Local directories: a :class:`LocalStore` each."""
+
+    def open(self, base: Path, *, metadata_name: str, follow_links: bool = False) -> Store:
+        return LocalStore(base, metadata_name=metadata_name, follow_links=follow_links)
+
+    @contextlib.contextmanager
+    def reading(self, path: Path, *, inside: str | None = None
+                ) -> Iterator[Callable[[int, int], bytes]]:
+        """Raises OSError as ``open`` (FileNotFoundError...); InputError (``inside``): not a
+        regular file, or a link out of ``inside``."""
+        if inside is not None:
+            fd = open_data_file(path, path.name, inside=inside,
+                                hint="copy the file into the checkpoint directory")
+        else:
+            fd = os.open(path, READ_FLAGS)
+        try:
+            yield functools.partial(os.pread, fd)
+        finally:
+            os.close(fd)
+
+
+LOCAL: Stores = LocalStores()
+
+
+def pread_of(path: Path, stores: Stores = LOCAL, *, inside: str | None = None
+             ) -> contextlib.AbstractContextManager[Callable[[int, int], bytes]]:
+    """``pread(size, offset)`` over one file of a checkpoint, through ``stores``."""
+    return stores.reading(path, inside=inside)
 
 
 def max_open_files() -> int:
@@ -82,6 +184,9 @@ class LocalStore:
         base: the directory that names are relative to.
         metadata_name: what references the files, for the "missing" message (".metadata").
     """
+
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        many_ranges=False, local_files=True, listing=True, multipart_writes=False)
 
     def __init__(self, base: Path, *, metadata_name: str, follow_links: bool = False) -> None:
         self.base = base
@@ -142,6 +247,10 @@ class LocalStore:
                 return
             os.close(self._fds.pop(victim))
 
+    def size(self, name: str) -> int:
+        with self.use(name) as fd:
+            return os.fstat(fd).st_size
+
     def open_all(self, names: Iterable[str]) -> None:
         """Open (and check) every file now: a missing or refused one fails before any work.
         At most :func:`max_open_files` stay open."""
@@ -174,7 +283,21 @@ class LocalStore:
     def copy_to(self, name: str, offset: int, dst_fd: int, dst_offset: int, size: int) -> None:
         """Copy ``size`` bytes at ``offset`` into an open output file, in the kernel."""
         with self.use(name) as fd:
-            copy_range(fd, offset, dst_fd, dst_offset, size)
+            outputs.copy_range(fd, offset, dst_fd, dst_offset, size)
+
+    def plan_reads(self, reads: list[tuple[str, int, int]]) -> None:
+        """Nothing to plan: a local read costs no round trip (the page cache reads ahead)."""
+
+    def list_files(self) -> dict[str, int]:
+        """Regular files below the directory (links are not followed into)."""
+        found: dict[str, int] = {}
+        for root, _dirs, files in os.walk(self.base):
+            for f in files:
+                p = Path(root) / f
+                size = file_size(p) if not p.is_symlink() else None
+                if size is not None:
+                    found[p.relative_to(self.base).as_posix()] = size
+        return found
 
     def views(self, name: str, offset: int, size: int, block: int) -> Iterator[memoryview]:
         """The ``size`` bytes at ``offset`` of ``name`` as consecutive views of at most
@@ -233,71 +356,6 @@ def _test_pause_after_map() -> None:
         time.sleep(0.05)
         if not os.path.exists(flag):
             return
-
-
-# Local directories that stand for remote checkpoints (formats/remote.py's mirrors), with the
-# factory of the store that serves their data files: readers ask open_store, never which
-# storage a checkpoint is on.
-_MIRRORS: dict[Path, Callable[[Path, str], Any]] = {}
-
-
-def register_mirror(directory: Path, factory: Callable[[Path, str], Any]) -> None:
-    """Serve the data files below ``directory`` with ``factory(base, metadata_name)``."""
-    _MIRRORS[directory] = factory
-
-
-def unregister_mirror(directory: Path) -> None:
-    _MIRRORS.pop(directory, None)
-
-
-def open_store(base: Path, *, metadata_name: str, follow_links: bool = False) -> Store:
-    """The store of the checkpoint whose files are relative to ``base``: a remote one for a
-    mirror of object storage, else a :class:`LocalStore`."""
-    factory = _mirror_factory(base)
-    if factory is not None:
-        store: Store = factory(base, metadata_name)
-        return store
-    return LocalStore(base, metadata_name=metadata_name, follow_links=follow_links)
-
-
-def _mirror_factory(path: Path) -> Callable[[Path, str], Any] | None:
-    """The store factory of the mirror ``path`` lies in (or is); None for a local path."""
-    for directory, factory in list(_MIRRORS.items()):
-        if path == directory or directory in path.parents:
-            return factory
-    return None
-
-
-@contextlib.contextmanager
-def pread_of(path: Path, *, inside: str | None = None
-             ) -> Iterator[Callable[[int, int], bytes]]:
-    """``pread(size, offset)`` over one file while the block runs: by ranged reads of its
-    store for a data file of a remote checkpoint (its local placeholder holds no data).
-
-    Args:
-        inside: a real directory path the opened file must lie in (checked on the
-            descriptor: a link out, even one swapped in now, is refused).
-
-    Raises:
-        OSError: as ``open`` (FileNotFoundError...).
-        InputError: (``inside``) not a regular file, or a link out of ``inside``.
-    """
-    if _mirror_factory(path.parent) is not None:
-        store = open_store(path.parent, metadata_name=path.name)
-        try:
-            yield functools.partial(store.pread, path.name)
-        finally:
-            store.close()
-        return
-    if inside is not None:
-        fd = open_data_file(path, path.name, inside=inside,
-                            hint="copy the file into the checkpoint directory")
-    else:
-        fd = os.open(path, READ_FLAGS)
-    try:
-        yield functools.partial(os.pread, fd)
-    finally:
-        os.close(fd)
 
 
 def real_path(fd: int) -> str | None:
@@ -421,9 +479,8 @@ def read_blocks(store: Store, name: str, offset: int, size: int, buf: memoryview
     read would end the process (SIGBUS), as for any reader that maps files (safetensors,
     numpy.memmap); its size is checked first.
     """
-    views = getattr(store, "views", None) if mapped else None
-    if views is not None and size >= MAP_MIN:
-        yield from views(name, offset, size, len(buf))
+    if mapped and store.capabilities.local_files and size >= MAP_MIN:
+        yield from store.views(name, offset, size, len(buf))
         return
     done = 0
     while done < size:
@@ -434,62 +491,3 @@ def read_blocks(store: Store, name: str, offset: int, size: int, buf: memoryview
         if got != n:
             return
         done += n
-
-
-# --------------------------------------------------------------------------------------------
-# Positional I/O shared with the writers
-
-
-def output_error(e: OSError) -> OutputError:
-    """A failed write, in the user's terms (the temporary files are removed by the caller)."""
-    return OutputError(f"writing the output failed: {e.strerror}; free space (or raise the "
-                       "quota or file-size limit) where the output goes, then run again")
-
-
-def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, size: int) -> None:
-    """Copy ``size`` bytes between open files at the given offsets, in the kernel when it can.
-
-    Raises:
-        InputError: the source ends early. OutputError: the output cannot be written.
-    """
-    global _use_copy_file_range
-    done = 0
-    while done < size and _use_copy_file_range:
-        try:
-            n = os.copy_file_range(src_fd, dst_fd, size - done, src_offset + done,
-                                   dst_offset + done)
-        except OSError as e:
-            if e.errno in _WRITE_ERRNOS:
-                raise output_error(e) from e
-            if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP,
-                           errno.EPERM, errno.EBADF):
-                _use_copy_file_range = False
-                break
-            raise
-        if n == 0:
-            raise InputError(f"a data file ends {size - done} bytes before the tensor bytes "
-                             f"its headers promise (at byte {src_offset + done}); it is truncated")
-        done += n
-    while done < size:
-        data = os.pread(src_fd, min(_BLOCK, size - done), src_offset + done)
-        if not data:
-            raise InputError(f"a data file ends {size - done} bytes before the tensor bytes "
-                             f"its headers promise (at byte {src_offset + done}); it is truncated")
-        pwrite_all(dst_fd, data, dst_offset + done)
-        done += len(data)
-
-
-def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
-    """Write all of ``data`` at ``offset`` (``os.pwrite`` may write less than asked).
-
-    Raises:
-        OutputError: the output cannot be written (no space, quota, file-size limit).
-    """
-    view = memoryview(data).cast("B")
-    while view:
-        try:
-            n = os.pwrite(fd, view, offset)
-        except OSError as e:
-            raise output_error(e) from e
-        view = view[n:]
-        offset += n

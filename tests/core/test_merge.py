@@ -247,7 +247,7 @@ def test_interrupted_merge_leaves_nothing_that_looks_finished(
     else:  # every chunk its own copy, in the kernel
         monkeypatch.setattr("ckpttool.core.merge.engine.WINDOW_TENSOR", 0)
         real = fileio.copy_range
-        monkeypatch.setattr("ckpttool.storage.store.copy_range", interrupted)
+        monkeypatch.setattr("ckpttool.storage.outputs.copy_range", interrupted)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         ckpttool.merge(uneven_ckpt, out, workers=1)
@@ -325,7 +325,7 @@ def test_interrupt_with_workers_stops_queued_jobs(llama_ckpt: Path, tmp_path: Pa
         time.sleep(0.05)  # the other worker's chunks take a moment, as real ones do
         real_copy_range(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("ckpttool.storage.store.copy_range", interrupted)
+    monkeypatch.setattr("ckpttool.storage.outputs.copy_range", interrupted)
     # The fixture's chunks are small, which alone would make the merge single-threaded, and
     # its tensors too, which would put them in windows (whole tensors, written by pwrite).
     monkeypatch.setattr("ckpttool.core.runtime.torch_threads.THREADED_CHUNK", 0)

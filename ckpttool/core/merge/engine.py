@@ -36,7 +36,6 @@ from ckpttool.storage.outputs import (
     remove_stale,
     write_behind,
 )
-from ckpttool.storage.store import LocalStore, read_blocks
 
 
 def execute(
@@ -131,14 +130,13 @@ def _run(jobs: list[_Job], reader: Reader, *, workers: int, casts: bool, report:
     chunks) run in up to ``workers`` processes instead, where ``fork`` allows
     (:mod:`ckpttool.core.runtime.forked`)."""
     reader.open_files()  # before threads share the reader
-    plan_reads = getattr(reader.store, "plan_reads", None)
-    if plan_reads is None:
+    if not reader.capabilities.many_ranges:
         jobs.sort(key=lambda j: -j.nbytes)
     else:
-        jobs = _stored_order(jobs, plan_reads)
+        jobs = _stored_order(jobs, reader.plan_reads)
     threads = workers_for(workers, nbytes=sum(j.nbytes for j in jobs),
                           chunks=sum(len(j.chunks) for j in jobs))
-    if threads < workers and len(jobs) > 1 and fork and isinstance(reader.store, LocalStore) \
+    if threads < workers and len(jobs) > 1 and fork and reader.capabilities.local_files \
             and forked.available(needs_torch=casts):
         # Python per chunk: shares in processes of their own, each writing its own jobs.
         forked.run([functools.partial(_run_share, share, reader, casts)
@@ -323,7 +321,7 @@ def _run_jobs(jobs: list[_Job], reader: Reader, workers: int, report: Progress,
     # network, not on the file): the kernel serialises writes to a file on its inode lock, and
     # a thread waiting there spins on a CPU that a cast could use (measured: two threads
     # copying 3 GB into one file took 2.7 s, one thread 1.7 s). Casts still run side by side.
-    local = getattr(reader.store, "plan_reads", None) is None
+    local = not reader.capabilities.many_ranges
     locks = {j.fd: threading.Lock() for j in jobs} if local and workers > 1 else {}
 
     def run(job: _Job) -> None:
@@ -456,7 +454,7 @@ def _write_chunk(reader: Reader, dst: int, t: OutTensor, c: Chunk, report: Progr
                 _cast_range(reader, payload.file, src, dst, at, hi - lo, t, report, lock)
             else:
                 with turn:
-                    reader.store.copy_to(payload.file, src, dst, at,
+                    reader.copy_to(payload.file, src, dst, at,
                                          (hi - lo) * entry.dtype.itemsize)
                 report((hi - lo) * dst_item)
             return
@@ -511,8 +509,8 @@ def _cast_range(reader: Reader, file: str, src_offset: int, dst: int, dst_offset
     out = torch.frombuffer(out_bytes, dtype=dst_dtype, count=block)
     done = 0
     # Cast straight from the page cache where the store maps the file, else from our buffer.
-    for view in read_blocks(reader.store, file, src_offset, numel * src_item,
-                            memoryview(_buffer("in", block * src_item))[: block * src_item]):
+    for view in reader.blocks(file, src_offset, numel * src_item,
+                              memoryview(_buffer("in", block * src_item))[: block * src_item]):
         n = len(view) // src_item
         if not n:
             break
@@ -523,7 +521,7 @@ def _cast_range(reader: Reader, file: str, src_offset: int, dst: int, dst_offset
         done += n
         report(n * dst_item)
     if done != numel:
-        raise InputError(f"{reader.store.path(file)}: ended early while reading "
+        raise InputError(f"{reader.path(file)}: ended early while reading "
                          f"'{t.source.name}'; it is truncated")
 
 

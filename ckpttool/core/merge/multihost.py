@@ -45,7 +45,7 @@ from ckpttool.core.runtime.torch_threads import default_workers
 from ckpttool.errors import CkptError, InputError, OutputError, UsageError
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Reader
-from ckpttool.storage.outputs import TMP_SUFFIX, AtomicOutputs, pwrite_all
+from ckpttool.storage.outputs import TMP_SUFFIX, AtomicOutputs, existing_outputs, pwrite_all
 
 __all__ = ["FAIL_ENV", "Finish", "Shared", "Slice", "Team", "check_headers", "parse_slice",
            "team_from_env"]
@@ -61,6 +61,11 @@ class Shared(Protocol):
     @property
     def first(self) -> bool:
         """This process decides, reports and commits (rank 0)."""
+
+    @property
+    def commits_slices(self) -> bool:
+        """This process commits what earlier processes wrote (``--finish``): it checks OUT's
+        files itself, knowing which of them a finish that did not complete put in place."""
 
     def once(self, decide: Callable[[], Any]) -> Any:
         """``decide()`` (JSON-able, may read tensor data) run once, its result on every
@@ -203,6 +208,7 @@ def _raise_from(status: dict[str, Any], rank: int, what: str) -> None:
 
 
 class Team:
+    commits_slices = False
     """One process of a torchrun job (:class:`~ckpttool.core.merge.distributed.Group`)."""
 
     def __init__(self, group: Group) -> None:
@@ -353,6 +359,7 @@ def _marker(out: Path, stem: str, key: str, index: int, count: int) -> Path:
 
 class _Alone:
     first = True
+    commits_slices = False
 
     def once(self, decide: Callable[[], Any]) -> Any:
         return decide()
@@ -410,7 +417,11 @@ class Slice(_Alone):
 
 
 class Finish(_Alone):
-    """``--finish``: after every ``--slice I/N`` of the same merge, check and commit."""
+    """``--finish``: after every ``--slice I/N`` of the same merge, check and commit. Run
+    again after a finish that failed, was interrupted or killed, it commits the same output
+    (the slices' files stay until they are in place)."""
+
+    commits_slices = True
 
     def write(self, plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
               *, overwrite: bool, stem: str, workers: int | None, progress: Progress | None,
@@ -437,28 +448,100 @@ class Finish(_Alone):
                               f"{' ...' if len(missing) > 8 else ''}); run them with "
                               f"ckpttool merge SRC OUT --slice {missing[0]}/{count}, then "
                               "--finish again")
-        for (i, _), marker in sorted(found.items()):
-            try:
-                done = json.loads(marker.read_text())
-            except (OSError, ValueError) as err:
-                raise OutputError(f"{marker}: unreadable slice marker; run slice {i}/{count} "
-                                  "again") from err
-            for fi, f in enumerate(plan.files):
-                try:
-                    inode = paths[fi].lstat().st_ino
-                except OSError:
-                    inode = None
-                if done.get("inodes", {}).get(f.name) != inode:
-                    # The file was made again after this slice wrote into it.
-                    raise OutputError(f"{paths[fi]}: is not the file slice {i}/{count} wrote "
-                                      f"into; run every slice again")
+        placed = _placed(plan, out, paths, found, count)
+        _check_existing(out, plan, placed, [n for n, _ in extra], overwrite=overwrite, stem=stem)
         shares = partition.split(plan, count)
-        check_headers(plan, {f.name: paths[i] for i, f in enumerate(plan.files)})
+        check_headers(plan, {f.name: paths[i] if i not in placed else out / f.name
+                             for i, f in enumerate(plan.files)})
         with AtomicOutputs(out) as outputs:
             for i, f in enumerate(plan.files):
-                outputs.adopt(f.name, paths[i])
+                if i not in placed:
+                    outputs.adopt(f.name, paths[i])
             commit_outputs(outputs, plan, extra, overwrite=overwrite, stem=stem)
-        for marker in found.values():
+            for marker in found.values():
+                with contextlib.suppress(OSError):
+                    marker.unlink()
+            removed = _remove_abandoned(out, key)  # with OUT's lock held
+        return _describe("slices", shares, plan=key,
+                         **({"removed_temporary": removed} if removed else {}))
+
+
+def _placed(plan: MergePlan, out: Path, paths: dict[int, Path],
+            found: dict[tuple[int, int], Path], count: int) -> set[int]:
+    """The files of the plan that a previous ``--finish`` renamed into place before it was
+    killed (the same inode every slice wrote into, now under its final name); raises when a
+    file is neither there nor in place.
+
+    Raises:
+        OutputError: a marker is unreadable, or a file is not the one the slices wrote.
+    """
+    placed: set[int] = set()
+    for (i, _), marker in sorted(found.items()):
+        try:
+            done = json.loads(marker.read_text())
+        except (OSError, ValueError) as err:
+            raise OutputError(f"{marker}: unreadable slice marker; run slice {i}/{count} "
+                              "again") from err
+        for fi, f in enumerate(plan.files):
+            want = done.get("inodes", {}).get(f.name)
+            if _inode(paths[fi]) == want:
+                continue
+            if want is not None and _inode(out / f.name) == want:
+                placed.add(fi)  # committed by a --finish that did not complete
+                continue
+            # The file was made again after this slice wrote into it.
+            raise OutputError(f"{paths[fi]}: is not the file slice {i}/{count} wrote "
+                              f"into; run every slice again")
+    return placed
+
+
+def _check_existing(out: Path, plan: MergePlan, placed: set[int], extra: list[str], *,
+                    overwrite: bool, stem: str) -> None:
+    """OUT holds no weights (nor the files written beside them) but those a finish of this
+    plan put in place before it stopped, unless ``overwrite``.
+
+    Raises:
+        OutputError: as a merge alone says it.
+    """
+    ours = {plan.files[i].name for i in placed} | (set(extra) if placed else set())
+    index = out / plan.index_name
+    if placed and plan.index is not None and index.is_file() and not index.is_symlink() \
+            and index.read_bytes() == plan.index:
+        ours.add(plan.index_name)  # a finish stopped after its last rename
+    existing = [n for n in existing_outputs(
+        out, lambda name: st.is_weight_file(name, stem) or name in extra) if n not in ours]
+    if existing and not overwrite:
+        raise OutputError(f"{out}: already holds {', '.join(existing[:3])}"
+                          f"{' and more' if len(existing) > 3 else ''}; pass --overwrite to "
+                          "replace them or choose an empty directory")
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.lstat().st_ino
+    except OSError:
+        return None
+
+
+# Temporary files and markers of slices (any plan): ``.NAME.sKEY[.I-of-N.done].ckpttool-tmp``.
+_SLICE_TEMP = re.compile(rf"\..+\.s([0-9a-f]{{16}})(\.\d+-of-\d+\.done)?"
+                         rf"{re.escape(TMP_SUFFIX)}(\.\d+)?")
+# Temporary files of a process that held OUT's lock (AtomicOutputs: ``.NAME.PID.ckpttool-tmp``).
+_LOCKED_TEMP = re.compile(rf"\..+\.\d+{re.escape(TMP_SUFFIX)}")
+
+
+def _remove_abandoned(out: Path, key: str) -> list[str]:
+    """Remove, once this plan's output is in place and while OUT's lock is held, the slices'
+    temporary files of other plans (a slice run with other options, or abandoned) and the
+    temporary files of runs that held the lock before (a killed ``--finish``: provably
+    abandoned, as the lock is ours); returns their names, for the report."""
+    removed = []
+    for p in sorted(out.iterdir()):
+        m = _SLICE_TEMP.fullmatch(p.name)
+        other = m is not None and m[1] != key
+        if (other or (m is None and _LOCKED_TEMP.fullmatch(p.name))) and p.is_file() \
+                and not p.is_symlink():
             with contextlib.suppress(OSError):
-                marker.unlink()
-        return _describe("slices", shares, plan=key)
+                p.unlink()
+                removed.append(p.name)
+    return removed

@@ -43,6 +43,7 @@ from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Reader
 from ckpttool.formats.codecs.torchsave import gc_paused
 from ckpttool.storage.outputs import check_apart, check_space
+from ckpttool.storage.store import LOCAL, Stores
 
 if TYPE_CHECKING:
     from ckpttool.core.merge.multihost import Shared
@@ -133,6 +134,7 @@ def merge(
     shared: Shared | None = None,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
+    stores: Stores = LOCAL,
 ) -> MergeReport:
     """Merge the checkpoint at ``src`` into Hugging Face safetensors in ``out``.
 
@@ -188,7 +190,7 @@ def merge(
     started = time.perf_counter()
     src_path, out_path = Path(src), Path(out)
     shard_limit = st.parse_size(str(max_shard_size))
-    whole, ckpt = _recognise(src_path, out_path, config, part, layout)
+    whole, ckpt = _recognise(src_path, out_path, config, part, layout, stores)
     files, optimizer = ckpt.hf, ckpt.kind == "optimizer"
     named = [(t.name, t.tensor) for t in ckpt.tensors]
     adapted = (None if optimizer else
@@ -204,9 +206,10 @@ def merge(
     report.lora = adapted.report if adapted is not None else None
     report.name_map = mapped.to_json() if mapped is not None else None
     # Before reading any tensor data (the tie check reads both embeddings): fail fast.
-    check_existing(out_path, [p.name for p in files.files] + ([OPTIMIZER_JSON] if optimizer
-                              else [hf.ADAPTER_CONFIG] if mode == "adapter" else []),
-                   overwrite, stem)
+    if shared is None or not shared.commits_slices:  # --finish knows which files are its own
+        check_existing(out_path, [p.name for p in files.files] + (
+            [OPTIMIZER_JSON] if optimizer else [hf.ADAPTER_CONFIG] if mode == "adapter" else []),
+            overwrite, stem)
     with _readers(ckpt, adapted, follow_links=follow_links) as reader:
         decide = functools.partial(_decide, reader, sources, files.config, report.warnings,
                                    keep_tied=keep_tied,
@@ -288,7 +291,8 @@ def _write(plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, by
 
 
 def _recognise(src: Path, out: Path, config: str | os.PathLike[str] | None,
-               part: str | None, layout: str) -> tuple[Checkpoint, Checkpoint]:
+               part: str | None, layout: str, stores: Stores
+               ) -> tuple[Checkpoint, Checkpoint]:
     """The checkpoint at ``src`` (whole) and the part of it a merge writes, checked whole.
 
     Raises:
@@ -300,7 +304,7 @@ def _recognise(src: Path, out: Path, config: str | os.PathLike[str] | None,
                          f"{', '.join(hub_layout.CHOICES)}")
     if part not in (None, *MERGEABLE):
         raise InputError(f"part {part!r} cannot be merged; choose one of {', '.join(MERGEABLE)}")
-    ckpt = discover(src, config=config, command="merge", prefer=part)
+    ckpt = discover(src, config=config, command="merge", prefer=part, stores=stores)
     if ckpt.chosen is not None and ckpt.kind == "optimizer" and part is None:
         raise InputError(
             f"{src}: holds only optimizer state ({ckpt.chosen}), no model checkpoint; to "

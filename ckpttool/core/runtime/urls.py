@@ -1,8 +1,9 @@
 """Remote URLs (``s3://bucket/prefix``) wherever a command takes a checkpoint or output path.
 
 One decorator, :func:`urls`, wraps each command (merge, inspect, verify, reshard): a source URL
-is replaced by a local mirror of it (:class:`ckpttool.storage.s3.Mirror`: small files
-downloaded, data files read in place by ranged GETs), an output URL by a private staging
+is replaced by a local mirror of it (:class:`ckpttool.storage.mirror.Mirror`: small files
+downloaded, data files read in place by ranged GETs), which the command is handed as its
+``stores`` (it opens every reader's store through it); an output URL by a private staging
 directory under TMPDIR, written by the command exactly as a local output (``AtomicOutputs``:
 free space checked, index last) and then uploaded (:class:`ckpttool.storage.s3.Upload`:
 data files first, index last, every multipart upload aborted on failure or Ctrl-C). Errors and
@@ -23,7 +24,7 @@ import inspect
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -90,6 +91,31 @@ def check_location(value: object, *, what: str, remote_ok: bool = True) -> None:
                            f"(as {what}); supported: {supported()}")
 
 
+# What storage is told about formats (it names none): which files of a remote checkpoint are
+# data files, read in place by ranged GETs (the others are small and downloaded), which
+# objects an output replaces, and which makes an output look complete (uploaded last).
+DATA_SUFFIXES = (".distcp", ".safetensors")
+_REPLACED_SUFFIXES = (".safetensors", ".safetensors.index.json", ".distcp")
+_LAST_SUFFIXES = (".index.json",)
+_METADATA = ".metadata"
+
+
+def _replaced(name: str) -> bool:
+    return name.endswith(_REPLACED_SUFFIXES) or name == _METADATA
+
+
+def _last(name: str) -> bool:
+    return name.endswith(_LAST_SUFFIXES) or name == _METADATA
+
+
+def _head(name: str, size: int, pread: Callable[[int, int], bytes]) -> bytes:
+    """What a data file's local stand-in holds: a safetensors file's header, which
+    recognising and describing it reads."""
+    from ckpttool.formats import safetensors
+
+    return safetensors.header_bytes(size, pread) if name.endswith(".safetensors") else b""
+
+
 def urls(*, sources: tuple[str, ...], output: str | None = None
          ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Let the parameters ``sources`` (checkpoints read) and ``output`` (a directory written)
@@ -121,6 +147,7 @@ def urls(*, sources: tuple[str, ...], output: str | None = None
 
 def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[str, Any],
             output: str | None) -> R:
+    from ckpttool.storage import mirror as mirrors
     from ckpttool.storage import s3 as remote
 
     renames: list[tuple[str, str]] = []  # (local path, URL) for messages and reports
@@ -137,12 +164,17 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
                         "storage yet; write OUT to a shared directory and upload it, or merge "
                         "to the URL in one process")
                 overwrite = bool(bound.arguments.get("overwrite", False))
-                out_url = remote.check_output(values[output], overwrite=overwrite)
+                out_url = stack.enter_context(claimed(values[output], overwrite=overwrite))
+            mounted = []
             for name, value in values.items():
                 if name != output and _is_url(value):
-                    mirror = stack.enter_context(remote.Mirror(value))
+                    mirror = stack.enter_context(
+                        mirrors.Mirror(value, data_suffixes=DATA_SUFFIXES, head=_head))
+                    mounted.append(mirror)
                     bound.arguments[name] = str(mirror.local)
                     renames.append((str(mirror.dir), str(mirror.base_url)))
+            if mounted:  # the command opens its stores through the mirrors
+                bound.arguments["stores"] = mirrors.Mounts(mounted)
             staged = None
             if out_url is not None:
                 tmp = remote.staging_dir()
@@ -153,14 +185,43 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
                 renames.append((str(staged), str(out_url)))
             result = fn(*bound.args, **bound.kwargs)
             if out_url is not None and staged is not None:
-                with remote.errors(out_url, "uploading"):
-                    remote.Upload(out_url, overwrite=bool(
-                        bound.arguments.get("overwrite", False))).run(staged)
+                upload(out_url, staged, overwrite=bool(bound.arguments.get("overwrite", False)))
         except CkptError as e:
             e.args = tuple(_rename(a, renames) if isinstance(a, str) else a for a in e.args)
             raise
         renamed: R = _renamed(result, renames)
         return renamed
+
+
+def output_names() -> Any:
+    """What storage is told about an output's objects (``s3.OutputNames``)."""
+    from ckpttool.storage import s3 as remote
+
+    return remote.OutputNames(replaces=_replaced, last=_last)
+
+
+@contextlib.contextmanager
+def claimed(value: str, *, overwrite: bool) -> Iterator[Any]:
+    """The output URL checked (weights there need ``overwrite``) and locked for this run
+    while the block runs (:class:`~ckpttool.storage.s3.Lock`), before any work."""
+    from ckpttool.storage import s3 as remote
+
+    url = remote.check_output(value, overwrite=overwrite, names=output_names())
+    lock = remote.Lock(url)
+    lock.acquire()
+    try:
+        yield url
+    finally:
+        lock.release()
+
+
+def upload(url: Any, staged: Path, *, overwrite: bool) -> None:
+    """Upload the finished local output ``staged`` to ``url`` (index last; see
+    :class:`~ckpttool.storage.s3.Upload`)."""
+    from ckpttool.storage import s3 as remote
+
+    with remote.errors(url, "uploading"):
+        remote.Upload(url, overwrite=overwrite, names=output_names()).run(staged)
 
 
 def _rename(text: str, renames: list[tuple[str, str]]) -> str:

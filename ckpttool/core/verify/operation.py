@@ -50,6 +50,7 @@ from ckpttool.core.verify import scan
 from ckpttool.core.verify.against import plan_against
 from ckpttool.errors import InputError
 from ckpttool.formats.base import SEVERITIES, Location, Problem, error, warning
+from ckpttool.storage.store import LOCAL, Stores
 
 __all__ = ["Location", "Problem", "VerifyReport", "verify"]
 
@@ -108,6 +109,7 @@ def verify(
     adapter_config: str | os.PathLike[str] | None = None,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
+    stores: Stores = LOCAL,
 ) -> VerifyReport:
     """Check the checkpoint at ``path``; problems are reported, not raised.
 
@@ -139,8 +141,9 @@ def verify(
     """
     started = time.perf_counter()
     _check_options(dtype, allow_cast=allow_cast, against=against)
-    ckpt = discover(path, config=config, command="verify")
-    other = discover(against, command="verify") if against is not None else None
+    ckpt = discover(path, config=config, command="verify", stores=stores)
+    other = (discover(against, command="verify", stores=stores) if against is not None
+             else None)
     expect, cast_policy = _policies(ckpt, expect_dtype, dtype if allow_cast else None,
                                     allow_cast=allow_cast)
     manifest_path, expected = manifests.prepare(manifest, manifest_action)
@@ -280,5 +283,7 @@ def _other_parts(ckpt: Checkpoint) -> list[tuple[str, Checkpoint]]:
     """The other checkpoints of a training directory (optimizer_0/ beside the model's
     pytorch_model_fsdp_0/) and the side files of a checkpoint (Lightning's meta.pt), each
     verified for structure and content too."""
-    return ([(name, describe(ckpt.path / name, info)) for name, info in ckpt.others]
-            + [(name, describe(ckpt.root / name, info)) for name, info in ckpt.side])
+    return ([(name, describe(ckpt.path / name, info, stores=ckpt.stores))
+             for name, info in ckpt.others]
+            + [(name, describe(ckpt.root / name, info, stores=ckpt.stores))
+               for name, info in ckpt.side])

@@ -81,7 +81,7 @@ from ckpttool.formats.codecs import torchsave, zstd
 from ckpttool.formats.codecs.crc import crc32
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.formats.dcp import columns as dcp_metadata
-from ckpttool.storage.store import file_size, pread_of
+from ckpttool.storage.store import LOCAL, Store, Stores, file_size, pread_of
 
 NAME = "dcp"
 # What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
@@ -307,7 +307,8 @@ def _rank_metadata_files(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def read_info(path: str | os.PathLike[str], *, lookup: Lookup | None = None) -> CheckpointInfo:
+def read_info(path: str | os.PathLike[str], *, lookup: Lookup | None = None,
+              stores: Stores = LOCAL) -> CheckpointInfo:
     """Read a DCP directory's ``.metadata`` (or, without one, every ``__<rank>.metadata``),
     plus the header of each safetensors blob (``SerializationFormat.SAFETENSORS``). Reads no
     tensor data.
@@ -330,20 +331,20 @@ def read_info(path: str | os.PathLike[str], *, lookup: Lookup | None = None) -> 
         raise InputError(f"{root}: not a DCP checkpoint directory (no {METADATA_FILE} file)")
     with torchsave.gc_paused():
         if not ranks:
-            read = _read_one(root, md_path, lookup)
+            read = _read_one(root, md_path, lookup, stores)
             per_file = [(0, read)]
             tensors, objects = read.tensors, read.objects
             copies: list[Copy] = []
             metadata_name, problems = METADATA_FILE, []
             zstd_records = read.compressed_all
         else:
-            reads = [(r, _read_one(root, p, lookup)) for r, p in ranks]
+            reads = [(r, _read_one(root, p, lookup, stores)) for r, p in ranks]
             per_file = reads
             read = reads[0][1]
             tensors, objects, copies = _union(reads)
             metadata_name, problems = RANK_METADATA, _missing_rank_metadata(root, reads)
             zstd_records = frozenset().union(*(r.compressed_all for _, r in reads))
-        tensors, serialization = _locate_safetensors(root, tensors)
+        tensors, serialization = _locate_safetensors(root, tensors, stores)
     for t in tensors:
         # No file holds 2**63 bytes: a larger claim is damage, refused before any size is
         # computed or printed from it (sizes past a float's range cannot be formatted).
@@ -392,27 +393,29 @@ class _Read:
     nested: Nested  # records of an unflattened save, opened
 
 
-def _read_one(root: Path, md_path: Path, lookup: Lookup | None = None) -> _Read:
+def _read_one(root: Path, md_path: Path, lookup: Lookup | None = None,
+              stores: Stores = LOCAL) -> _Read:
     # Columns first (millions of chunks without an object each); anything it does not
     # recognise with certainty is read by the allow-list unpickler, which decides.
     fast = dcp_metadata.read(md_path, lookup or _metadata_global, metadata_file=METADATA_FILE)
     if fast is not None:
         return _Read(md_path, fast.tensors, fast.objects, fast.version, frozenset(), Nested())
-    return _read_unpickled(root, md_path, lookup)
+    return _read_unpickled(root, md_path, lookup, stores)
 
 
-def _read_unpickled(root: Path, md_path: Path, lookup: Lookup | None = None) -> _Read:
+def _read_unpickled(root: Path, md_path: Path, lookup: Lookup | None = None,
+                    stores: Stores = LOCAL) -> _Read:
     md = read_metadata_object(md_path, lookup)
     if type(md).__name__ != "Metadata" or not isinstance(md, torchsave.PlainStub):
         raise InputError(f"{md_path}: does not hold DCP Metadata (found {type(md).__name__})")
     try:
-        return _convert(root, md_path, md)
+        return _convert(root, md_path, md, stores)
     except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
         raise InputError(f"{md_path}: corrupt metadata ({type(e).__name__}: {e}); copy it "
                          "again from the source") from e
 
 
-def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> _Read:
+def _convert(root: Path, md_path: Path, md: torchsave.PlainStub, stores: Stores) -> _Read:
     sd_meta = md.field("state_dict_metadata")
     storage_data = md.field("storage_data")
     planner_data = md.field("planner_data") or {}
@@ -459,7 +462,7 @@ def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> _Read:
     if not md.field("planner_data"):
         # Saved without flattening (DefaultSavePlanner(flatten_state_dict=False)): every
         # top-level value is one record, and a nested dict of tensors is pickled whole in it.
-        objects = _open_nested(root, md_path, objects, tensors, nested)
+        objects = _open_nested(root, md_path, objects, tensors, nested, stores)
     version = md.field("version")
     return _Read(md_path, tensors, objects, None if version is None else str(version),
                  compressed, nested)
@@ -476,7 +479,7 @@ class Nested:
 
 
 def _open_nested(root: Path, md_path: Path, objects: list[ObjectEntry], tensors: list[Tensor],
-                 nested: Nested) -> list[ObjectEntry]:
+                 nested: Nested, stores: Stores) -> list[ObjectEntry]:
     """Open the records of ``objects`` that hold tensors: each tensor becomes a tensor of the
     checkpoint, placed in its record's storage entry (a raw byte range with that entry's
     CRC-32), each other leaf an object read already. A record holding DTensors (one rank's
@@ -490,7 +493,7 @@ def _open_nested(root: Path, md_path: Path, objects: list[ObjectEntry], tensors:
         where = f"{path} at byte {o.offset} (entry '{o.name}')"
         # Through the store's pread: a remote checkpoint's data file is read by ranged GETs.
         # Only a file really inside the checkpoint, as the data files a store reads.
-        with pread_of(path, inside=os.path.realpath(root)) as pread:
+        with pread_of(path, stores, inside=os.path.realpath(root)) as pread:
             try:
                 rb = torchsave.RecordBytes(pread, o.offset, o.length, where)
                 entries = torchsave.zip_entries(rb)
@@ -655,7 +658,8 @@ def _tensor_entry(
 # SerializationFormat.SAFETENSORS: chunks placed by the blob's header
 
 
-def _locate_safetensors(root: Path, tensors: list[Tensor]) -> tuple[list[Tensor], str]:
+def _locate_safetensors(root: Path, tensors: list[Tensor], stores: Stores
+                        ) -> tuple[list[Tensor], str]:
     """Tensors whose chunks lie in a safetensors blob (``.metadata`` gives each the blob's
     start and the chunk's byte length, which no ``torch.save`` record can have) as RAW chunks
     at the places the blob's header gives; and the serialization the data files use
@@ -690,7 +694,7 @@ def _locate_safetensors(root: Path, tensors: list[Tensor]) -> tuple[list[Tensor]
     if not blobs:
         return tensors, "torch_save"
     serialization = "safetensors+torch_save" if record_files else "safetensors"
-    slots = {f: _blob_slots(root / f, at) for f, at in blobs.items()
+    slots = {f: _blob_slots(root / f, at, stores) for f, at in blobs.items()
              if (root / f).is_file()}  # a missing file: structure checks report it
     out = []
     for t in tensors:
@@ -703,9 +707,10 @@ def _locate_safetensors(root: Path, tensors: list[Tensor]) -> tuple[list[Tensor]
     return out, serialization
 
 
-def _blob_slots(path: Path, offset: int) -> tuple[dict[str, st.Slot], dict[str, Any]]:
+def _blob_slots(path: Path, offset: int, stores: Stores
+                ) -> tuple[dict[str, st.Slot], dict[str, Any]]:
     """The blob's slots by name, and each name's ``saved_offsets``."""
-    meta, slots = st.read_layout(path, offset=offset)
+    meta, slots = st.read_layout(path, offset=offset, stores=stores)
     raw = meta.get(SHARDING_KEY)
     try:
         sharding = json.loads(raw) if isinstance(raw, str) else None
@@ -1032,8 +1037,9 @@ class DcpReader(Reader):
     """Chunks are ``torch.save`` records (zstd-compressed ones included) or ranges of a
     safetensors blob; objects are pickled records."""
 
-    def __init__(self, info: CheckpointInfo, *, templates: bool = True) -> None:
-        super().__init__(info)
+    def __init__(self, info: CheckpointInfo, store: Store | None = None, *,
+                 templates: bool = True) -> None:
+        super().__init__(info, store)
         self._templates: dict[tuple[int, str, tuple[int, ...]], _Template | None] = {}
         self._use_templates = templates  # False: decode every record in full (tests compare)
         self.detail = info.detail if isinstance(info.detail, Detail) else Detail()
@@ -1472,8 +1478,8 @@ def _payload(chunk: Chunk, rec: TensorRecord, crc: int | None,
         data=data)
 
 
-def open_reader(info: CheckpointInfo) -> DcpReader:
-    return DcpReader(info)
+def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> DcpReader:
+    return DcpReader(info, store)
 
 
 _DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
