@@ -214,6 +214,10 @@ def read_metadata_object(path: Path) -> Any:
         raise InputError(f"{path}: no such file") from None
     except OSError as e:
         raise InputError(f"{path}: cannot read: {e.strerror}") from None
+    except MemoryError:
+        raise InputError(f"{path}: {file_size(path) or 0:,} bytes, more than this process "
+                         "may hold in memory; a .metadata that large is corrupt, or needs a "
+                         "machine with more memory") from None
     try:
         return _unpickle(data, _metadata_global, str(path))
     except torchsave.Refused as e:
