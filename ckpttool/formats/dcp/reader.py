@@ -1026,9 +1026,11 @@ class DcpReader(Reader):
         checked against what the metadata promises as an uncompressed record is."""
         what = f"tensor '{tensor.name}'"
         need = chunk.numel * tensor.dtype.itemsize
+        where = self.where(chunk.file, chunk.offset, f"{what}, zstd-compressed record")
+        # The metadata's claim, judged before any memory is taken for it.
+        zstd.check_claim(need, chunk.length, where=where)
         raw = self._inflate(chunk.file, chunk.offset, chunk.length,
                             limit=need + _RECORD_OVERHEAD, what=what)
-        where = self.where(chunk.file, chunk.offset, f"{what}, zstd-compressed record")
         rec = read_record(functools.partial(_slice, raw), offset=0, length=len(raw),
                           where=where)
         if rec.dtype != tensor.dtype or rec.shape != chunk.sizes:
