@@ -20,6 +20,7 @@ from typing import Any
 from ckpttool.core import dtype_policy, ties
 from ckpttool.core.checkpoint import hf, names, non_tensor
 from ckpttool.core.checkpoint import tensors as tensor_io
+from ckpttool.core.checkpoint.copies import model_copies
 from ckpttool.core.checkpoint.discover import (
     Box,
     Checkpoint,
@@ -350,6 +351,9 @@ def inspect(
     report.summary = summary(ckpt)
     report.contents = [c.to_json() for c in ckpt.contents()]
     report.notes += list(ckpt.side_notes)
+    copies = model_copies(ckpt)
+    if copies is not None:
+        report.notes.append(copies.message("inspect"))
     report.notes += [p.message for p in ckpt.info.problems if p.code == "tensors-unplaced"]
     layout, adapter_config, lora_problems = lora.adapter_of(
         select(ckpt, ckpt.kind) if ckpt.has_part(ckpt.kind) else ckpt)

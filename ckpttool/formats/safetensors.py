@@ -35,6 +35,9 @@ from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage.store import file_size, pread_of
 
 NAME = "safetensors"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = 'a `.safetensors` file, or a directory with `model.safetensors` or an index and shards'
+WRITTEN_BY = 'transformers, `ckpttool merge`'
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
@@ -204,14 +207,14 @@ def read_layout(path: Path, *, offset: int = 0, exact: bool = False
                 raise InputError(f"{where}: header length {n} is implausible; not safetensors")
             text = pread(n, offset + 8)
             size = file_size(path) if not offset else None
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
+    except FileNotFoundError as err:
+        raise InputError(f"{path}: no such file") from err
     if len(text) < n:
         raise InputError(f"{where}: truncated safetensors header")
     try:
         header = json.loads(text)
     except (ValueError, RecursionError) as e:  # RecursionError: arrays nested too deep
-        raise InputError(f"{path}: corrupt safetensors header ({json_error(e)})") from None
+        raise InputError(f"{path}: corrupt safetensors header ({json_error(e)})") from e
     if not isinstance(header, dict):
         raise InputError(f"{path}: corrupt safetensors header (not a JSON object)")
     meta = header.pop("__metadata__", {}) or {}
@@ -352,11 +355,11 @@ def read_index(path: Path) -> Index:
 
     try:
         doc = json.loads(read_json_text(path), object_pairs_hook=pairs)
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
+    except FileNotFoundError as err:
+        raise InputError(f"{path}: no such file") from err
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise InputError(f"{path}: not valid JSON ({json_error(e)}); not a safetensors "
-                         "index") from None
+                         "index") from e
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
@@ -426,6 +429,50 @@ def _shard_set(files: list[Path]) -> list[Path] | None:
 def open_reader(info: CheckpointInfo) -> Reader:
     """Tensors are raw byte ranges: the neutral reader reads them."""
     return Reader(info)
+
+
+def pending(path: Path) -> str | None:
+    """A file shorter than its header says is still being written; so is a directory of
+    shards whose index is not written yet (save_pretrained writes it last) or whose shards
+    are short."""
+    if path.is_file():
+        return pending_file(path)
+    files = _safetensors_files(path)
+    sharded = any(re.fullmatch(r".+-\d+-of-(\d+)\.safetensors", f.name) for f in files)
+    if sharded and not any((path / index_name(s)).is_file() for s in _STEMS):
+        return "shards but no index yet (save_pretrained writes the index last)"
+    for f in files:
+        why = pending_file(f)
+        if why is not None:
+            return why
+    return None
+
+
+def pending_file(path: Path) -> str | None:
+    """Why the safetensors file at ``path`` is incomplete (shorter than its header says, or
+    its header not all there), from its first bytes and size; None when it is whole."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            size = os.fstat(f.fileno()).st_size
+            if len(head) < 8:
+                return f"{path.name}: {size} bytes, no header yet"
+            (n,) = struct.unpack("<Q", head)
+            if n > _HEADER_LIMIT:
+                return None  # not ours to judge: read_info says what is wrong
+            if size < 8 + n:
+                return f"{path.name}: header not all written yet"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    ends = [v["data_offsets"][1] for k, v in header.items()
+            if k != "__metadata__" and isinstance(v, dict)
+            and isinstance(v.get("data_offsets"), list) and len(v["data_offsets"]) == 2
+            and isinstance(v["data_offsets"][1], int)] if isinstance(header, dict) else []
+    need = 8 + n + max(ends, default=0)
+    if size < need:
+        return f"{path.name}: {size:,} of {need:,} bytes written so far"
+    return None
 
 
 _STEMS = ("model", "optimizer")

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ckpttool import settings
 from ckpttool.errors import OutputError
 from ckpttool.storage import store
 from ckpttool.storage.store import copy_range, output_error, pwrite_all
@@ -51,7 +52,7 @@ _steps = itertools.count(1)
 
 def _step() -> None:
     """One publishing step; the test hook acts here (see the module docstring)."""
-    fault = os.environ.get("CKPTTOOL_TEST_FAULT")
+    fault = settings.test_fault()
     if not fault:
         return
     action, at, *rest = fault.split(":", 2)
@@ -73,7 +74,7 @@ def _step() -> None:
 def _fsync_wanted() -> bool:
     """``CKPTTOOL_FSYNC=0`` skips the syncs (about 0.3 s per GB written on a page-cache-warm
     run: benchmarks/README.md), for scratch outputs a power cut may lose."""
-    return os.environ.get("CKPTTOOL_FSYNC") != "0"
+    return settings.fsync()
 
 
 # Bytes written between two early syncs (write_behind).
@@ -194,13 +195,23 @@ def check_space(out_dir: Path, need: int) -> None:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise OutputError(f"{out_dir}: cannot create output directory: {e.strerror}") from None
+        raise OutputError(f"{out_dir}: cannot create output directory: {e.strerror}") from e
     free = shutil.disk_usage(out_dir).free
     if need > free:
         raise OutputError(
-            f"{out_dir}: not enough free space: the output takes about {need:,} bytes and "
-            f"{free:,} are free; free some space or choose another output directory"
+            f"{out_dir}: not enough free space: the output takes about {_size(need)} and "
+            f"{_size(free)} are free; free some space or choose another output directory"
         )
+
+
+def _size(n: int) -> str:
+    """Bytes for a message: ``3.21 GB`` (decimal units, as ``--max-shard-size`` reads them)."""
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{n} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
 
 
 def remove_stale(out_dir: Path, keep: set[str], belongs: Callable[[str], bool]) -> None:
@@ -318,16 +329,16 @@ class AtomicOutputs:
             self._dir_fd = os.open(self.out_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except OSError as e:
             raise OutputError(f"{self.out_dir}: cannot open the output directory: "
-                              f"{e.strerror}") from None
+                              f"{e.strerror}") from e
         if fcntl is not None and self._lock:
             try:
                 fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+            except OSError as err:
                 os.close(self._dir_fd)
                 self._dir_fd = None
                 raise OutputError(
                     f"{self.out_dir}: another ckpttool process is writing into this directory; "
-                    "wait for it to finish or choose another output directory") from None
+                    "wait for it to finish or choose another output directory") from err
         try:
             if self._lock:
                 _remove_abandoned(self.out_dir)
@@ -355,7 +366,7 @@ class AtomicOutputs:
             # 0o666 so the umask decides the permissions, as for any file a tool creates.
             fd = os.open(tmp, flags, 0o666)
         except OSError as e:
-            raise OutputError(f"{tmp}: cannot create output file: {e.strerror}") from None
+            raise OutputError(f"{tmp}: cannot create output file: {e.strerror}") from e
         self._pending.append((tmp, final))
         _LIVE.add(str(tmp))
         self._fds.append(fd)
@@ -363,7 +374,7 @@ class AtomicOutputs:
             try:
                 os.ftruncate(fd, size)
             except OSError as e:
-                raise output_error(e) from None
+                raise output_error(e) from e
         return fd
 
     def adopt(self, name: str, tmp: Path) -> None:
@@ -404,7 +415,7 @@ class AtomicOutputs:
                 finally:
                     os.close(fd)
         except OSError as e:
-            raise output_error(e) from None
+            raise output_error(e) from e
         for fd in self._fds:
             os.close(fd)
         self._fds.clear()
@@ -433,7 +444,7 @@ class AtomicOutputs:
             except OSError as e:
                 # What was not renamed is removed by abort(); say which name failed.
                 raise OutputError(f"{e.filename or self.out_dir}: cannot put the output in "
-                                  f"place: {e.strerror}; check the output directory") from None
+                                  f"place: {e.strerror}; check the output directory") from e
         return [final for _, final in ordered]
 
     def abort(self) -> None:

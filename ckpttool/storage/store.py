@@ -359,12 +359,12 @@ def open_data_file(path: Path, metadata_name: str, *, inside: str | None = None,
     """
     try:
         fd = os.open(path, READ_FLAGS)
-    except FileNotFoundError:
-        raise InputError(missing_message(path, metadata_name)) from None
+    except FileNotFoundError as err:
+        raise InputError(missing_message(path, metadata_name)) from err
     except PermissionError as e:
-        raise UnreadableError.of(path, e) from None
+        raise UnreadableError.of(path, e) from e
     except OSError as e:
-        raise InputError(f"{path}: cannot open data file: {e.strerror}") from None
+        raise InputError(f"{path}: cannot open data file: {e.strerror}") from e
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise InputError(f"{path}: is not a regular file; {metadata_name} names it as data")
@@ -378,10 +378,30 @@ def open_data_file(path: Path, metadata_name: str, *, inside: str | None = None,
 
 
 def missing_message(path: Path, metadata_name: str, detail: str = "") -> str:
-    """The one message for a data file that is not there (``detail``: what it should hold)."""
+    """The one message for a data file that is not there (``detail``: what it should hold),
+    or is there but not a regular file (a FIFO, socket, device or directory: never opened,
+    and never called missing, which would send the user looking for a file they can see)."""
     about = f" ({detail})" if detail else ""
+    kind = _special_kind(path)
+    if kind is not None:
+        return (f"{path}: is a {kind}, not a regular file; {metadata_name} references it as a "
+                f"data file{about}. ckpttool never reads one: put the checkpoint's file there")
     return (f"{path}: data file is missing; {metadata_name} references it{about}. Copy the "
             "whole checkpoint directory again")
+
+
+def _special_kind(path: Path) -> str | None:
+    """What ``path`` is when it exists but is not a regular file; None otherwise."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    for test, kind in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISDIR, "directory")):
+        if test(mode):
+            return kind
+    return None
 
 
 def truncated(path: Path, offset: int, what: str) -> InputError:
@@ -454,7 +474,7 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, size:
                                    dst_offset + done)
         except OSError as e:
             if e.errno in _WRITE_ERRNOS:
-                raise output_error(e) from None
+                raise output_error(e) from e
             if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP,
                            errno.EPERM, errno.EBADF):
                 _use_copy_file_range = False
@@ -484,6 +504,6 @@ def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> No
         try:
             n = os.pwrite(fd, view, offset)
         except OSError as e:
-            raise output_error(e) from None
+            raise output_error(e) from e
         view = view[n:]
         offset += n

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,9 @@ class HfFiles:
     files: tuple[Path, ...]  # files to copy beside the weights
     skipped: tuple[str, ...] = ()  # why a file found there is not used (for warnings)
     roots: tuple[Path, ...] = ()  # real directories a file reached through links may lie in
+    # Where config.json came from when not beside the checkpoint: "the run directory ..."
+    # (None: beside it, or given with --config, or not found)
+    found_in: str | None = None
 
 
 def read_side_file(path: Path, roots: tuple[Path, ...]) -> bytes:
@@ -133,6 +137,12 @@ def find_hf_files(dcp_dir: Path, config: Path | None = None, *, given: Path | No
             raise InputError(f"{why} (--config)")
     config_path = config or next((d / "config.json" for d in dirs if usable(d / "config.json")),
                                  None)
+    found_in = None
+    if config_path is None:
+        in_run = next(((d, why) for d, why in run_dirs(dcp_dir)
+                       if usable(d / "config.json")), None)
+        if in_run is not None:
+            config_path, found_in = in_run[0] / "config.json", in_run[1]
     parsed: dict[str, Any] | None = None
     if config_path is not None:
         parsed = _json_object(config_path, "--config",
@@ -144,7 +154,44 @@ def find_hf_files(dcp_dir: Path, config: Path | None = None, *, given: Path | No
         if found is not None:
             files.append(found)
     return HfFiles(parsed, config_path, tuple(files), tuple(skipped),
-                   tuple(roots) + ((config.resolve().parent,) if config is not None else ()))
+                   roots=tuple(roots) + tuple({c.resolve().parent for c in (config, config_path)
+                                               if c is not None}),
+                   found_in=found_in)
+
+
+def no_config_warning(root: Path, given: Path) -> str:
+    """What a merge without config.json writes, and how to give it one."""
+    looked = [str(d) for d, _ in run_dirs(root)[:1]]
+    where = f"beside {root}" + (f" nor in {looked[0]}" if looked else "")
+    return (f"no config.json found {where}: the output is WEIGHTS ONLY, which from_pretrained "
+            "cannot load ('Unrecognized model'); dtypes are kept as stored and tied embeddings "
+            "are written twice. Pass the model's config.json (the training run's output_dir "
+            f"or the base model's): ckpttool merge {given} OUT --config path/to/config.json")
+
+
+# A training run's checkpoint directories: the HF Trainer's checkpoint-N, verl's and
+# DeepSpeed's global_step_N (global_stepN), torchtitan's step-N.
+_STEP_DIR = re.compile(r"(checkpoint|global_step|step)[-_]?(\d+)")
+
+
+def run_dirs(dcp_dir: Path) -> list[tuple[Path, str]]:
+    """Where a run keeps the model's config.json when a checkpoint lacks it (the HF Trainer
+    writes none into a SHARDED_STATE_DICT checkpoint), in order, with how to say it: the run
+    directory above the step directory (the Trainer's output_dir, where save_model writes it),
+    then the other step directories of the run, newest first."""
+    step = next((d for d in (dcp_dir, dcp_dir.parent) if _STEP_DIR.fullmatch(d.name)), None)
+    if step is None:
+        return []
+    run = step.parent
+    out = [(run, f"the run directory {run}"), (run / "huggingface", f"the run directory {run}")]
+    try:
+        siblings = [(int(m.group(2)), d) for d in run.iterdir()
+                    if d != step and d.is_dir() and (m := _STEP_DIR.fullmatch(d.name))]
+    except OSError:
+        return out
+    for _, d in sorted(siblings, reverse=True):
+        out.append((d, f"{d.name}, another checkpoint of the same run"))
+    return out
 
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -196,10 +243,10 @@ def _json_object(path: Path, option: str, *, roots: tuple[Path, ...] | None = No
         parsed = json.loads(read_json_text(path) if roots is None
                             else read_side_file(path, roots).decode("utf-8"))
     except PermissionError as e:
-        raise UnreadableError.of(path, e) from None
+        raise UnreadableError.of(path, e) from e
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise InputError(f"{path}: not valid JSON ({json_error(e)}); fix it or pass "
-                         f"{option}") from None
+                         f"{option}") from e
     if not isinstance(parsed, dict):
         raise InputError(f"{path}: not a JSON object; fix it or pass {option}")
     return parsed

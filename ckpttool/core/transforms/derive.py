@@ -41,6 +41,10 @@ class Derived:
     # a grouped [E, ...] weight): only that slice's bytes are read, so splitting a tensor in E
     # costs its bytes once, not E times. Empty: every input whole.
     select: tuple[int | None, ...] = ()
+    # Per input, elements [start, stop) of its C order, read as a tensor of the given shape
+    # (one part of one expert of a fused [E, 2I, H] weight): only those bytes are read.
+    # Empty or None entries: ``select``, else the whole input.
+    spans: tuple[tuple[int, int, tuple[int, ...]] | None, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -85,9 +89,11 @@ def materialise(reader: Reader, derived: Derived, dtype: DType) -> bytearray:
     num = len(derived.inputs)
     readers = derived.readers + (None,) * (num - len(derived.readers))
     select = derived.select + (None,) * (num - len(derived.select))
+    spans = derived.spans + (None,) * (num - len(derived.spans))
     out = derived.compute([
-        read_whole(r or reader, t) if i is None else read_slice(r or reader, t, i)
-        for r, t, i in zip(readers, derived.inputs, select, strict=True)])
+        _read_elements(r or reader, t, *span) if span is not None
+        else read_whole(r or reader, t) if i is None else read_slice(r or reader, t, i)
+        for r, t, i, span in zip(readers, derived.inputs, select, spans, strict=True)])
     if tuple(out.shape) != derived.shape:
         raise InputError(f"'{derived.name}': computed shape {list(out.shape)} is not the "
                          f"planned {list(derived.shape)} ({derived.what or 'derived tensor'})")

@@ -6,6 +6,7 @@ later. Pure, but for the file.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from ckpttool.core import ties
 from ckpttool.core.checkpoint import hf
 from ckpttool.core.checkpoint.discover import Checkpoint
 from ckpttool.core.runtime.report import SCHEMA
-from ckpttool.errors import InputError
+from ckpttool.errors import InputError, OutputError
 from ckpttool.formats.base import Problem, error, info
 from ckpttool.storage.outputs import AtomicOutputs
 
@@ -42,7 +43,7 @@ def read(path: Path) -> dict[str, dict[str, Any]]:
         doc = json.loads(path.read_text())
     except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
         raise InputError(f"{path}: cannot read the manifest ({e}); pass a file that "
-                         "verify --write-manifest wrote") from None
+                         "verify --write-manifest wrote") from e
     if not isinstance(doc, dict) or doc.get("kind") != MANIFEST_KIND or not isinstance(
             doc.get("tensors"), dict):
         raise InputError(f"{path}: not a ckpttool manifest; pass a file that verify "
@@ -127,3 +128,45 @@ def write(path: Path, doc: dict[str, Any]) -> None:
     with AtomicOutputs(path.parent) as out:
         out.write_bytes(path.name, (json.dumps(doc, indent=2) + "\n").encode())
         out.commit()
+
+
+def prepare(manifest: str | os.PathLike[str] | None, action: str | None
+            ) -> tuple[Path | None, dict[str, dict[str, Any]] | None]:
+    """The manifest's path and, when it is to be checked, what it expects; checked before any
+    data is read.
+
+    Args:
+        action: ``"write"`` (the file must not exist), ``"check"`` (it must), or None: check
+            when it exists, else write.
+
+    Raises:
+        InputError: a bad action, or no manifest to check.
+        OutputError: a manifest to write exists already.
+    """
+    if action not in (None, "write", "check"):
+        raise InputError(f"manifest_action must be 'write' or 'check', not {action!r}")
+    if manifest is None:
+        return None, None
+    path = Path(manifest)
+    if action == "check" and not path.exists():
+        raise InputError(f"{path}: no such manifest to check (--check-manifest); "
+                         "write one first with --write-manifest")
+    if action == "write" and os.path.lexists(path):
+        raise OutputError(f"{path}: exists already; check it with --check-manifest, "
+                          "or remove it to write a new one")
+    return path, (read(path) if path.exists() and action != "write" else None)
+
+
+def finish(ckpt: Checkpoint, path: Path, expected: dict[str, dict[str, Any]] | None,
+           digests: dict[str, str]) -> tuple[list[Problem], dict[str, Any] | None]:
+    """After the data pass: check the digests against ``expected``, or write the manifest
+    (only when every tensor was read). Problems, and the report's ``manifest`` section."""
+    unreadable = {t.name for t in ckpt.tensors} - set(digests)
+    if expected is not None:
+        return (check(ckpt, expected, digests, unreadable, path),
+                {"path": str(path), "action": "checked", "tensors": len(expected)})
+    if unreadable:
+        return [error("manifest-incomplete", f"{path}: not written: "
+                      f"{len(unreadable)} tensors could not be read")], None
+    write(path, document(ckpt, digests))
+    return [], {"path": str(path), "action": "written", "tensors": len(digests)}

@@ -71,10 +71,10 @@ def supported(descriptor: str) -> bool:
 def _library(where: str) -> Any:
     try:
         import zstandard
-    except ImportError:
+    except ImportError as err:
         raise UnsupportedError(
             f"{where}: records are zstd-compressed (DCP's ZStandard extension); reading them "
-            f"needs the zstandard library: {INSTALL}") from None
+            f"needs the zstandard library: {INSTALL}") from err
     return zstandard
 
 
@@ -120,10 +120,10 @@ def inflate(pread: Callable[[int, int], bytes], offset: int, length: int, *, lim
                 out += dobj.decompress(piece[at : at + _FEED])
             except zstandard.ZstdError as e:
                 raise InputError(f"{where}: does not decompress ({e}); the compressed record "
-                                 "is corrupt") from None
-            except MemoryError:
+                                 "is corrupt") from e
+            except MemoryError as err:
                 raise InputError(f"{where}: decompressing it needs more memory than this "
-                                 f"process may take ({len(out):,} bytes so far)") from None
+                                 f"process may take ({len(out):,} bytes so far)") from err
             if len(out) > limit:
                 raise InputError(f"{where}: decompresses to more than the {limit} bytes it "
                                  "may hold; the compressed record is corrupt")
