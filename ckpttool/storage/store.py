@@ -197,6 +197,7 @@ class LocalStore:
         self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._pins: dict[str, int] = {}  # reads in flight on each open descriptor
         self._ids: dict[str, tuple[int, int]] = {}  # (st_dev, st_ino) at the first open
+        self._sizes: dict[str, int] = {}  # st_size at the first open
         self._limit = max_open_files()
         self._lock = threading.Lock()
 
@@ -234,6 +235,7 @@ class LocalStore:
         fd = open_data_file(path, self.metadata_name, inside=self._inside)
         info = os.fstat(fd)
         ident = (info.st_dev, info.st_ino)
+        self._sizes.setdefault(name, info.st_size)
         if self._ids.setdefault(name, ident) != ident:
             os.close(fd)
             raise InputError(f"{path}: the file changed while it was read (another file is "
@@ -258,14 +260,20 @@ class LocalStore:
             with self.use(name):
                 pass
 
+    def _bounded(self, name: str, size: int, offset: int) -> int:
+        """``size`` cut to what the file holds from ``offset``: ``os.pread`` allocates all it
+        is asked for before reading, so a size field of a damaged file (a 5-byte edit can
+        claim 2 GB) must never reach it unbounded."""
+        return max(0, min(size, self._sizes.get(name, size) - offset))
+
     def pread(self, name: str, size: int, offset: int) -> bytes:
         """Up to ``size`` bytes at ``offset`` (fewer at the file's end)."""
         with self.use(name) as fd:
-            return os.pread(fd, size, offset)
+            return os.pread(fd, self._bounded(name, size, offset), offset)
 
     def read_exact(self, name: str, offset: int, size: int, *, what: str) -> bytes:
         with self.use(name) as fd:
-            data = os.pread(fd, size, offset)
+            data = os.pread(fd, self._bounded(name, size, offset), offset)
         if len(data) != size:
             raise truncated(self.path(name), offset + len(data), what)
         return data
