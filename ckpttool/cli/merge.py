@@ -43,8 +43,8 @@ EPILOG = epilog([
 
 # The name maps of ckpttool.core.transforms.namemaps (NAMES), spelled here so that --help
 # imports no core.
-NAME_MAPS = ("megatron-llama", "megatron-qwen2", "megatron-qwen3", "torchtitan-llama3",
-             "torchtitan-qwen3")
+NAME_MAPS = ("megatron-llama", "megatron-qwen2", "megatron-qwen3", "megatron-qwen3_moe",
+             "megatron-mixtral", "torchtitan-llama3", "torchtitan-qwen3")
 
 
 def names_choice(value: str | None) -> str | None:

@@ -79,6 +79,8 @@ def test_a_map_is_for_one_family() -> None:
     with pytest.raises(InputError, match="model_type 'qwen3' is not Llama 3"):
         namemaps.apply("torchtitan-llama3", tensors, QWEN3_0_6B)
     with pytest.raises(InputError, match="no name map 'hf-gpt2'; choose one of "
+                                         "megatron-llama, megatron-qwen2, megatron-qwen3, "
+                                         "megatron-qwen3_moe, megatron-mixtral, "
                                          "torchtitan-llama3, torchtitan-qwen3"):
         namemaps.apply("hf-gpt2", tensors, QWEN3_0_6B)
 
