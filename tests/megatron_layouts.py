@@ -295,7 +295,9 @@ def hf_config(v: Variant) -> dict[str, Any]:
         vocab_size=v.vocab, hidden_size=v.hidden, intermediate_size=v.ffn,
         num_hidden_layers=v.layers, num_attention_heads=v.heads, num_key_value_heads=v.groups,
         max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=v.tied,
-        torch_dtype=v.dtype)
+        torch_dtype=v.dtype,
+        # Megatron's rotary_base (10000); Mixtral's config defaults to 1e6.
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if v.family == "llama":
         kwargs.update(attention_bias=False, mlp_bias=False, head_dim=v.hidden // v.heads)
     if v.family in ("qwen3", "qwen3_moe"):
