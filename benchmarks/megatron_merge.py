@@ -1,7 +1,7 @@
 """Benchmark ``ckpttool merge`` of a Megatron-Core torch_dist run to Hugging Face against
 ``cp -r`` of its iteration directory, and its peak memory against the largest output tensor.
 
-    .venv/bin/python benchmarks/megatron.py [--work DIR] [--size-gb 1.1] [--repeat 1]
+    .venv/bin/python benchmarks/megatron_merge.py [--work DIR] [--size-gb 1.1] [--repeat 1]
 
 1. Writes (once; cached in ``--work``) a run with megatron-core itself on 2 gloo processes
    (``tests/megatron_layouts.py``: a Llama-like GPTModel, TP=2, bf16, GQA, untied, padded
@@ -27,7 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # (this file is not megatron.py: it would shadow
+# the megatron package for everything on this path)
 
 import _measure as M  # noqa: E402
 
