@@ -25,6 +25,14 @@ class InputError(CkptError):
     exit_code = 3
 
 
+class UsageError(InputError):
+    """Options that cannot work together, or with this input (``reshard`` of DCP without
+    ``--ranks``, ``--slice 3/3``): the command line is wrong, not the checkpoint (exit 2, as
+    for an unknown option)."""
+
+    exit_code = 2
+
+
 class UnreadableError(InputError):
     """A file that is there but this process may not read (permissions): a problem of the
     environment, not damage in the checkpoint, so ``verify`` stops on it (exit 3) instead of

@@ -437,3 +437,56 @@ def write_dcp_options(out: Path) -> Path:
     ``out/"reference.pt"``; returns ``out``."""
     _run(_options_job, OPTIONS_WORLD, out)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# verl's FSDPCheckpointManager.save_checkpoint, FSDP2 (its calls, verl itself not installed:
+# it pins transformers below the version this venv tests)
+
+
+def _verl_job(rank: int, world_size: int, out: Path) -> None:
+    """What ``FSDPCheckpointManager.save_checkpoint`` writes for an FSDP2 model after one
+    optimizer step: ``model_``, ``optim_`` and ``extra_state_world_size_<W>_rank_<R>.pt`` (the
+    last holds the LR scheduler and verl's ``get_rng_state()``: torch's, numpy's and Python's
+    RNG states), ``fsdp_config.json`` and ``huggingface/`` (the model config) from rank 0."""
+    import json
+    import random
+
+    import numpy as np
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(SEED)
+    model = Small()
+    fully_shard(model.up, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    ckpt = out / "global_step_1" / CKPT_DIR
+    ckpt.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
+    torch.save(state, ckpt / rank_file(world_size, rank))
+    torch.save(optimizer.state_dict(), ckpt / f"optim_world_size_{world_size}_rank_{rank}.pt")
+    rng = {"cpu": torch.get_rng_state(), "numpy": np.random.get_state(),
+           "random": random.getstate()}
+    torch.save({"lr_scheduler": scheduler.state_dict(), "rng": rng},
+               ckpt / f"extra_state_world_size_{world_size}_rank_{rank}.pt")
+    full = _full(state)
+    if rank == 0:
+        (ckpt / "huggingface").mkdir(exist_ok=True)
+        (ckpt / "huggingface" / "config.json").write_text(json.dumps(
+            {"architectures": ["SmallForTest"], "model_type": "small", "torch_dtype": "float32"}))
+        (ckpt / "fsdp_config.json").write_text(
+            json.dumps({"FSDP_version": 2, "world_size": world_size}, indent=4))
+        torch.save(full, out / "reference.pt")
+
+
+def write_verl(out: Path, world_size: int) -> Path:
+    """verl's FSDP2 checkpoint (see :func:`_verl_job`) on ``world_size`` ranks under
+    ``out/global_step_1/actor``; reference ``out/reference.pt``. Returns ``out``."""
+    _run(_verl_job, world_size, out)
+    return out

@@ -14,8 +14,12 @@ from ckpttool.cli.common import (
     FollowLinks,
     JsonOutput,
     NoProgress,
+    Phases,
     ProgressBar,
+    Verbose,
     Workers,
+    complete_dtype,
+    completer,
     count,
     dtype_choice,
     epilog,
@@ -24,8 +28,14 @@ from ckpttool.cli.common import (
     human_bytes,
     lora_line,
     print_json,
+    printable,
+    printable_doc,
+    quiet_or_verbose,
+    removes_new_dirs,
     size_option,
+    verbose_lines,
 )
+from ckpttool.storage.outputs import take_stale_notes
 
 EPILOG = epilog([
     "ckpttool merge checkpoint-500/pytorch_model_fsdp_0 out/",
@@ -37,19 +47,26 @@ EPILOG = epilog([
     "ckpttool merge checkpoint/step-1000 optim/ --part optimizer",
     "ckpttool merge s3://bucket/run/checkpoint-500 s3://bucket/merged/",
     "ckpttool merge outputs/checkpoint/step-1000 out/ --names torchtitan-llama3 --config hf/",
-], "Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug.")
+    "ckpttool merge megatron-run/ out/ --config hf-config.json",
+    "ckpttool merge run/ merged/ --all --steps 'every 1000' --dtype bf16",
+    "ckpttool merge run/ merged/ --all --watch --then 'lm_eval --model_args pretrained={out}'",
+    "ckpttool merge run/ merged/ --all --task $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT",
+], "Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug. "
+   "--all: 0 when no checkpoint failed, else the most serious failure's (70, 3, 4); which "
+   "failed is in the summary.")
 
 
 # The name maps of ckpttool.core.transforms.namemaps (NAMES), spelled here so that --help
 # imports no core.
-NAME_MAPS = ("torchtitan-llama3", "torchtitan-qwen3", "torchtitan-deepseek-v3",
-             "torchtitan-gpt-oss", "torchtune-llama", "torchtune-qwen2")
+NAME_MAPS = ("megatron-llama", "megatron-qwen2", "megatron-qwen3", "torchtitan-llama3",
+             "torchtitan-qwen3", "torchtitan-deepseek-v3", "torchtitan-gpt-oss",
+             "torchtune-llama", "torchtune-qwen2")
 
 
 def names_choice(value: str | None) -> str | None:
     """Typer callback for ``--names``: one of :data:`NAME_MAPS` (else a usage error)."""
-    if value is not None and value not in NAME_MAPS:
-        raise typer.BadParameter(f"'{value}' is not one of {', '.join(NAME_MAPS)}")
+    if value is not None and value not in (*NAME_MAPS, "none"):
+        raise typer.BadParameter(f"'{value}' is not one of {', '.join(NAME_MAPS)}, none")
     return value
 
 
@@ -62,7 +79,8 @@ def merge_command(
         metavar="OUT", help="Output directory for the safetensors files (not SRC, nor inside "
         "it).")],
     dtype: Annotated[str, typer.Option(
-        callback=dtype_choice, metavar="DTYPE", help=f"Dtype of floating tensors: "
+        callback=dtype_choice, autocompletion=complete_dtype, metavar="DTYPE",
+        help=f"Dtype of floating tensors: "
         f"{DTYPE_CHOICES}, also spelled bfloat16, float16, float32 (auto: config.json's "
         "torch_dtype). Float8, integer and bool tensors are never cast.")
     ] = "auto",
@@ -78,6 +96,8 @@ def merge_command(
         "--overwrite", help="Replace model weights already in OUT.")] = False,
     lora: Annotated[str | None, typer.Option(
         "--lora", metavar="[fuse|adapter]", callback=_lora_choice,
+        autocompletion=completer(("fuse", "fold the adapter into the weights"),
+                                 ("adapter", "write the adapter alone, for PEFT")),
         help="For a checkpoint with a LoRA adapter: fuse (fold W + scale * B @ A into the "
         "weights; the default when the base weights are there) or adapter (a PEFT adapter "
         "directory). alpha comes from adapter_config.json.")] = None,
@@ -89,6 +109,8 @@ def merge_command(
         "beside the checkpoint or the adapter.")] = None,
     part: Annotated[str | None, typer.Option(
         "--part", metavar="PART", callback=_part_choice,
+        autocompletion=completer(("model", "model.safetensors"),
+                                 ("optimizer", "optimizer.safetensors + optimizer.json")),
         help="What to write of a checkpoint that holds more than the model (optimizer, lr "
         "scheduler, dataloader...): model (model.safetensors) or optimizer "
         "(optimizer.safetensors + optimizer.json). Default: the model; the rest is reported.")
@@ -96,10 +118,14 @@ def merge_command(
     no_progress: NoProgress = False,
     follow_links: FollowLinks = False,
     names: Annotated[str | None, typer.Option(
-        callback=names_choice, metavar="MAP", help=f"Map a training framework's names and "
+        callback=names_choice, metavar="MAP",
+        autocompletion=completer(*((m, "torchtitan names to Hugging Face's") for m in NAME_MAPS)),
+        help=f"Map a training framework's names and "
         f"layouts to a Hugging Face model family's: {', '.join(NAME_MAPS)} (renames, RoPE "
         "permutation, "
-        "fused wqkv and grouped-expert splits). Needs the model's config.json (--config).")
+        "fused wqkv and grouped-expert splits). Needs the model's config.json (--config). A "
+        "Megatron-Core model gets its family's map (megatron-*) unasked; none keeps the "
+        "stored names.")
     ] = None,
     layout: Annotated[str, typer.Option(
         "--layout", metavar="[hub|stored]", callback=_layout_choice,
@@ -119,23 +145,69 @@ def merge_command(
     finish: Annotated[bool, typer.Option(
         "--finish", help="After every --slice I/N of this merge: check and put the output in "
         "place (same SRC, OUT and options).")] = False,
+    all_: Annotated[bool, typer.Option(
+        "--all", help="SRC is a training run directory: merge every complete checkpoint in "
+        "it (checkpoint-N/, global_stepN/, step-N/... whatever the format), in step order, "
+        "each into OUT/<its name>/ with a receipt; those merged already are skipped.")
+    ] = False,
+    steps: Annotated[str | None, typer.Option(
+        metavar="STEPS", help="With --all: which checkpoints, by step: 1000-5000, 500,1500, "
+        "'every 1000', latest, joined by commas.")] = None,
+    watch: Annotated[bool, typer.Option(
+        "--watch", help="With --all: keep going, merging each new checkpoint once it is "
+        "complete, until Ctrl-C.")] = False,
+    poll: Annotated[float, typer.Option(
+        metavar="SECONDS", min=0.0, help="With --watch: seconds between looks at RUN.")
+    ] = 30.0,
+    then: Annotated[str | None, typer.Option(
+        metavar="CMD", help="With --all: a shell command to run after each merge; {out}, "
+        "{src}, {step} and {name} are replaced (quoted). A non-zero exit fails the checkpoint."
+    )] = None,
+    task: Annotated[str | None, typer.Option(
+        metavar="I/N", help="With --all: merge only task I's share of N (array jobs), "
+        "balanced by bytes; every task computes the same shares.")] = None,
+    settle: Annotated[float, typer.Option(
+        metavar="SECONDS", min=0.0, help="With --all: a checkpoint whose files changed less "
+        "than this long ago is still being written, and waits.")] = 5.0,
     json_output: JsonOutput = False,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="Print nothing but errors.")] = False,
+    verbose: Verbose = False,
 ) -> None:
-    """Merge a sharded checkpoint (any format) into Hugging Face safetensors, exact to the bit."""
+    """Merge a sharded checkpoint (any format) into Hugging Face safetensors, exact to the bit.
+    With --all, every checkpoint of a training run."""
+    from ckpttool.cli import sweep
+
+    sweep.check_flags(all_=all_, given={"--steps": steps is not None, "--watch": watch,
+                                        "--poll": poll != 30.0, "--then": then is not None,
+                                        "--task": task is not None, "--settle": settle != 5.0},
+                      dry_run=dry_run, watch=watch, shared=slice_ is not None or finish,
+                      then=then)
+    if all_:
+        sweep.sweep_command(
+            src, out, merge_options={
+                "dtype": dtype, "max_shard_size": max_shard_size, "config": config,
+                "keep_tied": keep_tied, "lora": lora, "adapter": adapter,
+                "adapter_config": adapter_config, "part": part, "names": names},
+            steps=steps, task=task, overwrite=overwrite, dry_run=dry_run, settle=settle,
+            watch=watch, poll=poll, then=then, workers=workers, follow_links=follow_links,
+            json_output=json_output, quiet=quiet)
+        return
     from ckpttool.core.merge.operation import merge
 
+    quiet_or_verbose(quiet, verbose)
+    phases = Phases(verbose)
     if slice_ is not None and finish:
         raise typer.BadParameter("--slice writes one share, --finish commits them all: run "
                                  "each slice, then --finish once", param_hint="--finish")
-    with exit_codes(), _shared(slice_, finish) as shared:
+    with exit_codes(), removes_new_dirs(out), _shared(slice_, finish) as shared:
         # Under torchrun, rank 0 speaks for all; the others print only their errors.
         speaks = shared is None or shared.first
         quiet = quiet or not speaks
         bar = ProgressBar("merging", enabled=not quiet and not no_progress
                           and not dry_run)
-        on_start, progress = bar.callbacks
+        on_start, progress = phases.callbacks(*bar.callbacks)
+        bar.begin()
         try:
             report = merge(src, out, dtype=dtype, max_shard_size=max_shard_size,
                            config=config, keep_tied=keep_tied, overwrite=overwrite,
@@ -145,6 +217,8 @@ def merge_command(
                            progress=progress, on_start=on_start)
         finally:
             bar.stop()
+            for note in take_stale_notes():  # a killed run's leftovers, now removed
+                err(f"ckpttool: warning: {note}")
         if json_output and speaks:
             print_json(report.to_json())
         elif not quiet:
@@ -152,6 +226,8 @@ def merge_command(
         if not quiet:
             for w in report.warnings:
                 err(f"ckpttool: warning: {w}")
+        if verbose and speaks:
+            verbose_lines(_verbose(report, phases))
 
 
 @contextmanager
@@ -209,10 +285,17 @@ def _print_human(r: object) -> None:
         lines.append(f"  shared by {d['processes']} {how}{which}: "
                      f"{human_bytes(max(d['bytes']))} at most each, balance "
                      f"{d['balance']:.3f} (largest / mean)")
-        if d["mode"] == "slice":
+        if d["mode"] == "slice" and r.dry_run:
+            lines[0] = (f"dry run: slice {d['slice']}/{d['processes']} of {r.checkpoint} -> "
+                        f"{r.out} (nothing written); its tensors are listed below")
+        elif d["mode"] == "slice":
             lines[0] = f"wrote slice {d['slice']}/{d['processes']} of {r.checkpoint} -> {r.out}"
             lines.append("  when every slice is done, run the same command with --finish "
                          "instead of --slice")
+    if r.resumed and r.resumed["done_before"]:
+        lines.append(f"  resumed a cut merge: {r.resumed['done_before']} of "
+                     f"{r.resumed['pieces']} pieces were written already "
+                     f"({human_bytes(r.resumed['bytes_skipped'])} not written again)")
     if r.checkpoint != r.src:
         skipped = "".join(f"; skipped {Path(s['path']).name} ({s['kind']})" for s in r.skipped)
         lines.append(f"  used {Path(r.checkpoint).name}, found in {r.src}{skipped}")
@@ -222,20 +305,28 @@ def _print_human(r: object) -> None:
     if note:
         lines.append(f"  source: {r.format}, {note}")
     for f in r.files:
-        tensors = f" ({f['tensors']} tensors)" if f["tensors"] else ""
+        tensors = f" ({count(f['tensors'], 'tensor')})" if f["tensors"] else ""
         lines.append(f"  {did} {f['name']}: {human_bytes(f['bytes'])}{tensors}")
-    lines.append(f"  {r.num_tensors} tensors, {r.num_parameters:,} parameters, "
+    lines.append(f"  {count(r.num_tensors, 'tensor')}, {r.num_parameters:,} parameters, "
                  f"{human_bytes(r.total_bytes)}")
     before = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(r.bytes_before.items()))
     after = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(r.bytes_after.items()))
-    lines.append(f"  dtype {r.dtype['target'] or 'kept'} ({r.dtype['source']}): "
-                 f"{before} -> {after}")
+    if r.dtype["target"]:
+        lines.append(f"  dtype {r.dtype['target']} ({r.dtype['source']}): {before} -> {after}")
+    else:  # nothing cast: one figure (a tied copy written once is said on its own line)
+        why = r.dtype["source"].removesuffix(", dtypes kept")
+        lines.append(f"  dtypes kept as stored ({why}): {before}")
     if r.renames and r.lora:
         lines.append(f"  renamed to the base model's names ({len(r.renames)} stored names; "
                      "PEFT's base_model.model. and .base_layer removed; all in --json)")
+    elif r.renames and r.wrappers_removed:
+        # One line says it: the renames differ only by the wrapper taken out.
+        removed = ", ".join(f"'{w}'" for w in r.wrappers_removed)
+        lines.append(f"  removed wrapper{'s' if len(r.wrappers_removed) > 1 else ''} "
+                     f"{removed} from {count(len(r.renames), 'name')} (every rename is in "
+                     "--json)")
     elif r.renames:
-        removed = ", ".join(r.wrappers_removed)
-        lines.append(f"  renamed {len(r.renames)} tensors (removed: {removed}):")
+        lines.append(f"  renamed {count(len(r.renames), 'tensor')}:")
         shown = r.renames if len(r.renames) <= 8 else r.renames[:5]
         lines += [f"    {x['from']} -> {x['to']}" for x in shown]
         if len(shown) < len(r.renames):
@@ -295,9 +386,32 @@ def _print_human(r: object) -> None:
         lines.append(f"  {'would copy' if r.dry_run else 'copied'} {', '.join(r.copied)}")
     for change in r.config_changes:
         lines.append(f"  config.json: {change}")
+    lines = [printable(line) for line in lines]  # names from the checkpoint: never raw
     if r.dry_run:
-        lines += ["", _plan_table(r.tensors)]
+        lines += ["", _plan_table(printable_doc(r.tensors))]
     print("\n".join(lines))
+
+
+def _verbose(r: Any, phases: Phases) -> list[str]:
+    """--verbose: what was read, the plan, the time each phase took."""
+    note = ""
+    from ckpttool.core.runtime.report import storage_note
+
+    if storage_note(r.storage):
+        note = f"; {storage_note(r.storage)}"
+    lines = [f"read {r.checkpoint} ({r.format}{note})"]
+    if r.copied:
+        lines.append(f"side files: {', '.join(r.copied)}")
+    lines.append(f"dtype: {r.dtype['source']}")
+    planned = ", ".join(f"{f['name']} ({human_bytes(f['bytes'])})" for f in r.files)
+    lines.append(f"plan: {count(r.num_tensors, 'tensor')}, {human_bytes(r.total_bytes)} into "
+                 f"{planned or 'nothing'}")
+    if r.distributed:
+        d = r.distributed
+        lines.append(f"shared: {d['mode']}, {d['processes']} processes, "
+                     f"{human_bytes(max(d['bytes']))} at most each")
+    lines.append(phases.line("writing", "a dry run: nothing written"))
+    return lines
 
 
 def _plan_table(rows: list[dict[str, Any]]) -> str:

@@ -20,11 +20,20 @@ from ckpttool.formats.torchfile import ArchiveReader, Archives, View
 from ckpttool.storage.store import file_size
 
 NAME = "torch-save-sharded"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = '`pytorch_model.bin.index.json` + `.bin` shards'
+WRITTEN_BY = 'transformers / huggingface_hub with `safe_serialization=False`'
 INDEX_NAME = "pytorch_model.bin.index.json"
 
 
 def detect(path: Path) -> bool:
     return path.is_dir() and (path / INDEX_NAME).is_file()
+
+
+def pending(path: Path) -> str | None:
+    """save_pretrained writes the index after the shards: a shard it names that is missing or
+    short is damage (read_info reports it), not a save in progress."""
+    return None
 
 
 def open_reader(info: CheckpointInfo) -> ArchiveReader:

@@ -65,6 +65,10 @@ from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage.store import file_size
 
 NAME = "deepspeed"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = ('`latest` + `global_step<N>/` with `*_optim_states.pt` and `*_model_states.pt` '
+    '(ZeRO-1/2/3)')
+WRITTEN_BY = "DeepSpeed's `engine.save_checkpoint` (HF Trainer with DeepSpeed)"
 LATEST = "latest"
 _LATEST_LIMIT = 1024  # a tag name; a larger "latest" is not DeepSpeed's
 
@@ -138,6 +142,26 @@ def detect(path: Path) -> bool:
         return False
 
 
+def pending(path: Path) -> str | None:
+    """DeepSpeed writes ``latest`` (beside the tag directories) once a save is complete: a tag
+    directory newer than the tag ``latest`` names (by its step number) is still being
+    written. Without ``latest`` nothing says so."""
+    if not is_tag_dir(path):
+        return None
+    tag = _read_latest(path.parent)
+    if tag is None or tag == path.name:
+        return None
+    mine, theirs = _step_of(path.name), _step_of(tag)
+    if mine is not None and theirs is not None and mine > theirs:
+        return f"{LATEST} names {tag}, an earlier tag (DeepSpeed writes {LATEST} last)"
+    return None
+
+
+def _step_of(tag: str) -> int | None:
+    found = re.findall(r"\d+", tag)
+    return int(found[-1]) if found else None
+
+
 # --------------------------------------------------------------------------------------------
 # The allow-list: what DeepSpeed's pickles name, as inert stand-ins
 
@@ -207,7 +231,7 @@ def _load(root: Path, name: str) -> _File:
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror}") from None
+        raise InputError(f"{path}: cannot read: {e.strerror}") from e
     try:
         if not os.path.isfile(path):
             raise InputError(f"{path}: not a regular file; copy the checkpoint again")
@@ -220,17 +244,17 @@ def _load(root: Path, name: str) -> _File:
                     f"{path}: the pickle names '{e.qualname}', a DeepSpeed class ckpttool does "
                     "not read (written by another DeepSpeed version?); nothing was executed. "
                     "Convert with the zero_to_fp32.py script saved beside the checkpoint"
-                ) from None
+                ) from e
             raise InputError(
                 f"{path}: refused to load: the pickle asks for '{e.qualname}', which a "
                 "DeepSpeed checkpoint never contains; the file may be malicious (nothing was "
-                "executed)") from None
+                "executed)") from e
         except torchsave.TooComplex as e:
             raise InputError(f"{path}: {e}, more than any checkpoint holds; refusing to "
-                             "walk it") from None
+                             "walk it") from e
         except torchsave.PICKLE_ERRORS as e:
             raise InputError(f"{path}: corrupt pickle in torch.save file ({e}); copy it "
-                             "again") from None
+                             "again") from e
     finally:
         os.close(fd)
     if not isinstance(value, dict):
@@ -653,5 +677,6 @@ def open_reader(info: CheckpointInfo) -> ZeroReader:
     return ZeroReader(info)
 
 
-__all__ = ["LATEST", "NAME", "deepspeed_global", "detect", "flat_boxes", "is_tag_dir",
-           "open_reader", "read_info"]
+__all__ = ["LATEST", "NAME", "SUMMARY", "WRITTEN_BY",
+           "deepspeed_global", "detect", "flat_boxes", "is_tag_dir",
+           "open_reader", "pending", "read_info"]

@@ -21,6 +21,9 @@ from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage.store import file_size
 
 NAME = "dcp-safetensors"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = 'per-rank safetensors shards with `DCP_SHARDING_INFO` offsets'
+WRITTEN_BY = "PyTorch's `HuggingFaceStorageWriter`"
 SHARDING_KEY = "DCP_SHARDING_INFO"
 
 
@@ -45,6 +48,16 @@ def _sharding_info(file: Path) -> dict[str, object] | None:
 
 def detect(path: Path) -> bool:
     return path.is_dir() and is_hf_dcp_dir(path)
+
+
+def pending(path: Path) -> str | None:
+    """HuggingFaceStorageWriter's distributed save writes no marker at the end: only the
+    sizes its shard headers promise tell a shard still being written."""
+    for f in _shard_files(path):
+        why = st.pending_file(f)
+        if why is not None:
+            return why
+    return None
 
 
 def open_reader(info: CheckpointInfo) -> Reader:
@@ -74,7 +87,7 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         if info is None:
             raise InputError(f"{file}: safetensors shard without {SHARDING_KEY} metadata among "
                              "DCP shards; the directory mixes checkpoints")
-        for slot in st.read_layout(file)[1]:
+        for slot in st.read_layout(file, exact=True)[1]:
             entry = info.get(slot.name)
             offsets = entry.get("saved_offsets") if isinstance(entry, dict) else None
             if not isinstance(offsets, list) or len(offsets) != len(slot.shape) or not all(

@@ -59,6 +59,10 @@ from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage.store import file_size
 
 NAME = "rank-files"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = ('per-rank `torch.save` files of DTensor (FSDP2) or ShardedTensor (FSDP1 '
+    '`SHARDED_STATE_DICT`) state dicts, any names')
+WRITTEN_BY = "verl; accelerate's `save_fsdp_model(..., use_dcp=False)`"
 
 # verl's FSDPCheckpointManager names; optim_/extra_state_ files beside them are not the model.
 MODEL_FILE_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -100,6 +104,31 @@ def _model_files(path: Path) -> list[RankFile]:
 
 def detect(path: Path) -> bool:
     return path.is_dir() and is_rank_files_dir(path)
+
+
+def pending(path: Path) -> str | None:
+    """Each rank saves its own file, with no marker at the end: missing ranks (of the world
+    size the names give) or a file whose zip end record is not there yet."""
+    found = {m[2]: m for n in _dir_names(path) if (m := MODEL_FILE_RE.match(n))}
+    sizes = {int(m[1]) for m in found.values()}
+    if len(sizes) == 1:
+        (world,) = sizes
+        missing = [r for r in range(world) if str(r) not in found]
+        if missing:
+            return (f"{len(missing)} of {world} rank files not written yet (rank "
+                    f"{missing[0]} first)")
+    for name in sorted(m[0] for m in found.values()):
+        why = torchsave.pending_file(path / name)
+        if why is not None:
+            return why
+    return None
+
+
+def _dir_names(path: Path) -> list[str]:
+    try:
+        return [p.name for p in path.iterdir()]
+    except OSError:
+        return []
 
 
 class RankReader(Reader):
@@ -374,20 +403,20 @@ _ChunkShardingSpec = torchsave.stub_class("ChunkShardingSpec")
 _ProcessGroupState = torchsave.stub_class("ProcessGroupState")
 
 
-def _mem_format_encoding(value: Any) -> int:
-    """``MEM_FORMAT_ENCODING(n)``, the enum ``TensorProperties`` pickles its memory format as."""
-    if not isinstance(value, int):
-        raise pickle.UnpicklingError("MEM_FORMAT_ENCODING of a non-integer")
-    return value
+# The enum TensorProperties pickles its memory format as (torch 2.13's members).
+_MEM_FORMAT_ENCODING = torchsave.EnumClass("MEM_FORMAT_ENCODING", {
+    "TORCH_CONTIGUOUS_FORMAT": 0, "TORCH_CHANNELS_LAST": 1, "TORCH_PRESERVE_FORMAT": 2})
 
 
 def _getattr(obj: Any, name: Any) -> Any:
     """``getattr`` as a ShardedTensor pickle calls it: ``getattr(ShardedTensor,
-    "ProcessGroupState")`` (a nested class) and nothing else; the object is a stand-in, so
-    nothing real is ever reached."""
-    if obj is _ShardedTensorClass and name == "ProcessGroupState":
-        return _ProcessGroupState
-    raise torchsave.Refused("builtins", f"getattr(..., {name!r})")
+    "ProcessGroupState")`` (a nested class) or an allow-listed Enum member by name (Python
+    3.11), nothing else; the object is a stand-in, so nothing real is ever reached."""
+    if obj is _ShardedTensorClass:
+        if name == "ProcessGroupState":
+            return _ProcessGroupState
+        raise torchsave.Refused("builtins", f"getattr(ShardedTensor, {str(name)[:60]!r})")
+    return torchsave.enum_getattr(obj, name)
 
 
 def _rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, *_: Any) -> _WrapperArgs:
@@ -447,7 +476,7 @@ _SHARDED_TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch.distributed._shard.metadata", "ShardMetadata"): _ShardMetadata,
     (f"{_ST}.metadata", "ShardedTensorMetadata"): _ShardedTensorMetadata,
     (f"{_ST}.metadata", "TensorProperties"): _TensorProperties,
-    (f"{_ST}.metadata", "MEM_FORMAT_ENCODING"): _mem_format_encoding,
+    (f"{_ST}.metadata", "MEM_FORMAT_ENCODING"): _MEM_FORMAT_ENCODING,
     ("torch.distributed._shard.sharding_spec.chunk_sharding_spec", "ChunkShardingSpec"):
         _ChunkShardingSpec,
     ("torch.distributed.remote_device", "_remote_device"): _RemoteDevice,
@@ -525,30 +554,30 @@ def _load(path: Path, fd: int) -> tuple[torchsave.RecordBytes, dict[str, torchsa
     except _ShardedTensorFound as e:
         pkl = entries["data.pkl"]
         if _has_flat_param(_pickle_strings(rb.read(pkl.data_offset, pkl.size))):
-            raise UnsupportedError(FSDP1_LOCAL_MESSAGE.format(path=path)) from None
+            raise UnsupportedError(FSDP1_LOCAL_MESSAGE.format(path=path)) from e
         raise UnsupportedError(
             f"{path}: holds ShardedTensor values naming '{e.qualname}', which FSDP1's "
             "SHARDED_STATE_DICT (torch 2.13) does not write; ckpttool does not read this form. "
             "Save with torch.distributed.checkpoint (a DCP checkpoint) instead"
-        ) from None
+        ) from e
     except torchsave.Refused as e:
         if e.qualname.startswith("torch.distributed."):
             raise UnsupportedError(
                 f"{path}: the pickle names '{e.qualname}', a torch.distributed class "
                 "ckpttool does not read (DTensor files are read as torch 2.13 writes them; "
                 "this one may come from another torch version). Nothing was executed"
-            ) from None
+            ) from e
         raise InputError(
             f"{path}: refused to load: the pickle asks for '{e.qualname}', which a state "
             "dict of tensors and DTensors never contains; the file may be malicious "
             "(nothing was executed)"
-        ) from None
+        ) from e
     except torchsave.TooComplex as e:
         raise InputError(f"{path}: {e}, more than any state dict holds; refusing to "
-                         "walk it") from None
+                         "walk it") from e
     except torchsave.PICKLE_ERRORS as e:
         raise InputError(f"{path}: corrupt pickle in torch.save file ({e}); copy it again") \
-            from None
+            from e
     if not isinstance(root_value, dict):
         raise InputError(f"{path}: holds a {type(root_value).__name__}, not a state dict")
     return rb, entries, root_value
@@ -560,7 +589,7 @@ def _read_file(root: Path, rf: RankFile
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror}") from None
+        raise InputError(f"{path}: cannot read: {e.strerror}") from e
     try:
         rb, entries, root_value = _load(path, fd)
         if root_value and {str(k) for k in root_value} <= _OPTIMIZER_KEYS:
@@ -815,7 +844,7 @@ def _mesh(path: Path, rf: RankFile, rb: torchsave.RecordBytes,
         ranks = _read_ints(rb, entries, rank_map)
     except (pickle.UnpicklingError, TypeError, ValueError) as e:
         raise InputError(f"{path}: unreadable device mesh of DTensor '{fqn}' ({e}); corrupt") \
-            from None
+            from e
     if rf.rank not in ranks:
         raise InputError(f"{path}: the device mesh of DTensor '{fqn}' (ranks {ranks}) does not "
                          f"include rank {rf.rank}, which the file name gives; misnamed file?")
@@ -981,6 +1010,40 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         detail=archives)
 
 
+def sets_beside(path: Path, own: frozenset[str]) -> list[RankSet]:
+    """The other sets of per-rank files of distributed tensors in ``path``, none of whose
+    files is in ``own`` (verl's ``optim_world_size_<W>_rank_<R>.pt`` beside its model files)."""
+    return [s for s in _rank_sets(path) if not any(name in own for _, name in s.files)]
+
+
+def read_archives(path: Path, rank_set: RankSet) -> CheckpointInfo:
+    """A set of per-rank files that ckpttool checks but does not merge (an optimizer's
+    DTensor state, which :func:`read_info` refuses): every file of the world is there, each
+    archive's headers are sound and its pickle passes the allow-list (nothing is run), and
+    every entry is listed for verify's CRC checks. No tensors are described.
+
+    Raises:
+        InputError: a rank's file is missing, damaged or unsafe.
+        UnsupportedError: a form of ShardedTensor or torch.distributed class not read.
+    """
+    files = _set_files(path, rank_set)
+    archives: dict[str, tuple[torchsave.ZipEntry, ...]] = {}
+    for rf in files:
+        try:
+            fd = os.open(path / rf.name, os.O_RDONLY)
+        except OSError as e:
+            raise InputError(f"{path / rf.name}: cannot read: {e.strerror}") from None
+        try:
+            archives[rf.name] = tuple(_load(path / rf.name, fd)[1].values())
+        finally:
+            os.close(fd)
+    return CheckpointInfo(
+        format=NAME, root=path, tensors=(), objects=(),
+        files=tuple(DataFile(f.name, file_size(path / f.name)) for f in files),
+        metadata_name="the rank files' pickles", sharded=True, num_ranks=len(files),
+        detail=archives)
+
+
 def _describe(p: _Piece) -> str:
     kind = "a distributed tensor" if p.distributed else "a tensor"
     return f"{kind} {p.dtype.name} {list(p.shape)}"
@@ -993,6 +1056,7 @@ def _prod(values: Iterable[int]) -> int:
     return n
 
 
-__all__ = ["FSDP1_LOCAL_MESSAGE", "NAME", "DTensorRef", "RankFile", "RankSet", "ShardedTensorRef",
+__all__ = ["FSDP1_LOCAL_MESSAGE", "NAME", "SUMMARY", "WRITTEN_BY",
+           "DTensorRef", "RankFile", "RankSet", "ShardedTensorRef",
            "detect", "dtensor_global", "name_rank",
-           "is_rank_files_dir", "open_reader", "rank_files", "read_info"]
+           "is_rank_files_dir", "open_reader", "pending", "rank_files", "read_info"]

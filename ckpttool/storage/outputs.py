@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import shutil
 import signal
 import threading
@@ -31,11 +32,13 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ckpttool import settings
 from ckpttool.errors import OutputError
+from ckpttool.storage import store
 from ckpttool.storage.store import copy_range, output_error, pwrite_all
 
 __all__ = ["TMP_SUFFIX", "AtomicOutputs", "check_space", "copy_range", "existing_outputs",
-           "output_error", "pwrite_all", "remove_stale"]
+           "output_error", "pwrite_all", "remove_stale", "take_stale_notes"]
 
 TMP_SUFFIX = ".ckpttool-tmp"
 
@@ -49,10 +52,12 @@ _steps = itertools.count(1)
 
 def _step() -> None:
     """One publishing step; the test hook acts here (see the module docstring)."""
-    fault = os.environ.get("CKPTTOOL_TEST_FAULT")
+    fault = settings.test_fault()
     if not fault:
         return
     action, at, *rest = fault.split(":", 2)
+    if action not in ("kill", "pause"):  # another hook's (storage.store)
+        return
     if next(_steps) != int(at):
         return
     if action == "kill":
@@ -69,7 +74,7 @@ def _step() -> None:
 def _fsync_wanted() -> bool:
     """``CKPTTOOL_FSYNC=0`` skips the syncs (about 0.3 s per GB written on a page-cache-warm
     run: benchmarks/README.md), for scratch outputs a power cut may lose."""
-    return os.environ.get("CKPTTOOL_FSYNC") != "0"
+    return settings.fsync()
 
 
 # Bytes written between two early syncs (write_behind).
@@ -190,13 +195,23 @@ def check_space(out_dir: Path, need: int) -> None:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise OutputError(f"{out_dir}: cannot create output directory: {e.strerror}") from None
+        raise OutputError(f"{out_dir}: cannot create output directory: {e.strerror}") from e
     free = shutil.disk_usage(out_dir).free
     if need > free:
         raise OutputError(
-            f"{out_dir}: not enough free space: the output takes about {need:,} bytes and "
-            f"{free:,} are free; free some space or choose another output directory"
+            f"{out_dir}: not enough free space: the output takes about {_size(need)} and "
+            f"{_size(free)} are free; free some space or choose another output directory"
         )
+
+
+def _size(n: int) -> str:
+    """Bytes for a message: ``3.21 GB`` (decimal units, as ``--max-shard-size`` reads them)."""
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{n} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
 
 
 def remove_stale(out_dir: Path, keep: set[str], belongs: Callable[[str], bool]) -> None:
@@ -206,6 +221,88 @@ def remove_stale(out_dir: Path, keep: set[str], belongs: Callable[[str], bool]) 
         if belongs(p.name) and p.name not in keep and p.is_file() and not p.is_symlink():
             _step()
             p.unlink()
+
+
+# A temporary file of a single-process run: tagged with its process id. Shared runs tag theirs
+# with a run id ("r..." under torchrun, "s..." for --slice): those outlive a process on purpose.
+_PID_TEMPORARY = re.compile(rf"\..+\.(\d+){re.escape(TMP_SUFFIX)}")
+
+# Temporary files being written by this process, removed by the SIGBUS guard.
+_LIVE: set[str] = set()
+_removed_stale: list[str] = []
+
+
+def take_stale_notes() -> list[str]:
+    """What this process removed as a killed run's leftovers since last asked (for the CLI
+    to say, as warnings)."""
+    notes = list(_removed_stale)
+    _removed_stale.clear()
+    return notes
+
+
+def _remove_abandoned(out_dir: Path) -> None:
+    """Remove temporary files that a killed single-process run left in ``out_dir``, and note
+    them. Called with the directory's lock held: every process that writes such files holds
+    it while they exist, so a free lock proves they are abandoned."""
+    try:
+        entries = sorted(out_dir.iterdir())
+    except OSError:
+        return
+    for p in entries:
+        m = _PID_TEMPORARY.fullmatch(p.name)
+        if m is None or int(m.group(1)) == os.getpid() or not p.is_file() or p.is_symlink():
+            continue
+        with contextlib.suppress(OSError):
+            size = p.stat().st_size
+            p.unlink()
+            _removed_stale.append(f"{p}: removed a temporary file ({size:,} bytes) that a "
+                                  "killed or crashed run left")
+
+
+_sigbus_installed = False
+
+
+def _install_sigbus_guard() -> None:
+    """Turn SIGBUS (a source file cut short while it is read through a mapping: the kernel's
+    answer to touching a page past its new end) into the one-line error, with this process's
+    temporary files removed, instead of a silent death with exit 135 that leaves them.
+
+    Python's ``signal`` module cannot do this: its handler only sets a flag, and the faulting
+    load would run again forever. A C-level handler (through ctypes) runs on the faulting
+    thread, which at that point is inside a copy from mapped memory (torch's cast, with the
+    interpreter lock released); it writes the message, unlinks the files and leaves by
+    ``os._exit`` at once, never returning into the copy.
+    """
+    global _sigbus_installed
+    if _sigbus_installed or not hasattr(signal, "SIGBUS"):
+        return
+    _sigbus_installed = True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        handler_t = ctypes.CFUNCTYPE(None, ctypes.c_int)
+        libc.signal.argtypes = [ctypes.c_int, handler_t]
+        libc.signal.restype = ctypes.c_void_p
+    except (OSError, AttributeError):  # no libc to ask: SIGBUS keeps its default
+        return
+
+    def on_sigbus(signum: int) -> None:
+        where = store.mapped_file() or "a source file"
+        os.write(2, (f"ckpttool: error: {where}: changed (cut short) while it was read; "
+                     "nothing was written. Run again on a checkpoint nothing is writing "
+                     "to\n").encode("utf-8", "replace"))
+        for path in list(_LIVE):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        os._exit(3)
+
+    global _sigbus_handler
+    _sigbus_handler = handler_t(on_sigbus)  # kept alive for the process's life
+    libc.signal(signal.SIGBUS, _sigbus_handler)
+
+
+_sigbus_handler: object = None
 
 
 class AtomicOutputs:
@@ -232,22 +329,25 @@ class AtomicOutputs:
             self._dir_fd = os.open(self.out_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except OSError as e:
             raise OutputError(f"{self.out_dir}: cannot open the output directory: "
-                              f"{e.strerror}") from None
+                              f"{e.strerror}") from e
         if fcntl is not None and self._lock:
             try:
                 fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+            except OSError as err:
                 os.close(self._dir_fd)
                 self._dir_fd = None
                 raise OutputError(
                     f"{self.out_dir}: another ckpttool process is writing into this directory; "
-                    "wait for it to finish or choose another output directory") from None
+                    "wait for it to finish or choose another output directory") from err
         try:
+            if self._lock:
+                _remove_abandoned(self.out_dir)
             if self._check is not None:
                 self._check()
         except BaseException:
             self.abort()
             raise
+        _install_sigbus_guard()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -266,14 +366,15 @@ class AtomicOutputs:
             # 0o666 so the umask decides the permissions, as for any file a tool creates.
             fd = os.open(tmp, flags, 0o666)
         except OSError as e:
-            raise OutputError(f"{tmp}: cannot create output file: {e.strerror}") from None
+            raise OutputError(f"{tmp}: cannot create output file: {e.strerror}") from e
         self._pending.append((tmp, final))
+        _LIVE.add(str(tmp))
         self._fds.append(fd)
         if size is not None:
             try:
                 os.ftruncate(fd, size)
             except OSError as e:
-                raise output_error(e) from None
+                raise output_error(e) from e
         return fd
 
     def adopt(self, name: str, tmp: Path) -> None:
@@ -314,7 +415,7 @@ class AtomicOutputs:
                 finally:
                     os.close(fd)
         except OSError as e:
-            raise output_error(e) from None
+            raise output_error(e) from e
         for fd in self._fds:
             os.close(fd)
         self._fds.clear()
@@ -334,6 +435,7 @@ class AtomicOutputs:
                         _fsync_dir(self._dir_fd)  # every name it indexes is on disk first
                     _step()
                     os.replace(tmp, final)
+                    _LIVE.discard(str(tmp))
                     self._pending.remove((tmp, final))
                 if before_last is not None:
                     before_last()
@@ -342,7 +444,7 @@ class AtomicOutputs:
             except OSError as e:
                 # What was not renamed is removed by abort(); say which name failed.
                 raise OutputError(f"{e.filename or self.out_dir}: cannot put the output in "
-                                  f"place: {e.strerror}; check the output directory") from None
+                                  f"place: {e.strerror}; check the output directory") from e
         return [final for _, final in ordered]
 
     def abort(self) -> None:
@@ -353,6 +455,7 @@ class AtomicOutputs:
         for tmp, _ in self._pending:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+            _LIVE.discard(str(tmp))
         self._pending.clear()
         self._adopted.clear()
         if self._dir_fd is not None:

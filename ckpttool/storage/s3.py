@@ -130,9 +130,9 @@ def client(url: Url) -> Any:
             try:
                 import boto3
                 from botocore.config import Config
-            except ImportError:
+            except ImportError as err:
                 raise UnsupportedError(f"{url}: object storage needs the s3 extra; install it "
-                                       f"with: {EXTRA}") from None
+                                       f"with: {EXTRA}") from err
             config = Config(retries={"max_attempts": 6, "mode": "standard"},
                             max_pool_connections=2 * CONCURRENCY, connect_timeout=20,
                             read_timeout=120)
@@ -191,7 +191,7 @@ def errors(url: Url | str, doing: str) -> Iterator[None]:
         mapped = error(e, url, doing)
         if mapped is None:
             raise
-        raise mapped from None
+        raise mapped from e
 
 
 def _transient(e: BaseException) -> bool:
@@ -265,7 +265,7 @@ def head(url: Url) -> tuple[int, str] | None:
         mapped = error(e, url, "reading")
         if isinstance(mapped, InputError) and "no such object" in str(mapped):
             return None
-        raise mapped or e from None
+        raise mapped or e from e
     return int(r["ContentLength"]), str(r.get("ETag", ""))
 
 

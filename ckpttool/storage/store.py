@@ -10,6 +10,7 @@ writer live here too, so that input and output share one copy loop.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import functools
@@ -17,6 +18,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,8 +52,31 @@ class Store(Protocol):
     def close(self) -> None: ...
 
 
+def max_open_files() -> int:
+    """How many data files one store keeps open at once: a quarter of this process's
+    descriptor limit (``ulimit -n``), at most 256, at least 8. A checkpoint of 2,048 ranks
+    has 2,048 data files; one descriptor each for the whole run would exceed the default
+    limit of 1,024."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 64
+    if soft == resource.RLIM_INFINITY:
+        return 256
+    return max(8, min(256, soft // 4))
+
+
 class LocalStore:
-    """Files below a local directory, each opened once (thread-safe) and read with ``pread``.
+    """Files below a local directory, read with ``pread`` through a bounded set of open
+    descriptors (thread-safe): a file is opened when first read and closed when it is the
+    least recently used of more than :func:`max_open_files`; a reopened file must be the one
+    first opened (same device and inode), or the read fails as "changed while reading".
+
+    Each file is checked on its open descriptor, never on its name: a regular file (a FIFO
+    is never waited on) that really lies inside the checkpoint directory (unless
+    ``follow_links``), so a link swapped in between a check and the open is refused.
 
     Args:
         base: the directory that names are relative to.
@@ -64,51 +89,82 @@ class LocalStore:
         # A data file that is a link out of the checkpoint is refused unless asked for
         # (--follow-links): storage paths are checked by name, a link would sidestep that.
         self._inside = None if follow_links else os.path.realpath(base)
-        self._fds: dict[str, int] = {}
+        self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._pins: dict[str, int] = {}  # reads in flight on each open descriptor
+        self._ids: dict[str, tuple[int, int]] = {}  # (st_dev, st_ino) at the first open
+        self._limit = max_open_files()
         self._lock = threading.Lock()
 
     def path(self, name: str) -> Path:
         return self.base / name
 
-    def fd(self, name: str) -> int:
-        """The open file ``name``.
+    @contextlib.contextmanager
+    def use(self, name: str) -> Iterator[int]:
+        """The open file ``name`` while the block runs (it is not closed meanwhile).
 
         Raises:
-            InputError: missing, unreadable or not a regular file.
+            InputError: missing, unreadable, not a regular file, a link out of the checkpoint,
+                or another file than the one first opened under this name.
         """
-        fd = self._fds.get(name)
-        if fd is not None:
-            return fd
         with self._lock:
             fd = self._fds.get(name)
             if fd is None:
-                path = self.path(name)
-                if self._inside is not None:
-                    real = os.path.realpath(path)
-                    if os.path.commonpath([real, self._inside]) != self._inside:
-                        raise InputError(
-                            f"{path}: a link to {real}, outside the checkpoint directory; "
-                            "pass --follow-links to read data files through links")
-                fd = self._fds[name] = open_data_file(path, self.metadata_name)
+                fd = self._open(name)
+                self._fds[name] = fd
+            else:
+                self._fds.move_to_end(name)
+            self._pins[name] = self._pins.get(name, 0) + 1
+            self._evict()
+        try:
+            yield fd
+        finally:
+            with self._lock:
+                self._pins[name] -= 1
+                if not self._pins[name]:
+                    del self._pins[name]
+                self._evict()
+
+    def _open(self, name: str) -> int:
+        path = self.path(name)
+        fd = open_data_file(path, self.metadata_name, inside=self._inside)
+        info = os.fstat(fd)
+        ident = (info.st_dev, info.st_ino)
+        if self._ids.setdefault(name, ident) != ident:
+            os.close(fd)
+            raise InputError(f"{path}: the file changed while it was read (another file is "
+                             "there now); run again on a checkpoint nothing is writing to")
         return fd
 
+    def _evict(self) -> None:
+        while len(self._fds) > self._limit:
+            victim = next((n for n in self._fds if n not in self._pins), None)
+            if victim is None:
+                return
+            os.close(self._fds.pop(victim))
+
     def open_all(self, names: Iterable[str]) -> None:
+        """Open (and check) every file now: a missing or refused one fails before any work.
+        At most :func:`max_open_files` stay open."""
         for name in names:
-            self.fd(name)
+            with self.use(name):
+                pass
 
     def pread(self, name: str, size: int, offset: int) -> bytes:
         """Up to ``size`` bytes at ``offset`` (fewer at the file's end)."""
-        return os.pread(self.fd(name), size, offset)
+        with self.use(name) as fd:
+            return os.pread(fd, size, offset)
 
     def read_exact(self, name: str, offset: int, size: int, *, what: str) -> bytes:
-        data = os.pread(self.fd(name), size, offset)
+        with self.use(name) as fd:
+            data = os.pread(fd, size, offset)
         if len(data) != size:
             raise truncated(self.path(name), offset + len(data), what)
         return data
 
     def readinto(self, name: str, offset: int, buf: memoryview) -> int:
         """Fill ``buf`` from ``offset``; returns the bytes read (fewer at the file's end)."""
-        return os.preadv(self.fd(name), [buf], offset)
+        with self.use(name) as fd:
+            return os.preadv(fd, [buf], offset)
 
     def read_ranges(self, name: str, ranges: list[tuple[int, int]], *, what: str
                     ) -> list[bytes]:
@@ -117,30 +173,66 @@ class LocalStore:
 
     def copy_to(self, name: str, offset: int, dst_fd: int, dst_offset: int, size: int) -> None:
         """Copy ``size`` bytes at ``offset`` into an open output file, in the kernel."""
-        copy_range(self.fd(name), offset, dst_fd, dst_offset, size)
+        with self.use(name) as fd:
+            copy_range(fd, offset, dst_fd, dst_offset, size)
 
     def views(self, name: str, offset: int, size: int, block: int) -> Iterator[memoryview]:
         """The ``size`` bytes at ``offset`` of ``name`` as consecutive views of at most
         ``block`` bytes, mapped from the page cache (no copy; see :func:`read_blocks`); they
         stop early where the file ends."""
-        fd = self.fd(name)
-        end = min(offset + size, os.fstat(fd).st_size)
+        with self.use(name) as fd:
+            end = min(offset + size, os.fstat(fd).st_size)
         pos = offset
+        _mapped[threading.get_ident()] = str(self.path(name))
         while pos < end:
             n = min(block, end - pos)
             base = pos - pos % mmap.ALLOCATIONGRANULARITY
             # Copy-on-write: writable views (torch.frombuffer warns on read-only ones) that no
-            # write ever reaches the file through. Unmapped when the last view of it goes.
-            window = mmap.mmap(fd, pos + n - base, access=mmap.ACCESS_COPY, offset=base)
+            # write ever reaches the file through. Unmapped when the last view of it goes
+            # (a mapping holds its own reference to the file: closing the descriptor is safe).
+            with self.use(name) as fd:
+                window = mmap.mmap(fd, pos + n - base, access=mmap.ACCESS_COPY, offset=base)
+            _test_pause_after_map()
             yield memoryview(window)[pos - base : pos - base + n]
             del window
             pos += n
+        _mapped.pop(threading.get_ident(), None)
 
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            self._pins.clear()
+
+
+# The file each thread reads through a mapping now, for the SIGBUS message
+# (ckpttool.storage.outputs): a mapped file cut short ends the read there.
+_mapped: dict[int, str] = {}
+
+
+def mapped_file() -> str | None:
+    """The file the calling thread reads through a mapping, if any."""
+    return _mapped.get(threading.get_ident())
+
+
+def _test_pause_after_map() -> None:
+    """Test hook (tests/cli/test_trust.py): ``CKPTTOOL_TEST_FAULT=pause-map:FILE`` creates
+    FILE once a window is mapped and waits (at most 60 s) until FILE is removed, so that a
+    test can cut the source file short under the mapping."""
+    fault = os.environ.get("CKPTTOOL_TEST_FAULT", "")
+    if not fault.startswith("pause-map:"):
+        return
+    flag = fault.split(":", 1)[1]
+    if os.path.exists(flag + ".done"):
+        return
+    with open(flag, "w") as f:
+        f.write(str(os.getpid()))
+    open(flag + ".done", "w").close()
+    for _ in range(1200):
+        time.sleep(0.05)
+        if not os.path.exists(flag):
+            return
 
 
 # Local directories that stand for remote checkpoints (formats/remote.py's mirrors), with the
@@ -177,12 +269,18 @@ def _mirror_factory(path: Path) -> Callable[[Path, str], Any] | None:
 
 
 @contextlib.contextmanager
-def pread_of(path: Path) -> Iterator[Callable[[int, int], bytes]]:
+def pread_of(path: Path, *, inside: str | None = None
+             ) -> Iterator[Callable[[int, int], bytes]]:
     """``pread(size, offset)`` over one file while the block runs: by ranged reads of its
     store for a data file of a remote checkpoint (its local placeholder holds no data).
 
+    Args:
+        inside: a real directory path the opened file must lie in (checked on the
+            descriptor: a link out, even one swapped in now, is refused).
+
     Raises:
         OSError: as ``open`` (FileNotFoundError...).
+        InputError: (``inside``) not a regular file, or a link out of ``inside``.
     """
     if _mirror_factory(path.parent) is not None:
         store = open_store(path.parent, metadata_name=path.name)
@@ -191,39 +289,105 @@ def pread_of(path: Path) -> Iterator[Callable[[int, int], bytes]]:
         finally:
             store.close()
         return
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    if inside is not None:
+        fd = open_data_file(path, path.name, inside=inside,
+                            hint="copy the file into the checkpoint directory")
+    else:
+        fd = os.open(path, READ_FLAGS)
     try:
         yield functools.partial(os.pread, fd)
     finally:
         os.close(fd)
 
 
-def open_data_file(path: Path, metadata_name: str) -> int:
-    """Open a data file that ``metadata_name`` references, for reading.
+def real_path(fd: int) -> str | None:
+    """Where the open file ``fd`` really lies (Linux: its /proc link); None where the system
+    does not say."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+
+
+def is_inside(fd: int, path: Path, directory: str) -> tuple[bool, str]:
+    """Whether the open file ``fd`` (opened as ``path``) lies inside ``directory`` (a real
+    path), judged on the descriptor itself: a link swapped in after any check by name is
+    seen. Returns the answer and the file's real path."""
+    real = real_path(fd)
+    if real is None:  # no /proc: the name's target, then the same inode as the descriptor
+        real = os.path.realpath(path)
+        try:
+            same = os.path.samestat(os.stat(real), os.fstat(fd))
+        except OSError:
+            same = False
+        if not same:
+            return False, real
+    return os.path.commonpath([real, directory]) == directory, real
+
+
+# Open flags for reading a file a checkpoint names: never wait on a FIFO or device, never
+# make a terminal ours.
+READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+
+
+def open_data_file(path: Path, metadata_name: str, *, inside: str | None = None,
+                   hint: str = "pass --follow-links to read data files through links") -> int:
+    """Open a data file that ``metadata_name`` references, for reading, and check the open
+    descriptor (never the name, which may change meanwhile).
+
+    Args:
+        inside: a real directory path the file must lie in (links out of it are refused).
 
     Raises:
         UnreadableError: this process may not read it.
-        InputError: missing, unreadable, or not a regular file (a FIFO would block).
+        InputError: missing, unreadable, not a regular file (a FIFO would block), or outside
+            ``inside``.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise InputError(missing_message(path, metadata_name)) from None
+        fd = os.open(path, READ_FLAGS)
+    except FileNotFoundError as err:
+        raise InputError(missing_message(path, metadata_name)) from err
     except PermissionError as e:
-        raise UnreadableError.of(path, e) from None
+        raise UnreadableError.of(path, e) from e
     except OSError as e:
-        raise InputError(f"{path}: cannot open data file: {e.strerror}") from None
+        raise InputError(f"{path}: cannot open data file: {e.strerror}") from e
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise InputError(f"{path}: is not a regular file; {metadata_name} names it as data")
+    if inside is not None:
+        ok, real = is_inside(fd, path, inside)
+        if not ok:
+            os.close(fd)
+            raise InputError(f"{path}: a link to {real}, outside the checkpoint directory; "
+                             f"{hint}")
     return fd
 
 
 def missing_message(path: Path, metadata_name: str, detail: str = "") -> str:
-    """The one message for a data file that is not there (``detail``: what it should hold)."""
+    """The one message for a data file that is not there (``detail``: what it should hold),
+    or is there but not a regular file (a FIFO, socket, device or directory: never opened,
+    and never called missing, which would send the user looking for a file they can see)."""
     about = f" ({detail})" if detail else ""
+    kind = _special_kind(path)
+    if kind is not None:
+        return (f"{path}: is a {kind}, not a regular file; {metadata_name} references it as a "
+                f"data file{about}. ckpttool never reads one: put the checkpoint's file there")
     return (f"{path}: data file is missing; {metadata_name} references it{about}. Copy the "
             "whole checkpoint directory again")
+
+
+def _special_kind(path: Path) -> str | None:
+    """What ``path`` is when it exists but is not a regular file; None otherwise."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    for test, kind in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISDIR, "directory")):
+        if test(mode):
+            return kind
+    return None
 
 
 def truncated(path: Path, offset: int, what: str) -> InputError:
@@ -296,7 +460,7 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, size:
                                    dst_offset + done)
         except OSError as e:
             if e.errno in _WRITE_ERRNOS:
-                raise output_error(e) from None
+                raise output_error(e) from e
             if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP,
                            errno.EPERM, errno.EBADF):
                 _use_copy_file_range = False
@@ -326,6 +490,6 @@ def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> No
         try:
             n = os.pwrite(fd, view, offset)
         except OSError as e:
-            raise output_error(e) from None
+            raise output_error(e) from e
         view = view[n:]
         offset += n

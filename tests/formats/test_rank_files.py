@@ -397,8 +397,8 @@ def test_getattr_other_than_process_group_state_is_refused(tmp_path: Path) -> No
     assert r.exit_code == 3, r.output
     assert r.stderr == (
         f"ckpttool: error: {tmp_path / 'model_rank0.bin'}: refused to load: the pickle asks "
-        "for 'builtins.getattr(..., '__init__')', which a state dict of tensors and DTensors "
-        "never contains; the file may be malicious (nothing was executed)\n")
+        "for 'builtins.getattr(ShardedTensor, '__init__')', which a state dict of tensors and "
+        "DTensors never contains; the file may be malicious (nothing was executed)\n")
 
 
 def test_sharded_tensor_allow_list_still_names_live_torch_classes() -> None:

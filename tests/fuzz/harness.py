@@ -202,6 +202,8 @@ def worker_main() -> None:  # pragma: no cover - runs in the worker process
     seeds: dict[str, Any] = {}
     out_stream = sys.stdout
     sys.stdout = sys.stderr  # stray prints must not break the protocol
+    out_stream.write(json.dumps({"ready": True}) + "\n")  # the clock starts per job now
+    out_stream.flush()
     for line in sys.stdin:
         job = json.loads(line)
         seed, index = job["seed"], job["index"]
@@ -309,9 +311,11 @@ class Campaign:
         try:
             while todo or any(w.job is not None for w in pool):
                 for w in pool:
-                    if w.job is None and todo:
+                    if w.job is None and w.ready and todo:
                         w.send(todo.pop(0))
-                ready = [w for w in pool if w.job is not None]
+                # Workers still importing (a loaded machine takes long) are read too, but
+                # only a job's run is timed.
+                ready = [w for w in pool if w.job is not None or not w.ready]
                 r, _, _ = select.select([w.proc.stdout for w in ready], [], [], 0.5)
                 for w in ready:
                     if w.proc.stdout in r:
@@ -320,6 +324,8 @@ class Campaign:
                     if w.job is not None and (time.monotonic() - w.since > self.timeout_s
                                               or w.proc.poll() is not None):
                         self.records.append(w.fail(self.timeout_s))
+                    elif not w.ready and w.proc.poll() is not None:
+                        w.dead = True
                     if w.job is None and w.finished:
                         done += 1
                         w.finished = False
@@ -370,6 +376,7 @@ class _Worker:
         self.since = time.monotonic()
         self.dead = False
         self.finished = False
+        self.ready = False  # imports done (it said so)
 
     def send(self, job: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -392,6 +399,9 @@ class _Worker:
 
     def _message(self, msg: dict[str, Any]) -> list[dict[str, Any]]:
         self.since = time.monotonic()
+        if "ready" in msg:
+            self.ready = True
+            return []
         if "begin" in msg:
             self.command = msg["begin"]
             return []

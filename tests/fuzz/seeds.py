@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-SEEDS_DONE = ".seeds-complete"
+SEEDS_DONE = ".seeds-complete-3"  # bumped when a seed is added: written again
+PY311_DCP = Path(__file__).resolve().parents[1] / "data" / "py311" / "dcp"
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -48,6 +49,7 @@ def write_seeds(root: Path, *, deepspeed: bool = False) -> dict[str, Path]:
     assert seeds["dcp"] == root / "uneven" / MODEL_DIR
     layouts.write_dcp_options(root / "options")  # safetensors records, rank-local, zstd
     layouts.write_fsdp2(root / "verl", 2)  # per-rank torch.save files of DTensors
+    layouts.write_hf_storage(root / "hf_storage" / "ckpt")  # HuggingFaceStorageWriter shards
     state = _state()
     for name in ("st_sharded", "bin_sharded", "st_single", "bin_single"):
         (root / name).mkdir()
@@ -60,6 +62,8 @@ def write_seeds(root: Path, *, deepspeed: bool = False) -> dict[str, Path]:
               "torch_dtype": "bfloat16", "tie_word_embeddings": False}
     for name in ("st_sharded", "bin_sharded", "st_single", "bin_single"):
         (root / name / "config.json").write_text(json.dumps(config))
+    # DCP under Python 3.11.2 (Enum members pickled by name: builtins.getattr), committed.
+    shutil.copytree(PY311_DCP, root / "py311" / "dcp")
     if deepspeed:
         from tests import ds_layouts
 
@@ -78,10 +82,12 @@ def _seed_paths(root: Path, *, deepspeed: bool) -> dict[str, Path]:
         "dcp-rank-local": root / "options" / "rank_local",
         "dcp-zstd": root / "options" / "zstd",
         "rank-files": root / "verl" / CKPT_DIR,
+        "dcp-hf-storage": root / "hf_storage" / "ckpt",
         "safetensors-sharded": root / "st_sharded",
         "bin-sharded": root / "bin_sharded",
         "safetensors": root / "st_single",
         "torch-save": root / "bin_single",
+        "dcp-py311": root / "py311" / "dcp",
     }
     if deepspeed:
         seeds["deepspeed"] = root / "zero2"

@@ -13,9 +13,12 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpttool.formats.base import Problem, warning
+
+if TYPE_CHECKING:
+    from ckpttool.core.checkpoint.discover import Checkpoint
 
 
 @dataclass(frozen=True)
@@ -94,3 +97,10 @@ def problems(names: Collection[str], config: Mapping[str, Any] | None) -> list[P
     if found is None:
         return []
     return [warning("names-not-hf", found.message(), tensor=found.example)]
+
+
+def problems_of(model: Checkpoint) -> list[Problem]:
+    """:func:`problems` for a checkpoint's model weights (nothing for optimizer state)."""
+    if model.kind != "model":
+        return []
+    return problems([t.name for t in model.tensors if t.part == "model"], model.hf.config)

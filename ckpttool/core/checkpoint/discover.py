@@ -22,15 +22,17 @@ from pathlib import Path
 from ckpttool.core.checkpoint import hf, names
 from ckpttool.core.checkpoint import parts as key_parts
 from ckpttool.errors import InputError, UnsupportedError
-from ckpttool.formats import registry, torchfile
+from ckpttool.formats import rank_files, registry, safetensors, torchfile
 from ckpttool.formats.base import CheckpointInfo, ChunkColumns, ObjectEntry, Reader, Tensor
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage.store import open_store
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of one chunk
 
-# Entries of a training directory that are checkpoints a user may mean.
-_CHECKPOINT_KINDS = ("model", "optimizer")
+# Entries of a training directory that are checkpoints a user may mean, by preference: a
+# PEFT adapter file (adapter_model.safetensors) beside the model it was trained on is chosen
+# only when there is no model.
+_CHECKPOINT_KINDS = ("model", "adapter", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class Part:
     every report)."""
 
     path: str  # relative to the directory
-    kind: str  # "model", "optimizer" or "other"
+    kind: str  # "model", "optimizer", "adapter" (a PEFT adapter file) or "other"
     format: str  # a format's NAME, or "pickle", "json", "directory", "file"
     note: str = ""
 
@@ -272,6 +274,13 @@ def _side_files(info: CheckpointInfo) -> tuple[tuple[tuple[str, CheckpointInfo],
     found = []
     notes = []
     own = {f.name for f in info.files}  # the checkpoint's data files are not side files
+    # A set of per-rank files beside them (verl's optimizer state): checked as one.
+    for rank_set in rank_files.sets_beside(info.root, frozenset(own)):
+        own.update(name for _, name in rank_set.files)
+        try:
+            found.append((rank_set.pattern, rank_files.read_archives(info.root, rank_set)))
+        except (InputError, UnsupportedError) as e:
+            notes.append(f"{rank_set.pattern}: not read ({e})")
     for p in sorted(info.root.iterdir(), key=lambda q: q.name):
         if (p.name in own or p.suffix not in _SIDE_SUFFIXES or p.is_symlink()
                 or not torchfile.detect(p)):
@@ -285,7 +294,7 @@ def _side_files(info: CheckpointInfo) -> tuple[tuple[tuple[str, CheckpointInfo],
 
 def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | None = None,
              require: bool = True,
-             command: str = "inspect") -> Checkpoint:
+             command: str = "inspect", prefer: str | None = None) -> Checkpoint:
     """Recognise and describe the checkpoint at ``path``. Reads no tensor data.
 
     Args:
@@ -294,6 +303,9 @@ def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | N
         require: raise when a directory holds several checkpoints (else describe its parts,
             with ``info`` None and ``note`` saying why).
         command: the command the user ran, for the next command a message suggests.
+        prefer: the kind of checkpoint to take from a training directory that holds one of
+            each (``"optimizer"``: accelerate's ``optimizer_0/`` beside the model, for
+            ``merge --part optimizer``); default: its model.
 
     Raises:
         InputError: nothing readable there, a damaged or unsafe checkpoint, or (``require``)
@@ -320,7 +332,7 @@ def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | N
     if given.is_file():
         raise InputError(_not_a_checkpoint_file(given))
     parts, infos = list_parts(given)
-    chosen = _choose(parts)
+    chosen = _choose(parts, prefer)
     if chosen is None:
         message = _no_choice(given, parts, command)
         if require or not any(registry.is_format(p.format) for p in parts):
@@ -384,10 +396,12 @@ def _no_choice(given: Path, parts: Iterable[Part], command: str) -> str:
 
 
 
-def _choose(parts: tuple[Part, ...]) -> Part | None:
-    """The one checkpoint a directory holds: its single model, else its single optimizer;
-    None when there are several or none."""
-    for kind in _CHECKPOINT_KINDS:
+def _choose(parts: tuple[Part, ...], prefer: str | None = None) -> Part | None:
+    """The one checkpoint a directory holds: its single model, else its single optimizer
+    (``prefer`` first, where there is one of that kind); None when there are several or
+    none."""
+    kinds = sorted(_CHECKPOINT_KINDS, key=lambda k: k != prefer)
+    for kind in kinds:
         found = [p for p in parts if p.kind == kind and registry.is_format(p.format)]
         if found:
             return found[0] if len(found) == 1 else None
@@ -417,10 +431,15 @@ def list_parts(directory: Path) -> tuple[tuple[Part, ...], dict[str, CheckpointI
                 continue
             info = infos[p.name] = fmt.read_info(p)
             parts.append(Part(p.name, kind_of(info), fmt.NAME,
-                              f"{len(info.tensors)} tensors, {len(info.files)} files"))
+                              f"{_count(len(info.tensors), 'tensor')}, "
+                              f"{_count(len(info.files), 'file')}"))
         else:
             parts.append(_file_part(p))
     return tuple(parts), infos
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def _file_part(p: Path) -> Part:
@@ -430,6 +449,14 @@ def _file_part(p: Path) -> Part:
     if p.suffix in torchfile.SUFFIXES:
         fmt = torchfile.NAME if torchfile.detect(p) else "file"
         return Part(name, stem_kind, fmt)
+    if p.suffix == ".safetensors":
+        if not safetensors.detect(p):
+            return Part(name, "other", "file")
+        # Any loose safetensors file may be a model: with another candidate beside it, the
+        # user chooses (never a silent pick of the wrong one).
+        kind = ("optimizer" if "optimizer" in p.stem
+                else "adapter" if p.stem.startswith("adapter_model") else "model")
+        return Part(name, kind, safetensors.NAME)
     if p.suffix == ".pkl":
         return Part(name, "other", "pickle", "not unpickled")
     if p.suffix == ".json":

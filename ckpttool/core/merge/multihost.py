@@ -35,13 +35,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from ckpttool import errors
+from ckpttool import errors, settings
 from ckpttool.core.merge import partition
 from ckpttool.core.merge.distributed import Group
-from ckpttool.core.merge.operation import MergePlan, commit_outputs, execute_share
+from ckpttool.core.merge.engine import commit_outputs, execute_share
+from ckpttool.core.merge.plan import MergePlan
 from ckpttool.core.runtime.report import Progress
 from ckpttool.core.runtime.torch_threads import default_workers
-from ckpttool.errors import CkptError, InputError, OutputError
+from ckpttool.errors import CkptError, InputError, OutputError, UsageError
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Reader
 from ckpttool.storage.outputs import TMP_SUFFIX, AtomicOutputs, pwrite_all
@@ -71,6 +72,17 @@ class Shared(Protocol):
         """Write this process's part of ``plan`` (and commit, where it is the one to);
         returns what the report says about the sharing."""
 
+    def preview(self, plan: MergePlan) -> dict[str, Any] | None:
+        """For a dry run: what :meth:`write` would report, with ``tensors``, the names of
+        the tensors this process would write (some of them in part); None: all of them."""
+
+
+def _preview(mode: str, merge_plan: MergePlan, shares: list[list[partition.Unit]],
+             index: int, **more: Any) -> dict[str, Any]:
+    mine = sorted({(u.file, u.tensor) for u in shares[index]})
+    names = [merge_plan.files[f].tensors[t].name for f, t in mine]
+    return _describe(mode, shares, tensors=names, **more)
+
 
 def check_headers(plan: MergePlan, temps: dict[str, Path]) -> None:
     """Read every output file's header back and check it is the planned one, and the file its
@@ -88,7 +100,7 @@ def check_headers(plan: MergePlan, temps: dict[str, Path]) -> None:
             meta, slots = st.read_layout(path)
         except (OSError, InputError) as e:
             raise OutputError(f"{path}: cannot read the output back ({e}); nothing was put in "
-                              "place") from None
+                              "place") from e
         if (head != f.layout.header or size != f.size or meta != {"format": "pt"}
                 or slots != tuple(sorted(f.layout.slots, key=lambda s: s.begin))):
             raise OutputError(f"{path}: does not read back as written (header or size "
@@ -104,7 +116,7 @@ def _open_shared(path: Path, size: int, *, create: bool = False) -> int:
     try:
         fd = os.open(path, flags, 0o666)
     except OSError as e:
-        raise OutputError(f"{path}: cannot open the shared output file: {e.strerror}") from None
+        raise OutputError(f"{path}: cannot open the shared output file: {e.strerror}") from e
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -116,7 +128,7 @@ def _open_shared(path: Path, size: int, *, create: bool = False) -> int:
                               "run is using this directory? run again")
     except OSError as e:
         os.close(fd)
-        raise OutputError(f"{path}: cannot size the shared output file: {e.strerror}") from None
+        raise OutputError(f"{path}: cannot size the shared output file: {e.strerror}") from e
     except BaseException:
         os.close(fd)
         raise
@@ -140,7 +152,7 @@ def _write_share(plan: MergePlan, share: list[partition.Unit], reader: Reader,
 
 
 def _fault(progress: Progress | None, who: str) -> Progress | None:
-    spec = os.environ.get(FAIL_ENV)
+    spec = settings.test_fail_rank()
     if not spec:
         return progress
     target, _, how = spec.partition(":")
@@ -240,6 +252,10 @@ class Team:
             if status is not None:
                 _raise_from(status, rank, what)
 
+    def preview(self, plan: MergePlan) -> dict[str, Any] | None:
+        return _preview("torchrun", plan, partition.split(plan, self.group.size),
+                        self.group.rank)
+
     def write(self, plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
               *, overwrite: bool, stem: str, workers: int | None, progress: Progress | None,
               on_start: Callable[[int], None] | None) -> dict[str, Any]:
@@ -308,11 +324,11 @@ def parse_slice(text: str) -> tuple[int, int]:
     """``"I/N"`` -> (I, N), 0 <= I < N.
 
     Raises:
-        InputError: anything else.
+        UsageError: anything else.
     """
     m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
     if m is None or not int(m[2]) or int(m[1]) >= int(m[2]):
-        raise InputError(f"--slice {text!r}: expected I/N with 0 <= I < N, e.g. --slice 0/8")
+        raise UsageError(f"--slice {text!r}: expected I/N with 0 <= I < N, e.g. --slice 0/8")
     return int(m[1]), int(m[2])
 
 
@@ -341,6 +357,9 @@ class _Alone:
     def once(self, decide: Callable[[], Any]) -> Any:
         return decide()
 
+    def preview(self, plan: MergePlan) -> dict[str, Any] | None:
+        return None
+
 
 class Slice(_Alone):
     """``--slice I/N``: one of N processes started without a launcher; writes its share and a
@@ -348,6 +367,10 @@ class Slice(_Alone):
 
     def __init__(self, index: int, count: int) -> None:
         self.index, self.count = index, count
+
+    def preview(self, plan: MergePlan) -> dict[str, Any] | None:
+        return _preview("slice", plan, partition.split(plan, self.count), self.index,
+                        slice=self.index, plan=plan_key(plan))
 
     def write(self, plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
               *, overwrite: bool, stem: str, workers: int | None, progress: Progress | None,
@@ -373,7 +396,7 @@ class Slice(_Alone):
                 os.fsync(fd)  # before the marker says so: another host will commit
         except OSError as e:
             raise OutputError(f"{out}: slice {self.index}/{self.count} failed: {e.strerror}; "
-                              "run it again") from None
+                              "run it again") from e
         finally:
             for fd in fds.values():
                 with contextlib.suppress(OSError):
@@ -417,9 +440,9 @@ class Finish(_Alone):
         for (i, _), marker in sorted(found.items()):
             try:
                 done = json.loads(marker.read_text())
-            except (OSError, ValueError):
+            except (OSError, ValueError) as err:
                 raise OutputError(f"{marker}: unreadable slice marker; run slice {i}/{count} "
-                                  "again") from None
+                                  "again") from err
             for fi, f in enumerate(plan.files):
                 try:
                     inode = paths[fi].lstat().st_ino

@@ -28,7 +28,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.core.transforms.derive import Derived, read_whole
-from ckpttool.errors import InputError
+from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats.base import Reader, Tensor
 
 if TYPE_CHECKING:
@@ -42,6 +42,9 @@ ROPE = "rope"  # rows permuted from torchtitan's interleaved RoPE pairs to HF's 
 EXPERTS = "experts"  # a grouped [E, ...] weight split into E tensors ("{E}" in the target)
 WQKV_Q, WQKV_K, WQKV_V = "wqkv-q", "wqkv-k", "wqkv-v"  # one part of a fused wqkv
 DROP = "drop"  # no Hugging Face counterpart; warned about when not all zero
+QKV_Q, QKV_K, QKV_V = "qkv-q", "qkv-k", "qkv-v"  # Megatron's linear_qkv (weight or bias)
+GATE, UP = "fc1-gate", "fc1-up"  # one half of a fused SwiGLU [gate; up] projection
+VOCAB = "vocab-cut"  # the rows of the real vocabulary, padding rows cut off
 TRANSPOSE = "transpose"  # a grouped [E, A, B] weight as [E, B, A] (transformers' gpt-oss)
 
 
@@ -55,6 +58,9 @@ class Rule:
     op: str = RENAME
     rope_heads: str = ""  # ROPE and fused parts: the heads permuted ("heads", "kv_heads")
     note: str = ""  # DROP: why, and what dropping a non-zero tensor changes
+    # The stored tensor holds every layer along dim 0 (Megatron's homogeneous decoder,
+    # ``shape`` starts with "layers"): the rule applies to each layer's slice, read alone.
+    stacked: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,6 +189,11 @@ DIMS: dict[str, tuple[str, Callable[[Dims], int], tuple[str, ...]]] = {
                    ("moe_intermediate_size", "n_shared_experts")),
     "moe_ffn": ("moe_intermediate_size", lambda d: d.number("moe_intermediate_size"),
                 ("moe_intermediate_size",)),
+    "layers": ("num_hidden_layers", lambda d: d.number("num_hidden_layers"),
+               ("num_hidden_layers",)),
+    # At least vocab_size rows: Megatron pads the vocabulary to a multiple of
+    # make_vocab_size_divisible_by x TP (checked in _check_shape).
+    "padded_vocab": ("vocab_size (or more)", lambda d: d.number("vocab_size"), ("vocab_size",)),
 }
 
 
@@ -273,6 +284,72 @@ _QWEN3_MOE_RULES = (
         "torchtitan's load-balancing expert bias, which Hugging Face's Qwen3-MoE has no place "
         "for (torchtitan's own to_hf drops it too)")),
 )
+
+def _megatron_rules(*, qkv_bias: bool, qk_norm: bool) -> tuple[Rule, ...]:
+    """Megatron-Core GPTModel's names (as ``torch_dist`` stores them: Transformer Engine's, the
+    local spec maps its own to them) to Hugging Face's. A homogeneous decoder is stored
+    stacked (``decoder.layers.<module>``, layer axis first); a model whose layers differ
+    stores ``decoder.layers.<L>.<module>``: both forms are here. Facts (megatron-core 0.16):
+    ``linear_qkv`` rows are grouped per query group, ``[q_0 .. q_{heads/groups-1}, k, v]``
+    each ``head_dim`` rows (the layout of torchtitan's fused wqkv); ``linear_fc1`` is
+    ``[gate; up]``; the norm before attention (MLP) is fused into ``linear_qkv``
+    (``linear_fc1``) as ``layer_norm_weight`` (``input_layernorm`` / ``pre_mlp_layernorm``
+    where it is not); embedding and output rows are padded past vocab_size; RoPE rotates
+    halves, as transformers does (no permutation)."""
+    hf, a, m = "model.layers.{L}", "self_attention", "mlp"
+    per_layer = [
+        (f"{a}.linear_qkv.layer_norm_weight", f"{hf}.input_layernorm.weight", ("hidden",),
+         RENAME),
+        ("input_layernorm.weight", f"{hf}.input_layernorm.weight", ("hidden",), RENAME),
+        (f"{a}.linear_qkv.weight", f"{hf}.self_attn.q_proj.weight", ("qkv", "hidden"), QKV_Q),
+        (f"{a}.linear_qkv.weight", f"{hf}.self_attn.k_proj.weight", ("qkv", "hidden"), QKV_K),
+        (f"{a}.linear_qkv.weight", f"{hf}.self_attn.v_proj.weight", ("qkv", "hidden"), QKV_V),
+        (f"{a}.linear_proj.weight", f"{hf}.self_attn.o_proj.weight", ("hidden", "q"), RENAME),
+        (f"{m}.linear_fc1.layer_norm_weight", f"{hf}.post_attention_layernorm.weight",
+         ("hidden",), RENAME),
+        ("pre_mlp_layernorm.weight", f"{hf}.post_attention_layernorm.weight", ("hidden",),
+         RENAME),
+        (f"{m}.linear_fc1.weight", f"{hf}.mlp.gate_proj.weight", ("ffn2", "hidden"), GATE),
+        (f"{m}.linear_fc1.weight", f"{hf}.mlp.up_proj.weight", ("ffn2", "hidden"), UP),
+        (f"{m}.linear_fc2.weight", f"{hf}.mlp.down_proj.weight", ("hidden", "ffn"), RENAME),
+    ]
+    if qkv_bias:
+        per_layer += [
+            (f"{a}.linear_qkv.bias", f"{hf}.self_attn.{p}_proj.bias", ("qkv",), op)
+            for p, op in (("q", QKV_Q), ("k", QKV_K), ("v", QKV_V))]
+    if qk_norm:
+        per_layer += [
+            (f"{a}.q_layernorm.weight", f"{hf}.self_attn.q_norm.weight", ("head_dim",), RENAME),
+            (f"{a}.k_layernorm.weight", f"{hf}.self_attn.k_norm.weight", ("head_dim",), RENAME)]
+    rules = [
+        Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight",
+             ("padded_vocab", "hidden"), VOCAB),
+        Rule("decoder.final_layernorm.weight", "model.norm.weight", ("hidden",)),
+        Rule("output_layer.weight", "lm_head.weight", ("padded_vocab", "hidden"), VOCAB),
+    ]
+    for source, target, shape, op in per_layer:
+        rules.append(Rule(f"decoder.layers.{source}", target, ("layers", *shape), op,
+                          stacked=True))
+        rules.append(Rule(f"decoder.layers.{{L}}.{source}", target, shape, op))
+    return tuple(rules)
+
+
+def _megatron_map(name: str, family: str, model_type: str, *, qkv_bias: bool = False,
+                  qk_norm: bool = False) -> NameMap:
+    attention = list(_ATTENTION)
+    if qkv_bias:
+        attention += [f"model.layers.{{L}}.self_attn.{p}_proj.bias" for p in "qkv"]
+    if qk_norm:
+        attention += ["model.layers.{L}.self_attn.q_norm.weight",
+                      "model.layers.{L}.self_attn.k_norm.weight"]
+    return NameMap(name=name, family=family, model_types=(model_type,),
+                   rules=_megatron_rules(qkv_bias=qkv_bias, qk_norm=qk_norm),
+                   required=_TOP + tuple(attention), dense_mlp=_DENSE,
+                   framework="Megatron-Core")
+
+
+#: The Megatron-Core map of each Hugging Face model_type (what a Megatron merge picks).
+MEGATRON_MAPS = {"llama": "megatron-llama", "qwen2": "megatron-qwen2", "qwen3": "megatron-qwen3"}
 
 _DS = "model.layers.{L}"
 _DEEPSEEK_V3_RULES = (
@@ -385,6 +462,9 @@ def _torchtune_rules(*, rope: bool, bias: bool) -> tuple[Rule, ...]:
 
 
 MAPS: dict[str, NameMap] = {m.name: m for m in (
+    _megatron_map("megatron-llama", "Llama", "llama"),
+    _megatron_map("megatron-qwen2", "Qwen 2", "qwen2", qkv_bias=True),
+    _megatron_map("megatron-qwen3", "Qwen 3", "qwen3", qk_norm=True),
     NameMap(
         name="torchtitan-llama3", family="Llama 3", model_types=("llama",),
         rules=_decoder_rules("attention", rope=True, qk_norm=False),
@@ -441,6 +521,7 @@ MAPS: dict[str, NameMap] = {m.name: m for m in (
 )}
 
 NAMES = tuple(MAPS)
+KEEP = "none"  # --names none: the stored names, even where a map is implied
 
 
 # --------------------------------------------------------------------------------------------
@@ -472,6 +553,28 @@ def _first(inputs: list[torch.Tensor]) -> torch.Tensor:
     return inputs[0]
 
 
+def _qkv_part(inputs: list[torch.Tensor], *, op: str, kv_heads: int, head_dim: int
+              ) -> torch.Tensor:
+    """One of q, k, v from rows grouped per KV group (each group's query heads, its key, its
+    value; ``head_dim`` rows each), for a weight or a bias (any trailing dims)."""
+    (w,) = inputs
+    rest = tuple(w.shape[1:])
+    per_group = w.shape[0] // (kv_heads * head_dim)
+    grouped = w.reshape(kv_heads, per_group, head_dim, *rest)
+    part = {QKV_Q: grouped[:, : per_group - 2], QKV_K: grouped[:, per_group - 2],
+            QKV_V: grouped[:, per_group - 1]}[op]
+    return part.reshape(-1, *rest)
+
+
+def _half(inputs: list[torch.Tensor], *, second: bool) -> torch.Tensor:
+    """The gate (first) or up (second) half of a fused [gate; up] projection."""
+    (w,) = inputs
+    n = w.shape[0] // 2
+    return w[n:] if second else w[:n]
+
+
+def _rows(inputs: list[torch.Tensor], *, num: int) -> torch.Tensor:
+    return inputs[0][:num]
 def _transposed(inputs: list[torch.Tensor]) -> torch.Tensor:
     return inputs[0].transpose(1, 2)
 
@@ -512,6 +615,39 @@ class _Compiled:
 
 def _compile(rule: Rule) -> _Compiled:
     return _Compiled(rule, re.compile(re.escape(rule.source).replace(r"\{L\}", r"(?P<L>\d+)")))
+
+
+# Names only Megatron-Core's GPTModel stores (its embedding and final norm).
+_MEGATRON_NAMES = frozenset({"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"})
+
+
+def implied(tensors: list[tuple[str, Tensor]], config: Mapping[str, Any] | None, *,
+            config_path: str | None = None) -> str | None:
+    """The map a merge applies without ``--names``: a Megatron-Core model's, chosen by
+    config.json's ``model_type``, because Megatron's names and layouts (stacked layers, fused
+    QKV, padded vocabulary) are something no Hugging Face loader reads; None for every other
+    checkpoint (its names are kept).
+
+    Raises:
+        InputError: a Megatron model without config.json (it decides the family and sizes).
+        UnsupportedError: a family that has no Megatron map yet.
+    """
+    if not any(name in _MEGATRON_NAMES for name, _ in tensors):
+        return None
+    families = ", ".join(MEGATRON_MAPS)
+    if config is None:
+        raise InputError(
+            "a Megatron-Core model stores Megatron's names and layouts (stacked layers, fused "
+            "QKV, padded vocabulary), which no Hugging Face loader reads; ckpttool writes the "
+            "Hugging Face model from its config.json (family, heads, sizes): put the model's "
+            f"config.json beside the run or pass --config (families: {families})")
+    model_type = config.get("model_type")
+    chosen = MEGATRON_MAPS.get(str(model_type))
+    if chosen is None:
+        raise UnsupportedError(
+            f"{config_path or 'config.json'}: model_type '{model_type}' has no Megatron-Core "
+            f"map yet (families: {families}); not supported yet")
+    return chosen
 
 
 def apply(map_name: str, tensors: list[tuple[str, Tensor]],
@@ -556,9 +692,9 @@ def apply(map_name: str, tensors: list[tuple[str, Tensor]],
         shown = ", ".join(f"'{n}'" for n in unmapped[:3])
         more = f" and {len(unmapped) - 3} more" if len(unmapped) > 3 else ""
         raise InputError(
-            f"--names {map_name}: no rule maps {shown}{more}; this is not a {nmap.framework} "
-            f"{nmap.family} model checkpoint (or it holds more than the model). Check the map, "
-            "or merge without --names")
+            f"--names {map_name}: no rule maps {shown}{more}; this is not a "
+            f"{nmap.framework} {nmap.family} model checkpoint (or it holds more than the "
+            "model). Check the map, or merge without --names")
     for name, tensor, matches in sorted(matched, key=lambda x: x[0]):
         for rule, _ in matches:
             _check_shape(nmap, dims, rule, name, tensor)
@@ -574,13 +710,15 @@ def apply(map_name: str, tensors: list[tuple[str, Tensor]],
 
 def _check_shape(nmap: NameMap, dims: Dims, rule: Rule, name: str, tensor: Tensor) -> None:
     try:
-        expected = tuple(dims.size(s) for s in rule.shape)
+        expected = tuple(n if s == "padded_vocab" and n >= dims.size(s) else dims.size(s)
+                         for s, n in zip(rule.shape, tensor.shape + (0,) * len(rule.shape),
+                                         strict=False))
     except _Missing as e:
         raise InputError(
             f"'{name}': {dims.where} has no '{e.key}', which --names {nmap.name} needs for "
             f"this tensor: it describes another model (model_type "
             f"{dims.config.get('model_type')}); pass the config.json of the model that was "
-            "trained") from None
+            "trained") from e
     if tensor.shape == expected:
         return
     spec = ", ".join(DIMS[s][0] for s in rule.shape)
@@ -594,6 +732,19 @@ def _emit(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor, target
     """The output tensor(s) of one rule for one stored tensor, into ``out``."""
     if rule.op == DROP:
         out.dropped.append((name, tensor, rule.note))
+        return
+    if rule.stacked:
+        _emit_layers(out, dims, rule, name, tensor, target)
+        return
+    if rule.op == VOCAB:
+        rows = dims.size("vocab")
+        out.tensors.append((target, Derived(
+            target, (tensor,), tensor.dtype, (rows, *tensor.shape[1:]), partial(_rows, num=rows),
+            f"first {rows} rows of {name} (vocabulary padding cut)")))
+        out.how.append({"from": name, "to": target, "op": "vocab-cut"})
+        return
+    if rule.op in _LAYER_OPS:
+        _emit_layer(out, dims, rule, name, tensor, target, None)
         return
     if rule.op == RENAME:
         out.tensors.append((target, tensor))
@@ -637,6 +788,50 @@ def _emit(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor, target
             out.how.append({"from": f"{name}[{e}]", "to": expert, "op": "expert-split"})
     else:  # pragma: no cover - a table names an op this module lacks
         raise AssertionError(rule.op)
+
+
+_LAYER_OPS = frozenset({QKV_Q, QKV_K, QKV_V, GATE, UP})
+_OP_WORDS = {RENAME: "unstacked", QKV_Q: "qkv-split", QKV_K: "qkv-split",
+             QKV_V: "qkv-split", GATE: "gate-up-split", UP: "gate-up-split"}
+
+
+def _emit_layers(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor,
+                 target: str) -> None:
+    """Each layer's slice of a stacked tensor: read alone (``Derived.select``), so memory is
+    bounded by one layer's slice, never by the stacked tensor."""
+    for layer in range(tensor.shape[0]):
+        _emit_layer(out, dims, rule, name, tensor, target.replace("{L}", str(layer)), layer)
+
+
+def _emit_layer(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor, target: str,
+                layer: int | None) -> None:
+    """One output of a Megatron per-layer rule: the layer's slice (``layer``; None: the
+    tensor is one layer's already) as it is, split into q/k/v, or halved into gate/up."""
+    shape = tensor.shape[1:] if layer is not None else tensor.shape
+    source = f"{name}[{layer}]" if layer is not None else name
+    select = (layer,) if layer is not None else ()
+    compute: Callable[[list[torch.Tensor]], torch.Tensor]
+    if rule.op in (QKV_Q, QKV_K, QKV_V):
+        if dims.heads % max(dims.kv_heads, 1):
+            raise InputError(f"{dims.where}: num_attention_heads {dims.heads} is not a "
+                             f"multiple of num_key_value_heads {dims.kv_heads}; '{name}' "
+                             "cannot be a fused linear_qkv of this model")
+        rows = dims.size("q" if rule.op == QKV_Q else "kv")
+        shape = (rows, *shape[1:])
+        compute = partial(_qkv_part, op=rule.op, kv_heads=dims.kv_heads, head_dim=dims.head_dim)
+        what = f"{rule.op[-1]} rows of {source} (grouped per query group)"
+    elif rule.op in (GATE, UP):
+        shape = (shape[0] // 2, *shape[1:])
+        compute = partial(_half, second=rule.op == UP)
+        what = f"{'up' if rule.op == UP else 'gate'} half of {source}"
+    elif rule.op == RENAME:
+        compute = _first
+        what = f"layer {layer} of {name}"
+    else:  # pragma: no cover - a table names an op this module lacks
+        raise AssertionError(rule.op)
+    out.tensors.append((target, Derived(target, (tensor,), tensor.dtype, tuple(shape), compute,
+                                        what, select=select)))
+    out.how.append({"from": source, "to": target, "op": _OP_WORDS[rule.op]})
 
 
 def _check_complete(nmap: NameMap, dims: Dims, out: Mapped) -> None:

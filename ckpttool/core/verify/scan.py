@@ -149,7 +149,7 @@ class Scanner:
             except InputError as e:
                 result.problems.append(error("record-corrupt", str(e), file=c.file,
                                              tensor=t.name, offset=c.offset))
-                raise _Unreadable from None
+                raise _Unreadable from e
             decoded.append((c, p))
         item = t.dtype.itemsize
         # Chunks that are each one run of the tensor (Shard(0), whole), read in the order of
@@ -176,7 +176,7 @@ class Scanner:
                     if c not in damaged:
                         result.problems.append(error("record-corrupt", str(e), file=c.file,
                                                      tensor=t.name, offset=c.offset))
-                    raise _Unreadable from None
+                    raise _Unreadable from e
                 self.report(p.storage_size)
                 result.bytes_read += p.storage_size
                 yield first, memoryview(data)

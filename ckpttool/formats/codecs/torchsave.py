@@ -48,6 +48,31 @@ def is_zip(file: str | os.PathLike[str]) -> bool:
         return False
 
 
+# The zip end-of-central-directory record: torch.save writes it last, with no comment after it.
+_END_RECORD = b"PK\x05\x06"
+_END_RECORD_SIZE = 22
+
+
+def pending_file(file: str | os.PathLike[str]) -> str | None:
+    """Why the zip archive at ``file`` is still being written (its end record, which
+    ``torch.save`` writes last, is not at its end yet); None when it is there, or when the
+    file is no zip at all (not ours to judge: reading it says what is wrong)."""
+    try:
+        with open(file, "rb") as f:
+            if f.read(4) != ZIP_MAGIC:
+                return None
+            size = os.fstat(f.fileno()).st_size
+            if size < _END_RECORD_SIZE:
+                return f"{os.path.basename(file)}: {size} bytes, still being written"
+            f.seek(size - _END_RECORD_SIZE)
+            tail = f.read(_END_RECORD_SIZE)
+    except OSError:
+        return None
+    if tail[:4] != _END_RECORD:
+        return f"{os.path.basename(file)}: no zip end record yet (torch.save writes it last)"
+    return None
+
+
 # --------------------------------------------------------------------------------------------
 # Allow-list unpickling
 
@@ -166,6 +191,45 @@ class _OrderedDict(dict):  # type: ignore[type-arg]
         pass
 
 
+class EnumClass:
+    """Stand-in for an allow-listed ``enum.Enum`` class: its real member names and values.
+
+    Most Pythons pickle a member by value, ``Class(value)``, which calls this; Python 3.11.0 to
+    3.11.x (Debian 12's system ``python3``) pickles it by name, ``getattr(Class, 'NAME')``,
+    which :func:`enum_getattr` answers. Either way only these members are reached: the value
+    stands for the member, nothing of the real class is looked up.
+    """
+
+    __slots__ = ("qualname", "members")
+
+    def __init__(self, qualname: str, members: dict[str, int]) -> None:
+        self.qualname = qualname
+        self.members = dict(members)  # name -> value, as the real class defines them
+
+    def __call__(self, value: Any) -> int:
+        if type(value) is not int or value not in self.members.values():
+            raise pickle.UnpicklingError(f"{value!r:.40} is not a member of {self.qualname}")
+        return value
+
+    def __repr__(self) -> str:
+        return self.qualname
+
+
+def enum_getattr(obj: Any, name: Any) -> int:
+    """``builtins.getattr`` as Python 3.11 pickles an Enum member: allowed exactly for an
+    :class:`EnumClass` and one of its real member names.
+
+    Raises:
+        Refused: anything else (another object, another name, a dunder); nothing is looked up.
+    """
+    if isinstance(obj, EnumClass) and type(name) is str and name in obj.members:
+        return obj.members[name]
+    # Named as the pickle names it: the stand-in's class name, else the value's type.
+    what = (obj.qualname if isinstance(obj, EnumClass)
+            else obj.__name__ if isinstance(obj, type) else type(obj).__name__)
+    raise Refused("builtins", f"getattr({what}, {str(name)[:60]!r})")
+
+
 # --------------------------------------------------------------------------------------------
 # The zip container
 
@@ -282,9 +346,23 @@ _INT = {int}
 _TUPLE = {tuple}
 
 
+# torch stores sizes and offsets as int64: a larger one is damage (and 10**5000 could not
+# even be printed: Python refuses int-to-string conversions past 4,300 digits).
+MAX_INT = 2**63 - 1
+
+
+def _shown(value: Any) -> str:
+    """``value`` for a message, never a number too long to print."""
+    if isinstance(value, tuple | list) and any(type(x) is int and x > MAX_INT for x in value):
+        return f"a number above {MAX_INT} (2**63 - 1)"
+    if type(value) is int and value > MAX_INT:
+        return f"a number above {MAX_INT} (2**63 - 1)"
+    return repr(value)[:200]
+
+
 def all_ints(values: list[Any], where: str) -> None:
-    """Every item of ``values`` is a tuple of non-negative ints, checked in three C-level
-    passes (a ``.metadata`` of a million chunks holds millions of them).
+    """Every item of ``values`` is a tuple of ints in ``[0, 2**63)``, checked in three
+    C-level passes (a ``.metadata`` of a million chunks holds millions of them).
 
     Raises:
         InputError: one is anything else.
@@ -293,10 +371,12 @@ def all_ints(values: list[Any], where: str) -> None:
         return
     flat = list(itertools.chain.from_iterable(values)) if set(map(type, values)) == _TUPLE \
         else None
-    if flat is None or (flat and (set(map(type, flat)) != _INT or min(flat) < 0)):
+    if flat is None or (flat and (set(map(type, flat)) != _INT or min(flat) < 0
+                                  or max(flat) > MAX_INT)):
         bad = next(v for v in values if type(v) is not tuple
-                   or any(type(x) is not int or x < 0 for x in v))
-        raise InputError(f"{where}: holds {bad!r} where a size or offset belongs; corrupt")
+                   or any(type(x) is not int or x < 0 or x > MAX_INT for x in v))
+        raise InputError(f"{where}: holds {_shown(bad)} where a size or offset belongs; "
+                         "corrupt")
 
 
 def ints(value: Any, where: str) -> tuple[int, ...]:
@@ -306,9 +386,10 @@ def ints(value: Any, where: str) -> tuple[int, ...]:
         InputError: it is anything else.
     """
     # C-level checks: this runs twice per chunk of a .metadata of millions of chunks.
-    if type(value) is tuple and (not value or (set(map(type, value)) == _INT and min(value) >= 0)):
+    if type(value) is tuple and (not value or (set(map(type, value)) == _INT and min(value) >= 0
+                                               and max(value) <= MAX_INT)):
         return value
-    raise InputError(f"{where}: holds {value!r} where a size or offset belongs; corrupt")
+    raise InputError(f"{where}: holds {_shown(value)} where a size or offset belongs; corrupt")
 
 
 def _is_tensor_ref(value: Any) -> bool:
@@ -556,7 +637,7 @@ def record_global(module: str, name: str) -> Any | None:
         return _encode  # how protocol 2 pickles bytes (a dataloader's state, an RNG state)
     if module in ("builtins", "__builtin__"):  # protocol 2 names builtins "__builtin__"
         return _BUILTINS.get(name)
-    return None
+    return _NUMPY.get((module, name))
 
 
 # The plain values torch.load(weights_only=True) builds from builtins (set, bytearray,
@@ -602,6 +683,58 @@ def _device(kind: Any, index: Any = None) -> str:
     if not isinstance(kind, str) or not (index is None or type(index) is int):
         raise pickle.UnpicklingError("torch.device() called other than with a name")
     return kind if index is None else f"{kind}:{index}"
+
+
+# numpy arrays and scalars, as a training state pickles them (verl's extra_state holds
+# np.random.get_state(): a uint32 array). Inert stand-ins that keep the pickled state and run
+# nothing of numpy's; each checks its arguments as numpy's own pickles pass them.
+class NumpyDType(Stub):
+    """``numpy.dtype(code, align, copy)``: the type code (``'u4'``) and the BUILD state."""
+
+    def __repr__(self) -> str:
+        return f"numpy.dtype({self.args[0]!r})" if self.args else "numpy.dtype"
+
+
+class NumpyArray(Stub):
+    """``numpy._core.multiarray._reconstruct(ndarray, (0,), b'b')`` then BUILD with
+    ``(version, shape, dtype, fortran, raw bytes or a list)``, or a scalar
+    (``args``: dtype, bytes): kept as pickled, never made into an array."""
+
+    def __repr__(self) -> str:
+        state = self.state
+        if isinstance(state, tuple) and len(state) == 5:
+            return f"numpy.ndarray({state[2]!r}, shape {state[1]!r})"
+        return f"numpy scalar {self.args[0]!r}" if self.args else "numpy.ndarray"
+
+
+_NDARRAY = stub_class("ndarray")
+
+
+def _np_dtype(code: Any, align: Any = False, copy: Any = True) -> NumpyDType:
+    if type(code) is not str or len(code) > 16 or type(align) is not bool or \
+            type(copy) is not bool:
+        raise pickle.UnpicklingError("numpy.dtype() called other than with a type code")
+    return NumpyDType(code)
+
+
+def _np_reconstruct(cls: Any, shape: Any, typecode: Any) -> NumpyArray:
+    if cls is not _NDARRAY or shape != (0,) or typecode != b"b":
+        raise pickle.UnpicklingError("numpy _reconstruct called other than for an ndarray")
+    return NumpyArray()
+
+
+def _np_scalar(dtype: Any, data: Any = b"") -> NumpyArray:
+    if not isinstance(dtype, NumpyDType) or not isinstance(data, bytes) or len(data) > 64:
+        raise pickle.UnpicklingError("numpy scalar() called other than with a dtype and bytes")
+    return NumpyArray(dtype, data)
+
+
+_NUMPY: dict[tuple[str, str], Callable[..., Any] | type] = {
+    **{(m, n): f for m in ("numpy.core.multiarray", "numpy._core.multiarray")
+       for n, f in (("_reconstruct", _np_reconstruct), ("scalar", _np_scalar))},
+    ("numpy", "ndarray"): _NDARRAY,
+    ("numpy", "dtype"): _np_dtype,
+}
 
 
 _BUILTINS: dict[str, Callable[..., Any]] = {
@@ -655,13 +788,13 @@ def load_pickle(rb: RecordBytes, entries: dict[str, ZipEntry], *,
         with gc_paused():
             value = RecordUnpickler(io.BytesIO(rb.read(pkl.data_offset, pkl.size)), rb.where,
                                     lookup=lookup).load()
-    except MemoryError:
+    except MemoryError as err:
         # A damaged length field asks the C unpickler for an absurd buffer.
-        raise pickle.UnpicklingError("a length in the pickle is beyond its data") from None
+        raise pickle.UnpicklingError("a length in the pickle is beyond its data") from err
     except (Refused, CkptError, pickle.UnpicklingError):
         raise
     except Exception as e:  # noqa: BLE001 - see corrupt()
-        raise corrupt(e) from None
+        raise corrupt(e) from e
     check_size(value, max_nodes)
     return value
 
