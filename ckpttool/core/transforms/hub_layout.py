@@ -127,9 +127,6 @@ LAYOUTS: dict[str, Layout] = {lay.key: lay for lay in (
     Layout("fuyu", renames=_towers("vision_embed_tokens")),
     Layout("qwen2_audio", renames=_towers("audio_tower", "multi_modal_projector")),
     Layout("granite_speech", renames=_towers("encoder", "projector")),
-    Layout("emu3", renames=(Rename(r"^model\.text_model(?!\w)", "text_model.model"),
-                            Rename(r"^lm_head(?!\w)", "text_model.lm_head"),
-                            Rename(r"^model\.vqmodel(?!\w)", "vqmodel"))),
     Layout("Qwen2VLForConditionalGeneration",
            renames=_towers("visual", language="model", head="lm_head")),
 )}
