@@ -237,7 +237,9 @@ def test_an_unknown_map_is_a_usage_error(titan_dir: Path, tmp_path: Path) -> Non
     r = run("merge", titan_dir / "llama3" / titan.STEP_DIR, tmp_path / "out", "--names",
             "torchtitan-gpt2")
     assert r.exit_code == 2
-    assert "'torchtitan-gpt2' is not one of torchtitan-llama3, torchtitan-qwen3" in r.output
+    assert ("'torchtitan-gpt2' is not one of torchtitan-llama3, torchtitan-qwen3, "
+            "torchtitan-deepseek-v3, torchtitan-gpt-oss, torchtune-llama, torchtune-qwen2"
+            in " ".join(r.output.split()))
 
 
 def test_the_cli_lists_every_map() -> None:

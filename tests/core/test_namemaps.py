@@ -78,8 +78,10 @@ def test_a_map_is_for_one_family() -> None:
     tensors = titan_tensors("qwen3", "0.6B")
     with pytest.raises(InputError, match="model_type 'qwen3' is not Llama 3"):
         namemaps.apply("torchtitan-llama3", tensors, QWEN3_0_6B)
-    with pytest.raises(InputError, match="no name map 'hf-gpt2'; choose one of "
-                                         "torchtitan-llama3, torchtitan-qwen3"):
+    with pytest.raises(InputError, match="no name map 'hf-gpt2'; choose one of .*"
+                                         "torchtitan-llama3, torchtitan-qwen3, "
+                                         "torchtitan-deepseek-v3, torchtitan-gpt-oss, "
+                                         "torchtune-llama, torchtune-qwen2"):
         namemaps.apply("hf-gpt2", tensors, QWEN3_0_6B)
 
 
