@@ -119,7 +119,8 @@ def merge_command(
     follow_links: FollowLinks = False,
     names: Annotated[str | None, typer.Option(
         callback=names_choice, metavar="MAP",
-        autocompletion=completer(*((m, "torchtitan names to Hugging Face's") for m in NAME_MAPS)),
+        autocompletion=completer(*((m, f"{m.split('-')[0]} names to Hugging Face's")
+                                 for m in NAME_MAPS)),
         help=f"Map a training framework's names and "
         f"layouts to a Hugging Face model family's: {', '.join(NAME_MAPS)} (renames, RoPE "
         "permutation, "
