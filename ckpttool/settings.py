@@ -37,6 +37,9 @@ KNOBS: tuple[Knob, ...] = (
          "shared merge"),
     Knob("CKPTTOOL_RESUME_PIECE", str(256 << 20), "bytes of output per piece of a resumable "
          "merge; merges larger than one piece are written resumably"),
+    Knob("CKPTTOOL_ZSTD_MAX_RATIO", "1024", "how many times its compressed size a zstd "
+         "record may claim (past 64 MiB) before it is refused unread; raise it for "
+         "checkpoints of constant tensors"),
     Knob("CKPTTOOL_TEST_FAULT", "", "test hook: kill or pause at a publishing step "
          "(kill:N, pause:N:PIDFILE)", test_only=True),
     Knob("CKPTTOOL_TEST_FAIL_RANK", "", "test hook: fail one process of a shared merge "

@@ -120,7 +120,8 @@ def merge_command(
     follow_links: FollowLinks = False,
     names: Annotated[str | None, typer.Option(
         callback=names_choice, metavar="MAP",
-        autocompletion=completer(*((m, "torchtitan names to Hugging Face's") for m in NAME_MAPS)),
+        autocompletion=completer(*((m, f"{m.split('-')[0]} names to Hugging Face's")
+                                 for m in NAME_MAPS)),
         help=f"Map a training framework's names and "
         f"layouts to a Hugging Face model family's: {', '.join(NAME_MAPS)} (renames, RoPE "
         "permutation, "
@@ -179,6 +180,10 @@ def merge_command(
     With --all, every checkpoint of a training run."""
     from ckpttool.cli import sweep
 
+    quiet_or_verbose(quiet, verbose)
+    if all_ and verbose:
+        raise typer.BadParameter("applies to one checkpoint; with --all each line already says "
+                                 "what was merged, where and in how long", param_hint="--verbose")
     sweep.check_flags(all_=all_, given={"--steps": steps is not None, "--watch": watch,
                                         "--poll": poll != 30.0, "--then": then is not None,
                                         "--task": task is not None, "--settle": settle != 5.0},
@@ -196,7 +201,6 @@ def merge_command(
         return
     from ckpttool.core.merge.operation import merge
 
-    quiet_or_verbose(quiet, verbose)
     phases = Phases(verbose)
     if slice_ is not None and finish:
         raise typer.BadParameter("--slice writes one share, --finish commits them all: run "

@@ -66,6 +66,23 @@ CODES: tuple[Code, ...] = (
          "unpickled (never executed)"),
     Code("object-not-read", "warning", "non-tensor entries",
          "a pickled entry that weights-only reading cannot rebuild (not executed, not read)"),
+    # names
+    Code("names-not-hf", "warning", "names",
+         "the names are a training framework's own (torchtitan, torchtune, Megatron) or do not "
+         "fit config.json's architecture; the message names the `--names` map"),
+    # file digests a writer recorded
+    Code("integrity-mismatch", "error", "integrity.json (Megatron)",
+         "a file's SHA-256 differs from the one `integrity.json` records"),
+    Code("integrity-missing", "error", "integrity.json (Megatron)",
+         "a file `integrity.json` lists cannot be read"),
+    Code("integrity-outside", "error", "integrity.json (Megatron)",
+         "`integrity.json` names a file outside the checkpoint (not read)"),
+    Code("integrity-unreadable", "error", "integrity.json (Megatron)",
+         "`integrity.json` is not readable JSON"),
+    Code("integrity-unknown", "warning", "integrity.json (Megatron)",
+         "`integrity.json` holds no SHA-256 per file (not checked)"),
+    Code("receipt-mismatch", "error", "merge receipts",
+         "an output file's size differs from what the receipt of `merge --all` recorded"),
     # ties
     Code("tie-broken", "error", "tied embeddings",
          "the config ties the embeddings but `lm_head` differs from the input embedding"),
