@@ -114,7 +114,6 @@ def exit_codes_table() -> str:
 
 def generators() -> dict[str, Callable[[], str]]:
     """Each generated block's name -> the function that writes its body."""
-
     found: dict[str, Callable[[], str]] = {
         "formats": formats_table, "verify-codes": codes_table, "exit-codes": exit_codes_table,
         "environment": settings.table}
