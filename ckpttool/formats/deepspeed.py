@@ -437,6 +437,32 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
     if unsupported is not None:
         raise UnsupportedError(unsupported)
     tag_dir, prefix = _tag(root)
+    optim_files, flats, osd = _optimizer_files(root, tag_dir, prefix)
+    stage, world = osd["zero_stage"], len(optim_files)
+    model_files, params = _parameters(root, prefix, optim_files, flats, osd)
+    m0 = model_files[0]
+    module = _field(m0, m0.value, "module", dict)
+    order = [k for k in module if isinstance(k, str) and k in params]
+    order += [k for k in params if k not in set(order)]
+    tensors = tuple(Tensor(k, (k,), params[k].dtype, params[k].shape, tuple(params[k].chunks))
+                    for k in order)
+    values = {k: m0.value[k] for k in _OBJECT_KEYS
+              if isinstance(m0.value.get(k), (int, str)) and not isinstance(m0.value[k], bool)}
+    values["zero_stage"] = stage
+    files = optim_files + model_files
+    return CheckpointInfo(
+        format=NAME, root=root, tensors=tensors,
+        objects=tuple(ObjectEntry(k, (k,)) for k in values),
+        files=tuple(DataFile(f.name, f.size) for f in files),
+        metadata_name="the DeepSpeed model-state and optimizer-state pickles", sharded=True,
+        num_ranks=world, version=str(m0.value.get("ds_version") or "") or None, values=values,
+        detail=Detail({f.name: tuple(f.entries.values()) for f in files}))
+
+
+def _optimizer_files(root: Path, tag_dir: Path, prefix: str
+                     ) -> tuple[list[_File], list[list[_Flat]], dict[str, Any]]:
+    """Every rank's optimizer-state file (checked to be one save's, of a layout ckpttool
+    reads), each rank's fp32 partitions, and rank 0's optimizer state dict."""
     names = _names(tag_dir)
     for n in names:
         if _MOE_RE.match(n):
@@ -492,7 +518,14 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
     dtypes = {g.dtype for fl in flats for g in fl}
     if len(dtypes) > 1:
         raise InputError(f"{tag_dir}: the fp32 partitions have different dtypes; corrupt")
+    return optim_files, flats, osd
 
+
+def _parameters(root: Path, prefix: str, optim_files: list[_File], flats: list[list[_Flat]],
+                osd: dict[str, Any]) -> tuple[list[_File], dict[str, _Param]]:
+    """The model-state files and every parameter (trainable, frozen, buffers, shared
+    aliases) as chunks of the fp32 partitions or of the model states."""
+    stage, world = osd["zero_stage"], len(optim_files)
     if stage <= 2:
         model_names = [prefix + "mp_rank_00_model_states.pt"]
     else:
@@ -533,22 +566,7 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
     for alias, target in shared.items():
         if isinstance(alias, str) and target in params and alias not in params:
             params[alias] = params[target]  # a tied weight: the same chunks under both names
-
-    order = [k for k in module if isinstance(k, str) and k in params]
-    order += [k for k in params if k not in set(order)]
-    tensors = tuple(Tensor(k, (k,), params[k].dtype, params[k].shape, tuple(params[k].chunks))
-                    for k in order)
-    values = {k: m0.value[k] for k in _OBJECT_KEYS
-              if isinstance(m0.value.get(k), (int, str)) and not isinstance(m0.value[k], bool)}
-    values["zero_stage"] = stage
-    files = optim_files + model_files
-    return CheckpointInfo(
-        format=NAME, root=root, tensors=tensors,
-        objects=tuple(ObjectEntry(k, (k,)) for k in values),
-        files=tuple(DataFile(f.name, f.size) for f in files),
-        metadata_name="the DeepSpeed model-state and optimizer-state pickles", sharded=True,
-        num_ranks=world, version=str(m0.value.get("ds_version") or "") or None, values=values,
-        detail=Detail({f.name: tuple(f.entries.values()) for f in files}))
+    return model_files, params
 
 
 def _group_shapes(f: _File, group: Any, g: int) -> list[tuple[str, tuple[int, ...]]]:
