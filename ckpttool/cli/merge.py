@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -36,6 +36,9 @@ from ckpttool.cli.common import (
     verbose_lines,
 )
 from ckpttool.storage.outputs import take_stale_notes
+
+if TYPE_CHECKING:
+    from ckpttool.core.merge.operation import MergeReport
 
 EPILOG = epilog([
     "ckpttool merge checkpoint-500/pytorch_model_fsdp_0 out/",
@@ -277,11 +280,24 @@ def _print_human(r: object) -> None:
     from ckpttool.core.merge.operation import MergeReport
 
     assert isinstance(r, MergeReport)
+    lines = _head_lines(r) + _size_lines(r) + _name_lines(r) + _tie_lines(r)
+    if r.lora:
+        lines += _lora_lines(r.lora)
+    lines += _rest_lines(r)
+    lines = [printable(line) for line in lines]  # names from the checkpoint: never raw
+    if r.dry_run:
+        lines += ["", _plan_table(printable_doc(r.tensors))]
+    print("\n".join(lines))
+
+
+
+
+def _head_lines(r: MergeReport) -> list[str]:
+    """What was merged where, how it was shared or resumed, which directory was used."""
     what = ("optimizer state" if r.kind == "optimizer"
             else "LoRA adapter" if r.lora and r.lora["mode"] == "adapter" else "model")
     lines = ([f"dry run: would merge {what} {r.checkpoint} -> {r.out} (nothing written)"]
              if r.dry_run else [f"merged {what} {r.checkpoint} -> {r.out} in {r.seconds:.1f} s"])
-    did = "would write" if r.dry_run else "wrote"
     if r.distributed:
         d = r.distributed
         how = {"torchrun": "processes (torchrun)", "slices": "slices",
@@ -309,6 +325,13 @@ def _print_human(r: object) -> None:
     note = storage_note(r.storage)
     if note:
         lines.append(f"  source: {r.format}, {note}")
+    return lines
+
+
+def _size_lines(r: MergeReport) -> list[str]:
+    """The files written, counts, and bytes per dtype."""
+    did = "would write" if r.dry_run else "wrote"
+    lines: list[str] = []
     for f in r.files:
         tensors = f" ({count(f['tensors'], 'tensor')})" if f["tensors"] else ""
         lines.append(f"  {did} {f['name']}: {human_bytes(f['bytes'])}{tensors}")
@@ -321,6 +344,12 @@ def _print_human(r: object) -> None:
     else:  # nothing cast: one figure (a tied copy written once is said on its own line)
         why = r.dtype["source"].removesuffix(", dtypes kept")
         lines.append(f"  dtypes kept as stored ({why}): {before}")
+    return lines
+
+
+def _name_lines(r: MergeReport) -> list[str]:
+    """Renames, the name map, where config.json came from, the hub layout."""
+    lines: list[str] = []
     if r.renames and r.lora:
         lines.append(f"  renamed to the base model's names ({len(r.renames)} stored names; "
                      "PEFT's base_model.model. and .base_layer removed; all in --json)")
@@ -353,6 +382,11 @@ def _print_human(r: object) -> None:
         lines.append(f"  layout of save_pretrained ({', '.join(lay['families'])}): "
                      f"{lay['split']} fused tensors split into per-expert tensors, "
                      f"{lay['renamed']} renamed (--layout stored keeps them as stored)")
+    return lines
+
+
+def _tie_lines(r: MergeReport) -> list[str]:
+    lines: list[str] = []
     if r.tie:
         t = r.tie
         if t["action"] == "deduplicated":
@@ -363,8 +397,12 @@ def _print_human(r: object) -> None:
         else:
             state = "identical" if t["identical"] else "different"
             lines.append(f"  tie candidates {t['output']} / {t['input']}: {state}; both written")
-    if r.lora:
-        lines += _lora_lines(r.lora)
+    return lines
+
+
+def _rest_lines(r: MergeReport) -> list[str]:
+    """Non-tensor entries, the parts left out, the side files copied, config changes."""
+    lines: list[str] = []
     written = [o for o in r.non_tensor if o.get("part", r.kind) == r.kind]
     if r.kind == "optimizer" and written:
         lines.append(f"  {len(written)} non-tensor entries (param groups...) written to "
@@ -391,10 +429,7 @@ def _print_human(r: object) -> None:
         lines.append(f"  {'would copy' if r.dry_run else 'copied'} {', '.join(r.copied)}")
     for change in r.config_changes:
         lines.append(f"  config.json: {change}")
-    lines = [printable(line) for line in lines]  # names from the checkpoint: never raw
-    if r.dry_run:
-        lines += ["", _plan_table(printable_doc(r.tensors))]
-    print("\n".join(lines))
+    return lines
 
 
 def _verbose(r: Any, phases: Phases) -> list[str]:
