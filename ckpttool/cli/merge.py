@@ -98,82 +98,25 @@ def merge_command(
         "--keep-tied", help="Write both tied embedding copies even when identical.")] = False,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace model weights already in OUT.")] = False,
-    lora: Annotated[str | None, typer.Option(
-        "--lora", metavar="[fuse|adapter]", callback=_lora_choice,
-        autocompletion=completer(("fuse", "fold the adapter into the weights"),
-                                 ("adapter", "write the adapter alone, for PEFT")),
-        help="For a checkpoint with a LoRA adapter: fuse (fold W + scale * B @ A into the "
-        "weights; the default when the base weights are there) or adapter (a PEFT adapter "
-        "directory). alpha comes from adapter_config.json.")] = None,
-    adapter: Annotated[Path | None, typer.Option(
-        metavar="DIR", help="A PEFT adapter directory (adapter_model.safetensors + "
-        "adapter_config.json) to fold into SRC, a model with full weights.")] = None,
-    adapter_config: Annotated[Path | None, typer.Option(
-        metavar="PATH", help="PEFT's adapter_config.json (or its directory), where it is not "
-        "beside the checkpoint or the adapter.")] = None,
-    part: Annotated[str | None, typer.Option(
-        "--part", metavar="PART", callback=_part_choice,
-        autocompletion=completer(("model", "model.safetensors"),
-                                 ("optimizer", "optimizer.safetensors + optimizer.json")),
-        help="What to write of a checkpoint that holds more than the model (optimizer, lr "
-        "scheduler, dataloader...): model (model.safetensors) or optimizer "
-        "(optimizer.safetensors + optimizer.json). Default: the model; the rest is reported.")
-    ] = None,
+    lora: _LoraOption = None,
+    adapter: _AdapterOption = None,
+    adapter_config: _AdapterConfigOption = None,
+    part: _PartOption = None,
     no_progress: NoProgress = False,
     follow_links: FollowLinks = False,
-    names: Annotated[str | None, typer.Option(
-        callback=names_choice, metavar="MAP",
-        autocompletion=completer(*((m, f"{m.split('-')[0]} names to Hugging Face's")
-                                 for m in NAME_MAPS)),
-        help=f"Map a training framework's names and "
-        f"layouts to a Hugging Face model family's: {', '.join(NAME_MAPS)} (renames, RoPE "
-        "permutation, "
-        "fused wqkv and grouped-expert splits). Needs the model's config.json (--config). A "
-        "Megatron-Core model gets its family's map (megatron-*) unasked; none keeps the "
-        "stored names.")
-    ] = None,
-    layout: Annotated[str, typer.Option(
-        "--layout", metavar="[hub|stored]", callback=_layout_choice,
-        help="hub: write what save_pretrained writes for config.json's model family "
-        "(experts one tensor each, vision-language models' hub names), as every loader "
-        "reads it; stored: transformers 5's runtime names and fused experts as stored.")
-    ] = "hub",
+    names: _NamesOption = None,
+    layout: _LayoutOption = "hub",
     workers: Workers = None,
-    dry_run: Annotated[bool, typer.Option(
-        "--dry-run", help="Show what would be written (files, sizes, every tensor's name, "
-        "dtype and shape) after every check a merge makes, and write nothing: OUT is not "
-        "created.")] = False,
-    slice_: Annotated[str | None, typer.Option(
-        "--slice", metavar="I/N", help="Without a launcher (array jobs): write share I of N "
-        "(0 <= I < N) into OUT's temporary files; then run once with --finish. Under torchrun "
-        "the work is shared without it.")] = None,
-    finish: Annotated[bool, typer.Option(
-        "--finish", help="After every --slice I/N of this merge: check and put the output in "
-        "place (same SRC, OUT and options).")] = False,
-    all_: Annotated[bool, typer.Option(
-        "--all", help="SRC is a training run directory: merge every complete checkpoint in "
-        "it (checkpoint-N/, global_stepN/, step-N/... whatever the format), in step order, "
-        "each into OUT/<its name>/ with a receipt; those merged already are skipped.")
-    ] = False,
-    steps: Annotated[str | None, typer.Option(
-        metavar="STEPS", help="With --all: which checkpoints, by step: 1000-5000, 500,1500, "
-        "'every 1000', latest, joined by commas.")] = None,
-    watch: Annotated[bool, typer.Option(
-        "--watch", help="With --all: keep going, merging each new checkpoint once it is "
-        "complete, until Ctrl-C.")] = False,
-    poll: Annotated[float, typer.Option(
-        metavar="SECONDS", min=0.0, help="With --watch: seconds between looks at RUN.")
-    ] = 30.0,
-    then: Annotated[str | None, typer.Option(
-        metavar="CMD", help="With --all: a shell command to run after each merge; {out}, "
-        "{src}, {step} and {name} are replaced (quoted). A non-zero exit fails the checkpoint."
-    )] = None,
-    task: Annotated[str | None, typer.Option(
-        metavar="I/N", help="With --all: merge only task I's share of N (array jobs), "
-        "balanced by bytes; every task computes the same shares.")] = None,
-    settle: Annotated[float, typer.Option(
-        metavar="SECONDS", min=0.0, help="With --all: a checkpoint whose files changed less "
-        "than this long ago is still being written, and waits.")] = 5.0,
+    dry_run: _DryRunOption = False,
+    slice_: _SliceOption = None,
+    finish: _FinishOption = False,
+    all_: _AllOption = False,
+    steps: _StepsOption = None,
+    watch: _WatchOption = False,
+    poll: _PollOption = 30.0,
+    then: _ThenOption = None,
+    task: _TaskOption = None,
+    settle: _SettleOption = 5.0,
     json_output: JsonOutput = False,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="Print nothing but errors.")] = False,
@@ -197,7 +140,8 @@ def merge_command(
             src, out, merge_options={
                 "dtype": dtype, "max_shard_size": max_shard_size, "config": config,
                 "keep_tied": keep_tied, "lora": lora, "adapter": adapter,
-                "adapter_config": adapter_config, "part": part, "names": names},
+                "adapter_config": adapter_config, "part": part, "names": names,
+                "layout": layout},
             steps=steps, task=task, overwrite=overwrite, dry_run=dry_run, settle=settle,
             watch=watch, poll=poll, then=then, workers=workers, follow_links=follow_links,
             json_output=json_output, quiet=quiet)
@@ -471,3 +415,95 @@ def _lora_lines(lo: dict[str, Any]) -> list[str]:
     if lo.get("other"):
         lines.append(f"  ({lo['other']})")
     return lines
+
+
+# merge's longer options, declared once here so that the command's signature stays a list
+# (after the callbacks they name; the annotations are read when the app runs).
+_LoraOption = Annotated[str | None, typer.Option(
+        "--lora", metavar="[fuse|adapter]", callback=_lora_choice,
+        autocompletion=completer(("fuse", "fold the adapter into the weights"),
+                                 ("adapter", "write the adapter alone, for PEFT")),
+        help="For a checkpoint with a LoRA adapter: fuse (fold W + scale * B @ A into the "
+        "weights; the default when the base weights are there) or adapter (a PEFT adapter "
+        "directory). alpha comes from adapter_config.json.")]
+
+_AdapterOption = Annotated[Path | None, typer.Option(
+        metavar="DIR", help="A PEFT adapter directory (adapter_model.safetensors + "
+        "adapter_config.json) to fold into SRC, a model with full weights.")]
+
+_AdapterConfigOption = Annotated[Path | None, typer.Option(
+        metavar="PATH", help="PEFT's adapter_config.json (or its directory), where it is not "
+        "beside the checkpoint or the adapter.")]
+
+_PartOption = Annotated[str | None, typer.Option(
+        "--part", metavar="PART", callback=_part_choice,
+        autocompletion=completer(("model", "model.safetensors"),
+                                 ("optimizer", "optimizer.safetensors + optimizer.json")),
+        help="What to write of a checkpoint that holds more than the model (optimizer, lr "
+        "scheduler, dataloader...): model (model.safetensors) or optimizer "
+        "(optimizer.safetensors + optimizer.json). Default: the model; the rest is reported.")
+    ]
+
+_NamesOption = Annotated[str | None, typer.Option(
+        callback=names_choice, metavar="MAP",
+        autocompletion=completer(*((m, f"{m.split('-')[0]} names to Hugging Face's")
+                                 for m in NAME_MAPS)),
+        help=f"Map a training framework's names and "
+        f"layouts to a Hugging Face model family's: {', '.join(NAME_MAPS)} (renames, RoPE "
+        "permutation, "
+        "fused wqkv and grouped-expert splits). Needs the model's config.json (--config). A "
+        "Megatron-Core model gets its family's map (megatron-*) unasked; none keeps the "
+        "stored names.")
+    ]
+
+_LayoutOption = Annotated[str, typer.Option(
+        "--layout", metavar="[hub|stored]", callback=_layout_choice,
+        help="hub: write what save_pretrained writes for config.json's model family "
+        "(experts one tensor each, vision-language models' hub names), as every loader "
+        "reads it; stored: transformers 5's runtime names and fused experts as stored.")
+    ]
+
+_DryRunOption = Annotated[bool, typer.Option(
+        "--dry-run", help="Show what would be written (files, sizes, every tensor's name, "
+        "dtype and shape) after every check a merge makes, and write nothing: OUT is not "
+        "created.")]
+
+_SliceOption = Annotated[str | None, typer.Option(
+        "--slice", metavar="I/N", help="Without a launcher (array jobs): write share I of N "
+        "(0 <= I < N) into OUT's temporary files; then run once with --finish. Under torchrun "
+        "the work is shared without it.")]
+
+_FinishOption = Annotated[bool, typer.Option(
+        "--finish", help="After every --slice I/N of this merge: check and put the output in "
+        "place (same SRC, OUT and options).")]
+
+_AllOption = Annotated[bool, typer.Option(
+        "--all", help="SRC is a training run directory: merge every complete checkpoint in "
+        "it (checkpoint-N/, global_stepN/, step-N/... whatever the format), in step order, "
+        "each into OUT/<its name>/ with a receipt; those merged already are skipped.")
+    ]
+
+_StepsOption = Annotated[str | None, typer.Option(
+        metavar="STEPS", help="With --all: which checkpoints, by step: 1000-5000, 500,1500, "
+        "'every 1000', latest, joined by commas.")]
+
+_WatchOption = Annotated[bool, typer.Option(
+        "--watch", help="With --all: keep going, merging each new checkpoint once it is "
+        "complete, until Ctrl-C.")]
+
+_PollOption = Annotated[float, typer.Option(
+        metavar="SECONDS", min=0.0, help="With --watch: seconds between looks at RUN.")
+    ]
+
+_ThenOption = Annotated[str | None, typer.Option(
+        metavar="CMD", help="With --all: a shell command to run after each merge; {out}, "
+        "{src}, {step} and {name} are replaced (quoted). A non-zero exit fails the checkpoint."
+    )]
+
+_TaskOption = Annotated[str | None, typer.Option(
+        metavar="I/N", help="With --all: merge only task I's share of N (array jobs), "
+        "balanced by bytes; every task computes the same shares.")]
+
+_SettleOption = Annotated[float, typer.Option(
+        metavar="SECONDS", min=0.0, help="With --all: a checkpoint whose files changed less "
+        "than this long ago is still being written, and waits.")]
