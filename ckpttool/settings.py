@@ -46,6 +46,8 @@ KNOBS: tuple[Knob, ...] = (
          "(WHO:HOW)", test_only=True),
     Knob("CKPTTOOL_TEST_RESUME_KILL", "", "test hook: a resumable merge kills itself after "
          "recording N pieces", test_only=True),
+    Knob("CKPTTOOL_TEST_REMOTE_FAULT", "", "test hook: fail or kill at a step of a remote "
+         "upload", test_only=True),
 )
 
 
@@ -127,6 +129,18 @@ def test_resume_kill() -> int | None:
     (core.merge.resume)."""
     raw = os.environ.get("CKPTTOOL_TEST_RESUME_KILL", "")
     return int(raw) if raw.isdigit() else None
+
+
+def zstd_max_ratio() -> int | None:
+    """How many times its compressed size a zstd record may claim (``CKPTTOOL_ZSTD_MAX_RATIO``,
+    a positive integer); None: the default bound."""
+    raw = os.environ.get("CKPTTOOL_ZSTD_MAX_RATIO", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
+def test_remote_fault() -> str:
+    """Test hook: a fault at a step of a remote upload (storage.outputs)."""
+    return os.environ.get("CKPTTOOL_TEST_REMOTE_FAULT", "")
 
 
 def test_fault() -> str:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Protocol
 
+from ckpttool import settings
 from ckpttool.errors import InputError, UnreadableError
 from ckpttool.storage import outputs
 
@@ -351,7 +352,7 @@ def _test_pause_after_map() -> None:
     """Test hook (tests/cli/test_trust.py): ``CKPTTOOL_TEST_FAULT=pause-map:FILE`` creates
     FILE once a window is mapped and waits (at most 60 s) until FILE is removed, so that a
     test can cut the source file short under the mapping."""
-    fault = os.environ.get("CKPTTOOL_TEST_FAULT", "")
+    fault = settings.test_fault()
     if not fault.startswith("pause-map:"):
         return
     flag = fault.split(":", 1)[1]
