@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 PY     := $(VENV)/bin/python
 DEMO   ?= demo
 
-.PHONY: setup demo test bench completions
+.PHONY: setup demo test lint bench completions docs
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +24,19 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
+# The guards CI runs beside the tests: ruff, and mypy --strict (configured in pyproject.toml).
+lint: setup
+	$(VENV)/bin/ruff check ckpttool tests benchmarks examples
+	$(VENV)/bin/mypy
+
 bench: setup
 	$(PY) benchmarks/merge.py
 
 completions: setup
 	$(PY) -m ckpttool.cli.completions completions
+
+# Rewrite the generated tables in README.md and docs/ from the code, then fail on a stale
+# table or a broken link (tests/test_docs.py checks the same).
+docs: setup
+	$(PY) -m ckpttool.cli.docs
+	$(PY) -m ckpttool.cli.docs --check

@@ -978,7 +978,10 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(doc)
     print(f"(results written to {out_json} and {stamped.name})")
     if str(args.results_md) != "-":
-        args.results_md.write_text(text)
+        # The dated history below the last run is kept (docs/benchmarks.md cites the latest).
+        previous = args.results_md.read_text() if args.results_md.exists() else ""
+        _, found, history = previous.partition("\n## History\n")
+        args.results_md.write_text(text + ("\n## History\n" + history if found else ""))
         print(f"(Markdown written to {args.results_md})")
     if not args.keep:
         shutil.rmtree(workdir / "out", ignore_errors=True)

@@ -38,7 +38,7 @@ import merge as bench  # noqa: E402
 from ckpttool.core import dtype_policy  # noqa: E402
 from ckpttool.core.checkpoint.discover import discover  # noqa: E402
 from ckpttool.core.merge import partition  # noqa: E402
-from ckpttool.core.merge.operation import plan_merge  # noqa: E402
+from ckpttool.core.merge.plan import plan_merge  # noqa: E402
 from ckpttool.formats.safetensors import parse_size  # noqa: E402
 
 

@@ -7,6 +7,8 @@ times, alternating, ``--repeat`` times each:
 
 * download: every object of the checkpoint fetched with boto3 by 16 MB ranged GETs over 16
   threads into local files (what any tool must at least do to read the bytes);
+* obstore: the same GETs with obstore (Rust ``object_store``), when it is installed: the
+  client issue 26 asks to compare with boto3 on the S3 path;
 * merge: ``ckpttool merge s3://bench/ckpt OUT`` (the library call, in this process).
 
 and prints the median of each and their ratio (target: merge at most 1.3x the download).
@@ -107,6 +109,33 @@ def main() -> int:
                 os.close(fd)
             return time.perf_counter() - started
 
+        def obstore_download() -> float:
+            import obstore
+            from obstore.store import S3Store
+
+            store = S3Store("bench", endpoint=endpoint, access_key_id="bench",
+                            secret_access_key="bench", region="us-east-1",
+                            client_options={"allow_http": True})
+            dst = work / "download-obstore"
+            shutil.rmtree(dst, ignore_errors=True)
+            dst.mkdir()
+            started = time.perf_counter()
+            fds = {k: os.open(dst / k.rsplit("/", 1)[1], os.O_WRONLY | os.O_CREAT, 0o644)
+                   for k, _ in objects}
+            step = 16 << 20
+
+            def get(key: str, offset: int, size: int) -> None:
+                data = obstore.get_range(store, key, start=offset, end=offset + size)
+                os.pwrite(fds[key], memoryview(data), offset)
+
+            with ThreadPoolExecutor(16) as pool:
+                for f in [pool.submit(get, k, o, min(step, s - o)) for k, s in objects
+                          for o in range(0, s, step)]:
+                    f.result()
+            for fd in fds.values():
+                os.close(fd)
+            return time.perf_counter() - started
+
         def merge() -> float:
             from ckpttool.core.merge.operation import merge as ck_merge
 
@@ -116,13 +145,24 @@ def main() -> int:
             ck_merge("s3://bench/ckpt", out, dtype="keep")
             return time.perf_counter() - started
 
-        times: dict[str, list[float]] = {"download": [], "merge": []}
+        try:
+            import obstore  # noqa: F401
+            have_obstore = True
+        except ImportError:
+            have_obstore = False
+        times: dict[str, list[float]] = {"download": [], "obstore": [], "merge": []}
         for _ in range(args.repeat):
             times["download"].append(download())
+            if have_obstore:
+                times["obstore"].append(obstore_download())
             times["merge"].append(merge())
         d, m = statistics.median(times["download"]), statistics.median(times["merge"])
         print(f"plain parallel download (boto3, 16 x 16 MB GETs): {d:.2f} s "
               f"({total / d / 1e6:.0f} MB/s)")
+        if times["obstore"]:
+            o = statistics.median(times["obstore"])
+            print(f"plain parallel download (obstore, same GETs):     {o:.2f} s "
+                  f"({total / o / 1e6:.0f} MB/s); obstore / boto3: {o / d:.2f}x")
         print(f"ckpttool merge s3://... OUT:                      {m:.2f} s "
               f"({total / m / 1e6:.0f} MB/s)")
         print(f"ratio merge / download: {m / d:.2f}x (target <= 1.3x)")

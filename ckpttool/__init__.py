@@ -9,7 +9,14 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import CkptError, InputError, IntegrityError, OutputError, UnsupportedError
+from ckpttool.errors import (
+    CkptError,
+    InputError,
+    IntegrityError,
+    OutputError,
+    UnsupportedError,
+    UsageError,
+)
 
 if TYPE_CHECKING:
     from ckpttool.core.inspect import InspectReport, inspect
@@ -51,6 +58,7 @@ __all__ = [
     "Problem",
     "ReshardReport",
     "UnsupportedError",
+    "UsageError",
     "VerifyReport",
     "inspect",
     "merge",

@@ -25,6 +25,14 @@ class InputError(CkptError):
     exit_code = 3
 
 
+class UsageError(InputError):
+    """Options that cannot work together, or with this input (``reshard`` of DCP without
+    ``--ranks``, ``--slice 3/3``): the command line is wrong, not the checkpoint (exit 2, as
+    for an unknown option)."""
+
+    exit_code = 2
+
+
 class UnreadableError(InputError):
     """A file that is there but this process may not read (permissions): a problem of the
     environment, not damage in the checkpoint, so ``verify`` stops on it (exit 3) instead of
@@ -36,6 +44,15 @@ class UnreadableError(InputError):
         reading."""
         return cls(f"{path}: cannot read it: {e.strerror or e}; make it readable for this "
                    "user (chmod a+r, and a+x on its directories) or run as its owner")
+
+
+class TransportError(CkptError):
+    """The storage a checkpoint is on did not answer properly (a reset connection, a
+    timeout, a short body, a server error, throttling) after bounded retries: a problem of
+    the network or the store, never damage in the checkpoint, so nothing that reports damage
+    (``verify``'s findings, "corrupt" messages) catches it."""
+
+    exit_code = 3
 
 
 class UnsupportedError(CkptError):

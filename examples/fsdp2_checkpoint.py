@@ -39,6 +39,7 @@ Kinds (see the ``_write_<kind>`` docstrings for details):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pickle
@@ -112,8 +113,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, world_size: int, port: int, kind: str, out: str) -> None:
+def _worker(rank: int, world_size: int, port: int, kind: str, out: str,
+            llama_size: dict[str, int] | None = None) -> None:
     """Entry point of every spawned rank (must stay importable at module top level)."""
+    _LLAMA_SIZE.clear()
+    _LLAMA_SIZE.update(llama_size or {})
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -172,7 +176,7 @@ def _start_ranks(world_size: int, kind: str, out: Path, method: str) -> None:
     """Run :func:`_worker` on ``world_size`` fresh processes and wait for all of them."""
     mp.start_processes(
         _worker,
-        args=(world_size, _free_port(), kind, str(out)),
+        args=(world_size, _free_port(), kind, str(out), dict(_LLAMA_SIZE)),
         nprocs=world_size,
         join=True,
         start_method=method,
@@ -190,14 +194,18 @@ def _mesh(world_size: int) -> Any:
 # --------------------------------------------------------------------------------------
 
 
+#: The llama kind's sizes where they are not the tiny defaults (``--hidden-size``...: a
+#: realistic checkpoint to try ckpttool on); the parent sets it, every rank gets a copy.
+_LLAMA_SIZE: dict[str, int] = {}
+
+
 def _llama_config() -> Any:
     from transformers import LlamaConfig
 
+    size = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, **_LLAMA_SIZE}
     return LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
+        **size,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
@@ -632,13 +640,18 @@ _WRITERS: dict[str, Callable[[int, int, Path], None]] = {
 # --------------------------------------------------------------------------------------
 
 
-def write_checkpoint(kind: str, out: Path, *, world_size: int | None = None) -> Path:
+def write_checkpoint(kind: str, out: Path, *, world_size: int | None = None,
+                     llama_size: dict[str, int] | None = None) -> Path:
     """Write training checkpoint ``out/`` of the given kind; return its model DCP directory.
 
     ``kind`` is one of :data:`KINDS`; ``world_size`` defaults to
     ``DEFAULT_WORLD_SIZE[kind]``.  Spawns ``world_size`` gloo processes on a free local
-    TCP port and returns ``out / "pytorch_model_fsdp_0"``.
+    TCP port and returns ``out / "pytorch_model_fsdp_0"``.  ``llama_size`` overrides the
+    llama kind's ``LlamaConfig`` sizes (``hidden_size``, ``intermediate_size``,
+    ``num_hidden_layers``, ``vocab_size``).
     """
+    _LLAMA_SIZE.clear()
+    _LLAMA_SIZE.update(llama_size or {})
     if kind not in _WRITERS:
         raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
     n = DEFAULT_WORLD_SIZE[kind] if world_size is None else int(world_size)
@@ -655,13 +668,47 @@ def write_checkpoint(kind: str, out: Path, *, world_size: int | None = None) -> 
     return out / MODEL_DIR
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # blocked (sys.modules[module] = None) or broken
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="A realistic llama to try ckpttool on: --hidden-size 2048 --layers 16 "
+        "--vocab-size 32000 writes about 2.7 GB of fp32 weights (and twice that of optimizer "
+        "state); each rank and the parent hold the whole model while writing it.")
     parser.add_argument("out", type=Path, help="training checkpoint directory to write")
     parser.add_argument("--kind", choices=KINDS, default="llama")
     parser.add_argument("--ranks", type=int, default=None, help="world size (processes)")
+    sizes = parser.add_argument_group("llama sizes (default: a tiny model of 23k parameters)")
+    sizes.add_argument("--hidden-size", type=int, help="hidden size, a multiple of 4")
+    sizes.add_argument("--intermediate-size", type=int, help="MLP size (default 2 x hidden)")
+    sizes.add_argument("--layers", type=int, help="decoder layers")
+    sizes.add_argument("--vocab-size", type=int, help="vocabulary size, at least 128")
     args = parser.parse_args(argv)
-    print(write_checkpoint(args.kind, args.out, world_size=args.ranks))
+    llama_size = {key: value for key, value in (
+        ("hidden_size", args.hidden_size), ("num_hidden_layers", args.layers),
+        ("vocab_size", args.vocab_size),
+        ("intermediate_size", args.intermediate_size or (args.hidden_size or 0) * 2 or None))
+        if value is not None}
+    if llama_size and args.kind != "llama":
+        parser.error("--hidden-size, --intermediate-size, --layers and --vocab-size apply to "
+                     "--kind llama")
+    if llama_size.get("hidden_size", 4) % 4 or llama_size.get("vocab_size", 128) < 128 or any(
+            v < 1 for v in llama_size.values()):
+        parser.error("--hidden-size must be a positive multiple of 4 (4 attention heads) and "
+                     "--vocab-size at least 128")
+    # Say what is missing now, not after the ranks have started (a traceback, 30 s later).
+    missing = [m for m in _PRELOAD_EXTRA.get(args.kind, ()) if "." not in m
+               and not _installed(m)]
+    if missing:
+        parser.error(f"--kind {args.kind} needs {', '.join(missing)}, which is not installed: "
+                     f"pip install {' '.join(missing)} (make demo installs it in .venv)")
+    print(write_checkpoint(args.kind, args.out, world_size=args.ranks, llama_size=llama_size))
     return 0
 
 

@@ -29,9 +29,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 
 from examples.fsdp2_checkpoint import KINDS, MODEL_DIR, start_rank_server, write_checkpoint
 from tests import layouts
+
+# Property tests judge inputs, not speed: a shared or busy machine (CI's two cores, fixture
+# writers running beside them) must not fail them on time.
+hypothesis_settings.register_profile(
+    "ckpttool", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+hypothesis_settings.load_profile("ckpttool")
 
 MakeCheckpoint = Callable[..., Path]
 
@@ -107,3 +115,15 @@ def lora_ckpts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def dcp_options(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``dcp.save`` with FileSystemWriter's options (:func:`tests.layouts.write_dcp_options`)."""
     return layouts.write_dcp_options(tmp_path_factory.mktemp("dcp_options"))
+
+
+@pytest.fixture(scope="session")
+def megatron_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Megatron-Core torch_dist runs written by megatron-core itself on 2 gloo ranks
+    (:mod:`tests.megatron_layouts`), one directory per variant, each with its
+    ``reference.pt`` and ``config.json``; skipped where megatron-core is not installed."""
+    from tests import megatron_layouts
+
+    if not megatron_layouts.MEGATRON:
+        pytest.skip("megatron-core is not installed")
+    return megatron_layouts.write_runs(tmp_path_factory.mktemp("megatron"))

@@ -25,13 +25,22 @@ import torch
 from tests.fsdp2_ranks import run_on_ranks
 
 FAMILIES = ("llama3", "qwen3", "qwen3-moe")
+# MoE families whose Hugging Face models torchtitan's own forward is not compared with (gpt-oss'
+# attention sinks and sliding windows, DeepSeek-V3's latent attention): checked against
+# torchtitan's to_hf and transformers' own names and shapes.
+MORE_FAMILIES = ("deepseek-v3", "gpt-oss")
 NAME_MAP = {"llama3": "torchtitan-llama3", "qwen3": "torchtitan-qwen3",
-            "qwen3-moe": "torchtitan-qwen3"}
+            "qwen3-moe": "torchtitan-qwen3", "deepseek-v3": "torchtitan-deepseek-v3",
+            "gpt-oss": "torchtitan-gpt-oss"}
 REFERENCE = "reference.pt"
 STEP_DIR = "checkpoint/step-1"
 SEED = 1234
 VOCAB, DIM, LAYERS, HEADS, KV_HEADS, FFN = 128, 64, 2, 4, 2, 96
 QWEN_HEAD_DIM, EXPERTS, TOP_K, MOE_FFN = 32, 4, 2, 48
+# DeepSeek-V3's latent attention: kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+KV_LORA, QK_NOPE, QK_ROPE, V_HEAD = 16, 8, 4, 8
+# gpt-oss: torchtitan's attention (64 heads of 64, 8 KV heads) with a tiny expert width
+GPT_OSS_HEADS, GPT_OSS_KV_HEADS, GPT_OSS_HEAD_DIM, GPT_OSS_FFN = 64, 8, 64, 24
 MAX_SEQ = 64
 
 
@@ -42,6 +51,8 @@ def model_config(family: str) -> Any:
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     config = _model_config(family)
+    if family in MORE_FAMILIES:  # never run forward here: keep their own attention
+        return config
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return config
@@ -49,6 +60,42 @@ def model_config(family: str) -> Any:
 
 def _model_config(family: str) -> Any:
     from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
+
+    if family == "deepseek-v3":
+        from torchtitan.models import deepseek_v3 as ds
+
+        layers = ds._build_dsv3_layers(
+            n_layers=LAYERS, n_dense_layers=1, dim=DIM, n_heads=HEADS, q_lora_rank=0,
+            kv_lora_rank=KV_LORA, qk_nope_head_dim=QK_NOPE, qk_rope_head_dim=QK_ROPE,
+            v_head_dim=V_HEAD, mscale=0.7, dense_hidden_dim=FFN, moe_hidden_dim=MOE_FFN,
+            num_experts=EXPERTS, num_shared_experts=1, router_top_k=TOP_K,
+            router_score_func="softmax", attn_backend="flex", moe_comm_backend="standard",
+            non_blocking_capacity_factor=None,
+            rope=ComplexRoPE.Config(dim=QK_ROPE, max_seq_len=MAX_SEQ, theta=10000.0))
+        return ds.DeepSeekV3Model.Config(
+            vocab_size=VOCAB, dim=DIM,
+            tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
+                                            param_init=ds._EMBEDDING_INIT),
+            norm=RMSNorm.Config(normalized_shape=DIM, param_init=ds._NORM_INIT),
+            lm_head=Linear.Config(in_features=DIM, out_features=VOCAB,
+                                  param_init=ds._output_linear_init(DIM)),
+            layers=layers, mtp_layers=[])
+    if family == "gpt-oss":
+        from torchtitan.models import gpt_oss as go
+
+        return go.GptOssModel.Config(
+            vocab_size=VOCAB, dim=DIM,
+            tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
+                                            param_init=go._EMBEDDING_INIT),
+            norm=RMSNorm.Config(normalized_shape=DIM, param_init=go._NORM_INIT),
+            lm_head=Linear.Config(in_features=DIM, out_features=VOCAB,
+                                  param_init=go._output_linear_init(DIM)),
+            layers=go._build_gptoss_layers(
+                fuse_qkv=True, dim=DIM, n_layers=LAYERS, hidden_dim=GPT_OSS_FFN,
+                num_experts=EXPERTS, top_k=TOP_K, load_balance_coeff=1e-3,
+                attn_backend="flex", moe_comm_backend="standard",
+                rope=CosSinRoPE.Config(dim=GPT_OSS_HEAD_DIM, max_seq_len=MAX_SEQ,
+                                       theta=150000.0)))
 
     if family == "llama3":
         from torchtitan.models import llama3
@@ -110,7 +157,13 @@ def build(family: str, *, expert_bias: bool = False) -> torch.nn.Module:
 
 def hf_config(family: str) -> dict[str, Any]:
     """config.json of the same model, as transformers writes it."""
-    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        DeepseekV3Config,
+        GptOssConfig,
+        LlamaConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=LAYERS,
                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
@@ -123,6 +176,22 @@ def hf_config(family: str) -> dict[str, Any]:
             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 8192})
+    elif family == "deepseek-v3":
+        config = DeepseekV3Config(
+            vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS, num_key_value_heads=HEADS, intermediate_size=FFN,
+            moe_intermediate_size=MOE_FFN, n_routed_experts=EXPERTS, n_shared_experts=1,
+            num_experts_per_tok=TOP_K, first_k_dense_replace=1, n_group=1, topk_group=1,
+            q_lora_rank=None, kv_lora_rank=KV_LORA, qk_nope_head_dim=QK_NOPE,
+            qk_rope_head_dim=QK_ROPE, v_head_dim=V_HEAD, tie_word_embeddings=False,
+            rope_interleave=True, dtype="float32")
+    elif family == "gpt-oss":
+        config = GptOssConfig(
+            vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=LAYERS,
+            num_attention_heads=GPT_OSS_HEADS, num_key_value_heads=GPT_OSS_KV_HEADS,
+            head_dim=GPT_OSS_HEAD_DIM, intermediate_size=GPT_OSS_FFN,
+            num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, tie_word_embeddings=False,
+            layer_types=["sliding_attention", "full_attention"], dtype="float32")
     elif family == "qwen3":
         config = Qwen3Config(
             **common, intermediate_size=FFN, head_dim=QWEN_HEAD_DIM, rms_norm_eps=1e-6,
@@ -136,7 +205,9 @@ def hf_config(family: str) -> dict[str, Any]:
             mlp_only_layers=[],
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     config.architectures = [{"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                             "qwen3-moe": "Qwen3MoeForCausalLM"}[family]]
+                             "qwen3-moe": "Qwen3MoeForCausalLM",
+                             "deepseek-v3": "DeepseekV3ForCausalLM",
+                             "gpt-oss": "GptOssForCausalLM"}[family]]
     return dict(config.to_dict())
 
 
@@ -146,6 +217,16 @@ def adapter(family: str) -> Any:
         from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
         return Llama3StateDictAdapter(model_config(family), None)
+    if family == "deepseek-v3":
+        from torchtitan.models.deepseek_v3.state_dict_adapter import (
+            DeepSeekV3StateDictAdapter,
+        )
+
+        return DeepSeekV3StateDictAdapter(model_config(family), None)
+    if family == "gpt-oss":
+        from torchtitan.models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
+
+        return GptOssStateDictAdapter(model_config(family), None)
     from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
     return Qwen3StateDictAdapter(model_config(family), None)

@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import sys
+import warnings
 from typing import Annotated
 
 import typer
@@ -30,10 +31,20 @@ app = typer.Typer(
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-app.command("merge", epilog=MERGE_EPILOG)(merge_command)
-app.command("reshard", epilog=RESHARD_EPILOG)(reshard_command)
-app.command("inspect", epilog=INSPECT_EPILOG)(inspect_command)
-app.command("verify", epilog=VERIFY_EPILOG)(verify_command)
+# short_help: the command list shows these whole (else a docstring is cut mid-sentence).
+app.command("merge", epilog=MERGE_EPILOG,
+            short_help="Merge a checkpoint (any format) into Hugging Face safetensors.")(
+    merge_command)
+app.command("reshard", epilog=RESHARD_EPILOG,
+            short_help="Change a checkpoint's ranks, shard size or format.")(reshard_command)
+app.command("inspect", epilog=INSPECT_EPILOG,
+            short_help="Show what a checkpoint holds.")(inspect_command)
+app.command("verify", epilog=VERIFY_EPILOG,
+            short_help="Check a checkpoint is whole; compare it with another.")(verify_command)
+
+# torch built without numpy warns "Failed to initialize NumPy" (two lines) when imported;
+# ckpttool needs no numpy from torch, so the warning says nothing to a ckpttool user.
+NUMPY_WARNING = "Failed to initialize NumPy"
 
 
 def _version(value: bool) -> None:
@@ -50,6 +61,8 @@ def _root(
                                           help="Show the version and exit.")] = False,
 ) -> None:
     """Merge, inspect, verify and reshard sharded PyTorch (FSDP / DCP) checkpoints."""
+    # Every command imports torch lazily, after this: the filter covers each import.
+    warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)
 
 
 def main() -> None:
@@ -66,6 +79,11 @@ def main() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_sigint)
+    if os.environ.get("_CKPTTOOL_COMPLETE"):
+        # A shell asks for completions: Typer renders each description with rich, which wraps
+        # it at the terminal width (80 columns when not a terminal), and fish and zsh cut a
+        # description at the first newline. Each shell fits the one line to its own width.
+        os.environ["COLUMNS"] = "100000"
     code: int | str | None = 0
     try:
         app(prog_name="ckpttool")

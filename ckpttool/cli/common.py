@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from ckpttool import settings
 from ckpttool.errors import CkptError, UnreadableError
 from ckpttool.formats.codecs import dtypes
 
@@ -23,9 +27,54 @@ EXIT_UNSUPPORTED = 4
 EXIT_INTERRUPTED = 130
 EXIT_BUG = 70
 
+# What each exit status means, for every command (README's table is generated from this).
+EXIT_MEANINGS: tuple[tuple[int, str], ...] = (
+    (EXIT_OK, "success (`verify`: nothing at error severity)"),
+    (EXIT_PROBLEMS, "`verify` found something at error severity"),
+    (EXIT_USAGE, "usage error: unknown option, bad value, options that do not go together"),
+    (EXIT_INPUT, "bad input or output: missing path, not a checkpoint, truncated, corrupt or "
+                 "unsafe file, unreadable file, output exists, no space"),
+    (EXIT_UNSUPPORTED, "a valid checkpoint using something not supported yet, or a library it "
+                       "needs that is not installed (torch, zstandard, boto3)"),
+    (EXIT_BUG, "internal error: a bug in ckpttool (traceback shown; please report it)"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C); temporary files removed, except the finished "
+                       "pieces of a large merge, which the same command resumes from"),
+)
+
+
+# Characters a terminal acts on instead of showing: C0 and C1 controls and DEL (ESC sequences
+# clear the screen or set the window title, CR and LF forge lines), and the bidirectional
+# controls that reorder what is shown (U+202E), with the line and paragraph separators.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029"
+                          "\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` for a terminal: every control or bidi character written as its Python escape
+    (``\\x1b``, ``\\n``, ``\\u202e``), so a tensor name or file name from a checkpoint can
+    neither run terminal commands nor forge a line. JSON output is never escaped this way: it
+    stays exact."""
+    return _UNPRINTABLE.sub(_escape, text)
+
+
+def _escape(m: re.Match[str]) -> str:
+    return repr(m.group())[1:-1]
+
+
+def printable_doc(doc: Any) -> Any:
+    """A report document (``to_json()``) with every string, key and value, made
+    :func:`printable`, for the human renderers."""
+    if isinstance(doc, str):
+        return printable(doc)
+    if isinstance(doc, dict):
+        return {printable_doc(k): printable_doc(v) for k, v in doc.items()}
+    if isinstance(doc, list | tuple):
+        return type(doc)(printable_doc(v) for v in doc)
+    return doc
+
 
 def err(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    print(printable(message), file=sys.stderr, flush=True)
 
 
 @contextmanager
@@ -34,7 +83,7 @@ def exit_codes() -> Iterator[None]:
     ``CKPTTOOL_DEBUG=1``); unexpected exceptions are bugs: traceback and exit 70. A file this
     user may not read (exit 3) and a missing torch (exit 4) are never bugs, wherever they
     surface."""
-    debug = os.environ.get("CKPTTOOL_DEBUG") == "1"
+    debug = settings.debug()
     try:
         yield
     except CkptError as e:
@@ -43,7 +92,8 @@ def exit_codes() -> Iterator[None]:
         err(f"ckpttool: error: {e}")
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
-        err("ckpttool: interrupted; temporary output files were removed")
+        err("ckpttool: interrupted; no incomplete output was put in place (the same merge "
+            "command resumes a large one from the pieces it finished)")
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except (typer.Exit, typer.Abort, typer.BadParameter):
         raise
@@ -62,6 +112,29 @@ def exit_codes() -> Iterator[None]:
         raise typer.Exit(EXIT_UNSUPPORTED) from None
     except Exception:  # noqa: BLE001 - anything else is our bug, reported as one
         raise _bug() from None
+
+
+@contextmanager
+def removes_new_dirs(out: str) -> Iterator[None]:
+    """A command that fails (an error, Ctrl-C) leaves no empty output directory that it
+    created: ``out`` and the parents it lacked are removed again where they are still empty.
+    A directory that was there before, or holds anything (a slice's temporary files, another
+    process's output), is left alone. Not for URLs."""
+    missing: list[Path] = []
+    if "://" not in out:
+        p = Path(out).absolute()
+        while not os.path.lexists(p) and p != p.parent:
+            missing.append(p)
+            p = p.parent
+    try:
+        yield
+    except BaseException:
+        for d in missing:  # deepest first
+            try:
+                d.rmdir()
+            except OSError:  # not empty (or gone): what is there is not ours to remove
+                break
+        raise
 
 
 def _bug() -> typer.Exit:
@@ -96,6 +169,76 @@ JsonOutput = Annotated[bool, typer.Option(
 Workers = Annotated[int | None, typer.Option(
     min=1, metavar="N", help="Threads reading (and writing) data in parallel (default: the CPUs "
     "this process may use).")]
+
+
+def completer(*choices: tuple[str, str]) -> Callable[[str], list[tuple[str, str]]]:
+    """An ``autocompletion=`` function for an option's values: the choices that begin with
+    what was typed, each with a one-line description (shells show it beside the value)."""
+
+    def complete(incomplete: str) -> list[tuple[str, str]]:
+        return [(value, about) for value, about in choices if value.startswith(incomplete)]
+
+    return complete
+
+
+# --dtype's values (dtypes.CHOICES, in its order; a test keeps them equal) with descriptions.
+DTYPE_VALUES = (("auto", "config.json's torch_dtype"), ("keep", "as stored"),
+                ("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32"))
+complete_dtype = completer(*DTYPE_VALUES)
+complete_expect_dtype = completer(*(v for v in DTYPE_VALUES if v[0] != "keep"))
+
+
+Verbose = Annotated[bool, typer.Option(
+    "--verbose", "-v", help="Also print, on stderr: the checkpoint and the side files used, "
+    "what was planned, and the time each phase took (planning, then moving the bytes).")]
+
+
+def quiet_or_verbose(quiet: bool, verbose: bool) -> None:
+    """-q and -v together is a usage error (exit 2): one asks for less, the other for more."""
+    if quiet and verbose:
+        raise typer.BadParameter("pass one of --quiet and --verbose", param_hint="--verbose")
+
+
+class Phases:
+    """The wall time of a command's two phases, taken from the library's ``on_start`` call:
+    planning (recognising the checkpoint, reading its metadata, the checks, the plan, importing
+    torch where needed) until the first byte, then moving the bytes. For ``--verbose``."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.began = time.perf_counter()
+        self.started: float | None = None
+        self.total = 0
+
+    def callbacks(self, on_start: Callable[[int], None] | None,
+                  progress: Callable[[int], None] | None
+                  ) -> tuple[Callable[[int], None] | None, Callable[[int], None] | None]:
+        """(on_start, progress) for the library: ``on_start`` also noted here."""
+        if not self.enabled:
+            return on_start, progress
+
+        def start(total: int) -> None:
+            self.started, self.total = time.perf_counter(), total
+            if on_start is not None:
+                on_start(total)
+
+        return start, progress
+
+    def line(self, doing: str, idle: str = "reading metadata only") -> str:
+        """``timings: planning 0.42 s, writing 1.20 s (2.50 GB/s); 1.62 s in all``."""
+        end = time.perf_counter()
+        if self.started is None:  # nothing moved: metadata only, or a dry run
+            return f"timings: {end - self.began:.2f} s in all, {idle}"
+        moving = end - self.started
+        rate = f" ({human_bytes(int(self.total / moving))}/s)" if moving > 0 else ""
+        return (f"timings: planning {self.started - self.began:.2f} s, {doing} {moving:.2f} s"
+                f"{rate}; "
+                f"{end - self.began:.2f} s in all")
+
+
+def verbose_lines(lines: list[str]) -> None:
+    for line in lines:
+        err(f"ckpttool: {line}")
 
 
 def dtype_choice(value: str | None) -> str | None:
@@ -155,19 +298,52 @@ def human_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-class ProgressBar:
-    """A rich progress bar on stderr, shown only when stderr is a terminal; on a dumb terminal
-    (``TERM=dumb``: no cursor control) a plain line every tenth of the way instead."""
+# Below this terminal width the progress line drops the transfer columns (sizes, speed):
+# rich wraps a line wider than the terminal into two rows, redrawn on every refresh.
+NARROW_COLUMNS = 72
 
-    def __init__(self, description: str, enabled: bool) -> None:
-        self.enabled = enabled and sys.stderr.isatty()
+
+class ProgressBar:
+    """A rich progress display on stderr, shown only when stderr is a terminal; on a dumb
+    terminal (``TERM=dumb``: no cursor control) a plain line every tenth of the way instead.
+
+    :meth:`begin` shows "planning" with the time spent (recognising the checkpoint, reading
+    its metadata, importing torch: seconds before the first byte moves, which a bar at 0%
+    would not explain); the library's ``on_start`` then turns it into the bar. The bar fits
+    the terminal: below :data:`NARROW_COLUMNS` columns it keeps the bar, the percentage and
+    the time left."""
+
+    def __init__(self, description: str, enabled: bool, *, console: Any = None) -> None:
+        self.enabled = enabled and (sys.stderr.isatty() if console is None
+                                    else console.is_terminal)
         self.plain = os.environ.get("TERM") == "dumb"
         self.description = description
+        self._console = console
         self._progress: Any = None
         self._task: Any = None
         self._total = 0
         self._done = 0
         self._shown = 0  # tenths reported so far
+
+    def _make(self, *columns: Any) -> Any:
+        from rich.console import Console
+        from rich.progress import Progress
+
+        if self._console is None:
+            self._console = Console(stderr=True)
+        progress = Progress(*columns, console=self._console, transient=True)
+        progress.start()
+        return progress
+
+    def begin(self) -> None:
+        """Show the planning phase (nothing is known of the size yet)."""
+        if not self.enabled or self.plain:
+            return
+        from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self._progress = self._make(SpinnerColumn(), TextColumn("{task.description}"),
+                                    TimeElapsedColumn())
+        self._task = self._progress.add_task(f"{self.description}: planning", total=None)
 
     def start(self, total: int) -> None:
         if not self.enabled:
@@ -175,27 +351,33 @@ class ProgressBar:
         if self.plain:
             self._total = total
             return
-        from rich.console import Console
         from rich.progress import (
             BarColumn,
             DownloadColumn,
-            Progress,
+            TaskProgressColumn,
             TextColumn,
             TimeRemainingColumn,
             TransferSpeedColumn,
         )
 
-        self._progress = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-            console=Console(stderr=True),
-            transient=True,
-        )
-        self._progress.start()
+        self.stop()  # the planning line
+        width = self._width()
+        if width < NARROW_COLUMNS:
+            columns: tuple[Any, ...] = (
+                TextColumn("{task.description}"), BarColumn(bar_width=None),
+                TaskProgressColumn(), TimeRemainingColumn())
+        else:
+            columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                       TransferSpeedColumn(), TimeRemainingColumn())
+        self._progress = self._make(*columns)
         self._task = self._progress.add_task(self.description, total=total)
+
+    def _width(self) -> int:
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(stderr=True)
+        return int(self._console.width)
 
     def advance(self, n: int) -> None:
         if self._progress is not None:
@@ -212,6 +394,19 @@ class ProgressBar:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+    def rendered(self) -> str:
+        """The progress line as drawn now (for tests)."""
+        if self._progress is None:
+            return ""
+        import io
+
+        from rich.console import Console
+
+        out = io.StringIO()
+        Console(file=out, width=self._width(), color_system=None).print(
+            self._progress.make_tasks_table(self._progress.tasks))
+        return out.getvalue()
 
     @property
     def callbacks(self) -> tuple[Callable[[int], None] | None, Callable[[int], None] | None]:

@@ -11,7 +11,9 @@ from ckpttool.cli.common import (
     FollowLinks,
     JsonOutput,
     NoProgress,
+    Phases,
     ProgressBar,
+    Verbose,
     Workers,
     count,
     epilog,
@@ -19,6 +21,9 @@ from ckpttool.cli.common import (
     human_bytes,
     lora_line,
     print_json,
+    printable_doc,
+    quiet_or_verbose,
+    verbose_lines,
 )
 
 EPILOG = epilog([
@@ -51,13 +56,17 @@ def inspect_command(
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="Print nothing but errors: the exit code says whether PATH is a "
         "checkpoint ckpttool reads.")] = False,
+    verbose: Verbose = False,
 ) -> None:
     """Show what a checkpoint holds: format, parts, tensors, dtypes, sizes, ties."""
     from ckpttool.core.inspect import inspect
 
+    quiet_or_verbose(quiet, verbose)
+    phases = Phases(verbose)
     bar = ProgressBar("reading", enabled=stats and not quiet and not no_progress)
-    on_start, progress = bar.callbacks
+    on_start, progress = phases.callbacks(*bar.callbacks)
     with exit_codes():
+        bar.begin()
         try:
             report = inspect(path, filter=filter, stats=stats, config=config,
                              follow_links=follow_links, workers=workers, progress=progress,
@@ -67,13 +76,18 @@ def inspect_command(
         if json_output:
             print_json(report.to_json())
         elif not quiet:
-            print(render(report.to_json()))
+            print(render(printable_doc(report.to_json())))
+        if verbose:
+            verbose_lines([f"read {report.checkpoint} ({report.format})",
+                           phases.line("reading values")])
 
 
 def render(doc: dict[str, Any]) -> str:
     """The human report: a summary block, then the tensor table."""
-    lines = [f"{doc['format']} checkpoint {doc['checkpoint']}"
-             + (f" ({doc['kind']})" if doc["format"] != "none" else "")]
+    if doc["format"] == "none":  # a directory of several checkpoints: none chosen
+        lines = [f"{doc['path']}: a directory of several checkpoints (see the note)"]
+    else:
+        lines = [f"{doc['format']} checkpoint {doc['checkpoint']} ({doc['kind']})"]
     if doc["checkpoint"] != doc["path"]:
         lines[0] += f", found in {doc['path']}"
     if doc["parts"]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -11,15 +12,23 @@ from ckpttool.cli.common import (
     FollowLinks,
     JsonOutput,
     NoProgress,
+    Phases,
     ProgressBar,
+    Verbose,
     Workers,
+    count,
     epilog,
     err,
     exit_codes,
     human_bytes,
     print_json,
+    printable,
+    quiet_or_verbose,
+    removes_new_dirs,
     size_option,
+    verbose_lines,
 )
+from ckpttool.storage.outputs import take_stale_notes
 
 EPILOG = epilog([
     "ckpttool reshard ckpt/pytorch_model_fsdp_0 ckpt8/pytorch_model_fsdp_0 --ranks 8",
@@ -56,13 +65,17 @@ def reshard_command(
     json_output: JsonOutput = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")
                      ] = False,
+    verbose: Verbose = False,
 ) -> None:
     """Change how a checkpoint is split: ranks, shard size or format, byte for byte."""
     from ckpttool.core.reshard import reshard
 
+    quiet_or_verbose(quiet, verbose)
+    phases = Phases(verbose)
     bar = ProgressBar("resharding", enabled=not quiet and not no_progress)
-    on_start, progress = bar.callbacks
-    with exit_codes():
+    on_start, progress = phases.callbacks(*bar.callbacks)
+    with exit_codes(), removes_new_dirs(out):
+        bar.begin()
         try:
             report = reshard(src, out, ranks=ranks, to=to.value, prefix=prefix,
                              max_shard_size=max_shard_size, overwrite=overwrite,
@@ -70,17 +83,26 @@ def reshard_command(
                              on_start=on_start)
         finally:
             bar.stop()
+            for note in take_stale_notes():  # a killed run's leftovers, now removed
+                err(f"ckpttool: warning: {note}")
         if not quiet:
             for w in report.warnings:
                 err(f"ckpttool: warning: {w}")
         if json_output:
             print_json(report.to_json())
         elif not quiet:
-            layout = f"{report.ranks} ranks" if report.ranks else "safetensors"
-            print(f"resharded {report.src} ({report.format_in}) -> {report.out} ({layout}) in "
-                  f"{report.seconds:.1f} s")
-            print(f"  {report.num_tensors} tensors, {human_bytes(report.total_bytes)}"
+            layout = count(report.ranks, "rank") if report.ranks else "safetensors"
+            print(printable(f"resharded {report.checkpoint} ({report.format_in}) -> "
+                            f"{report.out} ({layout}) in {report.seconds:.1f} s"))
+            if report.checkpoint != report.src:
+                print(printable(f"  used {Path(report.checkpoint).name}, found in {report.src}"))
+            print(f"  {count(report.num_tensors, 'tensor')}, {human_bytes(report.total_bytes)}"
                   + (f", {report.num_objects} non-tensor entries copied" if report.num_objects
                      else ""))
             for f in report.files:
-                print(f"  wrote {f['name']}: {human_bytes(f['bytes'])}")
+                print(printable(f"  wrote {f['name']}: {human_bytes(f['bytes'])}"))
+        if verbose:
+            verbose_lines([f"read {report.checkpoint} ({report.format_in})",
+                           f"plan: {count(report.num_tensors, 'tensor')}, "
+                           f"{human_bytes(report.total_bytes)} into {len(report.files)} files",
+                           phases.line("writing")])

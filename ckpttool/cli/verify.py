@@ -12,14 +12,21 @@ from ckpttool.cli.common import (
     FollowLinks,
     JsonOutput,
     NoProgress,
+    Phases,
     ProgressBar,
+    Verbose,
     Workers,
+    complete_dtype,
+    complete_expect_dtype,
     count,
     dtype_choice,
     epilog,
     exit_codes,
     human_bytes,
     print_json,
+    printable_doc,
+    quiet_or_verbose,
+    verbose_lines,
 )
 
 EPILOG = epilog([
@@ -45,10 +52,12 @@ def verify_command(
         "--allow-cast", help="With --against: compare after the cast that --dtype would apply "
         "(NaN equals NaN after a cast).")] = False,
     dtype: Annotated[str | None, typer.Option(
-        callback=dtype_choice, metavar="DTYPE", help="With --allow-cast: the --dtype given to "
+        callback=dtype_choice, autocompletion=complete_dtype, metavar="DTYPE",
+        help="With --allow-cast: the --dtype given to "
         "merge (default auto: config.json's torch_dtype).")] = None,
     expect_dtype: Annotated[str | None, typer.Option(
-        callback=dtype_choice, metavar="DTYPE", help="Floating tensors of another dtype are "
+        callback=dtype_choice, autocompletion=complete_expect_dtype, metavar="DTYPE",
+        help="Floating tensors of another dtype are "
         "errors (auto: config.json's torch_dtype; also spelled bfloat16, float16, float32). "
         "Float8, integer and bool tensors are reported apart.")
     ] = None,
@@ -66,10 +75,13 @@ def verify_command(
     json_output: JsonOutput = False,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="Print only errors and the summary line.")] = False,
+    verbose: Verbose = False,
 ) -> None:
     """Check that a checkpoint is whole and sane; compare it with another."""
     from ckpttool.core.verify.operation import verify
 
+    quiet_or_verbose(quiet, verbose)
+    phases = Phases(verbose)
     if write_manifest is not None and check_manifest is not None:
         raise typer.BadParameter("pass one of --write-manifest and --check-manifest",
                                  param_hint="--write-manifest")
@@ -82,8 +94,9 @@ def verify_command(
     if allow_cast and against is None:
         raise typer.BadParameter("needs --against OTHER", param_hint="--allow-cast")
     bar = ProgressBar("verifying", enabled=not quiet and not no_progress)
-    on_start, progress = bar.callbacks
+    on_start, progress = phases.callbacks(*bar.callbacks)
     with exit_codes():
+        bar.begin()
         try:
             report = verify(path, against=against, allow_cast=allow_cast,
                             dtype=dtype,
@@ -98,7 +111,11 @@ def verify_command(
         if json_output:
             print_json(doc)
         else:
-            print(render(doc, quiet=quiet))
+            print(render(printable_doc(doc), quiet=quiet))
+        if verbose:
+            verbose_lines([f"read {report.checkpoint} ({report.format})",
+                           f"checks: {', '.join(report.checks)}",
+                           phases.line("reading")])
         if not report.ok:
             raise typer.Exit(EXIT_PROBLEMS)
 

@@ -20,6 +20,7 @@ from typing import Any
 from ckpttool.core import dtype_policy, ties
 from ckpttool.core.checkpoint import hf, names, non_tensor
 from ckpttool.core.checkpoint import tensors as tensor_io
+from ckpttool.core.checkpoint.copies import model_copies
 from ckpttool.core.checkpoint.discover import (
     Box,
     Checkpoint,
@@ -36,6 +37,7 @@ from ckpttool.core.transforms import lora
 from ckpttool.errors import CkptError, InputError
 from ckpttool.formats.base import ChunkColumns, Reader, Tensor
 from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.storage.store import LOCAL, Stores
 
 # Problem codes meaning the metadata itself could not be read: inspect stops on them.
 _UNREADABLE_METADATA = frozenset({"header-corrupt", "missing-file"})
@@ -317,6 +319,7 @@ def inspect(
     workers: int | None = None,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
+    stores: Stores = LOCAL,
 ) -> InspectReport:
     """Describe the checkpoint at ``path`` from its metadata (and, with ``stats``, its data).
 
@@ -339,7 +342,7 @@ def inspect(
         UnsupportedError: a format or layout ckpttool does not read yet.
     """
     started = time.perf_counter()
-    ckpt = discover(path, config=config, require=False)
+    ckpt = discover(path, config=config, require=False, stores=stores)
     report = InspectReport(path=str(ckpt.path), checkpoint=str(ckpt.root), format=ckpt.format,
                            kind=ckpt.kind, filter=filter, stats=stats)
     report.parts = list(ckpt.parts)
@@ -350,6 +353,9 @@ def inspect(
     report.summary = summary(ckpt)
     report.contents = [c.to_json() for c in ckpt.contents()]
     report.notes += list(ckpt.side_notes)
+    copies = model_copies(ckpt)
+    if copies is not None:
+        report.notes.append(copies.message("inspect"))
     report.notes += [p.message for p in ckpt.info.problems if p.code == "tensors-unplaced"]
     layout, adapter_config, lora_problems = lora.adapter_of(
         select(ckpt, ckpt.kind) if ckpt.has_part(ckpt.kind) else ckpt)

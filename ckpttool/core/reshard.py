@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttool.core.checkpoint import structure, tensors
+from ckpttool.core.checkpoint import hf, structure, tensors
 from ckpttool.core.checkpoint.discover import Checkpoint, discover, open_reader
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import SCHEMA, Progress, locked
 from ckpttool.core.runtime.torch_threads import default_workers, workers_for
-from ckpttool.errors import InputError, OutputError
+from ckpttool.errors import InputError, OutputError, UsageError
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Reader, Tensor
 from ckpttool.formats.dcp import reader as dcp
@@ -42,6 +42,7 @@ from ckpttool.storage.outputs import (
     pwrite_all,
     remove_stale,
 )
+from ckpttool.storage.store import LOCAL, Stores
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class ReshardReport:
     total_bytes: int = 0
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    checkpoint: str = ""  # the checkpoint read: SRC, or the one found in it (checkpoint-500/)
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "command": "reshard", **self.__dict__}
@@ -121,6 +123,7 @@ def reshard(
     workers: int | None = None,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
+    stores: Stores = LOCAL,
 ) -> ReshardReport:
     """Rewrite the checkpoint at ``src`` into ``out`` with another split.
 
@@ -146,24 +149,25 @@ def reshard(
     src_path, out_path = Path(src), Path(out)
     target = (to or "dcp").lower()
     if target not in ("dcp", "safetensors"):
-        raise InputError(f"unknown --to '{to}'; use dcp or safetensors")
+        raise UsageError(f"unknown --to '{to}'; use dcp or safetensors")
     if ranks is not None and ranks < 1:
-        raise InputError(f"--ranks must be at least 1, got {ranks}")
-    ckpt = discover(src_path, command="reshard")
+        raise UsageError(f"--ranks must be at least 1, got {ranks}")
+    ckpt = discover(src_path, command="reshard", stores=stores)
     assert ckpt.info is not None
     info = ckpt.info
     check_apart(out_path, src_path, info.root)
     structure.raise_first(structure.check(info, ckpt.canonical()))
-    report = ReshardReport(str(src_path), str(out_path), info.format, target)
+    report = ReshardReport(str(src_path), str(out_path), info.format, target,
+                           checkpoint=str(info.root))
     if target == "safetensors" and info.sharded:
         raise InputError(f"{src_path}: --to safetensors re-splits full weights; to turn a "
                          f"sharded checkpoint into safetensors run: ckpttool merge {src_path} "
                          f"{out_path}")
     if target == "dcp" and info.sharded and ranks is None:
-        raise InputError("DCP to DCP needs --ranks M (the number of ranks to lay the "
+        raise UsageError("DCP to DCP needs --ranks M (the number of ranks to lay the "
                          "checkpoint out for)")
     if target == "dcp" and info.sharded and prefix is not None:
-        raise InputError("--prefix applies to full weights; a DCP source keeps its keys")
+        raise UsageError("--prefix applies to full weights; a DCP source keeps its keys")
     n_workers = workers_for(workers or default_workers(),
                             nbytes=sum(t.nbytes for t in ckpt.tensors),
                             chunks=sum(len(t.tensor.chunks) for t in ckpt.tensors))
@@ -309,7 +313,7 @@ def _to_safetensors(ckpt: Checkpoint, reader: Reader, out: Path, max_shard_size:
         if index is not None:
             outputs.write_bytes(st.INDEX_NAME, index)
         for path in hf_files:
-            outputs.write_bytes(path.name, path.read_bytes())
+            outputs.write_bytes(path.name, hf.read_side_file(path, ckpt.hf.roots))
         keep = {f.name for f in files} | hf_names
         if index is not None:
             keep.add(st.INDEX_NAME)
@@ -329,7 +333,7 @@ def _copy_tensor(reader: Reader, t: Tensor, fd: int, offset: int) -> None:
     if chunk is not None and chunk.sizes == t.shape:
         payload = reader.payload(t, chunk)
         if payload.start is not None:
-            reader.store.copy_to(payload.file, payload.start, fd, offset, t.nbytes)
+            reader.copy_to(payload.file, payload.start, fd, offset, t.nbytes)
             return
     for start, block in tensors.blocks(reader, t):
         pwrite_all(fd, block, offset + start * t.dtype.itemsize)

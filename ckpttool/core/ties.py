@@ -4,11 +4,16 @@ config (whether the two copies are bit-identical is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Protocol
+import contextlib
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ckpttool.core.checkpoint import hf
-from ckpttool.formats.base import Problem, error, info
+from ckpttool.core.checkpoint import hf, tensors
+from ckpttool.core.checkpoint.discover import open_reader
+from ckpttool.core.transforms.derive import Derived
+from ckpttool.errors import InputError
+from ckpttool.formats.base import Problem, Reader, Tensor, error, info
 
 if TYPE_CHECKING:
     from ckpttool.core.checkpoint.discover import Checkpoint
@@ -92,3 +97,97 @@ def check_ties(ckpt: Checkpoint, identical: bool | None) -> list[Problem]:
                        f"'{head}'. Set tie_word_embeddings to false in {config} to keep it",
                        tensor=head)]
     return []
+
+
+@dataclass
+class TieDecision:
+    """What a merge does with the tied pair: names to drop, the report's ``tie`` section (None
+    without a pair) and warnings."""
+
+    drop: frozenset[str] = frozenset()
+    tie: dict[str, Any] | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def decide(
+    reader: Reader,
+    sources: Sequence[tuple[str, Tensor | Derived]],
+    config: dict[str, Any] | None,
+    keep_tied: bool,
+) -> TieDecision:
+    """Whether a merge writes the output embedding (``lm_head.weight``) or drops it as a tied
+    copy of the input one, as ``save_pretrained`` does: the one place that decides ties.
+
+    A copy is dropped only when the config ties word embeddings and the two are bit-identical
+    (read here, in bounded blocks), or when a LoRA fold changed the input embedding alone;
+    every other case writes both and says why where it matters.
+    """
+    by_name = dict(sources)
+    decision = TieDecision()
+    pair = find_pair(by_name)
+    if pair is None:
+        return decision
+    head, embed = pair
+    tied = hf.ties_word_embeddings(config)
+    a, b = by_name[head], by_name[embed]
+    if isinstance(a, Derived) or isinstance(b, Derived):
+        # A LoRA fold changed one of them. Tied in the config: transformers ties the output
+        # embedding to the (fused) input one on load, as PEFT's merge did to the shared
+        # weight, so one copy is written.
+        if tied and not keep_tied and isinstance(b, Derived) and not isinstance(a, Derived):
+            decision.tie = {"output": head, "input": embed, "config_ties": True,
+                            "identical": None, "action": "deduplicated (input embedding fused)"}
+            decision.drop = frozenset({head})
+            return decision
+        decision.tie = {"output": head, "input": embed, "config_ties": tied,
+                        "identical": None, "action": "both written"}
+        if tied:
+            decision.warnings.append(
+                f"config ties word embeddings but the LoRA fold changed '{head}' and not "
+                f"'{embed}' alike; both were written, but transformers will tie them on load "
+                f"and drop the folded '{head}'. Set tie_word_embeddings to false in "
+                "config.json to keep it")
+        return decision
+    same = tensors.identical(reader, a, reader, b, block_bytes=COMPARE_BLOCK)
+    decision.tie = {"output": head, "input": embed, "config_ties": tied, "identical": same}
+    if tied and same and not keep_tied:
+        decision.tie["action"] = "deduplicated"
+        decision.drop = frozenset({head})
+        return decision
+    if tied and not same:
+        decision.tie["action"] = "both written"
+        decision.warnings.append(
+            f"tie broken: config ties word embeddings but '{head}' differs from '{embed}'; both "
+            "were written, but transformers will tie them on load and drop the trained "
+            f"'{head}'. Set tie_word_embeddings to false in config.json to keep it"
+        )
+    elif tied is None and same:
+        decision.tie["action"] = "both written"
+        decision.warnings.append(
+            f"'{head}' and '{embed}' are identical and look tied, but no config.json says so; "
+            "both were written (pass --config to deduplicate)"
+        )
+    else:
+        decision.tie["action"] = "both written"
+    return decision
+
+
+
+def pair_identical(ckpt: Checkpoint, model: Checkpoint, pair: tuple[str, str],
+                   complete: Collection[str], digests: Mapping[str, str], *,
+                   follow_links: bool, block_bytes: int) -> bool | None:
+    """Whether verify's tied pair holds the same bytes: from digests where the data pass made
+    them, else compared directly; None when either could not be read whole."""
+    head, embed = pair
+    if head not in complete or embed not in complete:
+        return None
+    if head in digests and embed in digests:
+        return digests[head] == digests[embed]
+    # Compared directly (no SHA-256 of both, at 1.4 GB/s): embeddings that differ differ in
+    # their first block.
+    views = model.by_name()
+    with (open_reader(ckpt, follow_links=follow_links) as reader,
+          contextlib.suppress(InputError)):  # read once already: damage is reported
+        return tensors.identical(reader, views[head].tensor, reader, views[embed].tensor,
+                                 block_bytes=block_bytes)
+    return None

@@ -12,8 +12,14 @@ A module is a format when it has (checked by :class:`Format` and the contract te
 * ``detect(path) -> bool``: the path looks like this format, judged from names and the first
   bytes only, so that a damaged checkpoint is still claimed and ``read_info`` can say exactly
   what is wrong with it;
-* ``read_info(path) -> CheckpointInfo``: metadata and headers only, never tensor data;
-* ``open_reader(info) -> Reader``: the bytes, through a :class:`~ckpttool.storage.store.Store`.
+* ``read_info(path, *, stores) -> CheckpointInfo``: metadata and headers only, never tensor
+  data (data-file bytes it needs, such as nested records, through ``stores``);
+* ``open_reader(info, *, store) -> Reader``: the bytes, through the
+  :class:`~ckpttool.storage.store.Store` it is given.
+* ``pending(path) -> str | None``: why a checkpoint the format claims is still being written
+  (its writer's last step, e.g. DCP's ``.metadata``, has not happened yet), from names and
+  sizes only; None when nothing the format records says so. What a sweep of a training run
+  (``merge --all``) waits for instead of merging half a checkpoint.
 
 Nothing here names a format.
 """
@@ -31,7 +37,7 @@ from typing import Any, Protocol
 from ckpttool.errors import InputError
 from ckpttool.formats.codecs import torchsave
 from ckpttool.formats.codecs.dtypes import DType
-from ckpttool.storage.store import Store, open_store
+from ckpttool.storage.store import LOCAL, Capabilities, LocalStore, Store, Stores, read_blocks
 
 # How a chunk's bytes are stored (Chunk.encoding).
 RAW = "raw"  # the chunk's elements in C order, exactly ``length`` bytes at ``offset``
@@ -430,7 +436,10 @@ class Reader:
 
     def __init__(self, info: CheckpointInfo, store: Store | None = None) -> None:
         self.info = info
-        self.store = store or open_store(info.base, metadata_name=info.metadata_name)
+        # Given by the caller (core opens it for the checkpoint's place); a local directory
+        # otherwise (a library caller reading a local checkpoint).
+        self.store: Store = store if store is not None else LocalStore(
+            info.base, metadata_name=info.metadata_name)
 
     def __enter__(self) -> Reader:
         return self
@@ -447,6 +456,35 @@ class Reader:
 
     def where(self, file: str, offset: int, what: str) -> str:
         return f"{self.store.path(file)} at byte {offset} ({what})"
+
+    # -- bytes, for core (which reaches a store only through these)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the store under this reader does well (planned reads, local files)."""
+        return self.store.capabilities
+
+    def path(self, file: str) -> Path:
+        """Where ``file`` is, for messages."""
+        return self.store.path(file)
+
+    def plan_reads(self, reads: list[tuple[str, int, int]]) -> None:
+        """The ``(file, offset, size)`` ranges about to be read, in that order: object
+        storage fetches them coalesced and ahead; a local store ignores it."""
+        self.store.plan_reads(reads)
+
+    def read_exact(self, file: str, offset: int, size: int, *, what: str) -> bytes:
+        return self.store.read_exact(file, offset, size, what=what)
+
+    def copy_to(self, file: str, offset: int, dst_fd: int, dst_offset: int, size: int
+                ) -> None:
+        """Copy stored bytes into an open output file (in the kernel for local files)."""
+        self.store.copy_to(file, offset, dst_fd, dst_offset, size)
+
+    def blocks(self, file: str, offset: int, size: int, buf: memoryview, *,
+               mapped: bool = True) -> Iterator[memoryview]:
+        """Stored bytes in consecutive blocks (:func:`~ckpttool.storage.store.read_blocks`)."""
+        return read_blocks(self.store, file, offset, size, buf, mapped=mapped)
 
     # -- chunks
 
@@ -535,6 +573,12 @@ class Reader:
         pickle), and problems met while finding them."""
         return [], []
 
+    def check_file_digests(self) -> list[Problem]:
+        """Whole-file digests the format records beside the data (Megatron's
+        ``integrity.json``: SHA-256 per file), recomputed: one error per file that differs or
+        is missing. Reads every such file whole; ``verify`` calls it, ``merge`` does not."""
+        return []
+
     # -- non-tensor entries
 
     def read_object(self, entry: ObjectEntry) -> Any:
@@ -558,9 +602,14 @@ class Format(Protocol):
     """What a format module provides (modules satisfy it structurally)."""
 
     NAME: str
+    SUMMARY: str  # what it looks like on disk (docs/formats.md)
+    WRITTEN_BY: str  # which writers produce it (docs/formats.md)
 
     def detect(self, path: Path) -> bool: ...
 
-    def read_info(self, path: Path) -> CheckpointInfo: ...
+    def read_info(self, path: Path, *, stores: Stores = LOCAL) -> CheckpointInfo: ...
 
-    def open_reader(self, info: CheckpointInfo) -> Reader: ...
+    def open_reader(self, info: CheckpointInfo, *, store: Store | None = None) -> Reader: ...
+
+    def pending(self, path: Path) -> str | None: ...
+

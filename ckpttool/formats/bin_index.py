@@ -17,9 +17,12 @@ from ckpttool.errors import InputError
 from ckpttool.formats import safetensors, torchfile
 from ckpttool.formats.base import CheckpointInfo, DataFile, ObjectEntry, Problem, Tensor, error
 from ckpttool.formats.torchfile import ArchiveReader, Archives, View
-from ckpttool.storage.store import file_size
+from ckpttool.storage.store import LOCAL, Store, Stores, file_size
 
 NAME = "torch-save-sharded"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = '`pytorch_model.bin.index.json` + `.bin` shards'
+WRITTEN_BY = 'transformers / huggingface_hub with `safe_serialization=False`'
 INDEX_NAME = "pytorch_model.bin.index.json"
 
 
@@ -27,11 +30,17 @@ def detect(path: Path) -> bool:
     return path.is_dir() and (path / INDEX_NAME).is_file()
 
 
-def open_reader(info: CheckpointInfo) -> ArchiveReader:
-    return ArchiveReader(info)
+def pending(path: Path) -> str | None:
+    """save_pretrained writes the index after the shards: a shard it names that is missing or
+    short is damage (read_info reports it), not a save in progress."""
+    return None
 
 
-def read_info(path: str | Path) -> CheckpointInfo:
+def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> ArchiveReader:
+    return ArchiveReader(info, store)
+
+
+def read_info(path: str | Path, *, stores: Stores = LOCAL) -> CheckpointInfo:
     """Describe the shards an index names, from their pickles and zip headers.
 
     A missing or unreadable shard, or an index that disagrees with the shards, is a problem in

@@ -63,9 +63,13 @@ from ckpttool.formats.base import (
 )
 from ckpttool.formats.codecs import torchsave
 from ckpttool.formats.codecs.dtypes import DType
-from ckpttool.storage.store import file_size
+from ckpttool.storage.store import LOCAL, Store, Stores, file_size
 
 NAME = "deepspeed"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = ('`latest` + `global_step<N>/` with `*_optim_states.pt` and `*_model_states.pt` '
+    '(ZeRO-1/2/3)')
+WRITTEN_BY = "DeepSpeed's `engine.save_checkpoint` (HF Trainer with DeepSpeed)"
 LATEST = "latest"
 _LATEST_LIMIT = 1024  # a tag name; a larger "latest" is not DeepSpeed's
 
@@ -167,6 +171,26 @@ def detect(path: Path) -> bool:
         return False
 
 
+def pending(path: Path) -> str | None:
+    """DeepSpeed writes ``latest`` (beside the tag directories) once a save is complete: a tag
+    directory newer than the tag ``latest`` names (by its step number) is still being
+    written. Without ``latest`` nothing says so."""
+    if not is_tag_dir(path):
+        return None
+    tag = _read_latest(path.parent)
+    if tag is None or tag == path.name:
+        return None
+    mine, theirs = _step_of(path.name), _step_of(tag)
+    if mine is not None and theirs is not None and mine > theirs:
+        return f"{LATEST} names {tag}, an earlier tag (DeepSpeed writes {LATEST} last)"
+    return None
+
+
+def _step_of(tag: str) -> int | None:
+    found = re.findall(r"\d+", tag)
+    return int(found[-1]) if found else None
+
+
 # --------------------------------------------------------------------------------------------
 # The allow-list: what DeepSpeed's pickles name, as inert stand-ins
 
@@ -236,7 +260,7 @@ def _load(root: Path, name: str) -> _File:
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror}") from None
+        raise InputError(f"{path}: cannot read: {e.strerror}") from e
     try:
         if not os.path.isfile(path):
             raise InputError(f"{path}: not a regular file; copy the checkpoint again")
@@ -249,17 +273,17 @@ def _load(root: Path, name: str) -> _File:
                     f"{path}: the pickle names '{e.qualname}', a DeepSpeed class ckpttool does "
                     "not read (written by another DeepSpeed version?); nothing was executed. "
                     "Convert with the zero_to_fp32.py script saved beside the checkpoint"
-                ) from None
+                ) from e
             raise InputError(
                 f"{path}: refused to load: the pickle asks for '{e.qualname}', which a "
                 "DeepSpeed checkpoint never contains; the file may be malicious (nothing was "
-                "executed)") from None
+                "executed)") from e
         except torchsave.TooComplex as e:
             raise InputError(f"{path}: {e}, more than any checkpoint holds; refusing to "
-                             "walk it") from None
+                             "walk it") from e
         except torchsave.PICKLE_ERRORS as e:
             raise InputError(f"{path}: corrupt pickle in torch.save file ({e}); copy it "
-                             "again") from None
+                             "again") from e
     finally:
         os.close(fd)
     if not isinstance(value, dict):
@@ -399,7 +423,7 @@ def _tag(root: Path) -> tuple[Path, str]:
     return root / tag, f"{tag}/"
 
 
-def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
+def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> CheckpointInfo:
     """Describe a DeepSpeed ZeRO checkpoint (the directory holding ``latest``, or the tag
     directory). Reads pickles and zip headers only, never tensor data; runs nothing.
 
@@ -413,6 +437,32 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     if unsupported is not None:
         raise UnsupportedError(unsupported)
     tag_dir, prefix = _tag(root)
+    optim_files, flats, osd = _optimizer_files(root, tag_dir, prefix)
+    stage, world = osd["zero_stage"], len(optim_files)
+    model_files, params = _parameters(root, prefix, optim_files, flats, osd)
+    m0 = model_files[0]
+    module = _field(m0, m0.value, "module", dict)
+    order = [k for k in module if isinstance(k, str) and k in params]
+    order += [k for k in params if k not in set(order)]
+    tensors = tuple(Tensor(k, (k,), params[k].dtype, params[k].shape, tuple(params[k].chunks))
+                    for k in order)
+    values = {k: m0.value[k] for k in _OBJECT_KEYS
+              if isinstance(m0.value.get(k), (int, str)) and not isinstance(m0.value[k], bool)}
+    values["zero_stage"] = stage
+    files = optim_files + model_files
+    return CheckpointInfo(
+        format=NAME, root=root, tensors=tensors,
+        objects=tuple(ObjectEntry(k, (k,)) for k in values),
+        files=tuple(DataFile(f.name, f.size) for f in files),
+        metadata_name="the DeepSpeed model-state and optimizer-state pickles", sharded=True,
+        num_ranks=world, version=str(m0.value.get("ds_version") or "") or None, values=values,
+        detail=Detail({f.name: tuple(f.entries.values()) for f in files}))
+
+
+def _optimizer_files(root: Path, tag_dir: Path, prefix: str
+                     ) -> tuple[list[_File], list[list[_Flat]], dict[str, Any]]:
+    """Every rank's optimizer-state file (checked to be one save's, of a layout ckpttool
+    reads), each rank's fp32 partitions, and rank 0's optimizer state dict."""
     names = _names(tag_dir)
     for n in names:
         if _MOE_RE.match(n):
@@ -468,7 +518,14 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     dtypes = {g.dtype for fl in flats for g in fl}
     if len(dtypes) > 1:
         raise InputError(f"{tag_dir}: the fp32 partitions have different dtypes; corrupt")
+    return optim_files, flats, osd
 
+
+def _parameters(root: Path, prefix: str, optim_files: list[_File], flats: list[list[_Flat]],
+                osd: dict[str, Any]) -> tuple[list[_File], dict[str, _Param]]:
+    """The model-state files and every parameter (trainable, frozen, buffers, shared
+    aliases) as chunks of the fp32 partitions or of the model states."""
+    stage, world = osd["zero_stage"], len(optim_files)
     if stage <= 2:
         model_names = [prefix + "mp_rank_00_model_states.pt"]
     else:
@@ -509,22 +566,7 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     for alias, target in shared.items():
         if isinstance(alias, str) and target in params and alias not in params:
             params[alias] = params[target]  # a tied weight: the same chunks under both names
-
-    order = [k for k in module if isinstance(k, str) and k in params]
-    order += [k for k in params if k not in set(order)]
-    tensors = tuple(Tensor(k, (k,), params[k].dtype, params[k].shape, tuple(params[k].chunks))
-                    for k in order)
-    values = {k: m0.value[k] for k in _OBJECT_KEYS
-              if isinstance(m0.value.get(k), (int, str)) and not isinstance(m0.value[k], bool)}
-    values["zero_stage"] = stage
-    files = optim_files + model_files
-    return CheckpointInfo(
-        format=NAME, root=root, tensors=tensors,
-        objects=tuple(ObjectEntry(k, (k,)) for k in values),
-        files=tuple(DataFile(f.name, f.size) for f in files),
-        metadata_name="the DeepSpeed model-state and optimizer-state pickles", sharded=True,
-        num_ranks=world, version=str(m0.value.get("ds_version") or "") or None, values=values,
-        detail=Detail({f.name: tuple(f.entries.values()) for f in files}))
+    return model_files, params
 
 
 def _group_shapes(f: _File, group: Any, g: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -681,9 +723,10 @@ class ZeroReader(Reader):
                 if (file, e.data_offset) not in covered], []
 
 
-def open_reader(info: CheckpointInfo) -> ZeroReader:
-    return ZeroReader(info)
+def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> ZeroReader:
+    return ZeroReader(info, store)
 
 
-__all__ = ["LATEST", "NAME", "deepspeed_global", "detect", "flat_boxes", "is_tag_dir",
-           "open_reader", "read_info"]
+__all__ = ["LATEST", "NAME", "SUMMARY", "WRITTEN_BY",
+           "deepspeed_global", "detect", "flat_boxes", "is_tag_dir",
+           "open_reader", "pending", "read_info"]

@@ -18,9 +18,12 @@ from ckpttool.errors import InputError
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import RAW, CheckpointInfo, Chunk, DataFile, Reader, Tensor
 from ckpttool.formats.codecs.dtypes import DType
-from ckpttool.storage.store import file_size
+from ckpttool.storage.store import LOCAL, Store, Stores, file_size
 
 NAME = "dcp-safetensors"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = 'per-rank safetensors shards with `DCP_SHARDING_INFO` offsets'
+WRITTEN_BY = "PyTorch's `HuggingFaceStorageWriter`"
 SHARDING_KEY = "DCP_SHARDING_INFO"
 
 
@@ -47,9 +50,19 @@ def detect(path: Path) -> bool:
     return path.is_dir() and is_hf_dcp_dir(path)
 
 
-def open_reader(info: CheckpointInfo) -> Reader:
+def pending(path: Path) -> str | None:
+    """HuggingFaceStorageWriter's distributed save writes no marker at the end: only the
+    sizes its shard headers promise tell a shard still being written."""
+    for f in _shard_files(path):
+        why = st.pending_file(f)
+        if why is not None:
+            return why
+    return None
+
+
+def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> Reader:
     """Pieces are raw byte ranges in the shards: the neutral reader reads them."""
-    return Reader(info)
+    return Reader(info, store)
 
 
 def is_hf_dcp_dir(path: Path) -> bool:
@@ -58,7 +71,7 @@ def is_hf_dcp_dir(path: Path) -> bool:
     return first is not None and _sharding_info(first) is not None
 
 
-def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
+def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> CheckpointInfo:
     """Describe a ``HuggingFaceStorageWriter`` checkpoint. Reads headers only.
 
     Raises:
@@ -74,7 +87,7 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         if info is None:
             raise InputError(f"{file}: safetensors shard without {SHARDING_KEY} metadata among "
                              "DCP shards; the directory mixes checkpoints")
-        for slot in st.read_layout(file)[1]:
+        for slot in st.read_layout(file, exact=True)[1]:
             entry = info.get(slot.name)
             offsets = entry.get("saved_offsets") if isinstance(entry, dict) else None
             if not isinstance(offsets, list) or len(offsets) != len(slot.shape) or not all(

@@ -56,9 +56,13 @@ from ckpttool.formats.base import (
 )
 from ckpttool.formats.codecs import torchsave
 from ckpttool.formats.codecs.dtypes import DType
-from ckpttool.storage.store import file_size
+from ckpttool.storage.store import LOCAL, Store, Stores, file_size
 
 NAME = "rank-files"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = ('per-rank `torch.save` files of DTensor (FSDP2) or ShardedTensor (FSDP1 '
+    '`SHARDED_STATE_DICT`) state dicts, any names')
+WRITTEN_BY = "verl; accelerate's `save_fsdp_model(..., use_dcp=False)`"
 
 # verl's FSDPCheckpointManager names; optim_/extra_state_ files beside them are not the model.
 MODEL_FILE_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -126,6 +130,31 @@ def _titan_backend(path: Path) -> str | None:
             ".distcp files), which ckpttool merges")
 
 
+def pending(path: Path) -> str | None:
+    """Each rank saves its own file, with no marker at the end: missing ranks (of the world
+    size the names give) or a file whose zip end record is not there yet."""
+    found = {m[2]: m for n in _dir_names(path) if (m := MODEL_FILE_RE.match(n))}
+    sizes = {int(m[1]) for m in found.values()}
+    if len(sizes) == 1:
+        (world,) = sizes
+        missing = [r for r in range(world) if str(r) not in found]
+        if missing:
+            return (f"{len(missing)} of {world} rank files not written yet (rank "
+                    f"{missing[0]} first)")
+    for name in sorted(m[0] for m in found.values()):
+        why = torchsave.pending_file(path / name)
+        if why is not None:
+            return why
+    return None
+
+
+def _dir_names(path: Path) -> list[str]:
+    try:
+        return [p.name for p in path.iterdir()]
+    except OSError:
+        return []
+
+
 class RankReader(Reader):
     """Pieces are raw byte ranges inside the rank files: the neutral reader reads them."""
 
@@ -141,8 +170,8 @@ class RankReader(Reader):
                 if (file, e.data_offset) not in covered], []
 
 
-def open_reader(info: CheckpointInfo) -> Reader:
-    return RankReader(info)
+def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> Reader:
+    return RankReader(info, store)
 
 
 def is_rank_files_dir(path: Path) -> bool:
@@ -549,30 +578,30 @@ def _load(path: Path, fd: int) -> tuple[torchsave.RecordBytes, dict[str, torchsa
     except _ShardedTensorFound as e:
         pkl = entries["data.pkl"]
         if _has_flat_param(_pickle_strings(rb.read(pkl.data_offset, pkl.size))):
-            raise UnsupportedError(FSDP1_LOCAL_MESSAGE.format(path=path)) from None
+            raise UnsupportedError(FSDP1_LOCAL_MESSAGE.format(path=path)) from e
         raise UnsupportedError(
             f"{path}: holds ShardedTensor values naming '{e.qualname}', which FSDP1's "
             "SHARDED_STATE_DICT (torch 2.13) does not write; ckpttool does not read this form. "
             "Save with torch.distributed.checkpoint (a DCP checkpoint) instead"
-        ) from None
+        ) from e
     except torchsave.Refused as e:
         if e.qualname.startswith("torch.distributed."):
             raise UnsupportedError(
                 f"{path}: the pickle names '{e.qualname}', a torch.distributed class "
                 "ckpttool does not read (DTensor files are read as torch 2.13 writes them; "
                 "this one may come from another torch version). Nothing was executed"
-            ) from None
+            ) from e
         raise InputError(
             f"{path}: refused to load: the pickle asks for '{e.qualname}', which a state "
             "dict of tensors and DTensors never contains; the file may be malicious "
             "(nothing was executed)"
-        ) from None
+        ) from e
     except torchsave.TooComplex as e:
         raise InputError(f"{path}: {e}, more than any state dict holds; refusing to "
-                         "walk it") from None
+                         "walk it") from e
     except torchsave.PICKLE_ERRORS as e:
         raise InputError(f"{path}: corrupt pickle in torch.save file ({e}); copy it again") \
-            from None
+            from e
     if not isinstance(root_value, dict):
         raise InputError(f"{path}: holds a {type(root_value).__name__}, not a state dict")
     return rb, entries, root_value
@@ -584,7 +613,7 @@ def _read_file(root: Path, rf: RankFile
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror}") from None
+        raise InputError(f"{path}: cannot read: {e.strerror}") from e
     try:
         rb, entries, root_value = _load(path, fd)
         if root_value and {str(k) for k in root_value} <= _OPTIMIZER_KEYS:
@@ -839,7 +868,7 @@ def _mesh(path: Path, rf: RankFile, rb: torchsave.RecordBytes,
         ranks = _read_ints(rb, entries, rank_map)
     except (pickle.UnpicklingError, TypeError, ValueError) as e:
         raise InputError(f"{path}: unreadable device mesh of DTensor '{fqn}' ({e}); corrupt") \
-            from None
+            from e
     if rf.rank not in ranks:
         raise InputError(f"{path}: the device mesh of DTensor '{fqn}' (ranks {ranks}) does not "
                          f"include rank {rf.rank}, which the file name gives; misnamed file?")
@@ -948,7 +977,7 @@ def _local_box(path: Path, fqn: str, shape: tuple[int, ...], mesh: _Mesh,
 # The whole checkpoint
 
 
-def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
+def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> CheckpointInfo:
     """Describe a directory of per-rank DTensor state-dict files. Reads pickles and zip
     headers (and each mesh's tiny rank list), never tensor data; runs nothing from the files.
 
@@ -1054,6 +1083,7 @@ def _prod(values: Iterable[int]) -> int:
     return n
 
 
-__all__ = ["FSDP1_LOCAL_MESSAGE", "NAME", "DTensorRef", "RankFile", "RankSet", "ShardedTensorRef",
+__all__ = ["FSDP1_LOCAL_MESSAGE", "NAME", "SUMMARY", "WRITTEN_BY",
+           "DTensorRef", "RankFile", "RankSet", "ShardedTensorRef",
            "detect", "dtensor_global", "name_rank",
-           "is_rank_files_dir", "open_reader", "rank_files", "read_info"]
+           "is_rank_files_dir", "open_reader", "pending", "rank_files", "read_info"]

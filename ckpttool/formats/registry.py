@@ -1,6 +1,7 @@
 """Every format ckpttool reads, in the order they are tried on a path.
 
-Order matters only where two could claim one path: the layouts that are directories of
+Order matters only where two could claim one path: Megatron's iteration directories are DCP
+directories with more beside them, so they come first; the layouts that are directories of
 safetensors or ``torch.save`` files with their own markers (DCP sharding offsets in the headers,
 per-rank files of DTensors or ShardedTensors) come before plain safetensors and ``torch.save``.
 """
@@ -9,12 +10,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckpttool.formats import bin_index, deepspeed, hf_dcp, rank_files, safetensors, torchfile
+from ckpttool.formats import (
+    bin_index,
+    deepspeed,
+    hf_dcp,
+    megatron,
+    rank_files,
+    safetensors,
+    torchfile,
+)
 from ckpttool.formats.base import Format
 from ckpttool.formats.dcp import reader as dcp
 
 FORMATS: tuple[Format, ...] = (
-    dcp, hf_dcp, rank_files, bin_index, safetensors, deepspeed, torchfile)
+    megatron, dcp, hf_dcp, rank_files, bin_index, safetensors, deepspeed, torchfile)
 
 
 def detect(path: Path) -> Format | None:

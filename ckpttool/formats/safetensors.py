@@ -15,6 +15,7 @@ import os
 import re
 import stat
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,9 +33,12 @@ from ckpttool.formats.base import (
 )
 from ckpttool.formats.codecs import dtypes
 from ckpttool.formats.codecs.dtypes import DType
-from ckpttool.storage.store import file_size, pread_of
+from ckpttool.storage.store import LOCAL, Store, Stores, file_size, pread_of
 
 NAME = "safetensors"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = 'a `.safetensors` file, or a directory with `model.safetensors` or an index and shards'
+WRITTEN_BY = 'transformers, `ckpttool merge`'
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
@@ -173,7 +177,9 @@ def json_error(e: Exception) -> str:
     return "arrays or objects nested too deeply" if isinstance(e, RecursionError) else str(e)
 
 
-def read_layout(path: Path, *, offset: int = 0) -> tuple[dict[str, str], tuple[Slot, ...]]:
+def read_layout(path: Path, *, offset: int = 0, exact: bool = False,
+                stores: Stores = LOCAL
+                ) -> tuple[dict[str, str], tuple[Slot, ...]]:
     """Read and check a safetensors file's header (no tensor data).
 
     Args:
@@ -181,6 +187,10 @@ def read_layout(path: Path, *, offset: int = 0) -> tuple[dict[str, str], tuple[S
             ``SerializationFormat.SAFETENSORS`` appends it after the rank's other records).
             Slots are absolute offsets in ``path`` either way; past the start, their ends are
             not checked against the file size (the caller's structure checks report that).
+        exact: (a file of its own) the tensors must tile the data area exactly, as the
+            safetensors format requires and its library checks: no gap, no overlap, no byte
+            after the last tensor. A header that moves one tensor by a few bytes would
+            otherwise be read as shifted values.
 
     Raises:
         InputError: the header is truncated, corrupt or inconsistent with the file size.
@@ -190,7 +200,7 @@ def read_layout(path: Path, *, offset: int = 0) -> tuple[dict[str, str], tuple[S
     where = f"{path} at byte {offset}" if offset else str(path)
     try:
         # Through the store's pread: a remote checkpoint's data file is read by ranged GETs.
-        with pread_of(path) as pread:
+        with pread_of(path, stores) as pread:
             raw = pread(8, offset)
             if len(raw) < 8:
                 raise InputError(f"{where}: too short for a safetensors file")
@@ -199,14 +209,14 @@ def read_layout(path: Path, *, offset: int = 0) -> tuple[dict[str, str], tuple[S
                 raise InputError(f"{where}: header length {n} is implausible; not safetensors")
             text = pread(n, offset + 8)
             size = file_size(path) if not offset else None
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
+    except FileNotFoundError as err:
+        raise InputError(f"{path}: no such file") from err
     if len(text) < n:
         raise InputError(f"{where}: truncated safetensors header")
     try:
         header = json.loads(text)
     except (ValueError, RecursionError) as e:  # RecursionError: arrays nested too deep
-        raise InputError(f"{path}: corrupt safetensors header ({json_error(e)})") from None
+        raise InputError(f"{path}: corrupt safetensors header ({json_error(e)})") from e
     if not isinstance(header, dict):
         raise InputError(f"{path}: corrupt safetensors header (not a JSON object)")
     meta = header.pop("__metadata__", {}) or {}
@@ -216,7 +226,30 @@ def read_layout(path: Path, *, offset: int = 0) -> tuple[dict[str, str], tuple[S
     slots = []
     for name, v in header.items():
         slots.append(_slot(path, name, v, base, size))
-    return meta, tuple(sorted(slots, key=lambda s: s.begin))
+    ordered = tuple(sorted(slots, key=lambda s: (s.begin, s.end)))
+    if exact and size is not None:
+        problem = tiling_problem(ordered, base, size)
+        if problem is not None:
+            raise InputError(f"{path}: {problem}; corrupt header (the safetensors library "
+                             "refuses this file too)")
+    return meta, ordered
+
+
+def tiling_problem(slots: tuple[Slot, ...], begin: int, end: int) -> str | None:
+    """How ``slots`` (sorted by offset) fail to tile the bytes ``[begin, end)`` exactly, or
+    None: the first gap, overlap or trailing byte, with its offset."""
+    pos = begin
+    for slot in slots:
+        if slot.begin < pos:
+            return (f"tensor '{slot.name}' starts at byte {slot.begin}, inside the "
+                    f"{'header' if pos == begin else 'tensor before it'} (which ends at {pos})")
+        if slot.begin > pos:
+            return (f"tensor '{slot.name}' starts at byte {slot.begin}, leaving bytes "
+                    f"{pos}-{slot.begin - 1} that no tensor holds")
+        pos = slot.end
+    if pos != end:
+        return f"bytes {pos}-{end - 1} after the last tensor belong to no tensor"
+    return None
 
 
 def _slot(path: Path, name: str, v: object, base: int, size: int | None) -> Slot:
@@ -324,11 +357,11 @@ def read_index(path: Path) -> Index:
 
     try:
         doc = json.loads(read_json_text(path), object_pairs_hook=pairs)
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
+    except FileNotFoundError as err:
+        raise InputError(f"{path}: no such file") from err
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise InputError(f"{path}: not valid JSON ({json_error(e)}); not a safetensors "
-                         "index") from None
+                         "index") from e
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
@@ -346,6 +379,23 @@ def read_index(path: Path) -> Index:
                  tuple(dup))
 
 
+def header_bytes(size: int, pread: Callable[[int, int], bytes]) -> bytes:
+    """The leading bytes of a safetensors file of ``size`` bytes that describing it reads
+    (the length, then the JSON header), through ``pread(size, offset)``: what a local stand-in
+    of a remote file holds (:mod:`ckpttool.storage.mirror`), so that it is described by the
+    code that describes a local one."""
+    first = pread(min(size, 64 << 10), 0)
+    if len(first) < 8:
+        return first
+    n = int.from_bytes(first[:8], "little")
+    if n > _HEADER_LIMIT:
+        return first[:8]  # read_layout says what is wrong with it
+    end = min(size, 8 + n)
+    if end > len(first):
+        first += pread(end - len(first), len(first))
+    return first[:max(8, end)]
+
+
 def is_safetensors_file(path: Path) -> bool:
     """True if ``path`` starts like a safetensors file (a length, then a JSON object)."""
     try:
@@ -361,16 +411,87 @@ def is_safetensors_file(path: Path) -> bool:
 
 
 def detect(path: Path) -> bool:
-    """A safetensors file, or a directory holding ``*.safetensors`` files or an index."""
+    """A safetensors file, or a directory that holds one model in safetensors: an index,
+    ``model.safetensors``, the shards of one set (``model-00001-of-00002.safetensors``...), or
+    a single ``*.safetensors`` file and no subdirectory.
+
+    Several unrelated files, or one beside subdirectories, are not one model: such a directory
+    is a training directory, whose candidates the recogniser lists and chooses from (a loose
+    ``ref.safetensors`` beside ``pytorch_model_fsdp_0/`` must never win over it).
+    """
     if path.is_file():
         return is_safetensors_file(path)
-    return path.is_dir() and (any((path / index_name(s)).is_file() for s in _STEMS)
-                              or bool(_safetensors_files(path)))
+    if not path.is_dir():
+        return False
+    if any((path / index_name(s)).is_file() or (path / f"{s}.safetensors").is_file()
+           for s in _STEMS):
+        return True
+    files = _safetensors_files(path)
+    if _shard_set(files) is not None:
+        return True
+    return len(files) == 1 and not any(p.is_dir() for p in path.iterdir())
 
 
-def open_reader(info: CheckpointInfo) -> Reader:
+_SHARD = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.safetensors")
+
+
+def _shard_set(files: list[Path]) -> list[Path] | None:
+    """``files`` when they are the shards of one set (one stem, one count), else None."""
+    matches = [_SHARD.fullmatch(p.name) for p in files]
+    if not matches or any(m is None for m in matches):
+        return None
+    if len({(m.group(1), m.group(3)) for m in matches if m is not None}) != 1:
+        return None
+    return files
+
+
+def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> Reader:
     """Tensors are raw byte ranges: the neutral reader reads them."""
-    return Reader(info)
+    return Reader(info, store)
+
+
+def pending(path: Path) -> str | None:
+    """A file shorter than its header says is still being written; so is a directory of
+    shards whose index is not written yet (save_pretrained writes it last) or whose shards
+    are short."""
+    if path.is_file():
+        return pending_file(path)
+    files = _safetensors_files(path)
+    sharded = any(re.fullmatch(r".+-\d+-of-(\d+)\.safetensors", f.name) for f in files)
+    if sharded and not any((path / index_name(s)).is_file() for s in _STEMS):
+        return "shards but no index yet (save_pretrained writes the index last)"
+    for f in files:
+        why = pending_file(f)
+        if why is not None:
+            return why
+    return None
+
+
+def pending_file(path: Path) -> str | None:
+    """Why the safetensors file at ``path`` is incomplete (shorter than its header says, or
+    its header not all there), from its first bytes and size; None when it is whole."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            size = os.fstat(f.fileno()).st_size
+            if len(head) < 8:
+                return f"{path.name}: {size} bytes, no header yet"
+            (n,) = struct.unpack("<Q", head)
+            if n > _HEADER_LIMIT:
+                return None  # not ours to judge: read_info says what is wrong
+            if size < 8 + n:
+                return f"{path.name}: header not all written yet"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    ends = [v["data_offsets"][1] for k, v in header.items()
+            if k != "__metadata__" and isinstance(v, dict)
+            and isinstance(v.get("data_offsets"), list) and len(v["data_offsets"]) == 2
+            and isinstance(v["data_offsets"][1], int)] if isinstance(header, dict) else []
+    need = 8 + n + max(ends, default=0)
+    if size < need:
+        return f"{path.name}: {size:,} of {need:,} bytes written so far"
+    return None
 
 
 _STEMS = ("model", "optimizer")
@@ -380,7 +501,7 @@ def _safetensors_files(path: Path) -> list[Path]:
     return sorted(p for p in path.glob("*.safetensors") if p.is_file())
 
 
-def read_info(path: str | Path) -> CheckpointInfo:
+def read_info(path: str | Path, *, stores: Stores = LOCAL) -> CheckpointInfo:
     """Describe a safetensors file or directory from its headers (and index).
 
     A shard whose header cannot be read, or an index that disagrees with the shards, does not
@@ -398,7 +519,9 @@ def read_info(path: str | Path) -> CheckpointInfo:
         base = root.parent
     else:
         base = root
-        shard_names = [p.name for p in _safetensors_files(root)]
+        files = _safetensors_files(root)
+        shard_names = [p.name for p in (_shard_set(files) or (files if len(files) == 1
+                                                               else []))]
         for s in _STEMS:
             if (root / index_name(s)).is_file():
                 index = read_index(root / index_name(s))
@@ -408,7 +531,9 @@ def read_info(path: str | Path) -> CheckpointInfo:
                 shard_names, stem = [f"{s}.safetensors"], s
                 break
         if not shard_names:
-            raise InputError(f"{root}: no {SINGLE_NAME} or {INDEX_NAME} here")
+            raise InputError(f"{root}: no {SINGLE_NAME} or {INDEX_NAME} here" + (
+                f" (and {len(files)} unrelated *.safetensors files: pass one of them)"
+                if files else ""))
     problems: list[Problem] = []
     holders: dict[str, list[str]] = {}
     tensors: dict[str, Tensor] = {}
@@ -452,7 +577,7 @@ def _read_shard(base: Path, name: str, index: Index | None, problems: list[Probl
                               "whole directory again", file=name))
         return None
     try:
-        return read_layout(path)[1]
+        return read_layout(path, exact=True)[1]
     except InputError as e:
         problems.append(error("header-corrupt", str(e), file=name))
     except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -37,8 +37,12 @@ from ckpttool.formats.base import (
 from ckpttool.formats.codecs import torchsave
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.formats.codecs.torchsave import ZipEntry
+from ckpttool.storage.store import LOCAL, Store, Stores
 
 NAME = "torch-save"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = 'one `.bin` / `.pt` / `.pth` state dict'
+WRITTEN_BY = '`torch.save`'
 SUFFIXES = (".bin", ".pt", ".pth")
 
 
@@ -93,7 +97,12 @@ def detect(path: Path) -> bool:
     return path.is_file() and is_torch_file(path)
 
 
-def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
+def pending(path: Path) -> str | None:
+    """A torch.save archive whose zip end record is not written yet."""
+    return torchsave.pending_file(path)
+
+
+def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> CheckpointInfo:
     """Read a ``torch.save`` file's tensors and non-tensor values. Reads no tensor data.
 
     Raises:
@@ -104,12 +113,12 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     p = Path(path)
     try:
         fd = os.open(p, os.O_RDONLY)
-    except FileNotFoundError:
-        raise InputError(f"{p}: no such file") from None
-    except IsADirectoryError:
-        raise InputError(f"{p}: is a directory, not a torch.save file") from None
+    except FileNotFoundError as err:
+        raise InputError(f"{p}: no such file") from err
+    except IsADirectoryError as err:
+        raise InputError(f"{p}: is a directory, not a torch.save file") from err
     except OSError as e:
-        raise InputError(f"{p}: cannot read: {e.strerror}") from None
+        raise InputError(f"{p}: cannot read: {e.strerror}") from e
     try:
         size = os.fstat(fd).st_size
         magic = os.pread(fd, 4, 0)
@@ -134,18 +143,24 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
                 raise InputError(
                     f"{p}: one rank's file of a sharded checkpoint (DTensor or ShardedTensor "
                     f"values); pass the directory that holds every rank's file ({p.parent})"
-                ) from None
+                ) from e
+            if p.name == "common.pt" and (p.parent / ".metadata").is_file():
+                # Megatron-Core's common state (args as an argparse.Namespace...): genuine.
+                raise UnsupportedError(
+                    f"{p}: Megatron-Core's common state (it asks for '{e.qualname}'), not a "
+                    f"model file on its own; pass its checkpoint: ckpttool inspect {p.parent}"
+                ) from e
             raise InputError(
                 f"{p}: refused to load: the pickle asks for '{e.qualname}', which a "
                 "weights-only load never allows; the file may be malicious (nothing was "
                 "executed). Only a state dict of tensors and plain values can be read"
-            ) from None
+            ) from e
         except torchsave.TooComplex as e:
             raise InputError(f"{p}: {e}, more than any state dict holds; refusing to "
-                             "walk it") from None
+                             "walk it") from e
         except torchsave.PICKLE_ERRORS as e:
             raise InputError(f"{p}: corrupt pickle in torch.save file ({e}); copy it again") \
-                from None
+                from e
     finally:
         os.close(fd)
     views: dict[str, View] = {}
@@ -221,8 +236,8 @@ class ArchiveReader(Reader):
                 if (file, e.data_offset) not in covered], []
 
 
-def open_reader(info: CheckpointInfo) -> ArchiveReader:
-    return ArchiveReader(info)
+def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> ArchiveReader:
+    return ArchiveReader(info, store)
 
 
 def _plain(value: Any) -> Any:

@@ -1,1 +1,2 @@
-"""storage."""
+"""Bytes: local files, object stores, atomic outputs. Names no format (the URL schemes a
+command takes are listed once, in ``ckpttool.core.runtime.urls.SCHEMES``)."""

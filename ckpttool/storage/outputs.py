@@ -1,5 +1,6 @@
-"""Atomic outputs, shared by every operation that writes files (the positional I/O they use,
-``copy_range`` and ``pwrite_all``, lives with the input side in :mod:`ckpttool.storage.store`).
+"""Output I/O, shared by every operation that writes files: atomic outputs, write-behind,
+space checks, and the positional writes and copies (``pwrite_all``, ``copy_range``) that
+writers and local stores use.
 
 Outputs are created under a hidden temporary name in the output directory, filled at known
 offsets, and renamed to their real names only when everything is complete. Anything that stops
@@ -16,14 +17,17 @@ the new output lacks go, and the new index comes last.
 
 Test hook (tests/core/test_faults.py): ``CKPTTOOL_TEST_FAULT=kill:K`` ends the process as
 ``kill -9`` would at the K-th publishing step (creating an output file, fsync, rename, unlink),
-``pause:K:FILE`` creates FILE there and waits for a signal.
+``pause:K:FILE`` creates FILE there and waits for a signal. ``CKPTTOOL_TEST_REMOTE_FAULT`` does
+the same at the steps of an upload to object storage (:func:`fault_step`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
+import re
 import shutil
 import signal
 import threading
@@ -31,29 +35,37 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ckpttool.errors import OutputError
-from ckpttool.storage.store import copy_range, output_error, pwrite_all
+from ckpttool import settings
+from ckpttool.errors import InputError, OutputError
 
 __all__ = ["TMP_SUFFIX", "AtomicOutputs", "check_space", "copy_range", "existing_outputs",
-           "output_error", "pwrite_all", "remove_stale"]
+           "output_error", "pwrite_all", "remove_stale", "take_stale_notes"]
 
 TMP_SUFFIX = ".ckpttool-tmp"
+
+_BLOCK = 64 << 20
+_use_copy_file_range = hasattr(os, "copy_file_range")
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not on POSIX: no lock
     fcntl = None  # type: ignore[assignment]
 
-_steps = itertools.count(1)
+_steps = {"CKPTTOOL_TEST_FAULT": itertools.count(1),
+          "CKPTTOOL_TEST_REMOTE_FAULT": itertools.count(1)}
 
 
-def _step() -> None:
+def _step(hook: str = "CKPTTOOL_TEST_FAULT") -> None:
     """One publishing step; the test hook acts here (see the module docstring)."""
-    fault = os.environ.get("CKPTTOOL_TEST_FAULT")
+    fault = (settings.test_fault() if hook == "CKPTTOOL_TEST_FAULT"
+             else settings.test_remote_fault())
     if not fault:
         return
     action, at, *rest = fault.split(":", 2)
-    if next(_steps) != int(at):
+    if action not in ("kill", "pause"):  # another hook's (storage.store)
+        return
+    if next(_steps[hook]) != int(at):
         return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -66,10 +78,16 @@ def _step() -> None:
                 break
 
 
+def fault_step() -> None:
+    """A step of a remote commit (each object put or deleted by an upload to object
+    storage), counted apart by ``CKPTTOOL_TEST_REMOTE_FAULT`` (same actions)."""
+    _step("CKPTTOOL_TEST_REMOTE_FAULT")
+
+
 def _fsync_wanted() -> bool:
     """``CKPTTOOL_FSYNC=0`` skips the syncs (about 0.3 s per GB written on a page-cache-warm
     run: benchmarks/README.md), for scratch outputs a power cut may lose."""
-    return os.environ.get("CKPTTOOL_FSYNC") != "0"
+    return settings.fsync()
 
 
 # Bytes written between two early syncs (write_behind).
@@ -190,13 +208,23 @@ def check_space(out_dir: Path, need: int) -> None:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise OutputError(f"{out_dir}: cannot create output directory: {e.strerror}") from None
+        raise OutputError(f"{out_dir}: cannot create output directory: {e.strerror}") from e
     free = shutil.disk_usage(out_dir).free
     if need > free:
         raise OutputError(
-            f"{out_dir}: not enough free space: the output takes about {need:,} bytes and "
-            f"{free:,} are free; free some space or choose another output directory"
+            f"{out_dir}: not enough free space: the output takes about {_size(need)} and "
+            f"{_size(free)} are free; free some space or choose another output directory"
         )
+
+
+def _size(n: int) -> str:
+    """Bytes for a message: ``3.21 GB`` (decimal units, as ``--max-shard-size`` reads them)."""
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{n} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
 
 
 def remove_stale(out_dir: Path, keep: set[str], belongs: Callable[[str], bool]) -> None:
@@ -206,6 +234,90 @@ def remove_stale(out_dir: Path, keep: set[str], belongs: Callable[[str], bool]) 
         if belongs(p.name) and p.name not in keep and p.is_file() and not p.is_symlink():
             _step()
             p.unlink()
+
+
+# A temporary file of a single-process run: tagged with its process id. Shared runs tag theirs
+# with a run id ("r..." under torchrun, "s..." for --slice): those outlive a process on purpose.
+_PID_TEMPORARY = re.compile(rf"\..+\.(\d+){re.escape(TMP_SUFFIX)}")
+
+# Temporary files being written by this process, removed by the SIGBUS guard.
+_LIVE: set[str] = set()
+_removed_stale: list[str] = []
+
+
+def take_stale_notes() -> list[str]:
+    """What this process removed as a killed run's leftovers since last asked (for the CLI
+    to say, as warnings)."""
+    notes = list(_removed_stale)
+    _removed_stale.clear()
+    return notes
+
+
+def _remove_abandoned(out_dir: Path) -> None:
+    """Remove temporary files that a killed single-process run left in ``out_dir``, and note
+    them. Called with the directory's lock held: every process that writes such files holds
+    it while they exist, so a free lock proves they are abandoned."""
+    try:
+        entries = sorted(out_dir.iterdir())
+    except OSError:
+        return
+    for p in entries:
+        m = _PID_TEMPORARY.fullmatch(p.name)
+        if m is None or int(m.group(1)) == os.getpid() or not p.is_file() or p.is_symlink():
+            continue
+        with contextlib.suppress(OSError):
+            size = p.stat().st_size
+            p.unlink()
+            _removed_stale.append(f"{p}: removed a temporary file ({size:,} bytes) that a "
+                                  "killed or crashed run left")
+
+
+_sigbus_installed = False
+
+
+def _install_sigbus_guard() -> None:
+    """Turn SIGBUS (a source file cut short while it is read through a mapping: the kernel's
+    answer to touching a page past its new end) into the one-line error, with this process's
+    temporary files removed, instead of a silent death with exit 135 that leaves them.
+
+    Python's ``signal`` module cannot do this: its handler only sets a flag, and the faulting
+    load would run again forever. A C-level handler (through ctypes) runs on the faulting
+    thread, which at that point is inside a copy from mapped memory (torch's cast, with the
+    interpreter lock released); it writes the message, unlinks the files and leaves by
+    ``os._exit`` at once, never returning into the copy.
+    """
+    global _sigbus_installed
+    if _sigbus_installed or not hasattr(signal, "SIGBUS"):
+        return
+    _sigbus_installed = True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        handler_t = ctypes.CFUNCTYPE(None, ctypes.c_int)
+        libc.signal.argtypes = [ctypes.c_int, handler_t]
+        libc.signal.restype = ctypes.c_void_p
+    except (OSError, AttributeError):  # no libc to ask: SIGBUS keeps its default
+        return
+
+    def on_sigbus(signum: int) -> None:
+        from ckpttool.storage import store  # which imports this module
+
+        where = store.mapped_file() or "a source file"
+        os.write(2, (f"ckpttool: error: {where}: changed (cut short) while it was read; "
+                     "nothing was written. Run again on a checkpoint nothing is writing "
+                     "to\n").encode("utf-8", "replace"))
+        for path in list(_LIVE):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        os._exit(3)
+
+    global _sigbus_handler
+    _sigbus_handler = handler_t(on_sigbus)  # kept alive for the process's life
+    libc.signal(signal.SIGBUS, _sigbus_handler)
+
+
+_sigbus_handler: object = None
 
 
 class AtomicOutputs:
@@ -232,22 +344,25 @@ class AtomicOutputs:
             self._dir_fd = os.open(self.out_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except OSError as e:
             raise OutputError(f"{self.out_dir}: cannot open the output directory: "
-                              f"{e.strerror}") from None
+                              f"{e.strerror}") from e
         if fcntl is not None and self._lock:
             try:
                 fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+            except OSError as err:
                 os.close(self._dir_fd)
                 self._dir_fd = None
                 raise OutputError(
                     f"{self.out_dir}: another ckpttool process is writing into this directory; "
-                    "wait for it to finish or choose another output directory") from None
+                    "wait for it to finish or choose another output directory") from err
         try:
+            if self._lock:
+                _remove_abandoned(self.out_dir)
             if self._check is not None:
                 self._check()
         except BaseException:
             self.abort()
             raise
+        _install_sigbus_guard()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -266,19 +381,21 @@ class AtomicOutputs:
             # 0o666 so the umask decides the permissions, as for any file a tool creates.
             fd = os.open(tmp, flags, 0o666)
         except OSError as e:
-            raise OutputError(f"{tmp}: cannot create output file: {e.strerror}") from None
+            raise OutputError(f"{tmp}: cannot create output file: {e.strerror}") from e
         self._pending.append((tmp, final))
+        _LIVE.add(str(tmp))
         self._fds.append(fd)
         if size is not None:
             try:
                 os.ftruncate(fd, size)
             except OSError as e:
-                raise output_error(e) from None
+                raise output_error(e) from e
         return fd
 
     def adopt(self, name: str, tmp: Path) -> None:
-        """Take ``tmp``, a complete temporary file made elsewhere (by the processes of a
-        shared merge), as ``name``'s: renamed by :meth:`commit`, removed by :meth:`abort`."""
+        """Take ``tmp``, a complete temporary file made elsewhere (by the slices of a shared
+        merge), as ``name``'s: renamed by :meth:`commit`, kept by :meth:`abort` (it is the
+        slices' work: a failed or interrupted ``--finish`` leaves it for the next one)."""
         self._pending.append((tmp, self.out_dir / name))
         self._adopted.append(tmp)
 
@@ -314,7 +431,7 @@ class AtomicOutputs:
                 finally:
                     os.close(fd)
         except OSError as e:
-            raise output_error(e) from None
+            raise output_error(e) from e
         for fd in self._fds:
             os.close(fd)
         self._fds.clear()
@@ -334,6 +451,7 @@ class AtomicOutputs:
                         _fsync_dir(self._dir_fd)  # every name it indexes is on disk first
                     _step()
                     os.replace(tmp, final)
+                    _LIVE.discard(str(tmp))
                     self._pending.remove((tmp, final))
                 if before_last is not None:
                     before_last()
@@ -342,7 +460,7 @@ class AtomicOutputs:
             except OSError as e:
                 # What was not renamed is removed by abort(); say which name failed.
                 raise OutputError(f"{e.filename or self.out_dir}: cannot put the output in "
-                                  f"place: {e.strerror}; check the output directory") from None
+                                  f"place: {e.strerror}; check the output directory") from e
         return [final for _, final in ordered]
 
     def abort(self) -> None:
@@ -351,8 +469,11 @@ class AtomicOutputs:
                 os.close(fd)
         self._fds.clear()
         for tmp, _ in self._pending:
+            if tmp in self._adopted:
+                continue
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+            _LIVE.discard(str(tmp))
         self._pending.clear()
         self._adopted.clear()
         if self._dir_fd is not None:
@@ -373,3 +494,62 @@ def _signals_deferred() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+# --------------------------------------------------------------------------------------------
+# Positional writes and copies
+
+
+def output_error(e: OSError) -> OutputError:
+    """A failed write, in the user's terms (the temporary files are removed by the caller)."""
+    return OutputError(f"writing the output failed: {e.strerror}; free space (or raise the "
+                       "quota or file-size limit) where the output goes, then run again")
+
+
+def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, size: int) -> None:
+    """Copy ``size`` bytes between open files at the given offsets, in the kernel when it can.
+
+    Raises:
+        InputError: the source ends early. OutputError: the output cannot be written.
+    """
+    global _use_copy_file_range
+    done = 0
+    while done < size and _use_copy_file_range:
+        try:
+            n = os.copy_file_range(src_fd, dst_fd, size - done, src_offset + done,
+                                   dst_offset + done)
+        except OSError as e:
+            if e.errno in _WRITE_ERRNOS:
+                raise output_error(e) from e
+            if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP,
+                           errno.EPERM, errno.EBADF):
+                _use_copy_file_range = False
+                break
+            raise
+        if n == 0:
+            raise InputError(f"a data file ends {size - done} bytes before the tensor bytes "
+                             f"its headers promise (at byte {src_offset + done}); it is truncated")
+        done += n
+    while done < size:
+        data = os.pread(src_fd, min(_BLOCK, size - done), src_offset + done)
+        if not data:
+            raise InputError(f"a data file ends {size - done} bytes before the tensor bytes "
+                             f"its headers promise (at byte {src_offset + done}); it is truncated")
+        pwrite_all(dst_fd, data, dst_offset + done)
+        done += len(data)
+
+
+def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``os.pwrite`` may write less than asked).
+
+    Raises:
+        OutputError: the output cannot be written (no space, quota, file-size limit).
+    """
+    view = memoryview(data).cast("B")
+    while view:
+        try:
+            n = os.pwrite(fd, view, offset)
+        except OSError as e:
+            raise output_error(e) from e
+        view = view[n:]
+        offset += n

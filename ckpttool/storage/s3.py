@@ -1,4 +1,6 @@
-"""Object storage (S3 and S3-compatible stores: MinIO, Ceph, R2) as a checkpoint's store.
+"""Object storage (S3 and S3-compatible stores: MinIO, Ceph, R2): the client, its errors in
+the user's terms, ranged GETs, :class:`RemoteStore` and multipart uploads. Names no format:
+which objects an output replaces and which goes last are the caller's to say.
 
 Why boto3/botocore, not obstore or s3fs (compared for this module):
 
@@ -16,14 +18,7 @@ Why boto3/botocore, not obstore or s3fs (compared for this module):
   upload that has not completed can be aborted on a failure or Ctrl-C, and nothing that looks
   finished is left behind; s3fs and obstore hide them behind writers that finish on close.
 
-How a remote checkpoint is read: :class:`Mirror` lists the prefix once, downloads the small
-files (``.metadata``, JSON, tokenizer files, small ``torch.save`` side files) into a private
-temporary directory and creates each large data file there (``.distcp``, ``.safetensors``) as
-a sparse placeholder of its listed size, so that every format's detection and listing works
-unchanged. A safetensors placeholder holds its real header bytes (fetched here), the only
-bytes of a data file a format reads while describing it. The mirror's directory is registered
-in :mod:`ckpttool.storage.store`, so readers opened on it get a :class:`RemoteStore`, which
-serves every data byte by ranged GETs; a format never reads a placeholder's zeros.
+How a remote checkpoint is read: see :mod:`ckpttool.storage.mirror`.
 
 Nothing here prints or stores credentials; they never appear on the command line.
 """
@@ -32,19 +27,23 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import json
 import os
-import shutil
+import random
+import socket
 import tempfile
 import threading
 import time
+import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from ckpttool.errors import CkptError, InputError, OutputError, UnsupportedError
+from ckpttool.errors import CkptError, InputError, OutputError, TransportError, UnsupportedError
+from ckpttool.storage import outputs
 from ckpttool.storage import store as stores
 
 SCHEME = "s3://"
@@ -60,14 +59,18 @@ CACHE = 2 * CONCURRENCY * GET
 # Multipart uploads: parts of at least PART bytes (S3 allows 10,000 parts per object).
 PART = 16 << 20
 MAX_PARTS = 10_000
-# Files other than .distcp/.safetensors data files are downloaded whole into the mirror up to
-# this size (configs, tokenizers, .metadata, small torch.save side files); a larger one would
-# be a data file that only a local read can describe.
-DOWNLOAD_LIMIT = 64 << 20
-# Data files read in place by ranged GETs; their formats read headers through the store.
-RANGED_SUFFIXES = (".distcp", ".safetensors")
-# Transient failures of a response body (botocore retries the requests themselves).
+# Timeouts and retries. botocore retries a request that fails before its body (connection
+# errors, 5xx, throttling) with its own backoff, up to ATTEMPTS times; a body that breaks off,
+# arrives short or stalls is fetched again here, RETRIES times with backoff. Then the failure
+# is a one-line TransportError naming the object, never "corrupt".
+CONNECT_TIMEOUT = 10  # s, to open a connection
+READ_TIMEOUT = 30  # s, for any single read from the socket
+ATTEMPTS = 5
 RETRIES = 4
+BACKOFF = 0.25  # s, doubled at each retry (with jitter)
+# A body slower than this (after READ_TIMEOUT of grace) is given up and fetched again: a
+# server that trickles a byte at a time never trips the socket timeout.
+MIN_RATE = 256 << 10  # bytes per second
 
 
 def is_url(value: object) -> bool:
@@ -130,12 +133,12 @@ def client(url: Url) -> Any:
             try:
                 import boto3
                 from botocore.config import Config
-            except ImportError:
+            except ImportError as err:
                 raise UnsupportedError(f"{url}: object storage needs the s3 extra; install it "
-                                       f"with: {EXTRA}") from None
-            config = Config(retries={"max_attempts": 6, "mode": "standard"},
-                            max_pool_connections=2 * CONCURRENCY, connect_timeout=20,
-                            read_timeout=120)
+                                       f"with: {EXTRA}") from err
+            config = Config(retries={"max_attempts": ATTEMPTS, "mode": "standard"},
+                            max_pool_connections=2 * CONCURRENCY,
+                            connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT)
             _client = boto3.session.Session().client("s3", config=config)
         return _client
 
@@ -154,8 +157,12 @@ def error(e: Exception, url: Url | str, doing: str) -> CkptError | None:
         return InputError(f"{url}: {e}; check AWS_PROFILE and ~/.aws/config")
     if isinstance(e, bx.EndpointConnectionError | bx.ConnectTimeoutError):
         where = e.kwargs.get("endpoint_url", "")
-        return InputError(f"{url}: cannot reach the object store ({where}); check "
-                          "AWS_ENDPOINT_URL and the network")
+        return TransportError(f"{url}: cannot reach the object store ({where}); check "
+                              "AWS_ENDPOINT_URL and the network")
+    if _transient(e):
+        return TransportError(f"{url}: {doing} failed after {ATTEMPTS} tries "
+                              f"({type(e).__name__}); the network or the object store is "
+                              "failing, run again later")
     if isinstance(e, bx.ClientError):
         err = e.response.get("Error", {})
         code = str(err.get("Code", ""))
@@ -174,6 +181,9 @@ def error(e: Exception, url: Url | str, doing: str) -> CkptError | None:
         if code in ("PreconditionFailed", "412") or status == 412:
             return InputError(f"{url}: the object changed while it was being read; run again "
                               "once it is no longer being written")
+        if (isinstance(status, int) and status >= 500) or code in _THROTTLED:
+            return TransportError(f"{url}: {doing} failed after {ATTEMPTS} tries (the store "
+                                  f"answered {code or status}); run again later")
         return InputError(f"{url}: {doing} failed ({code or status})")
     if isinstance(e, bx.BotoCoreError):
         return InputError(f"{url}: {doing} failed ({type(e).__name__})")
@@ -191,51 +201,112 @@ def errors(url: Url | str, doing: str) -> Iterator[None]:
         mapped = error(e, url, doing)
         if mapped is None:
             raise
-        raise mapped from None
+        raise mapped from e
+
+
+_THROTTLED = ("SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
+              "RequestTimeTooSkewed", "ServiceUnavailable", "InternalError", "503", "500")
 
 
 def _transient(e: BaseException) -> bool:
+    """A failure worth one more try: the connection or the body, not the request."""
     from botocore import exceptions as bx
     from urllib3 import exceptions as ux
 
+    if isinstance(e, bx.ClientError):
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code = str(e.response.get("Error", {}).get("Code", ""))
+        return (isinstance(status, int) and status >= 500) or code in _THROTTLED
     return isinstance(e, bx.ReadTimeoutError | bx.ConnectionClosedError
                       | bx.ResponseStreamingError | bx.IncompleteReadError
-                      | ux.ProtocolError | ux.ReadTimeoutError | ConnectionError)
+                      | bx.EndpointConnectionError | bx.ConnectTimeoutError
+                      | ux.ProtocolError | ux.ReadTimeoutError | ux.HTTPError
+                      | ConnectionError | TimeoutError | _Stalled)
+
+
+class _Stalled(Exception):
+    """A body slower than :data:`MIN_RATE`, or shorter than its headers said."""
+
+
+def _read_body(body: Any, size: int) -> bytes:
+    """The whole body of a ranged GET of ``size`` bytes, given up (:class:`_Stalled`) when
+    it arrives slower than :data:`MIN_RATE` after :data:`READ_TIMEOUT` s of grace.
+
+    Reads with ``read1`` of the urllib3 response under botocore's ``StreamingBody`` (a
+    private attribute, touched here only): ``StreamingBody.read(n)`` waits for all ``n``
+    bytes, so a server sending a byte every few seconds would keep it forever, while
+    ``read1`` returns whatever came, and the deadline is checked between reads.
+    """
+    raw = getattr(body, "_raw_stream", None)
+    read1 = getattr(raw, "read1", None)
+    if read1 is None:  # pragma: no cover - another botocore: one blocking read
+        data: bytes = body.read()
+        return data
+    deadline = time.monotonic() + READ_TIMEOUT + size / MIN_RATE
+    parts = []
+    got = 0
+    while got < size:
+        piece = read1(min(size - got, 1 << 20))
+        if not piece:
+            break
+        parts.append(piece)
+        got += len(piece)
+        if time.monotonic() > deadline:
+            raise _Stalled(f"{got} of {size} bytes in {READ_TIMEOUT + size / MIN_RATE:.0f} s")
+    return b"".join(parts)
 
 
 def get_range(url: Url, offset: int, size: int, etag: str | None = None) -> bytes:
     """``size`` bytes of the object at ``offset`` (exactly; the caller clamps to its size).
 
-    A body that breaks off (a reset connection, a timeout) is fetched again with backoff;
-    a complete response of the wrong length is an error, never retried.
+    A body that breaks off (a reset connection, a timeout), stalls or arrives shorter than
+    its own headers say is fetched again with backoff; a response whose headers say the
+    object itself is shorter is an error at once.
 
     Raises:
         InputError: the object is shorter than asked, changed (``etag``), or unreadable.
+        TransportError: the store kept failing (network, 5xx, throttling) after the retries.
     """
     if size <= 0:
         return b""
     c = client(url)
     extra = {"IfMatch": etag} if etag else {}
+    failure: BaseException | None = None
     for attempt in range(RETRIES + 1):
+        if attempt:
+            time.sleep(BACKOFF * 2 ** (attempt - 1) * (0.5 + random.random()))
         try:
-            with errors(url, "reading"):
-                r = c.get_object(Bucket=url.bucket, Key=url.key,
-                                 Range=f"bytes={offset}-{offset + size - 1}", **extra)
-                body = r["Body"]
-                try:
-                    data: bytes = body.read()
-                finally:
-                    body.close()
-        except Exception as e:
-            if attempt < RETRIES and _transient(e):
-                time.sleep(0.2 * 2 ** attempt)
-                continue
+            r = c.get_object(Bucket=url.bucket, Key=url.key,
+                             Range=f"bytes={offset}-{offset + size - 1}", **extra)
+            body = r["Body"]
+            try:
+                data = _read_body(body, size)
+            finally:
+                body.close()
+            promised = int(r.get("ContentLength", len(data)))
+            if promised < size:
+                raise InputError(f"{url}: a read of {size} bytes at byte {offset} returned "
+                                 f"{promised}; the object is shorter than its checkpoint says")
+            if len(data) != size:
+                raise _Stalled(f"{len(data)} of {size} bytes, then the body ended")
+            return data
+        except CkptError:
             raise
-        if len(data) != size:
-            raise InputError(f"{url}: a read of {size} bytes at byte {offset} returned "
-                             f"{len(data)}; the object is shorter than its checkpoint says")
-        return data
-    raise AssertionError("unreachable")
+        except Exception as e:
+            if not _transient(e):
+                raise error(e, url, "reading") or e from e
+            failure = e
+    raise TransportError(
+        f"{url}: reading {size:,} bytes at byte {offset:,} failed {RETRIES + 1} times "
+        f"({_why(failure)}); the network or the object store is failing (not the "
+        "checkpoint), run again later") from failure
+
+
+def _why(e: BaseException | None) -> str:
+    text = str(e).splitlines()[0] if e is not None and str(e) else ""
+    name = type(e).__name__ if e is not None else "?"
+    return f"{name}: {text[:120]}" if text and not isinstance(e, _Stalled) else \
+        (text or name)
 
 
 def list_objects(url: Url) -> dict[str, tuple[int, str]]:
@@ -252,7 +323,8 @@ def list_objects(url: Url) -> dict[str, tuple[int, str]]:
             for o in page.get("Contents", ()):
                 rel = o["Key"][len(url.prefix):]
                 if rel and not rel.endswith("/"):
-                    found[rel] = (int(o["Size"]), str(o.get("ETag", "")))
+                    size = o.get("Size")  # -1: none listed (the mirror refuses it)
+                    found[rel] = (size if isinstance(size, int) else -1, str(o.get("ETag", "")))
     return found
 
 
@@ -265,124 +337,12 @@ def head(url: Url) -> tuple[int, str] | None:
         mapped = error(e, url, "reading")
         if isinstance(mapped, InputError) and "no such object" in str(mapped):
             return None
-        raise mapped or e from None
+        raise mapped or e from e
     return int(r["ContentLength"]), str(r.get("ETag", ""))
 
 
 # --------------------------------------------------------------------------------------------
 # Reading: the mirror and the store
-
-
-class Mirror:
-    """A remote checkpoint (a prefix, or one object) described by a local temporary
-    directory, whose data files a :class:`RemoteStore` serves. A context manager: the
-    directory is removed on exit.
-
-    Raises (on construction):
-        InputError: nothing at the URL, the bucket is missing, access is denied.
-        UnsupportedError: a large data file of a format that is only read locally.
-    """
-
-    def __init__(self, value: str) -> None:
-        self.url = parse(value)
-        objects = list_objects(self.url)
-        self.tmp = Path(tempfile.mkdtemp(prefix="ckpttool-s3-"))
-        try:
-            if objects:  # a prefix: the directory it stands for
-                self.base_url = self.url
-                self.dir = self.root = self.tmp / self.url.name
-            else:  # one object, in the directory of its parent prefix
-                single = head(self.url) if self.url.key else None
-                if single is None:
-                    raise InputError(f"{self.url}: no such object or prefix; check the URL")
-                self.base_url = Url(self.url.bucket, self.url.key.rpartition("/")[0])
-                objects = {self.url.name: single}
-                self.dir = self.tmp / self.base_url.name
-                self.root = self.dir / self.url.name
-            # ``self.dir`` stands for ``base_url``; every file lies below it.
-            self.objects = objects
-            self._build()
-        except BaseException:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            raise
-        stores.register_mirror(self.dir, self._store)
-
-    def _build(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        downloads: list[tuple[str, int, str]] = []
-        heads: list[tuple[str, int, str]] = []
-        for rel, (size, etag) in sorted(self.objects.items()):
-            target = self.dir / rel
-            if not _inside(self.dir, target):
-                continue  # a key with ".." segments: not part of any checkpoint we read
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if rel.endswith(RANGED_SUFFIXES):
-                with open(target, "wb") as f:
-                    f.truncate(size)  # sparse: no bytes stored, the size listed
-                if rel.endswith(".safetensors"):
-                    heads.append((rel, size, etag))
-            elif size <= DOWNLOAD_LIMIT:
-                downloads.append((rel, size, etag))
-            else:
-                raise UnsupportedError(
-                    f"{self.base_url.child(rel)}: a {size:,}-byte file that ckpttool reads "
-                    "only from a local disk (it reads .distcp and .safetensors data files "
-                    "from object storage); download the checkpoint first (aws s3 cp "
-                    f"--recursive {self.url} DIR) and pass DIR")
-        with ThreadPoolExecutor(max_workers=CONCURRENCY) as pool:
-            jobs = [pool.submit(self._download, *d) for d in downloads]
-            jobs += [pool.submit(self._fill_header, *h) for h in heads]
-            for j in jobs:
-                j.result()
-
-    def _download(self, rel: str, size: int, etag: str) -> None:
-        data = get_range(self.base_url.child(rel), 0, size, etag)
-        (self.dir / rel).write_bytes(data)
-
-    def _fill_header(self, rel: str, size: int, etag: str) -> None:
-        """The real bytes of a safetensors file's header in its placeholder: what describing
-        it reads (the length, then the JSON), and nothing else."""
-        url = self.base_url.child(rel)
-        first = get_range(url, 0, min(size, 64 << 10), etag)
-        if len(first) >= 8:
-            n = int.from_bytes(first[:8], "little")
-            end = min(size, 8 + n)
-            if n <= 100 << 20 and end > len(first):
-                first += get_range(url, len(first), end - len(first), etag)
-            first = first[:max(8, end)] if n <= 100 << 20 else first[:8]
-        with open(self.dir / rel, "r+b") as f:
-            f.write(first)
-
-    def _store(self, base: Path, metadata_name: str) -> RemoteStore:
-        rel = base.relative_to(self.dir).as_posix()
-        url = self.base_url if rel == "." else self.base_url.child(rel)
-        prefix = "" if rel == "." else rel + "/"
-        objects = {k[len(prefix):]: v for k, v in self.objects.items() if k.startswith(prefix)}
-        return RemoteStore(base, url, objects, metadata_name)
-
-    def to_url(self, text: str) -> str:
-        """``text`` with the mirror's paths written as the URLs they stand for."""
-        return text.replace(str(self.dir), str(self.base_url))
-
-    def close(self) -> None:
-        stores.unregister_mirror(self.dir)
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-    def __enter__(self) -> Mirror:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def local(self) -> Path:
-        """The local path that stands for the URL given."""
-        return self.root
-
-
-def _inside(base: Path, target: Path) -> bool:
-    real, inside = os.path.normpath(target), os.path.normpath(base)
-    return os.path.commonpath([real, inside]) == inside
 
 
 @dataclass
@@ -414,8 +374,9 @@ class RemoteStore:
     reads from them; a read outside the plan is a GET of its own. Thread-safe.
     """
 
-    # Threads that keep the pool busy: the copy workers of a remote merge (core/merge.py).
-    workers = CONCURRENCY
+    capabilities: ClassVar[stores.Capabilities] = stores.Capabilities(
+        many_ranges=True, local_files=False, listing=True, multipart_writes=True,
+        workers=CONCURRENCY)
 
     def __init__(self, base: Path, url: Url, objects: dict[str, tuple[int, str]],
                  metadata_name: str) -> None:
@@ -484,9 +445,15 @@ class RemoteStore:
                 raise InputError(f"{self.path(name)}: ends {size - done} bytes before the "
                                  f"tensor bytes its headers promise (at byte {offset + done}); "
                                  "it is truncated")
-            piece = self._piece(name, offset + done, size - done)
-            stores.pwrite_all(dst_fd, piece, dst_offset + done)
+            piece = self._piece(name, offset + done, min(size - done, end - offset - done))
+            outputs.pwrite_all(dst_fd, piece, dst_offset + done)
             done += len(piece)
+
+    def views(self, name: str, offset: int, size: int, block: int) -> Iterator[memoryview]:
+        raise NotImplementedError("object storage maps nothing (capabilities.local_files)")
+
+    def list_files(self) -> dict[str, int]:
+        return {name: size for name, (size, _) in self.objects.items()}
 
     def close(self) -> None:
         with self._lock:
@@ -619,23 +586,20 @@ class RemoteStore:
 # Writing: multipart uploads
 
 
-def _is_weight(name: str) -> bool:
-    """Objects an output of ckpttool replaces: weights, their indexes and DCP files."""
-    return name.endswith((".safetensors", ".safetensors.index.json", ".distcp")) or \
-        name == ".metadata"
+@dataclass(frozen=True)
+class OutputNames:
+    """Which objects of an output matter, told by the caller (storage names no format)."""
+
+    replaces: Callable[[str], bool]  # objects a new output replaces (weights, indexes...)
+    last: Callable[[str], bool]  # what makes an output look complete: uploaded after the rest
 
 
-def is_last(name: str) -> bool:
-    """What makes an output look complete: written after everything else."""
-    return name.endswith(".index.json") or name == ".metadata"
+def existing_weights(url: Url, names: OutputNames) -> list[str]:
+    """Objects directly below ``url`` that an output would replace."""
+    return sorted(n for n in list_objects(url) if "/" not in n and names.replaces(n))
 
 
-def existing_weights(url: Url) -> list[str]:
-    """Weight objects directly below ``url`` (what an output would replace)."""
-    return sorted(n for n in list_objects(url) if "/" not in n and _is_weight(n))
-
-
-def check_output(value: str, *, overwrite: bool) -> Url:
+def check_output(value: str, *, overwrite: bool, names: OutputNames) -> Url:
     """The output URL, checked before any work: the bucket exists and is writable by these
     credentials (as far as a listing tells), and holds no weights unless ``overwrite``.
 
@@ -643,7 +607,7 @@ def check_output(value: str, *, overwrite: bool) -> Url:
         InputError: bad credentials, missing bucket. OutputError: weights there already.
     """
     url = parse(value)
-    existing = existing_weights(url)
+    existing = existing_weights(url, names)
     if existing and not overwrite:
         raise OutputError(f"{url}: already holds {', '.join(existing[:3])}"
                           f"{' and more' if len(existing) > 3 else ''}; pass --overwrite to "
@@ -651,17 +615,98 @@ def check_output(value: str, *, overwrite: bool) -> Url:
     return url
 
 
-class Upload:
-    """Files of a finished local directory uploaded below ``url``: data files first (each
-    a multipart upload of parallel parts when large), stale weights removed (``overwrite``),
-    then the index or ``.metadata`` last, only after everything else completed. On any failure
-    or Ctrl-C every multipart upload in progress is aborted and the objects this upload
-    created are deleted, so nothing that looks finished is left.
+LOCK_NAME = ".ckpttool-lock"
+
+
+class Lock:
+    """One writer per output prefix: the object ``PREFIX/.ckpttool-lock``, created with a
+    conditional put (``If-None-Match: *``: S3, MinIO and R2 refuse it when it exists) and
+    read back (a store that ignored the condition and let another run's put win shows it
+    here). Released at the end of the run, whatever the outcome; a killed run leaves it,
+    and the next run is refused with the command that removes it.
+
+    Raises (``acquire``):
+        OutputError: another run holds the prefix.
     """
 
-    def __init__(self, url: Url, *, overwrite: bool) -> None:
+    def __init__(self, url: Url) -> None:
+        self.out = url
+        self.url = url.child(LOCK_NAME)
+        self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
+        self.held = False
+
+    def _refused(self, holder: str) -> OutputError:
+        return OutputError(
+            f"{self.out}: another ckpttool run is writing this output ({LOCK_NAME} by "
+            f"{holder or 'another run'}); "
+            "wait for it to finish. If none is running (a killed run left the lock), check "
+            f"the output with ckpttool verify, then remove the lock: aws s3 rm {self.url}")
+
+    def acquire(self) -> None:
+        c = client(self.url)
+        body = json.dumps({"run": self.token, "started": time.time()}).encode()
+        try:
+            c.put_object(Bucket=self.url.bucket, Key=self.url.key, Body=body, IfNoneMatch="*")
+        except Exception as e:
+            if _status(e) in (409, 412):
+                raise self._refused(self._holder()) from e
+            raise error(e, self.url, "locking the output") or e from e
+        self.held = True
+        holder = self._holder()
+        if self.token not in holder:
+            self.held = False
+            raise self._refused(holder)
+
+    def _holder(self) -> str:
+        try:
+            with errors(self.url, "reading the lock"):
+                r = client(self.url).get_object(Bucket=self.url.bucket, Key=self.url.key)
+                doc = json.loads(r["Body"].read())
+            return str(doc.get("run", ""))
+        except (CkptError, ValueError, AttributeError):
+            return ""
+
+    def release(self) -> None:
+        """Remove the lock if it is still ours (best effort: a failure here is not the run's)."""
+        if not self.held:
+            return
+        self.held = False
+        with contextlib.suppress(Exception):
+            if self.token in self._holder():
+                client(self.url).delete_object(Bucket=self.url.bucket, Key=self.url.key)
+
+
+def _status(e: BaseException) -> int | None:
+    response = getattr(e, "response", None)
+    if not isinstance(response, dict):
+        return None
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status if isinstance(status, int) else None
+
+
+class Upload:
+    """Files of a finished local directory uploaded below ``url``, in an order that never
+    shows a finished-looking mixed output (the remote counterpart of
+    :meth:`~ckpttool.storage.outputs.AtomicOutputs.commit`; S3 has no rename):
+
+    1. with ``overwrite``, the previous output's index (``names.last``) is deleted first:
+       from then on the prefix holds no index, so nothing reads it as complete;
+    2. the data files (``names.replaces``) go up (each a multipart upload of parallel parts
+       when large; an object replaced by a PUT changes at once, never half), then the rest;
+    3. previous data files the new output lacks are deleted;
+    4. the index goes up last, only after everything else completed.
+
+    A process killed at any step leaves the previous output, or one without an index (or,
+    for an output without index, its previous or new weight file). On any failure or Ctrl-C
+    every multipart upload in progress is aborted and the objects this upload created (that
+    did not exist before) are deleted; objects it replaced keep their new content, without
+    an index.
+    """
+
+    def __init__(self, url: Url, *, overwrite: bool, names: OutputNames) -> None:
         self.url = url
         self.overwrite = overwrite
+        self.names = names
         self._uploads: dict[str, str] = {}  # key -> UploadId in progress
         self._created: list[str] = []  # keys this upload completed
         self._lock = threading.Lock()
@@ -669,23 +714,26 @@ class Upload:
     def run(self, local: Path) -> list[str]:
         """Upload every file of ``local`` (recursively); returns the names uploaded."""
         names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
-        before = set(existing_weights(self.url))
-        first = [n for n in names if not is_last(n)]
+        rule = self.names
+        existing = set(list_objects(self.url))
+        replaced = {n for n in existing if "/" not in n and rule.replaces(n)}
+        first = [n for n in names if not rule.last(n)]
         # Weights before everything else, then the configs, the index last.
-        first.sort(key=lambda n: (not _is_weight(n), n))
-        last = [n for n in names if is_last(n)]
+        first.sort(key=lambda n: (not rule.replaces(n), n))
+        last = [n for n in names if rule.last(n)]
         pool = ThreadPoolExecutor(max_workers=CONCURRENCY, thread_name_prefix="ckpttool-put")
         try:
-            for name in first:
-                self._put(pool, local / name, name, name in before)
             if self.overwrite:
-                stale = sorted(before - set(names))
-                for name in stale:
-                    with errors(self.url.child(name), "removing an old file"):
-                        client(self.url).delete_object(Bucket=self.url.bucket,
-                                                       Key=self.url.child(name).key)
+                for name in sorted(n for n in replaced if rule.last(n)):
+                    self._delete(name)
+            for name in first:
+                self._put(pool, local / name, name, name in existing)
+            if self.overwrite:
+                for name in sorted(replaced - set(names)):
+                    if not rule.last(name):
+                        self._delete(name)
             for name in last:
-                self._put(pool, local / name, name, name in before)
+                self._put(pool, local / name, name, name in existing)
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)
             self.abort()
@@ -693,7 +741,14 @@ class Upload:
         pool.shutdown(wait=True)
         return names
 
+    def _delete(self, name: str) -> None:
+        outputs.fault_step()
+        url = self.url.child(name)
+        with errors(url, "removing an old file"):
+            client(url).delete_object(Bucket=url.bucket, Key=url.key)
+
     def _put(self, pool: ThreadPoolExecutor, path: Path, name: str, existed: bool) -> None:
+        outputs.fault_step()
         url = self.url.child(name)
         c = client(url)
         size = path.stat().st_size

@@ -1,62 +1,193 @@
 """Where a checkpoint's bytes come from: a store of named files, read by byte range.
 
-Readers never open files themselves: they ask a :class:`Store` for ranges of the files their
-metadata names. A store is opened once per checkpoint and shared by worker threads; it can be
-asked for many ranges of one file at once (:meth:`Store.read_ranges`), so that a plan that
-knows every range it needs can batch them per file (local files today; object storage, where
-each request costs a round trip, plugs in here). Positional file I/O helpers used by every
-writer live here too, so that input and output share one copy loop.
+Readers never open files themselves: they are *given* a :class:`Store` (``open_reader(info,
+store=...)``) and ask it for ranges of the files their metadata names. A store declares what
+it can do (:class:`Capabilities`) instead of being probed with ``getattr``/``isinstance``, as
+obstore's and fsspec's stores do: whether it reads many planned ranges at once (object
+storage, where each request costs a round trip), whether its bytes are local files (mapped
+views, kernel copies, readers shared with forked processes), whether it lists and writes.
+
+Which store serves a path is decided by a :class:`Stores` (an opener) that the caller holds
+and passes down: :data:`LOCAL` for local directories; a mirror of object storage
+(:mod:`ckpttool.storage.mirror`) for its own directory. Nothing here is process-global.
+
+A new store is one module plus one subclass of the store contract suite
+(``tests/storage/contract.py``).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import errno
 import functools
 import mmap
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import ClassVar, Protocol
 
-from ckpttool.errors import InputError, OutputError, UnreadableError
+from ckpttool import settings
+from ckpttool.errors import InputError, UnreadableError
+from ckpttool.storage import outputs
 
-_BLOCK = 64 << 20
-_use_copy_file_range = hasattr(os, "copy_file_range")
-_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a store does well, declared once per store class."""
+
+    # Told every range a command will read (:meth:`Store.plan_reads`), it fetches them as
+    # coalesced requests ahead of the readers; readers then go in stored order.
+    many_ranges: bool
+    # Its bytes are local files: large ranges come mapped (:meth:`Store.views`), copies run in
+    # the kernel, and forked processes may share its open files.
+    local_files: bool
+    # :meth:`Store.list_files` names every file below it with its size.
+    listing: bool
+    # Large files are written in parts sent in parallel (object storage's multipart uploads).
+    multipart_writes: bool
+    # Threads that keep it busy when reads wait on the network (0: the caller's own choice).
+    workers: int = 0
 
 
 class Store(Protocol):
-    """Named files of one checkpoint, read by byte range."""
+    """Named files of one checkpoint, read by byte range. Thread-safe once
+    :meth:`open_all` has run."""
 
-    def path(self, name: str) -> Path: ...
+    capabilities: ClassVar[Capabilities]
 
-    def pread(self, name: str, size: int, offset: int) -> bytes: ...
+    def path(self, name: str) -> Path:
+        """The local path that stands for ``name`` in messages (a mirror's for a remote one)."""
+        ...
+
+    def size(self, name: str) -> int:
+        """The file's size. Raises InputError when it is missing."""
+        ...
 
     def open_all(self, names: Iterable[str]) -> None: ...
 
-    def read_exact(self, name: str, offset: int, size: int, *, what: str) -> bytes: ...
+    def pread(self, name: str, size: int, offset: int) -> bytes:
+        """Up to ``size`` bytes at ``offset`` (fewer at the file's end)."""
+        ...
 
-    def readinto(self, name: str, offset: int, buf: memoryview) -> int: ...
+    def read_exact(self, name: str, offset: int, size: int, *, what: str) -> bytes:
+        """Exactly ``size`` bytes; InputError naming ``what`` when the file ends first."""
+        ...
+
+    def readinto(self, name: str, offset: int, buf: memoryview) -> int:
+        """Fill ``buf`` from ``offset``; returns the bytes read (fewer at the file's end)."""
+        ...
 
     def read_ranges(self, name: str, ranges: list[tuple[int, int]], *, what: str
-                    ) -> list[bytes]: ...
+                    ) -> list[bytes]:
+        """The bytes of each ``(offset, size)`` of ``name``, in the order asked."""
+        ...
+
+    def plan_reads(self, reads: list[tuple[str, int, int]]) -> None:
+        """The ``(name, offset, size)`` ranges about to be read, in that order (a no-op
+        unless ``capabilities.many_ranges``)."""
+        ...
+
+    def views(self, name: str, offset: int, size: int, block: int) -> Iterator[memoryview]:
+        """Consecutive mapped views (only with ``capabilities.local_files``)."""
+        ...
 
     def copy_to(self, name: str, offset: int, dst_fd: int, dst_offset: int, size: int
-                ) -> None: ...
+                ) -> None:
+        """Copy ``size`` bytes at ``offset`` into an open output file."""
+        ...
+
+    def list_files(self) -> dict[str, int]:
+        """Every file below the store (relative name -> size); with ``capabilities.listing``."""
+        ...
 
     def close(self) -> None: ...
 
 
+class Stores(Protocol):
+    """Opens the store of a checkpoint directory: what a caller passes down to discovery
+    and to readers, so that no reader looks its storage up."""
+
+    def open(self, base: Path, *, metadata_name: str, follow_links: bool = False) -> Store:
+        """The store of the files below ``base`` (``metadata_name``: what references them,
+        for the "missing" message; ``follow_links``: read local data files that link out)."""
+        ...
+
+    def reading(self, path: Path, *, inside: str | None = None
+                ) -> contextlib.AbstractContextManager[Callable[[int, int], bytes]]:
+        """``pread(size, offset)`` over one file while the block runs (what a format reads
+        while describing a checkpoint: headers, nested records); ``inside``: a real
+        directory a local file must lie in (checked on the descriptor)."""
+        ...
+
+
+class LocalStores:
+    """Local directories: a :class:`LocalStore` each."""
+
+    def open(self, base: Path, *, metadata_name: str, follow_links: bool = False) -> Store:
+        return LocalStore(base, metadata_name=metadata_name, follow_links=follow_links)
+
+    @contextlib.contextmanager
+    def reading(self, path: Path, *, inside: str | None = None
+                ) -> Iterator[Callable[[int, int], bytes]]:
+        """Raises OSError as ``open`` (FileNotFoundError...); InputError (``inside``): not a
+        regular file, or a link out of ``inside``."""
+        if inside is not None:
+            fd = open_data_file(path, path.name, inside=inside,
+                                hint="copy the file into the checkpoint directory")
+        else:
+            fd = os.open(path, READ_FLAGS)
+        try:
+            yield functools.partial(os.pread, fd)
+        finally:
+            os.close(fd)
+
+
+LOCAL: Stores = LocalStores()
+
+
+def pread_of(path: Path, stores: Stores = LOCAL, *, inside: str | None = None
+             ) -> contextlib.AbstractContextManager[Callable[[int, int], bytes]]:
+    """``pread(size, offset)`` over one file of a checkpoint, through ``stores``."""
+    return stores.reading(path, inside=inside)
+
+
+def max_open_files() -> int:
+    """How many data files one store keeps open at once: a quarter of this process's
+    descriptor limit (``ulimit -n``), at most 256, at least 8. A checkpoint of 2,048 ranks
+    has 2,048 data files; one descriptor each for the whole run would exceed the default
+    limit of 1,024."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 64
+    if soft == resource.RLIM_INFINITY:
+        return 256
+    return max(8, min(256, soft // 4))
+
+
 class LocalStore:
-    """Files below a local directory, each opened once (thread-safe) and read with ``pread``.
+    """Files below a local directory, read with ``pread`` through a bounded set of open
+    descriptors (thread-safe): a file is opened when first read and closed when it is the
+    least recently used of more than :func:`max_open_files`; a reopened file must be the one
+    first opened (same device and inode), or the read fails as "changed while reading".
+
+    Each file is checked on its open descriptor, never on its name: a regular file (a FIFO
+    is never waited on) that really lies inside the checkpoint directory (unless
+    ``follow_links``), so a link swapped in between a check and the open is refused.
 
     Args:
         base: the directory that names are relative to.
         metadata_name: what references the files, for the "missing" message (".metadata").
     """
+
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        many_ranges=False, local_files=True, listing=True, multipart_writes=False)
 
     def __init__(self, base: Path, *, metadata_name: str, follow_links: bool = False) -> None:
         self.base = base
@@ -64,51 +195,94 @@ class LocalStore:
         # A data file that is a link out of the checkpoint is refused unless asked for
         # (--follow-links): storage paths are checked by name, a link would sidestep that.
         self._inside = None if follow_links else os.path.realpath(base)
-        self._fds: dict[str, int] = {}
+        self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._pins: dict[str, int] = {}  # reads in flight on each open descriptor
+        self._ids: dict[str, tuple[int, int]] = {}  # (st_dev, st_ino) at the first open
+        self._sizes: dict[str, int] = {}  # st_size at the first open
+        self._limit = max_open_files()
         self._lock = threading.Lock()
 
     def path(self, name: str) -> Path:
         return self.base / name
 
-    def fd(self, name: str) -> int:
-        """The open file ``name``.
+    @contextlib.contextmanager
+    def use(self, name: str) -> Iterator[int]:
+        """The open file ``name`` while the block runs (it is not closed meanwhile).
 
         Raises:
-            InputError: missing, unreadable or not a regular file.
+            InputError: missing, unreadable, not a regular file, a link out of the checkpoint,
+                or another file than the one first opened under this name.
         """
-        fd = self._fds.get(name)
-        if fd is not None:
-            return fd
         with self._lock:
             fd = self._fds.get(name)
             if fd is None:
-                path = self.path(name)
-                if self._inside is not None:
-                    real = os.path.realpath(path)
-                    if os.path.commonpath([real, self._inside]) != self._inside:
-                        raise InputError(
-                            f"{path}: a link to {real}, outside the checkpoint directory; "
-                            "pass --follow-links to read data files through links")
-                fd = self._fds[name] = open_data_file(path, self.metadata_name)
+                fd = self._open(name)
+                self._fds[name] = fd
+            else:
+                self._fds.move_to_end(name)
+            self._pins[name] = self._pins.get(name, 0) + 1
+            self._evict()
+        try:
+            yield fd
+        finally:
+            with self._lock:
+                self._pins[name] -= 1
+                if not self._pins[name]:
+                    del self._pins[name]
+                self._evict()
+
+    def _open(self, name: str) -> int:
+        path = self.path(name)
+        fd = open_data_file(path, self.metadata_name, inside=self._inside)
+        info = os.fstat(fd)
+        ident = (info.st_dev, info.st_ino)
+        self._sizes.setdefault(name, info.st_size)
+        if self._ids.setdefault(name, ident) != ident:
+            os.close(fd)
+            raise InputError(f"{path}: the file changed while it was read (another file is "
+                             "there now); run again on a checkpoint nothing is writing to")
         return fd
 
+    def _evict(self) -> None:
+        while len(self._fds) > self._limit:
+            victim = next((n for n in self._fds if n not in self._pins), None)
+            if victim is None:
+                return
+            os.close(self._fds.pop(victim))
+
+    def size(self, name: str) -> int:
+        with self.use(name) as fd:
+            return os.fstat(fd).st_size
+
     def open_all(self, names: Iterable[str]) -> None:
+        """Open (and check) every file now: a missing or refused one fails before any work.
+        At most :func:`max_open_files` stay open."""
         for name in names:
-            self.fd(name)
+            with self.use(name):
+                pass
+
+    def _bounded(self, name: str, size: int, offset: int) -> int:
+        """``size`` cut to what the file holds from ``offset``: ``os.pread`` allocates all it
+        is asked for before reading, so a size field of a damaged file (a 5-byte edit can
+        claim 2 GB) must never reach it unbounded."""
+        return max(0, min(size, self._sizes.get(name, size) - offset))
 
     def pread(self, name: str, size: int, offset: int) -> bytes:
         """Up to ``size`` bytes at ``offset`` (fewer at the file's end)."""
-        return os.pread(self.fd(name), size, offset)
+        with self.use(name) as fd:
+            return os.pread(fd, self._bounded(name, size, offset), offset)
 
     def read_exact(self, name: str, offset: int, size: int, *, what: str) -> bytes:
-        data = os.pread(self.fd(name), size, offset)
+        with self.use(name) as fd:
+            data = os.pread(fd, self._bounded(name, size, offset), offset)
         if len(data) != size:
             raise truncated(self.path(name), offset + len(data), what)
         return data
 
     def readinto(self, name: str, offset: int, buf: memoryview) -> int:
         """Fill ``buf`` from ``offset``; returns the bytes read (fewer at the file's end)."""
-        return os.preadv(self.fd(name), [buf], offset)
+        with self.use(name) as fd:
+            return os.preadv(fd, [buf], offset)
 
     def read_ranges(self, name: str, ranges: list[tuple[int, int]], *, what: str
                     ) -> list[bytes]:
@@ -117,113 +291,170 @@ class LocalStore:
 
     def copy_to(self, name: str, offset: int, dst_fd: int, dst_offset: int, size: int) -> None:
         """Copy ``size`` bytes at ``offset`` into an open output file, in the kernel."""
-        copy_range(self.fd(name), offset, dst_fd, dst_offset, size)
+        with self.use(name) as fd:
+            outputs.copy_range(fd, offset, dst_fd, dst_offset, size)
+
+    def plan_reads(self, reads: list[tuple[str, int, int]]) -> None:
+        """Nothing to plan: a local read costs no round trip (the page cache reads ahead)."""
+
+    def list_files(self) -> dict[str, int]:
+        """Regular files below the directory (links are not followed into)."""
+        found: dict[str, int] = {}
+        for root, _dirs, files in os.walk(self.base):
+            for f in files:
+                p = Path(root) / f
+                size = file_size(p) if not p.is_symlink() else None
+                if size is not None:
+                    found[p.relative_to(self.base).as_posix()] = size
+        return found
 
     def views(self, name: str, offset: int, size: int, block: int) -> Iterator[memoryview]:
         """The ``size`` bytes at ``offset`` of ``name`` as consecutive views of at most
         ``block`` bytes, mapped from the page cache (no copy; see :func:`read_blocks`); they
         stop early where the file ends."""
-        fd = self.fd(name)
-        end = min(offset + size, os.fstat(fd).st_size)
+        with self.use(name) as fd:
+            end = min(offset + size, os.fstat(fd).st_size)
         pos = offset
+        _mapped[threading.get_ident()] = str(self.path(name))
         while pos < end:
             n = min(block, end - pos)
             base = pos - pos % mmap.ALLOCATIONGRANULARITY
             # Copy-on-write: writable views (torch.frombuffer warns on read-only ones) that no
-            # write ever reaches the file through. Unmapped when the last view of it goes.
-            window = mmap.mmap(fd, pos + n - base, access=mmap.ACCESS_COPY, offset=base)
+            # write ever reaches the file through. Unmapped when the last view of it goes
+            # (a mapping holds its own reference to the file: closing the descriptor is safe).
+            with self.use(name) as fd:
+                window = mmap.mmap(fd, pos + n - base, access=mmap.ACCESS_COPY, offset=base)
+            _test_pause_after_map()
             yield memoryview(window)[pos - base : pos - base + n]
             del window
             pos += n
+        _mapped.pop(threading.get_ident(), None)
 
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            self._pins.clear()
 
 
-# Local directories that stand for remote checkpoints (formats/remote.py's mirrors), with the
-# factory of the store that serves their data files: readers ask open_store, never which
-# storage a checkpoint is on.
-_MIRRORS: dict[Path, Callable[[Path, str], Any]] = {}
+# The file each thread reads through a mapping now, for the SIGBUS message
+# (ckpttool.storage.outputs): a mapped file cut short ends the read there.
+_mapped: dict[int, str] = {}
 
 
-def register_mirror(directory: Path, factory: Callable[[Path, str], Any]) -> None:
-    """Serve the data files below ``directory`` with ``factory(base, metadata_name)``."""
-    _MIRRORS[directory] = factory
+def mapped_file() -> str | None:
+    """The file the calling thread reads through a mapping, if any."""
+    return _mapped.get(threading.get_ident())
 
 
-def unregister_mirror(directory: Path) -> None:
-    _MIRRORS.pop(directory, None)
-
-
-def open_store(base: Path, *, metadata_name: str, follow_links: bool = False) -> Store:
-    """The store of the checkpoint whose files are relative to ``base``: a remote one for a
-    mirror of object storage, else a :class:`LocalStore`."""
-    factory = _mirror_factory(base)
-    if factory is not None:
-        store: Store = factory(base, metadata_name)
-        return store
-    return LocalStore(base, metadata_name=metadata_name, follow_links=follow_links)
-
-
-def _mirror_factory(path: Path) -> Callable[[Path, str], Any] | None:
-    """The store factory of the mirror ``path`` lies in (or is); None for a local path."""
-    for directory, factory in list(_MIRRORS.items()):
-        if path == directory or directory in path.parents:
-            return factory
-    return None
-
-
-@contextlib.contextmanager
-def pread_of(path: Path) -> Iterator[Callable[[int, int], bytes]]:
-    """``pread(size, offset)`` over one file while the block runs: by ranged reads of its
-    store for a data file of a remote checkpoint (its local placeholder holds no data).
-
-    Raises:
-        OSError: as ``open`` (FileNotFoundError...).
-    """
-    if _mirror_factory(path.parent) is not None:
-        store = open_store(path.parent, metadata_name=path.name)
-        try:
-            yield functools.partial(store.pread, path.name)
-        finally:
-            store.close()
+def _test_pause_after_map() -> None:
+    """Test hook (tests/cli/test_trust.py): ``CKPTTOOL_TEST_FAULT=pause-map:FILE`` creates
+    FILE once a window is mapped and waits (at most 60 s) until FILE is removed, so that a
+    test can cut the source file short under the mapping."""
+    fault = settings.test_fault()
+    if not fault.startswith("pause-map:"):
         return
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    flag = fault.split(":", 1)[1]
+    if os.path.exists(flag + ".done"):
+        return
+    with open(flag, "w") as f:
+        f.write(str(os.getpid()))
+    open(flag + ".done", "w").close()
+    for _ in range(1200):
+        time.sleep(0.05)
+        if not os.path.exists(flag):
+            return
+
+
+def real_path(fd: int) -> str | None:
+    """Where the open file ``fd`` really lies (Linux: its /proc link); None where the system
+    does not say."""
     try:
-        yield functools.partial(os.pread, fd)
-    finally:
-        os.close(fd)
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
 
 
-def open_data_file(path: Path, metadata_name: str) -> int:
-    """Open a data file that ``metadata_name`` references, for reading.
+def is_inside(fd: int, path: Path, directory: str) -> tuple[bool, str]:
+    """Whether the open file ``fd`` (opened as ``path``) lies inside ``directory`` (a real
+    path), judged on the descriptor itself: a link swapped in after any check by name is
+    seen. Returns the answer and the file's real path."""
+    real = real_path(fd)
+    if real is None:  # no /proc: the name's target, then the same inode as the descriptor
+        real = os.path.realpath(path)
+        try:
+            same = os.path.samestat(os.stat(real), os.fstat(fd))
+        except OSError:
+            same = False
+        if not same:
+            return False, real
+    return os.path.commonpath([real, directory]) == directory, real
+
+
+# Open flags for reading a file a checkpoint names: never wait on a FIFO or device, never
+# make a terminal ours.
+READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+
+
+def open_data_file(path: Path, metadata_name: str, *, inside: str | None = None,
+                   hint: str = "pass --follow-links to read data files through links") -> int:
+    """Open a data file that ``metadata_name`` references, for reading, and check the open
+    descriptor (never the name, which may change meanwhile).
+
+    Args:
+        inside: a real directory path the file must lie in (links out of it are refused).
 
     Raises:
         UnreadableError: this process may not read it.
-        InputError: missing, unreadable, or not a regular file (a FIFO would block).
+        InputError: missing, unreadable, not a regular file (a FIFO would block), or outside
+            ``inside``.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise InputError(missing_message(path, metadata_name)) from None
+        fd = os.open(path, READ_FLAGS)
+    except FileNotFoundError as err:
+        raise InputError(missing_message(path, metadata_name)) from err
     except PermissionError as e:
-        raise UnreadableError.of(path, e) from None
+        raise UnreadableError.of(path, e) from e
     except OSError as e:
-        raise InputError(f"{path}: cannot open data file: {e.strerror}") from None
+        raise InputError(f"{path}: cannot open data file: {e.strerror}") from e
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise InputError(f"{path}: is not a regular file; {metadata_name} names it as data")
+    if inside is not None:
+        ok, real = is_inside(fd, path, inside)
+        if not ok:
+            os.close(fd)
+            raise InputError(f"{path}: a link to {real}, outside the checkpoint directory; "
+                             f"{hint}")
     return fd
 
 
 def missing_message(path: Path, metadata_name: str, detail: str = "") -> str:
-    """The one message for a data file that is not there (``detail``: what it should hold)."""
+    """The one message for a data file that is not there (``detail``: what it should hold),
+    or is there but not a regular file (a FIFO, socket, device or directory: never opened,
+    and never called missing, which would send the user looking for a file they can see)."""
     about = f" ({detail})" if detail else ""
+    kind = _special_kind(path)
+    if kind is not None:
+        return (f"{path}: is a {kind}, not a regular file; {metadata_name} references it as a "
+                f"data file{about}. ckpttool never reads one: put the checkpoint's file there")
     return (f"{path}: data file is missing; {metadata_name} references it{about}. Copy the "
             "whole checkpoint directory again")
+
+
+def _special_kind(path: Path) -> str | None:
+    """What ``path`` is when it exists but is not a regular file; None otherwise."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    for test, kind in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISDIR, "directory")):
+        if test(mode):
+            return kind
+    return None
 
 
 def truncated(path: Path, offset: int, what: str) -> InputError:
@@ -257,9 +488,8 @@ def read_blocks(store: Store, name: str, offset: int, size: int, buf: memoryview
     read would end the process (SIGBUS), as for any reader that maps files (safetensors,
     numpy.memmap); its size is checked first.
     """
-    views = getattr(store, "views", None) if mapped else None
-    if views is not None and size >= MAP_MIN:
-        yield from views(name, offset, size, len(buf))
+    if mapped and store.capabilities.local_files and size >= MAP_MIN:
+        yield from store.views(name, offset, size, len(buf))
         return
     done = 0
     while done < size:
@@ -270,62 +500,3 @@ def read_blocks(store: Store, name: str, offset: int, size: int, buf: memoryview
         if got != n:
             return
         done += n
-
-
-# --------------------------------------------------------------------------------------------
-# Positional I/O shared with the writers
-
-
-def output_error(e: OSError) -> OutputError:
-    """A failed write, in the user's terms (the temporary files are removed by the caller)."""
-    return OutputError(f"writing the output failed: {e.strerror}; free space (or raise the "
-                       "quota or file-size limit) where the output goes, then run again")
-
-
-def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, size: int) -> None:
-    """Copy ``size`` bytes between open files at the given offsets, in the kernel when it can.
-
-    Raises:
-        InputError: the source ends early. OutputError: the output cannot be written.
-    """
-    global _use_copy_file_range
-    done = 0
-    while done < size and _use_copy_file_range:
-        try:
-            n = os.copy_file_range(src_fd, dst_fd, size - done, src_offset + done,
-                                   dst_offset + done)
-        except OSError as e:
-            if e.errno in _WRITE_ERRNOS:
-                raise output_error(e) from None
-            if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP,
-                           errno.EPERM, errno.EBADF):
-                _use_copy_file_range = False
-                break
-            raise
-        if n == 0:
-            raise InputError(f"a data file ends {size - done} bytes before the tensor bytes "
-                             f"its headers promise (at byte {src_offset + done}); it is truncated")
-        done += n
-    while done < size:
-        data = os.pread(src_fd, min(_BLOCK, size - done), src_offset + done)
-        if not data:
-            raise InputError(f"a data file ends {size - done} bytes before the tensor bytes "
-                             f"its headers promise (at byte {src_offset + done}); it is truncated")
-        pwrite_all(dst_fd, data, dst_offset + done)
-        done += len(data)
-
-
-def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
-    """Write all of ``data`` at ``offset`` (``os.pwrite`` may write less than asked).
-
-    Raises:
-        OutputError: the output cannot be written (no space, quota, file-size limit).
-    """
-    view = memoryview(data).cast("B")
-    while view:
-        try:
-            n = os.pwrite(fd, view, offset)
-        except OSError as e:
-            raise output_error(e) from None
-        view = view[n:]
-        offset += n

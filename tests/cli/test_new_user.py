@@ -140,7 +140,7 @@ def test_zsh_completes_from_fpath_on_the_first_tab(on_path: dict[str, str]) -> N
                        text=True, timeout=120)
     lines = r.stdout.splitlines()
     assert lines[0] == "registered: _ckpttool", r.stdout + r.stderr
-    assert lines[1].startswith('*: :(("merge":"Merge a sharded'), r.stdout + r.stderr
+    assert lines[1].startswith('*: :(("merge":"Merge a checkpoint'), r.stdout + r.stderr
     assert '"--dry-run":"Show what would be written' in r.stdout, r.stdout + r.stderr
 
 
@@ -154,7 +154,7 @@ def test_zsh_completes_when_sourced(on_path: dict[str, str]) -> None:
                        text=True, timeout=120)
     lines = r.stdout.splitlines()
     assert lines[0] == "registered: _ckpttool_completion", r.stdout + r.stderr
-    assert lines[1].startswith('*: :(("merge":"Merge a sharded'), r.stdout + r.stderr
+    assert lines[1].startswith('*: :(("merge":"Merge a checkpoint'), r.stdout + r.stderr
 
 
 def test_fish_completes(on_path: dict[str, str]) -> None:
@@ -486,9 +486,13 @@ def test_a_dumb_terminal_gets_plain_progress_lines(uneven_ckpt: Path, tmp_path: 
         assert proc.wait(timeout=300) == 0
         return b"".join(chunks).decode().replace("\r\n", "\n")
 
-    lines = stderr_on_a_terminal().splitlines()
+    def progress_lines(*extra: str) -> list[str]:  # warnings (no config.json here) aside
+        return [line for line in stderr_on_a_terminal(*extra).splitlines()
+                if not line.startswith("ckpttool: warning: ")]
+
+    lines = progress_lines()
     assert lines and lines[-1].startswith("merging: 100% (") and "\x1b" not in "".join(lines)
-    assert stderr_on_a_terminal("--no-progress") == ""
+    assert progress_lines("--no-progress") == []
 
 
 # -- the library's types and reports
@@ -504,7 +508,17 @@ def test_the_package_is_typed_in_the_wheel(tmp_path: Path) -> None:
     import zipfile
 
     (wheel,) = tmp_path.glob("ckpttool-*.whl")
-    assert "ckpttool/py.typed" in zipfile.ZipFile(wheel).namelist()
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "ckpttool/py.typed" in names
+    # issue 24: completion scripts where the shells look, the license, the project's URLs
+    data = "ckpttool-0.1.0.data/data/share/"
+    for script in ("bash-completion/completions/ckpttool.bash", "zsh/site-functions/_ckpttool",
+                   "fish/vendor_completions.d/ckpttool.fish"):
+        assert data + script in names
+    assert "ckpttool-0.1.0.dist-info/licenses/LICENSE" in names
+    metadata = zipfile.ZipFile(wheel).read("ckpttool-0.1.0.dist-info/METADATA").decode()
+    assert "Project-URL: Documentation, https://github.com/ckpttool/ckpttool/blob/main/docs/" in (
+        metadata)
 
 
 def test_every_report_is_json_serialisable(uneven_ckpt: Path, tmp_path: Path) -> None:
@@ -516,3 +530,88 @@ def test_every_report_is_json_serialisable(uneven_ckpt: Path, tmp_path: Path) ->
     for report in reports:
         doc = json.loads(json.dumps(report.to_json()))
         assert doc["schema"] == 1 and doc["command"] in COMMANDS
+
+
+# -- issue 24: completion of option values, one line per description, fish runs us once
+
+
+def complete_bash(words: str, env: dict[str, str]) -> list[str]:
+    """What the program answers bash for the command line ``words`` (completing its last
+    word, which may be empty)."""
+    parts = words.split(" ")
+    env = {**env, "_CKPTTOOL_COMPLETE": "complete_bash", "COMP_WORDS": words,
+           "COMP_CWORD": str(len(parts) - 1)}
+    r = subprocess.run([sys.executable, "-c", "from ckpttool.cli import main; main()"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+@pytest.mark.parametrize(("words", "values"), [
+    ("ckpttool merge a b --dtype ", ["auto", "keep", "bf16", "fp16", "fp32"]),
+    ("ckpttool merge a b --dtype b", ["bf16"]),
+    ("ckpttool verify a --expect-dtype ", ["auto", "bf16", "fp16", "fp32"]),
+    ("ckpttool verify a --allow-cast --dtype f", ["fp16", "fp32"]),
+    ("ckpttool merge a b --lora ", ["fuse", "adapter"]),
+    ("ckpttool merge a b --part ", ["model", "optimizer"]),
+    ("ckpttool merge a b --names torchtitan-q", ["torchtitan-qwen3"]),
+    ("ckpttool reshard a b --to ", ["dcp", "safetensors"]),
+])
+def test_option_values_complete(words: str, values: list[str]) -> None:
+    assert complete_bash(words, cli_env()) == values
+
+
+def test_every_name_map_completes() -> None:
+    from ckpttool.cli.merge import NAME_MAPS
+
+    assert complete_bash("ckpttool merge a b --names ", cli_env()) == list(NAME_MAPS)
+
+
+def test_completed_dtypes_are_the_dtypes_merge_takes() -> None:
+    from ckpttool.cli.common import DTYPE_VALUES
+    from ckpttool.cli.merge import NAME_MAPS
+    from ckpttool.core.transforms.namemaps import NAMES
+    from ckpttool.formats.codecs.dtypes import CHOICES
+
+    assert tuple(v for v, _ in DTYPE_VALUES) == CHOICES
+    assert set(NAME_MAPS) == set(NAMES)
+
+
+def test_fish_runs_the_program_once_per_tab_and_keeps_descriptions_whole(
+        on_path: dict[str, str], tmp_path: Path) -> None:
+    calls = tmp_path / "calls"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    exe = bin_dir / "ckpttool"
+    exe.write_text(f"#!/bin/sh\necho >> {calls}\nexec {sys.executable} -m ckpttool \"$@\"\n")
+    exe.chmod(0o755)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model.safetensors").touch()
+    env = {**on_path, "PATH": f"{bin_dir}{os.pathsep}{on_path['PATH']}"}
+    code = (f"source {ROOT / 'completions' / 'ckpttool.fish'}\ncd {tmp_path}\n"
+            "complete -C 'ckpttool merge --dtype '\necho ---\n"
+            "complete -C 'ckpttool merge --d'\necho ---\n"
+            "complete -C 'ckpttool merge ckpt/m'\n")
+    r = subprocess.run([shell("fish"), "--no-config", "-c", code], env=env,
+                       capture_output=True, text=True, timeout=120)
+    values, options, files = r.stdout.split("---\n")
+    assert [line.split("\t")[0] for line in values.splitlines()] == [
+        "auto", "bf16", "fp16", "fp32", "keep"], r.stdout + r.stderr
+    dtype = next(line for line in options.splitlines() if line.startswith("--dtype\t"))
+    assert dtype.endswith("Float8, integer and bool tensors are never cast."), dtype
+    assert files.split() == ["ckpt/model.safetensors"]
+    assert len(calls.read_text().splitlines()) == 3  # one run per TAB
+
+
+def test_the_command_list_shows_whole_summaries() -> None:
+    r = run("--help")
+    assert "  merge    Merge a checkpoint (any format) into Hugging Face safetensors.\n" in (
+        r.output)
+    commands = r.output.split("Commands:\n")[1].splitlines()
+    assert len(commands) == 4 and not [c for c in commands if c.endswith("...")]
+
+
+def test_pip_users_are_told_how_to_get_completion() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "ckpttool --install-completion" in readme
+    assert "--install-completion" in run("--help").output

@@ -24,7 +24,7 @@ def test_reshard_to_ranks_json(uneven_ckpt: Path, tmp_path: Path) -> None:
 
 def test_reshard_dcp_needs_ranks(uneven_ckpt: Path, tmp_path: Path) -> None:
     r = run("reshard", uneven_ckpt / "pytorch_model_fsdp_0", tmp_path / "out")
-    assert r.exit_code == 3
+    assert r.exit_code == 2  # a usage error (issue 24)
     assert r.stderr == ("ckpttool: error: DCP to DCP needs --ranks M (the number of ranks to "
                         "lay the checkpoint out for)\n")
 

@@ -42,7 +42,7 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def small_jobs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Windows and groups of a few tensors each (many jobs on a small checkpoint), and a
     count of the forked runs."""
-    monkeypatch.setattr("ckpttool.core.merge.operation.WINDOW_STORED", 8 << 10)
+    monkeypatch.setattr("ckpttool.core.merge.engine.WINDOW_STORED", 8 << 10)
     monkeypatch.setattr("ckpttool.core.verify.scan.GROUP_STORED", 8 << 10)
     runs: list[int] = []
     real = forked.run

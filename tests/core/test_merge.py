@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 import ckpttool
 from ckpttool.core.checkpoint.names import canonical_fqn
-from ckpttool.core.merge import operation as merge_mod
+from ckpttool.core.merge import engine as merge_mod
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats.dcp import reader as dcp
 from ckpttool.storage import outputs as fileio
@@ -243,11 +243,11 @@ def test_interrupted_merge_leaves_nothing_that_looks_finished(
 
     if windows:  # small tensors made whole in memory, written with pwrite
         real = merge_mod.pwrite_all
-        monkeypatch.setattr("ckpttool.core.merge.operation.pwrite_all", interrupted)
+        monkeypatch.setattr("ckpttool.core.merge.engine.pwrite_all", interrupted)
     else:  # every chunk its own copy, in the kernel
-        monkeypatch.setattr("ckpttool.core.merge.operation.WINDOW_TENSOR", 0)
+        monkeypatch.setattr("ckpttool.core.merge.engine.WINDOW_TENSOR", 0)
         real = fileio.copy_range
-        monkeypatch.setattr("ckpttool.storage.store.copy_range", interrupted)
+        monkeypatch.setattr("ckpttool.storage.outputs.copy_range", interrupted)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         ckpttool.merge(uneven_ckpt, out, workers=1)
@@ -273,9 +273,9 @@ def test_chunk_missing_from_storage_is_an_input_error(uneven_ckpt: Path, tmp_pat
 def test_cast_in_many_small_blocks_is_exact(kind: str, windows: bool, mapped: bool,
                                             make_checkpoint, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ckpttool.core.merge.operation.CAST_BLOCK", 64)  # 8 to 64 elements a block
+    monkeypatch.setattr("ckpttool.core.merge.engine.CAST_BLOCK", 64)  # 8 to 64 elements a block
     if not windows:  # else small tensors are cast whole, in memory
-        monkeypatch.setattr("ckpttool.core.merge.operation.WINDOW_TENSOR", 0)
+        monkeypatch.setattr("ckpttool.core.merge.engine.WINDOW_TENSOR", 0)
     monkeypatch.setattr("ckpttool.storage.store.MAP_MIN", 0 if mapped else 1 << 62)
     report = ckpttool.merge(make_checkpoint(kind), tmp_path / "out", dtype="bf16",
                             keep_tied=True, workers=3)
@@ -325,11 +325,11 @@ def test_interrupt_with_workers_stops_queued_jobs(llama_ckpt: Path, tmp_path: Pa
         time.sleep(0.05)  # the other worker's chunks take a moment, as real ones do
         real_copy_range(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("ckpttool.storage.store.copy_range", interrupted)
+    monkeypatch.setattr("ckpttool.storage.outputs.copy_range", interrupted)
     # The fixture's chunks are small, which alone would make the merge single-threaded, and
     # its tensors too, which would put them in windows (whole tensors, written by pwrite).
     monkeypatch.setattr("ckpttool.core.runtime.torch_threads.THREADED_CHUNK", 0)
-    monkeypatch.setattr("ckpttool.core.merge.operation.WINDOW_TENSOR", 0)
+    monkeypatch.setattr("ckpttool.core.merge.engine.WINDOW_TENSOR", 0)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         ckpttool.merge(llama_ckpt, out, dtype="keep", keep_tied=True, workers=2)

@@ -19,7 +19,8 @@ import ckpttool
 from ckpttool.core import dtype_policy
 from ckpttool.core.checkpoint.discover import discover, open_reader
 from ckpttool.core.merge import multihost, partition
-from ckpttool.core.merge.operation import MergePlan, execute, execute_share, plan_merge
+from ckpttool.core.merge.engine import execute, execute_share
+from ckpttool.core.merge.plan import MergePlan, plan_merge
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats.base import RAW, Chunk, Tensor
 from ckpttool.formats.codecs import dtypes

@@ -261,6 +261,11 @@ class FormatContract:
         assert fmt is not None and fmt.NAME == self.FORMAT
         assert registry.by_name(self.FORMAT).detect(path)
 
+    def test_pending_says_a_whole_checkpoint_is_complete(self, ckpt: Ckpt) -> None:
+        """What the writer left complete is never waited for by merge --all."""
+        path, _ = ckpt
+        assert registry.by_name(self.FORMAT).pending(path) is None
+
     def test_detect_leaves_other_paths_alone(self, tmp_path: Path) -> None:
         fmt = registry.by_name(self.FORMAT)
         empty = tmp_path / "empty"

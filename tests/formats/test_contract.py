@@ -10,10 +10,11 @@ from typing import ClassVar
 import pytest
 import torch
 
+import ckpttool
 from ckpttool.formats import registry
 from tests import layouts
 from tests.core.test_merge import expected
-from tests.formats.contract import Ckpt, FormatContract, Reference
+from tests.formats.contract import Ckpt, FormatContract, Merged, Reference
 
 # A bug in ckpttool (left for the package's owner; see the report of this suite): a checkpoint
 # path that exists but is neither a regular file nor a directory (a FIFO, /dev/null) is taken for
@@ -244,3 +245,35 @@ def test_every_format_runs_the_contract() -> None:
     """A format added to the registry gets its subclass here too."""
     covered = {cls.FORMAT for cls in _subclasses(FormatContract) if cls.__module__ == __name__}
     assert {fmt.NAME for fmt in registry.FORMATS} <= covered
+
+
+class TestMegatron(FormatContract):
+    """A Megatron-Core torch_dist run at TP=2 (tests/megatron_layouts.py), copied without its
+    config.json and merged with --names none: the global tensors under Megatron's own names,
+    against Megatron's own loaded state dict, stacked. (The Hugging Face maps are checked in
+    tests/formats/test_megatron.py.)"""
+
+    FORMAT = "megatron"
+    RUN = "qwen2-tp2"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def ckpt(cls, megatron_runs: Path, tmp_path_factory: pytest.TempPathFactory) -> Ckpt:
+        from tests.megatron_layouts import native_reference
+
+        run = megatron_runs / cls.RUN
+        ckpt = tmp_path_factory.mktemp(f"contract-megatron-{cls.RUN}") / "run"
+        shutil.copytree(run, ckpt, ignore=shutil.ignore_patterns("config.json", "reference.pt"))
+        return ckpt, native_reference(run)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def merged(cls, ckpt: Ckpt, tmp_path_factory: pytest.TempPathFactory) -> Merged:
+        out = tmp_path_factory.mktemp("contract-megatron-merged") / "out"
+        return out, ckpttool.merge(ckpt[0], out, dtype="keep", names="none")
+
+
+class TestMegatronExpertParallel(TestMegatron):
+    """The same at EP=2: experts stored [L, E, ...], each rank's experts its own chunks."""
+
+    RUN = "qwen3_moe-ep2"

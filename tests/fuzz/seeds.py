@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-SEEDS_DONE = ".seeds-complete"
+SEEDS_DONE = ".seeds-complete-3"  # bumped when a seed is added: written again
 PY311_DCP = Path(__file__).resolve().parents[1] / "data" / "py311" / "dcp"
 
 
@@ -49,6 +49,7 @@ def write_seeds(root: Path, *, deepspeed: bool = False) -> dict[str, Path]:
     assert seeds["dcp"] == root / "uneven" / MODEL_DIR
     layouts.write_dcp_options(root / "options")  # safetensors records, rank-local, zstd
     layouts.write_fsdp2(root / "verl", 2)  # per-rank torch.save files of DTensors
+    layouts.write_hf_storage(root / "hf_storage" / "ckpt")  # HuggingFaceStorageWriter shards
     state = _state()
     for name in ("st_sharded", "bin_sharded", "st_single", "bin_single"):
         (root / name).mkdir()
@@ -81,6 +82,7 @@ def _seed_paths(root: Path, *, deepspeed: bool) -> dict[str, Path]:
         "dcp-rank-local": root / "options" / "rank_local",
         "dcp-zstd": root / "options" / "zstd",
         "rank-files": root / "verl" / CKPT_DIR,
+        "dcp-hf-storage": root / "hf_storage" / "ckpt",
         "safetensors-sharded": root / "st_sharded",
         "bin-sharded": root / "bin_sharded",
         "safetensors": root / "st_single",

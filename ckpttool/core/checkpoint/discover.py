@@ -22,15 +22,17 @@ from pathlib import Path
 from ckpttool.core.checkpoint import hf, names
 from ckpttool.core.checkpoint import parts as key_parts
 from ckpttool.errors import InputError, UnsupportedError
-from ckpttool.formats import rank_files, registry, torchfile
+from ckpttool.formats import rank_files, registry, safetensors, torchfile
 from ckpttool.formats.base import CheckpointInfo, ChunkColumns, ObjectEntry, Reader, Tensor
 from ckpttool.formats.codecs.dtypes import DType
-from ckpttool.storage.store import open_store
+from ckpttool.storage.store import LOCAL, Stores
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of one chunk
 
-# Entries of a training directory that are checkpoints a user may mean.
-_CHECKPOINT_KINDS = ("model", "optimizer")
+# Entries of a training directory that are checkpoints a user may mean, by preference: a
+# PEFT adapter file (adapter_model.safetensors) beside the model it was trained on is chosen
+# only when there is no model.
+_CHECKPOINT_KINDS = ("model", "adapter", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class Part:
     every report)."""
 
     path: str  # relative to the directory
-    kind: str  # "model", "optimizer" or "other"
+    kind: str  # "model", "optimizer", "adapter" (a PEFT adapter file) or "other"
     format: str  # a format's NAME, or "pickle", "json", "directory", "file"
     note: str = ""
 
@@ -119,6 +121,9 @@ class Checkpoint:
     # meta.pt), read weights-only; verified with it, listed in its contents.
     side: tuple[tuple[str, CheckpointInfo], ...] = ()
     side_notes: tuple[str, ...] = ()  # side files that could not be read, and why
+    # Where its bytes are: what opens the store its reader is given (a mirror's for a
+    # checkpoint in object storage).
+    stores: Stores = LOCAL
 
     @property
     def root(self) -> Path:
@@ -190,8 +195,10 @@ def top_level(kind: str) -> str:
 
 def describe(path: Path, info: CheckpointInfo, *, config: Path | None = None,
              parts: tuple[Part, ...] = (), chosen: str | None = None,
-             others: tuple[tuple[str, CheckpointInfo], ...] = ()) -> Checkpoint:
-    """``info`` under canonical names, with its Hugging Face files.
+             others: tuple[tuple[str, CheckpointInfo], ...] = (), stores: Stores = LOCAL
+             ) -> Checkpoint:
+    """``info`` under canonical names, with its Hugging Face files (``stores``: where its
+    bytes are, as for :func:`discover`).
 
     Raises:
         InputError: two stored names collapse into one canonical name.
@@ -212,7 +219,7 @@ def describe(path: Path, info: CheckpointInfo, *, config: Path | None = None,
                                    given=path if path.is_dir() else path.parent))
     side, notes = _side_files(info)
     return Checkpoint(path, info, kind, tensors, objects, parts, files, chosen=chosen,
-                      others=others, side=side, side_notes=notes)
+                      others=others, side=side, side_notes=notes, stores=stores)
 
 
 def select(ckpt: Checkpoint, part: str) -> Checkpoint:
@@ -291,8 +298,8 @@ def _side_files(info: CheckpointInfo) -> tuple[tuple[tuple[str, CheckpointInfo],
 
 
 def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | None = None,
-             require: bool = True,
-             command: str = "inspect") -> Checkpoint:
+             require: bool = True, command: str = "inspect", prefer: str | None = None,
+             stores: Stores = LOCAL) -> Checkpoint:
     """Recognise and describe the checkpoint at ``path``. Reads no tensor data.
 
     Args:
@@ -301,13 +308,23 @@ def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | N
         require: raise when a directory holds several checkpoints (else describe its parts,
             with ``info`` None and ``note`` saying why).
         command: the command the user ran, for the next command a message suggests.
+        prefer: the kind of checkpoint to take from a training directory that holds one of
+            each (``"optimizer"``: accelerate's ``optimizer_0/`` beside the model, for
+            ``merge --part optimizer``); default: its model.
+        stores: where the bytes below ``path`` are (a mirror of object storage; local files
+            by default); the checkpoint keeps it for :func:`open_reader`.
 
     Raises:
         InputError: nothing readable there, a damaged or unsafe checkpoint, or (``require``)
             several checkpoints to choose from.
         UnsupportedError: a layout a format recognises but does not read yet.
     """
-    given = Path(path)
+    return replace(_discover(Path(path), config, require, command, prefer, stores),
+                   stores=stores)
+
+
+def _discover(given: Path, config: str | os.PathLike[str] | None, require: bool, command: str,
+              prefer: str | None, stores: Stores) -> Checkpoint:
     config_path = Path(config) if config is not None else None
     if not given.exists():
         raise InputError(f"{given}: no such file or directory")
@@ -316,18 +333,18 @@ def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | N
                          "directory or file")
     fmt = registry.detect(given)
     if fmt is not None:
-        info = fmt.read_info(given)
+        info = fmt.read_info(given, stores=stores)
         if not given.is_dir() or info.sharded:
             return describe(given, info, config=config_path)
         # Full weights at the top of a training directory (model.safetensors beside
         # optimizer_0/): the other checkpoints there are listed and checked too.
-        parts, beside = list_parts(given)
+        parts, beside = list_parts(given, stores)
         return describe(given, info, config=config_path, parts=parts if beside else (),
                         others=tuple(beside.items()))
     if given.is_file():
         raise InputError(_not_a_checkpoint_file(given))
-    parts, infos = list_parts(given)
-    chosen = _choose(parts)
+    parts, infos = list_parts(given, stores)
+    chosen = _choose(parts, prefer)
     if chosen is None:
         message = _no_choice(given, parts, command)
         if require or not any(registry.is_format(p.format) for p in parts):
@@ -335,7 +352,7 @@ def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | N
         return Checkpoint(given, None, "model", (), (), parts,
                           hf.find_hf_files(given, config_path), note=message)
     target = given / chosen.path
-    info = infos.get(chosen.path) or _read(target)
+    info = infos.get(chosen.path) or _read(target, stores)
     others = tuple((name, i) for name, i in infos.items() if name != chosen.path)
     return describe(given, info, config=config_path, parts=parts, chosen=chosen.path,
                     others=others)
@@ -351,19 +368,16 @@ def open_reader(ckpt: Checkpoint, *, follow_links: bool = False) -> Reader:
     info = ckpt.info
     if info is None:
         raise InputError(f"{ckpt.path}: holds no single checkpoint to read")
-    reader = registry.by_name(info.format).open_reader(info)
-    if follow_links:
-        reader.store.close()
-        reader.store = open_store(info.base, metadata_name=info.metadata_name,
-                                  follow_links=True)
-    return reader
+    store = ckpt.stores.open(info.base, metadata_name=info.metadata_name,
+                             follow_links=follow_links)
+    return registry.by_name(info.format).open_reader(info, store=store)
 
 
-def _read(path: Path) -> CheckpointInfo:
+def _read(path: Path, stores: Stores) -> CheckpointInfo:
     fmt = registry.detect(path)
     if fmt is None:  # listed as a checkpoint, so claimed: only a race gets here
         raise InputError(f"{path}: no longer a checkpoint")
-    return fmt.read_info(path)
+    return fmt.read_info(path, stores=stores)
 
 
 def _not_a_checkpoint_file(file: Path) -> str:
@@ -391,10 +405,12 @@ def _no_choice(given: Path, parts: Iterable[Part], command: str) -> str:
 
 
 
-def _choose(parts: tuple[Part, ...]) -> Part | None:
-    """The one checkpoint a directory holds: its single model, else its single optimizer;
-    None when there are several or none."""
-    for kind in _CHECKPOINT_KINDS:
+def _choose(parts: tuple[Part, ...], prefer: str | None = None) -> Part | None:
+    """The one checkpoint a directory holds: its single model, else its single optimizer
+    (``prefer`` first, where there is one of that kind); None when there are several or
+    none."""
+    kinds = sorted(_CHECKPOINT_KINDS, key=lambda k: k != prefer)
+    for kind in kinds:
         found = [p for p in parts if p.kind == kind and registry.is_format(p.format)]
         if found:
             return found[0] if len(found) == 1 else None
@@ -405,7 +421,8 @@ def _choose(parts: tuple[Part, ...]) -> Part | None:
 # Training checkpoint directories
 
 
-def list_parts(directory: Path) -> tuple[tuple[Part, ...], dict[str, CheckpointInfo]]:
+def list_parts(directory: Path, stores: Stores = LOCAL
+               ) -> tuple[tuple[Part, ...], dict[str, CheckpointInfo]]:
     """Every entry of ``directory``, sorted, with its kind and format, and the checkpoints
     read (subdirectories), by entry name. Files are classified by name and first bytes and
     never read here; pickles are never opened.
@@ -422,12 +439,17 @@ def list_parts(directory: Path) -> tuple[tuple[Part, ...], dict[str, CheckpointI
             if fmt is None:
                 parts.append(Part(p.name, "other", "directory"))
                 continue
-            info = infos[p.name] = fmt.read_info(p)
+            info = infos[p.name] = fmt.read_info(p, stores=stores)
             parts.append(Part(p.name, kind_of(info), fmt.NAME,
-                              f"{len(info.tensors)} tensors, {len(info.files)} files"))
+                              f"{_count(len(info.tensors), 'tensor')}, "
+                              f"{_count(len(info.files), 'file')}"))
         else:
             parts.append(_file_part(p))
     return tuple(parts), infos
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def _file_part(p: Path) -> Part:
@@ -437,6 +459,14 @@ def _file_part(p: Path) -> Part:
     if p.suffix in torchfile.SUFFIXES:
         fmt = torchfile.NAME if torchfile.detect(p) else "file"
         return Part(name, stem_kind, fmt)
+    if p.suffix == ".safetensors":
+        if not safetensors.detect(p):
+            return Part(name, "other", "file")
+        # Any loose safetensors file may be a model: with another candidate beside it, the
+        # user chooses (never a silent pick of the wrong one).
+        kind = ("optimizer" if "optimizer" in p.stem
+                else "adapter" if p.stem.startswith("adapter_model") else "model")
+        return Part(name, kind, safetensors.NAME)
     if p.suffix == ".pkl":
         return Part(name, "other", "pickle", "not unpickled")
     if p.suffix == ".json":

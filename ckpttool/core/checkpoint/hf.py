@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 from ckpttool.errors import InputError, UnreadableError
 from ckpttool.formats.safetensors import json_error, read_json_text
+from ckpttool.storage import store
 
 # Files a Hugging Face model directory carries besides its weights.
 HF_FILES = (
@@ -42,6 +44,41 @@ class HfFiles:
     config_path: Path | None
     files: tuple[Path, ...]  # files to copy beside the weights
     skipped: tuple[str, ...] = ()  # why a file found there is not used (for warnings)
+    roots: tuple[Path, ...] = ()  # real directories a file reached through links may lie in
+    # Where config.json came from when not beside the checkpoint: "the run directory ..."
+    # (None: beside it, or given with --config, or not found)
+    found_in: str | None = None
+
+
+def read_side_file(path: Path, roots: tuple[Path, ...]) -> bytes:
+    """The bytes of a side file found by :func:`find_hf_files`, read through one descriptor
+    that is checked itself (never the name again, which may have changed since discovery):
+    a regular file of at most :data:`SIDE_FILE_LIMIT` bytes that, if reached through links,
+    lies inside ``roots``.
+
+    Raises:
+        InputError: it changed since it was found (now a link out, a FIFO, too large, gone).
+    """
+    again = "it changed since the checkpoint was read; run again when nothing writes to it"
+    try:
+        fd = os.open(path, store.READ_FLAGS)
+    except PermissionError as e:  # the user's permissions, not a change: say how to fix it
+        raise UnreadableError.of(path, e) from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot be read ({e.strerror}); {again}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > SIDE_FILE_LIMIT:
+            raise InputError(f"{path}: no longer a regular file of at most "
+                             f"{SIDE_FILE_LIMIT:,} bytes; {again}")
+        real = store.real_path(fd)
+        if real is not None and real != os.path.abspath(path) and not any(
+                Path(real).is_relative_to(r) for r in roots):
+            raise InputError(f"{path}: now a link to {real}, outside the checkpoint; {again}")
+        data = f.read(SIDE_FILE_LIMIT + 1)
+    if len(data) > SIDE_FILE_LIMIT:
+        raise InputError(f"{path}: grew past {SIDE_FILE_LIMIT:,} bytes; {again}")
+    return data
 
 
 def _unsafe(path: Path, roots: list[Path]) -> str | None:
@@ -102,16 +139,61 @@ def find_hf_files(dcp_dir: Path, config: Path | None = None, *, given: Path | No
             raise InputError(f"{why} (--config)")
     config_path = config or next((d / "config.json" for d in dirs if usable(d / "config.json")),
                                  None)
+    found_in = None
+    if config_path is None:
+        in_run = next(((d, why) for d, why in run_dirs(dcp_dir)
+                       if usable(d / "config.json")), None)
+        if in_run is not None:
+            config_path, found_in = in_run[0] / "config.json", in_run[1]
     parsed: dict[str, Any] | None = None
     if config_path is not None:
-        parsed = _json_object(config_path, "--config")
+        parsed = _json_object(config_path, "--config",
+                              roots=None if config is not None else tuple(roots))
         dirs = [config_path.parent] + [d for d in dirs if d != config_path.parent]
     files: list[Path] = []
     for name in HF_FILES:
         found = next((d / name for d in dirs if usable(d / name)), None)
         if found is not None:
             files.append(found)
-    return HfFiles(parsed, config_path, tuple(files), tuple(skipped))
+    return HfFiles(parsed, config_path, tuple(files), tuple(skipped),
+                   roots=tuple(roots) + tuple({c.resolve().parent for c in (config, config_path)
+                                               if c is not None}),
+                   found_in=found_in)
+
+
+def no_config_warning(root: Path, given: Path) -> str:
+    """What a merge without config.json writes, and how to give it one."""
+    looked = [str(d) for d, _ in run_dirs(root)[:1]]
+    where = f"beside {root}" + (f" nor in {looked[0]}" if looked else "")
+    return (f"no config.json found {where}: the output is WEIGHTS ONLY, which from_pretrained "
+            "cannot load ('Unrecognized model'); dtypes are kept as stored and tied embeddings "
+            "are written twice. Pass the model's config.json (the training run's output_dir "
+            f"or the base model's): ckpttool merge {given} OUT --config path/to/config.json")
+
+
+# A training run's checkpoint directories: the HF Trainer's checkpoint-N, verl's and
+# DeepSpeed's global_step_N (global_stepN), torchtitan's step-N.
+_STEP_DIR = re.compile(r"(checkpoint|global_step|step)[-_]?(\d+)")
+
+
+def run_dirs(dcp_dir: Path) -> list[tuple[Path, str]]:
+    """Where a run keeps the model's config.json when a checkpoint lacks it (the HF Trainer
+    writes none into a SHARDED_STATE_DICT checkpoint), in order, with how to say it: the run
+    directory above the step directory (the Trainer's output_dir, where save_model writes it),
+    then the other step directories of the run, newest first."""
+    step = next((d for d in (dcp_dir, dcp_dir.parent) if _STEP_DIR.fullmatch(d.name)), None)
+    if step is None:
+        return []
+    run = step.parent
+    out = [(run, f"the run directory {run}"), (run / "huggingface", f"the run directory {run}")]
+    try:
+        siblings = [(int(m.group(2)), d) for d in run.iterdir()
+                    if d != step and d.is_dir() and (m := _STEP_DIR.fullmatch(d.name))]
+    except OSError:
+        return out
+    for _, d in sorted(siblings, reverse=True):
+        out.append((d, f"{d.name}, another checkpoint of the same run"))
+    return out
 
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -150,20 +232,23 @@ def _beside(dcp_dir: Path) -> list[Path]:
     return [dcp_dir, dcp_dir / "huggingface", dcp_dir.parent, dcp_dir.parent / "huggingface"]
 
 
-def _json_object(path: Path, option: str) -> dict[str, Any]:
-    """``path`` parsed; it must hold a JSON object.
+def _json_object(path: Path, option: str, *, roots: tuple[Path, ...] | None = None
+                 ) -> dict[str, Any]:
+    """``path`` parsed; it must hold a JSON object (``roots``: found beside a checkpoint, so
+    read as :func:`read_side_file` reads).
 
     Raises:
         UnreadableError: this process may not read it.
         InputError: not valid JSON, or not an object (the message names ``option``).
     """
     try:
-        parsed = json.loads(read_json_text(path))
+        parsed = json.loads(read_json_text(path) if roots is None
+                            else read_side_file(path, roots).decode("utf-8"))
     except PermissionError as e:
-        raise UnreadableError.of(path, e) from None
+        raise UnreadableError.of(path, e) from e
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise InputError(f"{path}: not valid JSON ({json_error(e)}); fix it or pass "
-                         f"{option}") from None
+                         f"{option}") from e
     if not isinstance(parsed, dict):
         raise InputError(f"{path}: not a JSON object; fix it or pass {option}")
     return parsed
@@ -179,6 +264,25 @@ def ties_word_embeddings(config: dict[str, Any] | None) -> bool | None:
         if isinstance(text, dict):
             value = text.get("tie_word_embeddings")
     return bool(value)
+
+
+def with_written_dtype(config: dict[str, Any], dtype: str | None
+                       ) -> tuple[dict[str, Any], list[str]]:
+    """``config`` saying the dtype the weights are written in, as ``save_pretrained`` does
+    (``config.dtype`` = the model's first floating parameter's dtype), so ``from_pretrained``
+    loads the precision that was written. ``torch_dtype`` (the older key, which older
+    transformers read) is updated where present, never added.
+
+    Args:
+        dtype: a torch dtype name (``"float32"``), or None (no floating tensor: unchanged).
+    """
+    if dtype is None:
+        return config, []
+    keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
+    changes = [f"{k}: {config.get(k)} -> {dtype}" for k in keys if config.get(k) != dtype]
+    if not changes:
+        return config, []
+    return {**config, **dict.fromkeys(keys, dtype)}, changes
 
 
 def strip_fsdp_prefix(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

@@ -34,8 +34,8 @@ def read_range(reader: Reader, tensor: Tensor, start: int, stop: int) -> bytearr
             p = p or reader.payload(tensor, c)
             src_elem = src + lo - dst
             if p.start is not None:
-                data = reader.store.read_exact(p.file, p.start + src_elem * item,
-                                               (hi - lo) * item, what=f"tensor '{tensor.name}'")
+                data = reader.read_exact(p.file, p.start + src_elem * item,
+                                         (hi - lo) * item, what=f"tensor '{tensor.name}'")
             else:
                 whole = whole or reader.read_chunk(tensor, c)
                 data = whole[src_elem * item : (src_elem + hi - lo) * item]

@@ -17,13 +17,14 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any
 
+from ckpttool import settings
 from ckpttool.errors import OutputError
 
 __all__ = ["DEFAULT_TIMEOUT", "DISABLE_ENV", "TIMEOUT_ENV", "Group", "launched"]
 
 # How long a collective waits for the slowest process (seconds): the copy between two
 # collectives is balanced, so this bounds a hung peer, not the merge.
-DEFAULT_TIMEOUT = 1800
+DEFAULT_TIMEOUT = int(settings.DIST_TIMEOUT_DEFAULT)
 TIMEOUT_ENV = "CKPTTOOL_DIST_TIMEOUT"
 # Set to 0 to ignore the launcher's variables (a ckpttool run started from inside one rank of a
 # training job inherits them, and must not wait for the others).
@@ -32,7 +33,7 @@ DISABLE_ENV = "CKPTTOOL_DISTRIBUTED"
 
 def launched() -> bool:
     """True when a launcher started this process as one of several (``WORLD_SIZE`` > 1)."""
-    if os.environ.get(DISABLE_ENV) == "0":
+    if not settings.distributed():
         return False
     try:
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -42,16 +43,7 @@ def launched() -> bool:
 
 
 def timeout_seconds() -> float:
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise OutputError(f"{TIMEOUT_ENV}={raw!r}: expected a number of seconds above 0")
-    return value
+    return settings.dist_timeout()
 
 
 class Group:
@@ -87,7 +79,7 @@ class Group:
             raise OutputError(
                 f"cannot join the other processes (MASTER_ADDR={os.environ.get('MASTER_ADDR')} "
                 f"MASTER_PORT={os.environ.get('MASTER_PORT')}): {str(e).splitlines()[0]}; "
-                f"check the launcher, or set {DISABLE_ENV}=0 to run alone") from None
+                f"check the launcher, or set {DISABLE_ENV}=0 to run alone") from e
         _terminate_as_interrupt()
         return cls(group, dist.get_rank(group), dist.get_world_size(group), own)
 
@@ -114,7 +106,7 @@ class Group:
         except RuntimeError as e:  # gloo: a peer's connection closed, or the timeout
             raise OutputError(f"rank {self.rank}: lost contact with the other processes "
                               f"({_gist(e)}); one of them failed or was killed: see its own "
-                              "error") from None
+                              "error") from e
         return [json.loads(bytes(t[: int(n.item())].tolist())) for t, n in zip(
             everyone, sizes, strict=True)]
 

@@ -35,16 +35,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from ckpttool import errors
+from ckpttool import errors, settings
 from ckpttool.core.merge import partition
 from ckpttool.core.merge.distributed import Group
-from ckpttool.core.merge.operation import MergePlan, commit_outputs, execute_share
+from ckpttool.core.merge.engine import commit_outputs, execute_share
+from ckpttool.core.merge.plan import MergePlan
 from ckpttool.core.runtime.report import Progress
 from ckpttool.core.runtime.torch_threads import default_workers
-from ckpttool.errors import CkptError, InputError, OutputError
+from ckpttool.errors import CkptError, InputError, OutputError, UsageError
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Reader
-from ckpttool.storage.outputs import TMP_SUFFIX, AtomicOutputs, pwrite_all
+from ckpttool.storage.outputs import TMP_SUFFIX, AtomicOutputs, existing_outputs, pwrite_all
 
 __all__ = ["FAIL_ENV", "Finish", "Shared", "Slice", "Team", "check_headers", "parse_slice",
            "team_from_env"]
@@ -61,6 +62,11 @@ class Shared(Protocol):
     def first(self) -> bool:
         """This process decides, reports and commits (rank 0)."""
 
+    @property
+    def commits_slices(self) -> bool:
+        """This process commits what earlier processes wrote (``--finish``): it checks OUT's
+        files itself, knowing which of them a finish that did not complete put in place."""
+
     def once(self, decide: Callable[[], Any]) -> Any:
         """``decide()`` (JSON-able, may read tensor data) run once, its result on every
         process; an error raised there is raised on every process."""
@@ -70,6 +76,17 @@ class Shared(Protocol):
               on_start: Callable[[int], None] | None) -> dict[str, Any]:
         """Write this process's part of ``plan`` (and commit, where it is the one to);
         returns what the report says about the sharing."""
+
+    def preview(self, plan: MergePlan) -> dict[str, Any] | None:
+        """For a dry run: what :meth:`write` would report, with ``tensors``, the names of
+        the tensors this process would write (some of them in part); None: all of them."""
+
+
+def _preview(mode: str, merge_plan: MergePlan, shares: list[list[partition.Unit]],
+             index: int, **more: Any) -> dict[str, Any]:
+    mine = sorted({(u.file, u.tensor) for u in shares[index]})
+    names = [merge_plan.files[f].tensors[t].name for f, t in mine]
+    return _describe(mode, shares, tensors=names, **more)
 
 
 def check_headers(plan: MergePlan, temps: dict[str, Path]) -> None:
@@ -88,7 +105,7 @@ def check_headers(plan: MergePlan, temps: dict[str, Path]) -> None:
             meta, slots = st.read_layout(path)
         except (OSError, InputError) as e:
             raise OutputError(f"{path}: cannot read the output back ({e}); nothing was put in "
-                              "place") from None
+                              "place") from e
         if (head != f.layout.header or size != f.size or meta != {"format": "pt"}
                 or slots != tuple(sorted(f.layout.slots, key=lambda s: s.begin))):
             raise OutputError(f"{path}: does not read back as written (header or size "
@@ -104,7 +121,7 @@ def _open_shared(path: Path, size: int, *, create: bool = False) -> int:
     try:
         fd = os.open(path, flags, 0o666)
     except OSError as e:
-        raise OutputError(f"{path}: cannot open the shared output file: {e.strerror}") from None
+        raise OutputError(f"{path}: cannot open the shared output file: {e.strerror}") from e
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -116,7 +133,7 @@ def _open_shared(path: Path, size: int, *, create: bool = False) -> int:
                               "run is using this directory? run again")
     except OSError as e:
         os.close(fd)
-        raise OutputError(f"{path}: cannot size the shared output file: {e.strerror}") from None
+        raise OutputError(f"{path}: cannot size the shared output file: {e.strerror}") from e
     except BaseException:
         os.close(fd)
         raise
@@ -140,7 +157,7 @@ def _write_share(plan: MergePlan, share: list[partition.Unit], reader: Reader,
 
 
 def _fault(progress: Progress | None, who: str) -> Progress | None:
-    spec = os.environ.get(FAIL_ENV)
+    spec = settings.test_fail_rank()
     if not spec:
         return progress
     target, _, how = spec.partition(":")
@@ -191,6 +208,7 @@ def _raise_from(status: dict[str, Any], rank: int, what: str) -> None:
 
 
 class Team:
+    commits_slices = False
     """One process of a torchrun job (:class:`~ckpttool.core.merge.distributed.Group`)."""
 
     def __init__(self, group: Group) -> None:
@@ -239,6 +257,10 @@ class Team:
         for rank, status in enumerate(statuses):
             if status is not None:
                 _raise_from(status, rank, what)
+
+    def preview(self, plan: MergePlan) -> dict[str, Any] | None:
+        return _preview("torchrun", plan, partition.split(plan, self.group.size),
+                        self.group.rank)
 
     def write(self, plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
               *, overwrite: bool, stem: str, workers: int | None, progress: Progress | None,
@@ -308,11 +330,11 @@ def parse_slice(text: str) -> tuple[int, int]:
     """``"I/N"`` -> (I, N), 0 <= I < N.
 
     Raises:
-        InputError: anything else.
+        UsageError: anything else.
     """
     m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
     if m is None or not int(m[2]) or int(m[1]) >= int(m[2]):
-        raise InputError(f"--slice {text!r}: expected I/N with 0 <= I < N, e.g. --slice 0/8")
+        raise UsageError(f"--slice {text!r}: expected I/N with 0 <= I < N, e.g. --slice 0/8")
     return int(m[1]), int(m[2])
 
 
@@ -337,9 +359,13 @@ def _marker(out: Path, stem: str, key: str, index: int, count: int) -> Path:
 
 class _Alone:
     first = True
+    commits_slices = False
 
     def once(self, decide: Callable[[], Any]) -> Any:
         return decide()
+
+    def preview(self, plan: MergePlan) -> dict[str, Any] | None:
+        return None
 
 
 class Slice(_Alone):
@@ -348,6 +374,10 @@ class Slice(_Alone):
 
     def __init__(self, index: int, count: int) -> None:
         self.index, self.count = index, count
+
+    def preview(self, plan: MergePlan) -> dict[str, Any] | None:
+        return _preview("slice", plan, partition.split(plan, self.count), self.index,
+                        slice=self.index, plan=plan_key(plan))
 
     def write(self, plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
               *, overwrite: bool, stem: str, workers: int | None, progress: Progress | None,
@@ -373,7 +403,7 @@ class Slice(_Alone):
                 os.fsync(fd)  # before the marker says so: another host will commit
         except OSError as e:
             raise OutputError(f"{out}: slice {self.index}/{self.count} failed: {e.strerror}; "
-                              "run it again") from None
+                              "run it again") from e
         finally:
             for fd in fds.values():
                 with contextlib.suppress(OSError):
@@ -387,7 +417,11 @@ class Slice(_Alone):
 
 
 class Finish(_Alone):
-    """``--finish``: after every ``--slice I/N`` of the same merge, check and commit."""
+    """``--finish``: after every ``--slice I/N`` of the same merge, check and commit. Run
+    again after a finish that failed, was interrupted or killed, it commits the same output
+    (the slices' files stay until they are in place)."""
+
+    commits_slices = True
 
     def write(self, plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
               *, overwrite: bool, stem: str, workers: int | None, progress: Progress | None,
@@ -414,28 +448,100 @@ class Finish(_Alone):
                               f"{' ...' if len(missing) > 8 else ''}); run them with "
                               f"ckpttool merge SRC OUT --slice {missing[0]}/{count}, then "
                               "--finish again")
-        for (i, _), marker in sorted(found.items()):
-            try:
-                done = json.loads(marker.read_text())
-            except (OSError, ValueError):
-                raise OutputError(f"{marker}: unreadable slice marker; run slice {i}/{count} "
-                                  "again") from None
-            for fi, f in enumerate(plan.files):
-                try:
-                    inode = paths[fi].lstat().st_ino
-                except OSError:
-                    inode = None
-                if done.get("inodes", {}).get(f.name) != inode:
-                    # The file was made again after this slice wrote into it.
-                    raise OutputError(f"{paths[fi]}: is not the file slice {i}/{count} wrote "
-                                      f"into; run every slice again")
+        placed = _placed(plan, out, paths, found, count)
+        _check_existing(out, plan, placed, [n for n, _ in extra], overwrite=overwrite, stem=stem)
         shares = partition.split(plan, count)
-        check_headers(plan, {f.name: paths[i] for i, f in enumerate(plan.files)})
+        check_headers(plan, {f.name: paths[i] if i not in placed else out / f.name
+                             for i, f in enumerate(plan.files)})
         with AtomicOutputs(out) as outputs:
             for i, f in enumerate(plan.files):
-                outputs.adopt(f.name, paths[i])
+                if i not in placed:
+                    outputs.adopt(f.name, paths[i])
             commit_outputs(outputs, plan, extra, overwrite=overwrite, stem=stem)
-        for marker in found.values():
+            for marker in found.values():
+                with contextlib.suppress(OSError):
+                    marker.unlink()
+            removed = _remove_abandoned(out, key)  # with OUT's lock held
+        return _describe("slices", shares, plan=key,
+                         **({"removed_temporary": removed} if removed else {}))
+
+
+def _placed(plan: MergePlan, out: Path, paths: dict[int, Path],
+            found: dict[tuple[int, int], Path], count: int) -> set[int]:
+    """The files of the plan that a previous ``--finish`` renamed into place before it was
+    killed (the same inode every slice wrote into, now under its final name); raises when a
+    file is neither there nor in place.
+
+    Raises:
+        OutputError: a marker is unreadable, or a file is not the one the slices wrote.
+    """
+    placed: set[int] = set()
+    for (i, _), marker in sorted(found.items()):
+        try:
+            done = json.loads(marker.read_text())
+        except (OSError, ValueError) as err:
+            raise OutputError(f"{marker}: unreadable slice marker; run slice {i}/{count} "
+                              "again") from err
+        for fi, f in enumerate(plan.files):
+            want = done.get("inodes", {}).get(f.name)
+            if _inode(paths[fi]) == want:
+                continue
+            if want is not None and _inode(out / f.name) == want:
+                placed.add(fi)  # committed by a --finish that did not complete
+                continue
+            # The file was made again after this slice wrote into it.
+            raise OutputError(f"{paths[fi]}: is not the file slice {i}/{count} wrote "
+                              f"into; run every slice again")
+    return placed
+
+
+def _check_existing(out: Path, plan: MergePlan, placed: set[int], extra: list[str], *,
+                    overwrite: bool, stem: str) -> None:
+    """OUT holds no weights (nor the files written beside them) but those a finish of this
+    plan put in place before it stopped, unless ``overwrite``.
+
+    Raises:
+        OutputError: as a merge alone says it.
+    """
+    ours = {plan.files[i].name for i in placed} | (set(extra) if placed else set())
+    index = out / plan.index_name
+    if placed and plan.index is not None and index.is_file() and not index.is_symlink() \
+            and index.read_bytes() == plan.index:
+        ours.add(plan.index_name)  # a finish stopped after its last rename
+    existing = [n for n in existing_outputs(
+        out, lambda name: st.is_weight_file(name, stem) or name in extra) if n not in ours]
+    if existing and not overwrite:
+        raise OutputError(f"{out}: already holds {', '.join(existing[:3])}"
+                          f"{' and more' if len(existing) > 3 else ''}; pass --overwrite to "
+                          "replace them or choose an empty directory")
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.lstat().st_ino
+    except OSError:
+        return None
+
+
+# Temporary files and markers of slices (any plan): ``.NAME.sKEY[.I-of-N.done].ckpttool-tmp``.
+_SLICE_TEMP = re.compile(rf"\..+\.s([0-9a-f]{{16}})(\.\d+-of-\d+\.done)?"
+                         rf"{re.escape(TMP_SUFFIX)}(\.\d+)?")
+# Temporary files of a process that held OUT's lock (AtomicOutputs: ``.NAME.PID.ckpttool-tmp``).
+_LOCKED_TEMP = re.compile(rf"\..+\.\d+{re.escape(TMP_SUFFIX)}")
+
+
+def _remove_abandoned(out: Path, key: str) -> list[str]:
+    """Remove, once this plan's output is in place and while OUT's lock is held, the slices'
+    temporary files of other plans (a slice run with other options, or abandoned) and the
+    temporary files of runs that held the lock before (a killed ``--finish``: provably
+    abandoned, as the lock is ours); returns their names, for the report."""
+    removed = []
+    for p in sorted(out.iterdir()):
+        m = _SLICE_TEMP.fullmatch(p.name)
+        other = m is not None and m[1] != key
+        if (other or (m is None and _LOCKED_TEMP.fullmatch(p.name))) and p.is_file() \
+                and not p.is_symlink():
             with contextlib.suppress(OSError):
-                marker.unlink()
-        return _describe("slices", shares, plan=key)
+                p.unlink()
+                removed.append(p.name)
+    return removed

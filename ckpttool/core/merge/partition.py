@@ -23,7 +23,7 @@ from ckpttool.core.checkpoint import geometry as chunk_geometry
 from ckpttool.core.transforms.derive import Derived
 
 if TYPE_CHECKING:
-    from ckpttool.core.merge.operation import MergePlan
+    from ckpttool.core.merge.plan import MergePlan
 
 __all__ = ["ALIGN", "Unit", "balance", "rank_bytes", "split", "units"]
 

@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ckpttool import errors
+from ckpttool import errors, settings
 from ckpttool.core.runtime.report import Progress
 
 _HEAD = struct.Struct("<cI")
@@ -64,7 +64,7 @@ def deal(items: list[T], n: int, weight: Callable[[T], int]) -> list[list[T]]:
 
 def available(*, needs_torch: bool = False) -> bool:
     """True if shares may run in forked processes here (see the module docstring)."""
-    if os.environ.get("CKPTTOOL_FORK", "1") == "0" or not sys.platform.startswith("linux"):
+    if not settings.fork() or not sys.platform.startswith("linux"):
         return False
     return not (needs_torch and "torch" in sys.modules)
 
@@ -176,7 +176,7 @@ def _child_main(share: Share, w: int) -> None:
         code = 130
     except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
         code = e.exit_code if isinstance(e, errors.CkptError) else 70
-        if os.environ.get("CKPTTOOL_DEBUG"):
+        if settings.debug():
             traceback.print_exc()
         try:
             body = json.dumps({"class": type(e).__name__ if isinstance(e, errors.CkptError)

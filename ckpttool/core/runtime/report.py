@@ -31,6 +31,8 @@ def storage_note(storage: dict[str, Any]) -> str | None:
     (``CheckpointInfo.storage``): ``"safetensors records, zstd-compressed, rank-local
     metadata"``; None for the default."""
     words = []
+    if storage.get("framework"):  # who wrote it and how it was laid out (Megatron's run)
+        words.append(str(storage["framework"]))
     serialization = storage.get("serialization")
     if serialization not in (None, "torch_save"):
         words.append(f"{serialization} records")

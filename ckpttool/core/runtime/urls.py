@@ -1,8 +1,9 @@
 """Remote URLs (``s3://bucket/prefix``) wherever a command takes a checkpoint or output path.
 
 One decorator, :func:`urls`, wraps each command (merge, inspect, verify, reshard): a source URL
-is replaced by a local mirror of it (:class:`ckpttool.storage.s3.Mirror`: small files
-downloaded, data files read in place by ranged GETs), an output URL by a private staging
+is replaced by a local mirror of it (:class:`ckpttool.storage.mirror.Mirror`: small files
+downloaded, data files read in place by ranged GETs), which the command is handed as its
+``stores`` (it opens every reader's store through it); an output URL by a private staging
 directory under TMPDIR, written by the command exactly as a local output (``AtomicOutputs``:
 free space checked, index last) and then uploaded (:class:`ckpttool.storage.s3.Upload`:
 data files first, index last, every multipart upload aborted on failure or Ctrl-C). Errors and
@@ -21,8 +22,9 @@ import dataclasses
 import functools
 import inspect
 import os
+import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -32,9 +34,86 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+# The object stores a checkpoint or output may be named in, by URL scheme: the one list to
+# extend when a store is added (with its module and a branch in _remote).
+SCHEMES: tuple[str, ...] = ("s3",)
+
+# Parameters that name local files only (a config, an adapter, a manifest): a URL there is
+# refused, never taken for a relative path.
+_LOCAL_ONLY = ("config", "adapter", "adapter_config", "manifest")
+
+# RFC 3986's scheme, then "://": anything else (a Windows drive "C:\\", "a:b") is a path.
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def scheme_of(value: object) -> str | None:
+    """The URL scheme ``value`` starts with (``"gs"`` for ``gs://b/k``), as typed; None
+    for a path. A ``Path`` made of a URL has lost a slash (``gs:/b/k``): its first part
+    ending in ``:`` still names the scheme (the CLI parses some options as paths)."""
+    if isinstance(value, os.PathLike):
+        parts = Path(value).parts
+        first = parts[0] if len(parts) > 1 else ""
+        m = _SCHEME.match(first[:-1] + "://") if first.endswith(":") else None
+    else:
+        m = _SCHEME.match(value) if isinstance(value, str) else None
+    return m.group(1) if m else None
+
+
 def _is_url(value: object) -> bool:
     # The scheme test without importing the remote module (and so boto3) for local paths.
-    return isinstance(value, str) and value.startswith("s3://")
+    return scheme_of(value) in SCHEMES
+
+
+def supported() -> str:
+    """The supported locations, for messages: "local paths, s3://"."""
+    return ", ".join(["local paths", *(f"{s}://" for s in SCHEMES)])
+
+
+def check_location(value: object, *, what: str, remote_ok: bool = True) -> None:
+    """Refuse a URL whose scheme ckpttool does not read or write (``gs://``, ``https://``...)
+    before it can become a local path named ``gs:/...``.
+
+    Args:
+        what: what the value is, for the message ("source", "output", "--config").
+        remote_ok: False where only a local path is taken.
+
+    Raises:
+        UnsupportedError: (exit 4) naming the schemes that are supported.
+    """
+    scheme = scheme_of(value)
+    if scheme is None or (remote_ok and scheme in SCHEMES):
+        return
+    shown = os.fspath(value) if isinstance(value, str | os.PathLike) else str(value)
+    if not remote_ok:
+        raise UnsupportedError(f"{shown}: {what} takes a local path, not a {scheme}:// URL; "
+                               "download the file and pass its path")
+    raise UnsupportedError(f"{shown}: {scheme}:// is not a storage ckpttool reads or writes "
+                           f"(as {what}); supported: {supported()}")
+
+
+# What storage is told about formats (it names none): which files of a remote checkpoint are
+# data files, read in place by ranged GETs (the others are small and downloaded), which
+# objects an output replaces, and which makes an output look complete (uploaded last).
+DATA_SUFFIXES = (".distcp", ".safetensors")
+_REPLACED_SUFFIXES = (".safetensors", ".safetensors.index.json", ".distcp")
+_LAST_SUFFIXES = (".index.json",)
+_METADATA = ".metadata"
+
+
+def _replaced(name: str) -> bool:
+    return name.endswith(_REPLACED_SUFFIXES) or name == _METADATA
+
+
+def _last(name: str) -> bool:
+    return name.endswith(_LAST_SUFFIXES) or name == _METADATA
+
+
+def _head(name: str, size: int, pread: Callable[[int, int], bytes]) -> bytes:
+    """What a data file's local stand-in holds: a safetensors file's header, which
+    recognising and describing it reads."""
+    from ckpttool.formats import safetensors
+
+    return safetensors.header_bytes(size, pread) if name.endswith(".safetensors") else b""
 
 
 def urls(*, sources: tuple[str, ...], output: str | None = None
@@ -52,6 +131,11 @@ def urls(*, sources: tuple[str, ...], output: str | None = None
             names = [n for n in (*sources, output) if n is not None]
             values = {n: os.fspath(given[n]) if isinstance(given.get(n), os.PathLike)
                       else given.get(n) for n in names}
+            for n, v in values.items():
+                check_location(v, what="output" if n == output else "source")
+            for n in _LOCAL_ONLY:
+                if n in given and n not in values:
+                    check_location(given[n], what=f"--{n.replace('_', '-')}", remote_ok=False)
             if not any(_is_url(v) for v in values.values()):
                 return fn(*args, **kwargs)
             return _remote(fn, bound, values, output)
@@ -63,6 +147,7 @@ def urls(*, sources: tuple[str, ...], output: str | None = None
 
 def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[str, Any],
             output: str | None) -> R:
+    from ckpttool.storage import mirror as mirrors
     from ckpttool.storage import s3 as remote
 
     renames: list[tuple[str, str]] = []  # (local path, URL) for messages and reports
@@ -79,12 +164,17 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
                         "storage yet; write OUT to a shared directory and upload it, or merge "
                         "to the URL in one process")
                 overwrite = bool(bound.arguments.get("overwrite", False))
-                out_url = remote.check_output(values[output], overwrite=overwrite)
+                out_url = stack.enter_context(claimed(values[output], overwrite=overwrite))
+            mounted = []
             for name, value in values.items():
                 if name != output and _is_url(value):
-                    mirror = stack.enter_context(remote.Mirror(value))
+                    mirror = stack.enter_context(
+                        mirrors.Mirror(value, data_suffixes=DATA_SUFFIXES, head=_head))
+                    mounted.append(mirror)
                     bound.arguments[name] = str(mirror.local)
                     renames.append((str(mirror.dir), str(mirror.base_url)))
+            if mounted:  # the command opens its stores through the mirrors
+                bound.arguments["stores"] = mirrors.Mounts(mounted)
             staged = None
             if out_url is not None:
                 tmp = remote.staging_dir()
@@ -95,14 +185,43 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
                 renames.append((str(staged), str(out_url)))
             result = fn(*bound.args, **bound.kwargs)
             if out_url is not None and staged is not None:
-                with remote.errors(out_url, "uploading"):
-                    remote.Upload(out_url, overwrite=bool(
-                        bound.arguments.get("overwrite", False))).run(staged)
+                upload(out_url, staged, overwrite=bool(bound.arguments.get("overwrite", False)))
         except CkptError as e:
             e.args = tuple(_rename(a, renames) if isinstance(a, str) else a for a in e.args)
             raise
         renamed: R = _renamed(result, renames)
         return renamed
+
+
+def output_names() -> Any:
+    """What storage is told about an output's objects (``s3.OutputNames``)."""
+    from ckpttool.storage import s3 as remote
+
+    return remote.OutputNames(replaces=_replaced, last=_last)
+
+
+@contextlib.contextmanager
+def claimed(value: str, *, overwrite: bool) -> Iterator[Any]:
+    """The output URL checked (weights there need ``overwrite``) and locked for this run
+    while the block runs (:class:`~ckpttool.storage.s3.Lock`), before any work."""
+    from ckpttool.storage import s3 as remote
+
+    url = remote.check_output(value, overwrite=overwrite, names=output_names())
+    lock = remote.Lock(url)
+    lock.acquire()
+    try:
+        yield url
+    finally:
+        lock.release()
+
+
+def upload(url: Any, staged: Path, *, overwrite: bool) -> None:
+    """Upload the finished local output ``staged`` to ``url`` (index last; see
+    :class:`~ckpttool.storage.s3.Upload`)."""
+    from ckpttool.storage import s3 as remote
+
+    with remote.errors(url, "uploading"):
+        remote.Upload(url, overwrite=overwrite, names=output_names()).run(staged)
 
 
 def _rename(text: str, renames: list[tuple[str, str]]) -> str:

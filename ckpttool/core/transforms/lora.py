@@ -18,12 +18,14 @@ from the shapes and must agree with the config; alpha comes from the config or n
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.core.checkpoint import hf, tensors
+from ckpttool.core.checkpoint import hf, structure, tensors
+from ckpttool.core.checkpoint.discover import discover, open_reader
 from ckpttool.core.transforms.derive import Derived
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats.base import Problem, Reader, Tensor, error, warning
@@ -690,3 +692,112 @@ def never_trained(reader: Reader, layout: Layout) -> list[Problem]:
 def _all_zero(reader: Reader, tensor: Tensor) -> bool:
     """Every byte of ``tensor`` is zero (+0.0 in any float dtype), read block by block."""
     return all(block.count(0) == len(block) for _, block in tensors.blocks(reader, tensor))
+
+
+# --------------------------------------------------------------------------------------------
+# The LoRA wiring of a merge
+
+
+@dataclass
+class Adapted:
+    """A LoRA adapter found for this merge, and what it turns the merge into."""
+
+    mode: str  # "fuse" or "adapter"
+    sources: list[tuple[str, Tensor | Derived]]
+    report: dict[str, Any]
+    config_bytes: bytes = b""
+    reader: Reader | None = None  # the adapter's, when it is not in SRC (--adapter)
+
+
+def plan_for_merge(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str | None,
+                   adapter: str | os.PathLike[str] | None,
+                   adapter_config: str | os.PathLike[str] | None) -> Adapted | None:
+    """The LoRA adapter in ``ckpt`` (or given with ``adapter``) planned into merge sources;
+    None for a checkpoint without one.
+
+    Raises:
+        InputError: no alpha anywhere, an incomplete adapter, shapes that disagree, or a mode
+            that cannot apply.
+        UnsupportedError: DoRA, several adapters, another PEFT method.
+    """
+    if mode is not None and mode not in MODES:
+        raise InputError(f"unknown --lora '{mode}'; use one of: {', '.join(MODES)}")
+    explicit = Path(adapter_config) if adapter_config is not None else None
+    found = parse(named)
+    other = "--lora adapter"
+    if adapter is not None:
+        if found is not None:
+            raise InputError(f"{ckpt.path}: holds a LoRA adapter itself; --adapter folds an "
+                             "adapter into a model with plain weights")
+        if mode == "adapter":
+            raise InputError("--adapter folds an adapter into SRC; --lora adapter would write "
+                             "the adapter alone: use one or the other")
+        given = Path(adapter)
+        target = (next((given / n for n in ADAPTER_FILES if (given / n).exists()),
+                       given / ADAPTER_FILE) if given.is_dir() else given)
+        adapter_ckpt = discover(target, command="merge")
+        structure.raise_first(structure.check(adapter_ckpt.info, adapter_ckpt.canonical())
+                              if adapter_ckpt.info is not None else [])
+        found = parse([(t.name, t.tensor) for t in adapter_ckpt.tensors])
+        if found is None or not found.modules:
+            raise InputError(f"{target}: holds no LoRA matrices (lora_A / lora_B); pass a PEFT "
+                             "adapter directory to --adapter")
+        found = as_adapter_file(found)
+        doc, where = hf.find_adapter_config(target.parent, explicit, given=given)
+        if doc is None or where is None:
+            raise missing_config(str(given))
+        config = read_config(doc, str(where))
+        reader = open_reader(adapter_ckpt)
+        try:
+            sources = plan_fuse(found, config, base=named, adapter_reader=reader)
+        except BaseException:
+            reader.close()
+            raise
+        report = {"mode": "fuse", "adapter": str(given), **describe(found, config),
+                  "fused": sum(isinstance(s, Derived) for _, s in sources)}
+        return Adapted("fuse", sources, report, reader=reader)
+    if found is None:
+        if mode is not None:
+            raise InputError(f"{ckpt.path}: holds no LoRA adapter (no lora_A / lora_B "
+                             "tensors); --lora applies to PEFT checkpoints only")
+        return None
+    assert ckpt.info is not None
+    known = find_config(ckpt.root if ckpt.root.is_dir() else ckpt.info.base, explicit,
+                        given=ckpt.path, layout=found)
+    chosen = mode or ("fuse" if found.has_base else "adapter")
+    if known.config is None and chosen == "fuse":
+        raise missing_config(str(ckpt.path))
+    if chosen == "fuse":
+        assert known.config is not None
+        config = known.config
+        if not found.has_base:
+            raise InputError(
+                f"{ckpt.path}: holds the LoRA adapter alone, no base weights to fold it into; "
+                f"write it with --lora adapter, then fold it into the base model with: "
+                f"ckpttool merge BASE OUT --adapter ADAPTER_OUT")
+        sources = plan_fuse(found, config)
+        report = {"mode": "fuse", **describe(found, config),
+                  "fused": sum(isinstance(s, Derived) for _, s in sources),
+                  "other": f"the adapter alone instead: {other}"}
+        return Adapted("fuse", sources, report)
+    adapter_sources: list[tuple[str, Tensor | Derived]] = list(plan_adapter(found))
+    report = {"mode": "adapter", **describe(found, known.config),
+              "other": ("a full model with the adapter folded in instead: --lora fuse")
+              if found.has_base else None,
+              "config_from": known.source, "assumed": list(known.assumed)}
+    if known.config is None:
+        report["config"] = "built from the weights (assumed values: see the warning)"
+    return Adapted("adapter", adapter_sources, report, config_bytes=known.text)
+
+
+def verify_adapter(ckpt: Checkpoint, model: Checkpoint, explicit: Path | None, *,
+                   follow_links: bool) -> tuple[dict[str, Any] | None, list[Problem]]:
+    """verify's LoRA checks: the adapter's description (None without one) and its problems
+    (no alpha, shapes against the config, matrices never trained)."""
+    layout, config, found = adapter_of(model, explicit)
+    if layout is None or not layout.modules:
+        return None, found
+    found = found + problems(layout, config)
+    with open_reader(ckpt, follow_links=follow_links) as reader:
+        found += never_trained(reader, layout)
+    return describe(layout, config), found

@@ -1,5 +1,5 @@
 """Name maps: a training framework's parameter names and layouts to a Hugging Face model
-family's (``ckpttool merge --names torchtitan-llama3``).
+family's (``ckpttool merge --names torchtitan-llama3``, ``--names torchtune-llama``).
 
 A map is a table of :class:`Rule`: a stored name pattern (``{L}``: a layer number), the Hugging
 Face name it becomes, the shape config.json implies for it, and what happens to its values on
@@ -8,7 +8,10 @@ rotary-embedding row permutation, one part of a fused ``wqkv``, one expert of a 
 ``[E, ...]`` weight (a :class:`~ckpttool.core.transforms.derive.Derived` each), or a declared drop.
 The
 facts are those of torchtitan 0.3's own ``state_dict_adapter.py`` (``to_hf``) and its fused
-``FusedQKVLinear``, written down as data.
+``FusedQKVLinear``, and of torchtune 0.6's ``convert_weights`` (``tune_to_hf``,
+``qwen2_tune_to_hf``), written down as data. Where torchtitan's own adapter writes what no
+loader reads (gpt-oss: its grouped experts under MXFP4 names, unconverted), the map writes
+what transformers' model holds instead (a transposition, :data:`TRANSPOSE`).
 
 A wrong map fails loudly and never writes a misnamed or reshaped model: config.json's
 ``model_type`` must be the map's family, every stored tensor must match a rule (nothing is
@@ -25,7 +28,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.core.transforms.derive import Derived, read_whole
-from ckpttool.errors import InputError
+from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats.base import Reader, Tensor
 
 if TYPE_CHECKING:
@@ -39,6 +42,12 @@ ROPE = "rope"  # rows permuted from torchtitan's interleaved RoPE pairs to HF's 
 EXPERTS = "experts"  # a grouped [E, ...] weight split into E tensors ("{E}" in the target)
 WQKV_Q, WQKV_K, WQKV_V = "wqkv-q", "wqkv-k", "wqkv-v"  # one part of a fused wqkv
 DROP = "drop"  # no Hugging Face counterpart; warned about when not all zero
+QKV_Q, QKV_K, QKV_V = "qkv-q", "qkv-k", "qkv-v"  # Megatron's linear_qkv (weight or bias)
+GATE, UP = "fc1-gate", "fc1-up"  # one half of a fused SwiGLU [gate; up] projection
+# One expert of a stacked [L, E, ...] expert weight: its fc1's gate or up half, or as it is.
+EXPERT_GATE, EXPERT_UP, EXPERT = "expert-gate", "expert-up", "expert"
+VOCAB = "vocab-cut"  # the rows of the real vocabulary, padding rows cut off
+TRANSPOSE = "transpose"  # a grouped [E, A, B] weight as [E, B, A] (transformers' gpt-oss)
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,9 @@ class Rule:
     op: str = RENAME
     rope_heads: str = ""  # ROPE and fused parts: the heads permuted ("heads", "kv_heads")
     note: str = ""  # DROP: why, and what dropping a non-zero tensor changes
+    # The stored tensor holds every layer along dim 0 (Megatron's homogeneous decoder,
+    # ``shape`` starts with "layers"): the rule applies to each layer's slice, read alone.
+    stacked: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,12 @@ class NameMap:
     required: tuple[str, ...]  # Hugging Face names every model has ("{L}": every layer)
     dense_mlp: tuple[str, ...]  # per layer, a dense feed-forward ("{L}")
     moe_mlp: tuple[str, ...] = ()  # per layer, a mixture of experts ("{L}", "{E}")
+    framework: str = "torchtitan"  # whose names the map reads, for messages
+    # Per layer ("{L}"), names a model may have or not (DeepSeek-V3's q_proj, or its
+    # q_a_proj, q_a_layernorm and q_b_proj with a q_lora_rank)
+    optional: tuple[str, ...] = ()
+    # Which layers config.json gives a mixture of experts (default: Qwen 3 MoE's rule)
+    sparse: Callable[[Dims, int], frozenset[int]] | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,10 +133,16 @@ class Dims:
 
     @property
     def experts(self) -> int:
-        # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts.
-        if self.config.get("num_experts") is None and "num_local_experts" in self.config:
-            return self.number("num_local_experts")
+        # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts; DeepSeek-V3
+        # calls them n_routed_experts.
+        for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+            if self.config.get(key) is not None:
+                return self.number(key)
         return self.number("num_experts")
+
+    def mla(self, *keys: str) -> int:
+        """Heads times the sum of DeepSeek's multi-head latent attention dims ``keys``."""
+        return self.heads * sum(self.number(k) for k in keys)
 
     def size(self, symbol: str) -> int:
         return DIMS[symbol][1](self)
@@ -143,10 +167,50 @@ DIMS: dict[str, tuple[str, Callable[[Dims], int], tuple[str, ...]]] = {
             ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")),
     "ffn": ("intermediate_size", lambda d: d.number("intermediate_size"),
             ("intermediate_size",)),
-    "experts": ("num_experts", lambda d: d.experts, ("num_experts", "num_local_experts")),
+    "experts": ("num_experts", lambda d: d.experts,
+                ("num_experts", "num_local_experts", "n_routed_experts")),
+    "heads": ("num_attention_heads", lambda d: d.heads, ("num_attention_heads",)),
+    "ffn2": ("2*intermediate_size", lambda d: 2 * d.number("intermediate_size"),
+             ("intermediate_size",)),
+    # DeepSeek-V3's multi-head latent attention
+    "q_lora": ("q_lora_rank", lambda d: d.number("q_lora_rank"), ("q_lora_rank",)),
+    "kv_lora": ("kv_lora_rank", lambda d: d.number("kv_lora_rank"), ("kv_lora_rank",)),
+    "q_mla": ("num_attention_heads*(qk_nope_head_dim+qk_rope_head_dim)",
+              lambda d: d.mla("qk_nope_head_dim", "qk_rope_head_dim"),
+              ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim")),
+    "kv_a": ("kv_lora_rank+qk_rope_head_dim",
+             lambda d: d.number("kv_lora_rank") + d.number("qk_rope_head_dim"),
+             ("kv_lora_rank", "qk_rope_head_dim")),
+    "kv_b": ("num_attention_heads*(qk_nope_head_dim+v_head_dim)",
+             lambda d: d.mla("qk_nope_head_dim", "v_head_dim"),
+             ("num_attention_heads", "qk_nope_head_dim", "v_head_dim")),
+    "o_mla": ("num_attention_heads*v_head_dim", lambda d: d.mla("v_head_dim"),
+              ("num_attention_heads", "v_head_dim")),
+    "shared_ffn": ("moe_intermediate_size*n_shared_experts",
+                   lambda d: d.number("moe_intermediate_size") * d.number("n_shared_experts"),
+                   ("moe_intermediate_size", "n_shared_experts")),
     "moe_ffn": ("moe_intermediate_size", lambda d: d.number("moe_intermediate_size"),
                 ("moe_intermediate_size",)),
+    "2ffn": ("2*intermediate_size", lambda d: 2 * d.number("intermediate_size"),
+             ("intermediate_size",)),
+    "2moe_ffn": ("2*moe_intermediate_size", lambda d: 2 * d.number("moe_intermediate_size"),
+                 ("moe_intermediate_size",)),
+    "layers": ("num_hidden_layers", lambda d: d.number("num_hidden_layers"),
+               ("num_hidden_layers",)),
+    # At least vocab_size rows: Megatron pads the vocabulary to a multiple of
+    # make_vocab_size_divisible_by x TP (checked in _check_shape).
+    "padded_vocab": ("vocab_size (or more)", lambda d: d.number("vocab_size"), ("vocab_size",)),
 }
+
+
+def _deepseek_sparse(dims: Dims, num_layers: int) -> frozenset[int]:
+    """DeepSeek-V3's experts: every layer from ``first_k_dense_replace`` on."""
+    first = _int(dims.config, "first_k_dense_replace") or 0
+    return frozenset(range(first, num_layers))
+
+
+def _all_sparse(dims: Dims, num_layers: int) -> frozenset[int]:
+    return frozenset(range(num_layers))
 
 
 def _sparse_layers(dims: Dims, num_layers: int) -> frozenset[int]:
@@ -227,7 +291,219 @@ _QWEN3_MOE_RULES = (
         "for (torchtitan's own to_hf drops it too)")),
 )
 
+def _megatron_rules(*, qkv_bias: bool, qk_norm: bool) -> tuple[Rule, ...]:
+    """Megatron-Core GPTModel's names (as ``torch_dist`` stores them: Transformer Engine's, the
+    local spec maps its own to them) to Hugging Face's. A homogeneous decoder is stored
+    stacked (``decoder.layers.<module>``, layer axis first); a model whose layers differ
+    stores ``decoder.layers.<L>.<module>``: both forms are here. Facts (megatron-core 0.16):
+    ``linear_qkv`` rows are grouped per query group, ``[q_0 .. q_{heads/groups-1}, k, v]``
+    each ``head_dim`` rows (the layout of torchtitan's fused wqkv); ``linear_fc1`` is
+    ``[gate; up]``; the norm before attention (MLP) is fused into ``linear_qkv``
+    (``linear_fc1``) as ``layer_norm_weight`` (``input_layernorm`` / ``pre_mlp_layernorm``
+    where it is not); embedding and output rows are padded past vocab_size; RoPE rotates
+    halves, as transformers does (no permutation)."""
+    hf, a, m = "model.layers.{L}", "self_attention", "mlp"
+    per_layer = [
+        (f"{a}.linear_qkv.layer_norm_weight", f"{hf}.input_layernorm.weight", ("hidden",),
+         RENAME),
+        ("input_layernorm.weight", f"{hf}.input_layernorm.weight", ("hidden",), RENAME),
+        (f"{a}.linear_qkv.weight", f"{hf}.self_attn.q_proj.weight", ("qkv", "hidden"), QKV_Q),
+        (f"{a}.linear_qkv.weight", f"{hf}.self_attn.k_proj.weight", ("qkv", "hidden"), QKV_K),
+        (f"{a}.linear_qkv.weight", f"{hf}.self_attn.v_proj.weight", ("qkv", "hidden"), QKV_V),
+        (f"{a}.linear_proj.weight", f"{hf}.self_attn.o_proj.weight", ("hidden", "q"), RENAME),
+        (f"{m}.linear_fc1.layer_norm_weight", f"{hf}.post_attention_layernorm.weight",
+         ("hidden",), RENAME),
+        ("pre_mlp_layernorm.weight", f"{hf}.post_attention_layernorm.weight", ("hidden",),
+         RENAME),
+        (f"{m}.linear_fc1.weight", f"{hf}.mlp.gate_proj.weight", ("2ffn", "hidden"), GATE),
+        (f"{m}.linear_fc1.weight", f"{hf}.mlp.up_proj.weight", ("2ffn", "hidden"), UP),
+        (f"{m}.linear_fc2.weight", f"{hf}.mlp.down_proj.weight", ("hidden", "ffn"), RENAME),
+    ]
+    if qkv_bias:
+        per_layer += [
+            (f"{a}.linear_qkv.bias", f"{hf}.self_attn.{p}_proj.bias", ("qkv",), op)
+            for p, op in (("q", QKV_Q), ("k", QKV_K), ("v", QKV_V))]
+    if qk_norm:
+        per_layer += [
+            (f"{a}.q_layernorm.weight", f"{hf}.self_attn.q_norm.weight", ("head_dim",), RENAME),
+            (f"{a}.k_layernorm.weight", f"{hf}.self_attn.k_norm.weight", ("head_dim",), RENAME)]
+    rules = [
+        Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight",
+             ("padded_vocab", "hidden"), VOCAB),
+        Rule("decoder.final_layernorm.weight", "model.norm.weight", ("hidden",)),
+        Rule("output_layer.weight", "lm_head.weight", ("padded_vocab", "hidden"), VOCAB),
+    ]
+    for source, target, shape, op in per_layer:
+        rules.append(Rule(f"decoder.layers.{source}", target, ("layers", *shape), op,
+                          stacked=True))
+        rules.append(Rule(f"decoder.layers.{{L}}.{source}", target, shape, op))
+    return tuple(rules)
+
+
+def _megatron_moe_rules(block: str, names: tuple[str, str, str], ffn: str) -> tuple[Rule, ...]:
+    """Megatron's MoE layer (SequentialMLP / TEGroupedMLP as torch_dist stores them): the
+    router ``[L, E, hidden]`` and the experts ``[L, E, 2 ffn, hidden]`` (fc1, ``[gate; up]``)
+    and ``[L, E, hidden, ffn]`` (fc2), one expert of one layer per output tensor. ``block``:
+    the Hugging Face module (``mlp``, ``block_sparse_moe``); ``names``: its gate, up and down
+    projections' names; ``ffn``: the expert width's dimension."""
+    gate, up, down = (f"model.layers.{{L}}.{block}.experts.{{E}}.{n}.weight" for n in names)
+    e = "decoder.layers.mlp.experts.experts"
+    return (
+        Rule("decoder.layers.mlp.router.weight", f"model.layers.{{L}}.{block}.gate.weight",
+             ("layers", "experts", "hidden"), stacked=True),
+        Rule(f"{e}.linear_fc1.weight", gate, ("layers", "experts", f"2{ffn}", "hidden"),
+             EXPERT_GATE, stacked=True),
+        Rule(f"{e}.linear_fc1.weight", up, ("layers", "experts", f"2{ffn}", "hidden"),
+             EXPERT_UP, stacked=True),
+        Rule(f"{e}.linear_fc2.weight", down, ("layers", "experts", "hidden", ffn), EXPERT,
+             stacked=True),
+    )
+
+
+def _megatron_map(name: str, family: str, model_type: str, *, qkv_bias: bool = False,
+                  qk_norm: bool = False, moe: tuple[str, tuple[str, str, str], str] | None = None
+                  ) -> NameMap:
+    attention = list(_ATTENTION)
+    if qkv_bias:
+        attention += [f"model.layers.{{L}}.self_attn.{p}_proj.bias" for p in "qkv"]
+    if qk_norm:
+        attention += ["model.layers.{L}.self_attn.q_norm.weight",
+                      "model.layers.{L}.self_attn.k_norm.weight"]
+    rules = _megatron_rules(qkv_bias=qkv_bias, qk_norm=qk_norm)
+    moe_mlp: tuple[str, ...] = ()
+    if moe is not None:
+        block, projections, ffn = moe
+        rules += _megatron_moe_rules(block, projections, ffn)
+        moe_mlp = (f"model.layers.{{L}}.{block}.gate.weight", *(
+            f"model.layers.{{L}}.{block}.experts.{{E}}.{n}.weight" for n in projections))
+    return NameMap(name=name, family=family, model_types=(model_type,), rules=rules,
+                   required=_TOP + tuple(attention), dense_mlp=_DENSE, moe_mlp=moe_mlp,
+                   framework="Megatron-Core")
+
+
+#: The Megatron-Core map of each Hugging Face model_type (what a Megatron merge picks).
+MEGATRON_MAPS = {"llama": "megatron-llama", "qwen2": "megatron-qwen2", "qwen3": "megatron-qwen3",
+                 "qwen3_moe": "megatron-qwen3_moe", "mixtral": "megatron-mixtral"}
+
+_DS = "model.layers.{L}"
+_DEEPSEEK_V3_RULES = (
+    # torchtitan's DeepSeek-V3 (models/deepseek_v3/state_dict_adapter.py): multi-head latent
+    # attention and experts renamed, the grouped experts split; RoPE stays interleaved, as
+    # transformers' rope_interleave reads it.
+    Rule("tok_embeddings.weight", "model.embed_tokens.weight", ("vocab", "hidden")),
+    Rule("norm.weight", "model.norm.weight", ("hidden",)),
+    Rule("lm_head.weight", "lm_head.weight", ("vocab", "hidden")),
+    Rule("layers.{L}.attention.wq.weight", f"{_DS}.self_attn.q_proj.weight", ("q_mla", "hidden")),
+    Rule("layers.{L}.attention.wq_a.weight", f"{_DS}.self_attn.q_a_proj.weight",
+         ("q_lora", "hidden")),
+    Rule("layers.{L}.attention.q_norm.weight", f"{_DS}.self_attn.q_a_layernorm.weight",
+         ("q_lora",)),
+    Rule("layers.{L}.attention.wq_b.weight", f"{_DS}.self_attn.q_b_proj.weight",
+         ("q_mla", "q_lora")),
+    Rule("layers.{L}.attention.wkv_a.weight", f"{_DS}.self_attn.kv_a_proj_with_mqa.weight",
+         ("kv_a", "hidden")),
+    Rule("layers.{L}.attention.kv_norm.weight", f"{_DS}.self_attn.kv_a_layernorm.weight",
+         ("kv_lora",)),
+    Rule("layers.{L}.attention.wkv_b.weight", f"{_DS}.self_attn.kv_b_proj.weight",
+         ("kv_b", "kv_lora")),
+    Rule("layers.{L}.attention.wo.weight", f"{_DS}.self_attn.o_proj.weight", ("hidden", "o_mla")),
+    Rule("layers.{L}.attention_norm.weight", f"{_DS}.input_layernorm.weight", ("hidden",)),
+    Rule("layers.{L}.ffn_norm.weight", f"{_DS}.post_attention_layernorm.weight", ("hidden",)),
+    Rule("layers.{L}.feed_forward.w1.weight", f"{_DS}.mlp.gate_proj.weight", ("ffn", "hidden")),
+    Rule("layers.{L}.feed_forward.w3.weight", f"{_DS}.mlp.up_proj.weight", ("ffn", "hidden")),
+    Rule("layers.{L}.feed_forward.w2.weight", f"{_DS}.mlp.down_proj.weight", ("hidden", "ffn")),
+    Rule(f"{_MOE}.routed_experts.inner_experts.w1_EFD", f"{_DS}.mlp.experts.{{E}}.gate_proj.weight",
+         ("experts", "moe_ffn", "hidden"), EXPERTS),
+    Rule(f"{_MOE}.routed_experts.inner_experts.w3_EFD", f"{_DS}.mlp.experts.{{E}}.up_proj.weight",
+         ("experts", "moe_ffn", "hidden"), EXPERTS),
+    Rule(f"{_MOE}.routed_experts.inner_experts.w2_EDF", f"{_DS}.mlp.experts.{{E}}.down_proj.weight",
+         ("experts", "hidden", "moe_ffn"), EXPERTS),
+    Rule(f"{_MOE}.router.gate.weight", f"{_DS}.mlp.gate.weight", ("experts", "hidden")),
+    # The load-balancing bias is DeepSeek-V3's own e_score_correction_bias: kept.
+    Rule(f"{_MOE}.expert_bias_E", f"{_DS}.mlp.gate.e_score_correction_bias", ("experts",)),
+    Rule(f"{_MOE}.shared_experts.w1.weight", f"{_DS}.mlp.shared_experts.gate_proj.weight",
+         ("shared_ffn", "hidden")),
+    Rule(f"{_MOE}.shared_experts.w3.weight", f"{_DS}.mlp.shared_experts.up_proj.weight",
+         ("shared_ffn", "hidden")),
+    Rule(f"{_MOE}.shared_experts.w2.weight", f"{_DS}.mlp.shared_experts.down_proj.weight",
+         ("hidden", "shared_ffn")),
+)
+
+_GO = "layers.{L}.attention"
+_GO_EXPERTS = f"{_MOE}.routed_experts.inner_experts"
+_GPT_OSS_RULES = (
+    # torchtitan's gpt-oss (models/gpt_oss/state_dict_adapter.py), whose fused wqkv its
+    # state-dict hook splits on save. The grouped experts go where transformers' GptOss holds
+    # them, transposed: torchtitan 0.3's to_hf names them mlp1_weight (the parameters are
+    # mlp1_weight_EGD) and drops them.
+    Rule("tok_embeddings.weight", "model.embed_tokens.weight", ("vocab", "hidden")),
+    Rule("norm.weight", "model.norm.weight", ("hidden",)),
+    Rule("lm_head.weight", "lm_head.weight", ("vocab", "hidden")),
+    *(Rule(f"{_GO}.qkv_linear.w{p}.{kind}", f"{_DS}.self_attn.{p}_proj.{kind}", shape)
+      for p, rows in (("q", "q"), ("k", "kv"), ("v", "kv"))
+      for kind, shape in (("weight", (rows, "hidden")), ("bias", (rows,)))),
+    Rule(f"{_GO}.wo.weight", f"{_DS}.self_attn.o_proj.weight", ("hidden", "q")),
+    Rule(f"{_GO}.wo.bias", f"{_DS}.self_attn.o_proj.bias", ("hidden",)),
+    Rule(f"{_GO}.sinks", f"{_DS}.self_attn.sinks", ("heads",)),
+    Rule("layers.{L}.attention_norm.weight", f"{_DS}.input_layernorm.weight", ("hidden",)),
+    Rule("layers.{L}.ffn_norm.weight", f"{_DS}.post_attention_layernorm.weight", ("hidden",)),
+    Rule(f"{_GO_EXPERTS}.mlp1_weight_EGD", f"{_DS}.mlp.experts.gate_up_proj",
+         ("experts", "ffn2", "hidden"), TRANSPOSE),
+    Rule(f"{_GO_EXPERTS}.mlp1_bias_EG", f"{_DS}.mlp.experts.gate_up_proj_bias",
+         ("experts", "ffn2")),
+    Rule(f"{_GO_EXPERTS}.mlp2_weight_EDF", f"{_DS}.mlp.experts.down_proj",
+         ("experts", "hidden", "ffn"), TRANSPOSE),
+    Rule(f"{_GO_EXPERTS}.mlp2_bias_ED", f"{_DS}.mlp.experts.down_proj_bias",
+         ("experts", "hidden")),
+    Rule(f"{_MOE}.router.gate.weight", f"{_DS}.mlp.router.weight", ("experts", "hidden")),
+    Rule(f"{_MOE}.router.gate.bias", f"{_DS}.mlp.router.bias", ("experts",)),
+    Rule(f"{_MOE}.expert_bias_E", "", ("experts",), DROP, note=(
+        "torchtitan's load-balancing expert bias, which Hugging Face's gpt-oss has no place "
+        "for (torchtitan's own to_hf drops it too)")),
+)
+
+
+def _torchtune_rules(*, rope: bool, bias: bool) -> tuple[Rule, ...]:
+    """torchtune's decoder names (``convert_weights._FROM_HF``; Qwen 2's adds the q/k/v
+    biases). Llama's q and k rows are permuted from torchtune's interleaved RoPE pairs, as
+    ``tune_to_hf`` does; Qwen 2's RoPE already rotates halves."""
+    a, hf = "layers.{L}.attn", "model.layers.{L}.self_attn"
+    rules = [
+        Rule("tok_embeddings.weight", "model.embed_tokens.weight", ("vocab", "hidden")),
+        Rule("norm.scale", "model.norm.weight", ("hidden",)),
+        Rule("output.weight", "lm_head.weight", ("vocab", "hidden")),
+        Rule(f"{a}.q_proj.weight", f"{hf}.q_proj.weight", ("q", "hidden"),
+             ROPE if rope else RENAME, "heads" if rope else ""),
+        Rule(f"{a}.k_proj.weight", f"{hf}.k_proj.weight", ("kv", "hidden"),
+             ROPE if rope else RENAME, "kv_heads" if rope else ""),
+        Rule(f"{a}.v_proj.weight", f"{hf}.v_proj.weight", ("kv", "hidden")),
+        Rule(f"{a}.output_proj.weight", f"{hf}.o_proj.weight", ("hidden", "q")),
+        Rule("layers.{L}.mlp.w1.weight", "model.layers.{L}.mlp.gate_proj.weight",
+             ("ffn", "hidden")),
+        Rule("layers.{L}.mlp.w3.weight", "model.layers.{L}.mlp.up_proj.weight",
+             ("ffn", "hidden")),
+        Rule("layers.{L}.mlp.w2.weight", "model.layers.{L}.mlp.down_proj.weight",
+             ("hidden", "ffn")),
+        Rule("layers.{L}.sa_norm.scale", "model.layers.{L}.input_layernorm.weight",
+             ("hidden",)),
+        Rule("layers.{L}.mlp_norm.scale", "model.layers.{L}.post_attention_layernorm.weight",
+             ("hidden",)),
+    ]
+    if bias:
+        rules += [Rule(f"{a}.{p}_proj.bias", f"{hf}.{p}_proj.bias", (rows,))
+                  for p, rows in (("q", "q"), ("k", "kv"), ("v", "kv"))]
+    return tuple(rules)
+
+
 MAPS: dict[str, NameMap] = {m.name: m for m in (
+    _megatron_map("megatron-llama", "Llama", "llama"),
+    _megatron_map("megatron-qwen2", "Qwen 2", "qwen2", qkv_bias=True),
+    _megatron_map("megatron-qwen3", "Qwen 3", "qwen3", qk_norm=True),
+    _megatron_map("megatron-qwen3_moe", "Qwen 3 MoE", "qwen3_moe", qk_norm=True,
+                  moe=("mlp", ("gate_proj", "up_proj", "down_proj"), "moe_ffn")),
+    # Mixtral's hub layout (what save_pretrained writes): w1 gate, w3 up, w2 down.
+    _megatron_map("megatron-mixtral", "Mixtral", "mixtral",
+                  moe=("block_sparse_moe", ("w1", "w3", "w2"), "ffn")),
     NameMap(
         name="torchtitan-llama3", family="Llama 3", model_types=("llama",),
         rules=_decoder_rules("attention", rope=True, qk_norm=False),
@@ -244,9 +520,47 @@ MAPS: dict[str, NameMap] = {m.name: m for m in (
                  "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
                  "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
                  "model.layers.{L}.mlp.experts.{E}.down_proj.weight")),
+    NameMap(
+        name="torchtitan-deepseek-v3", family="DeepSeek-V3", model_types=("deepseek_v3",),
+        rules=_DEEPSEEK_V3_RULES,
+        required=_TOP + tuple(f"{_DS}.{n}" for n in (
+            "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
+            "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight",
+            "input_layernorm.weight", "post_attention_layernorm.weight")),
+        dense_mlp=_DENSE,
+        moe_mlp=tuple(f"{_DS}.mlp.{n}" for n in (
+            "gate.weight", "experts.{E}.gate_proj.weight", "experts.{E}.up_proj.weight",
+            "experts.{E}.down_proj.weight", "shared_experts.gate_proj.weight",
+            "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")),
+        optional=tuple(f"{_DS}.self_attn.{n}.weight" for n in (
+            "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj"))
+        + (f"{_DS}.mlp.gate.e_score_correction_bias",),
+        sparse=_deepseek_sparse),
+    NameMap(
+        name="torchtitan-gpt-oss", family="gpt-oss", model_types=("gpt_oss",),
+        rules=_GPT_OSS_RULES,
+        required=_TOP + _ATTENTION + tuple(
+            f"{_DS}.self_attn.{n}" for n in (
+                "q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias", "sinks")),
+        dense_mlp=(),
+        moe_mlp=tuple(f"{_DS}.mlp.{n}" for n in (
+            "router.weight", "router.bias", "experts.gate_up_proj",
+            "experts.gate_up_proj_bias", "experts.down_proj", "experts.down_proj_bias")),
+        sparse=_all_sparse),
+    NameMap(
+        name="torchtune-llama", family="Llama (2, 3, 3.1, 3.2, 3.3)", model_types=("llama",),
+        rules=_torchtune_rules(rope=True, bias=False), required=_TOP + _ATTENTION,
+        dense_mlp=_DENSE, framework="torchtune"),
+    NameMap(
+        name="torchtune-qwen2", family="Qwen 2 and 2.5", model_types=("qwen2",),
+        rules=_torchtune_rules(rope=False, bias=True),
+        required=_TOP + _ATTENTION + tuple(
+            f"model.layers.{{L}}.self_attn.{p}_proj.bias" for p in "qkv"),
+        dense_mlp=_DENSE, framework="torchtune"),
 )}
 
 NAMES = tuple(MAPS)
+KEEP = "none"  # --names none: the stored names, even where a map is implied
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,6 +590,32 @@ def _wqkv_part(inputs: list[torch.Tensor], *, op: str, kv_heads: int, head_dim: 
 
 def _first(inputs: list[torch.Tensor]) -> torch.Tensor:
     return inputs[0]
+
+
+def _qkv_part(inputs: list[torch.Tensor], *, op: str, kv_heads: int, head_dim: int
+              ) -> torch.Tensor:
+    """One of q, k, v from rows grouped per KV group (each group's query heads, its key, its
+    value; ``head_dim`` rows each), for a weight or a bias (any trailing dims)."""
+    (w,) = inputs
+    rest = tuple(w.shape[1:])
+    per_group = w.shape[0] // (kv_heads * head_dim)
+    grouped = w.reshape(kv_heads, per_group, head_dim, *rest)
+    part = {QKV_Q: grouped[:, : per_group - 2], QKV_K: grouped[:, per_group - 2],
+            QKV_V: grouped[:, per_group - 1]}[op]
+    return part.reshape(-1, *rest)
+
+
+def _half(inputs: list[torch.Tensor], *, second: bool) -> torch.Tensor:
+    """The gate (first) or up (second) half of a fused [gate; up] projection."""
+    (w,) = inputs
+    n = w.shape[0] // 2
+    return w[n:] if second else w[:n]
+
+
+def _rows(inputs: list[torch.Tensor], *, num: int) -> torch.Tensor:
+    return inputs[0][:num]
+def _transposed(inputs: list[torch.Tensor]) -> torch.Tensor:
+    return inputs[0].transpose(1, 2)
 
 
 def _permuted(inputs: list[torch.Tensor], *, heads: int) -> torch.Tensor:
@@ -314,6 +654,39 @@ class _Compiled:
 
 def _compile(rule: Rule) -> _Compiled:
     return _Compiled(rule, re.compile(re.escape(rule.source).replace(r"\{L\}", r"(?P<L>\d+)")))
+
+
+# Names only Megatron-Core's GPTModel stores (its embedding and final norm).
+_MEGATRON_NAMES = frozenset({"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"})
+
+
+def implied(tensors: list[tuple[str, Tensor]], config: Mapping[str, Any] | None, *,
+            config_path: str | None = None) -> str | None:
+    """The map a merge applies without ``--names``: a Megatron-Core model's, chosen by
+    config.json's ``model_type``, because Megatron's names and layouts (stacked layers, fused
+    QKV, padded vocabulary) are something no Hugging Face loader reads; None for every other
+    checkpoint (its names are kept).
+
+    Raises:
+        InputError: a Megatron model without config.json (it decides the family and sizes).
+        UnsupportedError: a family that has no Megatron map yet.
+    """
+    if not any(name in _MEGATRON_NAMES for name, _ in tensors):
+        return None
+    families = ", ".join(MEGATRON_MAPS)
+    if config is None:
+        raise InputError(
+            "a Megatron-Core model stores Megatron's names and layouts (stacked layers, fused "
+            "QKV, padded vocabulary), which no Hugging Face loader reads; ckpttool writes the "
+            "Hugging Face model from its config.json (family, heads, sizes): put the model's "
+            f"config.json beside the run or pass --config (families: {families})")
+    model_type = config.get("model_type")
+    chosen = MEGATRON_MAPS.get(str(model_type))
+    if chosen is None:
+        raise UnsupportedError(
+            f"{config_path or 'config.json'}: model_type '{model_type}' has no Megatron-Core "
+            f"map yet (families: {families}); not supported yet")
+    return chosen
 
 
 def apply(map_name: str, tensors: list[tuple[str, Tensor]],
@@ -358,9 +731,9 @@ def apply(map_name: str, tensors: list[tuple[str, Tensor]],
         shown = ", ".join(f"'{n}'" for n in unmapped[:3])
         more = f" and {len(unmapped) - 3} more" if len(unmapped) > 3 else ""
         raise InputError(
-            f"--names {map_name}: no rule maps {shown}{more}; this is not a torchtitan "
-            f"{nmap.family} model checkpoint (or it holds more than the model). Check the map, "
-            "or merge without --names")
+            f"--names {map_name}: no rule maps {shown}{more}; this is not a "
+            f"{nmap.framework} {nmap.family} model checkpoint (or it holds more than the "
+            "model). Check the map, or merge without --names")
     for name, tensor, matches in sorted(matched, key=lambda x: x[0]):
         for rule, _ in matches:
             _check_shape(nmap, dims, rule, name, tensor)
@@ -376,13 +749,15 @@ def apply(map_name: str, tensors: list[tuple[str, Tensor]],
 
 def _check_shape(nmap: NameMap, dims: Dims, rule: Rule, name: str, tensor: Tensor) -> None:
     try:
-        expected = tuple(dims.size(s) for s in rule.shape)
+        expected = tuple(n if s == "padded_vocab" and n >= dims.size(s) else dims.size(s)
+                         for s, n in zip(rule.shape, tensor.shape + (0,) * len(rule.shape),
+                                         strict=False))
     except _Missing as e:
         raise InputError(
             f"'{name}': {dims.where} has no '{e.key}', which --names {nmap.name} needs for "
             f"this tensor: it describes another model (model_type "
             f"{dims.config.get('model_type')}); pass the config.json of the model that was "
-            "trained") from None
+            "trained") from e
     if tensor.shape == expected:
         return
     spec = ", ".join(DIMS[s][0] for s in rule.shape)
@@ -396,6 +771,19 @@ def _emit(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor, target
     """The output tensor(s) of one rule for one stored tensor, into ``out``."""
     if rule.op == DROP:
         out.dropped.append((name, tensor, rule.note))
+        return
+    if rule.stacked:
+        _emit_layers(out, dims, rule, name, tensor, target)
+        return
+    if rule.op == VOCAB:
+        rows = dims.size("vocab")
+        out.tensors.append((target, Derived(
+            target, (tensor,), tensor.dtype, (rows, *tensor.shape[1:]), partial(_rows, num=rows),
+            f"first {rows} rows of {name} (vocabulary padding cut)")))
+        out.how.append({"from": name, "to": target, "op": "vocab-cut"})
+        return
+    if rule.op in _LAYER_OPS:
+        _emit_layer(out, dims, rule, name, tensor, target, None)
         return
     if rule.op == RENAME:
         out.tensors.append((target, tensor))
@@ -425,6 +813,11 @@ def _emit(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor, target
         out.tensors.append((target, derived))
         out.how.append({"from": name, "to": target,
                         "op": "split-rope-permuted" if rope_heads else "split"})
+    elif rule.op == TRANSPOSE:
+        shape = (tensor.shape[0], tensor.shape[2], tensor.shape[1])
+        out.tensors.append((target, Derived(target, (tensor,), tensor.dtype, shape,
+                                            _transposed, f"{name} transposed (dims 1 and 2)")))
+        out.how.append({"from": name, "to": target, "op": "transposed"})
     elif rule.op == EXPERTS:
         for e in range(tensor.shape[0]):
             expert = target.replace("{E}", str(e))
@@ -434,6 +827,71 @@ def _emit(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor, target
             out.how.append({"from": f"{name}[{e}]", "to": expert, "op": "expert-split"})
     else:  # pragma: no cover - a table names an op this module lacks
         raise AssertionError(rule.op)
+
+
+_LAYER_OPS = frozenset({QKV_Q, QKV_K, QKV_V, GATE, UP})
+_OP_WORDS = {RENAME: "unstacked", QKV_Q: "qkv-split", QKV_K: "qkv-split",
+             QKV_V: "qkv-split", GATE: "gate-up-split", UP: "gate-up-split"}
+
+
+def _emit_layers(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor,
+                 target: str) -> None:
+    """Each layer's slice of a stacked tensor: read alone (``Derived.select``), so memory is
+    bounded by one layer's slice, never by the stacked tensor."""
+    for layer in range(tensor.shape[0]):
+        if rule.op in (EXPERT_GATE, EXPERT_UP, EXPERT):
+            _emit_experts(out, rule, name, tensor, target.replace("{L}", str(layer)), layer)
+        else:
+            _emit_layer(out, dims, rule, name, tensor, target.replace("{L}", str(layer)), layer)
+
+
+def _emit_experts(out: Mapped, rule: Rule, name: str, tensor: Tensor, target: str,
+                  layer: int) -> None:
+    """Each expert of one layer of a stacked ``[L, E, ...]`` weight, read alone."""
+    for e in range(tensor.shape[1]):
+        expert = target.replace("{E}", str(e))
+        shape = tensor.shape[2:]
+        compute: Callable[[list[torch.Tensor]], torch.Tensor] = _first
+        what = f"expert {e} of layer {layer} of {name}"
+        if rule.op in (EXPERT_GATE, EXPERT_UP):
+            shape = (shape[0] // 2, *shape[1:])
+            compute = partial(_half, second=rule.op == EXPERT_UP)
+            what = f"{'up' if rule.op == EXPERT_UP else 'gate'} half of {what}"
+        out.tensors.append((expert, Derived(expert, (tensor,), tensor.dtype, tuple(shape),
+                                            compute, what, select=((layer, e),))))
+        out.how.append({"from": f"{name}[{layer}, {e}]", "to": expert,
+                        "op": "expert-split" if rule.op == EXPERT else "expert-gate-up-split"})
+
+
+def _emit_layer(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor, target: str,
+                layer: int | None) -> None:
+    """One output of a Megatron per-layer rule: the layer's slice (``layer``; None: the
+    tensor is one layer's already) as it is, split into q/k/v, or halved into gate/up."""
+    shape = tensor.shape[1:] if layer is not None else tensor.shape
+    source = f"{name}[{layer}]" if layer is not None else name
+    select = (layer,) if layer is not None else ()
+    compute: Callable[[list[torch.Tensor]], torch.Tensor]
+    if rule.op in (QKV_Q, QKV_K, QKV_V):
+        if dims.heads % max(dims.kv_heads, 1):
+            raise InputError(f"{dims.where}: num_attention_heads {dims.heads} is not a "
+                             f"multiple of num_key_value_heads {dims.kv_heads}; '{name}' "
+                             "cannot be a fused linear_qkv of this model")
+        rows = dims.size("q" if rule.op == QKV_Q else "kv")
+        shape = (rows, *shape[1:])
+        compute = partial(_qkv_part, op=rule.op, kv_heads=dims.kv_heads, head_dim=dims.head_dim)
+        what = f"{rule.op[-1]} rows of {source} (grouped per query group)"
+    elif rule.op in (GATE, UP):
+        shape = (shape[0] // 2, *shape[1:])
+        compute = partial(_half, second=rule.op == UP)
+        what = f"{'up' if rule.op == UP else 'gate'} half of {source}"
+    elif rule.op == RENAME:
+        compute = _first
+        what = f"layer {layer} of {name}"
+    else:  # pragma: no cover - a table names an op this module lacks
+        raise AssertionError(rule.op)
+    out.tensors.append((target, Derived(target, (tensor,), tensor.dtype, tuple(shape), compute,
+                                        what, select=select)))
+    out.how.append({"from": source, "to": target, "op": _OP_WORDS[rule.op]})
 
 
 def _check_complete(nmap: NameMap, dims: Dims, out: Mapped) -> None:
@@ -454,7 +912,7 @@ def _check_complete(nmap: NameMap, dims: Dims, out: Mapped) -> None:
         raise InputError(f"--names {nmap.name}: the checkpoint has {held}, but {dims.where} "
                          f"says num_hidden_layers {num_layers}; pass the config of the model "
                          "that was trained (a pipeline stage alone is not a model)")
-    sparse = _sparse_layers(dims, num_layers)
+    sparse = (nmap.sparse or _sparse_layers)(dims, num_layers)
     tied = dims.config.get("tie_word_embeddings") is True
     needed = [n for n in nmap.required if "{L}" not in n]
     if not tied:
@@ -478,7 +936,8 @@ def _check_complete(nmap: NameMap, dims: Dims, out: Mapped) -> None:
             f"--names {nmap.name}: nothing in the checkpoint becomes '{missing[0]}'"
             f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}{kind}; the "
             "checkpoint is not the model config.json describes: check the map and config")
-    stray = sorted(seen - set(needed) - {"lm_head.weight"})
+    allowed = {n.replace("{L}", str(layer)) for n in nmap.optional for layer in range(num_layers)}
+    stray = sorted(seen - set(needed) - allowed - {"lm_head.weight"})
     if stray:
         raise InputError(
             f"--names {nmap.name}: '{stray[0]}' has no place in the model {dims.where} "

@@ -14,14 +14,15 @@ The orchestration of pure checks and one data pass, each a source of
   (:func:`~ckpttool.core.dtype_policy.check_dtypes`), pure;
 * ``against`` (:mod:`~ckpttool.core.verify.against`): names, shapes, dtypes and bytes of another
   checkpoint, in the same pass;
-* ``manifest`` (:mod:`~ckpttool.core.verify.manifest`): a SHA-256 per tensor, written or checked.
+* ``manifest`` (:mod:`~ckpttool.core.verify.manifest`): a SHA-256 per tensor, written or checked;
+* ``receipt`` (:mod:`~ckpttool.core.merge.receipt`): an output of ``merge --all`` checked against
+  the receipt it carries (files, sizes, every tensor's SHA-256), unless a manifest is given.
 
 Only values (NaN counts, casts) need torch; the CRC pass does not.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.core import dtype_policy, ties
-from ckpttool.core.checkpoint import structure, tensors
+from ckpttool.core.checkpoint import architecture, structure
 from ckpttool.core.checkpoint.discover import (
     Checkpoint,
     Part,
@@ -39,14 +40,17 @@ from ckpttool.core.checkpoint.discover import (
     open_reader,
     select,
 )
+from ckpttool.core.dtype_policy import DTypePolicy
+from ckpttool.core.merge import receipt as receipts
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import SCHEMA, Progress, locked
 from ckpttool.core.transforms import lora
 from ckpttool.core.verify import manifest as manifests
 from ckpttool.core.verify import scan
 from ckpttool.core.verify.against import AgainstPlan, plan_against
-from ckpttool.errors import InputError, OutputError
+from ckpttool.errors import InputError
 from ckpttool.formats.base import SEVERITIES, Location, Problem, error, warning
+from ckpttool.storage.store import LOCAL, Stores
 
 __all__ = ["Location", "Problem", "VerifyReport", "verify"]
 
@@ -105,6 +109,7 @@ def verify(
     adapter_config: str | os.PathLike[str] | None = None,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
+    stores: Stores = LOCAL,
 ) -> VerifyReport:
     """Check the checkpoint at ``path``; problems are reported, not raised.
 
@@ -135,33 +140,13 @@ def verify(
         OutputError: the manifest cannot be written.
     """
     started = time.perf_counter()
-    if dtype is not None and not allow_cast:
-        raise InputError("--dtype applies to the cast that --allow-cast allows; pass "
-                         "--allow-cast too, or leave --dtype out")
-    if allow_cast and against is None:
-        raise InputError("--allow-cast needs --against OTHER")
-    ckpt = discover(path, config=config, command="verify")
-    other = discover(against, command="verify") if against is not None else None
-    config_name = str(ckpt.hf.config_path) if ckpt.hf.config_path else "config.json"
-    expect = None
-    if expect_dtype is not None:
-        if expect_dtype.lower() == "keep":
-            raise InputError("--expect-dtype keep checks nothing; use auto, bf16, fp16 or fp32")
-        expect = dtype_policy.resolve(expect_dtype, ckpt.hf.config, config_name)
-    cast_policy = (dtype_policy.resolve(dtype or "auto", ckpt.hf.config, config_name)
-                   if allow_cast else None)
-    manifest_path = Path(manifest) if manifest is not None else None
-    if manifest_action not in (None, "write", "check"):
-        raise InputError(f"manifest_action must be 'write' or 'check', not {manifest_action!r}")
-    if manifest_path is not None and manifest_action == "check" and not manifest_path.exists():
-        raise InputError(f"{manifest_path}: no such manifest to check (--check-manifest); "
-                         "write one first with --write-manifest")
-    if manifest_path is not None and manifest_action == "write" and os.path.lexists(
-            manifest_path):
-        raise OutputError(f"{manifest_path}: exists already; check it with --check-manifest, "
-                          "or remove it to write a new one")
-    expected = (manifests.read(manifest_path) if manifest_path and manifest_path.exists()
-                and manifest_action != "write" else None)
+    _check_options(dtype, allow_cast=allow_cast, against=against)
+    ckpt = discover(path, config=config, command="verify", stores=stores)
+    other = (discover(against, command="verify", stores=stores) if against is not None
+             else None)
+    expect, cast_policy = _policies(ckpt, expect_dtype, dtype if allow_cast else None,
+                                    allow_cast=allow_cast)
+    manifest_path, expected = manifests.prepare(manifest, manifest_action)
 
     report = VerifyReport(path=str(ckpt.path), checkpoint=str(ckpt.root), format=ckpt.format,
                           kind=ckpt.kind, num_tensors=len(ckpt.tensors),
@@ -180,6 +165,7 @@ def verify(
                             other, policy=cast_policy)
     if manifest_path is not None:
         report.checks.append("manifest")
+    receipt = _receipt(ckpt, report) if manifest_path is None else None
     parts = _other_parts(ckpt)
     read = locked(progress)
     if on_start is not None:
@@ -188,79 +174,51 @@ def verify(
     pair = ties.find_pair(model.by_name()) if ckpt.kind == "model" else None
     # The tied pair is compared after the pass (below); --against decides a deduplicated tie
     # from its digests.
-    want_digest = ({t.name for t in ckpt.tensors} if manifest_path
+    want_digest = ({t.name for t in ckpt.tensors} if manifest_path or receipt
                    else set(pair or ()) if other is not None else set())
-    damaged: set[str] = set()
-    damaged_b: set[str] = set()
-    problems = _structure(ckpt, damaged)
-    # A side file (meta.pt) that does not read: damage, unless it only names classes that a
-    # weights-only reader refuses (a custom object in the saved state).
-    problems += [(warning if "refused to load" in note else error)(
-        "side-file-unreadable", note) for note in ckpt.side_notes]
-    if other is not None:
-        problems += _structure(other, damaged_b)
+    problems, damaged, damaged_b = _structures(ckpt, other)
     done = scan.data_pass(ckpt, other, plan, want_digest, workers, read, skip=damaged,
                           skip_b=damaged_b, follow_links=follow_links)
     problems += done.problems
+    with open_reader(ckpt, follow_links=follow_links) as reader:  # integrity.json and such
+        problems += reader.check_file_digests()
     digests = done.digests
-    same = None
-    if pair is not None and pair[0] in done.complete and pair[1] in done.complete:
-        if pair[0] in digests and pair[1] in digests:
-            same = digests[pair[0]] == digests[pair[1]]
-        else:
-            # Compared directly (no SHA-256 of both, at 1.4 GB/s): embeddings that differ
-            # differ in their first block.
-            views = model.by_name()
-            with (open_reader(ckpt, follow_links=follow_links) as reader,
-                  contextlib.suppress(InputError)):  # read once already: damage is reported
-                same = tensors.identical(reader, views[pair[0]].tensor,
-                                         reader, views[pair[1]].tensor,
-                                         block_bytes=scan.READ_BLOCK)
-    problems += ties.check_ties(model, same)
-    layout, lora_config, lora_problems = lora.adapter_of(
-        model, Path(adapter_config) if adapter_config is not None else None)
-    if layout is not None and layout.modules:
+    same = (ties.pair_identical(ckpt, model, pair, done.complete, digests,
+                                follow_links=follow_links, block_bytes=scan.READ_BLOCK)
+            if pair is not None else None)
+    problems += ties.check_ties(model, same) + architecture.problems_of(model)
+    report.lora, lora_problems = lora.verify_adapter(
+        ckpt, model, Path(adapter_config) if adapter_config is not None else None,
+        follow_links=follow_links)
+    problems += lora_problems
+    if report.lora is not None:
         report.checks.append("lora")
-        report.lora = lora.describe(layout, lora_config)
-        problems += lora_problems + lora.problems(layout, lora_config)
-        with open_reader(ckpt, follow_links=follow_links) as reader:
-            problems += lora.never_trained(reader, layout)
-    elif lora_problems:
-        problems += lora_problems
     problems += dtype_policy.check_dtypes(model, expect)
     if plan is not None:
         problems += [*plan.problems, *done.tied]
         problems += _unchanged_from_base(ckpt, other, plan, done, problems, adapter_config)
-    bytes_read = done.bytes_read
-    for name, part in parts:  # the rest of a training checkpoint must be whole too
-        part_damaged: set[str] = set()
-        part_problems = _structure(part, part_damaged)
-        part_pass = scan.data_pass(part, None, None, set(), workers, read, skip=part_damaged,
-                                   follow_links=follow_links)
-        for p in part_problems + part_pass.problems:
-            file = p.location.file
-            if file is not None and name not in dict(ckpt.side):  # a side file: beside ckpt
-                file = f"{name}/{file}"
-            problems.append(replace(p, location=replace(p.location, file=file)))
-        bytes_read += part_pass.bytes_read
+    part_problems, part_bytes = _check_parts(ckpt, parts, workers, read,
+                                             follow_links=follow_links)
+    problems += part_problems
     report.parts = [p for p in ckpt.parts if p.path in dict(parts)]
     if manifest_path is not None:
-        unreadable = {t.name for t in ckpt.tensors} - set(digests)
-        if expected is not None:
-            problems += manifests.check(ckpt, expected, digests, unreadable, manifest_path)
-            report.manifest = {"path": str(manifest_path), "action": "checked",
-                               "tensors": len(expected)}
-        elif unreadable:
-            problems.append(error("manifest-incomplete", f"{manifest_path}: not written: "
-                                   f"{len(unreadable)} tensors could not be read"))
-        else:
-            manifests.write(manifest_path, manifests.document(ckpt, digests))
-            report.manifest = {"path": str(manifest_path), "action": "written",
-                               "tensors": len(digests)}
+        found, report.manifest = manifests.finish(ckpt, manifest_path, expected, digests)
+        problems += found
+    elif receipt is not None:
+        found, report.manifest = receipts.verify(ckpt, receipt, digests)
+        problems += found
     report.problems = problems
-    report.bytes_read = bytes_read
+    report.bytes_read = done.bytes_read + part_bytes
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+def _receipt(ckpt: Checkpoint, report: VerifyReport) -> receipts.Receipt | None:
+    """The receipt ``merge --all`` wrote into an output (checked instead of a manifest)."""
+    receipt = receipts.read(ckpt.root) if ckpt.root.is_dir() else None
+    if receipt is not None:
+        report.checks.append("receipt")
+    return receipt
 
 
 def _unchanged_from_base(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan,
@@ -285,6 +243,65 @@ def _unchanged_from_base(ckpt: Checkpoint, other: Checkpoint | None, plan: Again
                                     str(other.root))
 
 
+def _structures(ckpt: Checkpoint, other: Checkpoint | None
+                ) -> tuple[list[Problem], set[str], set[str]]:
+    """Structure problems of both sides, and the tensors of each found damaged (the data pass
+    skips them)."""
+    damaged: set[str] = set()
+    damaged_b: set[str] = set()
+    problems = _structure(ckpt, damaged)
+    # A side file (meta.pt) that does not read: damage, unless it only names classes that a
+    # weights-only reader refuses (a custom object in the saved state).
+    problems += [(warning if "refused to load" in note else error)(
+        "side-file-unreadable", note) for note in ckpt.side_notes]
+    if other is not None:
+        problems += _structure(other, damaged_b)
+    return problems, damaged, damaged_b
+
+
+def _check_options(dtype: str | None, *, allow_cast: bool,
+                   against: str | os.PathLike[str] | None) -> None:
+    if dtype is not None and not allow_cast:
+        raise InputError("--dtype applies to the cast that --allow-cast allows; pass "
+                         "--allow-cast too, or leave --dtype out")
+    if allow_cast and against is None:
+        raise InputError("--allow-cast needs --against OTHER")
+
+
+def _policies(ckpt: Checkpoint, expect_dtype: str | None, cast_dtype: str | None, *,
+              allow_cast: bool) -> tuple[DTypePolicy | None, DTypePolicy | None]:
+    """The ``--expect-dtype`` policy and the cast ``--allow-cast`` compares after."""
+    config_name = str(ckpt.hf.config_path) if ckpt.hf.config_path else "config.json"
+    expect = None
+    if expect_dtype is not None:
+        if expect_dtype.lower() == "keep":
+            raise InputError("--expect-dtype keep checks nothing; use auto, bf16, fp16 or fp32")
+        expect = dtype_policy.resolve(expect_dtype, ckpt.hf.config, config_name)
+    cast = (dtype_policy.resolve(cast_dtype or "auto", ckpt.hf.config, config_name)
+            if allow_cast else None)
+    return expect, cast
+
+
+def _check_parts(ckpt: Checkpoint, parts: list[tuple[str, Checkpoint]], workers: int | None,
+                 read: Progress, *, follow_links: bool) -> tuple[list[Problem], int]:
+    """The rest of a training checkpoint (optimizer, side files...) must be whole too: its
+    problems, located in their part, and the bytes read."""
+    problems: list[Problem] = []
+    bytes_read = 0
+    for name, part in parts:
+        part_damaged: set[str] = set()
+        part_problems = _structure(part, part_damaged)
+        part_pass = scan.data_pass(part, None, None, set(), workers, read, skip=part_damaged,
+                                   follow_links=follow_links)
+        for p in part_problems + part_pass.problems:
+            file = p.location.file
+            if file is not None and name not in dict(ckpt.side):  # a side file: beside ckpt
+                file = f"{name}/{file}"
+            problems.append(replace(p, location=replace(p.location, file=file)))
+        bytes_read += part_pass.bytes_read
+    return problems, bytes_read
+
+
 def _structure(ckpt: Checkpoint, damaged: set[str]) -> list[Problem]:
     assert ckpt.info is not None
     return structure.check(ckpt.info, ckpt.canonical(), damaged)
@@ -294,5 +311,7 @@ def _other_parts(ckpt: Checkpoint) -> list[tuple[str, Checkpoint]]:
     """The other checkpoints of a training directory (optimizer_0/ beside the model's
     pytorch_model_fsdp_0/) and the side files of a checkpoint (Lightning's meta.pt), each
     verified for structure and content too."""
-    return ([(name, describe(ckpt.path / name, info)) for name, info in ckpt.others]
-            + [(name, describe(ckpt.root / name, info)) for name, info in ckpt.side])
+    return ([(name, describe(ckpt.path / name, info, stores=ckpt.stores))
+             for name, info in ckpt.others]
+            + [(name, describe(ckpt.root / name, info, stores=ckpt.stores))
+               for name, info in ckpt.side])

@@ -40,7 +40,6 @@ from ckpttool.formats.base import (
 )
 from ckpttool.formats.codecs.crc import crc32
 from ckpttool.formats.codecs.torchsave import gc_paused
-from ckpttool.storage.store import LocalStore, read_blocks
 
 # Bytes read at a time: checked (CRC-32, values) while they are still in the CPU's caches.
 # Measured on 3 GB: 2 MB blocks took 15% less time than 16 MB ones, and than mapping the
@@ -108,7 +107,7 @@ class Scanner:
         return buf
 
     def path(self, file: str) -> str:
-        return str(self.reader.store.path(file))
+        return str(self.reader.path(file))
 
     def stream(self, t: TensorView, result: Result, given: Given | None = None
                ) -> Iterator[tuple[int | None, memoryview]]:
@@ -149,7 +148,7 @@ class Scanner:
             except InputError as e:
                 result.problems.append(error("record-corrupt", str(e), file=c.file,
                                              tensor=t.name, offset=c.offset))
-                raise _Unreadable from None
+                raise _Unreadable from e
             decoded.append((c, p))
         item = t.dtype.itemsize
         # Chunks that are each one run of the tensor (Shard(0), whole), read in the order of
@@ -176,7 +175,7 @@ class Scanner:
                     if c not in damaged:
                         result.problems.append(error("record-corrupt", str(e), file=c.file,
                                                      tensor=t.name, offset=c.offset))
-                    raise _Unreadable from None
+                    raise _Unreadable from e
                 self.report(p.storage_size)
                 result.bytes_read += p.storage_size
                 yield first, memoryview(data)
@@ -213,8 +212,8 @@ class Scanner:
         the CRC."""
         item = t.dtype.itemsize
         done = 0
-        for view in read_blocks(self.reader.store, file, offset, size,
-                                memoryview(self._buffer()), mapped=False):
+        for view in self.reader.blocks(file, offset, size, memoryview(self._buffer()),
+                                       mapped=False):
             n = len(view)
             self.report(n)
             result.bytes_read += n
@@ -274,7 +273,7 @@ def crc32_of(reader: Reader, file: str, offset: int, size: int, *, block: int = 
     done = 0
     while done < size:
         n = min(block, size - done)
-        crc = crc32(reader.store.read_exact(file, offset + done, n, what="a record"), crc)
+        crc = crc32(reader.read_exact(file, offset + done, n, what="a record"), crc)
         done += n
     return crc
 
@@ -429,10 +428,10 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
                 except InputError:
                     pass
         for r, side in ((reader, todo), (reader_b, [p.b for p in comparisons.values()])):
-            plan_reads = getattr(r.store, "plan_reads", None) if r is not None else None
-            if plan_reads is not None:  # object storage: coalesced GETs, read ahead in order
-                plan_reads([(c.file, c.offset, c.length) for t in side
-                            for c in t.tensor.chunks])
+            if r is not None and r.capabilities.many_ranges:
+                # object storage: coalesced GETs, read ahead in order
+                r.plan_reads([(c.file, c.offset, c.length) for t in side
+                              for c in t.tensor.chunks])
         scanner = Scanner(reader, read)
 
         def job(t: TensorView, given: Given | None) -> Result:
@@ -450,10 +449,10 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
         # Largest first, so that no thread is left with a big tensor at the end; object
         # storage reads ahead in stored order, which the jobs then keep.
         jobs = groups(todo)
-        if getattr(reader.store, "plan_reads", None) is None:
+        if not reader.capabilities.many_ranges:
             jobs.sort(key=lambda g: -sum(t.nbytes for t in g))
         results = _run(lambda group: scan_group(scanner, group, job), jobs, workers,
-                       fork=all(isinstance(r.store, LocalStore) for r in (reader, reader_b)
+                       fork=all(r.capabilities.local_files for r in (reader, reader_b)
                                 if r is not None),
                        report=read, scanner=scanner, torch=torch)
         problems = [p for t in todo for p in results[t.name].problems]

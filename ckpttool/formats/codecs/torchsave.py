@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import gc
 import io
 import itertools
@@ -46,6 +45,31 @@ def is_zip(file: str | os.PathLike[str]) -> bool:
             return f.read(4) == ZIP_MAGIC
     except OSError:
         return False
+
+
+# The zip end-of-central-directory record: torch.save writes it last, with no comment after it.
+_END_RECORD = b"PK\x05\x06"
+_END_RECORD_SIZE = 22
+
+
+def pending_file(file: str | os.PathLike[str]) -> str | None:
+    """Why the zip archive at ``file`` is still being written (its end record, which
+    ``torch.save`` writes last, is not at its end yet); None when it is there, or when the
+    file is no zip at all (not ours to judge: reading it says what is wrong)."""
+    try:
+        with open(file, "rb") as f:
+            if f.read(4) != ZIP_MAGIC:
+                return None
+            size = os.fstat(f.fileno()).st_size
+            if size < _END_RECORD_SIZE:
+                return f"{os.path.basename(file)}: {size} bytes, still being written"
+            f.seek(size - _END_RECORD_SIZE)
+            tail = f.read(_END_RECORD_SIZE)
+    except OSError:
+        return None
+    if tail[:4] != _END_RECORD:
+        return f"{os.path.basename(file)}: no zip end record yet (torch.save writes it last)"
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,13 +256,26 @@ class ZipEntry:
     descriptor: tuple[int, int] = (0, 0)  # (offset, length); length 0 without one
 
 
+def _bounded_pread(fd: int) -> Callable[[int, int], bytes]:
+    """``pread(size, offset)`` of ``fd`` that asks for no more than the file holds:
+    ``os.pread`` allocates the size it is given before reading, and a size field of a
+    damaged file may claim gigabytes."""
+    end = os.fstat(fd).st_size
+
+    def pread(size: int, offset: int) -> bytes:
+        return os.pread(fd, max(0, min(size, end - offset)), offset)
+
+    return pread
+
+
 class RecordBytes:
     """Reads parts of one archive with as few ``pread`` calls as the layout allows."""
 
     def __init__(self, fd: int | Callable[[int, int], bytes], start: int, length: int,
                  where: str) -> None:
-        # ``fd``: an open file, or ``pread(size, offset)`` of a store's file.
-        self.pread = fd if callable(fd) else functools.partial(os.pread, fd)
+        # ``fd``: an open file, or ``pread(size, offset)`` of a store's file (which never
+        # reads, nor allocates, past the file's end).
+        self.pread = fd if callable(fd) else _bounded_pread(fd)
         self.start, self.length, self.where = start, length, where
         self.head = self.pread(min(length, _HEAD_BYTES), start)
         tail_len = min(length, _HEAD_BYTES)
@@ -321,9 +358,23 @@ _INT = {int}
 _TUPLE = {tuple}
 
 
+# torch stores sizes and offsets as int64: a larger one is damage (and 10**5000 could not
+# even be printed: Python refuses int-to-string conversions past 4,300 digits).
+MAX_INT = 2**63 - 1
+
+
+def _shown(value: Any) -> str:
+    """``value`` for a message, never a number too long to print."""
+    if isinstance(value, tuple | list) and any(type(x) is int and x > MAX_INT for x in value):
+        return f"a number above {MAX_INT} (2**63 - 1)"
+    if type(value) is int and value > MAX_INT:
+        return f"a number above {MAX_INT} (2**63 - 1)"
+    return repr(value)[:200]
+
+
 def all_ints(values: list[Any], where: str) -> None:
-    """Every item of ``values`` is a tuple of non-negative ints, checked in three C-level
-    passes (a ``.metadata`` of a million chunks holds millions of them).
+    """Every item of ``values`` is a tuple of ints in ``[0, 2**63)``, checked in three
+    C-level passes (a ``.metadata`` of a million chunks holds millions of them).
 
     Raises:
         InputError: one is anything else.
@@ -332,10 +383,12 @@ def all_ints(values: list[Any], where: str) -> None:
         return
     flat = list(itertools.chain.from_iterable(values)) if set(map(type, values)) == _TUPLE \
         else None
-    if flat is None or (flat and (set(map(type, flat)) != _INT or min(flat) < 0)):
+    if flat is None or (flat and (set(map(type, flat)) != _INT or min(flat) < 0
+                                  or max(flat) > MAX_INT)):
         bad = next(v for v in values if type(v) is not tuple
-                   or any(type(x) is not int or x < 0 for x in v))
-        raise InputError(f"{where}: holds {bad!r} where a size or offset belongs; corrupt")
+                   or any(type(x) is not int or x < 0 or x > MAX_INT for x in v))
+        raise InputError(f"{where}: holds {_shown(bad)} where a size or offset belongs; "
+                         "corrupt")
 
 
 def ints(value: Any, where: str) -> tuple[int, ...]:
@@ -345,9 +398,10 @@ def ints(value: Any, where: str) -> tuple[int, ...]:
         InputError: it is anything else.
     """
     # C-level checks: this runs twice per chunk of a .metadata of millions of chunks.
-    if type(value) is tuple and (not value or (set(map(type, value)) == _INT and min(value) >= 0)):
+    if type(value) is tuple and (not value or (set(map(type, value)) == _INT and min(value) >= 0
+                                               and max(value) <= MAX_INT)):
         return value
-    raise InputError(f"{where}: holds {value!r} where a size or offset belongs; corrupt")
+    raise InputError(f"{where}: holds {_shown(value)} where a size or offset belongs; corrupt")
 
 
 def _is_tensor_ref(value: Any) -> bool:
@@ -746,13 +800,13 @@ def load_pickle(rb: RecordBytes, entries: dict[str, ZipEntry], *,
         with gc_paused():
             value = RecordUnpickler(io.BytesIO(rb.read(pkl.data_offset, pkl.size)), rb.where,
                                     lookup=lookup).load()
-    except MemoryError:
+    except MemoryError as err:
         # A damaged length field asks the C unpickler for an absurd buffer.
-        raise pickle.UnpicklingError("a length in the pickle is beyond its data") from None
+        raise pickle.UnpicklingError("a length in the pickle is beyond its data") from err
     except (Refused, CkptError, pickle.UnpicklingError):
         raise
     except Exception as e:  # noqa: BLE001 - see corrupt()
-        raise corrupt(e) from None
+        raise corrupt(e) from e
     check_size(value, max_nodes)
     return value
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ckpttool import settings
 from ckpttool.errors import InputError, UnsupportedError
 
 NAME = "zstd"
@@ -30,6 +31,36 @@ _FEED = 4096
 _READ = 1 << 20
 
 
+# How much larger than its compressed bytes a record may claim to be before it is refused
+# unread, and from what size on. Tensors of trained weights compress by 1.1-1.5x; a claim of
+# gigabytes from kilobytes is a decompression bomb (zstd turns 4 bytes into 128 KB), unless
+# the tensor is constant (zeros): CKPTTOOL_ZSTD_MAX_RATIO raises the bound for those.
+MAX_RATIO = 1024
+RATIO_FLOOR = 64 << 20
+
+
+def max_ratio() -> int:
+    """The ratio bound: ``CKPTTOOL_ZSTD_MAX_RATIO`` (a positive integer), else
+    :data:`MAX_RATIO`."""
+    return settings.zstd_max_ratio() or MAX_RATIO
+
+
+def check_claim(claim: int, length: int, *, where: str) -> None:
+    """Refuse a record that claims to decompress to ``claim`` bytes from ``length``
+    compressed ones, past :func:`max_ratio` (and :data:`RATIO_FLOOR`), before any memory is
+    taken for it.
+
+    Raises:
+        InputError: the claim is past the bound (the message says how to allow it).
+    """
+    ratio = max_ratio()
+    if claim > RATIO_FLOOR and claim > max(length, 1) * ratio:
+        raise InputError(f"{where}: the metadata claims {claim:,} bytes from {length:,} "
+                         f"compressed ones, more than {ratio}x; refused as a likely "
+                         "decompression bomb (for a constant tensor that truly compresses "
+                         "so well, set CKPTTOOL_ZSTD_MAX_RATIO higher)")
+
+
 def supported(descriptor: str) -> bool:
     """True for the zstd descriptors ckpttool reads (``stream.zstd/1``, any 1.x)."""
     name, _, version = descriptor.partition("/")
@@ -39,10 +70,10 @@ def supported(descriptor: str) -> bool:
 def _library(where: str) -> Any:
     try:
         import zstandard
-    except ImportError:
+    except ImportError as err:
         raise UnsupportedError(
             f"{where}: records are zstd-compressed (DCP's ZStandard extension); reading them "
-            f"needs the zstandard library: {INSTALL}") from None
+            f"needs the zstandard library: {INSTALL}") from err
     return zstandard
 
 
@@ -55,8 +86,10 @@ def available() -> bool:
 
 
 def inflate(pread: Callable[[int, int], bytes], offset: int, length: int, *, limit: int,
-            where: str) -> bytes:
-    """The decompressed bytes of the one zstd frame that fills ``length`` bytes at ``offset``.
+            where: str) -> bytearray:
+    """The decompressed bytes of the one zstd frame that fills ``length`` bytes at ``offset``,
+    decompressed :data:`_FEED` compressed bytes at a time into one buffer (never copied: the
+    record's real size is all it takes, however much is claimed).
 
     Args:
         pread: ``pread(size, offset)`` of the file (fewer bytes at its end).
@@ -86,7 +119,10 @@ def inflate(pread: Callable[[int, int], bytes], offset: int, length: int, *, lim
                 out += dobj.decompress(piece[at : at + _FEED])
             except zstandard.ZstdError as e:
                 raise InputError(f"{where}: does not decompress ({e}); the compressed record "
-                                 "is corrupt") from None
+                                 "is corrupt") from e
+            except MemoryError as err:
+                raise InputError(f"{where}: decompressing it needs more memory than this "
+                                 f"process may take ({len(out):,} bytes so far)") from err
             if len(out) > limit:
                 raise InputError(f"{where}: decompresses to more than the {limit} bytes it "
                                  "may hold; the compressed record is corrupt")
@@ -95,4 +131,4 @@ def inflate(pread: Callable[[int, int], bytes], offset: int, length: int, *, lim
                          f"{length} compressed bytes); the record is truncated or corrupt")
     if dobj.unused_data:
         raise InputError(f"{where}: bytes follow the end of the record's zstd frame; corrupt")
-    return bytes(out)
+    return out

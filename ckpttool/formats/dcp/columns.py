@@ -943,7 +943,13 @@ def _check_rows(t: _TensorRows, number: int, boxes: array[int], length: array[in
             raise Fallback("raw chunk")
 
 
-def _convert(vm: _Machine, md: Any, metadata_file: str) -> Columnar:  # noqa: C901, PLR0912
+def _convert(vm: _Machine, md: Any, metadata_file: str) -> Columnar:
+    """The interpreted ``Metadata`` as columns: tensors' rows, then every storage entry placed
+    in its row, then the checks that each row got exactly one.
+
+    Raises:
+        Fallback: anything this path does not recognise with certainty.
+    """
     if type(md) is not vm.lookup(_MD, "Metadata"):
         raise Fallback("not Metadata")
     sd_meta = md.field("state_dict_metadata")
@@ -954,13 +960,49 @@ def _convert(vm: _Machine, md: Any, metadata_file: str) -> Columnar:  # noqa: C9
         raise Fallback("layout")
     if any(id(d) != id(storage_data) for d in vm.storage_dicts.values()):
         raise Fallback("storage runs elsewhere")
+    rows, by_fqn, objects = _tensor_rows(vm, sd_meta, planner_data)
+
+    # storage: every tensor row gets exactly one entry, the one whose index hint names it and
+    # whose offsets are the row's (so the allow-list path's (fqn, offsets) lookup agrees).
+    cols = _Placement(vm, rows, by_fqn)
+    placed = cols.place_runs(vm)
+    object_storage: dict[str, tuple[str, int, int]] = {}
+    placed += cols.place_dict(vm, storage_data, object_storage)
+    # As many entries placed as the tensors have rows, and none of those rows left without
+    # one (_check_rows): each row got exactly one. (Rows a tensor's chunks were copied from,
+    # above, are no tensor's.)
+    if placed != sum(t.num for t in rows):
+        raise Fallback("storage count")  # the allow-list path says what is wrong
+    for rel in vm.names:
+        _plain_name(rel, metadata_file)
+
+    table = ChunkTable(list(vm.names), cols.file, cols.begin, cols.length, vm.boxes, RECORD)
+    tensors = []
+    for t in rows:
+        _check_rows(t, vm.fqns[t.fqn], vm.boxes, cols.length, cols.row_fqn, cols.row_offs)
+        tensors.append(Tensor(t.fqn, t.path, t.dtype, t.shape,
+                              ChunkColumns(table, first=t.first, num_chunks=t.num, box=t.box,
+                                           ndim=t.ndim)))
+    out_objects = []
+    for fqn, path in objects:
+        stored = object_storage.get(fqn)
+        if stored is None:
+            raise Fallback("object storage")
+        out_objects.append(ObjectEntry(fqn, path, *stored))
+    version = md.field("version")
+    return Columnar(tensors, out_objects, None if version is None else str(version))
+
+
+def _tensor_rows(vm: _Machine, sd_meta: dict[Any, Any], planner_data: dict[Any, Any]
+                 ) -> tuple[list[_TensorRows], dict[str, _TensorRows],
+                            list[tuple[str, tuple[str, ...]]]]:
+    """Each tensor's rows of the chunk table (its own run, or rows copied from its chunks),
+    by name; and the bytes entries (objects) with their paths."""
     tensor_cls = vm.lookup(_MD, "TensorStorageMetadata")
     bytes_cls = vm.lookup(_MD, "BytesStorageMetadata")
-    chunk_cls = vm.chunk_cls
     rows: list[_TensorRows] = []
     by_fqn: dict[str, _TensorRows] = {}
     objects: list[tuple[str, tuple[str, ...]]] = []
-    boxes = vm.boxes
     for fqn, entry in sd_meta.items():
         if type(fqn) is not str:
             raise Fallback("fqn")
@@ -989,23 +1031,7 @@ def _convert(vm: _Machine, md: Any, metadata_file: str) -> Columnar:  # noqa: C9
             r = runs[0]
             t = _TensorRows(fqn, path, dtype, shape, r.first, r.box, r.num, nd)
         else:  # stubs, or several runs: copied to rows of their own
-            first, box = vm.num_rows, len(boxes)
-            for c in found:
-                if isinstance(c, _ChunkRun):
-                    if c.ndim != nd:
-                        raise Fallback("ndim")
-                    boxes.extend(boxes[c.box : c.box + 2 * nd * c.num])
-                    vm.num_rows += c.num
-                elif type(c) is chunk_cls:
-                    o = _nonneg_ints(c.__dict__.get("offsets"))
-                    s = _nonneg_ints(c.__dict__.get("sizes"))
-                    if len(o) != nd or len(s) != nd:
-                        raise Fallback("ndim")
-                    boxes.extend(o)
-                    boxes.extend(s)
-                    vm.num_rows += 1
-                else:
-                    raise Fallback("chunk")
+            first, box = _copied_rows(vm, found, nd)
             t = _TensorRows(fqn, path, dtype, shape, first, box, vm.num_rows - first, nd)
         if fqn in by_fqn:
             raise Fallback("duplicate fqn")
@@ -1013,109 +1039,132 @@ def _convert(vm: _Machine, md: Any, metadata_file: str) -> Columnar:  # noqa: C9
         rows.append(t)
     if any(m.consumed != 1 for m in vm.markers):
         raise Fallback("marker")
+    return rows, by_fqn, objects
 
-    # storage: every tensor row gets exactly one entry, the one whose index hint names it and
-    # whose offsets are the row's (so the allow-list path's (fqn, offsets) lookup agrees).
-    num = vm.num_rows
-    file = array("i", [-1]) * num
-    begin = array("q", [0]) * num
-    length = array("q", [-1]) * num
-    # Per row, what its entry said: the entry's name (a number in vm.fqns) and offsets, one
-    # column per dimension; compared with the rows' own, tensor by tensor, once all are placed.
-    fqns = vm.fqns
-    row_fqn = array("i", [-1]) * num
-    row_offs = [array("q", [-1]) * num for _ in range(max((t.ndim for t in rows), default=0))]
-    by_number: list[_TensorRows | None] = [None] * len(fqns)
-    for t in rows:
-        n = fqns.setdefault(t.fqn, len(fqns))
-        if n == len(by_number):
-            by_number.append(t)
+
+def _copied_rows(vm: _Machine, found: Sequence[Any], nd: int) -> tuple[int, int]:
+    """A tensor's chunks (stubs, or several runs) copied to rows of their own at the end of
+    the table: its first row and first box."""
+    boxes = vm.boxes
+    first, box = vm.num_rows, len(boxes)
+    for c in found:
+        if isinstance(c, _ChunkRun):
+            if c.ndim != nd:
+                raise Fallback("ndim")
+            boxes.extend(boxes[c.box : c.box + 2 * nd * c.num])
+            vm.num_rows += c.num
+        elif type(c) is vm.chunk_cls:
+            o = _nonneg_ints(c.__dict__.get("offsets"))
+            s = _nonneg_ints(c.__dict__.get("sizes"))
+            if len(o) != nd or len(s) != nd:
+                raise Fallback("ndim")
+            boxes.extend(o)
+            boxes.extend(s)
+            vm.num_rows += 1
         else:
-            by_number[n] = t
-    # Per ndim of a run: the first row of each name's tensor if it has that ndim, else -1.
-    first_of = {nd: [-1 if t is None or t.ndim != nd else t.first for t in by_number]
-                for nd in {nd for _, _, nd, _ in vm.s_runs}}
-    names = vm.names
-    object_storage: dict[str, tuple[str, int, int]] = {}
-    placed = 0
+            raise Fallback("chunk")
+    return first, box
 
-    def place(fqn: str, index: Any, offs: Sequence[int], f: int, b: int, n: int) -> int:
-        t = by_fqn.get(fqn)
+
+class _Placement:
+    """The storage columns of the chunk table (file, begin, length per row) being filled, with
+    what each row's entry said (its name as a number in ``vm.fqns``, its offsets: one column
+    per dimension), compared with the rows' own tensor by tensor once all are placed."""
+
+    def __init__(self, vm: _Machine, rows: list[_TensorRows],
+                 by_fqn: dict[str, _TensorRows]) -> None:
+        num = vm.num_rows
+        self.by_fqn = by_fqn
+        self.file = array("i", [-1]) * num
+        self.begin = array("q", [0]) * num
+        self.length = array("q", [-1]) * num
+        self.row_fqn = array("i", [-1]) * num
+        self.row_offs = [array("q", [-1]) * num
+                         for _ in range(max((t.ndim for t in rows), default=0))]
+        fqns = vm.fqns
+        by_number: list[_TensorRows | None] = [None] * len(fqns)
+        for t in rows:
+            n = fqns.setdefault(t.fqn, len(fqns))
+            if n == len(by_number):
+                by_number.append(t)
+            else:
+                by_number[n] = t
+        self.fqns = fqns
+        # Per ndim of a run: the first row of each name's tensor if it has that ndim, else -1.
+        self.first_of = {nd: [-1 if t is None or t.ndim != nd else t.first for t in by_number]
+                         for nd in {nd for _, _, nd, _ in vm.s_runs}}
+
+    def place(self, fqn: str, index: Any, offs: Sequence[int], f: int, b: int, n: int) -> int:
+        """One entry into its row; 1 if placed, 0 for an entry no tensor uses (the allow-list
+        path ignores it too)."""
+        t = self.by_fqn.get(fqn)
         if t is None:
-            return 0  # an entry no tensor uses (the allow-list path ignores it too)
+            return 0
         if type(index) is not int or not 0 <= index < t.num or len(offs) != t.ndim:
             raise Fallback("index")
         g = t.first + index
-        if length[g] != -1:
+        if self.length[g] != -1:
             raise Fallback("storage mismatch")
-        file[g], begin[g], length[g], row_fqn[g] = f, b, n, fqns[fqn]
+        self.file[g], self.begin[g], self.length[g] = f, b, n
+        self.row_fqn[g] = self.fqns[fqn]
         for k, o in enumerate(offs):
-            row_offs[k][g] = o
+            self.row_offs[k][g] = o
         return 1
 
-    fqn_names = list(fqns)  # by number
-    for at, n, nd, o_at in vm.s_runs:  # runs of entries, placed by C-level passes
-        fq = vm.s_fqn[at : at + n]
-        index = vm.s_index[at : at + n]
-        offs = vm.s_offs[o_at : o_at + nd * n]
-        firsts = array("q", map(first_of[nd].__getitem__, fq))
-        if min(firsts) < 0:  # no tensor, or not of this ndim: one by one
-            for i, (q, idx) in enumerate(zip(fq, index, strict=True)):
-                placed += place(fqn_names[q], idx, offs[nd * i : nd * i + nd],
-                                vm.s_file[at + i], vm.s_begin[at + i], vm.s_length[at + i])
-            continue
-        rows_at = array("q", map(operator.add, firsts, index))
-        try:  # a row past the table: IndexError (an index past its tensor: checked below)
-            _consume(map(row_fqn.__setitem__, rows_at, fq))
-        except IndexError as e:
-            raise Fallback("index") from e
-        _consume(map(file.__setitem__, rows_at, vm.s_file[at : at + n]))
-        _consume(map(begin.__setitem__, rows_at, vm.s_begin[at : at + n]))
-        _consume(map(length.__setitem__, rows_at, vm.s_length[at : at + n]))
-        for k in range(nd):
-            _consume(map(row_offs[k].__setitem__, rows_at, offs[k::nd]))
-        placed += n
-    del vm.s_fqn[:], vm.s_index[:], vm.s_offs[:], vm.s_file[:], vm.s_begin[:], vm.s_length[:]
-    for k, v in storage_data.items():
-        if type(k) is not vm.index_cls or type(v) is not vm.info_cls:
-            raise Fallback("storage kind")
-        kd, vd = k.__dict__, v.__dict__
-        fqn, offs_ = kd.get("fqn"), kd.get("offset")
-        rel = vd.get("relative_path")
-        b, n = vd.get("offset"), vd.get("length")
-        if type(fqn) is not str or type(rel) is not str or type(b) is not int or \
-                type(n) is not int or b < 0 or n < 0 or vd.get("transform_descriptors"):
-            raise Fallback("storage entry")
-        f = names.get(rel)
-        if f is None:
-            f = names[rel] = len(names)
-        if offs_ is None:
-            object_storage[fqn] = (rel, b, n)
-            continue
-        placed += place(fqn, kd.get("index"), _nonneg_ints(offs_), f, b, n)
-    # As many entries placed as the tensors have rows, and none of those rows left without
-    # one (_check_rows): each row got exactly one. (Rows a tensor's chunks were copied from,
-    # above, are no tensor's.)
-    if placed != sum(t.num for t in rows):
-        raise Fallback("storage count")  # the allow-list path says what is wrong
-    for rel in names:
-        _plain_name(rel, metadata_file)
+    def place_runs(self, vm: _Machine) -> int:
+        """The interpreter's runs of entries, placed by C-level passes; how many."""
+        placed = 0
+        fqn_names = list(self.fqns)  # by number
+        for at, n, nd, o_at in vm.s_runs:
+            fq = vm.s_fqn[at : at + n]
+            index = vm.s_index[at : at + n]
+            offs = vm.s_offs[o_at : o_at + nd * n]
+            firsts = array("q", map(self.first_of[nd].__getitem__, fq))
+            if min(firsts) < 0:  # no tensor, or not of this ndim: one by one
+                for i, (q, idx) in enumerate(zip(fq, index, strict=True)):
+                    placed += self.place(fqn_names[q], idx, offs[nd * i : nd * i + nd],
+                                         vm.s_file[at + i], vm.s_begin[at + i],
+                                         vm.s_length[at + i])
+                continue
+            rows_at = array("q", map(operator.add, firsts, index))
+            try:  # a row past the table: IndexError (an index past its tensor: checked later)
+                _consume(map(self.row_fqn.__setitem__, rows_at, fq))
+            except IndexError as e:
+                raise Fallback("index") from e
+            _consume(map(self.file.__setitem__, rows_at, vm.s_file[at : at + n]))
+            _consume(map(self.begin.__setitem__, rows_at, vm.s_begin[at : at + n]))
+            _consume(map(self.length.__setitem__, rows_at, vm.s_length[at : at + n]))
+            for k in range(nd):
+                _consume(map(self.row_offs[k].__setitem__, rows_at, offs[k::nd]))
+            placed += n
+        del vm.s_fqn[:], vm.s_index[:], vm.s_offs[:], vm.s_file[:], vm.s_begin[:]
+        del vm.s_length[:]
+        return placed
 
-    table = ChunkTable(list(names), file, begin, length, boxes, RECORD)
-    tensors = []
-    for t in rows:
-        _check_rows(t, fqns[t.fqn], boxes, length, row_fqn, row_offs)
-        tensors.append(Tensor(t.fqn, t.path, t.dtype, t.shape,
-                              ChunkColumns(table, first=t.first, num_chunks=t.num, box=t.box,
-                                           ndim=t.ndim)))
-    out_objects = []
-    for fqn, path in objects:
-        stored = object_storage.get(fqn)
-        if stored is None:
-            raise Fallback("object storage")
-        out_objects.append(ObjectEntry(fqn, path, *stored))
-    version = md.field("version")
-    return Columnar(tensors, out_objects, None if version is None else str(version))
+    def place_dict(self, vm: _Machine, storage_data: dict[Any, Any],
+                   object_storage: dict[str, tuple[str, int, int]]) -> int:
+        """The entries the interpreter left as objects, one by one (objects' storage into
+        ``object_storage``); how many tensor entries were placed."""
+        placed = 0
+        names = vm.names
+        for k, v in storage_data.items():
+            if type(k) is not vm.index_cls or type(v) is not vm.info_cls:
+                raise Fallback("storage kind")
+            kd, vd = k.__dict__, v.__dict__
+            fqn, offs_ = kd.get("fqn"), kd.get("offset")
+            rel = vd.get("relative_path")
+            b, n = vd.get("offset"), vd.get("length")
+            if type(fqn) is not str or type(rel) is not str or type(b) is not int or \
+                    type(n) is not int or b < 0 or n < 0 or vd.get("transform_descriptors"):
+                raise Fallback("storage entry")
+            f = names.get(rel)
+            if f is None:
+                f = names[rel] = len(names)
+            if offs_ is None:
+                object_storage[fqn] = (rel, b, n)
+                continue
+            placed += self.place(fqn, kd.get("index"), _nonneg_ints(offs_), f, b, n)
+        return placed
 
 
 def read(path: Path, lookup: Callable[[str, str], Any | None], *,

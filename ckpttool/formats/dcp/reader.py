@@ -81,9 +81,13 @@ from ckpttool.formats.codecs import torchsave, zstd
 from ckpttool.formats.codecs.crc import crc32
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.formats.dcp import columns as dcp_metadata
-from ckpttool.storage.store import file_size, pread_of
+from ckpttool.storage.store import LOCAL, Store, Stores, file_size, pread_of
 
 NAME = "dcp"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = '`.metadata` (or one `__<rank>.metadata` per rank) + `__<rank>_<n>.distcp` files'
+WRITTEN_BY = ('`torch.distributed.checkpoint.save` (FSDP2, accelerate, torchtitan, Lightning '
+    'Fabric...), with any `FileSystemWriter` option')
 METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
 # A chunk's record compressed by DCP's ZStandard extension (one zstd frame of a RECORD).
@@ -201,39 +205,79 @@ def _metadata_global(module: str, name: str) -> Any | None:
 def _unpickle(data: bytes, lookup: Callable[[str, str], Any | None], where: str) -> Any:
     try:
         return torchsave.AllowListUnpickler(io.BytesIO(data), lookup, where).load()
-    except MemoryError:  # a damaged length field asks for an absurd buffer
-        raise pickle.UnpicklingError("a length in the pickle is beyond its data") from None
+    except MemoryError as err:  # a damaged length field asks for an absurd buffer
+        raise pickle.UnpicklingError("a length in the pickle is beyond its data") from err
     except (torchsave.Refused, CkptError, pickle.UnpicklingError):
         raise
     except Exception as e:  # noqa: BLE001 - anything else a damaged pickle raises
-        raise torchsave.corrupt(e) from None
+        raise torchsave.corrupt(e) from e
 
 
-def read_metadata_object(path: Path) -> Any:
+Lookup = Callable[[str, str], Any | None]  # an allow-list: (module, name) -> stand-in or None
+
+# Globals that genuine checkpoints of other writers put in a .metadata beside DCP's own: torch's
+# save plans (Megatron-Core's torch_dist keeps its central plan there) and Megatron's own
+# classes. Refused here all the same, but named for what they are: a valid checkpoint that
+# this reader does not read (exit 4), not a file that may be malicious.
+_KNOWN_WRITERS = (
+    ("torch.distributed.checkpoint.planner.", "torch's DCP save plans (Megatron-Core "
+     "torch_dist writes them)"),
+    ("megatron.", "Megatron-Core's checkpoint classes"),
+)
+
+
+def read_metadata_object(path: Path, lookup: Lookup | None = None) -> Any:
     """Unpickle ``path`` (a ``.metadata`` file) onto stand-ins; never runs checkpoint code.
+
+    Args:
+        lookup: the allow-list (default: what DCP itself writes); a format built on DCP
+            (Megatron's torch_dist) passes its own, which falls back on this one.
 
     Raises:
         InputError: the file is missing, truncated, or names a global that DCP never writes.
+        UnsupportedError: it names a global that a known writer puts there (a valid
+            checkpoint of a layout this reader does not read).
     """
     try:
         data = path.read_bytes()
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
+    except FileNotFoundError as err:
+        raise InputError(f"{path}: no such file") from err
     except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror}") from None
+        raise InputError(f"{path}: cannot read: {e.strerror}") from e
+    except MemoryError as e:
+        raise InputError(f"{path}: {file_size(path) or 0:,} bytes, more than this process "
+                         "may hold in memory; a .metadata that large is corrupt, or needs a "
+                         "machine with more memory") from e
     try:
-        return _unpickle(data, _metadata_global, str(path))
+        return _unpickle(data, lookup or _metadata_global, str(path))
     except torchsave.Refused as e:
-        raise InputError(
-            f"{path}: refused to load: the pickle asks for '{e.qualname}', which a DCP "
-            ".metadata never contains; the file may be malicious (nothing was executed)"
-        ) from None
+        raise _refusal(path, e.qualname, data) from e
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
             IndexError, KeyError, struct.error, UnicodeDecodeError) as e:
         raise InputError(
             f"{path}: truncated or corrupt .metadata ({type(e).__name__}: {e}); "
             "copy it again from the source"
-        ) from None
+        ) from e
+
+
+def _refusal(path: Path, qualname: str, data: bytes) -> CkptError:
+    """Exit 4 naming the writer when every global outside DCP's allow-list is one a known
+    writer puts in its .metadata (the first refused one may be a decoy: all are checked);
+    else "may be malicious"."""
+    others = [g for g in torchsave.named_globals(data)
+              if _metadata_global(*g.rsplit(".", 1)) is None] or [qualname]
+    kinds = [next((what for prefix, what in _KNOWN_WRITERS if g.startswith(prefix)), None)
+             for g in others]
+    known = [k for k in kinds if k is not None]
+    if len(known) == len(kinds):
+        return UnsupportedError(
+            f"{path}: a valid DCP .metadata that also holds {', '.join(dict.fromkeys(known))} "
+            f"('{others[0]}'); not supported as a plain DCP directory yet. A Megatron-Core "
+            "torch_dist checkpoint is read from its iter_NNNNNNN directory with its "
+            "metadata.json, or from the run directory (latest_checkpointed_iteration.txt)")
+    return InputError(
+        f"{path}: refused to load: the pickle asks for '{qualname}', which a DCP "
+        ".metadata never contains; the file may be malicious (nothing was executed)")
 
 
 def detect(path: Path) -> bool:
@@ -243,6 +287,15 @@ def detect(path: Path) -> bool:
         return False
     return ((path / METADATA_FILE).exists() or any(path.glob("*" + DATA_SUFFIX))
             or bool(_rank_metadata_files(path)))
+
+
+def pending(path: Path) -> str | None:
+    """``dcp.save`` writes ``.metadata`` (or, without collectives, each rank its
+    ``__<rank>.metadata``) after every data file: without one, the save is still going on, or
+    its writer was killed before the end."""
+    if (path / METADATA_FILE).is_file() or _rank_metadata_files(path):
+        return None
+    return f"no {METADATA_FILE} yet (dcp.save writes it after every data file)"
 
 
 _RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
@@ -258,10 +311,14 @@ def _rank_metadata_files(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
+def read_info(path: str | os.PathLike[str], *, lookup: Lookup | None = None,
+              stores: Stores = LOCAL) -> CheckpointInfo:
     """Read a DCP directory's ``.metadata`` (or, without one, every ``__<rank>.metadata``),
     plus the header of each safetensors blob (``SerializationFormat.SAFETENSORS``). Reads no
     tensor data.
+
+    ``lookup``: the ``.metadata`` allow-list, for a format built on DCP whose writer pickles
+    more than DCP's own classes there (default: DCP's).
 
     Raises:
         InputError: not a DCP directory, or its metadata is missing, unsafe, truncated or
@@ -278,20 +335,26 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         raise InputError(f"{root}: not a DCP checkpoint directory (no {METADATA_FILE} file)")
     with torchsave.gc_paused():
         if not ranks:
-            read = _read_one(root, md_path)
+            read = _read_one(root, md_path, lookup, stores)
             per_file = [(0, read)]
             tensors, objects = read.tensors, read.objects
             copies: list[Copy] = []
             metadata_name, problems = METADATA_FILE, []
             zstd_records = read.compressed_all
         else:
-            reads = [(r, _read_one(root, p)) for r, p in ranks]
+            reads = [(r, _read_one(root, p, lookup, stores)) for r, p in ranks]
             per_file = reads
             read = reads[0][1]
             tensors, objects, copies = _union(reads)
             metadata_name, problems = RANK_METADATA, _missing_rank_metadata(root, reads)
             zstd_records = frozenset().union(*(r.compressed_all for _, r in reads))
-        tensors, serialization = _locate_safetensors(root, tensors)
+        tensors, serialization = _locate_safetensors(root, tensors, stores)
+    for t in tensors:
+        # No file holds 2**63 bytes: a larger claim is damage, refused before any size is
+        # computed or printed from it (sizes past a float's range cannot be formatted).
+        if math.prod(t.shape) * t.dtype.itemsize > torchsave.MAX_INT:
+            raise InputError(f"{root / metadata_name}: tensor '{t.name}' claims shape "
+                             f"{list(t.shape)[:8]}, more than 2**63 bytes; corrupt")
     names = sorted({f for t in tensors for f in t.files}
                    | {o.file for o in objects if o.file is not None})
     ranks_of = {rank_of(f) for f in names}
@@ -334,27 +397,29 @@ class _Read:
     nested: Nested  # records of an unflattened save, opened
 
 
-def _read_one(root: Path, md_path: Path) -> _Read:
+def _read_one(root: Path, md_path: Path, lookup: Lookup | None = None,
+              stores: Stores = LOCAL) -> _Read:
     # Columns first (millions of chunks without an object each); anything it does not
     # recognise with certainty is read by the allow-list unpickler, which decides.
-    fast = dcp_metadata.read(md_path, _metadata_global, metadata_file=METADATA_FILE)
+    fast = dcp_metadata.read(md_path, lookup or _metadata_global, metadata_file=METADATA_FILE)
     if fast is not None:
         return _Read(md_path, fast.tensors, fast.objects, fast.version, frozenset(), Nested())
-    return _read_unpickled(root, md_path)
+    return _read_unpickled(root, md_path, lookup, stores)
 
 
-def _read_unpickled(root: Path, md_path: Path) -> _Read:
-    md = read_metadata_object(md_path)
+def _read_unpickled(root: Path, md_path: Path, lookup: Lookup | None = None,
+                    stores: Stores = LOCAL) -> _Read:
+    md = read_metadata_object(md_path, lookup)
     if type(md).__name__ != "Metadata" or not isinstance(md, torchsave.PlainStub):
         raise InputError(f"{md_path}: does not hold DCP Metadata (found {type(md).__name__})")
     try:
-        return _convert(root, md_path, md)
+        return _convert(root, md_path, md, stores)
     except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
         raise InputError(f"{md_path}: corrupt metadata ({type(e).__name__}: {e}); copy it "
-                         "again from the source") from None
+                         "again from the source") from e
 
 
-def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> _Read:
+def _convert(root: Path, md_path: Path, md: torchsave.PlainStub, stores: Stores) -> _Read:
     sd_meta = md.field("state_dict_metadata")
     storage_data = md.field("storage_data")
     planner_data = md.field("planner_data") or {}
@@ -401,7 +466,7 @@ def _convert(root: Path, md_path: Path, md: torchsave.PlainStub) -> _Read:
     if not md.field("planner_data"):
         # Saved without flattening (DefaultSavePlanner(flatten_state_dict=False)): every
         # top-level value is one record, and a nested dict of tensors is pickled whole in it.
-        objects = _open_nested(root, md_path, objects, tensors, nested)
+        objects = _open_nested(root, md_path, objects, tensors, nested, stores)
     version = md.field("version")
     return _Read(md_path, tensors, objects, None if version is None else str(version),
                  compressed, nested)
@@ -418,7 +483,7 @@ class Nested:
 
 
 def _open_nested(root: Path, md_path: Path, objects: list[ObjectEntry], tensors: list[Tensor],
-                 nested: Nested) -> list[ObjectEntry]:
+                 nested: Nested, stores: Stores) -> list[ObjectEntry]:
     """Open the records of ``objects`` that hold tensors: each tensor becomes a tensor of the
     checkpoint, placed in its record's storage entry (a raw byte range with that entry's
     CRC-32), each other leaf an object read already. A record holding DTensors (one rank's
@@ -431,7 +496,8 @@ def _open_nested(root: Path, md_path: Path, objects: list[ObjectEntry], tensors:
             continue
         where = f"{path} at byte {o.offset} (entry '{o.name}')"
         # Through the store's pread: a remote checkpoint's data file is read by ranged GETs.
-        with pread_of(path) as pread:
+        # Only a file really inside the checkpoint, as the data files a store reads.
+        with pread_of(path, stores, inside=os.path.realpath(root)) as pread:
             try:
                 rb = torchsave.RecordBytes(pread, o.offset, o.length, where)
                 entries = torchsave.zip_entries(rb)
@@ -596,7 +662,8 @@ def _tensor_entry(
 # SerializationFormat.SAFETENSORS: chunks placed by the blob's header
 
 
-def _locate_safetensors(root: Path, tensors: list[Tensor]) -> tuple[list[Tensor], str]:
+def _locate_safetensors(root: Path, tensors: list[Tensor], stores: Stores
+                        ) -> tuple[list[Tensor], str]:
     """Tensors whose chunks lie in a safetensors blob (``.metadata`` gives each the blob's
     start and the chunk's byte length, which no ``torch.save`` record can have) as RAW chunks
     at the places the blob's header gives; and the serialization the data files use
@@ -631,7 +698,7 @@ def _locate_safetensors(root: Path, tensors: list[Tensor]) -> tuple[list[Tensor]
     if not blobs:
         return tensors, "torch_save"
     serialization = "safetensors+torch_save" if record_files else "safetensors"
-    slots = {f: _blob_slots(root / f, at) for f, at in blobs.items()
+    slots = {f: _blob_slots(root / f, at, stores) for f, at in blobs.items()
              if (root / f).is_file()}  # a missing file: structure checks report it
     out = []
     for t in tensors:
@@ -644,9 +711,10 @@ def _locate_safetensors(root: Path, tensors: list[Tensor]) -> tuple[list[Tensor]
     return out, serialization
 
 
-def _blob_slots(path: Path, offset: int) -> tuple[dict[str, st.Slot], dict[str, Any]]:
+def _blob_slots(path: Path, offset: int, stores: Stores
+                ) -> tuple[dict[str, st.Slot], dict[str, Any]]:
     """The blob's slots by name, and each name's ``saved_offsets``."""
-    meta, slots = st.read_layout(path, offset=offset)
+    meta, slots = st.read_layout(path, offset=offset, stores=stores)
     raw = meta.get(SHARDING_KEY)
     try:
         sharding = json.loads(raw) if isinstance(raw, str) else None
@@ -773,9 +841,9 @@ def read_record(fd: int | Callable[[int, int], bytes], *, offset: int, length: i
         raise InputError(
             f"{where}: tensor record asks for '{e.qualname}', which a tensor never needs; "
             "refused (nothing was executed)"
-        ) from None
+        ) from e
     except torchsave.PICKLE_ERRORS as e:
-        raise InputError(f"{where}: corrupt tensor record ({e})") from None
+        raise InputError(f"{where}: corrupt tensor record ({e})") from e
     if not isinstance(ref, torchsave.TensorRef):
         raise InputError(f"{where}: record holds a {type(ref).__name__}, not a tensor")
     data = entries.get(f"data/{ref.storage.key}")
@@ -812,11 +880,11 @@ def read_object(fd: int | Callable[[int, int], bytes], entry: ObjectEntry, *, wh
     except torchsave.Refused as e:
         pkl = entries["data.pkl"]
         names = torchsave.named_globals(rb.read(pkl.data_offset, pkl.size))
-        raise UnreadableObject(e.qualname, names=names or [e.qualname]) from None
+        raise UnreadableObject(e.qualname, names=names or [e.qualname]) from e
     except torchsave.TooComplex as e:
-        raise UnreadableObject(None, str(e)) from None
+        raise UnreadableObject(None, str(e)) from e
     except torchsave.PICKLE_ERRORS as e:
-        raise InputError(f"{where}: corrupt record ({e})") from None
+        raise InputError(f"{where}: corrupt record ({e})") from e
     return _plain(value)
 
 
@@ -973,8 +1041,9 @@ class DcpReader(Reader):
     """Chunks are ``torch.save`` records (zstd-compressed ones included) or ranges of a
     safetensors blob; objects are pickled records."""
 
-    def __init__(self, info: CheckpointInfo, *, templates: bool = True) -> None:
-        super().__init__(info)
+    def __init__(self, info: CheckpointInfo, store: Store | None = None, *,
+                 templates: bool = True) -> None:
+        super().__init__(info, store)
         self._templates: dict[tuple[int, str, tuple[int, ...]], _Template | None] = {}
         self._use_templates = templates  # False: decode every record in full (tests compare)
         self.detail = info.detail if isinstance(info.detail, Detail) else Detail()
@@ -1004,7 +1073,8 @@ class DcpReader(Reader):
 
     # -- zstd-compressed records
 
-    def _inflate(self, file: str, offset: int, length: int, *, limit: int, what: str) -> bytes:
+    def _inflate(self, file: str, offset: int, length: int, *, limit: int, what: str
+                 ) -> bytes | bytearray:
         """The decompressed record at ``offset`` (the thread's last one, when asked again)."""
         key = (file, offset, length)
         last = getattr(self._inflated, "record", None)
@@ -1015,14 +1085,17 @@ class DcpReader(Reader):
         self._inflated.record = (key, data)
         return data
 
-    def _zstd_record(self, tensor: Tensor, chunk: Chunk) -> tuple[TensorRecord, bytes, str]:
+    def _zstd_record(self, tensor: Tensor, chunk: Chunk
+                     ) -> tuple[TensorRecord, bytes | bytearray, str]:
         """A compressed chunk's record, decoded from its decompressed bytes, and those bytes;
         checked against what the metadata promises as an uncompressed record is."""
         what = f"tensor '{tensor.name}'"
         need = chunk.numel * tensor.dtype.itemsize
+        where = self.where(chunk.file, chunk.offset, f"{what}, zstd-compressed record")
+        # The metadata's claim, judged before any memory is taken for it.
+        zstd.check_claim(need, chunk.length, where=where)
         raw = self._inflate(chunk.file, chunk.offset, chunk.length,
                             limit=need + _RECORD_OVERHEAD, what=what)
-        where = self.where(chunk.file, chunk.offset, f"{what}, zstd-compressed record")
         rec = read_record(functools.partial(_slice, raw), offset=0, length=len(raw),
                           where=where)
         if rec.dtype != tensor.dtype or rec.shape != chunk.sizes:
@@ -1059,7 +1132,7 @@ class DcpReader(Reader):
         rec, raw, _ = self._zstd_record(tensor, chunk)
         side = tuple(Checksummed(chunk.file, chunk.offset, e.size, e.crc32,
                                  f"record entry '{e.name}', decompressed",
-                                 raw[e.data_offset : e.data_offset + e.size])
+                                 bytes(raw[e.data_offset : e.data_offset + e.size]))
                      for e in rec.entries) if checksums else ()
         return Payload(chunk.file, chunk.offset, chunk.length, None, None, stride=rec.stride,
                        view_offset=rec.storage_offset, side=side, compression=zstd.NAME)
@@ -1376,9 +1449,9 @@ class DcpReader(Reader):
 _COMPARE_BLOCK = 16 << 20
 
 
-def _slice(data: bytes, size: int, offset: int) -> bytes:
+def _slice(data: bytes | bytearray, size: int, offset: int) -> bytes:
     """``pread(size, offset)`` over bytes in memory."""
-    return data[offset : offset + size]
+    return bytes(memoryview(data)[offset : offset + size])
 
 
 def _first_difference(a: Iterator[bytes], b: Iterator[bytes]) -> int | None:
@@ -1411,8 +1484,8 @@ def _payload(chunk: Chunk, rec: TensorRecord, crc: int | None,
         data=data)
 
 
-def open_reader(info: CheckpointInfo) -> DcpReader:
-    return DcpReader(info)
+def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> DcpReader:
+    return DcpReader(info, store)
 
 
 _DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")

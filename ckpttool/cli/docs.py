@@ -1,0 +1,223 @@
+"""The tables in README.md and docs/ that come from the code, and the check that links work.
+
+    python -m ckpttool.cli.docs           # rewrite every generated table in place
+    python -m ckpttool.cli.docs --check   # exit 1 if a table is stale or a link is broken
+
+A generated table sits between two markers in a page::
+
+    <!-- BEGIN generated:options-merge -->
+    ...
+    <!-- END generated:options-merge -->
+
+and is rewritten from its source: the option lists from the Typer app itself, the formats from
+``formats/registry.py``, the verify codes from ``core/verify/codes.py``, the exit codes from
+``cli/common.py``, the environment variables from ``settings.py``. tests/test_docs.py
+fails when a committed page differs from what this writes,
+so the documentation cannot drift from the code. ``make docs`` runs both.
+
+Links: a relative link must name a file that exists (and a heading that exists, for
+``#anchors`` into Markdown pages). README.md is also the package index's page, where relative
+links are dead, so it links with absolute project URLs (:data:`PROJECT_URL`); those are checked
+against the files here as well.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from ckpttool import settings
+
+PROJECT_URL = "https://github.com/ckpttool/ckpttool"
+# Where README's absolute links to files of this repository point (the default branch).
+BLOB_URL = f"{PROJECT_URL}/blob/main/"
+TREE_URL = f"{PROJECT_URL}/tree/main/"
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMANDS = ("merge", "inspect", "verify", "reshard")
+
+_BLOCK = re.compile(r"(<!-- BEGIN generated:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)"
+                    r"(<!-- END generated:(?P=name) -->)", re.S)
+# An inline link's target, or a reference definition's ("[name]: target").
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|^\[[^\]]+\]:\s*(\S+)", re.M)
+_CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
+
+
+def _cell(text: str) -> str:
+    """Text as one Markdown table cell."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+# -- the tables
+
+
+def options_table(command: str) -> str:
+    """``ckpttool COMMAND``'s arguments and options, as its ``--help`` gives them."""
+    from typer.main import get_command  # Typer's documented way to its command objects
+
+    from ckpttool.cli import app
+
+    cmd: Any = get_command(app).commands[command]  # type: ignore[attr-defined]
+    rows = ["| argument / option | value | default | what it does |", "|---|---|---|---|"]
+    for p in cmd.params:
+        if p.param_type_name == "argument":
+            name, value, default = f"`{p.metavar or p.name.upper()}`", "", "required"
+        else:
+            flags = [*p.opts, *p.secondary_opts]
+            name = ", ".join(f"`{f}`" for f in sorted(flags, key=len, reverse=True))
+            value = "" if p.is_flag else f"`{p.metavar or p.name.upper()}`"
+            if isinstance(p.default, Enum):  # a choice: name them all
+                value = "`" + "`, `".join(str(e.value) for e in type(p.default)) + "`"
+            if p.is_flag or p.default is None:
+                default = ""
+            else:
+                d = p.default.value if isinstance(p.default, Enum) else p.default
+                default = f"`{d}`"
+        rows.append(f"| {name} | {_cell(value)} | {_cell(default)} | {_cell(p.help or '')} |")
+    return "\n".join(rows) + "\n"
+
+
+def formats_table() -> str:
+    """Every format in detection order, from formats/registry.py."""
+    from ckpttool.formats.registry import FORMATS
+
+    rows = ["| format | what it looks like | written by |", "|---|---|---|"]
+    rows += [f"| `{f.NAME}` | {_cell(f.SUMMARY)} | {_cell(f.WRITTEN_BY)} |" for f in FORMATS]
+    return "\n".join(rows) + "\n"
+
+
+def codes_table() -> str:
+    """Every verify problem code, grouped by the check that reports it."""
+    from ckpttool.core.verify.codes import CODES
+
+    rows = ["| check | code | severity | what was found |", "|---|---|---|---|"]
+    last = ""
+    for c in CODES:
+        check = c.check if c.check != last else ""
+        last = c.check
+        rows.append(f"| {check} | `{c.code}` | {c.severity} | {_cell(c.meaning)} |")
+    return "\n".join(rows) + "\n"
+
+
+def exit_codes_table() -> str:
+    """The exit statuses every command uses, from cli/common.py."""
+    from ckpttool.cli.common import EXIT_MEANINGS
+
+    rows = ["| code | meaning |", "|---|---|"]
+    rows += [f"| {code} | {_cell(meaning)} |" for code, meaning in EXIT_MEANINGS]
+    return "\n".join(rows) + "\n"
+
+
+def generators() -> dict[str, Callable[[], str]]:
+    """Each generated block's name -> the function that writes its body."""
+    found: dict[str, Callable[[], str]] = {
+        "formats": formats_table, "verify-codes": codes_table, "exit-codes": exit_codes_table,
+        "environment": settings.table}
+    for command in COMMANDS:
+        found[f"options-{command}"] = lambda c=command: options_table(c)  # type: ignore[misc]
+    return found
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+    """README.md and every Markdown page under docs/."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def regenerate(text: str, where: str = "") -> str:
+    """``text`` with every generated block's body rewritten from the code.
+
+    Raises:
+        KeyError: a block names no known table.
+    """
+    gens = generators()
+
+    def body(m: re.Match[str]) -> str:
+        name = m.group("name")
+        if name not in gens:
+            raise KeyError(f"{where}: unknown generated block '{name}' "
+                           f"(known: {', '.join(sorted(gens))})")
+        return m.group(1) + gens[name]() + m.group(4)
+
+    return _BLOCK.sub(body, text)
+
+
+def stale(root: Path = ROOT) -> list[Path]:
+    """The pages whose generated blocks differ from what the code generates now."""
+    return [p for p in pages(root) if regenerate(p.read_text(), str(p)) != p.read_text()]
+
+
+# -- links
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor, as GitHub makes it."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    text = _CODE.sub("", page.read_text()) if page.suffix == ".md" else ""
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", text, re.M)}
+
+
+def broken_links(root: Path = ROOT) -> list[str]:
+    """One line per link in README.md or docs/ that leads nowhere here: a relative link to a
+    missing file or heading, a project URL to a missing file, or (in README.md, which the
+    package index shows) any relative link at all."""
+    found: list[str] = []
+    for page in pages(root):
+        text = _CODE.sub("", page.read_text())
+        for m in _LINK.finditer(text):
+            target = m.group(1) or m.group(2)
+            if target.startswith(("http://", "https://", "mailto:")):
+                for prefix in (BLOB_URL, TREE_URL):
+                    if target.startswith(prefix):
+                        path, _, anchor = target[len(prefix):].partition("#")
+                        problem = _check(root / path, anchor)
+                        if problem:
+                            found.append(f"{page.relative_to(root)}: {target}: {problem}")
+                continue
+            if page.name == "README.md" and page.parent == root and not target.startswith("#"):
+                found.append(f"README.md: {target}: relative link (dead on the package index); "
+                             f"use {BLOB_URL}{target}")
+                continue
+            path, _, anchor = target.partition("#")
+            problem = _check(page.parent / path if path else page, anchor)
+            if problem:
+                found.append(f"{page.relative_to(root)}: {target}: {problem}")
+    return found
+
+
+def _check(path: Path, anchor: str) -> str | None:
+    if not path.exists():
+        return "no such file"
+    if anchor and path.suffix == ".md" and anchor not in anchors(path):
+        return f"no heading '#{anchor}' in {path.name}"
+    return None
+
+
+def main(argv: list[str]) -> int:
+    check = "--check" in argv
+    problems: list[str] = []
+    for page in pages():
+        text = page.read_text()
+        new = regenerate(text, str(page))
+        if new != text:
+            if check:
+                problems.append(f"{page.relative_to(ROOT)}: generated tables are stale; run "
+                                "python -m ckpttool.cli.docs")
+            else:
+                page.write_text(new)
+                print(f"updated {page.relative_to(ROOT)}")
+    problems += broken_links()
+    for p in problems:
+        print(p, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

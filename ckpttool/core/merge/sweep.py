@@ -1,0 +1,524 @@
+"""``merge RUN OUT_ROOT --all``: every checkpoint of a training run, each into its own output.
+
+Steps, each a function of its own:
+
+1. :func:`find`: the checkpoints under RUN, in step order: each entry with a step number in
+   its name (or such an entry of a directory of them, such as accelerate's ``checkpoints/``)
+   that a format claims, or that holds one that a format claims
+   (``checkpoint-500/pytorch_model_fsdp_0``), recognised by the same registry as every
+   command. Each says whether it is still being written: what its
+   format says (:func:`ckpttool.formats.base.Format.pending`: DCP's ``.metadata`` not there yet,
+   DeepSpeed's ``latest`` naming an earlier tag...), or files changed less than ``settle``
+   seconds ago. Names and ``stat`` only.
+2. :func:`select` (``--steps``) and :func:`assign` (``--task I/N``), pure.
+3. :func:`decide`: per checkpoint, merge it, skip it (its receipt matches:
+   :mod:`ckpttool.core.merge.receipt`), leave it (its source or options changed, without
+   ``overwrite``), or wait for it.
+4. :func:`sweep`: do it, reporting each checkpoint's :class:`Outcome` as it is known; one
+   failure does not stop the others. ``watch`` goes on, polling, until interrupted.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpttool import settings
+from ckpttool.core.merge import receipt as receipts
+from ckpttool.core.runtime.report import SCHEMA
+from ckpttool.errors import CkptError, InputError, UnsupportedError
+from ckpttool.formats import registry
+from ckpttool.storage.outputs import TMP_SUFFIX
+
+# What each outcome's ``status`` may be.
+MERGED = "merged"  # merged now (receipt written)
+DONE = "done"  # skipped: its receipt matches the source and options
+CHANGED = "changed"  # skipped: merged before from another source or options (--overwrite)
+WAITING = "waiting"  # still being written; left alone
+FAILED = "failed"
+PLANNED = "would merge"  # a dry run's
+# Exit status of a sweep where a checkpoint failed with no error of ours to name (a bug).
+EXIT_BUG = 70
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Finding the checkpoints of a run
+
+
+@dataclass(frozen=True)
+class Found:
+    """A checkpoint of a run, from names and ``stat`` only."""
+
+    name: str  # relative to RUN, "/"-separated: the output's name under OUT_ROOT
+    path: Path
+    step: int | None  # the last number in its name; None: none
+    num_bytes: int  # of every file under it
+    pending: str | None  # why it is still being written; None: complete
+    files: tuple[receipts.SourceFile, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "path": str(self.path), "step": self.step,
+                "bytes": self.num_bytes, "pending": self.pending}
+
+
+_NUMBER = re.compile(r"\d+")
+
+
+def step_of(name: str) -> int | None:
+    """The step a checkpoint's name says: its last number (``checkpoint-500``,
+    ``global_step10``, ``iter_0001000``, ``epoch=2-step=300.ckpt``)."""
+    found = _NUMBER.findall(name)
+    return int(found[-1]) if found else None
+
+
+def find(run: Path, *, settle: float = 0.0, skip: Sequence[Path] = (),
+         now: float | None = None) -> list[Found]:
+    """The checkpoints under the training run directory ``run``, in step order.
+
+    Args:
+        settle: a checkpoint with a file modified less than this many seconds ago is pending.
+        skip: directories not to look in (the output root, where it lies inside ``run``).
+        now: the time to compare with (tests); default: now.
+
+    Raises:
+        InputError: ``run`` is not a directory.
+    """
+    if not run.is_dir():
+        raise InputError(f"{run}: not a directory; pass the training run directory that holds "
+                         "the checkpoints (checkpoint-500/, global_step10/...)")
+    now = time.time() if now is None else now
+    skipped = {p.resolve() for p in skip}
+    found = [_describe(run, p, settle, now) for p in _candidates(run, skipped, depth=2)]
+    return sorted(found, key=lambda f: (f.step is None, f.step or 0, f.name))
+
+
+def _entries(directory: Path) -> list[Path]:
+    try:
+        return sorted((p for p in directory.iterdir()
+                       if not p.name.startswith(".") and not p.name.endswith(TMP_SUFFIX)),
+                      key=lambda p: p.name)
+    except OSError:
+        return []
+
+
+def _claimed(path: Path) -> bool:
+    return not path.is_symlink() and registry.detect(path) is not None
+
+
+def _candidates(directory: Path, skipped: set[Path], depth: int) -> list[Path]:
+    """Entries of ``directory`` that are checkpoints: a step number in the name, and a format
+    claims them or an entry of theirs. Directories without a step are looked into, ``depth``
+    levels down (accelerate's ``checkpoints/``). Files of a directory a format claims are its
+    own (HF Trainer's final ``model-00001-of-00002.safetensors`` at the top of a run), and
+    entries without a step are not checkpoints of the run (``training_args.bin``)."""
+    out = []
+    own_files = registry.detect(directory) is not None
+    for p in _entries(directory):
+        if p.resolve() in skipped or p.is_symlink():
+            continue
+        stepped = step_of(p.name) is not None
+        if p.is_file():
+            if stepped and not own_files and _claimed(p):
+                out.append(p)
+        elif p.is_dir():
+            if stepped and (_claimed(p) or any(_claimed(q) for q in _entries(p))):
+                out.append(p)  # a checkpoint, or a training checkpoint directory
+            elif not stepped and depth > 1:
+                out += _candidates(p, skipped, depth - 1)
+    return out
+
+
+def _describe(run: Path, path: Path, settle: float, now: float) -> Found:
+    files = receipts.source_files(path)
+    newest = max((f.mtime_ns for f in files), default=0) / 1e9
+    pending = _pending(path)
+    if pending is None and settle > 0 and now - newest < settle:
+        pending = (f"a file changed {max(0.0, now - newest):.1f} s ago; waiting {settle:g} s "
+                   "for writes to settle (--settle)")
+    name = path.relative_to(run).as_posix()
+    return Found(name, path, step_of(path.name), sum(f.size for f in files), pending, files)
+
+
+def _pending(path: Path) -> str | None:
+    """What the formats say about ``path`` (a checkpoint, or a training directory holding
+    some) still being written."""
+    fmt = registry.detect(path) if not path.is_symlink() else None
+    if fmt is not None:
+        return fmt.pending(path)
+    for p in _entries(path):
+        sub = registry.detect(p) if not p.is_symlink() else None
+        if sub is not None:
+            why = sub.pending(p)
+            if why is not None:
+                return f"{p.name}: {why}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Selecting (--steps) and sharing (--task I/N)
+
+
+@dataclass(frozen=True)
+class Steps:
+    """``--steps``: which checkpoints, by step. ``ranges`` empty: every step."""
+
+    ranges: tuple[tuple[int, int], ...] = ()  # inclusive
+    every: int | None = None  # steps divisible by it
+    latest: bool = False  # only the last complete one of those
+
+
+def parse_steps(text: str) -> Steps:
+    """``"1000-5000"``, ``"500,1500"``, ``"every 1000"``, ``"latest"``, combined with commas
+    (``"1000-5000,every 1000"``: the steps of the range divisible by 1000).
+
+    Raises:
+        InputError: anything else, with the forms it takes.
+    """
+    ranges: list[tuple[int, int]] = []
+    every = None
+    latest = False
+    for item in (s.strip().lower() for s in text.split(",")):
+        if m := re.fullmatch(r"(\d+)\s*-\s*(\d+)", item):
+            lo, hi = int(m[1]), int(m[2])
+            if lo > hi:
+                raise InputError(f"--steps {text!r}: range {item} runs backwards; write "
+                                 f"{hi}-{lo}")
+            ranges.append((lo, hi))
+        elif item.isdigit():
+            ranges.append((int(item), int(item)))
+        elif m := re.fullmatch(r"every\s*(\d+)", item):
+            every = int(m[1])
+            if not every:
+                raise InputError(f"--steps {text!r}: every 0 selects nothing; use every N, N > 0")
+        elif item == "latest":
+            latest = True
+        else:
+            raise InputError(f"--steps {text!r}: {item!r} is not a step selection; use N, A-B, "
+                             "every N or latest, joined by commas (e.g. 1000-5000,every 1000)")
+    return Steps(tuple(ranges), every, latest)
+
+
+def select(found: list[Found], steps: Steps) -> list[Found]:
+    """The checkpoints ``steps`` asks for (a checkpoint without a step number only when all
+    are asked for). ``latest``: the last complete one. Pure."""
+    def wanted(f: Found) -> bool:
+        if f.step is None:
+            return not steps.ranges and steps.every is None
+        in_range = not steps.ranges or any(lo <= f.step <= hi for lo, hi in steps.ranges)
+        return in_range and (steps.every is None or f.step % steps.every == 0)
+
+    chosen = [f for f in found if wanted(f)]
+    if steps.latest:
+        complete = [f for f in chosen if f.pending is None]
+        chosen = complete[-1:]
+    return chosen
+
+
+def parse_task(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> (I, N), 0 <= I < N.
+
+    Raises:
+        InputError: anything else.
+    """
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if m is None or not int(m[2]) or int(m[1]) >= int(m[2]):
+        raise InputError(f"--task {text!r}: expected I/N with 0 <= I < N, e.g. --task "
+                         "$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT")
+    return int(m[1]), int(m[2])
+
+
+def assign(found: list[Found], count: int) -> list[int]:
+    """The task (of ``count``) each checkpoint goes to: largest first, each to the task with
+    the fewest bytes so far (lowest number on a tie), so that every task computes the same
+    answer from the same run. The largest task holds at most the mean plus one checkpoint.
+    Pure."""
+    loads = [0] * count
+    task = [0] * len(found)
+    for i in sorted(range(len(found)), key=lambda i: (-found[i].num_bytes, found[i].name)):
+        t = min(range(count), key=lambda k: (loads[k], k))
+        task[i] = t
+        loads[t] += found[i].num_bytes
+    return task
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Deciding, 4. doing
+
+
+@dataclass
+class Outcome:
+    """What became of one checkpoint (one JSON line of ``merge --all --json``)."""
+
+    found: Found
+    out: Path
+    status: str  # MERGED, DONE, CHANGED, WAITING, FAILED or PLANNED
+    reason: str | None = None  # why skipped, waiting or failed
+    task: int | None = None  # --task: the task it belongs to
+    exit_code: int = 0  # FAILED: the exit status a single merge of it would have had
+    seconds: float = 0.0
+    merge: dict[str, Any] | None = None  # MERGED: the merge's report (merge --json's)
+    then: dict[str, Any] | None = None  # --then: {"command", "exit_code"}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "command": "merge --all", "checkpoint": self.found.name,
+                "path": str(self.found.path), "step": self.found.step,
+                "bytes": self.found.num_bytes, "out": str(self.out), "status": self.status,
+                "reason": self.reason, "task": self.task, "exit_code": self.exit_code,
+                "seconds": self.seconds, "merge": self.merge, "then": self.then}
+
+
+@dataclass
+class SweepReport:
+    """Every outcome, in the order they were known."""
+
+    run: str
+    out_root: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    task: tuple[int, int] | None = None
+
+    def counts(self) -> dict[str, int]:
+        found: dict[str, int] = {}
+        for o in self.outcomes:
+            found[o.status] = found.get(o.status, 0) + 1
+        return found
+
+    @property
+    def failed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status == FAILED]
+
+    @property
+    def exit_code(self) -> int:
+        """0 when nothing failed, else the most serious failure's status: 70 (a bug) before
+        3 (bad input or output) before 4 (unsupported)."""
+        codes = {o.exit_code for o in self.failed}
+        for code in (EXIT_BUG, InputError.exit_code, UnsupportedError.exit_code):
+            if code in codes:
+                return code
+        return max(codes, default=0)
+
+
+def decide(found: Found, out: Path, options: dict[str, Any], *, overwrite: bool
+           ) -> tuple[str, str | None]:
+    """``(status, reason)`` for ``found`` before anything is written: PLANNED (to merge),
+    DONE, CHANGED or WAITING. No data read.
+
+    Raises:
+        InputError: ``out`` holds a receipt that cannot be read.
+    """
+    if found.pending is not None:
+        return WAITING, found.pending
+    receipt = receipts.read(out)
+    if receipt is None:
+        if not _holds_output(out):
+            return PLANNED, None
+        # A merge made by hand, or a sweep cut between the output and its receipt.
+        bare = f"{out} holds an output without a {receipts.RECEIPT_NAME}"
+        return (PLANNED, f"merging again: {bare}") if overwrite else (
+            CHANGED, f"{bare}; pass --overwrite to merge it again")
+    why = receipts.compare(receipt, found.path.resolve(), found.files, options, out)
+    if why is None:
+        return DONE, f"merged already ({receipts.RECEIPT_NAME} matches)"
+    if overwrite:
+        return PLANNED, f"merging again: {why}"
+    return CHANGED, f"{why}; pass --overwrite to merge it again"
+
+
+def _holds_output(out: Path) -> bool:
+    """``out`` holds safetensors weights or an index (names only)."""
+    try:
+        return any(p.name.endswith((".safetensors", ".index.json")) for p in out.iterdir()
+                   if not p.name.startswith("."))
+    except OSError:
+        return False
+
+
+MergeFunction = Callable[..., Any]  # ckpttool.core.merge.operation.merge
+
+
+def sweep(
+    run: str | os.PathLike[str],
+    out_root: str | os.PathLike[str],
+    *,
+    merge_options: dict[str, Any] | None = None,
+    steps: Steps | None = None,
+    task: tuple[int, int] | None = None,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    settle: float = 5.0,
+    watch: bool = False,
+    poll: float = 30.0,
+    then: str | None = None,
+    workers: int | None = None,
+    follow_links: bool = False,
+    on_outcome: Callable[[Outcome], None] | None = None,
+    stop: Callable[[], bool] | None = None,
+) -> SweepReport:
+    """Merge every complete checkpoint of the training run at ``run`` into
+    ``out_root/<its name>/``, in step order, skipping those done already.
+
+    Args:
+        merge_options: what every merge gets (``dtype``, ``max_shard_size``, ``config``,
+            ``keep_tied``, ``lora``, ``part``, ``names``...): :func:`merge`'s keywords. They
+            are recorded in each receipt; a receipt made with others is not done.
+        steps: which checkpoints (:func:`parse_steps`); None: all.
+        task: ``(I, N)``: only task I's share of N (:func:`assign`).
+        overwrite: merge again an output whose source or options changed.
+        dry_run: decide, and write nothing.
+        settle: seconds a checkpoint's files must have stayed unchanged.
+        watch: go on, looking again every ``poll`` seconds, until interrupted (or ``stop``).
+        then: a shell command run after each merge, ``{out}``, ``{src}``, ``{step}`` and
+            ``{name}`` replaced (quoted); its exit status is reported, non-zero fails it.
+        on_outcome: called with each outcome as soon as it is known.
+        stop: watch: asked before each round; True ends the sweep.
+
+    Returns:
+        A :class:`SweepReport`; ``exit_code`` says whether any checkpoint failed.
+
+    Raises:
+        InputError: ``run`` is not a directory, or a bad option.
+        UnsupportedError: an ``s3://`` run or output root (not yet).
+    """
+    from ckpttool.core.merge.operation import merge
+
+    if str(run).startswith("s3://") or str(out_root).startswith("s3://"):
+        raise UnsupportedError(f"{run if str(run).startswith('s3://') else out_root}: merge "
+                               "--all works on local directories only, not yet s3://; merge "
+                               "each checkpoint with ckpttool merge s3://... OUT")
+    run_path, root = Path(run), Path(out_root)
+    options = dict(merge_options or {})
+    recorded = receipt_options(options)
+    report = SweepReport(str(run_path), str(root), task=task)
+    seen: dict[str, tuple[str, tuple[receipts.SourceFile, ...]]] = {}
+
+    def tell(o: Outcome) -> None:
+        report.outcomes.append(o)
+        if on_outcome is not None:
+            on_outcome(o)
+
+    while True:
+        found = find(run_path, settle=settle, skip=(root,))
+        chosen = select(found, steps or Steps())
+        owners = assign(chosen, task[1]) if task is not None else [None] * len(chosen)
+        for f, owner in zip(chosen, owners, strict=True):
+            if task is not None and owner != task[0]:
+                continue
+            out = root / f.name
+            try:
+                status, reason = decide(f, out, recorded, overwrite=overwrite)
+            except CkptError as e:
+                status, reason = FAILED, str(e)
+            # Watching, each checkpoint is told once per state (and again when its files
+            # change after a failure).
+            key = (status, f.files if status == FAILED else ())
+            if watch and seen.get(f.name) == key:
+                continue
+            if status == FAILED:
+                seen[f.name] = key
+                tell(Outcome(f, out, FAILED, reason, owner, InputError.exit_code))
+                continue
+            if status != PLANNED or dry_run:
+                seen[f.name] = key
+                tell(Outcome(f, out, status, reason, owner))
+                continue
+            outcome = _merge_one(merge, f, out, options, recorded, reason, owner,
+                                 overwrite=overwrite, then=then, workers=workers,
+                                 follow_links=follow_links)
+            seen[f.name] = (outcome.status if outcome.status != MERGED else DONE,
+                            f.files if outcome.status == FAILED else ())
+            tell(outcome)
+        if not watch or (stop is not None and stop()):
+            return report
+        time.sleep(poll)
+        if stop is not None and stop():
+            return report
+
+
+def receipt_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The merge options a receipt records: those that change the output, with
+    :func:`merge`'s defaults where not given, as JSON values (sizes in bytes, paths as
+    absolute strings), so that the library and the command line record the same."""
+    import inspect
+
+    from ckpttool.core.merge.operation import merge
+    from ckpttool.formats import safetensors as st
+
+    defaults = inspect.signature(merge).parameters
+    doc: dict[str, Any] = {}
+    for key in RECORDED:
+        value = options.get(key, defaults[key].default)
+        if key == "max_shard_size" and value is not None:
+            value = st.parse_size(str(value))
+        elif isinstance(value, os.PathLike):
+            value = str(Path(value).resolve())
+        doc[key] = value
+    return doc
+
+
+# merge()'s keywords that change what it writes (recorded in receipts).
+RECORDED = ("dtype", "max_shard_size", "config", "keep_tied", "lora", "adapter",
+            "adapter_config", "part", "names", "layout")
+
+
+def _merge_one(merge: MergeFunction, f: Found, out: Path, options: dict[str, Any],
+               recorded: dict[str, Any], reason: str | None, owner: int | None, *,
+               overwrite: bool, then: str | None, workers: int | None,
+               follow_links: bool) -> Outcome:
+    """Merge one checkpoint, then write its receipt and run ``then``: every error becomes
+    the outcome (KeyboardInterrupt goes on up)."""
+    started = time.perf_counter()
+    outcome = Outcome(f, out, MERGED, reason, owner)
+    try:
+        if overwrite:
+            receipts.remove(out)
+        report = merge(f.path, out, overwrite=overwrite, workers=workers,
+                       follow_links=follow_links, **options)
+        outcome.merge = report.to_json()
+        # The source as merged: a file that changed while it was read fails the receipt.
+        now = receipts.source_files(f.path)
+        if now != f.files:
+            raise InputError(f"{f.path}: changed while it was merged; it is merged again "
+                             "next time (with --overwrite)")
+        receipts.write(out, receipts.make(out, f.path.resolve(), f.files, recorded,
+                                          workers=workers))
+    except CkptError as e:
+        outcome.status, outcome.reason, outcome.exit_code = FAILED, str(e), e.exit_code
+    except OSError as e:  # the environment (permissions, a full disk), not our bug
+        outcome.status, outcome.exit_code = FAILED, InputError.exit_code
+        outcome.reason = f"{e.filename or f.path}: {e.strerror or e}"
+    except Exception as e:  # noqa: BLE001 - one checkpoint's bug must not stop the others
+        if settings.debug():
+            raise
+        outcome.status, outcome.exit_code = FAILED, EXIT_BUG
+        outcome.reason = (f"internal error (a bug in ckpttool): {e!r}; please report it, with "
+                          "the traceback CKPTTOOL_DEBUG=1 shows")
+    if outcome.status == MERGED and then is not None:
+        outcome.then = run_then(then, f, out)
+        if outcome.then["exit_code"]:
+            outcome.status, outcome.exit_code = FAILED, InputError.exit_code
+            outcome.reason = (f"merged, but --then exited {outcome.then['exit_code']}: "
+                              f"{outcome.then['command']}")
+    outcome.seconds = round(time.perf_counter() - started, 3)
+    return outcome
+
+
+def run_then(template: str, f: Found, out: Path) -> dict[str, Any]:
+    """Run ``template`` through the shell with ``{out}``, ``{src}``, ``{step}`` and ``{name}``
+    replaced by quoted values; its output goes to stderr (stdout is the report)."""
+    values = {"out": str(out), "src": str(f.path), "step": "" if f.step is None else str(f.step),
+              "name": f.name}
+    command = template
+    for key, value in values.items():
+        command = command.replace("{" + key + "}", shlex.quote(value))
+    try:
+        code = subprocess.run(command, shell=True, stdout=sys.stderr, check=False).returncode
+    except OSError:  # no shell to run it: as the shell says of a command it cannot find
+        code = 127
+    return {"command": command, "exit_code": code}

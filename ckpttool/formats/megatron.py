@@ -1,0 +1,491 @@
+"""Megatron-Core ``torch_dist`` checkpoints: a run directory, or one ``iter_NNNNNNN/`` in it.
+
+Megatron-LM (and Megatron-Bridge, NeMo, verl's and slime's Megatron backends) save with
+``--ckpt-format torch_dist`` through ``megatron.core.dist_checkpointing.save``:
+
+* ``RUN/latest_checkpointed_iteration.txt`` names the last iteration saved (a number, or
+  ``release``); ``RUN/iter_0000500/`` holds it (``RUN/release/`` for ``release``);
+* in it, a PyTorch DCP checkpoint (``.metadata``, ``__<rank>_<n>.distcp``) of the sharded
+  state: the model's tensors as *global* Megatron tensors (tensor-, pipeline- and
+  expert-parallel pieces are ordinary DCP chunks), the optimizer's under ``optimizer.*``, the
+  RNG state as ``rng_state/shard_*`` bytes entries;
+* ``common.pt``: a ``torch.save`` of the state that is not sharded (``args``, an
+  ``argparse.Namespace``; ``iteration``; ``checkpoint_version``...); newer megatron-core writes
+  it as the DCP bytes entry ``common_state`` instead;
+* ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``), written last: without it the
+  save did not finish.
+
+The DCP part is read by :mod:`ckpttool.formats.dcp.reader` itself, with an allow-list that
+adds inert stand-ins for what Megatron pickles into ``.metadata`` beside DCP's own classes
+(torch's ``SavePlan`` / ``WriteItem`` of the central plan it caches, and ``MCoreMetadata`` /
+``MCoreSavePlan`` of megatron-core 0.15 and older, with their ``mcore_data``). ``common.pt`` is
+read by the :mod:`torchsave` allow-list unpickler plus an ``argparse.Namespace`` stand-in and
+Megatron's enums as their names; nothing is executed. What the tensors mean (the stacked layer
+axis, fused QKV, padded vocabulary) is the business of the name maps, not of this reader.
+
+Not read (refused, exit 4, naming the layout): ``--ckpt-format torch`` (``mp_rank_XX/``
+directories of ``model_optim_rng.pt``) and the ``zarr`` backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.formats.base import (
+    CheckpointInfo,
+    DataFile,
+    ObjectEntry,
+    Problem,
+    Reader,
+    TensorPlaceholder,
+    UnreadableObject,
+    error,
+    warning,
+)
+from ckpttool.formats.base import info as info_problem
+from ckpttool.formats.codecs import torchsave
+from ckpttool.formats.dcp import reader as dcp
+from ckpttool.storage.store import LOCAL, Store, Stores, file_size
+
+NAME = "megatron"
+# What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
+SUMMARY = ("a run with `latest_checkpointed_iteration.txt` and `iter_<N>/` holding "
+           "`metadata.json` (`torch_dist`), a DCP `.metadata` and `__<rank>_<n>.distcp`")
+WRITTEN_BY = ("Megatron-Core `dist_checkpointing` (Megatron-LM, Megatron-Bridge, NeMo, verl's "
+              "and slime's Megatron backends)")
+TRACKER = "latest_checkpointed_iteration.txt"
+METADATA_JSON = "metadata.json"
+COMMON = "common.pt"
+_TRACKER_LIMIT = 64  # an iteration number or "release"
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+_LEGACY_RE = re.compile(r"^mp_rank_\d\d(?:_\d{3})?$")
+
+
+# --------------------------------------------------------------------------------------------
+# Finding the iteration
+
+
+def _is_iter_name(name: str) -> bool:
+    return bool(_ITER_RE.match(name)) or name == "release"
+
+
+def iteration_name(number: int | str) -> str:
+    """The directory Megatron-LM saves iteration ``number`` in (``iter_0000500``)."""
+    return "release" if number == "release" else f"iter_{int(number):07d}"
+
+
+def _looks_like_iteration(path: Path) -> bool:
+    """An ``iter_*`` directory as a save leaves it, complete or not (names only)."""
+    if not path.is_dir() or not _is_iter_name(path.name):
+        return False
+    try:
+        names = {p.name for p in path.iterdir()}
+    except OSError:
+        return False
+    return bool(names & {METADATA_JSON, dcp.METADATA_FILE, COMMON}) or any(
+        n.endswith(dcp.DATA_SUFFIX) or _LEGACY_RE.match(n) for n in names)
+
+
+def _read_tracker(run: Path) -> str | None:
+    tracker = run / TRACKER
+    try:
+        if not tracker.is_file() or tracker.stat().st_size > _TRACKER_LIMIT:
+            return None
+        return tracker.read_text("utf-8", "replace").strip()
+    except OSError:
+        return None
+
+
+def iterations(run: Path) -> list[str]:
+    """The ``iter_*`` directories of a run, sorted by iteration."""
+    try:
+        found = [p.name for p in run.iterdir() if p.is_dir() and _ITER_RE.match(p.name)]
+    except OSError:
+        return []
+    return sorted(found, key=lambda n: int(n[5:]))
+
+
+def detect(path: Path) -> bool:
+    """A run directory (``latest_checkpointed_iteration.txt`` beside an ``iter_*``) or an
+    ``iter_*`` directory itself, complete or not (``read_info`` says what is missing)."""
+    if _looks_like_iteration(path):
+        return True
+    return path.is_dir() and _read_tracker(path) is not None and (
+        bool(iterations(path)) or (path / "release").is_dir())
+
+
+def pending(path: Path) -> str | None:
+    """An ``iter_*`` directory without ``metadata.json`` is a save still going on (Megatron
+    writes it last), or one whose writer was killed."""
+    if _is_iter_name(path.name) and not (path / METADATA_JSON).is_file():
+        return f"no {METADATA_JSON} yet (Megatron writes it after every data file)"
+    return None
+
+
+def resolve(path: Path, iteration: int | None = None) -> Path:
+    """The iteration directory ``path`` means: itself, or the one the tracker (or
+    ``iteration``) names in a run directory.
+
+    Raises:
+        InputError: the tracker names an iteration that is not there, or ``iteration`` is not.
+    """
+    if _is_iter_name(path.name) and not (path / TRACKER).exists():
+        if iteration is not None:
+            raise InputError(f"{path}: is one iteration already; pass the run directory "
+                             f"{path.parent} with --iteration {iteration}")
+        return path
+    held = iterations(path)
+    if iteration is not None:
+        chosen = path / iteration_name(iteration)
+        if not chosen.is_dir():
+            raise InputError(f"{path}: has no iteration {iteration} ({chosen.name}); it holds "
+                             f"{_listed(held)}")
+        return chosen
+    named = _read_tracker(path)
+    if named is None:
+        raise InputError(f"{path}: {TRACKER} is missing or unreadable; pass one iteration "
+                         f"directory ({_listed(held)})")
+    if named != "release" and not named.isdigit():
+        raise InputError(f"{path / TRACKER}: holds {named[:32]!r}, not an iteration number; "
+                         f"pass one iteration directory ({_listed(held)})")
+    chosen = path / iteration_name(named)
+    if not chosen.is_dir():
+        raise InputError(f"{path / TRACKER}: names iteration {named}, but {chosen.name}/ is "
+                         f"not there; it holds {_listed(held)}: pass one of them")
+    return chosen
+
+
+def _listed(held: list[str]) -> str:
+    if not held:
+        return "no iter_* directory"
+    shown = ", ".join(held[-4:])
+    return f"{'..., ' if len(held) > 4 else ''}{shown}"
+
+
+# --------------------------------------------------------------------------------------------
+# The allow-lists: Megatron's additions to a .metadata and to common.pt, as inert stand-ins
+
+_PLANNER = "torch.distributed.checkpoint.planner"
+_MCORE_TORCH = "megatron.core.dist_checkpointing.strategies.torch"
+_PLAN_CLASSES: dict[tuple[str, str], type[torchsave.PlainStub]] = {
+    (_PLANNER, name): torchsave.plain_stub_class(name)
+    for name in ("SavePlan", "WriteItem", "TensorWriteData", "LoadPlan", "ReadItem")
+}
+_PLAN_CLASSES[(_MCORE_TORCH, "MCoreSavePlan")] = torchsave.plain_stub_class("MCoreSavePlan")
+
+
+def _enum_value(value: Any) -> Any:
+    """An enum member as pickle rebuilds it (``Enum(value)``): its plain value."""
+    if value is not None and not isinstance(value, (int, str)):
+        raise pickle.UnpicklingError(f"enum value {value!r}")
+    return value
+
+
+def metadata_global(module: str, name: str) -> Any | None:
+    """The allow-list of a torch_dist ``.metadata``: DCP's, plus torch's save-plan classes
+    (Megatron caches its central plan in ``all_local_plans``) and megatron-core's
+    ``MCoreMetadata`` (0.15 and older: DCP's ``Metadata`` with ``mcore_data``), each inert."""
+    if module == _MCORE_TORCH and name == "MCoreMetadata":
+        return dcp._metadata_global("torch.distributed.checkpoint.metadata", "Metadata")
+    if (module, name) in _PLAN_CLASSES:
+        return _PLAN_CLASSES[(module, name)]
+    if module == _PLANNER and name in ("WriteItemType", "LoadItemType"):
+        return _enum_value
+    return dcp._metadata_global(module, name)
+
+
+class Namespace(torchsave.Stub):
+    """``argparse.Namespace`` (Megatron-LM's ``args``): its attributes, kept as a dict."""
+
+    def values(self) -> dict[str, Any]:
+        return dict(self.state) if isinstance(self.state, dict) else {}
+
+
+# Megatron's enums that ``args`` holds (``attention_backend``, ``model_type``...), as values.
+_MEGATRON_ENUMS = frozenset({"AttnBackend", "ModelType", "AttnMaskType", "LayerType",
+                             "Fp8Recipe", "CudaGraphScope", "PositionEmbeddingType"})
+
+
+def common_global(module: str, name: str) -> Any | None:
+    """The allow-list of ``common.pt``: a tensor pickle's, ``argparse.Namespace`` and
+    Megatron's enums (as their values)."""
+    if module == "argparse" and name == "Namespace":
+        return Namespace
+    if module.startswith("megatron.") and name in _MEGATRON_ENUMS:
+        return _enum_value
+    if module == "torch.torch_version" and name == "TorchVersion":
+        return str
+    return torchsave.record_global(module, name)
+
+
+def _plain(value: Any) -> Any:
+    """An unpickled common-state value as plain data: ``args`` as a dict, tensors described."""
+    if isinstance(value, Namespace):
+        return {k: _plain(v) for k, v in value.values().items()}
+    if isinstance(value, torchsave.TensorRef):
+        return TensorPlaceholder(value.dtype.name, value.shape)
+    if isinstance(value, torchsave.UnknownDType):
+        return value.torch_name
+    if hasattr(value, "torch_name") and hasattr(value, "itemsize"):  # a torch dtype
+        return str(value.torch_name)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def read_common(path: Path) -> dict[str, Any] | UnreadableObject:
+    """``common.pt``'s top-level entries as plain values (never executed), or why not.
+
+    Raises:
+        InputError: it is not a torch.save file, or is truncated or corrupt.
+    """
+    where = str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        rb, entries = torchsave.open_file_archive(
+            fd, where, "copy it again from the run's iteration directory")
+        try:
+            value = torchsave.load_pickle(rb, entries, lookup=common_global,
+                                          max_nodes=torchsave.OBJECT_MAX_NODES)
+        except torchsave.Refused as e:
+            data = rb.read(entries["data.pkl"].data_offset, entries["data.pkl"].size)
+            return UnreadableObject(e.qualname, names=torchsave.named_globals(data))
+        except torchsave.PICKLE_ERRORS as e:
+            raise InputError(f"{path}: corrupt common state ({e}); copy it again") from None
+    finally:
+        os.close(fd)
+    if not isinstance(value, dict):
+        raise InputError(f"{path}: holds a {type(value).__name__}, not Megatron's common state "
+                         "dict; corrupt")
+    return {str(k): _plain(v) for k, v in value.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# The checkpoint
+
+
+def _layout(args: dict[str, Any], iteration: Any, backend: str) -> dict[str, Any]:
+    """What ``inspect`` shows of the run: iteration, parallel layout and model geometry."""
+    def arg(key: str) -> Any:
+        value = args.get(key)
+        return value if isinstance(value, (int, float, str, bool)) else None
+
+    heads = arg("num_attention_heads")
+    groups = arg("num_query_groups") if args.get("group_query_attention") else heads
+    return {
+        "backend": backend, "iteration": iteration,
+        "tensor_parallel": arg("tensor_model_parallel_size"),
+        "pipeline_parallel": arg("pipeline_model_parallel_size"),
+        "expert_parallel": arg("expert_model_parallel_size"),
+        "num_layers": arg("num_layers"), "hidden_size": arg("hidden_size"),
+        "ffn_hidden_size": arg("ffn_hidden_size"), "num_attention_heads": heads,
+        "num_query_groups": groups, "kv_channels": arg("kv_channels"),
+        "padded_vocab_size": arg("padded_vocab_size"), "num_experts": arg("num_experts"),
+        "untie_embeddings_and_output_weights": arg("untie_embeddings_and_output_weights"),
+    }
+
+
+def describe_layout(layout: dict[str, Any]) -> str:
+    """``Megatron-Core torch_dist, iteration 500, TP 2 x PP 1 x EP 1, 32 layers...``."""
+    words = [f"Megatron-Core {layout['backend']}"]
+    if layout.get("iteration") is not None:
+        words.append(f"iteration {layout['iteration']}")
+    par = [f"{k} {layout[v]}" for k, v in (("TP", "tensor_parallel"), ("PP", "pipeline_parallel"),
+                                          ("EP", "expert_parallel")) if layout.get(v)]
+    if par:
+        words.append(" x ".join(par))
+    geometry = [f"{layout[k]} {w}" for k, w in (
+        ("num_layers", "layers"), ("hidden_size", "hidden"), ("ffn_hidden_size", "ffn"),
+        ("num_attention_heads", "heads"), ("num_query_groups", "query groups"),
+        ("kv_channels", "head dim"), ("num_experts", "experts"),
+        ("padded_vocab_size", "vocab (padded)")) if layout.get(k)]
+    if geometry:
+        words.append(", ".join(geometry))
+    return "; ".join(words)
+
+
+def _path_of(name: str) -> tuple[str, ...]:
+    """A key's path for part classification: a sharded object's ``name/shard_*`` suffix is a
+    level below its key (``rng_state/shard_0.0_1.1`` is under ``rng_state``)."""
+    key, sep, shard = name.partition("/")
+    return (key, shard) if sep else (name,)
+
+
+def read_info(path: str | os.PathLike[str], *, iteration: int | None = None,
+              stores: Stores = LOCAL) -> CheckpointInfo:
+    """Read a run's (or one iteration's) metadata: DCP's ``.metadata``, ``metadata.json`` and
+    the common state. Reads no tensor data.
+
+    Args:
+        iteration: read this iteration of a run directory instead of the tracker's.
+
+    Raises:
+        InputError: an incomplete save (no ``metadata.json``), a tracker naming a missing
+            iteration, damaged or unsafe metadata.
+        UnsupportedError: ``--ckpt-format torch`` or another backend than ``torch_dist``.
+    """
+    given = Path(path)
+    root = resolve(given, iteration)
+    try:
+        names = sorted(p.name for p in root.iterdir())
+    except OSError as e:
+        raise InputError(f"{root}: cannot list: {e.strerror}") from None
+    if any(_LEGACY_RE.match(n) for n in names):
+        raise UnsupportedError(
+            f"{root}: a Megatron checkpoint in the legacy --ckpt-format torch layout "
+            "(mp_rank_XX/model_optim_rng.pt per rank); not supported yet. Save with "
+            "--ckpt-format torch_dist, or convert it with Megatron's checkpoint converter")
+    if METADATA_JSON not in names:
+        complete = [n for n in iterations(root.parent) if (root.parent / n / METADATA_JSON)
+                    .is_file()]
+        hint = f"; complete iterations beside it: {_listed(complete)}" if complete else ""
+        raise InputError(
+            f"{root}: no {METADATA_JSON}, which Megatron writes last: this save is incomplete "
+            f"(interrupted, or only partly copied){hint}")
+    config = _read_json(root / METADATA_JSON)
+    backend = str(config.get("sharded_backend"))
+    if backend != "torch_dist":
+        raise UnsupportedError(f"{root}: a Megatron-Core checkpoint with the '{backend}' "
+                               "sharded backend; ckpttool reads torch_dist (the default of "
+                               "--ckpt-format torch_dist) only")
+    base = dcp.read_info(root, lookup=metadata_global)
+    problems = list(base.problems)
+    values = dict(base.values)
+    common: dict[str, Any] = {}
+    objects = [replace(o, path=_path_of(o.name)) for o in base.objects]
+    if COMMON in names:
+        read = read_common(root / COMMON)
+        if isinstance(read, UnreadableObject):
+            values[COMMON] = read
+            objects.append(ObjectEntry(COMMON, (COMMON,)))
+            problems.append(info_problem("common-not-read", f"{COMMON}: {read.why}; not executed, "
+                                 "so args and the iteration are not shown", file=COMMON))
+        else:
+            common = read
+            for key, value in read.items():
+                values[key] = value
+                objects.append(ObjectEntry(key, (key,)))
+    tensors = [t if len(t.path) != 1 or "/" not in t.name else replace(t, path=_path_of(t.name))
+               for t in base.tensors]
+    found = common.get("args")
+    args: dict[str, Any] = found if isinstance(found, dict) else {}
+    layout = _layout(args, common.get("iteration", _iteration_of(root)), backend)
+    files = base.files
+    if COMMON in names:  # a file of the checkpoint: verify checks it is there, never a side file
+        files = (*files, DataFile(COMMON, file_size(root / COMMON)))
+    return replace(
+        base, format=NAME, tensors=tuple(tensors), objects=tuple(objects), files=files,
+        problems=tuple(problems), values=values,
+        storage={**base.storage, "framework": describe_layout(layout), "megatron": layout})
+
+
+def _iteration_of(root: Path) -> int | str | None:
+    m = _ITER_RE.match(root.name)
+    return int(m.group(1)) if m else ("release" if root.name == "release" else None)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_bytes())
+    except OSError as e:
+        raise InputError(f"{path}: cannot read: {e.strerror}") from None
+    except ValueError as e:
+        raise InputError(f"{path}: not valid JSON ({e}); the save is damaged") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{path}: not Megatron's checkpoint metadata (a JSON object)")
+    return value
+
+
+INTEGRITY = "integrity.json"
+_HASH_BLOCK = 8 << 20
+
+
+def _integrity_entries(doc: Any) -> dict[str, str] | None:
+    """``{file: sha256 hex}`` from an ``integrity.json``: a mapping of file to digest (a hex
+    string, or an object with ``sha256``), at the top level or under ``files``; or a list of
+    objects naming the file (``path``/``file``/``name``) and its ``sha256``. None: not one."""
+    if isinstance(doc, dict) and isinstance(doc.get("files"), (dict, list)):
+        doc = doc["files"]
+    out: dict[str, str] = {}
+    items: list[tuple[Any, Any]] = []
+    if isinstance(doc, dict):
+        items = list(doc.items())
+    elif isinstance(doc, list):
+        for e in doc:
+            if not isinstance(e, dict):
+                return None
+            items.append((e.get("path") or e.get("file") or e.get("name"), e))
+    else:
+        return None
+    for name, value in items:
+        digest = value.get("sha256") if isinstance(value, dict) else value
+        if not isinstance(name, str) or not isinstance(digest, str) or not re.fullmatch(
+                r"[0-9a-fA-F]{64}", digest):
+            continue  # other fields (a version, an algorithm name)
+        out[name] = digest.lower()
+    return out or None
+
+
+class MegatronReader(dcp.DcpReader):
+    """DCP's reader; the common state was read with the metadata; ``integrity.json``, where
+    the writer left one, is checked by ``verify``."""
+
+    def check_file_digests(self) -> list[Problem]:
+        import hashlib
+
+        base = self.info.base
+        path = base / INTEGRITY
+        if not path.is_file():
+            return []
+        try:
+            entries = _integrity_entries(json.loads(path.read_bytes()))
+        except (OSError, ValueError) as e:
+            return [error("integrity-unreadable", f"{path}: not readable JSON ({e}); the "
+                          "file digests were not checked", file=INTEGRITY)]
+        if entries is None:
+            return [warning("integrity-unknown", f"{path}: no SHA-256 per file found in it; "
+                            "not checked", file=INTEGRITY)]
+        problems = []
+        for name, want in sorted(entries.items()):
+            target = (base / name).resolve()
+            if base.resolve() not in target.parents:
+                problems.append(error("integrity-outside", f"{path}: names '{name}', outside "
+                                      "the checkpoint; not read", file=INTEGRITY))
+                continue
+            digest = hashlib.sha256()
+            try:
+                with open(target, "rb") as f:
+                    while block := f.read(_HASH_BLOCK):
+                        digest.update(block)
+            except OSError as e:
+                problems.append(error("integrity-missing", f"{target}: listed in {INTEGRITY} "
+                                      f"but not readable ({e.strerror}); copy it again",
+                                      file=name))
+                continue
+            if digest.hexdigest() != want:
+                problems.append(error("integrity-mismatch", f"{target}: SHA-256 "
+                                      f"{digest.hexdigest()[:16]}... is not the "
+                                      f"{want[:16]}... {INTEGRITY} records; the file changed "
+                                      "since the save: copy it again", file=name))
+        return problems
+
+    def read_object(self, entry: ObjectEntry) -> Any:
+        if entry.file is None and isinstance(self.info.values.get(entry.name), UnreadableObject):
+            raise self.info.values[entry.name]
+        return super().read_object(entry)
+
+
+def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> Reader:
+    return MegatronReader(info, store)

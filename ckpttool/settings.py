@@ -1,0 +1,160 @@
+"""Every ``CKPTTOOL_*`` environment variable, read in one place with one rule each.
+
+Each knob is a function read at call time (not at import), so a forked child and its parent
+see the same value and a test can set the variable for one call. Booleans follow one rule:
+``1`` turns a knob on, ``0`` turns it off, anything else (or unset) is the default; the
+README's table of variables is generated from :data:`KNOBS`.
+
+Test-only hooks (``CKPTTOOL_TEST_*``) inject faults at named steps; they are read here too,
+so that no other module reads the environment for ckpttool's own variables.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ckpttool.errors import OutputError
+
+
+@dataclass(frozen=True, slots=True)
+class Knob:
+    name: str
+    default: str  # as a user would write it; "" for unset
+    meaning: str
+    test_only: bool = False
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("CKPTTOOL_DEBUG", "0", "1: show the traceback behind an error, in every process"),
+    Knob("CKPTTOOL_FSYNC", "1", "0: do not fsync outputs before publishing them (scratch "
+         "outputs a power cut may lose)"),
+    Knob("CKPTTOOL_FORK", "1", "0: keep per-chunk work in one process instead of forked "
+         "shares"),
+    Knob("CKPTTOOL_DISTRIBUTED", "1", "0: ignore a launcher's RANK/WORLD_SIZE (a ckpttool "
+         "run started from inside one rank of a training job)"),
+    Knob("CKPTTOOL_DIST_TIMEOUT", "1800", "seconds to wait for the other processes of a "
+         "shared merge"),
+    Knob("CKPTTOOL_RESUME_PIECE", str(256 << 20), "bytes of output per piece of a resumable "
+         "merge; merges larger than one piece are written resumably"),
+    Knob("CKPTTOOL_ZSTD_MAX_RATIO", "1024", "how many times its compressed size a zstd "
+         "record may claim (past 64 MiB) before it is refused unread; raise it for "
+         "checkpoints of constant tensors"),
+    Knob("CKPTTOOL_TEST_FAULT", "", "test hook: kill or pause at a publishing step "
+         "(kill:N, pause:N:PIDFILE)", test_only=True),
+    Knob("CKPTTOOL_TEST_FAIL_RANK", "", "test hook: fail one process of a shared merge "
+         "(WHO:HOW)", test_only=True),
+    Knob("CKPTTOOL_TEST_RESUME_KILL", "", "test hook: a resumable merge kills itself after "
+         "recording N pieces", test_only=True),
+    Knob("CKPTTOOL_TEST_REMOTE_FAULT", "", "test hook: fail or kill at a step of a remote "
+         "upload", test_only=True),
+)
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw == "1":
+        return True
+    if raw == "0":
+        return False
+    return default
+
+
+def debug() -> bool:
+    """Tracebacks behind errors (``CKPTTOOL_DEBUG=1``), in the parent and in forked children."""
+    return _flag("CKPTTOOL_DEBUG", False)
+
+
+def fsync() -> bool:
+    """Sync outputs before publishing them (``CKPTTOOL_FSYNC=0`` skips it)."""
+    return _flag("CKPTTOOL_FSYNC", True)
+
+
+def fork() -> bool:
+    """Per-chunk work may run in forked processes (``CKPTTOOL_FORK=0`` keeps one process)."""
+    return _flag("CKPTTOOL_FORK", True)
+
+
+def distributed() -> bool:
+    """A launcher's variables are honoured (``CKPTTOOL_DISTRIBUTED=0`` ignores them)."""
+    return _flag("CKPTTOOL_DISTRIBUTED", True)
+
+
+DIST_TIMEOUT_DEFAULT = 1800.0
+
+
+def dist_timeout() -> float:
+    """Seconds to wait for the other processes of a shared merge (``CKPTTOOL_DIST_TIMEOUT``).
+
+    Raises:
+        OutputError: the value is not a number of seconds above 0.
+    """
+    raw = os.environ.get("CKPTTOOL_DIST_TIMEOUT")
+    if raw is None:
+        return DIST_TIMEOUT_DEFAULT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise OutputError(f"CKPTTOOL_DIST_TIMEOUT={raw!r}: expected a number of seconds above 0")
+    return value
+
+
+RESUME_PIECE_DEFAULT = 256 << 20
+
+
+def resume_piece() -> int:
+    """Bytes of output per piece of a resumable merge (``CKPTTOOL_RESUME_PIECE``); a merge
+    of one piece or less is written whole (quicker to redo than to check).
+
+    Raises:
+        OutputError: the value is not a positive number of bytes.
+    """
+    raw = os.environ.get("CKPTTOOL_RESUME_PIECE")
+    if raw is None:
+        return RESUME_PIECE_DEFAULT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise OutputError(f"CKPTTOOL_RESUME_PIECE={raw!r}: expected a positive number of bytes, "
+                          f"e.g. {RESUME_PIECE_DEFAULT}")
+    return value
+
+
+def test_resume_kill() -> int | None:
+    """Test hook: a resumable merge kills itself (SIGKILL) after recording this many pieces
+    (core.merge.resume)."""
+    raw = os.environ.get("CKPTTOOL_TEST_RESUME_KILL", "")
+    return int(raw) if raw.isdigit() else None
+
+
+def zstd_max_ratio() -> int | None:
+    """How many times its compressed size a zstd record may claim (``CKPTTOOL_ZSTD_MAX_RATIO``,
+    a positive integer); None: the default bound."""
+    raw = os.environ.get("CKPTTOOL_ZSTD_MAX_RATIO", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
+def test_remote_fault() -> str:
+    """Test hook: a fault at a step of a remote upload (storage.outputs)."""
+    return os.environ.get("CKPTTOOL_TEST_REMOTE_FAULT", "")
+
+
+def test_fault() -> str:
+    """Test hook: ``kill:N`` or ``pause:N:PIDFILE`` at publishing step N (storage.outputs)."""
+    return os.environ.get("CKPTTOOL_TEST_FAULT", "")
+
+
+def test_fail_rank() -> str:
+    """Test hook: ``WHO:HOW``, one process of a shared merge fails (core.merge.multihost)."""
+    return os.environ.get("CKPTTOOL_TEST_FAIL_RANK", "")
+
+
+def table() -> str:
+    """The README's table of variables (markdown), generated from :data:`KNOBS`."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{k.name}` | `{k.default}` | {k.meaning} |" for k in KNOBS if not k.test_only]
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,240 @@
+"""The local mirror of a remote checkpoint: what lets every format describe a checkpoint in
+object storage with the code that describes a local one.
+
+:class:`Mirror` lists a prefix once, downloads the small files (metadata, JSON, tokenizer
+files, small side files) into a private temporary directory and creates each data file there
+as a sparse placeholder of its listed size, so that every format's detection and listing works
+unchanged. Which names are data files (read in place by ranged GETs, never downloaded) is the
+caller's to say (``data_suffixes``), and so are the leading bytes a placeholder holds
+(``head``: what a format reads while recognising and describing a data file, e.g. a header).
+The mirror is itself a :class:`~ckpttool.storage.store.Stores`: handed down by its caller, it
+opens a :class:`~ckpttool.storage.s3.RemoteStore` for its own directory (every data byte by
+ranged GETs, a placeholder's zeros never read) and a local store for anything else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.storage import s3
+from ckpttool.storage import store as stores
+
+# Files other than data files are downloaded whole into the mirror up to this size (configs,
+# tokenizers, metadata, small side files); a larger one would be a data file that only a local
+# read can describe.
+DOWNLOAD_LIMIT = 64 << 20
+# The longest name a local file system takes for one path segment.
+NAME_MAX = 255
+
+# head(name, size, pread) -> the leading bytes of a data file that its placeholder holds.
+Head = Callable[[str, int, Callable[[int, int], bytes]], bytes]
+
+
+class Mirror:
+    """A remote checkpoint (a prefix, or one object) described by a local temporary
+    directory. A context manager: the directory is removed on exit.
+
+    Args:
+        value: the URL (``s3://bucket/prefix`` or one object).
+        data_suffixes: names ending so are data files: sparse placeholders, read by ranges.
+        head: the leading bytes a data file's placeholder holds (None: none).
+
+    Raises (on construction):
+        InputError: nothing at the URL, the bucket is missing, access is denied, the
+            listing is unusable, no space for the mirror.
+        UnsupportedError: a large file that is not a data file (only a local read describes it).
+    """
+
+    def __init__(self, value: str, *, data_suffixes: Sequence[str], head: Head | None = None,
+                 warn: Callable[[str], None] | None = None) -> None:
+        self.url = s3.parse(value)
+        self.data_suffixes = tuple(data_suffixes)
+        self._head = head
+        self._warn = warn or _stderr
+        objects = s3.list_objects(self.url)
+        self.tmp = Path(tempfile.mkdtemp(prefix="ckpttool-s3-"))
+        try:
+            if objects:  # a prefix: the directory it stands for
+                self.base_url = self.url
+                self.dir = self.root = self.tmp / self.url.name
+            else:  # one object, in the directory of its parent prefix
+                single = s3.head(self.url) if self.url.key else None
+                if single is None:
+                    raise InputError(f"{self.url}: no such object or prefix; check the URL")
+                self.base_url = s3.Url(self.url.bucket, self.url.key.rpartition("/")[0])
+                objects = {self.url.name: single}
+                self.dir = self.tmp / self.base_url.name
+                self.root = self.dir / self.url.name
+            # ``self.dir`` stands for ``base_url``; every file lies below it.
+            if s3.LOCK_NAME in objects:
+                self._warn(f"warning: {self.base_url}: a ckpttool run is writing it, or one "
+                           f"was killed while writing it ({s3.LOCK_NAME} is there); what is "
+                           "read may be incomplete")
+            self.objects = self._usable(objects)
+            self._build()
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+
+    def _usable(self, objects: dict[str, tuple[int, str]]) -> dict[str, tuple[int, str]]:
+        """The listed objects a local directory can stand for: keys that are also a
+        "directory" of other keys, names too long for a file system, and impossible sizes
+        are skipped with a warning (or refused where the checkpoint needs them)."""
+        kept: dict[str, tuple[int, str]] = {}
+        prefixes = {rel[:i + 1] for rel in objects for i, c in enumerate(rel) if c == "/"}
+        for rel, (size, etag) in sorted(objects.items()):
+            where = self.base_url.child(rel)
+            if any(len(part.encode()) > NAME_MAX for part in rel.split("/")):
+                self._warn(f"warning: {where}: skipped, a name longer than {NAME_MAX} bytes")
+                continue
+            if not 0 <= size < 1 << 60:
+                raise InputError(f"{where}: the store lists an impossible size ({size}); "
+                                 "check the object store (or its endpoint)")
+            if rel + "/" in prefixes:
+                self._warn(f"warning: {where}: skipped, also a prefix of other objects")
+                continue
+            if not _inside(self.dir, self.dir / rel):
+                continue  # a key with ".." segments: not part of any checkpoint we read
+            kept[rel] = (size, etag)
+        return kept
+
+    def is_data(self, rel: str) -> bool:
+        return rel.endswith(self.data_suffixes)
+
+    def _build(self) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            downloads: list[tuple[str, int, str]] = []
+            heads: list[tuple[str, int, str]] = []
+            for rel, (size, etag) in self.objects.items():
+                target = self.dir / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if self.is_data(rel):
+                    with open(target, "wb") as f:
+                        f.truncate(size)  # sparse: no bytes stored, the size listed
+                    if self._head is not None:
+                        heads.append((rel, size, etag))
+                elif size <= DOWNLOAD_LIMIT:
+                    downloads.append((rel, size, etag))
+                else:
+                    raise UnsupportedError(
+                        f"{self.base_url.child(rel)}: a {size:,}-byte file that ckpttool reads "
+                        "only from a local disk (it reads "
+                        f"{' and '.join(self.data_suffixes)} data files from object storage); "
+                        f"download the checkpoint first and pass its directory")
+            with ThreadPoolExecutor(max_workers=s3.CONCURRENCY) as pool:
+                jobs = [pool.submit(self._download, *d) for d in downloads]
+                jobs += [pool.submit(self._fill_head, *h) for h in heads]
+                for j in jobs:
+                    j.result()
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise InputError(
+                    f"{self.url}: no space left for its local mirror in {self.tmp.parent} "
+                    f"({e.strerror}); set TMPDIR to a directory with room for its small "
+                    "files") from e
+            raise InputError(f"{self.url}: cannot mirror it into {self.tmp}: "
+                             f"{e.strerror}") from e
+
+    def _download(self, rel: str, size: int, etag: str) -> None:
+        data = s3.get_range(self.base_url.child(rel), 0, size, etag)
+        (self.dir / rel).write_bytes(data)
+
+    def _fill_head(self, rel: str, size: int, etag: str) -> None:
+        assert self._head is not None
+        url = self.base_url.child(rel)
+
+        def pread(n: int, offset: int) -> bytes:
+            n = max(0, min(n, size - offset))
+            return s3.get_range(url, offset, n, etag)
+
+        first = self._head(rel, size, pread)[:size]
+        if first:
+            with open(self.dir / rel, "r+b") as f:
+                f.write(first)
+
+    # -- Stores: the mirror's directory by ranged GETs, anything else locally
+
+    def covers(self, path: Path) -> bool:
+        return path == self.dir or self.dir in path.parents
+
+    def open(self, base: Path, *, metadata_name: str, follow_links: bool = False
+             ) -> stores.Store:
+        if not self.covers(base):
+            return stores.LOCAL.open(base, metadata_name=metadata_name,
+                                     follow_links=follow_links)
+        rel = base.relative_to(self.dir).as_posix()
+        url = self.base_url if rel == "." else self.base_url.child(rel)
+        prefix = "" if rel == "." else rel + "/"
+        objects = {k[len(prefix):]: v for k, v in self.objects.items() if k.startswith(prefix)}
+        return s3.RemoteStore(base, url, objects, metadata_name)
+
+    @contextlib.contextmanager
+    def reading(self, path: Path) -> Iterator[Callable[[int, int], bytes]]:
+        if not self.covers(path.parent):
+            with stores.LOCAL.reading(path) as pread:
+                yield pread
+            return
+        store = self.open(path.parent, metadata_name=path.name)
+        try:
+            yield functools.partial(store.pread, path.name)
+        finally:
+            store.close()
+
+    # --
+
+    def to_url(self, text: str) -> str:
+        """``text`` with the mirror's paths written as the URLs they stand for."""
+        return text.replace(str(self.dir), str(self.base_url))
+
+    def close(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> Mirror:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def local(self) -> Path:
+        """The local path that stands for the URL given."""
+        return self.root
+
+
+class Mounts:
+    """Several mirrors (a command reading two remote checkpoints) as one
+    :class:`~ckpttool.storage.store.Stores`: each path goes to the mirror it lies in."""
+
+    def __init__(self, mirrors: Sequence[Mirror]) -> None:
+        self.mirrors = tuple(mirrors)
+
+    def _of(self, path: Path) -> stores.Stores:
+        return next((m for m in self.mirrors if m.covers(path)), stores.LOCAL)
+
+    def open(self, base: Path, *, metadata_name: str, follow_links: bool = False
+             ) -> stores.Store:
+        return self._of(base).open(base, metadata_name=metadata_name, follow_links=follow_links)
+
+    def reading(self, path: Path) -> contextlib.AbstractContextManager[
+            Callable[[int, int], bytes]]:
+        return self._of(path.parent).reading(path)
+
+
+def _inside(base: Path, target: Path) -> bool:
+    real, inside = os.path.normpath(target), os.path.normpath(base)
+    return os.path.commonpath([real, inside]) == inside
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)

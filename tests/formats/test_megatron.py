@@ -1,0 +1,199 @@
+"""Megatron-Core torch_dist runs (written by megatron-core itself, tests/megatron_layouts.py) to
+Hugging Face: recognised as runs and iterations, merged through the family's map with no
+--names, bit for bit against Megatron's own loaded state dict rearranged by plain torch, and
+with transformers' logits equal to Megatron's own forward pass; wrong inputs refused before
+anything is written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import ckpttool
+from ckpttool.cli import app
+from ckpttool.formats import megatron, registry
+from tests.core.test_merge import assert_bit_exact, load_out
+from tests.megatron_layouts import VARIANTS, hf_reference
+
+# fp32 forward passes of the same weights in two implementations (Megatron's local attention
+# and transformers' eager/sdpa): they differ by summation order only. Seen: at most 1.2e-7
+# on logits of magnitude up to 0.8.
+LOGITS_ATOL = 1e-5
+
+
+def run_cli(*args: object) -> object:
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def merged(megatron_runs: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> dict[str, tuple[Path, ckpttool.MergeReport]]:
+    out = tmp_path_factory.mktemp("megatron-merged")
+    return {name: (out / name, ckpttool.merge(megatron_runs / name, out / name))
+            for name in VARIANTS}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_merge_is_bit_exact_against_megatrons_own_state(
+        name: str, megatron_runs: Path, merged: dict[str, tuple[Path, ckpttool.MergeReport]]
+        ) -> None:
+    out, report = merged[name]
+    assert report.format == "megatron"
+    assert report.name_map is not None
+    assert report.name_map["map"] == f"megatron-{VARIANTS[name].family}"
+    assert_bit_exact(load_out(out), hf_reference(megatron_runs / name))
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_transformers_logits_match_megatrons_forward(
+        name: str, megatron_runs: Path, merged: dict[str, tuple[Path, ckpttool.MergeReport]]
+        ) -> None:
+    import transformers
+
+    ref = torch.load(megatron_runs / name / "reference.pt", weights_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(merged[name][0],
+                                                              dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(ref["tokens"]).logits
+    vocab = logits.shape[-1]
+    assert vocab == json.loads((megatron_runs / name / "config.json").read_text())["vocab_size"]
+    torch.testing.assert_close(logits, ref["logits"][..., :vocab], atol=LOGITS_ATOL, rtol=0)
+
+
+def test_run_and_iteration_are_recognised(megatron_runs: Path) -> None:
+    run = megatron_runs / "llama-tp2"
+    for path in (run, run / "iter_0000002"):
+        fmt = registry.detect(path)
+        assert fmt is not None and fmt.NAME == "megatron"
+    info = megatron.read_info(run)
+    assert info.root == run / "iter_0000002"
+    layout = info.storage["megatron"]
+    assert (layout["iteration"], layout["tensor_parallel"], layout["pipeline_parallel"]) == (
+        2, 2, 1)
+    assert layout["padded_vocab_size"] == 64 and layout["num_query_groups"] == 2
+    assert info.values["args"]["attention_backend"] is not None  # an enum, read as its value
+
+
+def test_inspect_shows_iteration_layout_and_parts(megatron_runs: Path) -> None:
+    r = run_cli("inspect", megatron_runs / "llama-pp2")
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    text = r.stdout  # type: ignore[attr-defined]
+    assert "Megatron-Core torch_dist; iteration 2; TP 1 x PP 2 x EP 1; 4 layers" in text
+    assert "rng: 2 non-tensor entries (keys rng_state" in text
+    assert "train_state: 1 non-tensor entry (keys iteration" in text
+    assert "may be malicious" not in text
+
+
+def test_iteration_option_of_read_info(megatron_runs: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(megatron_runs / "llama", run)
+    with pytest.raises(ckpttool.InputError, match="has no iteration 7 .*iter_0000002"):
+        megatron.read_info(run, iteration=7)
+    assert megatron.read_info(run, iteration=2).root == run / "iter_0000002"
+
+
+def test_incomplete_iteration_is_exit_3(megatron_runs: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(megatron_runs / "llama", run)
+    (run / "iter_0000002" / "metadata.json").unlink()
+    for path in (run, run / "iter_0000002"):
+        r = run_cli("inspect", path)
+        assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
+        assert (f"{run / 'iter_0000002'}: no metadata.json, which Megatron writes last: this "
+                "save is incomplete") in r.output  # type: ignore[attr-defined]
+
+
+def test_tracker_naming_a_missing_iteration_is_exit_3(megatron_runs: Path,
+                                                      tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(megatron_runs / "llama", run)
+    (run / "latest_checkpointed_iteration.txt").write_text("500")
+    r = run_cli("merge", run, tmp_path / "out")
+    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
+    assert "names iteration 500, but iter_0000500/ is not there; it holds iter_0000002" in (
+        r.output)  # type: ignore[attr-defined]
+    assert not (tmp_path / "out").exists()
+
+
+def test_megatron_metadata_as_plain_dcp_is_unsupported_not_malicious(
+        megatron_runs: Path, tmp_path: Path) -> None:
+    """Issue 21 item 3: a genuine Megatron .metadata, seen where ckpttool reads plain DCP (the
+    directory renamed, no metadata.json), is exit 4 saying what it is."""
+    plain = tmp_path / "shards"
+    shutil.copytree(megatron_runs / "llama" / "iter_0000002", plain)
+    (plain / "metadata.json").unlink()
+    r = run_cli("inspect", plain)
+    assert r.exit_code == 4, r.output  # type: ignore[attr-defined]
+    assert "torch's DCP save plans (Megatron-Core torch_dist writes them)" in r.output  # type: ignore[attr-defined]
+    assert "malicious" not in r.output  # type: ignore[attr-defined]
+
+
+def test_megatron_without_config_is_exit_3_and_none_keeps_names(megatron_runs: Path,
+                                                                  tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(megatron_runs / "llama", run, ignore=shutil.ignore_patterns("config.json"))
+    r = run_cli("merge", run, tmp_path / "out")
+    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
+    assert "put the model's config.json beside the run or pass --config" in r.output  # type: ignore[attr-defined]
+    assert not (tmp_path / "out").exists()
+    r = run_cli("merge", run, tmp_path / "native", "--names", "none", "-q")
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    assert "decoder.layers.self_attention.linear_qkv.weight" in load_out(tmp_path / "native")
+
+
+def test_config_of_another_model_is_exit_3_before_writing(megatron_runs: Path,
+                                                          tmp_path: Path) -> None:
+    """A config whose sizes the stored shapes do not fit (here: 8 heads where the run has 4
+    with 2 query groups) fails on a shape before anything is written."""
+    config = json.loads((megatron_runs / "llama" / "config.json").read_text())
+    config["num_key_value_heads"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    r = run_cli("merge", megatron_runs / "llama", out, "--config", tmp_path / "config.json")
+    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
+    assert "'decoder.layers.self_attention.linear_qkv.weight': shape [2, 64, 32], but --names " \
+        "megatron-llama" in r.output  # type: ignore[attr-defined]
+    assert not out.exists()
+
+
+def test_family_without_a_map_is_exit_4(megatron_runs: Path, tmp_path: Path) -> None:
+    config = json.loads((megatron_runs / "llama" / "config.json").read_text())
+    config["model_type"] = "gemma"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    r = run_cli("merge", megatron_runs / "llama", tmp_path / "out", "--config",
+                tmp_path / "config.json")
+    assert r.exit_code == 4, r.output  # type: ignore[attr-defined]
+    assert "model_type 'gemma' has no Megatron-Core map yet" in r.output  # type: ignore[attr-defined]
+
+
+def test_verify_checks_integrity_json(megatron_runs: Path, tmp_path: Path) -> None:
+    """integrity.json (SHA-256 per file) is written here by hashing the files, as the writers
+    that add one do (megatron-core 0.16 writes none): intact, it passes; a changed
+    metadata.json, which no CRC-32 of DCP covers, is found."""
+    import hashlib
+
+    run = tmp_path / "run"
+    shutil.copytree(megatron_runs / "llama", run)
+    it = run / "iter_0000002"
+    files = sorted(p for p in it.iterdir() if p.is_file())
+    (it / "integrity.json").write_text(json.dumps({"files": {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}}))
+    assert ckpttool.verify(run).ok
+    meta = it / "metadata.json"
+    meta.write_text(json.dumps(json.loads(meta.read_text()), indent=1))  # same JSON, new bytes
+    report = ckpttool.verify(run)
+    found = [p for p in report.problems if p.code == "integrity-mismatch"]
+    assert not report.ok and [p.location.file for p in found] == ["metadata.json"]
+
+
+def test_common_pt_alone_is_exit_4_naming_it(megatron_runs: Path) -> None:
+    common = megatron_runs / "llama" / "iter_0000002" / "common.pt"
+    r = run_cli("inspect", common)
+    assert r.exit_code == 4, r.output  # type: ignore[attr-defined]
+    assert f"{common}: Megatron-Core's common state (it asks for 'argparse.Namespace')" in (
+        r.output)  # type: ignore[attr-defined]

@@ -1,0 +1,170 @@
+"""Remote outputs under faults, against moto's S3 server on localhost, in real processes:
+an ``--overwrite`` upload into a prefix that holds a previous output, killed (SIGKILL) and
+interrupted (SIGINT) at every step (``CKPTTOOL_TEST_REMOTE_FAULT``), leaves the previous
+output, the new one, or no index; a concurrent writer is refused.
+
+The process killed runs what a remote ``merge`` runs after its local (staged) output is
+complete, ``urls.claimed`` then ``urls.upload``, without the merge before it: the steps before
+the upload are the local ones, which tests/core/test_faults.py kills at every step."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import ckpttool
+from ckpttool.cli import app
+from ckpttool.storage import s3 as remote
+from tests.remote.conftest import BUCKET, S3
+
+ROOT = Path(ckpttool.__file__).resolve().parents[1]
+OLD = "20KB"  # the previous output's shard size
+NEW = "35KB"  # the new one's: other shard names, another index
+
+
+def run(*args: str | Path):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+# What a remote merge does once its staged output is complete; exit codes as the CLI's.
+_PUBLISH = """
+import sys
+from pathlib import Path
+from ckpttool.errors import CkptError
+from ckpttool.core.runtime import urls
+try:
+    with urls.claimed(sys.argv[1], overwrite=True) as url:
+        urls.upload(url, Path(sys.argv[2]), overwrite=True)
+except CkptError as e:
+    print(f"ckpttool: error: {e}", file=sys.stderr)
+    sys.exit(e.exit_code)
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def publish(s3: S3, staged: Path, url: str, *, hook: str | None = None
+            ) -> subprocess.Popen[str]:
+    env = {**os.environ, **s3.env, "PYTHONPATH": str(ROOT)}
+    env.pop("CKPTTOOL_TEST_REMOTE_FAULT", None)
+    if hook is not None:
+        env["CKPTTOOL_TEST_REMOTE_FAULT"] = hook
+    return subprocess.Popen([sys.executable, "-c", _PUBLISH, url, str(staged)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def contents(s3: S3, prefix: str) -> dict[str, bytes]:
+    return {k[len(prefix) + 1:]: s3.client.get_object(Bucket=BUCKET, Key=k)["Body"].read()
+            for k in s3.keys(BUCKET, prefix)}
+
+
+def put_all(s3: S3, prefix: str, files: dict[str, bytes]) -> None:
+    for k in s3.keys(BUCKET, prefix):
+        s3.client.delete_object(Bucket=BUCKET, Key=k)
+    for name, data in files.items():
+        s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{name}", Body=data)
+
+
+def state(found: dict[str, bytes], old: dict[str, bytes], new: dict[str, bytes]) -> str:
+    """"old", "new" or "no index"; anything else fails."""
+    index = "model.safetensors.index.json"
+    found = {k: v for k, v in found.items() if k != remote.LOCK_NAME}
+    if index not in found:
+        return "no index"
+    for name, want in (("old", old), ("new", new)):
+        if found[index] == want[index]:
+            weights = json.loads(want[index])["weight_map"].values()
+            assert all(found.get(f) == want[f] for f in set(weights)), f"{name} index, mixed shards"
+            return name
+    raise AssertionError("an index that is neither the previous nor the new one")
+
+
+@pytest.fixture(scope="module")
+def outputs(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> tuple[dict[str, bytes], dict[str, bytes], Path]:
+    """The previous output's files, the new one's, and the new one staged locally."""
+    tmp = tmp_path_factory.mktemp("faults")
+    got = []
+    for shard in (OLD, NEW):
+        out = tmp / shard
+        r = run("merge", llama_ckpt, out, "--max-shard-size", shard, "-q")
+        assert r.exit_code == 0, r.output
+        got.append({p.name: p.read_bytes() for p in out.iterdir()})
+    assert set(got[0]) != set(got[1])
+    return got[0], got[1], tmp / NEW
+
+
+def test_overwrite_killed_or_interrupted_at_every_step(
+        s3: S3, outputs: tuple[dict[str, bytes], dict[str, bytes], Path],
+        tmp_path: Path) -> None:
+    old, new, staged = outputs
+    prefix = "faults/overwrite"
+    url = f"s3://{BUCKET}/{prefix}"
+    seen = set()
+    for how in ("kill", "interrupt"):
+        step = 1
+        while True:
+            put_all(s3, prefix, old)
+            if how == "kill":
+                p = publish(s3, staged, url, hook=f"kill:{step}")
+                p.communicate(timeout=300)
+            else:
+                mark = tmp_path / f"paused-{step}"
+                p = publish(s3, staged, url, hook=f"pause:{step}:{mark}")
+                while not mark.exists() and p.poll() is None:
+                    time.sleep(0.05)
+                if p.poll() is None:
+                    p.send_signal(signal.SIGINT)
+                p.communicate(timeout=300)
+            found = contents(s3, prefix)
+            seen.add(state(found, old, new))
+            if p.returncode == 0:  # past the last step: it finished
+                assert state(found, old, new) == "new" and remote.LOCK_NAME not in found
+                break
+            if how == "kill":
+                assert p.returncode == -signal.SIGKILL
+                # The killed run's lock stays: the next run is refused, saying how to go on.
+                assert remote.LOCK_NAME in found
+                if step == 1:
+                    again = publish(s3, staged, url)
+                    _, err = again.communicate(timeout=300)
+                    assert again.returncode == 3 and err.count("\n") == 1, err
+                    assert "another ckpttool run is writing this output" in err
+                    assert f"aws s3 rm {url}/{remote.LOCK_NAME}" in err
+            else:
+                assert p.returncode == 130, p.returncode
+                assert remote.LOCK_NAME not in found  # an interrupted run cleans up
+                assert s3.uploads_in_progress(BUCKET) == []
+                # What it did not replace is still there (config.json was deleted before).
+                assert found.get("config.json") == old["config.json"] or \
+                    found.get("config.json") == new["config.json"]
+            step += 1
+    assert seen == {"old", "new", "no index"}
+
+
+def test_a_second_writer_is_refused(s3: S3, llama_ckpt: Path) -> None:
+    url = f"s3://{BUCKET}/faults/two"
+    lock = remote.Lock(remote.parse(url))
+    lock.acquire()
+    try:
+        r = run("merge", llama_ckpt, url)
+        assert r.exit_code == 3
+        assert r.output.startswith(f"ckpttool: error: {url}: another ckpttool run is writing "
+                                   f"this output ({remote.LOCK_NAME} by ")
+        assert s3.keys(BUCKET, "faults/two") == [f"faults/two/{remote.LOCK_NAME}"]
+        # A reader is told that what it reads may be incomplete.
+        r = run("inspect", url)
+        assert "a ckpttool run is writing it, or one was killed while writing it" in r.output
+    finally:
+        lock.release()
+    assert s3.keys(BUCKET, "faults/two") == []
+    assert run("merge", llama_ckpt, url, "-q").exit_code == 0
+    assert remote.LOCK_NAME not in [k.rsplit("/", 1)[1] for k in s3.keys(BUCKET, "faults/two")]

@@ -1,0 +1,36 @@
+"""The store contract on S3 (moto's server on localhost), through the mirror that opens it."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from ckpttool.storage import mirror as mirrors
+from ckpttool.storage.store import Store
+from tests.remote.conftest import BUCKET, S3
+from tests.storage.contract import META, StoreTests
+
+_prefixes = itertools.count()
+
+
+class TestS3Store(StoreTests):
+    @pytest.fixture(autouse=True)
+    def _server(self, s3: S3) -> None:
+        self.s3 = s3
+
+    def store_of(self, files: dict[str, bytes], tmp: Path) -> Store:
+        prefix = f"contract/{next(_prefixes)}"
+        for name, data in files.items():
+            self.s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{name}", Body=data)
+        mirror = mirrors.Mirror(f"s3://{BUCKET}/{prefix}", data_suffixes=(".bin",))
+        store = mirror.open(mirror.dir, metadata_name=META)
+        close = store.close
+
+        def closing() -> None:
+            close()
+            mirror.close()
+
+        store.close = closing  # type: ignore[method-assign]
+        return store

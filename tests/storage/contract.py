@@ -1,0 +1,133 @@
+"""The contract every store keeps, as one base class of tests (zarr's ``StoreTests``):
+:class:`StoreTests`. A new store is one module in ``ckpttool/storage/`` plus one subclass
+that says how to put files into it (:meth:`StoreTests.store_of`); local files run it in
+``tests/storage/test_local_store.py``, object stores on their local servers in
+``tests/remote/``.
+
+Only the :class:`~ckpttool.storage.store.Store` protocol is used, and what a store declares it
+can do (:class:`~ckpttool.storage.store.Capabilities`) decides which tests apply.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from ckpttool.errors import InputError
+from ckpttool.storage.store import Capabilities, Store, read_blocks
+
+# Files every test reads: a few sizes around block edges, and one in a subdirectory.
+FILES = {
+    "a.bin": os.urandom(3 << 20) + b"end",
+    "small.json": b'{"x": 1}',
+    "empty.bin": b"",
+    "sub/b.bin": bytes(range(256)) * 1000,
+}
+META = ".metadata"
+
+
+class StoreTests:
+    """Subclasses implement :meth:`store_of`."""
+
+    def store_of(self, files: dict[str, bytes], tmp: Path) -> Store:
+        """A store whose files are ``files`` (relative name -> bytes); ``tmp``: scratch."""
+        raise NotImplementedError
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Iterator[Store]:
+        store = self.store_of(FILES, tmp_path)
+        try:
+            yield store
+        finally:
+            store.close()
+
+    def test_declares_its_capabilities(self, store: Store) -> None:
+        caps = store.capabilities
+        assert isinstance(caps, Capabilities)
+        assert caps.workers >= 0
+        # A store that maps local files is not one that plans requests ahead.
+        assert not (caps.local_files and caps.many_ranges)
+
+    def test_sizes_and_a_missing_file(self, store: Store) -> None:
+        for name, data in FILES.items():
+            assert store.size(name) == len(data)
+        store.open_all(FILES)
+        with pytest.raises(InputError, match="data file is missing; .metadata references it"):
+            store.open_all(["nope.bin"])
+
+    def test_ranged_reads(self, store: Store) -> None:
+        data = FILES["a.bin"]
+        assert store.pread("a.bin", 10, 5) == data[5:15]
+        assert store.pread("a.bin", 100, len(data) - 3) == b"end"  # fewer at the end
+        assert store.pread("a.bin", 10, len(data)) == b""
+        assert store.pread("empty.bin", 10, 0) == b""
+        assert store.read_exact("sub/b.bin", 1000, 300, what="x") == FILES["sub/b.bin"][1000:1300]
+        assert store.read_exact("a.bin", 0, len(data), what="x") == data
+
+    def test_a_read_past_the_end_names_the_file_and_offset(self, store: Store) -> None:
+        size = len(FILES["a.bin"])
+        with pytest.raises(InputError, match=rf"a.bin: ends at byte {size}, inside tensor 't'"):
+            store.read_exact("a.bin", size - 2, 10, what="tensor 't'")
+
+    def test_readinto(self, store: Store) -> None:
+        buf = bytearray(1 << 20)
+        assert store.readinto("a.bin", 7, memoryview(buf)) == len(buf)
+        assert bytes(buf) == FILES["a.bin"][7:7 + len(buf)]
+        small = bytearray(100)
+        assert store.readinto("small.json", 0, memoryview(small)) == len(FILES["small.json"])
+
+    def test_many_ranges_in_the_order_asked(self, store: Store) -> None:
+        data = FILES["a.bin"]
+        ranges = [(k * 4099 % (len(data) - 500), 500) for k in range(200)][::-1]
+        store.plan_reads([("a.bin", o, n) for o, n in ranges])
+        got = store.read_ranges("a.bin", ranges, what="x")
+        assert got == [data[o:o + n] for o, n in ranges]
+
+    def test_planned_reads_serve_every_thread(self, store: Store) -> None:
+        data = FILES["a.bin"]
+        reads = [("a.bin", o, 64 << 10) for o in range(0, len(data) - (64 << 10), 50_000)]
+        store.plan_reads(reads)
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda r: store.read_exact(r[0], r[1], r[2], what="x"), reads))
+        assert got == [data[o:o + n] for _, o, n in reads]
+
+    def test_copy_into_an_output_file(self, store: Store) -> None:
+        data = FILES["a.bin"]
+        with tempfile.TemporaryFile() as f:
+            store.copy_to("a.bin", 1000, f.fileno(), 5, len(data) - 1000)
+            f.seek(0)
+            assert f.read() == bytes(5) + data[1000:]
+        with tempfile.TemporaryFile() as f, pytest.raises(InputError, match="truncated"):
+            store.copy_to("small.json", 0, f.fileno(), 0, 100)
+
+    @pytest.mark.parametrize("mapped", [True, False])
+    def test_blocks(self, store: Store, mapped: bool) -> None:
+        data = FILES["a.bin"]
+        buf = memoryview(bytearray(1 << 20))
+        got = b"".join(bytes(v) for v in read_blocks(store, "a.bin", 3, len(data), buf,
+                                                     mapped=mapped))
+        assert got == data[3:]  # fewer at the end: the caller says so
+
+    def test_listing(self, store: Store) -> None:
+        if not store.capabilities.listing:
+            pytest.skip("does not list")
+        listed = store.list_files()
+        assert {k: v for k, v in listed.items() if k in FILES} == \
+            {k: len(v) for k, v in FILES.items()}
+
+    def test_mapped_views_only_where_declared(self, store: Store) -> None:
+        if not store.capabilities.local_files:
+            with pytest.raises(NotImplementedError):
+                next(iter(store.views("a.bin", 0, 10, 10)))
+            return
+        views = list(store.views("a.bin", 1, 3 << 20, 1 << 20))
+        assert b"".join(bytes(v) for v in views) == FILES["a.bin"][1:1 + (3 << 20)]
+        del views
+
+    def test_paths_name_the_file(self, store: Store) -> None:
+        assert store.path("sub/b.bin").as_posix().endswith("sub/b.bin")
