@@ -109,8 +109,9 @@ CODES: tuple[Code, ...] = (
     # LoRA
     Code("lora-unsupported", "error", "LoRA adapters",
          "an adapter layout ckpttool does not handle (several adapters...)"),
-    Code("lora-no-alpha", "error", "LoRA adapters",
-         "no `adapter_config.json`, so alpha (the scale) is unknown"),
+    Code("lora-no-alpha", "warning", "LoRA adapters",
+         "no `adapter_config.json` (nor verl's `lora_train_meta.json`), so alpha (the scale) is "
+         "unknown: folding needs `--adapter-config`"),
     Code("lora-config", "error", "LoRA adapters", "`adapter_config.json` cannot be read"),
     Code("lora-dora", "error", "LoRA adapters", "a DoRA adapter (not merged yet)"),
     Code("lora-unpaired", "error", "LoRA adapters", "a `lora_A` without its `lora_B`, or back"),
@@ -122,6 +123,9 @@ CODES: tuple[Code, ...] = (
     Code("lora-untrained", "warning", "LoRA adapters",
          "every `lora_B` is zero: folding changes nothing"),
     # --against
+    Code("unchanged-from-base", "warning", "--against",
+         "every LoRA target weight of a merged model is bit-identical to OTHER: the adapter "
+         "was never folded in (or never trained)"),
     Code("missing-tensor", "error", "--against", "a tensor of PATH is not in OTHER"),
     Code("extra-tensor", "error", "--against", "OTHER holds a tensor PATH does not"),
     Code("shape-differs", "error", "--against", "the same tensor has another shape"),
