@@ -42,7 +42,8 @@ def universal(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("command", ["inspect", "verify", "merge"])
 def test_deepspeed_universal_is_exit_4(universal: Path, tmp_path: Path, where: str, what: str,
                                        command: str) -> None:
-    args = [command, universal / where] + ([tmp_path / "out"] if command == "merge" else [])
+    args: list[str | Path] = [command, universal / where]
+    args += [tmp_path / "out"] if command == "merge" else []
     r = run(*args)
     assert r.exit_code == 4, r.output
     assert r.stderr == f"ckpttool: error: {universal / where}: {what}" + (

@@ -109,8 +109,9 @@ CODES: tuple[Code, ...] = (
     # LoRA
     Code("lora-unsupported", "error", "LoRA adapters",
          "an adapter layout ckpttool does not handle (several adapters...)"),
-    Code("lora-no-alpha", "error", "LoRA adapters",
-         "no `adapter_config.json`, so alpha (the scale) is unknown"),
+    Code("lora-no-alpha", "warning", "LoRA adapters",
+         "no `adapter_config.json` (nor verl's `lora_train_meta.json`), so alpha (the scale) is "
+         "unknown: folding needs `--adapter-config`"),
     Code("lora-config", "error", "LoRA adapters", "`adapter_config.json` cannot be read"),
     Code("lora-dora", "error", "LoRA adapters", "a DoRA adapter (not merged yet)"),
     Code("lora-unpaired", "error", "LoRA adapters", "a `lora_A` without its `lora_B`, or back"),
@@ -122,6 +123,9 @@ CODES: tuple[Code, ...] = (
     Code("lora-untrained", "warning", "LoRA adapters",
          "every `lora_B` is zero: folding changes nothing"),
     # --against
+    Code("unchanged-from-base", "warning", "--against",
+         "every LoRA target weight of a merged model is bit-identical to OTHER: the adapter "
+         "was never folded in (or never trained)"),
     Code("missing-tensor", "error", "--against", "a tensor of PATH is not in OTHER"),
     Code("extra-tensor", "error", "--against", "OTHER holds a tensor PATH does not"),
     Code("shape-differs", "error", "--against", "the same tensor has another shape"),
@@ -137,18 +141,4 @@ CODES: tuple[Code, ...] = (
     Code("manifest-extra", "error", "manifests", "PATH holds a tensor the manifest lacks"),
     Code("manifest-incomplete", "error", "manifests",
          "the manifest was not written: some tensors could not be read"),
-    # receipts (merge --all): a tensor that differs is reported as manifest-mismatch
-    Code("receipt-mismatch", "error", "manifests",
-         "an output file is missing, or its size differs from its merge --all receipt's"),
-    # Megatron-Core's integrity.json (SHA-256 per file), checked when present
-    Code("integrity-mismatch", "error", "integrity.json",
-         "a file's SHA-256 differs from the one `integrity.json` records"),
-    Code("integrity-missing", "error", "integrity.json",
-         "a file `integrity.json` lists is not in the checkpoint"),
-    Code("integrity-outside", "error", "integrity.json",
-         "`integrity.json` names a path outside the checkpoint"),
-    Code("integrity-unreadable", "error", "integrity.json",
-         "`integrity.json` is not readable JSON"),
-    Code("integrity-unknown", "warning", "integrity.json",
-         "`integrity.json` holds no SHA-256 per file that ckpttool knows how to check"),
 )
