@@ -37,12 +37,17 @@ KNOBS: tuple[Knob, ...] = (
          "shared merge"),
     Knob("CKPTTOOL_RESUME_PIECE", str(256 << 20), "bytes of output per piece of a resumable "
          "merge; merges larger than one piece are written resumably"),
+    Knob("CKPTTOOL_ZSTD_MAX_RATIO", "1024", "how many times its compressed size a zstd "
+         "record may claim (past 64 MiB) before it is refused unread; raise it for "
+         "checkpoints of constant tensors"),
     Knob("CKPTTOOL_TEST_FAULT", "", "test hook: kill or pause at a publishing step "
          "(kill:N, pause:N:PIDFILE)", test_only=True),
     Knob("CKPTTOOL_TEST_FAIL_RANK", "", "test hook: fail one process of a shared merge "
          "(WHO:HOW)", test_only=True),
     Knob("CKPTTOOL_TEST_RESUME_KILL", "", "test hook: a resumable merge kills itself after "
          "recording N pieces", test_only=True),
+    Knob("CKPTTOOL_TEST_REMOTE_FAULT", "", "test hook: fail or kill at a step of a remote "
+         "upload", test_only=True),
 )
 
 
@@ -124,6 +129,18 @@ def test_resume_kill() -> int | None:
     (core.merge.resume)."""
     raw = os.environ.get("CKPTTOOL_TEST_RESUME_KILL", "")
     return int(raw) if raw.isdigit() else None
+
+
+def zstd_max_ratio() -> int | None:
+    """How many times its compressed size a zstd record may claim (``CKPTTOOL_ZSTD_MAX_RATIO``,
+    a positive integer); None: the default bound."""
+    raw = os.environ.get("CKPTTOOL_ZSTD_MAX_RATIO", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
+def test_remote_fault() -> str:
+    """Test hook: a fault at a step of a remote upload (storage.outputs)."""
+    return os.environ.get("CKPTTOOL_TEST_REMOTE_FAULT", "")
 
 
 def test_fault() -> str:

@@ -29,9 +29,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 
 from examples.fsdp2_checkpoint import KINDS, MODEL_DIR, start_rank_server, write_checkpoint
 from tests import layouts
+
+# Property tests judge inputs, not speed: a shared or busy machine (CI's two cores, fixture
+# writers running beside them) must not fail them on time.
+hypothesis_settings.register_profile(
+    "ckpttool", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+hypothesis_settings.load_profile("ckpttool")
 
 MakeCheckpoint = Callable[..., Path]
 

@@ -48,6 +48,9 @@ def _configs() -> dict[str, tuple[Any, Any]]:
                             "down_proj", "embed_tokens"],
             rank_pattern={"o_proj": 2}, alpha_pattern={"v_proj": 24},
             modules_to_save=["lm_head"])),
+        "trainer": (llama(), LoraConfig(
+            r=4, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
+            target_modules=["q_proj", "v_proj", "down_proj"])),
         "rslora": (llama(attention_bias=True), LoraConfig(
             r=8, lora_alpha=4, lora_dropout=0.0, use_rslora=True, lora_bias=True,
             target_modules=["q_proj", "v_proj"])),
@@ -118,5 +121,80 @@ def reference(variant_dir: Path) -> Any:
     model = build(variant_dir.name)
     full = torch.load(variant_dir / "full.pt", weights_only=True)
     missing, unexpected = model.load_state_dict(full, strict=True)
+    assert not missing and not unexpected
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------------
+# Trainers that write no adapter_config.json (variant "trainer": r 4, alpha 16)
+
+TRAINER = "trainer"
+
+
+def _verl_job(rank: int, world_size: int, out: Path) -> None:
+    """verl's FSDP checkpoint manager with a PEFT model: each rank saves its
+    ``model.state_dict()`` (DTensors, PEFT names) as ``model_world_size_<W>_rank_<R>.pt``; rank 0
+    writes ``lora_train_meta.json`` ({"r", "lora_alpha", "task_type"}, verl's fields) and the
+    base config under ``huggingface/``. No adapter_config.json."""
+    import json
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = build(TRAINER)
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    train, _ = batch()
+    model(input_ids=train, labels=train).loss.backward()
+    optim.step()
+    actor = out / "global_step_1" / "actor"
+    actor.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
+    torch.save(state, actor / f"model_world_size_{world_size}_rank_{rank}.pt")
+    full = _full(state)
+    if rank == 0:
+        lora = model.peft_config["default"]
+        (actor / "lora_train_meta.json").write_text(json.dumps(
+            {"r": lora.r, "lora_alpha": lora.lora_alpha, "task_type": lora.task_type}))
+        build_base(TRAINER).config.save_pretrained(str(actor / "huggingface"))
+        torch.save(full, out / "full.pt")
+
+
+def write_verl_lora(out: Path) -> Path:
+    """:func:`_verl_job` on :data:`WORLD` ranks: ``out/global_step_1/actor``, reference
+    ``out/full.pt`` (the trained PEFT model's full state dict). Returns ``out``."""
+    _run(_verl_job, WORLD, out)
+    return out
+
+
+def write_accelerate_lora(out: Path) -> Path:
+    """accelerate's ``save_state`` of a PEFT model after one step, in this process (CPU, no
+    FSDP), with automatic checkpoint naming: ``out/checkpoints/checkpoint_0/model.safetensors``
+    (PEFT names, base weights and adapter), optimizer, scheduler and RNG files; no
+    adapter_config.json. Reference ``out/full.pt``. Returns ``out``."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=str(out), automatic_checkpoint_naming=True))
+    model = build(TRAINER)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, optim = accelerator.prepare(model, optim)
+    train, _ = batch()
+    accelerator.backward(model(input_ids=train, labels=train).loss)
+    optim.step()
+    accelerator.save_state()
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / "full.pt")
+    return out
+
+
+def trained(full: Path) -> Any:
+    """The trained PEFT model of variant "trainer" from a writer's full state dict."""
+    model = build(TRAINER)
+    missing, unexpected = model.load_state_dict(torch.load(full, weights_only=True),
+                                                strict=True)
     assert not missing and not unexpected
     return model.eval()

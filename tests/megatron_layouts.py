@@ -67,6 +67,9 @@ class Variant:
     vocab: int = VOCAB
     dtype: str = "float32"
     reference: bool = True  # also write reference.pt (benchmarks do without)
+    experts: int = 0  # a mixture of experts in every layer (SequentialMLP), top-2 routing
+    moe_ffn: int = 24
+    ep: int = 1
 
 
 VARIANTS = {v.name: v for v in (
@@ -76,6 +79,8 @@ VARIANTS = {v.name: v for v in (
     Variant("llama-tied", "llama", tied=True, groups=4),
     Variant("qwen2-tp2", "qwen2", tp=2, qkv_bias=True),
     Variant("qwen3", "qwen3", qk_norm=True, kv_channels=16, tied=True),
+    Variant("qwen3_moe-ep2", "qwen3_moe", qk_norm=True, experts=4, ep=2),
+    Variant("mixtral-ep2", "mixtral", experts=4, ep=2, moe_ffn=48),
 )}
 
 
@@ -97,7 +102,8 @@ def _args(v: Variant) -> argparse.Namespace:
         seq_length=16, padded_vocab_size=padded_vocab(v.tp, vocab=v.vocab),
         make_vocab_size_divisible_by=16,
         tensor_model_parallel_size=v.tp, pipeline_model_parallel_size=v.pp,
-        expert_model_parallel_size=1, num_experts=None, swiglu=True, normalization="RMSNorm",
+        expert_model_parallel_size=v.ep, num_experts=v.experts or None,
+        moe_ffn_hidden_size=v.moe_ffn if v.experts else None, swiglu=True, normalization="RMSNorm",
         norm_epsilon=1e-6, untie_embeddings_and_output_weights=not v.tied,
         vocab_size=v.vocab,
         add_qkv_bias=v.qkv_bias, add_bias_linear=False, qk_layernorm=v.qk_norm,
@@ -109,7 +115,7 @@ def _args(v: Variant) -> argparse.Namespace:
         // (v.tp * v.pp), consumed_train_samples=8, use_distributed_optimizer=False)
 
 
-def _model(v: Variant, tp: int, pp: int) -> Any:
+def _model(v: Variant, tp: int, pp: int, ep: int = 1) -> Any:
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -126,8 +132,9 @@ def _model(v: Variant, tp: int, pp: int) -> Any:
         pipeline_dtype=getattr(torch, v.dtype), bf16=v.dtype == "bfloat16",
         transformer_impl="local", persist_layer_norm=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, attention_dropout=0.0,
-        hidden_dropout=0.0)
-    spec = get_gpt_layer_local_spec(qk_layernorm=v.qk_norm, normalization="RMSNorm")
+        hidden_dropout=0.0, **_moe_config(v, ep))
+    spec = get_gpt_layer_local_spec(num_experts=v.experts or None, moe_grouped_gemm=False,
+                                    qk_layernorm=v.qk_norm, normalization="RMSNorm")
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=padded_vocab(v.tp, vocab=v.vocab),
                      max_sequence_length=64, position_embedding_type="rope",
@@ -135,6 +142,17 @@ def _model(v: Variant, tp: int, pp: int) -> Any:
                      pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage())
     return model
+
+
+def _moe_config(v: Variant, ep: int) -> dict[str, Any]:
+    """Top-2 softmax routing renormalised over the chosen experts (Qwen3-MoE's and Mixtral's),
+    the allgather dispatcher (the alltoall one asks for a CUDA stream), no aux loss."""
+    if not v.experts:
+        return {}
+    return dict(num_moe_experts=v.experts, moe_ffn_hidden_size=v.moe_ffn, moe_router_topk=2,
+                expert_model_parallel_size=ep, moe_token_dispatcher_type="allgather",
+                moe_grouped_gemm=False, moe_router_load_balancing_type="none",
+                moe_router_score_function="softmax", moe_router_pre_softmax=False)
 
 
 def _vary_norms_and_biases(model: Any) -> None:
@@ -183,11 +201,12 @@ def _save(v: Variant, run: Path) -> None:
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(tensor_model_parallel_size=v.tp,
-                                 pipeline_model_parallel_size=v.pp)
+                                 pipeline_model_parallel_size=v.pp,
+                                 expert_model_parallel_size=v.ep)
     # use_cpu_initialization: every rank draws the full weights from torch's own generator
     # and keeps its slice, so the same seed gives the same model at any TP.
     torch.manual_seed(1234 + len(v.name))
-    model = _model(v, v.tp, v.pp)
+    model = _model(v, v.tp, v.pp, v.ep)
     _vary_norms_and_biases(model)
     state = {"args": _args(v), "checkpoint_version": 3.0, "iteration": ITERATION,
              "num_floating_point_operations_so_far": 1.5e9,
@@ -209,6 +228,13 @@ def _reference(v: Variant, run: Path) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
+    if v.experts:
+        # megatron-core 0.16 without Transformer Engine: the router's gating asks
+        # ``te_general_gemm is not None`` of a name it only defines when TE imports
+        # (NameError); None is what it means there, and selects its plain torch.mm path.
+        from megatron.core.transformer.moe import moe_utils
+
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
     ps.initialize_model_parallel()
     # Megatron's own inference RNG tracker: the forward pass forks no CUDA generator.
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -263,19 +289,30 @@ def hf_config(v: Variant) -> dict[str, Any]:
     import transformers
 
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "qwen3": transformers.Qwen3Config}[v.family]
+           "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
+           "mixtral": transformers.MixtralConfig}[v.family]
     kwargs: dict[str, Any] = dict(
         vocab_size=v.vocab, hidden_size=v.hidden, intermediate_size=v.ffn,
         num_hidden_layers=v.layers, num_attention_heads=v.heads, num_key_value_heads=v.groups,
         max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=v.tied,
-        torch_dtype=v.dtype)
+        torch_dtype=v.dtype,
+        # Megatron's rotary_base (10000); Mixtral's config defaults to 1e6.
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if v.family == "llama":
         kwargs.update(attention_bias=False, mlp_bias=False, head_dim=v.hidden // v.heads)
-    if v.family == "qwen3":
-        kwargs.update(head_dim=v.kv_channels, attention_bias=False)
+    if v.family in ("qwen3", "qwen3_moe"):
+        kwargs.update(head_dim=v.kv_channels or v.hidden // v.heads, attention_bias=False)
+    if v.family == "qwen3_moe":
+        kwargs.update(num_experts=v.experts, num_experts_per_tok=2, norm_topk_prob=True,
+                      moe_intermediate_size=v.moe_ffn, decoder_sparse_step=1,
+                      mlp_only_layers=[], router_aux_loss_coef=0.0)
+    if v.family == "mixtral":  # experts as wide as intermediate_size
+        kwargs.update(num_local_experts=v.experts, num_experts_per_tok=2,
+                      intermediate_size=v.moe_ffn, head_dim=v.hidden // v.heads)
     config = cls(**kwargs)
     config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                             "qwen3": "Qwen3ForCausalLM"}[v.family]]
+                             "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                             "mixtral": "MixtralForCausalLM"}[v.family]]
     return dict(config.to_dict())
 
 
@@ -323,13 +360,27 @@ def hf_reference(run: Path) -> dict[str, torch.Tensor]:
             out[f"{h}self_attn.q_proj.{suffix}"] = grouped[:, :-2].reshape(-1, *rest)
             out[f"{h}self_attn.k_proj.{suffix}"] = grouped[:, -2].reshape(-1, *rest)
             out[f"{h}self_attn.v_proj.{suffix}"] = grouped[:, -1].reshape(-1, *rest)
-        gate, up = sd[f"{m}mlp.linear_fc1.weight"].chunk(2)
         out.update({
             f"{h}input_layernorm.weight": sd[f"{m}input_layernorm.weight"],
             f"{h}self_attn.o_proj.weight": sd[f"{m}self_attention.linear_proj.weight"],
-            f"{h}post_attention_layernorm.weight": sd[f"{m}pre_mlp_layernorm.weight"],
-            f"{h}mlp.gate_proj.weight": gate, f"{h}mlp.up_proj.weight": up,
-            f"{h}mlp.down_proj.weight": sd[f"{m}mlp.linear_fc2.weight"]})
+            f"{h}post_attention_layernorm.weight": sd[f"{m}pre_mlp_layernorm.weight"]})
+        experts = config.get("num_experts") or config.get("num_local_experts")
+        if not experts:
+            gate, up = sd[f"{m}mlp.linear_fc1.weight"].chunk(2)
+            out.update({f"{h}mlp.gate_proj.weight": gate, f"{h}mlp.up_proj.weight": up,
+                        f"{h}mlp.down_proj.weight": sd[f"{m}mlp.linear_fc2.weight"]})
+        else:
+            mixtral = config["model_type"] == "mixtral"
+            block = "block_sparse_moe" if mixtral else "mlp"
+            names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+            out[f"{h}{block}.gate.weight"] = sd[f"{m}mlp.router.weight"]
+            for e in range(experts):
+                x = f"{m}mlp.experts.local_experts.{e}."
+                gate, up = sd[f"{x}linear_fc1.weight"].chunk(2)
+                out.update({f"{h}{block}.experts.{e}.{names[0]}.weight": gate,
+                            f"{h}{block}.experts.{e}.{names[1]}.weight": up,
+                            f"{h}{block}.experts.{e}.{names[2]}.weight":
+                                sd[f"{x}linear_fc2.weight"]})
         for norm in ("q", "k"):
             value = sd.get(f"{m}self_attention.{norm}_layernorm.weight")
             if value is not None:
@@ -347,11 +398,19 @@ def native_reference(run: Path) -> dict[str, torch.Tensor]:
                 "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
     out: dict[str, torch.Tensor] = {}
     layers: dict[str, list[torch.Tensor]] = {}
+    experts: dict[str, list[torch.Tensor]] = {}
     for name, value in sd.items():
-        if name.startswith("decoder.layers."):
-            rest = name.split(".", 3)[3]
-            layers.setdefault(f"decoder.layers.{saved_as.get(rest, rest)}", []).append(value)
-        else:
+        if not name.startswith("decoder.layers."):
             out[name] = value
+            continue
+        rest = name.split(".", 3)[3]
+        if rest.startswith("mlp.experts.local_experts."):  # [L, E, ...]: experts stacked too
+            key = "mlp.experts.experts." + rest.split(".", 4)[4]
+            experts.setdefault(f"{name.split('.')[2]}.{key}", []).append(value)
+            continue
+        layers.setdefault(f"decoder.layers.{saved_as.get(rest, rest)}", []).append(value)
+    for key, values in experts.items():
+        layers.setdefault(f"decoder.layers.{key.split('.', 1)[1]}", []).append(
+            torch.stack(values))
     out.update({k: torch.stack(v) for k, v in layers.items()})
     return out

@@ -94,3 +94,14 @@ def test_every_problem_code_is_documented_and_every_documented_code_is_emitted()
     emitted = _emitted_codes()
     assert emitted - documented == set(), "add these to ckpttool/core/verify/codes.py"
     assert documented - emitted == set(), "no check emits these any more"
+
+
+def test_every_environment_variable_read_is_documented() -> None:
+    from ckpttool import settings
+
+    used = set()
+    for path in (ROOT / "ckpttool").rglob("*.py"):
+        used |= set(re.findall(r"\bCKPTTOOL_[A-Z][A-Z_]*[A-Z]\b", path.read_text()))
+    # _CKPTTOOL_COMPLETE is the shell-completion hook, not a knob
+    used -= {"CKPTTOOL_COMPLETE", "CKPTTOOL_TEST"}
+    assert used - {k.name for k in settings.KNOBS} == set()

@@ -37,7 +37,8 @@ EXIT_MEANINGS: tuple[tuple[int, str], ...] = (
     (EXIT_UNSUPPORTED, "a valid checkpoint using something not supported yet, or a library it "
                        "needs that is not installed (torch, zstandard, boto3)"),
     (EXIT_BUG, "internal error: a bug in ckpttool (traceback shown; please report it)"),
-    (EXIT_INTERRUPTED, "interrupted (Ctrl-C); temporary files removed"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C); temporary files removed, except the finished "
+                       "pieces of a large merge, which the same command resumes from"),
 )
 
 

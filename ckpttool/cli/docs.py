@@ -11,7 +11,8 @@ A generated table sits between two markers in a page::
 
 and is rewritten from its source: the option lists from the Typer app itself, the formats from
 ``formats/registry.py``, the verify codes from ``core/verify/codes.py``, the exit codes from
-``cli/common.py``. tests/test_docs.py fails when a committed page differs from what this writes,
+``cli/common.py``, the environment variables from ``settings.py``. tests/test_docs.py
+fails when a committed page differs from what this writes,
 so the documentation cannot drift from the code. ``make docs`` runs both.
 
 Links: a relative link must name a file that exists (and a heading that exists, for
@@ -115,7 +116,7 @@ def generators() -> dict[str, Callable[[], str]]:
     """Each generated block's name -> the function that writes its body."""
     found: dict[str, Callable[[], str]] = {
         "formats": formats_table, "verify-codes": codes_table, "exit-codes": exit_codes_table,
-        "settings": settings.table}
+        "environment": settings.table}
     for command in COMMANDS:
         found[f"options-{command}"] = lambda c=command: options_table(c)  # type: ignore[misc]
     return found

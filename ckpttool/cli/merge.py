@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -37,6 +37,9 @@ from ckpttool.cli.common import (
 )
 from ckpttool.storage.outputs import take_stale_notes
 
+if TYPE_CHECKING:
+    from ckpttool.core.merge.operation import MergeReport
+
 EPILOG = epilog([
     "ckpttool merge checkpoint-500/pytorch_model_fsdp_0 out/",
     "ckpttool merge checkpoint-500 out/ --dtype bf16 --max-shard-size 2GB",
@@ -58,9 +61,10 @@ EPILOG = epilog([
 
 # The name maps of ckpttool.core.transforms.namemaps (NAMES), spelled here so that --help
 # imports no core.
-NAME_MAPS = ("megatron-llama", "megatron-qwen2", "megatron-qwen3", "torchtitan-llama3",
-             "torchtitan-qwen3", "torchtitan-deepseek-v3", "torchtitan-gpt-oss",
-             "torchtune-llama", "torchtune-qwen2")
+NAME_MAPS = ("megatron-llama", "megatron-qwen2", "megatron-qwen3", "megatron-qwen3_moe",
+             "megatron-mixtral", "torchtitan-llama3", "torchtitan-qwen3",
+             "torchtitan-deepseek-v3", "torchtitan-gpt-oss", "torchtune-llama",
+             "torchtune-qwen2")
 
 
 def names_choice(value: str | None) -> str | None:
@@ -94,81 +98,25 @@ def merge_command(
         "--keep-tied", help="Write both tied embedding copies even when identical.")] = False,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace model weights already in OUT.")] = False,
-    lora: Annotated[str | None, typer.Option(
-        "--lora", metavar="[fuse|adapter]", callback=_lora_choice,
-        autocompletion=completer(("fuse", "fold the adapter into the weights"),
-                                 ("adapter", "write the adapter alone, for PEFT")),
-        help="For a checkpoint with a LoRA adapter: fuse (fold W + scale * B @ A into the "
-        "weights; the default when the base weights are there) or adapter (a PEFT adapter "
-        "directory). alpha comes from adapter_config.json.")] = None,
-    adapter: Annotated[Path | None, typer.Option(
-        metavar="DIR", help="A PEFT adapter directory (adapter_model.safetensors + "
-        "adapter_config.json) to fold into SRC, a model with full weights.")] = None,
-    adapter_config: Annotated[Path | None, typer.Option(
-        metavar="PATH", help="PEFT's adapter_config.json (or its directory), where it is not "
-        "beside the checkpoint or the adapter.")] = None,
-    part: Annotated[str | None, typer.Option(
-        "--part", metavar="PART", callback=_part_choice,
-        autocompletion=completer(("model", "model.safetensors"),
-                                 ("optimizer", "optimizer.safetensors + optimizer.json")),
-        help="What to write of a checkpoint that holds more than the model (optimizer, lr "
-        "scheduler, dataloader...): model (model.safetensors) or optimizer "
-        "(optimizer.safetensors + optimizer.json). Default: the model; the rest is reported.")
-    ] = None,
+    lora: _LoraOption = None,
+    adapter: _AdapterOption = None,
+    adapter_config: _AdapterConfigOption = None,
+    part: _PartOption = None,
     no_progress: NoProgress = False,
     follow_links: FollowLinks = False,
-    names: Annotated[str | None, typer.Option(
-        callback=names_choice, metavar="MAP",
-        autocompletion=completer(*((m, "torchtitan names to Hugging Face's") for m in NAME_MAPS)),
-        help=f"Map a training framework's names and "
-        f"layouts to a Hugging Face model family's: {', '.join(NAME_MAPS)} (renames, RoPE "
-        "permutation, "
-        "fused wqkv and grouped-expert splits). Needs the model's config.json (--config). A "
-        "Megatron-Core model gets its family's map (megatron-*) unasked; none keeps the "
-        "stored names.")
-    ] = None,
-    layout: Annotated[str, typer.Option(
-        "--layout", metavar="[hub|stored]", callback=_layout_choice,
-        help="hub: write what save_pretrained writes for config.json's model family "
-        "(experts one tensor each, vision-language models' hub names), as every loader "
-        "reads it; stored: transformers 5's runtime names and fused experts as stored.")
-    ] = "hub",
+    names: _NamesOption = None,
+    layout: _LayoutOption = "hub",
     workers: Workers = None,
-    dry_run: Annotated[bool, typer.Option(
-        "--dry-run", help="Show what would be written (files, sizes, every tensor's name, "
-        "dtype and shape) after every check a merge makes, and write nothing: OUT is not "
-        "created.")] = False,
-    slice_: Annotated[str | None, typer.Option(
-        "--slice", metavar="I/N", help="Without a launcher (array jobs): write share I of N "
-        "(0 <= I < N) into OUT's temporary files; then run once with --finish. Under torchrun "
-        "the work is shared without it.")] = None,
-    finish: Annotated[bool, typer.Option(
-        "--finish", help="After every --slice I/N of this merge: check and put the output in "
-        "place (same SRC, OUT and options).")] = False,
-    all_: Annotated[bool, typer.Option(
-        "--all", help="SRC is a training run directory: merge every complete checkpoint in "
-        "it (checkpoint-N/, global_stepN/, step-N/... whatever the format), in step order, "
-        "each into OUT/<its name>/ with a receipt; those merged already are skipped.")
-    ] = False,
-    steps: Annotated[str | None, typer.Option(
-        metavar="STEPS", help="With --all: which checkpoints, by step: 1000-5000, 500,1500, "
-        "'every 1000', latest, joined by commas.")] = None,
-    watch: Annotated[bool, typer.Option(
-        "--watch", help="With --all: keep going, merging each new checkpoint once it is "
-        "complete, until Ctrl-C.")] = False,
-    poll: Annotated[float, typer.Option(
-        metavar="SECONDS", min=0.0, help="With --watch: seconds between looks at RUN.")
-    ] = 30.0,
-    then: Annotated[str | None, typer.Option(
-        metavar="CMD", help="With --all: a shell command to run after each merge; {out}, "
-        "{src}, {step} and {name} are replaced (quoted). A non-zero exit fails the checkpoint."
-    )] = None,
-    task: Annotated[str | None, typer.Option(
-        metavar="I/N", help="With --all: merge only task I's share of N (array jobs), "
-        "balanced by bytes; every task computes the same shares.")] = None,
-    settle: Annotated[float, typer.Option(
-        metavar="SECONDS", min=0.0, help="With --all: a checkpoint whose files changed less "
-        "than this long ago is still being written, and waits.")] = 5.0,
+    dry_run: _DryRunOption = False,
+    slice_: _SliceOption = None,
+    finish: _FinishOption = False,
+    all_: _AllOption = False,
+    steps: _StepsOption = None,
+    watch: _WatchOption = False,
+    poll: _PollOption = 30.0,
+    then: _ThenOption = None,
+    task: _TaskOption = None,
+    settle: _SettleOption = 5.0,
     json_output: JsonOutput = False,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="Print nothing but errors.")] = False,
@@ -178,6 +126,10 @@ def merge_command(
     With --all, every checkpoint of a training run."""
     from ckpttool.cli import sweep
 
+    quiet_or_verbose(quiet, verbose)
+    if all_ and verbose:
+        raise typer.BadParameter("applies to one checkpoint; with --all each line already says "
+                                 "what was merged, where and in how long", param_hint="--verbose")
     sweep.check_flags(all_=all_, given={"--steps": steps is not None, "--watch": watch,
                                         "--poll": poll != 30.0, "--then": then is not None,
                                         "--task": task is not None, "--settle": settle != 5.0},
@@ -188,14 +140,14 @@ def merge_command(
             src, out, merge_options={
                 "dtype": dtype, "max_shard_size": max_shard_size, "config": config,
                 "keep_tied": keep_tied, "lora": lora, "adapter": adapter,
-                "adapter_config": adapter_config, "part": part, "names": names},
+                "adapter_config": adapter_config, "part": part, "names": names,
+                "layout": layout},
             steps=steps, task=task, overwrite=overwrite, dry_run=dry_run, settle=settle,
             watch=watch, poll=poll, then=then, workers=workers, follow_links=follow_links,
             json_output=json_output, quiet=quiet)
         return
     from ckpttool.core.merge.operation import merge
 
-    quiet_or_verbose(quiet, verbose)
     phases = Phases(verbose)
     if slice_ is not None and finish:
         raise typer.BadParameter("--slice writes one share, --finish commits them all: run "
@@ -272,11 +224,24 @@ def _print_human(r: object) -> None:
     from ckpttool.core.merge.operation import MergeReport
 
     assert isinstance(r, MergeReport)
+    lines = _head_lines(r) + _size_lines(r) + _name_lines(r) + _tie_lines(r)
+    if r.lora:
+        lines += _lora_lines(r.lora)
+    lines += _rest_lines(r)
+    lines = [printable(line) for line in lines]  # names from the checkpoint: never raw
+    if r.dry_run:
+        lines += ["", _plan_table(printable_doc(r.tensors))]
+    print("\n".join(lines))
+
+
+
+
+def _head_lines(r: MergeReport) -> list[str]:
+    """What was merged where, how it was shared or resumed, which directory was used."""
     what = ("optimizer state" if r.kind == "optimizer"
             else "LoRA adapter" if r.lora and r.lora["mode"] == "adapter" else "model")
     lines = ([f"dry run: would merge {what} {r.checkpoint} -> {r.out} (nothing written)"]
              if r.dry_run else [f"merged {what} {r.checkpoint} -> {r.out} in {r.seconds:.1f} s"])
-    did = "would write" if r.dry_run else "wrote"
     if r.distributed:
         d = r.distributed
         how = {"torchrun": "processes (torchrun)", "slices": "slices",
@@ -304,6 +269,13 @@ def _print_human(r: object) -> None:
     note = storage_note(r.storage)
     if note:
         lines.append(f"  source: {r.format}, {note}")
+    return lines
+
+
+def _size_lines(r: MergeReport) -> list[str]:
+    """The files written, counts, and bytes per dtype."""
+    did = "would write" if r.dry_run else "wrote"
+    lines: list[str] = []
     for f in r.files:
         tensors = f" ({count(f['tensors'], 'tensor')})" if f["tensors"] else ""
         lines.append(f"  {did} {f['name']}: {human_bytes(f['bytes'])}{tensors}")
@@ -316,6 +288,12 @@ def _print_human(r: object) -> None:
     else:  # nothing cast: one figure (a tied copy written once is said on its own line)
         why = r.dtype["source"].removesuffix(", dtypes kept")
         lines.append(f"  dtypes kept as stored ({why}): {before}")
+    return lines
+
+
+def _name_lines(r: MergeReport) -> list[str]:
+    """Renames, the name map, where config.json came from, the hub layout."""
+    lines: list[str] = []
     if r.renames and r.lora:
         lines.append(f"  renamed to the base model's names ({len(r.renames)} stored names; "
                      "PEFT's base_model.model. and .base_layer removed; all in --json)")
@@ -348,6 +326,11 @@ def _print_human(r: object) -> None:
         lines.append(f"  layout of save_pretrained ({', '.join(lay['families'])}): "
                      f"{lay['split']} fused tensors split into per-expert tensors, "
                      f"{lay['renamed']} renamed (--layout stored keeps them as stored)")
+    return lines
+
+
+def _tie_lines(r: MergeReport) -> list[str]:
+    lines: list[str] = []
     if r.tie:
         t = r.tie
         if t["action"] == "deduplicated":
@@ -358,8 +341,12 @@ def _print_human(r: object) -> None:
         else:
             state = "identical" if t["identical"] else "different"
             lines.append(f"  tie candidates {t['output']} / {t['input']}: {state}; both written")
-    if r.lora:
-        lines += _lora_lines(r.lora)
+    return lines
+
+
+def _rest_lines(r: MergeReport) -> list[str]:
+    """Non-tensor entries, the parts left out, the side files copied, config changes."""
+    lines: list[str] = []
     written = [o for o in r.non_tensor if o.get("part", r.kind) == r.kind]
     if r.kind == "optimizer" and written:
         lines.append(f"  {len(written)} non-tensor entries (param groups...) written to "
@@ -386,10 +373,7 @@ def _print_human(r: object) -> None:
         lines.append(f"  {'would copy' if r.dry_run else 'copied'} {', '.join(r.copied)}")
     for change in r.config_changes:
         lines.append(f"  config.json: {change}")
-    lines = [printable(line) for line in lines]  # names from the checkpoint: never raw
-    if r.dry_run:
-        lines += ["", _plan_table(printable_doc(r.tensors))]
-    print("\n".join(lines))
+    return lines
 
 
 def _verbose(r: Any, phases: Phases) -> list[str]:
@@ -431,3 +415,95 @@ def _lora_lines(lo: dict[str, Any]) -> list[str]:
     if lo.get("other"):
         lines.append(f"  ({lo['other']})")
     return lines
+
+
+# merge's longer options, declared once here so that the command's signature stays a list
+# (after the callbacks they name; the annotations are read when the app runs).
+_LoraOption = Annotated[str | None, typer.Option(
+        "--lora", metavar="[fuse|adapter]", callback=_lora_choice,
+        autocompletion=completer(("fuse", "fold the adapter into the weights"),
+                                 ("adapter", "write the adapter alone, for PEFT")),
+        help="For a checkpoint with a LoRA adapter: fuse (fold W + scale * B @ A into the "
+        "weights; the default when the base weights are there) or adapter (a PEFT adapter "
+        "directory). alpha comes from adapter_config.json.")]
+
+_AdapterOption = Annotated[Path | None, typer.Option(
+        metavar="DIR", help="A PEFT adapter directory (adapter_model.safetensors + "
+        "adapter_config.json) to fold into SRC, a model with full weights.")]
+
+_AdapterConfigOption = Annotated[Path | None, typer.Option(
+        metavar="PATH", help="PEFT's adapter_config.json (or its directory), where it is not "
+        "beside the checkpoint or the adapter.")]
+
+_PartOption = Annotated[str | None, typer.Option(
+        "--part", metavar="PART", callback=_part_choice,
+        autocompletion=completer(("model", "model.safetensors"),
+                                 ("optimizer", "optimizer.safetensors + optimizer.json")),
+        help="What to write of a checkpoint that holds more than the model (optimizer, lr "
+        "scheduler, dataloader...): model (model.safetensors) or optimizer "
+        "(optimizer.safetensors + optimizer.json). Default: the model; the rest is reported.")
+    ]
+
+_NamesOption = Annotated[str | None, typer.Option(
+        callback=names_choice, metavar="MAP",
+        autocompletion=completer(*((m, f"{m.split('-')[0]} names to Hugging Face's")
+                                 for m in NAME_MAPS)),
+        help=f"Map a training framework's names and "
+        f"layouts to a Hugging Face model family's: {', '.join(NAME_MAPS)} (renames, RoPE "
+        "permutation, "
+        "fused wqkv and grouped-expert splits). Needs the model's config.json (--config). A "
+        "Megatron-Core model gets its family's map (megatron-*) unasked; none keeps the "
+        "stored names.")
+    ]
+
+_LayoutOption = Annotated[str, typer.Option(
+        "--layout", metavar="[hub|stored]", callback=_layout_choice,
+        help="hub: write what save_pretrained writes for config.json's model family "
+        "(experts one tensor each, vision-language models' hub names), as every loader "
+        "reads it; stored: transformers 5's runtime names and fused experts as stored.")
+    ]
+
+_DryRunOption = Annotated[bool, typer.Option(
+        "--dry-run", help="Show what would be written (files, sizes, every tensor's name, "
+        "dtype and shape) after every check a merge makes, and write nothing: OUT is not "
+        "created.")]
+
+_SliceOption = Annotated[str | None, typer.Option(
+        "--slice", metavar="I/N", help="Without a launcher (array jobs): write share I of N "
+        "(0 <= I < N) into OUT's temporary files; then run once with --finish. Under torchrun "
+        "the work is shared without it.")]
+
+_FinishOption = Annotated[bool, typer.Option(
+        "--finish", help="After every --slice I/N of this merge: check and put the output in "
+        "place (same SRC, OUT and options).")]
+
+_AllOption = Annotated[bool, typer.Option(
+        "--all", help="SRC is a training run directory: merge every complete checkpoint in "
+        "it (checkpoint-N/, global_stepN/, step-N/... whatever the format), in step order, "
+        "each into OUT/<its name>/ with a receipt; those merged already are skipped.")
+    ]
+
+_StepsOption = Annotated[str | None, typer.Option(
+        metavar="STEPS", help="With --all: which checkpoints, by step: 1000-5000, 500,1500, "
+        "'every 1000', latest, joined by commas.")]
+
+_WatchOption = Annotated[bool, typer.Option(
+        "--watch", help="With --all: keep going, merging each new checkpoint once it is "
+        "complete, until Ctrl-C.")]
+
+_PollOption = Annotated[float, typer.Option(
+        metavar="SECONDS", min=0.0, help="With --watch: seconds between looks at RUN.")
+    ]
+
+_ThenOption = Annotated[str | None, typer.Option(
+        metavar="CMD", help="With --all: a shell command to run after each merge; {out}, "
+        "{src}, {step} and {name} are replaced (quoted). A non-zero exit fails the checkpoint."
+    )]
+
+_TaskOption = Annotated[str | None, typer.Option(
+        metavar="I/N", help="With --all: merge only task I's share of N (array jobs), "
+        "balanced by bytes; every task computes the same shares.")]
+
+_SettleOption = Annotated[float, typer.Option(
+        metavar="SECONDS", min=0.0, help="With --all: a checkpoint whose files changed less "
+        "than this long ago is still being written, and waits.")]

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from ckpttool.cli.common import err, exit_codes, human_bytes
+
+if TYPE_CHECKING:  # not at import: --help stays light
+    from ckpttool.core.merge.sweep import Outcome
 
 # The flags that only --all takes, as the user types them.
 SWEEP_FLAGS = ("--steps", "--watch", "--poll", "--then", "--task", "--settle")
@@ -48,19 +51,15 @@ def sweep_command(run: str, out_root: str, *, merge_options: dict[str, Any], ste
     from ckpttool.core.merge import sweep as sweeps
 
     report: sweeps.SweepReport | None = None
+    outcomes: list[Outcome] = []
 
-    def show(o: sweeps.Outcome) -> None:
+    def show(o: Outcome) -> None:
+        outcomes.append(o)
         if json_output:
             sys.stdout.write(json.dumps(o.to_json(), separators=(",", ":")) + "\n")
             sys.stdout.flush()
         elif not quiet or o.status == sweeps.FAILED:
             print(outcome_line(o), flush=True)
-
-    outcomes: list[sweeps.Outcome] = []
-
-    def collect(o: sweeps.Outcome) -> None:
-        outcomes.append(o)
-        show(o)
 
     with exit_codes():
         try:
@@ -69,7 +68,7 @@ def sweep_command(run: str, out_root: str, *, merge_options: dict[str, Any], ste
                 steps=sweeps.parse_steps(steps) if steps is not None else None,
                 task=sweeps.parse_task(task) if task is not None else None,
                 overwrite=overwrite, dry_run=dry_run, settle=settle, watch=watch, poll=poll,
-                then=then, workers=workers, follow_links=follow_links, on_outcome=collect)
+                then=then, workers=workers, follow_links=follow_links, on_outcome=show)
         finally:
             if not quiet and (report is not None or outcomes):
                 err(summary(outcomes, dry_run=dry_run, watch=watch))
@@ -78,7 +77,7 @@ def sweep_command(run: str, out_root: str, *, merge_options: dict[str, Any], ste
         raise typer.Exit(report.exit_code)
 
 
-def outcome_line(o: Any) -> str:
+def outcome_line(o: Outcome) -> str:
     """One line per checkpoint: what became of it, where, why."""
     what = {"merged": "merged", "done": "skipped", "changed": "left", "waiting": "waiting",
             "failed": "FAILED", "would merge": "would merge"}.get(o.status, o.status)
@@ -96,7 +95,7 @@ def outcome_line(o: Any) -> str:
     return line
 
 
-def summary(outcomes: list[Any], *, dry_run: bool, watch: bool) -> str:
+def summary(outcomes: list[Outcome], *, dry_run: bool, watch: bool) -> str:
     """The end of a sweep, in words: how many of each, and which failed."""
     counts: dict[str, int] = {}
     for o in outcomes:

@@ -32,8 +32,9 @@ the few DeepSpeed globals these files name (the ZeRO stage enum, the loss scaler
 addresses) and the ``torch.Tensor`` rebuild ZeRO-3 uses for its partitions; anything else is
 refused by name and nothing is executed. Tensor data is never read here.
 
-Not read (refused with a message): tensor- or pipeline-parallel saves (``mp_rank_01``,
-``layer_*``), mixture-of-experts (``expp_rank_*``) and groups partitioned over different worlds.
+Not read (refused with a message, exit 4): tensor- or pipeline-parallel saves (``mp_rank_01``,
+AutoTP, ``layer_*``), mixture-of-experts (``expp_rank_*``, AutoEP), universal checkpoints
+(``*_universal/``: ``zero/<param>/fp32.pt``) and groups partitioned over different worlds.
 """
 
 from __future__ import annotations
@@ -125,12 +126,40 @@ def _latest_tag(path: Path) -> str | None:
     return tag if is_tag_dir(path / tag) else None
 
 
+# A universal checkpoint (DeepSpeed's ds_to_universal.py): zero/<param>/fp32.pt and the
+# optimizer's moments per parameter, beside mp_rank_00_model_states.pt.
+UNIVERSAL_DIR = "zero"
+
+
+def _unsupported_layout(path: Path) -> str | None:
+    """What a DeepSpeed directory ckpttool recognises but does not read is (for exit 4), or
+    None: a universal checkpoint (or its zero/ directory), or model-state files of several
+    tensor-parallel ranks without ZeRO optimizer files (AutoTP at ZeRO stage 0)."""
+    names = _names(path)
+    if (path / UNIVERSAL_DIR).is_dir() and "mp_rank_00_model_states.pt" in names:
+        return (f"{path}: a DeepSpeed universal checkpoint (ds_to_universal.py: "
+                f"{UNIVERSAL_DIR}/<param>/fp32.pt); not supported yet. Merge the ZeRO "
+                "checkpoint it was converted from (the global_step<N> directory beside it)")
+    if path.name == UNIVERSAL_DIR and "optimizer_state.pt" in names and any(
+            (p / "fp32.pt").is_file() for p in path.iterdir() if p.is_dir()):
+        return (f"{path}: the parameter directory of a DeepSpeed universal checkpoint; not "
+                "supported yet. Merge the ZeRO checkpoint it was converted from")
+    ranks = sorted(int(m.group(1)) for n in names if (m := _MODEL_RE.match(n)))
+    if len(ranks) > 1 and not any(_OPTIM_RE.match(n) for n in names):
+        return (f"{path / f'mp_rank_{ranks[-1]:02d}_model_states.pt'}: a tensor-parallel "
+                f"DeepSpeed checkpoint ({len(ranks)} model-parallel ranks, AutoTP or "
+                "Megatron); not supported yet. Save with tensor parallelism 1, or convert it "
+                "with DeepSpeed's ds_to_universal.py and load it on one rank")
+    return None
+
+
 def detect(path: Path) -> bool:
     """A tag directory, or a directory with ``latest`` beside one (even when ``latest`` names
-    another: ``read_info`` then says so, rather than a stale tag being merged unnoticed)."""
+    another: ``read_info`` then says so, rather than a stale tag being merged unnoticed), or a
+    DeepSpeed layout that ``read_info`` refuses by name."""
     if not path.is_dir():
         return False
-    if is_tag_dir(path):
+    if is_tag_dir(path) or _unsupported_layout(path) is not None:
         return True
     if _read_latest(path) is None:
         return False
@@ -404,7 +433,36 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
             read; a DeepSpeed class these pickles do not normally name.
     """
     root = Path(path)
+    unsupported = None if is_tag_dir(root) else _unsupported_layout(root)
+    if unsupported is not None:
+        raise UnsupportedError(unsupported)
     tag_dir, prefix = _tag(root)
+    optim_files, flats, osd = _optimizer_files(root, tag_dir, prefix)
+    stage, world = osd["zero_stage"], len(optim_files)
+    model_files, params = _parameters(root, prefix, optim_files, flats, osd)
+    m0 = model_files[0]
+    module = _field(m0, m0.value, "module", dict)
+    order = [k for k in module if isinstance(k, str) and k in params]
+    order += [k for k in params if k not in set(order)]
+    tensors = tuple(Tensor(k, (k,), params[k].dtype, params[k].shape, tuple(params[k].chunks))
+                    for k in order)
+    values = {k: m0.value[k] for k in _OBJECT_KEYS
+              if isinstance(m0.value.get(k), (int, str)) and not isinstance(m0.value[k], bool)}
+    values["zero_stage"] = stage
+    files = optim_files + model_files
+    return CheckpointInfo(
+        format=NAME, root=root, tensors=tensors,
+        objects=tuple(ObjectEntry(k, (k,)) for k in values),
+        files=tuple(DataFile(f.name, f.size) for f in files),
+        metadata_name="the DeepSpeed model-state and optimizer-state pickles", sharded=True,
+        num_ranks=world, version=str(m0.value.get("ds_version") or "") or None, values=values,
+        detail=Detail({f.name: tuple(f.entries.values()) for f in files}))
+
+
+def _optimizer_files(root: Path, tag_dir: Path, prefix: str
+                     ) -> tuple[list[_File], list[list[_Flat]], dict[str, Any]]:
+    """Every rank's optimizer-state file (checked to be one save's, of a layout ckpttool
+    reads), each rank's fp32 partitions, and rank 0's optimizer state dict."""
     names = _names(tag_dir)
     for n in names:
         if _MOE_RE.match(n):
@@ -460,7 +518,14 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
     dtypes = {g.dtype for fl in flats for g in fl}
     if len(dtypes) > 1:
         raise InputError(f"{tag_dir}: the fp32 partitions have different dtypes; corrupt")
+    return optim_files, flats, osd
 
+
+def _parameters(root: Path, prefix: str, optim_files: list[_File], flats: list[list[_Flat]],
+                osd: dict[str, Any]) -> tuple[list[_File], dict[str, _Param]]:
+    """The model-state files and every parameter (trainable, frozen, buffers, shared
+    aliases) as chunks of the fp32 partitions or of the model states."""
+    stage, world = osd["zero_stage"], len(optim_files)
     if stage <= 2:
         model_names = [prefix + "mp_rank_00_model_states.pt"]
     else:
@@ -501,22 +566,7 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
     for alias, target in shared.items():
         if isinstance(alias, str) and target in params and alias not in params:
             params[alias] = params[target]  # a tied weight: the same chunks under both names
-
-    order = [k for k in module if isinstance(k, str) and k in params]
-    order += [k for k in params if k not in set(order)]
-    tensors = tuple(Tensor(k, (k,), params[k].dtype, params[k].shape, tuple(params[k].chunks))
-                    for k in order)
-    values = {k: m0.value[k] for k in _OBJECT_KEYS
-              if isinstance(m0.value.get(k), (int, str)) and not isinstance(m0.value[k], bool)}
-    values["zero_stage"] = stage
-    files = optim_files + model_files
-    return CheckpointInfo(
-        format=NAME, root=root, tensors=tensors,
-        objects=tuple(ObjectEntry(k, (k,)) for k in values),
-        files=tuple(DataFile(f.name, f.size) for f in files),
-        metadata_name="the DeepSpeed model-state and optimizer-state pickles", sharded=True,
-        num_ranks=world, version=str(m0.value.get("ds_version") or "") or None, values=values,
-        detail=Detail({f.name: tuple(f.entries.values()) for f in files}))
+    return model_files, params
 
 
 def _group_shapes(f: _File, group: Any, g: int) -> list[tuple[str, tuple[int, ...]]]:

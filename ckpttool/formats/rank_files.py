@@ -103,7 +103,31 @@ def _model_files(path: Path) -> list[RankFile]:
 
 
 def detect(path: Path) -> bool:
-    return path.is_dir() and is_rank_files_dir(path)
+    return path.is_dir() and (is_rank_files_dir(path) or _titan_backend(path) is not None)
+
+
+# torchtitan's second checkpoint backend, torch_checkpointing: per step one
+# checkpoint_<rank>.pt of that rank's local tensors and a metadata.pkl of the DTensor sharding
+# specs (_StridedShard included) that place them. Claimed here so that it is refused as what
+# it is, never read as unrelated torch.save files (one rank's pieces merged as whole tensors).
+_TITAN_METADATA = "metadata.pkl"
+_TITAN_RANK_FILE = re.compile(r"^checkpoint_(\d+)\.pt$")
+
+
+def _titan_backend(path: Path) -> str | None:
+    """The exit-4 message for a torchtitan torch_checkpointing directory, else None."""
+    if not (path / _TITAN_METADATA).is_file():
+        return None
+    try:
+        n = sum(1 for name in os.listdir(path) if _TITAN_RANK_FILE.match(name))
+    except OSError:
+        return None
+    if not n:
+        return None
+    return (f"{path}: a torchtitan checkpoint of the torch_checkpointing backend ({n} "
+            f"checkpoint_<rank>.pt files of local tensors placed by {_TITAN_METADATA}); not "
+            "supported yet. Save with torchtitan's default DCP checkpointer (a .metadata and "
+            ".distcp files), which ckpttool merges")
 
 
 def pending(path: Path) -> str | None:
@@ -967,6 +991,9 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
             non-contiguous pieces, non-tensor entries.
     """
     root = Path(path)
+    titan = _titan_backend(root)
+    if titan is not None:
+        raise UnsupportedError(titan)
     files = rank_files(root)
     order: list[str] = []
     first: dict[str, _Piece] = {}

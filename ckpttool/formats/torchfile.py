@@ -144,6 +144,12 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
                     f"{p}: one rank's file of a sharded checkpoint (DTensor or ShardedTensor "
                     f"values); pass the directory that holds every rank's file ({p.parent})"
                 ) from e
+            if p.name == "common.pt" and (p.parent / ".metadata").is_file():
+                # Megatron-Core's common state (args as an argparse.Namespace...): genuine.
+                raise UnsupportedError(
+                    f"{p}: Megatron-Core's common state (it asks for '{e.qualname}'), not a "
+                    f"model file on its own; pass its checkpoint: ckpttool inspect {p.parent}"
+                ) from e
             raise InputError(
                 f"{p}: refused to load: the pickle asks for '{e.qualname}', which a "
                 "weights-only load never allows; the file may be malicious (nothing was "

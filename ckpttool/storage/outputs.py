@@ -58,7 +58,8 @@ _steps = {"CKPTTOOL_TEST_FAULT": itertools.count(1),
 
 def _step(hook: str = "CKPTTOOL_TEST_FAULT") -> None:
     """One publishing step; the test hook acts here (see the module docstring)."""
-    fault = settings.test_fault() if hook == "CKPTTOOL_TEST_FAULT" else os.environ.get(hook)
+    fault = (settings.test_fault() if hook == "CKPTTOOL_TEST_FAULT"
+             else settings.test_remote_fault())
     if not fault:
         return
     action, at, *rest = fault.split(":", 2)

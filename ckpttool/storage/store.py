@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Protocol
 
+from ckpttool import settings
 from ckpttool.errors import InputError, UnreadableError
 from ckpttool.storage import outputs
 
@@ -197,6 +198,7 @@ class LocalStore:
         self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._pins: dict[str, int] = {}  # reads in flight on each open descriptor
         self._ids: dict[str, tuple[int, int]] = {}  # (st_dev, st_ino) at the first open
+        self._sizes: dict[str, int] = {}  # st_size at the first open
         self._limit = max_open_files()
         self._lock = threading.Lock()
 
@@ -234,6 +236,7 @@ class LocalStore:
         fd = open_data_file(path, self.metadata_name, inside=self._inside)
         info = os.fstat(fd)
         ident = (info.st_dev, info.st_ino)
+        self._sizes.setdefault(name, info.st_size)
         if self._ids.setdefault(name, ident) != ident:
             os.close(fd)
             raise InputError(f"{path}: the file changed while it was read (another file is "
@@ -258,14 +261,20 @@ class LocalStore:
             with self.use(name):
                 pass
 
+    def _bounded(self, name: str, size: int, offset: int) -> int:
+        """``size`` cut to what the file holds from ``offset``: ``os.pread`` allocates all it
+        is asked for before reading, so a size field of a damaged file (a 5-byte edit can
+        claim 2 GB) must never reach it unbounded."""
+        return max(0, min(size, self._sizes.get(name, size) - offset))
+
     def pread(self, name: str, size: int, offset: int) -> bytes:
         """Up to ``size`` bytes at ``offset`` (fewer at the file's end)."""
         with self.use(name) as fd:
-            return os.pread(fd, size, offset)
+            return os.pread(fd, self._bounded(name, size, offset), offset)
 
     def read_exact(self, name: str, offset: int, size: int, *, what: str) -> bytes:
         with self.use(name) as fd:
-            data = os.pread(fd, size, offset)
+            data = os.pread(fd, self._bounded(name, size, offset), offset)
         if len(data) != size:
             raise truncated(self.path(name), offset + len(data), what)
         return data
@@ -343,7 +352,7 @@ def _test_pause_after_map() -> None:
     """Test hook (tests/cli/test_trust.py): ``CKPTTOOL_TEST_FAULT=pause-map:FILE`` creates
     FILE once a window is mapped and waits (at most 60 s) until FILE is removed, so that a
     test can cut the source file short under the mapping."""
-    fault = os.environ.get("CKPTTOOL_TEST_FAULT", "")
+    fault = settings.test_fault()
     if not fault.startswith("pause-map:"):
         return
     flag = fault.split(":", 1)[1]

@@ -244,3 +244,9 @@ def test_the_example_writer_takes_sizes(tmp_path: Path) -> None:
     with safe_open(str(tmp_path / "merged" / "model.safetensors"), "np") as f:
         assert f.get_slice("model.embed_tokens.weight").get_shape() == [160, 48]
         assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_shape() == [96, 48]
+
+
+def test_verbose_with_all_says_it_applies_to_one_checkpoint(tmp_path: Path) -> None:
+    r = run("merge", tmp_path, tmp_path / "out", "--all", "-v")
+    assert r.exit_code == 2
+    assert "applies to one checkpoint; with --all each line already says" in r.output

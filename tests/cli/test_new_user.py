@@ -486,9 +486,13 @@ def test_a_dumb_terminal_gets_plain_progress_lines(uneven_ckpt: Path, tmp_path: 
         assert proc.wait(timeout=300) == 0
         return b"".join(chunks).decode().replace("\r\n", "\n")
 
-    lines = stderr_on_a_terminal().splitlines()
+    def progress_lines(*extra: str) -> list[str]:  # warnings (no config.json here) aside
+        return [line for line in stderr_on_a_terminal(*extra).splitlines()
+                if not line.startswith("ckpttool: warning: ")]
+
+    lines = progress_lines()
     assert lines and lines[-1].startswith("merging: 100% (") and "\x1b" not in "".join(lines)
-    assert stderr_on_a_terminal("--no-progress") == ""
+    assert progress_lines("--no-progress") == []
 
 
 # -- the library's types and reports
@@ -550,11 +554,17 @@ def complete_bash(words: str, env: dict[str, str]) -> list[str]:
     ("ckpttool verify a --allow-cast --dtype f", ["fp16", "fp32"]),
     ("ckpttool merge a b --lora ", ["fuse", "adapter"]),
     ("ckpttool merge a b --part ", ["model", "optimizer"]),
-    ("ckpttool merge a b --names ", ["torchtitan-llama3", "torchtitan-qwen3"]),
+    ("ckpttool merge a b --names torchtitan-q", ["torchtitan-qwen3"]),
     ("ckpttool reshard a b --to ", ["dcp", "safetensors"]),
 ])
 def test_option_values_complete(words: str, values: list[str]) -> None:
     assert complete_bash(words, cli_env()) == values
+
+
+def test_every_name_map_completes() -> None:
+    from ckpttool.cli.merge import NAME_MAPS
+
+    assert complete_bash("ckpttool merge a b --names ", cli_env()) == list(NAME_MAPS)
 
 
 def test_completed_dtypes_are_the_dtypes_merge_takes() -> None:

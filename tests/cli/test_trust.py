@@ -373,12 +373,15 @@ def test_nested_record_that_links_out_is_refused(unflattened: Path, tmp_path: Pa
 # 15. A bounded set of open files: 1,100 ranks under ulimit -n 1024
 
 
-def _cli(*args: str | Path, nofile: int | None = None) -> subprocess.CompletedProcess[str]:
-    """The CLI in a process of its own (with ``ulimit -n nofile``)."""
+def _cli(*args: str | Path, nofile: int | None = None, memory: int | None = None
+         ) -> subprocess.CompletedProcess[str]:
+    """The CLI in a process of its own (with ``ulimit -n nofile``, ``ulimit -v``)."""
 
     def limit() -> None:
         if nofile is not None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+        if memory is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     return subprocess.run([sys.executable, "-m", "ckpttool", *map(str, args)],
@@ -502,4 +505,21 @@ def test_zstd_record_claiming_a_gibibyte_is_refused_unread(dcp_options: Path,
         assert r.exit_code in (1, 3), r.output
         assert "refused as a likely decompression bomb" in r.output, r.output
         assert "CKPTTOOL_ZSTD_MAX_RATIO" in r.output
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+# --------------------------------------------------------------------------------------------
+# 16. What a size makes ckpttool allocate is bounded by the file
+
+
+def test_a_6_gib_metadata_is_one_line_under_a_3_gib_limit(tiny_dcp: Path,
+                                                         tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dcp, ckpt)
+    with open(ckpt / ".metadata", "wb") as f:
+        f.truncate(6 << 30)  # sparse
+    p = _cli("inspect", ckpt, memory=3 << 30)
+    assert p.returncode == 3, p.stderr  # not 70 (MemoryError)
+    assert p.stderr == (f"ckpttool: error: {ckpt / '.metadata'}: 6,442,450,944 bytes, more "
+                        "than this process may hold in memory; a .metadata that large is "
+                        "corrupt, or needs a machine with more memory\n")

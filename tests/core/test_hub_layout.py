@@ -227,3 +227,30 @@ def test_each_part_reads_one_range() -> None:
     spans = [s.spans for _, s in converted.sources]  # type: ignore[union-attr]
     assert spans[3] == ((60, 80, (4, 5)),)  # expert 1, up: rows 4-7 of source[1]
     assert json.dumps(converted.to_json())
+
+
+def test_every_moe_and_vlm_table_of_transformers_is_converted_or_listed() -> None:
+    from transformers.conversion_mapping import _build_checkpoint_conversion_mapping
+
+    uncovered = set()
+    for key, table in _build_checkpoint_conversion_mapping().items():
+        ops = {type(o).__name__ for t in table for o in getattr(t, "operations", ())}
+        vlm = any("language_model" in p for t in table
+                  for p in (*t._original_source_patterns, *t._original_target_patterns))
+        if ("MergeModulelist" in ops or vlm) and hub_layout.layout_for(key) is None:
+            uncovered.add(key)
+    # The "...Model" classes are the inner models of composite ones, whose rules the
+    # composite's Layout holds (the names-and-shapes test checks them together).
+    inner = {k for k in uncovered if k.endswith("Model")}
+    assert uncovered - inner == hub_layout.NO_TABLE, (
+        "transformers' conversion tables changed: give the new family a Layout (or list it)")
+
+
+def test_a_family_without_a_table_is_warned_about() -> None:
+    sources = [_t("model.language_model.layers.0.mlp.up_proj.weight", (4, 2))]
+    assert hub_layout.convert(sources, {"model_type": "paddleocr_vl"}) is None
+    warning, = hub_layout.unconverted(sources, {"model_type": "paddleocr_vl"})
+    assert "save_pretrained converts paddleocr_vl" in warning
+    # A family whose runtime layout is its hub layout (gpt-oss keeps its experts fused).
+    fused = [_t("model.layers.0.mlp.experts.gate_up_proj", (2, 4, 4))]
+    assert hub_layout.unconverted(fused, {"model_type": "gpt_oss"}) == []

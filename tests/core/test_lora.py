@@ -126,7 +126,7 @@ def test_missing_alpha_is_an_error_saying_where_to_put_it(lora_ckpts: Path,
                                                           tmp_path: Path) -> None:
     ckpt = copy_variant(lora_ckpts / "lora", tmp_path / "ckpt")
     (ckpt / "adapter_config.json").unlink()
-    with pytest.raises(InputError, match="no adapter_config.json was found beside it.*"
+    with pytest.raises(InputError, match="no adapter_config.json .*was found beside it.*"
                        "--adapter-config PATH"):
         ckpttool.merge(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -244,12 +244,14 @@ def test_verify_warns_of_an_adapter_that_never_trained(lora_ckpts: Path,
     assert {p.code for p in report.problems} == {"lora-untrained", "all-zero"}
 
 
-def test_verify_without_alpha_is_an_error(lora_ckpts: Path, tmp_path: Path) -> None:
+def test_verify_without_alpha_warns(lora_ckpts: Path, tmp_path: Path) -> None:
+    """The checkpoint is whole (trainers such as accelerate's save_state record no alpha):
+    a warning that folding needs it, not a failed verify."""
     ckpt = copy_variant(lora_ckpts / "rslora", tmp_path / "ckpt")
     (ckpt / "adapter_config.json").unlink()
     report = ckpttool.verify(ckpt)
-    assert not report.ok
-    assert [p.code for p in report.problems if p.severity == "error"] == ["lora-no-alpha"]
+    assert report.ok
+    assert "lora-no-alpha" in [p.code for p in report.problems if p.severity == "warning"]
     ok = ckpttool.verify(ckpt, adapter_config=lora_ckpts / "rslora" / "adapter_config.json")
     assert ok.ok, ok.problems
 
@@ -298,7 +300,7 @@ def test_cli_errors_exit_codes(lora_ckpts: Path, tmp_path: Path) -> None:
     r = cli("merge", dora / "adapter_model.safetensors", tmp_path / "out")
     assert r.exit_code == 4 and "DoRA" in r.stderr
     r = cli("verify", ckpt)
-    assert r.exit_code == 1 and "lora-no-alpha" in r.output
+    assert r.exit_code == 0 and "warning: lora-no-alpha" in r.output
 
 
 def test_fan_in_fan_out_adapter_on_gpt2(tmp_path: Path) -> None:

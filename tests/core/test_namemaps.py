@@ -79,7 +79,7 @@ def test_a_map_is_for_one_family() -> None:
     with pytest.raises(InputError, match="model_type 'qwen3' is not Llama 3"):
         namemaps.apply("torchtitan-llama3", tensors, QWEN3_0_6B)
     with pytest.raises(InputError, match="no name map 'hf-gpt2'; choose one of "
-                                         "torchtitan-llama3, torchtitan-qwen3"):
+                                         + ", ".join(namemaps.NAMES)):
         namemaps.apply("hf-gpt2", tensors, QWEN3_0_6B)
 
 

@@ -257,7 +257,9 @@ def test_watch_merges_checkpoints_as_they_appear(trained: Path, tmp_path: Path) 
             shutil.copy2(p, dst / model / p.name)
         time.sleep(1.5)  # several polls with the .metadata missing
         assert not (out / "checkpoint-2").exists()
-        shutil.copy2(src / model / ".metadata", dst / model / ".metadata")
+        # As dcp.save does: written under another name, renamed into place.
+        shutil.copy2(src / model / ".metadata", dst / model / ".metadata.tmp")
+        os.replace(dst / model / ".metadata.tmp", dst / model / ".metadata")
         _wait_for(lambda: len(lines) == 3, "checkpoint-2's merge")
     finally:
         proc.send_signal(signal.SIGINT)

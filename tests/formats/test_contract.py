@@ -254,14 +254,15 @@ class TestMegatron(FormatContract):
     tests/formats/test_megatron.py.)"""
 
     FORMAT = "megatron"
+    RUN = "qwen2-tp2"
 
     @pytest.fixture(scope="class")
     @classmethod
     def ckpt(cls, megatron_runs: Path, tmp_path_factory: pytest.TempPathFactory) -> Ckpt:
         from tests.megatron_layouts import native_reference
 
-        run = megatron_runs / "qwen2-tp2"
-        ckpt = tmp_path_factory.mktemp("contract-megatron") / "run"
+        run = megatron_runs / cls.RUN
+        ckpt = tmp_path_factory.mktemp(f"contract-megatron-{cls.RUN}") / "run"
         shutil.copytree(run, ckpt, ignore=shutil.ignore_patterns("config.json", "reference.pt"))
         return ckpt, native_reference(run)
 
@@ -270,3 +271,9 @@ class TestMegatron(FormatContract):
     def merged(cls, ckpt: Ckpt, tmp_path_factory: pytest.TempPathFactory) -> Merged:
         out = tmp_path_factory.mktemp("contract-megatron-merged") / "out"
         return out, ckpttool.merge(ckpt[0], out, dtype="keep", names="none")
+
+
+class TestMegatronExpertParallel(TestMegatron):
+    """The same at EP=2: experts stored [L, E, ...], each rank's experts its own chunks."""
+
+    RUN = "qwen3_moe-ep2"

@@ -69,7 +69,7 @@ def test_storage_path_outside_directory(tmp_path: Path, uneven_ckpt: Path) -> No
 def test_reading_metadata_does_not_import_torch(uneven_ckpt: Path) -> None:
     tiny_dcp = uneven_ckpt / "pytorch_model_fsdp_0"
     code = (
-        "import sys\nfrom ckpttool.formats import dcp\n"
+        "import sys\nfrom ckpttool.formats.dcp import reader as dcp\n"
         f"info = dcp.read_info({str(tiny_dcp)!r})\n"
         "with dcp.open_reader(info) as r:\n"
         "    for t in info.tensors:\n"

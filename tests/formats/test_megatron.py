@@ -189,3 +189,11 @@ def test_verify_checks_integrity_json(megatron_runs: Path, tmp_path: Path) -> No
     report = ckpttool.verify(run)
     found = [p for p in report.problems if p.code == "integrity-mismatch"]
     assert not report.ok and [p.location.file for p in found] == ["metadata.json"]
+
+
+def test_common_pt_alone_is_exit_4_naming_it(megatron_runs: Path) -> None:
+    common = megatron_runs / "llama" / "iter_0000002" / "common.pt"
+    r = run_cli("inspect", common)
+    assert r.exit_code == 4, r.output  # type: ignore[attr-defined]
+    assert f"{common}: Megatron-Core's common state (it asks for 'argparse.Namespace')" in (
+        r.output)  # type: ignore[attr-defined]

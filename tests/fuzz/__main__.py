@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=4000, help="number of mutants")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="send no new mutant after this long; the table counts those run")
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds one mutant's runs may take (default: the harness's)")
     ap.add_argument("--campaign", type=int, default=0, help="the random seed of the campaign")
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             print(path)
         return 0
     started = time.monotonic()
-    c.run(args.n, only, progress=True)
+    c.run(args.n, only, progress=True, minutes=args.minutes)
     if args.records:
         with args.records.open("w") as f:
             for rec in c.records:

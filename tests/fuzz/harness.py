@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import resource
 import select
 import shutil
@@ -51,7 +52,13 @@ ROWS = (
     ("crc_missed", "verify OK on CRC-protected data that was corrupted"),
     ("multiline", "multi-line error messages"),
     ("other_exit", "exit codes other than 0, 1, 3, 4 (70 apart)"),
+    ("raw_control", "control or bidi characters printed raw (human output, errors)"),
+    ("untiled", "exit 0 on a safetensors file whose data is not tiled exactly"),
 )
+
+# What a terminal acts on instead of showing (tab and newline apart): never printed raw.
+_RAW_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028"
+                          "\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 # --------------------------------------------------------------------------------------------
@@ -239,6 +246,8 @@ def worker_main() -> None:  # pragma: no cover - runs in the worker process
                 "outside": watch.found[:5] + ([f"marker {marker} written"]
                                               if marker.exists() else []),
                 "crc_protected": m.crc_protected, "mutant": m.describe(),
+                "raw_control": bool(_RAW_CONTROL.search(
+                    stderr + ("" if "--json" in args else result.stdout))),
             }
             if args[0] in ("merge", "reshard") and result.exit_code == 0:
                 rec["bad_output"] = _check_output(out)
@@ -278,6 +287,11 @@ def findings(rec: dict[str, Any]) -> list[str]:
         rows.append("crc_missed")
     if code in (3, 4) and not _one_line(stderr):
         rows.append("multiline")
+    if rec.get("raw_control"):
+        rows.append("raw_control")
+    if (code == 0 and rec["command"] in ("verify", "merge", "reshard")
+            and "(untiled)" in rec.get("mutant", "")):
+        rows.append("untiled")
     return rows
 
 
@@ -302,17 +316,23 @@ class Campaign:
                  "rel": self.seeds[names[i % len(names)]][1]} for i in indices]
 
     def run(self, n: int, only: Iterable[int] | None = None,
-            progress: bool = False) -> list[dict[str, Any]]:
+            progress: bool = False, minutes: float | None = None) -> list[dict[str, Any]]:
+        """Run mutants ``0..n-1`` (or ``only``); with ``minutes``, send no new mutant after
+        that long (the table then counts the mutants that ran)."""
         todo = self.jobs(n, only)
-        self.mutants += len(todo)
+        stop_at = None if minutes is None else time.monotonic() + 60 * minutes
+        sent = 0
         pool = [_Worker() for _ in range(max(1, min(self.workers, len(todo))))]
         started = time.monotonic()
         done = 0
         try:
             while todo or any(w.job is not None for w in pool):
+                if stop_at is not None and time.monotonic() > stop_at:
+                    todo.clear()
                 for w in pool:
                     if w.job is None and w.ready and todo:
                         w.send(todo.pop(0))
+                        sent += 1
                 # Workers still importing (a loaded machine takes long) are read too, but
                 # only a job's run is timed.
                 ready = [w for w in pool if w.job is not None or not w.ready]
@@ -337,6 +357,7 @@ class Campaign:
         finally:
             for w in pool:
                 w.close()
+            self.mutants += sent
         return self.records
 
     def table(self) -> dict[str, int]:
@@ -351,7 +372,8 @@ class Campaign:
                  f"address space {ADDRESS_SPACE >> 30} GB)", "",
                  "| outcome | count | goal |", "|---|---|---|"]
         for key, label in ROWS:
-            lines.append(f"| {label} | {self.table()[key]} | 0 |")
+            lines.append(f"| {label.replace('20 s', f'{self.timeout_s:.0f} s')} | "
+                         f"{self.table()[key]} | 0 |")
         return "\n".join(lines)
 
     def failures(self) -> Iterator[tuple[list[str], dict[str, Any]]]:

@@ -425,8 +425,26 @@ def safetensors_op(rng: random.Random, data: bytes) -> tuple[bytes, str]:
     body = data[8 + n:]
     tensors = [k for k in header if k != "__metadata__"]
     op = rng.choice(("offsets", "offsets", "shape", "shape", "dtype", "overlap", "length",
-                     "meta", "name", "drop", "value", "notdict", "dupkey", "bytes"))
+                     "meta", "name", "drop", "value", "notdict", "dupkey", "bytes",
+                     "shift", "shift", "trailing", "hostile_name", "hostile_name"))
     detail = op
+    if op == "trailing":  # issue 20 item 4: bytes after the last tensor
+        extra = rng.choice((1, 2, 8, 4096))
+        return data + rng.randbytes(extra), f"{extra} bytes after the data {UNTILED}"
+    if op == "shift" and tensors:  # issue 20 item 4: one tensor moved, its length kept
+        name = rng.choice(tensors)
+        by = rng.choice((-2, 2, 1, -1, 4))
+        begin, end = header[name]["data_offsets"]
+        if begin + by >= 0:
+            header[name]["data_offsets"] = [begin + by, end + by]
+            return _same_length_header(header, n, body), f"{name} moved by {by} {UNTILED}"
+    if op == "hostile_name" and tensors:  # issue 20 item 12: names that drive a terminal
+        name = rng.choice(tensors)
+        new_name = name + rng.choice(HOSTILE_TEXT)
+        header[new_name] = header.pop(name)
+        raw = _dump(header)
+        raw += b" " * (-len(raw) % 8)
+        return struct.pack("<Q", len(raw)) + raw + body, f"{name} renamed {new_name!r}"
     if op == "length":
         value = rng.choice((0, 1, n - 1, n + 1, len(data), 2**63, 2**64 - 1, 100_000_000))
         return struct.pack("<Q", value) + data[8:], f"header length field = {value}"
@@ -485,6 +503,25 @@ def safetensors_op(rng: random.Random, data: bytes) -> tuple[bytes, str]:
         raw = json.dumps(header, ensure_ascii=True).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw + body, detail
+
+
+# Marks a mutant whose safetensors data area is no longer tiled exactly: no command may
+# accept it (harness row "untiled").
+UNTILED = "(untiled)"
+# Text that moves a terminal's cursor, clears it, sets its title, forges a line or reverses
+# what follows (issue 20 item 12).
+HOSTILE_TEXT = ("\x1b[2J", "\x1b]0;owned\x07", "\r\nverify OK", "\u202egnp.exe", "\x07",
+                "\x1b[31m", "\u2066x\u2069", "\x9b31m", "\x00")
+
+
+def _same_length_header(header: dict[str, Any], n: int, body: bytes) -> bytes:
+    """``header`` written back in ``n`` bytes (padded) when it fits, so the data does not
+    move; else at its own length."""
+    raw = _dump(header)
+    if len(raw) <= n:
+        return struct.pack("<Q", n) + raw.ljust(n) + body
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + body
 
 
 def json_op(rng: random.Random, data: bytes, name: str) -> tuple[bytes, str]:
@@ -559,9 +596,31 @@ def metadata_structure_op(rng: random.Random, data: bytes, marker: str) -> tuple
     tensors = [k for k, v in sd.items() if isinstance(v, TensorStorageMetadata)]
     storage = md.storage_data or {}
     op = rng.choice(("size", "size", "chunk", "chunk", "many", "storage", "storage", "path",
-                     "dtype", "drop", "object", "trap"))
+                     "dtype", "drop", "object", "trap", "huge", "claim", "claim"))
     detail = op
-    if op == "size" and tensors:
+    if op == "huge" and tensors:  # issue 20 item 14: past int64, past printing
+        k = rng.choice(tensors)
+        big = rng.choice((10**400, 10**5000, 2**64, 2**63))
+        dims = tuple(sd[k].size)
+        sd[k].size = (big, *dims[1:]) if dims else (big,)  # a plain tuple: torch.Size refuses
+        if rng.random() < 0.5 and sd[k].chunks:
+            c = sd[k].chunks[0]
+            sd[k].chunks[0] = ChunkStorageMetadata(offsets=c.offsets,
+                                                   sizes=(big, *tuple(c.sizes)[1:]))
+        detail = f"{k} dimension of {len(str(big)) if big < 10**4000 else 5001} digits"
+    elif op == "claim" and tensors:  # issue 20 items 13, 16: a chunk claims far more bytes
+        k = rng.choice(tensors)
+        c = sd[k].chunks[0]
+        factor = rng.choice((1 << 20, 1 << 26, 1 << 30))
+        sizes = torch.Size([int(c.sizes[0]) * factor if c.sizes else factor,
+                            *list(c.sizes)[1:]])
+        sd[k].chunks[0] = ChunkStorageMetadata(offsets=c.offsets, sizes=sizes)
+        sd[k] = dataclasses.replace(sd[k], size=torch.Size(
+            [max(int(a), int(o) + int(z)) for a, o, z in zip(
+                list(sd[k].size) or [0] * len(sizes), list(c.offsets) or [0] * len(sizes),
+                sizes, strict=False)]))
+        detail = f"{k} chunk 0 claims {factor}x its size"
+    elif op == "size" and tensors:
         k = rng.choice(tensors)
         new = rng.choice((torch.Size([2**40, 2**40]), torch.Size([2**62, 16]),
                           torch.Size([0]), torch.Size([]), torch.Size([1] * 200),

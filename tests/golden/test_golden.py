@@ -70,7 +70,9 @@ def case(request: pytest.FixtureRequest) -> tuple[str, Path]:
 def test_json_documents(case: tuple[str, Path], tmp_path: Path) -> None:
     name, src = case
     out = tmp_path / "out"
-    subs = [(str(out), "<OUT>"), (str(src), "<SRC>"), (str(tmp_path), "<TMP>")]
+    # The run directory above SRC is named where merge looks for a config.json.
+    subs = [(str(out), "<OUT>"), (str(src), "<SRC>"), (str(src.parent), "<RUN>"),
+            (str(tmp_path), "<TMP>")]
     _check(f"{name}-inspect", _run(["inspect", str(src), "--json"], subs))
     _check(f"{name}-verify", _run(["verify", str(src), "--json", "--workers", "2"], subs))
     _check(f"{name}-merge-dry", _run(

@@ -62,6 +62,8 @@ def read_side_file(path: Path, roots: tuple[Path, ...]) -> bytes:
     again = "it changed since the checkpoint was read; run again when nothing writes to it"
     try:
         fd = os.open(path, store.READ_FLAGS)
+    except PermissionError as e:  # the user's permissions, not a change: say how to fix it
+        raise UnreadableError.of(path, e) from None
     except OSError as e:
         raise InputError(f"{path}: cannot be read ({e.strerror}); {again}") from None
     with os.fdopen(fd, "rb") as f:

@@ -201,10 +201,8 @@ def merge(
     sources: list[tuple[str, Source]] = (
         list(mapped.tensors) if mapped is not None
         else list(named) if adapted is None else adapted.sources)
-    report = _start_report(src_path, out_path, whole, ckpt, policy, files,
+    report = _start_report(src_path, out_path, whole, ckpt, policy, files, adapted, mapped,
                            model=not optimizer and mode != "adapter")
-    report.lora = adapted.report if adapted is not None else None
-    report.name_map = mapped.to_json() if mapped is not None else None
     # Before reading any tensor data (the tie check reads both embeddings): fail fast.
     if shared is None or not shared.commits_slices:  # --finish knows which files are its own
         check_existing(out_path, [p.name for p in files.files] + (
@@ -362,7 +360,8 @@ def _mapped(names: str | None, ckpt: Checkpoint, named: list[tuple[str, Any]],
 
 
 def _start_report(src: Path, out: Path, whole: Checkpoint, ckpt: Checkpoint,
-                  policy: DTypePolicy, files: hf.HfFiles, *, model: bool) -> MergeReport:
+                  policy: DTypePolicy, files: hf.HfFiles, adapted: Adapted | None,
+                  mapped: Mapped | None, *, model: bool) -> MergeReport:
     """What is known before any data is read: the source, its parts, renames, the dtype."""
     assert ckpt.info is not None
     info = ckpt.info
@@ -390,6 +389,11 @@ def _start_report(src: Path, out: Path, whole: Checkpoint, ckpt: Checkpoint,
     if copies is not None:
         report.copies = copies.to_json()
         report.warnings.append(copies.message("merge"))
+    if adapted is not None:
+        report.lora = adapted.report
+        if adapted.report.get("assumed"):
+            report.warnings.append(adapters.assumed_warning(adapted.report))
+    report.name_map = mapped.to_json() if mapped is not None else None
     return report
 
 

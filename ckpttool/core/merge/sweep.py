@@ -464,7 +464,7 @@ def receipt_options(options: dict[str, Any]) -> dict[str, Any]:
 
 # merge()'s keywords that change what it writes (recorded in receipts).
 RECORDED = ("dtype", "max_shard_size", "config", "keep_tied", "lora", "adapter",
-            "adapter_config", "part", "names")
+            "adapter_config", "part", "names", "layout")
 
 
 def _merge_one(merge: MergeFunction, f: Found, out: Path, options: dict[str, Any],

@@ -39,8 +39,9 @@ class Derived:
     readers: tuple[Reader | None, ...] = ()
     # Per input, an index along its dim 0 to read instead of the whole tensor (one expert of
     # a grouped [E, ...] weight): only that slice's bytes are read, so splitting a tensor in E
-    # costs its bytes once, not E times. Empty: every input whole.
-    select: tuple[int | None, ...] = ()
+    # costs its bytes once, not E times. A tuple indexes the leading dims (one layer's expert
+    # of a stacked [L, E, ...] weight). Empty: every input whole.
+    select: tuple[int | tuple[int, ...] | None, ...] = ()
     # Per input, elements [start, stop) of its C order, read as a tensor of the given shape
     # (one part of one expert of a fused [E, 2I, H] weight): only those bytes are read.
     # Empty or None entries: ``select``, else the whole input.
@@ -60,10 +61,16 @@ def read_whole(reader: Reader, tensor: Tensor) -> torch.Tensor:
     return _read_elements(reader, tensor, 0, tensor.numel, tensor.shape)
 
 
-def read_slice(reader: Reader, tensor: Tensor, index: int) -> torch.Tensor:
-    """``tensor[index]`` (along dim 0), reading only its bytes."""
-    inner = math.prod(tensor.shape[1:])
-    return _read_elements(reader, tensor, index * inner, (index + 1) * inner, tensor.shape[1:])
+def read_slice(reader: Reader, tensor: Tensor, index: int | tuple[int, ...]) -> torch.Tensor:
+    """``tensor[index]`` (along dim 0; a tuple: along the leading dims), reading only its
+    bytes."""
+    at = (index,) if isinstance(index, int) else index
+    shape = tensor.shape[len(at):]
+    inner = math.prod(shape)
+    flat = 0
+    for i, n in zip(at, tensor.shape, strict=False):
+        flat = flat * n + i
+    return _read_elements(reader, tensor, flat * inner, (flat + 1) * inner, shape)
 
 
 def _read_elements(reader: Reader, tensor: Tensor, start: int, stop: int,

@@ -245,10 +245,11 @@ def read_config(doc: dict[str, Any], source: str) -> AdapterConfig:
 
 def missing_config(where: str) -> InputError:
     return InputError(
-        f"{where}: holds a LoRA adapter but no adapter_config.json was found beside it, and "
-        "lora_alpha cannot be read from the weights (ckpttool never guesses it); put the "
-        "adapter_config.json written at training time beside the checkpoint or pass "
-        "--adapter-config PATH")
+        f"{where}: holds a LoRA adapter but no adapter_config.json (nor verl's "
+        f"{TRAINER_META}) was found beside it or in the run directory, and lora_alpha cannot "
+        "be read from the weights (ckpttool never guesses it to fold); pass --adapter-config "
+        "PATH (the adapter_config.json written at training time), or write the adapter alone "
+        "with --lora adapter")
 
 
 def adapter_of(ckpt: Checkpoint, explicit: Path | None = None
@@ -264,13 +265,151 @@ def adapter_of(ckpt: Checkpoint, explicit: Path | None = None
     if layout is None or not layout.modules:
         return layout, None, []
     try:
-        doc, where = hf.find_adapter_config(
-            ckpt.root if ckpt.root.is_dir() else ckpt.info.base, explicit, given=ckpt.path)
-        if doc is None or where is None:
-            return layout, None, [error("lora-no-alpha", str(missing_config(str(ckpt.path))))]
-        return layout, read_config(doc, str(where)), []
+        known = find_config(ckpt.root if ckpt.root.is_dir() else ckpt.info.base, explicit,
+                            given=ckpt.path, layout=layout)
     except InputError as e:
         return layout, None, [error("lora-config", str(e))]
+    if known.config is None:
+        # The checkpoint is whole; only folding it needs alpha (--lora adapter assumes one).
+        return layout, None, [warning("lora-no-alpha", str(missing_config(str(ckpt.path))))]
+    return layout, known.config, []
+
+
+# --------------------------------------------------------------------------------------------
+# Where real trainers record the adapter (they do not all write adapter_config.json)
+
+# verl's FSDP checkpoint manager writes {"r", "lora_alpha", "task_type"} beside its rank files.
+TRAINER_META = "lora_train_meta.json"
+# A step directory of a run: HF Trainer's checkpoint-<N>, accelerate's checkpoint_<N>, verl's
+# global_step_<N>. The run directory above it is where a final save_pretrained writes.
+_STEP_DIR = re.compile(r"^(checkpoint|global_step)[-_]\d+$")
+# What PeftModel.save_pretrained writes for these when LoraConfig is left at its defaults.
+PEFT_DEFAULT_ALPHA = 8
+_MAX_JSON = 1 << 20
+
+
+@dataclass(frozen=True)
+class Known:
+    """An adapter's config as found for a checkpoint.
+
+    ``config`` is None when no ``lora_alpha`` is recorded anywhere (folding is impossible);
+    ``text`` is the ``adapter_config.json`` that ``--lora adapter`` writes: the file found, or
+    one built from what is known, ``assumed`` naming every value that was not recorded."""
+
+    config: AdapterConfig | None
+    text: bytes
+    source: str | None  # the file it came from; None: from the weights alone
+    assumed: tuple[str, ...] = ()
+
+
+def _json_file(path: Path) -> dict[str, Any] | None:
+    """A small JSON object at ``path`` (no link is followed), or None if there is none.
+
+    Raises:
+        InputError: the file is there but is not a JSON object.
+    """
+    import json
+
+    if path.is_symlink() or not path.is_file():
+        return None
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read(_MAX_JSON + 1)[:_MAX_JSON])
+    except (OSError, ValueError, RecursionError) as e:
+        raise InputError(f"{path}: not readable as JSON ({type(e).__name__}); fix or remove "
+                         "it, or pass --adapter-config PATH") from None
+    if not isinstance(doc, dict):
+        raise InputError(f"{path}: holds a JSON {type(doc).__name__}, not an object")
+    return doc
+
+
+def _trainer_dirs(root: Path) -> list[Path]:
+    """Where trainers record the adapter beyond what :func:`hf.find_adapter_config` reads,
+    nearest first: the checkpoint's directory and the one above (verl's actor/ holds
+    lora_train_meta.json), and the run directory above a step directory (the Trainer's
+    output_dir above checkpoint-N, accelerate's project_dir above checkpoints/checkpoint_N)."""
+    dirs = [root, root.parent]
+    for step in (d for d in (root, root.parent) if _STEP_DIR.match(d.name)):
+        dirs.append(step.parent)
+        if step.parent.name == "checkpoints":  # accelerate: project_dir/checkpoints/checkpoint_N
+            dirs.append(step.parent.parent)
+    return list(dict.fromkeys(dirs))
+
+
+def find_config(root: Path, explicit: Path | None, *, given: Path | None,
+                layout: Layout) -> Known:
+    """The adapter's config: ``--adapter-config``, PEFT's ``adapter_config.json`` beside the
+    checkpoint, in the run directory above a step directory, or verl's ``lora_train_meta.json``;
+    else only what the weights say (ranks, targets) with ``lora_alpha`` unknown.
+
+    Raises:
+        InputError: a file found is not valid (not JSON, not LoRA, r or alpha not numbers).
+    """
+    import json
+
+    doc, where = hf.find_adapter_config(root, explicit, given=given)
+    if doc is not None and where is not None:
+        return Known(read_config(doc, str(where)), where.read_bytes(), str(where))
+    dirs = _trainer_dirs(root)
+    for d in dirs[2:]:  # the run directories (the nearer ones hf already looked in)
+        found = _json_file(d / hf.ADAPTER_CONFIG)
+        if found is not None:
+            return Known(read_config(found, str(d / hf.ADAPTER_CONFIG)),
+                         (d / hf.ADAPTER_CONFIG).read_bytes(), str(d / hf.ADAPTER_CONFIG))
+    for d in dirs:
+        meta = _json_file(d / TRAINER_META)
+        if meta is not None:
+            source = str(d / TRAINER_META)
+            built, assumed = config_from_weights(layout, r=meta.get("r"),
+                                                 alpha=meta.get("lora_alpha"),
+                                                 task_type=meta.get("task_type"))
+            text = (json.dumps(built, indent=2) + "\n").encode()
+            return Known(read_config(built, source), text, source, assumed)
+    built, assumed = config_from_weights(layout)
+    return Known(None, (json.dumps(built, indent=2) + "\n").encode(), None, assumed)
+
+
+def config_from_weights(layout: Layout, *, r: Any = None, alpha: Any = None,
+                        task_type: Any = None) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """An ``adapter_config.json`` from what is known: rank per module from the shapes, target
+    modules and ``modules_to_save`` from the names, ``r``/``lora_alpha``/``task_type`` as a
+    trainer recorded them. Returns it and what was assumed (PEFT's defaults)."""
+    ranks = {m.name: m.rank for m in layout.modules.values() if m.rank is not None}
+    counts: dict[int, int] = {}
+    for rank in ranks.values():
+        counts[rank] = counts.get(rank, 0) + 1
+    common = max(counts, key=lambda k: (counts[k], -k)) if counts else None
+    assumed = ["use_rslora false", "fan_in_fan_out false", "lora_dropout 0.0", "bias 'none'"]
+    # A trainer's recorded r holds for every module (verl has one): shapes that disagree
+    # are then reported (lora-rank), not hidden in a rank_pattern.
+    pattern = {} if r is not None else {
+        name: rank for name, rank in ranks.items() if rank != common}
+    if r is None:
+        r = common
+    if alpha is None:
+        alpha = PEFT_DEFAULT_ALPHA
+        assumed.insert(0, f"lora_alpha {PEFT_DEFAULT_ALPHA} (PEFT's default; it was recorded "
+                          "nowhere)")
+    elif ranks:
+        assumed.append("one lora_alpha for every module (no alpha_pattern)")
+    doc: dict[str, Any] = {
+        "peft_type": "LORA", "task_type": task_type, "r": r, "lora_alpha": alpha,
+        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in layout.modules}),
+        "rank_pattern": pattern, "alpha_pattern": {},
+        "modules_to_save": sorted(layout.trained) or None,
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+        "use_dora": False, "inference_mode": True,
+        "base_model_name_or_path": None,
+    }
+    return doc, tuple(assumed)
+
+
+def assumed_warning(report: dict[str, Any]) -> str:
+    """One line for a merge that wrote an ``adapter_config.json`` it partly assumed."""
+    source = report.get("config_from")
+    built = f"built from {source} and the weights" if source else "built from the weights"
+    return (f"{hf.ADAPTER_CONFIG} {built}; assumed: {'; '.join(report['assumed'])}. Check "
+            "them against the training run and edit the file if they differ")
 
 
 # --------------------------------------------------------------------------------------------
@@ -453,6 +592,66 @@ def plan_adapter(layout: Layout) -> list[tuple[str, Tensor]]:
 
 
 # --------------------------------------------------------------------------------------------
+# A merged model that is still its base (verl#7285: a merge that never applied the adapter)
+
+# verl's model merger writes the adapter it folded under <target_dir>/lora_adapter/.
+MERGER_ADAPTER_DIR = "lora_adapter"
+
+
+def merged_adapter_config(root: Path, explicit: Path | None
+                          ) -> tuple[dict[str, Any] | None, str | None]:
+    """The ``adapter_config.json`` a merged model says it was made from: ``--adapter-config``,
+    PEFT's file beside it, or verl's ``lora_adapter/`` inside it. (None, None) if none.
+
+    Raises:
+        InputError: the file is not a JSON object, or ``explicit`` is missing.
+    """
+    doc, where = hf.find_adapter_config(root, explicit, given=root)
+    if doc is not None and where is not None:
+        return doc, str(where)
+    inner = root / MERGER_ADAPTER_DIR / hf.ADAPTER_CONFIG
+    found = _json_file(inner)
+    return (found, str(inner)) if found is not None else (None, None)
+
+
+def _is_target(module: str, targets: Any) -> bool:
+    """PEFT's rule: a string is a regular expression the whole module name must match; a list
+    holds module names or name suffixes at a dot boundary."""
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            return not module.endswith(("lm_head", "embed_tokens"))
+        return re.fullmatch(targets, module) is not None
+    if isinstance(targets, (list, tuple)):
+        return any(isinstance(t, str) and (module == t or module.endswith("." + t))
+                   for t in targets)
+    return False
+
+
+def unchanged_from_base(compared: dict[str, tuple[int, ...]], unchanged: set[str],
+                        doc: dict[str, Any], source: str, model: str, base: str
+                        ) -> list[Problem]:
+    """A warning when every LoRA target weight of a merged model is bit-identical to its
+    base: the adapter was not folded in. Pure.
+
+    Args:
+        compared: the merged model's weights compared with the base, name -> shape.
+        unchanged: those whose bytes were equal.
+        doc: the adapter_config.json the merge says it used (``target_modules``).
+    """
+    targets = [n for n, shape in compared.items() if n.endswith(".weight") and len(shape) == 2
+               and _is_target(n.removesuffix(".weight"), doc.get("target_modules"))]
+    if not targets or any(n not in unchanged for n in targets):
+        return []
+    return [warning(
+        "unchanged-from-base",
+        f"{model}: all {len(targets)} LoRA target weights (target_modules in {source}) are "
+        f"bit-identical to {base}: the adapter was never folded in, or never trained. Merge "
+        "again from the training checkpoint (ckpttool merge CKPT OUT folds it) and check the "
+        "adapter with ckpttool verify CKPT",
+        tensor=targets[0])]
+
+
+# --------------------------------------------------------------------------------------------
 # Reports
 
 
@@ -563,13 +762,14 @@ def plan_for_merge(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str 
                              "tensors); --lora applies to PEFT checkpoints only")
         return None
     assert ckpt.info is not None
-    doc, where = hf.find_adapter_config(ckpt.root if ckpt.root.is_dir() else ckpt.info.base,
-                                        explicit, given=ckpt.path)
-    if doc is None or where is None:
-        raise missing_config(str(ckpt.path))
-    config = read_config(doc, str(where))
+    known = find_config(ckpt.root if ckpt.root.is_dir() else ckpt.info.base, explicit,
+                        given=ckpt.path, layout=found)
     chosen = mode or ("fuse" if found.has_base else "adapter")
+    if known.config is None and chosen == "fuse":
+        raise missing_config(str(ckpt.path))
     if chosen == "fuse":
+        assert known.config is not None
+        config = known.config
         if not found.has_base:
             raise InputError(
                 f"{ckpt.path}: holds the LoRA adapter alone, no base weights to fold it into; "
@@ -581,10 +781,13 @@ def plan_for_merge(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str 
                   "other": f"the adapter alone instead: {other}"}
         return Adapted("fuse", sources, report)
     adapter_sources: list[tuple[str, Tensor | Derived]] = list(plan_adapter(found))
-    report = {"mode": "adapter", **describe(found, config),
+    report = {"mode": "adapter", **describe(found, known.config),
               "other": ("a full model with the adapter folded in instead: --lora fuse")
-              if found.has_base else None}
-    return Adapted("adapter", adapter_sources, report, config_bytes=where.read_bytes())
+              if found.has_base else None,
+              "config_from": known.source, "assumed": list(known.assumed)}
+    if known.config is None:
+        report["config"] = "built from the weights (assumed values: see the warning)"
+    return Adapted("adapter", adapter_sources, report, config_bytes=known.text)
 
 
 def verify_adapter(ckpt: Checkpoint, model: Checkpoint, explicit: Path | None, *,

@@ -44,6 +44,8 @@ WQKV_Q, WQKV_K, WQKV_V = "wqkv-q", "wqkv-k", "wqkv-v"  # one part of a fused wqk
 DROP = "drop"  # no Hugging Face counterpart; warned about when not all zero
 QKV_Q, QKV_K, QKV_V = "qkv-q", "qkv-k", "qkv-v"  # Megatron's linear_qkv (weight or bias)
 GATE, UP = "fc1-gate", "fc1-up"  # one half of a fused SwiGLU [gate; up] projection
+# One expert of a stacked [L, E, ...] expert weight: its fc1's gate or up half, or as it is.
+EXPERT_GATE, EXPERT_UP, EXPERT = "expert-gate", "expert-up", "expert"
 VOCAB = "vocab-cut"  # the rows of the real vocabulary, padding rows cut off
 TRANSPOSE = "transpose"  # a grouped [E, A, B] weight as [E, B, A] (transformers' gpt-oss)
 
@@ -189,6 +191,10 @@ DIMS: dict[str, tuple[str, Callable[[Dims], int], tuple[str, ...]]] = {
                    ("moe_intermediate_size", "n_shared_experts")),
     "moe_ffn": ("moe_intermediate_size", lambda d: d.number("moe_intermediate_size"),
                 ("moe_intermediate_size",)),
+    "2ffn": ("2*intermediate_size", lambda d: 2 * d.number("intermediate_size"),
+             ("intermediate_size",)),
+    "2moe_ffn": ("2*moe_intermediate_size", lambda d: 2 * d.number("moe_intermediate_size"),
+                 ("moe_intermediate_size",)),
     "layers": ("num_hidden_layers", lambda d: d.number("num_hidden_layers"),
                ("num_hidden_layers",)),
     # At least vocab_size rows: Megatron pads the vocabulary to a multiple of
@@ -309,8 +315,8 @@ def _megatron_rules(*, qkv_bias: bool, qk_norm: bool) -> tuple[Rule, ...]:
          ("hidden",), RENAME),
         ("pre_mlp_layernorm.weight", f"{hf}.post_attention_layernorm.weight", ("hidden",),
          RENAME),
-        (f"{m}.linear_fc1.weight", f"{hf}.mlp.gate_proj.weight", ("ffn2", "hidden"), GATE),
-        (f"{m}.linear_fc1.weight", f"{hf}.mlp.up_proj.weight", ("ffn2", "hidden"), UP),
+        (f"{m}.linear_fc1.weight", f"{hf}.mlp.gate_proj.weight", ("2ffn", "hidden"), GATE),
+        (f"{m}.linear_fc1.weight", f"{hf}.mlp.up_proj.weight", ("2ffn", "hidden"), UP),
         (f"{m}.linear_fc2.weight", f"{hf}.mlp.down_proj.weight", ("hidden", "ffn"), RENAME),
     ]
     if qkv_bias:
@@ -334,22 +340,50 @@ def _megatron_rules(*, qkv_bias: bool, qk_norm: bool) -> tuple[Rule, ...]:
     return tuple(rules)
 
 
+def _megatron_moe_rules(block: str, names: tuple[str, str, str], ffn: str) -> tuple[Rule, ...]:
+    """Megatron's MoE layer (SequentialMLP / TEGroupedMLP as torch_dist stores them): the
+    router ``[L, E, hidden]`` and the experts ``[L, E, 2 ffn, hidden]`` (fc1, ``[gate; up]``)
+    and ``[L, E, hidden, ffn]`` (fc2), one expert of one layer per output tensor. ``block``:
+    the Hugging Face module (``mlp``, ``block_sparse_moe``); ``names``: its gate, up and down
+    projections' names; ``ffn``: the expert width's dimension."""
+    gate, up, down = (f"model.layers.{{L}}.{block}.experts.{{E}}.{n}.weight" for n in names)
+    e = "decoder.layers.mlp.experts.experts"
+    return (
+        Rule("decoder.layers.mlp.router.weight", f"model.layers.{{L}}.{block}.gate.weight",
+             ("layers", "experts", "hidden"), stacked=True),
+        Rule(f"{e}.linear_fc1.weight", gate, ("layers", "experts", f"2{ffn}", "hidden"),
+             EXPERT_GATE, stacked=True),
+        Rule(f"{e}.linear_fc1.weight", up, ("layers", "experts", f"2{ffn}", "hidden"),
+             EXPERT_UP, stacked=True),
+        Rule(f"{e}.linear_fc2.weight", down, ("layers", "experts", "hidden", ffn), EXPERT,
+             stacked=True),
+    )
+
+
 def _megatron_map(name: str, family: str, model_type: str, *, qkv_bias: bool = False,
-                  qk_norm: bool = False) -> NameMap:
+                  qk_norm: bool = False, moe: tuple[str, tuple[str, str, str], str] | None = None
+                  ) -> NameMap:
     attention = list(_ATTENTION)
     if qkv_bias:
         attention += [f"model.layers.{{L}}.self_attn.{p}_proj.bias" for p in "qkv"]
     if qk_norm:
         attention += ["model.layers.{L}.self_attn.q_norm.weight",
                       "model.layers.{L}.self_attn.k_norm.weight"]
-    return NameMap(name=name, family=family, model_types=(model_type,),
-                   rules=_megatron_rules(qkv_bias=qkv_bias, qk_norm=qk_norm),
-                   required=_TOP + tuple(attention), dense_mlp=_DENSE,
+    rules = _megatron_rules(qkv_bias=qkv_bias, qk_norm=qk_norm)
+    moe_mlp: tuple[str, ...] = ()
+    if moe is not None:
+        block, projections, ffn = moe
+        rules += _megatron_moe_rules(block, projections, ffn)
+        moe_mlp = (f"model.layers.{{L}}.{block}.gate.weight", *(
+            f"model.layers.{{L}}.{block}.experts.{{E}}.{n}.weight" for n in projections))
+    return NameMap(name=name, family=family, model_types=(model_type,), rules=rules,
+                   required=_TOP + tuple(attention), dense_mlp=_DENSE, moe_mlp=moe_mlp,
                    framework="Megatron-Core")
 
 
 #: The Megatron-Core map of each Hugging Face model_type (what a Megatron merge picks).
-MEGATRON_MAPS = {"llama": "megatron-llama", "qwen2": "megatron-qwen2", "qwen3": "megatron-qwen3"}
+MEGATRON_MAPS = {"llama": "megatron-llama", "qwen2": "megatron-qwen2", "qwen3": "megatron-qwen3",
+                 "qwen3_moe": "megatron-qwen3_moe", "mixtral": "megatron-mixtral"}
 
 _DS = "model.layers.{L}"
 _DEEPSEEK_V3_RULES = (
@@ -465,6 +499,11 @@ MAPS: dict[str, NameMap] = {m.name: m for m in (
     _megatron_map("megatron-llama", "Llama", "llama"),
     _megatron_map("megatron-qwen2", "Qwen 2", "qwen2", qkv_bias=True),
     _megatron_map("megatron-qwen3", "Qwen 3", "qwen3", qk_norm=True),
+    _megatron_map("megatron-qwen3_moe", "Qwen 3 MoE", "qwen3_moe", qk_norm=True,
+                  moe=("mlp", ("gate_proj", "up_proj", "down_proj"), "moe_ffn")),
+    # Mixtral's hub layout (what save_pretrained writes): w1 gate, w3 up, w2 down.
+    _megatron_map("megatron-mixtral", "Mixtral", "mixtral",
+                  moe=("block_sparse_moe", ("w1", "w3", "w2"), "ffn")),
     NameMap(
         name="torchtitan-llama3", family="Llama 3", model_types=("llama",),
         rules=_decoder_rules("attention", rope=True, qk_norm=False),
@@ -800,7 +839,28 @@ def _emit_layers(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor,
     """Each layer's slice of a stacked tensor: read alone (``Derived.select``), so memory is
     bounded by one layer's slice, never by the stacked tensor."""
     for layer in range(tensor.shape[0]):
-        _emit_layer(out, dims, rule, name, tensor, target.replace("{L}", str(layer)), layer)
+        if rule.op in (EXPERT_GATE, EXPERT_UP, EXPERT):
+            _emit_experts(out, rule, name, tensor, target.replace("{L}", str(layer)), layer)
+        else:
+            _emit_layer(out, dims, rule, name, tensor, target.replace("{L}", str(layer)), layer)
+
+
+def _emit_experts(out: Mapped, rule: Rule, name: str, tensor: Tensor, target: str,
+                  layer: int) -> None:
+    """Each expert of one layer of a stacked ``[L, E, ...]`` weight, read alone."""
+    for e in range(tensor.shape[1]):
+        expert = target.replace("{E}", str(e))
+        shape = tensor.shape[2:]
+        compute: Callable[[list[torch.Tensor]], torch.Tensor] = _first
+        what = f"expert {e} of layer {layer} of {name}"
+        if rule.op in (EXPERT_GATE, EXPERT_UP):
+            shape = (shape[0] // 2, *shape[1:])
+            compute = partial(_half, second=rule.op == EXPERT_UP)
+            what = f"{'up' if rule.op == EXPERT_UP else 'gate'} half of {what}"
+        out.tensors.append((expert, Derived(expert, (tensor,), tensor.dtype, tuple(shape),
+                                            compute, what, select=((layer, e),))))
+        out.how.append({"from": f"{name}[{layer}, {e}]", "to": expert,
+                        "op": "expert-split" if rule.op == EXPERT else "expert-gate-up-split"})
 
 
 def _emit_layer(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor, target: str,

@@ -66,6 +66,23 @@ CODES: tuple[Code, ...] = (
          "unpickled (never executed)"),
     Code("object-not-read", "warning", "non-tensor entries",
          "a pickled entry that weights-only reading cannot rebuild (not executed, not read)"),
+    # names
+    Code("names-not-hf", "warning", "names",
+         "the names are a training framework's own (torchtitan, torchtune, Megatron) or do not "
+         "fit config.json's architecture; the message names the `--names` map"),
+    # file digests a writer recorded
+    Code("integrity-mismatch", "error", "integrity.json (Megatron)",
+         "a file's SHA-256 differs from the one `integrity.json` records"),
+    Code("integrity-missing", "error", "integrity.json (Megatron)",
+         "a file `integrity.json` lists cannot be read"),
+    Code("integrity-outside", "error", "integrity.json (Megatron)",
+         "`integrity.json` names a file outside the checkpoint (not read)"),
+    Code("integrity-unreadable", "error", "integrity.json (Megatron)",
+         "`integrity.json` is not readable JSON"),
+    Code("integrity-unknown", "warning", "integrity.json (Megatron)",
+         "`integrity.json` holds no SHA-256 per file (not checked)"),
+    Code("receipt-mismatch", "error", "merge receipts",
+         "an output file's size differs from what the receipt of `merge --all` recorded"),
     # ties
     Code("tie-broken", "error", "tied embeddings",
          "the config ties the embeddings but `lm_head` differs from the input embedding"),
@@ -92,8 +109,9 @@ CODES: tuple[Code, ...] = (
     # LoRA
     Code("lora-unsupported", "error", "LoRA adapters",
          "an adapter layout ckpttool does not handle (several adapters...)"),
-    Code("lora-no-alpha", "error", "LoRA adapters",
-         "no `adapter_config.json`, so alpha (the scale) is unknown"),
+    Code("lora-no-alpha", "warning", "LoRA adapters",
+         "no `adapter_config.json` (nor verl's `lora_train_meta.json`), so alpha (the scale) is "
+         "unknown: folding needs `--adapter-config`"),
     Code("lora-config", "error", "LoRA adapters", "`adapter_config.json` cannot be read"),
     Code("lora-dora", "error", "LoRA adapters", "a DoRA adapter (not merged yet)"),
     Code("lora-unpaired", "error", "LoRA adapters", "a `lora_A` without its `lora_B`, or back"),
@@ -105,6 +123,9 @@ CODES: tuple[Code, ...] = (
     Code("lora-untrained", "warning", "LoRA adapters",
          "every `lora_B` is zero: folding changes nothing"),
     # --against
+    Code("unchanged-from-base", "warning", "--against",
+         "every LoRA target weight of a merged model is bit-identical to OTHER: the adapter "
+         "was never folded in (or never trained)"),
     Code("missing-tensor", "error", "--against", "a tensor of PATH is not in OTHER"),
     Code("extra-tensor", "error", "--against", "OTHER holds a tensor PATH does not"),
     Code("shape-differs", "error", "--against", "the same tensor has another shape"),

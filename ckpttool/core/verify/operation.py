@@ -47,7 +47,7 @@ from ckpttool.core.runtime.report import SCHEMA, Progress, locked
 from ckpttool.core.transforms import lora
 from ckpttool.core.verify import manifest as manifests
 from ckpttool.core.verify import scan
-from ckpttool.core.verify.against import plan_against
+from ckpttool.core.verify.against import AgainstPlan, plan_against
 from ckpttool.errors import InputError
 from ckpttool.formats.base import SEVERITIES, Location, Problem, error, warning
 from ckpttool.storage.store import LOCAL, Stores
@@ -165,10 +165,7 @@ def verify(
                             other, policy=cast_policy)
     if manifest_path is not None:
         report.checks.append("manifest")
-    receipt = (receipts.read(ckpt.root) if manifest_path is None and ckpt.root.is_dir()
-               else None)
-    if receipt is not None:
-        report.checks.append("receipt")
+    receipt = _receipt(ckpt, report) if manifest_path is None else None
     parts = _other_parts(ckpt)
     read = locked(progress)
     if on_start is not None:
@@ -199,6 +196,7 @@ def verify(
     problems += dtype_policy.check_dtypes(model, expect)
     if plan is not None:
         problems += [*plan.problems, *done.tied]
+        problems += _unchanged_from_base(ckpt, other, plan, done, problems, adapter_config)
     part_problems, part_bytes = _check_parts(ckpt, parts, workers, read,
                                              follow_links=follow_links)
     problems += part_problems
@@ -213,6 +211,36 @@ def verify(
     report.bytes_read = done.bytes_read + part_bytes
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+def _receipt(ckpt: Checkpoint, report: VerifyReport) -> receipts.Receipt | None:
+    """The receipt ``merge --all`` wrote into an output (checked instead of a manifest)."""
+    receipt = receipts.read(ckpt.root) if ckpt.root.is_dir() else None
+    if receipt is not None:
+        report.checks.append("receipt")
+    return receipt
+
+
+def _unchanged_from_base(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan,
+                         done: scan.Pass, problems: list[Problem],
+                         adapter_config: str | os.PathLike[str] | None) -> list[Problem]:
+    """``verify MERGED --against BASE`` of a model merged from a LoRA adapter (its
+    adapter_config.json beside it or given) whose target weights all equal the base's."""
+    if other is None:
+        return []
+    try:
+        doc, source = lora.merged_adapter_config(
+            ckpt.root if ckpt.root.is_dir() else ckpt.root.parent,
+            Path(adapter_config) if adapter_config is not None else None)
+    except InputError:
+        return []  # the LoRA check above reports a bad --adapter-config
+    if doc is None or source is None:
+        return []
+    flagged = {p.location.tensor for p in problems if p.location.tensor is not None}
+    compared = {pair.a.name: pair.a.tensor.shape for pair in plan.pairs}
+    unchanged = {n for n in compared if n in done.complete and n not in flagged}
+    return lora.unchanged_from_base(compared, unchanged, doc, source, str(ckpt.root),
+                                    str(other.root))
 
 
 def _structures(ckpt: Checkpoint, other: Checkpoint | None

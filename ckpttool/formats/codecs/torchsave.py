@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import gc
 import io
 import itertools
@@ -257,13 +256,26 @@ class ZipEntry:
     descriptor: tuple[int, int] = (0, 0)  # (offset, length); length 0 without one
 
 
+def _bounded_pread(fd: int) -> Callable[[int, int], bytes]:
+    """``pread(size, offset)`` of ``fd`` that asks for no more than the file holds:
+    ``os.pread`` allocates the size it is given before reading, and a size field of a
+    damaged file may claim gigabytes."""
+    end = os.fstat(fd).st_size
+
+    def pread(size: int, offset: int) -> bytes:
+        return os.pread(fd, max(0, min(size, end - offset)), offset)
+
+    return pread
+
+
 class RecordBytes:
     """Reads parts of one archive with as few ``pread`` calls as the layout allows."""
 
     def __init__(self, fd: int | Callable[[int, int], bytes], start: int, length: int,
                  where: str) -> None:
-        # ``fd``: an open file, or ``pread(size, offset)`` of a store's file.
-        self.pread = fd if callable(fd) else functools.partial(os.pread, fd)
+        # ``fd``: an open file, or ``pread(size, offset)`` of a store's file (which never
+        # reads, nor allocates, past the file's end).
+        self.pread = fd if callable(fd) else _bounded_pread(fd)
         self.start, self.length, self.where = start, length, where
         self.head = self.pread(min(length, _HEAD_BYTES), start)
         tail_len = min(length, _HEAD_BYTES)

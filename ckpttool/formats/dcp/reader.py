@@ -244,6 +244,10 @@ def read_metadata_object(path: Path, lookup: Lookup | None = None) -> Any:
         raise InputError(f"{path}: no such file") from err
     except OSError as e:
         raise InputError(f"{path}: cannot read: {e.strerror}") from e
+    except MemoryError as e:
+        raise InputError(f"{path}: {file_size(path) or 0:,} bytes, more than this process "
+                         "may hold in memory; a .metadata that large is corrupt, or needs a "
+                         "machine with more memory") from e
     try:
         return _unpickle(data, lookup or _metadata_global, str(path))
     except torchsave.Refused as e:
@@ -1087,9 +1091,11 @@ class DcpReader(Reader):
         checked against what the metadata promises as an uncompressed record is."""
         what = f"tensor '{tensor.name}'"
         need = chunk.numel * tensor.dtype.itemsize
+        where = self.where(chunk.file, chunk.offset, f"{what}, zstd-compressed record")
+        # The metadata's claim, judged before any memory is taken for it.
+        zstd.check_claim(need, chunk.length, where=where)
         raw = self._inflate(chunk.file, chunk.offset, chunk.length,
                             limit=need + _RECORD_OVERHEAD, what=what)
-        where = self.where(chunk.file, chunk.offset, f"{what}, zstd-compressed record")
         rec = read_record(functools.partial(_slice, raw), offset=0, length=len(raw),
                           where=where)
         if rec.dtype != tensor.dtype or rec.shape != chunk.sizes:
