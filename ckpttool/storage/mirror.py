@@ -180,9 +180,10 @@ class Mirror:
         return s3.RemoteStore(base, url, objects, metadata_name)
 
     @contextlib.contextmanager
-    def reading(self, path: Path) -> Iterator[Callable[[int, int], bytes]]:
+    def reading(self, path: Path, *, inside: str | None = None
+                ) -> Iterator[Callable[[int, int], bytes]]:
         if not self.covers(path.parent):
-            with stores.LOCAL.reading(path) as pread:
+            with stores.LOCAL.reading(path, inside=inside) as pread:
                 yield pread
             return
         store = self.open(path.parent, metadata_name=path.name)
@@ -226,9 +227,9 @@ class Mounts:
              ) -> stores.Store:
         return self._of(base).open(base, metadata_name=metadata_name, follow_links=follow_links)
 
-    def reading(self, path: Path) -> contextlib.AbstractContextManager[
-            Callable[[int, int], bytes]]:
-        return self._of(path.parent).reading(path)
+    def reading(self, path: Path, *, inside: str | None = None
+                ) -> contextlib.AbstractContextManager[Callable[[int, int], bytes]]:
+        return self._of(path.parent).reading(path, inside=inside)
 
 
 def _inside(base: Path, target: Path) -> bool:
