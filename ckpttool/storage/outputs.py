@@ -245,6 +245,16 @@ _LIVE: set[str] = set()
 _removed_stale: list[str] = []
 
 
+# The file each thread reads through a mapping now (set by the local store around a mapped
+# read), for the SIGBUS handler's message: a mapped file cut short ends the read there.
+MAPPED: dict[int, str] = {}
+
+
+def mapped_file() -> str | None:
+    """The file the calling thread reads through a mapping, if any."""
+    return MAPPED.get(threading.get_ident())
+
+
 def take_stale_notes() -> list[str]:
     """What this process removed as a killed run's leftovers since last asked (for the CLI
     to say, as warnings)."""
@@ -301,9 +311,7 @@ def _install_sigbus_guard() -> None:
         return
 
     def on_sigbus(signum: int) -> None:
-        from ckpttool.storage import store  # which imports this module
-
-        where = store.mapped_file() or "a source file"
+        where = mapped_file() or "a source file"
         os.write(2, (f"ckpttool: error: {where}: changed (cut short) while it was read; "
                      "nothing was written. Run again on a checkpoint nothing is writing "
                      "to\n").encode("utf-8", "replace"))

@@ -315,7 +315,7 @@ class LocalStore:
         with self.use(name) as fd:
             end = min(offset + size, os.fstat(fd).st_size)
         pos = offset
-        _mapped[threading.get_ident()] = str(self.path(name))
+        outputs.MAPPED[threading.get_ident()] = str(self.path(name))
         while pos < end:
             n = min(block, end - pos)
             base = pos - pos % mmap.ALLOCATIONGRANULARITY
@@ -328,7 +328,7 @@ class LocalStore:
             yield memoryview(window)[pos - base : pos - base + n]
             del window
             pos += n
-        _mapped.pop(threading.get_ident(), None)
+        outputs.MAPPED.pop(threading.get_ident(), None)
 
     def close(self) -> None:
         with self._lock:
@@ -340,14 +340,6 @@ class LocalStore:
 
 # The file each thread reads through a mapping now, for the SIGBUS message
 # (ckpttool.storage.outputs): a mapped file cut short ends the read there.
-_mapped: dict[int, str] = {}
-
-
-def mapped_file() -> str | None:
-    """The file the calling thread reads through a mapping, if any."""
-    return _mapped.get(threading.get_ident())
-
-
 def _test_pause_after_map() -> None:
     """Test hook (tests/cli/test_trust.py): ``CKPTTOOL_TEST_FAULT=pause-map:FILE`` creates
     FILE once a window is mapped and waits (at most 60 s) until FILE is removed, so that a

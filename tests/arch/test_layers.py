@@ -74,8 +74,6 @@ def test_imports_flow_down(module: str) -> None:
                       "cli -> core -> formats -> storage -> settings/errors"
 
 
-@pytest.mark.xfail(reason="storage/s3.py still knows DCP and safetensors file names "
-                   "(the storage branch moves that knowledge up)", strict=False)
 def test_storage_names_no_format() -> None:
     # Format file names belong to the formats: a store moves bytes.
     words = (".distcp", ".metadata", "safetensors")
