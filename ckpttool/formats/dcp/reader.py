@@ -698,8 +698,9 @@ def _locate_safetensors(root: Path, tensors: list[Tensor], stores: Stores
     if not blobs:
         return tensors, "torch_save"
     serialization = "safetensors+torch_save" if record_files else "safetensors"
+    # A missing file (or a name no file can have: too long) is for the structure checks.
     slots = {f: _blob_slots(root / f, at, stores) for f, at in blobs.items()
-             if (root / f).is_file()}  # a missing file: structure checks report it
+             if file_size(root / f) is not None}
     out = []
     for t in tensors:
         if not any(f in slots for f in t.files):
