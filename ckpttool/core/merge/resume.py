@@ -124,6 +124,7 @@ def write(plan: MergePlan, reader: Reader, out: Path, *, check: Callable[[], Non
     with AtomicOutputs(out, check=check) as outputs:
         done = _recorded(plan, journal, temps, source, key)
         fds: dict[str, int] = {}
+        recorded = len(done)
         try:
             if not done:
                 _forget(out, plan, stem)
@@ -132,16 +133,26 @@ def write(plan: MergePlan, reader: Reader, out: Path, *, check: Callable[[], Non
                 for f in plan.files:
                     fds[f.name] = _open(temps[f.name])
             missing = [p for p in todo if p.key not in done]
+            recorded = len(done)
             for n, p in enumerate(missing, 1):
                 f = plan.files[p.file]
                 part = replace(plan, files=(replace(f, tensors=f.tensors[p.first : p.end]),))
                 execute_into(part, reader, [fds[f.name]], workers=workers, progress=progress)
                 _record(journal, fds[f.name], p)
+                recorded += 1
                 if settings.test_resume_kill() == n:
                     os.kill(os.getpid(), signal.SIGKILL)
             for fd in fds.values():
                 os.close(fd)
             fds.clear()
+        except BaseException:
+            # A cut merge keeps its pieces for the next run only when one is complete:
+            # failing before the first (a damaged source, a refused record) leaves nothing.
+            if recorded == 0:
+                for path in (*temps.values(), journal):
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+            raise
         finally:
             for fd in fds.values():
                 with contextlib.suppress(OSError):
