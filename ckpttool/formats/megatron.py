@@ -360,7 +360,9 @@ def read_info(path: str | os.PathLike[str], *, iteration: int | None = None,
         raise UnsupportedError(f"{root}: a Megatron-Core checkpoint with the '{backend}' "
                                "sharded backend; ckpttool reads torch_dist (the default of "
                                "--ckpt-format torch_dist) only")
-    base = dcp.read_info(root, lookup=metadata_global)
+    # Megatron's ShardedObjects (rng_state/shard_*...) are opaque records of one rank each,
+    # not an unflattened state dict: kept whole, as non-tensor entries.
+    base = dcp.read_info(root, lookup=metadata_global, open_nested=False)
     problems = list(base.problems)
     values = dict(base.values)
     common: dict[str, Any] = {}

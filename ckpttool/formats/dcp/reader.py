@@ -312,7 +312,7 @@ def _rank_metadata_files(root: Path) -> list[tuple[int, Path]]:
 
 
 def read_info(path: str | os.PathLike[str], *, lookup: Lookup | None = None,
-              stores: Stores = LOCAL) -> CheckpointInfo:
+              stores: Stores = LOCAL, open_nested: bool = True) -> CheckpointInfo:
     """Read a DCP directory's ``.metadata`` (or, without one, every ``__<rank>.metadata``),
     plus the header of each safetensors blob (``SerializationFormat.SAFETENSORS``). Reads no
     tensor data.
@@ -335,14 +335,14 @@ def read_info(path: str | os.PathLike[str], *, lookup: Lookup | None = None,
         raise InputError(f"{root}: not a DCP checkpoint directory (no {METADATA_FILE} file)")
     with torchsave.gc_paused():
         if not ranks:
-            read = _read_one(root, md_path, lookup, stores)
+            read = _read_one(root, md_path, lookup, stores, open_nested)
             per_file = [(0, read)]
             tensors, objects = read.tensors, read.objects
             copies: list[Copy] = []
             metadata_name, problems = METADATA_FILE, []
             zstd_records = read.compressed_all
         else:
-            reads = [(r, _read_one(root, p, lookup, stores)) for r, p in ranks]
+            reads = [(r, _read_one(root, p, lookup, stores, open_nested)) for r, p in ranks]
             per_file = reads
             read = reads[0][1]
             tensors, objects, copies = _union(reads)
@@ -398,28 +398,29 @@ class _Read:
 
 
 def _read_one(root: Path, md_path: Path, lookup: Lookup | None = None,
-              stores: Stores = LOCAL) -> _Read:
+              stores: Stores = LOCAL, open_nested: bool = True) -> _Read:
     # Columns first (millions of chunks without an object each); anything it does not
     # recognise with certainty is read by the allow-list unpickler, which decides.
     fast = dcp_metadata.read(md_path, lookup or _metadata_global, metadata_file=METADATA_FILE)
     if fast is not None:
         return _Read(md_path, fast.tensors, fast.objects, fast.version, frozenset(), Nested())
-    return _read_unpickled(root, md_path, lookup, stores)
+    return _read_unpickled(root, md_path, lookup, stores, open_nested)
 
 
 def _read_unpickled(root: Path, md_path: Path, lookup: Lookup | None = None,
-                    stores: Stores = LOCAL) -> _Read:
+                    stores: Stores = LOCAL, open_nested: bool = True) -> _Read:
     md = read_metadata_object(md_path, lookup)
     if type(md).__name__ != "Metadata" or not isinstance(md, torchsave.PlainStub):
         raise InputError(f"{md_path}: does not hold DCP Metadata (found {type(md).__name__})")
     try:
-        return _convert(root, md_path, md, stores)
+        return _convert(root, md_path, md, stores, open_nested)
     except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
         raise InputError(f"{md_path}: corrupt metadata ({type(e).__name__}: {e}); copy it "
                          "again from the source") from e
 
 
-def _convert(root: Path, md_path: Path, md: torchsave.PlainStub, stores: Stores) -> _Read:
+def _convert(root: Path, md_path: Path, md: torchsave.PlainStub, stores: Stores,
+             open_nested: bool = True) -> _Read:
     sd_meta = md.field("state_dict_metadata")
     storage_data = md.field("storage_data")
     planner_data = md.field("planner_data") or {}
@@ -463,7 +464,7 @@ def _convert(root: Path, md_path: Path, md: torchsave.PlainStub, stores: Stores)
             raise UnsupportedError(f"{md_path}: entry '{fqn}' has unknown kind '{kind}'")
 
     nested = Nested()
-    if not md.field("planner_data"):
+    if open_nested and not md.field("planner_data"):
         # Saved without flattening (DefaultSavePlanner(flatten_state_dict=False)): every
         # top-level value is one record, and a nested dict of tensors is pickled whole in it.
         objects = _open_nested(root, md_path, objects, tensors, nested, stores)
