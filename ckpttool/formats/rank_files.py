@@ -34,6 +34,7 @@ refused: flattened parameters cannot be split back into tensors without the mode
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import pickle
 import pickletools
@@ -877,7 +878,7 @@ def _mesh(path: Path, rf: RankFile, rb: torchsave.RecordBytes,
         raise InputError(f"{path}: the device mesh of DTensor '{fqn}' names rank {bad[0]}, "
                          f"outside the world of {rf.world_size} whose rank files are here; a "
                          "rank file is missing or from another save. Copy every rank's file")
-    shape = tuple(_prod(n for n, _ in modes) for modes in modes_by_axis)
+    shape = tuple(math.prod(n for n, _ in modes) for modes in modes_by_axis)
     coordinate = _coordinate(modes_by_axis, len(ranks), ranks.index(rf.rank))
     if coordinate is None:
         raise UnsupportedError(f"{path}: the device mesh layout of DTensor '{fqn}' "
@@ -1074,13 +1075,6 @@ def read_archives(path: Path, rank_set: RankSet) -> CheckpointInfo:
 def _describe(p: _Piece) -> str:
     kind = "a distributed tensor" if p.distributed else "a tensor"
     return f"{kind} {p.dtype.name} {list(p.shape)}"
-
-
-def _prod(values: Iterable[int]) -> int:
-    n = 1
-    for v in values:
-        n *= v
-    return n
 
 
 __all__ = ["FSDP1_LOCAL_MESSAGE", "NAME", "SUMMARY", "WRITTEN_BY",

@@ -3,16 +3,10 @@ where in the full (C-ordered) tensor."""
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Iterator, Sequence
 from itertools import product
-
-
-def _prod(values: Sequence[int]) -> int:
-    n = 1
-    for v in values:
-        n *= v
-    return n
 
 
 def strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -29,7 +23,7 @@ def coverage_problem(
     shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]]
 ) -> str | None:
     """Why ``boxes`` (offsets, sizes) do not tile ``shape`` exactly, or None if they do."""
-    total = _prod(shape)
+    total = math.prod(shape)
     covered = 0
     nonempty = []
     for offsets, sizes in boxes:
@@ -40,8 +34,8 @@ def coverage_problem(
             if o < 0 or s < 0 or o + s > n:
                 return (f"chunk at offsets {list(offsets)} with sizes {list(sizes)} lies outside "
                         f"the tensor's shape {list(shape)}")
-        covered += _prod(sizes)
-        if _prod(sizes):
+        covered += math.prod(sizes)
+        if math.prod(sizes):
             nonempty.append((tuple(offsets), tuple(sizes)))
     overlap = _first_overlap(nonempty)
     if overlap is not None:
@@ -108,7 +102,7 @@ def runs(
     every dimension after its first partial one (what ``Shard(0)`` gives) is a single run.
     """
     ndim = len(shape)
-    if _prod(sizes) == 0:
+    if math.prod(sizes) == 0:
         return
     # k: the first dim from which the chunk, read in C order, is contiguous in the tensor.
     k = ndim
@@ -119,7 +113,7 @@ def runs(
         yield 0, 0, 1
         return
     st = strides(shape)
-    run = _prod(sizes[k:])
+    run = math.prod(sizes[k:])
     base = sum(o * s for o, s in zip(offsets, st, strict=True))
     pos = 0
     for index in product(*(range(n) for n in sizes[:k])):
@@ -141,11 +135,11 @@ def single_run_start(shape: Sequence[int], offsets: Sequence[int], sizes: Sequen
     """The tensor element where the chunk begins, if it is one contiguous range of the full
     tensor (``Shard(0)`` rows, a whole tensor); None otherwise. The per-chunk question of a
     merge of millions of row chunks: answered without building the runs."""
-    if not _prod(sizes):
+    if not math.prod(sizes):
         return None
     if len(shape) == len(sizes) == len(offsets) and shape[1:] == sizes[1:]:
         # Rows: every dimension after the first is whole.
-        row = _prod(shape[1:]) if len(shape) > 1 else 1
+        row = math.prod(shape[1:]) if len(shape) > 1 else 1
         return offsets[0] * row if shape else 0
     if not is_single_run(shape, offsets, sizes):
         return None

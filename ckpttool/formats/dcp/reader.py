@@ -136,11 +136,11 @@ class TensorRecord:
 
     @functools.cached_property
     def is_contiguous(self) -> bool:  # cached: a template's record answers it per chunk
-        return self.stride == torchsave.contiguous_strides(self.shape) or _prod(self.shape) <= 1
+        return self.stride == torchsave.contiguous_strides(self.shape) or math.prod(self.shape) <= 1
 
     @property
     def nbytes(self) -> int:
-        return _prod(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 # --------------------------------------------------------------------------------------------
@@ -540,9 +540,9 @@ def _nested_tensor(md_path: Path, o: ObjectEntry, name: str, key_path: tuple[str
                    ref: torchsave.TensorRef, entries: dict[str, torchsave.ZipEntry]) -> Tensor:
     assert o.file is not None
     data = entries.get(f"data/{ref.storage.key}")
-    n = _prod(ref.shape) * ref.dtype.itemsize
+    n = math.prod(ref.shape) * ref.dtype.itemsize
     start = ref.storage_offset * ref.dtype.itemsize
-    contiguous = ref.stride == torchsave.contiguous_strides(ref.shape) or _prod(ref.shape) <= 1
+    contiguous = ref.stride == torchsave.contiguous_strides(ref.shape) or math.prod(ref.shape) <= 1
     if data is None or start + n > data.size:
         raise InputError(f"{md_path}: tensor '{name}' in entry '{o.name}' reaches past its "
                          "storage; corrupt")
@@ -1107,7 +1107,7 @@ class DcpReader(Reader):
                 "inconsistent")
         extent = torchsave.view_extent(rec.shape, rec.stride, rec.storage_offset,
                                        contiguous=rec.is_contiguous) * rec.dtype.itemsize
-        if _prod(rec.shape) and extent > rec.data_size:
+        if math.prod(rec.shape) and extent > rec.data_size:
             raise InputError(f"{where}: record's storage is smaller than its tensor; corrupt")
         return rec, raw, where
 
@@ -1187,7 +1187,7 @@ class DcpReader(Reader):
             )
         need = torchsave.view_extent(rec.shape, rec.stride, rec.storage_offset,
                                      contiguous=rec.is_contiguous) * rec.dtype.itemsize
-        if _prod(rec.shape) and need > rec.data_size:
+        if math.prod(rec.shape) and need > rec.data_size:
             raise InputError(f"{where}: record's storage is smaller than its tensor; corrupt")
         relative = dataclasses.replace(rec, data_offset=rec.data_offset - chunk.offset)
         data = next(e for e in rec.entries if e.data_offset == relative.data_offset)
@@ -1506,8 +1506,3 @@ def _stray_files(root: Path, referenced: set[str]) -> list[str]:
                   if p.name not in referenced and p.is_file())
 
 
-def _prod(values: tuple[int, ...]) -> int:
-    n = 1
-    for v in values:
-        n *= v
-    return n
