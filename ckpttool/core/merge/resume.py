@@ -51,7 +51,7 @@ TAG = "resume-"
 
 def piece_bytes() -> int:
     """Bytes of output per piece, and so the least a merge writes to be resumable (a smaller
-    one is quicker to write again than to check): ``CKPTTOOL_RESUME_PIECE``, 256 MiB."""
+    one is quicker to write again than to check): ``CKPTTOOL_RESUME_PIECE``, 1 GiB."""
     return settings.resume_piece()
 
 
