@@ -18,6 +18,7 @@ import typer
 from ckpttool import settings
 from ckpttool.errors import CkptError, UnreadableError
 from ckpttool.formats.codecs import dtypes
+from ckpttool.storage.outputs import human_bytes as human_bytes  # the one formatter
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -288,14 +289,6 @@ def count(n: int, word: str) -> str:
     """``1 tensor``, ``2 tensors``."""
     return f"{n:,} {word}{'' if n == 1 else 's'}"
 
-
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1000
-    raise AssertionError("unreachable")
 
 
 # Below this terminal width the progress line drops the transfer columns (sizes, speed):

@@ -212,13 +212,14 @@ def check_space(out_dir: Path, need: int) -> None:
     free = shutil.disk_usage(out_dir).free
     if need > free:
         raise OutputError(
-            f"{out_dir}: not enough free space: the output takes about {_size(need)} and "
-            f"{_size(free)} are free; free some space or choose another output directory"
+            f"{out_dir}: not enough free space: the output takes about {human_bytes(need)} and "
+            f"{human_bytes(free)} are free; free some space or choose another output directory"
         )
 
 
-def _size(n: int) -> str:
-    """Bytes for a message: ``3.21 GB`` (decimal units, as ``--max-shard-size`` reads them)."""
+def human_bytes(n: int) -> str:
+    """Bytes for a message: ``3.21 GB`` (decimal units, as ``--max-shard-size`` reads them);
+    the one formatter, shared by the CLI's reports."""
     value = float(n)
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if value < 1000 or unit == "TB":
