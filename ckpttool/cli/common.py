@@ -62,18 +62,6 @@ def _escape(m: re.Match[str]) -> str:
     return repr(m.group())[1:-1]
 
 
-def printable_doc(doc: Any) -> Any:
-    """A report document (``to_json()``) with every string, key and value, made
-    :func:`printable`, for the human renderers."""
-    if isinstance(doc, str):
-        return printable(doc)
-    if isinstance(doc, dict):
-        return {printable_doc(k): printable_doc(v) for k, v in doc.items()}
-    if isinstance(doc, list | tuple):
-        return type(doc)(printable_doc(v) for v in doc)
-    return doc
-
-
 def err(message: str) -> None:
     print(printable(message), file=sys.stderr, flush=True)
 
@@ -407,13 +395,3 @@ class ProgressBar:
         if not self.enabled:
             return None, None
         return self.start, self.advance
-
-
-def lora_line(lo: dict[str, Any]) -> str:
-    """A LoRA adapter in one line: rank, alpha, variant, targets."""
-    rank = lo["rank"] if isinstance(lo["rank"], int) else "/".join(map(str, lo["rank"]))
-    alpha = "unknown (no adapter_config.json)" if lo["alpha"] is None else f"{lo['alpha']:g}"
-    return (f"LoRA adapter: rank {rank}, alpha {alpha}, {lo['variant']}, {lo['modules']} "
-            f"modules ({', '.join(lo['targets'])})"
-            + (f", modules_to_save {', '.join(lo['modules_to_save'])}"
-               if lo["modules_to_save"] else ""))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -19,12 +19,15 @@ from ckpttool.cli.common import (
     epilog,
     exit_codes,
     human_bytes,
-    lora_line,
     print_json,
-    printable_doc,
+    printable,
     quiet_or_verbose,
     verbose_lines,
 )
+
+if TYPE_CHECKING:
+    from ckpttool.core.checkpoint.parts import Content
+    from ckpttool.core.inspect import InspectReport, Summary, TensorRow
 
 EPILOG = epilog([
     "ckpttool inspect checkpoint-500",
@@ -76,88 +79,95 @@ def inspect_command(
         if json_output:
             print_json(report.to_json())
         elif not quiet:
-            print(render(printable_doc(report.to_json())))
+            print(render(report))
         if verbose:
             verbose_lines([f"read {report.checkpoint} ({report.format})",
                            phases.line("reading values")])
 
 
-def render(doc: dict[str, Any]) -> str:
-    """The human report: a summary block, then the tensor table."""
-    if doc["format"] == "none":  # a directory of several checkpoints: none chosen
-        lines = [f"{doc['path']}: a directory of several checkpoints (see the note)"]
+def render(r: InspectReport) -> str:
+    """The human report: a summary block, then the tensor table. Names come from the
+    checkpoint: every line is escaped (:func:`printable`)."""
+    if r.format == "none":  # a directory of several checkpoints: none chosen
+        lines = [f"{r.path}: a directory of several checkpoints (see the note)"]
     else:
-        lines = [f"{doc['format']} checkpoint {doc['checkpoint']} ({doc['kind']})"]
-    if doc["checkpoint"] != doc["path"]:
-        lines[0] += f", found in {doc['path']}"
-    if doc["parts"]:
+        lines = [f"{r.format} checkpoint {r.checkpoint} ({r.kind})"]
+    if r.checkpoint != r.path:
+        lines[0] += f", found in {r.path}"
+    if r.parts:
         lines.append("  parts:")
-        for p in doc["parts"]:
-            note = f"; {p['note']}" if p["note"] else ""
-            lines.append(f"    {p['path']}: {p['kind']} ({p['format']}{note})")
-    if len(doc["contents"]) > 1:  # a training checkpoint: model, optimizer, train state...
+        for p in r.parts:
+            note = f"; {p.note}" if p.note else ""
+            lines.append(f"    {p.path}: {p.kind} ({p.format}{note})")
+    if len(r.contents) > 1:  # a training checkpoint: model, optimizer, train state...
         lines.append("  contents:")
-        for c in doc["contents"]:
-            held = ", ".join(x for x in (
-                f"{count(c['tensors'], 'tensor')}, {human_bytes(c['bytes'])}"
-                if c["tensors"] else "",
-                f"{c['non_tensor']:,} non-tensor entr{'y' if c['non_tensor'] == 1 else 'ies'}"
-                if c["non_tensor"] else "") if x)
-            where = f" in {c['file']}" if c["file"] else ""
-            note = ("; not recognised, never merged" if c["part"] == "other" else
-                    "; merge writes it" if c["part"] == doc["kind"] and not c["file"] else
-                    "; merge --part optimizer writes it"
-                    if c["part"] == "optimizer" and not c["file"] else "")
-            lines.append(f"    {c['part']}{where}: {held} (keys {', '.join(c['keys'])}{note})")
-    s = doc["summary"]
-    if s:
-        where = ", ".join(x for x in (
-            count(s["num_ranks"], "rank") if s["num_ranks"] is not None else "",
-            count(s["num_files"], "file")) if x)
-        per_dtype = ", ".join(f"{k} {human_bytes(v)}" for k, v in s["bytes_per_dtype"].items())
-        lines.append(f"  {where}; {count(s['num_tensors'], 'tensor')}, {s['num_parameters']:,} "
-                     f"parameters, {human_bytes(s['bytes'])} ({per_dtype or 'no tensors'})")
-        from ckpttool.core.runtime.report import storage_note  # not at import: --help stays light
-
-        stored = storage_note(s.get("storage") or {})
-        if stored:
-            lines.append(f"  storage: {stored}")
-        m = s["merged"]
-        dedup = f", {m['deduplicated']} written once" if m["deduplicated"] else ""
-        lines.append(f"  merged with --dtype auto: {human_bytes(m['bytes'])} in "
-                     f"{m['dtype'] or 'the stored dtypes'} ({m['dtype_source']}{dedup})")
-        if s["wrappers"]:
-            lines.append(f"  name wrappers: {', '.join(s['wrappers'])} "
-                         f"({s['num_renamed']} names shown without them)")
-        if s["tie"]:
-            t = s["tie"]
-            said = {True: "config ties them", False: "config unties them",
-                    None: "no config says"}[t["config_ties"]]
-            lines.append(f"  tie candidates: {t['output']} / {t['input']} ({said})")
-        if s.get("lora"):
-            lines.append(f"  {lora_line(s['lora'])}")
+        lines += [_content_line(c, r.kind) for c in r.contents]
+    if r.summary is not None:
+        lines += _summary_lines(r.summary)
     # Optimizer hyper-parameters (one per parameter in torchtitan's layout) are counted, not
     # listed, beside a model; --json has them all.
-    hidden = [o for o in doc["non_tensor"]
-              if o.get("part") == "optimizer" and doc["kind"] != "optimizer"]
+    hidden = [o for o in r.non_tensor if o.part == "optimizer" and r.kind != "optimizer"]
     if hidden:
         lines.append(f"  non-tensor optimizer state: {len(hidden):,} entries (param groups; "
                      "listed in --json)")
-    for o in doc["non_tensor"]:
-        if o.get("part") == "optimizer" and doc["kind"] != "optimizer":
+    for o in r.non_tensor:
+        if o.part == "optimizer" and r.kind != "optimizer":
             continue
-        if o["readable"]:
-            lines.append(f"  non-tensor {o['name']} = {_short(o['value'])}")
+        if o.readable:
+            lines.append(f"  non-tensor {o.name} = {_short(o.value)}")
         else:
-            lines.append(f"  non-tensor {o['name']}: {o['note']}")
-    lines += [f"  note: {n}" for n in doc["notes"]]
-    if doc["tensors"]:
+            lines.append(f"  non-tensor {o.name}: {o.note}")
+    lines += [f"  note: {n}" for n in r.notes]
+    lines = [printable(line) for line in lines]
+    if r.tensors:
         lines.append("")
-        parted = len({r.get("part") for r in doc["tensors"]}) > 1
-        lines.append(_table(doc["tensors"], doc["stats"], parted))
-    elif doc["filter"] and s:
-        lines.append(f"  no tensor matches --filter {doc['filter']!r}")
+        parted = len({t.part for t in r.tensors}) > 1
+        lines.append(_table(r.tensors, r.stats, parted))
+    elif r.filter and r.summary is not None:
+        lines.append(printable(f"  no tensor matches --filter {r.filter!r}"))
     return "\n".join(lines)
+
+
+def _content_line(c: Content, kind: str) -> str:
+    held = ", ".join(x for x in (
+        f"{count(c.num_tensors, 'tensor')}, {human_bytes(c.bytes)}" if c.num_tensors else "",
+        f"{c.num_non_tensor:,} non-tensor entr{'y' if c.num_non_tensor == 1 else 'ies'}"
+        if c.num_non_tensor else "") if x)
+    where = f" in {c.file}" if c.file else ""
+    note = ("; not recognised, never merged" if c.part == "other" else
+            "; merge writes it" if c.part == kind and not c.file else
+            "; merge --part optimizer writes it" if c.part == "optimizer" and not c.file
+            else "")
+    return f"    {c.part}{where}: {held} (keys {', '.join(c.keys)}{note})"
+
+
+def _summary_lines(s: Summary) -> list[str]:
+    where = ", ".join(x for x in (
+        count(s.num_ranks, "rank") if s.num_ranks is not None else "",
+        count(s.num_files, "file")) if x)
+    per_dtype = ", ".join(f"{k} {human_bytes(v)}" for k, v in s.bytes_per_dtype.items())
+    lines = [f"  {where}; {count(s.num_tensors, 'tensor')}, {s.num_parameters:,} "
+             f"parameters, {human_bytes(s.bytes)} ({per_dtype or 'no tensors'})"]
+    from ckpttool.core.runtime.report import storage_note  # not at import: --help stays light
+
+    stored = storage_note(s.storage)
+    if stored:
+        lines.append(f"  storage: {stored}")
+    m = s.merged
+    dedup = f", {m.deduplicated} written once" if m.deduplicated else ""
+    lines.append(f"  merged with --dtype auto: {human_bytes(m.bytes)} in "
+                 f"{m.dtype or 'the stored dtypes'} ({m.dtype_source}{dedup})")
+    if s.wrappers:
+        lines.append(f"  name wrappers: {', '.join(s.wrappers)} "
+                     f"({s.num_renamed} names shown without them)")
+    if s.tie:
+        t = s.tie
+        said = {True: "config ties them", False: "config unties them",
+                None: "no config says"}[t.config_ties]
+        lines.append(f"  tie candidates: {t.output} / {t.input} ({said})")
+    if s.lora is not None:
+        lines.append(f"  {s.lora.line()}")
+    return lines
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -165,7 +175,7 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _table(rows: list[dict[str, Any]], stats: bool, parted: bool = False) -> str:
+def _table(rows: list[TensorRow], stats: bool, parted: bool = False) -> str:
     header = ["name", "shape", "dtype", "size", "chunks", "placement", "files"]
     if parted:
         header.insert(1, "part")
@@ -173,15 +183,16 @@ def _table(rows: list[dict[str, Any]], stats: bool, parted: bool = False) -> str
         header += ["min", "max", "mean", "abs max", "nan", "inf"]
     table = [header]
     for r in rows:
-        files = r["files"][0] if len(r["files"]) == 1 else f"{len(r['files'])} files"
-        row = [r["name"], "x".join(map(str, r["shape"])) or "scalar", r["dtype"],
-               human_bytes(r["bytes"]), str(r["chunks"]), r["placement"], files]
+        files = printable(r.files[0]) if len(r.files) == 1 else f"{len(r.files)} files"
+        row = [printable(r.name), "x".join(map(str, r.shape)) or "scalar", r.dtype,
+               human_bytes(r.bytes), str(r.chunks), r.placement, files]
         if parted:
-            row.insert(1, r.get("part") or "")
+            row.insert(1, r.part or "")
         if stats:
-            st = r["stats"] or {}
-            row += [_num(st.get("min")), _num(st.get("max")), _num(st.get("mean")),
-                    _num(st.get("abs_max")), str(st.get("nan", "")), str(st.get("inf", ""))]
+            st = r.stats
+            row += ["-"] * 6 if st is None else [
+                _num(st.min), _num(st.max), _num(st.mean), _num(st.abs_max), str(st.nan),
+                str(st.inf)]
         table.append(row)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))

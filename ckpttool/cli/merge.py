@@ -26,10 +26,8 @@ from ckpttool.cli.common import (
     err,
     exit_codes,
     human_bytes,
-    lora_line,
     print_json,
     printable,
-    printable_doc,
     quiet_or_verbose,
     removes_new_dirs,
     size_option,
@@ -38,7 +36,8 @@ from ckpttool.cli.common import (
 from ckpttool.storage.outputs import take_stale_notes
 
 if TYPE_CHECKING:
-    from ckpttool.core.merge.operation import MergeReport
+    from ckpttool.core.merge.operation import MergeReport, PlannedTensor
+    from ckpttool.core.transforms.lora import LoraMerge
 
 EPILOG = epilog([
     "ckpttool merge checkpoint-500/pytorch_model_fsdp_0 out/",
@@ -230,7 +229,7 @@ def _print_human(r: object) -> None:
     lines += _rest_lines(r)
     lines = [printable(line) for line in lines]  # names from the checkpoint: never raw
     if r.dry_run:
-        lines += ["", _plan_table(printable_doc(r.tensors))]
+        lines += ["", _plan_table(r.tensors)]
     print("\n".join(lines))
 
 
@@ -239,30 +238,30 @@ def _print_human(r: object) -> None:
 def _head_lines(r: MergeReport) -> list[str]:
     """What was merged where, how it was shared or resumed, which directory was used."""
     what = ("optimizer state" if r.kind == "optimizer"
-            else "LoRA adapter" if r.lora and r.lora["mode"] == "adapter" else "model")
+            else "LoRA adapter" if r.lora and r.lora.mode == "adapter" else "model")
     lines = ([f"dry run: would merge {what} {r.checkpoint} -> {r.out} (nothing written)"]
              if r.dry_run else [f"merged {what} {r.checkpoint} -> {r.out} in {r.seconds:.1f} s"])
     if r.distributed:
         d = r.distributed
         how = {"torchrun": "processes (torchrun)", "slices": "slices",
-               "slice": "slices; this is slice"}[d["mode"]]
-        which = f" {d['slice']}" if d["mode"] == "slice" else ""
-        lines.append(f"  shared by {d['processes']} {how}{which}: "
-                     f"{human_bytes(max(d['bytes']))} at most each, balance "
-                     f"{d['balance']:.3f} (largest / mean)")
-        if d["mode"] == "slice" and r.dry_run:
-            lines[0] = (f"dry run: slice {d['slice']}/{d['processes']} of {r.checkpoint} -> "
+               "slice": "slices; this is slice"}[d.mode]
+        which = f" {d.slice}" if d.mode == "slice" else ""
+        lines.append(f"  shared by {d.processes} {how}{which}: "
+                     f"{human_bytes(max(d.bytes))} at most each, balance "
+                     f"{d.balance:.3f} (largest / mean)")
+        if d.mode == "slice" and r.dry_run:
+            lines[0] = (f"dry run: slice {d.slice}/{d.processes} of {r.checkpoint} -> "
                         f"{r.out} (nothing written); its tensors are listed below")
-        elif d["mode"] == "slice":
-            lines[0] = f"wrote slice {d['slice']}/{d['processes']} of {r.checkpoint} -> {r.out}"
+        elif d.mode == "slice":
+            lines[0] = f"wrote slice {d.slice}/{d.processes} of {r.checkpoint} -> {r.out}"
             lines.append("  when every slice is done, run the same command with --finish "
                          "instead of --slice")
-    if r.resumed and r.resumed["done_before"]:
-        lines.append(f"  resumed a cut merge: {r.resumed['done_before']} of "
-                     f"{r.resumed['pieces']} pieces were written already "
-                     f"({human_bytes(r.resumed['bytes_skipped'])} not written again)")
+    if r.resumed and r.resumed.done_before:
+        lines.append(f"  resumed a cut merge: {r.resumed.done_before} of "
+                     f"{r.resumed.pieces} pieces were written already "
+                     f"({human_bytes(r.resumed.bytes_skipped)} not written again)")
     if r.checkpoint != r.src:
-        skipped = "".join(f"; skipped {Path(s['path']).name} ({s['kind']})" for s in r.skipped)
+        skipped = "".join(f"; skipped {Path(s.path).name} ({s.kind})" for s in r.skipped)
         lines.append(f"  used {Path(r.checkpoint).name}, found in {r.src}{skipped}")
     from ckpttool.core.runtime.report import storage_note
 
@@ -277,16 +276,16 @@ def _size_lines(r: MergeReport) -> list[str]:
     did = "would write" if r.dry_run else "wrote"
     lines: list[str] = []
     for f in r.files:
-        tensors = f" ({count(f['tensors'], 'tensor')})" if f["tensors"] else ""
-        lines.append(f"  {did} {f['name']}: {human_bytes(f['bytes'])}{tensors}")
+        tensors = f" ({count(f.tensors, 'tensor')})" if f.tensors else ""
+        lines.append(f"  {did} {f.name}: {human_bytes(f.bytes)}{tensors}")
     lines.append(f"  {count(r.num_tensors, 'tensor')}, {r.num_parameters:,} parameters, "
                  f"{human_bytes(r.total_bytes)}")
     before = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(r.bytes_before.items()))
     after = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(r.bytes_after.items()))
-    if r.dtype["target"]:
-        lines.append(f"  dtype {r.dtype['target']} ({r.dtype['source']}): {before} -> {after}")
+    if r.dtype.target:
+        lines.append(f"  dtype {r.dtype.target} ({r.dtype.source}): {before} -> {after}")
     else:  # nothing cast: one figure (a tied copy written once is said on its own line)
-        why = r.dtype["source"].removesuffix(", dtypes kept")
+        why = r.dtype.source.removesuffix(", dtypes kept")
         lines.append(f"  dtypes kept as stored ({why}): {before}")
     return lines
 
@@ -306,26 +305,26 @@ def _name_lines(r: MergeReport) -> list[str]:
     elif r.renames:
         lines.append(f"  renamed {count(len(r.renames), 'tensor')}:")
         shown = r.renames if len(r.renames) <= 8 else r.renames[:5]
-        lines += [f"    {x['from']} -> {x['to']}" for x in shown]
+        lines += [f"    {x.stored} -> {x.written}" for x in shown]
         if len(shown) < len(r.renames):
             lines.append(f"    ... and {len(r.renames) - len(shown)} more (every rename is in "
                          "--json)")
     if r.name_map:
-        counts = ", ".join(f"{n} {op}" for op, n in r.name_map["counts"].items())
-        lines.append(f"  names ({r.name_map['map']}): {counts}")
+        counts = ", ".join(f"{n} {op}" for op, n in r.name_map.counts().items())
+        lines.append(f"  names ({r.name_map.map}): {counts}")
         by_note: dict[str, list[str]] = {}
-        for d in r.name_map["dropped"]:
-            by_note.setdefault(d["note"], []).append(d["name"])
+        for name, _, note in r.name_map.dropped:
+            by_note.setdefault(note, []).append(name)
         for note, dropped in by_note.items():
             more = f" and {len(dropped) - 1} more" if len(dropped) > 1 else ""
             lines.append(f"    dropped {dropped[0]}{more}: {note}")
-    if r.config and r.config["found_in"]:
-        lines.append(f"  config.json from {r.config['found_in']}: {r.config['path']}")
+    if r.config and r.config.found_in:
+        lines.append(f"  config.json from {r.config.found_in}: {r.config.path}")
     if r.layout:
         lay = r.layout
-        lines.append(f"  layout of save_pretrained ({', '.join(lay['families'])}): "
-                     f"{lay['split']} fused tensors split into per-expert tensors, "
-                     f"{lay['renamed']} renamed (--layout stored keeps them as stored)")
+        lines.append(f"  layout of save_pretrained ({', '.join(lay.families)}): "
+                     f"{len(lay.split)} fused tensors split into per-expert tensors, "
+                     f"{len(lay.renamed)} renamed (--layout stored keeps them as stored)")
     return lines
 
 
@@ -333,42 +332,42 @@ def _tie_lines(r: MergeReport) -> list[str]:
     lines: list[str] = []
     if r.tie:
         t = r.tie
-        if t["action"] == "deduplicated":
-            lines.append(f"  tied: {t['output']} is identical to {t['input']}; written once, "
+        if t.action == "deduplicated":
+            lines.append(f"  tied: {t.output} is identical to {t.input}; written once, "
                          "as transformers does")
-        elif t["identical"] is None:
-            lines.append(f"  tied: {t['output']} / {t['input']}: {t['action']}")
+        elif t.identical is None:
+            lines.append(f"  tied: {t.output} / {t.input}: {t.action}")
         else:
-            state = "identical" if t["identical"] else "different"
-            lines.append(f"  tie candidates {t['output']} / {t['input']}: {state}; both written")
+            state = "identical" if t.identical else "different"
+            lines.append(f"  tie candidates {t.output} / {t.input}: {state}; both written")
     return lines
 
 
 def _rest_lines(r: MergeReport) -> list[str]:
     """Non-tensor entries, the parts left out, the side files copied, config changes."""
     lines: list[str] = []
-    written = [o for o in r.non_tensor if o.get("part", r.kind) == r.kind]
+    written = [o for o in r.non_tensor if o.part == r.kind]
     if r.kind == "optimizer" and written:
         lines.append(f"  {len(written)} non-tensor entries (param groups...) written to "
                      "optimizer.json")
     for c in r.left_out:
-        size = f", {human_bytes(c['bytes'])}" if c["tensors"] else ""
+        size = f", {human_bytes(c.bytes)}" if c.num_tensors else ""
         held = ", ".join(x for x in (
-            f"{count(c['tensors'], 'tensor')}{size}" if c["tensors"] else "",
-            f"{c['non_tensor']:,} non-tensor entr{'y' if c['non_tensor'] == 1 else 'ies'}"
-            if c["non_tensor"] else "") if x)
-        where = f" in {c['file']}" if c["file"] else ""
-        how = (" (merge it with --part optimizer)" if c["part"] == "optimizer"
-               and r.kind != "optimizer" and c["tensors"] else
+            f"{count(c.num_tensors, 'tensor')}{size}" if c.num_tensors else "",
+            f"{c.num_non_tensor:,} non-tensor entr{'y' if c.num_non_tensor == 1 else 'ies'}"
+            if c.num_non_tensor else "") if x)
+        where = f" in {c.file}" if c.file else ""
+        how = (" (merge it with --part optimizer)" if c.part == "optimizer"
+               and r.kind != "optimizer" and c.num_tensors else
                " (not recognised; check what it is with ckpttool inspect)"
-               if c["part"] == "other" else "")
-        lines.append(f"  left out {c['part']}{where}: {held}; keys "
-                     f"{', '.join(c['keys'])}{how}")
+               if c.part == "other" else "")
+        lines.append(f"  left out {c.part}{where}: {held}; keys "
+                     f"{', '.join(c.keys)}{how}")
     for o in written if r.kind == "model" else ():
-        if o["readable"]:
-            lines.append(f"  non-tensor entry {o['name']} = {o['value']!r} (not written)")
+        if o.readable:
+            lines.append(f"  non-tensor entry {o.name} = {o.value!r} (not written)")
         else:
-            lines.append(f"  non-tensor entry {o['name']}: {o['note']}")
+            lines.append(f"  non-tensor entry {o.name}: {o.note}")
     if r.copied:
         lines.append(f"  {'would copy' if r.dry_run else 'copied'} {', '.join(r.copied)}")
     for change in r.config_changes:
@@ -376,7 +375,7 @@ def _rest_lines(r: MergeReport) -> list[str]:
     return lines
 
 
-def _verbose(r: Any, phases: Phases) -> list[str]:
+def _verbose(r: MergeReport, phases: Phases) -> list[str]:
     """--verbose: what was read, the plan, the time each phase took."""
     note = ""
     from ckpttool.core.runtime.report import storage_note
@@ -386,34 +385,34 @@ def _verbose(r: Any, phases: Phases) -> list[str]:
     lines = [f"read {r.checkpoint} ({r.format}{note})"]
     if r.copied:
         lines.append(f"side files: {', '.join(r.copied)}")
-    lines.append(f"dtype: {r.dtype['source']}")
-    planned = ", ".join(f"{f['name']} ({human_bytes(f['bytes'])})" for f in r.files)
+    lines.append(f"dtype: {r.dtype.source}")
+    planned = ", ".join(f"{f.name} ({human_bytes(f.bytes)})" for f in r.files)
     lines.append(f"plan: {count(r.num_tensors, 'tensor')}, {human_bytes(r.total_bytes)} into "
                  f"{planned or 'nothing'}")
     if r.distributed:
         d = r.distributed
-        lines.append(f"shared: {d['mode']}, {d['processes']} processes, "
-                     f"{human_bytes(max(d['bytes']))} at most each")
+        lines.append(f"shared: {d.mode}, {d.processes} processes, "
+                     f"{human_bytes(max(d.bytes))} at most each")
     lines.append(phases.line("writing", "a dry run: nothing written"))
     return lines
 
 
-def _plan_table(rows: list[dict[str, Any]]) -> str:
-    """A dry run's tensors, one per line, as they would be written."""
+def _plan_table(rows: list[PlannedTensor]) -> str:
+    """A dry run's tensors, one per line, as they would be written (names escaped)."""
     table = [["name", "shape", "dtype", "from", "size", "file"]]
-    table += [[t["name"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"],
-               t["source_dtype"], human_bytes(t["bytes"]), t["file"]] for t in rows]
+    table += [[printable(t.name), "x".join(map(str, t.shape)) or "scalar", t.dtype,
+               t.source_dtype, human_bytes(t.bytes), printable(t.file)] for t in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
                      .rstrip() for row in table)
 
 
-def _lora_lines(lo: dict[str, Any]) -> list[str]:
-    done = (f"folded into {lo['fused']} tensors" if lo["mode"] == "fuse"
+def _lora_lines(lo: LoraMerge) -> list[str]:
+    done = (f"folded into {lo.fused} tensors" if lo.mode == "fuse"
             else "written for PEFT (adapter_model.safetensors)")
-    lines = [f"  {lora_line(lo)}: {done}", f"  adapter config: {lo['config']}"]
-    if lo.get("other"):
-        lines.append(f"  ({lo['other']})")
+    lines = [f"  {lo.summary.line()}: {done}", f"  adapter config: {lo.summary.config}"]
+    if lo.other:
+        lines.append(f"  ({lo.other})")
     return lines
 
 

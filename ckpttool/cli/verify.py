@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -24,10 +24,13 @@ from ckpttool.cli.common import (
     exit_codes,
     human_bytes,
     print_json,
-    printable_doc,
+    printable,
     quiet_or_verbose,
     verbose_lines,
 )
+
+if TYPE_CHECKING:
+    from ckpttool.core.verify.operation import VerifyReport
 
 EPILOG = epilog([
     "ckpttool verify checkpoint-500",
@@ -107,11 +110,10 @@ def verify_command(
                             follow_links=follow_links, progress=progress, on_start=on_start)
         finally:
             bar.stop()
-        doc = report.to_json()
         if json_output:
-            print_json(doc)
+            print_json(report.to_json())
         else:
-            print(render(printable_doc(doc), quiet=quiet))
+            print(render(report, quiet=quiet))
         if verbose:
             verbose_lines([f"read {report.checkpoint} ({report.format})",
                            f"checks: {', '.join(report.checks)}",
@@ -120,38 +122,40 @@ def verify_command(
             raise typer.Exit(EXIT_PROBLEMS)
 
 
-def render(doc: dict[str, Any], *, quiet: bool = False) -> str:
-    """One line per problem (the first few of each code), then one summary line."""
+def render(r: VerifyReport, *, quiet: bool = False) -> str:
+    """One line per problem (the first few of each code), then one summary line; every line
+    escaped (:func:`printable`: names come from the checkpoint)."""
     lines: list[str] = []
     shown: dict[str, int] = {}
     hidden: dict[str, int] = {}
-    for p in doc["problems"]:
-        if quiet and p["severity"] != "error":
+    for p in r.problems:
+        if quiet and p.severity != "error":
             continue
-        n = shown.get(p["code"], 0)
+        n = shown.get(p.code, 0)
         if n >= SHOWN_PER_CODE:
-            hidden[p["code"]] = hidden.get(p["code"], 0) + 1
+            hidden[p.code] = hidden.get(p.code, 0) + 1
             continue
-        shown[p["code"]] = n + 1
-        lines.append(f"{p['severity']}: {p['code']}: {p['message']}")
+        shown[p.code] = n + 1
+        lines.append(f"{p.severity}: {p.code}: {p.message}")
     lines += [f"... and {n} more {code} (all in --json)" for code, n in hidden.items()]
-    c = doc["counts"]
-    against = f" against {doc['against']['checkpoint']}" if doc["against"] else ""
-    if doc["parts"]:
-        against = f" (and {', '.join(p['path'] for p in doc['parts'])}){against}"
+    c = r.counts
+    against = f" against {r.against['checkpoint']}" if r.against else ""
+    if r.parts:
+        against = f" (and {', '.join(p.path for p in r.parts)}){against}"
     manifest = ""
-    if doc["manifest"]:
-        manifest = f"; manifest {doc['manifest']['action']}: {doc['manifest']['path']}"
+    if r.manifest is not None:
+        manifest = f"; manifest {r.manifest.action}: {r.manifest.path}"
     from ckpttool.core.runtime.report import storage_note  # not at import: --help stays light
 
-    note = storage_note(doc.get("storage") or {})
+    note = storage_note(r.storage)
     if note:
         manifest += f"; {note}"
-    verdict = "OK" if doc["ok"] else "FAILED"
+    verdict = "OK" if r.ok else "FAILED"
     counts = ", ".join(count(c[s], word) for s, word in (("error", "error"),
                                                           ("warning", "warning"),
                                                           ("info", "note")))
-    lines.append(f"verify {verdict}: {doc['checkpoint']}{against}: {counts}; "
-                 f"{count(doc['num_tensors'], 'tensor')}, {human_bytes(doc['bytes_read'])} read "
-                 f"in {doc['seconds']:.1f} s{manifest}")
+    lines.append(f"verify {verdict}: {r.checkpoint}{against}: {counts}; "
+                 f"{count(r.num_tensors, 'tensor')}, {human_bytes(r.bytes_read)} read "
+                 f"in {r.seconds:.1f} s{manifest}")
+    lines = [printable(line) for line in lines]
     return "\n".join(lines)

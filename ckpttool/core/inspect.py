@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ckpttool.core import dtype_policy, ties
 from ckpttool.core.checkpoint import hf, names, non_tensor
@@ -30,10 +30,12 @@ from ckpttool.core.checkpoint.discover import (
     open_reader,
     select,
 )
+from ckpttool.core.checkpoint.parts import Content
 from ckpttool.core.runtime import urls as remote
-from ckpttool.core.runtime.report import SCHEMA, Progress, locked
+from ckpttool.core.runtime.report import Progress, Section, document, locked, section
 from ckpttool.core.runtime.torch_threads import default_workers, one_torch_thread, workers_for
 from ckpttool.core.transforms import lora
+from ckpttool.core.transforms.lora import AdapterSummary
 from ckpttool.errors import CkptError, InputError
 from ckpttool.formats.base import ChunkColumns, Reader, Tensor
 from ckpttool.formats.codecs.dtypes import DType
@@ -75,7 +77,43 @@ def tensor_placement(t: TensorView) -> str:
     return "+".join(f"Shard({d})" for d in split) + f" x{n}"
 
 
-def summary(ckpt: Checkpoint) -> dict[str, Any]:
+@section
+class MergedSize(Section):
+    """What ``merge --dtype auto`` would write: the dtype and why, the bytes (per dtype), and
+    the tied copy it would leave out (None: none)."""
+
+    dtype: str | None
+    dtype_source: str
+    bytes: int
+    bytes_per_dtype: dict[str, int]
+    deduplicated: str | None
+
+
+@section
+class Summary(Section):
+    """``inspect``'s summary: counts, bytes per dtype, the size a merge would write, wrapper
+    segments, the tied pair, how it is stored, the config used and a LoRA adapter found."""
+
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"lora"})
+
+    kind: str
+    num_ranks: int | None
+    num_files: int
+    num_tensors: int
+    num_parameters: int
+    bytes: int
+    bytes_per_dtype: dict[str, int]
+    merged: MergedSize
+    wrappers: list[str]
+    num_renamed: int
+    tie: ties.TiePair | None
+    num_non_tensor: int
+    storage: dict[str, Any]  # CheckpointInfo.storage
+    config: str | None
+    lora: AdapterSummary | None = None
+
+
+def summary(ckpt: Checkpoint) -> Summary:
     """The summary block of ``inspect``: counts, bytes per dtype, the size ``merge --dtype
     auto`` would write, wrappers, tie candidates. Pure."""
     per_dtype: dict[str, int] = {}
@@ -96,29 +134,23 @@ def summary(ckpt: Checkpoint) -> dict[str, Any]:
         out = policy.output_dtype(entry.dtype)
         merged[out.name] = merged.get(out.name, 0) + entry.numel * out.itemsize
     assert ckpt.info is not None
-    return {
-        "kind": ckpt.kind,
-        "num_ranks": ckpt.info.num_ranks,
-        "num_files": len(ckpt.info.files),
-        "num_tensors": len(ckpt.tensors),
-        "num_parameters": sum(t.numel for t in ckpt.tensors),
-        "bytes": sum(t.nbytes for t in ckpt.tensors),
-        "bytes_per_dtype": dict(sorted(per_dtype.items())),
-        "merged": {
-            "dtype": policy.target.name if policy.target else None,
-            "dtype_source": policy.source,
-            "bytes": sum(merged.values()),
-            "bytes_per_dtype": dict(sorted(merged.items())),
-            "deduplicated": dropped,
-        },
-        "wrappers": names.detected_wrappers(t.path for t in ckpt.tensors),
-        "num_renamed": sum(1 for t in ckpt.tensors if t.name != t.stored_name),
-        "tie": None if pair is None else {"output": pair[0], "input": pair[1],
-                                          "config_ties": config_ties},
-        "num_non_tensor": len(ckpt.objects),
-        "storage": dict(ckpt.info.storage),
-        "config": str(ckpt.hf.config_path) if ckpt.hf.config_path else None,
-    }
+    return Summary(
+        kind=ckpt.kind,
+        num_ranks=ckpt.info.num_ranks,
+        num_files=len(ckpt.info.files),
+        num_tensors=len(ckpt.tensors),
+        num_parameters=sum(t.numel for t in ckpt.tensors),
+        bytes=sum(t.nbytes for t in ckpt.tensors),
+        bytes_per_dtype=dict(sorted(per_dtype.items())),
+        merged=MergedSize(policy.target.name if policy.target else None, policy.source,
+                          sum(merged.values()), dict(sorted(merged.items())), dropped),
+        wrappers=names.detected_wrappers(t.path for t in ckpt.tensors),
+        num_renamed=sum(1 for t in ckpt.tensors if t.name != t.stored_name),
+        tie=None if pair is None else ties.TiePair(pair[0], pair[1], config_ties),
+        num_non_tensor=len(ckpt.objects),
+        storage=dict(ckpt.info.storage),
+        config=str(ckpt.hf.config_path) if ckpt.hf.config_path else None,
+    )
 
 
 def _written(ckpt: Checkpoint) -> list[tuple[str, Tensor]]:
@@ -136,10 +168,26 @@ def _written(ckpt: Checkpoint) -> list[tuple[str, Tensor]]:
     return [(name, layout.trained.get(name, t)) for name, t in layout.base]
 
 
-def tensor_row(t: TensorView) -> dict[str, Any]:
-    return {"name": t.name, "stored_name": t.stored_name, "part": t.part, "shape": list(t.shape),
-            "dtype": t.dtype.name, "bytes": t.nbytes, "chunks": len(t.tensor.chunks),
-            "placement": tensor_placement(t), "files": list(t.files), "stats": None}
+@section
+class TensorRow(Section):
+    """A row of ``inspect``'s table: a tensor's names, part, shape, dtype, bytes, chunks,
+    placement, data files and (``--stats``) its values' statistics."""
+
+    name: str
+    stored_name: str
+    part: str
+    shape: list[int]
+    dtype: str
+    bytes: int
+    chunks: int
+    placement: str
+    files: list[str]
+    stats: TensorStats | None = None
+
+
+def tensor_row(t: TensorView) -> TensorRow:
+    return TensorRow(t.name, t.stored_name, t.part, list(t.shape), t.dtype.name, t.nbytes,
+                     len(t.tensor.chunks), tensor_placement(t), list(t.files))
 
 
 def matches(t: TensorView, pattern: str | None) -> bool:
@@ -266,17 +314,16 @@ def _finite(v: float) -> bool:
 # Non-tensor entries
 
 
-def describe_objects(ckpt: Checkpoint, reader: Reader) -> list[dict[str, Any]]:
-    """Each non-tensor entry as ``merge`` reports it: ``{"name", "readable", "value"}`` or,
-    for one that would need arbitrary unpickling, ``{"name", "readable": false, "note"}``.
-    Reads object records (small), never a tensor."""
+def describe_objects(ckpt: Checkpoint, reader: Reader) -> list[non_tensor.Entry]:
+    """Each non-tensor entry as ``merge`` reports it (:class:`non_tensor.Entry`). Reads object
+    records (small), never a tensor."""
     out = []
     for o in ckpt.objects:
         try:
-            out.append(non_tensor.describe(o.name, non_tensor.read(reader, o.entry)))
+            out.append(non_tensor.describe(o.name, non_tensor.read(reader, o.entry),
+                                           part=o.part))
         except InputError as e:
-            out.append({"name": o.name, "readable": False, "note": f"unreadable: {e}"})
-        out[-1]["part"] = o.part
+            out.append(non_tensor.Entry(o.name, False, note=f"unreadable: {e}", part=o.part))
     return out
 
 
@@ -293,18 +340,19 @@ class InspectReport:
     format: str
     kind: str
     parts: list[Part] = field(default_factory=list)
-    contents: list[dict[str, Any]] = field(default_factory=list)  # model, optimizer, ...
-    summary: dict[str, Any] = field(default_factory=dict)
-    tensors: list[dict[str, Any]] = field(default_factory=list)  # the --filter'ed table
-    non_tensor: list[dict[str, Any]] = field(default_factory=list)
+    contents: list[Content] = field(default_factory=list)  # model, optimizer, ...
+    summary: Summary | None = None  # None: no checkpoint recognised (parts only)
+    tensors: list[TensorRow] = field(default_factory=list)  # the --filter'ed table
+    non_tensor: list[non_tensor.Entry] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     filter: str | None = None
     stats: bool = False
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        doc = {"schema": SCHEMA, "command": "inspect", **self.__dict__}
-        doc["parts"] = [p.to_json() for p in self.parts]
+        doc = document("inspect", self)
+        if self.summary is None:
+            doc["summary"] = {}
         return doc
 
 
@@ -351,7 +399,7 @@ def inspect(
         report.seconds = round(time.perf_counter() - started, 3)
         return report
     report.summary = summary(ckpt)
-    report.contents = [c.to_json() for c in ckpt.contents()]
+    report.contents = ckpt.contents()
     report.notes += list(ckpt.side_notes)
     copies = model_copies(ckpt)
     if copies is not None:
@@ -360,7 +408,7 @@ def inspect(
     layout, adapter_config, lora_problems = lora.adapter_of(
         select(ckpt, ckpt.kind) if ckpt.has_part(ckpt.kind) else ckpt)
     if layout is not None and layout.modules:
-        report.summary["lora"] = lora.describe(layout, adapter_config)
+        report.summary.lora = lora.describe(layout, adapter_config)
         report.notes += [p.message for p in lora_problems]
     shown = [t for t in ckpt.tensors if matches(t, filter)]
     report.tensors = [tensor_row(t) for t in shown]
@@ -381,7 +429,7 @@ def inspect(
                 on_start(sum(t.nbytes for t in shown))
             for row, result in zip(report.tensors, _stats(reader, shown, workers, progress),
                                    strict=True):
-                row["stats"] = result.to_json()
+                row.stats = result
     report.seconds = round(time.perf_counter() - started, 3)
     return report
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ckpttool.core.checkpoint import hf, tensors
 from ckpttool.core.checkpoint.discover import open_reader
+from ckpttool.core.runtime.report import Section, section
 from ckpttool.core.transforms.derive import Derived
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Problem, Reader, Tensor, error, info
@@ -99,13 +100,32 @@ def check_ties(ckpt: Checkpoint, identical: bool | None) -> list[Problem]:
     return []
 
 
+@section
+class TiePair(Section):
+    """The tied pair a checkpoint holds (``inspect``'s ``tie``): the output embedding, the
+    input one, and whether the config ties them (None: no config says)."""
+
+    output: str
+    input: str
+    config_ties: bool | None
+
+
+@section
+class Tie(TiePair):
+    """``merge``'s ``tie``: the pair, whether the two are bit-identical (None: not compared,
+    a LoRA fold changed one) and what was done (``"deduplicated"``, ``"both written"``...)."""
+
+    identical: bool | None = None
+    action: str = "both written"
+
+
 @dataclass
 class TieDecision:
     """What a merge does with the tied pair: names to drop, the report's ``tie`` section (None
     without a pair) and warnings."""
 
     drop: frozenset[str] = frozenset()
-    tie: dict[str, Any] | None = None
+    tie: Tie | None = None
     warnings: list[str] = field(default_factory=list)
 
 
@@ -135,12 +155,10 @@ def decide(
         # embedding to the (fused) input one on load, as PEFT's merge did to the shared
         # weight, so one copy is written.
         if tied and not keep_tied and isinstance(b, Derived) and not isinstance(a, Derived):
-            decision.tie = {"output": head, "input": embed, "config_ties": True,
-                            "identical": None, "action": "deduplicated (input embedding fused)"}
+            decision.tie = Tie(head, embed, True, None, "deduplicated (input embedding fused)")
             decision.drop = frozenset({head})
             return decision
-        decision.tie = {"output": head, "input": embed, "config_ties": tied,
-                        "identical": None, "action": "both written"}
+        decision.tie = Tie(head, embed, tied, None, "both written")
         if tied:
             decision.warnings.append(
                 f"config ties word embeddings but the LoRA fold changed '{head}' and not "
@@ -149,26 +167,22 @@ def decide(
                 "config.json to keep it")
         return decision
     same = tensors.identical(reader, a, reader, b, block_bytes=COMPARE_BLOCK)
-    decision.tie = {"output": head, "input": embed, "config_ties": tied, "identical": same}
+    decision.tie = Tie(head, embed, tied, same)
     if tied and same and not keep_tied:
-        decision.tie["action"] = "deduplicated"
+        decision.tie.action = "deduplicated"
         decision.drop = frozenset({head})
         return decision
     if tied and not same:
-        decision.tie["action"] = "both written"
         decision.warnings.append(
             f"tie broken: config ties word embeddings but '{head}' differs from '{embed}'; both "
             "were written, but transformers will tie them on load and drop the trained "
             f"'{head}'. Set tie_word_embeddings to false in config.json to keep it"
         )
     elif tied is None and same:
-        decision.tie["action"] = "both written"
         decision.warnings.append(
             f"'{head}' and '{embed}' are identical and look tied, but no config.json says so; "
             "both were written (pass --config to deduplicate)"
         )
-    else:
-        decision.tie["action"] = "both written"
     return decision
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ckpttool.core.runtime.report import Section, section
 from ckpttool.formats.base import ObjectEntry, Problem, Reader, UnreadableObject, error, warning
 from ckpttool.formats.codecs import torchsave
 
@@ -62,11 +63,28 @@ def _allowed(qualname: str) -> bool:
     return torchsave.record_global(module, name) is not None
 
 
-def describe(name: str, value: Any) -> dict[str, Any]:
-    """``{"name", "readable": true, "value"}``, or ``{"name", "readable": false, "note"}``."""
+@section
+class Entry(Section):
+    """A non-tensor entry as reports give it: ``{"name", "readable": true, "value", "part"}``,
+    or ``{"name", "readable": false, "note", "part"}`` for one not read (a pickle that would
+    run code, an entry too large to walk)."""
+
+    name: str
+    readable: bool
+    value: Any = None  # plain JSON values (readable only)
+    note: str = ""  # why it was not read (unreadable only)
+    part: str = "other"  # the checkpoint part it belongs to (core.checkpoint.parts)
+
+    def to_json(self) -> dict[str, Any]:
+        said = {"value": self.value} if self.readable else {"note": self.note}
+        return {"name": self.name, "readable": self.readable, **said, "part": self.part}
+
+
+def describe(name: str, value: Any, *, part: str) -> Entry:
+    """The entry ``name`` of ``part`` holding ``value`` (an :class:`Unreadable` when not read)."""
     if isinstance(value, Unreadable):
-        return {"name": name, "readable": False, "note": f"{value.why}; not executed, not read"}
-    return {"name": name, "readable": True, "value": jsonable(value)}
+        return Entry(name, False, note=f"{value.why}; not executed, not read", part=part)
+    return Entry(name, True, jsonable(value), part=part)
 
 
 def jsonable(value: Any) -> Any:

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
+
+from ckpttool.core.runtime.report import Section, section
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -130,9 +132,11 @@ def classify(entries: Sequence[tuple[tuple[str, ...], bool]]) -> list[Label]:
     return labels
 
 
-@dataclass(frozen=True)
-class Content:
+@section(frozen=True)
+class Content(Section):
     """One part of a checkpoint, for reports: what it holds and under which keys."""
+
+    KEYS: ClassVar[dict[str, str]] = {"num_tensors": "tensors", "num_non_tensor": "non_tensor"}
 
     part: str
     keys: tuple[str, ...]  # top-level keys (first name segments) it is stored under
@@ -140,10 +144,6 @@ class Content:
     bytes: int
     num_non_tensor: int
     file: str | None = None  # a side file holding it (Lightning's meta.pt); None: the checkpoint
-
-    def to_json(self) -> dict[str, Any]:
-        return {"part": self.part, "keys": list(self.keys), "tensors": self.num_tensors,
-                "bytes": self.bytes, "non_tensor": self.num_non_tensor, "file": self.file}
 
 
 def contents(entries: Iterable[tuple[str, tuple[str, ...], int | None]], *,

@@ -33,14 +33,14 @@ import signal
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from ckpttool import errors, settings
 from ckpttool.core.merge import partition
 from ckpttool.core.merge.distributed import Group
 from ckpttool.core.merge.engine import commit_outputs, execute_share
 from ckpttool.core.merge.plan import MergePlan
-from ckpttool.core.runtime.report import Progress
+from ckpttool.core.runtime.report import Progress, Section, section
 from ckpttool.core.runtime.torch_threads import default_workers
 from ckpttool.errors import CkptError, InputError, OutputError, UsageError
 from ckpttool.formats import safetensors as st
@@ -73,17 +73,17 @@ class Shared(Protocol):
 
     def write(self, plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
               *, overwrite: bool, stem: str, workers: int | None, progress: Progress | None,
-              on_start: Callable[[int], None] | None) -> dict[str, Any]:
+              on_start: Callable[[int], None] | None) -> Sharing:
         """Write this process's part of ``plan`` (and commit, where it is the one to);
         returns what the report says about the sharing."""
 
-    def preview(self, plan: MergePlan) -> dict[str, Any] | None:
+    def preview(self, plan: MergePlan) -> Sharing | None:
         """For a dry run: what :meth:`write` would report, with ``tensors``, the names of
         the tensors this process would write (some of them in part); None: all of them."""
 
 
 def _preview(mode: str, merge_plan: MergePlan, shares: list[list[partition.Unit]],
-             index: int, **more: Any) -> dict[str, Any]:
+             index: int, **more: Any) -> Sharing:
     mine = sorted({(u.file, u.tensor) for u in shares[index]})
     names = [merge_plan.files[f].tensors[t].name for f, t in mine]
     return _describe(mode, shares, tensors=names, **more)
@@ -185,9 +185,30 @@ def _local_workers(workers: int | None) -> int:
     return max(1, default_workers() // max(1, local))
 
 
-def _describe(mode: str, shares: list[list[partition.Unit]], **more: Any) -> dict[str, Any]:
-    return {"mode": mode, "processes": len(shares), "bytes": partition.rank_bytes(shares),
-            "balance": round(partition.balance(shares), 4), **more}
+@section
+class Sharing(Section):
+    """The report's ``distributed``: how processes shared a merge (``torchrun``, ``slice``,
+    ``slices`` for a finish), the bytes each wrote and how even that was; this process's
+    rank or slice, the plan's key, the tensors a dry run's process would write, a finish's
+    removed temporary files."""
+
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset(
+        {"tensors", "rank", "slice", "plan", "removed_temporary"})
+
+    mode: str
+    processes: int
+    bytes: list[int]
+    balance: float
+    tensors: list[str] | None = None
+    rank: int | None = None
+    slice: int | None = None
+    plan: str | None = None
+    removed_temporary: list[str] | None = None
+
+
+def _describe(mode: str, shares: list[list[partition.Unit]], **more: Any) -> Sharing:
+    return Sharing(mode, len(shares), partition.rank_bytes(shares),
+                   round(partition.balance(shares), 4), **more)
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,13 +279,13 @@ class Team:
             if status is not None:
                 _raise_from(status, rank, what)
 
-    def preview(self, plan: MergePlan) -> dict[str, Any] | None:
+    def preview(self, plan: MergePlan) -> Sharing | None:
         return _preview("torchrun", plan, partition.split(plan, self.group.size),
                         self.group.rank)
 
     def write(self, plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
               *, overwrite: bool, stem: str, workers: int | None, progress: Progress | None,
-              on_start: Callable[[int], None] | None) -> dict[str, Any]:
+              on_start: Callable[[int], None] | None) -> Sharing:
         rank = self.group.rank
         shares = partition.split(plan, self.group.size)
         share = shares[rank]
@@ -364,7 +385,7 @@ class _Alone:
     def once(self, decide: Callable[[], Any]) -> Any:
         return decide()
 
-    def preview(self, plan: MergePlan) -> dict[str, Any] | None:
+    def preview(self, plan: MergePlan) -> Sharing | None:
         return None
 
 
@@ -375,13 +396,13 @@ class Slice(_Alone):
     def __init__(self, index: int, count: int) -> None:
         self.index, self.count = index, count
 
-    def preview(self, plan: MergePlan) -> dict[str, Any] | None:
+    def preview(self, plan: MergePlan) -> Sharing | None:
         return _preview("slice", plan, partition.split(plan, self.count), self.index,
                         slice=self.index, plan=plan_key(plan))
 
     def write(self, plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
               *, overwrite: bool, stem: str, workers: int | None, progress: Progress | None,
-              on_start: Callable[[int], None] | None) -> dict[str, Any]:
+              on_start: Callable[[int], None] | None) -> Sharing:
         shares = partition.split(plan, self.count)
         share = shares[self.index]
         key = plan_key(plan)
@@ -425,7 +446,7 @@ class Finish(_Alone):
 
     def write(self, plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
               *, overwrite: bool, stem: str, workers: int | None, progress: Progress | None,
-              on_start: Callable[[int], None] | None) -> dict[str, Any]:
+              on_start: Callable[[int], None] | None) -> Sharing:
         key = plan_key(plan)
         paths = _slice_paths(plan, out, key)
         pattern = re.compile(rf"\.{re.escape(stem)}\.s{key}\.(\d+)-of-(\d+)\.done"
@@ -463,7 +484,7 @@ class Finish(_Alone):
                     marker.unlink()
             removed = _remove_abandoned(out, key)  # with OUT's lock held
         return _describe("slices", shares, plan=key,
-                         **({"removed_temporary": removed} if removed else {}))
+                         removed_temporary=removed or None)
 
 
 def _placed(plan: MergePlan, out: Path, paths: dict[int, Path],

@@ -19,21 +19,21 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckpttool.core import dtype_policy, ties
 from ckpttool.core.checkpoint import architecture, hf, non_tensor, structure
-from ckpttool.core.checkpoint.copies import model_copies
+from ckpttool.core.checkpoint.copies import Copies, model_copies
 from ckpttool.core.checkpoint.discover import Checkpoint, Part, discover, open_reader, select
 from ckpttool.core.checkpoint.names import detected_wrappers
-from ckpttool.core.checkpoint.parts import MERGEABLE
+from ckpttool.core.checkpoint.parts import MERGEABLE, Content
 from ckpttool.core.dtype_policy import DTypePolicy
 from ckpttool.core.merge import resume
 from ckpttool.core.merge.engine import check_existing, commit_outputs, write
 from ckpttool.core.merge.optimizer import OPTIMIZER_JSON, optimizer_json
 from ckpttool.core.merge.plan import MergePlan, Source, plan_merge
 from ckpttool.core.runtime import urls as remote
-from ckpttool.core.runtime.report import SCHEMA, Progress
+from ckpttool.core.runtime.report import Progress, Section, document, section
 from ckpttool.core.runtime.torch_threads import default_workers
 from ckpttool.core.transforms import hub_layout, namemaps
 from ckpttool.core.transforms import lora as adapters
@@ -46,9 +46,66 @@ from ckpttool.storage.outputs import check_apart, check_space
 from ckpttool.storage.store import LOCAL, Stores
 
 if TYPE_CHECKING:
-    from ckpttool.core.merge.multihost import Shared
+    from ckpttool.core.merge.multihost import Shared, Sharing
     from ckpttool.core.transforms.lora import Adapted
     from ckpttool.core.transforms.namemaps import Mapped
+
+
+@section
+class OutputFile(Section):
+    """A file a merge writes: its name, bytes and tensors (0: an index, optimizer.json)."""
+
+    name: str
+    bytes: int
+    tensors: int
+
+
+@section
+class DTypeChoice(Section):
+    """The dtype asked for (``--dtype``), the one written (None: each tensor's own), and why."""
+
+    requested: str
+    target: str | None
+    source: str
+
+
+@section
+class ConfigUsed(Section):
+    """The config.json used; ``found_in`` None when beside the checkpoint or given."""
+
+    path: str
+    found_in: str | None
+
+
+@section
+class Rename(Section):
+    """A tensor's stored name and the name written (wrapper segments removed)."""
+
+    KEYS: ClassVar[dict[str, str]] = {"stored": "from", "written": "to"}
+
+    stored: str
+    written: str
+
+
+@section
+class OtherCheckpoint(Section):
+    """A checkpoint of a training directory that was not the one merged."""
+
+    path: str
+    kind: str
+
+
+@section
+class PlannedTensor(Section):
+    """A dry run's tensor as it would be written: byte ``offsets`` [begin, end) in ``file``."""
+
+    name: str
+    file: str
+    dtype: str
+    source_dtype: str
+    shape: list[int]
+    bytes: int
+    offsets: list[int]
 
 
 @dataclass
@@ -61,55 +118,49 @@ class MergeReport:
     kind: str = "model"  # or "optimizer"
     format: str = ""  # the source format's NAME
     storage: dict[str, Any] = field(default_factory=dict)  # CheckpointInfo.storage
-    files: list[dict[str, Any]] = field(default_factory=list)
+    files: list[OutputFile] = field(default_factory=list)
     num_tensors: int = 0
     num_parameters: int = 0
     total_bytes: int = 0
-    dtype: dict[str, Any] = field(default_factory=dict)
+    dtype: DTypeChoice = field(default_factory=lambda: DTypeChoice("auto", None, ""))
     bytes_before: dict[str, int] = field(default_factory=dict)
     bytes_after: dict[str, int] = field(default_factory=dict)
-    renames: list[dict[str, str]] = field(default_factory=list)
+    renames: list[Rename] = field(default_factory=list)
     wrappers_removed: list[str] = field(default_factory=list)
-    tie: dict[str, Any] | None = None
-    name_map: dict[str, Any] | None = None  # --names: the map and what it did to each tensor
+    tie: ties.Tie | None = None
+    name_map: Mapped | None = None  # --names: the map and what it did to each tensor
     # transformers 5's runtime names and fused experts turned into save_pretrained's layout
     # (core.transforms.hub_layout): the families, counts and examples; None: nothing to do
-    layout: dict[str, Any] | None = None
+    layout: hub_layout.Converted | None = None
     # A directory holding the model twice (core.checkpoint.copies): the copy read, the
     # others and why; None: one copy
-    copies: dict[str, Any] | None = None
-    # The config.json used ({"path", "found_in"}: "found_in" None when beside the checkpoint
-    # or given); None: none found, the output is weights only
-    config: dict[str, Any] | None = None
+    copies: Copies | None = None
+    # The config.json used; None: none found, the output is weights only
+    config: ConfigUsed | None = None
     # Names no transformers model of config.json's architecture has (a training framework's
     # own, core.checkpoint.architecture): whose, how many, the --names maps; None: they fit
-    foreign_names: dict[str, Any] | None = None
-    lora: dict[str, Any] | None = None  # the adapter found, and what was done with it
-    non_tensor: list[dict[str, Any]] = field(default_factory=list)
+    foreign_names: architecture.NameCheck | None = None
+    lora: adapters.LoraMerge | None = None  # the adapter found, and what was done with it
+    non_tensor: list[non_tensor.Entry] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)
     config_changes: list[str] = field(default_factory=list)
     parts: list[Part] = field(default_factory=list)  # a training directory's entries
-    skipped: list[dict[str, str]] = field(default_factory=list)  # its other checkpoints
+    skipped: list[OtherCheckpoint] = field(default_factory=list)  # its other checkpoints
     part: str = "model"  # what was written: "model" or "optimizer" (core.parts)
-    contents: list[dict[str, Any]] = field(default_factory=list)  # every part of the source
-    left_out: list[dict[str, Any]] = field(default_factory=list)  # the parts not written
+    contents: list[Content] = field(default_factory=list)  # every part of the source
+    left_out: list[Content] = field(default_factory=list)  # the parts not written
     warnings: list[str] = field(default_factory=list)
     dry_run: bool = False  # nothing was written: files and tensors are what would be
-    # dry_run only: every tensor as it would be written ({"name", "file", "dtype",
-    # "source_dtype", "shape", "bytes", "offsets": [begin, end], byte offsets in the file})
-    tensors: list[dict[str, Any]] = field(default_factory=list)
+    # dry_run only: every tensor as it would be written
+    tensors: list[PlannedTensor] = field(default_factory=list)
     # A merge several processes shared (core.multihost): how, and the bytes each wrote.
-    distributed: dict[str, Any] | None = None
-    # A merge written in pieces (core.merge.resume): {"pieces", "done_before": found done by a
-    # cut run and not written again, "bytes_skipped"}; None: written whole.
-    resumed: dict[str, Any] | None = None
+    distributed: Sharing | None = None
+    # A merge written in pieces (core.merge.resume); None: written whole.
+    resumed: resume.Resumed | None = None
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        doc = {"schema": SCHEMA, "command": "merge", **self.__dict__}
-        doc["parts"] = [p.to_json() for p in self.parts]
-        return doc
-
+        return document("merge", self)
 
 
 @remote.urls(sources=("src",), output="out")
@@ -213,7 +264,8 @@ def merge(
                                    keep_tied=keep_tied,
                                    ties_apply=not optimizer and mode != "adapter", mapped=mapped)
         decided = decide() if shared is None else shared.once(decide)
-        report.tie, report.warnings = decided["tie"], list(decided["warnings"])
+        report.tie = None if decided["tie"] is None else ties.Tie(**decided["tie"])
+        report.warnings = list(decided["warnings"])
         sources, drop = _output_layout(sources, frozenset(decided["drop"]), files, layout,
                                        report, stored=mapped is None and mode != "adapter"
                                        and not optimizer)
@@ -259,13 +311,15 @@ def _decide(reader: Reader, sources: list[tuple[str, Source]], config: dict[str,
     warnings = warnings + tie.warnings
     if mapped is not None:
         warnings += namemaps.check_dropped(reader, mapped)
-    return {"drop": sorted(tie.drop), "tie": tie.tie, "warnings": warnings}
+    # JSON: sent to every process that shares the merge
+    return {"drop": sorted(tie.drop), "tie": tie.tie.to_json() if tie.tie else None,
+            "warnings": warnings}
 
 
 def _write(plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]], *,
            stem: str, overwrite: bool, workers: int | None, shared: Shared | None,
            progress: Progress | None, on_start: Callable[[int], None] | None
-           ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+           ) -> tuple[Sharing | None, resume.Resumed | None]:
     """Write the plan: alone, this process's share of it, or in pieces that a cut merge
     leaves for the next run to finish (:mod:`ckpttool.core.merge.resume`). The report's
     ``distributed`` and ``resumed`` sections."""
@@ -368,32 +422,31 @@ def _start_report(src: Path, out: Path, whole: Checkpoint, ckpt: Checkpoint,
     report = MergeReport(src=str(src), checkpoint=str(info.root), out=str(out),
                          kind=ckpt.kind, format=info.format, storage=dict(info.storage),
                          part=ckpt.kind)
-    report.contents = [c.to_json() for c in whole.contents()]
-    report.left_out = [c for c in report.contents if c["part"] != ckpt.kind or c["file"]]
+    report.contents = whole.contents()
+    report.left_out = [c for c in report.contents if c.part != ckpt.kind or c.file]
     report.parts = list(ckpt.parts)
-    report.skipped = [{"path": str(src / p.path), "kind": p.kind} for p in ckpt.parts
+    report.skipped = [OtherCheckpoint(str(src / p.path), p.kind) for p in ckpt.parts
                       if p.path != ckpt.chosen and p.kind != "other"
                       and registry.is_format(p.format)]
     renamed = [t for t in ckpt.tensors if t.name != t.stored_name]
-    report.renames = [{"from": t.stored_name, "to": t.name} for t in renamed]
+    report.renames = [Rename(t.stored_name, t.name) for t in renamed]
     report.wrappers_removed = detected_wrappers((t.path for t in renamed), ckpt.top_level)
-    report.dtype = {"requested": policy.requested,
-                    "target": policy.target.name if policy.target else None,
-                    "source": policy.source}
+    report.dtype = DTypeChoice(policy.requested, policy.target.name if policy.target else None,
+                               policy.source)
     if model:
         if files.config_path is not None:
-            report.config = {"path": str(files.config_path), "found_in": files.found_in}
+            report.config = ConfigUsed(str(files.config_path), files.found_in)
         else:
             report.warnings.append(hf.no_config_warning(info.root, ckpt.path))
     copies = model_copies(whole)
     if copies is not None:
-        report.copies = copies.to_json()
+        report.copies = copies
         report.warnings.append(copies.message("merge"))
     if adapted is not None:
         report.lora = adapted.report
-        if adapted.report.get("assumed"):
+        if adapted.report.assumed:
             report.warnings.append(adapters.assumed_warning(adapted.report))
-    report.name_map = mapped.to_json() if mapped is not None else None
+    report.name_map = mapped
     return report
 
 
@@ -411,12 +464,12 @@ def _output_layout(sources: list[tuple[str, Source]], drop: frozenset[str], file
         if converted is None:
             report.warnings += hub_layout.unconverted(sources, files.config)
         else:
-            report.layout = converted.to_json()
+            report.layout = converted
             sources = converted.sources
             drop = frozenset(converted.renamed.get(n, n) for n in drop)
     foreign = architecture.check([n for n, _ in sources], files.config)
     if foreign is not None:
-        report.foreign_names = foreign.to_json()
+        report.foreign_names = foreign
         report.warnings.append(foreign.message())
     return sources, drop
 
@@ -427,8 +480,7 @@ def _side_files(report: MergeReport, whole: Checkpoint, ckpt: Checkpoint, reader
     """The small files written beside the weights (config, tokenizer, optimizer.json, an
     adapter's config), and the non-tensor entries, into ``report``."""
     objects = [(o, non_tensor.read(reader, o.entry)) for o in whole.objects]
-    report.non_tensor = [{**non_tensor.describe(o.name, value), "part": o.part}
-                         for o, value in objects]
+    report.non_tensor = [non_tensor.describe(o.name, value, part=o.part) for o, value in objects]
     objects = [(o, value) for o, value in objects if o.part == ckpt.kind]
     config_bytes, report.config_changes = _config_output(files, plan, sources)
     extra: list[tuple[str, bytes]] = [
@@ -448,13 +500,11 @@ def _summarise(report: MergeReport, ckpt: Checkpoint, plan: MergePlan,
                optimizer_json: bytes | None, *, dry_run: bool, shared: Shared | None) -> None:
     """Files, counts and bytes per dtype before and after, into ``report``; a dry run's
     every tensor as it would be written."""
-    report.files = [{"name": f.name, "bytes": f.size, "tensors": len(f.tensors)}
-                    for f in plan.files]
+    report.files = [OutputFile(f.name, f.size, len(f.tensors)) for f in plan.files]
     if plan.index is not None:
-        report.files.append({"name": plan.index_name, "bytes": len(plan.index), "tensors": 0})
+        report.files.append(OutputFile(plan.index_name, len(plan.index), 0))
     if optimizer_json is not None:
-        report.files.append({"name": OPTIMIZER_JSON, "bytes": len(optimizer_json),
-                             "tensors": 0})
+        report.files.append(OutputFile(OPTIMIZER_JSON, len(optimizer_json), 0))
     written_tensors = [t for f in plan.files for t in f.tensors]
     report.num_tensors = len(written_tensors)
     report.num_parameters = sum(t.source.numel for t in written_tensors)
@@ -469,11 +519,13 @@ def _summarise(report: MergeReport, ckpt: Checkpoint, plan: MergePlan,
         report.dry_run = True
         # Shared (--slice I/N, torchrun): the sharing and this process's tensors only.
         share = shared.preview(plan) if shared is not None else None
-        mine = set(share.pop("tensors")) if share is not None else None
+        mine = set(share.tensors or ()) if share is not None else None
+        if share is not None:
+            share.tensors = None
         report.distributed = share
-        report.tensors = [{"name": t.name, "file": f.name, "dtype": t.dtype.name,
-                           "source_dtype": t.source.dtype.name, "shape": list(t.slot.shape),
-                           "bytes": t.slot.nbytes, "offsets": [t.slot.begin, t.slot.end]}
+        report.tensors = [PlannedTensor(t.name, f.name, t.dtype.name, t.source.dtype.name,
+                                        list(t.slot.shape), t.slot.nbytes,
+                                        [t.slot.begin, t.slot.end])
                           for f in plan.files for t in f.tensors
                           if mine is None or t.name in mine]
 

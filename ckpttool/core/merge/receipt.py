@@ -194,9 +194,9 @@ def check(ckpt: Checkpoint, receipt: Receipt, digests: dict[str, str], unreadabl
 
 
 def verify(ckpt: Checkpoint, receipt: Receipt, digests: dict[str, str]
-           ) -> tuple[list[Problem], dict[str, Any]]:
+           ) -> tuple[list[Problem], manifests.ManifestUse]:
     """verify's receipt check of an output: problems, and the report's ``manifest`` section."""
     where = ckpt.root / RECEIPT_NAME
     unreadable = {t.name for t in ckpt.tensors} - set(digests)
     return (check(ckpt, receipt, digests, unreadable, where),
-            {"path": str(where), "action": "receipt checked", "tensors": len(receipt.tensors)})
+            manifests.ManifestUse(str(where), "receipt checked", len(receipt.tensors)))

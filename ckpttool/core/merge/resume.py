@@ -40,7 +40,7 @@ from ckpttool.core.merge import receipt as receipts
 from ckpttool.core.merge.engine import execute_into
 from ckpttool.core.merge.multihost import check_headers, plan_key
 from ckpttool.core.merge.plan import MergePlan
-from ckpttool.core.runtime.report import Progress
+from ckpttool.core.runtime.report import Progress, Section, section
 from ckpttool.errors import OutputError
 from ckpttool.formats.base import Reader
 from ckpttool.storage.outputs import TMP_SUFFIX, AtomicOutputs, output_error, pwrite_all
@@ -99,9 +99,19 @@ def source_digest(root: Path) -> str:
     return h.hexdigest()[:16]
 
 
+@section
+class Resumed(Section):
+    """The report's ``resumed``: the pieces in all, those a cut run had done (not written
+    again), and their bytes."""
+
+    pieces: int
+    done_before: int
+    bytes_skipped: int
+
+
 def write(plan: MergePlan, reader: Reader, out: Path, *, check: Callable[[], None],
           commit: Callable[[AtomicOutputs], None], workers: int,
-          progress: Progress | None) -> dict[str, Any]:
+          progress: Progress | None) -> Resumed:
     """Write ``plan`` into ``out`` resumably (module docstring), then ``commit`` the files
     (the index and the side files, then everything renamed into place).
 
@@ -163,8 +173,8 @@ def write(plan: MergePlan, reader: Reader, out: Path, *, check: Callable[[], Non
         commit(outputs)
     with contextlib.suppress(FileNotFoundError):
         journal.unlink()
-    return {"pieces": len(todo), "done_before": sum(p.key in done for p in todo),
-            "bytes_skipped": sum(p.nbytes for p in todo if p.key in done)}
+    return Resumed(len(todo), sum(p.key in done for p in todo),
+                   sum(p.nbytes for p in todo if p.key in done))
 
 
 def _forget(out: Path, plan: MergePlan, stem: str) -> None:

@@ -2,15 +2,89 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, dataclass_transform
 
 # Version of every ``--json`` document (``"schema"``); bumped when a shape changes.
 SCHEMA = 1
 
 # Called with the number of bytes just read or written, as an operation goes.
 Progress = Callable[[int], None]
+
+
+class Section:
+    """A typed section of a report: a dataclass whose fields, in order, are the keys of its
+    ``--json`` object. Subclasses name a JSON key that is no Python name in ``KEYS``
+    (``{"source": "from"}``) and the fields left out of the JSON when None in ``OMIT_NONE``.
+
+    0.1 returned these sections as dicts: reading them by key (``report.tie["action"]``,
+    ``.get``, ``in``) and comparing them with a dict still work, read-only.
+    """
+
+    KEYS: ClassVar[dict[str, str]] = {}
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset()
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is None and f.name in self.OMIT_NONE:
+                continue
+            doc[self.KEYS.get(f.name, f.name)] = jsonable(value)
+        return doc
+
+    if not TYPE_CHECKING:  # 0.1's dict access, at run time only: mypy holds ckpttool to fields
+
+        def __getitem__(self, key: str) -> Any:
+            return self.to_json()[key]
+
+        def get(self, key: str, default: Any = None) -> Any:
+            return self.to_json().get(key, default)
+
+        def __contains__(self, key: object) -> bool:
+            return key in self.to_json()
+
+        def __iter__(self) -> Iterator[str]:
+            return iter(self.to_json())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, dict):
+            return self.to_json() == other
+        if type(other) is type(self):
+            return self.to_json() == other.to_json()
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+_S = TypeVar("_S", bound=type[Section])
+
+
+@dataclass_transform(frozen_default=False)
+def section(cls: _S | None = None, /, *, frozen: bool = False) -> Any:
+    """Declare a :class:`Section` subclass: a dataclass that keeps Section's comparisons
+    (``@section``, or ``@section(frozen=True)``)."""
+
+    def make(c: _S) -> _S:
+        return dataclasses.dataclass(eq=False, frozen=frozen)(c)  # type: ignore[return-value]
+
+    return make if cls is None else make(cls)
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as plain JSON values: sections (anything with ``to_json``) as their
+    documents, tuples as lists, containers walked."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if hasattr(value, "to_json"):
+        return value.to_json()
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
 
 
 def locked(progress: Progress | None) -> Progress:
@@ -41,3 +115,10 @@ def storage_note(storage: dict[str, Any]) -> str | None:
     if storage.get("metadata") not in (None, "global"):
         words.append(f"{storage['metadata']} metadata")
     return ", ".join(words) or None
+
+
+def document(command: str, report: Any) -> dict[str, Any]:
+    """A report dataclass as its command's ``--json`` document: the schema and the command,
+    then every field in order, sections as their JSON."""
+    return {"schema": SCHEMA, "command": command,
+            **{k: jsonable(v) for k, v in vars(report).items()}}

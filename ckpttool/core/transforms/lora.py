@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.core.checkpoint import hf, structure, tensors
 from ckpttool.core.checkpoint.discover import discover, open_reader
+from ckpttool.core.runtime.report import Section, section
 from ckpttool.core.transforms.derive import Derived
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats.base import Problem, Reader, Tensor, error, warning
@@ -404,11 +405,11 @@ def config_from_weights(layout: Layout, *, r: Any = None, alpha: Any = None,
     return doc, tuple(assumed)
 
 
-def assumed_warning(report: dict[str, Any]) -> str:
+def assumed_warning(report: LoraMerge) -> str:
     """One line for a merge that wrote an ``adapter_config.json`` it partly assumed."""
-    source = report.get("config_from")
+    source = report.config_from
     built = f"built from {source} and the weights" if source else "built from the weights"
-    return (f"{hf.ADAPTER_CONFIG} {built}; assumed: {'; '.join(report['assumed'])}. Check "
+    return (f"{hf.ADAPTER_CONFIG} {built}; assumed: {'; '.join(report.assumed)}. Check "
             "them against the training run and edit the file if they differ")
 
 
@@ -655,26 +656,81 @@ def unchanged_from_base(compared: dict[str, tuple[int, ...]], unchanged: set[str
 # Reports
 
 
-def describe(layout: Layout, config: AdapterConfig | None) -> dict[str, Any]:
+@section
+class AdapterSummary(Section):
+    """An adapter in a few fields, for inspect, merge and verify reports (``lora``)."""
+
+    modules: int
+    targets: list[str]
+    rank: int | list[int]
+    alpha: float | None
+    alpha_pattern: dict[str, float] | None
+    rank_pattern: dict[str, int] | None
+    variant: str  # lora, rslora or dora
+    modules_to_save: list[str]
+    config: str | None  # where adapter_config.json came from (or what was done instead)
+    parameters: int
+
+    def line(self) -> str:
+        """The adapter in one line: rank, alpha, variant, targets."""
+        rank = self.rank if isinstance(self.rank, int) else "/".join(map(str, self.rank))
+        alpha = ("unknown (no adapter_config.json)" if self.alpha is None
+                 else f"{self.alpha:g}")
+        return (f"LoRA adapter: rank {rank}, alpha {alpha}, {self.variant}, {self.modules} "
+                f"modules ({', '.join(self.targets)})"
+                + (f", modules_to_save {', '.join(self.modules_to_save)}"
+                   if self.modules_to_save else ""))
+
+
+@section
+class LoraMerge(Section):
+    """merge's ``lora``: what was done with the adapter (``mode``: ``fuse`` or ``adapter``),
+    the adapter (``summary``: its fields are this section's), the ``--adapter`` path, the
+    tensors folded, the other way to merge it, and for a written adapter where its
+    adapter_config.json came from and what was assumed in it."""
+
+    mode: str
+    summary: AdapterSummary
+    adapter: str | None = None  # --adapter, as given
+    fused: int = 0
+    other: str | None = None
+    config_from: str | None = None
+    assumed: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"mode": self.mode}
+        if self.adapter is not None:
+            doc["adapter"] = self.adapter
+        doc.update(self.summary.to_json())
+        if self.mode == "fuse":
+            doc["fused"] = self.fused
+            if self.other is not None:
+                doc["other"] = self.other
+        else:
+            doc.update(other=self.other, config_from=self.config_from, assumed=self.assumed)
+        return doc
+
+
+def describe(layout: Layout, config: AdapterConfig | None) -> AdapterSummary:
     """The adapter in a few fields, for inspect and merge reports."""
     ranks = sorted({m.rank for m in layout.modules.values() if m.rank is not None})
     targets = sorted({m.name.rsplit(".", 1)[-1] for m in layout.modules.values()})
     variant = ("dora" if any(m.magnitude is not None for m in layout.modules.values())
                or (config is not None and config.use_dora)
                else "rslora" if config is not None and config.use_rslora else "lora")
-    return {
-        "modules": len(layout.modules),
-        "targets": targets,
-        "rank": ranks[0] if len(ranks) == 1 else ranks,
-        "alpha": None if config is None else config.alpha,
-        "alpha_pattern": None if config is None else config.alpha_pattern or None,
-        "rank_pattern": None if config is None else config.rank_pattern or None,
-        "variant": variant,
-        "modules_to_save": sorted(layout.trained),
-        "config": None if config is None else config.source,
-        "parameters": sum(t.numel for m in layout.modules.values()
-                          for t in (m.a, m.b, m.b_bias) if t is not None),
-    }
+    return AdapterSummary(
+        modules=len(layout.modules),
+        targets=targets,
+        rank=ranks[0] if len(ranks) == 1 else ranks,
+        alpha=None if config is None else config.alpha,
+        alpha_pattern=None if config is None else config.alpha_pattern or None,
+        rank_pattern=None if config is None else config.rank_pattern or None,
+        variant=variant,
+        modules_to_save=sorted(layout.trained),
+        config=None if config is None else config.source,
+        parameters=sum(t.numel for m in layout.modules.values()
+                       for t in (m.a, m.b, m.b_bias) if t is not None),
+    )
 
 
 def never_trained(reader: Reader, layout: Layout) -> list[Problem]:
@@ -704,7 +760,7 @@ class Adapted:
 
     mode: str  # "fuse" or "adapter"
     sources: list[tuple[str, Tensor | Derived]]
-    report: dict[str, Any]
+    report: LoraMerge
     config_bytes: bytes = b""
     reader: Reader | None = None  # the adapter's, when it is not in SRC (--adapter)
 
@@ -753,8 +809,8 @@ def plan_for_merge(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str 
         except BaseException:
             reader.close()
             raise
-        report = {"mode": "fuse", "adapter": str(given), **describe(found, config),
-                  "fused": sum(isinstance(s, Derived) for _, s in sources)}
+        report = LoraMerge("fuse", describe(found, config), adapter=str(given),
+                           fused=sum(isinstance(s, Derived) for _, s in sources))
         return Adapted("fuse", sources, report, reader=reader)
     if found is None:
         if mode is not None:
@@ -776,22 +832,22 @@ def plan_for_merge(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str 
                 f"write it with --lora adapter, then fold it into the base model with: "
                 f"ckpttool merge BASE OUT --adapter ADAPTER_OUT")
         sources = plan_fuse(found, config)
-        report = {"mode": "fuse", **describe(found, config),
-                  "fused": sum(isinstance(s, Derived) for _, s in sources),
-                  "other": f"the adapter alone instead: {other}"}
+        report = LoraMerge("fuse", describe(found, config),
+                           fused=sum(isinstance(s, Derived) for _, s in sources),
+                           other=f"the adapter alone instead: {other}")
         return Adapted("fuse", sources, report)
     adapter_sources: list[tuple[str, Tensor | Derived]] = list(plan_adapter(found))
-    report = {"mode": "adapter", **describe(found, known.config),
-              "other": ("a full model with the adapter folded in instead: --lora fuse")
-              if found.has_base else None,
-              "config_from": known.source, "assumed": list(known.assumed)}
+    report = LoraMerge("adapter", describe(found, known.config),
+                       other=("a full model with the adapter folded in instead: --lora fuse")
+                       if found.has_base else None,
+                       config_from=known.source, assumed=list(known.assumed))
     if known.config is None:
-        report["config"] = "built from the weights (assumed values: see the warning)"
+        report.summary.config = "built from the weights (assumed values: see the warning)"
     return Adapted("adapter", adapter_sources, report, config_bytes=known.text)
 
 
 def verify_adapter(ckpt: Checkpoint, model: Checkpoint, explicit: Path | None, *,
-                   follow_links: bool) -> tuple[dict[str, Any] | None, list[Problem]]:
+                   follow_links: bool) -> tuple[AdapterSummary | None, list[Problem]]:
     """verify's LoRA checks: the adapter's description (None without one) and its problems
     (no alpha, shapes against the config, matrices never trained)."""
     layout, config, found = adapter_of(model, explicit)

@@ -13,12 +13,23 @@ from typing import Any
 from ckpttool.core import ties
 from ckpttool.core.checkpoint import hf
 from ckpttool.core.checkpoint.discover import Checkpoint
-from ckpttool.core.runtime.report import SCHEMA
+from ckpttool.core.runtime.report import SCHEMA, Section, section
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats.base import Problem, error, info
 from ckpttool.storage.outputs import AtomicOutputs
 
 MANIFEST_KIND = "ckpttool-manifest"
+
+
+
+@section
+class ManifestUse(Section):
+    """verify's ``manifest``: the file, what was done with it (``written``, ``checked``,
+    ``receipt checked``) and the tensors it holds."""
+
+    path: str
+    action: str
+    tensors: int
 
 
 def document(ckpt: Checkpoint, digests: dict[str, str]) -> dict[str, Any]:
@@ -158,15 +169,15 @@ def prepare(manifest: str | os.PathLike[str] | None, action: str | None
 
 
 def finish(ckpt: Checkpoint, path: Path, expected: dict[str, dict[str, Any]] | None,
-           digests: dict[str, str]) -> tuple[list[Problem], dict[str, Any] | None]:
+           digests: dict[str, str]) -> tuple[list[Problem], ManifestUse | None]:
     """After the data pass: check the digests against ``expected``, or write the manifest
     (only when every tensor was read). Problems, and the report's ``manifest`` section."""
     unreadable = {t.name for t in ckpt.tensors} - set(digests)
     if expected is not None:
         return (check(ckpt, expected, digests, unreadable, path),
-                {"path": str(path), "action": "checked", "tensors": len(expected)})
+                ManifestUse(str(path), "checked", len(expected)))
     if unreadable:
         return [error("manifest-incomplete", f"{path}: not written: "
                       f"{len(unreadable)} tensors could not be read")], None
     write(path, document(ckpt, digests))
-    return [], {"path": str(path), "action": "written", "tensors": len(digests)}
+    return [], ManifestUse(str(path), "written", len(digests))

@@ -40,11 +40,13 @@ from ckpttool.core.checkpoint.discover import (
     open_reader,
     select,
 )
+from ckpttool.core.checkpoint.parts import Content
 from ckpttool.core.dtype_policy import DTypePolicy
 from ckpttool.core.merge import receipt as receipts
 from ckpttool.core.runtime import urls as remote
-from ckpttool.core.runtime.report import SCHEMA, Progress, locked
+from ckpttool.core.runtime.report import Progress, document, locked
 from ckpttool.core.transforms import lora
+from ckpttool.core.transforms.lora import AdapterSummary
 from ckpttool.core.verify import manifest as manifests
 from ckpttool.core.verify import scan
 from ckpttool.core.verify.against import AgainstPlan, plan_against
@@ -65,10 +67,10 @@ class VerifyReport:
     kind: str
     storage: dict[str, Any] = field(default_factory=dict)  # CheckpointInfo.storage
     against: dict[str, str] | None = None
-    manifest: dict[str, Any] | None = None
-    lora: dict[str, Any] | None = None  # the LoRA adapter found (rank, alpha, targets...)
+    manifest: manifests.ManifestUse | None = None
+    lora: AdapterSummary | None = None  # the LoRA adapter found (rank, alpha, targets...)
     parts: list[Part] = field(default_factory=list)  # other checkpoints verified
-    contents: list[dict[str, Any]] = field(default_factory=list)  # model, optimizer... all read
+    contents: list[Content] = field(default_factory=list)  # model, optimizer... all read
     checks: list[str] = field(default_factory=list)
     num_tensors: int = 0
     bytes_read: int = 0
@@ -85,9 +87,7 @@ class VerifyReport:
         return self.counts["error"] == 0
 
     def to_json(self) -> dict[str, Any]:
-        doc = {"schema": SCHEMA, "command": "verify", **self.__dict__}
-        doc["problems"] = [p.to_json() for p in self.problems]
-        doc["parts"] = [p.to_json() for p in self.parts]
+        doc = document("verify", self)
         doc["counts"] = self.counts
         doc["ok"] = self.ok
         return doc
@@ -151,7 +151,7 @@ def verify(
     report = VerifyReport(path=str(ckpt.path), checkpoint=str(ckpt.root), format=ckpt.format,
                           kind=ckpt.kind, num_tensors=len(ckpt.tensors),
                           storage=dict(ckpt.info.storage) if ckpt.info else {})
-    report.contents = [c.to_json() for c in ckpt.contents()]
+    report.contents = ckpt.contents()
     # Ties, dtypes and --against concern what merge writes: the model (or the optimizer state
     # --against names); every part is still read and checked for damage.
     model = select(ckpt, ckpt.kind) if ckpt.has_part(ckpt.kind) else ckpt
