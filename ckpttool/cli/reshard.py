@@ -100,7 +100,7 @@ def reshard_command(
                   + (f", {report.num_objects} non-tensor entries copied" if report.num_objects
                      else ""))
             for f in report.files:
-                print(printable(f"  wrote {f['name']}: {human_bytes(f['bytes'])}"))
+                print(printable(f"  wrote {f.name}: {human_bytes(f.bytes)}"))
         if verbose:
             verbose_lines([f"read {report.checkpoint} ({report.format_in})",
                            f"plan: {count(report.num_tensors, 'tensor')}, "

@@ -86,9 +86,9 @@ def outcome_line(o: Outcome) -> str:
         line += f" -> {o.out} ({human_bytes(o.found.num_bytes)})"
     if o.status == "merged":
         line += f" in {o.seconds:.1f} s"
-        resumed = (o.merge or {}).get("resumed") or {}
-        if resumed.get("done_before"):
-            line += (f" (resumed: {resumed['done_before']} of {resumed['pieces']} pieces were "
+        resumed = o.merge.resumed if o.merge is not None else None
+        if resumed is not None and resumed.done_before:
+            line += (f" (resumed: {resumed.done_before} of {resumed.pieces} pieces were "
                      "written already)")
     if o.reason:
         line += f": {o.reason}"

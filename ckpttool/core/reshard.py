@@ -27,7 +27,7 @@ from typing import Any
 from ckpttool.core.checkpoint import hf, structure, tensors
 from ckpttool.core.checkpoint.discover import Checkpoint, discover, open_reader
 from ckpttool.core.runtime import urls as remote
-from ckpttool.core.runtime.report import SCHEMA, Progress, locked
+from ckpttool.core.runtime.report import Progress, Section, document, locked, section
 from ckpttool.core.runtime.torch_threads import default_workers, workers_for
 from ckpttool.errors import InputError, OutputError, UsageError
 from ckpttool.formats import safetensors as st
@@ -90,6 +90,14 @@ def plan_chunks(shapes: list[tuple[tuple[int, ...], int, bool]], num_ranks: int
     return out
 
 
+@section
+class WrittenFile(Section):
+    """A file reshard wrote, and its size."""
+
+    name: str
+    bytes: int
+
+
 @dataclass
 class ReshardReport:
     src: str
@@ -97,7 +105,7 @@ class ReshardReport:
     format_in: str
     format_out: str
     ranks: int | None = None
-    files: list[dict[str, Any]] = field(default_factory=list)
+    files: list[WrittenFile] = field(default_factory=list)
     num_tensors: int = 0
     num_objects: int = 0
     total_bytes: int = 0
@@ -106,7 +114,7 @@ class ReshardReport:
     checkpoint: str = ""  # the checkpoint read: SRC, or the one found in it (checkpoint-500/)
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "command": "reshard", **self.__dict__}
+        return document("reshard", self)
 
 
 @remote.urls(sources=("src",), output="out")
@@ -251,7 +259,7 @@ def _to_dcp(ckpt: Checkpoint, reader: Reader, out: Path, num_ranks: int, prefix:
             last=(dcp.METADATA_FILE,),
             before_last=(lambda: remove_stale(out, keep, _is_dcp_file)) if overwrite else None)
     report.ranks = num_ranks
-    report.files = [{"name": p.name, "bytes": p.stat().st_size} for p in written]
+    report.files = [WrittenFile(p.name, p.stat().st_size) for p in written]
     report.num_tensors = len(stored)
     report.num_objects = len(objects)
     report.total_bytes = total
@@ -321,7 +329,7 @@ def _to_safetensors(ckpt: Checkpoint, reader: Reader, out: Path, max_shard_size:
             last=(st.INDEX_NAME,),
             before_last=(lambda: remove_stale(out, keep, st.is_weight_file))
             if overwrite else None)
-    report.files = [{"name": p.name, "bytes": p.stat().st_size} for p in written]
+    report.files = [WrittenFile(p.name, p.stat().st_size) for p in written]
     report.num_tensors = len(stored)
     report.total_bytes = total
 

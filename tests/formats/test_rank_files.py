@@ -22,6 +22,8 @@ from ckpttool.cli import app
 from ckpttool.errors import InputError
 from ckpttool.formats import rank_files, registry
 from ckpttool.formats.base import RAW
+from ckpttool.formats.rank_files import pieces
+from ckpttool.formats.rank_files import stand_ins as allowed
 from tests import layouts
 from tests.core.test_merge import assert_bit_exact, load_out
 from tests.layouts import CKPT_DIR, rank_file
@@ -200,7 +202,7 @@ def test_recognised_by_content_not_by_name(tmp_path: Path) -> None:
 
 def test_dtensor_allow_list_still_names_live_torch_classes() -> None:
     """If a torch upgrade moves these, its DTensor files would be refused: fail here first."""
-    for module, name in rank_files._DTENSOR_GLOBALS:
+    for module, name in allowed.DTENSOR_GLOBALS:
         assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
 
 
@@ -218,11 +220,11 @@ def test_piece_placement_matches_dtensor(shape: list[int], mesh: list[int],
     dims = [data.draw(st.one_of(st.none(), st.integers(0, len(shape) - 1))) for _ in mesh]
     stand_ins = []
     for d in dims:
-        p = rank_files._Replicate() if d is None else rank_files._Shard()
+        p = allowed.Replicate() if d is None else allowed.Shard()
         p.__setstate__({} if d is None else {"dim": d})
         stand_ins.append(p)
-    got_offsets, got_sizes = rank_files._local_box(
-        Path("x"), "t", tuple(shape), rank_files._Mesh(tuple(mesh), tuple(coordinate)),
+    got_offsets, got_sizes = pieces._local_box(
+        Path("x"), "t", tuple(shape), pieces._Mesh(tuple(mesh), tuple(coordinate)),
         tuple(stand_ins))
     want_sizes, want_offsets = _compute_local_shape_and_global_offset(
         shape, mesh, coordinate, [Replicate() if d is None else Shard(d) for d in dims])
@@ -405,7 +407,7 @@ def test_sharded_tensor_allow_list_still_names_live_torch_classes() -> None:
     """If a torch upgrade moves these, FSDP1 sharded files would be refused: fail here first."""
     from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 
-    for module, name in rank_files._SHARDED_TENSOR_GLOBALS:
+    for module, name in allowed._SHARDED_TENSOR_GLOBALS:
         assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
     assert hasattr(ShardedTensor, "ProcessGroupState")
 

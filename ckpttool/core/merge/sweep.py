@@ -29,14 +29,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpttool import settings
 from ckpttool.core.merge import receipt as receipts
-from ckpttool.core.runtime.report import SCHEMA
+from ckpttool.core.runtime.report import SCHEMA, Section, jsonable, section
 from ckpttool.errors import CkptError, InputError, UnsupportedError
 from ckpttool.formats import registry
 from ckpttool.storage.outputs import TMP_SUFFIX
+
+if TYPE_CHECKING:
+    from ckpttool.core.merge.operation import MergeReport
 
 # What each outcome's ``status`` may be.
 MERGED = "merged"  # merged now (receipt written)
@@ -264,15 +267,15 @@ class Outcome:
     task: int | None = None  # --task: the task it belongs to
     exit_code: int = 0  # FAILED: the exit status a single merge of it would have had
     seconds: float = 0.0
-    merge: dict[str, Any] | None = None  # MERGED: the merge's report (merge --json's)
-    then: dict[str, Any] | None = None  # --then: {"command", "exit_code"}
+    merge: MergeReport | None = None  # MERGED: the merge's report
+    then: Then | None = None  # --then: the command run and its exit status
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "command": "merge --all", "checkpoint": self.found.name,
                 "path": str(self.found.path), "step": self.found.step,
                 "bytes": self.found.num_bytes, "out": str(self.out), "status": self.status,
                 "reason": self.reason, "task": self.task, "exit_code": self.exit_code,
-                "seconds": self.seconds, "merge": self.merge, "then": self.then}
+                "seconds": self.seconds, "merge": jsonable(self.merge), "then": jsonable(self.then)}
 
 
 @dataclass
@@ -480,7 +483,7 @@ def _merge_one(merge: MergeFunction, f: Found, out: Path, options: dict[str, Any
             receipts.remove(out)
         report = merge(f.path, out, overwrite=overwrite, workers=workers,
                        follow_links=follow_links, **options)
-        outcome.merge = report.to_json()
+        outcome.merge = report
         # The source as merged: a file that changed while it was read fails the receipt.
         now = receipts.source_files(f.path)
         if now != f.files:
@@ -501,15 +504,23 @@ def _merge_one(merge: MergeFunction, f: Found, out: Path, options: dict[str, Any
                           "the traceback CKPTTOOL_DEBUG=1 shows")
     if outcome.status == MERGED and then is not None:
         outcome.then = run_then(then, f, out)
-        if outcome.then["exit_code"]:
+        if outcome.then.exit_code:
             outcome.status, outcome.exit_code = FAILED, InputError.exit_code
-            outcome.reason = (f"merged, but --then exited {outcome.then['exit_code']}: "
-                              f"{outcome.then['command']}")
+            outcome.reason = (f"merged, but --then exited {outcome.then.exit_code}: "
+                              f"{outcome.then.command}")
     outcome.seconds = round(time.perf_counter() - started, 3)
     return outcome
 
 
-def run_then(template: str, f: Found, out: Path) -> dict[str, Any]:
+@section
+class Then(Section):
+    """``--then``: the command run (values quoted in) and its exit status."""
+
+    command: str
+    exit_code: int
+
+
+def run_then(template: str, f: Found, out: Path) -> Then:
     """Run ``template`` through the shell with ``{out}``, ``{src}``, ``{step}`` and ``{name}``
     replaced by quoted values; its output goes to stderr (stdout is the report)."""
     values = {"out": str(out), "src": str(f.path), "step": "" if f.step is None else str(f.step),
@@ -521,4 +532,4 @@ def run_then(template: str, f: Found, out: Path) -> dict[str, Any]:
         code = subprocess.run(command, shell=True, stdout=sys.stderr, check=False).returncode
     except OSError:  # no shell to run it: as the shell says of a command it cannot find
         code = 127
-    return {"command": command, "exit_code": code}
+    return Then(command, code)
