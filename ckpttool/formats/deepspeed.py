@@ -61,7 +61,7 @@ from ckpttool.formats.base import (
     Reader,
     Tensor,
 )
-from ckpttool.formats.codecs import torchsave
+from ckpttool.formats.codecs import archive, torchsave
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage.store import LOCAL, Store, Stores, file_size
 
@@ -105,7 +105,7 @@ def is_tag_dir(path: Path) -> bool:
     names = _names(path)
     optim = sorted(n for n in names if _OPTIM_RE.match(n))
     model = [n for n in names if _MODEL_RE.match(n) or _ZERO3_MODEL_RE.match(n)]
-    return bool(optim) and bool(model) and torchsave.is_zip(path / optim[0])
+    return bool(optim) and bool(model) and archive.is_zip(path / optim[0])
 
 
 def _read_latest(path: Path) -> str | None:
@@ -250,7 +250,7 @@ class _File:
     name: str  # relative to the checkpoint root
     path: Path
     value: dict[str, Any]
-    entries: dict[str, torchsave.ZipEntry]
+    entries: dict[str, archive.ZipEntry]
     size: int
 
 
@@ -264,7 +264,7 @@ def _load(root: Path, name: str) -> _File:
     try:
         if not os.path.isfile(path):
             raise InputError(f"{path}: not a regular file; copy the checkpoint again")
-        rb, entries = torchsave.open_file_archive(fd, where, "copy the checkpoint again")
+        rb, entries = archive.open_file_archive(fd, where, "copy the checkpoint again")
         try:
             value = torchsave.load_pickle(rb, entries, lookup=deepspeed_global)
         except torchsave.Refused as e:
@@ -395,7 +395,7 @@ def _chunks(shape: tuple[int, ...], start: int, count: int, src: _Flat, src_elem
 class Detail:
     """What the reader needs beyond the neutral model: every archive's entries."""
 
-    entries: dict[str, tuple[torchsave.ZipEntry, ...]]  # per file, offsets absolute
+    entries: dict[str, tuple[archive.ZipEntry, ...]]  # per file, offsets absolute
 
 
 @dataclass

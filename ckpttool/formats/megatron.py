@@ -50,7 +50,7 @@ from ckpttool.formats.base import (
     warning,
 )
 from ckpttool.formats.base import info as info_problem
-from ckpttool.formats.codecs import torchsave
+from ckpttool.formats.codecs import archive, torchsave
 from ckpttool.formats.dcp import reader as dcp
 from ckpttool.storage.store import LOCAL, Store, Stores, file_size
 
@@ -254,7 +254,7 @@ def read_common(path: Path) -> dict[str, Any] | UnreadableObject:
     except OSError as e:
         raise InputError(f"{path}: cannot read: {e.strerror}") from None
     try:
-        rb, entries = torchsave.open_file_archive(
+        rb, entries = archive.open_file_archive(
             fd, where, "copy it again from the run's iteration directory")
         try:
             value = torchsave.load_pickle(rb, entries, lookup=common_global,

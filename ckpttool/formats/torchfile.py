@@ -34,9 +34,9 @@ from ckpttool.formats.base import (
     Reader,
     Tensor,
 )
-from ckpttool.formats.codecs import torchsave
+from ckpttool.formats.codecs import archive, torchsave
+from ckpttool.formats.codecs.archive import ZipEntry
 from ckpttool.formats.codecs.dtypes import DType
-from ckpttool.formats.codecs.torchsave import ZipEntry
 from ckpttool.storage.store import LOCAL, Store, Stores
 
 NAME = "torch-save"
@@ -90,7 +90,7 @@ class Archives:
 
 def is_torch_file(path: Path) -> bool:
     """True if ``path`` is a file that starts like a zip archive (not yet read further)."""
-    return torchsave.is_zip(path)
+    return archive.is_zip(path)
 
 
 def detect(path: Path) -> bool:
@@ -99,7 +99,7 @@ def detect(path: Path) -> bool:
 
 def pending(path: Path) -> str | None:
     """A torch.save archive whose zip end record is not written yet."""
-    return torchsave.pending_file(path)
+    return archive.pending_file(path)
 
 
 def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> CheckpointInfo:
@@ -122,7 +122,7 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
     try:
         size = os.fstat(fd).st_size
         magic = os.pread(fd, 4, 0)
-        if magic != torchsave.ZIP_MAGIC:
+        if magic != archive.ZIP_MAGIC:
             if magic[:1] == b"\x80":
                 raise UnsupportedError(
                     f"{p}: legacy torch.save format (written by torch < 1.6 or with "
@@ -130,12 +130,12 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
                     "current torch to read it here"
                 )
             raise InputError(f"{p}: not a torch.save file (no zip header)")
-        rb = torchsave.RecordBytes(fd, 0, size, str(p))
-        entries = torchsave.zip_entries(rb)
+        rb = archive.RecordBytes(fd, 0, size, str(p))
+        entries = archive.zip_entries(rb)
         if "data.pkl" not in entries and "constants.pkl" in entries:
             raise UnsupportedError(f"{p}: a TorchScript archive, not a state dict; "
                                    "not supported")
-        torchsave.check_byteorder(rb, entries)
+        archive.check_byteorder(rb, entries)
         try:
             root = torchsave.load_pickle(rb, entries)
         except torchsave.Refused as e:
@@ -193,7 +193,7 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
         detail=Archives(views, {p.name: tuple(entries.values())}))
 
 
-def _names_distributed_tensors(rb: torchsave.RecordBytes, entries: dict[str, ZipEntry]) -> bool:
+def _names_distributed_tensors(rb: archive.RecordBytes, entries: dict[str, ZipEntry]) -> bool:
     """The pickle names DTensor or ShardedTensor classes (read as opcodes, nothing run)."""
     pkl = entries["data.pkl"]
     return any(g.startswith(("torch.distributed.tensor.", "torch.distributed._shard."))

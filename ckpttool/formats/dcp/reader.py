@@ -77,7 +77,7 @@ from ckpttool.formats.base import (
     UnreadableObject,
     error,
 )
-from ckpttool.formats.codecs import torchsave, zstd
+from ckpttool.formats.codecs import archive, torchsave, zstd
 from ckpttool.formats.codecs.crc import crc32
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.formats.dcp import columns as dcp_metadata
@@ -132,7 +132,7 @@ class TensorRecord:
     data_offset: int  # absolute byte offset of the storage payload in the file
     data_size: int  # bytes of the storage payload
     crc32: int | None  # CRC-32 of the payload as the zip header records it
-    entries: tuple[torchsave.ZipEntry, ...] = ()  # every entry, offsets relative to the record
+    entries: tuple[archive.ZipEntry, ...] = ()  # every entry, offsets relative to the record
 
     @functools.cached_property
     def is_contiguous(self) -> bool:  # cached: a template's record answers it per chunk
@@ -500,12 +500,12 @@ def _open_nested(root: Path, md_path: Path, objects: list[ObjectEntry], tensors:
         # Only a file really inside the checkpoint, as the data files a store reads.
         with pread_of(path, stores, inside=os.path.realpath(root)) as pread:
             try:
-                rb = torchsave.RecordBytes(pread, o.offset, o.length, where)
-                entries = torchsave.zip_entries(rb)
+                rb = archive.RecordBytes(pread, o.offset, o.length, where)
+                entries = archive.zip_entries(rb)
                 value = torchsave.load_pickle(rb, entries, max_nodes=torchsave.MAX_NODES)
             except torchsave.Refused:
-                rb = torchsave.RecordBytes(pread, o.offset, o.length, where)
-                pkl = torchsave.zip_entries(rb)["data.pkl"]
+                rb = archive.RecordBytes(pread, o.offset, o.length, where)
+                pkl = archive.zip_entries(rb)["data.pkl"]
                 named = torchsave.named_globals(rb.read(pkl.data_offset, pkl.size))
                 dist = next((n for n in named if n.startswith("torch.distributed.")), None)
                 if dist is not None:
@@ -537,7 +537,7 @@ def _open_nested(root: Path, md_path: Path, objects: list[ObjectEntry], tensors:
 
 
 def _nested_tensor(md_path: Path, o: ObjectEntry, name: str, key_path: tuple[str, ...],
-                   ref: torchsave.TensorRef, entries: dict[str, torchsave.ZipEntry]) -> Tensor:
+                   ref: torchsave.TensorRef, entries: dict[str, archive.ZipEntry]) -> Tensor:
     assert o.file is not None
     data = entries.get(f"data/{ref.storage.key}")
     n = math.prod(ref.shape) * ref.dtype.itemsize
@@ -834,9 +834,9 @@ def read_record(fd: int | Callable[[int, int], bytes], *, offset: int, length: i
         InputError: the record is truncated, corrupt, or its pickle is not a plain tensor.
         UnsupportedError: big-endian or compressed records.
     """
-    rb = torchsave.RecordBytes(fd, offset, length, where)
-    entries = torchsave.zip_entries(rb)
-    torchsave.check_byteorder(rb, entries)
+    rb = archive.RecordBytes(fd, offset, length, where)
+    entries = archive.zip_entries(rb)
+    archive.check_byteorder(rb, entries)
     try:
         ref = torchsave.load_pickle(rb, entries)
     except torchsave.Refused as e:
@@ -875,8 +875,8 @@ def read_object(fd: int | Callable[[int, int], bytes], entry: ObjectEntry, *, wh
         UnreadableObject: the pickle names a class or function (named in the exception).
         InputError: the record is truncated or corrupt.
     """
-    rb = torchsave.RecordBytes(fd, entry.offset, entry.length, where)
-    entries = torchsave.zip_entries(rb)
+    rb = archive.RecordBytes(fd, entry.offset, entry.length, where)
+    entries = archive.zip_entries(rb)
     try:
         value = torchsave.load_pickle(rb, entries, max_nodes=torchsave.OBJECT_MAX_NODES)
     except torchsave.Refused as e:
@@ -901,12 +901,12 @@ def _plain(value: Any) -> Any:
 
 
 def record_entries(fd: int | Callable[[int, int], bytes], *, offset: int, length: int,
-                   where: str) -> tuple[torchsave.ZipEntry, ...]:
+                   where: str) -> tuple[archive.ZipEntry, ...]:
     """Every entry of the record at ``offset`` (data.pkl, the storage, byteorder...), with
     absolute offsets and the CRC-32 the zip headers record."""
-    rb = torchsave.RecordBytes(fd, offset, length, where)
+    rb = archive.RecordBytes(fd, offset, length, where)
     return tuple(dataclasses.replace(e, data_offset=offset + e.data_offset)
-                 for e in torchsave.zip_entries(rb).values())
+                 for e in archive.zip_entries(rb).values())
 
 
 # --------------------------------------------------------------------------------------------
@@ -931,7 +931,7 @@ class _Template:
     CRC fields are one C-level call each.
     """
 
-    def __init__(self, rec: TensorRecord, raw: bytes, length: int, data: torchsave.ZipEntry
+    def __init__(self, rec: TensorRecord, raw: bytes, length: int, data: archive.ZipEntry
                  ) -> None:
         self.rec = rec  # offsets relative to the record
         self.head = data.data_offset  # bytes read before the storage's data...
@@ -1470,7 +1470,7 @@ def _first_difference(a: Iterator[bytes], b: Iterator[bytes]) -> int | None:
 
 
 def _payload(chunk: Chunk, rec: TensorRecord, crc: int | None,
-             side: Iterable[tuple[torchsave.ZipEntry, int, bytes | None]],
+             side: Iterable[tuple[archive.ZipEntry, int, bytes | None]],
              data: memoryview | None = None) -> Payload:
     """Where a chunk's elements are, from its record (``rec``: offsets relative to it);
     ``data``: the stored bytes, when they were read with the record."""

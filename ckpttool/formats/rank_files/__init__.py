@@ -48,7 +48,7 @@ from ckpttool.formats.base import (
     Reader,
     Tensor,
 )
-from ckpttool.formats.codecs import torchsave
+from ckpttool.formats.codecs import archive, torchsave
 from ckpttool.formats.rank_files.pieces import (
     FSDP1_LOCAL_MESSAGE,
     OPTIMIZER_KEYS,
@@ -132,7 +132,7 @@ def pending(path: Path) -> str | None:
             return (f"{len(missing)} of {world} rank files not written yet (rank "
                     f"{missing[0]} first)")
     for name in sorted(m[0] for m in found.values()):
-        why = torchsave.pending_file(path / name)
+        why = archive.pending_file(path / name)
         if why is not None:
             return why
     return None
@@ -152,7 +152,7 @@ class RankReader(Reader):
         """Every archive entry no chunk's CRC check covers: each pickle, and the storages of
         the copies no chunk uses (a plain tensor or a replicated piece on every rank but
         the lowest)."""
-        entries: dict[str, tuple[torchsave.ZipEntry, ...]] = self.info.detail or {}
+        entries: dict[str, tuple[archive.ZipEntry, ...]] = self.info.detail or {}
         covered = {(c.file, c.crc_span[0]) for t in self.info.tensors for c in t.chunks
                    if c.crc32 is not None and c.crc_span is not None}
         return [Checksummed(file, e.data_offset, e.size, e.crc32, f"entry '{e.name}'")
@@ -175,7 +175,7 @@ def is_rank_files_dir(path: Path) -> bool:
     """
     model = _model_files(path)
     if model:
-        return torchsave.is_zip(path / model[0].name)
+        return archive.is_zip(path / model[0].name)
     return bool(_rank_sets(path))
 
 
@@ -225,8 +225,8 @@ def _holds_distributed_tensors(file: Path) -> bool:
     except OSError:
         return False
     try:
-        rb = torchsave.RecordBytes(fd, 0, os.fstat(fd).st_size, str(file))
-        pkl = torchsave.zip_entries(rb).get("data.pkl")
+        rb = archive.RecordBytes(fd, 0, os.fstat(fd).st_size, str(file))
+        pkl = archive.zip_entries(rb).get("data.pkl")
         if pkl is None:
             return False
         data = rb.read(pkl.data_offset, pkl.size)
@@ -249,7 +249,7 @@ def _rank_sets(path: Path) -> list[RankSet]:
         return []
     by_pattern: dict[str, list[tuple[int | None, str]]] = {}
     for name in files:
-        if torchsave.is_zip(path / name):
+        if archive.is_zip(path / name):
             pattern, rank = name_rank(name)
             by_pattern.setdefault(pattern, []).append((rank, name))
     sets = []
@@ -368,7 +368,7 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
     order: list[str] = []
     first: dict[str, Piece] = {}
     chunks: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk]] = {}
-    archives: dict[str, tuple[torchsave.ZipEntry, ...]] = {}  # every entry, for verify's CRCs
+    archives: dict[str, tuple[archive.ZipEntry, ...]] = {}  # every entry, for verify's CRCs
     for rf in files:
         pieces, archives[rf.name] = read_file(root, rf)
         keys = [p.fqn for p in pieces]
@@ -424,7 +424,7 @@ def read_archives(path: Path, rank_set: RankSet) -> CheckpointInfo:
         UnsupportedError: a form of ShardedTensor or torch.distributed class not read.
     """
     files = _set_files(path, rank_set)
-    archives: dict[str, tuple[torchsave.ZipEntry, ...]] = {}
+    archives: dict[str, tuple[archive.ZipEntry, ...]] = {}
     for rf in files:
         try:
             fd = os.open(path / rf.name, os.O_RDONLY)

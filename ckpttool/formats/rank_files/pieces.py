@@ -19,7 +19,7 @@ from ckpttool.formats.base import (
     RAW,
     Chunk,
 )
-from ckpttool.formats.codecs import torchsave
+from ckpttool.formats.codecs import archive, torchsave
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.formats.rank_files.stand_ins import (
     DeviceMesh,
@@ -87,7 +87,7 @@ def _has_flat_param(names: Iterable[str]) -> bool:
     return any("flat_param" in n for n in names)
 
 
-def load(path: Path, fd: int) -> tuple[torchsave.RecordBytes, dict[str, torchsave.ZipEntry],
+def load(path: Path, fd: int) -> tuple[archive.RecordBytes, dict[str, archive.ZipEntry],
                                         dict[Any, Any]]:
     """The archive of an open rank file and its state dict, unpickled onto stand-ins.
 
@@ -95,7 +95,7 @@ def load(path: Path, fd: int) -> tuple[torchsave.RecordBytes, dict[str, torchsav
         InputError: damaged, truncated, unsafe, or not a dict.
         UnsupportedError: FSDP1 flat parameters, torch.distributed classes not on the list.
     """
-    rb, entries = torchsave.open_file_archive(fd, str(path),
+    rb, entries = archive.open_file_archive(fd, str(path),
                                               "the rank file is damaged, copy it again")
     try:
         root_value = torchsave.load_pickle(rb, entries, lookup=dtensor_global)
@@ -132,7 +132,7 @@ def load(path: Path, fd: int) -> tuple[torchsave.RecordBytes, dict[str, torchsav
 
 
 def read_file(root: Path, rf: RankFile
-               ) -> tuple[list[Piece], tuple[torchsave.ZipEntry, ...]]:
+               ) -> tuple[list[Piece], tuple[archive.ZipEntry, ...]]:
     path = root / rf.name
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -177,8 +177,8 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, (torchsave.TensorRef, DTensorRef, ShardedTensorRef))
 
 
-def _piece(path: Path, rf: RankFile, rb: torchsave.RecordBytes,
-           entries: dict[str, torchsave.ZipEntry], meshes: dict[int, _Mesh], fqn: str,
+def _piece(path: Path, rf: RankFile, rb: archive.RecordBytes,
+           entries: dict[str, archive.ZipEntry], meshes: dict[int, _Mesh], fqn: str,
            value: Any) -> Piece:
     if isinstance(value, torchsave.TensorRef):
         dtype = _dtype(path, fqn, value.dtype)
@@ -225,7 +225,7 @@ def _some(chunk: Chunk | None) -> tuple[Chunk, ...]:
     return () if chunk is None else (chunk,)
 
 
-def _sharded_piece(path: Path, rf: RankFile, entries: dict[str, torchsave.ZipEntry], fqn: str,
+def _sharded_piece(path: Path, rf: RankFile, entries: dict[str, archive.ZipEntry], fqn: str,
                    value: ShardedTensorRef) -> Piece:
     """An FSDP1 ShardedTensor: this rank's shards sit where their metadata says; the rank and
     world the writer saw must be the file's."""
@@ -307,7 +307,7 @@ def _is_c_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def _chunk(path: Path, entries: dict[str, torchsave.ZipEntry], fqn: str,
+def _chunk(path: Path, entries: dict[str, archive.ZipEntry], fqn: str,
            t: torchsave.TensorRef, offsets: tuple[int, ...]) -> Chunk | None:
     numel = 1
     for n in t.shape:
@@ -353,7 +353,7 @@ def _ints(value: Any) -> tuple[int, ...]:
     raise pickle.UnpicklingError(f"layout entry {value!r}")
 
 
-def _read_ints(rb: torchsave.RecordBytes, entries: dict[str, torchsave.ZipEntry],
+def _read_ints(rb: archive.RecordBytes, entries: dict[str, archive.ZipEntry],
                t: torchsave.TensorRef) -> list[int]:
     numel = 1
     for n in t.shape:
@@ -369,8 +369,8 @@ def _read_ints(rb: torchsave.RecordBytes, entries: dict[str, torchsave.ZipEntry]
             for i in range(numel)]
 
 
-def _mesh(path: Path, rf: RankFile, rb: torchsave.RecordBytes,
-          entries: dict[str, torchsave.ZipEntry], fqn: str, mesh: torchsave.Stub) -> _Mesh:
+def _mesh(path: Path, rf: RankFile, rb: archive.RecordBytes,
+          entries: dict[str, archive.ZipEntry], fqn: str, mesh: torchsave.Stub) -> _Mesh:
     """Where this file's rank sits in ``mesh``: the layout picks the ranks of the mesh out of
     ``_rank_map`` (``rank_map.as_strided(complement + layout)``, as ``DeviceMesh.mesh`` does)."""
     layout, rank_map = mesh.field("_layout"), mesh.field("_rank_map")
