@@ -345,7 +345,7 @@ def test_all_resumes_the_checkpoint_it_was_merging(trained: Path, tmp_path: Path
     assert _states(report.outcomes) == {"checkpoint-1": "merged", "checkpoint-2": "merged",
                                         "checkpoint-3": "merged", "checkpoint-4": "waiting"}
     first = report.outcomes[0].merge
-    assert first is not None and first["resumed"]["done_before"] == 2
+    assert first is not None and first.resumed is not None and first.resumed.done_before == 2
     for step in STEPS:
         _assert_exact(out / f"checkpoint-{step}", trained, step)
 

@@ -15,6 +15,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckpttool.core.runtime.report import Section, section
 from ckpttool.formats.base import Problem, warning
 
 if TYPE_CHECKING:
@@ -44,8 +45,8 @@ _MODEL_PREFIXED = frozenset({
     "olmoe", "granite", "granitemoe", "cohere", "starcoder2", "glm4", "glm4_moe", "minimax"})
 
 
-@dataclass(frozen=True)
-class NameCheck:
+@section(frozen=True)
+class NameCheck(Section):
     """Names that no transformers model of the config's architecture has."""
 
     framework: str | None  # whose names they look like; None: unknown

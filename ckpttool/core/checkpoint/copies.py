@@ -10,18 +10,18 @@ names) and says which, and why, so that nobody publishes the wrong step or dtype
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckpttool.core.checkpoint.discover import Checkpoint, kind_of
+from ckpttool.core.runtime.report import Section, section
 from ckpttool.errors import CkptError
 from ckpttool.formats import registry
 from ckpttool.formats.base import CheckpointInfo
 
 
-@dataclass(frozen=True)
-class Copy:
+@section(frozen=True)
+class Copy(Section):
     path: str  # the copy's path
     format: str  # its format's NAME
     num_tensors: int
@@ -35,8 +35,8 @@ class Copy:
         return f"{self.path} ({self.format}, {'sharded' if self.sharded else 'full weights'})"
 
 
-@dataclass(frozen=True)
-class Copies:
+@section(frozen=True)
+class Copies(Section):
     """The copy read, the others, and why that one."""
 
     used: Copy

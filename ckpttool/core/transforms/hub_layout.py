@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from ckpttool.core.runtime.report import Section, section
 from ckpttool.core.transforms.derive import Derived
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Tensor
@@ -182,8 +183,8 @@ def _scoped(config: Mapping[str, Any]) -> list[tuple[tuple[str, ...], Layout]]:
 # Applying them
 
 
-@dataclass
-class Converted:
+@section
+class Converted(Section):
     """The hub-layout tensors, and what was done, for the report."""
 
     families: list[str]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from ckpttool.core.runtime.report import Section, section
 from ckpttool.core.transforms.derive import Derived, read_whole
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats.base import Reader, Tensor
@@ -626,8 +627,8 @@ def _permuted(inputs: list[torch.Tensor], *, heads: int) -> torch.Tensor:
 # Applying a map
 
 
-@dataclass
-class Mapped:
+@section
+class Mapped(Section):
     """A map applied: the output tensors, and what was done, for the report."""
 
     map: str
