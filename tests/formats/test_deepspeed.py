@@ -99,7 +99,7 @@ def test_dtype_auto_and_tie_follow_the_config(fixture: str, request: pytest.Fixt
     want = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
             for k, v in reference(ckpt).items() if k != "lm_head.weight"}
     assert_bit_exact(load_out(tmp_path / "out"), want, cast=True)
-    assert report.tie is not None and "lm_head.weight" in json.dumps(report.tie)
+    assert report.tie is not None and "lm_head.weight" in json.dumps(report.tie.to_json())
     assert (tmp_path / "out" / "config.json").exists()
 
 
