@@ -94,6 +94,9 @@ class Url:
     def child(self, name: str) -> Url:
         return Url(self.bucket, f"{self.prefix}{name}")
 
+    def with_key(self, key: str) -> Url:
+        return Url(self.bucket, key)
+
     @property
     def name(self) -> str:
         return self.key.rsplit("/", 1)[-1] if self.key else self.bucket
@@ -518,7 +521,7 @@ class RemoteStore:
         g = self._group(name, offset)
         if g is None:
             n = min(size, GET)
-            return get_range(self.url.child(name), offset, n, self.objects[name][1])
+            return self._get_range(self.url.child(name), offset, n, self.objects[name][1])
         data = self._fetched(g)
         return memoryview(data)[offset - g.start:min(g.end, offset + size) - g.start]
 
@@ -543,9 +546,14 @@ class RemoteStore:
         assert self._pool is not None
         g.future = self._pool.submit(self._fetch, g)
 
+    def _get_range(self, url: Any, offset: int, size: int, etag: str | None) -> bytes:
+        """One ranged GET, pinned to ``etag``: the store's own (a subclass for another
+        store's client; the module's function here, looked up at each call)."""
+        return get_range(url, offset, size, etag)
+
     def _fetch(self, g: _Group) -> bytes:
-        data = get_range(self.url.child(g.file), g.start, g.end - g.start,
-                         self.objects[g.file][1])
+        data = self._get_range(self.url.child(g.file), g.start, g.end - g.start,
+                               self.objects[g.file][1])
         with self._lock:
             g.data = data
             g.future = None
@@ -640,7 +648,11 @@ class Lock:
             f"{self.out}: another ckpttool run is writing this output ({LOCK_NAME} by "
             f"{holder or 'another run'}); "
             "wait for it to finish. If none is running (a killed run left the lock), check "
-            f"the output with ckpttool verify, then remove the lock: aws s3 rm {self.url}")
+            f"the output with ckpttool verify, then remove the lock: {self.remove_command()}")
+
+    def remove_command(self) -> str:
+        """The store's own command line that removes the lock object."""
+        return f"aws s3 rm {self.url}"
 
     def acquire(self) -> None:
         c = client(self.url)
@@ -715,7 +727,7 @@ class Upload:
         """Upload every file of ``local`` (recursively); returns the names uploaded."""
         names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
         rule = self.names
-        existing = set(list_objects(self.url))
+        existing = set(self._list())
         replaced = {n for n in existing if "/" not in n and rule.replaces(n)}
         first = [n for n in names if not rule.last(n)]
         # Weights before everything else, then the configs, the index last.
@@ -740,6 +752,9 @@ class Upload:
             raise
         pool.shutdown(wait=True)
         return names
+
+    def _list(self) -> dict[str, tuple[int, str]]:
+        return list_objects(self.url)
 
     def _delete(self, name: str) -> None:
         outputs.fault_step()
