@@ -372,9 +372,9 @@ def get_range(url: Url, offset: int, size: int, etag: str | None = None) -> byte
     """
     if size <= 0:
         return b""
+    store = client(url)
     import obstore
 
-    store = client(url)
     options: Any = {"range": (offset, offset + size)}
     if etag:
         options["if_match"] = f'"{_bare(etag)}"'
@@ -415,9 +415,9 @@ def list_objects(url: Url) -> dict[str, tuple[int, str]]:
     Raises:
         InputError: the bucket is missing, access is denied.
     """
+    store = client(url)
     import obstore
 
-    store = client(url)
     found: dict[str, tuple[int, str]] = {}
     try:
         for page in obstore.list(store, url.prefix or None, chunk_size=1000):
@@ -451,9 +451,9 @@ def _no_emulated_bucket(url: Url) -> bool:
 
 def head(url: Url) -> tuple[int, str] | None:
     """(size, ETag) of the object ``url``, None if there is none."""
+    store = client(url)
     import obstore
 
-    store = client(url)
     try:
         meta = obstore.head(store, url.key)
     except Exception as e:
@@ -504,9 +504,9 @@ def _put(url: Url, data: bytes | Path, *, create: bool = False) -> None:
     if base is not None:
         _emulated_put(base, url, data, create=create)
         return
+    store = client(url)
     import obstore
 
-    store = client(url)
     if create:
         body = data.read_bytes() if isinstance(data, Path) else data
         obstore.put(store, url.key, body, mode="create")
@@ -600,6 +600,10 @@ class Lock(s3.Lock):
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
         body = json.dumps({"run": self.token, "started": time.time()}).encode()
+        # A lock already there is refused before the put: fake-gcs-server ignores the
+        # create-only condition (the read-back below catches a put that raced this check).
+        if head(self.url) is not None:
+            raise self._refused(self._holder())
         try:
             _put(self.url, body, create=True)
         except (AlreadyExistsError, PreconditionError) as e:
