@@ -54,6 +54,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """End a server we started: SIGTERM, then SIGKILL after 10 s (Azurite waits for the
+    clients' idle keep-alive connections to close)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
 def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -254,8 +265,7 @@ def gcs() -> Iterator[Cloud]:
         finally:
             _restore(saved)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop(proc)
 
 
 def azurite_bin() -> Path | None:
@@ -300,8 +310,7 @@ def azure() -> Iterator[Cloud]:
         finally:
             _restore(saved)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop(proc)
         shutil.rmtree(location, ignore_errors=True)
 
 
