@@ -320,7 +320,7 @@ def error(e: BaseException, url: Url | str, doing: str) -> CkptError | None:
         return InputError(f"{url}: {what} '{bucket}' does not exist; check the URL")
     if isinstance(e, FileNotFoundError | ox.NotFoundError) or status == 404:
         return InputError(f"{url}: no such object; check the URL")
-    if "token request" in text.lower() or "metadata" in text.lower() and status is None:
+    if "token request" in text.lower():
         return InputError(f"{url}: no {_NAMES[cloud][1]} credentials found while {doing}; "
                           f"{_credentials_hint(url)}")
     if (isinstance(e, ox.PermissionDeniedError | ox.UnauthenticatedError)
