@@ -229,6 +229,12 @@ def client(url: Url) -> Any:
         except CkptError:
             raise
         except Exception as e:
+            key_file = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS", "")
+            if url.cloud == "gs" and key_file:
+                raise InputError(f"{url}: cannot use the credentials in {key_file} "
+                                 "(GOOGLE_APPLICATION_CREDENTIALS): not a readable service "
+                                 "account key; check the file, or unset the variable to use "
+                                 "gcloud's application-default credentials") from e
             raise InputError(f"{url}: cannot configure {_NAMES[url.cloud][1]} "
                              f"({_reason(e)}); check its settings") from e
         _stores[ident] = store

@@ -336,8 +336,10 @@ def test_gcs_bad_credentials_are_one_line_without_the_secret(gcs: Cloud,
     r = cli(gcs, "inspect", gcs.url("run"), env={"STORAGE_EMULATOR_HOST": "",
                                                  "GOOGLE_APPLICATION_CREDENTIALS": str(key)})
     assert r.returncode == 3, r.stderr
-    assert r.stderr.startswith(f"ckpttool: error: {gcs.url('run')}: ")
-    assert r.stderr.count("\n") == 1
+    assert r.stderr == (f"ckpttool: error: {gcs.url('run')}: cannot use the credentials in "
+                        f"{key} (GOOGLE_APPLICATION_CREDENTIALS): not a readable service "
+                        "account key; check the file, or unset the variable to use gcloud's "
+                        "application-default credentials\n")
     assert secret not in r.stderr + r.stdout and "not-a-key" not in r.stderr
 
 
