@@ -30,8 +30,9 @@ What each store offers and what is done where it does not (checked against the e
   the read-back is what refuses a second writer there.
 * Uploads: Azure block blobs are sent as blocks and committed by one final request, so an
   upload cut short leaves only uncommitted blocks, which no listing shows and Azure discards
-  (after 7 days); obstore stops at the first failure, and a Ctrl-C stops the stream of parts
-  it reads (:func:`_parts`). GCS objects are sent by obstore's XML API client; against an
+  (after 7 days). A Ctrl-C or failure stops the stream of parts obstore reads
+  (:func:`_parts`), and obstore then aborts the multipart upload (checked on S3's: none is
+  left in progress). GCS objects are sent by obstore's XML API client; against an
   emulator (``STORAGE_EMULATOR_HOST``), whose XML API has no uploads, each object is one JSON
   API media upload of the file, atomic as well (an object appears only when its upload
   completes).
