@@ -353,3 +353,20 @@ def test_without_the_extra_says_what_to_install(scheme: str, extra: str) -> None
     name = "Google Cloud Storage" if scheme == "gs" else "Azure Blob Storage"
     assert r.stderr == (f"ckpttool: error: {scheme}://b/run: {name} needs the {extra} extra; "
                         f"install it with: pip install 'ckpttool[{extra}]'\n")
+
+
+def test_inspect_one_object(cloud: Cloud, local_merged: Path, tmp_path: Path) -> None:
+    """A URL naming one object (not a prefix) reads that file alone."""
+    prefix = fresh(cloud, "one")
+    name = sorted(p.name for p in local_merged.glob("*.safetensors"))[0]
+    local = tmp_path / "one" / name
+    local.parent.mkdir()
+    local.write_bytes((local_merged / name).read_bytes())
+    cloud.put(f"{prefix}/{name}", local.read_bytes())
+    a = run("inspect", f"{cloud.url(prefix)}/{name}", "--json")
+    b = run("inspect", local, "--json")
+    assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
+    da = json.loads(a.stdout.replace(cloud.url(prefix), str(local.parent)))
+    db = json.loads(b.stdout)
+    da.pop("seconds", None), db.pop("seconds", None)
+    assert da == db
