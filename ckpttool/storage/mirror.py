@@ -8,8 +8,9 @@ unchanged. Which names are data files (read in place by ranged GETs, never downl
 caller's to say (``data_suffixes``), and so are the leading bytes a placeholder holds
 (``head``: what a format reads while recognising and describing a data file, e.g. a header).
 The mirror is itself a :class:`~ckpttool.storage.store.Stores`: handed down by its caller, it
-opens a :class:`~ckpttool.storage.s3.RemoteStore` for its own directory (every data byte by
-ranged GETs, a placeholder's zeros never read) and a local store for anything else.
+opens its store's ``RemoteStore`` (:mod:`ckpttool.storage.remote`) for its own directory
+(every data byte by ranged GETs, a placeholder's zeros never read) and a local store for
+anything else.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from ckpttool.errors import InputError, UnsupportedError
-from ckpttool.storage import s3
+from ckpttool.storage import remote
 from ckpttool.storage import store as stores
 
 # Files other than data files are downloaded whole into the mirror up to this size (configs,
@@ -57,28 +59,32 @@ class Mirror:
 
     def __init__(self, value: str, *, data_suffixes: Sequence[str], head: Head | None = None,
                  warn: Callable[[str], None] | None = None) -> None:
-        self.url = s3.parse(value)
+        # The module of this URL's store (s3, objstore): the same functions in each.
+        self.remote: Any = remote.backend(value)
+        self.url = self.remote.parse(value)
         self.data_suffixes = tuple(data_suffixes)
         self._head = head
         self._warn = warn or _stderr
-        objects = s3.list_objects(self.url)
-        self.tmp = Path(tempfile.mkdtemp(prefix="ckpttool-s3-"))
+        objects = self.remote.list_objects(self.url)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"ckpttool-{remote.scheme(value)}-"))
         try:
             if objects:  # a prefix: the directory it stands for
                 self.base_url = self.url
-                self.dir = self.root = self.tmp / self.url.name
+                self.dir: Path = self.tmp / self.url.name
+                self.root: Path = self.dir
             else:  # one object, in the directory of its parent prefix
-                single = s3.head(self.url) if self.url.key else None
+                single = self.remote.head(self.url) if self.url.key else None
                 if single is None:
                     raise InputError(f"{self.url}: no such object or prefix; check the URL")
-                self.base_url = s3.Url(self.url.bucket, self.url.key.rpartition("/")[0])
+                self.base_url = self.url.with_key(self.url.key.rpartition("/")[0])
                 objects = {self.url.name: single}
                 self.dir = self.tmp / self.base_url.name
                 self.root = self.dir / self.url.name
             # ``self.dir`` stands for ``base_url``; every file lies below it.
-            if s3.LOCK_NAME in objects:
+            if self.remote.LOCK_NAME in objects:
                 self._warn(f"warning: {self.base_url}: a ckpttool run is writing it, or one "
-                           f"was killed while writing it ({s3.LOCK_NAME} is there); what is "
+                           f"was killed while writing it ({self.remote.LOCK_NAME} is there); "
+                           "what is "
                            "read may be incomplete")
             self.objects = self._usable(objects)
             self._build()
@@ -132,7 +138,7 @@ class Mirror:
                         "only from a local disk (it reads "
                         f"{' and '.join(self.data_suffixes)} data files from object storage); "
                         f"download the checkpoint first and pass its directory")
-            with ThreadPoolExecutor(max_workers=s3.CONCURRENCY) as pool:
+            with ThreadPoolExecutor(max_workers=self.remote.CONCURRENCY) as pool:
                 jobs = [pool.submit(self._download, *d) for d in downloads]
                 jobs += [pool.submit(self._fill_head, *h) for h in heads]
                 for j in jobs:
@@ -147,7 +153,7 @@ class Mirror:
                              f"{e.strerror}") from e
 
     def _download(self, rel: str, size: int, etag: str) -> None:
-        data = s3.get_range(self.base_url.child(rel), 0, size, etag)
+        data = self.remote.get_range(self.base_url.child(rel), 0, size, etag)
         (self.dir / rel).write_bytes(data)
 
     def _fill_head(self, rel: str, size: int, etag: str) -> None:
@@ -156,7 +162,8 @@ class Mirror:
 
         def pread(n: int, offset: int) -> bytes:
             n = max(0, min(n, size - offset))
-            return s3.get_range(url, offset, n, etag)
+            data: bytes = self.remote.get_range(url, offset, n, etag)
+            return data
 
         first = self._head(rel, size, pread)[:size]
         if first:
@@ -177,7 +184,8 @@ class Mirror:
         url = self.base_url if rel == "." else self.base_url.child(rel)
         prefix = "" if rel == "." else rel + "/"
         objects = {k[len(prefix):]: v for k, v in self.objects.items() if k.startswith(prefix)}
-        return s3.RemoteStore(base, url, objects, metadata_name)
+        store: stores.Store = self.remote.RemoteStore(base, url, objects, metadata_name)
+        return store
 
     @contextlib.contextmanager
     def reading(self, path: Path, *, inside: str | None = None

@@ -130,8 +130,8 @@ def test_config_dtype_change_is_reported(llama_ckpt: Path, tmp_path: Path) -> No
 # 7. A URL scheme ckpttool does not read is exit 4, never a local path
 
 
-@pytest.mark.parametrize("url", ["gs://bucket/merged", "az://c/merged", "abfs://c@a/x",
-                                 "hf://org/model", "https://host/x", "HTTP://host/x"])
+@pytest.mark.parametrize("url", ["hf://org/model", "https://host/x", "HTTP://host/x",
+                                 "file://x/y"])
 def test_unsupported_scheme_as_output_is_exit_4(tiny_dcp: Path, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch,
                                                  url: str) -> None:
@@ -141,17 +141,19 @@ def test_unsupported_scheme_as_output_is_exit_4(tiny_dcp: Path, tmp_path: Path,
         assert r.exit_code == 4, r.output
         scheme = url.split(":")[0]
         assert r.stderr == (f"ckpttool: error: {url}: {scheme}:// is not a storage ckpttool "
-                            "reads or writes (as output); supported: local paths, s3://\n")
-    assert list(tmp_path.iterdir()) == []  # no "gs:" directory
+                            "reads or writes (as output); supported: local paths, s3://, "
+                            "gs://, az://, abfs://, abfss://\n")
+    assert list(tmp_path.iterdir()) == []  # no "hf:" directory
 
 
 @pytest.mark.parametrize("cmd", ["inspect", "verify", "merge"])
 def test_unsupported_scheme_as_source_is_exit_4(tmp_path: Path, cmd: str) -> None:
-    args = [cmd, "gs://bucket/ckpt"] + ([tmp_path / "out"] if cmd == "merge" else [])
+    args = [cmd, "hf://org/ckpt"] + ([tmp_path / "out"] if cmd == "merge" else [])
     r = run(*args)
     assert r.exit_code == 4, r.output
-    assert r.stderr == ("ckpttool: error: gs://bucket/ckpt: gs:// is not a storage ckpttool "
-                        "reads or writes (as source); supported: local paths, s3://\n")
+    assert r.stderr == ("ckpttool: error: hf://org/ckpt: hf:// is not a storage ckpttool "
+                        "reads or writes (as source); supported: local paths, s3://, gs://, "
+                        "az://, abfs://, abfss://\n")
 
 
 def test_url_for_a_local_only_option_is_exit_4(tiny_dcp: Path, tmp_path: Path) -> None:

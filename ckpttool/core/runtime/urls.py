@@ -1,4 +1,5 @@
-"""Remote URLs (``s3://bucket/prefix``) wherever a command takes a checkpoint or output path.
+"""Remote URLs (``s3://``, ``gs://``, ``az://``, ``abfss://``) wherever a command takes a
+checkpoint or output path.
 
 One decorator, :func:`urls`, wraps each command (merge, inspect, verify, reshard): a source URL
 is replaced by a local mirror of it (:class:`ckpttool.storage.mirror.Mirror`: small files
@@ -29,14 +30,15 @@ from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 from ckpttool.errors import CkptError, UnsupportedError
+from ckpttool.storage import remote as stores_remote
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-# The object stores a checkpoint or output may be named in, by URL scheme: the one list to
-# extend when a store is added (with its module and a branch in _remote).
-SCHEMES: tuple[str, ...] = ("s3",)
+# The object stores a checkpoint or output may be named in, by URL scheme (each served by the
+# module ckpttool.storage.remote.backend names).
+SCHEMES: tuple[str, ...] = stores_remote.SCHEMES
 
 # Parameters that name local files only (a config, an adapter, a manifest): a URL there is
 # refused, never taken for a relative path.
@@ -148,7 +150,6 @@ def urls(*, sources: tuple[str, ...], output: str | None = None
 def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[str, Any],
             output: str | None) -> R:
     from ckpttool.storage import mirror as mirrors
-    from ckpttool.storage import s3 as remote
 
     renames: list[tuple[str, str]] = []  # (local path, URL) for messages and reports
     with contextlib.ExitStack() as stack:
@@ -177,7 +178,7 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
                 bound.arguments["stores"] = mirrors.Mounts(mounted)
             staged = None
             if out_url is not None:
-                tmp = remote.staging_dir()
+                tmp = stores_remote.backend(out_url).staging_dir()
                 stack.callback(shutil.rmtree, tmp, ignore_errors=True)
                 staged = tmp / (out_url.name or "out")
                 assert output is not None
@@ -195,17 +196,16 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
 
 def output_names() -> Any:
     """What storage is told about an output's objects (``s3.OutputNames``)."""
-    from ckpttool.storage import s3 as remote
+    from ckpttool.storage import s3
 
-    return remote.OutputNames(replaces=_replaced, last=_last)
+    return s3.OutputNames(replaces=_replaced, last=_last)
 
 
 @contextlib.contextmanager
 def claimed(value: str, *, overwrite: bool) -> Iterator[Any]:
     """The output URL checked (weights there need ``overwrite``) and locked for this run
     while the block runs (:class:`~ckpttool.storage.s3.Lock`), before any work."""
-    from ckpttool.storage import s3 as remote
-
+    remote = stores_remote.backend(value)
     url = remote.check_output(value, overwrite=overwrite, names=output_names())
     lock = remote.Lock(url)
     lock.acquire()
@@ -218,8 +218,7 @@ def claimed(value: str, *, overwrite: bool) -> Iterator[Any]:
 def upload(url: Any, staged: Path, *, overwrite: bool) -> None:
     """Upload the finished local output ``staged`` to ``url`` (index last; see
     :class:`~ckpttool.storage.s3.Upload`)."""
-    from ckpttool.storage import s3 as remote
-
+    remote = stores_remote.backend(url)
     with remote.errors(url, "uploading"):
         remote.Upload(url, overwrite=overwrite, names=output_names()).run(staged)
 

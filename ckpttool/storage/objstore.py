@@ -1,0 +1,677 @@
+"""Google Cloud Storage (``gs://``) and Azure Blob Storage (``az://``, ``abfs[s]://``) through
+obstore (the Rust ``object_store`` crate): the client of each cloud configured the cloud's own
+way, its errors in the user's terms, ranged GETs pinned to the ETag listed, the remote store,
+the output lock and uploads. The same interface as :mod:`ckpttool.storage.s3` (``parse``,
+``list_objects``, ``head``, ``get_range``, :class:`RemoteStore`, :class:`Lock`,
+:class:`Upload`, ``check_output``, ``errors``), so the mirror and the URL wrapper serve every
+store alike; the coalescing and read-ahead of :class:`ckpttool.storage.s3.RemoteStore` and the
+upload order of :class:`ckpttool.storage.s3.Upload` are shared, not copied. Names no format.
+
+Endpoints and credentials, the way each cloud's own tools take them (none printed, none on
+the command line):
+
+* GCS: ``STORAGE_EMULATOR_HOST`` (fake-gcs-server, the gcloud emulators) for an emulator;
+  otherwise obstore's sources: ``GOOGLE_APPLICATION_CREDENTIALS`` (a service-account key file),
+  ``GOOGLE_SERVICE_ACCOUNT[_KEY]``, gcloud's application-default credentials, the metadata
+  server of a GCE/GKE machine.
+* Azure: ``AZURE_STORAGE_CONNECTION_STRING`` (``az storage``'s; ``UseDevelopmentStorage=true``
+  or an explicit ``BlobEndpoint`` for Azurite), else ``AZURE_STORAGE_ACCOUNT_NAME`` (or the
+  account an ``abfss://container@ACCOUNT.dfs.core.windows.net`` URL names) with
+  ``AZURE_STORAGE_ACCOUNT_KEY``, a SAS (``AZURE_STORAGE_SAS_KEY``), a service principal
+  (``AZURE_STORAGE_CLIENT_ID``/``_SECRET``/``_TENANT_ID``), workload or managed identity.
+
+What each store offers and what is done where it does not (checked against the emulators):
+
+* Reads are pinned to the ETag the listing gave: ``If-Match`` on every ranged GET (Azure and
+  Azurite refuse a changed blob with 412), and the ETag of each answer compared here as well,
+  because fake-gcs-server ignores ``If-Match``.
+* The lock object is created with a create-only put (Azure: ``If-None-Match: *``; GCS:
+  ``ifGenerationMatch=0``) and read back, as for S3: fake-gcs-server ignores the condition, and
+  the read-back is what refuses a second writer there.
+* Uploads: Azure block blobs are sent as blocks and committed by one final request, so an
+  upload cut short leaves only uncommitted blocks, which no listing shows and Azure discards
+  (after 7 days). A Ctrl-C or failure stops the stream of parts obstore reads
+  (:func:`_parts`), and obstore then aborts the multipart upload (checked on S3's: none is
+  left in progress). GCS objects are sent by obstore's XML API client; against an
+  emulator (``STORAGE_EMULATOR_HOST``), whose XML API has no uploads, each object is one JSON
+  API media upload of the file, atomic as well (an object appears only when its upload
+  completes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import random
+import re
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import CkptError, InputError, OutputError, TransportError, UnsupportedError
+from ckpttool.storage import outputs, s3
+
+# The URL schemes served here, and the extra each needs.
+SCHEMES = ("gs", "az", "abfs", "abfss")
+EXTRAS = {"gs": "gcs", "az": "azure"}
+_NAMES = {"gs": ("bucket", "Google Cloud Storage"), "az": ("container", "Azure Blob Storage")}
+
+# Shared with S3: the read plan's bounds, the lock's name, an output's names.
+CONCURRENCY = s3.CONCURRENCY
+LOCK_NAME = s3.LOCK_NAME
+OutputNames = s3.OutputNames
+staging_dir = s3.staging_dir
+
+# Uploads in blocks of PART bytes, at most CONCURRENCY in flight per object.
+PART = 16 << 20
+# Timeouts and retries: obstore retries a request that fails before or during its answer
+# (connection errors, 5xx, timeouts) ATTEMPTS times with its backoff; a body that breaks off
+# or arrives short is fetched again here, RETRIES times. Then: a one-line TransportError
+# naming the object, never "corrupt".
+CONNECT_TIMEOUT = 10  # s
+READ_TIMEOUT = 30  # s, for any single read from the socket
+ATTEMPTS = 4
+RETRIES = 3
+BACKOFF = 0.25  # s, doubled at each retry (with jitter)
+RETRY_TIMEOUT = 60  # s: obstore gives a request up after this much time in retries
+
+
+def is_url(value: object) -> bool:
+    """Whether ``value`` names a store served here."""
+    return isinstance(value, str) and value.split("://", 1)[0] in SCHEMES and "://" in value
+
+
+@dataclass(frozen=True)
+class Url:
+    spelling: str  # the scheme as typed: gs, az, abfs, abfss
+    bucket: str  # the bucket (GCS) or container (Azure)
+    key: str  # no leading or trailing slash; "" for the bucket itself
+    host: str = ""  # abfs[s]: ACCOUNT.dfs.core.windows.net
+
+    @property
+    def cloud(self) -> str:
+        """"gs" or "az"."""
+        return "gs" if self.spelling == "gs" else "az"
+
+    @property
+    def account(self) -> str:
+        return self.host.split(".", 1)[0]
+
+    def __str__(self) -> str:
+        base = f"{self.spelling}://{self.bucket}" + (f"@{self.host}" if self.host else "")
+        return f"{base}/{self.key}" if self.key else base
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.key}/" if self.key else ""
+
+    def child(self, name: str) -> Url:
+        return dataclasses.replace(self, key=f"{self.prefix}{name}")
+
+    def with_key(self, key: str) -> Url:
+        return dataclasses.replace(self, key=key)
+
+    @property
+    def name(self) -> str:
+        return self.key.rsplit("/", 1)[-1] if self.key else self.bucket
+
+
+def parse(value: str) -> Url:
+    """``gs://bucket/key``, ``az://container/key`` or
+    ``abfss://container@account.dfs.core.windows.net/key`` -> :class:`Url`.
+
+    Raises:
+        InputError: no bucket (container, account) named.
+    """
+    spelling, _, rest = value.partition("://")
+    authority, _, key = rest.partition("/")
+    host = ""
+    if spelling in ("abfs", "abfss"):
+        authority, _, host = authority.partition("@")
+        if not authority or not host:
+            raise InputError(f"{value}: names no container and account; use "
+                             f"{spelling}://CONTAINER@ACCOUNT.dfs.core.windows.net/PREFIX")
+    if not authority:
+        what = _NAMES["gs" if spelling == "gs" else "az"][0]
+        raise InputError(f"{value}: names no {what}; use {spelling}://{what.upper()}/PREFIX")
+    return Url(spelling, authority, key.strip("/"), host)
+
+
+# --------------------------------------------------------------------------------------------
+# The client of each bucket, configured from the cloud's standard places
+
+
+_stores: dict[tuple[str, str, str], Any] = {}
+_stores_lock = threading.Lock()
+
+
+def _options() -> tuple[Any, Any]:
+    client = {"connect_timeout": datetime.timedelta(seconds=CONNECT_TIMEOUT),
+              "read_timeout": datetime.timedelta(seconds=READ_TIMEOUT)}
+    retry = {"max_retries": ATTEMPTS, "retry_timeout": datetime.timedelta(seconds=RETRY_TIMEOUT),
+             "backoff": {"init_backoff": datetime.timedelta(seconds=BACKOFF),
+                         "max_backoff": datetime.timedelta(seconds=8), "base": 2.0}}
+    return client, retry
+
+
+def _http(options: Any) -> Any:
+    """``options`` that also allow plain HTTP (an emulator on localhost)."""
+    return {**options, "allow_http": True}
+
+
+def emulator() -> str | None:
+    """The GCS emulator's base URL (``STORAGE_EMULATOR_HOST``, as Google's own clients take
+    it); None for Google Cloud Storage itself."""
+    host = os.environ.get("STORAGE_EMULATOR_HOST", "").strip()
+    if not host:
+        return None
+    return (host if "://" in host else f"http://{host}").rstrip("/")
+
+
+def connection_string() -> dict[str, str]:
+    """``AZURE_STORAGE_CONNECTION_STRING`` as its fields (``{}`` when unset)."""
+    text = os.environ.get("AZURE_STORAGE_CONNECTION_STRING", "").strip()
+    fields: dict[str, str] = {}
+    for part in text.split(";"):
+        k, sep, v = part.partition("=")
+        if sep:
+            fields[k.strip()] = v.strip()
+    if fields.get("UseDevelopmentStorage", "").lower() == "true":
+        # Azurite's development account: documented, public values.
+        fields.setdefault("AccountName", "devstoreaccount1")
+        fields.setdefault("AccountKey", "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErC"
+                                        "z4I6tq/K1SZFPTOtr/KBHBeksoGMGw==")
+        fields.setdefault("BlobEndpoint", "http://127.0.0.1:10000/devstoreaccount1")
+    return fields
+
+
+def client(url: Url) -> Any:
+    """One obstore store per bucket (container) for the process; thread-safe.
+
+    Raises:
+        UnsupportedError: the extra (obstore) is not installed.
+        InputError: Azure without an account named anywhere.
+    """
+    ident = (url.cloud, url.bucket, url.account)
+    with _stores_lock:
+        found = _stores.get(ident)
+        if found is not None:
+            return found
+        extra = EXTRAS[url.cloud]
+        try:
+            from obstore import store as obstores
+        except ImportError as err:
+            raise UnsupportedError(
+                f"{url}: {_NAMES[url.cloud][1]} needs the {extra} extra; install it with: "
+                f"pip install 'ckpttool[{extra}]'") from err
+        options, retry = _options()
+        try:
+            if url.cloud == "gs":
+                base = emulator()
+                if base is not None:
+                    store = obstores.GCSStore(url.bucket, base_url=base, bearer_token="emulator",
+                                              client_options=_http(options),
+                                              retry_config=retry)
+                else:
+                    store = obstores.GCSStore(url.bucket, client_options=options,
+                                              retry_config=retry)
+            else:
+                store = _azure(obstores, url, options, retry)
+        except CkptError:
+            raise
+        except Exception as e:
+            key_file = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS", "")
+            if url.cloud == "gs" and key_file:
+                raise InputError(f"{url}: cannot use the credentials in {key_file} "
+                                 "(GOOGLE_APPLICATION_CREDENTIALS): not a readable service "
+                                 "account key; check the file, or unset the variable to use "
+                                 "gcloud's application-default credentials") from e
+            raise InputError(f"{url}: cannot configure {_NAMES[url.cloud][1]} "
+                             f"({_reason(e)}); check its settings") from e
+        _stores[ident] = store
+        return store
+
+
+def _azure(obstores: Any, url: Url, options: dict[str, Any], retry: dict[str, Any]) -> Any:
+    config: dict[str, Any] = {}
+    fields = connection_string()
+    if url.account:
+        config["account_name"] = url.account
+    if fields:
+        account = fields.get("AccountName", "")
+        config.setdefault("account_name", account)
+        if fields.get("AccountKey"):
+            config["account_key"] = fields["AccountKey"]
+        if fields.get("SharedAccessSignature"):
+            config["sas_key"] = fields["SharedAccessSignature"]
+        endpoint = fields.get("BlobEndpoint")
+        if not endpoint and account and "EndpointSuffix" in fields:
+            protocol = fields.get("DefaultEndpointsProtocol", "https")
+            endpoint = f"{protocol}://{account}.blob.{fields['EndpointSuffix']}"
+        if endpoint:
+            config["endpoint"] = endpoint.rstrip("/")
+            if endpoint.startswith("http://"):
+                options = _http(options)
+    if not config.get("account_name") and not os.environ.get("AZURE_STORAGE_ACCOUNT_NAME"):
+        raise InputError(f"{url}: no Azure storage account named; set "
+                         "AZURE_STORAGE_CONNECTION_STRING or AZURE_STORAGE_ACCOUNT_NAME, or "
+                         "use abfss://CONTAINER@ACCOUNT.dfs.core.windows.net/PREFIX")
+    return obstores.AzureStore(url.bucket, client_options=options, retry_config=retry, **config)
+
+
+# --------------------------------------------------------------------------------------------
+# Errors in the user's terms
+
+
+_STATUS = re.compile(r"status code: (\d{3})")
+_CODE = re.compile(r"<Code>([A-Za-z]+)</Code>|\"reason\":\s*\"([A-Za-z ]+)\"")
+
+
+def _reason(e: BaseException) -> str:
+    """A short, secret-free reason: the HTTP status and the store's error code, else the
+    exception's kind (obstore's text holds request URLs, which may carry a SAS)."""
+    text = str(e)
+    status = _STATUS.search(text)
+    code = _CODE.search(text)
+    parts = [status.group(1)] if status else []
+    if code:
+        parts.append(code.group(1) or code.group(2))
+    if "token request" in text.lower():
+        parts.append("token request")
+    return " ".join(parts) or type(e).__name__
+
+
+def _status(e: BaseException) -> int | None:
+    m = _STATUS.search(str(e))
+    return int(m.group(1)) if m else None
+
+
+def _credentials_hint(url: Url | str) -> str:
+    cloud = url.cloud if isinstance(url, Url) else ("gs" if str(url).startswith("gs") else "az")
+    if cloud == "gs":
+        return ("check the credentials (GOOGLE_APPLICATION_CREDENTIALS, gcloud auth "
+                "application-default login) and the bucket's permissions")
+    return ("check the credentials (AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_ACCOUNT_KEY, "
+            "a SAS or a managed identity) and the container's permissions")
+
+
+def error(e: BaseException, url: Url | str, doing: str) -> CkptError | None:
+    """An obstore failure in the user's terms, naming ``url`` (never a credential); None
+    for an exception that is not obstore's."""
+    try:
+        from obstore import exceptions as ox
+    except ImportError:  # pragma: no cover - only called once obstore imported
+        return None
+    if not isinstance(e, ox.BaseError | FileNotFoundError):
+        return None
+    text = str(e)
+    status = _status(e)
+    cloud = url.cloud if isinstance(url, Url) else "gs"
+    what = _NAMES[cloud][0]
+    bucket = url.bucket if isinstance(url, Url) else str(url)
+    if isinstance(e, ox.PreconditionError) or status == 412:
+        return InputError(f"{url}: the object changed while it was being read; run again once "
+                          "it is no longer being written")
+    if ("ContainerNotFound" in text or "NoSuchBucket" in text
+            or "The specified bucket does not exist" in text):
+        return InputError(f"{url}: {what} '{bucket}' does not exist; check the URL")
+    if isinstance(e, FileNotFoundError | ox.NotFoundError) or status == 404:
+        return InputError(f"{url}: no such object; check the URL")
+    if "token request" in text.lower():
+        return InputError(f"{url}: no {_NAMES[cloud][1]} credentials found while {doing}; "
+                          f"{_credentials_hint(url)}")
+    if (isinstance(e, ox.PermissionDeniedError | ox.UnauthenticatedError)
+            or status in (401, 403)):
+        return InputError(f"{url}: access denied while {doing} ({_reason(e)}); "
+                          f"{_credentials_hint(url)}")
+    if status is not None and 400 <= status < 500 and status not in (408, 429):
+        return InputError(f"{url}: {doing} failed ({_reason(e)})")
+    return TransportError(f"{url}: {doing} failed after {ATTEMPTS + 1} tries ({_reason(e)}); "
+                          "the network or the object store is failing, run again later")
+
+
+@contextlib.contextmanager
+def errors(url: Url | str, doing: str) -> Iterator[None]:
+    """Map obstore failures inside the block to one-line errors naming ``url``."""
+    try:
+        yield
+    except CkptError:
+        raise
+    except Exception as e:
+        mapped = error(e, url, doing)
+        if mapped is None:
+            raise
+        raise mapped from e
+
+
+def _transient(e: BaseException) -> bool:
+    """A failure worth one more try: obstore gave the request up (connection, body,
+    timeout, 5xx), not a refusal."""
+    mapped = error(e, "", "reading")
+    return isinstance(mapped, TransportError) or isinstance(e, ConnectionError | TimeoutError)
+
+
+def _bare(etag: str | None) -> str:
+    return (etag or "").strip().removeprefix("W/").strip('"')
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+def get_range(url: Url, offset: int, size: int, etag: str | None = None) -> bytes:
+    """``size`` bytes of the object at ``offset`` (exactly; the caller clamps to its size),
+    pinned to ``etag``; a body that breaks off or arrives short is fetched again.
+
+    Raises:
+        InputError: shorter than asked, changed (``etag``), missing, access denied.
+        TransportError: the store kept failing after the retries.
+    """
+    if size <= 0:
+        return b""
+    store = client(url)
+    import obstore
+
+    options: Any = {"range": (offset, offset + size)}
+    if etag:
+        options["if_match"] = f'"{_bare(etag)}"'
+    failure: BaseException | None = None
+    for attempt in range(RETRIES + 1):
+        if attempt:
+            time.sleep(BACKOFF * 2 ** (attempt - 1) * (0.5 + random.random()))
+        try:
+            result = obstore.get(store, url.key, options=options)
+            got = _bare(result.meta.get("e_tag"))
+            if etag and got and got != _bare(etag):
+                raise InputError(f"{url}: the object changed while it was being read; run "
+                                 "again once it is no longer being written")
+            data = bytes(result.bytes())
+            if len(data) != size:
+                start, end = result.range
+                if end - start < size:
+                    raise InputError(f"{url}: a read of {size} bytes at byte {offset} returned "
+                                     f"{end - start}; the object is shorter than its "
+                                     "checkpoint says")
+                raise ConnectionError(f"{len(data)} of {size} bytes, then the body ended")
+            return data
+        except CkptError:
+            raise
+        except Exception as e:
+            if not _transient(e):
+                raise error(e, url, "reading") or e from e
+            failure = e
+    raise TransportError(
+        f"{url}: reading {size:,} bytes at byte {offset:,} failed {RETRIES + 1} times "
+        f"({_reason(failure) if failure else '?'}); the network or the object store is "
+        "failing (not the checkpoint), run again later") from failure
+
+
+def list_objects(url: Url) -> dict[str, tuple[int, str]]:
+    """Every object below ``url`` as a directory: relative name -> (size, ETag).
+
+    Raises:
+        InputError: the bucket is missing, access is denied.
+    """
+    store = client(url)
+    import obstore
+
+    found: dict[str, tuple[int, str]] = {}
+    try:
+        for page in obstore.list(store, url.prefix or None, chunk_size=1000):
+            for o in page:
+                rel = str(o["path"])[len(url.prefix):]
+                if rel and not rel.endswith("/"):
+                    size = o.get("size")
+                    found[rel] = (size if isinstance(size, int) else -1, _bare(o.get("e_tag")))
+    except CkptError:
+        raise
+    except Exception as e:
+        if url.cloud == "gs" and emulator() is not None and _no_emulated_bucket(url):
+            # fake-gcs-server answers 500 (not 404) to a listing of a missing bucket.
+            raise InputError(f"{url}: bucket '{url.bucket}' does not exist; check the URL "
+                             "(and STORAGE_EMULATOR_HOST)") from e
+        raise error(e, url, "listing") or e from e
+    return found
+
+
+def _no_emulated_bucket(url: Url) -> bool:
+    base = emulator()
+    quoted = urllib.parse.quote(url.bucket, safe="")
+    try:
+        with urllib.request.urlopen(f"{base}/storage/v1/b/{quoted}", timeout=CONNECT_TIMEOUT):
+            return False
+    except urllib.error.HTTPError as e:
+        return e.code == 404
+    except OSError:
+        return False
+
+
+def head(url: Url) -> tuple[int, str] | None:
+    """(size, ETag) of the object ``url``, None if there is none."""
+    store = client(url)
+    import obstore
+
+    try:
+        meta = obstore.head(store, url.key)
+    except Exception as e:
+        mapped = error(e, url, "reading")
+        if isinstance(mapped, InputError) and "no such object" in str(mapped):
+            return None
+        raise mapped or e from e
+    return int(meta["size"]), _bare(meta.get("e_tag"))
+
+
+class RemoteStore(s3.RemoteStore):
+    """The data files of a remote checkpoint (GCS, Azure), read as
+    :class:`ckpttool.storage.s3.RemoteStore` reads S3's: planned ranges coalesced and fetched
+    ahead, by this module's ranged GETs."""
+
+    def _get_range(self, url: Any, offset: int, size: int, etag: str | None) -> bytes:
+        return get_range(url, offset, size, etag)
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
+def existing_weights(url: Url, names: OutputNames) -> list[str]:
+    """Objects directly below ``url`` that an output would replace."""
+    return sorted(n for n in list_objects(url) if "/" not in n and names.replaces(n))
+
+
+def check_output(value: str, *, overwrite: bool, names: OutputNames) -> Url:
+    """The output URL, checked before any work (see :func:`ckpttool.storage.s3.check_output`).
+
+    Raises:
+        InputError: bad credentials, missing bucket. OutputError: weights there already.
+    """
+    url = parse(value)
+    existing = existing_weights(url, names)
+    if existing and not overwrite:
+        raise OutputError(f"{url}: already holds {', '.join(existing[:3])}"
+                          f"{' and more' if len(existing) > 3 else ''}; pass --overwrite to "
+                          "replace them or choose an empty prefix")
+    return url
+
+
+def _put(url: Url, data: bytes | Path, *, create: bool = False) -> None:
+    """Put one object: ``data`` (bytes, or a local file sent in parts), ``create``: only if
+    there is none (refused with obstore's AlreadyExistsError)."""
+    base = emulator() if url.cloud == "gs" else None
+    if base is not None:
+        _emulated_put(base, url, data, create=create)
+        return
+    store = client(url)
+    import obstore
+
+    if create:
+        body = data.read_bytes() if isinstance(data, Path) else data
+        obstore.put(store, url.key, body, mode="create")
+    elif isinstance(data, Path) and data.stat().st_size > PART:
+        obstore.put(store, url.key, _parts(data), chunk_size=PART, max_concurrency=CONCURRENCY)
+    else:
+        obstore.put(store, url.key, data.read_bytes() if isinstance(data, Path) else data,
+                    use_multipart=False)
+
+
+def _parts(path: Path) -> Iterator[bytes]:
+    """The file's bytes in :data:`PART`-sized pieces, each a step of the upload (a test's
+    fault hook, and where a Ctrl-C stops the stream: obstore then sends no commit)."""
+    with open(path, "rb") as f:
+        while piece := f.read(PART):
+            outputs.fault_step()
+            yield piece
+
+
+def _emulated_put(base: str, url: Url, data: bytes | Path, *, create: bool) -> None:
+    """One JSON API media upload (fake-gcs-server has no XML API uploads)."""
+    query = {"uploadType": "media", "name": url.key}
+    if create:
+        query["ifGenerationMatch"] = "0"
+    target = (f"{base}/upload/storage/v1/b/{urllib.parse.quote(url.bucket, safe='')}/o?"
+              + urllib.parse.urlencode(query))
+    size = data.stat().st_size if isinstance(data, Path) else len(data)
+    with contextlib.ExitStack() as stack:
+        body: Any = stack.enter_context(open(data, "rb")) if isinstance(data, Path) else data
+        request = urllib.request.Request(target, data=body, method="POST", headers={
+            "Content-Type": "application/octet-stream", "Content-Length": str(size)})
+        try:
+            with urllib.request.urlopen(request, timeout=READ_TIMEOUT + size / (1 << 20)):
+                pass
+        except urllib.error.HTTPError as e:
+            if e.code == 412:
+                from obstore.exceptions import AlreadyExistsError
+
+                raise AlreadyExistsError(f"{url} exists") from e
+            if e.code == 404:
+                raise InputError(f"{url}: bucket '{url.bucket}' does not exist; check the URL "
+                                 "(and STORAGE_EMULATOR_HOST)") from e
+            raise InputError(f"{url}: uploading failed (status code: {e.code})") from e
+        except OSError as e:
+            raise TransportError(f"{url}: uploading failed ({type(e).__name__}); the network "
+                                 "or the object store is failing, run again later") from e
+
+
+def _delete(url: Url) -> None:
+    base = emulator() if url.cloud == "gs" else None
+    if base is not None:
+        target = (f"{base}/storage/v1/b/{urllib.parse.quote(url.bucket, safe='')}/o/"
+                  f"{urllib.parse.quote(url.key, safe='')}")
+        try:
+            with urllib.request.urlopen(urllib.request.Request(target, method="DELETE"),
+                                        timeout=READ_TIMEOUT):
+                pass
+        except urllib.error.HTTPError as e:
+            if e.code != 404:
+                raise InputError(f"{url}: removing failed (status code: {e.code})") from e
+        return
+    import obstore
+
+    with contextlib.suppress(FileNotFoundError):
+        obstore.delete(client(url), url.key)
+
+
+def _get_all(url: Url) -> bytes:
+    import obstore
+
+    return bytes(obstore.get(client(url), url.key).bytes())
+
+
+class Lock(s3.Lock):
+    """One writer per output prefix, as :class:`ckpttool.storage.s3.Lock`: a create-only put
+    of ``PREFIX/.ckpttool-lock``, read back (the read-back is what refuses a second writer on
+    a store that ignores the condition: fake-gcs-server)."""
+
+    url: Url  # type: ignore[assignment]
+
+    def __init__(self, url: Url) -> None:
+        super().__init__(url)  # type: ignore[arg-type]
+
+    def remove_command(self) -> str:
+        if self.url.cloud == "gs":
+            return f"gcloud storage rm {self.url}"
+        return (f"az storage blob delete --container-name {self.url.bucket} "
+                f"--name {self.url.key}")
+
+    def acquire(self) -> None:
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        body = json.dumps({"run": self.token, "started": time.time()}).encode()
+        # A lock already there is refused before the put: fake-gcs-server ignores the
+        # create-only condition (the read-back below catches a put that raced this check).
+        if head(self.url) is not None:
+            raise self._refused(self._holder())
+        try:
+            _put(self.url, body, create=True)
+        except (AlreadyExistsError, PreconditionError) as e:
+            raise self._refused(self._holder()) from e
+        except CkptError:
+            raise
+        except Exception as e:
+            raise error(e, self.url, "locking the output") or e from e
+        self.held = True
+        holder = self._holder()
+        if self.token not in holder:
+            self.held = False
+            raise self._refused(holder)
+
+    def _holder(self) -> str:
+        try:
+            with errors(self.url, "reading the lock"):
+                doc = json.loads(_get_all(self.url))
+            return str(doc.get("run", ""))
+        except (CkptError, ValueError, AttributeError):
+            return ""
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        with contextlib.suppress(Exception):
+            if self.token in self._holder():
+                _delete(self.url)
+
+
+class Upload(s3.Upload):
+    """A finished local directory uploaded below ``url``, in the order (and with the
+    clean-up on failure) of :class:`ckpttool.storage.s3.Upload`. Nothing of an object is
+    visible before its upload completes (see the module's notes), so there is nothing to
+    abort but the objects this upload created."""
+
+    url: Url  # type: ignore[assignment]
+
+    def __init__(self, url: Url, *, overwrite: bool,
+                 names: OutputNames) -> None:
+        super().__init__(url, overwrite=overwrite, names=names)  # type: ignore[arg-type]
+
+    def _list(self) -> dict[str, tuple[int, str]]:
+        return list_objects(self.url)
+
+    def _delete(self, name: str) -> None:
+        outputs.fault_step()
+        url = self.url.child(name)
+        with errors(url, "removing an old file"):
+            _delete(url)
+
+    def _put(self, pool: ThreadPoolExecutor, path: Path, name: str, existed: bool) -> None:
+        outputs.fault_step()
+        url = self.url.child(name)
+        with errors(url, "uploading"):
+            _put(url, path)
+        if not existed:
+            self._created.append(url.key)
+
+    def abort(self) -> None:
+        for key in self._created:
+            with contextlib.suppress(Exception):
+                _delete(self.url.with_key(key))

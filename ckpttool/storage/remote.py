@@ -1,0 +1,34 @@
+"""Which module serves an object-storage URL, by its scheme: :mod:`ckpttool.storage.s3` for
+``s3://`` (boto3), :mod:`ckpttool.storage.objstore` for ``gs://``, ``az://`` and
+``abfs[s]://`` (obstore). Both offer the same functions and classes (``parse``,
+``list_objects``, ``head``, ``get_range``, ``RemoteStore``, ``Lock``, ``Upload``,
+``check_output``, ``errors``, ``staging_dir``); importing either imports no client library."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+# Every scheme served, in the order messages list them.
+SCHEMES = ("s3", "gs", "az", "abfs", "abfss")
+
+
+def scheme(value: str) -> str:
+    return value.split("://", 1)[0] if "://" in value else ""
+
+
+def backend(value: object) -> ModuleType:
+    """The module that serves the URL ``value`` (a str or a parsed URL).
+
+    Raises:
+        ValueError: not a URL of a scheme in :data:`SCHEMES` (callers check first).
+    """
+    which = scheme(str(value))
+    if which == "s3":
+        from ckpttool.storage import s3
+
+        return s3
+    if which in SCHEMES:
+        from ckpttool.storage import objstore
+
+        return objstore
+    raise ValueError(f"{value}: not an object-storage URL")

@@ -1,0 +1,47 @@
+"""The store contract on Google Cloud Storage (fake-gcs-server) and Azure Blob Storage
+(Azurite), through the mirror that opens them, as for S3 (tests/remote/test_s3_store.py)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from ckpttool.storage import mirror as mirrors
+from ckpttool.storage.store import Store
+from tests.clouds.conftest import Cloud
+from tests.storage.contract import META, StoreTests
+
+_prefixes = itertools.count()
+
+
+class CloudStoreTests(StoreTests):
+    cloud: Cloud
+
+    def store_of(self, files: dict[str, bytes], tmp: Path) -> Store:
+        prefix = f"contract/{next(_prefixes)}"
+        for name, data in files.items():
+            self.cloud.put(f"{prefix}/{name}", data)
+        mirror = mirrors.Mirror(self.cloud.url(prefix), data_suffixes=(".bin",))
+        store = mirror.open(mirror.dir, metadata_name=META)
+        close = store.close
+
+        def closing() -> None:
+            close()
+            mirror.close()
+
+        store.close = closing  # type: ignore[method-assign]
+        return store
+
+
+class TestGcsStore(CloudStoreTests):
+    @pytest.fixture(autouse=True)
+    def _server(self, gcs: Cloud) -> None:
+        self.cloud = gcs
+
+
+class TestAzureStore(CloudStoreTests):
+    @pytest.fixture(autouse=True)
+    def _server(self, azure: Cloud) -> None:
+        self.cloud = azure

@@ -1,0 +1,59 @@
+"""A store that misbehaves, for GCS and Azure as tests/remote/test_transport.py does for S3:
+transient failures (a proxy that resets connections in front of Azurite) are retried and the
+bytes come out right; a store that cannot be reached is one line naming the object, never
+damage in the checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from ckpttool.errors import TransportError
+from ckpttool.storage import objstore
+from tests.clouds.conftest import Cloud, _free_port
+from tests.remote.test_transport import Proxy
+
+
+@pytest.fixture
+def quick(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(objstore, "BACKOFF", 0.01)
+    monkeypatch.setattr(objstore, "ATTEMPTS", 1)
+    monkeypatch.setattr(objstore, "RETRIES", 2)
+    objstore._stores.clear()
+    yield
+    objstore._stores.clear()
+
+
+def test_a_reset_connection_is_retried(azure: Cloud, quick: None,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    data = bytes(range(256)) * 4096
+    azure.put("transport/data.distcp", data)
+    conn = azure.env["AZURE_STORAGE_CONNECTION_STRING"]
+    endpoint = conn.split("BlobEndpoint=")[1].split(";")[0]
+    target, _, account = endpoint.rpartition("/")
+    proxy = Proxy(target)
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING",
+                       conn.replace(endpoint, f"{proxy.url}/{account}"))
+    url = objstore.parse(azure.url("transport/data.distcp"))
+    proxy.set("reset", 2)
+    assert objstore.get_range(url, 1000, 300_000) == data[1000:301_000]
+    assert proxy.faulted == 2
+
+
+def test_an_unreachable_store_is_one_line_naming_the_object(
+        cloud: Cloud, quick: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    dead = f"http://127.0.0.1:{_free_port()}"
+    if cloud.scheme == "gs":
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", dead)
+    else:
+        conn = cloud.env["AZURE_STORAGE_CONNECTION_STRING"]
+        endpoint = conn.split("BlobEndpoint=")[1].split(";")[0]
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING",
+                           conn.replace(endpoint, f"{dead}/devstoreaccount1"))
+    url = objstore.parse(cloud.url("transport/data.distcp"))
+    with pytest.raises(TransportError) as e:
+        objstore.get_range(url, 0, 4096, "etag")
+    text = str(e.value)
+    assert "\n" not in text and text.startswith(f"{url}: reading 4,096 bytes at byte 0 failed")
+    assert "failing (not the checkpoint)" in text
