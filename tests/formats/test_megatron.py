@@ -197,3 +197,65 @@ def test_common_pt_alone_is_exit_4_naming_it(megatron_runs: Path) -> None:
     assert r.exit_code == 4, r.output  # type: ignore[attr-defined]
     assert f"{common}: Megatron-Core's common state (it asks for 'argparse.Namespace')" in (
         r.output)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", ["llama-tp2", "llama-pp2", "mixtral-ep2"])
+def test_slices_copied_file_to_file_are_bit_exact(name: str, megatron_runs: Path,
+                                                  tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layer, q/k/v, gate/up, expert and vocabulary slices move file to file (the kernel's
+    copy) when their runs are long; the fixtures' runs are short, so every run is copied here
+    (COPY_RUN 0), and the result is still Megatron's own state bit for bit."""
+    from ckpttool.core.merge import engine
+
+    monkeypatch.setattr(engine, "COPY_RUN", 0)
+    copied: list[int] = []
+    real = engine.Reader.copy_to
+
+    def counted(self: engine.Reader, *args: int | str) -> None:
+        copied.append(1)
+        real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.Reader, "copy_to", counted)
+    r = run_cli("merge", megatron_runs / name, tmp_path / "out", "-q", "--workers", "1")
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    assert copied
+    assert_bit_exact(load_out(tmp_path / "out"), hf_reference(megatron_runs / name))
+
+
+def test_merge_rearranges_without_torch(megatron_runs: Path, tmp_path: Path) -> None:
+    """The maps' slices are rearrangements of stored bytes: the CLI's merge imports no torch
+    (importing it costs about a second, what the whole copy of a small model costs)."""
+    import subprocess
+    import sys
+
+    code = ("import atexit, sys\n"
+            "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
+            "from ckpttool.cli import main\nmain()\n")
+    done = subprocess.run(
+        [sys.executable, "-c", code, "merge", str(megatron_runs / "qwen3_moe-ep2"),
+         str(tmp_path / "out"), "-q"], capture_output=True, text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert done.returncode == 0, done.stderr
+    assert "torch imported: False" in done.stdout
+
+
+def test_cast_to_bf16_without_torch_is_torchs_cast(megatron_runs: Path, tmp_path: Path) -> None:
+    """``--dtype bf16`` of small float32 tensors (Megatron's float32 norms in a bf16 run) is
+    cast in Python; bit for bit what torch's cast gives."""
+    r = run_cli("merge", megatron_runs / "llama-tp2", tmp_path / "out", "--dtype", "bf16", "-q")
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    want = {k: v.to(torch.bfloat16) for k, v in hf_reference(megatron_runs / "llama-tp2").items()}
+    assert_bit_exact(load_out(tmp_path / "out"), want)
+
+
+def test_f32_to_bf16_is_torchs_rounding() -> None:
+    from ckpttool.formats.codecs.dtypes import f32_to_bf16
+
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31, (100_000,), generator=g, dtype=torch.int64)
+    values = torch.cat([bits.to(torch.int32).view(torch.float32), torch.tensor(
+        [float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.4028235e38,
+         -3.4028235e38, 1e-45, 3.3961e38, 1.0 + 2**-8, 1.0 + 3 * 2**-8])])
+    got = torch.frombuffer(f32_to_bf16(values.numpy().tobytes()), dtype=torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), values.to(torch.bfloat16).view(torch.int16))
