@@ -183,6 +183,8 @@ def sub_runs(inner: Box, a: Box, b: Box) -> list[tuple[int, int, int]]:
     base_a = sum((o - ao) * s for o, ao, s in zip(offsets, a[0], sa, strict=True))
     base_b = sum((o - bo) * s for o, bo, s in zip(offsets, b[0], sb, strict=True))
     run = math.prod(sizes[k:])
-    return [(base_a + sum(i * s for i, s in zip(index, sa, strict=False)),
-             base_b + sum(i * s for i, s in zip(index, sb, strict=False)), run)
-            for index in product(*(range(n) for n in sizes[:k]))]
+    starts = [(base_a, base_b)]
+    for d in range(k):  # dim by dim: one addition per run, not a sum over dims
+        if sizes[d] > 1:
+            starts = [(x + i * sa[d], y + i * sb[d]) for x, y in starts for i in range(sizes[d])]
+    return [(x, y, run) for x, y in starts]

@@ -67,15 +67,17 @@ def box_pieces(tensor: Tensor, boxes: Boxes
     return out
 
 
-def read_boxes(reader: Reader, tensor: Tensor, boxes: Boxes) -> bytearray:
+def read_boxes(reader: Reader, tensor: Tensor, boxes: Boxes, *,
+               pieces: list[tuple[Chunk, int, list[tuple[int, int, int]]]] | None = None
+               ) -> bytearray:
     """The elements of a selection (:data:`Boxes`), box after box. Each chunk a box overlaps
     is read once, from its first to its last element in that box (for a slice of rows, or of
     a chunk cut along its last dim, exactly the box's bytes), and its runs placed; memory:
-    the selection plus one chunk's part of it."""
+    the selection plus one chunk's part of it. ``pieces``: :func:`box_pieces`, if known."""
     item = tensor.dtype.itemsize
     out = bytearray(sum(math.prod(sizes) for _, sizes in boxes) * item)
     view = memoryview(out)
-    for c, pos, runs in box_pieces(tensor, boxes):
+    for c, pos, runs in box_pieces(tensor, boxes) if pieces is None else pieces:
         first, last = runs[0][0], runs[-1][0] + runs[-1][2]
         p = reader.payload(tensor, c)
         if p.start is not None:

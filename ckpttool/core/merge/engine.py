@@ -414,7 +414,7 @@ def _write_selection(reader: Reader, dst: int, t: OutTensor, report: Progress,
                                    t.slot.begin + (pos + b) * item, n * item)
         report(t.slot.nbytes)
         return
-    data = memoryview(tensors.read_boxes(reader, src, d.boxes[0]))
+    data = memoryview(tensors.read_boxes(reader, src, d.boxes[0], pieces=pieces))
     if t.cast:
         data = _cast_bytes(data, t)
     with lock or contextlib.nullcontext():
