@@ -12,6 +12,7 @@ import typer
 from ckpttool.cli.common import (
     DTYPE_CHOICES,
     FollowLinks,
+    Iteration,
     JsonOutput,
     NoProgress,
     Phases,
@@ -107,6 +108,7 @@ def merge_command(
     names: _NamesOption = None,
     layout: _LayoutOption = "hub",
     workers: Workers = None,
+    iteration: Iteration = None,
     dry_run: _DryRunOption = False,
     slice_: _SliceOption = None,
     finish: _FinishOption = False,
@@ -135,6 +137,9 @@ def merge_command(
                                         "--task": task is not None, "--settle": settle != 5.0},
                       dry_run=dry_run, watch=watch, shared=slice_ is not None or finish,
                       then=then)
+    if all_ and iteration is not None:
+        raise typer.BadParameter("picks one iteration; --all merges every checkpoint of the "
+                                 "run", param_hint="--iteration")
     if all_:
         sweep.sweep_command(
             src, out, merge_options={
@@ -166,7 +171,7 @@ def merge_command(
                            workers=workers, follow_links=follow_links, lora=lora,
                            adapter=adapter, adapter_config=adapter_config, part=part,
                            names=names, layout=layout, dry_run=dry_run, shared=shared,
-                           progress=progress, on_start=on_start)
+                           progress=progress, on_start=on_start, iteration=iteration)
         finally:
             bar.stop()
             for note in take_stale_notes():  # a killed run's leftovers, now removed

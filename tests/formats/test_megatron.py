@@ -259,3 +259,51 @@ def test_f32_to_bf16_is_torchs_rounding() -> None:
          -3.4028235e38, 1e-45, 3.3961e38, 1.0 + 2**-8, 1.0 + 3 * 2**-8])])
     got = torch.frombuffer(f32_to_bf16(values.numpy().tobytes()), dtype=torch.bfloat16)
     assert torch.equal(got.view(torch.int16), values.to(torch.bfloat16).view(torch.int16))
+
+
+def _two_iterations(megatron_runs: Path, tmp_path: Path) -> Path:
+    """A run holding iteration 2 (the tracker's) and a copy of it as iteration 1: the
+    reports name the directory read."""
+    run = tmp_path / "run"
+    shutil.copytree(megatron_runs / "llama", run)
+    shutil.copytree(run / "iter_0000002", run / "iter_0000001")
+    return run
+
+
+@pytest.mark.parametrize("command", ["merge", "inspect", "verify", "reshard"])
+def test_iteration_option_picks_another_iteration(command: str, megatron_runs: Path,
+                                                  tmp_path: Path) -> None:
+    run = _two_iterations(megatron_runs, tmp_path)
+    out = [tmp_path / "out"] if command in ("merge", "reshard") else []
+    extra = ["--ranks", "1"] if command == "reshard" else []
+    r = run_cli(command, run, *out, "--iteration", "1", "--json", *extra)
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    assert str(run / "iter_0000001") in r.stdout  # type: ignore[attr-defined]
+    assert str(run / "iter_0000002") not in r.stdout  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("command", ["merge", "inspect", "verify", "reshard"])
+def test_missing_iteration_is_one_line_exit_3(command: str, megatron_runs: Path,
+                                              tmp_path: Path) -> None:
+    run = _two_iterations(megatron_runs, tmp_path)
+    out = [tmp_path / "out"] if command in ("merge", "reshard") else []
+    r = run_cli(command, run, *out, "--iteration", "7")
+    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
+    assert r.output == (  # type: ignore[attr-defined]
+        f"ckpttool: error: {run}: has no iteration 7 (iter_0000007); it holds iter_0000001, "
+        "iter_0000002\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_iteration_of_what_is_not_a_run_is_exit_3(megatron_runs: Path, tmp_path: Path) -> None:
+    it = megatron_runs / "llama" / "iter_0000002"
+    r = run_cli("inspect", it, "--iteration", "2")
+    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
+    assert f"{it}: is one iteration already; pass the run directory {it.parent} with " \
+        "--iteration 2" in r.output  # type: ignore[attr-defined]
+    r = run_cli("inspect", megatron_runs / "llama" / "config.json", "--iteration", "2")
+    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
+    assert "--iteration 2 picks one iteration of a Megatron-Core run directory" in \
+        r.output  # type: ignore[attr-defined]
+    r = run_cli("merge", megatron_runs / "llama", tmp_path / "o", "--all", "--iteration", "2")
+    assert r.exit_code == 2, r.output  # type: ignore[attr-defined]

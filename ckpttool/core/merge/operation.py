@@ -135,6 +135,7 @@ def merge(
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
     stores: Stores = LOCAL,
+    iteration: int | None = None,
 ) -> MergeReport:
     """Merge the checkpoint at ``src`` into Hugging Face safetensors in ``out``.
 
@@ -165,6 +166,8 @@ def merge(
             training framework's names and layouts to the Hugging Face model family's.
             Default: the map a Megatron-Core model needs (``namemaps.implied``), else none;
             ``"none"`` keeps the stored names always.
+        iteration: of a Megatron-Core run directory, this iteration instead of the one
+            ``latest_checkpointed_iteration.txt`` names.
         layout: ``"hub"`` (default): where config.json names a family whose transformers 5
             runtime layout differs from what ``save_pretrained`` writes (fused experts,
             nested vision-language models), write save_pretrained's; ``"stored"``: the names
@@ -190,7 +193,7 @@ def merge(
     started = time.perf_counter()
     src_path, out_path = Path(src), Path(out)
     shard_limit = st.parse_size(str(max_shard_size))
-    whole, ckpt = _recognise(src_path, out_path, config, part, layout, stores)
+    whole, ckpt = _recognise(src_path, out_path, config, part, layout, stores, iteration)
     files, optimizer = ckpt.hf, ckpt.kind == "optimizer"
     named = [(t.name, t.tensor) for t in ckpt.tensors]
     adapted = (None if optimizer else
@@ -289,7 +292,7 @@ def _write(plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, by
 
 
 def _recognise(src: Path, out: Path, config: str | os.PathLike[str] | None,
-               part: str | None, layout: str, stores: Stores
+               part: str | None, layout: str, stores: Stores, iteration: int | None = None
                ) -> tuple[Checkpoint, Checkpoint]:
     """The checkpoint at ``src`` (whole) and the part of it a merge writes, checked whole.
 
@@ -302,7 +305,8 @@ def _recognise(src: Path, out: Path, config: str | os.PathLike[str] | None,
                          f"{', '.join(hub_layout.CHOICES)}")
     if part not in (None, *MERGEABLE):
         raise InputError(f"part {part!r} cannot be merged; choose one of {', '.join(MERGEABLE)}")
-    ckpt = discover(src, config=config, command="merge", prefer=part, stores=stores)
+    ckpt = discover(src, config=config, command="merge", prefer=part, stores=stores,
+                    iteration=iteration)
     if ckpt.chosen is not None and ckpt.kind == "optimizer" and part is None:
         raise InputError(
             f"{src}: holds only optimizer state ({ckpt.chosen}), no model checkpoint; to "
