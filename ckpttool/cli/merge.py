@@ -315,6 +315,11 @@ def _name_lines(r: MergeReport) -> list[str]:
         if len(shown) < len(r.renames):
             lines.append(f"    ... and {len(r.renames) - len(shown)} more (every rename is in "
                          "--json)")
+    if r.derived_config:
+        d = r.derived_config
+        lines.append(f"  config.json derived from Megatron's args: family {d['family']} "
+                     f"({d['why']}); pass --config to use the model's own")
+        lines += [f"    {note}" for note in d["notes"]]
     if r.name_map:
         counts = ", ".join(f"{n} {op}" for op, n in r.name_map["counts"].items())
         lines.append(f"  names ({r.name_map['map']}): {counts}")

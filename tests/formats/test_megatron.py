@@ -307,3 +307,70 @@ def test_iteration_of_what_is_not_a_run_is_exit_3(megatron_runs: Path, tmp_path:
         r.output  # type: ignore[attr-defined]
     r = run_cli("merge", megatron_runs / "llama", tmp_path / "o", "--all", "--iteration", "2")
     assert r.exit_code == 2, r.output  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_config_derived_from_args_loads_and_matches_megatron(name: str, megatron_runs: Path,
+                                                             tmp_path: Path) -> None:
+    """Without a config.json, the one Megatron's args describe is written: the family it
+    chose is reported, from_pretrained loads the output, and its logits are Megatron's."""
+    import transformers
+
+    run = tmp_path / "run"
+    shutil.copytree(megatron_runs / name, run, ignore=shutil.ignore_patterns("config.json"))
+    r = run_cli("merge", run, tmp_path / "out", "--json")
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    doc = json.loads(r.stdout)  # type: ignore[attr-defined]
+    family = VARIANTS[name].family
+    assert doc["derived_config"]["family"] == family
+    assert doc["name_map"]["map"] == f"megatron-{family}"
+    assert not [w for w in doc["warnings"] if "WEIGHTS ONLY" in w]
+    ref = torch.load(megatron_runs / name / "reference.pt", weights_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                              dtype=torch.float32)
+    assert model.config.model_type == family
+    with torch.no_grad():
+        logits = model(ref["tokens"]).logits
+    torch.testing.assert_close(logits, ref["logits"][..., :logits.shape[-1]],
+                               atol=LOGITS_ATOL, rtol=0)
+    human = run_cli("merge", run, tmp_path / "again")
+    assert f"config.json derived from Megatron's args: family {family} (" in \
+        human.stdout  # type: ignore[attr-defined]
+
+
+def test_args_of_no_one_family_ask_for_config(megatron_runs: Path, tmp_path: Path) -> None:
+    """args with both a QKV bias and q/k layernorm fit no family here: exit 3, naming why and
+    the --config command to run, nothing written. (common.pt is re-saved with torch.save,
+    as Megatron writes it, with those two flags set.)"""
+    run = tmp_path / "run"
+    shutil.copytree(megatron_runs / "llama", run, ignore=shutil.ignore_patterns("config.json"))
+    common = run / "iter_0000002" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    state["args"].add_qkv_bias = state["args"].qk_layernorm = True
+    torch.save(state, common)
+    out = tmp_path / "out"
+    r = run_cli("merge", run, out)
+    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
+    assert r.output == (  # type: ignore[attr-defined]
+        "ckpttool: error: no config.json beside the run, and Megatron's args fit none of the "
+        "families a config is derived for (llama, qwen2, qwen3, qwen3_moe, mixtral): both a "
+        "QKV bias and q/k layernorm; pass the model's Hugging Face config.json: ckpttool "
+        f"merge {run} {out} --config path/to/config.json\n")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"multi_latent_attention": True}, "multi-latent attention"),
+    ({"normalization": "LayerNorm"}, "normalization LayerNorm"),
+    ({"num_experts": 8, "moe_shared_expert_intermediate_size": 64}, "shared experts"),
+    ({"num_experts": 8, "moe_router_pre_softmax": True}, "moe_router_pre_softmax"),
+])
+def test_derive_refuses_what_no_family_fits(change: dict[str, object], why: str) -> None:
+    from ckpttool.core.transforms import megatron_config
+
+    args = {"num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 48, "num_attention_heads": 4,
+            "swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
+            "add_bias_linear": False, "padded_vocab_size": 64, "moe_ffn_hidden_size": 24}
+    assert megatron_config.derive(args, command="x").notes  # no vocab_size: the padded kept
+    with pytest.raises(megatron_config.NotDerivable, match=why):
+        megatron_config.derive({**args, **change}, command="ckpttool merge R O")

@@ -17,7 +17,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +35,7 @@ from ckpttool.core.merge.plan import MergePlan, Source, plan_merge
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import SCHEMA, Progress
 from ckpttool.core.runtime.torch_threads import default_workers
-from ckpttool.core.transforms import hub_layout, namemaps
+from ckpttool.core.transforms import hub_layout, megatron_config, namemaps
 from ckpttool.core.transforms import lora as adapters
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import registry
@@ -44,6 +44,8 @@ from ckpttool.formats.base import Reader
 from ckpttool.formats.codecs.torchsave import gc_paused
 from ckpttool.storage.outputs import check_apart, check_space
 from ckpttool.storage.store import LOCAL, Stores
+
+CONFIG_JSON = "config.json"  # written beside the weights when derived (megatron_config)
 
 if TYPE_CHECKING:
     from ckpttool.core.merge.multihost import Shared
@@ -81,6 +83,10 @@ class MergeReport:
     # The config.json used ({"path", "found_in"}: "found_in" None when beside the checkpoint
     # or given); None: none found, the output is weights only
     config: dict[str, Any] | None = None
+    # A Megatron-Core run merged without a config.json: the one derived from its args
+    # ({"family", "why", "notes"}: core.transforms.megatron_config), written beside the
+    # weights; None: not derived
+    derived_config: dict[str, Any] | None = None
     # Names no transformers model of config.json's architecture has (a training framework's
     # own, core.checkpoint.architecture): whose, how many, the --names maps; None: they fit
     foreign_names: dict[str, Any] | None = None
@@ -196,6 +202,10 @@ def merge(
     whole, ckpt = _recognise(src_path, out_path, config, part, layout, stores, iteration)
     files, optimizer = ckpt.hf, ckpt.kind == "optimizer"
     named = [(t.name, t.tensor) for t in ckpt.tensors]
+    derived = (_derive_config(ckpt, named, names, f"ckpttool merge {src} {out}")
+               if files.config is None and not optimizer and names != namemaps.KEEP else None)
+    if derived is not None:
+        files = replace(files, config=derived.config)
     adapted = (None if optimizer else
                adapters.plan_for_merge(ckpt, named, lora, adapter, adapter_config))
     mode = adapted.mode if adapted is not None else None
@@ -206,11 +216,12 @@ def merge(
         else list(named) if adapted is None else adapted.sources)
     report = _start_report(src_path, out_path, whole, ckpt, policy, files, adapted, mapped,
                            model=not optimizer and mode != "adapter")
+    report.derived_config = derived.to_json() if derived is not None else None
     # Before reading any tensor data (the tie check reads both embeddings): fail fast.
     if shared is None or not shared.commits_slices:  # --finish knows which files are its own
         check_existing(out_path, [p.name for p in files.files] + (
-            [OPTIMIZER_JSON] if optimizer else [hf.ADAPTER_CONFIG] if mode == "adapter" else []),
-            overwrite, stem)
+            [OPTIMIZER_JSON] if optimizer else [hf.ADAPTER_CONFIG] if mode == "adapter" else [])
+            + ([CONFIG_JSON] if derived is not None else []), overwrite, stem)
     with _readers(ckpt, adapted, follow_links=follow_links) as reader:
         decide = functools.partial(_decide, reader, sources, files.config, report.warnings,
                                    keep_tied=keep_tied,
@@ -343,6 +354,20 @@ def _policy(dtype: str, files: hf.HfFiles, *, optimizer: bool, mode: str | None
     return policy, "model", files
 
 
+def _derive_config(ckpt: Checkpoint, named: list[tuple[str, Any]], names: str | None,
+                   command: str) -> megatron_config.DerivedConfig | None:
+    """A Megatron-Core model without a config.json: the config its args describe, where
+    they name one family (else the error says which ``--config`` command to run); None for
+    every other checkpoint."""
+    if names is not None and not names.startswith("megatron-"):
+        return None
+    if not namemaps.is_megatron(named):
+        return None
+    assert ckpt.info is not None
+    args = ckpt.info.values.get("args")
+    return megatron_config.derive(args if isinstance(args, dict) else None, command=command)
+
+
 def _mapped(names: str | None, ckpt: Checkpoint, named: list[tuple[str, Any]],
             files: hf.HfFiles, *, optimizer: bool, adapted: Adapted | None) -> Mapped | None:
     """``--names`` applied to the model's tensors (None without it, or with ``"none"``); a
@@ -387,7 +412,7 @@ def _start_report(src: Path, out: Path, whole: Checkpoint, ckpt: Checkpoint,
     if model:
         if files.config_path is not None:
             report.config = {"path": str(files.config_path), "found_in": files.found_in}
-        else:
+        elif files.config is None:  # (a config derived from Megatron's args has no path)
             report.warnings.append(hf.no_config_warning(info.root, ckpt.path))
     copies = model_copies(whole)
     if copies is not None:
@@ -440,6 +465,9 @@ def _side_files(report: MergeReport, whole: Checkpoint, ckpt: Checkpoint, reader
          else hf.read_side_file(p, files.roots)) for p in files.files]
     report.copied = [p.name for p in files.files]
     report.warnings += list(files.skipped)
+    if report.derived_config is not None and files.config is not None:
+        extra.append((CONFIG_JSON, config_bytes if config_bytes is not None else
+                      (json.dumps(files.config, indent=2) + "\n").encode()))
     if ckpt.kind == "optimizer":
         extra.append((OPTIMIZER_JSON, optimizer_json(objects, ckpt.top_level)))
     if adapted is not None and adapted.mode == "adapter":

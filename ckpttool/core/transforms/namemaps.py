@@ -638,6 +638,11 @@ def _compile(rule: Rule) -> _Compiled:
 _MEGATRON_NAMES = frozenset({"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"})
 
 
+def is_megatron(tensors: list[tuple[str, Tensor]]) -> bool:
+    """True if ``tensors`` are a Megatron-Core GPTModel's (its embedding or final norm)."""
+    return any(name in _MEGATRON_NAMES for name, _ in tensors)
+
+
 def implied(tensors: list[tuple[str, Tensor]], config: Mapping[str, Any] | None, *,
             config_path: str | None = None) -> str | None:
     """The map a merge applies without ``--names``: a Megatron-Core model's, chosen by
@@ -649,7 +654,7 @@ def implied(tensors: list[tuple[str, Tensor]], config: Mapping[str, Any] | None,
         InputError: a Megatron model without config.json (it decides the family and sizes).
         UnsupportedError: a family that has no Megatron map yet.
     """
-    if not any(name in _MEGATRON_NAMES for name, _ in tensors):
+    if not is_megatron(tensors):
         return None
     families = ", ".join(MEGATRON_MAPS)
     if config is None:
