@@ -374,3 +374,66 @@ def test_derive_refuses_what_no_family_fits(change: dict[str, object], why: str)
     assert megatron_config.derive(args, command="x").notes  # no vocab_size: the padded kept
     with pytest.raises(megatron_config.NotDerivable, match=why):
         megatron_config.derive({**args, **change}, command="ckpttool merge R O")
+
+
+def test_part_optimizer_is_bit_exact_against_adams_state(megatron_runs: Path,
+                                                         tmp_path: Path) -> None:
+    """Megatron's non-distributed optimizer state (plain chunks of each parameter's global
+    tensor, written by megatron-core's own optimizer sharding) merges with --part optimizer,
+    bit for bit Adam's state, under the stored names."""
+    from safetensors.torch import load_file
+
+    from tests.megatron_layouts import native_reference
+
+    run = megatron_runs / "llama-optim"
+    r = run_cli("merge", run, tmp_path / "out", "--part", "optimizer", "-q")
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    got = load_file(tmp_path / "out" / "optimizer.safetensors")
+    want = {f"optimizer.state.{kind}.{name}": value
+            for kind, by_name in torch.load(run / "reference_optim.pt",
+                                            weights_only=True).items()
+            for name, value in native_reference(run, by_name).items()}
+    assert_bit_exact(got, want)
+
+
+def _flattened(megatron_runs: Path, tmp_path: Path) -> Path:
+    """llama-optim with its real .metadata minimally edited into what megatron-core before
+    0.14 wrote for the distributed optimizer's flattened_range shards: the MCoreMetadata
+    class, with ``mcore_data`` giving each optimizer tensor's
+    ``nd_reformulated_orig_global_shape``. (megatron-core 0.16 writes this layout no more.)"""
+    import pickle
+
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreMetadata
+
+    run = tmp_path / "run"
+    shutil.copytree(megatron_runs / "llama-optim", run)
+    path = run / "iter_0000002" / ".metadata"
+    md = pickle.loads(path.read_bytes())  # our own fixture's, trusted
+    old = MCoreMetadata()
+    old.__dict__.update(md.__dict__)
+    old.mcore_data = {k: {"nd_reformulated_orig_global_shape": tuple(v.size)}
+                      for k, v in md.state_dict_metadata.items() if k.startswith("optimizer.")}
+    path.write_bytes(pickle.dumps(old))
+    return run
+
+
+def test_flattened_range_optimizer_is_exit_4_naming_it(megatron_runs: Path,
+                                                       tmp_path: Path) -> None:
+    run = _flattened(megatron_runs, tmp_path)
+    r = run_cli("merge", run, tmp_path / "out", "--part", "optimizer")
+    assert r.exit_code == 4, r.output  # type: ignore[attr-defined]
+    assert r.output == (  # type: ignore[attr-defined]
+        f"ckpttool: error: {run / 'iter_0000002'}: the optimizer state is Megatron-Core's "
+        "distributed optimizer in its flattened_range layout (N-D flattened shards, "
+        "'nd_reformulated_orig_global_shape' in .metadata, written by megatron-core before "
+        "0.14), whose tensors do not have the parameters' shapes; not supported yet. The "
+        "model merges without --part optimizer; for the optimizer state, re-save the run "
+        "with megatron-core 0.14 or later, which stores it as plain chunks\n")
+    assert "malicious" not in r.output  # type: ignore[attr-defined]
+    assert not (tmp_path / "out").exists()
+    r = run_cli("inspect", run)
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    assert "flattened_range layout" in r.output  # type: ignore[attr-defined]
+    r = run_cli("merge", run, tmp_path / "model", "-q")  # the model is plain chunks
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    assert_bit_exact(load_out(tmp_path / "model"), hf_reference(run))

@@ -325,6 +325,9 @@ def _recognise(src: Path, out: Path, config: str | os.PathLike[str] | None,
             f"{src / ckpt.chosen} OUT")
     assert ckpt.info is not None  # discover(require=True) chose one
     info = ckpt.info
+    refused = info.storage.get("unsupported_parts", {}).get(part or ckpt.kind)
+    if refused:  # a part of a layout the format names but does not read
+        raise UnsupportedError(refused)
     check_apart(out, src, info.root)
     structure.raise_first(structure.check(info, ckpt.canonical()))
     whole, ckpt = ckpt, select(ckpt, part or ckpt.kind)  # one part; the rest is reported
