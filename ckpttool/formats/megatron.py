@@ -24,7 +24,10 @@ Megatron's enums as their names; nothing is executed. What the tensors mean (the
 axis, fused QKV, padded vocabulary) is the business of the name maps, not of this reader.
 
 Not read (refused, exit 4, naming the layout): ``--ckpt-format torch`` (``mp_rank_XX/``
-directories of ``model_optim_rng.pt``) and the ``zarr`` backend.
+directories of ``model_optim_rng.pt``) and the ``zarr`` backend; and, for ``merge --part
+optimizer`` only, the distributed optimizer's pre-0.14 ``flattened_range`` layout (its
+``.metadata`` records ``nd_reformulated_orig_global_shape``), whose tensors are not the
+parameters' shapes (``storage["unsupported_parts"]``; the model still merges).
 """
 
 from __future__ import annotations
