@@ -133,17 +133,16 @@ def test_megatron_metadata_as_plain_dcp_is_unsupported_not_malicious(
     assert "malicious" not in r.output  # type: ignore[attr-defined]
 
 
-def test_megatron_without_config_is_exit_3_and_none_keeps_names(megatron_runs: Path,
-                                                                  tmp_path: Path) -> None:
+def test_names_none_keeps_megatron_names_without_config(megatron_runs: Path,
+                                                        tmp_path: Path) -> None:
+    """--names none derives no config (there is no family to write) and keeps the stored
+    global tensors; without it, a config is derived (test_config_derived_from_args_...)."""
     run = tmp_path / "run"
     shutil.copytree(megatron_runs / "llama", run, ignore=shutil.ignore_patterns("config.json"))
-    r = run_cli("merge", run, tmp_path / "out")
-    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
-    assert "put the model's config.json beside the run or pass --config" in r.output  # type: ignore[attr-defined]
-    assert not (tmp_path / "out").exists()
     r = run_cli("merge", run, tmp_path / "native", "--names", "none", "-q")
     assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
     assert "decoder.layers.self_attention.linear_qkv.weight" in load_out(tmp_path / "native")
+    assert not (tmp_path / "native" / "config.json").exists()
 
 
 def test_config_of_another_model_is_exit_3_before_writing(megatron_runs: Path,
