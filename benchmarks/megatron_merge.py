@@ -2,6 +2,7 @@
 ``cp -r`` of its iteration directory, and its peak memory against the largest output tensor.
 
     .venv/bin/python benchmarks/megatron_merge.py [--work DIR] [--size-gb 1.1] [--repeat 1]
+        [--baseline REV]
 
 1. Writes (once; cached in ``--work``) a run with megatron-core itself on 2 gloo processes
    (``tests/megatron_layouts.py``: a Llama-like GPTModel, TP=2, bf16, GQA, untied, padded
@@ -9,9 +10,10 @@
 2. Runs ``ckpttool merge RUN OUT`` (the megatron-llama map, chosen from config.json: layers
    unstacked, QKV and gate/up split, vocab cut) and ``cp -r RUN/iter_0000002 COPY``, each in a
    fresh process with the run in the page cache, ``CKPTTOOL_FSYNC=0`` (cp does not fsync).
-3. Prints wall time (best of ``--repeat``) and peak RSS of each, the ratio to cp, the largest
-   output tensor and the largest stacked source tensor, and ``uptime`` (the machine's load:
-   timings on a shared machine are only comparable at the same load).
+3. Prints each run's wall time and peak RSS (against the largest output tensor) with the
+   machine's load beside it (timings on a shared machine are only comparable at the same
+   load), then the best of ``--repeat`` against cp. ``--baseline REV`` times ckpttool as it
+   was at a git revision in the same loop.
 """
 
 from __future__ import annotations
@@ -59,11 +61,31 @@ def generate(work: Path, size_gb: float) -> Path:
     return run
 
 
+def baseline_tree(work: Path, rev: str) -> tuple[str, Path]:
+    """ckpttool's package as it was at ``rev`` (``git archive``, extracted once under
+    ``work``): the code to compare with, on the same python and dependencies."""
+    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    tree = work / f"baseline-{sha}"
+    if not (tree / "ckpttool").is_dir():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", sha, "ckpttool"],
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return sha, tree
+
+
+def _load() -> str:
+    return "load " + " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/ckpttool-bench-megatron"))
     ap.add_argument("--size-gb", type=float, default=1.1)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--baseline", metavar="REV", default=None,
+                    help="also time ckpttool at this git revision, side by side")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     run = generate(args.work, args.size_gb)
@@ -74,26 +96,43 @@ def main() -> None:
     layer_qkv = (HEADS + 2 * GROUPS) * (hidden // HEADS) * hidden * 2
     stacked_fc1 = LAYERS * 2 * config["intermediate_size"] * hidden * 2
     env = {**os.environ, "CKPTTOOL_FSYNC": "0", "PYTHONPATH": str(ROOT)}
-    out, copy = args.work / "out", args.work / "copy"
-    merges, copies = [], []
-    for _ in range(args.repeat):
-        for p in (out, copy):
-            shutil.rmtree(p, ignore_errors=True)
-        M.warm_page_cache(iteration)
-        merges.append(M.run_measured([sys.executable, "-m", "ckpttool", "merge", str(run),
-                                      str(out), "-q"], env=env))
-        M.warm_page_cache(iteration)
-        copies.append(M.run_measured(["cp", "-r", str(iteration), str(copy)]))
-    merge, cp = M.best_of(merges), M.best_of(copies)
-    if not merge.ok:
-        sys.exit(f"merge failed: {merge}")
+    # Each ckpttool runs in its own tree (``python -m`` puts the working directory first on
+    # the path).
+    tools: list[tuple[str, list[str], Path, dict[str, str], Path]] = [
+        ("ckpttool merge", [sys.executable, "-m", "ckpttool", "merge", str(run),
+                            str(args.work / "out"), "-q"], args.work / "out", env, ROOT)]
+    if args.baseline:
+        sha, tree = baseline_tree(args.work, args.baseline)
+        tools.append((f"ckpttool@{sha} merge", [sys.executable, "-m", "ckpttool", "merge",
+                                                str(run), str(args.work / "base-out"), "-q"],
+                      args.work / "base-out", {**env, "PYTHONPATH": str(tree)}, tree))
+    tools.append(("cp -r", ["cp", "-r", str(iteration), str(args.work / "copy")],
+                  args.work / "copy", dict(os.environ), ROOT))
     size = M.dir_bytes(iteration)
     print(f"run: {run} ({size / 1e9:.2f} GB, TP=2, bf16, {LAYERS} layers, hidden {hidden})")
-    print(f"merge: {merge.wall_s:.2f} s, peak RSS {merge.peak_rss_bytes / 1e6:.0f} MB")
-    print(f"cp -r: {cp.wall_s:.2f} s; merge / cp = {merge.wall_s / cp.wall_s:.2f}x")
     print(f"largest output tensor {largest_out / 1e6:.0f} MB; one layer's linear_qkv "
           f"{layer_qkv / 1e6:.1f} MB; stacked linear_fc1 {stacked_fc1 / 1e6:.0f} MB")
-    print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    results: dict[str, list[tuple[M.Measurement, str]]] = {t[0]: [] for t in tools}
+    for _ in range(args.repeat):
+        for name, argv, out, tool_env, cwd in tools:
+            shutil.rmtree(out, ignore_errors=True)
+            M.warm_page_cache(iteration)
+            before = _load()
+            m = M.run_measured(argv, env=tool_env, cwd=cwd)
+            if not m.ok:
+                sys.exit(f"{name} failed: {m.error_line()}")
+            results[name].append((m, before))
+            rss = m.peak_rss_bytes or 0
+            print(f"{name}: {m.wall_s:.2f} s, peak RSS {rss / 1e6:.0f} MB "
+                  f"({rss / largest_out:.1f}x the largest output tensor); {before}")
+            shutil.rmtree(out, ignore_errors=True)
+    cp = M.best_of([m for m, _ in results["cp -r"]])
+    for name, runs in results.items():
+        if name == "cp -r":
+            continue
+        best = M.best_of([m for m, _ in runs])
+        print(f"best {name}: {best.wall_s:.2f} s / cp -r {cp.wall_s:.2f} s = "
+              f"{best.wall_s / cp.wall_s:.2f}x; {_load()}")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ class Variant:
     experts: int = 0  # a mixture of experts in every layer (SequentialMLP), top-2 routing
     moe_ffn: int = 24
     ep: int = 1
+    optimizer: bool = False  # also Adam's state after one step (optimizer.*; reference_optim.pt)
 
 
 VARIANTS = {v.name: v for v in (
@@ -81,6 +82,7 @@ VARIANTS = {v.name: v for v in (
     Variant("qwen3", "qwen3", qk_norm=True, kv_channels=16, tied=True),
     Variant("qwen3_moe-ep2", "qwen3_moe", qk_norm=True, experts=4, ep=2),
     Variant("mixtral-ep2", "mixtral", experts=4, ep=2, moe_ffn=48),
+    Variant("llama-optim", "llama", optimizer=True),
 )}
 
 
@@ -103,7 +105,10 @@ def _args(v: Variant) -> argparse.Namespace:
         make_vocab_size_divisible_by=16,
         tensor_model_parallel_size=v.tp, pipeline_model_parallel_size=v.pp,
         expert_model_parallel_size=v.ep, num_experts=v.experts or None,
-        moe_ffn_hidden_size=v.moe_ffn if v.experts else None, swiglu=True, normalization="RMSNorm",
+        moe_ffn_hidden_size=v.moe_ffn if v.experts else None, moe_router_topk=2,
+        moe_router_pre_softmax=False, moe_shared_expert_intermediate_size=None,
+        moe_layer_freq=1, multi_latent_attention=False, rotary_percent=1.0,
+        use_rope_scaling=False, swiglu=True, normalization="RMSNorm",
         norm_epsilon=1e-6, untie_embeddings_and_output_weights=not v.tied,
         vocab_size=v.vocab,
         add_qkv_bias=v.qkv_bias, add_bias_linear=False, qk_layernorm=v.qk_norm,
@@ -196,6 +201,39 @@ def _rng_state() -> Any:
                          replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
 
 
+def _optimizer_state(model: Any, model_state: dict[str, Any], run: Path) -> dict[str, Any]:
+    """Adam's state after one step, as Megatron's non-distributed ``FP32Optimizer`` saves it
+    (its ``sharded_state_dict``: megatron-core's own ``get_param_id_to_sharded_param_map`` and
+    ``optim_state_to_sharding_state``, each state tensor sharded as its parameter, under
+    ``optimizer.state.<exp_avg|exp_avg_sq>.<parameter key>``). ``FP32Optimizer`` itself cannot
+    be built on CPU (its ``__init__`` makes a ``device='cuda'`` tensor), nor can the
+    distributed optimizer (CUDA buffers). Rank 0 writes each parameter's state by its name
+    (``reference_optim.pt``: ``{"exp_avg": {name: tensor}, "exp_avg_sq": ...}``; TP=1, so
+    every rank holds all of it)."""
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(7)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    adam.step()
+    state = adam.state_dict()
+    if torch.distributed.get_rank() == 0:
+        run.mkdir(parents=True, exist_ok=True)
+        names = [n for n, _ in model.named_parameters()]
+        torch.save({kind: {n: state["state"][i][kind].clone() for i, n in enumerate(names)}
+                    for kind in ("exp_avg", "exp_avg_sq")}, run / "reference_optim.pt")
+    for per_param in state["state"].values():
+        per_param.pop("step", None)  # FP32Optimizer saves one common step apart
+    params = [p for group in adam.param_groups for p in group["params"]]
+    optim_state_to_sharding_state(state, get_param_id_to_sharded_param_map(model_state, params),
+                                  exclude_keys="step")
+    return state
+
+
 def _save(v: Variant, run: Path) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
@@ -211,6 +249,8 @@ def _save(v: Variant, run: Path) -> None:
     state = {"args": _args(v), "checkpoint_version": 3.0, "iteration": ITERATION,
              "num_floating_point_operations_so_far": 1.5e9,
              "model": model.sharded_state_dict(), "rng_state": _rng_state()}
+    if v.optimizer:
+        state["optimizer"] = _optimizer_state(model, state["model"], run)
     iter_dir = run / f"iter_{ITERATION:07d}"
     if torch.distributed.get_rank() == 0:
         iter_dir.mkdir(parents=True, exist_ok=True)
@@ -388,12 +428,15 @@ def hf_reference(run: Path) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def native_reference(run: Path) -> dict[str, torch.Tensor]:
+def native_reference(run: Path, sd: dict[str, torch.Tensor] | None = None
+                     ) -> dict[str, torch.Tensor]:
     """The global tensors a torch_dist checkpoint of ``run`` holds, under Megatron's stored
     names (what a merge with ``--names none`` writes): Megatron's own loaded state dict
-    (``reference.pt``) with each layer's tensors stacked on a new first axis, the norms under
-    the names the local spec saves them as (Transformer Engine's fused ones)."""
-    sd = torch.load(run / "reference.pt", weights_only=True)["state_dict"]
+    (``reference.pt``; or ``sd``, tensors by parameter name) with each layer's tensors
+    stacked on a new first axis, the norms under the names the local spec saves them as
+    (Transformer Engine's fused ones)."""
+    if sd is None:
+        sd = torch.load(run / "reference.pt", weights_only=True)["state_dict"]
     saved_as = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                 "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
     out: dict[str, torch.Tensor] = {}

@@ -155,6 +155,9 @@ NoProgress = Annotated[bool, typer.Option(
     "lines when TERM=dumb).")]
 JsonOutput = Annotated[bool, typer.Option(
     "--json", help="Print the report as one JSON document on stdout.")]
+Iteration = Annotated[int | None, typer.Option(
+    "--iteration", min=0, metavar="N", help="Of a Megatron-Core run directory: iteration N "
+    "(iter_000000N/) instead of the one latest_checkpointed_iteration.txt names.")]
 Workers = Annotated[int | None, typer.Option(
     min=1, metavar="N", help="Threads reading (and writing) data in parallel (default: the CPUs "
     "this process may use).")]

@@ -9,6 +9,7 @@ import typer
 
 from ckpttool.cli.common import (
     FollowLinks,
+    Iteration,
     JsonOutput,
     NoProgress,
     Phases,
@@ -55,6 +56,7 @@ def inspect_command(
         metavar="PATH",
         help="config.json (or its directory) to use instead of the one beside PATH.")] = None,
     workers: Workers = None,
+    iteration: Iteration = None,
     json_output: JsonOutput = False,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="Print nothing but errors: the exit code says whether PATH is a "
@@ -73,6 +75,7 @@ def inspect_command(
         try:
             report = inspect(path, filter=filter, stats=stats, config=config,
                              follow_links=follow_links, workers=workers, progress=progress,
+                             iteration=iteration,
                              on_start=on_start)
         finally:
             bar.stop()

@@ -12,6 +12,7 @@ import typer
 from ckpttool.cli.common import (
     DTYPE_CHOICES,
     FollowLinks,
+    Iteration,
     JsonOutput,
     NoProgress,
     Phases,
@@ -106,6 +107,7 @@ def merge_command(
     names: _NamesOption = None,
     layout: _LayoutOption = "hub",
     workers: Workers = None,
+    iteration: Iteration = None,
     dry_run: _DryRunOption = False,
     slice_: _SliceOption = None,
     finish: _FinishOption = False,
@@ -134,6 +136,9 @@ def merge_command(
                                         "--task": task is not None, "--settle": settle != 5.0},
                       dry_run=dry_run, watch=watch, shared=slice_ is not None or finish,
                       then=then)
+    if all_ and iteration is not None:
+        raise typer.BadParameter("picks one iteration; --all merges every checkpoint of the "
+                                 "run", param_hint="--iteration")
     if all_:
         sweep.sweep_command(
             src, out, merge_options={
@@ -165,7 +170,7 @@ def merge_command(
                            workers=workers, follow_links=follow_links, lora=lora,
                            adapter=adapter, adapter_config=adapter_config, part=part,
                            names=names, layout=layout, dry_run=dry_run, shared=shared,
-                           progress=progress, on_start=on_start)
+                           progress=progress, on_start=on_start, iteration=iteration)
         finally:
             bar.stop()
             for note in take_stale_notes():  # a killed run's leftovers, now removed
@@ -309,6 +314,11 @@ def _name_lines(r: MergeReport) -> list[str]:
         if len(shown) < len(r.renames):
             lines.append(f"    ... and {len(r.renames) - len(shown)} more (every rename is in "
                          "--json)")
+    if r.derived_config:
+        d = r.derived_config
+        lines.append(f"  config.json derived from Megatron's args: family {d.family} "
+                     f"({d.why}); pass --config to use the model's own")
+        lines += [f"    {note}" for note in d.notes]
     if r.name_map:
         counts = ", ".join(f"{n} {op}" for op, n in r.name_map.counts().items())
         lines.append(f"  names ({r.name_map.map}): {counts}")

@@ -10,6 +10,7 @@ import typer
 
 from ckpttool.cli.common import (
     FollowLinks,
+    Iteration,
     JsonOutput,
     NoProgress,
     Phases,
@@ -62,6 +63,7 @@ def reshard_command(
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace a checkpoint already in OUT.")] = False,
     workers: Workers = None,
+    iteration: Iteration = None,
     json_output: JsonOutput = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")
                      ] = False,
@@ -80,6 +82,7 @@ def reshard_command(
             report = reshard(src, out, ranks=ranks, to=to.value, prefix=prefix,
                              max_shard_size=max_shard_size, overwrite=overwrite,
                              follow_links=follow_links, workers=workers, progress=progress,
+                             iteration=iteration,
                              on_start=on_start)
         finally:
             bar.stop()

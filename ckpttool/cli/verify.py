@@ -10,6 +10,7 @@ import typer
 from ckpttool.cli.common import (
     EXIT_PROBLEMS,
     FollowLinks,
+    Iteration,
     JsonOutput,
     NoProgress,
     Phases,
@@ -75,6 +76,7 @@ def verify_command(
     no_progress: NoProgress = False,
     follow_links: FollowLinks = False,
     workers: Workers = None,
+    iteration: Iteration = None,
     json_output: JsonOutput = False,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="Print only errors and the summary line.")] = False,
@@ -107,7 +109,8 @@ def verify_command(
                             config=config, manifest=write_manifest or check_manifest,
                             manifest_action="write" if write_manifest else
                             "check" if check_manifest else None, workers=workers,
-                            follow_links=follow_links, progress=progress, on_start=on_start)
+                            follow_links=follow_links, progress=progress, on_start=on_start,
+                            iteration=iteration)
         finally:
             bar.stop()
         if json_output:

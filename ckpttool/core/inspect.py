@@ -368,6 +368,7 @@ def inspect(
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
     stores: Stores = LOCAL,
+    iteration: int | None = None,
 ) -> InspectReport:
     """Describe the checkpoint at ``path`` from its metadata (and, with ``stats``, its data).
 
@@ -376,6 +377,8 @@ def inspect(
         filter: a glob on tensor names; narrows the table (and the tensors ``stats`` reads).
         stats: stream the data and add min, max, mean, abs-max, NaN and Inf counts per tensor.
         config: config.json (or its directory) instead of the one beside the checkpoint.
+        iteration: of a Megatron-Core run directory, this iteration instead of the one
+            ``latest_checkpointed_iteration.txt`` names.
         follow_links: read data files that are links out of the checkpoint directory.
         workers: with ``stats``, tensors read in parallel (default: the CPUs this process
             may use).
@@ -390,7 +393,7 @@ def inspect(
         UnsupportedError: a format or layout ckpttool does not read yet.
     """
     started = time.perf_counter()
-    ckpt = discover(path, config=config, require=False, stores=stores)
+    ckpt = discover(path, config=config, require=False, stores=stores, iteration=iteration)
     report = InspectReport(path=str(ckpt.path), checkpoint=str(ckpt.root), format=ckpt.format,
                            kind=ckpt.kind, filter=filter, stats=stats)
     report.parts = list(ckpt.parts)

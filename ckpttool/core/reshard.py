@@ -132,6 +132,7 @@ def reshard(
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
     stores: Stores = LOCAL,
+    iteration: int | None = None,
 ) -> ReshardReport:
     """Rewrite the checkpoint at ``src`` into ``out`` with another split.
 
@@ -149,6 +150,8 @@ def reshard(
         follow_links: read data files that are links out of the checkpoint directory.
         workers: threads reading (and writing) data in parallel (default: the CPUs this
             process may use); DCP output holds up to this many chunks in memory at once.
+        iteration: of a Megatron-Core run directory, this iteration instead of the one
+            ``latest_checkpointed_iteration.txt`` names.
 
     Raises:
         InputError, UnsupportedError, OutputError: as for ``merge``.
@@ -160,7 +163,7 @@ def reshard(
         raise UsageError(f"unknown --to '{to}'; use dcp or safetensors")
     if ranks is not None and ranks < 1:
         raise UsageError(f"--ranks must be at least 1, got {ranks}")
-    ckpt = discover(src_path, command="reshard", stores=stores)
+    ckpt = discover(src_path, command="reshard", stores=stores, iteration=iteration)
     assert ckpt.info is not None
     info = ckpt.info
     check_apart(out_path, src_path, info.root)

@@ -24,7 +24,10 @@ Megatron's enums as their names; nothing is executed. What the tensors mean (the
 axis, fused QKV, padded vocabulary) is the business of the name maps, not of this reader.
 
 Not read (refused, exit 4, naming the layout): ``--ckpt-format torch`` (``mp_rank_XX/``
-directories of ``model_optim_rng.pt``) and the ``zarr`` backend.
+directories of ``model_optim_rng.pt``) and the ``zarr`` backend; and, for ``merge --part
+optimizer`` only, the distributed optimizer's pre-0.14 ``flattened_range`` layout (its
+``.metadata`` records ``nd_reformulated_orig_global_shape``), whose tensors are not the
+parameters' shapes (``storage["unsupported_parts"]``; the model still merges).
 """
 
 from __future__ import annotations
@@ -313,6 +316,9 @@ def describe_layout(layout: dict[str, Any]) -> str:
         ("padded_vocab_size", "vocab (padded)")) if layout.get(k)]
     if geometry:
         words.append(", ".join(geometry))
+    if layout.get("optimizer_layout") == "flattened_range":
+        words.append("optimizer state in the flattened_range layout (merge --part optimizer "
+                     "refuses it)")
     return "; ".join(words)
 
 
@@ -384,13 +390,46 @@ def read_info(path: str | os.PathLike[str], *, iteration: int | None = None,
     found = common.get("args")
     args: dict[str, Any] = found if isinstance(found, dict) else {}
     layout = _layout(args, common.get("iteration", _iteration_of(root)), backend)
+    storage: dict[str, Any] = {}
+    if _flattened_optimizer(root / dcp.METADATA_FILE):
+        layout["optimizer_layout"] = "flattened_range"
+        storage["unsupported_parts"] = {"optimizer": (
+            f"{root}: the optimizer state is Megatron-Core's distributed optimizer in its "
+            "flattened_range layout (N-D flattened shards, 'nd_reformulated_orig_global_shape' "
+            "in .metadata, written by megatron-core before 0.14), whose tensors do not have "
+            "the parameters' shapes; not supported yet. The model merges without --part "
+            "optimizer; for the optimizer state, re-save the run with megatron-core 0.14 or "
+            "later, which stores it as plain chunks")}
+        problems.append(info_problem(
+            "megatron-flattened-optimizer", "the optimizer state is in Megatron-Core's "
+            "flattened_range layout (megatron-core before 0.14): merge --part optimizer "
+            "refuses it; the model merges", file=dcp.METADATA_FILE))
     files = base.files
     if COMMON in names:  # a file of the checkpoint: verify checks it is there, never a side file
         files = (*files, DataFile(COMMON, file_size(root / COMMON)))
     return replace(
         base, format=NAME, tensors=tuple(tensors), objects=tuple(objects), files=files,
         problems=tuple(problems), values=values,
-        storage={**base.storage, "framework": describe_layout(layout), "megatron": layout})
+        storage={**base.storage, **storage, "framework": describe_layout(layout),
+                 "megatron": layout})
+
+
+# What megatron-core before 0.14 recorded in ``MCoreMetadata.mcore_data`` for each N-D
+# flattened tensor (the distributed optimizer's ``flattened_range`` shards saved as a
+# ``[X // x, ..., x * y * z]`` tensor): the shape it stands for.
+_FLATTENED_MARK = b"nd_reformulated_orig_global_shape"
+
+
+def _flattened_optimizer(metadata: Path) -> bool:
+    """True if the ``.metadata`` records N-D flattened tensors (found in its bytes: the key
+    is a pickled string; the file was read whole already, so it is in the page cache)."""
+    import mmap
+
+    try:
+        with open(metadata, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return m.find(_FLATTENED_MARK) >= 0
+    except (OSError, ValueError):
+        return False
 
 
 def _iteration_of(root: Path) -> int | str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ckpttool.errors import InputError
 from ckpttool.formats import (
     bin_index,
     deepspeed,
@@ -32,6 +33,22 @@ def detect(path: Path) -> Format | None:
         if fmt.detect(path):
             return fmt
     return None
+
+
+def select_iteration(path: Path, iteration: int) -> Path:
+    """The directory of iteration ``iteration`` of the training run at ``path`` (Megatron-Core's
+    ``iter_NNNNNNN/``: the only format whose directory holds a run of iterations).
+
+    Raises:
+        InputError: ``path`` is not such a run, or has no such iteration (those it has are
+            named).
+    """
+    if not megatron.detect(path):
+        raise InputError(
+            f"{path}: --iteration {iteration} picks one iteration of a Megatron-Core run "
+            f"directory ({megatron.TRACKER} beside iter_*/); this is not one: pass the "
+            "checkpoint without --iteration")
+    return megatron.resolve(path, iteration)
 
 
 def by_name(name: str) -> Format:

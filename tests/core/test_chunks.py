@@ -10,10 +10,12 @@ from hypothesis import strategies as st
 
 from ckpttool.core.checkpoint.geometry import (
     coverage_problem,
+    intersect,
     is_single_run,
     rows_tile,
     runs,
     single_run_start,
+    sub_runs,
 )
 
 Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
@@ -59,6 +61,33 @@ def test_runs_of_a_tiling_fill_every_element_once(case) -> None:
         else:
             assert start is None
     assert (out == full.reshape(-1)).all()
+
+
+@settings(max_examples=300, deadline=None)
+@given(split_tensor(), st.data())
+def test_sub_runs_of_a_box_read_it_from_the_chunks(case, data) -> None:
+    """A selection's box, assembled from the chunks' runs (each chunk C-ordered on its own),
+    is the tensor's box in C order: what a Megatron slice reads or copies file to file."""
+    shape, boxes = case
+    full = np.arange(int(np.prod(shape, dtype=np.int64))).reshape(shape)
+    offsets = tuple(data.draw(st.integers(0, n)) for n in shape)
+    sizes = tuple(data.draw(st.integers(0, n - o)) for n, o in zip(shape, offsets, strict=True))
+    box = (offsets, sizes)
+    want = full[tuple(slice(o, o + s) for o, s in box_pairs(box))].reshape(-1)
+    out = np.full(want.size, -1)
+    for chunk in boxes:
+        inner = intersect(chunk, box) if all(chunk[1]) else None
+        if inner is None:
+            continue
+        stored = full[tuple(slice(o, o + s) for o, s in box_pairs(chunk))].reshape(-1)
+        for a, b, n in sub_runs(inner, chunk, box):
+            assert (out[b : b + n] == -1).all()
+            out[b : b + n] = stored[a : a + n]
+    assert (out == want).all()
+
+
+def box_pairs(box: tuple[tuple[int, ...], tuple[int, ...]]) -> list[tuple[int, int]]:
+    return list(zip(box[0], box[1], strict=True))
 
 
 def test_gap_is_reported() -> None:

@@ -133,17 +133,16 @@ def test_megatron_metadata_as_plain_dcp_is_unsupported_not_malicious(
     assert "malicious" not in r.output  # type: ignore[attr-defined]
 
 
-def test_megatron_without_config_is_exit_3_and_none_keeps_names(megatron_runs: Path,
-                                                                  tmp_path: Path) -> None:
+def test_names_none_keeps_megatron_names_without_config(megatron_runs: Path,
+                                                        tmp_path: Path) -> None:
+    """--names none derives no config (there is no family to write) and keeps the stored
+    global tensors; without it, a config is derived (test_config_derived_from_args_...)."""
     run = tmp_path / "run"
     shutil.copytree(megatron_runs / "llama", run, ignore=shutil.ignore_patterns("config.json"))
-    r = run_cli("merge", run, tmp_path / "out")
-    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
-    assert "put the model's config.json beside the run or pass --config" in r.output  # type: ignore[attr-defined]
-    assert not (tmp_path / "out").exists()
     r = run_cli("merge", run, tmp_path / "native", "--names", "none", "-q")
     assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
     assert "decoder.layers.self_attention.linear_qkv.weight" in load_out(tmp_path / "native")
+    assert not (tmp_path / "native" / "config.json").exists()
 
 
 def test_config_of_another_model_is_exit_3_before_writing(megatron_runs: Path,
@@ -197,3 +196,243 @@ def test_common_pt_alone_is_exit_4_naming_it(megatron_runs: Path) -> None:
     assert r.exit_code == 4, r.output  # type: ignore[attr-defined]
     assert f"{common}: Megatron-Core's common state (it asks for 'argparse.Namespace')" in (
         r.output)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", ["llama-tp2", "llama-pp2", "mixtral-ep2"])
+def test_slices_copied_file_to_file_are_bit_exact(name: str, megatron_runs: Path,
+                                                  tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layer, q/k/v, gate/up, expert and vocabulary slices move file to file (the kernel's
+    copy) when their runs are long; the fixtures' runs are short, so every run is copied here
+    (COPY_RUN 0), and the result is still Megatron's own state bit for bit."""
+    from ckpttool.core.merge import engine
+
+    monkeypatch.setattr(engine, "COPY_RUN", 0)
+    copied: list[int] = []
+    real = engine.Reader.copy_to
+
+    def counted(self: engine.Reader, *args: int | str) -> None:
+        copied.append(1)
+        real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.Reader, "copy_to", counted)
+    r = run_cli("merge", megatron_runs / name, tmp_path / "out", "-q", "--workers", "1")
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    assert copied
+    assert_bit_exact(load_out(tmp_path / "out"), hf_reference(megatron_runs / name))
+
+
+def test_merge_rearranges_without_torch(megatron_runs: Path, tmp_path: Path) -> None:
+    """The maps' slices are rearrangements of stored bytes: the CLI's merge imports no torch
+    (importing it costs about a second, what the whole copy of a small model costs)."""
+    import subprocess
+    import sys
+
+    code = ("import atexit, sys\n"
+            "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
+            "from ckpttool.cli import main\nmain()\n")
+    done = subprocess.run(
+        [sys.executable, "-c", code, "merge", str(megatron_runs / "qwen3_moe-ep2"),
+         str(tmp_path / "out"), "-q"], capture_output=True, text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert done.returncode == 0, done.stderr
+    assert "torch imported: False" in done.stdout
+
+
+def test_cast_to_bf16_without_torch_is_torchs_cast(megatron_runs: Path, tmp_path: Path) -> None:
+    """``--dtype bf16`` of small float32 tensors (Megatron's float32 norms in a bf16 run) is
+    cast in Python; bit for bit what torch's cast gives."""
+    r = run_cli("merge", megatron_runs / "llama-tp2", tmp_path / "out", "--dtype", "bf16", "-q")
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    want = {k: v.to(torch.bfloat16) for k, v in hf_reference(megatron_runs / "llama-tp2").items()}
+    assert_bit_exact(load_out(tmp_path / "out"), want)
+
+
+def test_f32_to_bf16_is_torchs_rounding() -> None:
+    from ckpttool.formats.codecs.dtypes import f32_to_bf16
+
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31, (100_000,), generator=g, dtype=torch.int64)
+    values = torch.cat([bits.to(torch.int32).view(torch.float32), torch.tensor(
+        [float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.4028235e38,
+         -3.4028235e38, 1e-45, 3.3961e38, 1.0 + 2**-8, 1.0 + 3 * 2**-8])])
+    got = torch.frombuffer(f32_to_bf16(values.numpy().tobytes()), dtype=torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), values.to(torch.bfloat16).view(torch.int16))
+
+
+def _two_iterations(megatron_runs: Path, tmp_path: Path) -> Path:
+    """A run holding iteration 2 (the tracker's) and a copy of it as iteration 1: the
+    reports name the directory read."""
+    run = tmp_path / "run"
+    shutil.copytree(megatron_runs / "llama", run)
+    shutil.copytree(run / "iter_0000002", run / "iter_0000001")
+    return run
+
+
+@pytest.mark.parametrize("command", ["merge", "inspect", "verify", "reshard"])
+def test_iteration_option_picks_another_iteration(command: str, megatron_runs: Path,
+                                                  tmp_path: Path) -> None:
+    run = _two_iterations(megatron_runs, tmp_path)
+    out = [tmp_path / "out"] if command in ("merge", "reshard") else []
+    extra = ["--ranks", "1"] if command == "reshard" else []
+    r = run_cli(command, run, *out, "--iteration", "1", "--json", *extra)
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    assert str(run / "iter_0000001") in r.stdout  # type: ignore[attr-defined]
+    assert str(run / "iter_0000002") not in r.stdout  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("command", ["merge", "inspect", "verify", "reshard"])
+def test_missing_iteration_is_one_line_exit_3(command: str, megatron_runs: Path,
+                                              tmp_path: Path) -> None:
+    run = _two_iterations(megatron_runs, tmp_path)
+    out = [tmp_path / "out"] if command in ("merge", "reshard") else []
+    r = run_cli(command, run, *out, "--iteration", "7")
+    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
+    assert r.output == (  # type: ignore[attr-defined]
+        f"ckpttool: error: {run}: has no iteration 7 (iter_0000007); it holds iter_0000001, "
+        "iter_0000002\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_iteration_of_what_is_not_a_run_is_exit_3(megatron_runs: Path, tmp_path: Path) -> None:
+    it = megatron_runs / "llama" / "iter_0000002"
+    r = run_cli("inspect", it, "--iteration", "2")
+    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
+    assert f"{it}: is one iteration already; pass the run directory {it.parent} with " \
+        "--iteration 2" in r.output  # type: ignore[attr-defined]
+    r = run_cli("inspect", megatron_runs / "llama" / "config.json", "--iteration", "2")
+    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
+    assert "--iteration 2 picks one iteration of a Megatron-Core run directory" in \
+        r.output  # type: ignore[attr-defined]
+    r = run_cli("merge", megatron_runs / "llama", tmp_path / "o", "--all", "--iteration", "2")
+    assert r.exit_code == 2, r.output  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_config_derived_from_args_loads_and_matches_megatron(name: str, megatron_runs: Path,
+                                                             tmp_path: Path) -> None:
+    """Without a config.json, the one Megatron's args describe is written: the family it
+    chose is reported, from_pretrained loads the output, and its logits are Megatron's."""
+    import transformers
+
+    run = tmp_path / "run"
+    shutil.copytree(megatron_runs / name, run, ignore=shutil.ignore_patterns("config.json"))
+    r = run_cli("merge", run, tmp_path / "out", "--json")
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    doc = json.loads(r.stdout)  # type: ignore[attr-defined]
+    family = VARIANTS[name].family
+    assert doc["derived_config"]["family"] == family
+    assert doc["name_map"]["map"] == f"megatron-{family}"
+    assert not [w for w in doc["warnings"] if "WEIGHTS ONLY" in w]
+    ref = torch.load(megatron_runs / name / "reference.pt", weights_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                              dtype=torch.float32)
+    assert model.config.model_type == family
+    with torch.no_grad():
+        logits = model(ref["tokens"]).logits
+    torch.testing.assert_close(logits, ref["logits"][..., :logits.shape[-1]],
+                               atol=LOGITS_ATOL, rtol=0)
+    human = run_cli("merge", run, tmp_path / "again")
+    assert f"config.json derived from Megatron's args: family {family} (" in \
+        human.stdout  # type: ignore[attr-defined]
+
+
+def test_args_of_no_one_family_ask_for_config(megatron_runs: Path, tmp_path: Path) -> None:
+    """args with both a QKV bias and q/k layernorm fit no family here: exit 3, naming why and
+    the --config command to run, nothing written. (common.pt is re-saved with torch.save,
+    as Megatron writes it, with those two flags set.)"""
+    run = tmp_path / "run"
+    shutil.copytree(megatron_runs / "llama", run, ignore=shutil.ignore_patterns("config.json"))
+    common = run / "iter_0000002" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    state["args"].add_qkv_bias = state["args"].qk_layernorm = True
+    torch.save(state, common)
+    out = tmp_path / "out"
+    r = run_cli("merge", run, out)
+    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
+    assert r.output == (  # type: ignore[attr-defined]
+        "ckpttool: error: no config.json beside the run, and Megatron's args fit none of the "
+        "families a config is derived for (llama, qwen2, qwen3, qwen3_moe, mixtral): both a "
+        "QKV bias and q/k layernorm; pass the model's Hugging Face config.json: ckpttool "
+        f"merge {run} {out} --config path/to/config.json\n")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"multi_latent_attention": True}, "multi-latent attention"),
+    ({"normalization": "LayerNorm"}, "normalization LayerNorm"),
+    ({"num_experts": 8, "moe_shared_expert_intermediate_size": 64}, "shared experts"),
+    ({"num_experts": 8, "moe_router_pre_softmax": True}, "moe_router_pre_softmax"),
+])
+def test_derive_refuses_what_no_family_fits(change: dict[str, object], why: str) -> None:
+    from ckpttool.core.transforms import megatron_config
+
+    args = {"num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 48, "num_attention_heads": 4,
+            "swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
+            "add_bias_linear": False, "padded_vocab_size": 64, "moe_ffn_hidden_size": 24}
+    assert megatron_config.derive(args, command="x").notes  # no vocab_size: the padded kept
+    with pytest.raises(megatron_config.NotDerivable, match=why):
+        megatron_config.derive({**args, **change}, command="ckpttool merge R O")
+
+
+def test_part_optimizer_is_bit_exact_against_adams_state(megatron_runs: Path,
+                                                         tmp_path: Path) -> None:
+    """Megatron's non-distributed optimizer state (plain chunks of each parameter's global
+    tensor, written by megatron-core's own optimizer sharding) merges with --part optimizer,
+    bit for bit Adam's state, under the stored names."""
+    from safetensors.torch import load_file
+
+    from tests.megatron_layouts import native_reference
+
+    run = megatron_runs / "llama-optim"
+    r = run_cli("merge", run, tmp_path / "out", "--part", "optimizer", "-q")
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    got = load_file(tmp_path / "out" / "optimizer.safetensors")
+    want = {f"optimizer.state.{kind}.{name}": value
+            for kind, by_name in torch.load(run / "reference_optim.pt",
+                                            weights_only=True).items()
+            for name, value in native_reference(run, by_name).items()}
+    assert_bit_exact(got, want)
+
+
+def _flattened(megatron_runs: Path, tmp_path: Path) -> Path:
+    """llama-optim with its real .metadata minimally edited into what megatron-core before
+    0.14 wrote for the distributed optimizer's flattened_range shards: the MCoreMetadata
+    class, with ``mcore_data`` giving each optimizer tensor's
+    ``nd_reformulated_orig_global_shape``. (megatron-core 0.16 writes this layout no more.)"""
+    import pickle
+
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreMetadata
+
+    run = tmp_path / "run"
+    shutil.copytree(megatron_runs / "llama-optim", run)
+    path = run / "iter_0000002" / ".metadata"
+    md = pickle.loads(path.read_bytes())  # our own fixture's, trusted
+    old = MCoreMetadata()
+    old.__dict__.update(md.__dict__)
+    old.mcore_data = {k: {"nd_reformulated_orig_global_shape": tuple(v.size)}
+                      for k, v in md.state_dict_metadata.items() if k.startswith("optimizer.")}
+    path.write_bytes(pickle.dumps(old))
+    return run
+
+
+def test_flattened_range_optimizer_is_exit_4_naming_it(megatron_runs: Path,
+                                                       tmp_path: Path) -> None:
+    run = _flattened(megatron_runs, tmp_path)
+    r = run_cli("merge", run, tmp_path / "out", "--part", "optimizer")
+    assert r.exit_code == 4, r.output  # type: ignore[attr-defined]
+    assert r.output == (  # type: ignore[attr-defined]
+        f"ckpttool: error: {run / 'iter_0000002'}: the optimizer state is Megatron-Core's "
+        "distributed optimizer in its flattened_range layout (N-D flattened shards, "
+        "'nd_reformulated_orig_global_shape' in .metadata, written by megatron-core before "
+        "0.14), whose tensors do not have the parameters' shapes; not supported yet. The "
+        "model merges without --part optimizer; for the optimizer state, re-save the run "
+        "with megatron-core 0.14 or later, which stores it as plain chunks\n")
+    assert "malicious" not in r.output  # type: ignore[attr-defined]
+    assert not (tmp_path / "out").exists()
+    r = run_cli("inspect", run)
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    assert "flattened_range layout" in r.output  # type: ignore[attr-defined]
+    r = run_cli("merge", run, tmp_path / "model", "-q")  # the model is plain chunks
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    assert_bit_exact(load_out(tmp_path / "model"), hf_reference(run))

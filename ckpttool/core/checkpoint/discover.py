@@ -299,7 +299,7 @@ def _side_files(info: CheckpointInfo) -> tuple[tuple[tuple[str, CheckpointInfo],
 
 def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | None = None,
              require: bool = True, command: str = "inspect", prefer: str | None = None,
-             stores: Stores = LOCAL) -> Checkpoint:
+             stores: Stores = LOCAL, iteration: int | None = None) -> Checkpoint:
     """Recognise and describe the checkpoint at ``path``. Reads no tensor data.
 
     Args:
@@ -313,13 +313,20 @@ def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | N
             ``merge --part optimizer``); default: its model.
         stores: where the bytes below ``path`` are (a mirror of object storage; local files
             by default); the checkpoint keeps it for :func:`open_reader`.
+        iteration: of a Megatron-Core run directory, this iteration instead of the one
+            ``latest_checkpointed_iteration.txt`` names.
 
     Raises:
         InputError: nothing readable there, a damaged or unsafe checkpoint, or (``require``)
             several checkpoints to choose from.
         UnsupportedError: a layout a format recognises but does not read yet.
     """
-    return replace(_discover(Path(path), config, require, command, prefer, stores),
+    given = Path(path)
+    if iteration is not None:
+        if not given.exists():
+            raise InputError(f"{given}: no such file or directory")
+        given = registry.select_iteration(given, iteration)
+    return replace(_discover(given, config, require, command, prefer, stores),
                    stores=stores)
 
 

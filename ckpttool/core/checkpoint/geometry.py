@@ -144,3 +144,47 @@ def single_run_start(shape: Sequence[int], offsets: Sequence[int], sizes: Sequen
     if not is_single_run(shape, offsets, sizes):
         return None
     return next(runs(shape, offsets, sizes))[1]
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in a tensor
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The box two boxes of one tensor share, or None when they share no element."""
+    offsets, sizes = [], []
+    for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1], strict=True):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if lo >= hi:
+            return None
+        offsets.append(lo)
+        sizes.append(hi - lo)
+    return tuple(offsets), tuple(sizes)
+
+
+def sub_runs(inner: Box, a: Box, b: Box) -> list[tuple[int, int, int]]:
+    """Contiguous runs of the box ``inner``, which lies inside boxes ``a`` and ``b`` (each
+    C-ordered on its own: a stored chunk and a selection written out in C order).
+
+    Returns ``(element in a, element in b, num_elements)`` in C order of ``inner``: one run
+    per index of the dims before the first from which ``inner`` spans both ``a`` and ``b``
+    whole (Megatron's layer or row slices of a chunk: one run; a slice of a chunk cut along
+    its last dim: one run per row).
+    """
+    offsets, sizes = inner
+    ndim = len(sizes)
+    if not math.prod(sizes):
+        return []
+    k = ndim
+    while k > 0 and all(sizes[d] == a[1][d] == b[1][d] for d in range(k, ndim)):
+        k -= 1
+    if k == ndim:  # 0-dim
+        return [(0, 0, 1)]
+    sa, sb = strides(a[1]), strides(b[1])
+    base_a = sum((o - ao) * s for o, ao, s in zip(offsets, a[0], sa, strict=True))
+    base_b = sum((o - bo) * s for o, bo, s in zip(offsets, b[0], sb, strict=True))
+    run = math.prod(sizes[k:])
+    starts = [(base_a, base_b)]
+    for d in range(k):  # dim by dim: one addition per run, not a sum over dims
+        if sizes[d] > 1:
+            starts = [(x + i * sa[d], y + i * sb[d]) for x, y in starts for i in range(sizes[d])]
+    return [(x, y, run) for x, y in starts]

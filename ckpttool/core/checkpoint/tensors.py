@@ -7,11 +7,12 @@ make up a tensor (:mod:`ckpttool.core.checkpoint.geometry`) is core's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 from ckpttool.core.checkpoint import geometry as chunk_geometry
 from ckpttool.errors import InputError
-from ckpttool.formats.base import ChunkColumns, Payload, Reader, Tensor
+from ckpttool.formats.base import Chunk, ChunkColumns, Payload, Reader, Tensor
 
 # Bytes read per step when data is streamed: memory stays flat whatever the tensor size.
 BLOCK_BYTES = 16 << 20
@@ -40,6 +41,54 @@ def read_range(reader: Reader, tensor: Tensor, start: int, stop: int) -> bytearr
                 whole = whole or reader.read_chunk(tensor, c)
                 data = whole[src_elem * item : (src_elem + hi - lo) * item]
             out[(lo - start) * item : (hi - start) * item] = data
+    return out
+
+
+# A selection: boxes of a tensor whose elements, each box in its C order, one box after the
+# other, make an output tensor (a layer of a stacked [L, ...] tensor, one q/k/v part per query
+# group, one expert's gate half...).
+Boxes = tuple[chunk_geometry.Box, ...]
+
+
+def box_pieces(tensor: Tensor, boxes: Boxes
+               ) -> list[tuple[Chunk, int, list[tuple[int, int, int]]]]:
+    """Where the elements of a selection are: ``(chunk, first element of its box in the
+    selection, runs)`` per chunk a box overlaps, each run ``(element in the chunk, element in
+    the box, num_elements)`` (:func:`~ckpttool.core.checkpoint.geometry.sub_runs`)."""
+    out = []
+    pos = 0
+    chunks = [(c, (c.offsets, c.sizes)) for c in tensor.chunks if c.numel]
+    for box in boxes:
+        for c, chunk_box in chunks:
+            inner = chunk_geometry.intersect(chunk_box, box)
+            if inner is not None:
+                out.append((c, pos, chunk_geometry.sub_runs(inner, chunk_box, box)))
+        pos += math.prod(box[1])
+    return out
+
+
+def read_boxes(reader: Reader, tensor: Tensor, boxes: Boxes, *,
+               pieces: list[tuple[Chunk, int, list[tuple[int, int, int]]]] | None = None
+               ) -> bytearray:
+    """The elements of a selection (:data:`Boxes`), box after box. Each chunk a box overlaps
+    is read once, from its first to its last element in that box (for a slice of rows, or of
+    a chunk cut along its last dim, exactly the box's bytes), and its runs placed; memory:
+    the selection plus one chunk's part of it. ``pieces``: :func:`box_pieces`, if known."""
+    item = tensor.dtype.itemsize
+    out = bytearray(sum(math.prod(sizes) for _, sizes in boxes) * item)
+    view = memoryview(out)
+    for c, pos, runs in box_pieces(tensor, boxes) if pieces is None else pieces:
+        first, last = runs[0][0], runs[-1][0] + runs[-1][2]
+        p = reader.payload(tensor, c)
+        if p.start is not None:
+            data = memoryview(reader.read_exact(p.file, p.start + first * item,
+                                                (last - first) * item,
+                                                what=f"tensor '{tensor.name}'"))
+        else:  # compressed or strided: the chunk whole
+            data, first = memoryview(reader.read_chunk(tensor, c)), 0
+        for a, b, n in runs:
+            view[(pos + b) * item : (pos + b + n) * item] = \
+                data[(a - first) * item : (a - first + n) * item]
     return out
 
 

@@ -25,10 +25,11 @@ from ckpttool.core.merge.plan import MergePlan, OutTensor
 from ckpttool.core.runtime import forked
 from ckpttool.core.runtime.report import Progress, locked
 from ckpttool.core.runtime.torch_threads import one_torch_thread, workers_for
-from ckpttool.core.transforms.derive import Derived, materialise
+from ckpttool.core.transforms.derive import Derived, is_selection, materialise
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Chunk, Payload, Reader, Tensor
+from ckpttool.formats.codecs.dtypes import cast_without_torch, f32_to_bf16
 from ckpttool.storage.outputs import (
     AtomicOutputs,
     existing_outputs,
@@ -77,7 +78,7 @@ def execute_into(
     casts = False
     for f, fd in zip(plan.files, fds, strict=True):
         jobs += _jobs(fd, f.tensors)
-        casts = casts or any(t.cast or isinstance(t.source, Derived) for t in f.tensors)
+        casts = casts or any(_needs_torch(t) for t in f.tensors)
     with write_behind(list(fds), report) as counted:
         _run(jobs, reader, workers=workers, casts=casts, report=counted, fork=True)
 
@@ -104,7 +105,7 @@ def execute_share(
     for u in share:
         t = plan.files[u.file].tensors[u.tensor]
         fd = fds[u.file]
-        casts = casts or t.cast or isinstance(t.source, Derived)
+        casts = casts or _needs_torch(t)
         if u.chunk is None:
             jobs.append(_Job(fd, [(t, None)], u.nbytes))
             continue
@@ -121,6 +122,18 @@ def execute_share(
             jobs.append(batches.pop(u.file))
     jobs += batches.values()
     _run(jobs, reader, workers=workers, casts=casts, report=report)
+
+
+def _needs_torch(t: OutTensor) -> bool:
+    """A cast (but a small float32 -> bfloat16 one: :func:`_pure_cast`), or a tensor
+    computed by torch (a selection of stored bytes is not)."""
+    if isinstance(t.source, Derived) and not is_selection(t.source):
+        return True
+    return t.cast and not _pure_cast(t)
+
+
+def _pure_cast(t: OutTensor) -> bool:
+    return cast_without_torch(t.source.dtype, t.dtype, t.source.numel)
 
 
 def _run(jobs: list[_Job], reader: Reader, *, workers: int, casts: bool, report: Progress,
@@ -333,7 +346,7 @@ def _run_jobs(jobs: list[_Job], reader: Reader, workers: int, report: Progress,
             return
         ((t, c),) = job.chunks
         if c is None:
-            _write_derived(reader, job.fd, t, report)
+            _write_derived(reader, job.fd, t, report, locks.get(job.fd))
         else:
             _write_chunk(reader, job.fd, t, c, report, elements=job.elements,
                          lock=locks.get(job.fd))
@@ -360,10 +373,52 @@ def _run_jobs(jobs: list[_Job], reader: Reader, workers: int, report: Progress,
     pool.shutdown(wait=True)
 
 
-def _write_derived(reader: Reader, dst: int, t: OutTensor, report: Progress) -> None:
+def _write_derived(reader: Reader, dst: int, t: OutTensor, report: Progress,
+                   lock: threading.Lock | None = None) -> None:
     assert isinstance(t.source, Derived)
+    if is_selection(t.source):
+        _write_selection(reader, dst, t, report, lock)
+        return
     data = materialise(reader, t.source, t.dtype)
-    pwrite_all(dst, data, t.slot.begin)
+    with lock or contextlib.nullcontext():
+        pwrite_all(dst, data, t.slot.begin)
+    report(len(data))
+
+
+# A run of a selection at least this long is copied file to file; a selection with shorter
+# runs (a slice of a chunk cut along its last dim: a row-parallel weight's layer) is made
+# whole in memory and written at once (a syscall per row would cost more).
+COPY_RUN = 64 << 10
+
+
+def _write_selection(reader: Reader, dst: int, t: OutTensor, report: Progress,
+                     lock: threading.Lock | None) -> None:
+    """A selection of a stored tensor (Megatron's layer, q/k/v, gate/up, expert and
+    vocabulary slices): each run of stored bytes copied into place file to file (in the
+    kernel) when no run is short and nothing is cast; else the selection read whole (one read
+    per chunk it touches), cast where asked, and written at once. Memory: at most the output
+    tensor, never the stacked one."""
+    d = t.source
+    assert isinstance(d, Derived) and d.boxes[0] is not None
+    src = d.inputs[0]
+    item = src.dtype.itemsize
+    pieces = tensors.box_pieces(src, d.boxes[0])
+    payloads = [reader.payload(src, c) for c, _, _ in pieces]
+    if not t.cast and all(p.start is not None for p in payloads) and all(
+            n * item >= COPY_RUN for _, _, runs in pieces for _, _, n in runs):
+        with lock or contextlib.nullcontext():
+            for (_, pos, runs), p in zip(pieces, payloads, strict=True):
+                assert p.start is not None
+                for a, b, n in runs:
+                    reader.copy_to(p.file, p.start + a * item, dst,
+                                   t.slot.begin + (pos + b) * item, n * item)
+        report(t.slot.nbytes)
+        return
+    data = memoryview(tensors.read_boxes(reader, src, d.boxes[0], pieces=pieces))
+    if t.cast:
+        data = _cast_bytes(data, t)
+    with lock or contextlib.nullcontext():
+        pwrite_all(dst, data, t.slot.begin)
     report(len(data))
 
 
@@ -496,9 +551,16 @@ def _buffer(name: str, size: int) -> bytearray:
 def _cast_range(reader: Reader, file: str, src_offset: int, dst: int, dst_offset: int,
                 numel: int, t: OutTensor, report: Progress,
                 lock: threading.Lock | None = None) -> None:
+    assert isinstance(t.source, Tensor)
+    if _pure_cast(t):  # a few float32 norm weights: no torch
+        data = f32_to_bf16(reader.read_exact(file, src_offset, numel * t.source.dtype.itemsize,
+                                             what=f"tensor '{t.source.name}'"))
+        with lock or contextlib.nullcontext():
+            pwrite_all(dst, data, dst_offset)
+        report(len(data))
+        return
     import torch  # only casting needs torch
 
-    assert isinstance(t.source, Tensor)
     src_dtype = getattr(torch, t.source.dtype.torch_name)
     dst_dtype = getattr(torch, t.dtype.torch_name)
     src_item, dst_item = t.source.dtype.itemsize, t.dtype.itemsize
@@ -526,6 +588,8 @@ def _cast_range(reader: Reader, file: str, src_offset: int, dst: int, dst_offset
 
 
 def _cast_bytes(data: memoryview, t: OutTensor) -> memoryview:
+    if _pure_cast(t):
+        return memoryview(f32_to_bf16(data))
     import torch
 
     src = torch.frombuffer(bytearray(data), dtype=getattr(torch, t.source.dtype.torch_name))

@@ -17,7 +17,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -35,7 +35,7 @@ from ckpttool.core.merge.plan import MergePlan, Source, plan_merge
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import Progress, Section, document, section
 from ckpttool.core.runtime.torch_threads import default_workers
-from ckpttool.core.transforms import hub_layout, namemaps
+from ckpttool.core.transforms import hub_layout, megatron_config, namemaps
 from ckpttool.core.transforms import lora as adapters
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import registry
@@ -44,6 +44,8 @@ from ckpttool.formats.base import Reader
 from ckpttool.formats.codecs.torchsave import gc_paused
 from ckpttool.storage.outputs import check_apart, check_space
 from ckpttool.storage.store import LOCAL, Stores
+
+CONFIG_JSON = "config.json"  # written beside the weights when derived (megatron_config)
 
 if TYPE_CHECKING:
     from ckpttool.core.merge.multihost import Shared, Sharing
@@ -137,6 +139,9 @@ class MergeReport:
     copies: Copies | None = None
     # The config.json used; None: none found, the output is weights only
     config: ConfigUsed | None = None
+    # A Megatron-Core run merged without a config.json: the one derived from its args
+    # (core.transforms.megatron_config), written beside the weights; None: not derived
+    derived_config: megatron_config.DerivedConfig | None = None
     # Names no transformers model of config.json's architecture has (a training framework's
     # own, core.checkpoint.architecture): whose, how many, the --names maps; None: they fit
     foreign_names: architecture.NameCheck | None = None
@@ -186,6 +191,7 @@ def merge(
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
     stores: Stores = LOCAL,
+    iteration: int | None = None,
 ) -> MergeReport:
     """Merge the checkpoint at ``src`` into Hugging Face safetensors in ``out``.
 
@@ -216,6 +222,8 @@ def merge(
             training framework's names and layouts to the Hugging Face model family's.
             Default: the map a Megatron-Core model needs (``namemaps.implied``), else none;
             ``"none"`` keeps the stored names always.
+        iteration: of a Megatron-Core run directory, this iteration instead of the one
+            ``latest_checkpointed_iteration.txt`` names.
         layout: ``"hub"`` (default): where config.json names a family whose transformers 5
             runtime layout differs from what ``save_pretrained`` writes (fused experts,
             nested vision-language models), write save_pretrained's; ``"stored"``: the names
@@ -241,9 +249,13 @@ def merge(
     started = time.perf_counter()
     src_path, out_path = Path(src), Path(out)
     shard_limit = st.parse_size(str(max_shard_size))
-    whole, ckpt = _recognise(src_path, out_path, config, part, layout, stores)
+    whole, ckpt = _recognise(src_path, out_path, config, part, layout, stores, iteration)
     files, optimizer = ckpt.hf, ckpt.kind == "optimizer"
     named = [(t.name, t.tensor) for t in ckpt.tensors]
+    derived = (_derive_config(ckpt, named, names, f"ckpttool merge {src} {out}")
+               if files.config is None and not optimizer and names != namemaps.KEEP else None)
+    if derived is not None:
+        files = replace(files, config=derived.config)
     adapted = (None if optimizer else
                adapters.plan_for_merge(ckpt, named, lora, adapter, adapter_config))
     mode = adapted.mode if adapted is not None else None
@@ -254,11 +266,12 @@ def merge(
         else list(named) if adapted is None else adapted.sources)
     report = _start_report(src_path, out_path, whole, ckpt, policy, files, adapted, mapped,
                            model=not optimizer and mode != "adapter")
+    report.derived_config = derived
     # Before reading any tensor data (the tie check reads both embeddings): fail fast.
     if shared is None or not shared.commits_slices:  # --finish knows which files are its own
         check_existing(out_path, [p.name for p in files.files] + (
-            [OPTIMIZER_JSON] if optimizer else [hf.ADAPTER_CONFIG] if mode == "adapter" else []),
-            overwrite, stem)
+            [OPTIMIZER_JSON] if optimizer else [hf.ADAPTER_CONFIG] if mode == "adapter" else [])
+            + ([CONFIG_JSON] if derived is not None else []), overwrite, stem)
     with _readers(ckpt, adapted, follow_links=follow_links) as reader:
         decide = functools.partial(_decide, reader, sources, files.config, report.warnings,
                                    keep_tied=keep_tied,
@@ -343,7 +356,7 @@ def _write(plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, by
 
 
 def _recognise(src: Path, out: Path, config: str | os.PathLike[str] | None,
-               part: str | None, layout: str, stores: Stores
+               part: str | None, layout: str, stores: Stores, iteration: int | None = None
                ) -> tuple[Checkpoint, Checkpoint]:
     """The checkpoint at ``src`` (whole) and the part of it a merge writes, checked whole.
 
@@ -356,7 +369,8 @@ def _recognise(src: Path, out: Path, config: str | os.PathLike[str] | None,
                          f"{', '.join(hub_layout.CHOICES)}")
     if part not in (None, *MERGEABLE):
         raise InputError(f"part {part!r} cannot be merged; choose one of {', '.join(MERGEABLE)}")
-    ckpt = discover(src, config=config, command="merge", prefer=part, stores=stores)
+    ckpt = discover(src, config=config, command="merge", prefer=part, stores=stores,
+                    iteration=iteration)
     if ckpt.chosen is not None and ckpt.kind == "optimizer" and part is None:
         raise InputError(
             f"{src}: holds only optimizer state ({ckpt.chosen}), no model checkpoint; to "
@@ -364,6 +378,9 @@ def _recognise(src: Path, out: Path, config: str | os.PathLike[str] | None,
             f"{src / ckpt.chosen} OUT")
     assert ckpt.info is not None  # discover(require=True) chose one
     info = ckpt.info
+    refused = info.storage.get("unsupported_parts", {}).get(part or ckpt.kind)
+    if refused:  # a part of a layout the format names but does not read
+        raise UnsupportedError(refused)
     check_apart(out, src, info.root)
     structure.raise_first(structure.check(info, ckpt.canonical()))
     whole, ckpt = ckpt, select(ckpt, part or ckpt.kind)  # one part; the rest is reported
@@ -391,6 +408,20 @@ def _policy(dtype: str, files: hf.HfFiles, *, optimizer: bool, mode: str | None
     policy = dtype_policy.resolve(dtype, files.config, str(files.config_path)
                                   if files.config_path else "config.json")
     return policy, "model", files
+
+
+def _derive_config(ckpt: Checkpoint, named: list[tuple[str, Any]], names: str | None,
+                   command: str) -> megatron_config.DerivedConfig | None:
+    """A Megatron-Core model without a config.json: the config its args describe, where
+    they name one family (else the error says which ``--config`` command to run); None for
+    every other checkpoint."""
+    if names is not None and not names.startswith("megatron-"):
+        return None
+    if not namemaps.is_megatron(named):
+        return None
+    assert ckpt.info is not None
+    args = ckpt.info.values.get("args")
+    return megatron_config.derive(args if isinstance(args, dict) else None, command=command)
 
 
 def _mapped(names: str | None, ckpt: Checkpoint, named: list[tuple[str, Any]],
@@ -436,7 +467,7 @@ def _start_report(src: Path, out: Path, whole: Checkpoint, ckpt: Checkpoint,
     if model:
         if files.config_path is not None:
             report.config = ConfigUsed(str(files.config_path), files.found_in)
-        else:
+        elif files.config is None:  # (a config derived from Megatron's args has no path)
             report.warnings.append(hf.no_config_warning(info.root, ckpt.path))
     copies = model_copies(whole)
     if copies is not None:
@@ -488,6 +519,9 @@ def _side_files(report: MergeReport, whole: Checkpoint, ckpt: Checkpoint, reader
          else hf.read_side_file(p, files.roots)) for p in files.files]
     report.copied = [p.name for p in files.files]
     report.warnings += list(files.skipped)
+    if report.derived_config is not None and files.config is not None:
+        extra.append((CONFIG_JSON, config_bytes if config_bytes is not None else
+                      (json.dumps(files.config, indent=2) + "\n").encode()))
     if ckpt.kind == "optimizer":
         extra.append((OPTIMIZER_JSON, optimizer_json(objects, ckpt.top_level)))
     if adapted is not None and adapted.mode == "adapter":

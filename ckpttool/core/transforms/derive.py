@@ -46,6 +46,12 @@ class Derived:
     # (one part of one expert of a fused [E, 2I, H] weight): only those bytes are read.
     # Empty or None entries: ``select``, else the whole input.
     spans: tuple[tuple[int, int, tuple[int, ...]] | None, ...] = ()
+    # Per input, boxes of it read one after the other, each in C order (Megatron's layer,
+    # q/k/v, gate/up and expert slices: :data:`~ckpttool.core.checkpoint.tensors.Boxes`),
+    # as a tensor of ``shape`` where the numbers of elements agree (else flat). With
+    # :func:`identity` as ``compute`` and one input, the output is a pure rearrangement of
+    # stored bytes (:func:`is_selection`): merge moves them file to file, no torch.
+    boxes: tuple[tensors.Boxes | None, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -54,6 +60,18 @@ class Derived:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+
+def identity(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """``compute`` of a derived tensor that is its one input as read (a selection)."""
+    return inputs[0]
+
+
+def is_selection(derived: Derived) -> bool:
+    """True if ``derived`` is boxes of one stored tensor and nothing computed on them."""
+    return (len(derived.inputs) == 1 and derived.compute is identity
+            and len(derived.boxes) == 1 and derived.boxes[0] is not None
+            and not derived.readers)
 
 
 def read_whole(reader: Reader, tensor: Tensor) -> torch.Tensor:
@@ -84,6 +102,19 @@ def _read_elements(reader: Reader, tensor: Tensor, start: int, stop: int,
     return torch.frombuffer(data, dtype=dtype).reshape(shape)
 
 
+def _read_boxes(reader: Reader, tensor: Tensor, boxes: tensors.Boxes,
+                shape: tuple[int, ...]) -> torch.Tensor:
+    import torch
+
+    data = tensors.read_boxes(reader, tensor, boxes)
+    dtype = getattr(torch, tensor.dtype.torch_name)
+    numel = len(data) // tensor.dtype.itemsize
+    if not data:
+        return torch.empty(shape if math.prod(shape) == 0 else (0,), dtype=dtype)
+    flat = torch.frombuffer(data, dtype=dtype)
+    return flat.reshape(shape) if math.prod(shape) == numel else flat
+
+
 def materialise(reader: Reader, derived: Derived, dtype: DType) -> bytearray:
     """``derived`` computed and cast to ``dtype``, as C-ordered bytes.
 
@@ -97,10 +128,13 @@ def materialise(reader: Reader, derived: Derived, dtype: DType) -> bytearray:
     readers = derived.readers + (None,) * (num - len(derived.readers))
     select = derived.select + (None,) * (num - len(derived.select))
     spans = derived.spans + (None,) * (num - len(derived.spans))
+    boxes = derived.boxes + (None,) * (num - len(derived.boxes))
     out = derived.compute([
-        _read_elements(r or reader, t, *span) if span is not None
+        _read_boxes(r or reader, t, b, derived.shape) if b is not None
+        else _read_elements(r or reader, t, *span) if span is not None
         else read_whole(r or reader, t) if i is None else read_slice(r or reader, t, i)
-        for r, t, i, span in zip(readers, derived.inputs, select, spans, strict=True)])
+        for r, t, i, span, b in zip(readers, derived.inputs, select, spans, boxes,
+                                    strict=True)])
     if tuple(out.shape) != derived.shape:
         raise InputError(f"'{derived.name}': computed shape {list(out.shape)} is not the "
                          f"planned {list(derived.shape)} ({derived.what or 'derived tensor'})")

@@ -28,7 +28,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.core.runtime.report import Section, section
-from ckpttool.core.transforms.derive import Derived, read_whole
+from ckpttool.core.transforms.derive import Derived, identity, read_whole
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats.base import Reader, Tensor
 
@@ -593,28 +593,6 @@ def _first(inputs: list[torch.Tensor]) -> torch.Tensor:
     return inputs[0]
 
 
-def _qkv_part(inputs: list[torch.Tensor], *, op: str, kv_heads: int, head_dim: int
-              ) -> torch.Tensor:
-    """One of q, k, v from rows grouped per KV group (each group's query heads, its key, its
-    value; ``head_dim`` rows each), for a weight or a bias (any trailing dims)."""
-    (w,) = inputs
-    rest = tuple(w.shape[1:])
-    per_group = w.shape[0] // (kv_heads * head_dim)
-    grouped = w.reshape(kv_heads, per_group, head_dim, *rest)
-    part = {QKV_Q: grouped[:, : per_group - 2], QKV_K: grouped[:, per_group - 2],
-            QKV_V: grouped[:, per_group - 1]}[op]
-    return part.reshape(-1, *rest)
-
-
-def _half(inputs: list[torch.Tensor], *, second: bool) -> torch.Tensor:
-    """The gate (first) or up (second) half of a fused [gate; up] projection."""
-    (w,) = inputs
-    n = w.shape[0] // 2
-    return w[n:] if second else w[:n]
-
-
-def _rows(inputs: list[torch.Tensor], *, num: int) -> torch.Tensor:
-    return inputs[0][:num]
 def _transposed(inputs: list[torch.Tensor]) -> torch.Tensor:
     return inputs[0].transpose(1, 2)
 
@@ -661,6 +639,11 @@ def _compile(rule: Rule) -> _Compiled:
 _MEGATRON_NAMES = frozenset({"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"})
 
 
+def is_megatron(tensors: list[tuple[str, Tensor]]) -> bool:
+    """True if ``tensors`` are a Megatron-Core GPTModel's (its embedding or final norm)."""
+    return any(name in _MEGATRON_NAMES for name, _ in tensors)
+
+
 def implied(tensors: list[tuple[str, Tensor]], config: Mapping[str, Any] | None, *,
             config_path: str | None = None) -> str | None:
     """The map a merge applies without ``--names``: a Megatron-Core model's, chosen by
@@ -672,7 +655,7 @@ def implied(tensors: list[tuple[str, Tensor]], config: Mapping[str, Any] | None,
         InputError: a Megatron model without config.json (it decides the family and sizes).
         UnsupportedError: a family that has no Megatron map yet.
     """
-    if not any(name in _MEGATRON_NAMES for name, _ in tensors):
+    if not is_megatron(tensors):
         return None
     families = ", ".join(MEGATRON_MAPS)
     if config is None:
@@ -778,9 +761,9 @@ def _emit(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor, target
         return
     if rule.op == VOCAB:
         rows = dims.size("vocab")
-        out.tensors.append((target, Derived(
-            target, (tensor,), tensor.dtype, (rows, *tensor.shape[1:]), partial(_rows, num=rows),
-            f"first {rows} rows of {name} (vocabulary padding cut)")))
+        out.tensors.append((target, _selection(
+            target, tensor, ((0,) * len(tensor.shape), (rows, *tensor.shape[1:])),
+            what=f"first {rows} rows of {name} (vocabulary padding cut)")))
         out.how.append({"from": name, "to": target, "op": "vocab-cut"})
         return
     if rule.op in _LAYER_OPS:
@@ -849,49 +832,71 @@ def _emit_layers(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor,
 def _emit_experts(out: Mapped, rule: Rule, name: str, tensor: Tensor, target: str,
                   layer: int) -> None:
     """Each expert of one layer of a stacked ``[L, E, ...]`` weight, read alone."""
+    rest = tensor.shape[2:]
     for e in range(tensor.shape[1]):
         expert = target.replace("{E}", str(e))
-        shape = tensor.shape[2:]
-        compute: Callable[[list[torch.Tensor]], torch.Tensor] = _first
         what = f"expert {e} of layer {layer} of {name}"
+        start, rows = 0, rest[0] if rest else 1
         if rule.op in (EXPERT_GATE, EXPERT_UP):
-            shape = (shape[0] // 2, *shape[1:])
-            compute = partial(_half, second=rule.op == EXPERT_UP)
+            rows //= 2
+            start = rows if rule.op == EXPERT_UP else 0
             what = f"{'up' if rule.op == EXPERT_UP else 'gate'} half of {what}"
-        out.tensors.append((expert, Derived(expert, (tensor,), tensor.dtype, tuple(shape),
-                                            compute, what, select=((layer, e),))))
+        box = ((layer, e, start, *(0,) * len(rest[1:])), (1, 1, rows, *rest[1:])) if rest \
+            else ((layer, e), (1, 1))
+        out.tensors.append((expert, _selection(expert, tensor, box, what=what,
+                                               shape=(rows, *rest[1:]) if rest else ())))
         out.how.append({"from": f"{name}[{layer}, {e}]", "to": expert,
                         "op": "expert-split" if rule.op == EXPERT else "expert-gate-up-split"})
+
+
+def _selection(target: str, tensor: Tensor, *boxes: tuple[tuple[int, ...], tuple[int, ...]],
+               what: str = "", shape: tuple[int, ...] | None = None) -> Derived:
+    """``boxes`` of ``tensor``, one after the other, as the output tensor ``target`` of
+    ``shape`` (default: the one box's sizes without its leading layer/expert dims of 1)."""
+    if shape is None:
+        ((_, sizes),) = boxes
+        shape = tuple(sizes)
+    return Derived(target, (tensor,), tensor.dtype, shape, identity, what, boxes=(boxes,))
 
 
 def _emit_layer(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor, target: str,
                 layer: int | None) -> None:
     """One output of a Megatron per-layer rule: the layer's slice (``layer``; None: the
-    tensor is one layer's already) as it is, split into q/k/v, or halved into gate/up."""
+    tensor is one layer's already) as it is, its q/k/v rows taken per query group, or its
+    gate/up half: boxes of the stored tensor (:class:`Derived` ``boxes``), so merge moves
+    their bytes file to file and reads no other layer."""
     shape = tensor.shape[1:] if layer is not None else tensor.shape
     source = f"{name}[{layer}]" if layer is not None else name
-    select = (layer,) if layer is not None else ()
-    compute: Callable[[list[torch.Tensor]], torch.Tensor]
+    lead = (layer,) if layer is not None else ()
+    one = (1,) if layer is not None else ()
+    rest = shape[1:]
+
+    def rows(start: int, num: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (*lead, start, *(0,) * len(rest)), (*one, num, *rest)
+
     if rule.op in (QKV_Q, QKV_K, QKV_V):
         if dims.heads % max(dims.kv_heads, 1):
             raise InputError(f"{dims.where}: num_attention_heads {dims.heads} is not a "
                              f"multiple of num_key_value_heads {dims.kv_heads}; '{name}' "
                              "cannot be a fused linear_qkv of this model")
-        rows = dims.size("q" if rule.op == QKV_Q else "kv")
-        shape = (rows, *shape[1:])
-        compute = partial(_qkv_part, op=rule.op, kv_heads=dims.kv_heads, head_dim=dims.head_dim)
-        what = f"{rule.op[-1]} rows of {source} (grouped per query group)"
+        groups, hd = dims.kv_heads, dims.head_dim
+        per_group = shape[0] // (groups * hd)  # query heads per group, then k, then v
+        first, num = {QKV_Q: (0, per_group - 2), QKV_K: (per_group - 2, 1),
+                      QKV_V: (per_group - 1, 1)}[rule.op]
+        boxes = [rows((g * per_group + first) * hd, num * hd) for g in range(groups)]
+        derived = _selection(target, tensor, *boxes, shape=(groups * num * hd, *rest),
+                             what=f"{rule.op[-1]} rows of {source} (grouped per query group)")
     elif rule.op in (GATE, UP):
-        shape = (shape[0] // 2, *shape[1:])
-        compute = partial(_half, second=rule.op == UP)
-        what = f"{'up' if rule.op == UP else 'gate'} half of {source}"
+        half = shape[0] // 2
+        derived = _selection(target, tensor, rows(half if rule.op == UP else 0, half),
+                             shape=(half, *rest),
+                             what=f"{'up' if rule.op == UP else 'gate'} half of {source}")
     elif rule.op == RENAME:
-        compute = _first
-        what = f"layer {layer} of {name}"
+        derived = _selection(target, tensor, rows(0, shape[0]) if shape else (lead, one),
+                             shape=tuple(shape), what=f"layer {layer} of {name}")
     else:  # pragma: no cover - a table names an op this module lacks
         raise AssertionError(rule.op)
-    out.tensors.append((target, Derived(target, (tensor,), tensor.dtype, tuple(shape), compute,
-                                        what, select=select)))
+    out.tensors.append((target, derived))
     out.how.append({"from": source, "to": target, "op": _OP_WORDS[rule.op]})
 
 

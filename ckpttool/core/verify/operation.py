@@ -110,6 +110,7 @@ def verify(
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
     stores: Stores = LOCAL,
+    iteration: int | None = None,
 ) -> VerifyReport:
     """Check the checkpoint at ``path``; problems are reported, not raised.
 
@@ -121,6 +122,8 @@ def verify(
         expect_dtype: ``auto``, ``bf16``, ``fp16`` or ``fp32``: floating tensors of another
             dtype are errors.
         config: config.json (or its directory) instead of the one beside ``path``.
+        iteration: of a Megatron-Core run directory, this iteration instead of the one
+            ``latest_checkpointed_iteration.txt`` names.
         manifest: a file to write SHA-256 digests to, or to check them against if it exists.
         manifest_action: ``"write"`` (the file must not exist) or ``"check"`` (it must);
             None: check when it exists, else write.
@@ -141,7 +144,7 @@ def verify(
     """
     started = time.perf_counter()
     _check_options(dtype, allow_cast=allow_cast, against=against)
-    ckpt = discover(path, config=config, command="verify", stores=stores)
+    ckpt = discover(path, config=config, command="verify", stores=stores, iteration=iteration)
     other = (discover(against, command="verify", stores=stores) if against is not None
              else None)
     expect, cast_policy = _policies(ckpt, expect_dtype, dtype if allow_cast else None,

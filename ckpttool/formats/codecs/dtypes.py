@@ -96,3 +96,31 @@ def normalize_choice(value: str) -> str | None:
 def get(name: str) -> DType:
     """Return the dtype named ``name`` (safetensors spelling)."""
     return BY_NAME[name]
+
+
+# A float32 -> bfloat16 cast done in Python (:func:`f32_to_bf16`) for at most this many
+# elements: Megatron keeps norm weights in float32 in a bf16 run, and casting those few
+# thousand elements must not cost a merge the second that importing torch takes.
+SMALL_CAST = 1 << 16
+
+
+def cast_without_torch(src: DType, dst: DType, numel: int) -> bool:
+    """True if :func:`f32_to_bf16` casts ``numel`` elements of ``src`` to ``dst``."""
+    return src.name == "F32" and dst.name == "BF16" and numel <= SMALL_CAST
+
+
+def f32_to_bf16(data: bytes | bytearray | memoryview) -> bytearray:
+    """Little-endian float32 bytes as bfloat16, rounded to nearest even; every NaN becomes
+    0xFFFF (what torch's CPU ``Tensor.to(torch.bfloat16)`` gives, bit for bit)."""
+    import sys
+    from array import array
+
+    src = array("I")
+    src.frombytes(bytes(data))
+    if sys.byteorder != "little":
+        src.byteswap()
+    out = array("H", [(x + 0x7FFF + ((x >> 16) & 1)) >> 16 if x & 0x7FFFFFFF <= 0x7F800000
+                      else 0xFFFF for x in src])
+    if sys.byteorder != "little":
+        out.byteswap()
+    return bytearray(out.tobytes())
