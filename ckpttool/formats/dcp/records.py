@@ -319,7 +319,7 @@ _BIG_ENDIAN = sys.byteorder == "big"
 # Records compared and copied per step (their bytes, joined): bounds the memory it takes.
 _STEP_BYTES = 4 << 20
 # A span read whole holds at most twice the bytes of its records, and this much more.
-_GAP = 64 << 10
+_GAP = 8 << 10
 
 
 def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
@@ -358,7 +358,8 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
     groups: list[list[Any]] = []
     open_groups: dict[bytes, list[Any]] = {}
     pending: list[int] = []
-    for i, t in enumerate(tensors):
+    for i in _stored_first(tensors):
+        t = tensors[i]
         cols = t.chunks
         if not isinstance(cols, ChunkColumns) or cols.table.encoding != RECORD or \
                 not t.shape or not t.shape[0]:
@@ -459,6 +460,19 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
         if i not in failed:
             result[i] = checked[i]
     return result
+
+
+def _stored_first(tensors: Sequence[Tensor]) -> list[int]:
+    """The tensors' positions in the order their first chunks are stored: the order a writer
+    wrote them in, in which the records of consecutive tensors lie together in each file (a
+    window's output order, by name, jumps back and forth)."""
+    def first(i: int) -> tuple[int, int]:
+        cols = tensors[i].chunks
+        if not isinstance(cols, ChunkColumns) or not cols.num_chunks:
+            return (-1, -1)
+        return cols.table.file[cols.first], cols.table.offset[cols.first]
+
+    return sorted(range(len(tensors)), key=first)
 
 
 def _fill_step(template: Template, out: bytearray, spans: list[memoryview], files: array[int],
