@@ -1073,7 +1073,9 @@ class DcpReader(Reader):
 
     def fill_rows(self, tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
                   checksums: bool = False) -> list[int | None]:
-        if not self._use_templates:
+        # Object storage reads the ranges a merge planned, ahead (formats/remote.py): the
+        # chunk by chunk path asks for exactly those.
+        if not self._use_templates or self.capabilities.many_ranges:
             return [None] * len(tensors)
         return fill_rows(tensors, out, dsts, checksums=checksums, templates=self._templates,
                          pread=lambda file, size, offset: self.store.pread(file, size, offset),

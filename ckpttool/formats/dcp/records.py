@@ -332,8 +332,9 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
     was not made whole (another layout, a record unlike its template, a checksum that fails, a
     file that ends early): the caller reads that one its own way, which says what is wrong.
 
-    Nothing is done per chunk in Python: the rows of all tensors are columns; each file's
-    records are read in one piece; records of one length, dtype and size (a template) are
+    Nothing is done per chunk in Python: the rows of all tensors are columns; the records
+    of tensors stored together are read in one piece per file (where they are at least half
+    of it); records of one length, dtype and size (a template) are
     joined, compared with the template with their varying bytes blanked (one comparison),
     their CRC-32s computed and compared as columns, and their elements copied by strided
     slices (or one slice each) into ``out``.
