@@ -535,6 +535,17 @@ class Reader:
         for _ in items:
             yield None
 
+    def fill_rows(self, tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
+                  checksums: bool = False) -> list[int | None]:
+        """Each tensor made whole in ``out`` at ``dsts[i]`` (its C-ordered bytes), where the
+        format can do that for many small chunks at once (a merge's windows, verify's groups
+        of a checkpoint of millions of chunks) with nothing done per chunk in Python; callers
+        offer tensors whose chunks are rows (``Shard(0)``). Per tensor: the stored bytes whose
+        CRC-32s were checked with it (``checksums``; else 0), or None where it was not made
+        whole: the caller then reads that tensor its own way (which reports any damage).
+        Formats without such a path give None for every tensor."""
+        return [None] * len(tensors)
+
     def _decode(self, tensor: Tensor, chunk: Chunk, checksums: bool = False) -> Payload:
         if chunk.encoding != RAW:
             raise InputError(f"{self.where(chunk.file, chunk.offset, repr(tensor.name))}: "

@@ -5,6 +5,7 @@ exactly what a full decode gives, and damage in any record is still found."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import shutil
 import struct
 import sys
@@ -349,3 +350,105 @@ def test_checked_elements_withhold_a_chunk_whose_checksum_fails(moe: Path,
     assert got[(t.name, k)] is None  # withheld: the caller reads it and reports the CRC
     assert plain[(t.name, k)] is not None  # a copy checks no CRC
     assert sum(v is not None for v in got.values()) == len(got) - 1
+
+
+def _whole(reader: dcp.DcpReader, t: Tensor) -> bytes:
+    from ckpttool.core.checkpoint.tensors import read_range
+
+    return bytes(read_range(reader, t, 0, t.numel))
+
+
+def _check_fill(root: Path) -> tuple[int, int]:
+    """``Reader.fill_rows`` over every tensor of rows at once, cold then warm, without and
+    with checksums: each tensor it fills equals its chunks decoded in full one by one, and
+    what it counts as checked is every entry of every record. Returns (tensors of rows,
+    tensors filled in the three passes)."""
+    from ckpttool.core.checkpoint.tensors import row_starts
+
+    info = dcp.read_info(root)
+    ts = [t for t in info.tensors if row_starts(t) is not None]
+    dsts = list(itertools.accumulate((t.nbytes for t in ts), initial=0))
+    filled = 0
+    with dcp.DcpReader(info) as r, dcp.DcpReader(info, templates=False) as full:
+        assert full.fill_rows(ts, bytearray(dsts[-1]), dsts[:-1]) == [None] * len(ts)
+        for checksums in (False, True, True):
+            out = bytearray(dsts[-1])
+            got = r.fill_rows(ts, out, dsts[:-1], checksums=checksums)
+            for t, at, n in zip(ts, dsts, got, strict=False):
+                if n is None:
+                    continue
+                assert bytes(out[at : at + t.nbytes]) == _whole(full, t), t.name
+                payloads = [full.payload(t, c, checksums=True) for c in t.chunks]
+                assert n == (sum(p.storage_size + sum(s.size for s in p.side)
+                                 for p in payloads) if checksums else 0)
+                filled += 1
+    return len(ts), filled
+
+
+def test_fill_rows_of_many_chunks(moe: Path) -> None:
+    num, filled = _check_fill(moe)
+    assert filled == 3 * num  # every tensor, cold and warm
+
+
+@pytest.mark.parametrize("kind,world", [("placements", None), ("uneven", 11), ("mixed", None)])
+def test_fill_rows_of_real_layouts(kind: str, world: int | None, make_checkpoint) -> None:
+    """Replicate, Shard(1), uneven and empty pieces, several dtypes and files per rank."""
+    from examples.fsdp2_checkpoint import MODEL_DIR
+
+    _check_fill(make_checkpoint(kind, world) / MODEL_DIR)
+
+
+def test_fill_rows_withholds_a_tensor_whose_checksum_fails(moe: Path, tmp_path: Path) -> None:
+    damaged, t, _, _ = _flipped_payload(moe, tmp_path, 1)
+    info = dcp.read_info(damaged)
+    ts = list(info.tensors)
+    dsts = list(itertools.accumulate((x.nbytes for x in ts), initial=0))
+    i = next(j for j, x in enumerate(ts) if x.name == t.name)
+    with dcp.DcpReader(info) as r, dcp.DcpReader(info, templates=False) as full:
+        checked = r.fill_rows(ts, bytearray(dsts[-1]), dsts[:-1], checksums=True)
+        out = bytearray(dsts[-1])
+        plain = r.fill_rows(ts, out, dsts[:-1])
+        assert bytes(out[dsts[i] : dsts[i + 1]]) == _whole(full, ts[i])
+    assert checked[i] is None  # withheld: the caller reads it and reports the CRC
+    assert plain[i] is not None  # a copy checks no CRC
+    assert sum(v is not None for v in checked) == len(ts) - 1
+
+
+@pytest.mark.parametrize("name", ["model.model.embed_tokens.weight",
+                                  "model.model.layers.1.mlp.experts.2.up_proj.weight"])
+def test_any_header_byte_changed_fills_as_a_full_decode(name: str, moe: Path,
+                                                        tmp_path: Path) -> None:
+    """Every byte of a late record outside its storage's data, changed in turn: a tensor
+    ``fill_rows`` fills is one whose every chunk a full decode reads, to the same bytes, with
+    every CRC-32 matching; else it is withheld."""
+    damaged = _copy(moe, tmp_path)
+    info = dcp.read_info(damaged)
+    t, c = _late_chunk(info, name)
+    with dcp.DcpReader(info, templates=False) as r:
+        p = r.payload(t, c)
+    path = damaged / c.file
+    original = path.read_bytes()
+    data_lo, data_hi = p.storage_offset - c.offset, p.storage_offset - c.offset + p.storage_size
+    withheld = 0
+    with dcp.DcpReader(info) as fast:
+        fast.payload(t, t.chunks[0])  # the template, from an intact record
+        for i in [*range(0, data_lo), *range(data_hi, c.length)]:
+            data = bytearray(original)
+            data[c.offset + i] ^= 0x04
+            path.write_bytes(data)
+            fast.store.close()  # reopen the changed file
+            for checksums in (False, True):
+                out = bytearray(t.nbytes)
+                (got,) = fast.fill_rows([t], out, [0], checksums=checksums)
+                if got is None:
+                    withheld += 1
+                    continue
+                with dcp.DcpReader(info, templates=False) as full:
+                    assert bytes(out) == _whole(full, t), f"byte {i} of the record"
+                    if checksums:
+                        for x in t.chunks:
+                            q = full.payload(t, x, checksums=True)
+                            assert crc32(_stored(damaged, q)) == q.crc32, f"byte {i}"
+                            assert all(crc32(_stored_side(damaged, s)) == s.crc32
+                                       for s in q.side), f"byte {i}"
+    assert withheld  # a changed header byte is never silently accepted everywhere

@@ -248,3 +248,24 @@ def test_columns_are_the_chunks(widths: Path, moe: Path) -> None:
                 assert list(t.chunks.column(nd + d)) == [c.sizes[d] for c in chunks]
             with pytest.raises(IndexError):
                 t.chunks.column(2 * nd)
+
+
+def test_arithmetic_pieces_cover_the_rows_each_at_one_step() -> None:
+    """The storage entries of a run are placed by strided slices over its pieces: every row
+    in exactly one piece, each piece the rows ``rows[a]``, ``rows[a] + step``, ..."""
+    from array import array
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.integers(-5, 200), min_size=1, max_size=60))
+    def check(values: list[int]) -> None:
+        rows = array("q", values)
+        pieces = dcp_metadata._arithmetic(rows)
+        assert [a for a, _, _ in pieces] == [0, *(b for _, b, _ in pieces[:-1])]
+        assert pieces[-1][1] == len(rows)
+        for a, b, step in pieces:
+            assert list(rows[a:b]) == [rows[a] + step * i for i in range(b - a)]
+
+    check()

@@ -449,17 +449,35 @@ def _write_batch(reader: Reader, job: _Job, report: Progress, stop: threading.Ev
 
 def _write_window(reader: Reader, job: _Window, report: Progress, stop: threading.Event
                   ) -> None:
-    """The window's tensors made whole in memory, then written at once. Chunks are read in
-    the order they are stored (:meth:`Reader.elements`); a chunk of a tensor of rows
-    (Shard(0)) whose elements came that way is copied in place, any other is read in C order
-    (:meth:`Reader.read_chunk` where they did not come) and placed run by run. A tensor to
-    cast is made whole in its own dtype first."""
+    """The window's tensors made whole in memory, then written at once. Tensors of rows
+    (Shard(0)) not cast are filled by the reader all at once (:meth:`Reader.fill_rows`: no
+    Python per chunk); for the others, chunks are read in the order they are stored
+    (:meth:`Reader.elements`), a chunk of rows whose elements came that way copied in place,
+    any other read in C order (:meth:`Reader.read_chunk` where they did not come) and placed
+    run by run. A tensor to cast is made whole in its own dtype first."""
     out = bytearray(job.nbytes)
     view = memoryview(out)
+    entries = [_stored(t) for t in job.tensors]
+    plain = [i for i, t in enumerate(job.tensors) if not t.cast]
+    filled = reader.fill_rows([entries[i] for i in plain], out,
+                              [job.tensors[i].slot.begin - job.begin for i in plain])
+    done = {i for i, got in zip(plain, filled, strict=True) if got is not None}
+    rest = [i for i in range(len(job.tensors)) if i not in done]
+    if rest and not stop.is_set():
+        _fill_window(reader, job, view, [job.tensors[i] for i in rest],
+                     [entries[i] for i in rest], stop)
+    if stop.is_set():
+        return
+    pwrite_all(job.fd, view, job.begin)
+    report(job.nbytes)
+
+
+def _fill_window(reader: Reader, job: _Window, view: memoryview, outs: list[OutTensor],
+                 entries: list[Tensor], stop: threading.Event) -> None:
+    """``outs`` made whole in the window's ``view``: their chunks read in stored order."""
     # Per tensor: where its elements go (the window, or a buffer in its own dtype to cast).
     targets: list[memoryview] = []
-    entries = [_stored(t) for t in job.tensors]
-    for t, entry in zip(job.tensors, entries, strict=True):
+    for t, entry in zip(outs, entries, strict=True):
         at = t.slot.begin - job.begin
         targets.append(memoryview(bytearray(entry.nbytes)) if t.cast
                        else view[at : at + t.slot.nbytes])
@@ -480,12 +498,10 @@ def _write_window(reader: Reader, job: _Window, report: Progress, stop: threadin
         whole = memoryview(data if data is not None else reader.read_chunk(entry, c))
         for src, dst, n in chunk_geometry.runs(entry.shape, c.offsets, c.sizes):
             target[dst * item : (dst + n) * item] = whole[src * item : (src + n) * item]
-    for t, target in zip(job.tensors, targets, strict=True):
+    for t, target in zip(outs, targets, strict=True):
         if t.cast:
             at = t.slot.begin - job.begin
             view[at : at + t.slot.nbytes] = _cast_bytes(target, t)
-    pwrite_all(job.fd, view, job.begin)
-    report(job.nbytes)
 
 
 def _write_chunk(reader: Reader, dst: int, t: OutTensor, c: Chunk, report: Progress,

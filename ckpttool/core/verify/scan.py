@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import threading
 from collections.abc import Callable, Generator, Iterator, Set
 from concurrent.futures import ThreadPoolExecutor
@@ -53,7 +54,7 @@ HELD_BYTES = 64 << 20
 
 # A tensor made whole from its records and checked (every CRC-32 matched), and the bytes
 # those checksums covered.
-Given = tuple[bytearray, int]
+Given = tuple[bytearray | memoryview, int]
 
 
 class _Unreadable(Exception):
@@ -363,33 +364,27 @@ def groups(todo: list[TensorView]) -> list[list[TensorView]]:
 def scan_group(scanner: Scanner, group: list[TensorView],
                job: Callable[[TensorView, Given | None], Result]) -> list[Result]:
     """``job`` on each tensor of ``group``. Small tensors of row chunks are first made whole
-    together, their records read in stored order and every checksum checked as they go by
-    (:meth:`Reader.checked_elements`); a tensor any of whose chunks that does not cover (a
-    failed checksum, a record unlike the others, another layout) is read on its own, by the
-    path that says what is wrong."""
+    together, every checksum of their records checked, all at once
+    (:meth:`Reader.fill_rows`); a tensor that does not cover (a failed checksum, a record
+    unlike the others, another layout) is read on its own, by the path that says what is
+    wrong."""
     ts = [t.tensor for t in group]
     if len(group) == 1 and group[0].nbytes >= GROUP_TENSOR:
         return [job(group[0], None)]
-    firsts = [tensors.row_starts(t) for t in ts]
-    wholes = [bytearray(t.nbytes) if f is not None else None for t, f in zip(ts, firsts,
-                                                                             strict=True)]
+    rows = [i for i, t in enumerate(ts) if tensors.row_starts(t) is not None]
+    dsts = list(itertools.accumulate((ts[i].nbytes for i in rows), initial=0))
+    made = bytearray(dsts[-1])
+    view = memoryview(made)
+    wholes: list[memoryview | None] = [None] * len(ts)
     checked = [0] * len(ts)
-    order = tensors.stored_order(ts)
-    items = [(ts[i], k) for _, _, i, k in order]
     try:
-        for (_, _, i, k), got in zip(order, scanner.reader.checked_elements(items),
-                                     strict=True):
-            whole, at = wholes[i], firsts[i]
-            if whole is None or at is None:
-                continue
-            if got is None:
-                wholes[i] = None
-                continue
-            data, n = got
-            whole[at[k] : at[k] + len(data)] = data
-            checked[i] += n
+        filled = scanner.reader.fill_rows([ts[i] for i in rows], made, dsts[:-1],
+                                          checksums=True)
     except InputError:  # a file that cannot be read: each tensor says so on its own
-        wholes = [None] * len(ts)
+        filled = [None] * len(rows)
+    for i, at, got in zip(rows, dsts, filled, strict=False):
+        if got is not None:
+            wholes[i], checked[i] = view[at : at + ts[i].nbytes], got
     return [job(t, None if w is None else (w, n))
             for t, w, n in zip(group, wholes, checked, strict=True)]
 

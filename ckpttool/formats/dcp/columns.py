@@ -32,7 +32,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import chain, islice, repeat
+from itertools import chain, compress, islice, repeat
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -910,6 +910,23 @@ class _TensorRows:
     ndim: int
 
 
+def _arithmetic(rows: array[int]) -> list[tuple[int, int, int]]:
+    """``rows`` cut into pieces ``[a, b)`` at one step each: ``(a, b, step)``; a piece of
+    one row has step 1."""
+    n = len(rows)
+    if n == 1:
+        return [(0, 1, 1)]
+    d = array("q", map(operator.sub, rows[1:], rows[:-1]))
+    # Where the step changes: the row before ends a piece, the next begins one.
+    ends = [k + 1 for k in compress(range(1, n - 1), map(operator.ne, d[1:], d[:-1]))]
+    out = []
+    a = 0
+    for b in (*ends, n):
+        out.append((a, b, d[a] if b - a > 1 else 1))
+        a = b
+    return out
+
+
 def _check_rows(t: _TensorRows, number: int, boxes: array[int], length: array[int],
                 row_fqn: array[int], row_offs: list[array[int]]) -> None:
     """The rows of ``t`` against the storage entries placed in them, and what the allow-list
@@ -1127,15 +1144,23 @@ class _Placement:
                                          vm.s_length[at + i])
                 continue
             rows_at = array("q", map(operator.add, firsts, index))
-            try:  # a row past the table: IndexError (an index past its tensor: checked later)
-                _consume(map(self.row_fqn.__setitem__, rows_at, fq))
-            except IndexError as e:
-                raise Fallback("index") from e
-            _consume(map(self.file.__setitem__, rows_at, vm.s_file[at : at + n]))
-            _consume(map(self.begin.__setitem__, rows_at, vm.s_begin[at : at + n]))
-            _consume(map(self.length.__setitem__, rows_at, vm.s_length[at : at + n]))
-            for k in range(nd):
-                _consume(map(self.row_offs[k].__setitem__, rows_at, offs[k::nd]))
+            # A row past the table (an index past its tensor: checked later).
+            if min(rows_at) < 0 or max(rows_at) >= len(self.file):
+                raise Fallback("index")
+            columns = [(self.row_fqn, fq), (self.file, vm.s_file[at : at + n]),
+                       (self.begin, vm.s_begin[at : at + n]),
+                       (self.length, vm.s_length[at : at + n]),
+                       *((self.row_offs[k], offs[k::nd]) for k in range(nd))]
+            # Entries of one file, one per tensor: rows a tensor's chunk count apart. Each
+            # piece of rows at one step is a strided slice assignment per column.
+            for a, b, step in _arithmetic(rows_at):
+                if step > 0:
+                    where = slice(rows_at[a], rows_at[b - 1] + 1, step)
+                    for col, values in columns:
+                        col[where] = values[a:b]
+                else:  # rows in another order: one at a time, in C
+                    for col, values in columns:
+                        _consume(map(col.__setitem__, rows_at[a:b], values[a:b]))
             placed += n
         del vm.s_fqn[:], vm.s_index[:], vm.s_offs[:], vm.s_file[:], vm.s_begin[:]
         del vm.s_length[:]

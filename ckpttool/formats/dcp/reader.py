@@ -46,14 +46,13 @@ import io
 import itertools
 import json
 import math
-import operator
 import os
 import pickle
 import re
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,14 +72,23 @@ from ckpttool.formats.base import (
     Problem,
     Reader,
     Tensor,
-    TensorPlaceholder,
-    UnreadableObject,
     error,
 )
 from ckpttool.formats.codecs import archive, torchsave, zstd
-from ckpttool.formats.codecs.crc import crc32
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.formats.dcp import columns as dcp_metadata
+from ckpttool.formats.dcp.records import (
+    SMALL_RECORD,
+    SPAN,
+    Template,
+    TensorRecord,
+    fill_rows,
+    payload_of,
+    read_object,
+    read_record,
+    record_entries,
+)
+from ckpttool.formats.dcp.records import plain as _plain
 from ckpttool.storage.store import LOCAL, Store, Stores, file_size, pread_of
 
 NAME = "dcp"
@@ -119,28 +127,6 @@ class Detail:
     compressed_objects: frozenset[tuple[str, int]] = frozenset()  # (file, offset)
     copies: tuple[Copy, ...] = ()
     nested: Nested | None = None  # records of an unflattened save, opened
-
-
-@dataclass(frozen=True)
-class TensorRecord:
-    """A chunk's ``torch.save`` record, decoded from its zip and pickle headers."""
-
-    dtype: DType
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_offset: int  # in elements
-    data_offset: int  # absolute byte offset of the storage payload in the file
-    data_size: int  # bytes of the storage payload
-    crc32: int | None  # CRC-32 of the payload as the zip header records it
-    entries: tuple[archive.ZipEntry, ...] = ()  # every entry, offsets relative to the record
-
-    @functools.cached_property
-    def is_contiguous(self) -> bool:  # cached: a template's record answers it per chunk
-        return self.stride == torchsave.contiguous_strides(self.shape) or math.prod(self.shape) <= 1
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 # --------------------------------------------------------------------------------------------
@@ -820,225 +806,6 @@ def _safe_relative(md_path: Path, rel: str) -> str:
     return rel
 
 
-# --------------------------------------------------------------------------------------------
-# torch.save records: zip headers and the data.pkl that names the storage
-
-
-def read_record(fd: int | Callable[[int, int], bytes], *, offset: int, length: int, where: str
-                ) -> TensorRecord:
-    """Decode the ``torch.save`` record of one tensor chunk at ``offset`` in the open file ``fd``.
-
-    Reads only headers (two small reads for an ordinary record), never the tensor bytes.
-
-    Raises:
-        InputError: the record is truncated, corrupt, or its pickle is not a plain tensor.
-        UnsupportedError: big-endian or compressed records.
-    """
-    rb = archive.RecordBytes(fd, offset, length, where)
-    entries = archive.zip_entries(rb)
-    archive.check_byteorder(rb, entries)
-    try:
-        ref = torchsave.load_pickle(rb, entries)
-    except torchsave.Refused as e:
-        raise InputError(
-            f"{where}: tensor record asks for '{e.qualname}', which a tensor never needs; "
-            "refused (nothing was executed)"
-        ) from e
-    except torchsave.PICKLE_ERRORS as e:
-        raise InputError(f"{where}: corrupt tensor record ({e})") from e
-    if not isinstance(ref, torchsave.TensorRef):
-        raise InputError(f"{where}: record holds a {type(ref).__name__}, not a tensor")
-    data = entries.get(f"data/{ref.storage.key}")
-    if data is None:
-        raise InputError(f"{where}: record lacks storage 'data/{ref.storage.key}'; corrupt")
-    return TensorRecord(
-        dtype=ref.dtype,
-        shape=ref.shape,
-        stride=ref.stride,
-        storage_offset=ref.storage_offset,
-        data_offset=offset + data.data_offset,
-        data_size=data.size,
-        crc32=data.crc32,
-        entries=tuple(entries.values()),
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Non-tensor entries
-
-
-def read_object(fd: int | Callable[[int, int], bytes], entry: ObjectEntry, *, where: str
-                ) -> Any:
-    """Read a non-tensor entry with weights-only semantics: plain containers and scalars only.
-
-    Raises:
-        UnreadableObject: the pickle names a class or function (named in the exception).
-        InputError: the record is truncated or corrupt.
-    """
-    rb = archive.RecordBytes(fd, entry.offset, entry.length, where)
-    entries = archive.zip_entries(rb)
-    try:
-        value = torchsave.load_pickle(rb, entries, max_nodes=torchsave.OBJECT_MAX_NODES)
-    except torchsave.Refused as e:
-        pkl = entries["data.pkl"]
-        names = torchsave.named_globals(rb.read(pkl.data_offset, pkl.size))
-        raise UnreadableObject(e.qualname, names=names or [e.qualname]) from e
-    except torchsave.TooComplex as e:
-        raise UnreadableObject(None, str(e)) from e
-    except torchsave.PICKLE_ERRORS as e:
-        raise InputError(f"{where}: corrupt record ({e})") from e
-    return _plain(value)
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, torchsave.TensorRef):
-        return TensorPlaceholder(value.dtype.name, value.shape)
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
-    return value
-
-
-def record_entries(fd: int | Callable[[int, int], bytes], *, offset: int, length: int,
-                   where: str) -> tuple[archive.ZipEntry, ...]:
-    """Every entry of the record at ``offset`` (data.pkl, the storage, byteorder...), with
-    absolute offsets and the CRC-32 the zip headers record."""
-    rb = archive.RecordBytes(fd, offset, length, where)
-    return tuple(dataclasses.replace(e, data_offset=offset + e.data_offset)
-                 for e in archive.zip_entries(rb).values())
-
-
-# --------------------------------------------------------------------------------------------
-# Reading data
-
-
-# Records up to this size are read whole to match a template (one read instead of two).
-_SMALL_RECORD = 1 << 16
-# Back-to-back small records are read together up to this many bytes (Reader.payloads).
-_SPAN = 4 << 20
-
-
-class _Template:
-    """A decoded record, as a pattern for records of the same length, dtype and shape.
-
-    torch's writer gives every chunk of one dtype and shape the same record but for the
-    CRC-32 fields and the contents of the storage (and version) entries: headers, entry names,
-    sizes and offsets, ``data.pkl`` and ``byteorder`` are the same bytes. A record whose bytes
-    equal the template's everywhere else decodes, by the same code, to the same layout, so it
-    is located without parsing its zip directory and unpickling its ``data.pkl`` again (the
-    per-chunk cost that dominates checkpoints of many small chunks). The comparison and the
-    CRC fields are one C-level call each.
-    """
-
-    def __init__(self, rec: TensorRecord, raw: bytes, length: int, data: archive.ZipEntry
-                 ) -> None:
-        self.rec = rec  # offsets relative to the record
-        self.head = data.data_offset  # bytes read before the storage's data...
-        self.data_end = data.data_offset + data.size  # ...and after it, to the record's end
-        gap = data.size
-
-        def in_raw(at: int) -> int:  # ``raw`` is [0, head) + [data_end, length)
-            return at if at <= self.head else at - gap
-
-        masks = [(at, 4) for e in rec.entries for at in e.crc_fields]
-        masks += [e.descriptor for e in rec.entries if e.descriptor[1]]
-        masks += [(e.data_offset, e.size) for e in rec.entries
-                  if e.name not in ("data.pkl", "byteorder")]
-        spans = []  # in record coordinates; the storage's data is masked, so none spans it
-        pos = 0
-        for start, size in sorted(masks):
-            if start > pos:
-                spans.append((pos, start))
-            pos = max(pos, start + size)
-        if pos < length:
-            spans.append((pos, length))
-        segments = [slice(in_raw(a), in_raw(b)) for a, b in spans]
-        self._compared = operator.itemgetter(*segments) if segments else (lambda raw: ())
-        self._expected = self._compared(raw)
-        self._size = len(raw)
-        self.length = length
-        # The same comparison on the whole record (read with others: no copy of its parts).
-        self._compared_whole = (operator.itemgetter(*(slice(a, b) for a, b in spans))
-                                if spans else (lambda whole: ()))
-        # Every entry's CRC-32 as the central directory records it, in one unpack: the
-        # storage's first, then the others (what verify checks besides the elements), whose
-        # bytes are in ``raw`` already.
-        self.side = tuple(e for e in rec.entries if e is not data)
-        self.side_slices = tuple(slice(in_raw(e.data_offset), in_raw(e.data_offset) + e.size)
-                                 for e in self.side)
-        self.side_whole = tuple(slice(e.data_offset, e.data_offset + e.size)
-                                for e in self.side)
-        self._sides = operator.itemgetter(*self.side_whole) if len(self.side) > 1 else (
-            lambda whole: tuple(whole[s] for s in self.side_whole))
-        self.side_bytes = sum(e.size for e in self.side)
-        # Where the elements start in the stored bytes (None: a strided view).
-        self.start = rec.storage_offset * rec.dtype.itemsize if rec.is_contiguous else None
-        fields = [e.crc_fields[0] for e in (data, *self.side)]
-        order = sorted(range(len(fields)), key=fields.__getitem__)
-        self._crcs = self._fields([in_raw(f) for f in fields], order)
-        self._crcs_whole = self._fields(fields, order)
-        self._order = order
-        # Every entry's bytes in the whole record, in the order of their CRC fields: one
-        # comparison checks them all.
-        entries = [slice(self.head, self.data_end), *self.side_whole]
-        ordered = [entries[i] for i in order]
-        self._all_entries = operator.itemgetter(*ordered) if len(ordered) > 1 else (
-            lambda whole: (whole[ordered[0]],))
-
-    @staticmethod
-    def _fields(fields: list[int], order: list[int]) -> struct.Struct:
-        fmt, pos = "<", 0
-        for i in order:
-            fmt += f"{fields[i] - pos}xI"
-            pos = fields[i] + 4
-        return struct.Struct(fmt)
-
-    def crcs(self, raw: bytes, *, whole: bool = False) -> list[int]:
-        """The CRC-32 of the storage entry, then of each ``side`` entry (from the record
-        without its storage's data, or from the ``whole`` record)."""
-        values = (self._crcs_whole if whole else self._crcs).unpack_from(raw)
-        out = [0] * len(values)
-        for value, i in zip(values, self._order, strict=True):
-            out[i] = value
-        return out
-
-    def decode_whole(self, chunk: Chunk, whole: bytes, checksums: bool) -> Payload | None:
-        """The payload of ``chunk``, whose ``whole`` record was read already, if the record
-        matches this template; None if it does not (then it is decoded in full). With
-        ``checksums``, the other entries' CRC-32s are checked here, in C (``checked``), and
-        handed on in ``side`` only when one fails."""
-        if not self.matches_whole(whole):
-            return None
-        rec = self.rec
-        at = chunk.offset + rec.data_offset
-        stored = memoryview(whole)[self.head : self.data_end]
-        start = at + self.start if self.start is not None else None
-        if not checksums:
-            return Payload(chunk.file, at, rec.data_size, None, start, rec.stride,
-                           rec.storage_offset, data=stored)
-        crcs = self.crcs(whole, whole=True)
-        if list(map(crc32, self._sides(whole))) == crcs[1:]:
-            return Payload(chunk.file, at, rec.data_size, crcs[0], start, rec.stride,
-                           rec.storage_offset, checked=self.side_bytes, data=stored)
-        return _payload(chunk, rec, crcs[0], zip(self.side, crcs[1:], (
-            whole[s] for s in self.side_whole), strict=True), stored)
-
-    def checked(self, whole: bytes) -> int | None:
-        """The bytes of the ``whole`` record (matching this template) whose CRC-32s were
-        checked, all of its entries' (storage and side), if every one matches its header's;
-        None if one does not."""
-        if tuple(map(crc32, self._all_entries(whole))) != self._crcs_whole.unpack_from(whole):
-            return None
-        return self.data_end - self.head + self.side_bytes
-
-    def matches(self, raw: bytes) -> bool:
-        return len(raw) == self._size and self._compared(raw) == self._expected
-
-    def matches_whole(self, whole: bytes) -> bool:
-        return len(whole) == self.length and self._compared_whole(whole) == self._expected
-
-
 class DcpReader(Reader):
     """Chunks are ``torch.save`` records (zstd-compressed ones included) or ranges of a
     safetensors blob; objects are pickled records."""
@@ -1046,7 +813,7 @@ class DcpReader(Reader):
     def __init__(self, info: CheckpointInfo, store: Store | None = None, *,
                  templates: bool = True) -> None:
         super().__init__(info, store)
-        self._templates: dict[tuple[int, str, tuple[int, ...]], _Template | None] = {}
+        self._templates: dict[tuple[int, str, tuple[int, ...]], Template | None] = {}
         self._use_templates = templates  # False: decode every record in full (tests compare)
         self.detail = info.detail if isinstance(info.detail, Detail) else Detail()
         # The last record each thread decompressed: payload() then read_chunk() of one chunk
@@ -1064,7 +831,7 @@ class DcpReader(Reader):
                       ) -> tuple[bytes, bytes | None]:
         """The record's bytes before and after its storage's data, in one read when small;
         and then the whole record (None when it is read in two parts)."""
-        if chunk.length <= _SMALL_RECORD:
+        if chunk.length <= SMALL_RECORD:
             whole = self.store.pread(chunk.file, chunk.length, chunk.offset)
             if len(whole) != chunk.length:
                 return b"", None
@@ -1171,7 +938,7 @@ class DcpReader(Reader):
                 raw, whole = self._outside_data(chunk, template.head, template.data_end)
                 if template.matches(raw):
                     crcs = template.crcs(raw)
-                    return _payload(chunk, template.rec, crcs[0],
+                    return payload_of(chunk, template.rec, crcs[0],
                                     zip(template.side, crcs[1:],
                                         (raw[s] for s in template.side_slices), strict=True)
                                     if checksums else (),
@@ -1192,10 +959,10 @@ class DcpReader(Reader):
         relative = dataclasses.replace(rec, data_offset=rec.data_offset - chunk.offset)
         data = next(e for e in rec.entries if e.data_offset == relative.data_offset)
         if self._use_templates and key not in self._templates:
-            self._templates[key] = (_Template(relative, self._outside_data(
+            self._templates[key] = (Template(relative, self._outside_data(
                 chunk, data.data_offset, data.data_offset + data.size)[0], chunk.length, data)
                 if data.crc_fields else None)
-        return _payload(chunk, relative, rec.crc32,
+        return payload_of(chunk, relative, rec.crc32,
                         ((e, e.crc32, None) for e in rec.entries if e is not data)
                         if checksums else ())
 
@@ -1203,11 +970,11 @@ class DcpReader(Reader):
                  ) -> Iterator[Payload]:
         """Records that lie back to back in one file (as a writer leaves them, and as a
         caller that sorts by file and offset asks for them) are read together, in one read
-        of up to ``_SPAN`` bytes, and decoded from memory with their stored bytes."""
+        of up to ``SPAN`` bytes, and decoded from memory with their stored bytes."""
         i, n = 0, len(items)
         while i < n:
             first = items[i][1]
-            if first.encoding != RECORD or first.length > _SMALL_RECORD:
+            if first.encoding != RECORD or first.length > SMALL_RECORD:
                 yield self._decode(items[i][0], first, checksums)
                 i += 1
                 continue
@@ -1215,7 +982,7 @@ class DcpReader(Reader):
             while j < n:
                 c = items[j][1]
                 if (c.offset != end or c.file != first.file or c.encoding != RECORD
-                        or c.length > _SMALL_RECORD or c.end - first.offset > _SPAN):
+                        or c.length > SMALL_RECORD or c.end - first.offset > SPAN):
                     break
                 end = c.end
                 j += 1
@@ -1258,7 +1025,7 @@ class DcpReader(Reader):
             cols = t.chunks
             g = cols.first + k if isinstance(cols, ChunkColumns) else 0
             if not isinstance(cols, ChunkColumns) or cols.table.encoding != RECORD or \
-                    cols.table.length[g] > _SMALL_RECORD:
+                    cols.table.length[g] > SMALL_RECORD:
                 yield None
                 i += 1
                 continue
@@ -1274,7 +1041,7 @@ class DcpReader(Reader):
                     break
                 g2 = c2.first + k2
                 if file_col[g2] != file or offset_col[g2] != end or \
-                        length_col[g2] > _SMALL_RECORD or end + length_col[g2] - start > _SPAN:
+                        length_col[g2] > SMALL_RECORD or end + length_col[g2] - start > SPAN:
                     break
                 end += length_col[g2]
                 j += 1
@@ -1303,6 +1070,16 @@ class DcpReader(Reader):
                 checked = template.checked(whole)
                 yield None if checked is None else (elements, checked)
             i = j
+
+    def fill_rows(self, tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
+                  checksums: bool = False) -> list[int | None]:
+        # Object storage reads the ranges a merge planned, ahead (formats/remote.py): the
+        # chunk by chunk path asks for exactly those.
+        if not self._use_templates or self.capabilities.many_ranges:
+            return [None] * len(tensors)
+        return fill_rows(tensors, out, dsts, checksums=checksums, templates=self._templates,
+                         pread=lambda file, size, offset: self.store.pread(file, size, offset),
+                         decode=self._decode)
 
     def other_checksums(self) -> tuple[list[Checksummed], list[Problem]]:
         """The entries of every non-tensor record (their pickles) whose file holds them, and
@@ -1467,23 +1244,6 @@ def _first_difference(a: Iterator[bytes], b: Iterator[bytes]) -> int | None:
                                 if u != v), min(len(x), len(y)))
         done += len(x)
     return None
-
-
-def _payload(chunk: Chunk, rec: TensorRecord, crc: int | None,
-             side: Iterable[tuple[archive.ZipEntry, int, bytes | None]],
-             data: memoryview | None = None) -> Payload:
-    """Where a chunk's elements are, from its record (``rec``: offsets relative to it);
-    ``data``: the stored bytes, when they were read with the record."""
-    at = chunk.offset + rec.data_offset
-    item = rec.dtype.itemsize
-    return Payload(
-        chunk.file, at, rec.data_size, crc,
-        at + rec.storage_offset * item if rec.is_contiguous else None,
-        stride=rec.stride, view_offset=rec.storage_offset,
-        side=tuple(Checksummed(chunk.file, chunk.offset + e.data_offset, e.size, value,
-                               f"record entry '{e.name}'", side_data)
-                   for e, value, side_data in side),
-        data=data)
 
 
 def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> DcpReader:

@@ -1,0 +1,529 @@
+"""``torch.save`` records of DCP chunks: decoded from their zip and pickle headers
+(:func:`read_record`), non-tensor entries read with weights-only semantics
+(:func:`read_object`), and records decoded once as templates for the many records of the same
+layout (:class:`Template`), one at a time or many at once (:func:`fill_rows`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import operator
+import struct
+import sys
+from array import array
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import compress, repeat
+from typing import Any
+
+from ckpttool.errors import CkptError, InputError
+from ckpttool.formats.base import (
+    RECORD,
+    Checksummed,
+    Chunk,
+    ChunkColumns,
+    ObjectEntry,
+    Payload,
+    Tensor,
+    TensorPlaceholder,
+    UnreadableObject,
+)
+from ckpttool.formats.codecs import archive, torchsave
+from ckpttool.formats.codecs.crc import crc32
+from ckpttool.formats.codecs.dtypes import DType
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """A chunk's ``torch.save`` record, decoded from its zip and pickle headers."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int  # in elements
+    data_offset: int  # absolute byte offset of the storage payload in the file
+    data_size: int  # bytes of the storage payload
+    crc32: int | None  # CRC-32 of the payload as the zip header records it
+    entries: tuple[archive.ZipEntry, ...] = ()  # every entry, offsets relative to the record
+
+    @functools.cached_property
+    def is_contiguous(self) -> bool:  # cached: a template's record answers it per chunk
+        return self.stride == torchsave.contiguous_strides(self.shape) or math.prod(self.shape) <= 1
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+# --------------------------------------------------------------------------------------------
+# torch.save records: zip headers and the data.pkl that names the storage
+
+
+def read_record(fd: int | Callable[[int, int], bytes], *, offset: int, length: int, where: str
+                ) -> TensorRecord:
+    """Decode the ``torch.save`` record of one tensor chunk at ``offset`` in the open file ``fd``.
+
+    Reads only headers (two small reads for an ordinary record), never the tensor bytes.
+
+    Raises:
+        InputError: the record is truncated, corrupt, or its pickle is not a plain tensor.
+        UnsupportedError: big-endian or compressed records.
+    """
+    rb = archive.RecordBytes(fd, offset, length, where)
+    entries = archive.zip_entries(rb)
+    archive.check_byteorder(rb, entries)
+    try:
+        ref = torchsave.load_pickle(rb, entries)
+    except torchsave.Refused as e:
+        raise InputError(
+            f"{where}: tensor record asks for '{e.qualname}', which a tensor never needs; "
+            "refused (nothing was executed)"
+        ) from e
+    except torchsave.PICKLE_ERRORS as e:
+        raise InputError(f"{where}: corrupt tensor record ({e})") from e
+    if not isinstance(ref, torchsave.TensorRef):
+        raise InputError(f"{where}: record holds a {type(ref).__name__}, not a tensor")
+    data = entries.get(f"data/{ref.storage.key}")
+    if data is None:
+        raise InputError(f"{where}: record lacks storage 'data/{ref.storage.key}'; corrupt")
+    return TensorRecord(
+        dtype=ref.dtype,
+        shape=ref.shape,
+        stride=ref.stride,
+        storage_offset=ref.storage_offset,
+        data_offset=offset + data.data_offset,
+        data_size=data.size,
+        crc32=data.crc32,
+        entries=tuple(entries.values()),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Non-tensor entries
+
+
+def read_object(fd: int | Callable[[int, int], bytes], entry: ObjectEntry, *, where: str
+                ) -> Any:
+    """Read a non-tensor entry with weights-only semantics: plain containers and scalars only.
+
+    Raises:
+        UnreadableObject: the pickle names a class or function (named in the exception).
+        InputError: the record is truncated or corrupt.
+    """
+    rb = archive.RecordBytes(fd, entry.offset, entry.length, where)
+    entries = archive.zip_entries(rb)
+    try:
+        value = torchsave.load_pickle(rb, entries, max_nodes=torchsave.OBJECT_MAX_NODES)
+    except torchsave.Refused as e:
+        pkl = entries["data.pkl"]
+        names = torchsave.named_globals(rb.read(pkl.data_offset, pkl.size))
+        raise UnreadableObject(e.qualname, names=names or [e.qualname]) from e
+    except torchsave.TooComplex as e:
+        raise UnreadableObject(None, str(e)) from e
+    except torchsave.PICKLE_ERRORS as e:
+        raise InputError(f"{where}: corrupt record ({e})") from e
+    return plain(value)
+
+
+def plain(value: Any) -> Any:
+    if isinstance(value, torchsave.TensorRef):
+        return TensorPlaceholder(value.dtype.name, value.shape)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(v) for v in value)
+    return value
+
+
+def record_entries(fd: int | Callable[[int, int], bytes], *, offset: int, length: int,
+                   where: str) -> tuple[archive.ZipEntry, ...]:
+    """Every entry of the record at ``offset`` (data.pkl, the storage, byteorder...), with
+    absolute offsets and the CRC-32 the zip headers record."""
+    rb = archive.RecordBytes(fd, offset, length, where)
+    return tuple(dataclasses.replace(e, data_offset=offset + e.data_offset)
+                 for e in archive.zip_entries(rb).values())
+
+
+# --------------------------------------------------------------------------------------------
+# Reading data
+
+
+# Records up to this size are read whole to match a template (one read instead of two).
+SMALL_RECORD = 1 << 16
+# Back-to-back small records are read together up to this many bytes (Reader.payloads).
+SPAN = 4 << 20
+
+
+class Template:
+    """A decoded record, as a pattern for records of the same length, dtype and shape.
+
+    torch's writer gives every chunk of one dtype and shape the same record but for the
+    CRC-32 fields and the contents of the storage (and version) entries: headers, entry names,
+    sizes and offsets, ``data.pkl`` and ``byteorder`` are the same bytes. A record whose bytes
+    equal the template's everywhere else decodes, by the same code, to the same layout, so it
+    is located without parsing its zip directory and unpickling its ``data.pkl`` again (the
+    per-chunk cost that dominates checkpoints of many small chunks). The comparison and the
+    CRC fields are one C-level call each.
+    """
+
+    def __init__(self, rec: TensorRecord, raw: bytes, length: int, data: archive.ZipEntry
+                 ) -> None:
+        self.rec = rec  # offsets relative to the record
+        self.head = data.data_offset  # bytes read before the storage's data...
+        self.data_end = data.data_offset + data.size  # ...and after it, to the record's end
+        gap = data.size
+
+        def in_raw(at: int) -> int:  # ``raw`` is [0, head) + [data_end, length)
+            return at if at <= self.head else at - gap
+
+        masks = [(at, 4) for e in rec.entries for at in e.crc_fields]
+        masks += [e.descriptor for e in rec.entries if e.descriptor[1]]
+        masks += [(e.data_offset, e.size) for e in rec.entries
+                  if e.name not in ("data.pkl", "byteorder")]
+        spans = []  # in record coordinates; the storage's data is masked, so none spans it
+        pos = 0
+        for start, size in sorted(masks):
+            if start > pos:
+                spans.append((pos, start))
+            pos = max(pos, start + size)
+        if pos < length:
+            spans.append((pos, length))
+        segments = [slice(in_raw(a), in_raw(b)) for a, b in spans]
+        self._compared = operator.itemgetter(*segments) if segments else (lambda raw: ())
+        self._expected = self._compared(raw)
+        self._size = len(raw)
+        self.length = length
+        # The same comparison on the whole record (read with others: no copy of its parts).
+        self._compared_whole = (operator.itemgetter(*(slice(a, b) for a, b in spans))
+                                if spans else (lambda whole: ()))
+        # Every entry's CRC-32 as the central directory records it, in one unpack: the
+        # storage's first, then the others (what verify checks besides the elements), whose
+        # bytes are in ``raw`` already.
+        self.side = tuple(e for e in rec.entries if e is not data)
+        self.side_slices = tuple(slice(in_raw(e.data_offset), in_raw(e.data_offset) + e.size)
+                                 for e in self.side)
+        self.side_whole = tuple(slice(e.data_offset, e.data_offset + e.size)
+                                for e in self.side)
+        self._sides = operator.itemgetter(*self.side_whole) if len(self.side) > 1 else (
+            lambda whole: tuple(whole[s] for s in self.side_whole))
+        self.side_bytes = sum(e.size for e in self.side)
+        # Where the elements start in the stored bytes (None: a strided view).
+        self.start = rec.storage_offset * rec.dtype.itemsize if rec.is_contiguous else None
+        fields = [e.crc_fields[0] for e in (data, *self.side)]
+        order = sorted(range(len(fields)), key=fields.__getitem__)
+        self._crcs = self._fields([in_raw(f) for f in fields], order)
+        self._crcs_whole = self._fields(fields, order)
+        self._order = order
+        # Every entry's bytes in the whole record, in the order of their CRC fields: one
+        # comparison checks them all.
+        entries = [slice(self.head, self.data_end), *self.side_whole]
+        ordered = [entries[i] for i in order]
+        self._all_entries = operator.itemgetter(*ordered) if len(ordered) > 1 else (
+            lambda whole: (whole[ordered[0]],))
+        # Many records at once (:func:`fill_rows`): the record with every byte it does not
+        # compare zeroed, the ranges zeroed, and each entry's range and CRC-32 field.
+        masked, pos = [], 0
+        for a, b in spans:
+            if a > pos:
+                masked.append((pos, a - pos))
+            pos = b
+        if pos < length:
+            masked.append((pos, length - pos))
+        blank = bytearray(raw[: self.head]) + bytes(gap) + raw[self.head :]
+        for a, w in masked:
+            blank[a : a + w] = bytes(w)
+        self.blank = bytes(blank)
+        self.masked = tuple(masked)
+        self.checked_bytes = self.data_end - self.head + self.side_bytes
+        self.checks = tuple((e.data_offset, e.size, e.crc_fields[0]) for e in (data, *self.side))
+
+    @staticmethod
+    def _fields(fields: list[int], order: list[int]) -> struct.Struct:
+        fmt, pos = "<", 0
+        for i in order:
+            fmt += f"{fields[i] - pos}xI"
+            pos = fields[i] + 4
+        return struct.Struct(fmt)
+
+    def crcs(self, raw: bytes, *, whole: bool = False) -> list[int]:
+        """The CRC-32 of the storage entry, then of each ``side`` entry (from the record
+        without its storage's data, or from the ``whole`` record)."""
+        values = (self._crcs_whole if whole else self._crcs).unpack_from(raw)
+        out = [0] * len(values)
+        for value, i in zip(values, self._order, strict=True):
+            out[i] = value
+        return out
+
+    def decode_whole(self, chunk: Chunk, whole: bytes, checksums: bool) -> Payload | None:
+        """The payload of ``chunk``, whose ``whole`` record was read already, if the record
+        matches this template; None if it does not (then it is decoded in full). With
+        ``checksums``, the other entries' CRC-32s are checked here, in C (``checked``), and
+        handed on in ``side`` only when one fails."""
+        if not self.matches_whole(whole):
+            return None
+        rec = self.rec
+        at = chunk.offset + rec.data_offset
+        stored = memoryview(whole)[self.head : self.data_end]
+        start = at + self.start if self.start is not None else None
+        if not checksums:
+            return Payload(chunk.file, at, rec.data_size, None, start, rec.stride,
+                           rec.storage_offset, data=stored)
+        crcs = self.crcs(whole, whole=True)
+        if list(map(crc32, self._sides(whole))) == crcs[1:]:
+            return Payload(chunk.file, at, rec.data_size, crcs[0], start, rec.stride,
+                           rec.storage_offset, checked=self.side_bytes, data=stored)
+        return payload_of(chunk, rec, crcs[0], zip(self.side, crcs[1:], (
+            whole[s] for s in self.side_whole), strict=True), stored)
+
+    def checked(self, whole: bytes) -> int | None:
+        """The bytes of the ``whole`` record (matching this template) whose CRC-32s were
+        checked, all of its entries' (storage and side), if every one matches its header's;
+        None if one does not."""
+        if tuple(map(crc32, self._all_entries(whole))) != self._crcs_whole.unpack_from(whole):
+            return None
+        return self.data_end - self.head + self.side_bytes
+
+    def matches(self, raw: bytes) -> bool:
+        return len(raw) == self._size and self._compared(raw) == self._expected
+
+    def matches_whole(self, whole: bytes) -> bool:
+        return len(whole) == self.length and self._compared_whole(whole) == self._expected
+
+
+def payload_of(chunk: Chunk, rec: TensorRecord, crc: int | None,
+             side: Iterable[tuple[archive.ZipEntry, int, bytes | None]],
+             data: memoryview | None = None) -> Payload:
+    """Where a chunk's elements are, from its record (``rec``: offsets relative to it);
+    ``data``: the stored bytes, when they were read with the record."""
+    at = chunk.offset + rec.data_offset
+    item = rec.dtype.itemsize
+    return Payload(
+        chunk.file, at, rec.data_size, crc,
+        at + rec.storage_offset * item if rec.is_contiguous else None,
+        stride=rec.stride, view_offset=rec.storage_offset,
+        side=tuple(Checksummed(chunk.file, chunk.offset + e.data_offset, e.size, value,
+                               f"record entry '{e.name}'", side_data)
+                   for e, value, side_data in side),
+        data=data)
+
+
+# --------------------------------------------------------------------------------------------
+# Many small records at once: the copy of millions of kilobyte-sized chunks
+
+# Drains an iterator in C (a map of __setitem__: a scatter).
+_consume: Callable[[Iterator[Any]], None] = deque(maxlen=0).extend
+_BIG_ENDIAN = sys.byteorder == "big"
+# Records compared and copied per step (their bytes, joined): bounds the memory it takes.
+_STEP_BYTES = 4 << 20
+# A span read whole holds at most twice the bytes of its records, and this much more.
+_GAP = 8 << 10
+
+
+def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
+              checksums: bool, templates: dict[Any, Template | None],
+              pread: Callable[[str, int, int], bytes],
+              decode: Callable[[Tensor, Chunk], object]) -> list[int | None]:
+    """Each tensor of row chunks (``Shard(0)``, columns of one table) made whole in ``out`` at
+    ``dsts[i]``, from records that match their templates: per tensor, the bytes whose CRC-32s
+    were checked (with ``checksums``: every entry of every record; else 0), or None where it
+    was not made whole (another layout, a record unlike its template, a checksum that fails, a
+    file that ends early): the caller reads that one its own way, which says what is wrong.
+
+    Nothing is done per chunk in Python: the rows of all tensors are columns; the records
+    of tensors stored together are read in one piece per file (where they are at least half
+    of it); records of one length, dtype and size (a template) are
+    joined, compared with the template with their varying bytes blanked (one comparison),
+    their CRC-32s computed and compared as columns, and their elements copied by strided
+    slices (or one slice each) into ``out``.
+
+    Args:
+        templates: the reader's templates, by (record length, dtype name, sizes).
+        pread: ``(file, size, offset) -> bytes``.
+        decode: decodes a chunk in full, which makes its template.
+    """
+    result: list[int | None] = [None] * len(tensors)
+    failed: set[int] = set()
+    table = None
+    kinds: dict[tuple[Any, tuple[int, ...]], int] = {}
+    # Per row: its span (below), offset, length, kind, size along dim 0, destination, tensor,
+    # table row.
+    cspan, co, cl, ck, cs, cd, ct, cg = (array("q") for _ in range(8))
+    # Spans: ranges of the files read whole, each holding records of several tensors. The
+    # chunks of most tensors lie in the same files in the same order (one per rank): a group
+    # of such tensors reads one span per file, as long as its records are most of the span.
+    # Per group: its files, its first span, and per file the first offset, the last end and
+    # the bytes used.
+    groups: list[list[Any]] = []
+    open_groups: dict[bytes, list[Any]] = {}
+    pending: list[int] = []
+    for i in _stored_first(tensors):
+        t = tensors[i]
+        cols = t.chunks
+        if not isinstance(cols, ChunkColumns) or cols.table.encoding != RECORD or \
+                not t.shape or not t.shape[0]:
+            continue
+        if table is None:
+            table = cols.table
+        elif cols.table is not table:
+            continue
+        rows = cols.rows(t.shape)
+        if rows is None:
+            continue
+        offs0, sizes0 = rows
+        a, n = cols.first, cols.num_chunks
+        files, offs, lens = table.file[a : a + n], table.offset[a : a + n], table.length[a : a + n]
+        g = array("q", range(a, a + n))
+        if not n or max(lens) > SMALL_RECORD:
+            continue
+        ends = list(map(operator.add, offs, lens))
+        key = files.tobytes()
+        group = open_groups.get(key)
+        if group is not None:
+            lo = list(map(min, group[2], offs))
+            hi = list(map(max, group[3], ends))
+            used = list(map(operator.add, group[4], lens))
+            if all(map(operator.le, map(operator.sub, hi, lo),
+                       map(operator.add, map(operator.add, used, used), repeat(_GAP)))):
+                group[2:] = lo, hi, used
+            else:
+                group = None
+        if group is None:
+            first = groups[-1][1] + len(groups[-1][0]) if groups else 0
+            group = [files, first, list(offs), ends, list(lens)]
+            groups.append(group)
+            open_groups[key] = group
+        row = t.nbytes // t.shape[0]
+        kind = kinds.setdefault((t.dtype, t.shape[1:]), len(kinds))
+        cspan.extend(range(group[1], group[1] + n))
+        co.extend(offs)
+        cl.extend(lens)
+        cs.extend(sizes0)
+        cd.extend(map(operator.add, map(operator.mul, offs0, repeat(row)), repeat(dsts[i])))
+        ct.extend(repeat(i, n))
+        ck.extend(repeat(kind, n))
+        cg.extend(g)
+        pending.append(i)
+    if table is None or not pending:
+        return result
+    spans: list[memoryview] = []
+    base: list[int] = []
+    short = []
+    for files, first, los, his, _ in groups:
+        for j, (f, lo, hi) in enumerate(zip(files, los, his, strict=True)):
+            data = pread(table.names[f], hi - lo, lo)
+            if len(data) < hi - lo:  # the file ends early
+                short.append(first + j)
+            spans.append(memoryview(data))
+            base.append(lo)
+    if short:
+        drop = set(short)
+        keep = [j not in drop for j in cspan]
+        failed.update(compress(ct, [not k for k in keep]))
+        cspan, co, cl, ck, cs, cd, ct, cg = (array(c.typecode, compress(c, keep))
+                                             for c in (cspan, co, cl, ck, cs, cd, ct, cg))
+    # Where each record lies in its span.
+    at = array("q", map(operator.sub, co, map(base.__getitem__, cspan)))
+    checked = [0] * len(tensors)
+    kind_of = {v: k for k, v in kinds.items()}
+    n_rows = len(ct)
+    keys = list(zip(cl, ck, cs, strict=True))
+    cuts = [0, *compress(range(1, n_rows), map(operator.ne, keys[1:], keys[:-1])), n_rows
+            ] if n_rows else []
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        length, kind, s0 = keys[a]
+        dtype, rest = kind_of[kind]
+        sizes = (s0, *rest)
+        tkey = (length, dtype.name, sizes)
+        if tkey not in templates:  # the first of its kind: decoded in full, which makes it
+            t = tensors[ct[a]]
+            cols = t.chunks
+            assert isinstance(cols, ChunkColumns)
+            with contextlib.suppress(CkptError):
+                decode(t, cols[cg[a] - cols.first])
+        template = templates.get(tkey)
+        if template is None or template.start is None:
+            failed.update(ct[a:b])
+            continue
+        step = max(1, _STEP_BYTES // length)
+        for p in range(a, b, step):
+            q = min(b, p + step)
+            bad = _fill_step(template, out, spans, cspan[p:q], at[p:q], cd[p:q],
+                             math.prod(sizes) * dtype.itemsize, checksums)
+            if bad:
+                failed.update(ct[p + j] for j in bad)
+            if checksums:
+                for i, c in Counter(ct[p:q]).items():
+                    checked[i] += c * template.checked_bytes
+    for i in pending:
+        if i not in failed:
+            result[i] = checked[i]
+    return result
+
+
+def _stored_first(tensors: Sequence[Tensor]) -> list[int]:
+    """The tensors' positions in the order their first chunks are stored: the order a writer
+    wrote them in, in which the records of consecutive tensors lie together in each file (a
+    window's output order, by name, jumps back and forth)."""
+    def first(i: int) -> tuple[int, int]:
+        cols = tensors[i].chunks
+        if not isinstance(cols, ChunkColumns) or not cols.num_chunks:
+            return (-1, -1)
+        return cols.table.file[cols.first], cols.table.offset[cols.first]
+
+    return sorted(range(len(tensors)), key=first)
+
+
+def _fill_step(template: Template, out: bytearray, spans: list[memoryview], files: array[int],
+               at: array[int], dsts: array[int], nbytes: int, checksums: bool) -> list[int]:
+    """Records of ``template`` (in ``spans[files[j]]`` at ``at[j]``): compared, checked, and
+    their ``nbytes`` of elements copied to ``out`` at ``dsts[j]``; the positions of those that
+    do not match or whose CRC-32 fails."""
+    n, size = len(at), template.length
+    stop = n * size
+    block = bytearray().join(map(operator.getitem, map(spans.__getitem__, files),  # type: ignore[arg-type]
+                                 map(slice, at, map(operator.add, at, repeat(size)))))
+    bad: list[int] = []
+    view = memoryview(block)
+    if checksums:
+        for off, length, field in template.checks:
+            got = array("I", map(crc32, map(view.__getitem__, map(
+                slice, range(off, stop, size), range(off + length, stop + length, size)))))
+            raw = bytearray(4 * n)
+            for i in range(4):
+                raw[i::4] = block[field + i :: size]
+            want = array("I", raw)
+            if _BIG_ENDIAN:
+                want.byteswap()
+            if got != want:
+                bad += [j for j, (x, y) in enumerate(zip(got, want, strict=True)) if x != y]
+    assert template.start is not None
+    first = template.head + template.start
+    d0 = dsts[0]
+    if not nbytes:  # empty chunks: their records checked, nothing to copy
+        pass
+    elif nbytes < n and dsts == array("q", range(d0, d0 + n * nbytes, nbytes)):
+        # Back to back in ``out`` (rows of tensors that follow one another): a column at a time.
+        for i in range(nbytes):
+            out[d0 + i : d0 + n * nbytes : nbytes] = block[first + i :: size]
+    else:
+        _consume(map(out.__setitem__, map(slice, dsts, map(operator.add, dsts, repeat(nbytes))),
+                     map(view.__getitem__, map(slice, range(first, stop, size),
+                                               range(first + nbytes, stop + nbytes, size)))))
+    view.release()
+    # Then the bytes that vary are blanked (a column at a time, or a record at a time where
+    # that is fewer steps) and the records compared with the template, all at once.
+    zeros = bytes(n)
+    for s, w in template.masked:
+        if w <= n:
+            for i in range(s, s + w):
+                block[i::size] = zeros
+        else:
+            _consume(map(block.__setitem__, map(slice, range(s, stop, size),
+                                                range(s + w, stop + w, size)), repeat(bytes(w))))
+    blank = template.blank
+    if block.count(blank) != n:
+        bad += [j for j in range(n) if block[j * size : (j + 1) * size] != blank]
+    return bad
