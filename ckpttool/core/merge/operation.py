@@ -252,10 +252,8 @@ def merge(
     whole, ckpt = _recognise(src_path, out_path, config, part, layout, stores, iteration)
     files, optimizer = ckpt.hf, ckpt.kind == "optimizer"
     named = [(t.name, t.tensor) for t in ckpt.tensors]
-    derived = (_derive_config(ckpt, named, names, f"ckpttool merge {src} {out}")
-               if files.config is None and not optimizer and names != namemaps.KEEP else None)
-    if derived is not None:
-        files = replace(files, config=derived.config)
+    files, derived = _derived(ckpt, named, names, files, optimizer=optimizer,
+                              command=f"ckpttool merge {src} {out}")
     adapted = (None if optimizer else
                adapters.plan_for_merge(ckpt, named, lora, adapter, adapter_config))
     mode = adapted.mode if adapted is not None else None
@@ -267,19 +265,14 @@ def merge(
     report = _start_report(src_path, out_path, whole, ckpt, policy, files, adapted, mapped,
                            model=not optimizer and mode != "adapter")
     report.derived_config = derived
-    # Before reading any tensor data (the tie check reads both embeddings): fail fast.
-    if shared is None or not shared.commits_slices:  # --finish knows which files are its own
-        check_existing(out_path, [p.name for p in files.files] + (
-            [OPTIMIZER_JSON] if optimizer else [hf.ADAPTER_CONFIG] if mode == "adapter" else [])
-            + ([CONFIG_JSON] if derived is not None else []), overwrite, stem)
+    _fail_fast(out_path, files, optimizer=optimizer, mode=mode, derived=derived is not None,
+               overwrite=overwrite, stem=stem, shared=shared)
     with _readers(ckpt, adapted, follow_links=follow_links) as reader:
         decide = functools.partial(_decide, reader, sources, files.config, report.warnings,
                                    keep_tied=keep_tied,
                                    ties_apply=not optimizer and mode != "adapter", mapped=mapped)
-        decided = decide() if shared is None else shared.once(decide)
-        report.tie = None if decided["tie"] is None else ties.Tie(**decided["tie"])
-        report.warnings = list(decided["warnings"])
-        sources, drop = _output_layout(sources, frozenset(decided["drop"]), files, layout,
+        drop = _decided(report, decide() if shared is None else shared.once(decide))
+        sources, drop = _output_layout(sources, drop, files, layout,
                                        report, stored=mapped is None and mode != "adapter"
                                        and not optimizer)
         plan = plan_merge(sources, policy=policy,
@@ -296,6 +289,38 @@ def merge(
                shared=shared)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+def _derived(ckpt: Checkpoint, named: list[tuple[str, Any]], names: str | None,
+             files: hf.HfFiles, *, optimizer: bool, command: str
+             ) -> tuple[hf.HfFiles, megatron_config.DerivedConfig | None]:
+    """Without a config.json, a Megatron-Core model's config derived from its args (the
+    files with it), else the files as they are."""
+    if files.config is not None or optimizer or names == namemaps.KEEP:
+        return files, None
+    derived = _derive_config(ckpt, named, names, command)
+    return (files, None) if derived is None else (replace(files, config=derived.config),
+                                                  derived)
+
+
+def _fail_fast(out: Path, files: hf.HfFiles, *, optimizer: bool, mode: str | None,
+               derived: bool, overwrite: bool, stem: str, shared: Shared | None) -> None:
+    """Before reading any tensor data (the tie check reads both embeddings): OUT holds none
+    of the files this merge writes, unless overwritten. A ``--finish`` knows which of them
+    are its own and checks them itself."""
+    if shared is not None and shared.commits_slices:
+        return
+    check_existing(out, [p.name for p in files.files] + (
+        [OPTIMIZER_JSON] if optimizer else [hf.ADAPTER_CONFIG] if mode == "adapter" else [])
+        + ([CONFIG_JSON] if derived else []), overwrite, stem)
+
+
+def _decided(report: MergeReport, decided: dict[str, Any]) -> frozenset[str]:
+    """What :func:`_decide` found (JSON, from whichever process decided), into ``report``;
+    the names to leave out."""
+    report.tie = None if decided["tie"] is None else ties.Tie(**decided["tie"])
+    report.warnings = list(decided["warnings"])
+    return frozenset(decided["drop"])
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import sys
 from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress, repeat
 from typing import Any
 
@@ -345,20 +345,44 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
         decode: decodes a chunk in full, which makes its template.
     """
     result: list[int | None] = [None] * len(tensors)
+    rows = _row_columns(tensors, dsts)
+    if rows is None:
+        return result
     failed: set[int] = set()
+    spans, at = _read_spans(rows, pread, failed)
+    checked = _fill_templates(tensors, rows, spans, at, out, failed, checksums=checksums,
+                              templates=templates, decode=decode)
+    for i in rows.pending:
+        if i not in failed:
+            result[i] = checked[i]
+    return result
+
+
+@dataclass
+class _Rows:
+    """The row chunks :func:`fill_rows` fills, as columns: per row its span, offset, length,
+    kind (dtype and trailing shape), size along dim 0, destination, tensor and table row;
+    the spans to read (per group of tensors stored together: its files, its first span, per
+    file the first offset, the last end and the bytes used); the tensors taken."""
+
+    table: Any
+    kinds: dict[tuple[Any, tuple[int, ...]], int]
+    groups: list[list[Any]]
+    pending: list[int]
+    cols: tuple[array[int], ...] = field(default_factory=lambda: tuple(
+        array("q") for _ in range(8)))
+
+
+def _row_columns(tensors: Sequence[Tensor], dsts: Sequence[int]) -> _Rows | None:
+    """The row chunks of ``tensors`` that :func:`fill_rows` can fill, as columns; None when
+    there are none. The chunks of most tensors lie in the same files in the same order (one
+    per rank): a group of such tensors reads one span per file, as long as its records are
+    most of the span."""
     table = None
-    kinds: dict[tuple[Any, tuple[int, ...]], int] = {}
-    # Per row: its span (below), offset, length, kind, size along dim 0, destination, tensor,
-    # table row.
-    cspan, co, cl, ck, cs, cd, ct, cg = (array("q") for _ in range(8))
-    # Spans: ranges of the files read whole, each holding records of several tensors. The
-    # chunks of most tensors lie in the same files in the same order (one per rank): a group
-    # of such tensors reads one span per file, as long as its records are most of the span.
-    # Per group: its files, its first span, and per file the first offset, the last end and
-    # the bytes used.
-    groups: list[list[Any]] = []
+    rows = _Rows(None, {}, [], [])
+    cspan, co, cl, ck, cs, cd, ct, cg = rows.cols
     open_groups: dict[bytes, list[Any]] = {}
-    pending: list[int] = []
+    groups = rows.groups
     for i in _stored_first(tensors):
         t = tensors[i]
         cols = t.chunks
@@ -369,10 +393,10 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
             table = cols.table
         elif cols.table is not table:
             continue
-        rows = cols.rows(t.shape)
-        if rows is None:
+        found = cols.rows(t.shape)
+        if found is None:
             continue
-        offs0, sizes0 = rows
+        offs0, sizes0 = found
         a, n = cols.first, cols.num_chunks
         files, offs, lens = table.file[a : a + n], table.offset[a : a + n], table.length[a : a + n]
         g = array("q", range(a, a + n))
@@ -396,7 +420,7 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
             groups.append(group)
             open_groups[key] = group
         row = t.nbytes // t.shape[0]
-        kind = kinds.setdefault((t.dtype, t.shape[1:]), len(kinds))
+        kind = rows.kinds.setdefault((t.dtype, t.shape[1:]), len(rows.kinds))
         cspan.extend(range(group[1], group[1] + n))
         co.extend(offs)
         cl.extend(lens)
@@ -405,33 +429,50 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
         ct.extend(repeat(i, n))
         ck.extend(repeat(kind, n))
         cg.extend(g)
-        pending.append(i)
-    if table is None or not pending:
-        return result
+        rows.pending.append(i)
+    if table is None or not rows.pending:
+        return None
+    rows.table = table
+    return rows
+
+
+def _read_spans(rows: _Rows, pread: Callable[[str, int, int], bytes], failed: set[int]
+                ) -> tuple[list[memoryview], array[int]]:
+    """Every span read; the rows of a span whose file ends early dropped (their tensors into
+    ``failed``); where each remaining record lies in its span."""
     spans: list[memoryview] = []
     base: list[int] = []
     short = []
-    for files, first, los, his, _ in groups:
+    for files, first, los, his, _ in rows.groups:
         for j, (f, lo, hi) in enumerate(zip(files, los, his, strict=True)):
-            data = pread(table.names[f], hi - lo, lo)
+            data = pread(rows.table.names[f], hi - lo, lo)
             if len(data) < hi - lo:  # the file ends early
                 short.append(first + j)
             spans.append(memoryview(data))
             base.append(lo)
+    cspan, co, cl, ck, cs, cd, ct, cg = rows.cols
     if short:
         drop = set(short)
         keep = [j not in drop for j in cspan]
         failed.update(compress(ct, [not k for k in keep]))
-        cspan, co, cl, ck, cs, cd, ct, cg = (array(c.typecode, compress(c, keep))
-                                             for c in (cspan, co, cl, ck, cs, cd, ct, cg))
-    # Where each record lies in its span.
-    at = array("q", map(operator.sub, co, map(base.__getitem__, cspan)))
+        rows.cols = tuple(array(c.typecode, compress(c, keep)) for c in rows.cols)
+        cspan, co = rows.cols[0], rows.cols[1]
+    return spans, array("q", map(operator.sub, co, map(base.__getitem__, cspan)))
+
+
+def _fill_templates(tensors: Sequence[Tensor], rows: _Rows, spans: list[memoryview],
+                    at: array[int], out: bytearray, failed: set[int], *, checksums: bool,
+                    templates: dict[Any, Template | None],
+                    decode: Callable[[Tensor, Chunk], object]) -> list[int]:
+    """The rows filled, run by run of one template; per tensor the bytes checked."""
+    _, _, cl, ck, cs, cd, ct, cg = rows.cols
     checked = [0] * len(tensors)
-    kind_of = {v: k for k, v in kinds.items()}
+    kind_of = {v: k for k, v in rows.kinds.items()}
     n_rows = len(ct)
     keys = list(zip(cl, ck, cs, strict=True))
     cuts = [0, *compress(range(1, n_rows), map(operator.ne, keys[1:], keys[:-1])), n_rows
             ] if n_rows else []
+    cspan = rows.cols[0]
     for a, b in zip(cuts, cuts[1:], strict=False):
         length, kind, s0 = keys[a]
         dtype, rest = kind_of[kind]
@@ -457,10 +498,7 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
             if checksums:
                 for i, c in Counter(ct[p:q]).items():
                     checked[i] += c * template.checked_bytes
-    for i in pending:
-        if i not in failed:
-            result[i] = checked[i]
-    return result
+    return checked
 
 
 def _stored_first(tensors: Sequence[Tensor]) -> list[int]:
