@@ -544,3 +544,64 @@ def test_a_data_file_name_too_long_for_the_system_is_exit_3(dcp_options: Path,
         r = run(*args)
         assert r.exit_code in codes, (args, r.output)
         assert "Traceback" not in r.output and "internal error" not in r.output
+
+
+# --------------------------------------------------------------------------------------------
+# 3(e). A slice's report lists what that slice wrote; --finish's what it put in place
+
+
+def _sliced_source(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"a": torch.randn(3000, 10), "b": torch.randn(2000, 10), "c": torch.randn(5)},
+              src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                 "torch_dtype": "bfloat16"}))
+    return src
+
+
+def test_slice_reports_claim_only_what_each_slice_wrote(tmp_path: Path) -> None:
+    src, out = _sliced_source(tmp_path), tmp_path / "out"
+    opts = ["--max-shard-size", "100KB", "--dtype", "fp32"]
+    shares = []
+    for i in range(2):
+        r = run("merge", src, out, "--slice", f"{i}/2", *opts, "--json")
+        assert r.exit_code == 0, r.output
+        doc = json.loads(r.stdout)
+        on_disk = {p.name: p.stat().st_size for p in out.iterdir()}
+        # Every file named is one this slice wrote into, and is on disk under that name; no
+        # final name (weights, index, config.json) is claimed, nothing is said to be copied.
+        assert doc["files"], doc
+        for f in doc["files"]:
+            assert f["name"] in on_disk and f["name"].endswith(".ckpttool-tmp"), f
+        assert not [f for f in doc["files"] if not f["name"].startswith(".")]
+        assert doc["copied"] == [] and doc["config_changes"] == []
+        shares.append(sum(f["bytes"] - f["header"] for f in doc["files"] if "final" in f))
+        assert [f["name"] for f in doc["files"] if "final" not in f] == [
+            f".model.s{doc['distributed']['plan']}.{i}-of-2.done.ckpttool-tmp"]
+        assert shares[-1] == doc["distributed"]["bytes"][i]
+    assert not (out / "model.safetensors.index.json").exists()
+    r = run("merge", src, out, "--finish", *opts, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    names = {f["name"] for f in doc["files"]}
+    assert names == {p.name for p in out.iterdir()} - {"config.json"}
+    assert doc["copied"] == ["config.json"]
+    weights = [f for f in doc["files"] if f["name"].endswith(".safetensors")]
+    assert weights and all(f["written_by"] == "slices" for f in weights)
+    assert sum(f["bytes"] for f in weights) == sum((out / f["name"]).stat().st_size
+                                                   for f in weights)
+    # For people: a slice names its temporary files, --finish what it put in place.
+    human = tmp_path / "human"
+    for i in range(2):
+        r = run("merge", src, human, "--slice", f"{i}/2", *opts)
+        assert r.exit_code == 0, r.output
+        assert "wrote model-" not in r.stdout and "index.json" not in r.stdout, r.stdout
+        assert "copied config.json" not in r.stdout and "config.json:" not in r.stdout
+        assert f"wrote .model-00001-of-00002.safetensors.s{doc['distributed']['plan']}" \
+            in r.stdout, r.stdout
+    r = run("merge", src, human, "--finish", *opts)
+    assert r.exit_code == 0, r.output
+    assert "put in place model-00001-of-00002.safetensors" in r.stdout, r.stdout
+    assert "wrote model.safetensors.index.json" in r.stdout
+

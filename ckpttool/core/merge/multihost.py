@@ -413,7 +413,24 @@ class Slice(_Alone):
         tmp.write_text(json.dumps({"slice": self.index, "of": self.count, "plan": key,
                                    "inodes": inodes}))
         os.replace(tmp, marker)
-        return _describe("slice", shares, slice=self.index, plan=key)
+        return _describe("slice", shares, slice=self.index, plan=key,
+                         files=_share_files(plan, share, paths) + [
+                             {"name": marker.name, "bytes": marker.stat().st_size,
+                              "tensors": 0}])
+
+
+def _share_files(plan: MergePlan, share: list[partition.Unit], paths: dict[int, Path]
+                 ) -> list[dict[str, Any]]:
+    """What a slice wrote, file by file: the header of every file (each slice writes it,
+    the same bytes) and the bytes and tensors of its share, under the temporary names."""
+    nbytes = dict.fromkeys(range(len(plan.files)), 0)
+    tensors: dict[int, set[int]] = {i: set() for i in range(len(plan.files))}
+    for u in share:
+        nbytes[u.file] += u.nbytes
+        tensors[u.file].add(u.tensor)
+    return [{"name": paths[i].name, "final": f.name, "header": len(f.layout.header),
+             "bytes": len(f.layout.header) + nbytes[i], "tensors": len(tensors[i])}
+            for i, f in enumerate(plan.files)]
 
 
 class Finish(_Alone):
@@ -463,6 +480,8 @@ class Finish(_Alone):
                     marker.unlink()
             removed = _remove_abandoned(out, key)  # with OUT's lock held
         return _describe("slices", shares, plan=key,
+                         committed=[f.name for i, f in enumerate(plan.files) if i not in placed],
+                         placed_before=[plan.files[i].name for i in sorted(placed)],
                          **({"removed_temporary": removed} if removed else {}))
 
 

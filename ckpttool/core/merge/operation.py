@@ -465,6 +465,7 @@ def _summarise(report: MergeReport, ckpt: Checkpoint, plan: MergePlan,
     for out_tensor in written_tensors:
         name = out_tensor.dtype.name
         report.bytes_after[name] = report.bytes_after.get(name, 0) + out_tensor.slot.nbytes
+    _shared_files(report)
     if dry_run:
         report.dry_run = True
         # Shared (--slice I/N, torchrun): the sharing and this process's tensors only.
@@ -476,6 +477,23 @@ def _summarise(report: MergeReport, ckpt: Checkpoint, plan: MergePlan,
                            "bytes": t.slot.nbytes, "offsets": [t.slot.begin, t.slot.end]}
                           for f in plan.files for t in f.tensors
                           if mine is None or t.name in mine]
+
+
+def _shared_files(report: MergeReport) -> None:
+    """A slice (``--slice I/N``) put nothing in place: its report names the temporary files it
+    wrote into and its marker, and no copied side file. ``--finish`` put in place weights the
+    slices wrote: said so per file (``written_by``); the index and side files are its own."""
+    d = report.distributed
+    if not d:
+        return
+    if "files" in d:
+        report.files, report.copied, report.config_changes = d.pop("files"), [], []
+    for f in report.files:
+        if f["name"] in d.get("committed", ()):
+            f["written_by"] = "slices"
+        elif f["name"] in d.get("placed_before", ()):
+            f["written_by"] = "slices"
+            f["placed_before"] = True
 
 
 def _config_output(files: hf.HfFiles, plan: MergePlan, sources: list[tuple[str, Source]]
