@@ -605,3 +605,104 @@ def test_slice_reports_claim_only_what_each_slice_wrote(tmp_path: Path) -> None:
     assert "put in place model-00001-of-00002.safetensors" in r.stdout, r.stdout
     assert "wrote model.safetensors.index.json" in r.stdout
 
+
+# --------------------------------------------------------------------------------------------
+# 8, for LoRA: adapter_config.json (and what trainers write instead) is read once, through a
+# checked descriptor, and the bytes written are the bytes parsed
+
+
+def _peft_copy(lora_ckpts: Path, tmp_path: Path) -> Path:
+    ckpt = tmp_path / "peft"
+    shutil.copytree(lora_ckpts / "lora", ckpt, ignore=shutil.ignore_patterns("full.pt"))
+    return ckpt
+
+
+def test_adapter_config_swapped_after_it_was_read_is_not_copied(
+        lora_ckpts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--lora adapter`` parsed adapter_config.json, then read it again by name to write it:
+    a link swapped in between put an outside file into OUT."""
+    from ckpttool.core.checkpoint import hf
+
+    ckpt = _peft_copy(lora_ckpts, tmp_path)
+    side = ckpt / "adapter_config.json"
+    original = side.read_bytes()
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({**json.loads(original), "secret": "outside"}))
+    found = hf.find_adapter_config
+
+    def then_swap(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        result = found(*args, **kwargs)
+        if not side.is_symlink():
+            side.unlink()
+            side.symlink_to(secret)
+        return result
+
+    monkeypatch.setattr(hf, "find_adapter_config", then_swap)
+    r = run("merge", ckpt / "pytorch_model_fsdp_0", tmp_path / "out", "--lora", "adapter")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "out" / "adapter_config.json").read_bytes() == original
+
+
+@pytest.mark.parametrize("swap_to", ["link-out", "fifo", "huge"])
+def test_adapter_config_swapped_after_its_check_is_refused(
+        lora_ckpts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        swap_to: str) -> None:
+    """The check by name said yes; what is opened next is a link out, a FIFO, 8 GB."""
+    from ckpttool.core.checkpoint import hf
+
+    ckpt = _peft_copy(lora_ckpts, tmp_path)
+    side = ckpt / "adapter_config.json"
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({**json.loads(side.read_bytes()), "secret": "outside"}))
+    unsafe = hf._unsafe
+
+    def then_swap(path: Path, roots: list[Path]) -> str | None:
+        why = unsafe(path, roots)
+        if path == side and why is None and side.is_file() and not side.is_symlink():
+            side.unlink()
+            if swap_to == "link-out":
+                side.symlink_to(secret)
+            elif swap_to == "fifo":
+                os.mkfifo(side)
+            else:
+                with open(side, "wb") as f:
+                    f.truncate(8 << 30)  # sparse
+        return why
+
+    monkeypatch.setattr(hf, "_unsafe", then_swap)
+    r = run("merge", ckpt / "pytorch_model_fsdp_0", tmp_path / "out", "--lora", "adapter")
+    assert r.exit_code == 3, r.output
+    assert r.stderr.startswith(f"ckpttool: error: {side}: "), r.stderr
+    assert "it changed since the checkpoint was read" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["adapter_config.json", "lora_train_meta.json"])
+def test_trainer_records_read_through_a_checked_descriptor(
+        lora_ckpts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """A run directory's adapter_config.json (above checkpoint-N) or verl's
+    lora_train_meta.json swapped for a link out just as it is opened: refused, as a link
+    there always was (never read)."""
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoint-5"
+    shutil.copytree(lora_ckpts / "lora" / "pytorch_model_fsdp_0", ckpt)
+    doc = json.loads((lora_ckpts / "lora" / "adapter_config.json").read_text())
+    if name == "lora_train_meta.json":
+        doc = {"r": doc["r"], "lora_alpha": doc["lora_alpha"], "task_type": "CAUSAL_LM"}
+    victim = (run_dir if name == "adapter_config.json" else ckpt) / name
+    victim.write_text(json.dumps(doc))
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({**doc, "secret": "outside"}))
+    real_open = os.open
+
+    def swapping_open(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if os.fspath(path) == str(victim) and not victim.is_symlink():
+            victim.unlink()
+            victim.symlink_to(secret)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", swapping_open)
+    r = run("merge", ckpt, tmp_path / "out", "--lora", "adapter")
+    monkeypatch.undo()
+    written = tmp_path / "out" / "adapter_config.json"
+    assert not written.exists() or b"secret" not in written.read_bytes(), r.output
