@@ -411,7 +411,11 @@ def test_1100_ranks_merge_and_verify_under_ulimit_1024(tmp_path: Path) -> None:
 # 9. A source cut short under a mapped cast; a killed run's temporary files
 
 
-def test_source_cut_short_during_a_mapped_cast_is_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_source_cut_short_during_a_mapped_cast_is_one_line(tmp_path: Path, workers: str
+                                                          ) -> None:
+    """The cast reads on the main thread (1 worker) or on a pool's (2); either way the fault
+    becomes the one line from the watchdog (storage.outputs), never exit 135 or a hang."""
     src = tmp_path / "src"
     src.mkdir()
     save_file({"w": torch.ones(4 << 20)}, src / "model.safetensors")  # 16 MiB of F32
@@ -419,7 +423,8 @@ def test_source_cut_short_during_a_mapped_cast_is_one_line(tmp_path: Path) -> No
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
            "CKPTTOOL_TEST_FAULT": f"pause-map:{flag}"}
     proc = subprocess.Popen([sys.executable, "-m", "ckpttool", "merge", str(src), str(out),
-                             "--dtype", "bf16"], env=env, stdout=subprocess.PIPE,
+                             "--dtype", "bf16", "--workers", workers], env=env,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     for _ in range(1200):
         if flag.exists() or proc.poll() is not None:
