@@ -801,6 +801,9 @@ def _chunk(path: Path, entries: dict[str, torchsave.ZipEntry], fqn: str,
     if data is None:
         raise InputError(f"{path}: tensor '{fqn}' names storage 'data/{t.storage.key}', which "
                          "the archive lacks; corrupt")
+    why = t.storage.claims(data.size)
+    if why is not None:
+        raise InputError(f"{path}: tensor '{fqn}': {why}")
     itemsize = t.dtype.itemsize
     nbytes = numel * itemsize
     start = t.storage_offset * itemsize
