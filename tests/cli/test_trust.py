@@ -711,3 +711,101 @@ def test_trainer_records_read_through_a_checked_descriptor(
     monkeypatch.undo()
     written = tmp_path / "out" / "adapter_config.json"
     assert not written.exists() or b"secret" not in written.read_bytes(), r.output
+
+
+# --------------------------------------------------------------------------------------------
+# 16. A few bytes edited in a size field: what ckpttool allocates stays bounded by the file
+
+
+def _baseline_vm_peak(*args: str | Path) -> int:
+    """Peak address space of an ordinary run of the CLI (imports, torch included)."""
+    code = ("import sys, runpy; sys.argv = ['ckpttool', *sys.argv[1:]]\n"
+            "try:\n    runpy.run_module('ckpttool', run_name='__main__')\n"
+            "except SystemExit:\n    pass\n"
+            "print([l for l in open('/proc/self/status') if l.startswith('VmPeak')][0])")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    p = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True,
+                       text=True, env=env, timeout=600, check=False)
+    return int(p.stdout.strip().splitlines()[-1].split()[1]) * 1024
+
+
+def _inflated_torch_save(dest: Path, which: str) -> Path:
+    """A torch.save file whose storage's element count (4 bytes in data.pkl), and with
+    ``which`` "both" the tensor's shape too, now say 2**31 - 1 (8 GB of float32) where 70,000
+    are stored; the archive's CRC-32 fixed to match, so only the sizes lie."""
+    import struct
+    import zipfile
+    import zlib
+
+    dest.mkdir()
+    path = dest / "pytorch_model.bin"
+    torch.save({"w": torch.ones(70_000), "b": torch.zeros(3)}, path)
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+    raw = bytearray(path.read_bytes())
+    start = raw.index(b"\x80\x02", info.header_offset)  # data.pkl, stored: its PROTO opcode
+    field = b"J" + struct.pack("<i", 70_000)
+    # The storage's element count comes first (its persistent id), then the shape.
+    places = [i for i in range(start, start + info.file_size) if raw.startswith(field, i)]
+    assert len(places) == 2
+    for at in places[: 2 if which == "both" else 1]:
+        raw[at + 1 : at + 5] = struct.pack("<i", 2**31 - 1)
+    old_crc = struct.pack("<I", info.CRC)
+    new_crc = struct.pack("<I", zlib.crc32(bytes(raw[start : start + info.file_size])))
+    assert raw.count(old_crc) == 2  # local header, central directory
+    path.write_bytes(bytes(raw).replace(old_crc, new_crc))
+    return path
+
+
+@pytest.mark.parametrize("edit", ["metadata-length", "torch-save-storage", "torch-save-both"])
+def test_an_inflated_size_field_stays_under_a_memory_limit(tiny_dcp: Path, tmp_path: Path,
+                                                           edit: str) -> None:
+    """The "5-byte pickle edit": a record length in .metadata, or a storage's element count
+    in a torch.save pickle, made huge. Under an address-space limit 1.5 GB above an ordinary
+    run's peak: one line, exit 3 (or 1 from verify), never MemoryError / exit 70."""
+    import dataclasses
+    import pickle
+
+    if edit == "metadata-length":
+        ckpt = tmp_path / "ckpt"
+        shutil.copytree(tiny_dcp, ckpt)
+        md = pickle.loads((ckpt / ".metadata").read_bytes())  # noqa: S301 - our own fixture
+        for idx, info in list(md.storage_data.items()):
+            md.storage_data[idx] = dataclasses.replace(info, length=1 << 40)
+        (ckpt / ".metadata").write_bytes(pickle.dumps(md, protocol=2))
+        intact = tiny_dcp
+    else:
+        ckpt = _inflated_torch_save(tmp_path / "ckpt", edit.rsplit("-", 1)[1])
+        intact = tmp_path / "intact"
+        intact.mkdir()
+        torch.save({"w": torch.ones(70_000), "b": torch.zeros(3)}, intact / "pytorch_model.bin")
+    limit = _baseline_vm_peak("verify", intact) + (3 << 29)
+    assert _cli("verify", intact, memory=limit).returncode == 0  # the limit lets a run work
+    for args, codes in ((["inspect", ckpt], (0, 3)), (["verify", ckpt], (1, 3)),
+                        (["merge", ckpt, tmp_path / "out"], (3,))):
+        p = _cli(*args, memory=limit)
+        assert p.returncode in codes, (args, p.stderr)
+        assert "MemoryError" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert p.stderr.count("\n") <= 1 or p.returncode == 1, p.stderr
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Shards put in place without their index (an interrupted --overwrite or --finish) are
+# incomplete to verify, never "verify OK"
+
+
+def test_shards_without_their_index_are_incomplete(tmp_path: Path) -> None:
+    src, out = _sliced_source(tmp_path), tmp_path / "out"
+    assert run("merge", src, out, "--max-shard-size", "100KB", "-q").exit_code == 0
+    (out / "model.safetensors.index.json").unlink()  # what a cut replacement leaves
+    r = run("verify", out)
+    assert r.exit_code == 1, r.output
+    assert "error: index-missing: " in r.output and "2 of 2 shards" in r.output, r.output
+    (out / "model-00002-of-00002.safetensors").unlink()
+    r = run("verify", out)
+    assert r.exit_code == 1, r.output
+    assert (f"error: missing-file: {out / 'model-00002-of-00002.safetensors'}: shard 2 of 2 "
+            "is missing") in r.output, r.output
+    r = run("merge", out, tmp_path / "again")
+    assert r.exit_code == 3 and not (tmp_path / "again").exists(), r.output
