@@ -932,7 +932,7 @@ def _coordinate(modes_by_axis: list[tuple[tuple[int, int], ...]], num_ranks: int
             continue
         for offset in reach:
             q = base + offset
-            if q >= num_ranks or taken[q]:
+            if not 0 <= q < num_ranks or taken[q]:  # (a negative stride reaches before it)
                 return None
             taken[q] = True
         if position - base in reach:
