@@ -282,8 +282,19 @@ def _size_lines(r: MergeReport) -> list[str]:
     lines: list[str] = []
     for f in r.files:
         tensors = f" ({count(f.tensors, 'tensor')})" if f.tensors else ""
-        lines.append(f"  {did} {f.name}: {human_bytes(f.bytes)}{tensors}")
-    lines.append(f"  {count(r.num_tensors, 'tensor')}, {r.num_parameters:,} parameters, "
+        if f.final is not None:  # --slice: its share, in a temporary file --finish puts in place
+            lines.append(f"  {did} {f.name}: {human_bytes(f.bytes)}{tensors}, its "
+                         f"share of {f.final}")
+        elif f.written_by is not None:  # --finish: the slices wrote it, the finish commits it
+            how = ("was in place (an earlier --finish)" if f.placed_before
+                   else "put in place")
+            lines.append(f"  {how} {f.name}: {human_bytes(f.bytes)}{tensors}, written "
+                         "by the slices")
+        else:
+            lines.append(f"  {did} {f.name}: {human_bytes(f.bytes)}{tensors}")
+    whole = ("the whole merge: " if r.distributed and r.distributed.mode == "slice"
+             and not r.dry_run else "")
+    lines.append(f"  {whole}{count(r.num_tensors, 'tensor')}, {r.num_parameters:,} parameters, "
                  f"{human_bytes(r.total_bytes)}")
     before = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(r.bytes_before.items()))
     after = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(r.bytes_after.items()))

@@ -318,6 +318,9 @@ def _flat(f: _File, ref: Any, what: str) -> _Flat:
     if data is None:
         raise InputError(f"{f.path}: {what} names storage 'data/{ref.storage.key}', which the "
                          "archive lacks; corrupt")
+    why = ref.storage.claims(data.size)
+    if why is not None:
+        raise InputError(f"{f.path}: {what}: {why}")
     start = ref.storage_offset * dtype.itemsize
     nbytes = numel * dtype.itemsize
     if start + nbytes > data.size:

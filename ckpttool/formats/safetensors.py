@@ -554,6 +554,8 @@ def read_info(path: str | Path, *, stores: Stores = LOCAL) -> CheckpointInfo:
                 (Chunk((0,) * len(slot.shape), slot.shape, name, slot.begin, slot.nbytes,
                        encoding=RAW),)))
     problems += duplicate_problems(base, holders)
+    if index is None and not root.is_file():
+        problems += _unindexed_set_problems(root, shard_names)
     if index is not None:
         problems += index_problems(base, index, holders, readable,
                                     complete=readable == set(shard_names),
@@ -566,6 +568,28 @@ def read_info(path: str | Path, *, stores: Stores = LOCAL) -> CheckpointInfo:
         files=tuple(DataFile(n, file_size(base / n)) for n in shard_names),
         metadata_name=index.path.name if index else "the safetensors header",
         problems=tuple(problems), stray=stray)
+
+
+def _unindexed_set_problems(root: Path, shard_names: list[str]) -> list[Problem]:
+    """Shards of a set (``model-00001-of-00002.safetensors``...) with no index beside them: a
+    save or a publish that did not finish (the index is written last; a replaced output's
+    index goes first), which loaders refuse; and each shard of the set that is not there."""
+    matches = [m for n in shard_names if (m := _SHARD.fullmatch(n)) is not None]
+    if not matches:
+        return []
+    stem, count = matches[0].group(1), int(matches[0].group(3))
+    problems = [error("index-missing", f"{root}: {len(matches)} of {count} shards of "
+                      f"{stem}-*-of-{count:05d}.safetensors but no {index_name(stem)}: a save "
+                      "or publish that did not finish (the index is written last); run it "
+                      "again (with --overwrite, or --finish for slices)",
+                      file=index_name(stem))]
+    have = {int(m.group(2)) for m in matches}
+    for i in range(1, min(count, 100_000) + 1):
+        if i not in have:
+            name = f"{stem}-{i:05d}-of-{count:05d}.safetensors"
+            problems.append(error("missing-file", f"{root / name}: shard {i} of {count} is "
+                                  "missing; copy the whole directory again", file=name))
+    return problems
 
 
 def _read_shard(base: Path, name: str, index: Index | None, problems: list[Problem]

@@ -176,6 +176,9 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
             if data is None:
                 raise InputError(f"{p}: tensor '{name}' names storage "
                                  f"'data/{value.storage.key}', which the archive lacks; corrupt")
+            why = value.storage.claims(data.size)
+            if why is not None:
+                raise InputError(f"{p}: tensor '{name}': {why}")
             t = View(name, key_path, value.dtype, value.shape, value.stride,
                      value.storage.key, value.storage_offset, data.data_offset, data.size)
             if t.numel and t.extent > t.data_size:

@@ -246,14 +246,21 @@ _LIVE: set[str] = set()
 _removed_stale: list[str] = []
 
 
-# The file each thread reads through a mapping now (set by the local store around a mapped
-# read), for the SIGBUS handler's message: a mapped file cut short ends the read there.
-MAPPED: dict[int, str] = {}
+# The file each thread reads through a mapping now and where its window ends (set by the
+# local store around a mapped read), for the SIGBUS message: a mapped file cut short ends
+# the read there.
+MAPPED: dict[int, tuple[str, int]] = {}
 
 
 def mapped_file() -> str | None:
-    """The file the calling thread reads through a mapping, if any."""
-    return MAPPED.get(threading.get_ident())
+    """The mapped source file that is now shorter than the window read from it (the one a
+    SIGBUS came from), else any file mapped now; None when none is."""
+    entries = list(MAPPED.values())
+    for path, end in entries:
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_size < end:
+                return path
+    return entries[0][0] if entries else None
 
 
 def take_stale_notes() -> list[str]:
@@ -291,42 +298,88 @@ def _install_sigbus_guard() -> None:
     answer to touching a page past its new end) into the one-line error, with this process's
     temporary files removed, instead of a silent death with exit 135 that leaves them.
 
-    Python's ``signal`` module cannot do this: its handler only sets a flag, and the faulting
-    load would run again forever. A C-level handler (through ctypes) runs on the faulting
-    thread, which at that point is inside a copy from mapped memory (torch's cast, with the
-    interpreter lock released); it writes the message, unlinks the files and leaves by
-    ``os._exit`` at once, never returning into the copy.
+    Nothing of ours runs in the signal handler itself. The handler is CPython's own C-level
+    one, which is async-signal-safe: it marks the signal and writes its number to the wakeup
+    file descriptor (``signal.set_wakeup_fd``). A watchdog thread, blocked on the other end of
+    that pipe, wakes in ordinary (non-signal) context, writes the message, unlinks the files
+    and leaves by ``os._exit(3)``. Meanwhile the faulting thread re-runs the faulting load and
+    is sent SIGBUS again, in a loop that only ends with the process: it holds no lock of ours
+    and not the interpreter lock (the copies from mapped memory run in torch with it
+    released), so the watchdog always gets to run. The Python-level handler does the same
+    where the main thread runs it first (it never does when the main thread is the one that
+    faults; nor does the watchdog wake when an event loop took the wakeup descriptor since).
+
+    Not installed where the wakeup descriptor is taken already (an event loop's) or off the
+    main thread (where handlers cannot be set): SIGBUS keeps its default there. A forked
+    child gets the default back (:func:`_sigbus_default_in_child`): it dies of SIGBUS, and
+    its parent reports that.
     """
     global _sigbus_installed
-    if _sigbus_installed or not hasattr(signal, "SIGBUS"):
+    if (_sigbus_installed or not hasattr(signal, "SIGBUS")
+            or threading.current_thread() is not threading.main_thread()):
+        return
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:
+        old = None
+    if old is None or old != -1:  # taken (restore it) or refused: the default stays
+        if old is not None:
+            signal.set_wakeup_fd(old)
+        os.close(r)
+        os.close(w)
         return
     _sigbus_installed = True
+    signal.signal(signal.SIGBUS, _sigbus_exit)
+    # The watchdog is born with every signal blocked (a thread takes its creator's mask):
+    # a process-directed signal (Ctrl-C) must go to the main thread, which holds SIGINT back
+    # while it publishes, never to a thread that would let it through.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     try:
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        handler_t = ctypes.CFUNCTYPE(None, ctypes.c_int)
-        libc.signal.argtypes = [ctypes.c_int, handler_t]
-        libc.signal.restype = ctypes.c_void_p
-    except (OSError, AttributeError):  # no libc to ask: SIGBUS keeps its default
-        return
-
-    def on_sigbus(signum: int) -> None:
-        where = mapped_file() or "a source file"
-        os.write(2, (f"ckpttool: error: {where}: changed (cut short) while it was read; "
-                     "nothing was written. Run again on a checkpoint nothing is writing "
-                     "to\n").encode("utf-8", "replace"))
-        for path in list(_LIVE):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        os._exit(3)
-
-    global _sigbus_handler
-    _sigbus_handler = handler_t(on_sigbus)  # kept alive for the process's life
-    libc.signal(signal.SIGBUS, _sigbus_handler)
+        threading.Thread(target=_sigbus_watchdog, args=(r,), name="ckpttool-sigbus",
+                         daemon=True).start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    os.register_at_fork(after_in_child=_sigbus_default_in_child)
 
 
-_sigbus_handler: object = None
+def _sigbus_watchdog(r: int) -> None:
+    """Wait for SIGBUS's byte on the wakeup pipe (other signals' bytes are passed over: their
+    handlers run as usual), then end the process as :func:`_install_sigbus_guard` says."""
+    while True:
+        try:
+            got = os.read(r, 512)
+        except InterruptedError:  # pragma: no cover - retried by Python itself
+            continue
+        except OSError:
+            return
+        if not got:
+            return
+        if signal.SIGBUS in got:
+            break
+    _sigbus_exit()
+
+
+def _sigbus_exit(*_: object) -> None:
+    """The one-line error, this process's temporary files removed, exit 3 (from the watchdog,
+    or from the Python-level handler where the main thread gets there first)."""
+    where = mapped_file() or "a source file"
+    os.write(2, (f"ckpttool: error: {where}: changed (cut short) while it was read; "
+                 "nothing was written. Run again on a checkpoint nothing is writing "
+                 "to\n").encode("utf-8", "replace"))
+    for path in list(_LIVE):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    os._exit(3)
+
+
+def _sigbus_default_in_child() -> None:
+    """In a forked child (core.runtime.forked): no watchdog thread came along, so SIGBUS gets
+    its default action back, and the wakeup pipe (the parent's) is let go."""
+    with contextlib.suppress(ValueError, OSError):
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGBUS, signal.SIG_DFL)
 
 
 class AtomicOutputs:

@@ -315,20 +315,25 @@ class LocalStore:
         with self.use(name) as fd:
             end = min(offset + size, os.fstat(fd).st_size)
         pos = offset
-        outputs.MAPPED[threading.get_ident()] = str(self.path(name))
-        while pos < end:
-            n = min(block, end - pos)
-            base = pos - pos % mmap.ALLOCATIONGRANULARITY
-            # Copy-on-write: writable views (torch.frombuffer warns on read-only ones) that no
-            # write ever reaches the file through. Unmapped when the last view of it goes
-            # (a mapping holds its own reference to the file: closing the descriptor is safe).
-            with self.use(name) as fd:
-                window = mmap.mmap(fd, pos + n - base, access=mmap.ACCESS_COPY, offset=base)
-            _test_pause_after_map()
-            yield memoryview(window)[pos - base : pos - base + n]
-            del window
-            pos += n
-        outputs.MAPPED.pop(threading.get_ident(), None)
+        me = threading.get_ident()
+        try:
+            while pos < end:
+                n = min(block, end - pos)
+                base = pos - pos % mmap.ALLOCATIONGRANULARITY
+                # For the SIGBUS message (storage.outputs): the file, and where this window ends.
+                outputs.MAPPED[me] = (str(self.path(name)), pos + n)
+                # Copy-on-write: writable views (torch.frombuffer warns on read-only ones) that
+                # no write ever reaches the file through. Unmapped when the last view of it goes
+                # (a mapping holds its own reference to the file: closing the descriptor is
+                # safe).
+                with self.use(name) as fd:
+                    window = mmap.mmap(fd, pos + n - base, access=mmap.ACCESS_COPY, offset=base)
+                _test_pause_after_map()
+                yield memoryview(window)[pos - base : pos - base + n]
+                del window
+                pos += n
+        finally:
+            outputs.MAPPED.pop(me, None)
 
     def close(self) -> None:
         with self._lock:
@@ -338,8 +343,6 @@ class LocalStore:
             self._pins.clear()
 
 
-# The file each thread reads through a mapping now, for the SIGBUS message
-# (ckpttool.storage.outputs): a mapped file cut short ends the read there.
 def _test_pause_after_map() -> None:
     """Test hook (tests/cli/test_trust.py): ``CKPTTOOL_TEST_FAULT=pause-map:FILE`` creates
     FILE once a window is mapped and waits (at most 60 s) until FILE is removed, so that a
@@ -475,10 +478,11 @@ def read_blocks(store: Store, name: str, offset: int, size: int, buf: memoryview
     file ends first (the caller says so, in its words).
 
     A local file's large ranges come mapped from the page cache (measured on 6 GB: copying
-    them into ``buf`` with ``pread`` took 0.3-1.0 s of system time, mapping 0.1 s); anything
-    else (or with ``mapped=False``) is read into ``buf``. A mapped file cut short while it is
-    read would end the process (SIGBUS), as for any reader that maps files (safetensors,
-    numpy.memmap); its size is checked first.
+    them into ``buf`` with ``pread`` took 0.3-1.0 s of system time, mapping 0.1 s; on 1.6 GB
+    cast to bf16, ``benchmarks/cast_read.py``: pread 8% more CPU time); anything else (or
+    with ``mapped=False``) is read into ``buf``. A mapped file cut short while it is read
+    raises SIGBUS, which :mod:`ckpttool.storage.outputs` turns into the one-line error once
+    a command writes outputs; its size is checked first.
     """
     if mapped and store.capabilities.local_files and size >= MAP_MIN:
         yield from store.views(name, offset, size, len(buf))

@@ -413,7 +413,11 @@ def test_1100_ranks_merge_and_verify_under_ulimit_1024(tmp_path: Path) -> None:
 # 9. A source cut short under a mapped cast; a killed run's temporary files
 
 
-def test_source_cut_short_during_a_mapped_cast_is_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_source_cut_short_during_a_mapped_cast_is_one_line(tmp_path: Path, workers: str
+                                                          ) -> None:
+    """The cast reads on the main thread (1 worker) or on a pool's (2); either way the fault
+    becomes the one line from the watchdog (storage.outputs), never exit 135 or a hang."""
     src = tmp_path / "src"
     src.mkdir()
     save_file({"w": torch.ones(4 << 20)}, src / "model.safetensors")  # 16 MiB of F32
@@ -421,7 +425,8 @@ def test_source_cut_short_during_a_mapped_cast_is_one_line(tmp_path: Path) -> No
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
            "CKPTTOOL_TEST_FAULT": f"pause-map:{flag}"}
     proc = subprocess.Popen([sys.executable, "-m", "ckpttool", "merge", str(src), str(out),
-                             "--dtype", "bf16"], env=env, stdout=subprocess.PIPE,
+                             "--dtype", "bf16", "--workers", workers], env=env,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     for _ in range(1200):
         if flag.exists() or proc.poll() is not None:
@@ -546,3 +551,263 @@ def test_a_data_file_name_too_long_for_the_system_is_exit_3(dcp_options: Path,
         r = run(*args)
         assert r.exit_code in codes, (args, r.output)
         assert "Traceback" not in r.output and "internal error" not in r.output
+
+
+# --------------------------------------------------------------------------------------------
+# 3(e). A slice's report lists what that slice wrote; --finish's what it put in place
+
+
+def _sliced_source(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"a": torch.randn(3000, 10), "b": torch.randn(2000, 10), "c": torch.randn(5)},
+              src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                 "torch_dtype": "bfloat16"}))
+    return src
+
+
+def test_slice_reports_claim_only_what_each_slice_wrote(tmp_path: Path) -> None:
+    src, out = _sliced_source(tmp_path), tmp_path / "out"
+    opts = ["--max-shard-size", "100KB", "--dtype", "fp32"]
+    shares = []
+    for i in range(2):
+        r = run("merge", src, out, "--slice", f"{i}/2", *opts, "--json")
+        assert r.exit_code == 0, r.output
+        doc = json.loads(r.stdout)
+        on_disk = {p.name: p.stat().st_size for p in out.iterdir()}
+        # Every file named is one this slice wrote into, and is on disk under that name; no
+        # final name (weights, index, config.json) is claimed, nothing is said to be copied.
+        assert doc["files"], doc
+        for f in doc["files"]:
+            assert f["name"] in on_disk and f["name"].endswith(".ckpttool-tmp"), f
+        assert not [f for f in doc["files"] if not f["name"].startswith(".")]
+        assert doc["copied"] == [] and doc["config_changes"] == []
+        shares.append(sum(f["bytes"] - f["header"] for f in doc["files"] if "final" in f))
+        assert [f["name"] for f in doc["files"] if "final" not in f] == [
+            f".model.s{doc['distributed']['plan']}.{i}-of-2.done.ckpttool-tmp"]
+        assert shares[-1] == doc["distributed"]["bytes"][i]
+    assert not (out / "model.safetensors.index.json").exists()
+    r = run("merge", src, out, "--finish", *opts, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    names = {f["name"] for f in doc["files"]}
+    assert names == {p.name for p in out.iterdir()} - {"config.json"}
+    assert doc["copied"] == ["config.json"]
+    weights = [f for f in doc["files"] if f["name"].endswith(".safetensors")]
+    assert weights and all(f["written_by"] == "slices" for f in weights)
+    assert sum(f["bytes"] for f in weights) == sum((out / f["name"]).stat().st_size
+                                                   for f in weights)
+    # For people: a slice names its temporary files, --finish what it put in place.
+    human = tmp_path / "human"
+    for i in range(2):
+        r = run("merge", src, human, "--slice", f"{i}/2", *opts)
+        assert r.exit_code == 0, r.output
+        assert "wrote model-" not in r.stdout and "index.json" not in r.stdout, r.stdout
+        assert "copied config.json" not in r.stdout and "config.json:" not in r.stdout
+        assert f"wrote .model-00001-of-00002.safetensors.s{doc['distributed']['plan']}" \
+            in r.stdout, r.stdout
+    r = run("merge", src, human, "--finish", *opts)
+    assert r.exit_code == 0, r.output
+    assert "put in place model-00001-of-00002.safetensors" in r.stdout, r.stdout
+    assert "wrote model.safetensors.index.json" in r.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# 8, for LoRA: adapter_config.json (and what trainers write instead) is read once, through a
+# checked descriptor, and the bytes written are the bytes parsed
+
+
+def _peft_copy(lora_ckpts: Path, tmp_path: Path) -> Path:
+    ckpt = tmp_path / "peft"
+    shutil.copytree(lora_ckpts / "lora", ckpt, ignore=shutil.ignore_patterns("full.pt"))
+    return ckpt
+
+
+def test_adapter_config_swapped_after_it_was_read_is_not_copied(
+        lora_ckpts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--lora adapter`` parsed adapter_config.json, then read it again by name to write it:
+    a link swapped in between put an outside file into OUT."""
+    from ckpttool.core.checkpoint import hf
+
+    ckpt = _peft_copy(lora_ckpts, tmp_path)
+    side = ckpt / "adapter_config.json"
+    original = side.read_bytes()
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({**json.loads(original), "secret": "outside"}))
+    found = hf.find_adapter_config
+
+    def then_swap(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        result = found(*args, **kwargs)
+        if not side.is_symlink():
+            side.unlink()
+            side.symlink_to(secret)
+        return result
+
+    monkeypatch.setattr(hf, "find_adapter_config", then_swap)
+    r = run("merge", ckpt / "pytorch_model_fsdp_0", tmp_path / "out", "--lora", "adapter")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "out" / "adapter_config.json").read_bytes() == original
+
+
+@pytest.mark.parametrize("swap_to", ["link-out", "fifo", "huge"])
+def test_adapter_config_swapped_after_its_check_is_refused(
+        lora_ckpts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        swap_to: str) -> None:
+    """The check by name said yes; what is opened next is a link out, a FIFO, 8 GB."""
+    from ckpttool.core.checkpoint import hf
+
+    ckpt = _peft_copy(lora_ckpts, tmp_path)
+    side = ckpt / "adapter_config.json"
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({**json.loads(side.read_bytes()), "secret": "outside"}))
+    unsafe = hf._unsafe
+
+    def then_swap(path: Path, roots: list[Path]) -> str | None:
+        why = unsafe(path, roots)
+        if path == side and why is None and side.is_file() and not side.is_symlink():
+            side.unlink()
+            if swap_to == "link-out":
+                side.symlink_to(secret)
+            elif swap_to == "fifo":
+                os.mkfifo(side)
+            else:
+                with open(side, "wb") as f:
+                    f.truncate(8 << 30)  # sparse
+        return why
+
+    monkeypatch.setattr(hf, "_unsafe", then_swap)
+    r = run("merge", ckpt / "pytorch_model_fsdp_0", tmp_path / "out", "--lora", "adapter")
+    assert r.exit_code == 3, r.output
+    assert r.stderr.startswith(f"ckpttool: error: {side}: "), r.stderr
+    assert "it changed since the checkpoint was read" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["adapter_config.json", "lora_train_meta.json"])
+def test_trainer_records_read_through_a_checked_descriptor(
+        lora_ckpts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """A run directory's adapter_config.json (above checkpoint-N) or verl's
+    lora_train_meta.json swapped for a link out just as it is opened: refused, as a link
+    there always was (never read)."""
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoint-5"
+    shutil.copytree(lora_ckpts / "lora" / "pytorch_model_fsdp_0", ckpt)
+    doc = json.loads((lora_ckpts / "lora" / "adapter_config.json").read_text())
+    if name == "lora_train_meta.json":
+        doc = {"r": doc["r"], "lora_alpha": doc["lora_alpha"], "task_type": "CAUSAL_LM"}
+    victim = (run_dir if name == "adapter_config.json" else ckpt) / name
+    victim.write_text(json.dumps(doc))
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({**doc, "secret": "outside"}))
+    real_open = os.open
+
+    def swapping_open(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if os.fspath(path) == str(victim) and not victim.is_symlink():
+            victim.unlink()
+            victim.symlink_to(secret)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", swapping_open)
+    r = run("merge", ckpt, tmp_path / "out", "--lora", "adapter")
+    monkeypatch.undo()
+    written = tmp_path / "out" / "adapter_config.json"
+    assert not written.exists() or b"secret" not in written.read_bytes(), r.output
+
+
+# --------------------------------------------------------------------------------------------
+# 16. A few bytes edited in a size field: what ckpttool allocates stays bounded by the file
+
+
+def _baseline_vm_peak(*args: str | Path) -> int:
+    """Peak address space of an ordinary run of the CLI (imports, torch included)."""
+    code = ("import sys, runpy; sys.argv = ['ckpttool', *sys.argv[1:]]\n"
+            "try:\n    runpy.run_module('ckpttool', run_name='__main__')\n"
+            "except SystemExit:\n    pass\n"
+            "print([l for l in open('/proc/self/status') if l.startswith('VmPeak')][0])")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    p = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True,
+                       text=True, env=env, timeout=600, check=False)
+    return int(p.stdout.strip().splitlines()[-1].split()[1]) * 1024
+
+
+def _inflated_torch_save(dest: Path, which: str) -> Path:
+    """A torch.save file whose storage's element count (4 bytes in data.pkl), and with
+    ``which`` "both" the tensor's shape too, now say 2**31 - 1 (8 GB of float32) where 70,000
+    are stored; the archive's CRC-32 fixed to match, so only the sizes lie."""
+    import struct
+    import zipfile
+    import zlib
+
+    dest.mkdir()
+    path = dest / "pytorch_model.bin"
+    torch.save({"w": torch.ones(70_000), "b": torch.zeros(3)}, path)
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+    raw = bytearray(path.read_bytes())
+    start = raw.index(b"\x80\x02", info.header_offset)  # data.pkl, stored: its PROTO opcode
+    field = b"J" + struct.pack("<i", 70_000)
+    # The storage's element count comes first (its persistent id), then the shape.
+    places = [i for i in range(start, start + info.file_size) if raw.startswith(field, i)]
+    assert len(places) == 2
+    for at in places[: 2 if which == "both" else 1]:
+        raw[at + 1 : at + 5] = struct.pack("<i", 2**31 - 1)
+    old_crc = struct.pack("<I", info.CRC)
+    new_crc = struct.pack("<I", zlib.crc32(bytes(raw[start : start + info.file_size])))
+    assert raw.count(old_crc) == 2  # local header, central directory
+    path.write_bytes(bytes(raw).replace(old_crc, new_crc))
+    return path
+
+
+@pytest.mark.parametrize("edit", ["metadata-length", "torch-save-storage", "torch-save-both"])
+def test_an_inflated_size_field_stays_under_a_memory_limit(tiny_dcp: Path, tmp_path: Path,
+                                                           edit: str) -> None:
+    """The "5-byte pickle edit": a record length in .metadata, or a storage's element count
+    in a torch.save pickle, made huge. Under an address-space limit 1.5 GB above an ordinary
+    run's peak: one line, exit 3 (or 1 from verify), never MemoryError / exit 70."""
+    import dataclasses
+    import pickle
+
+    if edit == "metadata-length":
+        ckpt = tmp_path / "ckpt"
+        shutil.copytree(tiny_dcp, ckpt)
+        md = pickle.loads((ckpt / ".metadata").read_bytes())  # noqa: S301 - our own fixture
+        for idx, info in list(md.storage_data.items()):
+            md.storage_data[idx] = dataclasses.replace(info, length=1 << 40)
+        (ckpt / ".metadata").write_bytes(pickle.dumps(md, protocol=2))
+        intact = tiny_dcp
+    else:
+        ckpt = _inflated_torch_save(tmp_path / "ckpt", edit.rsplit("-", 1)[1])
+        intact = tmp_path / "intact"
+        intact.mkdir()
+        torch.save({"w": torch.ones(70_000), "b": torch.zeros(3)}, intact / "pytorch_model.bin")
+    limit = _baseline_vm_peak("verify", intact) + (3 << 29)
+    assert _cli("verify", intact, memory=limit).returncode == 0  # the limit lets a run work
+    for args, codes in ((["inspect", ckpt], (0, 3)), (["verify", ckpt], (1, 3)),
+                        (["merge", ckpt, tmp_path / "out"], (3,))):
+        p = _cli(*args, memory=limit)
+        assert p.returncode in codes, (args, p.stderr)
+        assert "MemoryError" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert p.stderr.count("\n") <= 1 or p.returncode == 1, p.stderr
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Shards put in place without their index (an interrupted --overwrite or --finish) are
+# incomplete to verify, never "verify OK"
+
+
+def test_shards_without_their_index_are_incomplete(tmp_path: Path) -> None:
+    src, out = _sliced_source(tmp_path), tmp_path / "out"
+    assert run("merge", src, out, "--max-shard-size", "100KB", "-q").exit_code == 0
+    (out / "model.safetensors.index.json").unlink()  # what a cut replacement leaves
+    r = run("verify", out)
+    assert r.exit_code == 1, r.output
+    assert "error: index-missing: " in r.output and "2 of 2 shards" in r.output, r.output
+    (out / "model-00002-of-00002.safetensors").unlink()
+    r = run("verify", out)
+    assert r.exit_code == 1, r.output
+    assert (f"error: missing-file: {out / 'model-00002-of-00002.safetensors'}: shard 2 of 2 "
+            "is missing") in r.output, r.output
+    r = run("merge", out, tmp_path / "again")
+    assert r.exit_code == 3 and not (tmp_path / "again").exists(), r.output

@@ -3,8 +3,9 @@
 Killed (SIGKILL) or interrupted (SIGINT) at every publishing step (``CKPTTOOL_TEST_FAULT``),
 ``--finish`` leaves no index or the finished output, and the slices' work stays, so that a
 second ``--finish`` commits exactly what a merge alone writes; it also removes (and names) the
-slices' temporary files of another plan. ``reshard --overwrite`` killed at every step leaves
-the previous output, the new one, or no ``.metadata``."""
+slices' temporary files of another plan. ``reshard --overwrite`` killed or interrupted at every
+step leaves the previous output, the new one, or no ``.metadata``. After each, ``verify`` says
+which: OK for either output, incomplete without the index."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 import ckpttool
+from ckpttool.cli import app
 from ckpttool.core.merge import multihost
 
 ROOT = Path(ckpttool.__file__).resolve().parents[1]
@@ -72,9 +75,14 @@ def test_finish_killed_or_interrupted_at_every_step(llama_ckpt: Path, tmp_path: 
             _same(alone, out)
             break
         assert p.returncode == (-signal.SIGKILL if how == "kill" else 130), p.returncode
-        # Either finished (the signal came after the last rename) or without its index.
+        # Either finished (the signal came after the last rename) or without its index,
+        # which verify says (never "verify OK" on shards put in place without their index).
         if (out / INDEX).exists():
             assert (out / INDEX).read_bytes() == (alone / INDEX).read_bytes()
+        elif [q for q in out.iterdir() if not q.name.startswith(".")]:
+            r = CliRunner().invoke(app, ["verify", str(out)])
+            assert r.exit_code in (1, 3), r.output
+            assert "index-missing" in r.output or "no model.safetensors" in r.output, r.output
         # The slices' work is still there: a second --finish commits it.
         ckpttool.merge(llama_ckpt, out, max_shard_size=SHARD, shared=multihost.Finish())
         _same(alone, out)
@@ -115,7 +123,9 @@ def _which(state: dict[str, bytes] | None, old: dict[str, bytes] | None,
     return "new"
 
 
-def test_reshard_overwrite_killed_at_every_step(llama_ckpt: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["kill", "interrupt"])
+def test_reshard_overwrite_killed_or_interrupted_at_every_step(llama_ckpt: Path, tmp_path: Path,
+                                                               how: str) -> None:
     refs = {}
     for ranks in ("2", "3"):
         ref = tmp_path / f"ref{ranks}"
@@ -126,16 +136,32 @@ def test_reshard_overwrite_killed_at_every_step(llama_ckpt: Path, tmp_path: Path
     for step in range(1, 80):
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(tmp_path / "ref2", out)
-        env = dict(os.environ, PYTHONPATH=str(ROOT), CKPTTOOL_TEST_FAULT=f"kill:{step}")
-        p = subprocess.run([sys.executable, "-m", "ckpttool", "reshard", str(llama_ckpt),
-                            str(out), "--ranks", "3", "--overwrite", "-q"],
-                           capture_output=True, text=True, env=env, timeout=300)
+        mark = tmp_path / f"paused-{step}"
+        fault = f"kill:{step}" if how == "kill" else f"pause:{step}:{mark}"
+        env = dict(os.environ, PYTHONPATH=str(ROOT), CKPTTOOL_TEST_FAULT=fault)
+        p = subprocess.Popen([sys.executable, "-m", "ckpttool", "reshard", str(llama_ckpt),
+                              str(out), "--ranks", "3", "--overwrite", "-q"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        if how == "interrupt":
+            while not mark.exists() and p.poll() is None:
+                time.sleep(0.05)
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        _, stderr = p.communicate(timeout=300)
         state = _which(_dcp_state(out), refs["2"], refs["3"])
         if p.returncode == 0:
             assert state == "new"
             break
-        assert p.returncode == -signal.SIGKILL, p.stderr
+        assert p.returncode == (-signal.SIGKILL if how == "kill" else 130), stderr
+        if how == "interrupt":
+            assert stderr.count("\n") == 1 and "interrupted" in stderr, stderr
+            assert not [q for q in out.iterdir() if q.name.endswith(".ckpttool-tmp")]
         seen.add(state)
+        # verify says which: the previous or the new output is OK, none is incomplete.
+        r = CliRunner().invoke(app, ["verify", str(out)])
+        assert r.exit_code == (0 if state in ("old", "new") else 3), r.output
+        if state == "none" and list(out.glob("*.distcp")):
+            assert "the copy is incomplete" in r.output, r.output
     else:
         raise AssertionError("reshard never finished")
     assert {"old", "none"} <= seen

@@ -188,3 +188,14 @@ def test_numbers_beyond_int64_in_metadata_are_corrupt_input(tiny_dcp: Path,
     assert code in (0, 3) and "Traceback" not in stderr, stderr
     line = _one_error_line(*_run("merge", str(ckpt), str(tmp_path / "out")))
     assert "18446744073709551623" in line or "past the end" in line or "beyond" in line, line
+
+
+@pytest.mark.parametrize("stride", [-1, -5])
+def test_mesh_layout_with_a_negative_stride_places_no_rank(stride: int) -> None:
+    """Fuzz campaign 3002, mutant 1676: a rank file whose pickled mesh layout had a stride
+    made negative (one opcode replaced) was exit 70 (IndexError) in inspect, verify and merge;
+    such a layout is not one ckpttool places ranks in (exit 4, one line)."""
+    from ckpttool.formats.rank_files import _coordinate
+
+    assert _coordinate([((2, stride),)], 2, 0) is None
+    assert _coordinate([((2, stride),)], 2, 1) is None

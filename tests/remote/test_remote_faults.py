@@ -1,7 +1,7 @@
 """Remote outputs under faults, against moto's S3 server on localhost, in real processes:
 an ``--overwrite`` upload into a prefix that holds a previous output, killed (SIGKILL) and
 interrupted (SIGINT) at every step (``CKPTTOOL_TEST_REMOTE_FAULT``), leaves the previous
-output, the new one, or no index; a concurrent writer is refused.
+output, the new one, or no index, and ``verify`` says which; a concurrent writer is refused.
 
 The process killed runs what a remote ``merge`` runs after its local (staged) output is
 complete, ``urls.claimed`` then ``urls.upload``, without the merge before it: the steps before
@@ -126,6 +126,13 @@ def test_overwrite_killed_or_interrupted_at_every_step(
                 p.communicate(timeout=300)
             found = contents(s3, prefix)
             seen.add(state(found, old, new))
+            # verify says which: either output is OK; shards without their index are not.
+            r = run("verify", url)
+            if state(found, old, new) == "no index":
+                # (index-missing, or two shard sets side by side: several candidates)
+                assert r.exit_code in (1, 3) and "verify OK" not in r.output, r.output
+            else:
+                assert r.exit_code == 0, r.output
             if p.returncode == 0:  # past the last step: it finished
                 assert state(found, old, new) == "new" and remote.LOCK_NAME not in found
                 break

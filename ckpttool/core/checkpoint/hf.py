@@ -199,20 +199,32 @@ def run_dirs(dcp_dir: Path) -> list[tuple[Path, str]]:
 ADAPTER_CONFIG = "adapter_config.json"
 
 
+@dataclass(frozen=True)
+class JsonFile:
+    """A small JSON object read once through a checked descriptor: what was parsed and the
+    very bytes it was parsed from (what is written on is these, never the name read again)."""
+
+    doc: dict[str, Any]
+    path: Path
+    data: bytes
+
+
 def find_adapter_config(dcp_dir: Path, explicit: Path | None = None, *,
-                        given: Path | None = None) -> tuple[dict[str, Any] | None, Path | None]:
-    """PEFT's ``adapter_config.json`` (parsed, and where it was found): ``explicit`` (a file
-    or its directory), else beside the checkpoint, in the same places as ``config.json`` and
-    under the same link rules. (None, None) when there is none.
+                        given: Path | None = None) -> JsonFile | None:
+    """PEFT's ``adapter_config.json``: ``explicit`` (a file or its directory), else beside the
+    checkpoint, in the same places as ``config.json`` and under the same link rules; read as
+    :func:`read_side_file` reads. None when there is none.
 
     Raises:
-        InputError: ``explicit`` is missing, or the file found is not a JSON object.
+        InputError: ``explicit`` is missing, the file found is not a JSON object, or it
+            changed between the check by name and the read (a link out, a FIFO, too large).
     """
     if explicit is not None:
         path = explicit / ADAPTER_CONFIG if explicit.is_dir() else explicit
         if not path.is_file():
             raise InputError(f"{path}: no such adapter config file (--adapter-config)")
-        why = _unsafe(path, [path.resolve().parent])
+        roots = [path.resolve().parent]
+        why = _unsafe(path, roots)
         if why is not None:
             raise InputError(f"{why} (--adapter-config)")
     else:
@@ -221,9 +233,55 @@ def find_adapter_config(dcp_dir: Path, explicit: Path | None = None, *,
                       if os.path.lexists(d / ADAPTER_CONFIG)
                       and _unsafe(d / ADAPTER_CONFIG, roots) is None), None)
         if found is None:
-            return None, None
+            return None
         path = found
-    return _json_object(path, "--adapter-config"), path
+    data = read_side_file(path, tuple(roots))
+    return JsonFile(_parse_object(data, path, "--adapter-config"), path, data)
+
+
+def read_record(path: Path, limit: int = 1 << 20) -> JsonFile | None:
+    """A trainer's small JSON record at ``path`` (a run directory's ``adapter_config.json``,
+    verl's ``lora_train_meta.json``), or None where there is none: missing, a link (never
+    followed: opened with ``O_NOFOLLOW``), or not a regular file (checked on the descriptor,
+    opened without blocking).
+
+    Raises:
+        InputError: larger than ``limit``, unreadable, or not a JSON object.
+    """
+    try:
+        fd = os.open(path, store.READ_FLAGS | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if os.path.islink(path):  # ELOOP: a link, not read
+            return None
+        raise InputError(f"{path}: cannot be read ({e.strerror}); fix or remove it, or pass "
+                         "--adapter-config PATH") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise InputError(f"{path}: more than {limit:,} bytes, too large for a trainer's "
+                         "record; fix or remove it, or pass --adapter-config PATH")
+    return JsonFile(_parse_object(data, path, "--adapter-config"), path, data)
+
+
+def _parse_object(data: bytes, path: Path, option: str) -> dict[str, Any]:
+    """``data`` (read from ``path``) parsed; it must hold a JSON object.
+
+    Raises:
+        InputError: not valid JSON, or not an object (the message names ``option``).
+    """
+    try:
+        parsed = json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise InputError(f"{path}: not valid JSON ({json_error(e)}); fix it or pass "
+                         f"{option}") from e
+    if not isinstance(parsed, dict):
+        raise InputError(f"{path}: not a JSON object; fix it or pass {option}")
+    return parsed
 
 
 def _beside(dcp_dir: Path) -> list[Path]:

@@ -39,7 +39,7 @@ from ckpttool import errors, settings
 from ckpttool.core.merge import partition
 from ckpttool.core.merge.distributed import Group
 from ckpttool.core.merge.engine import commit_outputs, execute_share
-from ckpttool.core.merge.plan import MergePlan
+from ckpttool.core.merge.plan import MergePlan, OutputFile
 from ckpttool.core.runtime.report import Progress, Section, section
 from ckpttool.core.runtime.torch_threads import default_workers
 from ckpttool.errors import CkptError, InputError, OutputError, UsageError
@@ -189,11 +189,12 @@ def _local_workers(workers: int | None) -> int:
 class Sharing(Section):
     """The report's ``distributed``: how processes shared a merge (``torchrun``, ``slice``,
     ``slices`` for a finish), the bytes each wrote and how even that was; this process's
-    rank or slice, the plan's key, the tensors a dry run's process would write, a finish's
-    removed temporary files."""
+    rank or slice, the plan's key, the tensors a dry run's process would write, the files a
+    slice wrote, the weights a finish put in place and the temporary files it removed."""
 
     OMIT_NONE: ClassVar[frozenset[str]] = frozenset(
-        {"tensors", "rank", "slice", "plan", "removed_temporary"})
+        {"tensors", "rank", "slice", "plan", "files", "committed", "placed_before",
+         "removed_temporary"})
 
     mode: str
     processes: int
@@ -203,6 +204,9 @@ class Sharing(Section):
     rank: int | None = None
     slice: int | None = None
     plan: str | None = None
+    files: list[OutputFile] | None = None  # a slice's: what it wrote (the report's files)
+    committed: list[str] | None = None  # a finish's: the weights it put in place
+    placed_before: list[str] | None = None  # a finish's: those an earlier finish had placed
     removed_temporary: list[str] | None = None
 
 
@@ -434,7 +438,23 @@ class Slice(_Alone):
         tmp.write_text(json.dumps({"slice": self.index, "of": self.count, "plan": key,
                                    "inodes": inodes}))
         os.replace(tmp, marker)
-        return _describe("slice", shares, slice=self.index, plan=key)
+        return _describe("slice", shares, slice=self.index, plan=key,
+                         files=_share_files(plan, share, paths) + [
+                             OutputFile(marker.name, marker.stat().st_size, 0)])
+
+
+def _share_files(plan: MergePlan, share: list[partition.Unit], paths: dict[int, Path]
+                 ) -> list[OutputFile]:
+    """What a slice wrote, file by file: the header of every file (each slice writes it,
+    the same bytes) and the bytes and tensors of its share, under the temporary names."""
+    nbytes = dict.fromkeys(range(len(plan.files)), 0)
+    tensors: dict[int, set[int]] = {i: set() for i in range(len(plan.files))}
+    for u in share:
+        nbytes[u.file] += u.nbytes
+        tensors[u.file].add(u.tensor)
+    return [OutputFile(paths[i].name, len(f.layout.header) + nbytes[i], len(tensors[i]),
+                       final=f.name, header=len(f.layout.header))
+            for i, f in enumerate(plan.files)]
 
 
 class Finish(_Alone):
@@ -484,6 +504,8 @@ class Finish(_Alone):
                     marker.unlink()
             removed = _remove_abandoned(out, key)  # with OUT's lock held
         return _describe("slices", shares, plan=key,
+                         committed=[f.name for i, f in enumerate(plan.files) if i not in placed],
+                         placed_before=[plan.files[i].name for i in sorted(placed)],
                          removed_temporary=removed or None)
 
 

@@ -31,7 +31,7 @@ from ckpttool.core.dtype_policy import DTypePolicy
 from ckpttool.core.merge import resume
 from ckpttool.core.merge.engine import check_existing, commit_outputs, write
 from ckpttool.core.merge.optimizer import OPTIMIZER_JSON, optimizer_json
-from ckpttool.core.merge.plan import MergePlan, Source, plan_merge
+from ckpttool.core.merge.plan import MergePlan, OutputFile, Source, plan_merge
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import Progress, Section, document, section
 from ckpttool.core.runtime.torch_threads import default_workers
@@ -51,15 +51,6 @@ if TYPE_CHECKING:
     from ckpttool.core.merge.multihost import Shared, Sharing
     from ckpttool.core.transforms.lora import Adapted
     from ckpttool.core.transforms.namemaps import Mapped
-
-
-@section
-class OutputFile(Section):
-    """A file a merge writes: its name, bytes and tensors (0: an index, optimizer.json)."""
-
-    name: str
-    bytes: int
-    tensors: int
 
 
 @section
@@ -574,6 +565,7 @@ def _summarise(report: MergeReport, ckpt: Checkpoint, plan: MergePlan,
     for out_tensor in written_tensors:
         name = out_tensor.dtype.name
         report.bytes_after[name] = report.bytes_after.get(name, 0) + out_tensor.slot.nbytes
+    _shared_files(report)
     if dry_run:
         report.dry_run = True
         # Shared (--slice I/N, torchrun): the sharing and this process's tensors only.
@@ -587,6 +579,24 @@ def _summarise(report: MergeReport, ckpt: Checkpoint, plan: MergePlan,
                                         [t.slot.begin, t.slot.end])
                           for f in plan.files for t in f.tensors
                           if mine is None or t.name in mine]
+
+
+def _shared_files(report: MergeReport) -> None:
+    """A slice (``--slice I/N``) put nothing in place: its report names the temporary files it
+    wrote into and its marker, and no copied side file. ``--finish`` put in place weights the
+    slices wrote: said so per file (``written_by``); the index and side files are its own."""
+    d = report.distributed
+    if d is None:
+        return
+    if d.files is not None:
+        report.files, report.copied, report.config_changes = d.files, [], []
+        d.files = None
+    for f in report.files:
+        if f.name in (d.committed or ()):
+            f.written_by = "slices"
+        elif f.name in (d.placed_before or ()):
+            f.written_by = "slices"
+            f.placed_before = True
 
 
 def _config_output(files: hf.HfFiles, plan: MergePlan, sources: list[tuple[str, Source]]

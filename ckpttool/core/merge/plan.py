@@ -6,8 +6,10 @@ import it, and it imports none of them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ckpttool.core.dtype_policy import DTypePolicy
+from ckpttool.core.runtime.report import Section, section
 from ckpttool.core.transforms.derive import Derived
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Tensor
@@ -88,3 +90,21 @@ def plan_merge(
     )
     return MergePlan(files, index, tuple(sorted(drop)), st.index_name(stem))
 
+
+@section
+class OutputFile(Section):
+    """A file a merge wrote, for its report: its name, bytes and tensors (0: an index,
+    optimizer.json). A slice's temporary file names the ``final`` file it becomes and its
+    ``header`` bytes; a weight file a ``--finish`` put in place was ``written_by`` the
+    slices (``placed_before``: by an earlier, cut finish)."""
+
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset(
+        {"final", "header", "written_by", "placed_before"})
+
+    name: str
+    bytes: int
+    tensors: int
+    final: str | None = None
+    header: int | None = None
+    written_by: str | None = None
+    placed_before: bool | None = None

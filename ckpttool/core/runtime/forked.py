@@ -146,6 +146,12 @@ class _Child:
             if cls is not None:
                 raise cls(message)
             raise WorkerFailed(f"a worker process failed: {message}")
+        if self.status == -getattr(signal, "SIGBUS", 0):
+            # A source file cut short while the child read it through a mapping (SIGBUS has
+            # its default action in children: storage.outputs).
+            raise errors.InputError("a source file changed (cut short) while a worker "
+                                    "process read it; nothing was written. Run again on a "
+                                    "checkpoint nothing is writing to")
         if self.status is not None and self.status != 0:
             raise WorkerFailed(f"a worker process ended with status {self.status}")
 

@@ -303,27 +303,6 @@ class Known:
     assumed: tuple[str, ...] = ()
 
 
-def _json_file(path: Path) -> dict[str, Any] | None:
-    """A small JSON object at ``path`` (no link is followed), or None if there is none.
-
-    Raises:
-        InputError: the file is there but is not a JSON object.
-    """
-    import json
-
-    if path.is_symlink() or not path.is_file():
-        return None
-    try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read(_MAX_JSON + 1)[:_MAX_JSON])
-    except (OSError, ValueError, RecursionError) as e:
-        raise InputError(f"{path}: not readable as JSON ({type(e).__name__}); fix or remove "
-                         "it, or pass --adapter-config PATH") from None
-    if not isinstance(doc, dict):
-        raise InputError(f"{path}: holds a JSON {type(doc).__name__}, not an object")
-    return doc
-
-
 def _trainer_dirs(root: Path) -> list[Path]:
     """Where trainers record the adapter beyond what :func:`hf.find_adapter_config` reads,
     nearest first: the checkpoint's directory and the one above (verl's actor/ holds
@@ -348,19 +327,20 @@ def find_config(root: Path, explicit: Path | None, *, given: Path | None,
     """
     import json
 
-    doc, where = hf.find_adapter_config(root, explicit, given=given)
-    if doc is not None and where is not None:
-        return Known(read_config(doc, str(where)), where.read_bytes(), str(where))
+    # Each file is read once, through a checked descriptor: the bytes written with --lora
+    # adapter are the bytes parsed here, never the name read again.
+    found = hf.find_adapter_config(root, explicit, given=given)
+    if found is not None:
+        return Known(read_config(found.doc, str(found.path)), found.data, str(found.path))
     dirs = _trainer_dirs(root)
     for d in dirs[2:]:  # the run directories (the nearer ones hf already looked in)
-        found = _json_file(d / hf.ADAPTER_CONFIG)
+        found = hf.read_record(d / hf.ADAPTER_CONFIG, _MAX_JSON)
         if found is not None:
-            return Known(read_config(found, str(d / hf.ADAPTER_CONFIG)),
-                         (d / hf.ADAPTER_CONFIG).read_bytes(), str(d / hf.ADAPTER_CONFIG))
+            return Known(read_config(found.doc, str(found.path)), found.data, str(found.path))
     for d in dirs:
-        meta = _json_file(d / TRAINER_META)
-        if meta is not None:
-            source = str(d / TRAINER_META)
+        record = hf.read_record(d / TRAINER_META, _MAX_JSON)
+        if record is not None:
+            meta, source = record.doc, str(record.path)
             built, assumed = config_from_weights(layout, r=meta.get("r"),
                                                  alpha=meta.get("lora_alpha"),
                                                  task_type=meta.get("task_type"))
@@ -607,12 +587,9 @@ def merged_adapter_config(root: Path, explicit: Path | None
     Raises:
         InputError: the file is not a JSON object, or ``explicit`` is missing.
     """
-    doc, where = hf.find_adapter_config(root, explicit, given=root)
-    if doc is not None and where is not None:
-        return doc, str(where)
-    inner = root / MERGER_ADAPTER_DIR / hf.ADAPTER_CONFIG
-    found = _json_file(inner)
-    return (found, str(inner)) if found is not None else (None, None)
+    found = (hf.find_adapter_config(root, explicit, given=root)
+             or hf.read_record(root / MERGER_ADAPTER_DIR / hf.ADAPTER_CONFIG, _MAX_JSON))
+    return (found.doc, str(found.path)) if found is not None else (None, None)
 
 
 def _is_target(module: str, targets: Any) -> bool:
@@ -799,10 +776,10 @@ def plan_for_merge(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str 
             raise InputError(f"{target}: holds no LoRA matrices (lora_A / lora_B); pass a PEFT "
                              "adapter directory to --adapter")
         found = as_adapter_file(found)
-        doc, where = hf.find_adapter_config(target.parent, explicit, given=given)
-        if doc is None or where is None:
+        found_config = hf.find_adapter_config(target.parent, explicit, given=given)
+        if found_config is None:
             raise missing_config(str(given))
-        config = read_config(doc, str(where))
+        config = read_config(found_config.doc, str(found_config.path))
         reader = open_reader(adapter_ckpt)
         try:
             sources = plan_fuse(found, config, base=named, adapter_reader=reader)

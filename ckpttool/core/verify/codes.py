@@ -43,6 +43,9 @@ CODES: tuple[Code, ...] = (
          "another"),
     Code("duplicate-tensor", "error", "structure",
          "a tensor stored in several shards (a loader keeps one at random)"),
+    Code("index-missing", "error", "structure",
+         "shards of a set (`-of-N` names) without their index: a save or publish that did "
+         "not finish (the index is written last), which loaders refuse"),
     Code("index-missing-tensor", "error", "structure",
          "the index names a tensor its shard does not hold"),
     Code("index-extra-tensor", "error", "structure", "a shard holds a tensor the index omits"),

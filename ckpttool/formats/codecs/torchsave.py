@@ -340,6 +340,16 @@ class StorageRef:
     dtype: DType | None  # None for an untyped storage (dtype then comes from the rebuild call)
     numel: int
 
+    def claims(self, record_size: int) -> str | None:
+        """Why the storage's record of ``record_size`` bytes is not the size the pickle
+        claims (its element count times the element size, in bytes for an untyped storage),
+        or None: ``torch.load`` refuses such a file, so ckpttool does too."""
+        nbytes = self.numel * (self.dtype.itemsize if self.dtype is not None else 1)
+        if nbytes == record_size:
+            return None
+        return (f"storage 'data/{self.key}' claims {nbytes:,} bytes where the archive holds "
+                f"{record_size:,}; corrupt")
+
 
 @dataclass(frozen=True)
 class TensorRef:

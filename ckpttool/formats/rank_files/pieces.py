@@ -324,6 +324,9 @@ def _chunk(path: Path, entries: dict[str, archive.ZipEntry], fqn: str,
     if data is None:
         raise InputError(f"{path}: tensor '{fqn}' names storage 'data/{t.storage.key}', which "
                          "the archive lacks; corrupt")
+    why = t.storage.claims(data.size)
+    if why is not None:
+        raise InputError(f"{path}: tensor '{fqn}': {why}")
     itemsize = t.dtype.itemsize
     nbytes = numel * itemsize
     start = t.storage_offset * itemsize
@@ -452,7 +455,7 @@ def _coordinate(modes_by_axis: list[tuple[tuple[int, int], ...]], num_ranks: int
             continue
         for offset in reach:
             q = base + offset
-            if q >= num_ranks or taken[q]:
+            if not 0 <= q < num_ranks or taken[q]:  # (a negative stride reaches before it)
                 return None
             taken[q] = True
         if position - base in reach:
