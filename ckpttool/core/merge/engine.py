@@ -380,7 +380,8 @@ def _write_derived(reader: Reader, dst: int, t: OutTensor, report: Progress,
     if is_selection(t.source):
         _write_selection(reader, dst, t, report, lock)
         return
-    data = materialise(reader, t.source, t.dtype)
+    data = materialise(reader, t.source, t.dtype,
+                       _buffer("derived", t.slot.nbytes) if t.source.into is not None else None)
     with lock or contextlib.nullcontext():
         pwrite_all(dst, data, t.slot.begin)
     report(len(data))
