@@ -25,7 +25,7 @@ from ckpttool.core.merge.plan import MergePlan, OutTensor
 from ckpttool.core.runtime import forked
 from ckpttool.core.runtime.report import Progress, locked
 from ckpttool.core.runtime.torch_threads import one_torch_thread, workers_for
-from ckpttool.core.transforms.derive import Derived, is_selection, materialise
+from ckpttool.core.transforms.derive import Derived, is_selection, materialise, release_scratch
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Chunk, Payload, Reader, Tensor
@@ -359,6 +359,7 @@ def _run_jobs(jobs: list[_Job], reader: Reader, workers: int, report: Progress,
                 run(job)
         finally:
             _scratch.__dict__.clear()  # this thread goes on: give its buffers back
+            release_scratch()
         return
     pool = ThreadPoolExecutor(max_workers=workers)
     try:
@@ -379,7 +380,8 @@ def _write_derived(reader: Reader, dst: int, t: OutTensor, report: Progress,
     if is_selection(t.source):
         _write_selection(reader, dst, t, report, lock)
         return
-    data = materialise(reader, t.source, t.dtype)
+    data = materialise(reader, t.source, t.dtype,
+                       _buffer("derived", t.slot.nbytes) if t.source.into is not None else None)
     with lock or contextlib.nullcontext():
         pwrite_all(dst, data, t.slot.begin)
     report(len(data))

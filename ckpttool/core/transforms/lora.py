@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.core.checkpoint import hf, structure, tensors
 from ckpttool.core.checkpoint.discover import discover, open_reader
 from ckpttool.core.runtime.report import Section, section
-from ckpttool.core.transforms.derive import Derived
+from ckpttool.core.transforms.derive import Derived, scratch
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats.base import Problem, Reader, Tensor, error, warning
 
@@ -529,9 +529,40 @@ def _fused_weight(name: str, weight: Tensor, m: Module, config: AdapterConfig,
             delta = delta.T
         return w.float().add_(delta.mul_(scale))
 
+    # The same operations, each element's exactly as above (the product whole, then rows of
+    # the weight in float32 a block at a time, in cache, cast straight into the output): one
+    # float32 product instead of four weight-sized temporaries, kept from one weight to the
+    # next (:func:`~ckpttool.core.transforms.derive.scratch`).
+    def into(ts: list[torch.Tensor], out: torch.Tensor) -> None:
+        import torch
+
+        w, a, b = ts
+        b32, a32 = b.float(), a.float()
+        rows, cols = b32.shape[0], a32.shape[1]
+        product = scratch("lora-delta", rows * cols).view(rows, cols)
+        torch.mm(b32, a32, out=product)  # what ``b32 @ a32`` runs, into our tensor
+        delta = product.T if transpose else product
+        if tuple(delta.shape) != tuple(out.shape) or out.dim() != 2:
+            raise InputError(f"'{name}': the LoRA product is {list(delta.shape)}, the weight "
+                             f"{list(out.shape)}")
+        width = out.shape[1]
+        step = max(1, FOLD_BLOCK // max(1, width))
+        block = scratch("lora-rows", step * width)
+        for i in range(0, out.shape[0], step):
+            n = min(step, out.shape[0] - i)
+            part = block[: n * width].view(n, width)
+            part.copy_(w[i : i + n])  # exact: a widening cast
+            part.add_(delta[i : i + n].mul_(scale))
+            out[i : i + n].copy_(part)
+
     what = f"lora fused: rank {rank}, scale {scale:g}"
     return Derived(name, (weight, m.a, m.b), weight.dtype, weight.shape, compute, what,
-                   readers=(None, reader, reader))
+                   readers=(None, reader, reader), into=into if len(weight.shape) == 2 else None)
+
+
+# Elements of a weight folded per step (float32): the block and its part of the product stay
+# in the core's cache.
+FOLD_BLOCK = 1 << 17
 
 
 def _fused_bias(name: str, bias: Tensor, m: Module, config: AdapterConfig,
