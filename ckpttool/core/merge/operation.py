@@ -275,7 +275,6 @@ def merge(
             report.distributed, report.resumed = _write(
                 plan, reader, out_path, extra, stem=stem, overwrite=overwrite, workers=workers,
                 shared=shared, progress=progress, on_start=on_start)
-
     _summarise(report, ckpt, plan, dict(extra).get(OPTIMIZER_JSON), dry_run=dry_run,
                shared=shared)
     report.seconds = round(time.perf_counter() - started, 3)

@@ -204,12 +204,10 @@ def verify(
                                              follow_links=follow_links)
     problems += part_problems
     report.parts = [p for p in ckpt.parts if p.path in dict(parts)]
-    if manifest_path is not None:
-        found, report.manifest = manifests.finish(ckpt, manifest_path, expected, digests)
-        problems += found
-    elif receipt is not None:
-        found, report.manifest = receipts.verify(ckpt, receipt, digests)
-        problems += found
+    found, report.manifest = (
+        manifests.finish(ckpt, manifest_path, expected, digests) if manifest_path is not None
+        else receipts.verify(ckpt, receipt, digests) if receipt is not None else ([], None))
+    problems += found
     report.problems = problems
     report.bytes_read = done.bytes_read + part_bytes
     report.seconds = round(time.perf_counter() - started, 3)
