@@ -195,7 +195,7 @@ def test_mesh_layout_with_a_negative_stride_places_no_rank(stride: int) -> None:
     """Fuzz campaign 3002, mutant 1676: a rank file whose pickled mesh layout had a stride
     made negative (one opcode replaced) was exit 70 (IndexError) in inspect, verify and merge;
     such a layout is not one ckpttool places ranks in (exit 4, one line)."""
-    from ckpttool.formats.rank_files import _coordinate
+    from ckpttool.formats.rank_files.pieces import _coordinate
 
     assert _coordinate([((2, stride),)], 2, 0) is None
     assert _coordinate([((2, stride),)], 2, 1) is None
