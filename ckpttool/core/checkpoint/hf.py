@@ -268,20 +268,23 @@ def read_record(path: Path, limit: int = 1 << 20) -> JsonFile | None:
     return JsonFile(_parse_object(data, path, "--adapter-config"), path, data)
 
 
-def _parse_object(data: bytes, path: Path, option: str) -> dict[str, Any]:
+def _parse_object(data: bytes | str, path: Path, option: str) -> dict[str, Any]:
     """``data`` (read from ``path``) parsed; it must hold a JSON object.
 
     Raises:
         InputError: not valid JSON, or not an object (the message names ``option``).
     """
     try:
-        parsed = json.loads(data.decode("utf-8"))
+        parsed = json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise InputError(f"{path}: not valid JSON ({json_error(e)}); fix it or pass "
-                         f"{option}") from e
+        raise _not_json(path, option, e) from e
     if not isinstance(parsed, dict):
         raise InputError(f"{path}: not a JSON object; fix it or pass {option}")
     return parsed
+
+
+def _not_json(path: Path, option: str, e: Exception) -> InputError:
+    return InputError(f"{path}: not valid JSON ({json_error(e)}); fix it or pass {option}")
 
 
 def _beside(dcp_dir: Path) -> list[Path]:
@@ -300,16 +303,12 @@ def _json_object(path: Path, option: str, *, roots: tuple[Path, ...] | None = No
         InputError: not valid JSON, or not an object (the message names ``option``).
     """
     try:
-        parsed = json.loads(read_json_text(path) if roots is None
-                            else read_side_file(path, roots).decode("utf-8"))
+        data = read_json_text(path) if roots is None else read_side_file(path, roots)
     except PermissionError as e:
         raise UnreadableError.of(path, e) from e
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise InputError(f"{path}: not valid JSON ({json_error(e)}); fix it or pass "
-                         f"{option}") from e
-    if not isinstance(parsed, dict):
-        raise InputError(f"{path}: not a JSON object; fix it or pass {option}")
-    return parsed
+    except UnicodeDecodeError as e:  # read_json_text decodes
+        raise _not_json(path, option, e) from e
+    return _parse_object(data, path, option)
 
 
 def ties_word_embeddings(config: dict[str, Any] | None) -> bool | None:
