@@ -340,18 +340,9 @@ def error(e: BaseException, url: Url | str, doing: str) -> CkptError | None:
                           "the network or the object store is failing, run again later")
 
 
-@contextlib.contextmanager
-def errors(url: Url | str, doing: str) -> Iterator[None]:
+def errors(url: Url | str, doing: str) -> contextlib.AbstractContextManager[None]:
     """Map obstore failures inside the block to one-line errors naming ``url``."""
-    try:
-        yield
-    except CkptError:
-        raise
-    except Exception as e:
-        mapped = error(e, url, doing)
-        if mapped is None:
-            raise
-        raise mapped from e
+    return s3.mapped_errors(error, url, doing)
 
 
 def _transient(e: BaseException) -> bool:

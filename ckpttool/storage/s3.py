@@ -197,17 +197,24 @@ def error(e: Exception, url: Url | str, doing: str) -> CkptError | None:
 
 
 @contextlib.contextmanager
-def errors(url: Url | str, doing: str) -> Iterator[None]:
-    """Map botocore failures inside the block to one-line errors naming ``url``."""
+def mapped_errors(mapper: Callable[[Exception, Any, str], CkptError | None], url: Any,
+                  doing: str) -> Iterator[None]:
+    """Failures inside the block turned by ``mapper`` (a backend's ``error``) into one-line
+    errors naming ``url``; what it does not know is raised as it is."""
     try:
         yield
     except CkptError:
         raise
     except Exception as e:
-        mapped = error(e, url, doing)
+        mapped = mapper(e, url, doing)
         if mapped is None:
             raise
         raise mapped from e
+
+
+def errors(url: Url | str, doing: str) -> contextlib.AbstractContextManager[None]:
+    """Map botocore failures inside the block to one-line errors naming ``url``."""
+    return mapped_errors(error, url, doing)
 
 
 _THROTTLED = ("SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
