@@ -274,10 +274,8 @@ def _load(root: Path, name: str) -> _File:
                     "not read (written by another DeepSpeed version?); nothing was executed. "
                     "Convert with the zero_to_fp32.py script saved beside the checkpoint"
                 ) from e
-            raise InputError(
-                f"{path}: refused to load: the pickle asks for '{e.qualname}', which a "
-                "DeepSpeed checkpoint never contains; the file may be malicious (nothing was "
-                "executed)") from e
+            raise torchsave.refusal(path, e, deepspeed_global,
+                                    "a DeepSpeed checkpoint never contains") from e
         except torchsave.TooComplex as e:
             raise InputError(f"{path}: {e}, more than any checkpoint holds; refusing to "
                              "walk it") from e

@@ -150,11 +150,9 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
                     f"{p}: Megatron-Core's common state (it asks for '{e.qualname}'), not a "
                     f"model file on its own; pass its checkpoint: ckpttool inspect {p.parent}"
                 ) from e
-            raise InputError(
-                f"{p}: refused to load: the pickle asks for '{e.qualname}', which a "
-                "weights-only load never allows; the file may be malicious (nothing was "
-                "executed). Only a state dict of tensors and plain values can be read"
-            ) from e
+            raise torchsave.refusal(
+                p, e, torchsave.record_global, "a weights-only load never allows",
+                then=". Only a state dict of tensors and plain values can be read") from e
         except torchsave.TooComplex as e:
             raise InputError(f"{p}: {e}, more than any state dict holds; refusing to "
                              "walk it") from e

@@ -811,3 +811,28 @@ def test_shards_without_their_index_are_incomplete(tmp_path: Path) -> None:
             "is missing") in r.output, r.output
     r = run("merge", out, tmp_path / "again")
     assert r.exit_code == 3 and not (tmp_path / "again").exists(), r.output
+
+
+def test_two_shard_sets_without_index_say_incomplete_not_many_models(tmp_path: Path) -> None:
+    """Shards of two saves (one interrupted before its index) are not "N model checkpoints"
+    to pick from: no single shard is a checkpoint. Written by huggingface_hub's own sharded
+    save, whose index is then gone as after an interrupted save."""
+    from huggingface_hub import save_torch_state_dict
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    state = {f"w{i}": torch.full((256,), float(i)) for i in range(4)}
+    for shard_size in (2100, 1100):  # 2 shards, then 4 (each save removes the other's)
+        save = tmp_path / f"save-{shard_size}"
+        save.mkdir()
+        save_torch_state_dict(state, save, max_shard_size=shard_size)
+        for shard in save.glob("*.safetensors"):
+            shutil.copy(shard, ckpt)  # both saves' shards, neither's index
+    (ckpt / "model-00004-of-00004.safetensors").unlink()
+    r = run("merge", ckpt, tmp_path / "out")
+    assert r.exit_code == 3, r.output
+    assert r.stderr.startswith(
+        f"ckpttool: error: {ckpt}: holds shards of 2 sets: model-*-of-00002 (2 of 2), "
+        "model-*-of-00004 (3 of 4) and no index")
+    assert r.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()

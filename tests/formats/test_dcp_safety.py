@@ -77,3 +77,31 @@ def test_reading_metadata_does_not_import_torch(uneven_ckpt: Path) -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _flip(data: bytes, name: bytes, bit: int = 0) -> bytes:
+    """``data`` with one bit of the first ``name`` in it flipped (a damaged byte)."""
+    at = data.index(name)
+    return data[:at] + bytes([data[at] ^ (1 << bit)]) + data[at + 1:]
+
+
+@pytest.mark.parametrize("name", [b"TensorStorageMetadata", b"ChunkStorageMetadata"])
+def test_one_flipped_bit_in_a_class_name_is_damage_not_malice(
+        tmp_path: Path, uneven_ckpt: Path, name: bytes) -> None:
+    """A genuine .metadata with one bit flipped in a class name DCP writes: the file is
+    damaged; calling it malicious would scare its owner off a transfer error (exit 3 both)."""
+    src = uneven_ckpt / "pytorch_model_fsdp_0"
+    data = _flip((src / ".metadata").read_bytes(), name)
+    (tmp_path / ".metadata").write_bytes(data)
+    with pytest.raises(InputError) as e:
+        dcp.read_info(tmp_path)
+    text = str(e.value)
+    assert "one bit away from" in text and name.decode() in text
+    assert "malicious" not in text and "nothing was executed" in text
+
+
+def test_a_foreign_name_far_from_any_allowed_one_is_still_malicious(tmp_path: Path) -> None:
+    # builtins.setattr is two bits from the allowed builtins.getattr: not one flipped bit.
+    (tmp_path / ".metadata").write_bytes(b"\x80\x02cbuiltins\nsetattr\n.")
+    with pytest.raises(InputError, match="may be malicious"):
+        dcp.read_info(tmp_path)

@@ -15,6 +15,7 @@ directory).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -402,6 +403,12 @@ def _no_choice(given: Path, parts: Iterable[Part], command: str) -> str:
     out = " OUT" if command in ("merge", "reshard") else ""
     for kind in _CHECKPOINT_KINDS:
         found = [p.path for p in parts if p.kind == kind and registry.is_format(p.format)]
+        sets = _shard_sets(found)
+        if sets is not None:
+            return (f"{given}: holds shards of {sets} and no index: files of two saves, or a "
+                    "save that did not finish (the index is written last); keep one complete "
+                    "set with its index (copy it again from the source) and pass the "
+                    "directory again")
         if len(found) > 1:
             return (f"{given}: holds {len(found)} {kind} checkpoints ({', '.join(found)}); pass "
                     f"one of them, e.g. ckpttool {command} {given / found[0]}{out}")
@@ -410,6 +417,25 @@ def _no_choice(given: Path, parts: Iterable[Part], command: str) -> str:
             "checkpoint-500/pytorch_model_fsdp_0")
 
 
+
+
+_SHARD_NAME = re.compile(r"(.+)-\d{5}-of-(\d{5})\.safetensors")
+
+
+def _shard_sets(names: list[str]) -> str | None:
+    """"2 sets: model-*-of-00002 (2 of 2), model-*-of-00003 (1 of 3)" when ``names`` are all
+    shards of several sets (none has its index, or it would be one checkpoint), else None."""
+    counts: dict[tuple[str, str], int] = {}
+    for name in names:
+        m = _SHARD_NAME.fullmatch(name)
+        if m is None:
+            return None
+        counts[(m[1], m[2])] = counts.get((m[1], m[2]), 0) + 1
+    if len(counts) < 2:
+        return None
+    listed = ", ".join(f"{stem}-*-of-{of} ({n} of {int(of)})" for (stem, of), n in
+                       sorted(counts.items()))
+    return f"{len(counts)} sets: {listed}"
 
 
 def _choose(parts: tuple[Part, ...], prefer: str | None = None) -> Part | None:

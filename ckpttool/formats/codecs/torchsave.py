@@ -44,7 +44,43 @@ class Refused(Exception):
 
     def __init__(self, module: str, name: str) -> None:
         super().__init__(f"{module}.{name}")
+        self.module, self.name = module, name
         self.qualname = f"{module}.{name}"
+
+
+def one_bit_from(refused: Refused, lookup: Callable[[str, str], Any | None]) -> str | None:
+    """The global ``lookup`` allows that is one flipped bit away from the refused one (a
+    damaged byte in a genuine checkpoint's class name), or None. Only looks names up."""
+    for in_module, text in ((True, refused.module), (False, refused.name)):
+        for i, char in enumerate(text):
+            for bit in range(7):
+                flipped = text[:i] + chr(ord(char) ^ (1 << bit)) + text[i + 1:]
+                module, name = (flipped, refused.name) if in_module else (
+                    refused.module, flipped)
+                try:
+                    found = lookup(module, name)
+                except Exception:  # noqa: BLE001 - a lookup that refuses by raising
+                    found = None
+                if found is not None:
+                    return f"{module}.{name}"
+    return None
+
+
+def refusal(where: object, refused: Refused, lookup: Callable[[str, str], Any | None],
+            never: str, *, then: str = "") -> InputError:
+    """The one line for a refused global: a file whose class name is one bit from an allowed
+    one is damaged (or altered), not called malicious; any other name may be malicious.
+    ``never`` says what holds no such global ("a DCP .metadata never contains"); ``then``
+    follows the malicious verdict."""
+    near = one_bit_from(refused, lookup)
+    if near is not None:
+        return InputError(
+            f"{where}: the pickle asks for '{refused.qualname}', one bit away from '{near}', "
+            "which genuine checkpoints hold: the file is damaged (or was altered); nothing was "
+            "executed. Copy it again from the source")
+    return InputError(
+        f"{where}: refused to load: the pickle asks for '{refused.qualname}', which {never}; "
+        f"the file may be malicious (nothing was executed){then}")
 
 
 def corrupt(e: Exception) -> pickle.UnpicklingError:

@@ -237,7 +237,7 @@ def read_metadata_object(path: Path, lookup: Lookup | None = None) -> Any:
     try:
         return _unpickle(data, lookup or _metadata_global, str(path))
     except torchsave.Refused as e:
-        raise _refusal(path, e.qualname, data) from e
+        raise _refusal(path, e, data, lookup or _metadata_global) from e
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
             IndexError, KeyError, struct.error, UnicodeDecodeError) as e:
         raise InputError(
@@ -246,12 +246,12 @@ def read_metadata_object(path: Path, lookup: Lookup | None = None) -> Any:
         ) from e
 
 
-def _refusal(path: Path, qualname: str, data: bytes) -> CkptError:
+def _refusal(path: Path, refused: torchsave.Refused, data: bytes, lookup: Lookup) -> CkptError:
     """Exit 4 naming the writer when every global outside DCP's allow-list is one a known
     writer puts in its .metadata (the first refused one may be a decoy: all are checked);
     else "may be malicious"."""
     others = [g for g in torchsave.named_globals(data)
-              if _metadata_global(*g.rsplit(".", 1)) is None] or [qualname]
+              if _metadata_global(*g.rsplit(".", 1)) is None] or [refused.qualname]
     kinds = [next((what for prefix, what in _KNOWN_WRITERS if g.startswith(prefix)), None)
              for g in others]
     known = [k for k in kinds if k is not None]
@@ -261,9 +261,7 @@ def _refusal(path: Path, qualname: str, data: bytes) -> CkptError:
             f"('{others[0]}'); not supported as a plain DCP directory yet. A Megatron-Core "
             "torch_dist checkpoint is read from its iter_NNNNNNN directory with its "
             "metadata.json, or from the run directory (latest_checkpointed_iteration.txt)")
-    return InputError(
-        f"{path}: refused to load: the pickle asks for '{qualname}', which a DCP "
-        ".metadata never contains; the file may be malicious (nothing was executed)")
+    return torchsave.refusal(path, refused, lookup, "a DCP .metadata never contains")
 
 
 def detect(path: Path) -> bool:

@@ -78,10 +78,8 @@ def read_record(fd: int | Callable[[int, int], bytes], *, offset: int, length: i
     try:
         ref = torchsave.load_pickle(rb, entries)
     except torchsave.Refused as e:
-        raise InputError(
-            f"{where}: tensor record asks for '{e.qualname}', which a tensor never needs; "
-            "refused (nothing was executed)"
-        ) from e
+        raise torchsave.refusal(where, e, torchsave.record_global,
+                                "a tensor record never needs") from e
     except torchsave.PICKLE_ERRORS as e:
         raise InputError(f"{where}: corrupt tensor record ({e})") from e
     if not isinstance(ref, torchsave.TensorRef):

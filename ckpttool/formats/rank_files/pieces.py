@@ -115,11 +115,8 @@ def load(path: Path, fd: int) -> tuple[archive.RecordBytes, dict[str, archive.Zi
                 "ckpttool does not read (DTensor files are read as torch 2.13 writes them; "
                 "this one may come from another torch version). Nothing was executed"
             ) from e
-        raise InputError(
-            f"{path}: refused to load: the pickle asks for '{e.qualname}', which a state "
-            "dict of tensors and DTensors never contains; the file may be malicious "
-            "(nothing was executed)"
-        ) from e
+        raise torchsave.refusal(path, e, dtensor_global,
+                                "a state dict of tensors and DTensors never contains") from e
     except torchsave.TooComplex as e:
         raise InputError(f"{path}: {e}, more than any state dict holds; refusing to "
                          "walk it") from e
