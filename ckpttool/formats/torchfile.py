@@ -88,9 +88,26 @@ class Archives:
     entries: dict[str, tuple[ZipEntry, ...]]  # per file: every entry, offsets absolute
 
 
+# torch.save's legacy (pre-1.6) format opens with a pickled magic number: LONG1 of 10 bytes.
+_LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
+def _is_legacy(head: bytes) -> bool:
+    """Whether ``head`` (a file's first bytes) opens torch.save's legacy format (any pickle
+    protocol: the magic number follows the protocol and, from protocol 4, a frame header)."""
+    return head[:1] == b"\x80" and _LEGACY_MAGIC in head[:24]
+
+
 def is_torch_file(path: Path) -> bool:
-    """True if ``path`` is a file that starts like a zip archive (not yet read further)."""
-    return archive.is_zip(path)
+    """True if ``path`` is a file that starts like a zip archive, or like torch.save's legacy
+    format (which :func:`read_info` names as not supported) (not yet read further)."""
+    if archive.is_zip(path):
+        return True
+    try:
+        with open(path, "rb") as f:
+            return _is_legacy(f.read(24))
+    except OSError:
+        return False
 
 
 def detect(path: Path) -> bool:
@@ -121,14 +138,17 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
         raise InputError(f"{p}: cannot read: {e.strerror}") from e
     try:
         size = os.fstat(fd).st_size
-        magic = os.pread(fd, 4, 0)
-        if magic != archive.ZIP_MAGIC:
-            if magic[:1] == b"\x80":
+        head = os.pread(fd, 24, 0)
+        if head[:4] != archive.ZIP_MAGIC:
+            if _is_legacy(head):
                 raise UnsupportedError(
                     f"{p}: legacy torch.save format (written by torch < 1.6 or with "
                     "_use_new_zipfile_serialization=False); load and save it again with a "
                     "current torch to read it here"
                 )
+            if head[:1] == b"\x80":
+                raise UnsupportedError(f"{p}: a Python pickle, not a torch.save file; "
+                                       "ckpttool never unpickles arbitrary pickles")
             raise InputError(f"{p}: not a torch.save file (no zip header)")
         rb = archive.RecordBytes(fd, 0, size, str(p))
         entries = archive.zip_entries(rb)

@@ -117,6 +117,21 @@ def test_legacy_and_foreign_files(tmp_path: Path) -> None:
     assert not torchfile.is_torch_file(plain)
 
 
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_legacy_file_is_named_by_every_command(tmp_path: Path, protocol: int) -> None:
+    """Discovery must hand a legacy torch.save file to its format (exit 4 saying what it is),
+    not call it "not a checkpoint file"."""
+    legacy = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False,
+               pickle_protocol=protocol)
+    assert torchfile.is_torch_file(legacy)
+    for args in (["inspect", str(legacy)], ["merge", str(legacy), str(tmp_path / "out")]):
+        r = subprocess.run([sys.executable, "-m", "ckpttool", *args], capture_output=True,
+                           text=True, env={**os.environ, "CKPTTOOL_DEBUG": ""})
+        assert r.returncode == 4, r.stderr
+        assert "legacy torch.save format" in r.stderr and r.stderr.count("\n") == 1
+
+
 def test_truncated_file_is_an_input_error(tmp_path: Path) -> None:
     path = tmp_path / "w.bin"
     torch.save({"w": torch.randn(64, 64)}, path)
