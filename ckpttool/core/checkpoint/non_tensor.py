@@ -84,15 +84,15 @@ def describe(name: str, value: Any, *, part: str) -> Entry:
     """The entry ``name`` of ``part`` holding ``value`` (an :class:`Unreadable` when not read)."""
     if isinstance(value, Unreadable):
         return Entry(name, False, note=f"{value.why}; not executed, not read", part=part)
-    return Entry(name, True, jsonable(value), part=part)
+    return Entry(name, True, plain_json(value), part=part)
 
 
-def jsonable(value: Any) -> Any:
+def plain_json(value: Any) -> Any:
     """Plain JSON values; anything else (a tensor placeholder...) as its string."""
     if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
+        return {str(k): plain_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
+        return [plain_json(v) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)

@@ -28,7 +28,7 @@ def optimizer_json(objects: list[tuple[ObjectView, Any]], top: str = "optimizer"
         node = root
         for part in path[:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = non_tensor.jsonable(value)
+        node[path[-1]] = non_tensor.plain_json(value)
     doc = _lists(root)
     if unreadable:
         doc["not_read"] = unreadable
