@@ -7,7 +7,11 @@ make up a tensor (:mod:`ckpttool.core.checkpoint.geometry`) is core's.
 
 from __future__ import annotations
 
+import bisect
+import collections
+import itertools
 import math
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from ckpttool.core.checkpoint import geometry as chunk_geometry
@@ -55,17 +59,107 @@ def box_pieces(tensor: Tensor, boxes: Boxes
                ) -> list[tuple[Chunk, int, list[tuple[int, int, int]]]]:
     """Where the elements of a selection are: ``(chunk, first element of its box in the
     selection, runs)`` per chunk a box overlaps, each run ``(element in the chunk, element in
-    the box, num_elements)`` (:func:`~ckpttool.core.checkpoint.geometry.sub_runs`)."""
+    the box, num_elements)`` (:func:`~ckpttool.core.checkpoint.geometry.sub_runs`); per box,
+    its chunks in the tensor's order.
+
+    The chunks a box overlaps are looked up in the tensor's grid (:class:`_Grid`) where its
+    chunks tile one: a selection costs what it overlaps, not a pass over every chunk (a
+    stacked ``[L, E, ...]`` expert tensor has L x E chunks, and as many selections: a pass per
+    selection made a merge quadratic in the number of experts)."""
     out = []
     pos = 0
-    chunks = [(c, (c.offsets, c.sizes)) for c in tensor.chunks if c.numel]
+    grid = _grid(tensor)
+    chunks = tensor.chunks
     for box in boxes:
-        for c, chunk_box in chunks:
+        if grid is not None:
+            found: Iterable[int] = grid.overlapping(box)
+        else:
+            found = (k for k, c in enumerate(chunks) if c.numel)
+        for k in found:
+            c = chunks[k]
+            chunk_box = (c.offsets, c.sizes)
             inner = chunk_geometry.intersect(chunk_box, box)
             if inner is not None:
                 out.append((c, pos, chunk_geometry.sub_runs(inner, chunk_box, box)))
         pos += math.prod(box[1])
     return out
+
+
+class _Grid:
+    """The chunks of a tensor that tile it as a grid (every chunk one cell of the cuts along
+    each dimension: Megatron's stacked layers and experts, tensor-parallel halves): the cells
+    a box overlaps found by bisection, their chunks by cell. ``None`` from :func:`_grid` for
+    any other tiling (the caller then passes over every chunk)."""
+
+    __slots__ = ("cells", "cuts")
+
+    def __init__(self, cuts: list[list[int]], cells: dict[tuple[int, ...], int]) -> None:
+        self.cuts = cuts  # per dimension, the sorted offsets where chunks begin and end
+        self.cells = cells  # cell (its index along each dimension) -> chunk number
+
+    def overlapping(self, box: chunk_geometry.Box) -> list[int]:
+        """The numbers of the chunks ``box`` overlaps, in the tensor's order."""
+        ranges = []
+        for cuts, o, n in zip(self.cuts, box[0], box[1], strict=True):
+            if not n:
+                return []
+            ranges.append(range(max(0, bisect.bisect_right(cuts, o) - 1),
+                                bisect.bisect_left(cuts, o + n)))
+        cells = self.cells
+        return sorted(k for cell in itertools.product(*ranges)
+                      if (k := cells.get(cell)) is not None)
+
+
+# The grids of the tensors selections were last taken from (id of the chunks -> the chunks,
+# kept so that the id stays theirs, and the grid or None): a merge takes hundreds of
+# selections from each stacked tensor, from a few threads.
+_GRIDS: collections.OrderedDict[int, tuple[object, _Grid | None]] = collections.OrderedDict()
+_GRIDS_KEPT = 64
+_grids_lock = threading.Lock()
+
+
+def _grid(tensor: Tensor) -> _Grid | None:
+    chunks = tensor.chunks
+    key = id(chunks)
+    with _grids_lock:
+        got = _GRIDS.get(key)
+        if got is not None and got[0] is chunks:
+            _GRIDS.move_to_end(key)
+            return got[1]
+    grid = _make_grid(tensor)
+    with _grids_lock:
+        _GRIDS[key] = (chunks, grid)
+        while len(_GRIDS) > _GRIDS_KEPT:
+            _GRIDS.popitem(last=False)
+    return grid
+
+
+def release_grids() -> None:
+    """Forget the grids kept (and the chunks they hold on to): at the end of a merge."""
+    with _grids_lock:
+        _GRIDS.clear()
+
+
+def _make_grid(tensor: Tensor) -> _Grid | None:
+    chunks = tensor.chunks
+    if len(chunks) < 8 or not tensor.shape:  # a pass over them costs as little
+        return None
+    boxes = chunks.boxes() if isinstance(chunks, ChunkColumns) else \
+        [(c.offsets, c.sizes) for c in chunks]
+    ndim = len(tensor.shape)
+    cuts = [sorted({o[d] for o, _ in boxes} | {o[d] + n[d] for o, n in boxes})
+            for d in range(ndim)]
+    where = [{x: i for i, x in enumerate(c)} for c in cuts]
+    cells: dict[tuple[int, ...], int] = {}
+    for k, (o, n) in enumerate(boxes):
+        if not math.prod(n):
+            continue
+        cell = tuple(where[d][o[d]] for d in range(ndim))
+        # One cell each: the chunk ends at the next cut in every dimension, no two share one.
+        if any(cuts[d][cell[d] + 1] != o[d] + n[d] for d in range(ndim)) or cell in cells:
+            return None
+        cells[cell] = k
+    return _Grid(cuts, cells)
 
 
 def read_boxes(reader: Reader, tensor: Tensor, boxes: Boxes, *,

@@ -143,6 +143,14 @@ def _run(jobs: list[_Job], reader: Reader, *, workers: int, casts: bool, report:
     store reads ahead (object storage). Jobs whose cost is Python per chunk (kilobyte-sized
     chunks) run in up to ``workers`` processes instead, where ``fork`` allows
     (:mod:`ckpttool.core.runtime.forked`)."""
+    try:
+        _run_all(jobs, reader, workers=workers, casts=casts, report=report, fork=fork)
+    finally:
+        tensors.release_grids()
+
+
+def _run_all(jobs: list[_Job], reader: Reader, *, workers: int, casts: bool,
+             report: Progress, fork: bool) -> None:
     reader.open_files()  # before threads share the reader
     if not reader.capabilities.many_ranges:
         jobs.sort(key=lambda j: -j.nbytes)
