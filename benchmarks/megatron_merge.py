@@ -160,8 +160,9 @@ def main() -> None:
     for label, run, largest, note in cases:
         table += bench_case(args, label, run, largest, note, env, base)
     print()
-    print(M.markdown_table(["run", "command", "best wall s", "/ cp -r", "peak RSS MB",
-                            "/ largest output tensor", "load (1, 5, 15 min) before"], table))
+    print(M.markdown_table(["run", "command", "best wall s", "/ cp -r", "its CPU s",
+                            "peak RSS MB", "/ largest output tensor",
+                            "load (1, 5, 15 min) before"], table))
 
 
 def bench_case(args: argparse.Namespace, label: str, run: Path, largest: int, note: str,
@@ -198,8 +199,9 @@ def bench_case(args: argparse.Namespace, label: str, run: Path, largest: int, no
                 sys.exit(f"{name} failed: {m.error_line()}")
             results[name].append((m, before))
             rss = m.peak_rss_bytes or 0
-            print(f"{name}: {m.wall_s:.2f} s, peak RSS {rss / 1e6:.0f} MB "
-                  f"({rss / largest:.1f}x the largest output tensor); {before}", flush=True)
+            print(f"{name}: {m.wall_s:.2f} s (CPU {m.cpu_s or 0:.2f} s), peak RSS "
+                  f"{rss / 1e6:.0f} MB ({rss / largest:.1f}x the largest output tensor); "
+                  f"{before}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
     rows: list[list[object]] = []
     for name, runs in results.items():
@@ -208,6 +210,7 @@ def bench_case(args: argparse.Namespace, label: str, run: Path, largest: int, no
         cp = M.best_of([x for x, _ in results["cp -r+hog" if name.endswith("+hog") else "cp -r"]])
         rss = m.peak_rss_bytes or 0
         rows.append([label, name, f"{m.wall_s:.2f}", f"{m.wall_s / cp.wall_s:.2f}x",
+                     f"{m.cpu_s or 0:.2f}",
                      f"{rss / 1e6:.0f}", f"{rss / largest:.1f}x",
                      before.removeprefix("load ")])
         if not name.startswith("cp"):
