@@ -195,3 +195,33 @@ def test_stacked_experts_tile_a_grid() -> None:
     assert grid is not None
     ((c, pos, runs),) = tensors.box_pieces(tensor, (((2, 5, 0, 0), (1, 1, 4, 4)),))
     assert (c.offsets, pos, runs) == ((2, 5, 0, 0), 0, [(0, 0, 16)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(split_tensor(), st.data())
+def test_runs_placed_from_blocks_of_any_size(case, data) -> None:
+    """A chunk's part of a selection placed from its bytes in blocks (mapped windows or reads
+    into a buffer) of any size, a run cut where a block ends: the box's elements, as from the
+    chunk whole."""
+    shape, boxes = case
+    chunks = [b for b in boxes if all(b[1])]
+    if not chunks:
+        return
+    chunk = data.draw(st.sampled_from(chunks))
+    full = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int32).reshape(shape)
+    offsets = tuple(data.draw(st.integers(o, o + s - 1)) for o, s in box_pairs(chunk))
+    sizes = tuple(data.draw(st.integers(1, o + s - x)) for (o, s), x in
+                  zip(box_pairs(chunk), offsets, strict=True))
+    box = (offsets, sizes)
+    inner = intersect(chunk, box)
+    assert inner is not None
+    runs_ = sub_runs(inner, chunk, box)
+    stored = full[tuple(slice(o, o + s) for o, s in box_pairs(chunk))].tobytes()
+    item = 4
+    first, last = runs_[0][0] * item, (runs_[-1][0] + runs_[-1][2]) * item
+    block = data.draw(st.integers(1, max(1, last - first)))
+    pieces = [memoryview(stored)[a : min(a + block, last)] for a in range(first, last, block)]
+    want = full[tuple(slice(o, o + s) for o, s in box_pairs(box))].tobytes()
+    out = bytearray(len(want))
+    assert tensors._place(memoryview(out), pieces, runs_, 0, item, first) == last - first
+    assert bytes(out) == want
