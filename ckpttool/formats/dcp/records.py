@@ -243,7 +243,8 @@ class Template:
         many small records with it at once). Built when first asked for: for a large record
         (a stacked Megatron weight's chunk, tens of MB) only :func:`_fill_step` would need
         it, and it never sees one, while building it cost a few hundred milliseconds of page
-        faults per template (measured: 2.5 s of a 1 GB Megatron merge's 4.5 s)."""
+        faults per template (measured at load 7: 2.5 s of the worker threads' time in a 1 GB
+        Megatron merge)."""
         raw, gap = self._raw, self.data_end - self.head
         blank = bytearray(raw[: self.head]) + bytes(gap) + raw[self.head :]
         for a, w in self.masked:
