@@ -1,24 +1,31 @@
-"""Benchmark ``ckpttool merge`` of a Megatron-Core torch_dist run to Hugging Face against
-``cp -r`` of its iteration directory, and its peak memory against the largest output tensor.
+"""Benchmark ``ckpttool merge`` of Megatron-Core torch_dist runs to Hugging Face against
+``cp -r`` of their iteration directory, and its peak memory against the largest output tensor.
 
     .venv/bin/python benchmarks/megatron_merge.py [--work DIR] [--size-gb 1.1] [--repeat 1]
-        [--baseline REV]
+        [--baseline REV] [--hog] [--moe 64,128] [--moe-gb 0.4] [--no-dense]
 
-1. Writes (once; cached in ``--work``) a run with megatron-core itself on 2 gloo processes
-   (``tests/megatron_layouts.py``: a Llama-like GPTModel, TP=2, bf16, GQA, untied, padded
-   vocabulary), sized by its hidden size to about ``--size-gb``.
-2. Runs ``ckpttool merge RUN OUT`` (the megatron-llama map, chosen from config.json: layers
-   unstacked, QKV and gate/up split, vocab cut) and ``cp -r RUN/iter_0000002 COPY``, each in a
-   fresh process with the run in the page cache, ``CKPTTOOL_FSYNC=0`` (cp does not fsync).
+1. Writes (once; cached in ``--work``) runs with megatron-core itself on 2 gloo processes
+   (``tests/megatron_layouts.py``): a Llama-like GPTModel (TP=2, bf16, GQA, untied, padded
+   vocabulary), sized by its hidden size to about ``--size-gb``; with ``--moe``, Qwen3-MoE-like
+   runs (EP=2, bf16, q/k norms, 4 layers of SequentialMLP experts), one per expert count,
+   each with about ``--moe-gb`` GB of experts whatever the count (the expert FFN narrows as
+   the count grows): the same bytes in more tensors, to show what the count costs.
+2. Runs ``ckpttool merge RUN OUT`` (the map chosen from config.json: layers unstacked, QKV
+   and gate/up split, experts split, vocab cut) and ``cp -r RUN/iter_0000002 COPY``, each in a
+   fresh process with the run in the page cache, ``CKPTTOOL_FSYNC=0`` (cp does not fsync) and
+   bytecode cached (as an installed package has it, whatever PYTHONDONTWRITEBYTECODE says).
+   ``--hog`` runs each again with a busy process beside it (one core of two taken by other
+   work), compared with ``cp -r`` beside the same hog.
 3. Prints each run's wall time and peak RSS (against the largest output tensor) with the
    machine's load beside it (timings on a shared machine are only comparable at the same
-   load), then the best of ``--repeat`` against cp. ``--baseline REV`` times ckpttool as it
-   was at a git revision in the same loop.
+   load), then per case the best of ``--repeat`` against cp, as a Markdown table.
+   ``--baseline REV`` times ckpttool as it was at a git revision in the same loop.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -61,6 +68,36 @@ def generate(work: Path, size_gb: float) -> Path:
     return run
 
 
+MOE_LAYERS, MOE_HIDDEN = 4, 1024
+
+
+def moe_ffn(counts: list[int], moe_gb: float) -> dict[int, int]:
+    """Each expert count's expert FFN size, so that every run holds the same expert bytes
+    (``layers x E x 3 x hidden x ffn`` bf16 elements), about ``moe_gb`` GB: a multiple of 64
+    for the largest count, scaled up for the others (counts must divide the largest)."""
+    top = max(counts)
+    if any(top % e for e in counts):
+        sys.exit(f"--moe: every count must divide the largest ({top})")
+    ffn = max(64, round(moe_gb * 1e9 / (2 * MOE_LAYERS * top * 3 * MOE_HIDDEN) / 64) * 64)
+    return {e: ffn * top // e for e in counts}
+
+
+def generate_moe(work: Path, experts: int, ffn: int) -> Path:
+    from tests import megatron_layouts as ml
+
+    name = f"bench-moe-{experts}x{ffn}"
+    run = work / name
+    if (run / "iter_0000002" / "metadata.json").is_file():
+        return run
+    shutil.rmtree(run, ignore_errors=True)
+    v = ml.Variant(name, "qwen3_moe", qk_norm=True, heads=HEADS, groups=GROUPS,
+                   kv_channels=MOE_HIDDEN // HEADS, layers=MOE_LAYERS, hidden=MOE_HIDDEN,
+                   ffn=4 * MOE_HIDDEN, vocab=VOCAB, dtype="bfloat16", reference=False,
+                   experts=experts, moe_ffn=ffn, ep=2)
+    ml.write_runs(work, variants=[v])
+    return run
+
+
 def baseline_tree(work: Path, rev: str) -> tuple[str, Path]:
     """ckpttool's package as it was at ``rev`` (``git archive``, extracted once under
     ``work``): the code to compare with, on the same python and dependencies."""
@@ -86,53 +123,100 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--baseline", metavar="REV", default=None,
                     help="also time ckpttool at this git revision, side by side")
+    ap.add_argument("--hog", action="store_true",
+                    help="also run every command with a busy process beside it")
+    ap.add_argument("--moe", metavar="E,E", default="",
+                    help="also Qwen3-MoE-like runs (EP=2) with these expert counts")
+    ap.add_argument("--moe-gb", type=float, default=0.4,
+                    help="expert bytes of each MoE run, whatever its count (GB)")
+    ap.add_argument("--no-dense", action="store_true", help="only the MoE runs")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    run = generate(args.work, args.size_gb)
+    cases: list[tuple[str, Path, int, str]] = []  # label, run, largest output tensor, note
+    if not args.no_dense:
+        run = generate(args.work, args.size_gb)
+        config = json.loads((run / "config.json").read_text())
+        hidden, vocab = config["hidden_size"], config["vocab_size"]
+        largest = max(vocab * hidden, hidden * config["intermediate_size"]) * 2
+        layer_qkv = (HEADS + 2 * GROUPS) * (hidden // HEADS) * hidden * 2
+        stacked_fc1 = LAYERS * 2 * config["intermediate_size"] * hidden * 2
+        cases.append((f"llama TP=2 hidden {hidden}", run, largest,
+                      f"{LAYERS} layers; one layer's linear_qkv {layer_qkv / 1e6:.1f} MB, "
+                      f"stacked linear_fc1 {stacked_fc1 / 1e6:.0f} MB"))
+    counts = [int(x) for x in args.moe.split(",") if x]
+    for experts, ffn in moe_ffn(counts, args.moe_gb).items() if counts else ():
+        run = generate_moe(args.work, experts, ffn)
+        largest = VOCAB * MOE_HIDDEN * 2
+        tensors = MOE_LAYERS * experts * 3
+        stacked = MOE_LAYERS * experts * 2 * ffn * MOE_HIDDEN * 2
+        cases.append((f"qwen3_moe EP=2 {experts} experts x FFN {ffn}", run, largest,
+                      f"{MOE_LAYERS} layers, hidden {MOE_HIDDEN}; {tensors} expert tensors of "
+                      f"{ffn * MOE_HIDDEN * 2 / 1e6:.2f} MB; stacked experts' linear_fc1 "
+                      f"{stacked / 1e6:.0f} MB"))
+    env = {**M.bytecode_env(args.work / "pycache"), "CKPTTOOL_FSYNC": "0",
+           "PYTHONPATH": str(ROOT)}
+    base = baseline_tree(args.work, args.baseline) if args.baseline else None
+    table: list[list[object]] = []
+    for label, run, largest, note in cases:
+        table += bench_case(args, label, run, largest, note, env, base)
+    print()
+    print(M.markdown_table(["run", "command", "best wall s", "/ cp -r", "its CPU s",
+                            "peak RSS MB", "/ largest output tensor",
+                            "load (1, 5, 15 min) before"], table))
+
+
+def bench_case(args: argparse.Namespace, label: str, run: Path, largest: int, note: str,
+               env: dict[str, str], base: tuple[str, Path] | None) -> list[list[object]]:
+    """Every command on one run, ``--repeat`` times side by side (and beside a hog); the
+    table's rows."""
     iteration = run / "iter_0000002"
-    config = json.loads((run / "config.json").read_text())
-    hidden, vocab = config["hidden_size"], config["vocab_size"]
-    largest_out = max(vocab * hidden, hidden * config["intermediate_size"]) * 2
-    layer_qkv = (HEADS + 2 * GROUPS) * (hidden // HEADS) * hidden * 2
-    stacked_fc1 = LAYERS * 2 * config["intermediate_size"] * hidden * 2
-    env = {**os.environ, "CKPTTOOL_FSYNC": "0", "PYTHONPATH": str(ROOT)}
     # Each ckpttool runs in its own tree (``python -m`` puts the working directory first on
     # the path).
     tools: list[tuple[str, list[str], Path, dict[str, str], Path]] = [
         ("ckpttool merge", [sys.executable, "-m", "ckpttool", "merge", str(run),
                             str(args.work / "out"), "-q"], args.work / "out", env, ROOT)]
-    if args.baseline:
-        sha, tree = baseline_tree(args.work, args.baseline)
+    if base is not None:
+        sha, tree = base
         tools.append((f"ckpttool@{sha} merge", [sys.executable, "-m", "ckpttool", "merge",
                                                 str(run), str(args.work / "base-out"), "-q"],
                       args.work / "base-out", {**env, "PYTHONPATH": str(tree)}, tree))
     tools.append(("cp -r", ["cp", "-r", str(iteration), str(args.work / "copy")],
                   args.work / "copy", dict(os.environ), ROOT))
+    if args.hog:
+        tools += [(f"{name}+hog", *rest) for name, *rest in tools]  # type: ignore[misc]
     size = M.dir_bytes(iteration)
-    print(f"run: {run} ({size / 1e9:.2f} GB, TP=2, bf16, {LAYERS} layers, hidden {hidden})")
-    print(f"largest output tensor {largest_out / 1e6:.0f} MB; one layer's linear_qkv "
-          f"{layer_qkv / 1e6:.1f} MB; stacked linear_fc1 {stacked_fc1 / 1e6:.0f} MB")
+    print(f"\n{label}: {run} ({size / 1e9:.2f} GB, bf16); {note}; largest output tensor "
+          f"{largest / 1e6:.0f} MB")
     results: dict[str, list[tuple[M.Measurement, str]]] = {t[0]: [] for t in tools}
     for _ in range(args.repeat):
         for name, argv, out, tool_env, cwd in tools:
             shutil.rmtree(out, ignore_errors=True)
             M.warm_page_cache(iteration)
             before = _load()
-            m = M.run_measured(argv, env=tool_env, cwd=cwd)
+            with M.CpuHog() if name.endswith("+hog") else contextlib.nullcontext():
+                m = M.run_measured(argv, env=tool_env, cwd=cwd)
             if not m.ok:
                 sys.exit(f"{name} failed: {m.error_line()}")
             results[name].append((m, before))
             rss = m.peak_rss_bytes or 0
-            print(f"{name}: {m.wall_s:.2f} s, peak RSS {rss / 1e6:.0f} MB "
-                  f"({rss / largest_out:.1f}x the largest output tensor); {before}")
+            print(f"{name}: {m.wall_s:.2f} s (CPU {m.cpu_s or 0:.2f} s), peak RSS "
+                  f"{rss / 1e6:.0f} MB ({rss / largest:.1f}x the largest output tensor); "
+                  f"{before}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
-    cp = M.best_of([m for m, _ in results["cp -r"]])
+    rows: list[list[object]] = []
     for name, runs in results.items():
-        if name == "cp -r":
-            continue
-        best = M.best_of([m for m, _ in runs])
-        print(f"best {name}: {best.wall_s:.2f} s / cp -r {cp.wall_s:.2f} s = "
-              f"{best.wall_s / cp.wall_s:.2f}x; {_load()}")
+        best = min(runs, key=lambda r: r[0].wall_s if r[0].ok else math.inf)
+        m, before = best
+        cp = M.best_of([x for x, _ in results["cp -r+hog" if name.endswith("+hog") else "cp -r"]])
+        rss = m.peak_rss_bytes or 0
+        rows.append([label, name, f"{m.wall_s:.2f}", f"{m.wall_s / cp.wall_s:.2f}x",
+                     f"{m.cpu_s or 0:.2f}",
+                     f"{rss / 1e6:.0f}", f"{rss / largest:.1f}x",
+                     before.removeprefix("load ")])
+        if not name.startswith("cp"):
+            print(f"best {name}: {m.wall_s:.2f} s / cp {cp.wall_s:.2f} s = "
+                  f"{m.wall_s / cp.wall_s:.2f}x; {_load()}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckpttool.core.checkpoint import tensors
 from ckpttool.core.checkpoint.geometry import (
     coverage_problem,
     intersect,
@@ -17,6 +18,10 @@ from ckpttool.core.checkpoint.geometry import (
     single_run_start,
     sub_runs,
 )
+from ckpttool.formats.base import Chunk, Tensor
+from ckpttool.formats.codecs.dtypes import BY_NAME
+
+F32 = BY_NAME["F32"]
 
 Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
 
@@ -138,3 +143,85 @@ def test_rows_tile_of_real_splits() -> None:
     assert not rows_tile(10, [0, 3], [3, 3])  # a gap
     assert not rows_tile(10, [0, 2, 6], [3, 4, 4])  # an overlap
     assert not rows_tile(4, [0, 2], [2, 3])  # beyond the end
+
+
+def _scan_pieces(tensor: Tensor, boxes: Boxes) -> list[object]:
+    """box_pieces by a pass over every chunk per box: what the grid lookup must give."""
+    out: list[object] = []
+    pos = 0
+    for box in boxes:
+        for c in tensor.chunks:
+            inner = intersect((c.offsets, c.sizes), box) if c.numel else None
+            if inner is not None:
+                out.append((c, pos, sub_runs(inner, (c.offsets, c.sizes), box)))
+        pos += int(np.prod(box[1], dtype=np.int64))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(split_tensor(), st.data())
+def test_box_pieces_by_grid_are_those_of_a_pass_over_every_chunk(case, data) -> None:
+    """The chunks a selection overlaps, looked up in the tensor's grid (where its chunks tile
+    one; a chunk cut once more makes a tiling that is not a grid), are those a pass over
+    every chunk finds, in the same order, with the same runs."""
+    shape, boxes = case
+    boxes = data.draw(st.permutations(boxes))
+    if data.draw(st.booleans()) and boxes and shape:
+        (o, s), d = boxes[0], data.draw(st.integers(0, len(shape) - 1))
+        if s[d] > 1:  # cut the first chunk in two along d: not a grid any more
+            half = s[d] // 2
+            boxes = [(o, s[:d] + (half,) + s[d + 1 :]),
+                     (o[:d] + (o[d] + half,) + o[d + 1 :], s[:d] + (s[d] - half,) + s[d + 1 :]),
+                     *boxes[1:]]
+    chunks = tuple(Chunk(o, s, "f", k, 1) for k, (o, s) in enumerate(boxes))
+    tensor = Tensor("t", ("t",), F32, shape, chunks)
+    selection = []
+    for _ in range(data.draw(st.integers(1, 3))):
+        offsets = tuple(data.draw(st.integers(0, n)) for n in shape)
+        sizes = tuple(data.draw(st.integers(0, n - o)) for n, o in zip(shape, offsets,
+                                                                      strict=True))
+        selection.append((offsets, sizes))
+    assert tensors.box_pieces(tensor, tuple(selection)) == _scan_pieces(tensor, selection)
+
+
+def test_stacked_experts_tile_a_grid() -> None:
+    """Megatron's stacked experts ([L, E, 2F, H], a chunk per layer and expert): a grid, and
+    an expert's gate half is found in its one chunk."""
+    layers, experts = 3, 16
+    chunks = tuple(Chunk((lay, e, 0, 0), (1, 1, 8, 4), "f", lay * experts + e, 1)
+                   for e in range(experts) for lay in range(layers))
+    tensor = Tensor("t", ("t",), F32, (layers, experts, 8, 4), chunks)
+    grid = tensors._make_grid(tensor)
+    assert grid is not None
+    ((c, pos, runs),) = tensors.box_pieces(tensor, (((2, 5, 0, 0), (1, 1, 4, 4)),))
+    assert (c.offsets, pos, runs) == ((2, 5, 0, 0), 0, [(0, 0, 16)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(split_tensor(), st.data())
+def test_runs_placed_from_blocks_of_any_size(case, data) -> None:
+    """A chunk's part of a selection placed from its bytes in blocks (mapped windows or reads
+    into a buffer) of any size, a run cut where a block ends: the box's elements, as from the
+    chunk whole."""
+    shape, boxes = case
+    chunks = [b for b in boxes if all(b[1])]
+    if not chunks:
+        return
+    chunk = data.draw(st.sampled_from(chunks))
+    full = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int32).reshape(shape)
+    offsets = tuple(data.draw(st.integers(o, o + s - 1)) for o, s in box_pairs(chunk))
+    sizes = tuple(data.draw(st.integers(1, o + s - x)) for (o, s), x in
+                  zip(box_pairs(chunk), offsets, strict=True))
+    box = (offsets, sizes)
+    inner = intersect(chunk, box)
+    assert inner is not None
+    runs_ = sub_runs(inner, chunk, box)
+    stored = full[tuple(slice(o, o + s) for o, s in box_pairs(chunk))].tobytes()
+    item = 4
+    first, last = runs_[0][0] * item, (runs_[-1][0] + runs_[-1][2]) * item
+    block = data.draw(st.integers(1, max(1, last - first)))
+    pieces = [memoryview(stored)[a : min(a + block, last)] for a in range(first, last, block)]
+    want = full[tuple(slice(o, o + s) for o, s in box_pairs(box))].tobytes()
+    out = bytearray(len(want))
+    assert tensors._place(memoryview(out), pieces, runs_, 0, item, first) == last - first
+    assert bytes(out) == want

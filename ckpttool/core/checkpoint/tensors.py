@@ -7,12 +7,17 @@ make up a tensor (:mod:`ckpttool.core.checkpoint.geometry`) is core's.
 
 from __future__ import annotations
 
+import bisect
+import collections
+import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from ckpttool.core.checkpoint import geometry as chunk_geometry
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Chunk, ChunkColumns, Payload, Reader, Tensor
+from ckpttool.storage.store import truncated
 
 # Bytes read per step when data is streamed: memory stays flat whatever the tensor size.
 BLOCK_BYTES = 16 << 20
@@ -54,12 +59,25 @@ def box_pieces(tensor: Tensor, boxes: Boxes
                ) -> list[tuple[Chunk, int, list[tuple[int, int, int]]]]:
     """Where the elements of a selection are: ``(chunk, first element of its box in the
     selection, runs)`` per chunk a box overlaps, each run ``(element in the chunk, element in
-    the box, num_elements)`` (:func:`~ckpttool.core.checkpoint.geometry.sub_runs`)."""
+    the box, num_elements)`` (:func:`~ckpttool.core.checkpoint.geometry.sub_runs`); per box,
+    its chunks in the tensor's order.
+
+    The chunks a box overlaps are looked up in the tensor's grid (:class:`_Grid`) where its
+    chunks tile one: a selection costs what it overlaps, not a pass over every chunk (a
+    stacked ``[L, E, ...]`` expert tensor has L x E chunks, and as many selections: a pass per
+    selection made a merge quadratic in the number of experts)."""
     out = []
     pos = 0
-    chunks = [(c, (c.offsets, c.sizes)) for c in tensor.chunks if c.numel]
+    grid = _grid(tensor)
+    chunks = tensor.chunks
     for box in boxes:
-        for c, chunk_box in chunks:
+        if grid is not None:
+            found: Iterable[int] = grid.overlapping(box)
+        else:
+            found = (k for k, c in enumerate(chunks) if c.numel)
+        for k in found:
+            c = chunks[k]
+            chunk_box = (c.offsets, c.sizes)
             inner = chunk_geometry.intersect(chunk_box, box)
             if inner is not None:
                 out.append((c, pos, chunk_geometry.sub_runs(inner, chunk_box, box)))
@@ -67,29 +85,137 @@ def box_pieces(tensor: Tensor, boxes: Boxes
     return out
 
 
+class _Grid:
+    """The chunks of a tensor that tile it as a grid (every chunk one cell of the cuts along
+    each dimension: Megatron's stacked layers and experts, tensor-parallel halves): the cells
+    a box overlaps found by bisection, their chunks by cell. ``None`` from :func:`_grid` for
+    any other tiling (the caller then passes over every chunk)."""
+
+    __slots__ = ("cells", "cuts")
+
+    def __init__(self, cuts: list[list[int]], cells: dict[tuple[int, ...], int]) -> None:
+        self.cuts = cuts  # per dimension, the sorted offsets where chunks begin and end
+        self.cells = cells  # cell (its index along each dimension) -> chunk number
+
+    def overlapping(self, box: chunk_geometry.Box) -> list[int]:
+        """The numbers of the chunks ``box`` overlaps, in the tensor's order."""
+        ranges = []
+        for cuts, o, n in zip(self.cuts, box[0], box[1], strict=True):
+            if not n:
+                return []
+            ranges.append(range(max(0, bisect.bisect_right(cuts, o) - 1),
+                                bisect.bisect_left(cuts, o + n)))
+        cells = self.cells
+        return sorted(k for cell in itertools.product(*ranges)
+                      if (k := cells.get(cell)) is not None)
+
+
+# The grids of the tensors selections were last taken from (id of the chunks -> the chunks,
+# kept so that the id stays theirs, and the grid or None): a merge takes hundreds of
+# selections from each stacked tensor, from a few threads.
+_GRIDS: collections.OrderedDict[int, tuple[object, _Grid | None]] = collections.OrderedDict()
+_GRIDS_KEPT = 64
+_grids_lock = threading.Lock()
+
+
+def _grid(tensor: Tensor) -> _Grid | None:
+    chunks = tensor.chunks
+    key = id(chunks)
+    with _grids_lock:
+        got = _GRIDS.get(key)
+        if got is not None and got[0] is chunks:
+            _GRIDS.move_to_end(key)
+            return got[1]
+    grid = _make_grid(tensor)
+    with _grids_lock:
+        _GRIDS[key] = (chunks, grid)
+        while len(_GRIDS) > _GRIDS_KEPT:
+            _GRIDS.popitem(last=False)
+    return grid
+
+
+def release_grids() -> None:
+    """Forget the grids kept (and the chunks they hold on to): at the end of a merge."""
+    with _grids_lock:
+        _GRIDS.clear()
+
+
+def _make_grid(tensor: Tensor) -> _Grid | None:
+    chunks = tensor.chunks
+    if len(chunks) < 8 or not tensor.shape:  # a pass over them costs as little
+        return None
+    boxes = chunks.boxes() if isinstance(chunks, ChunkColumns) else \
+        [(c.offsets, c.sizes) for c in chunks]
+    ndim = len(tensor.shape)
+    cuts = [sorted({o[d] for o, _ in boxes} | {o[d] + n[d] for o, n in boxes})
+            for d in range(ndim)]
+    where = [{x: i for i, x in enumerate(c)} for c in cuts]
+    cells: dict[tuple[int, ...], int] = {}
+    for k, (o, n) in enumerate(boxes):
+        if not math.prod(n):
+            continue
+        cell = tuple(where[d][o[d]] for d in range(ndim))
+        # One cell each: the chunk ends at the next cut in every dimension, no two share one.
+        if any(cuts[d][cell[d] + 1] != o[d] + n[d] for d in range(ndim)) or cell in cells:
+            return None
+        cells[cell] = k
+    return _Grid(cuts, cells)
+
+
 def read_boxes(reader: Reader, tensor: Tensor, boxes: Boxes, *,
-               pieces: list[tuple[Chunk, int, list[tuple[int, int, int]]]] | None = None
-               ) -> bytearray:
+               pieces: list[tuple[Chunk, int, list[tuple[int, int, int]]]] | None = None,
+               out: memoryview | None = None, buf: memoryview | None = None) -> memoryview:
     """The elements of a selection (:data:`Boxes`), box after box. Each chunk a box overlaps
     is read once, from its first to its last element in that box (for a slice of rows, or of
-    a chunk cut along its last dim, exactly the box's bytes), and its runs placed; memory:
-    the selection plus one chunk's part of it. ``pieces``: :func:`box_pieces`, if known."""
+    a chunk cut along its last dim, exactly the box's bytes), block by block
+    (:meth:`Reader.blocks`: mapped from the page cache for a local file, else read into
+    ``buf``), and its runs placed. ``pieces``: :func:`box_pieces`, if known.
+
+    ``out`` (at least the selection's bytes) and ``buf`` (any size, a multiple of the item
+    size) are a caller's buffers kept from one selection to the next: a fresh buffer costs a
+    page fault per 4 KB of it (measured on a 1 GB Megatron merge: allocating the row-parallel
+    layers' buffers anew took a fifth of the worker threads' samples). Memory: the selection
+    plus one block. Returns the selection's bytes (a view of ``out`` when given)."""
     item = tensor.dtype.itemsize
-    out = bytearray(sum(math.prod(sizes) for _, sizes in boxes) * item)
-    view = memoryview(out)
+    nbytes = sum(math.prod(sizes) for _, sizes in boxes) * item
+    view = memoryview(bytearray(nbytes)) if out is None else out[:nbytes]
     for c, pos, runs in box_pieces(tensor, boxes) if pieces is None else pieces:
-        first, last = runs[0][0], runs[-1][0] + runs[-1][2]
+        first, last = runs[0][0] * item, (runs[-1][0] + runs[-1][2]) * item
         p = reader.payload(tensor, c)
-        if p.start is not None:
-            data = memoryview(reader.read_exact(p.file, p.start + first * item,
-                                                (last - first) * item,
-                                                what=f"tensor '{tensor.name}'"))
-        else:  # compressed or strided: the chunk whole
-            data, first = memoryview(reader.read_chunk(tensor, c)), 0
-        for a, b, n in runs:
-            view[(pos + b) * item : (pos + b + n) * item] = \
-                data[(a - first) * item : (a - first + n) * item]
-    return out
+        if p.start is None:  # compressed or strided: the chunk whole
+            whole = memoryview(reader.read_chunk(tensor, c))
+            _place(view, [whole[first:last]], runs, pos, item, first)
+            continue
+        if buf is None:
+            buf = memoryview(bytearray(min(last - first, BLOCK_BYTES)))
+        got = _place(view, reader.blocks(p.file, p.start + first, last - first, buf), runs,
+                     pos, item, first)
+        if got != last - first:
+            raise truncated(reader.path(p.file), p.start + first + got,
+                            f"tensor '{tensor.name}'")
+    return view
+
+
+def _place(view: memoryview, blocks: Iterable[memoryview], runs: list[tuple[int, int, int]],
+           pos: int, item: int, first: int) -> int:
+    """The ``runs`` of a chunk (:func:`box_pieces`: element in the chunk, element in the box,
+    num_elements; ascending) copied from consecutive ``blocks`` of its bytes from byte
+    ``first`` into ``view`` (the box at element ``pos``), a run cut where a block ends;
+    returns the bytes the blocks held."""
+    i, base = 0, first  # the next run; the chunk byte where the block begins
+    for block in blocks:
+        end = base + len(block)
+        while i < len(runs):
+            a, b, n = runs[i]
+            src, dst = a * item, (pos + b) * item
+            lo, hi = max(src, base), min(src + n * item, end)
+            if lo < hi:
+                view[dst + lo - src : dst + hi - src] = block[lo - base : hi - base]
+            if src + n * item > end:
+                break  # the rest of the run is in the next block
+            i += 1
+        base = end
+    return base - first
 
 
 def blocks(reader: Reader, tensor: Tensor, block_bytes: int = BLOCK_BYTES

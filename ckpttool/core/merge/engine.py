@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -142,6 +143,14 @@ def _run(jobs: list[_Job], reader: Reader, *, workers: int, casts: bool, report:
     store reads ahead (object storage). Jobs whose cost is Python per chunk (kilobyte-sized
     chunks) run in up to ``workers`` processes instead, where ``fork`` allows
     (:mod:`ckpttool.core.runtime.forked`)."""
+    try:
+        _run_all(jobs, reader, workers=workers, casts=casts, report=report, fork=fork)
+    finally:
+        tensors.release_grids()
+
+
+def _run_all(jobs: list[_Job], reader: Reader, *, workers: int, casts: bool,
+             report: Progress, fork: bool) -> None:
     reader.open_files()  # before threads share the reader
     if not reader.capabilities.many_ranges:
         jobs.sort(key=lambda j: -j.nbytes)
@@ -391,6 +400,9 @@ def _write_derived(reader: Reader, dst: int, t: OutTensor, report: Progress,
 # runs (a slice of a chunk cut along its last dim: a row-parallel weight's layer) is made
 # whole in memory and written at once (a syscall per row would cost more).
 COPY_RUN = 64 << 10
+# Such a selection's stored bytes come in blocks of this size (mapped from the page cache, or
+# read into a buffer this large: tensors.read_boxes).
+SELECTION_BLOCK = 4 << 20
 
 
 def _write_selection(reader: Reader, dst: int, t: OutTensor, report: Progress,
@@ -416,7 +428,10 @@ def _write_selection(reader: Reader, dst: int, t: OutTensor, report: Progress,
                                    t.slot.begin + (pos + b) * item, n * item)
         report(t.slot.nbytes)
         return
-    data = memoryview(tensors.read_boxes(reader, src, d.boxes[0], pieces=pieces))
+    data = tensors.read_boxes(reader, src, d.boxes[0], pieces=pieces,
+                              out=memoryview(_buffer("selection", sum(
+                                  math.prod(sizes) for _, sizes in d.boxes[0]) * item)),
+                              buf=memoryview(_buffer("block", SELECTION_BLOCK)))
     if t.cast:
         data = _cast_bytes(data, t)
     with lock or contextlib.nullcontext():
