@@ -190,6 +190,10 @@ DIMS: dict[str, tuple[str, Callable[[Dims], int], tuple[str, ...]]] = {
     "shared_ffn": ("moe_intermediate_size*n_shared_experts",
                    lambda d: d.number("moe_intermediate_size") * d.number("n_shared_experts"),
                    ("moe_intermediate_size", "n_shared_experts")),
+    "2shared_ffn": ("2*moe_intermediate_size*n_shared_experts",
+                    lambda d: 2 * d.number("moe_intermediate_size")
+                    * d.number("n_shared_experts"),
+                    ("moe_intermediate_size", "n_shared_experts")),
     "moe_ffn": ("moe_intermediate_size", lambda d: d.number("moe_intermediate_size"),
                 ("moe_intermediate_size",)),
     "2ffn": ("2*intermediate_size", lambda d: 2 * d.number("intermediate_size"),
@@ -328,17 +332,71 @@ def _megatron_rules(*, qkv_bias: bool, qk_norm: bool) -> tuple[Rule, ...]:
         per_layer += [
             (f"{a}.q_layernorm.weight", f"{hf}.self_attn.q_norm.weight", ("head_dim",), RENAME),
             (f"{a}.k_layernorm.weight", f"{hf}.self_attn.k_norm.weight", ("head_dim",), RENAME)]
-    rules = [
-        Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight",
-             ("padded_vocab", "hidden"), VOCAB),
-        Rule("decoder.final_layernorm.weight", "model.norm.weight", ("hidden",)),
-        Rule("output_layer.weight", "lm_head.weight", ("padded_vocab", "hidden"), VOCAB),
+    return _MEGATRON_TOP + _both_forms(per_layer)
+
+
+_MEGATRON_TOP = (
+    Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight",
+         ("padded_vocab", "hidden"), VOCAB),
+    Rule("decoder.final_layernorm.weight", "model.norm.weight", ("hidden",)),
+    Rule("output_layer.weight", "lm_head.weight", ("padded_vocab", "hidden"), VOCAB),
+)
+
+
+def _megatron_deepseek_v3_rules() -> tuple[Rule, ...]:
+    """Megatron-Core's DeepSeek-V3 (``MLASelfAttention``, a ``MoELayer`` with shared experts
+    and the router's expert bias) to transformers' DeepseekV3. Facts (megatron-core 0.16,
+    checked against its own forward pass): ``linear_q_proj`` / ``linear_q_up_proj`` rows are
+    per head ``[qk_head_dim, qk_pos_emb_head_dim]`` as transformers' q_proj / q_b_proj;
+    ``linear_kv_down_proj`` is ``[kv_lora_rank; qk_pos_emb_head_dim]`` rows as
+    kv_a_proj_with_mqa; ``linear_kv_up_proj`` per head ``[qk_head_dim, v_head_dim]`` as
+    kv_b_proj; MLA's RoPE de-interleaves its rotary dims as transformers' ``rope_interleave``
+    does, so every weight is a rename. The q/kv latent norms are ``q_layernorm`` /
+    ``kv_layernorm`` (the local spec) or fused into the up projections as
+    ``layer_norm_weight`` (Transformer Engine's); the MLA layer's input norm is never fused.
+    The router's ``expert_bias`` is DeepSeek's ``e_score_correction_bias``; shared experts'
+    ``linear_fc1`` is ``[gate; up]`` as a dense MLP's."""
+    hf, a, m = "model.layers.{L}", "self_attention", "mlp"
+    per_layer = [
+        ("input_layernorm.weight", f"{hf}.input_layernorm.weight", ("hidden",), RENAME),
+        (f"{a}.linear_q_proj.weight", f"{hf}.self_attn.q_proj.weight", ("q_mla", "hidden"),
+         RENAME),
+        (f"{a}.linear_q_down_proj.weight", f"{hf}.self_attn.q_a_proj.weight",
+         ("q_lora", "hidden"), RENAME),
+        (f"{a}.q_layernorm.weight", f"{hf}.self_attn.q_a_layernorm.weight", ("q_lora",),
+         RENAME),
+        (f"{a}.linear_q_up_proj.layer_norm_weight", f"{hf}.self_attn.q_a_layernorm.weight",
+         ("q_lora",), RENAME),
+        (f"{a}.linear_q_up_proj.weight", f"{hf}.self_attn.q_b_proj.weight",
+         ("q_mla", "q_lora"), RENAME),
+        (f"{a}.linear_kv_down_proj.weight", f"{hf}.self_attn.kv_a_proj_with_mqa.weight",
+         ("kv_a", "hidden"), RENAME),
+        (f"{a}.kv_layernorm.weight", f"{hf}.self_attn.kv_a_layernorm.weight", ("kv_lora",),
+         RENAME),
+        (f"{a}.linear_kv_up_proj.layer_norm_weight", f"{hf}.self_attn.kv_a_layernorm.weight",
+         ("kv_lora",), RENAME),
+        (f"{a}.linear_kv_up_proj.weight", f"{hf}.self_attn.kv_b_proj.weight",
+         ("kv_b", "kv_lora"), RENAME),
+        (f"{a}.linear_proj.weight", f"{hf}.self_attn.o_proj.weight", ("hidden", "o_mla"),
+         RENAME),
+        ("pre_mlp_layernorm.weight", f"{hf}.post_attention_layernorm.weight", ("hidden",),
+         RENAME),
+        (f"{m}.linear_fc1.layer_norm_weight", f"{hf}.post_attention_layernorm.weight",
+         ("hidden",), RENAME),
+        (f"{m}.linear_fc1.weight", f"{hf}.mlp.gate_proj.weight", ("2ffn", "hidden"), GATE),
+        (f"{m}.linear_fc1.weight", f"{hf}.mlp.up_proj.weight", ("2ffn", "hidden"), UP),
+        (f"{m}.linear_fc2.weight", f"{hf}.mlp.down_proj.weight", ("hidden", "ffn"), RENAME),
+        (f"{m}.router.expert_bias", f"{hf}.mlp.gate.e_score_correction_bias", ("experts",),
+         RENAME),
+        (f"{m}.shared_experts.linear_fc1.weight", f"{hf}.mlp.shared_experts.gate_proj.weight",
+         ("2shared_ffn", "hidden"), GATE),
+        (f"{m}.shared_experts.linear_fc1.weight", f"{hf}.mlp.shared_experts.up_proj.weight",
+         ("2shared_ffn", "hidden"), UP),
+        (f"{m}.shared_experts.linear_fc2.weight", f"{hf}.mlp.shared_experts.down_proj.weight",
+         ("hidden", "shared_ffn"), RENAME),
     ]
-    for source, target, shape, op in per_layer:
-        rules.append(Rule(f"decoder.layers.{source}", target, ("layers", *shape), op,
-                          stacked=True))
-        rules.append(Rule(f"decoder.layers.{{L}}.{source}", target, shape, op))
-    return tuple(rules)
+    return (_MEGATRON_TOP + _both_forms(per_layer)
+            + _megatron_moe_rules("mlp", ("gate_proj", "up_proj", "down_proj"), "moe_ffn"))
 
 
 def _megatron_moe_rules(block: str, names: tuple[str, str, str], ffn: str) -> tuple[Rule, ...]:
@@ -348,17 +406,28 @@ def _megatron_moe_rules(block: str, names: tuple[str, str, str], ffn: str) -> tu
     the Hugging Face module (``mlp``, ``block_sparse_moe``); ``names``: its gate, up and down
     projections' names; ``ffn``: the expert width's dimension."""
     gate, up, down = (f"model.layers.{{L}}.{block}.experts.{{E}}.{n}.weight" for n in names)
-    e = "decoder.layers.mlp.experts.experts"
-    return (
-        Rule("decoder.layers.mlp.router.weight", f"model.layers.{{L}}.{block}.gate.weight",
-             ("layers", "experts", "hidden"), stacked=True),
-        Rule(f"{e}.linear_fc1.weight", gate, ("layers", "experts", f"2{ffn}", "hidden"),
-             EXPERT_GATE, stacked=True),
-        Rule(f"{e}.linear_fc1.weight", up, ("layers", "experts", f"2{ffn}", "hidden"),
-             EXPERT_UP, stacked=True),
-        Rule(f"{e}.linear_fc2.weight", down, ("layers", "experts", "hidden", ffn), EXPERT,
-             stacked=True),
-    )
+    per_layer = [
+        ("mlp.router.weight", f"model.layers.{{L}}.{block}.gate.weight", ("experts", "hidden"),
+         RENAME),
+        ("mlp.experts.experts.linear_fc1.weight", gate, ("experts", f"2{ffn}", "hidden"),
+         EXPERT_GATE),
+        ("mlp.experts.experts.linear_fc1.weight", up, ("experts", f"2{ffn}", "hidden"),
+         EXPERT_UP),
+        ("mlp.experts.experts.linear_fc2.weight", down, ("experts", "hidden", ffn), EXPERT),
+    ]
+    return _both_forms(per_layer)
+
+
+def _both_forms(per_layer: list[tuple[str, str, tuple[str, ...], str]]) -> tuple[Rule, ...]:
+    """Each per-layer rule as Megatron stores it in a homogeneous decoder (stacked,
+    ``decoder.layers.<module>``, layer axis first) and in one whose layers differ
+    (``decoder.layers.<L>.<module>``)."""
+    rules = []
+    for source, target, shape, op in per_layer:
+        rules.append(Rule(f"decoder.layers.{source}", target, ("layers", *shape), op,
+                          stacked=True))
+        rules.append(Rule(f"decoder.layers.{{L}}.{source}", target, shape, op))
+    return tuple(rules)
 
 
 def _megatron_map(name: str, family: str, model_type: str, *, qkv_bias: bool = False,
@@ -384,7 +453,8 @@ def _megatron_map(name: str, family: str, model_type: str, *, qkv_bias: bool = F
 
 #: The Megatron-Core map of each Hugging Face model_type (what a Megatron merge picks).
 MEGATRON_MAPS = {"llama": "megatron-llama", "qwen2": "megatron-qwen2", "qwen3": "megatron-qwen3",
-                 "qwen3_moe": "megatron-qwen3_moe", "mixtral": "megatron-mixtral"}
+                 "qwen3_moe": "megatron-qwen3_moe", "mixtral": "megatron-mixtral",
+                 "deepseek_v3": "megatron-deepseek_v3"}
 
 _DS = "model.layers.{L}"
 _DEEPSEEK_V3_RULES = (
@@ -429,6 +499,29 @@ _DEEPSEEK_V3_RULES = (
     Rule(f"{_MOE}.shared_experts.w2.weight", f"{_DS}.mlp.shared_experts.down_proj.weight",
          ("hidden", "shared_ffn")),
 )
+
+
+
+def _deepseek_v3_map(name: str, rules: tuple[Rule, ...], framework: str) -> NameMap:
+    """DeepSeek-V3's Hugging Face model, whichever framework's names ``rules`` read: q_proj,
+    or q_a_proj, q_a_layernorm and q_b_proj with a q_lora_rank; dense layers before
+    ``first_k_dense_replace``, experts and shared experts from it on."""
+    return NameMap(
+        name=name, family="DeepSeek-V3", model_types=("deepseek_v3",), rules=rules,
+        required=_TOP + tuple(f"{_DS}.{n}" for n in (
+            "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
+            "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight",
+            "input_layernorm.weight", "post_attention_layernorm.weight")),
+        dense_mlp=_DENSE,
+        moe_mlp=tuple(f"{_DS}.mlp.{n}" for n in (
+            "gate.weight", "experts.{E}.gate_proj.weight", "experts.{E}.up_proj.weight",
+            "experts.{E}.down_proj.weight", "shared_experts.gate_proj.weight",
+            "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")),
+        optional=tuple(f"{_DS}.self_attn.{n}.weight" for n in (
+            "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj"))
+        + (f"{_DS}.mlp.gate.e_score_correction_bias",),
+        sparse=_deepseek_sparse, framework=framework)
+
 
 _GO = "layers.{L}.attention"
 _GO_EXPERTS = f"{_MOE}.routed_experts.inner_experts"
@@ -505,6 +598,7 @@ MAPS: dict[str, NameMap] = {m.name: m for m in (
     # Mixtral's hub layout (what save_pretrained writes): w1 gate, w3 up, w2 down.
     _megatron_map("megatron-mixtral", "Mixtral", "mixtral",
                   moe=("block_sparse_moe", ("w1", "w3", "w2"), "ffn")),
+    _deepseek_v3_map("megatron-deepseek_v3", _megatron_deepseek_v3_rules(), "Megatron-Core"),
     NameMap(
         name="torchtitan-llama3", family="Llama 3", model_types=("llama",),
         rules=_decoder_rules("attention", rope=True, qk_norm=False),
@@ -521,22 +615,7 @@ MAPS: dict[str, NameMap] = {m.name: m for m in (
                  "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
                  "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
                  "model.layers.{L}.mlp.experts.{E}.down_proj.weight")),
-    NameMap(
-        name="torchtitan-deepseek-v3", family="DeepSeek-V3", model_types=("deepseek_v3",),
-        rules=_DEEPSEEK_V3_RULES,
-        required=_TOP + tuple(f"{_DS}.{n}" for n in (
-            "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
-            "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight",
-            "input_layernorm.weight", "post_attention_layernorm.weight")),
-        dense_mlp=_DENSE,
-        moe_mlp=tuple(f"{_DS}.mlp.{n}" for n in (
-            "gate.weight", "experts.{E}.gate_proj.weight", "experts.{E}.up_proj.weight",
-            "experts.{E}.down_proj.weight", "shared_experts.gate_proj.weight",
-            "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")),
-        optional=tuple(f"{_DS}.self_attn.{n}.weight" for n in (
-            "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj"))
-        + (f"{_DS}.mlp.gate.e_score_correction_bias",),
-        sparse=_deepseek_sparse),
+    _deepseek_v3_map("torchtitan-deepseek-v3", _DEEPSEEK_V3_RULES, "torchtitan"),
     NameMap(
         name="torchtitan-gpt-oss", family="gpt-oss", model_types=("gpt_oss",),
         rules=_GPT_OSS_RULES,
@@ -769,6 +848,9 @@ def _emit(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor, target
     if rule.op in _LAYER_OPS:
         _emit_layer(out, dims, rule, name, tensor, target, None)
         return
+    if rule.op in (EXPERT_GATE, EXPERT_UP, EXPERT):
+        _emit_experts(out, rule, name, tensor, target, None)
+        return
     if rule.op == RENAME:
         out.tensors.append((target, tensor))
         out.how.append({"from": name, "to": target, "op": "renamed"})
@@ -830,22 +912,25 @@ def _emit_layers(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor,
 
 
 def _emit_experts(out: Mapped, rule: Rule, name: str, tensor: Tensor, target: str,
-                  layer: int) -> None:
-    """Each expert of one layer of a stacked ``[L, E, ...]`` weight, read alone."""
-    rest = tensor.shape[2:]
-    for e in range(tensor.shape[1]):
+                  layer: int | None) -> None:
+    """Each expert of one layer of a stacked ``[L, E, ...]`` weight (or of one layer's
+    ``[E, ...]``: ``layer`` None), read alone."""
+    lead, one = ((layer,), (1,)) if layer is not None else ((), ())
+    rest = tensor.shape[len(lead) + 1:]
+    for e in range(tensor.shape[len(lead)]):
         expert = target.replace("{E}", str(e))
-        what = f"expert {e} of layer {layer} of {name}"
+        what = f"expert {e} of {f'layer {layer} of ' if layer is not None else ''}{name}"
         start, rows = 0, rest[0] if rest else 1
         if rule.op in (EXPERT_GATE, EXPERT_UP):
             rows //= 2
             start = rows if rule.op == EXPERT_UP else 0
             what = f"{'up' if rule.op == EXPERT_UP else 'gate'} half of {what}"
-        box = ((layer, e, start, *(0,) * len(rest[1:])), (1, 1, rows, *rest[1:])) if rest \
-            else ((layer, e), (1, 1))
+        box = ((*lead, e, start, *(0,) * len(rest[1:])), (*one, 1, rows, *rest[1:])) if rest \
+            else ((*lead, e), (*one, 1))
         out.tensors.append((expert, _selection(expert, tensor, box, what=what,
                                                shape=(rows, *rest[1:]) if rest else ())))
-        out.how.append({"from": f"{name}[{layer}, {e}]", "to": expert,
+        where = f"{layer}, {e}" if layer is not None else f"{e}"
+        out.how.append({"from": f"{name}[{where}]", "to": expert,
                         "op": "expert-split" if rule.op == EXPERT else "expert-gate-up-split"})
 
 
