@@ -376,13 +376,15 @@ if __name__ == "__main__":  # python -m tests.megatron_layouts OUT [VARIANT...]
     write_runs(Path(sys.argv[1]), sys.argv[2:] or None)
 
 
-def hf_reference(run: Path) -> dict[str, torch.Tensor]:
+def hf_reference(run: Path, sd: dict[str, torch.Tensor] | None = None
+                 ) -> dict[str, torch.Tensor]:
     """What a merge of ``run`` must write, bit for bit: Megatron's own loaded state dict
-    (``reference.pt``, a TP=1 model) rearranged into Hugging Face's names with plain torch
-    indexing, written out here apart from ckpttool's tables: q/k/v rows taken per query group,
-    ``linear_fc1`` halved into gate and up, the vocabulary padding cut."""
+    (``reference.pt``, a TP=1 model; or ``sd``) rearranged into Hugging Face's names with plain
+    torch indexing, written out here apart from ckpttool's tables: q/k/v rows taken per query
+    group, ``linear_fc1`` halved into gate and up, the vocabulary padding cut."""
     config = json.loads((run / "config.json").read_text())
-    sd = torch.load(run / "reference.pt", weights_only=True)["state_dict"]
+    if sd is None:
+        sd = torch.load(run / "reference.pt", weights_only=True)["state_dict"]
     vocab, groups = config["vocab_size"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"][:vocab],

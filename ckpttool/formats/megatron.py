@@ -41,7 +41,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.errors import CkptError, InputError, UnsupportedError
 from ckpttool.formats.base import (
     CheckpointInfo,
     DataFile,
@@ -56,7 +56,14 @@ from ckpttool.formats.base import (
 from ckpttool.formats.base import info as info_problem
 from ckpttool.formats.codecs import archive, torchsave
 from ckpttool.formats.dcp import reader as dcp
-from ckpttool.storage.store import LOCAL, Store, Stores, file_size
+from ckpttool.storage.store import (
+    LOCAL,
+    Store,
+    Stores,
+    file_size,
+    open_data_file,
+    pread_of,
+)
 
 NAME = "megatron"
 # What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
@@ -276,22 +283,23 @@ def common_state_entry(objects: tuple[ObjectEntry, ...] | list[ObjectEntry]
                  and o.file is not None), None)
 
 
-def read_common_state(root: Path, entry: ObjectEntry) -> dict[str, Any] | UnreadableObject:
-    """The ``common_state`` bytes entry's top-level values (as :func:`read_common`'s).
+def read_common_state(root: Path, entry: ObjectEntry, *, stores: Stores = LOCAL
+                      ) -> dict[str, Any] | UnreadableObject:
+    """The ``common_state`` bytes entry's top-level values (as :func:`read_common`'s), read
+    through ``stores`` from a regular file really inside ``root``.
 
     Raises:
-        InputError: its record is truncated or corrupt.
+        InputError: its record is truncated or corrupt, or its file not a regular file.
     """
     assert entry.file is not None
-    where = f"{root / entry.file}: entry '{entry.name}' at byte {entry.offset}"
+    path = root / entry.file
+    where = f"{path}: entry '{entry.name}' at byte {entry.offset}"
     try:
-        fd = os.open(root / entry.file, os.O_RDONLY)
+        with pread_of(path, stores, inside=os.path.realpath(root)) as pread:
+            return _common_record(archive.RecordBytes(pread, entry.offset, entry.length,
+                                                      where), where)
     except OSError as e:
-        raise InputError(f"{root / entry.file}: cannot read: {e.strerror}") from None
-    try:
-        return _common_record(archive.RecordBytes(fd, entry.offset, entry.length, where), where)
-    finally:
-        os.close(fd)
+        raise InputError(f"{path}: cannot read: {e.strerror}") from None
 
 
 def _common_record(rb: archive.RecordBytes, where: str) -> dict[str, Any] | UnreadableObject:
@@ -424,10 +432,12 @@ def read_info(path: str | os.PathLike[str], *, iteration: int | None = None,
     common: dict[str, Any] = {}
     objects = [replace(o, path=_path_of(o.name)) for o in base.objects]
     stored = common_state_entry(base.objects) if COMMON not in names else None
+    if stored is not None and not (root / (stored.file or "")).is_file():
+        stored = None  # a missing (or not regular) data file is a structure problem
     if COMMON in names or stored is not None:
         label = COMMON if stored is None else stored.name
         read = (read_common(root / COMMON) if stored is None
-                else read_common_state(root, stored))
+                else read_common_state(root, stored, stores=stores))
         if isinstance(read, UnreadableObject):
             values[label] = read
             if stored is None:
@@ -564,14 +574,15 @@ class MegatronReader(dcp.DcpReader):
                 continue
             digest = hashlib.sha256()
             try:
-                with open(target, "rb") as f:
-                    while block := f.read(_HASH_BLOCK):
-                        digest.update(block)
-            except OSError as e:
+                # A regular file only, checked on the descriptor: a FIFO would block.
+                fd = open_data_file(target, INTEGRITY, inside=os.path.realpath(base))
+            except CkptError as e:
                 problems.append(error("integrity-missing", f"{target}: listed in {INTEGRITY} "
-                                      f"but not readable ({e.strerror}); copy it again",
-                                      file=name))
+                                      f"but not readable ({e}); copy it again", file=name))
                 continue
+            with os.fdopen(fd, "rb") as f:
+                while block := f.read(_HASH_BLOCK):
+                    digest.update(block)
             if digest.hexdigest() != want:
                 problems.append(error("integrity-mismatch", f"{target}: SHA-256 "
                                       f"{digest.hexdigest()[:16]}... is not the "

@@ -790,6 +790,13 @@ def apply(map_name: str, tensors: list[tuple[str, Tensor]],
                for name, tensor in tensors]
     # Errors name tensors in sorted order, whatever order the checkpoint stores them in.
     unmapped = sorted(name for name, _, matches in matched if not matches)
+    mtp = [n for n in unmapped if n.startswith("mtp.")]
+    if mtp and nmap.framework == "Megatron-Core":
+        raise UnsupportedError(
+            f"--names {map_name}: the checkpoint holds Megatron-Core's multi-token prediction "
+            f"(MTP) layers ('{mtp[0]}'{f' and {len(mtp) - 1} more' if len(mtp) > 1 else ''}), "
+            "which have no Hugging Face map yet; not supported yet. Save the run without "
+            "--mtp-num-layers to convert the main model")
     if unmapped:
         shown = ", ".join(f"'{n}'" for n in unmapped[:3])
         more = f" and {len(unmapped) - 3} more" if len(unmapped) > 3 else ""
