@@ -49,6 +49,9 @@ GATE, UP = "fc1-gate", "fc1-up"  # one half of a fused SwiGLU [gate; up] project
 EXPERT_GATE, EXPERT_UP, EXPERT = "expert-gate", "expert-up", "expert"
 VOCAB = "vocab-cut"  # the rows of the real vocabulary, padding rows cut off
 TRANSPOSE = "transpose"  # a grouped [E, A, B] weight as [E, B, A] (transformers' gpt-oss)
+# Megatron's [E, 2F, ...] expert fc1 ([gate; up] per expert) as transformers' gpt-oss holds it:
+# gate and up rows interleaved (gate_0, up_0, gate_1...), the weight transposed to [E, H, 2F].
+INTERLEAVE_T, INTERLEAVE = "gate-up-interleave-transpose", "gate-up-interleave"
 
 
 @dataclass(frozen=True)
@@ -343,6 +346,34 @@ _MEGATRON_TOP = (
 )
 
 
+def _megatron_gpt_oss_rules() -> tuple[Rule, ...]:
+    """Megatron-Core's gpt-oss (biases in every linear layer, ``softmax_type="learnable"``
+    attention sinks, a biased router, biased experts) to transformers' GptOss: attention as
+    Qwen 2's (q/k/v rows and biases per query group), ``core_attention.softmax_offset`` ->
+    ``self_attn.sinks``; each layer's experts as transformers' grouped tensors: fc1 ``[E, 2F,
+    H]`` (``[gate; up]`` per expert) -> ``gate_up_proj`` ``[E, H, 2F]``, gate and up columns
+    interleaved (its forward reads ``[..., ::2]`` and ``[..., 1::2]``), the fc1 bias likewise;
+    fc2 ``[E, H, F]`` -> ``down_proj`` ``[E, F, H]``; the fc2 bias as it is."""
+    hf, e = "model.layers.{L}", "mlp.experts.experts"
+    per_layer = [
+        ("self_attention.linear_proj.bias", f"{hf}.self_attn.o_proj.bias", ("hidden",),
+         RENAME),
+        ("self_attention.core_attention.softmax_offset", f"{hf}.self_attn.sinks", ("heads",),
+         RENAME),
+        ("mlp.router.weight", f"{hf}.mlp.router.weight", ("experts", "hidden"), RENAME),
+        ("mlp.router.bias", f"{hf}.mlp.router.bias", ("experts",), RENAME),
+        (f"{e}.linear_fc1.weight", f"{hf}.mlp.experts.gate_up_proj",
+         ("experts", "2ffn", "hidden"), INTERLEAVE_T),
+        (f"{e}.linear_fc1.bias", f"{hf}.mlp.experts.gate_up_proj_bias", ("experts", "2ffn"),
+         INTERLEAVE),
+        (f"{e}.linear_fc2.weight", f"{hf}.mlp.experts.down_proj", ("experts", "hidden", "ffn"),
+         TRANSPOSE),
+        (f"{e}.linear_fc2.bias", f"{hf}.mlp.experts.down_proj_bias", ("experts", "hidden"),
+         RENAME),
+    ]
+    return _megatron_rules(qkv_bias=True, qk_norm=False) + _both_forms(per_layer)
+
+
 def _megatron_deepseek_v3_rules() -> tuple[Rule, ...]:
     """Megatron-Core's DeepSeek-V3 (``MLASelfAttention``, a ``MoELayer`` with shared experts
     and the router's expert bias) to transformers' DeepseekV3. Facts (megatron-core 0.16,
@@ -454,7 +485,7 @@ def _megatron_map(name: str, family: str, model_type: str, *, qkv_bias: bool = F
 #: The Megatron-Core map of each Hugging Face model_type (what a Megatron merge picks).
 MEGATRON_MAPS = {"llama": "megatron-llama", "qwen2": "megatron-qwen2", "qwen3": "megatron-qwen3",
                  "qwen3_moe": "megatron-qwen3_moe", "mixtral": "megatron-mixtral",
-                 "deepseek_v3": "megatron-deepseek_v3"}
+                 "deepseek_v3": "megatron-deepseek_v3", "gpt_oss": "megatron-gpt_oss"}
 
 _DS = "model.layers.{L}"
 _DEEPSEEK_V3_RULES = (
@@ -521,6 +552,21 @@ def _deepseek_v3_map(name: str, rules: tuple[Rule, ...], framework: str) -> Name
             "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj"))
         + (f"{_DS}.mlp.gate.e_score_correction_bias",),
         sparse=_deepseek_sparse, framework=framework)
+
+
+def _gpt_oss_map(name: str, rules: tuple[Rule, ...], framework: str) -> NameMap:
+    """gpt-oss's Hugging Face model (transformers' GptOss: grouped expert tensors, attention
+    sinks, biases), whichever framework's names ``rules`` read."""
+    return NameMap(
+        name=name, family="gpt-oss", model_types=("gpt_oss",), rules=rules,
+        required=_TOP + _ATTENTION + tuple(
+            f"{_DS}.self_attn.{n}" for n in (
+                "q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias", "sinks")),
+        dense_mlp=(),
+        moe_mlp=tuple(f"{_DS}.mlp.{n}" for n in (
+            "router.weight", "router.bias", "experts.gate_up_proj",
+            "experts.gate_up_proj_bias", "experts.down_proj", "experts.down_proj_bias")),
+        sparse=_all_sparse, framework=framework)
 
 
 _GO = "layers.{L}.attention"
@@ -599,6 +645,7 @@ MAPS: dict[str, NameMap] = {m.name: m for m in (
     _megatron_map("megatron-mixtral", "Mixtral", "mixtral",
                   moe=("block_sparse_moe", ("w1", "w3", "w2"), "ffn")),
     _deepseek_v3_map("megatron-deepseek_v3", _megatron_deepseek_v3_rules(), "Megatron-Core"),
+    _gpt_oss_map("megatron-gpt_oss", _megatron_gpt_oss_rules(), "Megatron-Core"),
     NameMap(
         name="torchtitan-llama3", family="Llama 3", model_types=("llama",),
         rules=_decoder_rules("attention", rope=True, qk_norm=False),
@@ -616,17 +663,7 @@ MAPS: dict[str, NameMap] = {m.name: m for m in (
                  "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
                  "model.layers.{L}.mlp.experts.{E}.down_proj.weight")),
     _deepseek_v3_map("torchtitan-deepseek-v3", _DEEPSEEK_V3_RULES, "torchtitan"),
-    NameMap(
-        name="torchtitan-gpt-oss", family="gpt-oss", model_types=("gpt_oss",),
-        rules=_GPT_OSS_RULES,
-        required=_TOP + _ATTENTION + tuple(
-            f"{_DS}.self_attn.{n}" for n in (
-                "q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias", "sinks")),
-        dense_mlp=(),
-        moe_mlp=tuple(f"{_DS}.mlp.{n}" for n in (
-            "router.weight", "router.bias", "experts.gate_up_proj",
-            "experts.gate_up_proj_bias", "experts.down_proj", "experts.down_proj_bias")),
-        sparse=_all_sparse),
+    _gpt_oss_map("torchtitan-gpt-oss", _GPT_OSS_RULES, "torchtitan"),
     NameMap(
         name="torchtune-llama", family="Llama (2, 3, 3.1, 3.2, 3.3)", model_types=("llama",),
         rules=_torchtune_rules(rope=True, bias=False), required=_TOP + _ATTENTION,
@@ -674,6 +711,16 @@ def _first(inputs: list[torch.Tensor]) -> torch.Tensor:
 
 def _transposed(inputs: list[torch.Tensor]) -> torch.Tensor:
     return inputs[0].transpose(1, 2)
+
+
+def _interleaved(inputs: list[torch.Tensor], *, transpose: bool) -> torch.Tensor:
+    """``[E, 2F, ...]`` with each expert's ``[gate; up]`` rows as ``gate_0, up_0, gate_1,
+    up_1...`` (transformers' gpt-oss), then dims 1 and 2 swapped (``transpose``)."""
+    import torch
+
+    (w,) = inputs
+    out = torch.stack(w.chunk(2, dim=1), dim=2).reshape(w.shape)
+    return out.transpose(1, 2) if transpose else out
 
 
 def _permuted(inputs: list[torch.Tensor], *, heads: int) -> torch.Tensor:
@@ -858,6 +905,9 @@ def _emit(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor, target
     if rule.op in (EXPERT_GATE, EXPERT_UP, EXPERT):
         _emit_experts(out, rule, name, tensor, target, None)
         return
+    if rule.op in (INTERLEAVE_T, INTERLEAVE):
+        _emit_computed(out, rule, name, tensor, target, None)
+        return
     if rule.op == RENAME:
         out.tensors.append((target, tensor))
         out.how.append({"from": name, "to": target, "op": "renamed"})
@@ -914,8 +964,29 @@ def _emit_layers(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor,
     for layer in range(tensor.shape[0]):
         if rule.op in (EXPERT_GATE, EXPERT_UP, EXPERT):
             _emit_experts(out, rule, name, tensor, target.replace("{L}", str(layer)), layer)
+        elif rule.op in (INTERLEAVE_T, INTERLEAVE, TRANSPOSE):
+            _emit_computed(out, rule, name, tensor, target.replace("{L}", str(layer)), layer)
         else:
             _emit_layer(out, dims, rule, name, tensor, target.replace("{L}", str(layer)), layer)
+
+
+def _emit_computed(out: Mapped, rule: Rule, name: str, tensor: Tensor, target: str,
+                   layer: int | None) -> None:
+    """One layer's grouped ``[E, ...]`` expert tensor rearranged by torch (gpt-oss's
+    interleaved gate/up columns, a transposition): that layer's slice alone is read
+    (``Derived.select``), so memory is bounded by one output tensor."""
+    shape = tensor.shape[1:] if layer is not None else tensor.shape
+    if rule.op in (INTERLEAVE_T, TRANSPOSE) and len(shape) == 3:
+        shape = (shape[0], shape[2], shape[1])
+    compute = (_transposed if rule.op == TRANSPOSE
+               else partial(_interleaved, transpose=rule.op == INTERLEAVE_T))
+    source = f"{name}[{layer}]" if layer is not None else name
+    what = {INTERLEAVE_T: "gate/up rows interleaved, transposed",
+            INTERLEAVE: "gate/up interleaved", TRANSPOSE: "transposed (dims 1 and 2)"}[rule.op]
+    out.tensors.append((target, Derived(
+        target, (tensor,), tensor.dtype, tuple(shape), compute, f"{source} {what}",
+        select=((layer,),) if layer is not None else ())))
+    out.how.append({"from": source, "to": target, "op": rule.op})
 
 
 def _emit_experts(out: Mapped, rule: Rule, name: str, tensor: Tensor, target: str,
