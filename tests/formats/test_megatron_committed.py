@@ -124,6 +124,35 @@ def test_transformers_logits_match_megatrons_forward(
                                atol=LOGITS_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("name", DEEPSEEK)
+def test_deepseek_v3_config_derived_from_args(name: str, tmp_path: Path) -> None:
+    """Without a config.json, DeepSeek-V3's is derived from the run's args (MLA, shared
+    experts, sigmoid routing; first_k_dense_replace from moe_layer_freq): the same tensors,
+    and transformers' logits still Megatron's."""
+    import transformers
+
+    run = tmp_path / "run"
+    shutil.copytree(DATA / name, run, ignore=shutil.ignore_patterns("config.json"))
+    r = run_cli("merge", run, tmp_path / "out", "--json")
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    doc = json.loads(r.stdout)  # type: ignore[attr-defined]
+    assert doc["derived_config"]["family"] == "deepseek_v3"
+    assert doc["name_map"]["map"] == "megatron-deepseek_v3"
+    want = json.loads((DATA / name / "config.json").read_text())
+    got = json.loads((tmp_path / "out" / "config.json").read_text())
+    for key in ("q_lora_rank", "first_k_dense_replace", "n_shared_experts",
+                "routed_scaling_factor", "qk_nope_head_dim", "v_head_dim"):
+        assert got[key] == want[key], key
+    assert_bit_exact(load_out(tmp_path / "out"), deepseek_reference(DATA / name))
+    ref = load_file(DATA / name / "logits.safetensors")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                              dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(ref["tokens"]).logits
+    torch.testing.assert_close(logits, ref["logits"][..., :logits.shape[-1]],
+                               atol=LOGITS_ATOL, rtol=0)
+
+
 def test_deepseek_v3_inspect_shows_the_layout() -> None:
     for name, layout in (("deepseek_v3-tp2", "TP 2 x PP 1 x EP 1; 3 layers, 64 hidden"),
                          ("deepseek_v3-ep2", "TP 1 x PP 1 x EP 2; 2 layers, 64 hidden")):
