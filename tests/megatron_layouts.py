@@ -17,8 +17,9 @@ loaded back by Megatron's own ``dist_checkpointing.load`` into a fresh TP=1 mode
 (``logits``, fp32). A Hugging Face ``config.json`` of the family is written beside the run.
 
 :data:`VARIANTS` covers GQA, TP=1 and TP=2, PP=2, tied and untied output layers, a padded
-vocabulary (50 tokens padded to 64), QKV bias (``qwen2``) and q/k norms with a head size
-other than hidden/heads (``qwen3``).
+vocabulary (50 tokens padded to 64), QKV bias (``qwen2``), q/k norms with a head size
+other than hidden/heads (``qwen3``), MoE at EP=2 (``qwen3_moe``, ``mixtral``) and gpt-oss
+(biases in every linear layer, learnable attention sinks, the clamped quick-GELU GLU).
 
 Importing this module does not import megatron; :data:`MEGATRON` says whether it can be.
 """
@@ -71,6 +72,9 @@ class Variant:
     moe_ffn: int = 24
     ep: int = 1
     optimizer: bool = False  # also Adam's state after one step (optimizer.*; reference_optim.pt)
+    # gpt-oss's: biases in every linear layer (router and experts too), learnable attention
+    # sinks (softmax_type "learnable"), the clamped quick-GELU GLU with its +1 offset
+    gpt_oss: bool = False
 
 
 VARIANTS = {v.name: v for v in (
@@ -83,6 +87,8 @@ VARIANTS = {v.name: v for v in (
     Variant("qwen3_moe-ep2", "qwen3_moe", qk_norm=True, experts=4, ep=2),
     Variant("mixtral-ep2", "mixtral", experts=4, ep=2, moe_ffn=48),
     Variant("llama-optim", "llama", optimizer=True),
+    Variant("gpt_oss-ep2", "gpt_oss", experts=4, ep=2, moe_ffn=48, gpt_oss=True, qkv_bias=True,
+            kv_channels=16),
 )}
 
 
@@ -108,10 +114,13 @@ def _args(v: Variant) -> argparse.Namespace:
         moe_ffn_hidden_size=v.moe_ffn if v.experts else None, moe_router_topk=2,
         moe_router_pre_softmax=False, moe_shared_expert_intermediate_size=None,
         moe_layer_freq=1, multi_latent_attention=False, rotary_percent=1.0,
-        use_rope_scaling=False, swiglu=True, normalization="RMSNorm",
+        use_rope_scaling=False, swiglu=not v.gpt_oss, normalization="RMSNorm",
         norm_epsilon=1e-6, untie_embeddings_and_output_weights=not v.tied,
         vocab_size=v.vocab,
-        add_qkv_bias=v.qkv_bias, add_bias_linear=False, qk_layernorm=v.qk_norm,
+        add_qkv_bias=v.qkv_bias, add_bias_linear=v.gpt_oss, qk_layernorm=v.qk_norm,
+        softmax_type="learnable" if v.gpt_oss else "vanilla",
+        quick_geglu=v.gpt_oss, activation_func_clamp_value=7.0 if v.gpt_oss else None,
+        glu_linear_offset=1.0 if v.gpt_oss else 0.0,
         position_embedding_type="rope", rotary_base=10000, ckpt_format="torch_dist",
         params_dtype=getattr(torch, v.dtype), bf16=v.dtype == "bfloat16", fp16=False,
         iteration=ITERATION,
@@ -121,7 +130,6 @@ def _args(v: Variant) -> argparse.Namespace:
 
 
 def _model(v: Variant, tp: int, pp: int, ep: int = 1) -> Any:
-    import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -130,14 +138,14 @@ def _model(v: Variant, tp: int, pp: int, ep: int = 1) -> Any:
     config = TransformerConfig(
         num_layers=v.layers, hidden_size=v.hidden, ffn_hidden_size=v.ffn,
         num_attention_heads=v.heads, num_query_groups=v.groups, kv_channels=v.kv_channels,
-        use_cpu_initialization=True, gated_linear_unit=True, activation_func=F.silu,
-        normalization="RMSNorm", layernorm_epsilon=1e-6, add_bias_linear=False,
+        use_cpu_initialization=True, gated_linear_unit=True,
+        normalization="RMSNorm", layernorm_epsilon=1e-6, add_bias_linear=v.gpt_oss,
         add_qkv_bias=v.qkv_bias, qk_layernorm=v.qk_norm, params_dtype=getattr(torch, v.dtype),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         pipeline_dtype=getattr(torch, v.dtype), bf16=v.dtype == "bfloat16",
         transformer_impl="local", persist_layer_norm=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, attention_dropout=0.0,
-        hidden_dropout=0.0, **_moe_config(v, ep))
+        hidden_dropout=0.0, **_moe_config(v, ep), **_gpt_oss_config(v))
     spec = get_gpt_layer_local_spec(num_experts=v.experts or None, moe_grouped_gemm=False,
                                     qk_layernorm=v.qk_norm, normalization="RMSNorm")
     model = GPTModel(config=config, transformer_layer_spec=spec,
@@ -147,6 +155,20 @@ def _model(v: Variant, tp: int, pp: int, ep: int = 1) -> Any:
                      pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage())
     return model
+
+
+def _gpt_oss_config(v: Variant) -> dict[str, Any]:
+    """gpt-oss's attention sinks and expert activation (Megatron-Bridge's GPT-OSS settings):
+    ``quick_gelu(min(gate, 7)) * (clamp(up, -7, 7) + 1)``, as transformers' GptOssExperts."""
+    if not v.gpt_oss:
+        import torch.nn.functional as F
+
+        return dict(activation_func=F.silu)
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    return dict(softmax_type="learnable", activation_func=quick_gelu,
+                activation_func_clamp_value=7.0, glu_linear_offset=1.0,
+                bias_activation_fusion=False)
 
 
 def _moe_config(v: Variant, ep: int) -> dict[str, Any]:
@@ -172,7 +194,7 @@ def _vary_norms_and_biases(model: Any) -> None:
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" not in name and not name.endswith("bias"):
+            if "norm" not in name and not name.endswith(("bias", "softmax_offset")):
                 continue
             g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
             if getattr(p, "tensor_model_parallel", False):
@@ -330,7 +352,8 @@ def hf_config(v: Variant) -> dict[str, Any]:
 
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
-           "mixtral": transformers.MixtralConfig}[v.family]
+           "mixtral": transformers.MixtralConfig, "gpt_oss": transformers.GptOssConfig
+           }[v.family]
     kwargs: dict[str, Any] = dict(
         vocab_size=v.vocab, hidden_size=v.hidden, intermediate_size=v.ffn,
         num_hidden_layers=v.layers, num_attention_heads=v.heads, num_key_value_heads=v.groups,
@@ -349,10 +372,16 @@ def hf_config(v: Variant) -> dict[str, Any]:
     if v.family == "mixtral":  # experts as wide as intermediate_size
         kwargs.update(num_local_experts=v.experts, num_experts_per_tok=2,
                       intermediate_size=v.moe_ffn, head_dim=v.hidden // v.heads)
+    if v.family == "gpt_oss":  # every layer full attention: 8 tokens fit any window
+        kwargs.update(num_local_experts=v.experts, num_experts_per_tok=2,
+                      intermediate_size=v.moe_ffn, head_dim=v.kv_channels or v.hidden // v.heads,
+                      attention_bias=True, swiglu_limit=7.0, router_aux_loss_coef=0.0,
+                      layer_types=["full_attention"] * v.layers)
     config = cls(**kwargs)
     config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                              "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                             "mixtral": "MixtralForCausalLM"}[v.family]]
+                             "mixtral": "MixtralForCausalLM",
+                             "gpt_oss": "GptOssForCausalLM"}[v.family]]
     return dict(config.to_dict())
 
 
@@ -376,13 +405,15 @@ if __name__ == "__main__":  # python -m tests.megatron_layouts OUT [VARIANT...]
     write_runs(Path(sys.argv[1]), sys.argv[2:] or None)
 
 
-def hf_reference(run: Path) -> dict[str, torch.Tensor]:
+def hf_reference(run: Path, sd: dict[str, torch.Tensor] | None = None
+                 ) -> dict[str, torch.Tensor]:
     """What a merge of ``run`` must write, bit for bit: Megatron's own loaded state dict
-    (``reference.pt``, a TP=1 model) rearranged into Hugging Face's names with plain torch
-    indexing, written out here apart from ckpttool's tables: q/k/v rows taken per query group,
-    ``linear_fc1`` halved into gate and up, the vocabulary padding cut."""
+    (``reference.pt``, a TP=1 model; or ``sd``) rearranged into Hugging Face's names with plain
+    torch indexing, written out here apart from ckpttool's tables: q/k/v rows taken per query
+    group, ``linear_fc1`` halved into gate and up, the vocabulary padding cut."""
     config = json.loads((run / "config.json").read_text())
-    sd = torch.load(run / "reference.pt", weights_only=True)["state_dict"]
+    if sd is None:
+        sd = torch.load(run / "reference.pt", weights_only=True)["state_dict"]
     vocab, groups = config["vocab_size"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"][:vocab],
@@ -405,7 +436,9 @@ def hf_reference(run: Path) -> dict[str, torch.Tensor]:
             f"{h}self_attn.o_proj.weight": sd[f"{m}self_attention.linear_proj.weight"],
             f"{h}post_attention_layernorm.weight": sd[f"{m}pre_mlp_layernorm.weight"]})
         experts = config.get("num_experts") or config.get("num_local_experts")
-        if not experts:
+        if config["model_type"] == "gpt_oss":
+            out.update(_gpt_oss_layer(sd, m, h, experts))
+        elif not experts:
             gate, up = sd[f"{m}mlp.linear_fc1.weight"].chunk(2)
             out.update({f"{h}mlp.gate_proj.weight": gate, f"{h}mlp.up_proj.weight": up,
                         f"{h}mlp.down_proj.weight": sd[f"{m}mlp.linear_fc2.weight"]})
@@ -426,6 +459,30 @@ def hf_reference(run: Path) -> dict[str, torch.Tensor]:
             if value is not None:
                 out[f"{h}self_attn.{norm}_norm.weight"] = value
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _gpt_oss_layer(sd: dict[str, torch.Tensor], m: str, h: str, experts: int
+                   ) -> dict[str, torch.Tensor]:
+    """transformers' GptOss tensors of one layer: the sinks, o_proj's bias, the biased router,
+    and the experts stacked as its grouped tensors, fc1's gate and up rows interleaved (its
+    forward reads ``[..., ::2]`` as gate, ``[..., 1::2]`` as up), weights transposed."""
+    x = [f"{m}mlp.experts.local_experts.{e}." for e in range(experts)]
+    fc1 = torch.stack([sd[f"{p}linear_fc1.weight"] for p in x])  # [E, 2F, H]: [gate; up]
+    b1 = torch.stack([sd[f"{p}linear_fc1.bias"] for p in x])
+    gate, up = fc1.chunk(2, dim=1)
+    b_gate, b_up = b1.chunk(2, dim=1)
+    return {
+        f"{h}self_attn.sinks": sd[f"{m}self_attention.core_attention.softmax_offset"],
+        f"{h}self_attn.o_proj.bias": sd[f"{m}self_attention.linear_proj.bias"],
+        f"{h}mlp.router.weight": sd[f"{m}mlp.router.weight"],
+        f"{h}mlp.router.bias": sd[f"{m}mlp.router.bias"],
+        f"{h}mlp.experts.gate_up_proj":
+            torch.stack([gate, up], dim=2).reshape(fc1.shape).transpose(1, 2),
+        f"{h}mlp.experts.gate_up_proj_bias": torch.stack([b_gate, b_up], dim=2).reshape(b1.shape),
+        f"{h}mlp.experts.down_proj":
+            torch.stack([sd[f"{p}linear_fc2.weight"] for p in x]).transpose(1, 2),
+        f"{h}mlp.experts.down_proj_bias": torch.stack([sd[f"{p}linear_fc2.bias"] for p in x]),
+    }
 
 
 def native_reference(run: Path, sd: dict[str, torch.Tensor] | None = None

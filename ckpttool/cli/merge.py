@@ -62,7 +62,8 @@ EPILOG = epilog([
 # The name maps of ckpttool.core.transforms.namemaps (NAMES), spelled here so that --help
 # imports no core.
 NAME_MAPS = ("megatron-llama", "megatron-qwen2", "megatron-qwen3", "megatron-qwen3_moe",
-             "megatron-mixtral", "torchtitan-llama3", "torchtitan-qwen3",
+             "megatron-mixtral", "megatron-deepseek_v3", "megatron-gpt_oss",
+             "torchtitan-llama3", "torchtitan-qwen3",
              "torchtitan-deepseek-v3", "torchtitan-gpt-oss", "torchtune-llama",
              "torchtune-qwen2")
 

@@ -10,8 +10,9 @@ Megatron-LM (and Megatron-Bridge, NeMo, verl's and slime's Megatron backends) sa
   expert-parallel pieces are ordinary DCP chunks), the optimizer's under ``optimizer.*``, the
   RNG state as ``rng_state/shard_*`` bytes entries;
 * ``common.pt``: a ``torch.save`` of the state that is not sharded (``args``, an
-  ``argparse.Namespace``; ``iteration``; ``checkpoint_version``...); newer megatron-core writes
-  it as the DCP bytes entry ``common_state`` instead;
+  ``argparse.Namespace``; ``iteration``; ``checkpoint_version``...); megatron-core 0.19 and
+  later write it as the DCP bytes entry ``common_state/shard_0_1`` instead (a ``torch.save``
+  record of ``[state]``), read by the same allow-list;
 * ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``), written last: without it the
   save did not finish.
 
@@ -40,7 +41,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.errors import CkptError, InputError, UnsupportedError
 from ckpttool.formats.base import (
     CheckpointInfo,
     DataFile,
@@ -55,7 +56,14 @@ from ckpttool.formats.base import (
 from ckpttool.formats.base import info as info_problem
 from ckpttool.formats.codecs import archive, torchsave
 from ckpttool.formats.dcp import reader as dcp
-from ckpttool.storage.store import LOCAL, Store, Stores, file_size
+from ckpttool.storage.store import (
+    LOCAL,
+    Store,
+    Stores,
+    file_size,
+    open_data_file,
+    pread_of,
+)
 
 NAME = "megatron"
 # What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
@@ -251,27 +259,77 @@ def read_common(path: Path) -> dict[str, Any] | UnreadableObject:
     Raises:
         InputError: it is not a torch.save file, or is truncated or corrupt.
     """
-    where = str(path)
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
         raise InputError(f"{path}: cannot read: {e.strerror}") from None
     try:
         rb, entries = archive.open_file_archive(
-            fd, where, "copy it again from the run's iteration directory")
-        try:
-            value = torchsave.load_pickle(rb, entries, lookup=common_global,
-                                          max_nodes=torchsave.OBJECT_MAX_NODES)
-        except torchsave.Refused as e:
-            data = rb.read(entries["data.pkl"].data_offset, entries["data.pkl"].size)
-            return UnreadableObject(e.qualname, names=torchsave.named_globals(data))
-        except torchsave.PICKLE_ERRORS as e:
-            raise InputError(f"{path}: corrupt common state ({e}); copy it again") from None
+            fd, str(path), "copy it again from the run's iteration directory")
+        return _load_common(rb, entries, str(path), wrapped=False)
     finally:
         os.close(fd)
+
+
+# megatron-core 0.19 and later: the common state is one ShardedObject, ``common_state``,
+# saved as a DCP bytes entry (a torch.save record of ``[state]``) instead of common.pt.
+COMMON_STATE = "common_state"
+
+
+def common_state_entry(objects: tuple[ObjectEntry, ...] | list[ObjectEntry]
+                       ) -> ObjectEntry | None:
+    """The ``common_state/shard_*`` entry of a torch_dist ``.metadata``, if it has one."""
+    return next((o for o in objects if o.name.startswith(f"{COMMON_STATE}/")
+                 and o.file is not None), None)
+
+
+def read_common_state(root: Path, entry: ObjectEntry, *, stores: Stores = LOCAL
+                      ) -> dict[str, Any] | UnreadableObject:
+    """The ``common_state`` bytes entry's top-level values (as :func:`read_common`'s), read
+    through ``stores`` from a regular file really inside ``root``.
+
+    Raises:
+        InputError: its record is truncated or corrupt, or its file not a regular file.
+    """
+    assert entry.file is not None
+    path = root / entry.file
+    where = f"{path}: entry '{entry.name}' at byte {entry.offset}"
+    try:
+        with pread_of(path, stores, inside=os.path.realpath(root)) as pread:
+            return _common_record(archive.RecordBytes(pread, entry.offset, entry.length,
+                                                      where), where)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def _common_record(rb: archive.RecordBytes, where: str) -> dict[str, Any] | UnreadableObject:
+    entries = archive.zip_entries(rb)
+    archive.check_byteorder(rb, entries)
+    return _load_common(rb, entries, where, wrapped=True)
+
+
+def _load_common(rb: archive.RecordBytes, entries: dict[str, archive.ZipEntry], where: str, *,
+                 wrapped: bool) -> dict[str, Any] | UnreadableObject:
+    """The common state's pickle, read with :func:`common_global` (``wrapped``: the
+    ShardedObject's one-element list around it)."""
+    if "data.pkl" not in entries:
+        raise InputError(f"{where}: no data.pkl; not a torch.save record of the common state, "
+                         "corrupt: copy it again")
+    try:
+        value = torchsave.load_pickle(rb, entries, lookup=common_global,
+                                      max_nodes=torchsave.OBJECT_MAX_NODES)
+    except torchsave.Refused as e:
+        data = rb.read(entries["data.pkl"].data_offset, entries["data.pkl"].size)
+        return UnreadableObject(e.qualname, names=torchsave.named_globals(data))
+    except torchsave.TooComplex as e:
+        return UnreadableObject(None, str(e))
+    except torchsave.PICKLE_ERRORS as e:
+        raise InputError(f"{where}: corrupt common state ({e}); copy it again") from None
+    if wrapped and isinstance(value, list) and len(value) == 1:
+        value = value[0]
     if not isinstance(value, dict):
-        raise InputError(f"{path}: holds a {type(value).__name__}, not Megatron's common state "
-                         "dict; corrupt")
+        raise InputError(f"{where}: holds a {type(value).__name__}, not Megatron's common "
+                         "state dict; corrupt")
     return {str(k): _plain(v) for k, v in value.items()}
 
 
@@ -373,15 +431,24 @@ def read_info(path: str | os.PathLike[str], *, iteration: int | None = None,
     values = dict(base.values)
     common: dict[str, Any] = {}
     objects = [replace(o, path=_path_of(o.name)) for o in base.objects]
-    if COMMON in names:
-        read = read_common(root / COMMON)
+    stored = common_state_entry(base.objects) if COMMON not in names else None
+    if stored is not None and not (root / (stored.file or "")).is_file():
+        stored = None  # a missing (or not regular) data file is a structure problem
+    if COMMON in names or stored is not None:
+        label = COMMON if stored is None else stored.name
+        read = (read_common(root / COMMON) if stored is None
+                else read_common_state(root, stored, stores=stores))
         if isinstance(read, UnreadableObject):
-            values[COMMON] = read
-            objects.append(ObjectEntry(COMMON, (COMMON,)))
-            problems.append(info_problem("common-not-read", f"{COMMON}: {read.why}; not executed, "
-                                 "so args and the iteration are not shown", file=COMMON))
+            values[label] = read
+            if stored is None:
+                objects.append(ObjectEntry(COMMON, (COMMON,)))
+            problems.append(info_problem(
+                "common-not-read", f"{label}: {read.why}; not executed, so args and the "
+                "iteration are not shown", file=COMMON if stored is None else stored.file))
         else:
             common = read
+            # Read already: its values stand in for the record, as common.pt's do.
+            objects = [o for o in objects if o.name != label]
             for key, value in read.items():
                 values[key] = value
                 objects.append(ObjectEntry(key, (key,)))
@@ -507,14 +574,15 @@ class MegatronReader(dcp.DcpReader):
                 continue
             digest = hashlib.sha256()
             try:
-                with open(target, "rb") as f:
-                    while block := f.read(_HASH_BLOCK):
-                        digest.update(block)
-            except OSError as e:
+                # A regular file only, checked on the descriptor: a FIFO would block.
+                fd = open_data_file(target, INTEGRITY, inside=os.path.realpath(base))
+            except CkptError as e:
                 problems.append(error("integrity-missing", f"{target}: listed in {INTEGRITY} "
-                                      f"but not readable ({e.strerror}); copy it again",
-                                      file=name))
+                                      f"but not readable ({e}); copy it again", file=name))
                 continue
+            with os.fdopen(fd, "rb") as f:
+                while block := f.read(_HASH_BLOCK):
+                    digest.update(block)
             if digest.hexdigest() != want:
                 problems.append(error("integrity-mismatch", f"{target}: SHA-256 "
                                       f"{digest.hexdigest()[:16]}... is not the "

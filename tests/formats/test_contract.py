@@ -277,3 +277,22 @@ class TestMegatronExpertParallel(TestMegatron):
     """The same at EP=2: experts stored [L, E, ...], each rank's experts its own chunks."""
 
     RUN = "qwen3_moe-ep2"
+
+
+class TestMegatronCommonState(TestMegatron):
+    """A run of megatron-core 0.19 (committed: tests/data/megatron/llama-common_state, TP=2),
+    whose common state is the DCP bytes entry common_state/shard_0_1, with the integrity.json
+    its writer adds; against Megatron's own loaded state dict (reference.safetensors),
+    stacked. Needs no megatron-core."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def ckpt(cls, tmp_path_factory: pytest.TempPathFactory) -> Ckpt:  # type: ignore[override]
+        from safetensors.torch import load_file
+
+        from tests.megatron_layouts import native_reference
+
+        run = Path(__file__).parents[1] / "data" / "megatron" / "llama-common_state"
+        ckpt = tmp_path_factory.mktemp("contract-megatron-common_state") / "run"
+        shutil.copytree(run, ckpt, ignore=shutil.ignore_patterns("config.json", "*.safetensors"))
+        return ckpt, native_reference(run, load_file(run / "reference.safetensors"))

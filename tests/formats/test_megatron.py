@@ -308,7 +308,7 @@ def test_iteration_of_what_is_not_a_run_is_exit_3(megatron_runs: Path, tmp_path:
     assert r.exit_code == 2, r.output  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", [n for n, v in VARIANTS.items() if v.family != "gpt_oss"])
 def test_config_derived_from_args_loads_and_matches_megatron(name: str, megatron_runs: Path,
                                                              tmp_path: Path) -> None:
     """Without a config.json, the one Megatron's args describe is written: the family it
@@ -436,3 +436,15 @@ def test_flattened_range_optimizer_is_exit_4_naming_it(megatron_runs: Path,
     r = run_cli("merge", run, tmp_path / "model", "-q")  # the model is plain chunks
     assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
     assert_bit_exact(load_out(tmp_path / "model"), hf_reference(run))
+
+
+def test_gpt_oss_args_ask_for_config(megatron_runs: Path, tmp_path: Path) -> None:
+    """gpt-oss's args (biases in the linear layers, no SwiGLU) derive no config: exit 3
+    asking for --config, nothing written."""
+    run = tmp_path / "run"
+    shutil.copytree(megatron_runs / "gpt_oss-ep2", run,
+                    ignore=shutil.ignore_patterns("config.json"))
+    r = run_cli("merge", run, tmp_path / "out")
+    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
+    assert "bias in the linear layers (add_bias_linear)" in r.output  # type: ignore[attr-defined]
+    assert not (tmp_path / "out").exists()

@@ -14,7 +14,12 @@ argparse defaults):
   neither -> ``llama``; both -> none;
 * a mixture of experts in every layer: q/k layernorm -> ``qwen3_moe`` (``norm_topk_prob``:
   the top-k softmax is renormalised unless ``moe_router_pre_softmax``); neither -> ``mixtral``
-  (top-k renormalised, so ``moe_router_pre_softmax`` must be False); a QKV bias -> none.
+  (top-k renormalised, so ``moe_router_pre_softmax`` must be False); a QKV bias -> none;
+* multi-latent attention -> ``deepseek_v3``, where it also has what transformers' DeepseekV3
+  always has: q/kv latent norms (``qk_layernorm``), experts with shared experts, sigmoid
+  routing renormalised over the top-k (``moe_router_score_function`` sigmoid, top-k > 1),
+  dense layers only before the first expert layer (``moe_layer_freq`` ``[0] * k + [1] * n``
+  or 1), and RoPE (``rope_type`` rope) or YaRN (``rope_type`` yarn, as ``rope_scaling``).
 
 Pure: no I/O.
 """
@@ -88,6 +93,8 @@ def derive(args: Mapping[str, Any] | None, *, command: str) -> DerivedConfig:
                                f"config.json can be derived{ask}")
         return value
 
+    if arg("multi_latent_attention"):
+        return _deepseek_v3(args, arg, number, ask)
     unlike = [why for why, off in (
         ("not SwiGLU", not arg("swiglu")),
         (f"normalization {arg('normalization')}", arg("normalization") != "RMSNorm"),
@@ -162,3 +169,82 @@ def derive(args: Mapping[str, Any] | None, *, command: str) -> DerivedConfig:
         config.update(num_local_experts=experts, num_experts_per_tok=number("moe_router_topk"),
                       intermediate_size=number("moe_ffn_hidden_size"))
     return DerivedConfig(family, why, config, tuple(notes))
+
+
+def _deepseek_v3(args: Mapping[str, Any], arg: Any, number: Any, ask: str) -> DerivedConfig:
+    """DeepSeek-V3's config.json from an MLA run's args (see the module docstring)."""
+    layers = number("num_layers")
+    freq = arg("moe_layer_freq")
+    pattern = freq if isinstance(freq, list) else [1] * layers if freq == 1 else None
+    first = next((i for i, v in enumerate(pattern or []) if v == 1), layers)
+    unlike = [why for why, off in (
+        ("not SwiGLU", not arg("swiglu")),
+        (f"normalization {arg('normalization')}", arg("normalization") != "RMSNorm"),
+        ("bias in the linear layers (add_bias_linear)", bool(arg("add_bias_linear"))),
+        ("no q/kv latent layernorm (qk_layernorm)", not arg("qk_layernorm")),
+        ("no experts", not arg("num_experts")),
+        ("no shared experts", arg("moe_shared_expert_intermediate_size") is None),
+        (f"moe_router_score_function {args.get('moe_router_score_function')}",
+         args.get("moe_router_score_function") != "sigmoid"),
+        ("top-1 routing", number("moe_router_topk") < 2),
+        (f"moe_layer_freq {freq}", pattern is None or len(pattern) != layers
+         or pattern != [0] * first + [1] * (layers - first)),
+        ("group-limited routing summing other than the top 2 scores of a group (transformers'"
+         " DeepseekV3 sums 2)", (args.get("moe_router_num_groups") or 1) > 1
+         and number("moe_router_topk") // (args.get("moe_router_group_topk") or 1) != 2),
+        (f"rope_type {args.get('rope_type')}", args.get("rope_type") not in ("rope", "yarn")),
+        (f"rotary_percent {arg('rotary_percent')}", float(arg("rotary_percent")) != 1.0)) if off]
+    if unlike:
+        raise NotDerivable(
+            "no config.json beside the run, and Megatron's args describe multi-latent "
+            f"attention but not DeepSeek-V3 as transformers builds it: {', '.join(unlike)}{ask}")
+    moe_ffn = number("moe_ffn_hidden_size")
+    shared = number("moe_shared_expert_intermediate_size")
+    if shared % moe_ffn:
+        raise NotDerivable(f"Megatron's args give shared experts {shared} wide, not a multiple "
+                           f"of moe_ffn_hidden_size {moe_ffn}{ask}")
+    heads = number("num_attention_heads")
+    notes = []
+    vocab = args.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
+        vocab = number("padded_vocab_size")
+        notes.append(f"vocab_size {vocab}: Megatron's args hold only the padded vocabulary "
+                     "(the tokenizer's size is not recorded), so the padding rows are kept")
+    q_lora = args.get("q_lora_rank")
+    theta = float(arg("rotary_base"))
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if args.get("rope_type") == "yarn":
+        rope = {"rope_type": "yarn", "rope_theta": theta,
+                "factor": float(args.get("rotary_scaling_factor") or 40.0),
+                "original_max_position_embeddings":
+                    args.get("original_max_position_embeddings") or 4096,
+                "beta_fast": float(args.get("beta_fast") or 32.0),
+                "beta_slow": float(args.get("beta_slow") or 1.0),
+                "mscale": float(args.get("mscale") or 1.0),
+                "mscale_all_dim": float(args.get("mscale_all_dim") or 0.0)}
+    dtype = "bfloat16" if arg("bf16") else "float16" if arg("fp16") else "float32"
+    config: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": vocab, "hidden_size": number("hidden_size"),
+        "intermediate_size": number("ffn_hidden_size"), "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": heads,
+        "q_lora_rank": q_lora if isinstance(q_lora, int) and q_lora > 0 else None,
+        "kv_lora_rank": number("kv_lora_rank"), "qk_nope_head_dim": number("qk_head_dim"),
+        "qk_rope_head_dim": number("qk_pos_emb_head_dim"), "v_head_dim": number("v_head_dim"),
+        "head_dim": number("qk_pos_emb_head_dim"),
+        "n_routed_experts": number("num_experts"), "n_shared_experts": shared // moe_ffn,
+        "moe_intermediate_size": moe_ffn, "num_experts_per_tok": number("moe_router_topk"),
+        "first_k_dense_replace": first, "n_group": args.get("moe_router_num_groups") or 1,
+        "topk_group": args.get("moe_router_group_topk") or 1, "norm_topk_prob": True,
+        "routed_scaling_factor": float(args.get("moe_router_topk_scaling_factor") or 1.0),
+        "max_position_embeddings": args.get("max_position_embeddings")
+        or args.get("seq_length") or 4096,
+        "rms_norm_eps": float(arg("norm_epsilon")), "rope_parameters": rope,
+        "rope_interleave": True, "hidden_act": "silu", "attention_bias": False,
+        "tie_word_embeddings": not arg("untie_embeddings_and_output_weights"),
+        "attention_dropout": 0.0, "torch_dtype": dtype,
+    }
+    if not arg("moe_router_enable_expert_bias"):
+        notes.append("no expert bias in the run: e_score_correction_bias stays zero")
+    return DerivedConfig("deepseek_v3", "multi-latent attention, shared experts, sigmoid "
+                         "routing", config, tuple(notes))

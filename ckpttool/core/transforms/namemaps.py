@@ -49,6 +49,9 @@ GATE, UP = "fc1-gate", "fc1-up"  # one half of a fused SwiGLU [gate; up] project
 EXPERT_GATE, EXPERT_UP, EXPERT = "expert-gate", "expert-up", "expert"
 VOCAB = "vocab-cut"  # the rows of the real vocabulary, padding rows cut off
 TRANSPOSE = "transpose"  # a grouped [E, A, B] weight as [E, B, A] (transformers' gpt-oss)
+# Megatron's [E, 2F, ...] expert fc1 ([gate; up] per expert) as transformers' gpt-oss holds it:
+# gate and up rows interleaved (gate_0, up_0, gate_1...), the weight transposed to [E, H, 2F].
+INTERLEAVE_T, INTERLEAVE = "gate-up-interleave-transpose", "gate-up-interleave"
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,10 @@ DIMS: dict[str, tuple[str, Callable[[Dims], int], tuple[str, ...]]] = {
     "shared_ffn": ("moe_intermediate_size*n_shared_experts",
                    lambda d: d.number("moe_intermediate_size") * d.number("n_shared_experts"),
                    ("moe_intermediate_size", "n_shared_experts")),
+    "2shared_ffn": ("2*moe_intermediate_size*n_shared_experts",
+                    lambda d: 2 * d.number("moe_intermediate_size")
+                    * d.number("n_shared_experts"),
+                    ("moe_intermediate_size", "n_shared_experts")),
     "moe_ffn": ("moe_intermediate_size", lambda d: d.number("moe_intermediate_size"),
                 ("moe_intermediate_size",)),
     "2ffn": ("2*intermediate_size", lambda d: 2 * d.number("intermediate_size"),
@@ -328,17 +335,99 @@ def _megatron_rules(*, qkv_bias: bool, qk_norm: bool) -> tuple[Rule, ...]:
         per_layer += [
             (f"{a}.q_layernorm.weight", f"{hf}.self_attn.q_norm.weight", ("head_dim",), RENAME),
             (f"{a}.k_layernorm.weight", f"{hf}.self_attn.k_norm.weight", ("head_dim",), RENAME)]
-    rules = [
-        Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight",
-             ("padded_vocab", "hidden"), VOCAB),
-        Rule("decoder.final_layernorm.weight", "model.norm.weight", ("hidden",)),
-        Rule("output_layer.weight", "lm_head.weight", ("padded_vocab", "hidden"), VOCAB),
+    return _MEGATRON_TOP + _both_forms(per_layer)
+
+
+_MEGATRON_TOP = (
+    Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight",
+         ("padded_vocab", "hidden"), VOCAB),
+    Rule("decoder.final_layernorm.weight", "model.norm.weight", ("hidden",)),
+    Rule("output_layer.weight", "lm_head.weight", ("padded_vocab", "hidden"), VOCAB),
+)
+
+
+def _megatron_gpt_oss_rules() -> tuple[Rule, ...]:
+    """Megatron-Core's gpt-oss (biases in every linear layer, ``softmax_type="learnable"``
+    attention sinks, a biased router, biased experts) to transformers' GptOss: attention as
+    Qwen 2's (q/k/v rows and biases per query group), ``core_attention.softmax_offset`` ->
+    ``self_attn.sinks``; each layer's experts as transformers' grouped tensors: fc1 ``[E, 2F,
+    H]`` (``[gate; up]`` per expert) -> ``gate_up_proj`` ``[E, H, 2F]``, gate and up columns
+    interleaved (its forward reads ``[..., ::2]`` and ``[..., 1::2]``), the fc1 bias likewise;
+    fc2 ``[E, H, F]`` -> ``down_proj`` ``[E, F, H]``; the fc2 bias as it is."""
+    hf, e = "model.layers.{L}", "mlp.experts.experts"
+    per_layer = [
+        ("self_attention.linear_proj.bias", f"{hf}.self_attn.o_proj.bias", ("hidden",),
+         RENAME),
+        ("self_attention.core_attention.softmax_offset", f"{hf}.self_attn.sinks", ("heads",),
+         RENAME),
+        ("mlp.router.weight", f"{hf}.mlp.router.weight", ("experts", "hidden"), RENAME),
+        ("mlp.router.bias", f"{hf}.mlp.router.bias", ("experts",), RENAME),
+        (f"{e}.linear_fc1.weight", f"{hf}.mlp.experts.gate_up_proj",
+         ("experts", "2ffn", "hidden"), INTERLEAVE_T),
+        (f"{e}.linear_fc1.bias", f"{hf}.mlp.experts.gate_up_proj_bias", ("experts", "2ffn"),
+         INTERLEAVE),
+        (f"{e}.linear_fc2.weight", f"{hf}.mlp.experts.down_proj", ("experts", "hidden", "ffn"),
+         TRANSPOSE),
+        (f"{e}.linear_fc2.bias", f"{hf}.mlp.experts.down_proj_bias", ("experts", "hidden"),
+         RENAME),
     ]
-    for source, target, shape, op in per_layer:
-        rules.append(Rule(f"decoder.layers.{source}", target, ("layers", *shape), op,
-                          stacked=True))
-        rules.append(Rule(f"decoder.layers.{{L}}.{source}", target, shape, op))
-    return tuple(rules)
+    return _megatron_rules(qkv_bias=True, qk_norm=False) + _both_forms(per_layer)
+
+
+def _megatron_deepseek_v3_rules() -> tuple[Rule, ...]:
+    """Megatron-Core's DeepSeek-V3 (``MLASelfAttention``, a ``MoELayer`` with shared experts
+    and the router's expert bias) to transformers' DeepseekV3. Facts (megatron-core 0.16,
+    checked against its own forward pass): ``linear_q_proj`` / ``linear_q_up_proj`` rows are
+    per head ``[qk_head_dim, qk_pos_emb_head_dim]`` as transformers' q_proj / q_b_proj;
+    ``linear_kv_down_proj`` is ``[kv_lora_rank; qk_pos_emb_head_dim]`` rows as
+    kv_a_proj_with_mqa; ``linear_kv_up_proj`` per head ``[qk_head_dim, v_head_dim]`` as
+    kv_b_proj; MLA's RoPE de-interleaves its rotary dims as transformers' ``rope_interleave``
+    does, so every weight is a rename. The q/kv latent norms are ``q_layernorm`` /
+    ``kv_layernorm`` (the local spec) or fused into the up projections as
+    ``layer_norm_weight`` (Transformer Engine's); the MLA layer's input norm is never fused.
+    The router's ``expert_bias`` is DeepSeek's ``e_score_correction_bias``; shared experts'
+    ``linear_fc1`` is ``[gate; up]`` as a dense MLP's."""
+    hf, a, m = "model.layers.{L}", "self_attention", "mlp"
+    per_layer = [
+        ("input_layernorm.weight", f"{hf}.input_layernorm.weight", ("hidden",), RENAME),
+        (f"{a}.linear_q_proj.weight", f"{hf}.self_attn.q_proj.weight", ("q_mla", "hidden"),
+         RENAME),
+        (f"{a}.linear_q_down_proj.weight", f"{hf}.self_attn.q_a_proj.weight",
+         ("q_lora", "hidden"), RENAME),
+        (f"{a}.q_layernorm.weight", f"{hf}.self_attn.q_a_layernorm.weight", ("q_lora",),
+         RENAME),
+        (f"{a}.linear_q_up_proj.layer_norm_weight", f"{hf}.self_attn.q_a_layernorm.weight",
+         ("q_lora",), RENAME),
+        (f"{a}.linear_q_up_proj.weight", f"{hf}.self_attn.q_b_proj.weight",
+         ("q_mla", "q_lora"), RENAME),
+        (f"{a}.linear_kv_down_proj.weight", f"{hf}.self_attn.kv_a_proj_with_mqa.weight",
+         ("kv_a", "hidden"), RENAME),
+        (f"{a}.kv_layernorm.weight", f"{hf}.self_attn.kv_a_layernorm.weight", ("kv_lora",),
+         RENAME),
+        (f"{a}.linear_kv_up_proj.layer_norm_weight", f"{hf}.self_attn.kv_a_layernorm.weight",
+         ("kv_lora",), RENAME),
+        (f"{a}.linear_kv_up_proj.weight", f"{hf}.self_attn.kv_b_proj.weight",
+         ("kv_b", "kv_lora"), RENAME),
+        (f"{a}.linear_proj.weight", f"{hf}.self_attn.o_proj.weight", ("hidden", "o_mla"),
+         RENAME),
+        ("pre_mlp_layernorm.weight", f"{hf}.post_attention_layernorm.weight", ("hidden",),
+         RENAME),
+        (f"{m}.linear_fc1.layer_norm_weight", f"{hf}.post_attention_layernorm.weight",
+         ("hidden",), RENAME),
+        (f"{m}.linear_fc1.weight", f"{hf}.mlp.gate_proj.weight", ("2ffn", "hidden"), GATE),
+        (f"{m}.linear_fc1.weight", f"{hf}.mlp.up_proj.weight", ("2ffn", "hidden"), UP),
+        (f"{m}.linear_fc2.weight", f"{hf}.mlp.down_proj.weight", ("hidden", "ffn"), RENAME),
+        (f"{m}.router.expert_bias", f"{hf}.mlp.gate.e_score_correction_bias", ("experts",),
+         RENAME),
+        (f"{m}.shared_experts.linear_fc1.weight", f"{hf}.mlp.shared_experts.gate_proj.weight",
+         ("2shared_ffn", "hidden"), GATE),
+        (f"{m}.shared_experts.linear_fc1.weight", f"{hf}.mlp.shared_experts.up_proj.weight",
+         ("2shared_ffn", "hidden"), UP),
+        (f"{m}.shared_experts.linear_fc2.weight", f"{hf}.mlp.shared_experts.down_proj.weight",
+         ("hidden", "shared_ffn"), RENAME),
+    ]
+    return (_MEGATRON_TOP + _both_forms(per_layer)
+            + _megatron_moe_rules("mlp", ("gate_proj", "up_proj", "down_proj"), "moe_ffn"))
 
 
 def _megatron_moe_rules(block: str, names: tuple[str, str, str], ffn: str) -> tuple[Rule, ...]:
@@ -348,17 +437,28 @@ def _megatron_moe_rules(block: str, names: tuple[str, str, str], ffn: str) -> tu
     the Hugging Face module (``mlp``, ``block_sparse_moe``); ``names``: its gate, up and down
     projections' names; ``ffn``: the expert width's dimension."""
     gate, up, down = (f"model.layers.{{L}}.{block}.experts.{{E}}.{n}.weight" for n in names)
-    e = "decoder.layers.mlp.experts.experts"
-    return (
-        Rule("decoder.layers.mlp.router.weight", f"model.layers.{{L}}.{block}.gate.weight",
-             ("layers", "experts", "hidden"), stacked=True),
-        Rule(f"{e}.linear_fc1.weight", gate, ("layers", "experts", f"2{ffn}", "hidden"),
-             EXPERT_GATE, stacked=True),
-        Rule(f"{e}.linear_fc1.weight", up, ("layers", "experts", f"2{ffn}", "hidden"),
-             EXPERT_UP, stacked=True),
-        Rule(f"{e}.linear_fc2.weight", down, ("layers", "experts", "hidden", ffn), EXPERT,
-             stacked=True),
-    )
+    per_layer = [
+        ("mlp.router.weight", f"model.layers.{{L}}.{block}.gate.weight", ("experts", "hidden"),
+         RENAME),
+        ("mlp.experts.experts.linear_fc1.weight", gate, ("experts", f"2{ffn}", "hidden"),
+         EXPERT_GATE),
+        ("mlp.experts.experts.linear_fc1.weight", up, ("experts", f"2{ffn}", "hidden"),
+         EXPERT_UP),
+        ("mlp.experts.experts.linear_fc2.weight", down, ("experts", "hidden", ffn), EXPERT),
+    ]
+    return _both_forms(per_layer)
+
+
+def _both_forms(per_layer: list[tuple[str, str, tuple[str, ...], str]]) -> tuple[Rule, ...]:
+    """Each per-layer rule as Megatron stores it in a homogeneous decoder (stacked,
+    ``decoder.layers.<module>``, layer axis first) and in one whose layers differ
+    (``decoder.layers.<L>.<module>``)."""
+    rules = []
+    for source, target, shape, op in per_layer:
+        rules.append(Rule(f"decoder.layers.{source}", target, ("layers", *shape), op,
+                          stacked=True))
+        rules.append(Rule(f"decoder.layers.{{L}}.{source}", target, shape, op))
+    return tuple(rules)
 
 
 def _megatron_map(name: str, family: str, model_type: str, *, qkv_bias: bool = False,
@@ -384,7 +484,8 @@ def _megatron_map(name: str, family: str, model_type: str, *, qkv_bias: bool = F
 
 #: The Megatron-Core map of each Hugging Face model_type (what a Megatron merge picks).
 MEGATRON_MAPS = {"llama": "megatron-llama", "qwen2": "megatron-qwen2", "qwen3": "megatron-qwen3",
-                 "qwen3_moe": "megatron-qwen3_moe", "mixtral": "megatron-mixtral"}
+                 "qwen3_moe": "megatron-qwen3_moe", "mixtral": "megatron-mixtral",
+                 "deepseek_v3": "megatron-deepseek_v3", "gpt_oss": "megatron-gpt_oss"}
 
 _DS = "model.layers.{L}"
 _DEEPSEEK_V3_RULES = (
@@ -429,6 +530,44 @@ _DEEPSEEK_V3_RULES = (
     Rule(f"{_MOE}.shared_experts.w2.weight", f"{_DS}.mlp.shared_experts.down_proj.weight",
          ("hidden", "shared_ffn")),
 )
+
+
+
+def _deepseek_v3_map(name: str, rules: tuple[Rule, ...], framework: str) -> NameMap:
+    """DeepSeek-V3's Hugging Face model, whichever framework's names ``rules`` read: q_proj,
+    or q_a_proj, q_a_layernorm and q_b_proj with a q_lora_rank; dense layers before
+    ``first_k_dense_replace``, experts and shared experts from it on."""
+    return NameMap(
+        name=name, family="DeepSeek-V3", model_types=("deepseek_v3",), rules=rules,
+        required=_TOP + tuple(f"{_DS}.{n}" for n in (
+            "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
+            "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight",
+            "input_layernorm.weight", "post_attention_layernorm.weight")),
+        dense_mlp=_DENSE,
+        moe_mlp=tuple(f"{_DS}.mlp.{n}" for n in (
+            "gate.weight", "experts.{E}.gate_proj.weight", "experts.{E}.up_proj.weight",
+            "experts.{E}.down_proj.weight", "shared_experts.gate_proj.weight",
+            "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")),
+        optional=tuple(f"{_DS}.self_attn.{n}.weight" for n in (
+            "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj"))
+        + (f"{_DS}.mlp.gate.e_score_correction_bias",),
+        sparse=_deepseek_sparse, framework=framework)
+
+
+def _gpt_oss_map(name: str, rules: tuple[Rule, ...], framework: str) -> NameMap:
+    """gpt-oss's Hugging Face model (transformers' GptOss: grouped expert tensors, attention
+    sinks, biases), whichever framework's names ``rules`` read."""
+    return NameMap(
+        name=name, family="gpt-oss", model_types=("gpt_oss",), rules=rules,
+        required=_TOP + _ATTENTION + tuple(
+            f"{_DS}.self_attn.{n}" for n in (
+                "q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias", "sinks")),
+        dense_mlp=(),
+        moe_mlp=tuple(f"{_DS}.mlp.{n}" for n in (
+            "router.weight", "router.bias", "experts.gate_up_proj",
+            "experts.gate_up_proj_bias", "experts.down_proj", "experts.down_proj_bias")),
+        sparse=_all_sparse, framework=framework)
+
 
 _GO = "layers.{L}.attention"
 _GO_EXPERTS = f"{_MOE}.routed_experts.inner_experts"
@@ -505,6 +644,8 @@ MAPS: dict[str, NameMap] = {m.name: m for m in (
     # Mixtral's hub layout (what save_pretrained writes): w1 gate, w3 up, w2 down.
     _megatron_map("megatron-mixtral", "Mixtral", "mixtral",
                   moe=("block_sparse_moe", ("w1", "w3", "w2"), "ffn")),
+    _deepseek_v3_map("megatron-deepseek_v3", _megatron_deepseek_v3_rules(), "Megatron-Core"),
+    _gpt_oss_map("megatron-gpt_oss", _megatron_gpt_oss_rules(), "Megatron-Core"),
     NameMap(
         name="torchtitan-llama3", family="Llama 3", model_types=("llama",),
         rules=_decoder_rules("attention", rope=True, qk_norm=False),
@@ -521,33 +662,8 @@ MAPS: dict[str, NameMap] = {m.name: m for m in (
                  "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
                  "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
                  "model.layers.{L}.mlp.experts.{E}.down_proj.weight")),
-    NameMap(
-        name="torchtitan-deepseek-v3", family="DeepSeek-V3", model_types=("deepseek_v3",),
-        rules=_DEEPSEEK_V3_RULES,
-        required=_TOP + tuple(f"{_DS}.{n}" for n in (
-            "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
-            "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight",
-            "input_layernorm.weight", "post_attention_layernorm.weight")),
-        dense_mlp=_DENSE,
-        moe_mlp=tuple(f"{_DS}.mlp.{n}" for n in (
-            "gate.weight", "experts.{E}.gate_proj.weight", "experts.{E}.up_proj.weight",
-            "experts.{E}.down_proj.weight", "shared_experts.gate_proj.weight",
-            "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")),
-        optional=tuple(f"{_DS}.self_attn.{n}.weight" for n in (
-            "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj"))
-        + (f"{_DS}.mlp.gate.e_score_correction_bias",),
-        sparse=_deepseek_sparse),
-    NameMap(
-        name="torchtitan-gpt-oss", family="gpt-oss", model_types=("gpt_oss",),
-        rules=_GPT_OSS_RULES,
-        required=_TOP + _ATTENTION + tuple(
-            f"{_DS}.self_attn.{n}" for n in (
-                "q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias", "sinks")),
-        dense_mlp=(),
-        moe_mlp=tuple(f"{_DS}.mlp.{n}" for n in (
-            "router.weight", "router.bias", "experts.gate_up_proj",
-            "experts.gate_up_proj_bias", "experts.down_proj", "experts.down_proj_bias")),
-        sparse=_all_sparse),
+    _deepseek_v3_map("torchtitan-deepseek-v3", _DEEPSEEK_V3_RULES, "torchtitan"),
+    _gpt_oss_map("torchtitan-gpt-oss", _GPT_OSS_RULES, "torchtitan"),
     NameMap(
         name="torchtune-llama", family="Llama (2, 3, 3.1, 3.2, 3.3)", model_types=("llama",),
         rules=_torchtune_rules(rope=True, bias=False), required=_TOP + _ATTENTION,
@@ -595,6 +711,16 @@ def _first(inputs: list[torch.Tensor]) -> torch.Tensor:
 
 def _transposed(inputs: list[torch.Tensor]) -> torch.Tensor:
     return inputs[0].transpose(1, 2)
+
+
+def _interleaved(inputs: list[torch.Tensor], *, transpose: bool) -> torch.Tensor:
+    """``[E, 2F, ...]`` with each expert's ``[gate; up]`` rows as ``gate_0, up_0, gate_1,
+    up_1...`` (transformers' gpt-oss), then dims 1 and 2 swapped (``transpose``)."""
+    import torch
+
+    (w,) = inputs
+    out = torch.stack(w.chunk(2, dim=1), dim=2).reshape(w.shape)
+    return out.transpose(1, 2) if transpose else out
 
 
 def _permuted(inputs: list[torch.Tensor], *, heads: int) -> torch.Tensor:
@@ -711,6 +837,13 @@ def apply(map_name: str, tensors: list[tuple[str, Tensor]],
                for name, tensor in tensors]
     # Errors name tensors in sorted order, whatever order the checkpoint stores them in.
     unmapped = sorted(name for name, _, matches in matched if not matches)
+    mtp = [n for n in unmapped if n.startswith("mtp.")]
+    if mtp and nmap.framework == "Megatron-Core":
+        raise UnsupportedError(
+            f"--names {map_name}: the checkpoint holds Megatron-Core's multi-token prediction "
+            f"(MTP) layers ('{mtp[0]}'{f' and {len(mtp) - 1} more' if len(mtp) > 1 else ''}), "
+            "which have no Hugging Face map yet; not supported yet. Save the run without "
+            "--mtp-num-layers to convert the main model")
     if unmapped:
         shown = ", ".join(f"'{n}'" for n in unmapped[:3])
         more = f" and {len(unmapped) - 3} more" if len(unmapped) > 3 else ""
@@ -769,6 +902,12 @@ def _emit(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor, target
     if rule.op in _LAYER_OPS:
         _emit_layer(out, dims, rule, name, tensor, target, None)
         return
+    if rule.op in (EXPERT_GATE, EXPERT_UP, EXPERT):
+        _emit_experts(out, rule, name, tensor, target, None)
+        return
+    if rule.op in (INTERLEAVE_T, INTERLEAVE):
+        _emit_computed(out, rule, name, tensor, target, None)
+        return
     if rule.op == RENAME:
         out.tensors.append((target, tensor))
         out.how.append({"from": name, "to": target, "op": "renamed"})
@@ -825,27 +964,51 @@ def _emit_layers(out: Mapped, dims: Dims, rule: Rule, name: str, tensor: Tensor,
     for layer in range(tensor.shape[0]):
         if rule.op in (EXPERT_GATE, EXPERT_UP, EXPERT):
             _emit_experts(out, rule, name, tensor, target.replace("{L}", str(layer)), layer)
+        elif rule.op in (INTERLEAVE_T, INTERLEAVE, TRANSPOSE):
+            _emit_computed(out, rule, name, tensor, target.replace("{L}", str(layer)), layer)
         else:
             _emit_layer(out, dims, rule, name, tensor, target.replace("{L}", str(layer)), layer)
 
 
+def _emit_computed(out: Mapped, rule: Rule, name: str, tensor: Tensor, target: str,
+                   layer: int | None) -> None:
+    """One layer's grouped ``[E, ...]`` expert tensor rearranged by torch (gpt-oss's
+    interleaved gate/up columns, a transposition): that layer's slice alone is read
+    (``Derived.select``), so memory is bounded by one output tensor."""
+    shape = tensor.shape[1:] if layer is not None else tensor.shape
+    if rule.op in (INTERLEAVE_T, TRANSPOSE) and len(shape) == 3:
+        shape = (shape[0], shape[2], shape[1])
+    compute = (_transposed if rule.op == TRANSPOSE
+               else partial(_interleaved, transpose=rule.op == INTERLEAVE_T))
+    source = f"{name}[{layer}]" if layer is not None else name
+    what = {INTERLEAVE_T: "gate/up rows interleaved, transposed",
+            INTERLEAVE: "gate/up interleaved", TRANSPOSE: "transposed (dims 1 and 2)"}[rule.op]
+    out.tensors.append((target, Derived(
+        target, (tensor,), tensor.dtype, tuple(shape), compute, f"{source} {what}",
+        select=((layer,),) if layer is not None else ())))
+    out.how.append({"from": source, "to": target, "op": rule.op})
+
+
 def _emit_experts(out: Mapped, rule: Rule, name: str, tensor: Tensor, target: str,
-                  layer: int) -> None:
-    """Each expert of one layer of a stacked ``[L, E, ...]`` weight, read alone."""
-    rest = tensor.shape[2:]
-    for e in range(tensor.shape[1]):
+                  layer: int | None) -> None:
+    """Each expert of one layer of a stacked ``[L, E, ...]`` weight (or of one layer's
+    ``[E, ...]``: ``layer`` None), read alone."""
+    lead, one = ((layer,), (1,)) if layer is not None else ((), ())
+    rest = tensor.shape[len(lead) + 1:]
+    for e in range(tensor.shape[len(lead)]):
         expert = target.replace("{E}", str(e))
-        what = f"expert {e} of layer {layer} of {name}"
+        what = f"expert {e} of {f'layer {layer} of ' if layer is not None else ''}{name}"
         start, rows = 0, rest[0] if rest else 1
         if rule.op in (EXPERT_GATE, EXPERT_UP):
             rows //= 2
             start = rows if rule.op == EXPERT_UP else 0
             what = f"{'up' if rule.op == EXPERT_UP else 'gate'} half of {what}"
-        box = ((layer, e, start, *(0,) * len(rest[1:])), (1, 1, rows, *rest[1:])) if rest \
-            else ((layer, e), (1, 1))
+        box = ((*lead, e, start, *(0,) * len(rest[1:])), (*one, 1, rows, *rest[1:])) if rest \
+            else ((*lead, e), (*one, 1))
         out.tensors.append((expert, _selection(expert, tensor, box, what=what,
                                                shape=(rows, *rest[1:]) if rest else ())))
-        out.how.append({"from": f"{name}[{layer}, {e}]", "to": expert,
+        where = f"{layer}, {e}" if layer is not None else f"{e}"
+        out.how.append({"from": f"{name}[{where}]", "to": expert,
                         "op": "expert-split" if rule.op == EXPERT else "expert-gate-up-split"})
 
 

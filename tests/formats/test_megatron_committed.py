@@ -1,0 +1,263 @@
+"""Megatron-Core runs that cannot be written at test time, committed with their generator
+(tests/data/megatron/generate.py, written on a GPU): DeepSeek-V3 (megatron-core 0.16.1 builds
+multi-latent attention on a CUDA device only) and a run of megatron-core 0.19.2 (Python 3.12),
+which stores the common state as the DCP bytes entry ``common_state/shard_0_1``. Each is merged
+bit for bit against Megatron's own loaded state dict (``reference.safetensors``, rearranged
+here by plain torch), and transformers' forward pass of the merged output matches Megatron's
+(``logits.safetensors``). No megatron-core needed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import ckpttool
+from ckpttool.cli import app
+from ckpttool.core.transforms import namemaps
+from ckpttool.formats import megatron
+from ckpttool.formats.base import Tensor
+from ckpttool.formats.codecs.dtypes import DType
+from tests.core.test_merge import assert_bit_exact, load_out
+from tests.megatron_layouts import hf_reference
+
+DATA = Path(__file__).parents[1] / "data" / "megatron"
+DEEPSEEK = ["deepseek_v3-tp2", "deepseek_v3-ep2"]
+COMMON_STATE = DATA / "llama-common_state"
+
+# fp32 forward passes of the same weights: Megatron's on an H200 (TF32 off), transformers'
+# on the CPU here. Seen: at most 1.8e-7 on logits of magnitude up to 0.44.
+LOGITS_ATOL = 1e-5
+
+
+def run_cli(*args: object) -> object:
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def deepseek_reference(run: Path) -> dict[str, torch.Tensor]:
+    """What a merge of a DeepSeek-V3 ``run`` must write, bit for bit: Megatron's own loaded
+    state dict rearranged into transformers' DeepseekV3 names with plain torch, apart from
+    ckpttool's tables: MLA's projections and norms renamed, dense and shared-expert
+    ``linear_fc1`` halved into gate and up, each expert's likewise, the expert bias as the
+    gate's ``e_score_correction_bias``, the vocabulary padding cut."""
+    config = json.loads((run / "config.json").read_text())
+    sd = load_file(run / "reference.safetensors")
+    vocab = config["vocab_size"]
+    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"][:vocab],
+           "model.norm.weight": sd["decoder.final_layernorm.weight"],
+           "lm_head.weight": sd["output_layer.weight"][:vocab]}
+
+    def gate_up(prefix: str, fc1: torch.Tensor) -> None:
+        gate, up = fc1.chunk(2)
+        out[f"{prefix}gate_proj.weight"], out[f"{prefix}up_proj.weight"] = gate, up
+
+    for layer in range(config["num_hidden_layers"]):
+        m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
+        a, s = f"{m}self_attention.", f"{h}self_attn."
+        out[f"{h}input_layernorm.weight"] = sd[f"{m}input_layernorm.weight"]
+        out[f"{h}post_attention_layernorm.weight"] = sd[f"{m}pre_mlp_layernorm.weight"]
+        if config["q_lora_rank"] is None:
+            out[f"{s}q_proj.weight"] = sd[f"{a}linear_q_proj.weight"]
+        else:
+            out[f"{s}q_a_proj.weight"] = sd[f"{a}linear_q_down_proj.weight"]
+            out[f"{s}q_a_layernorm.weight"] = sd[f"{a}q_layernorm.weight"]
+            out[f"{s}q_b_proj.weight"] = sd[f"{a}linear_q_up_proj.weight"]
+        out[f"{s}kv_a_proj_with_mqa.weight"] = sd[f"{a}linear_kv_down_proj.weight"]
+        out[f"{s}kv_a_layernorm.weight"] = sd[f"{a}kv_layernorm.weight"]
+        out[f"{s}kv_b_proj.weight"] = sd[f"{a}linear_kv_up_proj.weight"]
+        out[f"{s}o_proj.weight"] = sd[f"{a}linear_proj.weight"]
+        if layer < config["first_k_dense_replace"]:
+            gate_up(f"{h}mlp.", sd[f"{m}mlp.linear_fc1.weight"])
+            out[f"{h}mlp.down_proj.weight"] = sd[f"{m}mlp.linear_fc2.weight"]
+            continue
+        out[f"{h}mlp.gate.weight"] = sd[f"{m}mlp.router.weight"]
+        out[f"{h}mlp.gate.e_score_correction_bias"] = sd[f"{m}mlp.router.expert_bias"]
+        for e in range(config["n_routed_experts"]):
+            x = f"{m}mlp.experts.local_experts.{e}."
+            gate_up(f"{h}mlp.experts.{e}.", sd[f"{x}linear_fc1.weight"])
+            out[f"{h}mlp.experts.{e}.down_proj.weight"] = sd[f"{x}linear_fc2.weight"]
+        gate_up(f"{h}mlp.shared_experts.", sd[f"{m}mlp.shared_experts.linear_fc1.weight"])
+        out[f"{h}mlp.shared_experts.down_proj.weight"] = sd[
+            f"{m}mlp.shared_experts.linear_fc2.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def common_state_reference() -> dict[str, torch.Tensor]:
+    return hf_reference(COMMON_STATE, load_file(COMMON_STATE / "reference.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory: pytest.TempPathFactory
+           ) -> dict[str, tuple[Path, ckpttool.MergeReport]]:
+    out = tmp_path_factory.mktemp("megatron-committed")
+    return {name: (out / name, ckpttool.merge(DATA / name, out / name))
+            for name in (*DEEPSEEK, COMMON_STATE.name)}
+
+
+@pytest.mark.parametrize("name", DEEPSEEK)
+def test_deepseek_v3_merge_is_bit_exact_against_megatrons_own_state(
+        name: str, merged: dict[str, tuple[Path, ckpttool.MergeReport]]) -> None:
+    out, report = merged[name]
+    assert report.format == "megatron"
+    assert report.name_map is not None and report.name_map["map"] == "megatron-deepseek_v3"
+    assert_bit_exact(load_out(out), deepseek_reference(DATA / name))
+
+
+@pytest.mark.parametrize("name", [*DEEPSEEK, COMMON_STATE.name])
+def test_transformers_logits_match_megatrons_forward(
+        name: str, merged: dict[str, tuple[Path, ckpttool.MergeReport]]) -> None:
+    import transformers
+
+    ref = load_file(DATA / name / "logits.safetensors")
+    model = transformers.AutoModelForCausalLM.from_pretrained(merged[name][0],
+                                                              dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(ref["tokens"]).logits
+    assert logits.shape[-1] == json.loads((DATA / name / "config.json").read_text())[
+        "vocab_size"]
+    torch.testing.assert_close(logits, ref["logits"][..., :logits.shape[-1]],
+                               atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", DEEPSEEK)
+def test_deepseek_v3_config_derived_from_args(name: str, tmp_path: Path) -> None:
+    """Without a config.json, DeepSeek-V3's is derived from the run's args (MLA, shared
+    experts, sigmoid routing; first_k_dense_replace from moe_layer_freq): the same tensors,
+    and transformers' logits still Megatron's."""
+    import transformers
+
+    run = tmp_path / "run"
+    shutil.copytree(DATA / name, run, ignore=shutil.ignore_patterns("config.json"))
+    r = run_cli("merge", run, tmp_path / "out", "--json")
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    doc = json.loads(r.stdout)  # type: ignore[attr-defined]
+    assert doc["derived_config"]["family"] == "deepseek_v3"
+    assert doc["name_map"]["map"] == "megatron-deepseek_v3"
+    want = json.loads((DATA / name / "config.json").read_text())
+    got = json.loads((tmp_path / "out" / "config.json").read_text())
+    for key in ("q_lora_rank", "first_k_dense_replace", "n_shared_experts",
+                "routed_scaling_factor", "qk_nope_head_dim", "v_head_dim"):
+        assert got[key] == want[key], key
+    assert_bit_exact(load_out(tmp_path / "out"), deepseek_reference(DATA / name))
+    ref = load_file(DATA / name / "logits.safetensors")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                              dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(ref["tokens"]).logits
+    torch.testing.assert_close(logits, ref["logits"][..., :logits.shape[-1]],
+                               atol=LOGITS_ATOL, rtol=0)
+
+
+def test_deepseek_v3_inspect_shows_the_layout() -> None:
+    for name, layout in (("deepseek_v3-tp2", "TP 2 x PP 1 x EP 1; 3 layers, 64 hidden"),
+                         ("deepseek_v3-ep2", "TP 1 x PP 1 x EP 2; 2 layers, 64 hidden")):
+        r = run_cli("inspect", DATA / name)
+        assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+        assert f"Megatron-Core torch_dist; iteration 2; {layout}" in r.stdout  # type: ignore[attr-defined]
+
+
+def test_deepseek_v3_config_of_another_model_is_exit_3_before_writing(tmp_path: Path) -> None:
+    """The TP=2 run has q_lora_rank 32 (q_down/q_up projections); a config without one
+    (a plain q_proj) does not describe it."""
+    config = json.loads((DATA / "deepseek_v3-tp2" / "config.json").read_text())
+    config["q_lora_rank"] = None
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    r = run_cli("merge", DATA / "deepseek_v3-tp2", out, "--config", tmp_path / "config.json")
+    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
+    assert "'decoder.layers.0.self_attention.linear_q_down_proj.weight': " in r.output  # type: ignore[attr-defined]
+    assert "has no 'q_lora_rank'" in r.output  # type: ignore[attr-defined]
+    assert not out.exists()
+
+
+def test_multi_token_prediction_layers_are_exit_4() -> None:
+    """megatron-core's MTP block (``mtp.layers.<i>...``, saved with ``mtp_num_layers``) has no
+    map yet: refused by name, not called a foreign checkpoint."""
+    f32 = DType("F32", "float32", 4, "float")
+    tensors = [(n, Tensor(n, (n,), f32, (64, 64), ())) for n in (
+        "embedding.word_embeddings.weight", "mtp.layers.0.eh_proj.weight")]
+    config = json.loads((DATA / "deepseek_v3-tp2" / "config.json").read_text())
+    with pytest.raises(ckpttool.UnsupportedError, match=(
+            r"multi-token prediction \(MTP\) layers \('mtp.layers.0.eh_proj.weight'\)")):
+        namemaps.apply("megatron-deepseek_v3", tensors, config)
+
+
+def test_common_state_is_read_for_args_and_iteration(tmp_path: Path) -> None:
+    """megatron-core 0.19 writes no common.pt: args and the iteration come from the
+    common_state bytes entry, read by the allow-list (nothing executed). The run is copied
+    under another iteration's name, so the iteration shown is the one stored, not the
+    directory's."""
+    run = tmp_path / "run"
+    shutil.copytree(COMMON_STATE, run)
+    (run / "iter_0000002").rename(run / "iter_0000005")
+    (run / "latest_checkpointed_iteration.txt").write_text("5")
+    assert not (run / "iter_0000005" / "common.pt").exists()
+    info = megatron.read_info(run)
+    assert info.values["iteration"] == 2
+    assert info.values["args"]["tensor_model_parallel_size"] == 2
+    assert not any(o.name.startswith("common_state/") for o in info.objects)
+    r = run_cli("inspect", run)
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    assert ("Megatron-Core torch_dist; iteration 2; TP 2 x PP 1 x EP 1; 2 layers, 32 hidden, "
+            "48 ffn, 4 heads, 2 query groups, 8 head dim, 64 vocab (padded)") in r.stdout  # type: ignore[attr-defined]
+    assert "train_state: 1 non-tensor entry (keys iteration)" in r.stdout  # type: ignore[attr-defined]
+    assert "not executed" not in r.output  # type: ignore[attr-defined]
+
+
+def test_common_state_run_merges_bit_exact(
+        merged: dict[str, tuple[Path, ckpttool.MergeReport]]) -> None:
+    out, report = merged[COMMON_STATE.name]
+    assert report.name_map is not None and report.name_map["map"] == "megatron-llama"
+    assert_bit_exact(load_out(out), common_state_reference())
+
+
+def test_common_state_args_derive_the_config(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(COMMON_STATE, run, ignore=shutil.ignore_patterns("config.json"))
+    r = run_cli("merge", run, tmp_path / "out", "--json")
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    assert json.loads(r.stdout)["derived_config"]["family"] == "llama"  # type: ignore[attr-defined]
+    assert_bit_exact(load_out(tmp_path / "out"), common_state_reference())
+
+
+def test_common_state_verify_checks_the_writers_integrity_json(tmp_path: Path) -> None:
+    """megatron-core 0.19's ``verify_integrity=True`` writes integrity.json (SHA-256 per
+    file): intact, verify passes; one byte changed in a data file is found by it."""
+    run = tmp_path / "run"
+    shutil.copytree(COMMON_STATE, run)
+    assert ckpttool.verify(run).ok
+    data = run / "iter_0000002" / "__1_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[-100] ^= 0xFF  # inside the zip directory of the last record
+    data.write_bytes(bytes(raw))
+    report = ckpttool.verify(run)
+    assert not report.ok
+    assert "__1_0.distcp" in [p.location.file for p in report.problems
+                              if p.code == "integrity-mismatch"]
+
+
+def test_common_state_asking_for_a_foreign_class_is_not_executed(tmp_path: Path) -> None:
+    """A common_state record whose pickle names a class outside the allow-list (here
+    ``argparse.Namespace`` turned into ``argparse.ArgumentParser``, same length) is not
+    executed: inspect says so and shows no args."""
+    run = tmp_path / "run"
+    shutil.copytree(COMMON_STATE, run)
+    data = run / "iter_0000002" / "__0_0.distcp"
+    raw = data.read_bytes()
+    assert raw.count(b"argparse\nNamespace") == 1
+    # Same length: a 9-letter name the allow-list does not hold.
+    data.write_bytes(raw.replace(b"argparse\nNamespace", b"argparse\nFileTypeX"))
+    info = megatron.read_info(run)
+    assert "args" not in info.values
+    assert [p.message for p in info.problems if p.code == "common-not-read"] == [
+        "common_state/shard_0_1: needs arbitrary unpickling (argparse.FileTypeX); not "
+        "executed, so args and the iteration are not shown"]
+    r = run_cli("inspect", run)
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    assert ("common_state.shard_0_1: needs arbitrary unpickling (argparse.FileTypeX); not "
+            "executed, not read") in r.stdout  # type: ignore[attr-defined]
