@@ -158,6 +158,10 @@ SMALL_RECORD = 1 << 16
 SPAN = 4 << 20
 
 
+# Entries whose bytes are the same in every record of one layout (compared with the template).
+_SHARED = ("data.pkl", "byteorder")
+
+
 class Template:
     """A decoded record, as a pattern for records of the same length, dtype and shape.
 
@@ -180,10 +184,17 @@ class Template:
         def in_raw(at: int) -> int:  # ``raw`` is [0, head) + [data_end, length)
             return at if at <= self.head else at - gap
 
-        masks = [(at, 4) for e in rec.entries for at in e.crc_fields]
+        # Entries whose contents every record of the layout shares: where the template's
+        # central directory CRC-32 for one is right, that field is compared too (not
+        # blanked), so a record that matches has it right: fill_rows computes no CRC-32
+        # for them (two of the seven entries torch writes).
+        implied = {e.name for e in rec.entries if e.name in _SHARED and e is not data
+                   and crc32(raw[in_raw(e.data_offset) : in_raw(e.data_offset) + e.size])
+                   == e.crc32}
+        masks = [(at, 4) for e in rec.entries
+                 for at in (e.crc_fields[1:] if e.name in implied else e.crc_fields)]
         masks += [e.descriptor for e in rec.entries if e.descriptor[1]]
-        masks += [(e.data_offset, e.size) for e in rec.entries
-                  if e.name not in ("data.pkl", "byteorder")]
+        masks += [(e.data_offset, e.size) for e in rec.entries if e.name not in _SHARED]
         spans = []  # in record coordinates; the storage's data is masked, so none spans it
         pos = 0
         for start, size in sorted(masks):
@@ -239,7 +250,8 @@ class Template:
         self.blank = bytes(blank)
         self.masked = tuple(masked)
         self.checked_bytes = self.data_end - self.head + self.side_bytes
-        self.checks = tuple((e.data_offset, e.size, e.crc_fields[0]) for e in (data, *self.side))
+        self.checks = tuple((e.data_offset, e.size, e.crc_fields[0]) for e in (data, *self.side)
+                            if e.name not in implied)
 
     @staticmethod
     def _fields(fields: list[int], order: list[int]) -> struct.Struct:
