@@ -1078,7 +1078,7 @@ class DcpReader(Reader):
         if not self._use_templates or self.capabilities.many_ranges:
             return [None] * len(tensors)
         return fill_rows(tensors, out, dsts, checksums=checksums, templates=self._templates,
-                         readinto=self.store.readinto,
+                         pread=self.store.pread, readinto=self.store.readinto,
                          decode=self._decode)
 
     def other_checksums(self) -> tuple[list[Checksummed], list[Problem]]:

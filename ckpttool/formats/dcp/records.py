@@ -341,6 +341,7 @@ _scratch = threading.local()
 
 def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
               checksums: bool, templates: dict[Any, Template | None],
+              pread: Callable[[str, int, int], bytes],
               readinto: Callable[[str, int, memoryview], int],
               decode: Callable[[Tensor, Chunk], object]) -> list[int | None]:
     """Each tensor of row chunks (``Shard(0)``, columns of one table) made whole in ``out`` at
@@ -358,6 +359,9 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
 
     Args:
         templates: the reader's templates, by (record length, dtype name, sizes).
+        pread: ``(file, size, offset) -> bytes``, at most what the file holds: spans that
+            claim more than ``_KEEP`` bytes in all (a damaged ``.metadata`` can claim
+            gigabytes) are read this way.
         readinto: ``(file, offset, buffer) -> bytes read`` (fewer at the file's end).
         decode: decodes a chunk in full, which makes its template.
     """
@@ -366,7 +370,7 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
     if rows is None:
         return result
     failed: set[int] = set()
-    spans, at = _read_spans(rows, readinto, failed)
+    spans, at = _read_spans(rows, pread, readinto, failed)
     checked = _fill_templates(tensors, rows, spans, at, out, failed, checksums=checksums,
                               templates=templates, decode=decode)
     for i in rows.pending:
@@ -464,33 +468,39 @@ def _row_columns(tensors: Sequence[Tensor], dsts: Sequence[int]) -> _Rows | None
 
 
 def _span_buffer(size: int) -> memoryview:
-    """``size`` bytes to read spans into: the thread's buffer, kept from one call to the next
-    up to ``_KEEP`` bytes (fresh pages for every window cost the kernel more than the copy
-    from the page cache: 1.75 GB of records read into new ``bytes`` took a fifth of a merge's
-    time on the 1M-chunk benchmark)."""
-    if size > _KEEP:
-        return memoryview(bytearray(size))
+    """``size`` (at most ``_KEEP``) bytes to read spans into: the thread's buffer, kept from
+    one call to the next (``os.pread`` into fresh ``bytes`` for every span faults in new pages
+    each time: 13% of the samples of ``fill_rows`` over the 1M-chunk benchmark)."""
     buf: bytearray | None = getattr(_scratch, "spans", None)
     if buf is None or len(buf) < size:
-        buf = _scratch.spans = bytearray(max(size, 2 * len(buf or b"")) if size else 0)
+        # A little more than asked (windows differ by a few records), never doubled: the
+        # buffer stays as long as the thread, and adds to the peak only what it keeps.
+        buf = _scratch.spans = bytearray(min(size + (size >> 4), _KEEP))
     return memoryview(buf)
 
 
-def _read_spans(rows: _Rows, readinto: Callable[[str, int, memoryview], int],
-                failed: set[int]) -> tuple[list[memoryview], array[int]]:
-    """Every span read (into the thread's buffer); the rows of a span whose file ends early
-    dropped (their tensors into ``failed``); where each remaining record lies in its span."""
+def _read_spans(rows: _Rows, pread: Callable[[str, int, int], bytes],
+                readinto: Callable[[str, int, memoryview], int], failed: set[int]
+                ) -> tuple[list[memoryview], array[int]]:
+    """Every span read (into the thread's buffer, or by ``pread`` where they claim more than
+    it keeps); the rows of a span whose file ends early dropped (their tensors into
+    ``failed``); where each remaining record lies in its span."""
     spans: list[memoryview] = []
     base: list[int] = []
     short = []
-    buf = _span_buffer(sum(hi - lo for g in rows.groups for lo, hi in zip(g[2], g[3],
-                                                                           strict=True)))
+    total = sum(hi - lo for g in rows.groups for lo, hi in zip(g[2], g[3], strict=True))
+    buf = _span_buffer(total) if total <= _KEEP else None
     pos = 0
     for files, first, los, his, _ in rows.groups:
         for j, (f, lo, hi) in enumerate(zip(files, los, his, strict=True)):
-            span = buf[pos : pos + hi - lo]
-            pos += hi - lo
-            if readinto(rows.table.names[f], lo, span) < hi - lo:  # the file ends early
+            if buf is None:
+                span = memoryview(pread(rows.table.names[f], hi - lo, lo))
+                got = len(span)
+            else:
+                span = buf[pos : pos + hi - lo]
+                pos += hi - lo
+                got = readinto(rows.table.names[f], lo, span)
+            if got < hi - lo:  # the file ends early
                 short.append(first + j)
             spans.append(span)
             base.append(lo)
