@@ -617,8 +617,9 @@ def _copy_elements(out: bytearray, block: bytearray, view: memoryview, dsts: arr
                    first: int, size: int, nbytes: int) -> None:
     """The ``nbytes`` at ``first`` of each record of ``block`` (``size`` bytes each) copied to
     ``out`` at ``dsts[j]``. Records whose rows follow one another in ``out`` (a tensor's
-    rows; tensors stored and written in the same order) are copied a column of bytes at a
-    time (``nbytes`` strided slices per run), the others one slice each."""
+    rows, and the tensors of one template that lie back to back: :func:`_row_columns` orders
+    them so) are copied a column of bytes at a time (``nbytes`` strided slices per run), the
+    others one slice each."""
     n = len(dsts)
     cuts = [0, *compress(range(1, n), map(operator.ne, map(operator.sub, islice(dsts, 1, None),
                                                            dsts), repeat(nbytes))), n]
