@@ -390,6 +390,17 @@ def test_fill_rows_of_many_chunks(moe: Path) -> None:
     assert filled == 3 * num  # every tensor, cold and warm
 
 
+def test_fill_rows_past_the_kept_span_buffer(moe: Path, monkeypatch: pytest.MonkeyPatch
+                                             ) -> None:
+    """Spans that claim more than a thread's kept buffer (a damaged .metadata can claim
+    gigabytes) are read one by one, each at most to its file's end, and fill the same."""
+    from ckpttool.formats.dcp import records
+
+    monkeypatch.setattr(records, "_KEEP", 0)
+    num, filled = _check_fill(moe)
+    assert filled == 3 * num
+
+
 @pytest.mark.parametrize("kind,world", [("placements", None), ("uneven", 11), ("mixed", None)])
 def test_fill_rows_of_real_layouts(kind: str, world: int | None, make_checkpoint) -> None:
     """Replicate, Shard(1), uneven and empty pieces, several dtypes and files per rank."""

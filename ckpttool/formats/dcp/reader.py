@@ -1076,7 +1076,7 @@ class DcpReader(Reader):
         if not self._use_templates or self.capabilities.many_ranges:
             return [None] * len(tensors)
         return fill_rows(tensors, out, dsts, checksums=checksums, templates=self._templates,
-                         pread=lambda file, size, offset: self.store.pread(file, size, offset),
+                         pread=self.store.pread, readinto=self.store.readinto,
                          decode=self._decode)
 
     def other_checksums(self) -> tuple[list[Checksummed], list[Problem]]:

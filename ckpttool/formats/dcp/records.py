@@ -12,11 +12,12 @@ import math
 import operator
 import struct
 import sys
+import threading
 from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
+from itertools import compress, islice, repeat
 from typing import Any
 
 from ckpttool.errors import CkptError, InputError
@@ -155,6 +156,10 @@ SMALL_RECORD = 1 << 16
 SPAN = 4 << 20
 
 
+# Entries whose bytes are the same in every record of one layout (compared with the template).
+_SHARED = ("data.pkl", "byteorder")
+
+
 class Template:
     """A decoded record, as a pattern for records of the same length, dtype and shape.
 
@@ -177,10 +182,17 @@ class Template:
         def in_raw(at: int) -> int:  # ``raw`` is [0, head) + [data_end, length)
             return at if at <= self.head else at - gap
 
-        masks = [(at, 4) for e in rec.entries for at in e.crc_fields]
+        # Entries whose contents every record of the layout shares: where the template's
+        # central directory CRC-32 for one is right, that field is compared too (not
+        # blanked), so a record that matches has it right: fill_rows computes no CRC-32
+        # for them (two of the seven entries torch writes).
+        implied = {e.name for e in rec.entries if e.name in _SHARED and e is not data
+                   and crc32(raw[in_raw(e.data_offset) : in_raw(e.data_offset) + e.size])
+                   == e.crc32}
+        masks = [(at, 4) for e in rec.entries
+                 for at in (e.crc_fields[1:] if e.name in implied else e.crc_fields)]
         masks += [e.descriptor for e in rec.entries if e.descriptor[1]]
-        masks += [(e.data_offset, e.size) for e in rec.entries
-                  if e.name not in ("data.pkl", "byteorder")]
+        masks += [(e.data_offset, e.size) for e in rec.entries if e.name not in _SHARED]
         spans = []  # in record coordinates; the storage's data is masked, so none spans it
         pos = 0
         for start, size in sorted(masks):
@@ -233,7 +245,8 @@ class Template:
         self.masked = tuple(masked)
         self._raw = raw  # the record but the storage's data: its headers, a few KB
         self.checked_bytes = self.data_end - self.head + self.side_bytes
-        self.checks = tuple((e.data_offset, e.size, e.crc_fields[0]) for e in (data, *self.side))
+        self.checks = tuple((e.data_offset, e.size, e.crc_fields[0]) for e in (data, *self.side)
+                            if e.name not in implied)
 
     @functools.cached_property
     def blank(self) -> bytes:
@@ -329,11 +342,16 @@ _BIG_ENDIAN = sys.byteorder == "big"
 _STEP_BYTES = 4 << 20
 # A span read whole holds at most twice the bytes of its records, and this much more.
 _GAP = 8 << 10
+# Span buffers kept per thread up to this size (a merge window's spans: twice its stored
+# bytes at most, engine.WINDOW_STORED); larger ones are made for the call.
+_KEEP = 80 << 20
+_scratch = threading.local()
 
 
 def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
               checksums: bool, templates: dict[Any, Template | None],
               pread: Callable[[str, int, int], bytes],
+              readinto: Callable[[str, int, memoryview], int],
               decode: Callable[[Tensor, Chunk], object]) -> list[int | None]:
     """Each tensor of row chunks (``Shard(0)``, columns of one table) made whole in ``out`` at
     ``dsts[i]``, from records that match their templates: per tensor, the bytes whose CRC-32s
@@ -350,7 +368,10 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
 
     Args:
         templates: the reader's templates, by (record length, dtype name, sizes).
-        pread: ``(file, size, offset) -> bytes``.
+        pread: ``(file, size, offset) -> bytes``, at most what the file holds: spans that
+            claim more than ``_KEEP`` bytes in all (a damaged ``.metadata`` can claim
+            gigabytes) are read this way.
+        readinto: ``(file, offset, buffer) -> bytes read`` (fewer at the file's end).
         decode: decodes a chunk in full, which makes its template.
     """
     result: list[int | None] = [None] * len(tensors)
@@ -358,7 +379,7 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
     if rows is None:
         return result
     failed: set[int] = set()
-    spans, at = _read_spans(rows, pread, failed)
+    spans, at = _read_spans(rows, pread, readinto, failed)
     checked = _fill_templates(tensors, rows, spans, at, out, failed, checksums=checksums,
                               templates=templates, decode=decode)
     for i in rows.pending:
@@ -392,6 +413,8 @@ def _row_columns(tensors: Sequence[Tensor], dsts: Sequence[int]) -> _Rows | None
     cspan, co, cl, ck, cs, cd, ct, cg = rows.cols
     open_groups: dict[bytes, list[Any]] = {}
     groups = rows.groups
+    taken: list[tuple[tuple[int, int, int, int], int, int, array[int], array[int], array[int],
+                      array[int], array[int]]] = []
     for i in _stored_first(tensors):
         t = tensors[i]
         cols = t.chunks
@@ -428,36 +451,67 @@ def _row_columns(tensors: Sequence[Tensor], dsts: Sequence[int]) -> _Rows | None
             group = [files, first, list(offs), ends, list(lens)]
             groups.append(group)
             open_groups[key] = group
-        row = t.nbytes // t.shape[0]
         kind = rows.kinds.setdefault((t.dtype, t.shape[1:]), len(rows.kinds))
-        cspan.extend(range(group[1], group[1] + n))
-        co.extend(offs)
-        cl.extend(lens)
-        cs.extend(sizes0)
-        cd.extend(map(operator.add, map(operator.mul, offs0, repeat(row)), repeat(dsts[i])))
-        ct.extend(repeat(i, n))
-        ck.extend(repeat(kind, n))
-        cg.extend(g)
+        taken.append(((kind, lens[0], sizes0[0], dsts[i]), i, group[1], offs, lens, offs0,
+                      sizes0, g))
         rows.pending.append(i)
     if table is None or not rows.pending:
         return None
+    # The rows by template, then by where they go: the tensors of one template that follow
+    # one another in ``out`` are then one run of rows back to back (copied a column of
+    # bytes at a time, :func:`_copy_elements`), not a run per tensor in stored order.
+    taken.sort(key=operator.itemgetter(0))
+    for (kind, _, _, dst), i, first, offs, lens, offs0, sizes0, g in taken:
+        n = len(offs)
+        row = tensors[i].nbytes // tensors[i].shape[0]
+        cspan.extend(range(first, first + n))
+        co.extend(offs)
+        cl.extend(lens)
+        cs.extend(sizes0)
+        cd.extend(map(operator.add, map(operator.mul, offs0, repeat(row)), repeat(dst)))
+        ct.extend(repeat(i, n))
+        ck.extend(repeat(kind, n))
+        cg.extend(g)
     rows.table = table
     return rows
 
 
-def _read_spans(rows: _Rows, pread: Callable[[str, int, int], bytes], failed: set[int]
+def _span_buffer(size: int) -> memoryview:
+    """``size`` (at most ``_KEEP``) bytes to read spans into: the thread's buffer, kept from
+    one call to the next (``os.pread`` into fresh ``bytes`` for every span faults in new pages
+    each time: 13% of the samples of ``fill_rows`` over the 1M-chunk benchmark)."""
+    buf: bytearray | None = getattr(_scratch, "spans", None)
+    if buf is None or len(buf) < size:
+        # A little more than asked (windows differ by a few records), never doubled: the
+        # buffer stays as long as the thread, and adds to the peak only what it keeps.
+        buf = _scratch.spans = bytearray(min(size + (size >> 4), _KEEP))
+    return memoryview(buf)
+
+
+def _read_spans(rows: _Rows, pread: Callable[[str, int, int], bytes],
+                readinto: Callable[[str, int, memoryview], int], failed: set[int]
                 ) -> tuple[list[memoryview], array[int]]:
-    """Every span read; the rows of a span whose file ends early dropped (their tensors into
+    """Every span read (into the thread's buffer, or by ``pread`` where they claim more than
+    it keeps); the rows of a span whose file ends early dropped (their tensors into
     ``failed``); where each remaining record lies in its span."""
     spans: list[memoryview] = []
     base: list[int] = []
     short = []
+    total = sum(hi - lo for g in rows.groups for lo, hi in zip(g[2], g[3], strict=True))
+    buf = _span_buffer(total) if total <= _KEEP else None
+    pos = 0
     for files, first, los, his, _ in rows.groups:
         for j, (f, lo, hi) in enumerate(zip(files, los, his, strict=True)):
-            data = pread(rows.table.names[f], hi - lo, lo)
-            if len(data) < hi - lo:  # the file ends early
+            if buf is None:
+                span = memoryview(pread(rows.table.names[f], hi - lo, lo))
+                got = len(span)
+            else:
+                span = buf[pos : pos + hi - lo]
+                pos += hi - lo
+                got = readinto(rows.table.names[f], lo, span)
+            if got < hi - lo:  # the file ends early
                 short.append(first + j)
-            spans.append(memoryview(data))
+            spans.append(span)
             base.append(lo)
     cspan, co, cl, ck, cs, cd, ct, cg = rows.cols
     if short:
@@ -548,20 +602,12 @@ def _fill_step(template: Template, out: bytearray, spans: list[memoryview], file
                 bad += [j for j, (x, y) in enumerate(zip(got, want, strict=True)) if x != y]
     assert template.start is not None
     first = template.head + template.start
-    d0 = dsts[0]
-    if not nbytes:  # empty chunks: their records checked, nothing to copy
-        pass
-    elif nbytes < n and dsts == array("q", range(d0, d0 + n * nbytes, nbytes)):
-        # Back to back in ``out`` (rows of tensors that follow one another): a column at a time.
-        for i in range(nbytes):
-            out[d0 + i : d0 + n * nbytes : nbytes] = block[first + i :: size]
-    else:
-        _consume(map(out.__setitem__, map(slice, dsts, map(operator.add, dsts, repeat(nbytes))),
-                     map(view.__getitem__, map(slice, range(first, stop, size),
-                                               range(first + nbytes, stop + nbytes, size)))))
+    if nbytes:  # (empty chunks: their records checked, nothing to copy)
+        _copy_elements(out, block, view, dsts, first, size, nbytes)
     view.release()
     # Then the bytes that vary are blanked (a column at a time, or a record at a time where
-    # that is fewer steps) and the records compared with the template, all at once.
+    # that is fewer steps) and the records compared with the template, all at once: one
+    # memcmp (``bytearray.count`` of a kilobyte pattern searched, several times slower).
     zeros = bytes(n)
     for s, w in template.masked:
         if w <= n:
@@ -571,6 +617,30 @@ def _fill_step(template: Template, out: bytearray, spans: list[memoryview], file
             _consume(map(block.__setitem__, map(slice, range(s, stop, size),
                                                 range(s + w, stop + w, size)), repeat(bytes(w))))
     blank = template.blank
-    if block.count(blank) != n:
+    if block != blank * n:
         bad += [j for j in range(n) if block[j * size : (j + 1) * size] != blank]
     return bad
+
+
+def _copy_elements(out: bytearray, block: bytearray, view: memoryview, dsts: array[int],
+                   first: int, size: int, nbytes: int) -> None:
+    """The ``nbytes`` at ``first`` of each record of ``block`` (``size`` bytes each) copied to
+    ``out`` at ``dsts[j]``. Records whose rows follow one another in ``out`` (a tensor's
+    rows, and the tensors of one template that lie back to back: :func:`_row_columns` orders
+    them so) are copied a column of bytes at a time (``nbytes`` strided slices per run), the
+    others one slice each."""
+    n = len(dsts)
+    cuts = [0, *compress(range(1, n), map(operator.ne, map(operator.sub, islice(dsts, 1, None),
+                                                           dsts), repeat(nbytes))), n]
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        m = b - a
+        if m > nbytes:
+            d0, s0 = dsts[a], first + a * size
+            for i in range(nbytes):
+                out[d0 + i : d0 + m * nbytes : nbytes] = block[s0 + i : s0 + i + m * size : size]
+        else:
+            starts = range(first + a * size, first + b * size, size)
+            _consume(map(out.__setitem__,
+                         map(slice, dsts[a:b], map(operator.add, dsts[a:b], repeat(nbytes))),
+                         map(view.__getitem__, map(slice, starts,
+                                                   map(operator.add, starts, repeat(nbytes))))))
