@@ -1141,6 +1141,13 @@ def _check_complete(nmap: NameMap, dims: Dims, out: Mapped) -> None:
     for name, _ in out.tensors:
         if name in seen:
             sources = [h["from"] for h in out.how if h["to"] == name]
+            if any(s.startswith("mtp.") for s in sources):
+                raise InputError(
+                    f"--names {nmap.name}: '{name}' would be written twice (from "
+                    f"{', '.join(repr(s) for s in sources)}): multi-token prediction layer k "
+                    f"is written as layer num_hidden_layers + k, and {dims.where} says "
+                    f"num_hidden_layers {dims.number('num_hidden_layers')}, fewer than the "
+                    "checkpoint's decoder layers; pass the config of the model that was trained")
             raise InputError(f"--names {nmap.name}: '{name}' would be written twice (from "
                              f"{', '.join(repr(s) for s in sources)}); the checkpoint holds "
                              "one weight in two forms")
