@@ -5,6 +5,12 @@
   saved by megatron-core 0.16.1. Its MLA builds its ``RotaryEmbedding`` (and the router its
   expert bias) on ``torch.cuda.current_device()``, so the model needs a CUDA device; its
   reference forward pass runs on it.
+* ``deepseek_v3-mtp/``: the same at TP 2 with two layers (dense, then MoE) and one
+  multi-token prediction layer (``mtp_num_layers=1``: megatron-core's own
+  ``get_gpt_mtp_block_spec`` for the local backend, whose layer is the decoder's last).
+  ``GPTModel.forward`` with MTP needs labels and returns the loss, so the reference keeps the
+  MTP block's output (the main and the MTP hidden states, concatenated on the sequence axis)
+  with a forward hook and writes both logits (``logits``, ``mtp_logits.0``).
 * ``llama-common_state/``: a Llama saved by megatron-core 0.19.2 (Python 3.12 and later), which
   stores the common state (``args``, ``iteration``...) as the DCP bytes entry
   ``common_state/shard_0_1`` instead of ``common.pt``, and (``verify_integrity=True``) writes
@@ -15,6 +21,8 @@ megatron-core 0.16.1 and 0.19.2 (each from its wheel, no Transformer Engine, no 
 
     PYTHONPATH=/tmp/mc16 python3 generate.py save deepseek OUT
     PYTHONPATH=/tmp/mc16 python3 generate.py reference deepseek OUT
+    PYTHONPATH=/tmp/mc16 python3 generate.py save mtp OUT
+    PYTHONPATH=/tmp/mc16 python3 generate.py reference mtp OUT
     PYTHONPATH=/tmp/mc19 python3 generate.py save common OUT
     PYTHONPATH=/tmp/mc19 python3 generate.py reference common OUT
 
