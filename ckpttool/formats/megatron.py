@@ -354,6 +354,7 @@ def _layout(args: dict[str, Any], iteration: Any, backend: str) -> dict[str, Any
         "ffn_hidden_size": arg("ffn_hidden_size"), "num_attention_heads": heads,
         "num_query_groups": groups, "kv_channels": arg("kv_channels"),
         "padded_vocab_size": arg("padded_vocab_size"), "num_experts": arg("num_experts"),
+        "mtp_num_layers": arg("mtp_num_layers"),
         "untie_embeddings_and_output_weights": arg("untie_embeddings_and_output_weights"),
     }
 
@@ -371,7 +372,8 @@ def describe_layout(layout: dict[str, Any]) -> str:
         ("num_layers", "layers"), ("hidden_size", "hidden"), ("ffn_hidden_size", "ffn"),
         ("num_attention_heads", "heads"), ("num_query_groups", "query groups"),
         ("kv_channels", "head dim"), ("num_experts", "experts"),
-        ("padded_vocab_size", "vocab (padded)")) if layout.get(k)]
+        ("padded_vocab_size", "vocab (padded)"), ("mtp_num_layers", "MTP layers"))
+        if layout.get(k)]
     if geometry:
         words.append(", ".join(geometry))
     if layout.get("optimizer_layout") == "flattened_range":

@@ -27,7 +27,8 @@ from tests.core.test_merge import assert_bit_exact, load_out
 from tests.megatron_layouts import hf_reference
 
 DATA = Path(__file__).parents[1] / "data" / "megatron"
-DEEPSEEK = ["deepseek_v3-tp2", "deepseek_v3-ep2"]
+DEEPSEEK = ["deepseek_v3-tp2", "deepseek_v3-ep2", "deepseek_v3-mtp"]
+MTP = DATA / "deepseek_v3-mtp"  # mtp_num_layers 1 after 2 decoder layers, TP 2
 COMMON_STATE = DATA / "llama-common_state"
 
 # fp32 forward passes of the same weights: Megatron's on an H200 (TF32 off), transformers'
@@ -44,7 +45,11 @@ def deepseek_reference(run: Path) -> dict[str, torch.Tensor]:
     state dict rearranged into transformers' DeepseekV3 names with plain torch, apart from
     ckpttool's tables: MLA's projections and norms renamed, dense and shared-expert
     ``linear_fc1`` halved into gate and up, each expert's likewise, the expert bias as the
-    gate's ``e_score_correction_bias``, the vocabulary padding cut."""
+    gate's ``e_score_correction_bias``, the vocabulary padding cut. Each multi-token prediction
+    layer ``k`` as DeepSeek-V3's checkpoints hold it: ``model.layers.{num_hidden_layers + k}``,
+    its ``enorm``/``hnorm``/``eh_proj``, ``final_layernorm`` as ``shared_head.norm``, its
+    ``transformer_layer`` as a decoder layer, and copies of the model's embedding and output
+    layer as its ``embed_tokens`` and ``shared_head.head``."""
     config = json.loads((run / "config.json").read_text())
     sd = load_file(run / "reference.safetensors")
     vocab = config["vocab_size"]
@@ -56,8 +61,18 @@ def deepseek_reference(run: Path) -> dict[str, torch.Tensor]:
         gate, up = fc1.chunk(2)
         out[f"{prefix}gate_proj.weight"], out[f"{prefix}up_proj.weight"] = gate, up
 
-    for layer in range(config["num_hidden_layers"]):
+    num_layers = config["num_hidden_layers"]
+    mtp = config.get("num_nextn_predict_layers", 0)
+    for layer in range(num_layers + mtp):
         m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
+        if layer >= num_layers:
+            k = layer - num_layers
+            p, m = f"mtp.layers.{k}.", f"mtp.layers.{k}.transformer_layer."
+            for name in ("enorm", "hnorm", "eh_proj"):
+                out[f"{h}{name}.weight"] = sd[f"{p}{name}.weight"]
+            out[f"{h}shared_head.norm.weight"] = sd[f"{p}final_layernorm.weight"]
+            out[f"{h}embed_tokens.weight"] = out["model.embed_tokens.weight"]
+            out[f"{h}shared_head.head.weight"] = out["lm_head.weight"]
         a, s = f"{m}self_attention.", f"{h}self_attn."
         out[f"{h}input_layernorm.weight"] = sd[f"{m}input_layernorm.weight"]
         out[f"{h}post_attention_layernorm.weight"] = sd[f"{m}pre_mlp_layernorm.weight"]
@@ -143,6 +158,7 @@ def test_deepseek_v3_config_derived_from_args(name: str, tmp_path: Path) -> None
     for key in ("q_lora_rank", "first_k_dense_replace", "n_shared_experts",
                 "routed_scaling_factor", "qk_nope_head_dim", "v_head_dim"):
         assert got[key] == want[key], key
+    assert got["num_nextn_predict_layers"] == want.get("num_nextn_predict_layers", 0)
     assert_bit_exact(load_out(tmp_path / "out"), deepseek_reference(DATA / name))
     ref = load_file(DATA / name / "logits.safetensors")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
@@ -155,10 +171,13 @@ def test_deepseek_v3_config_derived_from_args(name: str, tmp_path: Path) -> None
 
 def test_deepseek_v3_inspect_shows_the_layout() -> None:
     for name, layout in (("deepseek_v3-tp2", "TP 2 x PP 1 x EP 1; 3 layers, 64 hidden"),
+                         ("deepseek_v3-mtp", "TP 2 x PP 1 x EP 1; 2 layers, 64 hidden"),
                          ("deepseek_v3-ep2", "TP 1 x PP 1 x EP 2; 2 layers, 64 hidden")):
         r = run_cli("inspect", DATA / name)
         assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
         assert f"Megatron-Core torch_dist; iteration 2; {layout}" in r.stdout  # type: ignore[attr-defined]
+    r = run_cli("inspect", MTP)
+    assert "64 vocab (padded), 1 MTP layers" in r.stdout  # type: ignore[attr-defined]
 
 
 def test_deepseek_v3_config_of_another_model_is_exit_3_before_writing(tmp_path: Path) -> None:
@@ -175,16 +194,101 @@ def test_deepseek_v3_config_of_another_model_is_exit_3_before_writing(tmp_path: 
     assert not out.exists()
 
 
-def test_multi_token_prediction_layers_are_exit_4() -> None:
-    """megatron-core's MTP block (``mtp.layers.<i>...``, saved with ``mtp_num_layers``) has no
-    map yet: refused by name, not called a foreign checkpoint."""
+def test_mtp_layer_computes_megatrons_mtp_logits(
+        merged: dict[str, tuple[Path, ckpttool.MergeReport]]) -> None:
+    """The MTP layer's meaning, not only its bytes: DeepSeek-V3's MTP module computed by hand
+    from the merged tensors under their Hugging Face names (transformers' own decoder layer
+    and RMSNorm; ``eh_proj([enorm(embed(next token)); hnorm(last hidden state)])``, then
+    ``shared_head``) gives the logits of Megatron's MTP layer (``mtp_logits.0``, its forward
+    on the same tokens; Megatron's rolled input ends in token 0, as here)."""
+    import transformers
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    out = merged[MTP.name][0]
+    ref = load_file(MTP / "logits.safetensors")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    config = model.config
+    n = config.num_hidden_layers
+    weights = {k[len(f"model.layers.{n}."):]: v for k, v in load_out(out).items()
+               if k.startswith(f"model.layers.{n}.")}
+    layer = ds.DeepseekV3DecoderLayer(config, layer_idx=n).eval()
+    experts = range(config.n_routed_experts)  # transformers 5 holds them grouped
+    expert = "mlp.experts.{}.{}_proj.weight".format
+    grouped = {"mlp.experts.gate_up_proj": torch.stack([torch.cat(
+                   [weights[expert(e, "gate")], weights[expert(e, "up")]]) for e in experts]),
+               "mlp.experts.down_proj": torch.stack([weights[expert(e, "down")]
+                                                     for e in experts])}
+    layer.load_state_dict({**grouped, **{
+        k: v for k, v in weights.items() if k.split(".")[0] in (
+            "self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+        and not k.startswith("mlp.experts.")}})
+
+    def norm(name: str) -> ds.DeepseekV3RMSNorm:
+        module = ds.DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        module.weight.data.copy_(weights[f"{name}.weight"])
+        return module
+
+    tokens = ref["tokens"]
+    following = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0)
+    with torch.no_grad():
+        hidden = model.model(tokens).last_hidden_state  # after the final norm, as Megatron's
+        embedded = torch.nn.functional.embedding(following, weights["embed_tokens.weight"])
+        x = torch.cat([norm("enorm")(embedded), norm("hnorm")(hidden)], dim=-1)
+        x = x @ weights["eh_proj.weight"].T
+        mask = torch.full((tokens.shape[1],) * 2, float("-inf")).triu(1)[None, None]
+        x = layer(x, attention_mask=mask, position_ids=positions,
+                  position_embeddings=model.model.rotary_emb(x, positions))
+        x = x[0] if isinstance(x, tuple) else x
+        logits = norm("shared_head.norm")(x) @ weights["shared_head.head.weight"].T
+    torch.testing.assert_close(logits, ref["mtp_logits.0"][..., :logits.shape[-1]],
+                               atol=LOGITS_ATOL, rtol=0)
+
+
+def test_mtp_sets_num_nextn_predict_layers_in_config(tmp_path: Path) -> None:
+    """config.json says how many MTP layers were written (what vLLM and SGLang read), also
+    when the given config lacks it or says another number."""
+    config = json.loads((MTP / "config.json").read_text())
+    del config["num_nextn_predict_layers"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    r = run_cli("merge", MTP, tmp_path / "out", "--config", tmp_path / "config.json")
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    assert "num_nextn_predict_layers: None -> 1" in r.output  # type: ignore[attr-defined]
+    got = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert got["num_nextn_predict_layers"] == 1
+    # A run without MTP under DeepSeek-V3's own config (num_nextn_predict_layers 1): 0 written.
+    config = json.loads((DATA / "deepseek_v3-ep2" / "config.json").read_text())
+    (tmp_path / "c2").mkdir()
+    (tmp_path / "c2" / "config.json").write_text(
+        json.dumps({**config, "num_nextn_predict_layers": 1}))
+    r = run_cli("merge", DATA / "deepseek_v3-ep2", tmp_path / "o2", "--config", tmp_path / "c2")
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    got = json.loads((tmp_path / "o2" / "config.json").read_text())
+    assert got["num_nextn_predict_layers"] == 0
+
+
+def test_mtp_with_a_config_of_fewer_layers_is_exit_3(tmp_path: Path) -> None:
+    """A config.json of 1 layer for a run of 2 layers and 1 MTP layer: the MTP layer would
+    land on the decoder's layer 1: refused, naming why, before anything is written."""
+    config = json.loads((MTP / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    out = tmp_path / "out"
+    r = run_cli("merge", MTP, out, "--config", tmp_path / "config.json")
+    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
+    assert "says num_hidden_layers 1, fewer than the checkpoint's decoder layers" in r.output  # type: ignore[attr-defined]
+    assert not out.exists()
+
+
+def test_multi_token_prediction_layers_of_other_families_are_exit_4() -> None:
+    """MTP layers in a family whose Hugging Face model has no place for them (only
+    DeepSeek-V3's has): refused by name, not called a foreign checkpoint."""
     f32 = DType("F32", "float32", 4, "float")
     tensors = [(n, Tensor(n, (n,), f32, (64, 64), ())) for n in (
         "embedding.word_embeddings.weight", "mtp.layers.0.eh_proj.weight")]
-    config = json.loads((DATA / "deepseek_v3-tp2" / "config.json").read_text())
+    config = {"model_type": "qwen3_moe", "num_hidden_layers": 1, "hidden_size": 64}
     with pytest.raises(ckpttool.UnsupportedError, match=(
             r"multi-token prediction \(MTP\) layers \('mtp.layers.0.eh_proj.weight'\)")):
-        namemaps.apply("megatron-deepseek_v3", tensors, config)
+        namemaps.apply("megatron-qwen3_moe", tensors, config)
 
 
 def test_common_state_is_read_for_args_and_iteration(tmp_path: Path) -> None:

@@ -528,7 +528,10 @@ def _side_files(report: MergeReport, whole: Checkpoint, ckpt: Checkpoint, reader
     objects = [(o, non_tensor.read(reader, o.entry)) for o in whole.objects]
     report.non_tensor = [non_tensor.describe(o.name, value, part=o.part) for o, value in objects]
     objects = [(o, value) for o, value in objects if o.part == ckpt.kind]
-    config_bytes, report.config_changes = _config_output(files, plan, sources)
+    mapped = report.name_map
+    nextn = (mapped.mtp_layers if mapped is not None and namemaps.MAPS[mapped.map].mtp_required
+             else None)
+    config_bytes, report.config_changes = _config_output(files, plan, sources, nextn=nextn)
     extra: list[tuple[str, bytes]] = [
         (p.name, config_bytes if p == files.config_path and config_bytes is not None
          else hf.read_side_file(p, files.roots)) for p in files.files]
@@ -598,15 +601,21 @@ def _shared_files(report: MergeReport) -> None:
             f.placed_before = True
 
 
-def _config_output(files: hf.HfFiles, plan: MergePlan, sources: list[tuple[str, Source]]
-                   ) -> tuple[bytes | None, list[str]]:
-    """config.json as written beside the weights: the FSDP class prefix removed, and the dtype
+def _config_output(files: hf.HfFiles, plan: MergePlan, sources: list[tuple[str, Source]],
+                   *, nextn: int | None = None) -> tuple[bytes | None, list[str]]:
+    """config.json as written beside the weights: the FSDP class prefix removed, the dtype
     the weights are written in (that of the first floating tensor in model order, as
-    ``save_pretrained`` records ``model.dtype``)."""
+    ``save_pretrained`` records ``model.dtype``), and ``num_nextn_predict_layers`` = ``nextn``,
+    the multi-token prediction layers written (DeepSeek-V3; None: left as it is)."""
     if files.config is None:
         return None, []
     fixed, changes = hf.strip_fsdp_prefix(files.config)
     changes = [f"architectures: {c}" for c in changes]
+    key = "num_nextn_predict_layers"
+    if nextn is not None and fixed.get(key, 0) != nextn:
+        changes.append(f"{key}: {fixed.get(key)} -> {nextn} (the multi-token prediction "
+                       "layers written)")
+        fixed = {**fixed, key: nextn}
     written = {t.name: t.dtype for f in plan.files for t in f.tensors}
     first = next((written[n] for n, _ in sources
                   if n in written and written[n].kind in ("float", "float8")), None)

@@ -243,6 +243,8 @@ def _deepseek_v3(args: Mapping[str, Any], arg: Any, number: Any, ask: str) -> De
         "rope_interleave": True, "hidden_act": "silu", "attention_bias": False,
         "tie_word_embeddings": not arg("untie_embeddings_and_output_weights"),
         "attention_dropout": 0.0, "torch_dtype": dtype,
+        # Megatron's multi-token prediction layers (written as layers num_hidden_layers + k)
+        "num_nextn_predict_layers": args.get("mtp_num_layers") or 0,
     }
     if not arg("moe_router_enable_expert_bias"):
         notes.append("no expert bias in the run: e_score_correction_bias stays zero")

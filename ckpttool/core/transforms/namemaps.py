@@ -67,6 +67,9 @@ class Rule:
     # The stored tensor holds every layer along dim 0 (Megatron's homogeneous decoder,
     # ``shape`` starts with "layers"): the rule applies to each layer's slice, read alone.
     stacked: bool = False
+    # A multi-token prediction layer (Megatron's ``mtp.layers.{L}``): its Hugging Face layer
+    # is ``num_hidden_layers + L``, after the decoder's last (DeepSeek-V3's layout).
+    mtp: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,9 @@ class NameMap:
     optional: tuple[str, ...] = ()
     # Which layers config.json gives a mixture of experts (default: Qwen 3 MoE's rule)
     sparse: Callable[[Dims, int], frozenset[int]] | None = None
+    # Per multi-token prediction layer ("{L}": num_hidden_layers + k), beside the decoder
+    # layer's own names; empty: the family has no MTP map
+    mtp_required: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,6 +166,7 @@ class Dims:
 DIMS: dict[str, tuple[str, Callable[[Dims], int], tuple[str, ...]]] = {
     "vocab": ("vocab_size", lambda d: d.number("vocab_size"), ("vocab_size",)),
     "hidden": ("hidden_size", lambda d: d.number("hidden_size"), ("hidden_size",)),
+    "2hidden": ("2*hidden_size", lambda d: 2 * d.number("hidden_size"), ("hidden_size",)),
     "head_dim": ("head_dim", lambda d: d.head_dim,
                  ("head_dim", "hidden_size", "num_attention_heads")),
     "q": ("num_attention_heads*head_dim", lambda d: d.heads * d.head_dim,
@@ -426,8 +433,37 @@ def _megatron_deepseek_v3_rules() -> tuple[Rule, ...]:
         (f"{m}.shared_experts.linear_fc2.weight", f"{hf}.mlp.shared_experts.down_proj.weight",
          ("hidden", "shared_ffn"), RENAME),
     ]
-    return (_MEGATRON_TOP + _both_forms(per_layer)
-            + _megatron_moe_rules("mlp", ("gate_proj", "up_proj", "down_proj"), "moe_ffn"))
+    rules = (_MEGATRON_TOP + _both_forms(per_layer)
+             + _megatron_moe_rules("mlp", ("gate_proj", "up_proj", "down_proj"), "moe_ffn"))
+    return rules + _megatron_mtp_rules(rules)
+
+
+_MTP = "mtp.layers.{L}"
+
+
+def _megatron_mtp_rules(decoder: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    """Megatron-Core's multi-token prediction layers (``mtp_num_layers``; megatron-core 0.16's
+    ``MultiTokenPredictionLayer``) as DeepSeek-V3's own checkpoints hold them: MTP layer ``k``
+    is ``model.layers.{num_hidden_layers + k}``, its ``enorm`` (the next token's embedding) and
+    ``hnorm`` (the main model's last hidden state) as they are; ``eh_proj`` ``[hidden,
+    2 hidden]`` as it is (both concatenate ``[embedding; hidden]``, in that order);
+    ``final_layernorm`` is ``shared_head.norm``; its ``transformer_layer`` is a decoder layer
+    under the usual names. Megatron's MTP shares the model's embedding and output layer, so
+    ``embed_tokens`` and ``shared_head.head`` are written from those (see :func:`apply`)."""
+    hf = "model.layers.{L}"
+    rules = [
+        Rule(f"{_MTP}.enorm.weight", f"{hf}.enorm.weight", ("hidden",), mtp=True),
+        Rule(f"{_MTP}.hnorm.weight", f"{hf}.hnorm.weight", ("hidden",), mtp=True),
+        Rule(f"{_MTP}.eh_proj.weight", f"{hf}.eh_proj.weight", ("hidden", "2hidden"),
+             mtp=True),
+        Rule(f"{_MTP}.final_layernorm.weight", f"{hf}.shared_head.norm.weight", ("hidden",),
+             mtp=True),
+    ]
+    prefix = "decoder.layers.{L}."
+    rules += [Rule(f"{_MTP}.transformer_layer.{r.source[len(prefix):]}", r.target, r.shape,
+                   r.op, mtp=True)
+              for r in decoder if r.source.startswith(prefix) and not r.stacked]
+    return tuple(rules)
 
 
 def _megatron_moe_rules(block: str, names: tuple[str, str, str], ffn: str) -> tuple[Rule, ...]:
@@ -551,7 +587,11 @@ def _deepseek_v3_map(name: str, rules: tuple[Rule, ...], framework: str) -> Name
         optional=tuple(f"{_DS}.self_attn.{n}.weight" for n in (
             "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj"))
         + (f"{_DS}.mlp.gate.e_score_correction_bias",),
-        sparse=_deepseek_sparse, framework=framework)
+        sparse=_deepseek_sparse, framework=framework,
+        mtp_required=tuple(f"{_DS}.{n}" for n in (
+            "enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+            "embed_tokens.weight", "shared_head.head.weight"))
+        if framework == "Megatron-Core" else ())
 
 
 def _gpt_oss_map(name: str, rules: tuple[Rule, ...], framework: str) -> NameMap:
@@ -739,6 +779,7 @@ class Mapped(Section):
     tensors: list[tuple[str, Source]]
     how: list[dict[str, str]] = field(default_factory=list)  # {"from", "to", "op"}
     dropped: list[tuple[str, Tensor, str]] = field(default_factory=list)  # name, tensor, note
+    mtp_layers: int = 0  # multi-token prediction layers written after the decoder's
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -838,12 +879,12 @@ def apply(map_name: str, tensors: list[tuple[str, Tensor]],
     # Errors name tensors in sorted order, whatever order the checkpoint stores them in.
     unmapped = sorted(name for name, _, matches in matched if not matches)
     mtp = [n for n in unmapped if n.startswith("mtp.")]
-    if mtp and nmap.framework == "Megatron-Core":
+    if mtp and nmap.framework == "Megatron-Core" and not nmap.mtp_required:
         raise UnsupportedError(
             f"--names {map_name}: the checkpoint holds Megatron-Core's multi-token prediction "
             f"(MTP) layers ('{mtp[0]}'{f' and {len(mtp) - 1} more' if len(mtp) > 1 else ''}), "
-            "which have no Hugging Face map yet; not supported yet. Save the run without "
-            "--mtp-num-layers to convert the main model")
+            f"which {nmap.family}'s Hugging Face model has no place for (DeepSeek-V3's has); "
+            "not supported. Save the run without --mtp-num-layers to convert the main model")
     if unmapped:
         shown = ", ".join(f"'{n}'" for n in unmapped[:3])
         more = f" and {len(unmapped) - 3} more" if len(unmapped) > 3 else ""
@@ -855,13 +896,44 @@ def apply(map_name: str, tensors: list[tuple[str, Tensor]],
         for rule, _ in matches:
             _check_shape(nmap, dims, rule, name, tensor)
     out = Mapped(map_name, [])
+    mtp_layers: set[int] = set()
     for name, tensor, matches in matched:
         for rule, m in matches:
             layer = m.groupdict().get("L")
+            if rule.mtp and layer is not None:
+                mtp_layers.add(int(layer))
+                layer = str(int(layer) + dims.number("num_hidden_layers"))
             target = rule.target.replace("{L}", layer) if layer is not None else rule.target
             _emit(out, dims, rule, name, tensor, target)
+    if mtp_layers:
+        _emit_mtp_shared(out, dims, nmap, tensors, sorted(mtp_layers))
     _check_complete(nmap, dims, out)
     return out
+
+
+def _emit_mtp_shared(out: Mapped, dims: Dims, nmap: NameMap, tensors: list[tuple[str, Tensor]],
+                     layers: list[int]) -> None:
+    """Each MTP layer's ``embed_tokens`` and ``shared_head.head``: Megatron's MTP layers use
+    the model's own embedding and output layer; DeepSeek-V3's checkpoints store a copy of each
+    per MTP layer (what vLLM's and SGLang's MTP drafters load), so they are written from the
+    model's (a tied model's embedding for both), vocabulary padding cut."""
+    stored = dict(tensors)
+    embedding = stored.get("embedding.word_embeddings.weight")
+    output = stored.get("output_layer.weight", embedding)
+    if embedding is None or output is None:
+        raise InputError(
+            f"--names {nmap.name}: the checkpoint holds multi-token prediction layers but not "
+            "the model's embedding ('embedding.word_embeddings.weight'), which they share; "
+            "merge a checkpoint of the whole model (every pipeline stage)")
+    rule = Rule("", "", ("padded_vocab", "hidden"), VOCAB)
+    first = dims.number("num_hidden_layers")
+    out.mtp_layers = len(layers)
+    for k in layers:
+        hf = f"model.layers.{first + k}"
+        _emit(out, dims, rule, "embedding.word_embeddings.weight", embedding,
+              f"{hf}.embed_tokens.weight")
+        _emit(out, dims, rule, "output_layer.weight" if output is not embedding
+              else "embedding.word_embeddings.weight", output, f"{hf}.shared_head.head.weight")
 
 
 def _check_shape(nmap: NameMap, dims: Dims, rule: Rule, name: str, tensor: Tensor) -> None:
@@ -1069,25 +1141,39 @@ def _check_complete(nmap: NameMap, dims: Dims, out: Mapped) -> None:
     for name, _ in out.tensors:
         if name in seen:
             sources = [h["from"] for h in out.how if h["to"] == name]
+            if any(s.startswith("mtp.") for s in sources):
+                raise InputError(
+                    f"--names {nmap.name}: '{name}' would be written twice (from "
+                    f"{', '.join(repr(s) for s in sources)}): multi-token prediction layer k "
+                    f"is written as layer num_hidden_layers + k, and {dims.where} says "
+                    f"num_hidden_layers {dims.number('num_hidden_layers')}, fewer than the "
+                    "checkpoint's decoder layers; pass the config of the model that was trained")
             raise InputError(f"--names {nmap.name}: '{name}' would be written twice (from "
                              f"{', '.join(repr(s) for s in sources)}); the checkpoint holds "
                              "one weight in two forms")
         seen.add(name)
     num_layers = dims.number("num_hidden_layers")
+    mtp = out.mtp_layers
     layers = {int(m.group(1)) for n in seen if (m := re.match(r"model\.layers\.(\d+)\.", n))}
-    if layers != set(range(num_layers)):
+    if layers != set(range(num_layers + mtp)):
         held = f"layers 0-{max(layers)}" if layers == set(range(len(layers))) else (
             f"layers {', '.join(map(str, sorted(layers)))}")
+        also = f" and {mtp} multi-token prediction layer(s) after them" if mtp else ""
         raise InputError(f"--names {nmap.name}: the checkpoint has {held}, but {dims.where} "
-                         f"says num_hidden_layers {num_layers}; pass the config of the model "
-                         "that was trained (a pipeline stage alone is not a model)")
+                         f"says num_hidden_layers {num_layers}{also}; pass the config of the "
+                         "model that was trained (a pipeline stage alone is not a model)")
     sparse = (nmap.sparse or _sparse_layers)(dims, num_layers)
+    # Megatron builds each MTP layer as the decoder's last (its spec): experts if that has.
+    if num_layers - 1 in sparse:
+        sparse |= frozenset(range(num_layers, num_layers + mtp))
     tied = dims.config.get("tie_word_embeddings") is True
     needed = [n for n in nmap.required if "{L}" not in n]
     if not tied:
         needed.append("lm_head.weight")
-    for layer in range(num_layers):
+    for layer in range(num_layers + mtp):
         per_layer = [n for n in nmap.required if "{L}" in n]
+        if layer >= num_layers:
+            per_layer += list(nmap.mtp_required)
         if layer in sparse:
             experts = dims.size("experts")
             per_layer += [n.replace("{E}", str(e)) for n in nmap.moe_mlp
@@ -1105,7 +1191,8 @@ def _check_complete(nmap: NameMap, dims: Dims, out: Mapped) -> None:
             f"--names {nmap.name}: nothing in the checkpoint becomes '{missing[0]}'"
             f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}{kind}; the "
             "checkpoint is not the model config.json describes: check the map and config")
-    allowed = {n.replace("{L}", str(layer)) for n in nmap.optional for layer in range(num_layers)}
+    allowed = {n.replace("{L}", str(layer)) for n in nmap.optional
+               for layer in range(num_layers + mtp)}
     stray = sorted(seen - set(needed) - allowed - {"lm_head.weight"})
     if stray:
         raise InputError(

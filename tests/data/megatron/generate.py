@@ -5,6 +5,12 @@
   saved by megatron-core 0.16.1. Its MLA builds its ``RotaryEmbedding`` (and the router its
   expert bias) on ``torch.cuda.current_device()``, so the model needs a CUDA device; its
   reference forward pass runs on it.
+* ``deepseek_v3-mtp/``: the same at TP 2 with two layers (dense, then MoE) and one
+  multi-token prediction layer (``mtp_num_layers=1``: megatron-core's own
+  ``get_gpt_mtp_block_spec`` for the local backend, whose layer is the decoder's last).
+  ``GPTModel.forward`` with MTP needs labels and returns the loss, so the reference keeps the
+  MTP block's output (the main and the MTP hidden states, concatenated on the sequence axis)
+  with a forward hook and writes both logits (``logits``, ``mtp_logits.0``).
 * ``llama-common_state/``: a Llama saved by megatron-core 0.19.2 (Python 3.12 and later), which
   stores the common state (``args``, ``iteration``...) as the DCP bytes entry
   ``common_state/shard_0_1`` instead of ``common.pt``, and (``verify_integrity=True``) writes
@@ -15,6 +21,8 @@ megatron-core 0.16.1 and 0.19.2 (each from its wheel, no Transformer Engine, no 
 
     PYTHONPATH=/tmp/mc16 python3 generate.py save deepseek OUT
     PYTHONPATH=/tmp/mc16 python3 generate.py reference deepseek OUT
+    PYTHONPATH=/tmp/mc16 python3 generate.py save mtp OUT
+    PYTHONPATH=/tmp/mc16 python3 generate.py reference mtp OUT
     PYTHONPATH=/tmp/mc19 python3 generate.py save common OUT
     PYTHONPATH=/tmp/mc19 python3 generate.py reference common OUT
 
@@ -90,6 +98,7 @@ class Variant:
     shared_ffn: int = 32  # 2 shared experts of moe_ffn
     first_dense: int = 1  # moe_layer_freq [0] * first_dense + [1] * rest
     groups: int = 2  # llama: query groups
+    mtp: int = 0  # deepseek_v3: multi-token prediction layers (mtp_num_layers)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -99,8 +108,11 @@ DEEPSEEK = [
     # every layer MoE (stacked keys), experts split over EP 2, a plain q projection
     Variant("deepseek_v3-ep2", "deepseek_v3", ep=2, layers=2, q_lora=None, first_dense=0),
 ]
+# multi-token prediction: one MTP layer (a MoE layer, as the last decoder layer) after a dense
+# and a MoE layer, TP 2 (eh_proj column-parallel)
+MTP = [Variant("deepseek_v3-mtp", "deepseek_v3", tp=2, layers=2, mtp=1)]
 COMMON = [Variant("llama-common_state", "llama", tp=2, layers=2, hidden=32, ffn=48)]
-SETS = {"deepseek": DEEPSEEK, "common": COMMON}
+SETS = {"deepseek": DEEPSEEK, "mtp": MTP, "common": COMMON}
 
 
 def padded_vocab(tp: int) -> int:
@@ -138,7 +150,7 @@ def _args(v: Variant) -> argparse.Namespace:
         transformer_impl="local", attention_backend=AttnBackend.auto,
         tokenizer_type="NullTokenizer", world_size=WORLD_SIZE,
         data_parallel_size=WORLD_SIZE // v.tp, consumed_train_samples=8,
-        use_distributed_optimizer=False)
+        use_distributed_optimizer=False, mtp_num_layers=v.mtp or None)
 
 
 def _core_attention() -> type:
@@ -198,7 +210,8 @@ def _model(v: Variant, tp: int, ep: int) -> Any:
             moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
             moe_router_topk_scaling_factor=2.5, moe_router_load_balancing_type="none",
             moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
-            expert_model_parallel_size=ep, moe_router_dtype="fp32")
+            expert_model_parallel_size=ep, moe_router_dtype="fp32",
+            mtp_num_layers=v.mtp or None)
         # Without Transformer Engine, megatron-core 0.16's multi_latent_attention imports
         # megatron.core.extensions.transformer_engine, which then stands a MagicMock in for
         # TE, so its HAVE_TE reads True and ``isinstance(linear_proj, TELinear)`` fails: the
@@ -214,9 +227,14 @@ def _model(v: Variant, tp: int, ep: int) -> Any:
     else:
         config = TransformerConfig(**common, num_query_groups=v.groups)
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    mtp_spec = None
+    if v.mtp:  # megatron-core's own MTP block spec (local backend): its layer is the last one's
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=padded_vocab(v.tp),
                     max_sequence_length=64, position_embedding_type="rope",
-                    share_embeddings_and_output_weights=False)
+                    share_embeddings_and_output_weights=False, mtp_block_spec=mtp_spec)
 
 
 def _vary(model: Any) -> None:
@@ -350,12 +368,28 @@ def _reference(v: Variant, run: Path, device: str) -> None:
     positions = torch.arange(tokens.shape[1]).unsqueeze(0)
     n = tokens.shape[1]  # Megatron's mask: True where attention is not allowed
     causal = torch.triu(torch.ones(1, 1, n, n), diagonal=1).bool()
+    extra: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        logits = model(tokens.to(device), positions.to(device), causal.to(device))
+        if not v.mtp:
+            logits = model(tokens.to(device), positions.to(device), causal.to(device))
+        else:
+            # With MTP, GPTModel.forward needs labels and returns the loss; its MTP block returns
+            # the main and the MTP hidden states (after their final norms) concatenated on the
+            # sequence axis: a hook keeps them, and the output layer gives both logits.
+            seen: list[torch.Tensor] = []
+            hook = model.mtp.register_forward_hook(lambda m, a, out: seen.append(out))
+            model(tokens.to(device), positions.to(device), causal.to(device),
+                  labels=tokens.to(device))
+            hook.remove()
+            main, *mtp = torch.chunk(seen[0], 1 + v.mtp, dim=0)
+            logits = model.output_layer(main)[0].transpose(0, 1)
+            for k, h in enumerate(mtp):  # position i predicts token i + 2 + k
+                extra[f"mtp_logits.{k}"] = model.output_layer(h)[0].transpose(0, 1).float().cpu()
     full = {k: t.detach().cpu().contiguous() for k, t in model.state_dict().items()
             if isinstance(t, torch.Tensor) and not k.endswith("._extra_state")}
     save_file(full, str(run / "reference.safetensors"))
-    save_file({"tokens": tokens, "logits": logits.float().cpu().contiguous()},
+    save_file({"tokens": tokens, "logits": logits.float().cpu().contiguous(),
+               **{k: t.contiguous() for k, t in extra.items()}},
               str(run / "logits.safetensors"))
     (run / "config.json").write_text(json.dumps(hf_config(v), indent=2) + "\n")
     ps.destroy_model_parallel()
@@ -382,7 +416,8 @@ def hf_config(v: Variant) -> dict[str, Any]:
             "n_shared_experts": v.shared_ffn // v.moe_ffn,
             "moe_intermediate_size": v.moe_ffn, "num_experts_per_tok": 2,
             "first_k_dense_replace": v.first_dense, "n_group": 1, "topk_group": 1,
-            "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True}
+            "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True,
+            **({"num_nextn_predict_layers": v.mtp} if v.mtp else {})}
 
 
 def _free_port() -> int:
