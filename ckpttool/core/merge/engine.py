@@ -25,7 +25,13 @@ from ckpttool.core.merge.plan import MergePlan, OutTensor
 from ckpttool.core.runtime import forked
 from ckpttool.core.runtime.report import Progress, locked
 from ckpttool.core.runtime.torch_threads import one_torch_thread, workers_for
-from ckpttool.core.transforms.derive import Derived, is_selection, materialise, release_scratch
+from ckpttool.core.transforms.derive import (
+    Derived,
+    is_selection,
+    materialise,
+    release_scratch,
+    stream,
+)
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Chunk, Payload, Reader, Tensor
@@ -380,8 +386,17 @@ def _write_derived(reader: Reader, dst: int, t: OutTensor, report: Progress,
     if is_selection(t.source):
         _write_selection(reader, dst, t, report, lock)
         return
-    data = materialise(reader, t.source, t.dtype,
-                       _buffer("derived", t.slot.nbytes) if t.source.into is not None else None)
+    if t.source.pieces is not None:
+        # Each piece written while it is in the cache (a write from memory cost twice as
+        # much CPU as one from cache: benchmarks/RESULTS.md, LoRA).
+        at = t.slot.begin
+        for piece in stream(reader, t.source, t.dtype):
+            with lock or contextlib.nullcontext():
+                pwrite_all(dst, piece, at)
+            at += len(piece)
+        report(at - t.slot.begin)
+        return
+    data = materialise(reader, t.source, t.dtype)
     with lock or contextlib.nullcontext():
         pwrite_all(dst, data, t.slot.begin)
     report(len(data))
