@@ -432,8 +432,8 @@ def _write_derived(reader: Reader, dst: int, t: OutTensor, report: Progress,
         _write_selection(reader, dst, t, report, lock)
         return
     if t.source.pieces is not None:
-        # Each piece written while it is in the cache (a write from memory cost twice as
-        # much CPU as one from cache: benchmarks/RESULTS.md, LoRA).
+        # Each piece written while it is in the cache (measured: 1 GB written from a 23 MB
+        # buffer cost 0.9-1.8 s of system time, from a 1 MB one 0.45 s).
         at = t.slot.begin
         for piece in stream(reader, t.source, t.dtype):
             with lock or contextlib.nullcontext():
