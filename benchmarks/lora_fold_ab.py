@@ -1,0 +1,123 @@
+"""The LoRA fold alone, A/B in one process: the fold as it was before issue 25's round 3 (the
+whole float32 product, the output made whole in a buffer, one write per weight) against the
+current one (:func:`ckpttool.core.transforms.lora` pieces: blocks of rows, a write per piece),
+weight by weight in alternating order, so that whatever else loads the machine weighs on both.
+
+    .venv/bin/python benchmarks/lora_fold_ab.py [--work /tmp/ckpttool-lora-bench/l30-r16]
+
+Reads the model and adapter that ``benchmarks/lora.py`` generates; prints the CPU time (user +
+system, of this thread: the fold and its writes into fresh files) of each way, the load, and
+whether the two outputs are byte for byte the same. No ``import torch`` and no planning: this
+is the part of ``merge --adapter`` that changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ckpttool.core.transforms import lora
+from ckpttool.core.transforms.derive import scratch
+from ckpttool.formats.base import Tensor
+from ckpttool.formats.codecs.dtypes import BY_NAME
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def before(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, fd: int,
+           offset: int, kept: dict[str, bytearray]) -> None:
+    """The fold of 09e97c7 (main before this change): the product whole, the weight's rows
+    folded into an output buffer kept from weight to weight, written at once."""
+    b32, a32 = b.float(), a.float()
+    rows, cols = b32.shape[0], a32.shape[1]
+    size = rows * cols * w.dtype.itemsize
+    if len(kept.get("out", b"")) < size:
+        kept["out"] = bytearray(size)
+    out = torch.frombuffer(memoryview(kept["out"])[:size], dtype=w.dtype).view(rows, cols)
+    product = scratch("before-delta", rows * cols).view(rows, cols)
+    torch.mm(b32, a32, out=product)
+    step = max(1, (1 << 17) // cols)
+    block = scratch("before-rows", step * cols)
+    for i in range(0, rows, step):
+        n = min(step, rows - i)
+        part = block[: n * cols].view(n, cols)
+        part.copy_(w[i : i + n])
+        part.add_(product[i : i + n].mul_(scale))
+        out[i : i + n].copy_(part)
+    pwrite_all(fd, memoryview(kept["out"])[:size], offset)
+
+
+def now(pieces: Iterator[memoryview], fd: int, offset: int) -> None:
+    for piece in pieces:
+        pwrite_all(fd, piece, offset)
+        offset += len(piece)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/ckpttool-lora-bench/l30-r16"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # as each merge worker runs
+    base, adapter = args.work / "base", args.work / "adapter"
+    where = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
+    doc = json.loads((adapter / "adapter_config.json").read_text())
+    config = lora.read_config(doc, str(adapter / "adapter_config.json"))
+    files: dict[str, Any] = {}
+    ad = safe_open(adapter / "adapter_model.safetensors", "pt")
+    keys = set(ad.keys())
+    outs = [args.work / "ab-before.out", args.work / "ab-now.out"]
+    fds = [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for p in outs]
+    cpu = [0.0, 0.0]
+    kept: dict[str, bytearray] = {}
+    offset = count = 0
+    try:
+        for name, file in where.items():
+            module = name.removesuffix(".weight")
+            if f"{lora.PREFIX}{module}.lora_A.weight" not in keys:
+                continue
+            w = files.setdefault(file, safe_open(base / file, "pt")).get_tensor(name)
+            a = ad.get_tensor(f"{lora.PREFIX}{module}.lora_A.weight")
+            b = ad.get_tensor(f"{lora.PREFIX}{module}.lora_B.weight")
+
+            def described(t: torch.Tensor, n: str) -> Tensor:
+                dtype = BY_NAME["BF16" if t.dtype == torch.bfloat16 else "F32"]
+                return Tensor(n, (n,), dtype, tuple(t.shape), ())
+
+            m = lora.Module(module, a=described(a, "A"), b=described(b, "B"))
+            derived = lora._fused_weight(name, described(w, name), m, config, None)
+            assert derived.pieces is not None
+            scale = config.scale(module, a.shape[0])
+            for way in ((0, 1) if count % 2 == 0 else (1, 0)):
+                start = time.thread_time()
+                if way == 0:
+                    before(w, a, b, scale, fds[0], offset, kept)
+                else:
+                    now(derived.pieces([w, a, b], w.dtype), fds[1], offset)
+                cpu[way] += time.thread_time() - start
+            offset += w.numel() * w.dtype.itemsize
+            count += 1
+    finally:
+        for fd in fds:
+            os.close(fd)
+    same = outs[0].read_bytes() == outs[1].read_bytes()
+    for p in outs:
+        p.unlink()
+    print(f"{count} weights folded, {offset / 1e9:.2f} GB written each way: before "
+          f"{cpu[0]:.2f} s CPU, now {cpu[1]:.2f} s CPU ({cpu[1] / cpu[0]:.2f}x); outputs "
+          f"{'identical' if same else 'DIFFERENT'}; load {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

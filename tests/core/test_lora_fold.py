@@ -1,0 +1,104 @@
+"""The LoRA fold block by block of rows (``lora.row_blocks``, ``lora.blocks_exact``): a bf16
+model with an fp32 adapter, both saved by their own writers (transformers' and PEFT's
+``save_pretrained``), folded with ``--adapter`` and compared bit for bit with PEFT's own
+``merge_and_unload()`` of the same files, with blocks of every size down to one row.
+
+Tolerance: none. PEFT adds the fp32 product (times the scale) to the bf16 weight in fp32 and
+rounds once; the fold does the same operations per element, a block of rows at a time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckpttool
+from ckpttool.core.transforms import lora
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 31, 32, 176, 1000, 5632])
+@pytest.mark.parametrize("cols", [1, 64, 176, 2048, 1 << 20])
+def test_row_blocks_tile_the_rows(rows: int, cols: int) -> None:
+    bounds = lora.row_blocks(rows, cols)
+    sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)]
+    assert bounds[0] == 0 and bounds[-1] == rows and sum(sizes) == rows
+    assert max(sizes) - min(sizes) <= 1  # no short last block
+    assert len(sizes) == 1 or min(sizes) >= lora.FOLD_ROWS
+    if len(sizes) > 1:  # about FOLD_BLOCK elements, never under FOLD_ROWS rows
+        assert min(sizes) * cols <= 2 * max(lora.FOLD_BLOCK, lora.FOLD_ROWS * cols)
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A bf16 Llama saved by transformers and an fp32 rank-8 adapter on every projection saved
+    by PEFT (lora_B non-zero, so that the fold changes the weights)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    work = tmp_path_factory.mktemp("bf16-lora")
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=176,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=False,
+                         dtype="bfloat16")
+    torch.manual_seed(11)
+    base = LlamaForCausalLM(config).to(torch.bfloat16)
+    base.save_pretrained(work / "base")
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = torch.randn(p.shape, dtype=torch.float32) * 0.05
+    model.save_pretrained(work / "adapter")
+    return work / "base", work / "adapter"
+
+
+@pytest.fixture(scope="module")
+def peft_merged(bf16_model: tuple[Path, Path]) -> dict[str, torch.Tensor]:
+    """What a user gets from PEFT: the base loaded in bf16, the adapter on it, merged."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_dir, adapter_dir = bf16_model
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16)
+    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    return {k: v.clone() for k, v in merged.state_dict().items()}
+
+
+@pytest.mark.parametrize(("block", "min_rows"), [
+    (lora.FOLD_BLOCK, lora.FOLD_ROWS),  # one block per weight at these widths
+    (2048, lora.FOLD_ROWS),  # 2 to 5 blocks per weight, of uneven sizes
+    (1, 1),  # one row per block: torch.mm may give other bits; the check must catch it
+])
+def test_bf16_fold_equals_peft_merge_and_unload(
+        bf16_model: tuple[Path, Path], peft_merged: dict[str, torch.Tensor], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, block: int, min_rows: int) -> None:
+    base_dir, adapter_dir = bf16_model
+    monkeypatch.setattr(lora, "FOLD_BLOCK", block)
+    monkeypatch.setattr(lora, "FOLD_ROWS", min_rows)
+    report = ckpttool.merge(base_dir, tmp_path / "out", adapter=adapter_dir)
+    assert report.lora is not None and report.lora["fused"] == 2 * len(TARGETS)
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    before = load_file(base_dir / "model.safetensors")
+    assert set(got) == set(peft_merged)
+    for name, want in peft_merged.items():
+        assert got[name].dtype == torch.bfloat16
+        assert torch.equal(got[name], want), name
+    changed = [n for n in got if not torch.equal(got[n], before[n])]
+    assert len(changed) == 2 * len(TARGETS)
+
+
+def test_blocks_exact_says_whether_every_block_has_the_whole_products_bits() -> None:
+    torch.manual_seed(3)
+    b, a = torch.randn(40, 16), torch.randn(16, 64)
+    whole = b @ a
+    for bounds in ([0, 20, 40], [0, 13, 26, 40], list(range(41))):
+        truth = all(torch.equal(b[lo:hi] @ a, whole[lo:hi])
+                    for lo, hi in zip(bounds, bounds[1:], strict=False))
+        assert lora.blocks_exact(b, a, bounds) is truth
