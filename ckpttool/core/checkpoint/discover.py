@@ -424,15 +424,16 @@ _SHARD_NAME = re.compile(r"(.+)-\d{5}-of-(\d{5})\.safetensors")
 
 def _shard_sets(names: list[str]) -> str | None:
     """"2 sets: model-*-of-00002 (2 of 2), model-*-of-00003 (1 of 3)" when ``names`` are all
-    shards of several sets (none has its index, or it would be one checkpoint), else None."""
+    shards of several sets, one of them incomplete (none has its index, or it would be one
+    checkpoint), else None."""
     counts: dict[tuple[str, str], int] = {}
     for name in names:
         m = _SHARD_NAME.fullmatch(name)
         if m is None:
             return None
         counts[(m[1], m[2])] = counts.get((m[1], m[2]), 0) + 1
-    if len(counts) < 2:
-        return None
+    if len(counts) < 2 or all(n == int(of) for (_, of), n in counts.items()):
+        return None  # complete sets each (files of several writers): named one by one
     listed = ", ".join(f"{stem}-*-of-{of} ({n} of {int(of)})" for (stem, of), n in
                        sorted(counts.items()))
     return f"{len(counts)} sets: {listed}"
