@@ -17,9 +17,10 @@ subclass of torch's ``DefaultSavePlanner``) plans the row chunk FSDP2 gives that
 rank's ``FileSystemWriter.write_data`` writes its file and ``FileSystemWriter.finish`` writes
 ``.metadata``. Every byte on disk comes from torch's writer; the layout is what a 64-rank save
 with one writer thread per rank writes. The rank files are written in ``--workers`` processes
-of their own (1 by default; each makes the state dict's values and one rank's plan at a time),
-while the coordinator holds only the metadata. A stopped build goes on from the rank files it
-finished (kept in ``OUT.build``).
+of their own (1 by default; each makes the state dict's values and one rank's plan at a time);
+the global plan is made in a process of its own before them and once more for ``finish``
+after them, so nothing holds all chunks while the ranks write. A stopped build goes on from
+the rank files it finished (kept in ``OUT.build``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
+    Metadata,
     MetadataIndex,
     TensorProperties,
 )
@@ -203,11 +205,62 @@ def _load_results(tmp: Path, rank: int, names: dict[str, str]) -> list[WriteResu
             for fqn, offset, hint, size, path, start, length in fields]
 
 
+def _global_plan(out: Path, tmp: Path, layers: int, experts: int, ranks: int
+                 ) -> tuple[dcp.FileSystemWriter, Metadata]:
+    """What ``dcp.save`` runs on every rank (local step), then on the coordinator (global
+    step), with the state dict's shapes only. Leaves each rank's part of the central plan in
+    ``tmp/plan-<rank>.pkl`` (its file prefix, chunks and index hints), or checks it against
+    the one there; returns the coordinator's writer and the metadata."""
+    state = {"model": moe_state(layers, experts, device="meta")}
+    writer = dcp.FileSystemWriter(out, thread_count=1)
+    coordinator = RowChunkPlanner(ranks, 0)
+    local_plans = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for rank in range(ranks):
+            planner = coordinator if rank == 0 else RowChunkPlanner(ranks, rank)
+            rank_writer = writer if rank == 0 else dcp.FileSystemWriter(out, thread_count=1)
+            planner.set_up_planner(state, storage_meta=rank_writer.storage_meta(),
+                                   is_coordinator=rank == 0)
+            rank_writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+            local_plans.append(rank_writer.prepare_local_plan(planner.create_local_plan()))
+    del planner, rank_writer
+    _log(f"local plans of {ranks} ranks: {sum(len(p.items) for p in local_plans)} items")
+    central_plans, metadata = coordinator.create_global_plan(local_plans)
+    del local_plans, coordinator
+    central_plans = writer.prepare_global_plan(central_plans)
+    _log("global plan and metadata")
+    for rank in range(ranks):
+        plan = central_plans[rank]
+        central_plans[rank] = None  # type: ignore[call-overload]
+        part = (plan.storage_data, [(i.index.fqn, tuple(i.index.offset)) for i in plan.items],
+                [i.index.index for i in plan.items])
+        path = tmp / f"plan-{rank}.pkl"
+        if path.exists():
+            with open(path, "rb") as f:
+                if pickle.load(f) != part:
+                    raise AssertionError(f"rank {rank}: the plan differs from the earlier run's")
+        else:
+            with open(path, "wb") as f:
+                pickle.dump(part, f, protocol=pickle.HIGHEST_PROTOCOL)
+    _log("central plans handed to the ranks")
+    return writer, metadata
+
+
+def _plan_only(out: Path, tmp: Path, layers: int, experts: int, ranks: int) -> None:
+    _global_plan(out, tmp, layers, experts, ranks)
+
+
 def write(out: Path, *, layers: int, experts: int, ranks: int, files: int | None = None,
           workers: int = 1) -> dict[str, int]:
     """Write the checkpoint into ``out`` (one ``.distcp`` file per rank); returns its counts.
     ``files`` is accepted for older callers and must equal ``ranks`` if given. Rank files
-    written by a stopped run with the same arguments (``OUT.build/results-*.pkl``) are kept."""
+    written by a stopped run with the same arguments (``OUT.build/results-*.pkl``) are kept.
+
+    Three steps, each in processes of its own, so that no process holds more than it needs
+    while the ranks write: the global plan (a process that leaves each rank's part in
+    ``OUT.build``), the rank files (``workers`` processes), then the global plan once more
+    in this process (the same torch calls; checked against the first) for ``finish``."""
     if files is not None and files != ranks:
         raise ValueError("one file per rank: files must equal ranks")
     out = Path(out)
@@ -221,58 +274,38 @@ def write(out: Path, *, layers: int, experts: int, ranks: int, files: int | None
         args_file.write_text(key)
     (out / ".metadata").unlink(missing_ok=True)
     shapes = moe_state(layers, experts, device="meta")
-    state = {"model": shapes}
     counts = {"tensors": len(shapes),
               "chunks": sum(len(row_chunks(t.shape[0], ranks)) for t in shapes.values()),
               "payload": sum(t.numel() * t.element_size() for t in shapes.values())}
-    # What dcp.save runs on every rank (local step), then on the coordinator (global step).
-    writer = dcp.FileSystemWriter(out, thread_count=1)
-    coordinator = RowChunkPlanner(ranks, 0)
-    local_plans = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for rank in range(ranks):
-            planner = coordinator if rank == 0 else RowChunkPlanner(ranks, rank)
-            rank_writer = writer if rank == 0 else dcp.FileSystemWriter(out, thread_count=1)
-            planner.set_up_planner(state, storage_meta=rank_writer.storage_meta(),
-                                   is_coordinator=rank == 0)
-            rank_writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
-            local_plans.append(rank_writer.prepare_local_plan(planner.create_local_plan()))
-        del planner, rank_writer
-        _log(f"local plans of {ranks} ranks: {sum(len(p.items) for p in local_plans)} items")
-        central_plans, metadata = coordinator.create_global_plan(local_plans)
-        del local_plans, coordinator
-        central_plans = writer.prepare_global_plan(central_plans)
-        gc.collect()
-        _log("global plan and metadata")
-        for rank, plan in enumerate(central_plans):
-            with open(tmp / f"plan-{rank}.pkl", "wb") as f:
-                pickle.dump((plan.storage_data,
-                             [(i.index.fqn, tuple(i.index.offset)) for i in plan.items],
-                             [i.index.index for i in plan.items]), f,
-                            protocol=pickle.HIGHEST_PROTOCOL)
-        del central_plans, plan
-        gc.collect()
-        _log("central plans handed to the ranks")
-        # Each rank writes its file (write_data), in --workers processes of their own.
-        todo = [r for r in range(ranks) if not (tmp / f"results-{r}.pkl").exists()]
-        if len(todo) < ranks:
-            _log(f"{ranks - len(todo)} ranks already written by an earlier run")
-        ctx = multiprocessing.get_context("spawn")
-        procs = [ctx.Process(target=_write_ranks,
-                             args=(out, tmp, layers, experts, ranks, todo[k::workers]))
-                 for k in range(min(workers, len(todo)))]
+    del shapes
+    ctx = multiprocessing.get_context("spawn")
+
+    def run(groups: list[tuple[Any, tuple[Any, ...]]]) -> None:
+        procs = [ctx.Process(target=target, args=a) for target, a in groups]
         for proc in procs:
             proc.start()
         for proc in procs:
             proc.join()
         if any(proc.exitcode for proc in procs):
-            raise SystemExit("a writer process failed; run again to go on from there")
-        names = {name: name for name in metadata.state_dict_metadata}
-        results = [_load_results(tmp, rank, names) for rank in range(ranks)]
-        _log("write results of all ranks")
+            raise SystemExit("a build process failed; run again to go on from there")
+
+    if not all((tmp / f"plan-{r}.pkl").exists() for r in range(ranks)):
+        run([(_plan_only, (out, tmp, layers, experts, ranks))])
+    # Each rank writes its file (write_data), in --workers processes.
+    todo = [r for r in range(ranks) if not (tmp / f"results-{r}.pkl").exists()]
+    if len(todo) < ranks:
+        _log(f"{ranks - len(todo)} ranks already written by an earlier run")
+    run([(_write_ranks, (out, tmp, layers, experts, ranks, todo[k::workers]))
+         for k in range(min(workers, len(todo)))])
+    writer, metadata = _global_plan(out, tmp, layers, experts, ranks)
+    gc.collect()
+    names = {name: name for name in metadata.state_dict_metadata}
+    results = [_load_results(tmp, rank, names) for rank in range(ranks)]
+    _log("write results of all ranks")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         writer.finish(metadata=metadata, results=results)
-        _log(".metadata written")
+    _log(".metadata written")
     shutil.rmtree(tmp)
     return counts
 
