@@ -173,7 +173,7 @@ def _write_ranks(out: Path, tmp: Path, layers: int, experts: int, ranks: int,
     warnings.simplefilter("ignore")
     sd = {"model": moe_state(layers, experts)}
     for rank in mine:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         planner = RowChunkPlanner(ranks, rank)
         planner.set_up_planner(sd, is_coordinator=rank == 0)
         writer = dcp.FileSystemWriter(out, thread_count=1)
@@ -191,7 +191,8 @@ def _write_ranks(out: Path, tmp: Path, layers: int, experts: int, ranks: int,
         with open(part, "wb") as f:
             pickle.dump(fields, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(part, tmp / f"results-{rank}.pkl")
-        _log(f"rank {rank}: {len(results)} chunks written in {time.perf_counter() - t0:.1f} s")
+        _log(f"rank {rank}: {len(results)} chunks written in {time.perf_counter() - t0:.1f} s, "
+             f"{time.process_time() - c0:.1f} CPU s")
 
 
 def _load_results(tmp: Path, rank: int, names: dict[str, str]) -> list[WriteResult]:
@@ -340,6 +341,8 @@ def main() -> None:
     print(f"{args.out}: {counts['tensors']} tensors, {counts['chunks']} chunks, "
           f"{counts['payload'] / 1e6:.1f} MB payload, in {time.perf_counter() - t0:.1f} s",
           flush=True)
+    # The counts beside the checkpoint, as benchmarks/scale.py caches them (OUT.json).
+    Path(f"{args.out}.json").write_text(json.dumps(counts))
     if args.check:
         print(check(args.out, layers=args.layers, experts=args.experts), flush=True)
 
