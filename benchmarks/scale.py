@@ -51,6 +51,7 @@ TARGETS = {  # command: (max wall / cp -r, max peak RSS MB); issue 25, with or w
 # At 10M chunks: the memory targets (time: per chunk within 1.3x of 1M's, in the growth table).
 TARGETS_10M = {"merge": (None, 2560), "inspect": (None, 3072), "verify": (None, 3072)}
 REF_LABEL = {"cp": "cp -r", "cat": "cat"}
+NOTES_MARKER = "<!-- notes below: kept by scale.py -->"
 GROWTH_LIMIT = 1.3  # us per chunk at the last level over the one before it
 TORCH_CODE = (
     "import sys, warnings; warnings.simplefilter('ignore')\n"
@@ -299,7 +300,11 @@ def main() -> None:
     print(text)
     (args.workdir / "results-scale.json").write_text(json.dumps(results, indent=2))
     if str(args.results_md) != "-":
-        args.results_md.write_text(f"Command: `{' '.join(sys.argv)}`\n\n" + text)
+        # Notes written by hand below NOTES_MARKER stay through reruns.
+        old = args.results_md.read_text() if args.results_md.exists() else ""
+        notes = old[old.index(NOTES_MARKER):] if NOTES_MARKER in old else ""
+        args.results_md.write_text(f"Command: `{' '.join(sys.argv)}`\n\n" + text
+                                   + ("\n" + notes if notes else ""))
 
 
 if __name__ == "__main__":
