@@ -134,12 +134,8 @@ def derive(args: Mapping[str, Any] | None, *, command: str) -> DerivedConfig:
             f"{', '.join(unlike)}{ask}")
     heads = number("num_attention_heads")
     hidden = number("hidden_size")
-    notes = []
-    vocab = args.get("vocab_size")
-    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
-        vocab = number("padded_vocab_size")
-        notes.append(f"vocab_size {vocab}: Megatron's args hold only the padded vocabulary "
-                     "(the tokenizer's size is not recorded), so the padding rows are kept")
+    notes: list[str] = []
+    vocab = _vocab(args, number, notes)
     kv_heads = number("num_query_groups") if arg("group_query_attention") else heads
     head_dim = args.get("kv_channels") or hidden // heads
     dtype = "bfloat16" if arg("bf16") else "float16" if arg("fp16") else "float32"
@@ -169,6 +165,18 @@ def derive(args: Mapping[str, Any] | None, *, command: str) -> DerivedConfig:
         config.update(num_local_experts=experts, num_experts_per_tok=number("moe_router_topk"),
                       intermediate_size=number("moe_ffn_hidden_size"))
     return DerivedConfig(family, why, config, tuple(notes))
+
+
+def _vocab(args: Mapping[str, Any], number: Any, notes: list[str]) -> int:
+    """The tokenizer's vocabulary size when args record it, else the padded one (said in
+    ``notes``: the padding rows are then kept)."""
+    vocab = args.get("vocab_size")
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
+        return vocab
+    padded: int = number("padded_vocab_size")
+    notes.append(f"vocab_size {padded}: Megatron's args hold only the padded vocabulary "
+                 "(the tokenizer's size is not recorded), so the padding rows are kept")
+    return padded
 
 
 def _deepseek_v3(args: Mapping[str, Any], arg: Any, number: Any, ask: str) -> DerivedConfig:
@@ -204,12 +212,8 @@ def _deepseek_v3(args: Mapping[str, Any], arg: Any, number: Any, ask: str) -> De
         raise NotDerivable(f"Megatron's args give shared experts {shared} wide, not a multiple "
                            f"of moe_ffn_hidden_size {moe_ffn}{ask}")
     heads = number("num_attention_heads")
-    notes = []
-    vocab = args.get("vocab_size")
-    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
-        vocab = number("padded_vocab_size")
-        notes.append(f"vocab_size {vocab}: Megatron's args hold only the padded vocabulary "
-                     "(the tokenizer's size is not recorded), so the padding rows are kept")
+    notes: list[str] = []
+    vocab = _vocab(args, number, notes)
     q_lora = args.get("q_lora_rank")
     theta = float(arg("rotary_base"))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
