@@ -137,6 +137,51 @@ class RowChunkPlanner(DefaultSavePlanner):
         return tensor.narrow(0, first, min(per, tensor.shape[0] - first))
 
 
+class AllRanksPlanner(DefaultSavePlanner):
+    """One planner for every rank: its write items are the row chunks of every tensor on
+    ``ranks`` ranks, which ``FileSystemWriter(thread_count=files)`` spreads over ``files``
+    files (the tests' small checkpoints: other file counts than ranks, one process)."""
+
+    def __init__(self, ranks: int) -> None:
+        super().__init__()
+        self.ranks = ranks
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for fqn, tensor in self.state_dict.items():
+            props = TensorProperties.create_from_tensor(tensor)
+            for first, n in row_chunks(tensor.shape[0], self.ranks):
+                offsets = torch.Size([first] + [0] * (tensor.dim() - 1))
+                sizes = torch.Size([n, *tensor.shape[1:]])
+                items.append(WriteItem(
+                    index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(ChunkStorageMetadata(offsets, sizes), props,
+                                                tensor.size())))
+        self.plan = dataclasses.replace(SavePlan(items), planner_data=self.mappings)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        tensor = self.state_dict[index.fqn]
+        first = index.offset[0]
+        rows = next(n for f, n in row_chunks(tensor.shape[0], self.ranks) if f == first)
+        return tensor.narrow(0, first, rows).clone()
+
+
+def write_one_process(out: Path, *, layers: int, experts: int, ranks: int, files: int
+                      ) -> dict[str, int]:
+    """The checkpoint written by one ``dcp.save`` with :class:`AllRanksPlanner` over
+    ``files`` files (small levels and the tests); returns its counts."""
+    sd = moe_state(layers, experts)
+    chunks = sum(len(row_chunks(t.shape[0], ranks)) for t in sd.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": sd},
+                 storage_writer=dcp.FileSystemWriter(out, thread_count=files),
+                 planner=AllRanksPlanner(ranks), no_dist=True)
+    return {"tensors": len(sd), "chunks": chunks,
+            "payload": sum(t.numel() * t.element_size() for t in sd.values())}
+
+
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(not forked.available(), reason="forked shares: L
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("moe") / "ckpt"
-    moe_checkpoint.write(out, layers=LAYERS, experts=EXPERTS, ranks=RANKS, files=3)
+    moe_checkpoint.write_one_process(out, layers=LAYERS, experts=EXPERTS, ranks=RANKS, files=3)
     return out
 
 

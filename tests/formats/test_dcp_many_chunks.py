@@ -29,7 +29,8 @@ LAYERS, EXPERTS, RANKS = 2, 3, 8
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("moe") / "ckpt"
-    counts = moe_checkpoint.write(out, layers=LAYERS, experts=EXPERTS, ranks=RANKS, files=5)
+    counts = moe_checkpoint.write_one_process(out, layers=LAYERS, experts=EXPERTS, ranks=RANKS,
+                                              files=5)
     assert counts["chunks"] > 150
     return out
 

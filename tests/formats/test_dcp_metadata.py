@@ -25,7 +25,7 @@ import moe_checkpoint  # noqa: E402
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("moe") / "ckpt"
-    moe_checkpoint.write(out, layers=2, experts=3, ranks=8, files=5)
+    moe_checkpoint.write_one_process(out, layers=2, experts=3, ranks=8, files=5)
     return out
 
 
@@ -171,7 +171,7 @@ def _write_rows(out: Path, sd: dict[str, Any], *, ranks: int, files: int) -> Pat
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tdcp.save({"model": sd}, storage_writer=tdcp.FileSystemWriter(out, thread_count=files),
-                  planner=moe_checkpoint.RowChunkPlanner(ranks), no_dist=True)
+                  planner=moe_checkpoint.AllRanksPlanner(ranks), no_dist=True)
     return out
 
 
