@@ -107,20 +107,25 @@ class RowChunkPlanner(DefaultSavePlanner):
         self.ranks = ranks
         self.rank = rank
 
+    def _rows(self, rows: int) -> list[tuple[int, int]]:
+        """The (first row, rows) pieces of a tensor of ``rows`` rows this planner writes."""
+        piece = row_chunk(rows, self.ranks, self.rank)
+        return [] if piece is None else [piece]
+
     def create_local_plan(self) -> SavePlan:
         items = []
         for fqn, tensor in self.state_dict.items():
-            piece = row_chunk(tensor.shape[0], self.ranks, self.rank)
-            if piece is None:
+            pieces = self._rows(tensor.shape[0])
+            if not pieces:
                 continue
-            first, n = piece
             props = TensorProperties.create_from_tensor(tensor)
-            offsets = torch.Size([first] + [0] * (tensor.dim() - 1))
-            sizes = torch.Size([n, *tensor.shape[1:]])
-            items.append(WriteItem(
-                index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(ChunkStorageMetadata(offsets, sizes), props,
-                                            tensor.size())))
+            for first, n in pieces:
+                offsets = torch.Size([first] + [0] * (tensor.dim() - 1))
+                sizes = torch.Size([n, *tensor.shape[1:]])
+                items.append(WriteItem(
+                    index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(ChunkStorageMetadata(offsets, sizes), props,
+                                                tensor.size())))
         self.plan = dataclasses.replace(SavePlan(items), planner_data=self.mappings)
         return self.plan
 
@@ -137,34 +142,20 @@ class RowChunkPlanner(DefaultSavePlanner):
         return tensor.narrow(0, first, min(per, tensor.shape[0] - first))
 
 
-class AllRanksPlanner(DefaultSavePlanner):
+class AllRanksPlanner(RowChunkPlanner):
     """One planner for every rank: its write items are the row chunks of every tensor on
     ``ranks`` ranks, which ``FileSystemWriter(thread_count=files)`` spreads over ``files``
     files (the tests' small checkpoints: other file counts than ranks, one process)."""
 
     def __init__(self, ranks: int) -> None:
-        super().__init__()
-        self.ranks = ranks
+        super().__init__(ranks, 0)
 
-    def create_local_plan(self) -> SavePlan:
-        items = []
-        for fqn, tensor in self.state_dict.items():
-            props = TensorProperties.create_from_tensor(tensor)
-            for first, n in row_chunks(tensor.shape[0], self.ranks):
-                offsets = torch.Size([first] + [0] * (tensor.dim() - 1))
-                sizes = torch.Size([n, *tensor.shape[1:]])
-                items.append(WriteItem(
-                    index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(ChunkStorageMetadata(offsets, sizes), props,
-                                                tensor.size())))
-        self.plan = dataclasses.replace(SavePlan(items), planner_data=self.mappings)
-        return self.plan
+    def _rows(self, rows: int) -> list[tuple[int, int]]:
+        return row_chunks(rows, self.ranks)
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        tensor = self.state_dict[index.fqn]
-        first = index.offset[0]
-        rows = next(n for f, n in row_chunks(tensor.shape[0], self.ranks) if f == first)
-        return tensor.narrow(0, first, rows).clone()
+        # A copy: one process writes every chunk, each with a storage of its own.
+        return super().lookup_object(index).clone()
 
 
 def write_one_process(out: Path, *, layers: int, experts: int, ranks: int, files: int
