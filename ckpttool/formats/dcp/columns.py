@@ -1031,6 +1031,38 @@ def _check_block(vm: _Machine, rows: list[_TensorRows], cols: _Placement) -> Non
             raise Fallback("duplicate offsets")  # the allow-list path gives both one entry
 
 
+def _files_of(vm: _Machine, rows: list[_TensorRows], cols: _Placement
+              ) -> list[tuple[str, ...] | None]:
+    """Each tensor's data files, sorted, from its rows' files as one bit each (up to 64 files;
+    None for each where there are more: found when asked). Tensors of one set of files share
+    one tuple."""
+    names = list(vm.names)
+    if len(names) > 64:
+        return [None] * len(rows)
+    np = _numpy()
+    sets: dict[int, tuple[str, ...]] = {0: ()}
+    masks: list[int] = []
+    with_rows = [t for t in rows if t.num]
+    for a, b in _blocks([t.num for t in with_rows]):
+        block = with_rows[a:b]
+        num = np.array([t.num for t in block], dtype=np.int64)
+        row = np.repeat(np.array([t.first for t in block], dtype=np.int64) - (np.cumsum(num)
+                                                                             - num), num)
+        row += np.arange(len(row), dtype=np.int64)
+        bits = np.left_shift(np.uint64(1), np.frombuffer(cols.file, dtype=np.int32)[row]
+                             .astype(np.uint64))
+        masks += np.bitwise_or.reduceat(bits, np.cumsum(num) - num).tolist()
+    by_mask = iter(masks)
+    out: list[tuple[str, ...] | None] = []
+    for t in rows:
+        mask = next(by_mask) if t.num else 0
+        got = sets.get(mask)
+        if got is None:
+            got = sets[mask] = tuple(sorted(n for i, n in enumerate(names) if mask >> i & 1))
+        out.append(got)
+    return out
+
+
 def _convert(vm: _Machine, md: Any, metadata_file: str) -> Columnar:
     """The interpreted ``Metadata`` as columns: tensors' rows, then every storage entry placed
     in its row, then the checks that each row got exactly one.
@@ -1065,12 +1097,13 @@ def _convert(vm: _Machine, md: Any, metadata_file: str) -> Columnar:
         _plain_name(rel, metadata_file)
 
     _check_rows(vm, rows, cols)
+    files = _files_of(vm, rows, cols)
     table = ChunkTable(list(vm.names), cols.file, cols.begin, cols.length, vm.boxes, RECORD)
     tensors = []
-    for t in rows:
+    for t, f in zip(rows, files, strict=True):
         tensors.append(Tensor(t.fqn, t.path, t.dtype, t.shape,
                               ChunkColumns(table, first=t.first, num_chunks=t.num, box=t.box,
-                                           ndim=t.ndim)))
+                                           ndim=t.ndim, files=f)))
     out_objects = []
     for fqn, path in objects:
         stored = object_storage.get(fqn)
