@@ -160,13 +160,13 @@ class ChunkColumns(Sequence[Chunk]):
     __slots__ = ("_files", "box", "first", "ndim", "num_chunks", "table")
 
     def __init__(self, table: ChunkTable, *, first: int, num_chunks: int, box: int,
-                 ndim: int) -> None:
+                 ndim: int, files: tuple[str, ...] | None = None) -> None:
         self.table = table
         self.first = first
         self.num_chunks = num_chunks
         self.box = box
         self.ndim = ndim
-        self._files: tuple[str, ...] | None = None
+        self._files = files  # sorted names of the files its rows lie in; None: found when asked
 
     def __len__(self) -> int:
         return self.num_chunks

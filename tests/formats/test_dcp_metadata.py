@@ -250,22 +250,76 @@ def test_columns_are_the_chunks(widths: Path, moe: Path) -> None:
                 t.chunks.column(2 * nd)
 
 
-def test_arithmetic_pieces_cover_the_rows_each_at_one_step() -> None:
-    """The storage entries of a run are placed by strided slices over its pieces: every row
-    in exactly one piece, each piece the rows ``rows[a]``, ``rows[a] + step``, ..."""
-    from array import array
+def test_small_blocks_read_the_same(widths: Path, moe: Path, monkeypatch: pytest.MonkeyPatch
+                                    ) -> None:
+    """The numpy passes that place and check the rows, cut into many blocks (entries and
+    rows of one run or tensor on both sides of a cut) give what one pass gives."""
+    for block in (1, 5, 64):
+        monkeypatch.setattr(dcp_metadata, "_BLOCK", block)
+        assert _same(widths / ".metadata") and _same(moe / ".metadata")
 
-    from hypothesis import given, settings
-    from hypothesis import strategies as st
 
-    @settings(max_examples=300, deadline=None)
-    @given(st.lists(st.integers(-5, 200), min_size=1, max_size=60))
-    def check(values: list[int]) -> None:
-        rows = array("q", values)
-        pieces = dcp_metadata._arithmetic(rows)
-        assert [a for a, _, _ in pieces] == [0, *(b for _, b, _ in pieces[:-1])]
-        assert pieces[-1][1] == len(rows)
-        for a, b, step in pieces:
-            assert list(rows[a:b]) == [rows[a] + step * i for i in range(b - a)]
+def _wider(data: bytes, spots: list[int]) -> bytes:
+    """The ints pickled at ``spots`` (BININT1, BININT2 or BININT) pickled one width wider
+    (BININT2, BININT, LONG1 of 4 bytes): the same values, entries of a run laid out otherwise;
+    the FRAME around each one lengthened to match."""
+    import bisect
+    import pickletools
 
-    check()
+    frames = [pos for op, _, pos in pickletools.genops(data) if op.name == "FRAME"]
+    out = bytearray(data)
+    for at in sorted(spots, reverse=True):  # from the end: earlier places stay put
+        op = data[at]
+        if op == 0x4B:
+            new, old = b"M" + data[at + 1 : at + 2] + b"\x00", 2
+        elif op == 0x4D:
+            new, old = b"J" + data[at + 1 : at + 3] + b"\x00\x00", 3
+        else:
+            assert op == 0x4A
+            new, old = b"\x8a\x04" + data[at + 1 : at + 5], 5
+        out[at : at + old] = new
+        f = frames[bisect.bisect_left(frames, at) - 1] + 1  # its FRAME's length field
+        grown = int.from_bytes(out[f : f + 8], "little") + len(new) - old
+        out[f : f + 8] = grown.to_bytes(8, "little")
+    return bytes(out)
+
+
+def _int_spots(data: bytes, lo: int, hi: int) -> list[int]:
+    """Where ints are pickled between ``lo`` and ``hi``, by the pickle's own opcodes."""
+    import pickletools
+
+    return [pos for op, _, pos in pickletools.genops(data)
+            if lo <= pos < hi and op.name in ("BININT1", "BININT2", "BININT")]
+
+
+@pytest.mark.parametrize("section", ["chunks", "storage"])
+def test_one_entry_of_other_widths_inside_a_run(moe: Path, widths: Path, tmp_path: Path,
+                                               section: str) -> None:
+    """One int in the middle of a run pickled wider than its neighbours' (the same value, as a
+    writer may): the run is read around it, and the answer is the allow-list path's."""
+    answered = 0
+    for k, src in enumerate((moe, widths)):
+        root = Path(shutil.copytree(src, tmp_path / str(k)))
+        md = root / ".metadata"
+        data = md.read_bytes()
+        cut = data.index(b"storage_data")
+        lo, hi = (0, cut) if section == "chunks" else (cut, len(data))
+        spots = _int_spots(data, lo, hi)
+        rng = random.Random(5)
+        for at in rng.sample(spots[len(spots) // 4 : -len(spots) // 4], 12):
+            md.write_bytes(_wider(data, [at]))
+            answered += _same(md)
+    assert answered >= 12
+
+
+def test_every_int_of_a_section_wider(moe: Path, tmp_path: Path) -> None:
+    """Every BININT of a section pickled as LONG1, every BININT2 as BININT: runs of one layout
+    with ints of those widths (LONG1 signed, gathered as such)."""
+    root = Path(shutil.copytree(moe, tmp_path / "ckpt"))
+    md = root / ".metadata"
+    data = md.read_bytes()
+    cut = data.index(b"storage_data")
+    for lo, hi in ((0, cut), (cut, len(data))):
+        wide = [at for at in _int_spots(data, lo, hi) if data[at] != 0x4B]
+        md.write_bytes(_wider(data, wide))
+        assert _same(md)

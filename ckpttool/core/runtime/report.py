@@ -83,6 +83,8 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
+        if set(map(type, value)) <= {str}:  # names (a tensor's files): no Python per item
+            return list(value)
         return [jsonable(v) for v in value]
     return value
 

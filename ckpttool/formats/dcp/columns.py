@@ -23,16 +23,14 @@ recursion), and memory per chunk is bounded by the columns.
 
 from __future__ import annotations
 
-import math
 import operator
 import re
 import struct
 import sys
 from array import array
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import chain, compress, islice, repeat
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -148,8 +146,6 @@ def _tuple_ints(blob: bytes) -> tuple[int, ...]:
 # dict lookup per entry for values seen before). Python code runs per entry only for bytes not
 # seen yet (``__missing__``), or not at all.
 
-# Drains an iterator in C (a map of __setitem__: a scatter).
-_consume: Callable[[Iterator[Any]], None] = deque(maxlen=0).extend
 _group1 = operator.itemgetter(1)
 _groups = re.Match.groups
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -213,19 +209,19 @@ class _Boxes(dict[bytes, tuple[int, ...]]):
         return got
 
 
-class _MemoStrs(dict[bytes | int, int]):
-    """A memo GET (its bytes, or the memo index) -> the number of the memoized str it fetches,
-    numbered in ``numbers`` in the order first seen; -1 (not kept) where the memo holds no str
-    there (yet). Memo entries never change once a run was matched (a PUT then falls back), so
-    a found one stays true."""
+class _MemoStrs(dict[int, int]):
+    """A memo index -> the number of the memoized str it holds, numbered in ``numbers`` in
+    the order first seen; -1 (not kept) where the memo holds no str there. Looked up once all
+    is read: memo entries never change once a run was matched (a PUT then falls back), and a
+    run's GETs point below the memo's end when it was matched (checked then)."""
 
     def __init__(self, memo: dict[int, Any], numbers: dict[str, int]) -> None:
         super().__init__()
         self.memo = memo
         self.numbers = numbers
 
-    def __missing__(self, key: bytes | int) -> int:
-        got = self.memo.get(key if type(key) is int else _get_index(key))  # type: ignore[arg-type]
+    def __missing__(self, key: int) -> int:
+        got = self.memo.get(key)
         if type(got) is not str:
             return -1
         n = self.numbers.get(got)
@@ -233,6 +229,22 @@ class _MemoStrs(dict[bytes | int, int]):
             n = self.numbers[got] = len(self.numbers)
         self[key] = n
         return n
+
+    def numbered(self, keys: Any) -> Any:
+        """The numbers of ``keys`` (a numpy array of memo indices), new ones numbered in the
+        order of ``keys``: Python code runs per distinct index only.
+
+        Raises:
+            Fallback: an index whose memo entry is no str.
+        """
+        np = _numpy()
+        distinct, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        numbers = np.empty(len(distinct), dtype=np.int32)
+        for i in np.argsort(first, kind="stable").tolist():
+            numbers[i] = self[int(distinct[i])]
+        if len(numbers) and numbers.min() < 0:
+            raise Fallback("storage entry")  # the allow-list path says what it is
+        return numbers[inverse.reshape(-1)]
 
 
 def _int_column(col: Sequence[bytes], ints: _Ints) -> array[int]:
@@ -431,10 +443,10 @@ class _Machine:
         # storage entry's name and file are numbers: in ``fqn_numbers``, ``names``.
         self.boxes = array("q")
         self.num_rows = 0
-        self.s_fqn = array("i")
+        self.s_fqn = array("q")  # memo indices: numbered by fqn_numbers once all are read
         self.s_index = array("q")
         self.s_offs = array("q")
-        self.s_file = array("i")
+        self.s_file = array("q")  # memo indices, as s_fqn
         self.s_begin = array("q")
         self.s_length = array("q")
         self.s_runs: list[tuple[int, int, int, int]] = []  # (first entry, entries, ndim, offs)
@@ -595,7 +607,8 @@ class _Machine:
             ints.clear()
         if len(self.tuples) > _CACHE:
             self.tuples.clear()
-        n = self.storage_columns(k_fqn, index, offs, k_rel, begin, length, nd)
+        n = self.storage_columns(array("q", map(_get_index, k_fqn)), index, offs,
+                                 array("q", map(_get_index, k_rel)), begin, length, nd)
         if not n:
             return None
         self.pos = ms[n - 1].end()
@@ -616,21 +629,16 @@ class _Machine:
         self.pos = p + n * laid.size
         return _StorageRun()
 
-    def storage_columns(self, k_fqn: Sequence[bytes | int], index: array[int], offs: array[int],
-                        k_rel: Sequence[bytes | int], begin: array[int], length: array[int],
+    def storage_columns(self, fqn: array[int], index: array[int], offs: array[int],
+                        file: array[int], begin: array[int], length: array[int],
                         nd: int) -> int:
-        """A run's entries into the storage columns, up to the first whose name or file is
-        not a memoized str (the interpreter builds that one, and the conversion decides).
-        Returns how many."""
-        fqn = array("i", map(self.fqn_numbers.__getitem__, k_fqn))
-        file = array("i", map(self.file_numbers.__getitem__, k_rel))
+        """A run's entries into the storage columns (names and files as memo indices, looked
+        up once all is read); how many."""
         n = len(fqn)
-        bad = min(fqn.index(-1) if min(fqn) < 0 else n, file.index(-1) if min(file) < 0 else n)
-        if not bad:
+        if not n:
             return 0
-        if bad < n:
-            n = bad
-            del fqn[n:], file[n:], index[n:], begin[n:], length[n:], offs[n * nd :]
+        if max(fqn) >= self.num_memo or max(file) >= self.num_memo:
+            raise Fallback("get")  # not in the memo (yet)
         self.s_runs.append((len(self.s_fqn), n, nd, len(self.s_offs)))
         self.s_offs.extend(offs)
         self.s_fqn.extend(fqn)
@@ -663,7 +671,15 @@ class _Machine:
                 self.num_memo += 1
                 seen_memoize = True
             elif op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
-                i = self.take(1)[0] if op == 0x68 else int.from_bytes(self.take(4), "little")
+                if start + 5 <= len(buf):  # in the window (nearly always): no take()
+                    if op == 0x68:
+                        i = buf[start + 1]
+                        self.pos = start + 2
+                    else:
+                        i = int.from_bytes(buf[start + 1 : start + 5], "little")
+                        self.pos = start + 5
+                else:
+                    i = self.take(1)[0] if op == 0x68 else int.from_bytes(self.take(4), "little")
                 if i not in memo:
                     raise Fallback("get")
                 obj = memo[i]
@@ -682,8 +698,16 @@ class _Machine:
             elif op == 0x28:  # MARK
                 marks.append(len(stack))
             elif op == 0x8C:  # SHORT_BINUNICODE
-                n = self.take(1)[0]
-                stack.append(self.text(n))
+                end = start + 2 + buf[start + 1] if start + 1 < len(buf) else len(buf) + 1
+                if end <= len(buf):  # in the window (nearly always): no take()
+                    self.pos = end
+                    try:
+                        stack.append(buf[start + 2 : end].decode("utf-8", "surrogatepass"))
+                    except UnicodeDecodeError as e:
+                        raise Fallback("string") from e
+                else:
+                    n = self.take(1)[0]
+                    stack.append(self.text(n))
             elif op == 0x58:  # BINUNICODE
                 n = struct.unpack("<I", self.take(4))[0]
                 stack.append(self.text(n))
@@ -691,7 +715,11 @@ class _Machine:
                 n = struct.unpack("<Q", self.take(8))[0]
                 stack.append(self.text(n))
             elif op == 0x4B:  # BININT1
-                stack.append(self.take(1)[0])
+                if start + 1 < len(buf):
+                    stack.append(buf[start + 1])
+                    self.pos = start + 2
+                else:
+                    stack.append(self.take(1)[0])
             elif op == 0x4D:  # BININT2
                 stack.append(int.from_bytes(self.take(2), "little"))
             elif op == 0x4A:  # BININT
@@ -910,54 +938,129 @@ class _TensorRows:
     ndim: int
 
 
-def _arithmetic(rows: array[int]) -> list[tuple[int, int, int]]:
-    """``rows`` cut into pieces ``[a, b)`` at one step each: ``(a, b, step)``; a piece of
-    one row has step 1."""
-    n = len(rows)
-    if n == 1:
-        return [(0, 1, 1)]
-    d = array("q", map(operator.sub, rows[1:], rows[:-1]))
-    # Where the step changes: the row before ends a piece, the next begins one.
-    ends = [k + 1 for k in compress(range(1, n - 1), map(operator.ne, d[1:], d[:-1]))]
-    out = []
-    a = 0
-    for b in (*ends, n):
-        out.append((a, b, d[a] if b - a > 1 else 1))
-        a = b
-    return out
+_BLOCK = 1 << 16  # rows or entries one numpy pass takes (bounds its temporaries)
 
 
-def _check_rows(t: _TensorRows, number: int, boxes: array[int], length: array[int],
-                row_fqn: array[int], row_offs: list[array[int]]) -> None:
-    """The rows of ``t`` against the storage entries placed in them, and what the allow-list
-    path would read differently: C-level passes over the tensor's columns."""
-    num, nd, a = t.num, t.ndim, t.first
-    if not num:
-        return
-    lengths = length[a : a + num]
-    if min(lengths) < 0:
+def _blocks(sizes: Sequence[int]) -> Iterator[tuple[int, int]]:
+    """``sizes`` cut into consecutive pieces ``[a, b)`` of at least :data:`_BLOCK` in all
+    (the last: what is left)."""
+    a = total = 0
+    for b, n in enumerate(sizes, 1):
+        total += n
+        if total >= _BLOCK:
+            yield a, b
+            a, total = b, 0
+    if a < len(sizes):
+        yield a, len(sizes)
+
+
+def _numpy() -> Any:
+    """numpy, imported here only: the columns' whole-table passes (never on ``--help``)."""
+    import numpy
+
+    return numpy
+
+
+def _check_rows(vm: _Machine, rows: list[_TensorRows], cols: _Placement) -> None:
+    """Every tensor's rows against the storage entries placed in them, and what the
+    allow-list path would read differently, by numpy passes over :data:`_BLOCK` rows at a
+    time (a row is a chunk).
+
+    Raises:
+        Fallback: a row without an entry, or with another tensor's; offsets that differ from
+            the entry's; the same offsets twice in one tensor; a chunk stored raw.
+    """
+    rows = [t for t in rows if t.num]
+    for a, b in _blocks([t.num for t in rows]):
+        _check_block(vm, rows[a:b], cols)
+
+
+def _check_block(vm: _Machine, rows: list[_TensorRows], cols: _Placement) -> None:
+    """:func:`_check_rows` for some tensors (each of one row or more)."""
+    np = _numpy()
+    num = np.array([t.num for t in rows], dtype=np.int64)
+    nds = np.array([t.ndim for t in rows], dtype=np.int64)
+    before = np.cumsum(num) - num  # rows of the tensors before, in this order
+    total = int(num.sum())
+    j = np.arange(total, dtype=np.int64)
+    # Per row of a tensor (tensor by tensor): its row in the table, its tensor's name number
+    # and ndim, where its box starts.
+    nd = np.repeat(nds, num)
+    row = np.repeat(np.array([t.first for t in rows], dtype=np.int64) - before, num) + j
+    box = np.repeat(np.array([t.box for t in rows], dtype=np.int64) - 2 * nds * before,
+                    num) + 2 * nd * j
+    owner = np.repeat(np.array([vm.fqns[t.fqn] for t in rows], dtype=np.int32), num)
+    boxes = np.frombuffer(vm.boxes, dtype=np.int64)
+    length = np.frombuffer(cols.length, dtype=np.int64)[row]
+    if length.min() < 0:
         raise Fallback("no storage")  # the allow-list path says which
-    if row_fqn[a : a + num] != array("i", [number]) * num:
+    if not np.array_equal(np.frombuffer(cols.row_fqn, dtype=np.int32)[row], owner):
         raise Fallback("index")  # an entry of another tensor in its rows
-    step = 2 * nd
-    end = t.box + step * num
-    offs = [boxes[t.box + k : end : step] for k in range(nd)]
-    if any(offs[k] != row_offs[k][a : a + num] for k in range(nd)):
-        raise Fallback("storage mismatch")
-    # The same offsets twice in one tensor: the allow-list path gives both one entry.
-    if num > 1 and (nd == 0 or (all(len(set(c)) != num for c in offs)
-                                and len(set(zip(*offs, strict=True))) != num)):
-        raise Fallback("duplicate offsets")
+    # Each row's offsets against its entry's, and a key of them per row (offsets by the
+    # tensor's strides, wrapping: equal offsets give equal keys, so keys that rise through
+    # a tensor mean no offsets twice in it); each row's bytes if stored raw.
+    strides = []
+    for t in rows:
+        s, st = 1, []
+        for d in reversed(t.shape):
+            st.append(s)
+            s = s * d % (1 << 64)
+        strides.append([(x + (1 << 63)) % (1 << 64) - (1 << 63) for x in reversed(st)])
+    key = np.zeros(total, dtype=np.int64)
+    nbytes = np.repeat(np.array([t.dtype.itemsize for t in rows], dtype=np.int64), num)
+    for k in range(int(nds.max())):
+        has = np.flatnonzero(nd > k)
+        offs = boxes[box[has] + k]
+        if not np.array_equal(offs, np.frombuffer(cols.row_offs[k], dtype=np.int64)[row[has]]):
+            raise Fallback("storage mismatch")
+        stride = np.array([x[k] if len(x) > k else 0 for x in strides], dtype=np.int64)
+        key[has] += offs * np.repeat(stride, num)[has]
+        nbytes[has] *= boxes[box[has] + nd[has] + k]
     # A chunk whose length is its elements' (SerializationFormat.SAFETENSORS): dcp places it.
-    # A record is longer than the largest chunk's elements unless one may be that.
-    sizes = [boxes[t.box + nd + k : end : step] for k in range(nd)]
-    item = t.dtype.itemsize
-    if min(lengths) <= math.prod(max(c) for c in sizes) * item:
-        nbytes: Iterator[int] = repeat(item, num)
-        for c in sizes:
-            nbytes = map(operator.mul, nbytes, c)
-        if any(map(operator.eq, lengths, nbytes)):
-            raise Fallback("raw chunk")
+    # (A product that wraps int64 cannot equal a length: the partial products never pass it.)
+    if np.any(length == nbytes):
+        raise Fallback("raw chunk")
+    rises = np.diff(key) > 0
+    rises[before[1:] - 1] = True  # from one tensor to the next
+    for i in np.unique(np.searchsorted(before, np.flatnonzero(~rises) + 1, side="right") - 1):
+        t = rows[int(i)]  # keys that do not rise: the offsets themselves, as tuples
+        step = 2 * t.ndim
+        end = t.box + step * t.num
+        offs_ = [vm.boxes[t.box + k : end : step] for k in range(t.ndim)]
+        if t.ndim == 0 or len(set(zip(*offs_, strict=True))) != t.num:
+            raise Fallback("duplicate offsets")  # the allow-list path gives both one entry
+
+
+def _files_of(vm: _Machine, rows: list[_TensorRows], cols: _Placement
+              ) -> list[tuple[str, ...] | None]:
+    """Each tensor's data files, sorted, from its rows' files as one bit each (up to 64 files;
+    None for each where there are more: found when asked). Tensors of one set of files share
+    one tuple."""
+    names = list(vm.names)
+    if len(names) > 64:
+        return [None] * len(rows)
+    np = _numpy()
+    sets: dict[int, tuple[str, ...]] = {0: ()}
+    masks: list[int] = []
+    with_rows = [t for t in rows if t.num]
+    for a, b in _blocks([t.num for t in with_rows]):
+        block = with_rows[a:b]
+        num = np.array([t.num for t in block], dtype=np.int64)
+        row = np.repeat(np.array([t.first for t in block], dtype=np.int64) - (np.cumsum(num)
+                                                                             - num), num)
+        row += np.arange(len(row), dtype=np.int64)
+        bits = np.left_shift(np.uint64(1), np.frombuffer(cols.file, dtype=np.int32)[row]
+                             .astype(np.uint64))
+        masks += np.bitwise_or.reduceat(bits, np.cumsum(num) - num).tolist()
+    by_mask = iter(masks)
+    out: list[tuple[str, ...] | None] = []
+    for t in rows:
+        mask = next(by_mask) if t.num else 0
+        got = sets.get(mask)
+        if got is None:
+            got = sets[mask] = tuple(sorted(n for i, n in enumerate(names) if mask >> i & 1))
+        out.append(got)
+    return out
 
 
 def _convert(vm: _Machine, md: Any, metadata_file: str) -> Columnar:
@@ -993,13 +1096,14 @@ def _convert(vm: _Machine, md: Any, metadata_file: str) -> Columnar:
     for rel in vm.names:
         _plain_name(rel, metadata_file)
 
+    _check_rows(vm, rows, cols)
+    files = _files_of(vm, rows, cols)
     table = ChunkTable(list(vm.names), cols.file, cols.begin, cols.length, vm.boxes, RECORD)
     tensors = []
-    for t in rows:
-        _check_rows(t, vm.fqns[t.fqn], vm.boxes, cols.length, cols.row_fqn, cols.row_offs)
+    for t, f in zip(rows, files, strict=True):
         tensors.append(Tensor(t.fqn, t.path, t.dtype, t.shape,
                               ChunkColumns(table, first=t.first, num_chunks=t.num, box=t.box,
-                                           ndim=t.ndim)))
+                                           ndim=t.ndim, files=f)))
     out_objects = []
     for fqn, path in objects:
         stored = object_storage.get(fqn)
@@ -1107,9 +1211,9 @@ class _Placement:
             else:
                 by_number[n] = t
         self.fqns = fqns
-        # Per ndim of a run: the first row of each name's tensor if it has that ndim, else -1.
-        self.first_of = {nd: [-1 if t is None or t.ndim != nd else t.first for t in by_number]
-                         for nd in {nd for _, _, nd, _ in vm.s_runs}}
+        # By name number: the first row of its tensor and the tensor's ndim (-1: none).
+        self.first_by_number = [-1 if t is None else t.first for t in by_number]
+        self.ndim_by_number = [-1 if t is None else t.ndim for t in by_number]
 
     def place(self, fqn: str, index: Any, offs: Sequence[int], f: int, b: int, n: int) -> int:
         """One entry into its row; 1 if placed, 0 for an entry no tensor uses (the allow-list
@@ -1129,41 +1233,57 @@ class _Placement:
         return 1
 
     def place_runs(self, vm: _Machine) -> int:
-        """The interpreter's runs of entries, placed by C-level passes; how many."""
+        """The interpreter's runs of entries, placed by numpy scatters, runs of
+        :data:`_BLOCK` entries at a time; how many."""
         placed = 0
-        fqn_names = list(self.fqns)  # by number
-        for at, n, nd, o_at in vm.s_runs:
-            fq = vm.s_fqn[at : at + n]
-            index = vm.s_index[at : at + n]
-            offs = vm.s_offs[o_at : o_at + nd * n]
-            firsts = array("q", map(self.first_of[nd].__getitem__, fq))
-            if min(firsts) < 0:  # no tensor, or not of this ndim: one by one
-                for i, (q, idx) in enumerate(zip(fq, index, strict=True)):
-                    placed += self.place(fqn_names[q], idx, offs[nd * i : nd * i + nd],
-                                         vm.s_file[at + i], vm.s_begin[at + i],
-                                         vm.s_length[at + i])
-                continue
-            rows_at = array("q", map(operator.add, firsts, index))
-            # A row past the table (an index past its tensor: checked later).
-            if min(rows_at) < 0 or max(rows_at) >= len(self.file):
-                raise Fallback("index")
-            columns = [(self.row_fqn, fq), (self.file, vm.s_file[at : at + n]),
-                       (self.begin, vm.s_begin[at : at + n]),
-                       (self.length, vm.s_length[at : at + n]),
-                       *((self.row_offs[k], offs[k::nd]) for k in range(nd))]
-            # Entries of one file, one per tensor: rows a tensor's chunk count apart. Each
-            # piece of rows at one step is a strided slice assignment per column.
-            for a, b, step in _arithmetic(rows_at):
-                if step > 0:
-                    where = slice(rows_at[a], rows_at[b - 1] + 1, step)
-                    for col, values in columns:
-                        col[where] = values[a:b]
-                else:  # rows in another order: one at a time, in C
-                    for col, values in columns:
-                        _consume(map(col.__setitem__, rows_at[a:b], values[a:b]))
-            placed += n
+        runs = vm.s_runs
+        for a, b in _blocks([n for _, n, _, _ in runs]):
+            placed += self.place_block(vm, runs[a:b])
         del vm.s_fqn[:], vm.s_index[:], vm.s_offs[:], vm.s_file[:], vm.s_begin[:]
         del vm.s_length[:]
+        return placed
+
+    def place_block(self, vm: _Machine, runs: Sequence[tuple[int, int, int, int]]) -> int:
+        """Consecutive runs of entries placed; how many.
+
+        An entry goes to its tensor's first row plus its index hint. One whose name is no
+        tensor's, or a tensor's of another ndim, is placed one by one (:meth:`place`). Two
+        entries in one row leave another row without one, which the caller finds.
+        """
+        np = _numpy()
+        at, cnt, nds, o_at = (np.array(c, dtype=np.int64) for c in zip(*runs, strict=True))
+        e0, total = runs[0][0], int(cnt.sum())
+        entries = slice(e0, e0 + total)
+        fq = vm.fqn_numbers.numbered(np.frombuffer(vm.s_fqn, dtype=np.int64)[entries])
+        file = vm.file_numbers.numbered(np.frombuffer(vm.s_file, dtype=np.int64)[entries])
+        # Names numbered since (no tensor's): none there.
+        self.first_by_number += [-1] * (len(self.fqns) - len(self.first_by_number))
+        self.ndim_by_number += [-1] * (len(self.fqns) - len(self.ndim_by_number))
+        index = np.frombuffer(vm.s_index, dtype=np.int64)[entries]
+        offs = np.frombuffer(vm.s_offs, dtype=np.int64)
+        nd = np.repeat(nds, cnt)
+        # Each entry's offsets start at its run's, ndim apart.
+        o_first = np.repeat(o_at - nds * (at - e0), cnt) + nd * np.arange(total, dtype=np.int64)
+        first = np.array(self.first_by_number, dtype=np.int64)[fq]
+        fits = (first >= 0) & (np.array(self.ndim_by_number, dtype=np.int64)[fq] == nd)
+        fast = np.flatnonzero(fits)
+        row = first[fast] + index[fast]  # >= 0: both are
+        if row.size and row.max() >= len(self.file):
+            raise Fallback("index")  # past the table (past its tensor: checked later)
+        np.frombuffer(self.row_fqn, dtype=np.int32)[row] = fq[fast]
+        np.frombuffer(self.file, dtype=np.int32)[row] = file[fast]
+        for col, values in ((self.begin, vm.s_begin), (self.length, vm.s_length)):
+            got = np.frombuffer(values, dtype=np.int64)[entries]
+            np.frombuffer(col, dtype=np.int64)[row] = got[fast]
+        for k, col in enumerate(self.row_offs):
+            has = np.flatnonzero(nd[fast] > k)
+            np.frombuffer(col, dtype=np.int64)[row[has]] = offs[o_first[fast[has]] + k]
+        placed = len(fast)
+        names = list(self.fqns)  # by number
+        for i in np.flatnonzero(~fits).tolist():
+            o, g = int(o_first[i]), e0 + i
+            placed += self.place(names[fq[i]], int(index[i]), vm.s_offs[o : o + int(nd[i])],
+                                 int(file[i]), vm.s_begin[g], vm.s_length[g])
         return placed
 
     def place_dict(self, vm: _Machine, storage_data: dict[Any, Any],
