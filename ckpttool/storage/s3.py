@@ -39,7 +39,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -443,6 +443,15 @@ class RemoteStore:
             piece = self._piece(name, offset + done, size - done)
             view[done:done + len(piece)] = piece
             done += len(piece)
+        return done
+
+    def readv(self, name: str, offset: int, bufs: Sequence[memoryview]) -> int:
+        done = 0
+        for buf in bufs:
+            got = self.readinto(name, offset + done, buf)
+            done += got
+            if got != len(buf):
+                break
         return done
 
     def read_ranges(self, name: str, ranges: list[tuple[int, int]], *, what: str

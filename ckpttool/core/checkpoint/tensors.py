@@ -196,6 +196,61 @@ def read_boxes(reader: Reader, tensor: Tensor, boxes: Boxes, *,
     return view
 
 
+def selection_blocks(reader: Reader, tensor: Tensor,
+                     pieces: list[tuple[Chunk, int, list[tuple[int, int, int]]]],
+                     payloads: Sequence[Payload], buf: memoryview) -> Iterator[memoryview]:
+    """The bytes of a selection (:func:`box_pieces`, each chunk's stored bytes raw at
+    ``payloads[i].start``) in consecutive blocks of ``len(buf)`` bytes, each made in ``buf``
+    and valid until the next is asked for: what a caller writes out block by block, each
+    block written while it is in the cache (measured on a 1 GB Megatron merge, 2-core VM at
+    load 4-6: 276 MB of row-parallel layers gathered whole into a 25 MB buffer, then written,
+    cost 0.45-0.75 s of CPU; in 1 MB blocks 0.2-0.3 s).
+
+    In a block, the runs that lie back to back in one file (a row-parallel layer's rows, in
+    each rank's file) are one scattered read (:meth:`Reader.readv`: the kernel places each
+    run, no Python per run but a view). Memory: ``buf``, whatever the selection's size.
+
+    Raises:
+        InputError: a file ends before the bytes its metadata promises.
+    """
+    item = tensor.dtype.itemsize
+    # (byte in the selection, file, byte in the file, bytes) per run, in selection order
+    segments: list[tuple[int, str, int, int]] = []
+    for (_, pos, runs), p in zip(pieces, payloads, strict=True):
+        assert p.start is not None
+        start = p.start
+        segments += [((pos + b) * item, p.file, start + a * item, n * item) for a, b, n in runs]
+    segments.sort()
+    total = segments[-1][0] + segments[-1][3] if segments else 0
+    i, size = 0, len(buf)
+    for lo in range(0, total, size):
+        hi = min(total, lo + size)
+        by_file: dict[str, list[tuple[int, memoryview]]] = {}  # file -> (source, into)
+        while i < len(segments):
+            at, file, src, n = segments[i]
+            if at >= hi:
+                break
+            a, z = max(at, lo), min(at + n, hi)
+            by_file.setdefault(file, []).append((src + a - at, buf[a - lo : z - lo]))
+            if at + n > hi:
+                break  # the rest of this run is in the next block
+            i += 1
+        for file, parts in by_file.items():
+            parts.sort(key=lambda part: part[0])
+            k = 0
+            while k < len(parts):  # each stretch of back-to-back runs: one read
+                first = end = parts[k][0]
+                views = []
+                while k < len(parts) and parts[k][0] == end:
+                    views.append(parts[k][1])
+                    end += len(parts[k][1])
+                    k += 1
+                got = reader.readv(file, first, views)
+                if got != end - first:
+                    raise truncated(reader.path(file), first + got, f"tensor '{tensor.name}'")
+        yield buf[: hi - lo]
+
+
 def _place(view: memoryview, blocks: Iterable[memoryview], runs: list[tuple[int, int, int]],
            pos: int, item: int, first: int) -> int:
     """The ``runs`` of a chunk (:func:`box_pieces`: element in the chunk, element in the box,
