@@ -294,6 +294,8 @@ class LocalStore:
         bytes; no Python per buffer), at most ``IOV_MAX`` buffers a call."""
         done = 0
         with self.use(name) as fd:
+            if len(bufs) <= _IOV_MAX:
+                return os.preadv(fd, bufs, offset)
             for k in range(0, len(bufs), _IOV_MAX):
                 group = bufs[k : k + _IOV_MAX]
                 want = sum(len(b) for b in group)
