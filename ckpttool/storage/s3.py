@@ -446,13 +446,18 @@ class RemoteStore:
         return done
 
     def readv(self, name: str, offset: int, bufs: Sequence[memoryview]) -> int:
-        done = 0
+        # One ranged read of the whole span, then placed: a request per buffer would cost a
+        # round trip per run (a row-parallel layer's rows are thousands of 6 KB runs).
+        span = bytearray(sum(len(b) for b in bufs))
+        got = self.readinto(name, offset, memoryview(span))
+        at = 0
         for buf in bufs:
-            got = self.readinto(name, offset + done, buf)
-            done += got
-            if got != len(buf):
+            if at >= got:
                 break
-        return done
+            n = min(len(buf), got - at)
+            buf[:n] = span[at : at + n]
+            at += n
+        return got
 
     def read_ranges(self, name: str, ranges: list[tuple[int, int]], *, what: str
                     ) -> list[bytes]:
