@@ -491,8 +491,18 @@ def file_size(path: Path) -> int | None:
 # and unmapping cost more than copying a few pages.
 MAP_MIN = 1 << 20
 
-# Buffers one preadv may fill (POSIX's IOV_MAX; Linux's is 1024).
-_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 16
+
+def _iov_max() -> int:
+    """Buffers one ``preadv`` may fill (POSIX's IOV_MAX: 1024 on Linux; 16, the least POSIX
+    allows, where the system does not say)."""
+    try:
+        n = os.sysconf("SC_IOV_MAX")
+    except (AttributeError, ValueError, OSError):
+        return 16
+    return min(1024, n) if n > 0 else 16
+
+
+_IOV_MAX = _iov_max()
 
 
 def read_blocks(store: Store, name: str, offset: int, size: int, buf: memoryview, *,
