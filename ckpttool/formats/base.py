@@ -481,6 +481,10 @@ class Reader:
         """Copy stored bytes into an open output file (in the kernel for local files)."""
         self.store.copy_to(file, offset, dst_fd, dst_offset, size)
 
+    def readv(self, file: str, offset: int, bufs: Sequence[memoryview]) -> int:
+        """Consecutive stored bytes into each of ``bufs`` in turn (:meth:`Store.readv`)."""
+        return self.store.readv(file, offset, bufs)
+
     def blocks(self, file: str, offset: int, size: int, buf: memoryview, *,
                mapped: bool = True) -> Iterator[memoryview]:
         """Stored bytes in consecutive blocks (:func:`~ckpttool.storage.store.read_blocks`)."""

@@ -39,7 +39,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -444,6 +444,20 @@ class RemoteStore:
             view[done:done + len(piece)] = piece
             done += len(piece)
         return done
+
+    def readv(self, name: str, offset: int, bufs: Sequence[memoryview]) -> int:
+        # One ranged read of the whole span, then placed: a request per buffer would cost a
+        # round trip per run (a row-parallel layer's rows are thousands of 6 KB runs).
+        span = bytearray(sum(len(b) for b in bufs))
+        got = self.readinto(name, offset, memoryview(span))
+        at = 0
+        for buf in bufs:
+            if at >= got:
+                break
+            n = min(len(buf), got - at)
+            buf[:n] = span[at : at + n]
+            at += n
+        return got
 
     def read_ranges(self, name: str, ranges: list[tuple[int, int]], *, what: str
                     ) -> list[bytes]:

@@ -81,6 +81,16 @@ class StoreTests:
         small = bytearray(100)
         assert store.readinto("small.json", 0, memoryview(small)) == len(FILES["small.json"])
 
+    def test_readv_fills_each_buffer_in_turn(self, store: Store) -> None:
+        data = FILES["a.bin"]
+        sizes = [5, 0, 4096, 1, 3000] * 300  # more buffers than one preadv takes
+        bufs = [memoryview(bytearray(n)) for n in sizes]
+        assert store.readv("a.bin", 11, bufs) == sum(sizes)
+        assert b"".join(bytes(b) for b in bufs) == data[11:11 + sum(sizes)]
+        tail = [memoryview(bytearray(2)), memoryview(bytearray(10))]
+        assert store.readv("a.bin", len(data) - 5, tail) == 5  # fewer at the end
+        assert bytes(tail[0]) + bytes(tail[1])[:3] == data[-5:]
+
     def test_many_ranges_in_the_order_asked(self, store: Store) -> None:
         data = FILES["a.bin"]
         ranges = [(k * 4099 % (len(data) - 500), 500) for k in range(200)][::-1]

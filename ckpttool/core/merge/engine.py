@@ -457,11 +457,14 @@ def _write_derived(reader: Reader, dst: int, t: OutTensor, report: Progress,
 
 
 # A run of a selection at least this long is copied file to file; a selection with shorter
-# runs (a slice of a chunk cut along its last dim: a row-parallel weight's layer) is made
-# whole in memory and written at once (a syscall per row would cost more).
+# runs (a slice of a chunk cut along its last dim: a row-parallel weight's layer) is gathered
+# in memory (a syscall per row would cost more), in blocks of GATHER_BLOCK bytes written one
+# by one (small enough to stay in a core's cache from the reads to the write:
+# tensors.selection_blocks) where nothing is cast, else whole...
 COPY_RUN = 64 << 10
-# Such a selection's stored bytes come in blocks of this size (mapped from the page cache, or
-# read into a buffer this large: tensors.read_boxes).
+GATHER_BLOCK = 1 << 20
+# ...its stored bytes then coming in blocks of this size (mapped from the page cache, or read
+# into a buffer this large: tensors.read_boxes).
 SELECTION_BLOCK = 4 << 20
 
 
@@ -469,9 +472,10 @@ def _write_selection(reader: Reader, dst: int, t: OutTensor, report: Progress,
                      lock: threading.Lock | None) -> None:
     """A selection of a stored tensor (Megatron's layer, q/k/v, gate/up, expert and
     vocabulary slices): each run of stored bytes copied into place file to file (in the
-    kernel) when no run is short and nothing is cast; else the selection read whole (one read
-    per chunk it touches), cast where asked, and written at once. Memory: at most the output
-    tensor, never the stacked one."""
+    kernel) when no run is short and nothing is cast; else gathered a block at a time and
+    written block by block when nothing is cast; else read whole (one read per chunk it
+    touches), cast, and written at once. Memory: at most the output tensor, never the stacked
+    one."""
     d = t.source
     assert isinstance(d, Derived) and d.boxes[0] is not None
     src = d.inputs[0]
@@ -487,6 +491,17 @@ def _write_selection(reader: Reader, dst: int, t: OutTensor, report: Progress,
                     reader.copy_to(p.file, p.start + a * item, dst,
                                    t.slot.begin + (pos + b) * item, n * item)
         report(t.slot.nbytes)
+        return
+    if not t.cast and all(p.start is not None for p in payloads):
+        # Short runs (a row-parallel layer's rows): gathered and written a block at a time,
+        # the lock held only to write (another thread's reads go on meanwhile).
+        at = t.slot.begin
+        for block in tensors.selection_blocks(reader, src, pieces, payloads,
+                                              memoryview(_buffer("gather", GATHER_BLOCK))):
+            with lock or contextlib.nullcontext():
+                pwrite_all(dst, block, at)
+            at += len(block)
+        report(at - t.slot.begin)
         return
     data = tensors.read_boxes(reader, src, d.boxes[0], pieces=pieces,
                               out=memoryview(_buffer("selection", sum(
