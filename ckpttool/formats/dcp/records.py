@@ -11,13 +11,11 @@ import functools
 import math
 import operator
 import struct
-import sys
 import threading
 from array import array
-from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, islice, repeat
+from itertools import compress, repeat
 from typing import Any
 
 from ckpttool.errors import CkptError, InputError
@@ -35,6 +33,7 @@ from ckpttool.formats.base import (
 from ckpttool.formats.codecs import archive, torchsave
 from ckpttool.formats.codecs.crc import crc32
 from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.formats.dcp import vecfill
 
 
 @dataclass(frozen=True)
@@ -250,9 +249,9 @@ class Template:
 
     @functools.cached_property
     def blank(self) -> bytes:
-        """The whole record with every byte that varies zeroed (:func:`_fill_step` compares
+        """The whole record with every byte that varies zeroed (:func:`fill_rows` compares
         many small records with it at once). Built when first asked for: for a large record
-        (a stacked Megatron weight's chunk, tens of MB) only :func:`_fill_step` would need
+        (a stacked Megatron weight's chunk, tens of MB) only :func:`fill_rows` would need
         it, and it never sees one, while building it cost a few hundred milliseconds of page
         faults per template (measured at load 7: 2.5 s of the worker threads' time in a 1 GB
         Megatron merge)."""
@@ -261,6 +260,15 @@ class Template:
         for a, w in self.masked:
             blank[a : a + w] = bytes(w)
         return bytes(blank)
+
+    @functools.cached_property
+    def keep(self) -> bytes:
+        """Per byte of the record, 0xFF where it is compared with :attr:`blank`, 0 where it
+        varies from record to record (the mask :func:`fill_rows` ANDs)."""
+        keep = bytearray(b"\xff") * self.length
+        for a, w in self.masked:
+            keep[a : a + w] = bytes(w)
+        return bytes(keep)
 
     @staticmethod
     def _fields(fields: list[int], order: list[int]) -> struct.Struct:
@@ -335,11 +343,9 @@ def payload_of(chunk: Chunk, rec: TensorRecord, crc: int | None,
 # --------------------------------------------------------------------------------------------
 # Many small records at once: the copy of millions of kilobyte-sized chunks
 
-# Drains an iterator in C (a map of __setitem__: a scatter).
-_consume: Callable[[Iterator[Any]], None] = deque(maxlen=0).extend
-_BIG_ENDIAN = sys.byteorder == "big"
-# Records compared and copied per step (their bytes, joined): bounds the memory it takes.
-_STEP_BYTES = 4 << 20
+# Columns gathered per step (the entries whose CRC-32 is computed, the elements, the
+# positions): bounds the memory a step takes.
+_STEP_BYTES = 8 << 20
 # A span read whole holds at most twice the bytes of its records, and this much more.
 _GAP = 8 << 10
 # Span buffers kept per thread up to this size (a merge window's spans: twice its stored
@@ -379,8 +385,8 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
     if rows is None:
         return result
     failed: set[int] = set()
-    spans, at = _read_spans(rows, pread, readinto, failed)
-    checked = _fill_templates(tensors, rows, spans, at, out, failed, checksums=checksums,
+    flat, at = _read_spans(rows, pread, readinto, failed)
+    checked = _fill_templates(tensors, rows, flat, at, out, failed, checksums=checksums,
                               templates=templates, decode=decode)
     for i in rows.pending:
         if i not in failed:
@@ -490,29 +496,32 @@ def _span_buffer(size: int) -> memoryview:
 
 def _read_spans(rows: _Rows, pread: Callable[[str, int, int], bytes],
                 readinto: Callable[[str, int, memoryview], int], failed: set[int]
-                ) -> tuple[list[memoryview], array[int]]:
-    """Every span read (into the thread's buffer, or by ``pread`` where they claim more than
-    it keeps); the rows of a span whose file ends early dropped (their tensors into
-    ``failed``); where each remaining record lies in its span."""
-    spans: list[memoryview] = []
-    base: list[int] = []
+                ) -> tuple[memoryview | bytes, array[int]]:
+    """Every span read, one after another (into the thread's buffer, or by ``pread`` where
+    they claim more than it keeps); the rows of a span whose file ends early dropped (their
+    tensors into ``failed``); where each remaining record starts in what was read."""
+    starts: list[int] = []  # per span, where it starts in what was read
+    base: list[int] = []  # per span, its offset in its file
     short = []
     total = sum(hi - lo for g in rows.groups for lo, hi in zip(g[2], g[3], strict=True))
     buf = _span_buffer(total) if total <= _KEEP else None
+    pieces: list[bytes] = []
     pos = 0
     for files, first, los, his, _ in rows.groups:
         for j, (f, lo, hi) in enumerate(zip(files, los, his, strict=True)):
             if buf is None:
-                span = memoryview(pread(rows.table.names[f], hi - lo, lo))
-                got = len(span)
+                piece = pread(rows.table.names[f], hi - lo, lo)
+                pieces.append(piece)
+                got = len(piece)
             else:
-                span = buf[pos : pos + hi - lo]
-                pos += hi - lo
-                got = readinto(rows.table.names[f], lo, span)
+                got = readinto(rows.table.names[f], lo, buf[pos : pos + hi - lo])
             if got < hi - lo:  # the file ends early
                 short.append(first + j)
-            spans.append(span)
+            starts.append(pos)
             base.append(lo)
+            pos += got if buf is None else hi - lo
+    flat: memoryview | bytes = buf[:pos] if buf is not None else b"".join(pieces)
+    del pieces
     cspan, co, cl, ck, cs, cd, ct, cg = rows.cols
     if short:
         drop = set(short)
@@ -520,22 +529,30 @@ def _read_spans(rows: _Rows, pread: Callable[[str, int, int], bytes],
         failed.update(compress(ct, [not k for k in keep]))
         rows.cols = tuple(array(c.typecode, compress(c, keep)) for c in rows.cols)
         cspan, co = rows.cols[0], rows.cols[1]
-    return spans, array("q", map(operator.sub, co, map(base.__getitem__, cspan)))
+    shift = list(map(operator.sub, starts, base))
+    return flat, array("q", map(operator.add, co, map(shift.__getitem__, cspan)))
 
 
-def _fill_templates(tensors: Sequence[Tensor], rows: _Rows, spans: list[memoryview],
+def _fill_templates(tensors: Sequence[Tensor], rows: _Rows, flat: memoryview | bytes,
                     at: array[int], out: bytearray, failed: set[int], *, checksums: bool,
                     templates: dict[Any, Template | None],
                     decode: Callable[[Tensor, Chunk], object]) -> list[int]:
-    """The rows filled, run by run of one template; per tensor the bytes checked."""
+    """The rows filled, run by run of one template (:func:`vecfill.fill_template_rows`, in
+    steps of at most ``_STEP_BYTES`` of columns gathered); per tensor the bytes checked."""
+    import numpy as np
+
     _, _, cl, ck, cs, cd, ct, cg = rows.cols
-    checked = [0] * len(tensors)
+    checked = np.zeros(len(tensors), dtype=np.int64)
     kind_of = {v: k for k, v in rows.kinds.items()}
     n_rows = len(ct)
     keys = list(zip(cl, ck, cs, strict=True))
     cuts = [0, *compress(range(1, n_rows), map(operator.ne, keys[1:], keys[:-1])), n_rows
             ] if n_rows else []
-    cspan = rows.cols[0]
+    flat_np = np.frombuffer(flat, dtype=np.uint8)
+    out_np = np.frombuffer(out, dtype=np.uint8)
+    at_np = np.frombuffer(at, dtype=np.int64)
+    dst_np = np.frombuffer(cd, dtype=np.int64)
+    tensor_np = np.frombuffer(ct, dtype=np.int64)
     for a, b in zip(cuts, cuts[1:], strict=False):
         length, kind, s0 = keys[a]
         dtype, rest = kind_of[kind]
@@ -551,17 +568,18 @@ def _fill_templates(tensors: Sequence[Tensor], rows: _Rows, spans: list[memoryvi
         if template is None or template.start is None:
             failed.update(ct[a:b])
             continue
-        step = max(1, _STEP_BYTES // length)
+        nbytes = math.prod(sizes) * dtype.itemsize
+        step = max(1, _STEP_BYTES // (template.checked_bytes + nbytes + 64))
         for p in range(a, b, step):
             q = min(b, p + step)
-            bad = _fill_step(template, out, spans, cspan[p:q], at[p:q], cd[p:q],
-                             math.prod(sizes) * dtype.itemsize, checksums)
-            if bad:
-                failed.update(ct[p + j] for j in bad)
-            if checksums:
-                for i, c in Counter(ct[p:q]).items():
-                    checked[i] += c * template.checked_bytes
-    return checked
+            bad = vecfill.fill_template_rows(template, out_np, flat_np, at_np[p:q],
+                                             dst_np[p:q], nbytes, checksums)
+            if bad.any():
+                failed.update(tensor_np[p:q][bad].tolist())
+        if checksums:
+            checked += np.bincount(tensor_np[a:b], minlength=len(tensors)
+                                   ) * template.checked_bytes
+    return [int(c) for c in checked.tolist()]
 
 
 def _stored_first(tensors: Sequence[Tensor]) -> list[int]:
@@ -575,72 +593,3 @@ def _stored_first(tensors: Sequence[Tensor]) -> list[int]:
         return cols.table.file[cols.first], cols.table.offset[cols.first]
 
     return sorted(range(len(tensors)), key=first)
-
-
-def _fill_step(template: Template, out: bytearray, spans: list[memoryview], files: array[int],
-               at: array[int], dsts: array[int], nbytes: int, checksums: bool) -> list[int]:
-    """Records of ``template`` (in ``spans[files[j]]`` at ``at[j]``): compared, checked, and
-    their ``nbytes`` of elements copied to ``out`` at ``dsts[j]``; the positions of those that
-    do not match or whose CRC-32 fails."""
-    n, size = len(at), template.length
-    stop = n * size
-    block = bytearray().join(map(operator.getitem, map(spans.__getitem__, files),  # type: ignore[arg-type]
-                                 map(slice, at, map(operator.add, at, repeat(size)))))
-    bad: list[int] = []
-    view = memoryview(block)
-    if checksums:
-        for off, length, field in template.checks:
-            got = array("I", map(crc32, map(view.__getitem__, map(
-                slice, range(off, stop, size), range(off + length, stop + length, size)))))
-            raw = bytearray(4 * n)
-            for i in range(4):
-                raw[i::4] = block[field + i :: size]
-            want = array("I", raw)
-            if _BIG_ENDIAN:
-                want.byteswap()
-            if got != want:
-                bad += [j for j, (x, y) in enumerate(zip(got, want, strict=True)) if x != y]
-    assert template.start is not None
-    first = template.head + template.start
-    if nbytes:  # (empty chunks: their records checked, nothing to copy)
-        _copy_elements(out, block, view, dsts, first, size, nbytes)
-    view.release()
-    # Then the bytes that vary are blanked (a column at a time, or a record at a time where
-    # that is fewer steps) and the records compared with the template, all at once: one
-    # memcmp (``bytearray.count`` of a kilobyte pattern searched, several times slower).
-    zeros = bytes(n)
-    for s, w in template.masked:
-        if w <= n:
-            for i in range(s, s + w):
-                block[i::size] = zeros
-        else:
-            _consume(map(block.__setitem__, map(slice, range(s, stop, size),
-                                                range(s + w, stop + w, size)), repeat(bytes(w))))
-    blank = template.blank
-    if block != blank * n:
-        bad += [j for j in range(n) if block[j * size : (j + 1) * size] != blank]
-    return bad
-
-
-def _copy_elements(out: bytearray, block: bytearray, view: memoryview, dsts: array[int],
-                   first: int, size: int, nbytes: int) -> None:
-    """The ``nbytes`` at ``first`` of each record of ``block`` (``size`` bytes each) copied to
-    ``out`` at ``dsts[j]``. Records whose rows follow one another in ``out`` (a tensor's
-    rows, and the tensors of one template that lie back to back: :func:`_row_columns` orders
-    them so) are copied a column of bytes at a time (``nbytes`` strided slices per run), the
-    others one slice each."""
-    n = len(dsts)
-    cuts = [0, *compress(range(1, n), map(operator.ne, map(operator.sub, islice(dsts, 1, None),
-                                                           dsts), repeat(nbytes))), n]
-    for a, b in zip(cuts, cuts[1:], strict=False):
-        m = b - a
-        if m > nbytes:
-            d0, s0 = dsts[a], first + a * size
-            for i in range(nbytes):
-                out[d0 + i : d0 + m * nbytes : nbytes] = block[s0 + i : s0 + i + m * size : size]
-        else:
-            starts = range(first + a * size, first + b * size, size)
-            _consume(map(out.__setitem__,
-                         map(slice, dsts[a:b], map(operator.add, dsts[a:b], repeat(nbytes))),
-                         map(view.__getitem__, map(slice, starts,
-                                                   map(operator.add, starts, repeat(nbytes))))))
