@@ -377,6 +377,8 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
         decode: decodes a chunk in full, which makes its template.
     """
     result: list[int | None] = [None] * len(tensors)
+    if not _have_numpy():  # a run-time dependency, yet installs without it still merge
+        return result
     rows = _row_columns(tensors, dsts)
     if rows is None:
         return result
@@ -388,6 +390,15 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
         if i not in failed:
             result[i] = checked[i]
     return result
+
+
+@functools.cache
+def _have_numpy() -> bool:
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @dataclass
