@@ -423,27 +423,28 @@ class _Rows:
 
 def _row_columns(tensors: Sequence[Tensor], dsts: Sequence[int]) -> _Rows | None:
     """The row chunks of ``tensors`` that :func:`fill_rows` can fill, as columns; None when
-    there are none. Per tensor only its chunks' layout is checked (Shard(0): ``rows``);
-    every per-chunk column is built by numpy from the table's."""
+    there are none. Every per-chunk column, and the check that each chunk spans every
+    dimension but the first whole (Shard(0)), is numpy's work on the table's columns."""
     import numpy as np
 
     table = None
     kinds: dict[tuple[Any, tuple[int, ...]], int] = {}
     taken: list[tuple[int, int, int, int, int, int, int]] = []
+    shapes: list[tuple[int, ...]] = []
     for i, t in enumerate(tensors):
         cols = t.chunks
         if not isinstance(cols, ChunkColumns) or cols.table.encoding != RECORD or \
-                not t.shape or not t.shape[0] or not cols.num_chunks:
+                not t.shape or not t.shape[0] or not cols.num_chunks or \
+                cols.ndim != len(t.shape):
             continue
         if table is None:
             table = cols.table
         elif cols.table is not table:
             continue
-        if cols.rows(t.shape) is None:
-            continue
         kind = kinds.setdefault((t.dtype, t.shape[1:]), len(kinds))
         taken.append((i, cols.first, cols.num_chunks, cols.box, 2 * cols.ndim,
                       t.nbytes // t.shape[0], kind))
+        shapes.append(t.shape)
     if table is None or not taken:
         return None
     i_, t_first, num, t_box, t_step, t_row, t_kind = (
@@ -453,19 +454,31 @@ def _row_columns(tensors: Sequence[Tensor], dsts: Sequence[int]) -> _Rows | None
     local = np.arange(int(num.sum()), dtype=np.int64) - np.repeat(begin, num)
     g = np.repeat(t_first, num) + local
     length = np.asarray(table.length)[g].astype(np.int64)
-    # Tensors with a record too large to read with others are left to the caller.
-    small = np.maximum.reduceat(length, begin) <= SMALL_RECORD
-    if not small.all():
-        keep = np.repeat(small, num)
-        i_, num, t_box, t_step, t_row, t_kind, dst = (
-            c[small] for c in (i_, num, t_box, t_step, t_row, t_kind, dst))
-        g, length, local = g[keep], length[keep], local[keep]
+    boxes = np.asarray(table.boxes)
+    at = np.repeat(t_box, num) + np.repeat(t_step, num) * local  # each chunk's box
+    # Tensors with a record too large to read with others are left to the caller, and so
+    # are those with a chunk that does not span another dimension whole (not Shard(0)).
+    ok = np.maximum.reduceat(length, begin) <= SMALL_RECORD
+    tensor_of = np.repeat(np.arange(len(i_)), num)
+    nd_of = np.repeat(t_step // 2, num)
+    for d in range(1, max(map(len, shapes))):
+        has = nd_of > d
+        want = np.repeat(np.array([s[d] if len(s) > d else 0 for s in shapes],
+                                  dtype=np.int64), num)[has]
+        box = at[has]
+        off = box + d
+        size = box + nd_of[has] + d
+        wrong = (boxes[off] != 0) | (boxes[size] != want)
+        if wrong.any():
+            ok &= np.bincount(tensor_of[has][wrong], minlength=len(i_)) == 0
+    if not ok.all():
+        keep = np.repeat(ok, num)
+        i_, num, t_row, t_kind, dst = (c[ok] for c in (i_, num, t_row, t_kind, dst))
+        g, length, at, nd_of = g[keep], length[keep], at[keep], nd_of[keep]
         if not len(i_):
             return None
-    boxes = np.asarray(table.boxes)
-    at = np.repeat(t_box, num) + np.repeat(t_step, num) * local
     offs0 = boxes[at].astype(np.int64)
-    size0 = boxes[at + np.repeat(t_step // 2, num)].astype(np.int64)
+    size0 = boxes[at + nd_of].astype(np.int64)
     rdst = np.repeat(dst, num) + offs0 * np.repeat(t_row, num)
     rkind = np.repeat(t_kind, num)
     # By template (kind, record length, rows per chunk), then by where they go: the rows of
