@@ -426,6 +426,39 @@ def test_fill_rows_withholds_a_tensor_whose_checksum_fails(moe: Path, tmp_path: 
     assert sum(v is not None for v in checked) == len(ts) - 1
 
 
+@pytest.mark.parametrize("entry", ["data.pkl", "byteorder", ".format_version"])
+def test_fill_rows_withholds_a_record_unlike_its_neighbours(entry: str, moe: Path,
+                                                            tmp_path: Path) -> None:
+    """A byte changed in one record amid records that lie back to back (compared in place,
+    in runs, by ``fill_rows``): that tensor alone is withheld, with or without checksums
+    (``data.pkl`` and ``byteorder`` are compared with the template; ``.format_version``'s
+    CRC-32 is computed), and every other tensor is filled as a full decode fills it."""
+    from ckpttool.formats.dcp import records
+
+    damaged = _copy(moe, tmp_path)
+    info = dcp.read_info(damaged)
+    t, c = _late_chunk(info)
+    path = damaged / c.file
+    data = bytearray(path.read_bytes())
+    ts = list(info.tensors)
+    dsts = list(itertools.accumulate((x.nbytes for x in ts), initial=0))
+    i = next(j for j, x in enumerate(ts) if x.name == t.name)
+    with open(path, "rb") as f:
+        entries = records.record_entries(lambda size, off: (f.seek(off), f.read(size))[1],
+                                         offset=c.offset, length=c.length, where=c.file)
+    (e,) = (e for e in entries if e.name.endswith(entry))
+    data[e.data_offset] ^= 0x01
+    path.write_bytes(data)
+    with dcp.DcpReader(info) as r, dcp.DcpReader(info, templates=False) as full:
+        for checksums in ([True] if entry == ".format_version" else [False, True]):
+            out = bytearray(dsts[-1])
+            got = r.fill_rows(ts, out, dsts[:-1], checksums=checksums)
+            assert got[i] is None, checksums
+            assert sum(v is None for v in got) == 1
+            for j in (0, i - 1, i + 1, len(ts) - 1):
+                assert bytes(out[dsts[j] : dsts[j + 1]]) == _whole(full, ts[j])
+
+
 @pytest.mark.parametrize("name", ["model.model.embed_tokens.weight",
                                   "model.model.layers.1.mlp.experts.2.up_proj.weight"])
 def test_any_header_byte_changed_fills_as_a_full_decode(name: str, moe: Path,

@@ -11,13 +11,9 @@ import functools
 import math
 import operator
 import struct
-import sys
 import threading
-from array import array
-from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from itertools import compress, islice, repeat
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ckpttool.errors import CkptError, InputError
@@ -35,6 +31,7 @@ from ckpttool.formats.base import (
 from ckpttool.formats.codecs import archive, torchsave
 from ckpttool.formats.codecs.crc import crc32
 from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.formats.dcp import vecfill
 
 
 @dataclass(frozen=True)
@@ -250,9 +247,9 @@ class Template:
 
     @functools.cached_property
     def blank(self) -> bytes:
-        """The whole record with every byte that varies zeroed (:func:`_fill_step` compares
+        """The whole record with every byte that varies zeroed (:func:`fill_rows` compares
         many small records with it at once). Built when first asked for: for a large record
-        (a stacked Megatron weight's chunk, tens of MB) only :func:`_fill_step` would need
+        (a stacked Megatron weight's chunk, tens of MB) only :func:`fill_rows` would need
         it, and it never sees one, while building it cost a few hundred milliseconds of page
         faults per template (measured at load 7: 2.5 s of the worker threads' time in a 1 GB
         Megatron merge)."""
@@ -261,6 +258,15 @@ class Template:
         for a, w in self.masked:
             blank[a : a + w] = bytes(w)
         return bytes(blank)
+
+    @functools.cached_property
+    def keep(self) -> bytes:
+        """Per byte of the record, 0xFF where it is compared with :attr:`blank`, 0 where it
+        varies from record to record (the mask :func:`fill_rows` ANDs)."""
+        keep = bytearray(b"\xff") * self.length
+        for a, w in self.masked:
+            keep[a : a + w] = bytes(w)
+        return bytes(keep)
 
     @staticmethod
     def _fields(fields: list[int], order: list[int]) -> struct.Struct:
@@ -335,13 +341,9 @@ def payload_of(chunk: Chunk, rec: TensorRecord, crc: int | None,
 # --------------------------------------------------------------------------------------------
 # Many small records at once: the copy of millions of kilobyte-sized chunks
 
-# Drains an iterator in C (a map of __setitem__: a scatter).
-_consume: Callable[[Iterator[Any]], None] = deque(maxlen=0).extend
-_BIG_ENDIAN = sys.byteorder == "big"
-# Records compared and copied per step (their bytes, joined): bounds the memory it takes.
-_STEP_BYTES = 4 << 20
-# A span read whole holds at most twice the bytes of its records, and this much more.
-_GAP = 8 << 10
+# Columns gathered per step (the entries whose CRC-32 is computed, the elements, the
+# positions): bounds the memory a step takes.
+_STEP_BYTES = 8 << 20
 # Span buffers kept per thread up to this size (a merge window's spans: twice its stored
 # bytes at most, engine.WINDOW_STORED); larger ones are made for the call.
 _KEEP = 80 << 20
@@ -359,12 +361,12 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
     was not made whole (another layout, a record unlike its template, a checksum that fails, a
     file that ends early): the caller reads that one its own way, which says what is wrong.
 
-    Nothing is done per chunk in Python: the rows of all tensors are columns; the records
-    of tensors stored together are read in one piece per file (where they are at least half
-    of it); records of one length, dtype and size (a template) are
-    joined, compared with the template with their varying bytes blanked (one comparison),
-    their CRC-32s computed and compared as columns, and their elements copied by strided
-    slices (or one slice each) into ``out``.
+    Nothing is done per chunk in Python: the rows of all tensors are numpy columns; the
+    records are read in spans, one per stretch of a file where they lie close together
+    (a span holds at most twice the bytes of its records); the records of one length, dtype
+    and size (a template) are compared with the template and their CRC-32s computed and
+    compared as byte matrices, and their elements copied into ``out``
+    (:func:`vecfill.fill_template_rows`).
 
     Args:
         templates: the reader's templates, by (record length, dtype name, sizes).
@@ -375,12 +377,14 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
         decode: decodes a chunk in full, which makes its template.
     """
     result: list[int | None] = [None] * len(tensors)
+    if not _have_numpy():  # a run-time dependency, yet installs without it still merge
+        return result
     rows = _row_columns(tensors, dsts)
     if rows is None:
         return result
     failed: set[int] = set()
-    spans, at = _read_spans(rows, pread, readinto, failed)
-    checked = _fill_templates(tensors, rows, spans, at, out, failed, checksums=checksums,
+    flat, pos = _read_spans(rows, pread, readinto, failed)
+    checked = _fill_templates(tensors, rows, flat, pos, out, failed, checksums=checksums,
                               templates=templates, decode=decode)
     for i in rows.pending:
         if i not in failed:
@@ -388,92 +392,105 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
     return result
 
 
+@functools.cache
+def _have_numpy() -> bool:
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @dataclass
 class _Rows:
-    """The row chunks :func:`fill_rows` fills, as columns: per row its span, offset, length,
-    kind (dtype and trailing shape), size along dim 0, destination, tensor and table row;
-    the spans to read (per group of tensors stored together: its files, its first span, per
-    file the first offset, the last end and the bytes used); the tensors taken."""
+    """The row chunks :func:`fill_rows` fills, as numpy columns in the order they are
+    filled (by template, then destination): per row its table row, file, offset, length,
+    size along dim 0, kind (dtype and trailing shape), destination and tensor; the tensors
+    taken."""
 
     table: Any
-    kinds: dict[tuple[Any, tuple[int, ...]], int]
-    groups: list[list[Any]]
+    kinds: list[tuple[Any, tuple[int, ...]]]
     pending: list[int]
-    cols: tuple[array[int], ...] = field(default_factory=lambda: tuple(
-        array("q") for _ in range(8)))
+    g: Any
+    file: Any
+    offset: Any
+    length: Any
+    size0: Any
+    kind: Any
+    dst: Any
+    tensor: Any
 
 
 def _row_columns(tensors: Sequence[Tensor], dsts: Sequence[int]) -> _Rows | None:
     """The row chunks of ``tensors`` that :func:`fill_rows` can fill, as columns; None when
-    there are none. The chunks of most tensors lie in the same files in the same order (one
-    per rank): a group of such tensors reads one span per file, as long as its records are
-    most of the span."""
+    there are none. Every per-chunk column, and the check that each chunk spans every
+    dimension but the first whole (Shard(0)), is numpy's work on the table's columns."""
+    import numpy as np
+
     table = None
-    rows = _Rows(None, {}, [], [])
-    cspan, co, cl, ck, cs, cd, ct, cg = rows.cols
-    open_groups: dict[bytes, list[Any]] = {}
-    groups = rows.groups
-    taken: list[tuple[tuple[int, int, int, int], int, int, array[int], array[int], array[int],
-                      array[int], array[int]]] = []
-    for i in _stored_first(tensors):
-        t = tensors[i]
+    kinds: dict[tuple[Any, tuple[int, ...]], int] = {}
+    taken: list[tuple[int, int, int, int, int, int, int]] = []
+    shapes: list[tuple[int, ...]] = []
+    for i, t in enumerate(tensors):
         cols = t.chunks
         if not isinstance(cols, ChunkColumns) or cols.table.encoding != RECORD or \
-                not t.shape or not t.shape[0]:
+                not t.shape or not t.shape[0] or not cols.num_chunks or \
+                cols.ndim != len(t.shape):
             continue
         if table is None:
             table = cols.table
         elif cols.table is not table:
             continue
-        found = cols.rows(t.shape)
-        if found is None:
-            continue
-        offs0, sizes0 = found
-        a, n = cols.first, cols.num_chunks
-        files, offs, lens = table.file[a : a + n], table.offset[a : a + n], table.length[a : a + n]
-        g = array("q", range(a, a + n))
-        if not n or max(lens) > SMALL_RECORD:
-            continue
-        ends = list(map(operator.add, offs, lens))
-        key = files.tobytes()
-        group = open_groups.get(key)
-        if group is not None:
-            lo = list(map(min, group[2], offs))
-            hi = list(map(max, group[3], ends))
-            used = list(map(operator.add, group[4], lens))
-            if all(map(operator.le, map(operator.sub, hi, lo),
-                       map(operator.add, map(operator.add, used, used), repeat(_GAP)))):
-                group[2:] = lo, hi, used
-            else:
-                group = None
-        if group is None:
-            first = groups[-1][1] + len(groups[-1][0]) if groups else 0
-            group = [files, first, list(offs), ends, list(lens)]
-            groups.append(group)
-            open_groups[key] = group
-        kind = rows.kinds.setdefault((t.dtype, t.shape[1:]), len(rows.kinds))
-        taken.append(((kind, lens[0], sizes0[0], dsts[i]), i, group[1], offs, lens, offs0,
-                      sizes0, g))
-        rows.pending.append(i)
-    if table is None or not rows.pending:
+        kind = kinds.setdefault((t.dtype, t.shape[1:]), len(kinds))
+        taken.append((i, cols.first, cols.num_chunks, cols.box, 2 * cols.ndim,
+                      t.nbytes // t.shape[0], kind))
+        shapes.append(t.shape)
+    if table is None or not taken:
         return None
-    # The rows by template, then by where they go: the tensors of one template that follow
-    # one another in ``out`` are then one run of rows back to back (copied a column of
-    # bytes at a time, :func:`_copy_elements`), not a run per tensor in stored order.
-    taken.sort(key=operator.itemgetter(0))
-    for (kind, _, _, dst), i, first, offs, lens, offs0, sizes0, g in taken:
-        n = len(offs)
-        row = tensors[i].nbytes // tensors[i].shape[0]
-        cspan.extend(range(first, first + n))
-        co.extend(offs)
-        cl.extend(lens)
-        cs.extend(sizes0)
-        cd.extend(map(operator.add, map(operator.mul, offs0, repeat(row)), repeat(dst)))
-        ct.extend(repeat(i, n))
-        ck.extend(repeat(kind, n))
-        cg.extend(g)
-    rows.table = table
-    return rows
+    i_, t_first, num, t_box, t_step, t_row, t_kind = (
+        np.array(c, dtype=np.int64) for c in zip(*taken, strict=True))
+    dst = np.array([dsts[i] for i in i_.tolist()], dtype=np.int64)
+    begin = np.cumsum(num) - num  # each tensor's first row in the columns
+    local = np.arange(int(num.sum()), dtype=np.int64) - np.repeat(begin, num)
+    g = np.repeat(t_first, num) + local
+    length = np.asarray(table.length)[g].astype(np.int64)
+    boxes = np.asarray(table.boxes)
+    at = np.repeat(t_box, num) + np.repeat(t_step, num) * local  # each chunk's box
+    # Tensors with a record too large to read with others are left to the caller, and so
+    # are those with a chunk that does not span another dimension whole (not Shard(0)).
+    ok = np.maximum.reduceat(length, begin) <= SMALL_RECORD
+    tensor_of = np.repeat(np.arange(len(i_)), num)
+    nd_of = np.repeat(t_step // 2, num)
+    for d in range(1, max(map(len, shapes))):
+        has = nd_of > d
+        want = np.repeat(np.array([s[d] if len(s) > d else 0 for s in shapes],
+                                  dtype=np.int64), num)[has]
+        box = at[has]
+        off = box + d
+        size = box + nd_of[has] + d
+        wrong = (boxes[off] != 0) | (boxes[size] != want)
+        if wrong.any():
+            ok &= np.bincount(tensor_of[has][wrong], minlength=len(i_)) == 0
+    if not ok.all():
+        keep = np.repeat(ok, num)
+        i_, num, t_row, t_kind, dst = (c[ok] for c in (i_, num, t_row, t_kind, dst))
+        g, length, at, nd_of = g[keep], length[keep], at[keep], nd_of[keep]
+        if not len(i_):
+            return None
+    offs0 = boxes[at].astype(np.int64)
+    size0 = boxes[at + nd_of].astype(np.int64)
+    rdst = np.repeat(dst, num) + offs0 * np.repeat(t_row, num)
+    rkind = np.repeat(t_kind, num)
+    # By template (kind, record length, rows per chunk), then by where they go: the rows of
+    # one template that follow one another in ``out`` are then copied as one run.
+    order = np.lexsort((rdst, size0, length, rkind))
+    g = g[order]
+    return _Rows(
+        table=table, kinds=list(kinds), pending=i_.tolist(), g=g,
+        file=np.asarray(table.file)[g].astype(np.int64),
+        offset=np.asarray(table.offset)[g].astype(np.int64),
+        length=length[order], size0=size0[order], kind=rkind[order], dst=rdst[order],
+        tensor=np.repeat(i_, num)[order])
 
 
 def _span_buffer(size: int) -> memoryview:
@@ -490,157 +507,113 @@ def _span_buffer(size: int) -> memoryview:
 
 def _read_spans(rows: _Rows, pread: Callable[[str, int, int], bytes],
                 readinto: Callable[[str, int, memoryview], int], failed: set[int]
-                ) -> tuple[list[memoryview], array[int]]:
-    """Every span read (into the thread's buffer, or by ``pread`` where they claim more than
-    it keeps); the rows of a span whose file ends early dropped (their tensors into
-    ``failed``); where each remaining record lies in its span."""
-    spans: list[memoryview] = []
-    base: list[int] = []
-    short = []
-    total = sum(hi - lo for g in rows.groups for lo, hi in zip(g[2], g[3], strict=True))
+                ) -> tuple[memoryview | bytes, Any]:
+    """The records read in spans, one after another (into the thread's buffer, or by
+    ``pread`` where they claim more than it keeps): per file, in offset order, a record
+    joins the span before it where the hole between them is at most its own length (a span
+    holds at most twice its records' bytes); the rows of a span whose file ends early
+    dropped (their tensors into ``failed``); where each remaining record starts in what
+    was read."""
+    import numpy as np
+
+    n = len(rows.g)
+    by_place = np.lexsort((rows.offset, rows.file))
+    f, off = rows.file[by_place], rows.offset[by_place]
+    end = off + rows.length[by_place]
+    # The furthest end so far within each file (files ascend: an earlier file's ends are
+    # below any of this one's once shifted by the file's number times the largest end).
+    scale = int(end.max()) + 1 if n else 1
+    if n and scale * (int(f.max()) + 1) < 1 << 62:
+        reach = np.maximum.accumulate(end + f * scale) - f * scale
+    else:  # offsets no file has (a damaged .metadata): the same, one row at a time
+        reach = end.copy()
+        for k in range(1, n):
+            if f[k] == f[k - 1] and reach[k - 1] > reach[k]:
+                reach[k] = reach[k - 1]
+    new = np.ones(n, dtype=np.bool_)
+    if n > 1:
+        new[1:] = (f[1:] != f[:-1]) | (off[1:] - reach[:-1] > rows.length[by_place][1:])
+    first = np.flatnonzero(new)
+    span_of = np.cumsum(new) - 1  # per row in place order
+    lo = off[first]
+    hi = np.maximum.reduceat(reach, first) if n else reach
+    total = int((hi - lo).sum())
     buf = _span_buffer(total) if total <= _KEEP else None
-    pos = 0
-    for files, first, los, his, _ in rows.groups:
-        for j, (f, lo, hi) in enumerate(zip(files, los, his, strict=True)):
-            if buf is None:
-                span = memoryview(pread(rows.table.names[f], hi - lo, lo))
-                got = len(span)
-            else:
-                span = buf[pos : pos + hi - lo]
-                pos += hi - lo
-                got = readinto(rows.table.names[f], lo, span)
-            if got < hi - lo:  # the file ends early
-                short.append(first + j)
-            spans.append(span)
-            base.append(lo)
-    cspan, co, cl, ck, cs, cd, ct, cg = rows.cols
+    pieces: list[bytes] = []
+    starts: list[int] = []
+    short: list[int] = []
+    at = 0
+    for j, (name, a, b) in enumerate(zip(f[first].tolist(), lo.tolist(), hi.tolist(),
+                                         strict=True)):
+        file = rows.table.names[name]
+        if buf is None:
+            piece = pread(file, b - a, a)
+            pieces.append(piece)
+            got = len(piece)
+        else:
+            got = readinto(file, a, buf[at : at + b - a])
+        if got < b - a:  # the file ends early
+            short.append(j)
+        starts.append(at)
+        at += got if buf is None else b - a
+    flat: memoryview | bytes = buf[:at] if buf is not None else b"".join(pieces)
+    del pieces
+    place = np.empty(n, dtype=np.int64)
+    place[by_place] = np.asarray(starts, dtype=np.int64)[span_of] + (off - lo[span_of])
     if short:
-        drop = set(short)
-        keep = [j not in drop for j in cspan]
-        failed.update(compress(ct, [not k for k in keep]))
-        rows.cols = tuple(array(c.typecode, compress(c, keep)) for c in rows.cols)
-        cspan, co = rows.cols[0], rows.cols[1]
-    return spans, array("q", map(operator.sub, co, map(base.__getitem__, cspan)))
+        dropped = np.zeros(n, dtype=np.bool_)
+        dropped[by_place] = np.isin(span_of, short)
+        failed.update(np.unique(rows.tensor[dropped]).tolist())
+        kept = ~dropped
+        for name in ("g", "file", "offset", "length", "size0", "kind", "dst", "tensor"):
+            setattr(rows, name, getattr(rows, name)[kept])
+        place = place[kept]
+    return flat, place
 
 
-def _fill_templates(tensors: Sequence[Tensor], rows: _Rows, spans: list[memoryview],
-                    at: array[int], out: bytearray, failed: set[int], *, checksums: bool,
+def _fill_templates(tensors: Sequence[Tensor], rows: _Rows, flat: memoryview | bytes,
+                    pos: Any, out: bytearray, failed: set[int], *, checksums: bool,
                     templates: dict[Any, Template | None],
                     decode: Callable[[Tensor, Chunk], object]) -> list[int]:
-    """The rows filled, run by run of one template; per tensor the bytes checked."""
-    _, _, cl, ck, cs, cd, ct, cg = rows.cols
-    checked = [0] * len(tensors)
-    kind_of = {v: k for k, v in rows.kinds.items()}
-    n_rows = len(ct)
-    keys = list(zip(cl, ck, cs, strict=True))
-    cuts = [0, *compress(range(1, n_rows), map(operator.ne, keys[1:], keys[:-1])), n_rows
-            ] if n_rows else []
-    cspan = rows.cols[0]
+    """The rows filled, run by run of one template (:func:`vecfill.fill_template_rows`, in
+    steps of at most ``_STEP_BYTES`` of columns gathered); per tensor the bytes checked."""
+    import numpy as np
+
+    checked = np.zeros(len(tensors), dtype=np.int64)
+    n_rows = len(rows.g)
+    if not n_rows:
+        return [int(c) for c in checked.tolist()]
+    keys = (rows.length, rows.kind, rows.size0)
+    change = np.zeros(n_rows - 1, dtype=np.bool_)
+    for k in keys:
+        change |= k[1:] != k[:-1]
+    cuts = [0, *(np.flatnonzero(change) + 1).tolist(), n_rows]
+    flat_np = np.frombuffer(flat, dtype=np.uint8)
+    out_np = np.frombuffer(out, dtype=np.uint8)
     for a, b in zip(cuts, cuts[1:], strict=False):
-        length, kind, s0 = keys[a]
-        dtype, rest = kind_of[kind]
+        length, kind, s0 = (int(k[a]) for k in keys)
+        dtype, rest = rows.kinds[kind]
         sizes = (s0, *rest)
         tkey = (length, dtype.name, sizes)
         if tkey not in templates:  # the first of its kind: decoded in full, which makes it
-            t = tensors[ct[a]]
+            t = tensors[int(rows.tensor[a])]
             cols = t.chunks
             assert isinstance(cols, ChunkColumns)
             with contextlib.suppress(CkptError):
-                decode(t, cols[cg[a] - cols.first])
+                decode(t, cols[int(rows.g[a]) - cols.first])
         template = templates.get(tkey)
         if template is None or template.start is None:
-            failed.update(ct[a:b])
+            failed.update(rows.tensor[a:b].tolist())
             continue
-        step = max(1, _STEP_BYTES // length)
+        nbytes = math.prod(sizes) * dtype.itemsize
+        step = max(1, _STEP_BYTES // (template.checked_bytes + nbytes + 64))
         for p in range(a, b, step):
             q = min(b, p + step)
-            bad = _fill_step(template, out, spans, cspan[p:q], at[p:q], cd[p:q],
-                             math.prod(sizes) * dtype.itemsize, checksums)
-            if bad:
-                failed.update(ct[p + j] for j in bad)
-            if checksums:
-                for i, c in Counter(ct[p:q]).items():
-                    checked[i] += c * template.checked_bytes
-    return checked
-
-
-def _stored_first(tensors: Sequence[Tensor]) -> list[int]:
-    """The tensors' positions in the order their first chunks are stored: the order a writer
-    wrote them in, in which the records of consecutive tensors lie together in each file (a
-    window's output order, by name, jumps back and forth)."""
-    def first(i: int) -> tuple[int, int]:
-        cols = tensors[i].chunks
-        if not isinstance(cols, ChunkColumns) or not cols.num_chunks:
-            return (-1, -1)
-        return cols.table.file[cols.first], cols.table.offset[cols.first]
-
-    return sorted(range(len(tensors)), key=first)
-
-
-def _fill_step(template: Template, out: bytearray, spans: list[memoryview], files: array[int],
-               at: array[int], dsts: array[int], nbytes: int, checksums: bool) -> list[int]:
-    """Records of ``template`` (in ``spans[files[j]]`` at ``at[j]``): compared, checked, and
-    their ``nbytes`` of elements copied to ``out`` at ``dsts[j]``; the positions of those that
-    do not match or whose CRC-32 fails."""
-    n, size = len(at), template.length
-    stop = n * size
-    block = bytearray().join(map(operator.getitem, map(spans.__getitem__, files),  # type: ignore[arg-type]
-                                 map(slice, at, map(operator.add, at, repeat(size)))))
-    bad: list[int] = []
-    view = memoryview(block)
-    if checksums:
-        for off, length, field in template.checks:
-            got = array("I", map(crc32, map(view.__getitem__, map(
-                slice, range(off, stop, size), range(off + length, stop + length, size)))))
-            raw = bytearray(4 * n)
-            for i in range(4):
-                raw[i::4] = block[field + i :: size]
-            want = array("I", raw)
-            if _BIG_ENDIAN:
-                want.byteswap()
-            if got != want:
-                bad += [j for j, (x, y) in enumerate(zip(got, want, strict=True)) if x != y]
-    assert template.start is not None
-    first = template.head + template.start
-    if nbytes:  # (empty chunks: their records checked, nothing to copy)
-        _copy_elements(out, block, view, dsts, first, size, nbytes)
-    view.release()
-    # Then the bytes that vary are blanked (a column at a time, or a record at a time where
-    # that is fewer steps) and the records compared with the template, all at once: one
-    # memcmp (``bytearray.count`` of a kilobyte pattern searched, several times slower).
-    zeros = bytes(n)
-    for s, w in template.masked:
-        if w <= n:
-            for i in range(s, s + w):
-                block[i::size] = zeros
-        else:
-            _consume(map(block.__setitem__, map(slice, range(s, stop, size),
-                                                range(s + w, stop + w, size)), repeat(bytes(w))))
-    blank = template.blank
-    if block != blank * n:
-        bad += [j for j in range(n) if block[j * size : (j + 1) * size] != blank]
-    return bad
-
-
-def _copy_elements(out: bytearray, block: bytearray, view: memoryview, dsts: array[int],
-                   first: int, size: int, nbytes: int) -> None:
-    """The ``nbytes`` at ``first`` of each record of ``block`` (``size`` bytes each) copied to
-    ``out`` at ``dsts[j]``. Records whose rows follow one another in ``out`` (a tensor's
-    rows, and the tensors of one template that lie back to back: :func:`_row_columns` orders
-    them so) are copied a column of bytes at a time (``nbytes`` strided slices per run), the
-    others one slice each."""
-    n = len(dsts)
-    cuts = [0, *compress(range(1, n), map(operator.ne, map(operator.sub, islice(dsts, 1, None),
-                                                           dsts), repeat(nbytes))), n]
-    for a, b in zip(cuts, cuts[1:], strict=False):
-        m = b - a
-        if m > nbytes:
-            d0, s0 = dsts[a], first + a * size
-            for i in range(nbytes):
-                out[d0 + i : d0 + m * nbytes : nbytes] = block[s0 + i : s0 + i + m * size : size]
-        else:
-            starts = range(first + a * size, first + b * size, size)
-            _consume(map(out.__setitem__,
-                         map(slice, dsts[a:b], map(operator.add, dsts[a:b], repeat(nbytes))),
-                         map(view.__getitem__, map(slice, starts,
-                                                   map(operator.add, starts, repeat(nbytes))))))
+            bad = vecfill.fill_template_rows(template, out_np, flat_np, pos[p:q],
+                                             rows.dst[p:q], nbytes, checksums)
+            if bad.any():
+                failed.update(rows.tensor[p:q][bad].tolist())
+        if checksums:
+            checked += np.bincount(rows.tensor[a:b], minlength=len(tensors)
+                                   ) * template.checked_bytes
+    return [int(c) for c in checked.tolist()]
