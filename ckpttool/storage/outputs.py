@@ -74,7 +74,7 @@ def _step(hook: str = "CKPTTOOL_TEST_FAULT") -> None:
             f.write(str(os.getpid()))
         for _ in range(1200):  # until a signal comes (one held back is pending), at most 60 s
             time.sleep(0.05)
-            if signal.sigpending():
+            if signal.sigpending() or any(_deferred):
                 break
 
 
@@ -546,16 +546,39 @@ class AtomicOutputs:
 @contextlib.contextmanager
 def _signals_deferred() -> Iterator[None]:
     """Hold SIGINT and SIGTERM back while the output is published (a Ctrl-C there would leave
-    half of the new files in place); they are delivered when it is done."""
+    half of the new files in place); they are delivered when it is done.
+
+    Blocking them in this thread is not enough: a process-directed signal goes to any thread
+    that lets it through, and libraries start threads of their own (numpy's and torch's
+    thread pools, born with the mask of their time), whose C-level handler then has the main
+    thread run the Python one at its next step. So the Python handlers are swapped too, for
+    one that only notes the signal, and a noted signal is raised again when the output is
+    published."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = {signal.SIGINT, signal.SIGTERM}
+    held = (signal.SIGINT, signal.SIGTERM)
+    noted: list[int] = []
+
+    def note(signum: int, frame: object) -> None:
+        noted.append(signum)
+
+    handlers = {s: signal.signal(s, note) for s in held}
     old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    _deferred.append(noted)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        _deferred.remove(noted)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)  # one held back here is delivered now
+        for s in dict.fromkeys(noted):
+            signal.raise_signal(s)
+
+
+# The signals noted while an output is published (the test hook's pause ends on one).
+_deferred: list[list[int]] = []
 
 
 # --------------------------------------------------------------------------------------------
