@@ -573,8 +573,8 @@ def _signals_deferred() -> Iterator[None]:
         for s, handler in handlers.items():
             signal.signal(s, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, old)  # one held back here is delivered now
-        for s in dict.fromkeys(noted):
-            signal.raise_signal(s)
+        for signum in dict.fromkeys(noted):
+            signal.raise_signal(signum)
 
 
 # The signals noted while an output is published (the test hook's pause ends on one).
