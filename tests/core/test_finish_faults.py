@@ -164,4 +164,7 @@ def test_reshard_overwrite_killed_or_interrupted_at_every_step(llama_ckpt: Path,
             assert "the copy is incomplete" in r.output, r.output
     else:
         raise AssertionError("reshard never finished")
-    assert {"old", "none"} <= seen
+    if how == "kill":
+        assert {"old", "none"} <= seen
+    else:  # a Ctrl-C while the output is published waits for it (torch's threads included)
+        assert seen == {"old", "new"}
