@@ -24,11 +24,15 @@ from ckpttool.formats import megatron
 from ckpttool.formats.base import Tensor
 from ckpttool.formats.codecs.dtypes import DType
 from tests.core.test_merge import assert_bit_exact, load_out
-from tests.megatron_layouts import hf_reference
+from tests.megatron_layouts import MEGATRON, hf_reference
 
 DATA = Path(__file__).parents[1] / "data" / "megatron"
-DEEPSEEK = ["deepseek_v3-tp2", "deepseek_v3-ep2", "deepseek_v3-mtp"]
+DEEPSEEK = ["deepseek_v3-tp2", "deepseek_v3-ep2", "deepseek_v3-mtp", "deepseek_v3-mtp2",
+            "deepseek_v3-pp2", "deepseek_v3-yarn"]
 MTP = DATA / "deepseek_v3-mtp"  # mtp_num_layers 1 after 2 decoder layers, TP 2
+# mtp_num_layers 2 (EP 2); PP 2 with the MTP layer on the last stage
+MTP_RUNS = ["deepseek_v3-mtp", "deepseek_v3-mtp2", "deepseek_v3-pp2"]
+YARN = DATA / "deepseek_v3-yarn"  # YaRN as MLA's default (rope_type unset in args), TP 2
 COMMON_STATE = DATA / "llama-common_state"
 
 # fp32 forward passes of the same weights: Megatron's on an H200 (TF32 off), transformers'
@@ -172,12 +176,16 @@ def test_deepseek_v3_config_derived_from_args(name: str, tmp_path: Path) -> None
 def test_deepseek_v3_inspect_shows_the_layout() -> None:
     for name, layout in (("deepseek_v3-tp2", "TP 2 x PP 1 x EP 1; 3 layers, 64 hidden"),
                          ("deepseek_v3-mtp", "TP 2 x PP 1 x EP 1; 2 layers, 64 hidden"),
-                         ("deepseek_v3-ep2", "TP 1 x PP 1 x EP 2; 2 layers, 64 hidden")):
+                         ("deepseek_v3-ep2", "TP 1 x PP 1 x EP 2; 2 layers, 64 hidden"),
+                         ("deepseek_v3-pp2", "TP 1 x PP 2 x EP 1; 2 layers, 64 hidden"),
+                         ("deepseek_v3-mtp2", "TP 1 x PP 1 x EP 2; 2 layers, 64 hidden")):
         r = run_cli("inspect", DATA / name)
         assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
         assert f"Megatron-Core torch_dist; iteration 2; {layout}" in r.stdout  # type: ignore[attr-defined]
     r = run_cli("inspect", MTP)
     assert "64 vocab (padded), 1 MTP layers" in r.stdout  # type: ignore[attr-defined]
+    r = run_cli("inspect", DATA / "deepseek_v3-mtp2")
+    assert "64 vocab (padded), 2 MTP layers" in r.stdout  # type: ignore[attr-defined]
 
 
 def test_deepseek_v3_config_of_another_model_is_exit_3_before_writing(tmp_path: Path) -> None:
@@ -194,55 +202,110 @@ def test_deepseek_v3_config_of_another_model_is_exit_3_before_writing(tmp_path: 
     assert not out.exists()
 
 
-def test_mtp_layer_computes_megatrons_mtp_logits(
-        merged: dict[str, tuple[Path, ckpttool.MergeReport]]) -> None:
-    """The MTP layer's meaning, not only its bytes: DeepSeek-V3's MTP module computed by hand
+@pytest.mark.parametrize("name", MTP_RUNS)
+def test_mtp_layers_compute_megatrons_mtp_logits(
+        name: str, merged: dict[str, tuple[Path, ckpttool.MergeReport]]) -> None:
+    """The MTP layers' meaning, not only their bytes: DeepSeek-V3's MTP modules computed by hand
     from the merged tensors under their Hugging Face names (transformers' own decoder layer
-    and RMSNorm; ``eh_proj([enorm(embed(next token)); hnorm(last hidden state)])``, then
-    ``shared_head``) gives the logits of Megatron's MTP layer (``mtp_logits.0``, its forward
-    on the same tokens; Megatron's rolled input ends in token 0, as here)."""
+    and RMSNorm) give the logits of Megatron's MTP layers (``mtp_logits.k``, its forward on the
+    same tokens). Layer ``k`` is ``eh_proj([enorm(embed(tokens shifted k + 1)); hnorm(h)])``,
+    then its decoder layer, then ``shared_head``, where ``h`` is the main model's last hidden
+    state (after its final norm) for ``k = 0`` and layer ``k - 1``'s output after its
+    ``shared_head.norm`` after that, as Megatron chains them; Megatron's shifted input ends in
+    token 0, as here. Covers one MTP layer, two, and one on the last of two pipeline stages."""
     import transformers
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
-    out = merged[MTP.name][0]
-    ref = load_file(MTP / "logits.safetensors")
+    run = DATA / name
+    out = merged[name][0]
+    ref = load_file(run / "logits.safetensors")
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     config = model.config
     n = config.num_hidden_layers
-    weights = {k[len(f"model.layers.{n}."):]: v for k, v in load_out(out).items()
-               if k.startswith(f"model.layers.{n}.")}
-    layer = ds.DeepseekV3DecoderLayer(config, layer_idx=n).eval()
-    experts = range(config.n_routed_experts)  # transformers 5 holds them grouped
-    expert = "mlp.experts.{}.{}_proj.weight".format
-    grouped = {"mlp.experts.gate_up_proj": torch.stack([torch.cat(
-                   [weights[expert(e, "gate")], weights[expert(e, "up")]]) for e in experts]),
-               "mlp.experts.down_proj": torch.stack([weights[expert(e, "down")]
-                                                     for e in experts])}
-    layer.load_state_dict({**grouped, **{
-        k: v for k, v in weights.items() if k.split(".")[0] in (
-            "self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
-        and not k.startswith("mlp.experts.")}})
-
-    def norm(name: str) -> ds.DeepseekV3RMSNorm:
-        module = ds.DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        module.weight.data.copy_(weights[f"{name}.weight"])
-        return module
-
+    merged_tensors = load_out(out)
     tokens = ref["tokens"]
-    following = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)
     positions = torch.arange(tokens.shape[1]).unsqueeze(0)
+    mask = torch.full((tokens.shape[1],) * 2, float("-inf")).triu(1)[None, None]
     with torch.no_grad():
         hidden = model.model(tokens).last_hidden_state  # after the final norm, as Megatron's
-        embedded = torch.nn.functional.embedding(following, weights["embed_tokens.weight"])
-        x = torch.cat([norm("enorm")(embedded), norm("hnorm")(hidden)], dim=-1)
-        x = x @ weights["eh_proj.weight"].T
-        mask = torch.full((tokens.shape[1],) * 2, float("-inf")).triu(1)[None, None]
-        x = layer(x, attention_mask=mask, position_ids=positions,
-                  position_embeddings=model.model.rotary_emb(x, positions))
-        x = x[0] if isinstance(x, tuple) else x
-        logits = norm("shared_head.norm")(x) @ weights["shared_head.head.weight"].T
-    torch.testing.assert_close(logits, ref["mtp_logits.0"][..., :logits.shape[-1]],
-                               atol=LOGITS_ATOL, rtol=0)
+    shifted = tokens
+    assert config.num_nextn_predict_layers == sum(k.startswith("mtp_logits.") for k in ref)
+    for k in range(config.num_nextn_predict_layers):
+        prefix = f"model.layers.{n + k}."
+        weights = {key[len(prefix):]: v for key, v in merged_tensors.items()
+                   if key.startswith(prefix)}
+        layer = ds.DeepseekV3DecoderLayer(config, layer_idx=n + k).eval()
+        experts = range(config.n_routed_experts)  # transformers 5 holds them grouped
+        expert = "mlp.experts.{}.{}_proj.weight".format
+        grouped = {"mlp.experts.gate_up_proj": torch.stack([torch.cat(
+                       [weights[expert(e, "gate")], weights[expert(e, "up")]])
+                       for e in experts]),
+                   "mlp.experts.down_proj": torch.stack([weights[expert(e, "down")]
+                                                         for e in experts])}
+        layer.load_state_dict({**grouped, **{
+            key: v for key, v in weights.items() if key.split(".")[0] in (
+                "self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+            and not key.startswith("mlp.experts.")}})
+
+        def norm(name: str) -> ds.DeepseekV3RMSNorm:
+            module = ds.DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            module.weight.data.copy_(weights[f"{name}.weight"])  # noqa: B023 - used at once
+            return module
+
+        shifted = torch.cat([shifted[:, 1:], torch.zeros_like(shifted[:, :1])], dim=1)
+        with torch.no_grad():
+            embedded = torch.nn.functional.embedding(shifted, weights["embed_tokens.weight"])
+            x = torch.cat([norm("enorm")(embedded), norm("hnorm")(hidden)], dim=-1)
+            x = x @ weights["eh_proj.weight"].T
+            x = layer(x, attention_mask=mask, position_ids=positions,
+                      position_embeddings=model.model.rotary_emb(x, positions))
+            x = x[0] if isinstance(x, tuple) else x
+            hidden = norm("shared_head.norm")(x)
+            logits = hidden @ weights["shared_head.head.weight"].T
+        torch.testing.assert_close(logits, ref[f"mtp_logits.{k}"][..., :logits.shape[-1]],
+                                   atol=LOGITS_ATOL, rtol=0, msg=f"MTP layer {k}")
+
+
+def test_pipeline_parallel_mtp_run_stores_the_embedding_once() -> None:
+    """At PP 2 the last stage keeps its own copy of the embedding for the MTP layer, tied to
+    the first stage's: Megatron saves one global tensor, and the merge writes the model's
+    embedding once plus the MTP layer's copy of it (equal)."""
+    info = megatron.read_info(DATA / "deepseek_v3-pp2")
+    assert [t.name for t in info.tensors].count("embedding.word_embeddings.weight") == 1
+    assert info.values["args"]["pipeline_model_parallel_size"] == 2
+
+
+def test_yarn_config_derived_from_args_is_megatrons_yarn(tmp_path: Path) -> None:
+    """DeepSeek-V3's Megatron-LM recipes leave --rope-type unset, and MLA then takes YaRN:
+    the derived config says so, with every YaRN parameter from args (each off its default in
+    the run), and transformers' logits are Megatron's. A config.json with RoPE instead, or with
+    mscale and mscale_all_dim swapped, is further off than the tolerance (seen: 4e-4, 6e-5)."""
+    import transformers
+
+    args = megatron.read_info(YARN).values["args"]
+    assert args["rope_type"] is None and args["multi_latent_attention"]
+    run = tmp_path / "run"
+    shutil.copytree(YARN, run, ignore=shutil.ignore_patterns("config.json"))
+    r = run_cli("merge", run, tmp_path / "out", "--json")
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    got = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert got["rope_parameters"] == {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 2048, "beta_fast": 64.0, "beta_slow": 2.0,
+        "mscale": 0.9, "mscale_all_dim": 0.8}
+    ref = load_file(YARN / "logits.safetensors")
+    for rope, close in ((None, True), ({"rope_type": "default", "rope_theta": 10000.0}, False),
+                        ({**got["rope_parameters"], "mscale": 0.8, "mscale_all_dim": 0.9},
+                         False)):
+        config = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+        if rope is not None:
+            config.rope_parameters = rope
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "out", config=config, dtype=torch.float32)
+        with torch.no_grad():
+            logits = model(ref["tokens"]).logits
+        off = (logits - ref["logits"][..., :logits.shape[-1]]).abs().max().item()
+        assert (off <= LOGITS_ATOL) == close, (rope, off)
 
 
 def test_mtp_sets_num_nextn_predict_layers_in_config(tmp_path: Path) -> None:
@@ -365,3 +428,43 @@ def test_common_state_asking_for_a_foreign_class_is_not_executed(tmp_path: Path)
     assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
     assert ("common_state.shard_0_1: needs arbitrary unpickling (argparse.FileTypeX); not "
             "executed, not read") in r.stdout  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(not MEGATRON, reason="needs megatron-core (Linux)")
+@pytest.mark.parametrize(("mscale", "mscale_all_dim"),
+                         [(0.9, 0.8), (1.0, 1.0), (0.707, 0.0), (1.0, 0.0), (0.0, 1.0)])
+def test_derived_yarn_scales_attention_as_megatron(mscale: float,
+                                                   mscale_all_dim: float) -> None:
+    """transformers scales YaRN's cos/sin by mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim) only when both are non-zero, else by mscale(factor, 1); Megatron always by
+    the ratio. Where the two differ, the derived config writes ``attention_factor``: against
+    megatron-core's own functions, the cos/sin factor and MLA's softmax scale agree."""
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    from ckpttool.core.transforms import megatron_config
+
+    args = {**megatron.read_info(YARN).values["args"], "mscale": mscale,
+            "mscale_all_dim": mscale_all_dim}
+    config = DeepseekV3Config(**megatron_config.derive(args, command="x").config)
+    _, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    assert factor == pytest.approx(
+        yarn._yarn_get_concentration_factor(4.0, mscale, mscale_all_dim), rel=1e-12)
+    q_head_dim = args["qk_head_dim"] + args["qk_pos_emb_head_dim"]
+    megatron_softmax = yarn._yarn_get_mscale(4.0, mscale_all_dim) ** 2 / q_head_dim ** 0.5
+    assert ds.DeepseekV3Attention(config, 0).scaling == pytest.approx(megatron_softmax,
+                                                                       rel=1e-12)
+
+
+def test_rope_with_mla_softmax_scaling_is_not_derived() -> None:
+    """rope_type rope under MLA with mscale_all_dim and a scaling factor: Megatron scales the
+    softmax, transformers' DeepseekV3 does not without YaRN: no config is guessed."""
+    from ckpttool.core.transforms import megatron_config
+
+    args = {**megatron.read_info(YARN).values["args"], "rope_type": "rope"}
+    with pytest.raises(megatron_config.NotDerivable, match="rope_type rope with mscale_all_dim"):
+        megatron_config.derive(args, command="x")
+    assert megatron_config.derive({**args, "mscale_all_dim": 0.0}, command="x").config[
+        "rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}

@@ -19,13 +19,16 @@ argparse defaults):
   always has: q/kv latent norms (``qk_layernorm``), experts with shared experts, sigmoid
   routing renormalised over the top-k (``moe_router_score_function`` sigmoid, top-k > 1),
   dense layers only before the first expert layer (``moe_layer_freq`` ``[0] * k + [1] * n``
-  or 1), and RoPE (``rope_type`` rope) or YaRN (``rope_type`` yarn, as ``rope_scaling``).
+  or 1), and RoPE (``rope_type`` rope) or YaRN (``rope_type`` yarn, or unset: MLA's default,
+  as ``rope_parameters``, with ``attention_factor`` written where transformers' default for it
+  is not Megatron's).
 
 Pure: no I/O.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -167,6 +170,11 @@ def derive(args: Mapping[str, Any] | None, *, command: str) -> DerivedConfig:
     return DerivedConfig(family, why, config, tuple(notes))
 
 
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention scale, as Megatron's and transformers' YaRN compute it."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def _vocab(args: Mapping[str, Any], number: Any, notes: list[str]) -> int:
     """The tokenizer's vocabulary size when args record it, else the padded one (said in
     ``notes``: the padding rows are then kept)."""
@@ -182,6 +190,12 @@ def _vocab(args: Mapping[str, Any], number: Any, notes: list[str]) -> int:
 def _deepseek_v3(args: Mapping[str, Any], arg: Any, number: Any, ask: str) -> DerivedConfig:
     """DeepSeek-V3's config.json from an MLA run's args (see the module docstring)."""
     layers = number("num_layers")
+    # Megatron-LM leaves rope_type unset without --rope-type, and then MLATransformerConfig's
+    # defaults apply: YaRN, factor 40, original 4096 positions, beta 32/1, mscale 1 and 0.
+    rope_type = args.get("rope_type") or "yarn"
+    factor = float(args.get("rotary_scaling_factor") or 40.0)
+    mscale = float(args["mscale"]) if args.get("mscale") is not None else 1.0
+    mscale_all_dim = float(args.get("mscale_all_dim") or 0.0)
     freq = arg("moe_layer_freq")
     pattern = freq if isinstance(freq, list) else [1] * layers if freq == 1 else None
     first = next((i for i, v in enumerate(pattern or []) if v == 1), layers)
@@ -200,7 +214,12 @@ def _deepseek_v3(args: Mapping[str, Any], arg: Any, number: Any, ask: str) -> De
         ("group-limited routing summing other than the top 2 scores of a group (transformers'"
          " DeepseekV3 sums 2)", (args.get("moe_router_num_groups") or 1) > 1
          and number("moe_router_topk") // (args.get("moe_router_group_topk") or 1) != 2),
-        (f"rope_type {args.get('rope_type')}", args.get("rope_type") not in ("rope", "yarn")),
+        (f"rope_type {rope_type}", rope_type not in ("rope", "yarn")),
+        # MLA scales the softmax by mscale_all_dim whatever the rope type; transformers' only
+        # under a rope_parameters that scales
+        (f"rope_type rope with mscale_all_dim {mscale_all_dim} and rotary_scaling_factor "
+         f"{factor} (Megatron's MLA scales the attention by it; transformers' DeepseekV3 only "
+         "under YaRN)", rope_type == "rope" and _yarn_mscale(factor, mscale_all_dim) != 1.0),
         (f"rotary_percent {arg('rotary_percent')}", float(arg("rotary_percent")) != 1.0)) if off]
     if unlike:
         raise NotDerivable(
@@ -217,15 +236,19 @@ def _deepseek_v3(args: Mapping[str, Any], arg: Any, number: Any, ask: str) -> De
     q_lora = args.get("q_lora_rank")
     theta = float(arg("rotary_base"))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    if args.get("rope_type") == "yarn":
-        rope = {"rope_type": "yarn", "rope_theta": theta,
-                "factor": float(args.get("rotary_scaling_factor") or 40.0),
+    if rope_type == "yarn":
+        rope = {"rope_type": "yarn", "rope_theta": theta, "factor": factor,
                 "original_max_position_embeddings":
                     args.get("original_max_position_embeddings") or 4096,
                 "beta_fast": float(args.get("beta_fast") or 32.0),
                 "beta_slow": float(args.get("beta_slow") or 1.0),
-                "mscale": float(args.get("mscale") or 1.0),
-                "mscale_all_dim": float(args.get("mscale_all_dim") or 0.0)}
+                "mscale": mscale, "mscale_all_dim": mscale_all_dim}
+        # Megatron scales cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim);
+        # transformers does too when both are non-zero, else by mscale(factor, 1): where that
+        # differs, the factor is written out.
+        megatron = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        if not (mscale and mscale_all_dim) and megatron != _yarn_mscale(factor, 1.0):
+            rope["attention_factor"] = megatron
     dtype = "bfloat16" if arg("bf16") else "float16" if arg("fp16") else "float32"
     config: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",

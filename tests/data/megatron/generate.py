@@ -11,6 +11,11 @@
   ``GPTModel.forward`` with MTP needs labels and returns the loss, so the reference keeps the
   MTP block's output (the main and the MTP hidden states, concatenated on the sequence axis)
   with a forward hook and writes both logits (``logits``, ``mtp_logits.0``).
+* ``deepseek_v3-mtp2/`` (EP 2, two MTP layers, each fed the one before), ``deepseek_v3-pp2/``
+  (pipeline parallel 2: the dense layer on stage 0, the MoE layer and one MTP layer on stage 1,
+  which keeps a copy of the embedding tied to stage 0's) and ``deepseek_v3-yarn/`` (TP 2, YaRN
+  as MLA's default: ``rope_type`` unset in args, each YaRN parameter off its default), written
+  on 2026-11-27 on one NVIDIA H100 (``versions-more.json``), megatron-core 0.16.1.
 * ``llama-common_state/``: a Llama saved by megatron-core 0.19.2 (Python 3.12 and later), which
   stores the common state (``args``, ``iteration``...) as the DCP bytes entry
   ``common_state/shard_0_1`` instead of ``common.pt``, and (``verify_integrity=True``) writes
@@ -23,6 +28,8 @@ megatron-core 0.16.1 and 0.19.2 (each from its wheel, no Transformer Engine, no 
     PYTHONPATH=/tmp/mc16 python3 generate.py reference deepseek OUT
     PYTHONPATH=/tmp/mc16 python3 generate.py save mtp OUT
     PYTHONPATH=/tmp/mc16 python3 generate.py reference mtp OUT
+    PYTHONPATH=/tmp/mc16 python3 generate.py save more OUT
+    PYTHONPATH=/tmp/mc16 python3 generate.py reference more OUT
     PYTHONPATH=/tmp/mc19 python3 generate.py save common OUT
     PYTHONPATH=/tmp/mc19 python3 generate.py reference common OUT
 
@@ -99,6 +106,11 @@ class Variant:
     first_dense: int = 1  # moe_layer_freq [0] * first_dense + [1] * rest
     groups: int = 2  # llama: query groups
     mtp: int = 0  # deepseek_v3: multi-token prediction layers (mtp_num_layers)
+    pp: int = 1  # pipeline stages (the layers split evenly; MTP on the last stage)
+    # deepseek_v3: YaRN, as Megatron-LM's args hold it (MLATransformerConfig's field names);
+    # ``rope_type`` is left unset in args, as DeepSeek-V3's Megatron-LM recipes leave it, so
+    # MLATransformerConfig's default (yarn) applies
+    yarn: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -112,7 +124,25 @@ DEEPSEEK = [
 # and a MoE layer, TP 2 (eh_proj column-parallel)
 MTP = [Variant("deepseek_v3-mtp", "deepseek_v3", tp=2, layers=2, mtp=1)]
 COMMON = [Variant("llama-common_state", "llama", tp=2, layers=2, hidden=32, ffn=48)]
-SETS = {"deepseek": DEEPSEEK, "mtp": MTP, "common": COMMON}
+MORE = [
+    # two MTP layers (each after the one before), experts split over EP 2
+    Variant("deepseek_v3-mtp2", "deepseek_v3", ep=2, layers=2, mtp=2),
+    # pipeline parallel 2: layer 0 (dense) on stage 0, layer 1 (MoE) and the MTP layer on
+    # stage 1, which keeps its own copy of the embedding for MTP (tied to stage 0's)
+    Variant("deepseek_v3-pp2", "deepseek_v3", pp=2, layers=2, mtp=1),
+    # YaRN RoPE (Megatron's MLA default), every parameter off its default so a swap shows:
+    # mscale and mscale_all_dim both set, as in DeepSeek-V3's own config
+    Variant("deepseek_v3-yarn", "deepseek_v3", tp=2, layers=2, yarn=dict(
+        rotary_scaling_factor=4.0, original_max_position_embeddings=2048, beta_fast=64.0,
+        beta_slow=2.0, mscale=0.9, mscale_all_dim=0.8)),  # the ramp spans 3 of 4 frequencies
+]
+SETS = {"deepseek": DEEPSEEK, "mtp": MTP, "common": COMMON, "more": MORE}
+
+
+def _max_positions(v: Variant) -> int:
+    if v.yarn:  # the extended context
+        return int(v.yarn["rotary_scaling_factor"] * v.yarn["original_max_position_embeddings"])
+    return 64
 
 
 def padded_vocab(tp: int) -> int:
@@ -130,9 +160,10 @@ def _args(v: Variant) -> argparse.Namespace:
         num_layers=v.layers, hidden_size=v.hidden, ffn_hidden_size=v.ffn,
         num_attention_heads=v.heads, num_query_groups=v.heads if ds else v.groups,
         group_query_attention=not ds, kv_channels=v.v_head_dim if ds else v.hidden // v.heads,
-        max_position_embeddings=64, seq_length=16, padded_vocab_size=padded_vocab(v.tp),
+        max_position_embeddings=_max_positions(v), seq_length=16,
+        padded_vocab_size=padded_vocab(v.tp),
         make_vocab_size_divisible_by=16, vocab_size=VOCAB,
-        tensor_model_parallel_size=v.tp, pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=v.tp, pipeline_model_parallel_size=v.pp,
         expert_model_parallel_size=v.ep, num_experts=v.experts if ds else None,
         moe_ffn_hidden_size=v.moe_ffn if ds else None, moe_router_topk=2,
         moe_router_pre_softmax=False,
@@ -142,14 +173,15 @@ def _args(v: Variant) -> argparse.Namespace:
         multi_latent_attention=ds, q_lora_rank=v.q_lora if ds else None,
         kv_lora_rank=v.kv_lora if ds else None, qk_head_dim=v.qk_head_dim if ds else None,
         qk_pos_emb_head_dim=v.rope_dim if ds else None, v_head_dim=v.v_head_dim if ds else None,
-        qk_layernorm=ds, rope_type="rope", rotary_percent=1.0, use_rope_scaling=False,
+        qk_layernorm=ds, rope_type=None if v.yarn else "rope", rotary_percent=1.0,
+        use_rope_scaling=False, **(v.yarn or {}),
         swiglu=True, normalization="RMSNorm", norm_epsilon=1e-6,
         untie_embeddings_and_output_weights=True, add_qkv_bias=False, add_bias_linear=False,
         position_embedding_type="rope", rotary_base=10000, ckpt_format="torch_dist",
         params_dtype=torch.float32, bf16=False, fp16=False, iteration=ITERATION,
         transformer_impl="local", attention_backend=AttnBackend.auto,
         tokenizer_type="NullTokenizer", world_size=WORLD_SIZE,
-        data_parallel_size=WORLD_SIZE // v.tp, consumed_train_samples=8,
+        data_parallel_size=WORLD_SIZE // (v.tp * v.pp), consumed_train_samples=8,
         use_distributed_optimizer=False, mtp_num_layers=v.mtp or None)
 
 
@@ -178,8 +210,9 @@ def _have_te() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def _model(v: Variant, tp: int, ep: int) -> Any:
+def _model(v: Variant, tp: int, ep: int, pp: int = 1) -> Any:
     import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
@@ -195,14 +228,16 @@ def _model(v: Variant, tp: int, ep: int) -> Any:
         num_attention_heads=v.heads, use_cpu_initialization=True, gated_linear_unit=True,
         activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=1e-6,
         add_bias_linear=False, params_dtype=torch.float32, tensor_model_parallel_size=tp,
-        pipeline_dtype=torch.float32, transformer_impl="local", persist_layer_norm=False,
+        pipeline_dtype=torch.float32, pipeline_model_parallel_size=pp,
+        transformer_impl="local", persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         attention_dropout=0.0, hidden_dropout=0.0)
     if v.family == "deepseek_v3":
         config = MLATransformerConfig(
             **common, kv_channels=v.v_head_dim, q_lora_rank=v.q_lora, kv_lora_rank=v.kv_lora,
             qk_head_dim=v.qk_head_dim, qk_pos_emb_head_dim=v.rope_dim, v_head_dim=v.v_head_dim,
-            rope_type="rope", rotary_base=10000, rotary_percent=1.0, qk_layernorm=True,
+            **({"rope_type": "yarn", **v.yarn} if v.yarn else {"rope_type": "rope"}),
+            rotary_base=10000, rotary_percent=1.0, qk_layernorm=True,
             num_moe_experts=v.experts, moe_ffn_hidden_size=v.moe_ffn,
             moe_shared_expert_intermediate_size=v.shared_ffn, moe_router_topk=2,
             moe_layer_freq=[0] * v.first_dense + [1] * (v.layers - v.first_dense)
@@ -234,7 +269,9 @@ def _model(v: Variant, tp: int, ep: int) -> Any:
         mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=padded_vocab(v.tp),
                     max_sequence_length=64, position_embedding_type="rope",
-                    share_embeddings_and_output_weights=False, mtp_block_spec=mtp_spec)
+                    share_embeddings_and_output_weights=False, mtp_block_spec=mtp_spec,
+                    pre_process=ps.is_pipeline_first_stage(),
+                    post_process=ps.is_pipeline_last_stage())
 
 
 def _vary(model: Any) -> None:
@@ -250,7 +287,7 @@ def _vary(model: Any) -> None:
         for name, p in named:
             if "norm" not in name and not name.endswith("bias"):
                 continue
-            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            g = torch.Generator().manual_seed(zlib.crc32(_global_name(model, name).encode()))
             if getattr(p, "tensor_model_parallel", False):
                 d = p.partition_dim
                 shape = list(p.shape)
@@ -259,6 +296,17 @@ def _vary(model: Any) -> None:
             else:
                 value = torch.randn(tuple(p.shape), generator=g)
             p.copy_(value * 0.1 + (1.0 if "norm" in name else 0.0))
+
+
+def _global_name(model: Any, name: str) -> str:
+    """``decoder.layers.{i}`` of a pipeline stage as the model's layer number (the same name
+    at PP 1)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if not name.startswith("decoder.layers."):
+        return name
+    i, rest = name[len("decoder.layers."):].split(".", 1)
+    return f"decoder.layers.{int(i) + get_transformer_layer_offset(model.config)}.{rest}"
 
 
 def _rng_state() -> Any:
@@ -281,17 +329,23 @@ def _save(v: Variant, run: Path) -> None:
 
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
     ps.initialize_model_parallel(tensor_model_parallel_size=v.tp,
+                                 pipeline_model_parallel_size=v.pp,
                                  expert_model_parallel_size=v.ep)
     # use_cpu_initialization: every rank draws the full weights from torch's own generator
-    # and keeps its slice, so the same seed gives the same model at any TP.
-    torch.manual_seed(1234 + len(v.name))
-    model = _model(v, v.tp, v.ep).cpu()  # MLA's rotary and the expert bias start on the GPU
+    # and keeps its slice, so the same seed gives the same model at any TP; each pipeline
+    # stage draws from a seed of its own (else its layers would repeat the first stage's).
+    torch.manual_seed(1234 + len(v.name) + 1000 * ps.get_pipeline_model_parallel_rank())
+    model = _model(v, v.tp, v.ep, v.pp).cpu()  # MLA's rotary, the expert bias start on the GPU
     _vary(model)
+    # What Megatron-LM passes: the data-parallel group (a last stage holding MTP but not the
+    # embedding ties its copy of the embedding to the first stage's with it).
+    metadata = ensure_metadata_has_dp_cp_group(None)
     state = {"args": _args(v), "checkpoint_version": 3.0, "iteration": ITERATION,
              "num_floating_point_operations_so_far": 1.5e9,
-             "model": model.sharded_state_dict(), "rng_state": _rng_state()}
+             "model": model.sharded_state_dict(metadata=metadata), "rng_state": _rng_state()}
     iter_dir = run / f"iter_{ITERATION:07d}"
     if torch.distributed.get_rank() == 0:
         iter_dir.mkdir(parents=True, exist_ok=True)
@@ -341,6 +395,7 @@ def _setup(dry: bool) -> None:
     if dry:  # the dry run only: no GPU here
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
         torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+        torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
 
 
 def _reference(v: Variant, run: Path, device: str) -> None:
@@ -400,7 +455,8 @@ def hf_config(v: Variant) -> dict[str, Any]:
     base: dict[str, Any] = {
         "vocab_size": VOCAB, "hidden_size": v.hidden, "intermediate_size": v.ffn,
         "num_hidden_layers": v.layers, "num_attention_heads": v.heads,
-        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "max_position_embeddings": _max_positions(v), "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
         "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "torch_dtype": "float32"}
@@ -417,7 +473,15 @@ def hf_config(v: Variant) -> dict[str, Any]:
             "moe_intermediate_size": v.moe_ffn, "num_experts_per_tok": 2,
             "first_k_dense_replace": v.first_dense, "n_group": 1, "topk_group": 1,
             "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True,
-            **({"num_nextn_predict_layers": v.mtp} if v.mtp else {})}
+            **({"num_nextn_predict_layers": v.mtp} if v.mtp else {}),
+            **({"rope_parameters": _hf_yarn(v.yarn)} if v.yarn else {})}
+
+
+def _hf_yarn(yarn: dict[str, Any]) -> dict[str, Any]:
+    """transformers' ``rope_parameters`` for Megatron's YaRN fields."""
+    return {"rope_type": "yarn", "rope_theta": 10000.0, "factor": yarn["rotary_scaling_factor"],
+            **{k: yarn[k] for k in ("original_max_position_embeddings", "beta_fast",
+                                    "beta_slow", "mscale", "mscale_all_dim")}}
 
 
 def _free_port() -> int:
