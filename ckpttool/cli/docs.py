@@ -83,10 +83,10 @@ def options_table(command: str) -> str:
 
 def formats_table() -> str:
     """Every format in detection order, from formats/registry.py."""
-    from ckpttool.formats.registry import FORMATS
+    from ckpttool.formats.registry import formats
 
     rows = ["| format | what it looks like | written by |", "|---|---|---|"]
-    rows += [f"| `{f.NAME}` | {_cell(f.SUMMARY)} | {_cell(f.WRITTEN_BY)} |" for f in FORMATS]
+    rows += [f"| `{f.NAME}` | {_cell(f.SUMMARY)} | {_cell(f.WRITTEN_BY)} |" for f in formats()]
     return "\n".join(rows) + "\n"
 
 

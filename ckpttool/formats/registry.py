@@ -8,30 +8,97 @@ per-rank files of DTensors or ShardedTensors) come before plain safetensors and 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckpttool.errors import InputError
-from ckpttool.formats import (
-    bin_index,
-    deepspeed,
-    hf_dcp,
-    megatron,
-    rank_files,
-    safetensors,
-    torchfile,
-)
 from ckpttool.formats.base import Format
-from ckpttool.formats.dcp import reader as dcp
 
-FORMATS: tuple[Format, ...] = (
-    megatron, dcp, hf_dcp, rank_files, bin_index, safetensors, deepspeed, torchfile)
+# Each format module is imported when it is first tried on a path (or asked for by name), not
+# when the registry is: the merge of a Megatron run needs the megatron and DCP modules only,
+# and a file is never tried against the formats of directories. Each loader's return type
+# keeps mypy checking the module against the Format protocol.
+
+
+def _megatron() -> Format:
+    from ckpttool.formats import megatron
+    return megatron
+
+
+def _dcp() -> Format:
+    from ckpttool.formats.dcp import reader
+    return reader
+
+
+def _hf_dcp() -> Format:
+    from ckpttool.formats import hf_dcp
+    return hf_dcp
+
+
+def _rank_files() -> Format:
+    from ckpttool.formats import rank_files
+    return rank_files
+
+
+def _bin_index() -> Format:
+    from ckpttool.formats import bin_index
+    return bin_index
+
+
+def _safetensors() -> Format:
+    from ckpttool.formats import safetensors
+    return safetensors
+
+
+def _deepspeed() -> Format:
+    from ckpttool.formats import deepspeed
+    return deepspeed
+
+
+def _torchfile() -> Format:
+    from ckpttool.formats import torchfile
+    return torchfile
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    name: str  # the module's NAME (tests/formats/test_contract.py checks they agree)
+    load: Callable[[], Format]
+    files: bool  # it may claim a file; every format may claim a directory but torchfile
+
+
+_ENTRIES: tuple[_Entry, ...] = (
+    _Entry("megatron", _megatron, files=False),
+    _Entry("dcp", _dcp, files=False),
+    _Entry("dcp-safetensors", _hf_dcp, files=False),
+    _Entry("rank-files", _rank_files, files=False),
+    _Entry("torch-save-sharded", _bin_index, files=False),
+    _Entry("safetensors", _safetensors, files=True),
+    _Entry("deepspeed", _deepspeed, files=False),
+    _Entry("torch-save", _torchfile, files=True),
+)
+
+NAMES: tuple[str, ...] = tuple(e.name for e in _ENTRIES)
+
+
+def formats() -> Iterator[Format]:
+    """Every format, in detection order (each module imported as it is reached)."""
+    return (e.load() for e in _ENTRIES)
 
 
 def detect(path: Path) -> Format | None:
-    """The format that claims ``path`` (a file or directory), or None."""
-    for fmt in FORMATS:
-        if fmt.detect(path):
-            return fmt
+    """The format that claims ``path`` (a file or directory), or None. Formats are tried in
+    order, each imported when its turn comes; a path that is not a directory is tried only
+    against the formats that claim files (the others' ``detect`` begins by refusing it)."""
+    is_dir = path.is_dir()
+    if not is_dir and not path.is_file():
+        return None
+    for entry in _ENTRIES:
+        if is_dir or entry.files:
+            fmt = entry.load()
+            if fmt.detect(path):
+                return fmt
     return None
 
 
@@ -43,6 +110,8 @@ def select_iteration(path: Path, iteration: int) -> Path:
         InputError: ``path`` is not such a run, or has no such iteration (those it has are
             named).
     """
+    from ckpttool.formats import megatron
+
     if not megatron.detect(path):
         raise InputError(
             f"{path}: --iteration {iteration} picks one iteration of a Megatron-Core run "
@@ -52,13 +121,13 @@ def select_iteration(path: Path, iteration: int) -> Path:
 
 
 def by_name(name: str) -> Format:
-    """The format whose ``NAME`` is ``name``."""
-    for fmt in FORMATS:
-        if name == fmt.NAME:
-            return fmt
+    """The format whose ``NAME`` is ``name`` (only its module is imported)."""
+    for entry in _ENTRIES:
+        if name == entry.name:
+            return entry.load()
     raise KeyError(name)
 
 
 def is_format(name: str) -> bool:
     """True if ``name`` is a format's NAME (not "pickle", "json", "directory"...)."""
-    return any(name == fmt.NAME for fmt in FORMATS)
+    return name in NAMES

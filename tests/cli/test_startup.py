@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,23 @@ def test_a_dumb_terminal_gets_plain_progress_lines(monkeypatch, capsys) -> None:
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == "merging: 10% (100 B of 1.00 KB)" and len(lines) == 10
     assert ProgressBar("merging", enabled=False).callbacks == (None, None)
+
+
+def test_inspecting_a_file_imports_no_format_of_directories(tmp_path: Path) -> None:
+    # The registry imports a format's module when it is tried, and discovery looks for side
+    # files only beside sharded checkpoints: `ckpttool inspect x.safetensors` loads none of
+    # the directory formats' modules (DCP's reader alone is ~0.05 s).
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2, 3)}, tmp_path / "w.safetensors")
+    code = ("import sys\nfrom ckpttool.cli import main\n"
+            f"sys.argv = ['ckpttool', 'inspect', {str(tmp_path / 'w.safetensors')!r}]\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith(('ckpttool.formats.dcp',\n"
+            "    'ckpttool.formats.megatron', 'ckpttool.formats.deepspeed',\n"
+            "    'ckpttool.formats.rank_files', 'ckpttool.formats.hf_dcp',\n"
+            "    'ckpttool.formats.bin_index')))\n"
+            "assert not loaded, loaded\n")
+    subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -244,7 +244,13 @@ def _subclasses(cls: type) -> list[type]:
 def test_every_format_runs_the_contract() -> None:
     """A format added to the registry gets its subclass here too."""
     covered = {cls.FORMAT for cls in _subclasses(FormatContract) if cls.__module__ == __name__}
-    assert {fmt.NAME for fmt in registry.FORMATS} <= covered
+    assert {fmt.NAME for fmt in registry.formats()} <= covered
+
+
+def test_the_registry_names_each_format_as_its_module_does() -> None:
+    # The registry knows the names without importing the modules (is_format, by_name).
+    assert tuple(fmt.NAME for fmt in registry.formats()) == registry.NAMES
+    assert all(name == registry.by_name(name).NAME for name in registry.NAMES)
 
 
 class TestMegatron(FormatContract):

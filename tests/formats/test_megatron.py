@@ -252,12 +252,17 @@ def test_slices_gathered_in_small_blocks_are_bit_exact(name: str, megatron_runs:
 
 def test_merge_rearranges_without_torch(megatron_runs: Path, tmp_path: Path) -> None:
     """The maps' slices are rearrangements of stored bytes: the CLI's merge imports no torch
-    (importing it costs about a second, what the whole copy of a small model costs)."""
+    (importing it costs about a second, what the whole copy of a small model costs), and of
+    the formats only those it reads (the registry imports a format when it is tried)."""
     import subprocess
     import sys
 
     code = ("import atexit, sys\n"
             "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
+            "atexit.register(lambda: print('formats imported:', sorted(\n"
+            "    m for m in sys.modules if m.count('.') == 2\n"
+            "    and m.startswith('ckpttool.formats.')\n"
+            "    and m not in ('ckpttool.formats.base', 'ckpttool.formats.registry'))))\n"
             "from ckpttool.cli import main\nmain()\n")
     done = subprocess.run(
         [sys.executable, "-c", code, "merge", str(megatron_runs / "qwen3_moe-ep2"),
@@ -265,6 +270,10 @@ def test_merge_rearranges_without_torch(megatron_runs: Path, tmp_path: Path) -> 
         env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[2])})
     assert done.returncode == 0, done.stderr
     assert "torch imported: False" in done.stdout
+    # rank_files and torchfile: the recogniser looks for their files beside a DCP checkpoint.
+    assert ("formats imported: ['ckpttool.formats.codecs', 'ckpttool.formats.dcp', "
+            "'ckpttool.formats.megatron', 'ckpttool.formats.rank_files', "
+            "'ckpttool.formats.safetensors', 'ckpttool.formats.torchfile']") in done.stdout
 
 
 def test_cast_to_bf16_without_torch_is_torchs_cast(megatron_runs: Path, tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from ckpttool.core.checkpoint import hf, names
 from ckpttool.core.checkpoint import parts as key_parts
 from ckpttool.errors import InputError, UnsupportedError
-from ckpttool.formats import rank_files, registry, safetensors, torchfile
+from ckpttool.formats import registry, safetensors, torchfile
 from ckpttool.formats.base import CheckpointInfo, ChunkColumns, ObjectEntry, Reader, Tensor
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage.store import LOCAL, Stores
@@ -277,6 +277,10 @@ def _side_files(info: CheckpointInfo) -> tuple[tuple[tuple[str, CheckpointInfo],
                                                tuple[str, ...]]:
     if not info.sharded or not info.root.is_dir():
         return (), ()
+    # Here, not at the top: only a sharded checkpoint has side files (the registry imports a
+    # format when it is tried, and a safetensors file never tries this one).
+    from ckpttool.formats import rank_files
+
     found = []
     notes = []
     own = {f.name for f in info.files}  # the checkpoint's data files are not side files

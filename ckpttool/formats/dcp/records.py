@@ -377,7 +377,10 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
         decode: decodes a chunk in full, which makes its template.
     """
     result: list[int | None] = [None] * len(tensors)
-    if not _have_numpy():  # a run-time dependency, yet installs without it still merge
+    # numpy is imported only where it has rows to fill (importing it takes 0.1-0.2 s of a
+    # merge's start-up; a window of tensors to cast has none), and is a run-time dependency,
+    # yet installs without it still merge.
+    if not any(_record_rows(t) for t in tensors) or not _have_numpy():
         return result
     rows = _row_columns(tensors, dsts)
     if rows is None:
@@ -390,6 +393,15 @@ def fill_rows(tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
         if i not in failed:
             result[i] = checked[i]
     return result
+
+
+def _record_rows(t: Tensor) -> bool:
+    """Whether ``t`` may be filled by :func:`fill_rows` (what :func:`_row_columns` takes
+    first: columns of records, dimensions, rows)."""
+    cols = t.chunks
+    return isinstance(cols, ChunkColumns) and cols.table.encoding == RECORD and \
+        bool(t.shape) and bool(t.shape[0]) and bool(cols.num_chunks) and \
+        cols.ndim == len(t.shape)
 
 
 @functools.cache
@@ -433,10 +445,9 @@ def _row_columns(tensors: Sequence[Tensor], dsts: Sequence[int]) -> _Rows | None
     shapes: list[tuple[int, ...]] = []
     for i, t in enumerate(tensors):
         cols = t.chunks
-        if not isinstance(cols, ChunkColumns) or cols.table.encoding != RECORD or \
-                not t.shape or not t.shape[0] or not cols.num_chunks or \
-                cols.ndim != len(t.shape):
+        if not _record_rows(t):
             continue
+        assert isinstance(cols, ChunkColumns)
         if table is None:
             table = cols.table
         elif cols.table is not table:
