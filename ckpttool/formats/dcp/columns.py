@@ -90,6 +90,15 @@ _ANY_TUPLE = rb"(\)|" + _INT + rb"{1,3}[\x85\x86\x87]\x94|\(" + _INT + rb"{4,64}
 _CHUNK_HEAD = re.compile(
     b"(" + _GET + b")" + _NEWOBJ + b"(" + _GET + b")(" + _GET + b")" + _ANY_TUPLE + _REDUCED
     + b"(" + _GET + b")(" + _GET + b")" + _ANY_TUPLE + _REDUCED + rb"ub", re.DOTALL)
+# A TensorStorageMetadata entry's opening, from the GET of its class to its chunk list's MARK,
+# as torch pickles every tensor's after the first (classes, strings and the dtype by GET): its
+# properties (dtype, layout, requires_grad, memory format, pin_memory), its torch.Size, the
+# empty chunk list. Only the size's ints differ from one tensor to the next.
+_TENSOR_HEAD = re.compile(
+    b"(" + _GET + b")" + _NEWOBJ + b"(" + _GET + b")(" + _GET + rb")\)\x81\x94\("
+    + b"(" + _GET + b")(" + _GET + rb")([\x88\x89])(" + _GET + rb")([\x88\x89])t\x94b"
+    + b"(" + _GET + b")(" + _GET + b")" + _ANY_TUPLE + _REDUCED
+    + b"(" + _GET + rb")\]\x94\(", re.DOTALL)
 _STORAGE_HEAD = re.compile(
     b"(" + _GET + b")" + _NEWOBJ + b"(" + _GET + b")" + _GET + b"(" + _GET + b")" + _INT
     + b"(" + _GET + b")(" + _GET + b")" + _ANY_TUPLE + _REDUCED + rb"ub"
@@ -437,8 +446,12 @@ class _Machine:
         self.index_cls = lookup(_MD, "MetadataIndex")
         self.info_cls = lookup(_FS, "_StorageInfo")
         self.size_fn = lookup("torch", "Size")
+        self.tensor_cls = lookup(_MD, "TensorStorageMetadata")
+        self.props_cls = lookup(_MD, "TensorProperties")
         if None in (self.chunk_cls, self.index_cls, self.info_cls, self.size_fn):
             raise Fallback("lookup")
+        # A tensor head's GETs (by their bytes) -> what they were checked to hold.
+        self.heads: dict[bytes, tuple[Any, ...]] = {}
         # Columns: chunk rows, and storage entries (joined with them after the walk). A
         # storage entry's name and file are numbers: in ``fqn_numbers``, ``names``.
         self.boxes = array("q")
@@ -548,6 +561,63 @@ class _Machine:
             decoded.clear()
         return self.chunk_rows(got, len(ms), nd, ms[-1].end())
 
+    def tensor_head(self, stack: list[Any], marks: list[int]) -> bool:
+        """A tensor entry's opening from ``pos`` (at a GET of TensorStorageMetadata), done at
+        once as the opcodes would do it (the same objects, stack, marks and memo); False
+        where its bytes are not :data:`_TENSOR_HEAD` with GETs of what DCP puts there."""
+        self.ahead()
+        m = _TENSOR_HEAD.match(self.buf, self.pos)
+        if m is None:
+            return False
+        lits = m.group(1, 2, 3, 4, 5, 7, 9, 10, 12)
+        key = b"".join(lits)
+        got = self.heads.get(key)
+        if got is None:
+            memo = self.memo
+            if not (isinstance(self.tensor_cls, type)
+                    and issubclass(self.tensor_cls, torchsave.PlainStub)
+                    and isinstance(self.props_cls, type)
+                    and issubclass(self.props_cls, torchsave.Stub)
+                    and id(self.size_fn) in self.allowed
+                    and self.memo_is(lits[0], self.tensor_cls)
+                    and self.memo_is(lits[1], "properties")
+                    and self.memo_is(lits[2], self.props_cls)
+                    and all(_get_index(lit) in memo for lit in lits[3:6])
+                    and self.memo_is(lits[6], "size") and self.memo_is(lits[7], self.size_fn)
+                    and self.memo_is(lits[8], "chunks")):
+                return False  # the opcodes go one by one (and say what is wrong)
+            got = self.heads[key] = tuple(memo[_get_index(lit)] for lit in lits)
+        tensor_cls, properties, props_cls, dtype, layout, memory_format, size_key, size_fn, \
+            chunks_key = got
+        shape = self.tuple_of(m[11])
+        if len(shape) > _MAX_NDIM:
+            return False
+        memo, n = self.memo, self.num_memo
+        entry = tensor_cls.__new__(tensor_cls)
+        state: dict[Any, Any] = {}
+        props = props_cls.__new__(props_cls)
+        args = (dtype, layout, m[6] == b"\x88", memory_format, m[8] == b"\x88")
+        self.build(props, args)
+        memo[n], memo[n + 1], memo[n + 2], memo[n + 3] = entry, state, props, args
+        n += 4
+        if shape:
+            memo[n] = shape
+            n += 1
+        reduced = (shape,)
+        try:
+            size = size_fn(*reduced)
+        except Exception as e:  # noqa: BLE001 - the allow-list path reports it
+            raise Fallback("reduce") from e
+        chunks: list[Any] = []
+        memo[n], memo[n + 1], memo[n + 2] = reduced, size, chunks
+        self.num_memo = n + 3
+        stack += (entry, state)
+        marks.append(len(stack))
+        stack += (properties, props, size_key, size, chunks_key, chunks)
+        marks.append(len(stack))
+        self.pos = m.end()
+        return True
+
     def chunk_rows(self, boxes: array[int], n: int, nd: int, end: int) -> _ChunkRun:
         run = _ChunkRun(self.num_rows, len(self.boxes), n, nd)
         self.boxes.extend(boxes)
@@ -656,7 +726,7 @@ class _Machine:
         marks: list[int] = []
         memo = self.memo
         seen_memoize = seen_put = False
-        chunk_cls, index_cls = self.chunk_cls, self.index_cls
+        chunk_cls, index_cls, tensor_cls = self.chunk_cls, self.index_cls, self.tensor_cls
         while True:
             if self.pos >= len(self.buf):
                 self.need(1)
@@ -694,6 +764,14 @@ class _Machine:
                             raise Fallback("memo")
                         continue
                     self.pos += 2 if op == 0x68 else 5  # where the GET is (the window moves)
+                elif obj is tensor_cls:
+                    self.pos = start
+                    if self.tensor_head(stack, marks):
+                        seen_memoize = True
+                        if seen_put:
+                            raise Fallback("memo")
+                        continue
+                    self.pos += 2 if op == 0x68 else 5
                 stack.append(obj)
             elif op == 0x28:  # MARK
                 marks.append(len(stack))
