@@ -228,6 +228,8 @@ class _MemoStrs(dict[int, int]):
         super().__init__()
         self.memo = memo
         self.numbers = numbers
+        # Memo indices numbered so far, sorted, and their numbers (numpy arrays).
+        self.known: tuple[Any, Any] | None = None
 
     def __missing__(self, key: int) -> int:
         got = self.memo.get(key)
@@ -249,10 +251,26 @@ class _MemoStrs(dict[int, int]):
         np = _numpy()
         distinct, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
         numbers = np.empty(len(distinct), dtype=np.int32)
-        for i in np.argsort(first, kind="stable").tolist():
+        # Indices numbered in an earlier block (nearly all: every block holds most names),
+        # by one sorted lookup; the others one by one, in the order first seen.
+        if self.known is None:
+            self.known = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int32)
+        known, known_numbers = self.known
+        if len(known):
+            at = np.minimum(np.searchsorted(known, distinct), len(known) - 1)
+            hit = known[at] == distinct
+            numbers[hit] = known_numbers[at[hit]]
+            new = np.flatnonzero(~hit)
+        else:
+            new = np.arange(len(distinct))
+        for i in new[np.argsort(first[new], kind="stable")].tolist():
             numbers[i] = self[int(distinct[i])]
         if len(numbers) and numbers.min() < 0:
             raise Fallback("storage entry")  # the allow-list path says what it is
+        if len(new):
+            keys_ = np.concatenate((known, distinct[new]))
+            order = np.argsort(keys_, kind="stable")
+            self.known = keys_[order], np.concatenate((known_numbers, numbers[new]))[order]
         return numbers[inverse.reshape(-1)]
 
 
