@@ -400,3 +400,26 @@ def test_tensor_head_flags_and_gets(moe: Path, tmp_path: Path) -> None:
         other[m.start(lit) : m.end(lit)] = data[m.start(1) : m.end(1)]
         md.write_bytes(bytes(other))
         _same(md)
+
+
+def test_storage_gets_of_entries_not_memoized_yet(moe: Path, tmp_path: Path) -> None:
+    """A storage entry's name or file GET of a memo entry made only later in the file (or
+    never): the allow-list path refuses it, and the columns (which check a run's GETs once all
+    is read, against the memo's size when the run was read) leave the file to it."""
+    import pickletools
+
+    root = Path(shutil.copytree(moe, tmp_path / "ckpt"))
+    md = root / ".metadata"
+    data = md.read_bytes()
+    cut = data.index(b"storage_data")
+    ops = list(pickletools.genops(data))
+    last = sum(op.name == "MEMOIZE" for op, _, _ in ops) - 1  # exists by the end only
+    gets = [pos for op, _, pos in ops if op.name == "LONG_BINGET" and pos > cut]
+    rng = random.Random(3)
+    for at in rng.sample(gets[len(gets) // 4 : -len(gets) // 4], 6):
+        for index in (last, 1 << 30):
+            b = bytearray(data)
+            b[at + 1 : at + 5] = index.to_bytes(4, "little")
+            md.write_bytes(bytes(b))
+            assert not _same(md)
+            assert isinstance(_allow_list(md), InputError)

@@ -474,13 +474,15 @@ class _Machine:
         # storage entry's name and file are numbers: in ``fqn_numbers``, ``names``.
         self.boxes = array("q")
         self.num_rows = 0
-        self.s_fqn = array("q")  # memo indices: numbered by fqn_numbers once all are read
-        self.s_index = array("q")
-        self.s_offs = array("q")
-        self.s_file = array("q")  # memo indices, as s_fqn
-        self.s_begin = array("q")
-        self.s_length = array("q")
-        self.s_runs: list[tuple[int, int, int, int]] = []  # (first entry, entries, ndim, offs)
+        # Each run's columns as it was read, joined a block of runs at a time once all are
+        # read (one growing column each cost a copy of it at every few runs): name (a memo
+        # index, numbered by fqn_numbers then), index hint, offsets (ndim per entry), file (a
+        # memo index, as the name), byte offset, length.
+        self.s_pieces: list[tuple[array[int], ...] | None] = []
+        # (first entry, entries, ndim, first offset, the memo's size then: its GETs are below)
+        self.s_runs: list[tuple[int, int, int, int, int]] = []
+        self.s_entries = 0
+        self.s_offsets = 0
         self.names: dict[str, int] = {}
         self.fqns: dict[str, int] = {}
         self.fqn_numbers = _MemoStrs(self.memo, self.fqns)
@@ -725,15 +727,10 @@ class _Machine:
         n = len(fqn)
         if not n:
             return 0
-        if max(fqn) >= self.num_memo or max(file) >= self.num_memo:
-            raise Fallback("get")  # not in the memo (yet)
-        self.s_runs.append((len(self.s_fqn), n, nd, len(self.s_offs)))
-        self.s_offs.extend(offs)
-        self.s_fqn.extend(fqn)
-        self.s_index.extend(index)
-        self.s_file.extend(file)
-        self.s_begin.extend(begin)
-        self.s_length.extend(length)
+        self.s_runs.append((self.s_entries, n, nd, self.s_offsets, self.num_memo))
+        self.s_pieces.append((fqn, index, offs, file, begin, length))
+        self.s_entries += n
+        self.s_offsets += len(offs)
         self.num_memo += n * (4 + _size_memos(nd))
         return n
 
@@ -1336,14 +1333,14 @@ class _Placement:
         """The interpreter's runs of entries, placed by numpy scatters, runs of
         :data:`_BLOCK` entries at a time; how many."""
         placed = 0
-        runs = vm.s_runs
-        for a, b in _blocks([n for _, n, _, _ in runs]):
-            placed += self.place_block(vm, runs[a:b])
-        del vm.s_fqn[:], vm.s_index[:], vm.s_offs[:], vm.s_file[:], vm.s_begin[:]
-        del vm.s_length[:]
+        runs, pieces = vm.s_runs, vm.s_pieces
+        for a, b in _blocks([run[1] for run in runs]):
+            placed += self.place_block(vm, runs[a:b], pieces[a:b])
+            pieces[a:b] = [None] * (b - a)  # freed as placed
         return placed
 
-    def place_block(self, vm: _Machine, runs: Sequence[tuple[int, int, int, int]]) -> int:
+    def place_block(self, vm: _Machine, runs: Sequence[tuple[int, int, int, int, int]],
+                    pieces: Sequence[tuple[array[int], ...] | None]) -> int:
         """Consecutive runs of entries placed; how many.
 
         An entry goes to its tensor's first row plus its index hint. One whose name is no
@@ -1351,19 +1348,33 @@ class _Placement:
         entries in one row leave another row without one, which the caller finds.
         """
         np = _numpy()
-        at, cnt, nds, o_at = (np.array(c, dtype=np.int64) for c in zip(*runs, strict=True))
-        e0, total = runs[0][0], int(cnt.sum())
-        entries = slice(e0, e0 + total)
-        fq = vm.fqn_numbers.numbered(np.frombuffer(vm.s_fqn, dtype=np.int64)[entries])
-        file = vm.file_numbers.numbered(np.frombuffer(vm.s_file, dtype=np.int64)[entries])
+        at, cnt, nds, o_at, memo_size = (np.array(c, dtype=np.int64)
+                                         for c in zip(*runs, strict=True))
+        e0, o0, total = runs[0][0], runs[0][3], int(cnt.sum())
+
+        def column(c: int) -> Any:
+            got = [np.frombuffer(p[c], dtype=np.int64) for p in pieces if p is not None and p[c]]
+            return np.concatenate(got) if got else np.empty(0, dtype=np.int64)
+
+        fqn_at, file_at = column(0), column(3)
+        # A run's GETs name entries the memo had when it was read (before: not numbered).
+        below = np.repeat(memo_size, cnt)
+        if len(fqn_at) != total or np.any(fqn_at >= below) or np.any(file_at >= below):
+            raise Fallback("get")  # not in the memo (yet)
+        fq = vm.fqn_numbers.numbered(fqn_at)
+        file = vm.file_numbers.numbered(file_at)
         # Names numbered since (no tensor's): none there.
         self.first_by_number += [-1] * (len(self.fqns) - len(self.first_by_number))
         self.ndim_by_number += [-1] * (len(self.fqns) - len(self.ndim_by_number))
-        index = np.frombuffer(vm.s_index, dtype=np.int64)[entries]
-        offs = np.frombuffer(vm.s_offs, dtype=np.int64)
+        index = column(1)
+        offs = column(2)
+        begin, length = column(4), column(5)
+        if not len(fq) == len(index) == len(file) == len(begin) == len(length) == total:
+            raise Fallback("storage columns")  # cannot happen: a run's columns are its entries'
         nd = np.repeat(nds, cnt)
-        # Each entry's offsets start at its run's, ndim apart.
-        o_first = np.repeat(o_at - nds * (at - e0), cnt) + nd * np.arange(total, dtype=np.int64)
+        # Each entry's offsets start at its run's, ndim apart (in this block's offsets).
+        o_first = (np.repeat(o_at - o0 - nds * (at - e0), cnt)
+                   + nd * np.arange(total, dtype=np.int64))
         first = np.array(self.first_by_number, dtype=np.int64)[fq]
         fits = (first >= 0) & (np.array(self.ndim_by_number, dtype=np.int64)[fq] == nd)
         fast = np.flatnonzero(fits)
@@ -1372,8 +1383,7 @@ class _Placement:
             raise Fallback("index")  # past the table (past its tensor: checked later)
         np.frombuffer(self.row_fqn, dtype=np.int32)[row] = fq[fast]
         np.frombuffer(self.file, dtype=np.int32)[row] = file[fast]
-        for col, values in ((self.begin, vm.s_begin), (self.length, vm.s_length)):
-            got = np.frombuffer(values, dtype=np.int64)[entries]
+        for col, got in ((self.begin, begin), (self.length, length)):
             np.frombuffer(col, dtype=np.int64)[row] = got[fast]
         for k, col in enumerate(self.row_offs):
             has = np.flatnonzero(nd[fast] > k)
@@ -1381,9 +1391,9 @@ class _Placement:
         placed = len(fast)
         names = list(self.fqns)  # by number
         for i in np.flatnonzero(~fits).tolist():
-            o, g = int(o_first[i]), e0 + i
-            placed += self.place(names[fq[i]], int(index[i]), vm.s_offs[o : o + int(nd[i])],
-                                 int(file[i]), vm.s_begin[g], vm.s_length[g])
+            o = int(o_first[i])
+            placed += self.place(names[fq[i]], int(index[i]), offs[o : o + int(nd[i])].tolist(),
+                                 int(file[i]), int(begin[i]), int(length[i]))
         return placed
 
     def place_dict(self, vm: _Machine, storage_data: dict[Any, Any],
