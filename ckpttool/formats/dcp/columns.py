@@ -474,15 +474,18 @@ class _Machine:
         # storage entry's name and file are numbers: in ``fqn_numbers``, ``names``.
         self.boxes = array("q")
         self.num_rows = 0
-        # Each run's columns as it was read, joined a block of runs at a time once all are
-        # read (one growing column each cost a copy of it at every few runs): name (a memo
-        # index, numbered by fqn_numbers then), index hint, offsets (ndim per entry), file (a
-        # memo index, as the name), byte offset, length.
-        self.s_pieces: list[tuple[array[int], ...] | None] = []
+        # Each run's columns as it was read, joined into one block of columns per
+        # _BLOCK entries or more (one growing column each cost a copy of it at every few
+        # runs; small pieces kept to the end would stay in the heap): name (a memo index,
+        # numbered by fqn_numbers once all is read), index hint, offsets (ndim per entry),
+        # file (a memo index, as the name), byte offset, length.
         # (first entry, entries, ndim, first offset, the memo's size then: its GETs are below)
         self.s_runs: list[tuple[int, int, int, int, int]] = []
-        self.s_entries = 0
+        self.s_pieces: list[tuple[array[int], ...]] = []  # of the runs since the last block
+        self.s_blocks: list[tuple[int, int, tuple[Any, ...]]] = []  # (runs from, to, columns)
+        self.s_entries = 0  # in all runs
         self.s_offsets = 0
+        self.s_pending = 0  # entries in s_pieces
         self.names: dict[str, int] = {}
         self.fqns: dict[str, int] = {}
         self.fqn_numbers = _MemoStrs(self.memo, self.fqns)
@@ -731,8 +734,27 @@ class _Machine:
         self.s_pieces.append((fqn, index, offs, file, begin, length))
         self.s_entries += n
         self.s_offsets += len(offs)
+        self.s_pending += n
+        if self.s_pending >= _BLOCK:
+            self.storage_block()
         self.num_memo += n * (4 + _size_memos(nd))
         return n
+
+    def storage_block(self) -> None:
+        """The runs read since the last block, their columns joined (int64 numpy arrays)."""
+        pieces = self.s_pieces
+        if not pieces:
+            return
+        np = _numpy()
+
+        def column(c: int) -> Any:
+            got = [np.frombuffer(p[c], dtype=np.int64) for p in pieces if p[c]]
+            return np.concatenate(got) if got else np.empty(0, dtype=np.int64)
+
+        b = len(self.s_runs)
+        self.s_blocks.append((b - len(pieces), b, tuple(column(c) for c in range(6))))
+        self.s_pieces = []
+        self.s_pending = 0
 
     # -- the walk
 
@@ -1333,14 +1355,17 @@ class _Placement:
         """The interpreter's runs of entries, placed by numpy scatters, runs of
         :data:`_BLOCK` entries at a time; how many."""
         placed = 0
-        runs, pieces = vm.s_runs, vm.s_pieces
-        for a, b in _blocks([run[1] for run in runs]):
-            placed += self.place_block(vm, runs[a:b], pieces[a:b])
-            pieces[a:b] = [None] * (b - a)  # freed as placed
+        vm.storage_block()
+        blocks, vm.s_blocks = vm.s_blocks, []
+        blocks.reverse()
+        while blocks:
+            a, b, columns = blocks.pop()  # freed once placed
+            placed += self.place_block(vm, vm.s_runs[a:b], columns)
+            del columns
         return placed
 
     def place_block(self, vm: _Machine, runs: Sequence[tuple[int, int, int, int, int]],
-                    pieces: Sequence[tuple[array[int], ...] | None]) -> int:
+                    columns: tuple[Any, ...]) -> int:
         """Consecutive runs of entries placed; how many.
 
         An entry goes to its tensor's first row plus its index hint. One whose name is no
@@ -1351,12 +1376,7 @@ class _Placement:
         at, cnt, nds, o_at, memo_size = (np.array(c, dtype=np.int64)
                                          for c in zip(*runs, strict=True))
         e0, o0, total = runs[0][0], runs[0][3], int(cnt.sum())
-
-        def column(c: int) -> Any:
-            got = [np.frombuffer(p[c], dtype=np.int64) for p in pieces if p is not None and p[c]]
-            return np.concatenate(got) if got else np.empty(0, dtype=np.int64)
-
-        fqn_at, file_at = column(0), column(3)
+        fqn_at, index, offs, file_at, begin, length = columns
         # A run's GETs name entries the memo had when it was read (before: not numbered).
         below = np.repeat(memo_size, cnt)
         if len(fqn_at) != total or np.any(fqn_at >= below) or np.any(file_at >= below):
@@ -1366,9 +1386,6 @@ class _Placement:
         # Names numbered since (no tensor's): none there.
         self.first_by_number += [-1] * (len(self.fqns) - len(self.first_by_number))
         self.ndim_by_number += [-1] * (len(self.fqns) - len(self.ndim_by_number))
-        index = column(1)
-        offs = column(2)
-        begin, length = column(4), column(5)
         if not len(fq) == len(index) == len(file) == len(begin) == len(length) == total:
             raise Fallback("storage columns")  # cannot happen: a run's columns are its entries'
         nd = np.repeat(nds, cnt)
