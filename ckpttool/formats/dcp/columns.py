@@ -371,7 +371,7 @@ class _Layout:
         n -= len(starts.lstrip(self.blank[:1]))
         if n <= 0:
             return 0
-        block = bytearray(buf[start : start + n * size])
+        block = bytearray(memoryview(buf)[start : start + n * size])
         zeros = bytes(n)
         for at, width, _ in self.fields:
             for i in range(width):
@@ -398,7 +398,8 @@ class _Layout:
             limit = min(limit, _MAX_RUN - n)
             got = self.count(buf, start + n * self.size, limit)
             n += got
-            if got < limit:
+            # The next entry of another kind (a tensor's chunk list ends): no block more.
+            if got < limit or not buf.startswith(self.prefix, start + n * self.size):
                 break
             limit *= 4
         return n
