@@ -614,6 +614,8 @@ class _Machine:
         tensor_cls, properties, props_cls, dtype, layout, memory_format, size_key, size_fn, \
             chunks_key = got
         shape = self.tuple_of(m[11])
+        if len(self.tuples) > _CACHE:  # as many shapes as tensors: kept bounded
+            self.tuples.clear()
         if len(shape) > _MAX_NDIM:
             return False
         memo, n = self.memo, self.num_memo
