@@ -56,3 +56,37 @@ def test_document_puts_schema_and_command_first() -> None:
 
     doc = document("merge", Report())
     assert list(doc)[:2] == ["schema", "command"] and doc["b"] == [{"from": "z", "count": 0}]
+
+
+def test_tensor_row_json_is_the_sections() -> None:
+    """inspect's TensorRow writes its fields out (15,000 rows): the same document as
+    Section's walk, with and without --stats."""
+    from ckpttool.core.inspect import TensorRow, TensorStats
+
+    rows = [TensorRow("a.weight", "model.a.weight", "model", [4, 2], "BF16", 16, 2,
+                      "Shard(0) x2", ["__0_0.distcp", "__1_0.distcp"]),
+            TensorRow("b", "b", "model", [], "F32", 4, 1, "whole", [],
+                      TensorStats(min=-1.0, max=2.0, mean=0.5, abs_max=2.0, nan=1, inf=0,
+                                  all_zero=False))]
+    for row in rows:
+        assert row.to_json() == Section.to_json(row)
+        assert list(row.to_json()) == list(Section.to_json(row))
+
+
+def test_print_json_encodes_long_name_lists_once() -> None:
+    """The lines of a top-level list are json.dumps of each item, also where a long list of
+    names is encoded once for every item that holds it, and where an item's strings look
+    like the stand-in used meanwhile."""
+    from ckpttool.cli.common import _HOLE, _layout
+
+    files = [f"__{i}_0.distcp" for i in range(64)]
+    items = [{"name": "a", "files": files, "stats": None},
+             {"name": "b", "files": list(files), "stats": {"min": 1.5}},
+             {"name": _HOLE, "files": list(files)},
+             {"name": "c", "files": [*files[:20], 3]},
+             {"name": f'x"{_HOLE}"', "files": files[:30], "other": files[:17]},
+             {"name": "d", "files": files[:3]}]
+    text = _layout({"schema": 1, "tensors": items})
+    assert json.loads(text) == {"schema": 1, "tensors": items}
+    lines = text.splitlines()[3:-2]
+    assert [line.strip().rstrip(",") for line in lines] == [json.dumps(v) for v in items]

@@ -323,3 +323,103 @@ def test_every_int_of_a_section_wider(moe: Path, tmp_path: Path) -> None:
         wide = [at for at in _int_spots(data, lo, hi) if data[at] != 0x4B]
         md.write_bytes(_wider(data, wide))
         assert _same(md)
+
+
+def test_tensor_heads_are_read_at_once(moe: Path, widths: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tensor entry after the first of its dtype opens by :data:`_TENSOR_HEAD` (one
+    match, not its opcodes one by one), and the answer is the allow-list path's."""
+    took = []
+    head = dcp_metadata._Machine.tensor_head
+
+    def spy(self: Any, stack: list[Any], marks: list[int]) -> bool:
+        took.append(head(self, stack, marks))
+        return took[-1]
+
+    monkeypatch.setattr(dcp_metadata._Machine, "tensor_head", spy)
+    for root in (moe, widths):
+        took.clear()
+        assert _same(root / ".metadata")
+        num = len(dcp.read_info(root).tensors)
+        assert took.count(True) >= num - 3 and took.count(True) > 10
+
+
+def _head_spots(data: bytes) -> list[tuple[int, int]]:
+    """Where tensor heads are (start, end), by the pattern's own bytes."""
+    return [m.span() for m in dcp_metadata._TENSOR_HEAD.finditer(data)]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_tensor_head_mutations_agree_or_fall_back(moe: Path, tmp_path: Path, seed: int) -> None:
+    """Bytes inside tensor heads changed (a GET of another memo entry, requires_grad or
+    pin_memory set, a size int, an opcode in place of a byte, a byte dropped or inserted):
+    the columns give the allow-list path's answer, or fall back."""
+    root = Path(shutil.copytree(moe, tmp_path / "ckpt"))
+    md = root / ".metadata"
+    data = md.read_bytes()
+    spots = _head_spots(data)
+    assert len(spots) > 10
+    rng = random.Random(seed)
+    interesting = b"\x94hjKMJ\x8a\x8c)(}]uebR\x81\x85\x86\x87t\x88\x89qr"
+    answered = 0
+    for _ in range(150):
+        a, b = spots[rng.randrange(1, len(spots))]
+        at = rng.randrange(a, b)
+        kind = rng.randrange(4)
+        out = bytearray(data)
+        if kind == 0:
+            out[at] ^= 1 << rng.randrange(8)
+        elif kind == 1:
+            out[at] = interesting[rng.randrange(len(interesting))]
+        elif kind == 2:
+            del out[at]
+        else:
+            out.insert(at, rng.randrange(256))
+        md.write_bytes(bytes(out))
+        answered += _same(md)
+    assert answered
+
+
+def test_tensor_head_flags_and_gets(moe: Path, tmp_path: Path) -> None:
+    """requires_grad and pin_memory set (NEWTRUE) in one head, a head's GET of the dtype
+    pointing at another memo entry: read as the allow-list path reads them."""
+    root = Path(shutil.copytree(moe, tmp_path / "ckpt"))
+    md = root / ".metadata"
+    data = md.read_bytes()
+    a, b = _head_spots(data)[3]
+    m = dcp_metadata._TENSOR_HEAD.match(data, a)
+    assert m is not None
+    flags = bytearray(data)
+    flags[m.start(6)] = flags[m.start(8)] = 0x88
+    md.write_bytes(bytes(flags))
+    assert _same(md)
+    props = dcp_metadata.read(md, dcp._metadata_global)
+    assert props is not None
+    for lit in (4, 5, 7):  # dtype, layout, memory format: another entry (the name's memo)
+        other = bytearray(data)
+        other[m.start(lit) : m.end(lit)] = data[m.start(1) : m.end(1)]
+        md.write_bytes(bytes(other))
+        _same(md)
+
+
+def test_storage_gets_of_entries_not_memoized_yet(moe: Path, tmp_path: Path) -> None:
+    """A storage entry's name or file GET of a memo entry made only later in the file (or
+    never): the allow-list path refuses it, and the columns (which check a run's GETs once all
+    is read, against the memo's size when the run was read) leave the file to it."""
+    import pickletools
+
+    root = Path(shutil.copytree(moe, tmp_path / "ckpt"))
+    md = root / ".metadata"
+    data = md.read_bytes()
+    cut = data.index(b"storage_data")
+    ops = list(pickletools.genops(data))
+    last = sum(op.name == "MEMOIZE" for op, _, _ in ops) - 1  # exists by the end only
+    gets = [pos for op, _, pos in ops if op.name == "LONG_BINGET" and pos > cut]
+    rng = random.Random(3)
+    for at in rng.sample(gets[len(gets) // 4 : -len(gets) // 4], 6):
+        for index in (last, 1 << 30):
+            b = bytearray(data)
+            b[at + 1 : at + 5] = index.to_bytes(4, "little")
+            md.write_bytes(bytes(b))
+            assert not _same(md)
+            assert isinstance(_allow_list(md), InputError)

@@ -90,6 +90,15 @@ _ANY_TUPLE = rb"(\)|" + _INT + rb"{1,3}[\x85\x86\x87]\x94|\(" + _INT + rb"{4,64}
 _CHUNK_HEAD = re.compile(
     b"(" + _GET + b")" + _NEWOBJ + b"(" + _GET + b")(" + _GET + b")" + _ANY_TUPLE + _REDUCED
     + b"(" + _GET + b")(" + _GET + b")" + _ANY_TUPLE + _REDUCED + rb"ub", re.DOTALL)
+# A TensorStorageMetadata entry's opening, from the GET of its class to its chunk list's MARK,
+# as torch pickles every tensor's after the first (classes, strings and the dtype by GET): its
+# properties (dtype, layout, requires_grad, memory format, pin_memory), its torch.Size, the
+# empty chunk list. Only the size's ints differ from one tensor to the next.
+_TENSOR_HEAD = re.compile(
+    b"(" + _GET + b")" + _NEWOBJ + b"(" + _GET + b")(" + _GET + rb")\)\x81\x94\("
+    + b"(" + _GET + b")(" + _GET + rb")([\x88\x89])(" + _GET + rb")([\x88\x89])t\x94b"
+    + b"(" + _GET + b")(" + _GET + b")" + _ANY_TUPLE + _REDUCED
+    + b"(" + _GET + rb")\]\x94\(", re.DOTALL)
 _STORAGE_HEAD = re.compile(
     b"(" + _GET + b")" + _NEWOBJ + b"(" + _GET + b")" + _GET + b"(" + _GET + b")" + _INT
     + b"(" + _GET + b")(" + _GET + b")" + _ANY_TUPLE + _REDUCED + rb"ub"
@@ -219,6 +228,8 @@ class _MemoStrs(dict[int, int]):
         super().__init__()
         self.memo = memo
         self.numbers = numbers
+        # Memo indices numbered so far, sorted, and their numbers (numpy arrays).
+        self.known: tuple[Any, Any] | None = None
 
     def __missing__(self, key: int) -> int:
         got = self.memo.get(key)
@@ -240,10 +251,26 @@ class _MemoStrs(dict[int, int]):
         np = _numpy()
         distinct, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
         numbers = np.empty(len(distinct), dtype=np.int32)
-        for i in np.argsort(first, kind="stable").tolist():
+        # Indices numbered in an earlier block (nearly all: every block holds most names),
+        # by one sorted lookup; the others one by one, in the order first seen.
+        if self.known is None:
+            self.known = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int32)
+        known, known_numbers = self.known
+        if len(known):
+            at = np.minimum(np.searchsorted(known, distinct), len(known) - 1)
+            hit = known[at] == distinct
+            numbers[hit] = known_numbers[at[hit]]
+            new = np.flatnonzero(~hit)
+        else:
+            new = np.arange(len(distinct))
+        for i in new[np.argsort(first[new], kind="stable")].tolist():
             numbers[i] = self[int(distinct[i])]
         if len(numbers) and numbers.min() < 0:
             raise Fallback("storage entry")  # the allow-list path says what it is
+        if len(new):
+            keys_ = np.concatenate((known, distinct[new]))
+            order = np.argsort(keys_, kind="stable")
+            self.known = keys_[order], np.concatenate((known_numbers, numbers[new]))[order]
         return numbers[inverse.reshape(-1)]
 
 
@@ -344,7 +371,7 @@ class _Layout:
         n -= len(starts.lstrip(self.blank[:1]))
         if n <= 0:
             return 0
-        block = bytearray(buf[start : start + n * size])
+        block = bytearray(memoryview(buf)[start : start + n * size])
         zeros = bytes(n)
         for at, width, _ in self.fields:
             for i in range(width):
@@ -371,7 +398,8 @@ class _Layout:
             limit = min(limit, _MAX_RUN - n)
             got = self.count(buf, start + n * self.size, limit)
             n += got
-            if got < limit:
+            # The next entry of another kind (a tensor's chunk list ends): no block more.
+            if got < limit or not buf.startswith(self.prefix, start + n * self.size):
                 break
             limit *= 4
         return n
@@ -437,19 +465,28 @@ class _Machine:
         self.index_cls = lookup(_MD, "MetadataIndex")
         self.info_cls = lookup(_FS, "_StorageInfo")
         self.size_fn = lookup("torch", "Size")
+        self.tensor_cls = lookup(_MD, "TensorStorageMetadata")
+        self.props_cls = lookup(_MD, "TensorProperties")
         if None in (self.chunk_cls, self.index_cls, self.info_cls, self.size_fn):
             raise Fallback("lookup")
+        # A tensor head's GETs (by their bytes) -> what they were checked to hold.
+        self.heads: dict[bytes, tuple[Any, ...]] = {}
         # Columns: chunk rows, and storage entries (joined with them after the walk). A
         # storage entry's name and file are numbers: in ``fqn_numbers``, ``names``.
         self.boxes = array("q")
         self.num_rows = 0
-        self.s_fqn = array("q")  # memo indices: numbered by fqn_numbers once all are read
-        self.s_index = array("q")
-        self.s_offs = array("q")
-        self.s_file = array("q")  # memo indices, as s_fqn
-        self.s_begin = array("q")
-        self.s_length = array("q")
-        self.s_runs: list[tuple[int, int, int, int]] = []  # (first entry, entries, ndim, offs)
+        # Each run's columns as it was read, joined into one block of columns per
+        # _BLOCK entries or more (one growing column each cost a copy of it at every few
+        # runs; small pieces kept to the end would stay in the heap): name (a memo index,
+        # numbered by fqn_numbers once all is read), index hint, offsets (ndim per entry),
+        # file (a memo index, as the name), byte offset, length.
+        # (first entry, entries, ndim, first offset, the memo's size then: its GETs are below)
+        self.s_runs: list[tuple[int, int, int, int, int]] = []
+        self.s_pieces: list[tuple[array[int], ...]] = []  # of the runs since the last block
+        self.s_blocks: list[tuple[int, int, tuple[Any, ...]]] = []  # (runs from, to, columns)
+        self.s_entries = 0  # in all runs
+        self.s_offsets = 0
+        self.s_pending = 0  # entries in s_pieces
         self.names: dict[str, int] = {}
         self.fqns: dict[str, int] = {}
         self.fqn_numbers = _MemoStrs(self.memo, self.fqns)
@@ -548,6 +585,65 @@ class _Machine:
             decoded.clear()
         return self.chunk_rows(got, len(ms), nd, ms[-1].end())
 
+    def tensor_head(self, stack: list[Any], marks: list[int]) -> bool:
+        """A tensor entry's opening from ``pos`` (at a GET of TensorStorageMetadata), done at
+        once as the opcodes would do it (the same objects, stack, marks and memo); False
+        where its bytes are not :data:`_TENSOR_HEAD` with GETs of what DCP puts there."""
+        self.ahead()
+        m = _TENSOR_HEAD.match(self.buf, self.pos)
+        if m is None:
+            return False
+        lits = m.group(1, 2, 3, 4, 5, 7, 9, 10, 12)
+        key = b"".join(lits)
+        got = self.heads.get(key)
+        if got is None:
+            memo = self.memo
+            if not (isinstance(self.tensor_cls, type)
+                    and issubclass(self.tensor_cls, torchsave.PlainStub)
+                    and isinstance(self.props_cls, type)
+                    and issubclass(self.props_cls, torchsave.Stub)
+                    and id(self.size_fn) in self.allowed
+                    and self.memo_is(lits[0], self.tensor_cls)
+                    and self.memo_is(lits[1], "properties")
+                    and self.memo_is(lits[2], self.props_cls)
+                    and all(_get_index(lit) in memo for lit in lits[3:6])
+                    and self.memo_is(lits[6], "size") and self.memo_is(lits[7], self.size_fn)
+                    and self.memo_is(lits[8], "chunks")):
+                return False  # the opcodes go one by one (and say what is wrong)
+            got = self.heads[key] = tuple(memo[_get_index(lit)] for lit in lits)
+        tensor_cls, properties, props_cls, dtype, layout, memory_format, size_key, size_fn, \
+            chunks_key = got
+        shape = self.tuple_of(m[11])
+        if len(self.tuples) > _CACHE:  # as many shapes as tensors: kept bounded
+            self.tuples.clear()
+        if len(shape) > _MAX_NDIM:
+            return False
+        memo, n = self.memo, self.num_memo
+        entry = tensor_cls.__new__(tensor_cls)
+        state: dict[Any, Any] = {}
+        props = props_cls.__new__(props_cls)
+        args = (dtype, layout, m[6] == b"\x88", memory_format, m[8] == b"\x88")
+        self.build(props, args)
+        memo[n], memo[n + 1], memo[n + 2], memo[n + 3] = entry, state, props, args
+        n += 4
+        if shape:
+            memo[n] = shape
+            n += 1
+        reduced = (shape,)
+        try:
+            size = size_fn(*reduced)
+        except Exception as e:  # noqa: BLE001 - the allow-list path reports it
+            raise Fallback("reduce") from e
+        chunks: list[Any] = []
+        memo[n], memo[n + 1], memo[n + 2] = reduced, size, chunks
+        self.num_memo = n + 3
+        stack += (entry, state)
+        marks.append(len(stack))
+        stack += (properties, props, size_key, size, chunks_key, chunks)
+        marks.append(len(stack))
+        self.pos = m.end()
+        return True
+
     def chunk_rows(self, boxes: array[int], n: int, nd: int, end: int) -> _ChunkRun:
         run = _ChunkRun(self.num_rows, len(self.boxes), n, nd)
         self.boxes.extend(boxes)
@@ -637,17 +733,31 @@ class _Machine:
         n = len(fqn)
         if not n:
             return 0
-        if max(fqn) >= self.num_memo or max(file) >= self.num_memo:
-            raise Fallback("get")  # not in the memo (yet)
-        self.s_runs.append((len(self.s_fqn), n, nd, len(self.s_offs)))
-        self.s_offs.extend(offs)
-        self.s_fqn.extend(fqn)
-        self.s_index.extend(index)
-        self.s_file.extend(file)
-        self.s_begin.extend(begin)
-        self.s_length.extend(length)
+        self.s_runs.append((self.s_entries, n, nd, self.s_offsets, self.num_memo))
+        self.s_pieces.append((fqn, index, offs, file, begin, length))
+        self.s_entries += n
+        self.s_offsets += len(offs)
+        self.s_pending += n
+        if self.s_pending >= _BLOCK:
+            self.storage_block()
         self.num_memo += n * (4 + _size_memos(nd))
         return n
+
+    def storage_block(self) -> None:
+        """The runs read since the last block, their columns joined (int64 numpy arrays)."""
+        pieces = self.s_pieces
+        if not pieces:
+            return
+        np = _numpy()
+
+        def column(c: int) -> Any:
+            got = [np.frombuffer(p[c], dtype=np.int64) for p in pieces if p[c]]
+            return np.concatenate(got) if got else np.empty(0, dtype=np.int64)
+
+        b = len(self.s_runs)
+        self.s_blocks.append((b - len(pieces), b, tuple(column(c) for c in range(6))))
+        self.s_pieces = []
+        self.s_pending = 0
 
     # -- the walk
 
@@ -656,7 +766,7 @@ class _Machine:
         marks: list[int] = []
         memo = self.memo
         seen_memoize = seen_put = False
-        chunk_cls, index_cls = self.chunk_cls, self.index_cls
+        chunk_cls, index_cls, tensor_cls = self.chunk_cls, self.index_cls, self.tensor_cls
         while True:
             if self.pos >= len(self.buf):
                 self.need(1)
@@ -694,6 +804,14 @@ class _Machine:
                             raise Fallback("memo")
                         continue
                     self.pos += 2 if op == 0x68 else 5  # where the GET is (the window moves)
+                elif obj is tensor_cls:
+                    self.pos = start
+                    if self.tensor_head(stack, marks):
+                        seen_memoize = True
+                        if seen_put:
+                            raise Fallback("memo")
+                        continue
+                    self.pos += 2 if op == 0x68 else 5
                 stack.append(obj)
             elif op == 0x28:  # MARK
                 marks.append(len(stack))
@@ -1240,14 +1358,17 @@ class _Placement:
         """The interpreter's runs of entries, placed by numpy scatters, runs of
         :data:`_BLOCK` entries at a time; how many."""
         placed = 0
-        runs = vm.s_runs
-        for a, b in _blocks([n for _, n, _, _ in runs]):
-            placed += self.place_block(vm, runs[a:b])
-        del vm.s_fqn[:], vm.s_index[:], vm.s_offs[:], vm.s_file[:], vm.s_begin[:]
-        del vm.s_length[:]
+        vm.storage_block()
+        blocks, vm.s_blocks = vm.s_blocks, []
+        blocks.reverse()
+        while blocks:
+            a, b, columns = blocks.pop()  # freed once placed
+            placed += self.place_block(vm, vm.s_runs[a:b], columns)
+            del columns
         return placed
 
-    def place_block(self, vm: _Machine, runs: Sequence[tuple[int, int, int, int]]) -> int:
+    def place_block(self, vm: _Machine, runs: Sequence[tuple[int, int, int, int, int]],
+                    columns: tuple[Any, ...]) -> int:
         """Consecutive runs of entries placed; how many.
 
         An entry goes to its tensor's first row plus its index hint. One whose name is no
@@ -1255,19 +1376,25 @@ class _Placement:
         entries in one row leave another row without one, which the caller finds.
         """
         np = _numpy()
-        at, cnt, nds, o_at = (np.array(c, dtype=np.int64) for c in zip(*runs, strict=True))
-        e0, total = runs[0][0], int(cnt.sum())
-        entries = slice(e0, e0 + total)
-        fq = vm.fqn_numbers.numbered(np.frombuffer(vm.s_fqn, dtype=np.int64)[entries])
-        file = vm.file_numbers.numbered(np.frombuffer(vm.s_file, dtype=np.int64)[entries])
+        at, cnt, nds, o_at, memo_size = (np.array(c, dtype=np.int64)
+                                         for c in zip(*runs, strict=True))
+        e0, o0, total = runs[0][0], runs[0][3], int(cnt.sum())
+        fqn_at, index, offs, file_at, begin, length = columns
+        # A run's GETs name entries the memo had when it was read (before: not numbered).
+        below = np.repeat(memo_size, cnt)
+        if len(fqn_at) != total or np.any(fqn_at >= below) or np.any(file_at >= below):
+            raise Fallback("get")  # not in the memo (yet)
+        fq = vm.fqn_numbers.numbered(fqn_at)
+        file = vm.file_numbers.numbered(file_at)
         # Names numbered since (no tensor's): none there.
         self.first_by_number += [-1] * (len(self.fqns) - len(self.first_by_number))
         self.ndim_by_number += [-1] * (len(self.fqns) - len(self.ndim_by_number))
-        index = np.frombuffer(vm.s_index, dtype=np.int64)[entries]
-        offs = np.frombuffer(vm.s_offs, dtype=np.int64)
+        if not len(fq) == len(index) == len(file) == len(begin) == len(length) == total:
+            raise Fallback("storage columns")  # cannot happen: a run's columns are its entries'
         nd = np.repeat(nds, cnt)
-        # Each entry's offsets start at its run's, ndim apart.
-        o_first = np.repeat(o_at - nds * (at - e0), cnt) + nd * np.arange(total, dtype=np.int64)
+        # Each entry's offsets start at its run's, ndim apart (in this block's offsets).
+        o_first = (np.repeat(o_at - o0 - nds * (at - e0), cnt)
+                   + nd * np.arange(total, dtype=np.int64))
         first = np.array(self.first_by_number, dtype=np.int64)[fq]
         fits = (first >= 0) & (np.array(self.ndim_by_number, dtype=np.int64)[fq] == nd)
         fast = np.flatnonzero(fits)
@@ -1276,8 +1403,7 @@ class _Placement:
             raise Fallback("index")  # past the table (past its tensor: checked later)
         np.frombuffer(self.row_fqn, dtype=np.int32)[row] = fq[fast]
         np.frombuffer(self.file, dtype=np.int32)[row] = file[fast]
-        for col, values in ((self.begin, vm.s_begin), (self.length, vm.s_length)):
-            got = np.frombuffer(values, dtype=np.int64)[entries]
+        for col, got in ((self.begin, begin), (self.length, length)):
             np.frombuffer(col, dtype=np.int64)[row] = got[fast]
         for k, col in enumerate(self.row_offs):
             has = np.flatnonzero(nd[fast] > k)
@@ -1285,9 +1411,9 @@ class _Placement:
         placed = len(fast)
         names = list(self.fqns)  # by number
         for i in np.flatnonzero(~fits).tolist():
-            o, g = int(o_first[i]), e0 + i
-            placed += self.place(names[fq[i]], int(index[i]), vm.s_offs[o : o + int(nd[i])],
-                                 int(file[i]), vm.s_begin[g], vm.s_length[g])
+            o = int(o_first[i])
+            placed += self.place(names[fq[i]], int(index[i]), offs[o : o + int(nd[i])].tolist(),
+                                 int(file[i]), int(begin[i]), int(length[i]))
         return placed
 
     def place_dict(self, vm: _Machine, storage_data: dict[Any, Any],
