@@ -423,3 +423,45 @@ def test_storage_gets_of_entries_not_memoized_yet(moe: Path, tmp_path: Path) -> 
             md.write_bytes(bytes(b))
             assert not _same(md)
             assert isinstance(_allow_list(md), InputError)
+
+
+def test_tensor_head_tuple_opcode_must_match_its_ints(moe: Path, tmp_path: Path) -> None:
+    """A head's size tuple whose TUPLE1/2/3 opcode takes fewer or more ints than precede it
+    (``K3 K32 TUPLE1``: real pickle builds ``(32,)`` and leaves 3 on the stack, which the
+    REDUCE then calls): the allow-list path refuses the file, so the columns must not answer
+    for it. Every head whose size has 2 ints, each way."""
+    root = Path(shutil.copytree(moe, tmp_path / "ckpt"))
+    md = root / ".metadata"
+    data = md.read_bytes()
+    heads = [m for m in dcp_metadata._TENSOR_HEAD.finditer(data)
+             if data[m.end(11) - 2] == 0x86]  # TUPLE2 MEMOIZE
+    assert len(heads) > 5
+    for m in heads[1:6]:
+        for op in (0x85, 0x87):  # TUPLE1, TUPLE3 after two ints
+            b = bytearray(data)
+            b[m.end(11) - 2] = op
+            md.write_bytes(bytes(b))
+            assert isinstance(_allow_list(md), InputError)
+            assert not _same(md)
+
+
+@pytest.mark.parametrize("window", [3000, 3001, 3100, 3399, 4099])
+def test_small_windows_read_the_same(moe: Path, window: int,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file read through windows of a few KB, so that GETs (and heads, and runs) straddle
+    a window's end at every kind of place: the same answer as the allow-list path, and not a
+    fall back (a GET across the end was read, then matched from where the old window had it)."""
+    monkeypatch.setattr(dcp_metadata, "_WINDOW", window)
+    monkeypatch.setattr(dcp_metadata, "_AHEAD", 1024)
+    assert _same(moe / ".metadata")
+
+
+def test_many_layouts_fall_back_without_compiling_each(moe: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each distinct layout of GETs costs a compiled pattern: past :data:`_MAX_LAYOUTS` the
+    file is left to the allow-list unpickler (a hostile file could make every entry its own
+    layout, at ~15 ms each)."""
+    monkeypatch.setattr(dcp_metadata, "_MAX_LAYOUTS", 1)
+    md = moe / ".metadata"
+    assert dcp_metadata.read(md, dcp._metadata_global) is None
+    assert not isinstance(_allow_list(md), Exception)

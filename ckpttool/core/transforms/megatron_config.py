@@ -215,6 +215,8 @@ def _deepseek_v3(args: Mapping[str, Any], arg: Any, number: Any, ask: str) -> De
          " DeepseekV3 sums 2)", (args.get("moe_router_num_groups") or 1) > 1
          and number("moe_router_topk") // (args.get("moe_router_group_topk") or 1) != 2),
         (f"rope_type {rope_type}", rope_type not in ("rope", "yarn")),
+        (f"mscale_all_dim {mscale_all_dim} (YaRN's scale for it is not positive)",
+         _yarn_mscale(factor, mscale_all_dim) <= 0),
         # MLA scales the softmax by mscale_all_dim whatever the rope type; transformers' only
         # under a rope_parameters that scales
         (f"rope_type rope with mscale_all_dim {mscale_all_dim} and rotary_scaling_factor "

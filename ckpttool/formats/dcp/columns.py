@@ -85,7 +85,13 @@ def _size_memos(ndim: int) -> int:
     return 3 if ndim else 2
 
 
-_ANY_TUPLE = rb"(\)|" + _INT + rb"{1,3}[\x85\x86\x87]\x94|\(" + _INT + rb"{4,64}t\x94)"
+# TUPLE1/2/3 each take as many ints as they say (a TUPLE1 after two ints is another pickle:
+# it leaves the first int on the stack).
+_ANY_TUPLE = (rb"(\)|" + _INT + rb"\x85\x94|" + _INT + rb"{2}\x86\x94|" + _INT + rb"{3}\x87\x94|\("
+              + _INT + rb"{4,64}t\x94)")
+# Distinct layouts (their GETs' bytes) matched by compiled patterns before the file is left to
+# the allow-list unpickler: a real file has a few; each costs a regex compile (~15 ms).
+_MAX_LAYOUTS = 64
 # The first chunk entry of a run, with the GETs to learn and the tuples to size.
 _CHUNK_HEAD = re.compile(
     b"(" + _GET + b")" + _NEWOBJ + b"(" + _GET + b")(" + _GET + b")" + _ANY_TUPLE + _REDUCED
@@ -222,7 +228,7 @@ class _MemoStrs(dict[int, int]):
     """A memo index -> the number of the memoized str it holds, numbered in ``numbers`` in
     the order first seen; -1 (not kept) where the memo holds no str there. Looked up once all
     is read: memo entries never change once a run was matched (a PUT then falls back), and a
-    run's GETs point below the memo's end when it was matched (checked then)."""
+    run's GETs point below the memo's end when it was matched (checked when its block is placed)."""
 
     def __init__(self, memo: dict[int, Any], numbers: dict[str, int]) -> None:
         super().__init__()
@@ -557,6 +563,8 @@ class _Machine:
         key = (head[1] + head[2] + head[3] + head[5] + head[6], nd)
         run = self.chunk_patterns.get(key)
         if run is None:
+            if len(self.chunk_patterns) >= _MAX_LAYOUTS:
+                raise Fallback("layouts")
             if not (self.memo_is(head[1], self.chunk_cls) and self.memo_is(head[2], "offsets")
                     and self.memo_is(head[3], self.size_fn) and self.memo_is(head[5], "sizes")
                     and self.memo_is(head[6], self.size_fn)):
@@ -675,6 +683,8 @@ class _Machine:
                     "relative_path", "offset", "length")
             if not all(self.memo_is(lit, w) for lit, w in zip(lits, want, strict=True)):
                 return None
+            if len(self.storage_patterns) >= _MAX_LAYOUTS:
+                raise Fallback("layouts")
             e = [re.escape(x) for x in lits]
             pat = re.compile(
                 e[0] + _NEWOBJ + e[1] + b"(" + _GET + b")" + e[2] + b"(" + _INT + b")"
@@ -788,8 +798,13 @@ class _Machine:
                     else:
                         i = int.from_bytes(buf[start + 1 : start + 5], "little")
                         self.pos = start + 5
-                else:
-                    i = self.take(1)[0] if op == 0x68 else int.from_bytes(self.take(4), "little")
+                else:  # the GET straddles the window's end: read it where it lies after
+                    self.pos = start
+                    self.need(2 if op == 0x68 else 5)
+                    start, buf = self.pos, self.buf
+                    i = buf[start + 1] if op == 0x68 else \
+                        int.from_bytes(buf[start + 1 : start + 5], "little")
+                    self.pos = start + (2 if op == 0x68 else 5)
                 if i not in memo:
                     raise Fallback("get")
                 obj = memo[i]
