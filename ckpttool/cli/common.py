@@ -261,7 +261,11 @@ def print_json(doc: dict[str, Any]) -> None:
     """``doc`` indented, except that each object of a top-level list (inspect's tensors,
     verify's problems) is one line: greppable, and written by json's C encoder, which a
     document of 15,000 tensors needs (``indent`` takes Python's: 4x slower)."""
-    sys.stdout.write(_layout(doc) + "\n")
+    from ckpttool.formats.codecs.torchsave import gc_paused  # loaded by any command's core
+
+    with gc_paused():  # a string per row, none of them garbage: not worth walking the heap
+        text = _layout(doc)
+    sys.stdout.write(text + "\n")
 
 
 def _layout(doc: dict[str, Any]) -> str:
