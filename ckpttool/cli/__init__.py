@@ -5,6 +5,7 @@ completion stay fast."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -92,6 +93,11 @@ def main() -> None:
     except KeyboardInterrupt:
         interrupted = True
     signal.signal(signal.SIGINT, _interrupted_at_exit)
+    # The command is over (its outputs closed, its context managers exited): what it made is
+    # freed at shutdown by reference counts, and the collector's passes at shutdown would walk
+    # all of it first (a 1M-chunk inspect: 0.09 -> 0.04 s from here to the exit). Frozen
+    # objects are left to those counts.
+    gc.freeze()
     sys.exit(EXIT_INTERRUPTED if interrupted else code)
 
 

@@ -252,3 +252,13 @@ def test_placement_from_columns_is_placement_of_the_boxes(kind: str, request) ->
     assert ckpt.tensors
     for t in ckpt.tensors:
         assert insp.tensor_placement(t) == insp.placement(t.shape, t.boxes), t.name
+
+
+def test_all_items_equal_compares_bytes_and_values_out_of_range() -> None:
+    from array import array
+
+    assert insp._all(array("q", [4, 4, 4]), 4)
+    assert not insp._all(array("q", [4, 4, 3]), 4)
+    assert insp._all(array("q"), 7)  # no chunk: nothing differs
+    assert not insp._all(array("q", [1]), 1 << 64)  # no int64 holds it
+    assert not insp._all(array("Q", [1]), -1)

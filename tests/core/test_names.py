@@ -2,7 +2,12 @@ from __future__ import annotations
 
 import pytest
 
-from ckpttool.core.checkpoint.names import canonical_fqn, canonical_names, detected_wrappers
+from ckpttool.core.checkpoint.names import (
+    canonical_fqn,
+    canonical_names,
+    detected_wrappers,
+    strip_wrappers,
+)
 from ckpttool.errors import InputError
 
 
@@ -34,3 +39,12 @@ def test_collision_is_an_error() -> None:
 def test_detected_wrappers() -> None:
     paths = [("model", "_orig_mod.a._checkpoint_wrapped_module.b"), ("step",)]
     assert detected_wrappers(paths) == ["_checkpoint_wrapped_module", "_orig_mod", "model"]
+
+
+def test_every_wrapper_segment_passes_the_quick_test() -> None:
+    """strip_wrappers skips names without these substrings: a new wrapper must hold one."""
+    from ckpttool.core.checkpoint.names import WRAPPER_SEGMENTS, _may_wrap
+
+    for seg in WRAPPER_SEGMENTS:
+        assert _may_wrap(seg) and _may_wrap(f"a.{seg}.b")
+    assert strip_wrappers("layers.0._orig_mod_x.w") == "layers.0._orig_mod_x.w"

@@ -27,7 +27,14 @@ def canonical_fqn(path: tuple[str, ...], top_level: str = TOP_LEVEL_WRAPPER) -> 
 
 def strip_wrappers(dotted: str) -> str:
     """Remove wrapper segments from a dotted parameter name."""
+    if not _may_wrap(dotted):  # most names: no segment to look at (15,000 in a MoE model)
+        return dotted
     return ".".join(seg for seg in dotted.split(".") if seg not in WRAPPER_SEGMENTS)
+
+
+def _may_wrap(dotted: str) -> bool:
+    """Whether a wrapper segment may be in ``dotted``: each holds one of these."""
+    return "_orig_mod" in dotted or "_wrapped_module" in dotted
 
 
 def canonical_names(entries: Iterable[tuple[str, tuple[str, ...]]],
@@ -71,7 +78,7 @@ def detected_wrappers(paths: Iterable[tuple[str, ...]],
     for path in paths:
         if len(path) > 1 and path[0] == top_level:
             found.add(top_level)
-        for seg in ".".join(path).split("."):
-            if seg in WRAPPER_SEGMENTS:
-                found.add(seg)
+        dotted = ".".join(path)
+        if _may_wrap(dotted):
+            found.update(WRAPPER_SEGMENTS.intersection(dotted.split(".")))
     return sorted(found)

@@ -1159,8 +1159,10 @@ def _check_block(vm: _Machine, rows: list[_TensorRows], cols: _Placement) -> Non
         raise Fallback("raw chunk")
     rises = np.diff(key) > 0
     rises[before[1:] - 1] = True  # from one tensor to the next
-    for i in np.unique(np.searchsorted(before, np.flatnonzero(~rises) + 1, side="right") - 1):
-        t = rows[int(i)]  # keys that do not rise: the offsets themselves, as tuples
+    # The tensors of those rows, each once (rising: np.unique would import numpy.ma, 15 ms).
+    for i in dict.fromkeys(
+            (np.searchsorted(before, np.flatnonzero(~rises) + 1, side="right") - 1).tolist()):
+        t = rows[i]  # keys that do not rise: the offsets themselves, as tuples
         step = 2 * t.ndim
         end = t.box + step * t.num
         offs_ = [vm.boxes[t.box + k : end : step] for k in range(t.ndim)]
