@@ -8,75 +8,54 @@ per-rank files of DTensors or ShardedTensors) come before plain safetensors and 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import importlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Format
 
 # Each format module is imported when it is first tried on a path (or asked for by name), not
 # when the registry is: the merge of a Megatron run needs the megatron and DCP modules only,
-# and a file is never tried against the formats of directories. Each loader's return type
-# keeps mypy checking the module against the Format protocol.
+# and a file is never tried against the formats of directories.
 
-
-def _megatron() -> Format:
-    from ckpttool.formats import megatron
-    return megatron
-
-
-def _dcp() -> Format:
+if TYPE_CHECKING:  # mypy checks each module against the Format protocol; nothing at run time
+    from ckpttool.formats import (
+        bin_index,
+        deepspeed,
+        hf_dcp,
+        megatron,
+        rank_files,
+        safetensors,
+        torchfile,
+    )
     from ckpttool.formats.dcp import reader
-    return reader
 
-
-def _hf_dcp() -> Format:
-    from ckpttool.formats import hf_dcp
-    return hf_dcp
-
-
-def _rank_files() -> Format:
-    from ckpttool.formats import rank_files
-    return rank_files
-
-
-def _bin_index() -> Format:
-    from ckpttool.formats import bin_index
-    return bin_index
-
-
-def _safetensors() -> Format:
-    from ckpttool.formats import safetensors
-    return safetensors
-
-
-def _deepspeed() -> Format:
-    from ckpttool.formats import deepspeed
-    return deepspeed
-
-
-def _torchfile() -> Format:
-    from ckpttool.formats import torchfile
-    return torchfile
+    _CHECKED: tuple[Format, ...] = (
+        megatron, reader, hf_dcp, rank_files, bin_index, safetensors, deepspeed, torchfile)
 
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
     name: str  # the module's NAME (tests/formats/test_contract.py checks they agree)
-    load: Callable[[], Format]
+    module: str  # imported when the format is first tried (one of _CHECKED's modules)
     files: bool  # it may claim a file; every format may claim a directory but torchfile
+
+    def load(self) -> Format:
+        return cast("Format", importlib.import_module(self.module))
 
 
 _ENTRIES: tuple[_Entry, ...] = (
-    _Entry("megatron", _megatron, files=False),
-    _Entry("dcp", _dcp, files=False),
-    _Entry("dcp-safetensors", _hf_dcp, files=False),
-    _Entry("rank-files", _rank_files, files=False),
-    _Entry("torch-save-sharded", _bin_index, files=False),
-    _Entry("safetensors", _safetensors, files=True),
-    _Entry("deepspeed", _deepspeed, files=False),
-    _Entry("torch-save", _torchfile, files=True),
+    _Entry("megatron", "ckpttool.formats.megatron", files=False),
+    _Entry("dcp", "ckpttool.formats.dcp.reader", files=False),
+    _Entry("dcp-safetensors", "ckpttool.formats.hf_dcp", files=False),
+    _Entry("rank-files", "ckpttool.formats.rank_files", files=False),
+    _Entry("torch-save-sharded", "ckpttool.formats.bin_index", files=False),
+    _Entry("safetensors", "ckpttool.formats.safetensors", files=True),
+    _Entry("deepspeed", "ckpttool.formats.deepspeed", files=False),
+    _Entry("torch-save", "ckpttool.formats.torchfile", files=True),
 )
 
 NAMES: tuple[str, ...] = tuple(e.name for e in _ENTRIES)

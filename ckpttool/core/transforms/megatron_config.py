@@ -196,6 +196,7 @@ def _deepseek_v3(args: Mapping[str, Any], arg: Any, number: Any, ask: str) -> De
     factor = float(args.get("rotary_scaling_factor") or 40.0)
     mscale = float(args["mscale"]) if args.get("mscale") is not None else 1.0
     mscale_all_dim = float(args.get("mscale_all_dim") or 0.0)
+    all_dim_scale = _yarn_mscale(factor, mscale_all_dim)  # MLA's softmax scale is its square
     freq = arg("moe_layer_freq")
     pattern = freq if isinstance(freq, list) else [1] * layers if freq == 1 else None
     first = next((i for i, v in enumerate(pattern or []) if v == 1), layers)
@@ -216,12 +217,12 @@ def _deepseek_v3(args: Mapping[str, Any], arg: Any, number: Any, ask: str) -> De
          and number("moe_router_topk") // (args.get("moe_router_group_topk") or 1) != 2),
         (f"rope_type {rope_type}", rope_type not in ("rope", "yarn")),
         (f"mscale_all_dim {mscale_all_dim} (YaRN's scale for it is not positive)",
-         _yarn_mscale(factor, mscale_all_dim) <= 0),
+         all_dim_scale <= 0),
         # MLA scales the softmax by mscale_all_dim whatever the rope type; transformers' only
         # under a rope_parameters that scales
         (f"rope_type rope with mscale_all_dim {mscale_all_dim} and rotary_scaling_factor "
          f"{factor} (Megatron's MLA scales the attention by it; transformers' DeepseekV3 only "
-         "under YaRN)", rope_type == "rope" and _yarn_mscale(factor, mscale_all_dim) != 1.0),
+         "under YaRN)", rope_type == "rope" and all_dim_scale != 1.0),
         (f"rotary_percent {arg('rotary_percent')}", float(arg("rotary_percent")) != 1.0)) if off]
     if unlike:
         raise NotDerivable(
@@ -248,7 +249,7 @@ def _deepseek_v3(args: Mapping[str, Any], arg: Any, number: Any, ask: str) -> De
         # Megatron scales cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim);
         # transformers does too when both are non-zero, else by mscale(factor, 1): where that
         # differs, the factor is written out.
-        megatron = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        megatron = _yarn_mscale(factor, mscale) / all_dim_scale
         if not (mscale and mscale_all_dim) and megatron != _yarn_mscale(factor, 1.0):
             rope["attention_factor"] = megatron
     dtype = "bfloat16" if arg("bf16") else "float16" if arg("fp16") else "float32"
