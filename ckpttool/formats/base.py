@@ -122,6 +122,10 @@ class Chunk:
         return self.offset + self.length
 
 
+# Rows of a table from which its whole-table checks are numpy passes (fewer: Python).
+_VECTOR_ROWS = 1 << 12
+
+
 class ChunkTable:
     """The chunks of many tensors as columns, for a checkpoint of millions of chunks (a DCP
     ``.metadata``): about 50 bytes a chunk where :class:`Chunk` objects take several hundred.
@@ -148,8 +152,19 @@ class ChunkTable:
             if size is None:
                 return False
             limits.append(size)
-        return all(map(operator.le, map(operator.add, self.offset, self.length),
-                       map(limits.__getitem__, self.file)))
+        if len(self.file) < _VECTOR_ROWS:
+            return all(map(operator.le, map(operator.add, self.offset, self.length),
+                           map(limits.__getitem__, self.file)))
+        # Millions of rows (a DCP .metadata's): one numpy pass instead of ~0.15 s of Python.
+        # ``offset <= limit - length`` cannot overflow (every value is >= 0), as a sum could.
+        import numpy as np
+
+        def column(a: array[int]) -> Any:
+            return np.frombuffer(a, dtype=a.typecode)
+
+        ends = np.asarray(limits, dtype=np.int64)[column(self.file)]
+        ends -= column(self.length)
+        return bool((column(self.offset) <= ends).all())
 
 
 class ChunkColumns(Sequence[Chunk]):

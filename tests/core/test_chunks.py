@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -225,3 +226,81 @@ def test_runs_placed_from_blocks_of_any_size(case, data) -> None:
     out = bytearray(len(want))
     assert tensors._place(memoryview(out), pieces, runs_, 0, item, first) == last - first
     assert bytes(out) == want
+
+
+def _column_tensors(cases: list[tuple[tuple[int, ...], list[tuple[tuple[int, ...],
+                                                                  tuple[int, ...]]]]]
+                    ) -> list[Tensor]:
+    """Tensors of ``(shape, [(offsets, sizes), ...])`` on one ChunkTable (as a DCP .metadata's
+    columns give them), a row of file 0 per chunk."""
+    from array import array
+
+    from ckpttool.formats.base import RECORD, ChunkColumns, ChunkTable
+
+    boxes, rows = array("q"), 0
+    spans = []
+    for shape, chunks in cases:
+        spans.append((rows, len(chunks), len(boxes), len(shape)))
+        for offsets, sizes in chunks:
+            boxes.extend(offsets)
+            boxes.extend(sizes)
+        rows += len(chunks)
+    table = ChunkTable(["f"], array("i", [0]) * rows, array("q", range(rows)),
+                       array("q", [1]) * rows, boxes, RECORD)
+    return [Tensor(f"t{i}", (f"t{i}",), F32, shape,
+                   ChunkColumns(table, first=a, num_chunks=n, box=b, ndim=nd))
+            for i, ((shape, _), (a, n, b, nd)) in enumerate(zip(cases, spans, strict=True))]
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases=st.lists(st.tuples(
+    st.integers(0, 9), st.integers(1, 3),
+    st.lists(st.tuples(st.integers(-1, 10), st.integers(-1, 10), st.integers(0, 3),
+                       st.integers(0, 4)), max_size=6)), min_size=1, max_size=12),
+    shuffle=st.randoms())
+def test_tilings_checked_at_once_agree_with_one_by_one(cases, shuffle: random.Random) -> None:
+    """structure's whole-table pass over column chunks says "tiles" exactly where the check
+    of one tensor at a time finds a row tiling (and never where the full check finds a
+    problem): gaps, overlaps, empty or negative rows, out-of-order rows, columns that are not
+    whole, all among thousands of rows of good tensors."""
+    from ckpttool.core.checkpoint import structure
+
+    made = []
+    for length, cols, pieces in cases:
+        shuffle.shuffle(pieces)
+        made.append(((length, cols), [((o, c0), (s, cs)) for o, s, c0, cs in pieces]))
+    good = [((8, 2), [((k, 0), (1, 2)) for k in range(8)])] * 600  # 4,800 rows: the numpy pass
+    tensors = _column_tensors(good + made + good[:1])
+    tiled = structure._tiled_on_columns(tensors)
+    assert set(range(len(good))) <= tiled and len(tensors) - 1 in tiled
+    for i, t in enumerate(tensors):
+        assert isinstance(t.chunks, structure.ChunkColumns)
+        rows = t.chunks.rows(t.shape)
+        one = rows is not None and rows_tile(t.shape[0], *rows)
+        if i in tiled:
+            assert one and structure._coverage(t.shape, t.chunks) is None, t
+        elif one:  # the one-by-one check's slower cases only: no rows, empty ones, out of order
+            offsets, sizes = rows
+            assert not sizes or min(sizes) == 0 or list(offsets) != sorted(offsets), t
+
+
+@pytest.mark.parametrize("rows", [10, 5000])
+def test_rows_inside_their_files_on_columns(rows: int) -> None:
+    """``ChunkTable.inside`` (Python below a few thousand rows, one numpy pass above): a row
+    that ends one byte past its file's end, or a missing file, says no."""
+    from array import array
+
+    from ckpttool.formats.base import RECORD, ChunkTable
+
+    file = array("i", [k % 3 for k in range(rows)])
+    offset = array("q", [7 * (k // 3) for k in range(rows)])
+    length = array("q", [7] * rows)
+    table = ChunkTable(["a", "b", "c"], file, offset, length, array("q"), RECORD)
+    ends = {n: max(o + ln for f, o, ln in zip(file, offset, length, strict=True) if f == i)
+            for i, n in enumerate(table.names)}
+    assert table.inside(ends)
+    assert table.inside({**ends, "a": ends["a"] + 1})
+    assert not table.inside({**ends, "b": ends["b"] - 1})
+    assert not table.inside({**ends, "c": None})
+    length[rows // 2] = (1 << 63) - 1  # a damaged size: no wrapped sum says "inside"
+    assert not table.inside({n: (1 << 63) - 1 for n in table.names})
