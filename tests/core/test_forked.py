@@ -107,6 +107,34 @@ def test_results_in_order_and_progress_from_every_process(pids: list[int]) -> No
     assert _reaped(pids)
 
 
+@pytest.mark.parametrize("count", [7, 40_000])
+def test_pulled_items_go_each_to_one_process_and_the_slow_one_takes_fewer(
+        pids: list[int], count: int) -> None:
+    """forked.Pulled: the parent and three children iterate one queue; every item is taken
+    once, heaviest first (beyond the pipe's room, in runs of consecutive items), and a
+    process that is slow per item (another's work on its core) takes fewer of them."""
+    items = list(range(count))
+
+    def share(i: int, queue: forked.Pulled[int], progress: object, stop: threading.Event
+              ) -> list[int]:
+        got = []
+        for item in queue:
+            got.append(item)
+            if i == 1 and count < 100:
+                time.sleep(0.05)  # the slow one
+        return got
+
+    with forked.Pulled(items, lambda x: x) as queue:
+        got = forked.run([lambda p, s, i=i: share(i, queue, p, s) for i in range(4)],
+                         lambda n: None)
+    taken = [x for part in got for x in part]
+    assert sorted(taken) == items
+    assert all(part == sorted(part, reverse=True) for part in got)
+    if count < 100:
+        assert len(got[1]) <= 2
+    assert _reaped(pids)
+
+
 def test_a_childs_error_is_raised_as_the_same_error(pids: list[int]) -> None:
     def fails(progress: object, stop: threading.Event) -> None:
         raise OutputError("/out/model.safetensors: no space left on device; free some")

@@ -14,7 +14,7 @@ import functools
 import math
 import sys
 import threading
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,17 +167,22 @@ def _run_all(jobs: list[_Job], reader: Reader, *, workers: int, casts: bool,
                           chunks=sum(len(j.chunks) for j in jobs))
     if threads < workers and len(jobs) > 1 and fork and reader.capabilities.local_files \
             and forked.available(needs_torch=casts):
-        # Python per chunk: shares in processes of their own, each writing its own jobs.
-        forked.run([functools.partial(_run_share, share, reader, casts)
-                    for share in forked.deal(jobs, workers, lambda j: len(j.chunks))], report)
+        # Python per chunk: processes of their own, each writing the next job not taken yet.
+        with forked.Pulled(jobs, lambda j: len(j.chunks)) as queue:
+            forked.run([functools.partial(_run_share, queue, reader, casts)]
+                       * min(workers, len(jobs)), report)
         return
     _run_share(jobs, reader, casts, report, threading.Event(), threads)
 
 
-def _run_share(jobs: list[_Job], reader: Reader, casts: bool, report: Progress,
-               stop: threading.Event, threads: int = 1) -> None:
+def _run_share(jobs: list[_Job] | forked.Pulled[_Job], reader: Reader, casts: bool,
+               report: Progress, stop: threading.Event, threads: int = 1) -> None:
     if not casts:
         _run_jobs(jobs, reader, threads, report, stop)  # no torch at all
+        return
+    if isinstance(jobs, forked.Pulled):  # taken one by one, beside other processes
+        with one_torch_thread():
+            _run_jobs(jobs, reader, 1, report, stop, {})
         return
     locks = _write_locks(jobs, reader, threads + 1)
     # The jobs that need no torch (copies, in the kernel: the interpreter stays free) start in
@@ -381,7 +386,8 @@ def _stored_order(jobs: list[_Job], plan_reads: Callable[[list[tuple[str, int, i
     return jobs
 
 
-def _write_locks(jobs: list[_Job], reader: Reader, workers: int) -> dict[int, threading.Lock]:
+def _write_locks(jobs: Iterable[_Job], reader: Reader, workers: int
+                 ) -> dict[int, threading.Lock]:
     """A lock per output file that ``workers`` threads write into. Large writes into one
     output file take turns (local sources; object storage waits on the network, not on the
     file): the kernel serialises writes to a file on its inode lock, and a thread waiting there
@@ -391,10 +397,12 @@ def _write_locks(jobs: list[_Job], reader: Reader, workers: int) -> dict[int, th
     return {j.fd: threading.Lock() for j in jobs} if local and workers > 1 else {}
 
 
-def _run_jobs(jobs: list[_Job], reader: Reader, workers: int, report: Progress,
+def _run_jobs(jobs: Iterable[_Job], reader: Reader, workers: int, report: Progress,
               stop: threading.Event, locks: dict[int, threading.Lock] | None = None) -> None:
-    """``locks``: shared with other threads writing into the same files (else made here)."""
+    """``locks``: shared with other threads writing into the same files (else made here).
+    ``jobs`` is a list where ``workers`` > 1."""
     if locks is None:
+        assert workers <= 1 or isinstance(jobs, list)
         locks = _write_locks(jobs, reader, workers)
 
     def run(job: _Job) -> None:

@@ -27,8 +27,8 @@ import sys
 import threading
 import traceback
 import warnings
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Generic, TypeVar
 
 from ckpttool import errors, settings
 from ckpttool.core.runtime.report import Progress
@@ -50,16 +50,64 @@ class WorkerFailed(Exception):
     """A child process ended without saying why (killed, or an error that is not ours)."""
 
 
-def deal(items: list[T], n: int, weight: Callable[[T], int]) -> list[list[T]]:
-    """``items`` dealt into at most ``n`` shares of about equal ``weight`` each (heaviest
-    first, each to the lightest share so far)."""
-    shares: list[list[T]] = [[] for _ in range(min(n, len(items)))]
-    load = [0] * len(shares)
-    for item in sorted(items, key=lambda x: -weight(x)):
-        i = load.index(min(load))
-        shares[i].append(item)
-        load[i] += weight(item)
-    return shares
+_INDEX = struct.Struct("<I")
+
+
+class Pulled(Generic[T]):
+    """``items``, heaviest first, taken one at a time by whichever process asks next: this
+    process and the children :func:`run` forks while it is open iterate the same object.
+
+    A split made in advance ends when its slowest share does, and beside other work on one
+    core of two (a CPU hog) one share is always the slow one. Here a process slowed by other
+    work simply takes fewer items. The items are numbered in a pipe written before the fork;
+    the kernel serialises reads of a pipe, so each read of 4 bytes gets one number whole,
+    and every number goes to one process. More items than the pipe holds are taken in runs
+    of consecutive ones."""
+
+    def __init__(self, items: Sequence[T], weight: Callable[[T], int]) -> None:
+        ordered = sorted(items, key=lambda x: -weight(x))
+        r, w = os.pipe()
+        try:
+            room = _pipe_room(w) // _INDEX.size
+            per = max(1, -(-len(ordered) // room))
+            self.groups = [ordered[k : k + per] for k in range(0, len(ordered), per)]
+            data = b"".join(map(_INDEX.pack, range(len(self.groups))))
+            os.set_blocking(w, False)  # never waits: the pipe holds it all (else: an error)
+            if os.write(w, data) != len(data):
+                raise OSError("pipe")
+        except BaseException:
+            os.close(r)
+            raise
+        finally:
+            os.close(w)
+        self._r = r
+
+    def __iter__(self) -> Iterator[T]:
+        while True:
+            got = os.read(self._r, _INDEX.size)
+            if len(got) < _INDEX.size:  # all taken (never a part of a number: see above)
+                return
+            yield from self.groups[_INDEX.unpack(got)[0]]
+
+    def close(self) -> None:
+        os.close(self._r)
+
+    def __enter__(self) -> Pulled[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _pipe_room(fd: int) -> int:
+    """Bytes the pipe ``fd`` holds before a writer waits (Linux: 64 KB unless the system
+    limits the user's pipes, then 4 KB)."""
+    try:
+        import fcntl
+
+        return int(fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ))
+    except (ImportError, AttributeError, OSError):
+        return 4096
 
 
 def available(*, needs_torch: bool = False) -> bool:

@@ -14,7 +14,7 @@ import functools
 import hashlib
 import itertools
 import threading
-from collections.abc import Callable, Generator, Iterator, Set
+from collections.abc import Callable, Generator, Iterable, Iterator, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -489,9 +489,7 @@ def _run(job: Callable[[list[TensorView]], list[Result]], todo: list[list[Tensor
     chunks = sum(len(t.tensor.chunks) for g in todo for t in g)
     threads = workers_for(workers, nbytes=sum(t.nbytes for g in todo for t in g), chunks=chunks)
     if threads < workers and len(todo) > 1 and fork and forked.available(needs_torch=torch):
-        shares = forked.deal(todo, workers, lambda g: sum(len(t.tensor.chunks) for t in g))
-
-        def share(groups: list[list[TensorView]], progress: Progress, stop: threading.Event
+        def share(groups: Iterable[list[TensorView]], progress: Progress, stop: threading.Event
                   ) -> dict[str, Any]:
             scanner.report = progress  # this process's own scanner (a forked copy)
             done: dict[str, Any] = {}
@@ -504,7 +502,10 @@ def _run(job: Callable[[list[TensorView]], list[Result]], todo: list[list[Tensor
 
         parent = scanner.report
         try:
-            found = forked.run([functools.partial(share, s) for s in shares], report)
+            # Each process takes the next group not taken yet (none waits on a slower one).
+            with forked.Pulled(todo, lambda g: sum(len(t.tensor.chunks) for t in g)) as queue:
+                found = forked.run([functools.partial(share, queue)] * min(workers, len(todo)),
+                                   report)
         finally:
             scanner.report = parent
         return {name: Result.from_json(doc) for part in found for name, doc in part.items()}
