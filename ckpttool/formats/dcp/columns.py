@@ -318,6 +318,7 @@ def _int_column(col: Sequence[bytes], ints: _Ints) -> array[int]:
 # once by strided byte slices: no object per entry at all.
 
 _MIN_LAID_OUT = 16  # fewer entries of one layout: matched one by one (widths that vary)
+_STORAGE_FIRST = 1024  # storage entries looked at in a run's first block (torch's batch: 1,000)
 _Field = tuple[int, int, bool]  # an int in an entry: offset of its bytes, their number, signed
 
 
@@ -396,10 +397,11 @@ class _Layout:
         return n >= _MIN_LAID_OUT or (n > 0 and not buf.startswith(self.prefix,
                                                                      start + n * self.size))
 
-    def run(self, buf: bytes, start: int) -> int:
+    def run(self, buf: bytes, start: int, first: int = 64) -> int:
         """How many entries from ``start`` have this layout, up to ``_MAX_RUN``; looked at in
-        growing blocks (a tensor's chunk list is often short)."""
-        n, limit = 0, 64
+        growing blocks from ``first`` entries (a tensor's chunk list is often short; torch
+        pickles storage entries 1,000 to a SETITEMS)."""
+        n, limit = 0, first
         while n < _MAX_RUN:
             limit = min(limit, _MAX_RUN - n)
             got = self.count(buf, start + n * self.size, limit)
@@ -527,6 +529,8 @@ class _Machine:
 
     def ahead(self) -> None:
         """Top the window up for a run (as far as the file goes)."""
+        if self.pos + _AHEAD <= len(self.buf):  # nearly always
+            return
         left = self.size - self.done - self.pos
         self.need(min(_AHEAD, left))
 
@@ -668,7 +672,7 @@ class _Machine:
         buf, p = self.buf, self.pos
         if self.storage_layout is not None:
             laid, nd = self.storage_layout
-            n = laid.run(buf, p)
+            n = laid.run(buf, p, _STORAGE_FIRST)
             if laid.whole(buf, p, n):
                 return self.storage_rows(buf, p, laid, n, nd)
         head = _STORAGE_HEAD.match(buf, p)
