@@ -124,6 +124,7 @@ class Chunk:
 
 # Rows of a table from which its whole-table checks are numpy passes (fewer: Python).
 _VECTOR_ROWS = 1 << 12
+_VECTOR_BLOCK = 1 << 20  # rows one such pass takes at a time
 
 
 class ChunkTable:
@@ -162,9 +163,14 @@ class ChunkTable:
         def column(a: array[int]) -> Any:
             return np.frombuffer(a, dtype=a.typecode)
 
-        ends = np.asarray(limits, dtype=np.int64)[column(self.file)]
-        ends -= column(self.length)
-        return bool((column(self.offset) <= ends).all())
+        file, offset, length = column(self.file), column(self.offset), column(self.length)
+        sizes_ = np.asarray(limits, dtype=np.int64)
+        for a in range(0, len(file), _VECTOR_BLOCK):  # bounded temporaries (10M rows: 80 MB)
+            ends = sizes_[file[a : a + _VECTOR_BLOCK]]
+            ends -= length[a : a + _VECTOR_BLOCK]
+            if not (offset[a : a + _VECTOR_BLOCK] <= ends).all():
+                return False
+        return True
 
 
 class ChunkColumns(Sequence[Chunk]):

@@ -8,7 +8,7 @@ its metadata (``CheckpointInfo.problems``: a safetensors index that disagrees wi
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ckpttool.core.checkpoint import geometry as chunk_geometry
@@ -124,6 +124,7 @@ def _placed(info: CheckpointInfo, sizes: Mapping[str, int | None]) -> dict[str, 
 
 # Chunk rows of a table from which tilings are checked all at once (numpy) before one by one.
 _VECTOR_ROWS = 1 << 12
+_VECTOR_BLOCK = 1 << 20  # rows of one numpy pass
 _LARGEST = 1 << 62  # dimensions above this are left to the check one by one (no int64 sums)
 
 
@@ -144,35 +145,58 @@ def _tiled_on_columns(tensors: Sequence[Tensor]) -> set[int]:
             rows += c.num_chunks
     if rows < _VECTOR_ROWS:
         return set()
-    import numpy as np
 
     out: set[int] = set()
-    for (_, nd), group in groups.items():
-        which = [i for i, _ in group]
-        cols = [c for _, c in group]
-        boxes = np.frombuffer(cols[0].table.boxes, dtype=cols[0].table.boxes.typecode)
-        num = np.fromiter((c.num_chunks for c in cols), dtype=np.int64, count=len(cols))
-        first = np.cumsum(num) - num  # each tensor's first chunk among the group's
-        step = 2 * nd
-        # Where each chunk's box starts: its tensor's box, plus a box per chunk before it.
-        at = np.repeat(np.fromiter((c.box for c in cols), dtype=np.int64, count=len(cols))
-                       - step * first, num) + step * np.arange(int(num.sum()))
-        if len(boxes) < int(at.max()) + step:
-            continue  # rows outside the table: one by one (they say what is wrong)
-        shapes = np.array([tensors[i].shape for i in which], dtype=np.int64)
-        offset, size = boxes[at], boxes[at + nd]
-        ok = (offset >= 0) & (size > 0)
-        for d in range(1, nd):
-            ok &= (boxes[at + d] == 0) & (boxes[at + nd + d] == np.repeat(shapes[:, d], num))
-        end = offset + size  # both >= 0 and below 2**63: a wrapped sum is negative, no match
-        before = np.empty_like(end)
-        before[1:] = end[:-1]
-        before[first] = 0  # a tensor's first chunk starts at 0
-        ok &= offset == before
-        last = first + num - 1
-        whole = np.logical_and.reduceat(ok, first) & (end[last] == shapes[:, 0])
-        out.update(np.asarray(which)[whole].tolist())
+    for (_, nd), whole_group in groups.items():
+        for group in _pieces(whole_group):
+            out.update(_tiled_group(group, nd, tensors))
     return out
+
+
+def _pieces(group: list[tuple[int, ChunkColumns]]) -> Iterator[list[tuple[int, ChunkColumns]]]:
+    """``group`` in consecutive pieces of about :data:`_VECTOR_BLOCK` rows (the numpy pass's
+    temporaries bounded: 10M rows would take 80 MB each)."""
+    piece: list[tuple[int, ChunkColumns]] = []
+    rows = 0
+    for item in group:
+        piece.append(item)
+        rows += item[1].num_chunks
+        if rows >= _VECTOR_BLOCK:
+            yield piece
+            piece, rows = [], 0
+    if piece:
+        yield piece
+
+
+def _tiled_group(group: list[tuple[int, ChunkColumns]], nd: int, tensors: Sequence[Tensor]
+                 ) -> list[int]:
+    """The indices of ``group`` (tensors of one table and ``nd``) that certainly tile."""
+    import numpy as np
+
+    which = [i for i, _ in group]
+    cols = [c for _, c in group]
+    boxes = np.frombuffer(cols[0].table.boxes, dtype=cols[0].table.boxes.typecode)
+    num = np.fromiter((c.num_chunks for c in cols), dtype=np.int64, count=len(cols))
+    first = np.cumsum(num) - num  # each tensor's first chunk among the group's
+    step = 2 * nd
+    # Where each chunk's box starts: its tensor's box, plus a box per chunk before it.
+    at = np.repeat(np.fromiter((c.box for c in cols), dtype=np.int64, count=len(cols))
+                   - step * first, num) + step * np.arange(int(num.sum()))
+    if len(boxes) < int(at.max()) + step:
+        return []  # rows outside the table: one by one (they say what is wrong)
+    shapes = np.array([tensors[i].shape for i in which], dtype=np.int64)
+    offset, size = boxes[at], boxes[at + nd]
+    ok = (offset >= 0) & (size > 0)
+    for d in range(1, nd):
+        ok &= (boxes[at + d] == 0) & (boxes[at + nd + d] == np.repeat(shapes[:, d], num))
+    end = offset + size  # both >= 0 and below 2**63: a wrapped sum is negative, no match
+    before = np.empty_like(end)
+    before[1:] = end[:-1]
+    before[first] = 0  # a tensor's first chunk starts at 0
+    ok &= offset == before
+    last = first + num - 1
+    whole = np.logical_and.reduceat(ok, first) & (end[last] == shapes[:, 0])
+    return list(np.asarray(which)[whole].tolist())
 
 
 def _coverage(shape: tuple[int, ...], chunks: Sequence[Chunk]) -> str | None:
