@@ -24,8 +24,9 @@
 ``--keep-free-gb`` free (10M chunks: about 17 GB), it is left out and every ratio of that
 level is to ``cat`` of the same files instead (the table says so).
 ``--baseline-tree DIR`` runs merge, inspect and verify again from another checkout (its
-package first on ``PYTHONPATH``), side by side in the same run. Python commands run with
-their bytecode cached (``_measure.bytecode_env``), as an installed package has it.
+package first on ``PYTHONPATH``), side by side in the same run (with ``--hog``, beside a hog
+too). Python commands run with their bytecode cached (``_measure.bytecode_env``), as an
+installed package has it.
 """
 
 from __future__ import annotations
@@ -152,6 +153,9 @@ def measure(level: str, ckpt: Path, counts: dict[str, int], args: argparse.Names
         plan += [(f"{name}+hog", argv, out, discard, env, True)
                  for name, (argv, out, discard) in ((reference, cmds[reference]),
                                                     *ours.items())]
+        if args.baseline_tree:
+            plan += [(f"{name}@base+hog", argv, out, discard, base_env, True)
+                     for name, (argv, out, discard) in ours.items()]
     # One run of each Python command first, unmeasured: bytecode compiled and cached.
     M.run_measured([*exe, "--help"], env=env, discard_stdout=True)
     if args.baseline_tree:
