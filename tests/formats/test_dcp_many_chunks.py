@@ -426,21 +426,14 @@ def test_fill_rows_withholds_a_tensor_whose_checksum_fails(moe: Path, tmp_path: 
     assert sum(v is not None for v in checked) == len(ts) - 1
 
 
-@pytest.mark.parametrize("spans", [True, False])
 @pytest.mark.parametrize("entry", ["data.pkl", "byteorder", ".format_version"])
-def test_fill_rows_withholds_a_record_unlike_its_neighbours(entry: str, spans: bool, moe: Path,
-                                                            tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch
-                                                            ) -> None:
+def test_fill_rows_withholds_a_record_unlike_its_neighbours(entry: str, moe: Path,
+                                                            tmp_path: Path) -> None:
     """A byte changed in one record amid records that lie back to back (compared in place,
     in runs, by ``fill_rows``): that tensor alone is withheld, with or without checksums
     (``data.pkl`` and ``byteorder`` are compared with the template; ``.format_version``'s
-    CRC-32 is computed), and every other tensor is filled as a full decode fills it. The
-    bytes that vary are left out of the comparison by slices (``spans``) or by a mask."""
-    from ckpttool.formats.dcp import records, vecfill
-
-    if not spans:
-        monkeypatch.setattr(vecfill, "_MAX_SPANS", 0)
+    CRC-32 is computed), and every other tensor is filled as a full decode fills it."""
+    from ckpttool.formats.dcp import records
 
     damaged = _copy(moe, tmp_path)
     info = dcp.read_info(damaged)
