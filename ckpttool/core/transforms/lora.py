@@ -539,7 +539,10 @@ def _fused_weight(name: str, weight: Tensor, m: Module, config: AdapterConfig,
     # the weight's rows (read where they lie in the page cache), cast into the output piece
     # that the merge writes at once. Nothing the size of the weight is ever made (the whole
     # product cost two passes over memory and its write from memory cost twice one from
-    # cache: measured, 5632 x 2048 bf16, 53 -> 37 ms of CPU with the write).
+    # cache: measured, 5632 x 2048 bf16, 53 -> 37 ms of CPU with the write). The weight's
+    # rows are widened into a buffer of this thread's (an add of a bf16 operand made a new
+    # float32 copy of it per block), and where the scale is a power of two the product is
+    # scaled and added in one pass (:func:`fma_exact`: the same bits).
     def pieces(ts: list[torch.Tensor], target: torch.dtype) -> Iterator[memoryview]:
         import torch
 
@@ -557,8 +560,12 @@ def _fused_weight(name: str, weight: Tensor, m: Module, config: AdapterConfig,
         full = None if not transpose and blocks_exact(b32, a32, bounds) else \
             torch.mm(b32, a32, out=scratch("lora-delta", rows * cols).view(rows, cols))
         delta = None if full is None else full.T if transpose else full
+        fused = fma_exact(scale, a32, b32)
         block = scratch("lora-rows", most)
-        out = scratch("lora-out", most, target)
+        # Where the sum is made: the weight's rows widened (the product is added to them),
+        # or, for a float32 weight whose product is scaled apart, the product's block.
+        wide = scratch("lora-wide", most) if fused or w.dtype != torch.float32 else None
+        out = None if target == torch.float32 else scratch("lora-out", most, target)
         for lo, hi in itertools.pairwise(bounds):
             numel = (hi - lo) * w.shape[1]
             part = block[:numel].view(hi - lo, w.shape[1])
@@ -566,9 +573,21 @@ def _fused_weight(name: str, weight: Tensor, m: Module, config: AdapterConfig,
                 torch.mm(b32[lo:hi], a32, out=part)
             else:
                 part.copy_(delta[lo:hi])
-            part.mul_(scale)
-            part.add_(w[lo:hi])  # w exactly widened to float32, then one rounding
-            out[:numel].copy_(part.view(-1))
+            if wide is None:
+                part.mul_(scale)
+                part.add_(w[lo:hi])  # one rounding
+                total, named = part, "lora-rows"
+            else:
+                total, named = wide[:numel].view(hi - lo, w.shape[1]), "lora-wide"
+                total.copy_(w[lo:hi])  # exactly widened to float32
+                if fused:
+                    total.add_(part, alpha=scale)
+                else:
+                    total.add_(part.mul_(scale))  # w + d == d + w, one rounding
+            if out is None:  # float32 out: the sum's own bytes
+                yield scratch_bytes(named, numel * 4)
+                continue
+            out[:numel].copy_(total.view(-1))
             yield scratch_bytes("lora-out", numel * target.itemsize)
 
     what = f"lora fused: rank {rank}, scale {scale:g}"
@@ -591,6 +610,36 @@ def row_blocks(rows: int, cols: int) -> list[int]:
     step = max(FOLD_ROWS, FOLD_BLOCK // max(1, cols))
     count = max(1, rows // step)
     return [rows * k // count for k in range(count + 1)]
+
+
+# A power-of-two scale is fused with the add only while the product times the scale stays
+# below this (float32's largest finite value is just under 2**128).
+FMA_LIMIT = 2.0**126
+
+
+def fma_exact(scale: float, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True if ``w + (b @ a) * scale``, as PEFT rounds it (the product times the scale
+    rounded to float32, then the sum), has the bits of ``torch.add(w, b @ a, alpha=scale)``
+    for every float32 ``w``, so that the fold may scale and add in one pass (which torch makes
+    a fused multiply-add, rounded once).
+
+    That holds when the scale is ``2**k`` with ``k >= 0`` and no product element times the
+    scale can overflow: multiplying a finite float32 by such a scale is then exact (normal
+    and subnormal values alike: only the exponent grows), so rounding it changes nothing and
+    both ways round the same exact sum once. ``a`` and ``b`` must be finite (an infinite or
+    NaN product could meet a NaN weight: which NaN comes out would depend on the order), and
+    ``rank * max|a| * max|b| * scale`` (a bound on every product element, with room for its
+    roundings) below :data:`FMA_LIMIT`. Any other scale (``alpha / r`` of 0.5, rsLoRA's
+    ``alpha / sqrt(r)``) is multiplied and added apart."""
+    import torch
+
+    mantissa, exponent = math.frexp(scale)
+    if mantissa != 0.5 or exponent < 1 or not a.numel() or not b.numel():
+        return False
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        return False
+    bound = a.shape[0] * float(a.abs().max()) * float(b.abs().max()) * scale
+    return bound < FMA_LIMIT
 
 
 # Whether torch.mm of blocks of rows gave the whole product's bits, per (rows, rank, cols,
