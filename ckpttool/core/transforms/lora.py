@@ -566,9 +566,21 @@ def _fused_weight(name: str, weight: Tensor, m: Module, config: AdapterConfig,
         # or, for a float32 weight whose product is scaled apart, the product's block.
         wide = scratch("lora-wide", most) if fused or w.dtype != torch.float32 else None
         out = None if target == torch.float32 else scratch("lora-out", most, target)
+        # Per number of rows (blocks have two sizes at most): the product's block, the sum's,
+        # the output piece and its bytes, made once (a view costs microseconds, a block of
+        # rows about 300: several per block added up to a few percent).
+        views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, memoryview]] = {}
         for lo, hi in itertools.pairwise(bounds):
-            numel = (hi - lo) * w.shape[1]
-            part = block[:numel].view(hi - lo, w.shape[1])
+            got = views.get(hi - lo)
+            if got is None:
+                numel = (hi - lo) * w.shape[1]
+                part = block[:numel].view(hi - lo, w.shape[1])
+                total = part if wide is None else wide[:numel].view(hi - lo, w.shape[1])
+                piece = (scratch_bytes("lora-rows" if wide is None else "lora-wide", numel * 4)
+                         if out is None else scratch_bytes("lora-out", numel * target.itemsize))
+                got = views[hi - lo] = (part, total, None if out is None else out[:numel],
+                                        piece)
+            part, total, out_piece, piece = got
             if delta is None:
                 torch.mm(b32[lo:hi], a32, out=part)
             else:
@@ -576,19 +588,15 @@ def _fused_weight(name: str, weight: Tensor, m: Module, config: AdapterConfig,
             if wide is None:
                 part.mul_(scale)
                 part.add_(w[lo:hi])  # one rounding
-                total, named = part, "lora-rows"
             else:
-                total, named = wide[:numel].view(hi - lo, w.shape[1]), "lora-wide"
                 total.copy_(w[lo:hi])  # exactly widened to float32
                 if fused:
                     total.add_(part, alpha=scale)
                 else:
                     total.add_(part.mul_(scale))  # w + d == d + w, one rounding
-            if out is None:  # float32 out: the sum's own bytes
-                yield scratch_bytes(named, numel * 4)
-                continue
-            out[:numel].copy_(total.view(-1))
-            yield scratch_bytes("lora-out", numel * target.itemsize)
+            if out_piece is not None:
+                out_piece.copy_(total.view(-1))
+            yield piece  # float32 out: the sum's own bytes
 
     what = f"lora fused: rank {rank}, scale {scale:g}"
     return Derived(name, (weight, m.a, m.b), weight.dtype, weight.shape, compute, what,
@@ -631,15 +639,23 @@ def fma_exact(scale: float, a: torch.Tensor, b: torch.Tensor) -> bool:
     ``rank * max|a| * max|b| * scale`` (a bound on every product element, with room for its
     roundings) below :data:`FMA_LIMIT`. Any other scale (``alpha / r`` of 0.5, rsLoRA's
     ``alpha / sqrt(r)``) is multiplied and added apart."""
-    import torch
 
     mantissa, exponent = math.frexp(scale)
     if mantissa != 0.5 or exponent < 1 or not a.numel() or not b.numel():
         return False
-    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
-        return False
-    bound = a.shape[0] * float(a.abs().max()) * float(b.abs().max()) * scale
+    bound = a.shape[0] * _max_abs(a) * _max_abs(b) * scale
     return bound < FMA_LIMIT
+
+
+def _max_abs(t: torch.Tensor) -> float:
+    """The largest magnitude in ``t`` (one pass, no temporary); infinite where ``t`` holds an
+    infinity or a NaN."""
+    import torch
+
+    lo, hi = (float(x) for x in torch.aminmax(t))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return math.inf
+    return max(-lo, hi)
 
 
 # Whether torch.mm of blocks of rows gave the whole product's bits, per (rows, rank, cols,
