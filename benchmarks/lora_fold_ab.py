@@ -1,6 +1,6 @@
-"""The LoRA fold alone, A/B in one process: the fold as it was before issue 25's round 3 (the
-whole float32 product, the output made whole in a buffer, one write per weight) against the
-current one (:func:`ckpttool.core.transforms.lora` pieces: blocks of rows, a write per piece),
+"""The LoRA fold alone, A/B in one process: the fold as it was before issue 25's round 4 (blocks
+of rows: the product times the scale, plus the bf16 rows, cast; f4b6df6) against the current
+one (:func:`ckpttool.core.transforms.lora` pieces), each piece written into a file of its own,
 weight by weight in alternating order, so that whatever else loads the machine weighs on both.
 
     .venv/bin/python benchmarks/lora_fold_ab.py [--work /tmp/ckpttool-lora-bench/l30-r16]
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ckpttool.core.transforms import lora
+from ckpttool.core.transforms import derive, lora
 from ckpttool.core.transforms.derive import scratch
 from ckpttool.formats.base import Tensor
 from ckpttool.formats.codecs.dtypes import BY_NAME
@@ -37,26 +37,27 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def before(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, fd: int,
-           offset: int, kept: dict[str, bytearray]) -> None:
-    """The fold of 09e97c7 (main before this change): the product whole, the weight's rows
-    folded into an output buffer kept from weight to weight, written at once."""
+           offset: int) -> None:
+    """The fold of f4b6df6 (main before this change): blocks of rows, each the product of
+    those rows, times the scale, plus the bf16 rows (torch widened them into a new float32
+    tensor per block), cast into an output piece written at once."""
     b32, a32 = b.float(), a.float()
-    rows, cols = b32.shape[0], a32.shape[1]
-    size = rows * cols * w.dtype.itemsize
-    if len(kept.get("out", b"")) < size:
-        kept["out"] = bytearray(size)
-    out = torch.frombuffer(memoryview(kept["out"])[:size], dtype=w.dtype).view(rows, cols)
-    product = scratch("before-delta", rows * cols).view(rows, cols)
-    torch.mm(b32, a32, out=product)
-    step = max(1, (1 << 17) // cols)
-    block = scratch("before-rows", step * cols)
-    for i in range(0, rows, step):
-        n = min(step, rows - i)
-        part = block[: n * cols].view(n, cols)
-        part.copy_(w[i : i + n])
-        part.add_(product[i : i + n].mul_(scale))
-        out[i : i + n].copy_(part)
-    pwrite_all(fd, memoryview(kept["out"])[:size], offset)
+    rows, cols = w.shape
+    bounds = lora.row_blocks(rows, cols)
+    most = max(hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)) * cols
+    assert lora.blocks_exact(b32, a32, bounds)  # as it checked (cached per shape: shared)
+    block = scratch("before-rows", most)
+    out = scratch("before-out", most, w.dtype)
+    raw, at = getattr(derive._scratch, "before-out")
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        numel = (hi - lo) * cols
+        part = block[:numel].view(hi - lo, cols)
+        torch.mm(b32[lo:hi], a32, out=part)
+        part.mul_(scale)
+        part.add_(w[lo:hi])
+        out[:numel].copy_(part.view(-1))
+        pwrite_all(fd, memoryview(raw)[at : at + numel * w.dtype.itemsize], offset)
+        offset += numel * w.dtype.itemsize
 
 
 def now(pieces: Iterator[memoryview], fd: int, offset: int) -> None:
@@ -80,7 +81,6 @@ def main() -> None:
     outs = [args.work / "ab-before.out", args.work / "ab-now.out"]
     fds = [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for p in outs]
     cpu = [0.0, 0.0]
-    kept: dict[str, bytearray] = {}
     offset = count = 0
     try:
         for name, file in where.items():
@@ -102,7 +102,7 @@ def main() -> None:
             for way in ((0, 1) if count % 2 == 0 else (1, 0)):
                 start = time.thread_time()
                 if way == 0:
-                    before(w, a, b, scale, fds[0], offset, kept)
+                    before(w, a, b, scale, fds[0], offset)
                 else:
                     now(derived.pieces([w, a, b], w.dtype), fds[1], offset)
                 cpu[way] += time.thread_time() - start

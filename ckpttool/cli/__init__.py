@@ -4,11 +4,13 @@ completion stay fast."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import os
 import signal
 import sys
+import threading
 import warnings
 from typing import Annotated
 
@@ -99,6 +101,41 @@ def main() -> None:
     # objects are left to those counts.
     gc.freeze()
     sys.exit(EXIT_INTERRUPTED if interrupted else code)
+
+
+def run() -> None:
+    """The program (``ckpttool``, ``python -m ckpttool``): :func:`main`, then the process
+    ends at once (:func:`_leave`). :func:`main` itself ends by raising ``SystemExit``, for
+    callers that go on after it."""
+    try:
+        main()
+    except SystemExit as e:
+        if isinstance(e.code, int) or e.code is None:
+            _leave(e.code or 0)
+        raise
+
+
+def _leave(code: int) -> None:
+    """End the process with ``code`` once the command is over, without tearing the interpreter
+    down: the exit handlers run and the streams are flushed, then ``os._exit``. Tearing down
+    frees every module's objects one by one and runs libtorch's static destructors, which
+    nothing here needs (the outputs are closed and in place; no file object holds unwritten
+    bytes): measured after a LoRA fold with torch loaded, 0.155-0.205 s of one core from
+    here to the exit, 0.035-0.040 s this way. Returns (the caller then exits as usual) while
+    a thread that an exit would wait for is alive, or if a stream cannot be flushed (the
+    usual exit reports it)."""
+    if any(t is not threading.main_thread() and not t.daemon for t in threading.enumerate()):
+        return
+    # atexit._run_exitfuncs is CPython's, not documented (here only; tests/cli/test_exit.py
+    # fails loudly if it moves): the handlers registered with atexit (coverage's data, a
+    # library's clean-up) run as a normal exit would run them.
+    atexit._run_exitfuncs()
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+    except (OSError, ValueError):
+        return
+    os._exit(code)
 
 
 def _interrupted_at_exit(signum: int, frame: object) -> None:

@@ -102,3 +102,47 @@ def test_blocks_exact_says_whether_every_block_has_the_whole_products_bits() -> 
         truth = all(torch.equal(b[lo:hi] @ a, whole[lo:hi])
                     for lo, hi in zip(bounds, bounds[1:], strict=False))
         assert lora.blocks_exact(b, a, bounds) is truth
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0, 4.0, 1024.0])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_fused_power_of_two_scale_has_the_bits_of_scaling_then_adding(
+        scale: float, seed: int) -> None:
+    """Where ``fma_exact`` allows it, ``w + d * scale`` in one fused pass equals PEFT's two
+    roundings bit for bit, on weights with zeros of both signs, subnormals, infinities and
+    NaNs, and products that reach the subnormal range and cancel."""
+    g = torch.Generator().manual_seed(seed)
+    rank, rows, cols = 16, 64, 96
+    a = torch.randn(rank, cols, generator=g) * 10.0 ** torch.randint(-30, 3, (rank, cols),
+                                                                      generator=g)
+    b = torch.randn(rows, rank, generator=g) * 10.0 ** torch.randint(-30, 3, (rows, rank),
+                                                                      generator=g)
+    a[0, :8] = 1e-45  # the smallest subnormal, and products that round to zero
+    b[:4, 1] = -1e-40
+    w = torch.randn(rows, cols, generator=g) * 10.0 ** torch.randint(-40, 5, (rows, cols),
+                                                                      generator=g)
+    w[0, :6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-44])
+    d = b @ a
+    assert lora.fma_exact(scale, a, b)
+    assert torch.equal(_bits(torch.add(w, d, alpha=scale)), _bits(w + d * scale))
+    # as the fold rounds a bf16 output from the sum
+    assert torch.equal(torch.add(w, d, alpha=scale).bfloat16().view(torch.int16),
+                       (w + d * scale).bfloat16().view(torch.int16))
+
+
+def test_fma_exact_refuses_other_scales_and_what_could_overflow_or_meet_a_nan() -> None:
+    a, b = torch.ones(4, 8), torch.ones(8, 4)
+    for scale in (0.5, 0.25, 3.0, 0.75, 2 / 4**0.5 * 1.5, 8 / 16**0.5 + 1e-9):
+        assert not lora.fma_exact(scale, a, b), scale
+    assert lora.fma_exact(2.0, a, b)
+    assert not lora.fma_exact(2.0, a * 2.0**60, b * 2.0**64)  # 4 * 2**124 * 2 >= 2**126
+    assert lora.fma_exact(2.0, a * 2.0**60, b * 2.0**62)
+    for bad in (float("inf"), float("nan")):
+        c = a.clone()
+        c[1, 2] = bad
+        assert not lora.fma_exact(2.0, c, b) and not lora.fma_exact(2.0, a, c.T)
+    assert not lora.fma_exact(2.0, torch.ones(4, 0), torch.ones(0, 4))

@@ -21,6 +21,8 @@ from ckpttool.storage.store import truncated
 
 # Bytes read per step when data is streamed: memory stays flat whatever the tensor size.
 BLOCK_BYTES = 16 << 20
+# Bytes compared first by :func:`identical`.
+HEAD_BYTES = 64 << 10
 
 
 def read_range(reader: Reader, tensor: Tensor, start: int, stop: int) -> bytearray:
@@ -341,6 +343,13 @@ def identical(reader_a: Reader, a: Tensor, reader_b: Reader, b: Tensor,
     """True if ``a`` and ``b`` hold the same bytes (same dtype and shape required), compared
     block by block, stopping at the first difference."""
     if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    # Two different weights (an untied lm_head beside its embedding) differ in their first
+    # bytes: a small head first. A whole first block is 16 MB of each read before the first
+    # compare (measured once, pages not yet cached: 0.1 s in a merge's critical path, before
+    # any byte is written; 64 KB: under a millisecond).
+    head = min(a.numel, HEAD_BYTES // a.dtype.itemsize)
+    if head < a.numel and read_range(reader_a, a, 0, head) != read_range(reader_b, b, 0, head):
         return False
     for start, block in blocks(reader_a, a, block_bytes):
         if progress is not None:

@@ -539,7 +539,10 @@ def _fused_weight(name: str, weight: Tensor, m: Module, config: AdapterConfig,
     # the weight's rows (read where they lie in the page cache), cast into the output piece
     # that the merge writes at once. Nothing the size of the weight is ever made (the whole
     # product cost two passes over memory and its write from memory cost twice one from
-    # cache: measured, 5632 x 2048 bf16, 53 -> 37 ms of CPU with the write).
+    # cache: measured, 5632 x 2048 bf16, 53 -> 37 ms of CPU with the write). The weight's
+    # rows are widened into a buffer of this thread's (an add of a bf16 operand made a new
+    # float32 copy of it per block), and where the scale is a power of two the product is
+    # scaled and added in one pass (:func:`fma_exact`: the same bits).
     def pieces(ts: list[torch.Tensor], target: torch.dtype) -> Iterator[memoryview]:
         import torch
 
@@ -557,19 +560,43 @@ def _fused_weight(name: str, weight: Tensor, m: Module, config: AdapterConfig,
         full = None if not transpose and blocks_exact(b32, a32, bounds) else \
             torch.mm(b32, a32, out=scratch("lora-delta", rows * cols).view(rows, cols))
         delta = None if full is None else full.T if transpose else full
+        fused = fma_exact(scale, a32, b32)
         block = scratch("lora-rows", most)
-        out = scratch("lora-out", most, target)
+        # Where the sum is made: the weight's rows widened (the product is added to them),
+        # or, for a float32 weight whose product is scaled apart, the product's block.
+        wide = scratch("lora-wide", most) if fused or w.dtype != torch.float32 else None
+        out = None if target == torch.float32 else scratch("lora-out", most, target)
+        # Per number of rows (blocks have two sizes at most): the product's block, the sum's,
+        # the output piece and its bytes, made once (a view costs microseconds, a block of
+        # rows about 300: several per block added up to a few percent).
+        views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, memoryview]] = {}
         for lo, hi in itertools.pairwise(bounds):
-            numel = (hi - lo) * w.shape[1]
-            part = block[:numel].view(hi - lo, w.shape[1])
+            got = views.get(hi - lo)
+            if got is None:
+                numel = (hi - lo) * w.shape[1]
+                part = block[:numel].view(hi - lo, w.shape[1])
+                total = part if wide is None else wide[:numel].view(hi - lo, w.shape[1])
+                piece = (scratch_bytes("lora-rows" if wide is None else "lora-wide", numel * 4)
+                         if out is None else scratch_bytes("lora-out", numel * target.itemsize))
+                got = views[hi - lo] = (part, total, None if out is None else out[:numel],
+                                        piece)
+            part, total, out_piece, piece = got
             if delta is None:
                 torch.mm(b32[lo:hi], a32, out=part)
             else:
                 part.copy_(delta[lo:hi])
-            part.mul_(scale)
-            part.add_(w[lo:hi])  # w exactly widened to float32, then one rounding
-            out[:numel].copy_(part.view(-1))
-            yield scratch_bytes("lora-out", numel * target.itemsize)
+            if wide is None:
+                part.mul_(scale)
+                part.add_(w[lo:hi])  # one rounding
+            else:
+                total.copy_(w[lo:hi])  # exactly widened to float32
+                if fused:
+                    total.add_(part, alpha=scale)
+                else:
+                    total.add_(part.mul_(scale))  # w + d == d + w, one rounding
+            if out_piece is not None:
+                out_piece.copy_(total.view(-1))
+            yield piece  # float32 out: the sum's own bytes
 
     what = f"lora fused: rank {rank}, scale {scale:g}"
     return Derived(name, (weight, m.a, m.b), weight.dtype, weight.shape, compute, what,
@@ -591,6 +618,44 @@ def row_blocks(rows: int, cols: int) -> list[int]:
     step = max(FOLD_ROWS, FOLD_BLOCK // max(1, cols))
     count = max(1, rows // step)
     return [rows * k // count for k in range(count + 1)]
+
+
+# A power-of-two scale is fused with the add only while the product times the scale stays
+# below this (float32's largest finite value is just under 2**128).
+FMA_LIMIT = 2.0**126
+
+
+def fma_exact(scale: float, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True if ``w + (b @ a) * scale``, as PEFT rounds it (the product times the scale
+    rounded to float32, then the sum), has the bits of ``torch.add(w, b @ a, alpha=scale)``
+    for every float32 ``w``, so that the fold may scale and add in one pass (which torch makes
+    a fused multiply-add, rounded once).
+
+    That holds when the scale is ``2**k`` with ``k >= 0`` and no product element times the
+    scale can overflow: multiplying a finite float32 by such a scale is then exact (normal
+    and subnormal values alike: only the exponent grows), so rounding it changes nothing and
+    both ways round the same exact sum once. ``a`` and ``b`` must be finite (an infinite or
+    NaN product could meet a NaN weight: which NaN comes out would depend on the order), and
+    ``rank * max|a| * max|b| * scale`` (a bound on every product element, with room for its
+    roundings) below :data:`FMA_LIMIT`. Any other scale (``alpha / r`` of 0.5, rsLoRA's
+    ``alpha / sqrt(r)``) is multiplied and added apart."""
+
+    mantissa, exponent = math.frexp(scale)
+    if mantissa != 0.5 or exponent < 1 or not a.numel() or not b.numel():
+        return False
+    bound = a.shape[0] * _max_abs(a) * _max_abs(b) * scale
+    return bound < FMA_LIMIT
+
+
+def _max_abs(t: torch.Tensor) -> float:
+    """The largest magnitude in ``t`` (one pass, no temporary); infinite where ``t`` holds an
+    infinity or a NaN."""
+    import torch
+
+    lo, hi = (float(x) for x in torch.aminmax(t))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return math.inf
+    return max(-lo, hi)
 
 
 # Whether torch.mm of blocks of rows gave the whole product's bits, per (rows, rank, cols,
