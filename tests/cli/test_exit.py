@@ -73,8 +73,13 @@ def test_python_m_ckpttool_and_main_from_a_script(small: Path, tmp_path: Path) -
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 3 and r.stderr.count("\n") == 1, r.stderr
     # run from another script, the module returns control (SystemExit) to it
-    code = ("import runpy, sys\nsys.argv = ['ckpttool', 'inspect', sys.argv[1]]\n"
-            "try:\n    runpy.run_module('ckpttool', run_name='__main__')\n"
-            "except SystemExit as e:\n    print('went on', e.code)\n")
-    r = _run(code, str(small))
-    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "went on 0", r.stderr
+    # (also as the __main__ module it installs, as pdb's and coverage's -m do: the command
+    # line that started the process is not ``python -m ckpttool``)
+    for alter in (False, True):
+        code = ("import runpy, sys\nsys.argv = ['ckpttool', 'inspect', sys.argv[1]]\n"
+                "try:\n    runpy.run_module('ckpttool', run_name='__main__', "
+                f"alter_sys={alter})\n"
+                "except SystemExit as e:\n    print('went on', e.code)\nprint('after')\n")
+        r = _run(code, str(small))
+        assert r.returncode == 0 and r.stdout.splitlines()[-2:] == ["went on 0", "after"], \
+            (alter, r.stderr)

@@ -314,3 +314,20 @@ def test_rows_inside_their_files_on_columns(rows: int, monkeypatch: pytest.Monke
     assert not table.inside({**ends, "c": None})
     length[rows // 2] = (1 << 63) - 1  # a damaged size: no wrapped sum says "inside"
     assert not table.inside({n: (1 << 63) - 1 for n in table.names})
+
+
+def test_tilings_at_once_leave_negative_and_huge_shapes_to_the_one_by_one_check() -> None:
+    """A negative dimension (a wrapped int64 end could equal it) is never said to tile by the
+    numpy pass (the one-by-one check reports it), nor is a dimension near int64's end looked
+    at there (it tiles, one by one)."""
+    from ckpttool.core.checkpoint import structure
+
+    good = [((8, 2), [((k, 0), (1, 2)) for k in range(8)])] * 600
+    odd = [((-(2**63) + 2, 2), [((0, 0), (2**63 - 1, 2)), ((2**63 - 1, 0), (3, 2))]),
+           ((2**62 + 1, 2), [((0, 0), (2**62 + 1, 2))])]
+    tensors = _column_tensors(good + odd)
+    tiled = structure._tiled_on_columns(tensors)
+    assert tiled == set(range(len(good)))
+    negative, huge = tensors[len(good):]
+    assert structure._coverage(negative.shape, negative.chunks) is not None
+    assert structure._coverage(huge.shape, huge.chunks) is None

@@ -146,3 +146,59 @@ def test_fma_exact_refuses_other_scales_and_what_could_overflow_or_meet_a_nan() 
         c[1, 2] = bad
         assert not lora.fma_exact(2.0, c, b) and not lora.fma_exact(2.0, a, c.T)
     assert not lora.fma_exact(2.0, torch.ones(4, 0), torch.ones(0, 4))
+    tiny = torch.full((4, 8), 1e-30)
+    assert lora.fma_exact(2.0**127, tiny, tiny.T)
+    assert not lora.fma_exact(2.0**128, tiny, tiny.T)  # no float32: torch refuses the alpha
+
+
+@pytest.mark.parametrize("weight", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [1.0, 2.0, 0.5, 1.5, 2.0**20])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_the_fold_piece_by_piece_has_peft_s_bits(weight: torch.dtype, scale: float,
+                                                  transpose: bool) -> None:
+    """``_fused_weight``'s pieces (what a merge writes), fused or not, as float32, bf16 and
+    the weight's dtype, against PEFT's order (``w + (b @ a) * scale`` in float32, then the
+    cast), on values from 2**-140 to 2**40, zeros of both signs, infinities and NaNs in the
+    weight (a NaN with a payload of its own), and a NaN in the adapter."""
+    from ckpttool.formats.base import Chunk, Tensor
+    from ckpttool.formats.codecs.dtypes import BY_TORCH_NAME
+
+    g = torch.Generator().manual_seed(int(scale * 7) + transpose + weight.itemsize)
+    rank, rows, cols = 4, 40, 24
+
+    def wide(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 2.0 ** torch.randint(-140, 40, shape,
+                                                                        generator=g).float()
+
+    a, b = wide(rank, cols), wide(rows, rank)
+    w = wide(*((cols, rows) if transpose else (rows, cols))).to(weight)
+    w.view(-1)[:4] = torch.tensor([float("nan"), -0.0, float("inf"), float("-inf")]).to(weight)
+    if weight == torch.float32:
+        w.view(torch.int32).view(-1)[0] = 0x7FC00123
+    for nan_in_adapter in (False, True):
+        if nan_in_adapter:
+            a[0, 0] = float("nan")
+
+        def meta(t: torch.Tensor, name: str) -> Tensor:
+            return Tensor(name, (name,), BY_TORCH_NAME[str(t.dtype).removeprefix("torch.")],
+                          tuple(t.shape), (
+                Chunk((0,) * t.dim(), tuple(t.shape), "f", 0, t.numel() * t.itemsize),))
+
+        m = lora.Module("x", embedding=transpose, a=meta(a, "x.lora_A.weight"),
+                        b=meta(b, "x.lora_B.weight"))
+        config = lora.AdapterConfig(rank, scale * rank, False, False, {}, {}, False, (), None,
+                                    "test")
+        derived = lora._fused_weight("x.weight", meta(w, "x.weight"), m, config, None)
+        assert derived.pieces is not None
+        d = b @ a
+        want32 = w.float() + (d.T if transpose else d) * scale  # PEFT's order
+        for target in (torch.float32, torch.bfloat16, weight):
+            got = torch.frombuffer(bytearray(b"".join(
+                bytes(p) for p in derived.pieces([w, a, b], target))), dtype=target)
+            want = want32.to(target).reshape(-1)
+            assert torch.equal(got.view(_int(target)), want.view(_int(target))), \
+                (target, nan_in_adapter)
+
+
+def _int(dtype: torch.dtype) -> torch.dtype:
+    return torch.int16 if dtype.itemsize == 2 else torch.int32

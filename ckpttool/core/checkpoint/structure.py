@@ -125,7 +125,7 @@ def _placed(info: CheckpointInfo, sizes: Mapping[str, int | None]) -> dict[str, 
 # Chunk rows of a table from which tilings are checked all at once (numpy) before one by one.
 _VECTOR_ROWS = 1 << 12
 _VECTOR_BLOCK = 1 << 20  # rows of one numpy pass
-_LARGEST = 1 << 62  # dimensions above this are left to the check one by one (no int64 sums)
+_LARGEST = 1 << 62  # dimensions above this (or below 0) are left to the check one by one
 
 
 def _tiled_on_columns(tensors: Sequence[Tensor]) -> set[int]:
@@ -140,7 +140,7 @@ def _tiled_on_columns(tensors: Sequence[Tensor]) -> set[int]:
     for i, t in enumerate(tensors):
         c = t.chunks
         if isinstance(c, ChunkColumns) and c.num_chunks and c.ndim == len(t.shape) and \
-                c.ndim and max(t.shape) < _LARGEST:
+                c.ndim and min(t.shape) >= 0 and max(t.shape) < _LARGEST:
             groups.setdefault((id(c.table), c.ndim), []).append((i, c))
             rows += c.num_chunks
     if rows < _VECTOR_ROWS:

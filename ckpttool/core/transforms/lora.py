@@ -524,7 +524,10 @@ def _fused_weight(name: str, weight: Tensor, m: Module, config: AdapterConfig,
     transpose = m.embedding or config.fan_in_fan_out
 
     # PEFT's own order, so that an fp32 fold equals merge_and_unload() to the bit:
-    # W + transpose(B @ A) * scale, in fp32 (PEFT also upcasts half-precision on CPU).
+    # W + transpose(B @ A) * scale, in fp32. That is PEFT's arithmetic for an adapter it
+    # holds in fp32: PeftModel.from_pretrained upcasts a half-precision adapter by default
+    # (autocast_adapter_dtype=True). One loaded with autocast_adapter_dtype=False has its
+    # product rounded to the adapter's dtype before the add on CPU; its merge differs.
     # In place where the values are the same (one rounding per step either way): memory is
     # the weight in fp32 and one delta, not four temporaries.
     def compute(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -585,15 +588,16 @@ def _fused_weight(name: str, weight: Tensor, m: Module, config: AdapterConfig,
                 torch.mm(b32[lo:hi], a32, out=part)
             else:
                 part.copy_(delta[lo:hi])
+            # PEFT's order, w + d: the same sum either way, but where both are NaN, the
+            # first operand's NaN is the one that comes out.
             if wide is None:
-                part.mul_(scale)
-                part.add_(w[lo:hi])  # one rounding
+                torch.add(w[lo:hi], part.mul_(scale), out=part)  # one rounding
             else:
                 total.copy_(w[lo:hi])  # exactly widened to float32
                 if fused:
                     total.add_(part, alpha=scale)
                 else:
-                    total.add_(part.mul_(scale))  # w + d == d + w, one rounding
+                    total.add_(part.mul_(scale))  # one rounding
             if out_piece is not None:
                 out_piece.copy_(total.view(-1))
             yield piece  # float32 out: the sum's own bytes
@@ -641,7 +645,8 @@ def fma_exact(scale: float, a: torch.Tensor, b: torch.Tensor) -> bool:
     ``alpha / sqrt(r)``) is multiplied and added apart."""
 
     mantissa, exponent = math.frexp(scale)
-    if mantissa != 0.5 or exponent < 1 or not a.numel() or not b.numel():
+    # 2**0 .. 2**127: float32's own (a scale beyond is no float32: torch refuses the alpha).
+    if mantissa != 0.5 or not 1 <= exponent <= 128 or not a.numel() or not b.numel():
         return False
     bound = a.shape[0] * _max_abs(a) * _max_abs(b) * scale
     return bound < FMA_LIMIT
