@@ -233,7 +233,6 @@ def test_slices_gathered_in_small_blocks_are_bit_exact(name: str, megatron_runs:
 
     monkeypatch.setattr(engine, "COPY_RUN", 1 << 40)
     monkeypatch.setattr(engine, "GATHER_BLOCK", 1000)
-    monkeypatch.setattr(engine, "_scratch", engine.threading.local())  # no larger buffer kept
     reads: list[int] = []
     real = engine.Reader.readv
 

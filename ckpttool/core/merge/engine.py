@@ -25,13 +25,13 @@ from ckpttool.core.checkpoint import tensors
 from ckpttool.core.merge.partition import Unit
 from ckpttool.core.merge.plan import MergePlan, OutTensor
 from ckpttool.core.runtime import forked
+from ckpttool.core.runtime import scratch as work
 from ckpttool.core.runtime.report import Progress, locked
 from ckpttool.core.runtime.torch_threads import one_torch_thread, workers_for
 from ckpttool.core.transforms.derive import (
     Derived,
     is_selection,
     materialise,
-    release_scratch,
     stream,
 )
 from ckpttool.errors import InputError, OutputError
@@ -426,8 +426,7 @@ def _run_jobs(jobs: Iterable[_Job], reader: Reader, workers: int, report: Progre
                     return
                 run(job)
         finally:
-            _scratch.__dict__.clear()  # this thread goes on: give its buffers back
-            release_scratch()
+            work.release()  # this thread goes on: give its buffers back
         return
     pool = ThreadPoolExecutor(max_workers=workers)
     try:
@@ -505,16 +504,16 @@ def _write_selection(reader: Reader, dst: int, t: OutTensor, report: Progress,
         # the lock held only to write (another thread's reads go on meanwhile).
         at = t.slot.begin
         for block in tensors.selection_blocks(reader, src, pieces, payloads,
-                                              memoryview(_buffer("gather", GATHER_BLOCK))):
+                                              work.buffer("gather", GATHER_BLOCK)):
             with lock or contextlib.nullcontext():
                 pwrite_all(dst, block, at)
             at += len(block)
         report(at - t.slot.begin)
         return
     data = tensors.read_boxes(reader, src, d.boxes[0], pieces=pieces,
-                              out=memoryview(_buffer("selection", sum(
-                                  math.prod(sizes) for _, sizes in d.boxes[0]) * item)),
-                              buf=memoryview(_buffer("block", SELECTION_BLOCK)))
+                              out=work.buffer("selection", sum(
+                                  math.prod(sizes) for _, sizes in d.boxes[0]) * item),
+                              buf=work.buffer("block", SELECTION_BLOCK))
     if t.cast:
         data = _cast_bytes(data, t)
     with lock or contextlib.nullcontext():
@@ -651,19 +650,6 @@ def _write_chunk(reader: Reader, dst: int, t: OutTensor, c: Chunk, report: Progr
 # flat whatever the tensor size, large enough that per-call overhead vanishes.
 CAST_BLOCK = 8 << 20
 
-# Each thread's cast buffers, made once and kept while it copies (a new pair per chunk cost a
-# page fault per 4 KB of them, 12 MB a chunk).
-_scratch = threading.local()
-
-
-def _buffer(name: str, size: int) -> bytearray:
-    buf: bytearray | None = getattr(_scratch, name, None)
-    if buf is None or len(buf) < size:
-        buf = bytearray(size)
-        setattr(_scratch, name, buf)
-    return buf
-
-
 def _cast_range(reader: Reader, file: str, src_offset: int, dst: int, dst_offset: int,
                 numel: int, t: OutTensor, report: Progress,
                 lock: threading.Lock | None = None) -> None:
@@ -683,12 +669,12 @@ def _cast_range(reader: Reader, file: str, src_offset: int, dst: int, dst_offset
     block = min(numel, CAST_BLOCK // src_item)
     # The output tensor lives in our own buffer (torch.frombuffer): no numpy, which torch
     # needs for .numpy() and which a user's own torch install may lack.
-    out_bytes = _buffer("out", block * dst_item)
+    out_bytes = work.buffer("out", block * dst_item)
     out = torch.frombuffer(out_bytes, dtype=dst_dtype, count=block)
     done = 0
     # Cast straight from the page cache where the store maps the file, else from our buffer.
     for view in reader.blocks(file, src_offset, numel * src_item,
-                              memoryview(_buffer("in", block * src_item))[: block * src_item]):
+                              work.buffer("in", block * src_item)):
         n = len(view) // src_item
         if not n:
             break

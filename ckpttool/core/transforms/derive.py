@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 import mmap
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckpttool.core.checkpoint import tensors
+from ckpttool.core.runtime import scratch as work
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Reader, Tensor
 from ckpttool.formats.codecs.dtypes import DType
@@ -122,46 +122,23 @@ def _read_boxes(reader: Reader, tensor: Tensor, boxes: tensors.Boxes,
     return flat.reshape(shape) if math.prod(shape) == numel else flat
 
 
-# Each thread's work buffers for ``pieces`` (:func:`scratch`), kept from one tensor to the next:
-# a new float32 tensor the size of a weight costs a page fault per 4 KB of it, which took more
-# time than the arithmetic (measured: a 5632 x 2048 LoRA fold, 137 ms with fresh tensors, 34 ms
-# with these).
-_scratch = threading.local()
-
-
 def scratch(name: str, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A flat work tensor of ``numel`` elements of ``dtype`` (float32 by default; contents
-    undefined), this thread's own, kept until :func:`release_scratch`; its bytes are
-    :func:`scratch_bytes` of the same name. It starts on a cache line (a buffer 16 bytes off
-    one folded 10% slower: torch's kernels and the BLAS load and store whole lines)."""
+    undefined) on this thread's work buffer ``name`` (:func:`ckpttool.core.runtime.scratch.
+    buffer`, kept from one tensor to the next, on a cache line); its bytes are
+    :func:`scratch_bytes` of the same name."""
     import torch
 
     dtype = dtype or torch.float32
-    nbytes = numel * dtype.itemsize
-    held: tuple[bytearray, int] | None = getattr(_scratch, name, None)
-    if held is None or len(held[0]) - held[1] < nbytes:
-        setattr(_scratch, name, None)  # the old one goes before the new one is made
-        raw = bytearray(nbytes + CACHE_LINE)
-        held = (raw, -torch.frombuffer(raw, dtype=torch.uint8).data_ptr() % CACHE_LINE)
-        setattr(_scratch, name, held)
     if not numel:
         return torch.empty(0, dtype=dtype)
-    raw, start = held
-    return torch.frombuffer(raw, dtype=dtype, count=numel, offset=start)
-
-
-CACHE_LINE = 64
+    return torch.frombuffer(work.buffer(name, numel * dtype.itemsize), dtype=dtype,
+                            count=numel)
 
 
 def scratch_bytes(name: str, nbytes: int) -> memoryview:
     """The first ``nbytes`` of this thread's work buffer ``name`` (:func:`scratch`)."""
-    raw, start = getattr(_scratch, name)
-    return memoryview(raw)[start : start + nbytes]
-
-
-def release_scratch() -> None:
-    """Give this thread's work tensors back (a merge's worker thread that goes on)."""
-    _scratch.__dict__.clear()
+    return work.held(name, nbytes)
 
 
 # An input of at least this many bytes is computed on where it lies in the page cache.
