@@ -122,9 +122,10 @@ class Chunk:
         return self.offset + self.length
 
 
-# Rows of a table from which its whole-table checks are numpy passes (fewer: Python).
-_VECTOR_ROWS = 1 << 12
-_VECTOR_BLOCK = 1 << 20  # rows one such pass takes at a time
+# Rows of a table from which its whole-table checks are numpy passes (fewer: Python), here
+# and in core.checkpoint.structure's tiling check.
+VECTOR_ROWS = 1 << 12
+VECTOR_BLOCK = 1 << 20  # rows one such pass takes at a time (bounded temporaries)
 
 
 class ChunkTable:
@@ -153,7 +154,7 @@ class ChunkTable:
             if size is None:
                 return False
             limits.append(size)
-        if len(self.file) < _VECTOR_ROWS:
+        if len(self.file) < VECTOR_ROWS:
             return all(map(operator.le, map(operator.add, self.offset, self.length),
                            map(limits.__getitem__, self.file)))
         # Millions of rows (a DCP .metadata's): one numpy pass instead of ~0.15 s of Python.
@@ -165,10 +166,10 @@ class ChunkTable:
 
         file, offset, length = column(self.file), column(self.offset), column(self.length)
         sizes_ = np.asarray(limits, dtype=np.int64)
-        for a in range(0, len(file), _VECTOR_BLOCK):  # bounded temporaries (10M rows: 80 MB)
-            ends = sizes_[file[a : a + _VECTOR_BLOCK]]
-            ends -= length[a : a + _VECTOR_BLOCK]
-            if not (offset[a : a + _VECTOR_BLOCK] <= ends).all():
+        for a in range(0, len(file), VECTOR_BLOCK):  # bounded temporaries (10M rows: 80 MB)
+            ends = sizes_[file[a : a + VECTOR_BLOCK]]
+            ends -= length[a : a + VECTOR_BLOCK]
+            if not (offset[a : a + VECTOR_BLOCK] <= ends).all():
                 return False
         return True
 

@@ -272,12 +272,12 @@ def test_tilings_checked_at_once_agree_with_one_by_one(cases, shuffle: random.Ra
     good = [((8, 2), [((k, 0), (1, 2)) for k in range(8)])] * 600  # 4,800 rows: the numpy pass
     tensors = _column_tensors(good + made + good[:1])
     tiled = structure._tiled_on_columns(tensors)
-    block = structure._VECTOR_BLOCK
+    block = structure.formats_base.VECTOR_BLOCK
     try:  # in pieces of a few rows each (the temporaries' bound at 10M rows): the same
-        structure._VECTOR_BLOCK = 7
+        structure.formats_base.VECTOR_BLOCK = 7
         assert structure._tiled_on_columns(tensors) == tiled
     finally:
-        structure._VECTOR_BLOCK = block
+        structure.formats_base.VECTOR_BLOCK = block
     assert set(range(len(good))) <= tiled and len(tensors) - 1 in tiled
     for i, t in enumerate(tensors):
         assert isinstance(t.chunks, structure.ChunkColumns)
@@ -300,7 +300,7 @@ def test_rows_inside_their_files_on_columns(rows: int, monkeypatch: pytest.Monke
     from ckpttool.formats import base
     from ckpttool.formats.base import RECORD, ChunkTable
 
-    monkeypatch.setattr(base, "_VECTOR_BLOCK", 999)
+    monkeypatch.setattr(base, "VECTOR_BLOCK", 999)
 
     file = array("i", [k % 3 for k in range(rows)])
     offset = array("q", [7 * (k // 3) for k in range(rows)])

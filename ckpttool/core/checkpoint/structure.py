@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ckpttool.core.checkpoint import geometry as chunk_geometry
 from ckpttool.errors import InputError
+from ckpttool.formats import base as formats_base
 from ckpttool.formats.base import (
     CheckpointInfo,
     Chunk,
@@ -122,9 +123,6 @@ def _placed(info: CheckpointInfo, sizes: Mapping[str, int | None]) -> dict[str, 
     return out
 
 
-# Chunk rows of a table from which tilings are checked all at once (numpy) before one by one.
-_VECTOR_ROWS = 1 << 12
-_VECTOR_BLOCK = 1 << 20  # rows of one numpy pass
 _LARGEST = 1 << 62  # dimensions above this (or below 0) are left to the check one by one
 
 
@@ -143,7 +141,7 @@ def _tiled_on_columns(tensors: Sequence[Tensor]) -> set[int]:
                 c.ndim and min(t.shape) >= 0 and max(t.shape) < _LARGEST:
             groups.setdefault((id(c.table), c.ndim), []).append((i, c))
             rows += c.num_chunks
-    if rows < _VECTOR_ROWS:
+    if rows < formats_base.VECTOR_ROWS:  # a few rows: one by one
         return set()
 
     out: set[int] = set()
@@ -154,14 +152,14 @@ def _tiled_on_columns(tensors: Sequence[Tensor]) -> set[int]:
 
 
 def _pieces(group: list[tuple[int, ChunkColumns]]) -> Iterator[list[tuple[int, ChunkColumns]]]:
-    """``group`` in consecutive pieces of about :data:`_VECTOR_BLOCK` rows (the numpy pass's
-    temporaries bounded: 10M rows would take 80 MB each)."""
+    """``group`` in consecutive pieces of about :data:`~ckpttool.formats.base.VECTOR_BLOCK`
+    rows (the numpy pass's temporaries bounded: 10M rows would take 80 MB each)."""
     piece: list[tuple[int, ChunkColumns]] = []
     rows = 0
     for item in group:
         piece.append(item)
         rows += item[1].num_chunks
-        if rows >= _VECTOR_BLOCK:
+        if rows >= formats_base.VECTOR_BLOCK:
             yield piece
             piece, rows = [], 0
     if piece:
