@@ -275,7 +275,8 @@ def _load(root: Path, name: str) -> _File:
                     "Convert with the zero_to_fp32.py script saved beside the checkpoint"
                 ) from e
             raise torchsave.refusal(path, e, deepspeed_global,
-                                    "a DeepSpeed checkpoint never contains") from e
+                                    "a DeepSpeed checkpoint never contains",
+                                    names=torchsave.archive_globals(rb, entries)) from e
         except torchsave.TooComplex as e:
             raise InputError(f"{path}: {e}, more than any checkpoint holds; refusing to "
                              "walk it") from e

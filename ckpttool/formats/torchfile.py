@@ -172,7 +172,8 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
                 ) from e
             raise torchsave.refusal(
                 p, e, torchsave.record_global, "a weights-only load never allows",
-                then=". Only a state dict of tensors and plain values can be read") from e
+                then=". Only a state dict of tensors and plain values can be read",
+                names=torchsave.archive_globals(rb, entries)) from e
         except torchsave.TooComplex as e:
             raise InputError(f"{p}: {e}, more than any state dict holds; refusing to "
                              "walk it") from e

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, dataclass_transform
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform
+else:  # Python 3.10: a marker for type checkers only, nothing at run time
+    def dataclass_transform(**_: Any) -> Callable[[Any], Any]:
+        return lambda f: f
 
 # Version of every ``--json`` document (``"schema"``); bumped when a shape changes.
 SCHEMA = 1

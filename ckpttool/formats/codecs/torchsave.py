@@ -26,9 +26,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpttool.errors import CkptError, InputError
-from ckpttool.formats.codecs import dtypes
+from ckpttool.formats.codecs import dtypes, policy
 from ckpttool.formats.codecs.archive import RecordBytes, ZipEntry
 from ckpttool.formats.codecs.dtypes import DType
+# Re-exported: the stand-ins and the verdict every format uses live with the pickle policy.
+from ckpttool.formats.codecs.policy import EnumClass as EnumClass
+from ckpttool.formats.codecs.policy import PlainStub as PlainStub
+from ckpttool.formats.codecs.policy import Refused as Refused
+from ckpttool.formats.codecs.policy import Stub as Stub
+from ckpttool.formats.codecs.policy import enum_getattr as enum_getattr
+from ckpttool.formats.codecs.policy import one_bit_from as one_bit_from
+from ckpttool.formats.codecs.policy import plain_stub_class as plain_stub_class
+from ckpttool.formats.codecs.policy import refusal as refusal
+from ckpttool.formats.codecs.policy import stub_class as stub_class
 
 # What a corrupt pickle raises in the C unpickler (a refused global raises Refused instead).
 PICKLE_ERRORS: tuple[type[Exception], ...] = (
@@ -37,50 +47,6 @@ PICKLE_ERRORS: tuple[type[Exception], ...] = (
 
 # --------------------------------------------------------------------------------------------
 # Allow-list unpickling
-
-
-class Refused(Exception):
-    """A pickle named a global outside the allow-list; nothing was looked up or run."""
-
-    def __init__(self, module: str, name: str) -> None:
-        super().__init__(f"{module}.{name}")
-        self.module, self.name = module, name
-        self.qualname = f"{module}.{name}"
-
-
-def one_bit_from(refused: Refused, lookup: Callable[[str, str], Any | None]) -> str | None:
-    """The global ``lookup`` allows that is one flipped bit away from the refused one (a
-    damaged byte in a genuine checkpoint's class name), or None. Only looks names up."""
-    for in_module, text in ((True, refused.module), (False, refused.name)):
-        for i, char in enumerate(text):
-            for bit in range(7):
-                flipped = text[:i] + chr(ord(char) ^ (1 << bit)) + text[i + 1:]
-                module, name = (flipped, refused.name) if in_module else (
-                    refused.module, flipped)
-                try:
-                    found = lookup(module, name)
-                except Exception:  # noqa: BLE001 - a lookup that refuses by raising
-                    found = None
-                if found is not None:
-                    return f"{module}.{name}"
-    return None
-
-
-def refusal(where: object, refused: Refused, lookup: Callable[[str, str], Any | None],
-            never: str, *, then: str = "") -> InputError:
-    """The one line for a refused global: a file whose class name is one bit from an allowed
-    one is damaged (or altered), not called malicious; any other name may be malicious.
-    ``never`` says what holds no such global ("a DCP .metadata never contains"); ``then``
-    follows the malicious verdict."""
-    near = one_bit_from(refused, lookup)
-    if near is not None:
-        return InputError(
-            f"{where}: the pickle asks for '{refused.qualname}', one bit away from '{near}', "
-            "which genuine checkpoints hold: the file is damaged (or was altered); nothing was "
-            "executed. Copy it again from the source")
-    return InputError(
-        f"{where}: refused to load: the pickle asks for '{refused.qualname}', which {never}; "
-        f"the file may be malicious (nothing was executed){then}")
 
 
 def corrupt(e: Exception) -> pickle.UnpicklingError:
@@ -112,20 +78,26 @@ def named_globals(data: bytes) -> list[str]:
     """Every ``module.name`` a pickle names (GLOBAL, and STACK_GLOBAL from the strings pushed
     before it, memoized ones included), read from its opcodes without running anything; the
     pickle's first refused global may be a decoy in front of the one that runs code."""
+    return [f"{m}.{n}" for m, n in named_global_pairs(data)]
+
+
+def named_global_pairs(data: bytes) -> list[tuple[str, str]]:
+    """:func:`named_globals` as ``(module, name)`` pairs."""
     import pickletools
 
-    found: list[str] = []
+    found: list[tuple[str, str]] = []
     memo: dict[int, Any] = {}
     recent: list[Any] = []  # the last values pushed, strings or None
     try:
         for op, arg, _ in pickletools.genops(data):
             name = op.name
             if name == "GLOBAL" and isinstance(arg, str):
-                found.append(arg.replace(" ", ".", 1))
+                module, _sep, attr = arg.partition(" ")
+                found.append((module, attr))
                 recent.append(None)
             elif name == "STACK_GLOBAL":
                 if len(recent) >= 2 and all(isinstance(v, str) for v in recent[-2:]):
-                    found.append(f"{recent[-2]}.{recent[-1]}")
+                    found.append((recent[-2], recent[-1]))
                 recent.append(None)
             elif name in ("MEMOIZE",):
                 memo[len(memo)] = recent[-1] if recent else None
@@ -141,6 +113,17 @@ def named_globals(data: bytes) -> list[str]:
     except Exception:  # noqa: BLE001 - a corrupt tail: what was found so far stands
         pass
     return list(dict.fromkeys(found))
+
+
+def archive_globals(rb: RecordBytes, entries: dict[str, ZipEntry]) -> list[tuple[str, str]]:
+    """The globals an archive's ``data.pkl`` names (nothing run), for :func:`refusal`."""
+    pkl = entries.get("data.pkl")
+    if pkl is None:
+        return []
+    try:
+        return named_global_pairs(rb.read(pkl.data_offset, pkl.size))
+    except (CkptError, OSError):
+        return []
 
 
 # dtypes torch can name that ckpttool does not convert; kept distinct so the error says so.
@@ -179,95 +162,6 @@ def torch_attr(name: str) -> Any | None:
     if name == "Size":
         return size
     return None
-
-
-class _OrderedDict(dict):  # type: ignore[type-arg]
-    """``collections.OrderedDict`` as pickled by ``state_dict()``: a dict whose BUILD state
-    (the ``_metadata`` attribute with module versions) is dropped."""
-
-    def __setstate__(self, state: Any) -> None:
-        pass
-
-
-class EnumClass:
-    """Stand-in for an allow-listed ``enum.Enum`` class: its real member names and values.
-
-    Most Pythons pickle a member by value, ``Class(value)``, which calls this; Python 3.11.0 to
-    3.11.x (Debian 12's system ``python3``) pickles it by name, ``getattr(Class, 'NAME')``,
-    which :func:`enum_getattr` answers. Either way only these members are reached: the value
-    stands for the member, nothing of the real class is looked up.
-    """
-
-    __slots__ = ("qualname", "members")
-
-    def __init__(self, qualname: str, members: dict[str, int]) -> None:
-        self.qualname = qualname
-        self.members = dict(members)  # name -> value, as the real class defines them
-
-    def __call__(self, value: Any) -> int:
-        if type(value) is not int or value not in self.members.values():
-            raise pickle.UnpicklingError(f"{value!r:.40} is not a member of {self.qualname}")
-        return value
-
-    def __repr__(self) -> str:
-        return self.qualname
-
-
-def enum_getattr(obj: Any, name: Any) -> int:
-    """``builtins.getattr`` as Python 3.11 pickles an Enum member: allowed exactly for an
-    :class:`EnumClass` and one of its real member names.
-
-    Raises:
-        Refused: anything else (another object, another name, a dunder); nothing is looked up.
-    """
-    if isinstance(obj, EnumClass) and type(name) is str and name in obj.members:
-        return obj.members[name]
-    # Named as the pickle names it: the stand-in's class name, else the value's type.
-    what = (obj.qualname if isinstance(obj, EnumClass)
-            else obj.__name__ if isinstance(obj, type) else type(obj).__name__)
-    raise Refused("builtins", f"getattr({what}, {str(name)[:60]!r})")
-
-
-class Stub:
-    """Stand-in for a class that pickle builds with NEWOBJ and BUILD (DCP's metadata classes,
-    a DTensor's spec and mesh): keeps the state pickle hands it, runs nothing."""
-
-    state: Any = None  # NEWOBJ does not call __init__; BUILD may never come
-
-    def __init__(self, *args: Any) -> None:
-        self.args = args
-        self.state: Any = None
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def field(self, name: str, default: Any = None) -> Any:
-        state = self.state
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
-            state = {**(state[0] or {}), **state[1]}  # (dict, slots) state
-        if isinstance(state, dict):
-            return state.get(name, default)
-        return default
-
-
-def stub_class(name: str) -> type[Stub]:
-    """A distinct :class:`Stub` subclass named like the class it stands for."""
-    return type(name, (Stub,), {})
-
-
-class PlainStub:
-    """Stand-in for a dataclass whose pickled state is a dict (DCP's metadata classes but
-    ``TensorProperties``). Without ``__init__`` or ``__setstate__``, NEWOBJ and BUILD run in
-    the C unpickler alone: no Python frame per object, which is what a ``.metadata`` of
-    millions of chunks costs. A state that is not a dict fails to unpickle (corrupt)."""
-
-    def field(self, name: str, default: Any = None) -> Any:
-        return self.__dict__.get(name, default)
-
-
-def plain_stub_class(name: str) -> type[PlainStub]:
-    """A distinct :class:`PlainStub` subclass named like the class it stands for."""
-    return type(name, (PlainStub,), {})
 
 
 @contextlib.contextmanager
@@ -453,53 +347,9 @@ def record_global(module: str, name: str) -> Any | None:
         return _StorageClass(None)
     if module == "torch.serialization" and name == "_get_layout":
         return str
-    if module == "collections" and name == "OrderedDict":
-        return _OrderedDict
-    if module == "collections" and name == "Counter":
-        return _counter
-    if module == "_codecs" and name == "encode":
-        return _encode  # how protocol 2 pickles bytes (a dataloader's state, an RNG state)
-    if module in ("builtins", "__builtin__"):  # protocol 2 names builtins "__builtin__"
-        return _BUILTINS.get(name)
-    return _NUMPY.get((module, name))
-
-
-# The plain values torch.load(weights_only=True) builds from builtins (set, bytearray,
-# complex), and two it refuses although they are as inert: an empty bytes value (protocol 2
-# pickles b"" as bytes()) and a frozenset. Each checks its arguments, so that a pickle cannot
-# make them allocate what it likes (bytearray(10**12)).
-def _bytes(*args: Any) -> bytes:
-    if args:
-        raise pickle.UnpicklingError("bytes() called other than for an empty value")
-    return b""
-
-
-def _bytearray(data: Any = b"") -> bytearray:
-    if not isinstance(data, (bytes, bytearray)):
-        raise pickle.UnpicklingError("bytearray() called other than with bytes")
-    return bytearray(data)
-
-
-def _set(items: Any = ()) -> set[Any]:
-    if not isinstance(items, (list, tuple)):
-        raise pickle.UnpicklingError("set() called other than with a list")
-    return set(items)
-
-
-def _frozenset(items: Any = ()) -> frozenset[Any]:
-    return frozenset(_set(items))
-
-
-def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
-    if not all(type(v) in (int, float) for v in (real, imag)):
-        raise pickle.UnpicklingError("complex() called other than with numbers")
-    return complex(real, imag)
-
-
-def _counter(items: Any = None) -> dict[Any, Any]:
-    if items is not None and not isinstance(items, dict):
-        raise pickle.UnpicklingError("Counter() called other than with a dict")
-    return dict(items or {})
+    found = _NUMPY.get((module, name))
+    # The rest by what it is (the one pickle policy): enums, paths, namespaces, containers...
+    return found if found is not None else policy.data_global(module, name)
 
 
 def _device(kind: Any, index: Any = None) -> str:
@@ -559,20 +409,6 @@ _NUMPY: dict[tuple[str, str], Callable[..., Any] | type] = {
     ("numpy", "ndarray"): _NDARRAY,
     ("numpy", "dtype"): _np_dtype,
 }
-
-
-_BUILTINS: dict[str, Callable[..., Any]] = {
-    "bytes": _bytes, "bytearray": _bytearray, "set": _set, "frozenset": _frozenset,
-    "complex": _complex,
-}
-
-
-def _encode(text: Any, encoding: Any = "utf-8") -> bytes:
-    """``_codecs.encode`` as a pickle of ``bytes`` calls it (latin-1 of a str): the one use
-    ``torch.load(weights_only=True)`` allows; anything else is corrupt."""
-    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise pickle.UnpicklingError("_codecs.encode called other than for bytes")
-    return text.encode("latin-1")
 
 
 class RecordUnpickler(AllowListUnpickler):

@@ -77,7 +77,8 @@ def read_record(fd: int | Callable[[int, int], bytes], *, offset: int, length: i
         ref = torchsave.load_pickle(rb, entries)
     except torchsave.Refused as e:
         raise torchsave.refusal(where, e, torchsave.record_global,
-                                "a tensor record never needs") from e
+                                "a tensor record never needs",
+                                names=torchsave.archive_globals(rb, entries)) from e
     except torchsave.PICKLE_ERRORS as e:
         raise InputError(f"{where}: corrupt tensor record ({e})") from e
     if not isinstance(ref, torchsave.TensorRef):

@@ -116,7 +116,8 @@ def load(path: Path, fd: int) -> tuple[archive.RecordBytes, dict[str, archive.Zi
                 "this one may come from another torch version). Nothing was executed"
             ) from e
         raise torchsave.refusal(path, e, dtensor_global,
-                                "a state dict of tensors and DTensors never contains") from e
+                                "a state dict of tensors and DTensors never contains",
+                                names=torchsave.archive_globals(rb, entries)) from e
     except torchsave.TooComplex as e:
         raise InputError(f"{path}: {e}, more than any state dict holds; refusing to "
                          "walk it") from e
