@@ -180,7 +180,7 @@ def _metadata_global(module: str, name: str) -> Any | None:
 
 def _unpickle(data: bytes, lookup: Callable[[str, str], Any | None], where: str) -> Any:
     try:
-        return torchsave.AllowListUnpickler(io.BytesIO(data), lookup, where).load()
+        return torchsave.AllowListUnpickler(io.BytesIO(data), lookup, where).load_deep(len(data))
     except MemoryError as err:  # a damaged length field asks for an absurd buffer
         raise pickle.UnpicklingError("a length in the pickle is beyond its data") from err
     except (torchsave.Refused, CkptError, pickle.UnpicklingError):
