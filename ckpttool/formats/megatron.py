@@ -212,13 +212,6 @@ def metadata_global(module: str, name: str) -> Any | None:
     return dcp._metadata_global(module, name)
 
 
-class Namespace(torchsave.Stub):
-    """``argparse.Namespace`` (Megatron-LM's ``args``): its attributes, kept as a dict."""
-
-    def values(self) -> dict[str, Any]:
-        return dict(self.state) if isinstance(self.state, dict) else {}
-
-
 # Megatron's enums that ``args`` holds (``attention_backend``, ``model_type``...), as values.
 _MEGATRON_ENUMS = frozenset({"AttnBackend", "ModelType", "AttnMaskType", "LayerType",
                              "Fp8Recipe", "CudaGraphScope", "PositionEmbeddingType"})
@@ -227,19 +220,13 @@ _MEGATRON_ENUMS = frozenset({"AttnBackend", "ModelType", "AttnMaskType", "LayerT
 def common_global(module: str, name: str) -> Any | None:
     """The allow-list of ``common.pt``: a tensor pickle's, ``argparse.Namespace`` and
     Megatron's enums (as their values)."""
-    if module == "argparse" and name == "Namespace":
-        return Namespace
     if module.startswith("megatron.") and name in _MEGATRON_ENUMS:
         return _enum_value
-    if module == "torch.torch_version" and name == "TorchVersion":
-        return str
-    return torchsave.record_global(module, name)
+    return torchsave.record_global(module, name)  # argparse.Namespace: the pickle policy
 
 
 def _plain(value: Any) -> Any:
     """An unpickled common-state value as plain data: ``args`` as a dict, tensors described."""
-    if isinstance(value, Namespace):
-        return {k: _plain(v) for k, v in value.values().items()}
     if isinstance(value, torchsave.TensorRef):
         return TensorPlaceholder(value.dtype.name, value.shape)
     if isinstance(value, torchsave.UnknownDType):

@@ -156,6 +156,11 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
             raise UnsupportedError(f"{p}: a TorchScript archive, not a state dict; "
                                    "not supported")
         archive.check_byteorder(rb, entries)
+        if p.name == "common.pt" and (p.parent / ".metadata").is_file():
+            # Megatron-Core's common state (args as an argparse.Namespace...): genuine.
+            raise UnsupportedError(
+                f"{p}: Megatron-Core's common state (args and the iteration), not a model "
+                f"file on its own; pass its checkpoint: ckpttool inspect {p.parent}")
         try:
             root = torchsave.load_pickle(rb, entries)
         except torchsave.Refused as e:
@@ -163,12 +168,6 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
                 raise InputError(
                     f"{p}: one rank's file of a sharded checkpoint (DTensor or ShardedTensor "
                     f"values); pass the directory that holds every rank's file ({p.parent})"
-                ) from e
-            if p.name == "common.pt" and (p.parent / ".metadata").is_file():
-                # Megatron-Core's common state (args as an argparse.Namespace...): genuine.
-                raise UnsupportedError(
-                    f"{p}: Megatron-Core's common state (it asks for '{e.qualname}'), not a "
-                    f"model file on its own; pass its checkpoint: ckpttool inspect {p.parent}"
                 ) from e
             raise torchsave.refusal(
                 p, e, torchsave.record_global, "a weights-only load never allows",

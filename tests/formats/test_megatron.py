@@ -194,7 +194,7 @@ def test_common_pt_alone_is_exit_4_naming_it(megatron_runs: Path) -> None:
     common = megatron_runs / "llama" / "iter_0000002" / "common.pt"
     r = run_cli("inspect", common)
     assert r.exit_code == 4, r.output  # type: ignore[attr-defined]
-    assert f"{common}: Megatron-Core's common state (it asks for 'argparse.Namespace')" in (
+    assert f"{common}: Megatron-Core's common state (args and the iteration)" in (
         r.output)  # type: ignore[attr-defined]
 
 

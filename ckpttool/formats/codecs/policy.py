@@ -99,15 +99,19 @@ def plain_stub_class(name: str) -> type[PlainStub]:
     return type(name, (PlainStub,), {})
 
 
-class Namespace(Stub):
+class Namespace(dict):  # type: ignore[type-arg]
     """``argparse.Namespace`` or ``types.SimpleNamespace`` (Megatron-LM's ``args``): its
-    attributes, kept as a dict."""
+    attributes as a dict (NEWOBJ or a call without arguments, then BUILD with them)."""
 
-    def values(self) -> dict[str, Any]:
-        state = self.state
-        if state is None and len(self.args) == 2 and isinstance(self.args[1], dict):
-            state = self.args[1]  # SimpleNamespace.__reduce__: (cls, (), attributes)
-        return dict(state) if isinstance(state, dict) else {}
+    def __init__(self, *args: Any) -> None:
+        if args:
+            raise pickle.UnpicklingError("a namespace built other than empty")
+        super().__init__()
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, dict):
+            raise pickle.UnpicklingError("a namespace whose attributes are not a dict")
+        self.update(state)
 
 
 class Fields(tuple):  # type: ignore[type-arg]
