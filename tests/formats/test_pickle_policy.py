@@ -190,6 +190,8 @@ def test_megatron_args_with_signals_and_a_newer_enum(tmp_path: Path) -> None:
     fake.InferenceCudaGraphScope = InferenceCudaGraphScope  # type: ignore[attr-defined]
     saved = {m: sys.modules.get(m) for m in ("megatron", "megatron.core",
                                              "megatron.core.transformer", mod)}
+    for parent in ("megatron", "megatron.core", "megatron.core.transformer"):
+        sys.modules.setdefault(parent, types.ModuleType(parent))  # where megatron is missing
     sys.modules[mod] = fake
     try:
         args = argparse.Namespace(exit_signal=signal.SIGTERM, hidden_size=8,
@@ -285,3 +287,8 @@ def test_deep_torch_save_pickle_is_one_line(tmp_path: Path, nesting: str) -> Non
     code, err = _cli("verify", str(path))
     assert code == 3, err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_function_of_an_imported_module_runs_code() -> None:
+    assert policy.kind("tests.formats.test_pickle_policy", "megatron_lookup") == policy.RUNS_CODE
+    assert policy.kind("torch._utils", "_rebuild_qtensor") == policy.UNKNOWN  # torch's own

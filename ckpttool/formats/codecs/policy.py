@@ -368,7 +368,10 @@ KINDS: tuple[tuple[str, str, str], ...] = (
      "__import__, open...), importlib, functools.partial, operator, copyreg, pickle, "
      "marshal, types, ctypes, shutil, socket, torch.load, numpy.load and the other modules "
      "listed in formats/codecs/policy.py", "exit 3: the file may be malicious"),
-    (UNKNOWN, "any other global (a class of a module that is not imported, a function)",
+    (RUNS_CODE, "a function of a module already imported (torch's own aside)",
+     "exit 3: the file may be malicious"),
+    (UNKNOWN, "any other global (a class or function of a module that is not imported, "
+     "torch's functions it does not read)",
      "exit 4: not supported yet, naming the global and the file"),
 )
 
@@ -462,6 +465,9 @@ def kind(module: str, name: str) -> str:
         return RUNS_CODE  # a getattr the Enum rule refused (Refused's name says on what)
     if runs_code(module, name):
         return RUNS_CODE
+    obj = _static(module, name)
+    if callable(obj) and not isinstance(obj, type) and module.split(".")[0] != "torch":
+        return RUNS_CODE  # a function: calling it runs its code (torch's own: not yet read)
     found = data_global(module, name)
     if found is None or (isinstance(found, type) and issubclass(found, UnresolvedClass)):
         return UNKNOWN
