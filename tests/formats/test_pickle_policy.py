@@ -24,7 +24,6 @@ from typer.testing import CliRunner
 from ckpttool.cli import app
 from ckpttool.formats import megatron
 from ckpttool.formats.codecs import policy, torchsave
-from ckpttool.formats.dcp import reader as dcp
 
 
 def _cli(*args: str) -> tuple[int, str]:

@@ -30,6 +30,7 @@ from ckpttool.errors import CkptError, InputError
 from ckpttool.formats.codecs import dtypes, policy
 from ckpttool.formats.codecs.archive import RecordBytes, ZipEntry
 from ckpttool.formats.codecs.dtypes import DType
+
 # Re-exported: the stand-ins and the verdict every format uses live with the pickle policy.
 from ckpttool.formats.codecs.policy import EnumClass as EnumClass
 from ckpttool.formats.codecs.policy import PlainStub as PlainStub
