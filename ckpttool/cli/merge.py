@@ -34,6 +34,7 @@ from ckpttool.cli.common import (
     size_option,
     verbose_lines,
 )
+from ckpttool.storage import places
 from ckpttool.storage.outputs import take_stale_notes
 
 if TYPE_CHECKING:
@@ -157,6 +158,9 @@ def merge_command(
     if slice_ is not None and finish:
         raise typer.BadParameter("--slice writes one share, --finish commits them all: run "
                                  "each slice, then --finish once", param_hint="--finish")
+    with exit_codes():  # before a launcher's processes join: each would refuse it alone
+        places.classify(src, what="source")
+        places.classify(out, what="output")
     with exit_codes(), removes_new_dirs(out), _shared(slice_, finish) as shared:
         # Under torchrun, rank 0 speaks for all; the others print only their errors.
         speaks = shared is None or shared.first

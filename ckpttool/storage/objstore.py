@@ -61,8 +61,7 @@ from typing import Any
 from ckpttool.errors import CkptError, InputError, OutputError, TransportError, UnsupportedError
 from ckpttool.storage import outputs, s3
 
-# The URL schemes served here, and the extra each needs.
-SCHEMES = ("gs", "az", "abfs", "abfss")
+# The extra each cloud needs (which schemes this module serves: storage/remote.py).
 EXTRAS = {"gs": "gcs", "az": "azure"}
 _NAMES = {"gs": ("bucket", "Google Cloud Storage"), "az": ("container", "Azure Blob Storage")}
 
@@ -84,11 +83,6 @@ ATTEMPTS = 4
 RETRIES = 3
 BACKOFF = 0.25  # s, doubled at each retry (with jitter)
 RETRY_TIMEOUT = 60  # s: obstore gives a request up after this much time in retries
-
-
-def is_url(value: object) -> bool:
-    """Whether ``value`` names a store served here."""
-    return isinstance(value, str) and value.split("://", 1)[0] in SCHEMES and "://" in value
 
 
 @dataclass(frozen=True)

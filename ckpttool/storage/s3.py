@@ -76,11 +76,6 @@ BACKOFF = 0.25  # s, doubled at each retry (with jitter)
 MIN_RATE = 256 << 10  # bytes per second
 
 
-def is_url(value: object) -> bool:
-    """Whether ``value`` (a str or path) names object storage (``s3://bucket/key``)."""
-    return isinstance(value, str) and value.startswith(SCHEME)
-
-
 @dataclass(frozen=True)
 class Url:
     bucket: str

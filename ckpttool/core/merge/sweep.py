@@ -36,6 +36,7 @@ from ckpttool.core.merge import receipt as receipts
 from ckpttool.core.runtime.report import SCHEMA, Section, jsonable, section
 from ckpttool.errors import CkptError, InputError, UnsupportedError
 from ckpttool.formats import registry
+from ckpttool.storage import places
 from ckpttool.storage.outputs import TMP_SUFFIX
 
 if TYPE_CHECKING:
@@ -387,15 +388,13 @@ def sweep(
 
     Raises:
         InputError: ``run`` is not a directory, or a bad option.
-        UnsupportedError: an ``s3://`` run or output root (not yet).
+        UsageError: ``-`` as ``run`` or ``out_root``.
+        UnsupportedError: a URL as ``run`` or ``out_root`` (object storage: not yet), or
+            of a scheme ckpttool does not serve.
     """
     from ckpttool.core.merge.operation import merge
 
-    if str(run).startswith("s3://") or str(out_root).startswith("s3://"):
-        raise UnsupportedError(f"{run if str(run).startswith('s3://') else out_root}: merge "
-                               "--all works on local directories only, not yet s3://; merge "
-                               "each checkpoint with ckpttool merge s3://... OUT")
-    run_path, root = Path(run), Path(out_root)
+    run_path, root = local_dirs(run, out_root)
     options = dict(merge_options or {})
     recorded = receipt_options(options)
     report = SweepReport(str(run_path), str(root), task=task)
@@ -442,6 +441,33 @@ def sweep(
         time.sleep(poll)
         if stop is not None and stop():
             return report
+
+
+def local_dirs(run: str | os.PathLike[str], out_root: str | os.PathLike[str]
+               ) -> tuple[Path, Path]:
+    """RUN and OUT_ROOT as local paths, classified as every command's paths are
+    (:func:`ckpttool.storage.places.classify`). A sweep keeps its receipts and reads its
+    checkpoints' ``stat`` on a file system, so object storage is refused (never turned into
+    a local ``gs:/`` directory).
+
+    Raises:
+        UsageError: ``-``.
+        UnsupportedError: a URL (exit 4), naming what to do instead.
+    """
+    run_place = places.classify(run, what="RUN")
+    root_place = places.classify(out_root, what="OUT_ROOT")
+    if run_place.remote:
+        raise UnsupportedError(
+            f"{run_place}: merge --all reads a training run on a local or shared file system, "
+            f"not yet {run_place.scheme}://; merge each checkpoint with ckpttool merge "
+            f"{run_place}/CHECKPOINT OUT, or copy the run to a local directory")
+    if root_place.remote:
+        raise UnsupportedError(
+            f"{root_place}: merge --all writes its outputs and receipts to a local or shared "
+            f"file system, not yet {root_place.scheme}://; merge each checkpoint with "
+            f"ckpttool merge CHECKPOINT {root_place}/CHECKPOINT, or sweep into a local "
+            "directory and upload it")
+    return run_place.path, root_place.path
 
 
 def receipt_options(options: dict[str, Any]) -> dict[str, Any]:
