@@ -53,7 +53,8 @@ EPILOG = epilog([
     "ckpttool merge outputs/checkpoint/step-1000 out/ --names torchtitan-llama3 --config hf/",
     "ckpttool merge megatron-run/ out/ --config hf-config.json",
     "ckpttool merge run/ merged/ --all --steps 'every 1000' --dtype bf16",
-    "ckpttool merge run/ merged/ --all --watch --then 'lm_eval --model_args pretrained={out}'",
+    "ckpttool merge run/ merged/ --all --watch --then 'lm_eval --model_args "
+    "pretrained=\"$CKPTTOOL_OUT\"'",
     "ckpttool merge run/ merged/ --all --task $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT",
 ], "Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug. "
    "--all: 0 when no checkpoint failed, else the most serious failure's (70, 3, 4); which "
@@ -521,8 +522,10 @@ _PollOption = Annotated[float, typer.Option(
     ]
 
 _ThenOption = Annotated[str | None, typer.Option(
-        metavar="CMD", help="With --all: a shell command to run after each merge; {out}, "
-        "{src}, {step} and {name} are replaced (quoted). A non-zero exit fails the checkpoint."
+        metavar="CMD", help="With --all: a shell command to run after each merge, with "
+        "CKPTTOOL_OUT, CKPTTOOL_SRC, CKPTTOOL_STEP and CKPTTOOL_NAME in its environment "
+        "(write \"$CKPTTOOL_OUT\"; nothing is spliced into the command). A non-zero exit "
+        "fails the checkpoint."
     )]
 
 _TaskOption = Annotated[str | None, typer.Option(

@@ -237,7 +237,8 @@ def test_watch_merges_checkpoints_as_they_appear(trained: Path, tmp_path: Path) 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.Popen(
         [sys.executable, "-m", "ckpttool", "merge", str(run), str(out), "--all", "--watch",
-         "--poll", "0.2", "--settle", "0", "--json", "--then", f"echo {{step}} {{out}} >> {log}"],
+         "--poll", "0.2", "--settle", "0", "--json",
+         "--then", f'echo "$CKPTTOOL_STEP" "$CKPTTOOL_OUT" >> {log}'],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     lines: list[dict[str, str]] = []
     assert proc.stdout is not None
