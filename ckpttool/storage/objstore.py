@@ -313,6 +313,8 @@ def error(e: BaseException, url: Url | str, doing: str) -> CkptError | None:
     cloud = url.cloud if isinstance(url, Url) else "gs"
     what = _NAMES[cloud][0]
     bucket = url.bucket if isinstance(url, Url) else str(url)
+    if isinstance(e, ox.InvalidPathError):  # a name obstore cannot address: no retry helps
+        return _unaddressable(e, url, doing)
     if isinstance(e, ox.PreconditionError) or status == 412:
         return InputError(f"{url}: the object changed while it was being read; run again once "
                           "it is no longer being written")
@@ -332,6 +334,23 @@ def error(e: BaseException, url: Url | str, doing: str) -> CkptError | None:
         return InputError(f"{url}: {doing} failed ({_reason(e)})")
     return TransportError(f"{url}: {doing} failed after {ATTEMPTS + 1} tries ({_reason(e)}); "
                           "the network or the object store is failing, run again later")
+
+
+# What obstore says of an object name it cannot address, and why.
+_BAD_PATH = re.compile(r'Path "((?:[^"\\]|\\.)*)" (contained [^\n]*)')
+_BAD_SEGMENT = re.compile(r'Path "((?:[^"\\]|\\.)*)": (Encountered [^\n]*)')
+
+
+def _unaddressable(e: BaseException, url: Url | str, doing: str) -> InputError:
+    """An object whose name the object_store client refuses (``a//b``, a ``..`` or ``.``
+    segment, a control character): obstore's listing stops there, so it cannot be skipped
+    as S3's listing lets the mirror skip it. One line naming it (escaped), never a retry."""
+    text = str(e)
+    m = _BAD_PATH.search(text) or _BAD_SEGMENT.search(text)
+    name = f" ({m.group(1)!r}: {m.group(2).strip().rstrip('.')})" if m else ""
+    return InputError(f"{url}: holds an object whose name Google Cloud Storage and Azure "
+                      f"clients cannot address{name} while {doing}; rename or remove it, or "
+                      "name a prefix that does not hold it")
 
 
 def errors(url: Url | str, doing: str) -> contextlib.AbstractContextManager[None]:

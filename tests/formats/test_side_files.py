@@ -182,7 +182,9 @@ def _dcp_copy(llama_ckpt: Path, tmp_path: Path) -> Path:
 
 
 def _dcp_dir(ckpt: Path) -> Path:
-    return next(p.parent for p in ckpt.rglob(".metadata"))
+    """The model's DCP directory (the optimizer's reads no config)."""
+    dirs = sorted(p.parent for p in ckpt.rglob(".metadata"))
+    return next((d for d in dirs if "model" in d.name), dirs[0])
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -285,3 +287,31 @@ def test_parse_json_deep_and_ascii_numbers(tmp_path: Path) -> None:
     assert sidefiles.ascii_number("0012") == 12
     for text in ("\u0663", "\u00b2", "", "1 ", "-1", "+1", "1_0"):
         assert sidefiles.ascii_number(text) is None
+
+
+# --------------------------------------------------------------------------------------------
+# config.json swapped for a link to an outside file during a merge: read once, by descriptor
+
+
+def test_config_json_is_written_as_it_was_read(llama_ckpt: Path, tmp_path: Path,
+                                               tmp_path_factory: pytest.TempPathFactory
+                                               ) -> None:
+    from ckpttool.core.checkpoint.discover import discover
+
+    ckpt = _dcp_copy(llama_ckpt, tmp_path)
+    found = discover(_dcp_dir(ckpt))
+    config = found.hf.config_path
+    assert config is not None and found.hf.config_data is not None
+    before = config.read_bytes()
+    secret = tmp_path_factory.mktemp("outside") / "secret.json"
+    secret.write_text('{"secret": "not the model\'s"}')
+    config.unlink()
+    config.symlink_to(secret)  # swapped after it was read and checked
+    assert found.hf.read(config) == before
+    assert not any(secret.parent.is_relative_to(r) for r in found.hf.roots)
+    tokenizer = next((p for p in found.hf.files if p.name != "config.json"), None)
+    if tokenizer is not None:  # any other side file swapped so is refused when read
+        tokenizer.unlink()
+        tokenizer.symlink_to(secret)
+        with pytest.raises(InputError, match="outside the checkpoint"):
+            found.hf.read(tokenizer)
