@@ -41,7 +41,6 @@ What each store offers and what is done where it does not (checked against the e
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import json
 import os
@@ -54,12 +53,11 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import CkptError, InputError, OutputError, TransportError, UnsupportedError
-from ckpttool.storage import outputs, s3
+from ckpttool.storage import outputs, places, s3
 
 # The extra each cloud needs (which schemes this module serves: storage/remote.py).
 EXTRAS = {"gs": "gcs", "az": "azure"}
@@ -85,39 +83,8 @@ BACKOFF = 0.25  # s, doubled at each retry (with jitter)
 RETRY_TIMEOUT = 60  # s: obstore gives a request up after this much time in retries
 
 
-@dataclass(frozen=True)
-class Url:
-    spelling: str  # the scheme as typed: gs, az, abfs, abfss
-    bucket: str  # the bucket (GCS) or container (Azure)
-    key: str  # no leading or trailing slash; "" for the bucket itself
-    host: str = ""  # abfs[s]: ACCOUNT.dfs.core.windows.net
-
-    @property
-    def cloud(self) -> str:
-        """"gs" or "az"."""
-        return "gs" if self.spelling == "gs" else "az"
-
-    @property
-    def account(self) -> str:
-        return self.host.split(".", 1)[0]
-
-    def __str__(self) -> str:
-        base = f"{self.spelling}://{self.bucket}" + (f"@{self.host}" if self.host else "")
-        return f"{base}/{self.key}" if self.key else base
-
-    @property
-    def prefix(self) -> str:
-        return f"{self.key}/" if self.key else ""
-
-    def child(self, name: str) -> Url:
-        return dataclasses.replace(self, key=f"{self.prefix}{name}")
-
-    def with_key(self, key: str) -> Url:
-        return dataclasses.replace(self, key=key)
-
-    @property
-    def name(self) -> str:
-        return self.key.rsplit("/", 1)[-1] if self.key else self.bucket
+# One URL type for every store (storage/places.py).
+Url = places.Url
 
 
 def parse(value: str) -> Url:
@@ -127,18 +94,7 @@ def parse(value: str) -> Url:
     Raises:
         InputError: no bucket (container, account) named.
     """
-    spelling, _, rest = value.partition("://")
-    authority, _, key = rest.partition("/")
-    host = ""
-    if spelling in ("abfs", "abfss"):
-        authority, _, host = authority.partition("@")
-        if not authority or not host:
-            raise InputError(f"{value}: names no container and account; use "
-                             f"{spelling}://CONTAINER@ACCOUNT.dfs.core.windows.net/PREFIX")
-    if not authority:
-        what = _NAMES["gs" if spelling == "gs" else "az"][0]
-        raise InputError(f"{value}: names no {what}; use {spelling}://{what.upper()}/PREFIX")
-    return Url(spelling, authority, key.strip("/"), host)
+    return places.parse_url(value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -596,11 +552,6 @@ class Lock(s3.Lock):
     of ``PREFIX/.ckpttool-lock``, read back (the read-back is what refuses a second writer on
     a store that ignores the condition: fake-gcs-server)."""
 
-    url: Url  # type: ignore[assignment]
-
-    def __init__(self, url: Url) -> None:
-        super().__init__(url)  # type: ignore[arg-type]
-
     def remove_command(self) -> str:
         if self.url.cloud == "gs":
             return f"gcloud storage rm {self.url}"
@@ -651,12 +602,6 @@ class Upload(s3.Upload):
     clean-up on failure) of :class:`ckpttool.storage.s3.Upload`. Nothing of an object is
     visible before its upload completes (see the module's notes), so there is nothing to
     abort but the objects this upload created."""
-
-    url: Url  # type: ignore[assignment]
-
-    def __init__(self, url: Url, *, overwrite: bool,
-                 names: OutputNames) -> None:
-        super().__init__(url, overwrite=overwrite, names=names)  # type: ignore[arg-type]
 
     def _list(self) -> dict[str, tuple[int, str]]:
         return list_objects(self.url)

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ckpttool.errors import UnsupportedError, UsageError
+from ckpttool.errors import InputError, UnsupportedError, UsageError
 
 # Every object store served, by URL scheme, in the order messages list them
 # (ckpttool.storage.remote.backend names the module that serves each).
@@ -51,6 +51,74 @@ class Place:
 
     def __str__(self) -> str:
         return self.text
+
+
+# What each cloud calls the top of a URL, and its name, for messages.
+_BUCKETS = {"s3": ("bucket", "S3"), "gs": ("bucket", "Google Cloud Storage"),
+            "az": ("container", "Azure Blob Storage")}
+
+
+@dataclass(frozen=True)
+class Url:
+    """An object-storage URL, parsed (one type for every store: s3, gs, az, abfs[s])."""
+
+    scheme: str  # as typed: s3, gs, az, abfs, abfss
+    bucket: str  # the bucket (S3, GCS) or container (Azure)
+    key: str  # no leading or trailing slash; "" for the bucket itself
+    host: str = ""  # abfs[s]: ACCOUNT.dfs.core.windows.net
+
+    @property
+    def cloud(self) -> str:
+        """"s3", "gs" or "az"."""
+        return self.scheme if self.scheme in ("s3", "gs") else "az"
+
+    @property
+    def account(self) -> str:
+        return self.host.split(".", 1)[0]
+
+    def __str__(self) -> str:
+        base = f"{self.scheme}://{self.bucket}" + (f"@{self.host}" if self.host else "")
+        return f"{base}/{self.key}" if self.key else base
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix of the objects "in" this URL as a directory."""
+        return f"{self.key}/" if self.key else ""
+
+    def child(self, name: str) -> Url:
+        return replace(self, key=f"{self.prefix}{name}")
+
+    def with_key(self, key: str) -> Url:
+        return replace(self, key=key)
+
+    @property
+    def name(self) -> str:
+        return self.key.rsplit("/", 1)[-1] if self.key else self.bucket
+
+
+def parse_url(value: str) -> Url:
+    """``s3://bucket/key``, ``gs://bucket/key``, ``az://container/key`` or
+    ``abfss://container@account.dfs.core.windows.net/key`` -> :class:`Url`.
+
+    Raises:
+        UnsupportedError: not a URL of a scheme in :data:`SCHEMES`.
+        InputError: no bucket (container, account) named.
+    """
+    place = classify(value, what="location")
+    if place.scheme is None:
+        raise UnsupportedError(f"{value}: not an object-storage URL; supported: {supported()}")
+    scheme = place.scheme
+    authority, _, key = value.partition("://")[2].partition("/")
+    host = ""
+    if scheme in ("abfs", "abfss"):
+        authority, _, host = authority.partition("@")
+        if not authority or not host:
+            raise InputError(f"{value}: names no container and account; use "
+                             f"{scheme}://CONTAINER@ACCOUNT.dfs.core.windows.net/PREFIX")
+    if not authority:
+        what = _BUCKETS["s3" if scheme == "s3" else "gs" if scheme == "gs" else "az"][0]
+        raise InputError(f"{value}: names no {what}; use {scheme}://{what.upper()}/PREFIX")
+    return Url(scheme, authority, key.strip("/"), host)
 
 
 def scheme_of(value: object) -> str | None:

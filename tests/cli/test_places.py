@@ -208,3 +208,23 @@ def test_library_operations_refuse(call: str, where) -> None:
                 fn(src, value)
             else:
                 fn(value)
+
+
+@pytest.mark.parametrize("value,cloud,bucket,key,host", [
+    ("s3://b/run/ckpt-1/", "s3", "b", "run/ckpt-1", ""),
+    ("gs://b", "gs", "b", "", ""),
+    ("az://c/x/y", "az", "c", "x/y", ""),
+    ("abfss://c@acct.dfs.core.windows.net/x", "az", "c", "x", "acct.dfs.core.windows.net"),
+])
+def test_one_url_type_for_every_store(value: str, cloud: str, bucket: str, key: str,
+                                      host: str) -> None:
+    from ckpttool.storage import objstore, s3
+
+    url = places.parse_url(value)
+    assert (url.cloud, url.bucket, url.key, url.host) == (cloud, bucket, key, host)
+    assert str(url) == value.rstrip("/")
+    assert s3.Url is objstore.Url is places.Url
+    backend = s3 if cloud == "s3" else objstore
+    assert backend.parse(value) == url
+    with pytest.raises(UnsupportedError):
+        places.parse_url("ftp://h/x")
