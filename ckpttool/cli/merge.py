@@ -534,4 +534,5 @@ _TaskOption = Annotated[str | None, typer.Option(
 
 _SettleOption = Annotated[float, typer.Option(
         metavar="SECONDS", min=0.0, help="With --all: a checkpoint whose files changed less "
-        "than this long ago is still being written, and waits.")]
+        "than this long ago is still being written: --all waits until they have stayed "
+        "unchanged this long, then merges it (--watch and --dry-run report it waiting).")]
