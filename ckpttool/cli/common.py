@@ -21,6 +21,7 @@ import typer
 from ckpttool import settings
 from ckpttool.errors import CkptError, UnreadableError
 from ckpttool.formats.codecs import dtypes
+from ckpttool.storage import places
 from ckpttool.storage.outputs import human_bytes as human_bytes  # the one formatter
 
 EXIT_OK = 0
@@ -113,7 +114,7 @@ def removes_new_dirs(out: str) -> Iterator[None]:
     A directory that was there before, or holds anything (a slice's temporary files, another
     process's output), is left alone. Not for URLs."""
     missing: list[Path] = []
-    if "://" not in out:
+    if not places.is_remote(out):
         p = Path(out).absolute()
         while not os.path.lexists(p) and p != p.parent:
             missing.append(p)

@@ -34,6 +34,7 @@ from ckpttool.cli.common import (
     size_option,
     verbose_lines,
 )
+from ckpttool.storage import places
 from ckpttool.storage.outputs import take_stale_notes
 
 if TYPE_CHECKING:
@@ -52,7 +53,8 @@ EPILOG = epilog([
     "ckpttool merge outputs/checkpoint/step-1000 out/ --names torchtitan-llama3 --config hf/",
     "ckpttool merge megatron-run/ out/ --config hf-config.json",
     "ckpttool merge run/ merged/ --all --steps 'every 1000' --dtype bf16",
-    "ckpttool merge run/ merged/ --all --watch --then 'lm_eval --model_args pretrained={out}'",
+    "ckpttool merge run/ merged/ --all --watch --then 'lm_eval --model_args "
+    "pretrained=\"$CKPTTOOL_OUT\"'",
     "ckpttool merge run/ merged/ --all --task $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT",
 ], "Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug. "
    "--all: 0 when no checkpoint failed, else the most serious failure's (70, 3, 4); which "
@@ -157,6 +159,9 @@ def merge_command(
     if slice_ is not None and finish:
         raise typer.BadParameter("--slice writes one share, --finish commits them all: run "
                                  "each slice, then --finish once", param_hint="--finish")
+    with exit_codes():  # before a launcher's processes join: each would refuse it alone
+        places.classify(src, what="source")
+        places.classify(out, what="output")
     with exit_codes(), removes_new_dirs(out), _shared(slice_, finish) as shared:
         # Under torchrun, rank 0 speaks for all; the others print only their errors.
         speaks = shared is None or shared.first
@@ -517,8 +522,10 @@ _PollOption = Annotated[float, typer.Option(
     ]
 
 _ThenOption = Annotated[str | None, typer.Option(
-        metavar="CMD", help="With --all: a shell command to run after each merge; {out}, "
-        "{src}, {step} and {name} are replaced (quoted). A non-zero exit fails the checkpoint."
+        metavar="CMD", help="With --all: a shell command to run after each merge, with "
+        "CKPTTOOL_OUT, CKPTTOOL_SRC, CKPTTOOL_STEP and CKPTTOOL_NAME in its environment "
+        "(write \"$CKPTTOOL_OUT\"; nothing is spliced into the command). A non-zero exit "
+        "fails the checkpoint."
     )]
 
 _TaskOption = Annotated[str | None, typer.Option(
@@ -527,4 +534,5 @@ _TaskOption = Annotated[str | None, typer.Option(
 
 _SettleOption = Annotated[float, typer.Option(
         metavar="SECONDS", min=0.0, help="With --all: a checkpoint whose files changed less "
-        "than this long ago is still being written, and waits.")]
+        "than this long ago is still being written: --all waits until they have stayed "
+        "unchanged this long, then merges it (--watch and --dry-run report it waiting).")]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from ckpttool.cli.common import err, exit_codes, human_bytes
+from ckpttool.cli.common import err, exit_codes, human_bytes, printable
 
 if TYPE_CHECKING:  # not at import: --help stays light
     from ckpttool.core.merge.sweep import Outcome
@@ -59,7 +59,8 @@ def sweep_command(run: str, out_root: str, *, merge_options: dict[str, Any], ste
             sys.stdout.write(json.dumps(o.to_json(), separators=(",", ":")) + "\n")
             sys.stdout.flush()
         elif not quiet or o.status == sweeps.FAILED:
-            print(outcome_line(o), flush=True)
+            # Names come from the run directory: escaped as every command escapes them.
+            print(printable(outcome_line(o)), flush=True)
 
     with exit_codes():
         try:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttool.core.checkpoint import hf, structure, tensors
+from ckpttool.core.checkpoint import structure, tensors
 from ckpttool.core.checkpoint.discover import Checkpoint, discover, open_reader
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import Progress, Section, document, locked, section
@@ -324,7 +324,7 @@ def _to_safetensors(ckpt: Checkpoint, reader: Reader, out: Path, max_shard_size:
         if index is not None:
             outputs.write_bytes(st.INDEX_NAME, index)
         for path in hf_files:
-            outputs.write_bytes(path.name, hf.read_side_file(path, ckpt.hf.roots))
+            outputs.write_bytes(path.name, ckpt.hf.read(path))
         keep = {f.name for f in files} | hf_names
         if index is not None:
             keep.add(st.INDEX_NAME)

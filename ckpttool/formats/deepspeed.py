@@ -63,6 +63,7 @@ from ckpttool.formats.base import (
 )
 from ckpttool.formats.codecs import archive, torchsave
 from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.storage import sidefiles
 from ckpttool.storage.store import LOCAL, Store, Stores, file_size
 
 NAME = "deepspeed"
@@ -71,7 +72,8 @@ SUMMARY = ('`latest` + `global_step<N>/` with `*_optim_states.pt` and `*_model_s
     '(ZeRO-1/2/3)')
 WRITTEN_BY = "DeepSpeed's `engine.save_checkpoint` (HF Trainer with DeepSpeed)"
 LATEST = "latest"
-_LATEST_LIMIT = 1024  # a tag name; a larger "latest" is not DeepSpeed's
+# A tag name; a larger "latest" is not DeepSpeed's.
+_LATEST = sidefiles.Kind("DeepSpeed 'latest' file (a tag name)", 1024)
 
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -110,13 +112,11 @@ def is_tag_dir(path: Path) -> bool:
 
 def _read_latest(path: Path) -> str | None:
     """The tag ``path/latest`` names, if it is a small regular file (None otherwise)."""
-    latest = path / LATEST
     try:
-        if not latest.is_file() or latest.stat().st_size > _LATEST_LIMIT:
-            return None
-        return latest.read_bytes().decode("utf-8", "replace").strip()
-    except OSError:
+        data = sidefiles.read_checked(path / LATEST, _LATEST)
+    except (OSError, InputError):  # recognising never waits on a FIFO nor reads a device
         return None
+    return data.decode("utf-8", "replace").strip()
 
 
 def _latest_tag(path: Path) -> str | None:

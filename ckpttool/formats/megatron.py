@@ -33,7 +33,6 @@ parameters' shapes (``storage["unsupported_parts"]``; the model still merges).
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import re
@@ -56,6 +55,7 @@ from ckpttool.formats.base import (
 from ckpttool.formats.base import info as info_problem
 from ckpttool.formats.codecs import archive, torchsave
 from ckpttool.formats.dcp import reader as dcp
+from ckpttool.storage import sidefiles
 from ckpttool.storage.store import (
     LOCAL,
     Store,
@@ -74,7 +74,8 @@ WRITTEN_BY = ("Megatron-Core `dist_checkpointing` (Megatron-LM, Megatron-Bridge,
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
-_TRACKER_LIMIT = 64  # an iteration number or "release"
+# An iteration number or "release".
+_TRACKER = sidefiles.Kind("tracker file (an iteration number or release)", 64)
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 _LEGACY_RE = re.compile(r"^mp_rank_\d\d(?:_\d{3})?$")
 
@@ -104,14 +105,25 @@ def _looks_like_iteration(path: Path) -> bool:
         n.endswith(dcp.DATA_SUFFIX) or _LEGACY_RE.match(n) for n in names)
 
 
-def _read_tracker(run: Path) -> str | None:
+def _read_tracker(run: Path, *, strict: bool = False) -> str | None:
+    """What the run's tracker says, or None where there is none (or, unless ``strict``, it
+    is not a small regular file: recognising never waits on a FIFO).
+
+    Raises:
+        InputError: ``strict``, and the tracker is not a regular file within its cap.
+    """
     tracker = run / TRACKER
     try:
-        if not tracker.is_file() or tracker.stat().st_size > _TRACKER_LIMIT:
-            return None
-        return tracker.read_text("utf-8", "replace").strip()
+        data = sidefiles.read_checked(tracker, _TRACKER)
+    except FileNotFoundError:
+        return None
+    except InputError:
+        if strict:
+            raise
+        return None
     except OSError:
         return None
+    return data.decode("utf-8", "replace").strip()
 
 
 def iterations(run: Path) -> list[str]:
@@ -159,11 +171,11 @@ def resolve(path: Path, iteration: int | None = None) -> Path:
             raise InputError(f"{path}: has no iteration {iteration} ({chosen.name}); it holds "
                              f"{_listed(held)}")
         return chosen
-    named = _read_tracker(path)
+    named = _read_tracker(path, strict=True)
     if named is None:
         raise InputError(f"{path}: {TRACKER} is missing or unreadable; pass one iteration "
                          f"directory ({_listed(held)})")
-    if named != "release" and not named.isdigit():
+    if named != "release" and sidefiles.ascii_number(named) is None:
         raise InputError(f"{path / TRACKER}: holds {named[:32]!r}, not an iteration number; "
                          f"pass one iteration directory ({_listed(held)})")
     chosen = path / iteration_name(named)
@@ -247,8 +259,8 @@ def read_common(path: Path) -> dict[str, Any] | UnreadableObject:
         InputError: it is not a torch.save file, or is truncated or corrupt.
     """
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
+        fd = sidefiles.open_checked(path, sidefiles.COMMON_STATE)
+    except FileNotFoundError as e:
         raise InputError(f"{path}: cannot read: {e.strerror}") from None
     try:
         rb, entries = archive.open_file_archive(
@@ -312,12 +324,22 @@ def _load_common(rb: archive.RecordBytes, entries: dict[str, archive.ZipEntry], 
         return UnreadableObject(None, str(e))
     except torchsave.PICKLE_ERRORS as e:
         raise InputError(f"{where}: corrupt common state ({e}); copy it again") from None
+    except RecursionError:
+        raise _too_deep(where) from None
     if wrapped and isinstance(value, list) and len(value) == 1:
         value = value[0]
     if not isinstance(value, dict):
         raise InputError(f"{where}: holds a {type(value).__name__}, not Megatron's common "
                          "state dict; corrupt")
-    return {str(k): _plain(v) for k, v in value.items()}
+    try:
+        return {str(k): _plain(v) for k, v in value.items()}
+    except RecursionError:
+        raise _too_deep(where) from None
+
+
+def _too_deep(where: str) -> InputError:
+    return InputError(f"{where}: the common state's values are nested too deeply to be "
+                      "Megatron's; corrupt: copy it again")
 
 
 # --------------------------------------------------------------------------------------------
@@ -495,11 +517,10 @@ def _iteration_of(root: Path) -> int | str | None:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        value = json.loads(path.read_bytes())
-    except OSError as e:
+        data = sidefiles.read_checked(path, sidefiles.METADATA_JSON)
+    except FileNotFoundError as e:
         raise InputError(f"{path}: cannot read: {e.strerror}") from None
-    except ValueError as e:
-        raise InputError(f"{path}: not valid JSON ({e}); the save is damaged") from None
+    value = sidefiles.parse_json(data, path, next_step="the save is damaged")
     if not isinstance(value, dict):
         raise InputError(f"{path}: not Megatron's checkpoint metadata (a JSON object)")
     return value
@@ -547,8 +568,10 @@ class MegatronReader(dcp.DcpReader):
         if not path.is_file():
             return []
         try:
-            entries = _integrity_entries(json.loads(path.read_bytes()))
-        except (OSError, ValueError) as e:
+            entries = _integrity_entries(sidefiles.parse_json(
+                sidefiles.read_checked(path, sidefiles.METADATA_JSON), path,
+                next_step="the save is damaged"))
+        except (OSError, InputError) as e:
             return [error("integrity-unreadable", f"{path}: not readable JSON ({e}); the "
                           "file digests were not checked", file=INTEGRITY)]
         if entries is None:

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import stat
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from ckpttool.formats.base import (
 )
 from ckpttool.formats.codecs import dtypes
 from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.storage import sidefiles
 from ckpttool.storage.store import LOCAL, Store, Stores, file_size, pread_of
 
 NAME = "safetensors"
@@ -150,6 +150,7 @@ def name_problem(name: str) -> str | None:
 
 # An index or a config.json of a real model is megabytes at most.
 JSON_LIMIT = 256 * 1000 * 1000
+_JSON_FILE = sidefiles.Kind("JSON index or config", JSON_LIMIT)
 
 
 def read_json_text(path: Path) -> str:
@@ -161,15 +162,7 @@ def read_json_text(path: Path) -> str:
         InputError: not a regular file, or too large.
         UnicodeDecodeError: not UTF-8.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise InputError(f"{path}: not a regular file")
-        if info.st_size > JSON_LIMIT:
-            raise InputError(f"{path}: {info.st_size:,} bytes is too large for a JSON index or "
-                             f"config (at most {JSON_LIMIT:,}); corrupt")
-        return f.read(JSON_LIMIT + 1).decode("utf-8")
+    return sidefiles.read_checked(path, _JSON_FILE).decode("utf-8")
 
 
 def json_error(e: Exception) -> str:

@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
+import unicodedata
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -108,6 +109,13 @@ class Mirror:
                                  "check the object store (or its endpoint)")
             if rel + "/" in prefixes:
                 self._warn(f"warning: {where}: skipped, also a prefix of other objects")
+                continue
+            # A control character (S3 keys may hold one), or one the listing could not spell
+            # (U+FFFD: GCS and Azure list a control character so): no file stands for it.
+            if any(c == "\ufffd" or unicodedata.category(c) == "Cc" for c in rel):
+                shown = rel.encode("unicode_escape").decode("ascii")
+                self._warn(f"warning: {self.base_url.child(shown)}: skipped, a control "
+                           "character in its name")
                 continue
             if not _inside(self.dir, self.dir / rel):
                 continue  # a key with ".." segments: not part of any checkpoint we read

@@ -41,7 +41,6 @@ What each store offers and what is done where it does not (checked against the e
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import json
 import os
@@ -54,15 +53,13 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import CkptError, InputError, OutputError, TransportError, UnsupportedError
-from ckpttool.storage import outputs, s3
+from ckpttool.storage import outputs, places, s3
 
-# The URL schemes served here, and the extra each needs.
-SCHEMES = ("gs", "az", "abfs", "abfss")
+# The extra each cloud needs (which schemes this module serves: storage/remote.py).
 EXTRAS = {"gs": "gcs", "az": "azure"}
 _NAMES = {"gs": ("bucket", "Google Cloud Storage"), "az": ("container", "Azure Blob Storage")}
 
@@ -86,44 +83,8 @@ BACKOFF = 0.25  # s, doubled at each retry (with jitter)
 RETRY_TIMEOUT = 60  # s: obstore gives a request up after this much time in retries
 
 
-def is_url(value: object) -> bool:
-    """Whether ``value`` names a store served here."""
-    return isinstance(value, str) and value.split("://", 1)[0] in SCHEMES and "://" in value
-
-
-@dataclass(frozen=True)
-class Url:
-    spelling: str  # the scheme as typed: gs, az, abfs, abfss
-    bucket: str  # the bucket (GCS) or container (Azure)
-    key: str  # no leading or trailing slash; "" for the bucket itself
-    host: str = ""  # abfs[s]: ACCOUNT.dfs.core.windows.net
-
-    @property
-    def cloud(self) -> str:
-        """"gs" or "az"."""
-        return "gs" if self.spelling == "gs" else "az"
-
-    @property
-    def account(self) -> str:
-        return self.host.split(".", 1)[0]
-
-    def __str__(self) -> str:
-        base = f"{self.spelling}://{self.bucket}" + (f"@{self.host}" if self.host else "")
-        return f"{base}/{self.key}" if self.key else base
-
-    @property
-    def prefix(self) -> str:
-        return f"{self.key}/" if self.key else ""
-
-    def child(self, name: str) -> Url:
-        return dataclasses.replace(self, key=f"{self.prefix}{name}")
-
-    def with_key(self, key: str) -> Url:
-        return dataclasses.replace(self, key=key)
-
-    @property
-    def name(self) -> str:
-        return self.key.rsplit("/", 1)[-1] if self.key else self.bucket
+# One URL type for every store (storage/places.py).
+Url = places.Url
 
 
 def parse(value: str) -> Url:
@@ -133,18 +94,7 @@ def parse(value: str) -> Url:
     Raises:
         InputError: no bucket (container, account) named.
     """
-    spelling, _, rest = value.partition("://")
-    authority, _, key = rest.partition("/")
-    host = ""
-    if spelling in ("abfs", "abfss"):
-        authority, _, host = authority.partition("@")
-        if not authority or not host:
-            raise InputError(f"{value}: names no container and account; use "
-                             f"{spelling}://CONTAINER@ACCOUNT.dfs.core.windows.net/PREFIX")
-    if not authority:
-        what = _NAMES["gs" if spelling == "gs" else "az"][0]
-        raise InputError(f"{value}: names no {what}; use {spelling}://{what.upper()}/PREFIX")
-    return Url(spelling, authority, key.strip("/"), host)
+    return places.parse_url(value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,6 +269,8 @@ def error(e: BaseException, url: Url | str, doing: str) -> CkptError | None:
     cloud = url.cloud if isinstance(url, Url) else "gs"
     what = _NAMES[cloud][0]
     bucket = url.bucket if isinstance(url, Url) else str(url)
+    if isinstance(e, ox.InvalidPathError):  # a name obstore cannot address: no retry helps
+        return _unaddressable(e, url, doing)
     if isinstance(e, ox.PreconditionError) or status == 412:
         return InputError(f"{url}: the object changed while it was being read; run again once "
                           "it is no longer being written")
@@ -338,6 +290,23 @@ def error(e: BaseException, url: Url | str, doing: str) -> CkptError | None:
         return InputError(f"{url}: {doing} failed ({_reason(e)})")
     return TransportError(f"{url}: {doing} failed after {ATTEMPTS + 1} tries ({_reason(e)}); "
                           "the network or the object store is failing, run again later")
+
+
+# What obstore says of an object name it cannot address, and why.
+_BAD_PATH = re.compile(r'Path "((?:[^"\\]|\\.)*)" (contained [^\n]*)')
+_BAD_SEGMENT = re.compile(r'Path "((?:[^"\\]|\\.)*)": (Encountered [^\n]*)')
+
+
+def _unaddressable(e: BaseException, url: Url | str, doing: str) -> InputError:
+    """An object whose name the object_store client refuses (``a//b``, a ``..`` or ``.``
+    segment, a control character): obstore's listing stops there, so it cannot be skipped
+    as S3's listing lets the mirror skip it. One line naming it (escaped), never a retry."""
+    text = str(e)
+    m = _BAD_PATH.search(text) or _BAD_SEGMENT.search(text)
+    name = f" ({m.group(1)!r}: {m.group(2).strip().rstrip('.')})" if m else ""
+    return InputError(f"{url}: holds an object whose name Google Cloud Storage and Azure "
+                      f"clients cannot address{name} while {doing}; rename or remove it, or "
+                      "name a prefix that does not hold it")
 
 
 def errors(url: Url | str, doing: str) -> contextlib.AbstractContextManager[None]:
@@ -583,11 +552,6 @@ class Lock(s3.Lock):
     of ``PREFIX/.ckpttool-lock``, read back (the read-back is what refuses a second writer on
     a store that ignores the condition: fake-gcs-server)."""
 
-    url: Url  # type: ignore[assignment]
-
-    def __init__(self, url: Url) -> None:
-        super().__init__(url)  # type: ignore[arg-type]
-
     def remove_command(self) -> str:
         if self.url.cloud == "gs":
             return f"gcloud storage rm {self.url}"
@@ -638,12 +602,6 @@ class Upload(s3.Upload):
     clean-up on failure) of :class:`ckpttool.storage.s3.Upload`. Nothing of an object is
     visible before its upload completes (see the module's notes), so there is nothing to
     abort but the objects this upload created."""
-
-    url: Url  # type: ignore[assignment]
-
-    def __init__(self, url: Url, *, overwrite: bool,
-                 names: OutputNames) -> None:
-        super().__init__(url, overwrite=overwrite, names=names)  # type: ignore[arg-type]
 
     def _list(self) -> dict[str, tuple[int, str]]:
         return list_objects(self.url)

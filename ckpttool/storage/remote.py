@@ -8,21 +8,25 @@ from __future__ import annotations
 
 from types import ModuleType
 
-# Every scheme served, in the order messages list them.
-SCHEMES = ("s3", "gs", "az", "abfs", "abfss")
+from ckpttool.storage import places
+
+# Every scheme served, in the order messages list them (classified in storage/places.py).
+SCHEMES = places.SCHEMES
 
 
-def scheme(value: str) -> str:
-    return value.split("://", 1)[0] if "://" in value else ""
+def scheme(value: object) -> str:
+    """The scheme of the URL ``value`` (a str or a parsed URL); "" for anything else."""
+    return places.scheme_of(str(value)) or ""
 
 
 def backend(value: object) -> ModuleType:
     """The module that serves the URL ``value`` (a str or a parsed URL).
 
     Raises:
-        ValueError: not a URL of a scheme in :data:`SCHEMES` (callers check first).
+        ValueError: not a URL of a scheme in :data:`SCHEMES` (callers classify first:
+            :func:`ckpttool.storage.places.classify`).
     """
-    which = scheme(str(value))
+    which = scheme(value)
     if which == "s3":
         from ckpttool.storage import s3
 

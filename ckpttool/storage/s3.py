@@ -46,10 +46,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ckpttool.errors import CkptError, InputError, OutputError, TransportError, UnsupportedError
-from ckpttool.storage import outputs
+from ckpttool.storage import outputs, places
 from ckpttool.storage import store as stores
 
-SCHEME = "s3://"
 EXTRA = "pip install 'ckpttool[s3]'"
 
 # Ranged GETs: ranges closer than GAP are read in one request (a few wasted bytes cost less
@@ -76,33 +75,8 @@ BACKOFF = 0.25  # s, doubled at each retry (with jitter)
 MIN_RATE = 256 << 10  # bytes per second
 
 
-def is_url(value: object) -> bool:
-    """Whether ``value`` (a str or path) names object storage (``s3://bucket/key``)."""
-    return isinstance(value, str) and value.startswith(SCHEME)
-
-
-@dataclass(frozen=True)
-class Url:
-    bucket: str
-    key: str  # no leading or trailing slash; "" for the bucket itself
-
-    def __str__(self) -> str:
-        return f"{SCHEME}{self.bucket}/{self.key}" if self.key else f"{SCHEME}{self.bucket}"
-
-    @property
-    def prefix(self) -> str:
-        """The key prefix of the objects "in" this URL as a directory."""
-        return f"{self.key}/" if self.key else ""
-
-    def child(self, name: str) -> Url:
-        return Url(self.bucket, f"{self.prefix}{name}")
-
-    def with_key(self, key: str) -> Url:
-        return Url(self.bucket, key)
-
-    @property
-    def name(self) -> str:
-        return self.key.rsplit("/", 1)[-1] if self.key else self.bucket
+# One URL type for every store (storage/places.py).
+Url = places.Url
 
 
 def parse(value: str) -> Url:
@@ -111,11 +85,7 @@ def parse(value: str) -> Url:
     Raises:
         InputError: no bucket named.
     """
-    rest = value[len(SCHEME):]
-    bucket, _, key = rest.partition("/")
-    if not bucket:
-        raise InputError(f"{value}: names no bucket; use s3://BUCKET/PREFIX")
-    return Url(bucket, key.strip("/"))
+    return places.parse_url(value)
 
 
 # --------------------------------------------------------------------------------------------

@@ -134,8 +134,11 @@ def test_a_changed_source_is_left_unless_overwrite(run_copy: Path, tmp_path: Pat
 
 
 def test_one_failure_does_not_stop_the_others(run_copy: Path, tmp_path: Path) -> None:
+    # Damaged in place (a file cut short moments ago is a copy still going on: waiting, see
+    # tests/core/test_sweep_boundary.py).
     damaged = run_copy / "checkpoint-2" / "pytorch_model_fsdp_0" / "__1_0.distcp"
-    os.truncate(damaged, damaged.stat().st_size // 2)
+    with open(damaged, "r+b") as f:
+        f.write(b"\0" * 64)
     out = tmp_path / "merged"
     result = CliRunner().invoke(app, ["merge", str(run_copy), str(out), "--all", "--settle",
                                       "0", "--json"])
@@ -237,7 +240,8 @@ def test_watch_merges_checkpoints_as_they_appear(trained: Path, tmp_path: Path) 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.Popen(
         [sys.executable, "-m", "ckpttool", "merge", str(run), str(out), "--all", "--watch",
-         "--poll", "0.2", "--settle", "0", "--json", "--then", f"echo {{step}} {{out}} >> {log}"],
+         "--poll", "0.2", "--settle", "0", "--json",
+         "--then", f'echo "$CKPTTOOL_STEP" "$CKPTTOOL_OUT" >> {log}'],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     lines: list[dict[str, str]] = []
     assert proc.stdout is not None

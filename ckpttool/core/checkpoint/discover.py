@@ -26,6 +26,7 @@ from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import registry, safetensors, torchfile
 from ckpttool.formats.base import CheckpointInfo, ChunkColumns, ObjectEntry, Reader, Tensor
 from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.formats.dcp import reader as dcp_reader
 from ckpttool.storage.store import LOCAL, Stores
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of one chunk
@@ -343,6 +344,9 @@ def _discover(given: Path, config: str | os.PathLike[str] | None, require: bool,
     if not (given.is_file() or given.is_dir()):  # a FIFO, a socket, a device: never opened
         raise InputError(f"{given}: not a regular file or directory; pass the checkpoint "
                          "directory or file")
+    piece = dcp_reader.piece_of(given) if given.is_file() else None
+    if piece is not None:
+        raise InputError(piece)
     fmt = registry.detect(given)
     if fmt is not None:
         info = fmt.read_info(given, stores=stores)
@@ -393,8 +397,6 @@ def _read(path: Path, stores: Stores) -> CheckpointInfo:
 
 
 def _not_a_checkpoint_file(file: Path) -> str:
-    if file.name == ".metadata":
-        return f"{file}: pass the DCP directory that holds it: {file.parent}"
     if file.suffix == ".pkl":
         return (f"{file}: a Python pickle, not a checkpoint; ckpttool never unpickles "
                 "arbitrary pickles")

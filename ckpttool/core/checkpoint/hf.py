@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import InputError, UnreadableError
-from ckpttool.formats.safetensors import json_error, read_json_text
-from ckpttool.storage import store
+from ckpttool.errors import InputError
+from ckpttool.formats.safetensors import json_error
+from ckpttool.storage import sidefiles, store
 
 # Files a Hugging Face model directory carries besides its weights.
 HF_FILES = (
@@ -35,7 +35,7 @@ HF_FILES = (
 
 # A side file larger than this is not a config or tokenizer (a 100 GB sparse file planted as
 # chat_template.jinja would fill memory and the output).
-SIDE_FILE_LIMIT = 256 << 20
+SIDE_FILE_LIMIT = sidefiles.HF_FILE.limit
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,21 @@ class HfFiles:
     # Where config.json came from when not beside the checkpoint: "the run directory ..."
     # (None: beside it, or given with --config, or not found)
     found_in: str | None = None
+    # The very bytes ``config`` was parsed from (read once, through a checked descriptor):
+    # what is copied into an output, never the name read again.
+    config_data: bytes | None = None
+
+    def read(self, path: Path) -> bytes:
+        """The bytes of the side file ``path`` (one of :attr:`files`) to write beside the
+        weights: config.json as it was read and parsed, the others read now as
+        :func:`read_side_file` reads.
+
+        Raises:
+            InputError: it changed since the checkpoint was read.
+        """
+        if path == self.config_path and self.config_data is not None:
+            return self.config_data
+        return read_side_file(path, self.roots)
 
 
 def read_side_file(path: Path, roots: tuple[Path, ...]) -> bytes:
@@ -61,24 +76,17 @@ def read_side_file(path: Path, roots: tuple[Path, ...]) -> bytes:
     """
     again = "it changed since the checkpoint was read; run again when nothing writes to it"
     try:
-        fd = os.open(path, store.READ_FLAGS)
-    except PermissionError as e:  # the user's permissions, not a change: say how to fix it
-        raise UnreadableError.of(path, e) from None
-    except OSError as e:
+        fd = sidefiles.open_checked(path, sidefiles.HF_FILE)
+    except FileNotFoundError as e:
         raise InputError(f"{path}: cannot be read ({e.strerror}); {again}") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > SIDE_FILE_LIMIT:
-            raise InputError(f"{path}: no longer a regular file of at most "
-                             f"{SIDE_FILE_LIMIT:,} bytes; {again}")
+    try:
         real = store.real_path(fd)
         if real is not None and real != os.path.abspath(path) and not any(
                 Path(real).is_relative_to(r) for r in roots):
             raise InputError(f"{path}: now a link to {real}, outside the checkpoint; {again}")
-        data = f.read(SIDE_FILE_LIMIT + 1)
-    if len(data) > SIDE_FILE_LIMIT:
-        raise InputError(f"{path}: grew past {SIDE_FILE_LIMIT:,} bytes; {again}")
-    return data
+        return sidefiles.read_fd(fd, path, sidefiles.HF_FILE)
+    finally:
+        os.close(fd)
 
 
 def _unsafe(path: Path, roots: list[Path]) -> str | None:
@@ -146,19 +154,22 @@ def find_hf_files(dcp_dir: Path, config: Path | None = None, *, given: Path | No
         if in_run is not None:
             config_path, found_in = in_run[0] / "config.json", in_run[1]
     parsed: dict[str, Any] | None = None
+    data: bytes | None = None
     if config_path is not None:
-        parsed = _json_object(config_path, "--config",
-                              roots=None if config is not None else tuple(roots))
+        data = _read_json_file(config_path,
+                               roots=None if config is not None else tuple(roots))
+        parsed = _parse_object(data, config_path, "--config")
         dirs = [config_path.parent] + [d for d in dirs if d != config_path.parent]
     files: list[Path] = []
     for name in HF_FILES:
         found = next((d / name for d in dirs if usable(d / name)), None)
         if found is not None:
             files.append(found)
+    # The config's directory (resolved: not the file, which a link may replace meanwhile).
     return HfFiles(parsed, config_path, tuple(files), tuple(skipped),
-                   roots=tuple(roots) + tuple({c.resolve().parent for c in (config, config_path)
+                   roots=tuple(roots) + tuple({c.parent.resolve() for c in (config, config_path)
                                                if c is not None}),
-                   found_in=found_in)
+                   found_in=found_in, config_data=data)
 
 
 def no_config_warning(root: Path, given: Path) -> str:
@@ -248,7 +259,9 @@ def read_record(path: Path, limit: int = 1 << 20) -> JsonFile | None:
     Raises:
         InputError: larger than ``limit``, unreadable, or not a JSON object.
     """
-    try:
+    try:  # the kind first: a device is never opened
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
         fd = os.open(path, store.READ_FLAGS | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
         return None
@@ -293,22 +306,22 @@ def _beside(dcp_dir: Path) -> list[Path]:
     return [dcp_dir, dcp_dir / "huggingface", dcp_dir.parent, dcp_dir.parent / "huggingface"]
 
 
-def _json_object(path: Path, option: str, *, roots: tuple[Path, ...] | None = None
-                 ) -> dict[str, Any]:
-    """``path`` parsed; it must hold a JSON object (``roots``: found beside a checkpoint, so
-    read as :func:`read_side_file` reads).
+def _read_json_file(path: Path, *, roots: tuple[Path, ...] | None = None) -> bytes:
+    """The bytes of the JSON file ``path``, read once through a checked descriptor
+    (``roots``: found beside a checkpoint, so read as :func:`read_side_file` reads; None:
+    named by the user, read wherever it is).
 
     Raises:
         UnreadableError: this process may not read it.
-        InputError: not valid JSON, or not an object (the message names ``option``).
+        InputError: not a regular file within the cap (or, with ``roots``, now a link out).
     """
+    if roots is not None:
+        return read_side_file(path, roots)
     try:
-        data = read_json_text(path) if roots is None else read_side_file(path, roots)
-    except PermissionError as e:
-        raise UnreadableError.of(path, e) from e
-    except UnicodeDecodeError as e:  # read_json_text decodes
-        raise _not_json(path, option, e) from e
-    return _parse_object(data, path, option)
+        return sidefiles.read_checked(path, sidefiles.HF_FILE)
+    except FileNotFoundError as e:
+        raise InputError(f"{path}: cannot be read ({e.strerror}); pass an existing file") \
+            from None
 
 
 def ties_word_embeddings(config: dict[str, Any] | None) -> bool | None:

@@ -22,6 +22,7 @@ from typing import overload
 
 from ckpttool.core.checkpoint import geometry as chunk_geometry
 from ckpttool.core.checkpoint import tensors
+from ckpttool.core.merge import guards
 from ckpttool.core.merge.partition import Unit
 from ckpttool.core.merge.plan import MergePlan, OutTensor
 from ckpttool.core.runtime import forked
@@ -716,7 +717,9 @@ def commit_outputs(outputs: AtomicOutputs, plan: MergePlan, extra: list[tuple[st
                    *, overwrite: bool, stem: str) -> None:
     """Write the index and the side files (``extra``: config, tokenizer...), then rename
     everything into place, the index last (with ``overwrite``, a previous output's other
-    weight files are removed just before it)."""
+    weight files are removed just before it). The caller's checks run first
+    (:mod:`ckpttool.core.merge.guards`: a source re-saved meanwhile is never published)."""
+    guards.check()
     out = outputs.out_dir
     if plan.index is not None:
         outputs.write_bytes(plan.index_name, plan.index)

@@ -534,7 +534,7 @@ def _side_files(report: MergeReport, whole: Checkpoint, ckpt: Checkpoint, reader
     config_bytes, report.config_changes = _config_output(files, plan, sources, nextn=nextn)
     extra: list[tuple[str, bytes]] = [
         (p.name, config_bytes if p == files.config_path and config_bytes is not None
-         else hf.read_side_file(p, files.roots)) for p in files.files]
+         else files.read(p)) for p in files.files]
     report.copied = [p.name for p in files.files]
     report.warnings += list(files.skipped)
     if report.derived_config is not None and files.config is not None:

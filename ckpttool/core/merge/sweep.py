@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import subprocess
 import sys
 import time
@@ -32,10 +31,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool import settings
+from ckpttool.core.checkpoint.discover import discover
+from ckpttool.core.merge import guards
 from ckpttool.core.merge import receipt as receipts
 from ckpttool.core.runtime.report import SCHEMA, Section, jsonable, section
-from ckpttool.errors import CkptError, InputError, UnsupportedError
+from ckpttool.errors import CkptError, InputError, UnsupportedError, UsageError
 from ckpttool.formats import registry
+from ckpttool.storage import places
 from ckpttool.storage.outputs import TMP_SUFFIX
 
 if TYPE_CHECKING:
@@ -66,6 +68,9 @@ class Found:
     num_bytes: int  # of every file under it
     pending: str | None  # why it is still being written; None: complete
     files: tuple[receipts.SourceFile, ...] = ()
+    # Seconds until its files will have been unchanged for --settle, where that is all that
+    # keeps it pending (its format says it is complete); 0 otherwise.
+    settling: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "path": str(self.path), "step": self.step,
@@ -143,11 +148,31 @@ def _describe(run: Path, path: Path, settle: float, now: float) -> Found:
     files = receipts.source_files(path)
     newest = max((f.mtime_ns for f in files), default=0) / 1e9
     pending = _pending(path)
+    settling = 0.0
     if pending is None and settle > 0 and now - newest < settle:
+        settling = settle - max(0.0, now - newest)
         pending = (f"a file changed {max(0.0, now - newest):.1f} s ago; waiting {settle:g} s "
                    "for writes to settle (--settle)")
     name = path.relative_to(run).as_posix()
-    return Found(name, path, step_of(path.name), sum(f.size for f in files), pending, files)
+    return Found(name, path, step_of(path.name), sum(f.size for f in files), pending, files,
+                 settling)
+
+
+# merge --all (not --watch) waits for a complete checkpoint to settle at most this many times
+# --settle, then leaves it waiting (a writer that never stops touching it).
+SETTLE_ROUNDS = 10
+
+
+def settled(run: Path, found: Found, settle: float) -> Found:
+    """``found`` once its files have stayed unchanged for ``settle`` seconds: a checkpoint
+    whose format says it is complete but whose files changed moments ago is waited for, not
+    left behind (a CI step run as training ends must get the final model). Gives up after
+    :data:`SETTLE_ROUNDS` times ``settle`` (the checkpoint is then still waiting)."""
+    deadline = time.monotonic() + SETTLE_ROUNDS * settle
+    while found.settling > 0 and time.monotonic() < deadline:
+        time.sleep(min(found.settling, max(0.0, deadline - time.monotonic())) + 0.01)
+        found = _describe(run, found.path, settle, time.time())
+    return found
 
 
 def _pending(path: Path) -> str | None:
@@ -377,8 +402,9 @@ def sweep(
         dry_run: decide, and write nothing.
         settle: seconds a checkpoint's files must have stayed unchanged.
         watch: go on, looking again every ``poll`` seconds, until interrupted (or ``stop``).
-        then: a shell command run after each merge, ``{out}``, ``{src}``, ``{step}`` and
-            ``{name}`` replaced (quoted); its exit status is reported, non-zero fails it.
+        then: a shell command run after each merge, with ``CKPTTOOL_OUT``, ``CKPTTOOL_SRC``,
+            ``CKPTTOOL_STEP`` and ``CKPTTOOL_NAME`` in its environment (:func:`run_then`);
+            its exit status is reported, non-zero fails it.
         on_outcome: called with each outcome as soon as it is known.
         stop: watch: asked before each round; True ends the sweep.
 
@@ -387,15 +413,16 @@ def sweep(
 
     Raises:
         InputError: ``run`` is not a directory, or a bad option.
-        UnsupportedError: an ``s3://`` run or output root (not yet).
+        UsageError: ``-`` as ``run`` or ``out_root``; ``{out}``-style placeholders in
+            ``then`` (:func:`check_then`).
+        UnsupportedError: a URL as ``run`` or ``out_root`` (object storage: not yet), or
+            of a scheme ckpttool does not serve.
     """
     from ckpttool.core.merge.operation import merge
 
-    if str(run).startswith("s3://") or str(out_root).startswith("s3://"):
-        raise UnsupportedError(f"{run if str(run).startswith('s3://') else out_root}: merge "
-                               "--all works on local directories only, not yet s3://; merge "
-                               "each checkpoint with ckpttool merge s3://... OUT")
-    run_path, root = Path(run), Path(out_root)
+    run_path, root = local_dirs(run, out_root)
+    if then is not None:
+        check_then(then)
     options = dict(merge_options or {})
     recorded = receipt_options(options)
     report = SweepReport(str(run_path), str(root), task=task)
@@ -413,6 +440,8 @@ def sweep(
         for f, owner in zip(chosen, owners, strict=True):
             if task is not None and owner != task[0]:
                 continue
+            if f.settling > 0 and not watch and not dry_run:
+                f = settled(run_path, f, settle)
             out = root / f.name
             try:
                 status, reason = decide(f, out, recorded, overwrite=overwrite)
@@ -442,6 +471,33 @@ def sweep(
         time.sleep(poll)
         if stop is not None and stop():
             return report
+
+
+def local_dirs(run: str | os.PathLike[str], out_root: str | os.PathLike[str]
+               ) -> tuple[Path, Path]:
+    """RUN and OUT_ROOT as local paths, classified as every command's paths are
+    (:func:`ckpttool.storage.places.classify`). A sweep keeps its receipts and reads its
+    checkpoints' ``stat`` on a file system, so object storage is refused (never turned into
+    a local ``gs:/`` directory).
+
+    Raises:
+        UsageError: ``-``.
+        UnsupportedError: a URL (exit 4), naming what to do instead.
+    """
+    run_place = places.classify(run, what="RUN")
+    root_place = places.classify(out_root, what="OUT_ROOT")
+    if run_place.remote:
+        raise UnsupportedError(
+            f"{run_place}: merge --all reads a training run on a local or shared file system, "
+            f"not yet {run_place.scheme}://; merge each checkpoint with ckpttool merge "
+            f"{run_place}/CHECKPOINT OUT, or copy the run to a local directory")
+    if root_place.remote:
+        raise UnsupportedError(
+            f"{root_place}: merge --all writes its outputs and receipts to a local or shared "
+            f"file system, not yet {root_place.scheme}://; merge each checkpoint with "
+            f"ckpttool merge CHECKPOINT {root_place}/CHECKPOINT, or sweep into a local "
+            "directory and upload it")
+    return run_place.path, root_place.path
 
 
 def receipt_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -479,10 +535,22 @@ def _merge_one(merge: MergeFunction, f: Found, out: Path, options: dict[str, Any
     started = time.perf_counter()
     outcome = Outcome(f, out, MERGED, reason, owner)
     try:
+        before = identity(f.path)
+        if tuple(receipts.SourceFile(*i[:3]) for i in before) != f.files:
+            raise guards.SourceChanged(f"{f.path}: changed since it was found (a save or copy "
+                                       "still going on); merged again next time")
+
+        def unchanged() -> None:  # just before the output is published
+            if identity(f.path) != before:
+                raise guards.SourceChanged(
+                    f"{f.path}: changed while it was merged (a save or copy still going on); "
+                    "nothing was published, it is merged again next time")
+
         if overwrite:
             receipts.remove(out)
-        report = merge(f.path, out, overwrite=overwrite, workers=workers,
-                       follow_links=follow_links, **options)
+        with guards.before_publish(unchanged):
+            report = merge(f.path, out, overwrite=overwrite, workers=workers,
+                           follow_links=follow_links, **options)
         outcome.merge = report
         # The source as merged: a file that changed while it was read fails the receipt.
         now = receipts.source_files(f.path)
@@ -491,8 +559,14 @@ def _merge_one(merge: MergeFunction, f: Found, out: Path, options: dict[str, Any
                              "next time (with --overwrite)")
         receipts.write(out, receipts.make(out, f.path.resolve(), f.files, recorded,
                                           workers=workers))
+    except guards.SourceChanged as e:
+        outcome.status, outcome.reason = WAITING, str(e)
     except CkptError as e:
-        outcome.status, outcome.reason, outcome.exit_code = FAILED, str(e), e.exit_code
+        still = incomplete(f.path) if type(e) is InputError else None
+        if still is not None:
+            outcome.status, outcome.reason = WAITING, still
+        else:
+            outcome.status, outcome.reason, outcome.exit_code = FAILED, str(e), e.exit_code
     except OSError as e:  # the environment (permissions, a full disk), not our bug
         outcome.status, outcome.exit_code = FAILED, InputError.exit_code
         outcome.reason = f"{e.filename or f.path}: {e.strerror or e}"
@@ -512,24 +586,109 @@ def _merge_one(merge: MergeFunction, f: Found, out: Path, options: dict[str, Any
     return outcome
 
 
+def identity(path: Path) -> tuple[tuple[str, int, int, int, int], ...]:
+    """Every file under ``path`` (or ``path`` itself) as ``(name, size, mtime_ns, inode,
+    ctime_ns)``, sorted by name: a file rewritten, replaced or renamed over shows, whatever
+    times a writer sets. Names and ``stat`` only."""
+    paths = [(path.name, path)] if path.is_file() else [
+        (Path(r, n).relative_to(path).as_posix(), Path(r, n))
+        for r, _, names in os.walk(path) for n in names]
+    found = []
+    for name, p in paths:
+        try:
+            st = p.stat()
+        except OSError:  # gone meanwhile (a writer's temporary file)
+            continue
+        found.append((name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns))
+    return tuple(sorted(found))
+
+
+# A checkpoint whose files are missing or short against its own metadata is being copied or
+# saved while a file of it changed this recently; after that, it is damaged.
+STALE_SECONDS = 3600.0
+_INCOMPLETE = ("missing-file", "truncated-file")
+
+
+def incomplete(path: Path, *, now: float | None = None) -> str | None:
+    """Why the checkpoint at ``path`` is not all there yet (a file its metadata names is
+    missing or short) while it is still changing (a file changed, by ``ctime``, which a copy
+    that keeps modification times still moves, within :data:`STALE_SECONDS`); None when it
+    is whole, or has been left so for longer (damaged: a failure)."""
+    from ckpttool.core.checkpoint import structure
+
+    files = identity(path)
+    now = time.time() if now is None else now
+    if not files or now - max(f[4] for f in files) / 1e9 > STALE_SECONDS:
+        return None
+    try:
+        info = discover(path).info
+    except CkptError:
+        return None
+    if info is None:
+        return None
+    found = [p for p in structure.check(info, {}) if p.code in _INCOMPLETE]
+    if not found:
+        return None
+    return (f"{len(found)} file(s) its metadata names are missing or short, e.g. "
+            f"{found[0].location.file or found[0].message}: still being copied or saved; "
+            "merged once it is whole")
+
+
 @section
 class Then(Section):
-    """``--then``: the command run (values quoted in) and its exit status."""
+    """``--then``: the command run (as given: values reach it as environment variables) and
+    its exit status."""
 
     command: str
     exit_code: int
 
 
+# --then: what each value is called in the command's environment.
+THEN_VARIABLES = {"out": "CKPTTOOL_OUT", "src": "CKPTTOOL_SRC", "step": "CKPTTOOL_STEP",
+                  "name": "CKPTTOOL_NAME"}
+_PLACEHOLDER = re.compile(r"\{(" + "|".join(THEN_VARIABLES) + r")\}")
+
+
+def check_then(template: str) -> None:
+    """Refuse ``{out}``-style placeholders in a ``--then`` command: spliced into shell text,
+    a checkpoint named ``checkpoint-7$(touch x)`` would run as code wherever the command puts
+    the placeholder inside double quotes (quoting cannot be right in every shell context).
+    The values come as environment variables instead.
+
+    Raises:
+        UsageError: (exit 2) naming the variable to use instead.
+    """
+    m = _PLACEHOLDER.search(template)
+    if m is None:
+        return
+    var = THEN_VARIABLES[m.group(1)]
+    raise UsageError(
+        f"--then {template!r}: {m.group()} is not replaced (a checkpoint's name would be "
+        f"spliced into shell code); the command gets the values as environment variables: "
+        f'write "${var}" (and "$CKPTTOOL_SRC", "$CKPTTOOL_STEP", "$CKPTTOOL_NAME"), in '
+        "double quotes")
+
+
+def then_environment(f: Found, out: Path) -> dict[str, str]:
+    """The variables ``--then`` gets for checkpoint ``f`` written to ``out``."""
+    values = {"out": str(out), "src": str(f.path),
+              "step": "" if f.step is None else str(f.step), "name": f.name}
+    return {THEN_VARIABLES[k]: v for k, v in values.items()}
+
+
 def run_then(template: str, f: Found, out: Path) -> Then:
-    """Run ``template`` through the shell with ``{out}``, ``{src}``, ``{step}`` and ``{name}``
-    replaced by quoted values; its output goes to stderr (stdout is the report)."""
-    values = {"out": str(out), "src": str(f.path), "step": "" if f.step is None else str(f.step),
-              "name": f.name}
-    command = template
-    for key, value in values.items():
-        command = command.replace("{" + key + "}", shlex.quote(value))
+    """Run ``template`` through the shell, exactly as given, with ``CKPTTOOL_OUT``,
+    ``CKPTTOOL_SRC``, ``CKPTTOOL_STEP`` and ``CKPTTOOL_NAME`` in its environment (never
+    spliced into its text); its output goes to stderr (stdout is the report)."""
+    env = {**os.environ, **then_environment(f, out)}
+    try:  # sys.stderr may be no file (a notebook's, a test runner's): then descriptor 2
+        sys.stderr.fileno()
+        stderr: Any = sys.stderr
+    except (AttributeError, OSError, ValueError):
+        stderr = 2
     try:
-        code = subprocess.run(command, shell=True, stdout=sys.stderr, check=False).returncode
+        code = subprocess.run(template, shell=True, stdout=stderr, env=env,
+                              check=False).returncode
     except OSError:  # no shell to run it: as the shell says of a command it cannot find
         code = 127
-    return Then(command, code)
+    return Then(template, code)

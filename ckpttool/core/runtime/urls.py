@@ -23,74 +23,41 @@ import dataclasses
 import functools
 import inspect
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 from ckpttool.errors import CkptError, UnsupportedError
+from ckpttool.storage import places
 from ckpttool.storage import remote as stores_remote
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-# The object stores a checkpoint or output may be named in, by URL scheme (each served by the
-# module ckpttool.storage.remote.backend names).
-SCHEMES: tuple[str, ...] = stores_remote.SCHEMES
-
 # Parameters that name local files only (a config, an adapter, a manifest): a URL there is
 # refused, never taken for a relative path.
 _LOCAL_ONLY = ("config", "adapter", "adapter_config", "manifest")
 
-# RFC 3986's scheme, then "://": anything else (a Windows drive "C:\\", "a:b") is a path.
-_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def scheme_of(value: object) -> str | None:
-    """The URL scheme ``value`` starts with (``"gs"`` for ``gs://b/k``), as typed; None
-    for a path. A ``Path`` made of a URL has lost a slash (``gs:/b/k``): its first part
-    ending in ``:`` still names the scheme (the CLI parses some options as paths)."""
-    if isinstance(value, os.PathLike):
-        parts = Path(value).parts
-        first = parts[0] if len(parts) > 1 else ""
-        m = _SCHEME.match(first[:-1] + "://") if first.endswith(":") else None
-    else:
-        m = _SCHEME.match(value) if isinstance(value, str) else None
-    return m.group(1) if m else None
-
 
 def _is_url(value: object) -> bool:
-    # The scheme test without importing the remote module (and so boto3) for local paths.
-    return scheme_of(value) in SCHEMES
-
-
-def supported() -> str:
-    """The supported locations, for messages: "local paths, s3://"."""
-    return ", ".join(["local paths", *(f"{s}://" for s in SCHEMES)])
+    # The scheme test (storage/places.py) without importing the remote module (and so
+    # boto3) for local paths.
+    return places.is_remote(value)
 
 
 def check_location(value: object, *, what: str, remote_ok: bool = True) -> None:
-    """Refuse a URL whose scheme ckpttool does not read or write (``gs://``, ``https://``...)
-    before it can become a local path named ``gs:/...``.
-
-    Args:
-        what: what the value is, for the message ("source", "output", "--config").
-        remote_ok: False where only a local path is taken.
+    """Refuse what :func:`ckpttool.storage.places.classify` refuses (``-``, a scheme not
+    served, a URL where only a local path is taken) before it can become a local path named
+    ``gs:/...`` or ``./-/``; None (an option not given) passes.
 
     Raises:
+        UsageError: ``-`` (exit 2).
         UnsupportedError: (exit 4) naming the schemes that are supported.
     """
-    scheme = scheme_of(value)
-    if scheme is None or (remote_ok and scheme in SCHEMES):
-        return
-    shown = os.fspath(value) if isinstance(value, str | os.PathLike) else str(value)
-    if not remote_ok:
-        raise UnsupportedError(f"{shown}: {what} takes a local path, not a {scheme}:// URL; "
-                               "download the file and pass its path")
-    raise UnsupportedError(f"{shown}: {scheme}:// is not a storage ckpttool reads or writes "
-                           f"(as {what}); supported: {supported()}")
+    if isinstance(value, str | os.PathLike):
+        places.classify(value, what=what, remote_ok=remote_ok)
 
 
 # What storage is told about formats (it names none): which files of a remote checkpoint are

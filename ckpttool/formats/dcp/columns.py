@@ -24,6 +24,7 @@ recursion), and memory per chunk is bounded by the columns.
 from __future__ import annotations
 
 import operator
+import os
 import re
 import struct
 import sys
@@ -37,6 +38,7 @@ from typing import Any, BinaryIO
 from ckpttool.formats.base import RECORD, ChunkColumns, ChunkTable, ObjectEntry, Tensor
 from ckpttool.formats.codecs import torchsave
 from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.storage import sidefiles
 
 _WINDOW = 4 << 20  # bytes of the file held at a time
 _AHEAD = 1 << 18  # before a run of entries is matched, at least this much is in the window
@@ -1477,7 +1479,7 @@ def read(path: Path, lookup: Callable[[str, str], Any | None], *,
         lookup: the allow-list (``dcp._metadata_global``): every global comes from it.
     """
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(sidefiles.open_checked(path, sidefiles.DCP_METADATA), "rb") as f:
             size = f.seek(0, 2)
             f.seek(0)
             with torchsave.gc_paused():

@@ -89,6 +89,7 @@ from ckpttool.formats.dcp.records import (
     record_entries,
 )
 from ckpttool.formats.dcp.records import plain as _plain
+from ckpttool.storage import sidefiles
 from ckpttool.storage.store import LOCAL, Store, Stores, file_size, pread_of
 
 NAME = "dcp"
@@ -215,11 +216,9 @@ def read_metadata_object(path: Path, lookup: Lookup | None = None) -> Any:
             checkpoint of a layout this reader does not read).
     """
     try:
-        data = path.read_bytes()
+        data = sidefiles.read_checked(path, sidefiles.DCP_METADATA)
     except FileNotFoundError as err:
         raise InputError(f"{path}: no such file") from err
-    except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror}") from e
     except MemoryError as e:
         raise InputError(f"{path}: {file_size(path) or 0:,} bytes, more than this process "
                          "may hold in memory; a .metadata that large is corrupt, or needs a "
@@ -262,6 +261,20 @@ def detect(path: Path) -> bool:
         return False
     return ((path / METADATA_FILE).exists() or any(path.glob("*" + DATA_SUFFIX))
             or bool(_rank_metadata_files(path)))
+
+
+def piece_of(path: Path) -> str | None:
+    """Why the file ``path`` is a piece of a DCP checkpoint, not a checkpoint (a data file,
+    ``.metadata``, ``__<rank>.metadata``), naming the directory to pass; None otherwise.
+    Names only: a data file begins with a valid ``torch.save`` archive (its first record),
+    which must never be taken for the whole checkpoint."""
+    if path.name.endswith(DATA_SUFFIX):
+        what = "a DCP data file (records of one rank, a piece of the checkpoint)"
+    elif path.name == METADATA_FILE or _RANK_METADATA_RE.match(path.name):
+        what = "the metadata of a DCP checkpoint"
+    else:
+        return None
+    return f"{path}: {what}; pass the DCP directory that holds it: {path.parent}"
 
 
 def pending(path: Path) -> str | None:
