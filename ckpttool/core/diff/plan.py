@@ -1,0 +1,109 @@
+"""Which tensors of A and B are compared, and what a tensor on one side only means. Pure.
+
+Tensors are matched by canonical name. A tied output embedding stored once on one side
+(``lm_head.weight`` left out, its config tying it to the input embedding) stands for its
+partner there: it is compared with the other side's copy, so a tie written once on one side
+and twice on the other is no change.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from ckpttool.core import ties
+from ckpttool.core.checkpoint import hf
+from ckpttool.core.checkpoint.discover import Checkpoint, TensorView
+
+IDENTICAL = "identical"
+CHANGED = "changed"
+ADDED = "added"
+REMOVED = "removed"
+RESHAPED = "reshaped"
+DTYPE_CHANGED = "dtype-changed"
+STATUSES = (IDENTICAL, CHANGED, ADDED, REMOVED, RESHAPED, DTYPE_CHANGED)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One canonical name: its tensor in A and in B (None: not there), and, for a tied copy
+    stored once, the partner that stands for it on that side."""
+
+    name: str
+    a: TensorView | None
+    b: TensorView | None
+    a_tied: bool = False  # ``a`` is the partner of ``name`` in A (stored once there)
+    b_tied: bool = False
+
+    @property
+    def status(self) -> str | None:
+        """The status known before any byte is read; None: compare the bytes."""
+        if self.a is None:
+            return ADDED
+        if self.b is None:
+            return REMOVED
+        if self.a.shape != self.b.shape:
+            return RESHAPED
+        if self.a.dtype != self.b.dtype:
+            return DTYPE_CHANGED
+        return None
+
+
+@dataclass(frozen=True)
+class DiffPlan:
+    entries: tuple[Entry, ...]  # sorted by name
+
+    def names(self, side: str) -> list[str]:
+        """The names stored in ``side`` (``"a"`` or ``"b"``) that the plan covers."""
+        if side == "a":
+            return [e.name for e in self.entries if e.a is not None and not e.a_tied]
+        return [e.name for e in self.entries if e.b is not None and not e.b_tied]
+
+
+def model(ckpt: Checkpoint) -> Checkpoint:
+    """The part a diff compares: the model of a training checkpoint (its optimizer state is
+    not what a delta carries), else all of it."""
+    from ckpttool.core.checkpoint.discover import select
+
+    return select(ckpt, ckpt.kind) if ckpt.has_part(ckpt.kind) else ckpt
+
+
+def matches(name: str, stored: str, pattern: str | None) -> bool:
+    """``--filter``: a glob on the canonical or the stored name, as ``inspect`` takes it."""
+    return pattern is None or fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(
+        stored, pattern)
+
+
+def plan_diff(a: Checkpoint, b: Checkpoint, *, pattern: str | None = None) -> DiffPlan:
+    """Pair the tensors of ``a`` and ``b`` by canonical name (``pattern``: only the names
+    that match on either side)."""
+    names_a, names_b = a.by_name(), b.by_name()
+    entries = []
+    for name in sorted(names_a.keys() | names_b.keys()):
+        ta, tb = names_a.get(name), names_b.get(name)
+        a_tied = b_tied = False
+        if ta is None and tb is not None:
+            ta = _stand_in(a, b, name)
+            a_tied = ta is not None
+        elif tb is None and ta is not None:
+            tb = _stand_in(b, a, name)
+            b_tied = tb is not None
+        shown = [t.stored_name for t in (ta, tb) if t is not None]
+        if not any(matches(name, s, pattern) for s in shown):
+            continue
+        entries.append(Entry(name, ta, tb, a_tied, b_tied))
+    return DiffPlan(tuple(entries))
+
+
+def _stand_in(side: Checkpoint, other: Checkpoint, name: str) -> TensorView | None:
+    """The tensor of ``side`` that stands for ``name``, which ``side`` lacks: its tie partner,
+    where ``other`` holds the pair, ``side`` holds the partner with the same dtype and shape,
+    and ``side``'s config does not untie them."""
+    pair = ties.find_pair(other.by_name())
+    if pair is None or pair[0] != name or hf.ties_word_embeddings(side.hf.config) is False:
+        return None
+    partner = side.by_name().get(pair[1])
+    want = other.by_name()[name]
+    if partner is None or (partner.shape, partner.dtype) != (want.shape, want.dtype):
+        return None
+    return partner
