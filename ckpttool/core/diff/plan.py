@@ -97,13 +97,12 @@ def plan_diff(a: Checkpoint, b: Checkpoint, *, pattern: str | None = None) -> Di
 
 def _stand_in(side: Checkpoint, other: Checkpoint, name: str) -> TensorView | None:
     """The tensor of ``side`` that stands for ``name``, which ``side`` lacks: its tie partner,
-    where ``other`` holds the pair, ``side`` holds the partner with the same dtype and shape,
-    and ``side``'s config does not untie them."""
+    where ``other`` holds the pair, ``side`` holds the partner with the same shape,
+    and ``side``'s config does not untie them (a dtype that differs is reported as such)."""
     pair = ties.find_pair(other.by_name())
     if pair is None or pair[0] != name or hf.ties_word_embeddings(side.hf.config) is False:
         return None
     partner = side.by_name().get(pair[1])
-    want = other.by_name()[name]
-    if partner is None or (partner.shape, partner.dtype) != (want.shape, want.dtype):
+    if partner is None or partner.shape != other.by_name()[name].shape:
         return None
     return partner
