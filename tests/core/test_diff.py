@@ -108,12 +108,12 @@ def test_statuses_counts_and_sizes(llama_ckpt: Path, llama_keep: Path, tmp_path:
     assert got[q].status == "changed" and got[q].changed_elements == 1
     d = (b[q].double() - a[q].double())
     assert got[q].max_abs_diff == pytest.approx(float(d.abs().max()), rel=1e-12)
-    assert got[q].rel_l2 == pytest.approx(float(d.norm() / a[q].double().norm()), rel=1e-9)
+    assert got[q].rel_l2 == pytest.approx(float(d.norm() / a[q].double().norm()), rel=1e-6)
     up = "model.layers.1.mlp.up_proj.weight"
     changed = int((bits(b[up]).view(torch.int32) != bits(a[up]).view(torch.int32)).sum())
     assert got[up].changed_elements == changed > a[up].numel() // 2
     d = b[up].double() - a[up].double()
-    assert got[up].rel_l2 == pytest.approx(float(d.norm() / a[up].double().norm()), rel=1e-9)
+    assert got[up].rel_l2 == pytest.approx(float(d.norm() / a[up].double().norm()), rel=1e-6)
     assert got["model.layers.1.post_attention_layernorm.weight"].status == "removed"
     assert got["extra.bias"].status == "added"
     assert got["model.norm.weight"].status == "reshaped"
@@ -155,6 +155,7 @@ def test_identity_is_bitwise_nan_payloads_and_negative_zero(tmp_path: Path) -> N
 def test_changes_found_in_any_block_with_a_norm_over_all_of_a(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Blocks of 64 bytes: the first change in the fifth block, A's norm over all eight.
+    # (float32 sums: the norm to about 1e-6)
     monkeypatch.setattr(operation, "BLOCK_BYTES", 64)
     g = torch.Generator().manual_seed(1)
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.int32,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.core.checkpoint import hf, tensors
 from ckpttool.core.checkpoint.discover import Checkpoint, TensorView
+from ckpttool.core.diff import stream
 from ckpttool.core.diff.plan import CHANGED, IDENTICAL, DiffPlan
 from ckpttool.core.diff.values import bits, changed_positions
 from ckpttool.core.runtime.report import SCHEMA, Section, section
@@ -185,25 +186,23 @@ def _sparse(reader_a: Reader, a: TensorView, reader_b: Reader, b: TensorView, fd
             at_indices: int, at_values: int, want: int) -> None:
     """The elements of B that differ from A: their numbers, then their values."""
     item = b.dtype.itemsize
-    step = max(1, BLOCK_BYTES // item)
+    side_a, side_b = stream.Side(reader_a, a.tensor), stream.Side(reader_b, b.tensor)
+    buf_a, buf_b = (memoryview(bytearray(BLOCK_BYTES)) for _ in range(2))
     done = 0
-    for start in range(0, b.numel, step):
-        stop = min(b.numel, start + step)
-        da = tensors.read_range(reader_a, a.tensor, start, stop)
-        db = tensors.read_range(reader_b, b.tensor, start, stop)
-        if da == db:
-            continue
-        where = changed_positions(da, db, b.dtype)
-        if done + len(where) > want:
-            break
-        pwrite_all(fd, (where + start).tobytes(), at_indices + done * INDEX.itemsize)
-        pwrite_all(fd, bits(db, b.dtype)[where].tobytes(), at_values + done * item)
-        done += len(where)
-    else:
-        if done == want:
-            return
-    raise InputError(f"tensor '{b.name}' changed while the delta was written (A or B is "
-                     "being written to); run ckpttool diff again when they are complete")
+    for start, stop in stream.pairs(side_a, side_b, max(1, BLOCK_BYTES // item)):
+        for da in side_a.read(start, stop, buf_a):
+            for db in side_b.read(start, stop, buf_b):
+                if stream.equal(da, db):
+                    continue
+                where = changed_positions(da, db, b.dtype)
+                if done + len(where) > want:
+                    break
+                pwrite_all(fd, (where + start).tobytes(), at_indices + done * INDEX.itemsize)
+                pwrite_all(fd, bits(db, b.dtype)[where].tobytes(), at_values + done * item)
+                done += len(where)
+    if done != want:
+        raise InputError(f"tensor '{b.name}' changed while the delta was written (A or B is "
+                         "being written to); run ckpttool diff again when they are complete")
 
 
 def read(delta: Path) -> tuple[dict[str, Any], Path]:

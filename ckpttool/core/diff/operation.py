@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,13 +19,14 @@ from typing import Any
 from ckpttool.core.checkpoint import tensors
 from ckpttool.core.checkpoint.discover import Checkpoint, TensorView, discover, open_reader
 from ckpttool.core.diff import plan as diff_plan
+from ckpttool.core.diff import stream
 from ckpttool.core.diff.plan import CHANGED, IDENTICAL, STATUSES, DiffPlan, Entry
 from ckpttool.core.diff.values import Change
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import Progress, Section, document, locked, section
 from ckpttool.core.runtime.torch_threads import default_workers
 from ckpttool.errors import InputError
-from ckpttool.formats.base import Problem, Reader, Tensor, info, warning
+from ckpttool.formats.base import Problem, Reader, info, warning
 from ckpttool.storage.store import LOCAL, Stores
 
 # Bytes of each side compared at a time.
@@ -220,26 +222,26 @@ def _measure(e: Entry, reader_a: Reader, reader_b: Reader, *, digests: bool,
     change = Change()
     ha = hashlib.sha256() if digests and not e.a_tied else None
     hb = hashlib.sha256() if digests and not e.b_tied else None
-    normed = 0  # elements of A whose norm is in change.a_sq
+    side_a, side_b = stream.Side(reader_a, ta), stream.Side(reader_b, tb)
+    buf_a, buf_b = _buffers()
+    normed = 0  # elements of A whose share of ||A||^2 is in change.a_sq
     step = max(1, BLOCK_BYTES // dtype.itemsize)
-    for start in range(0, ta.numel, step):
-        stop = min(ta.numel, start + step)
-        da = _read(reader_a, ta, start, stop)
-        db = _read(reader_b, tb, start, stop)
-        report(len(da) + len(db))
-        if ha is not None:
-            ha.update(da)
-        if hb is not None:
-            hb.update(db)
-        if da == db and not change.changed:
-            continue
-        if da != db:
-            if normed < start:  # the first change: A's norm over the blocks before it
-                for lo in range(normed, start, step):
-                    change.add_norm(_read(reader_a, ta, lo, min(start, lo + step)), dtype)
-            change.add_changes(da, db, dtype)
-        change.add_norm(da, dtype)
-        normed = stop
+    for start, stop in stream.pairs(side_a, side_b, step):
+        for da in side_a.read(start, stop, buf_a):
+            for db in side_b.read(start, stop, buf_b):
+                report(len(da) + len(db))
+                if ha is not None:
+                    ha.update(da)
+                if hb is not None:
+                    hb.update(db)
+                same = stream.equal(da, db)
+                if same and not change.changed:
+                    continue
+                if not same and normed < start:
+                    # The first change: A's norm over the blocks before it.
+                    _norm(side_a, normed, start, step, change)
+                change.add(da, db, dtype, compare=not same)
+                normed = stop
     if change.changed:
         row = TensorDiff(e.name, CHANGED, change.changed, change.max_abs, change.rel_l2)
     else:
@@ -248,14 +250,26 @@ def _measure(e: Entry, reader_a: Reader, reader_b: Reader, *, digests: bool,
                     ta.nbytes + tb.nbytes)
 
 
-def _read(reader: Reader, t: Tensor, start: int, stop: int) -> bytearray:
-    try:
-        return tensors.read_range(reader, t, start, stop)
-    except InputError:
-        raise
-    except OSError as e:
-        raise InputError(f"{reader.info.root}: cannot read tensor '{t.name}': "
-                         f"{e.strerror or e}") from e
+def _norm(side: stream.Side, start: int, stop: int, step: int, change: Change) -> None:
+    """Add A's elements ``[start, stop)`` to ``change.a_sq`` (read into a buffer of their own:
+    the block buffers hold the block being compared)."""
+    buf = memoryview(bytearray(min(stop - start, step) * side.tensor.dtype.itemsize))
+    for lo in range(start, stop, step):
+        for data in side.read(lo, min(stop, lo + step), buf):
+            change.add(data, data, side.tensor.dtype, compare=False)
+
+
+_local = threading.local()
+
+
+def _buffers() -> tuple[memoryview, memoryview]:
+    """This thread's two block buffers, made once (a new one per block costs a page fault per
+    4 KB of it)."""
+    bufs: tuple[memoryview, memoryview] | None = getattr(_local, "bufs", None)
+    if bufs is None or len(bufs[0]) != BLOCK_BYTES:
+        bufs = _local.bufs = (memoryview(bytearray(BLOCK_BYTES)),
+                              memoryview(bytearray(BLOCK_BYTES)))
+    return bufs
 
 
 def _sha(reader: Reader, t: TensorView, report: Progress) -> str:

@@ -20,8 +20,9 @@ if TYPE_CHECKING:
     import numpy as np
 
 _BITS = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
-# Elements turned into float64 at a time: temporaries stay a few MB.
-STEP = 1 << 20
+# Elements looked at a time (:meth:`Change.add`): temporaries stay in the CPU's caches, and
+# A's norm is summed in float32 over no more than this.
+NORM_SPAN = 1 << 16
 
 
 def bits(data: bytes | bytearray | memoryview, dtype: DType) -> np.ndarray[Any, Any]:
@@ -36,7 +37,8 @@ def changed_positions(a: bytes | bytearray | memoryview, b: bytes | bytearray | 
     """Element numbers (int64, ascending) where the two blocks differ in their bits."""
     import numpy as np
 
-    return np.flatnonzero(bits(a, dtype) != bits(b, dtype)).astype(np.int64)
+    where = np.flatnonzero(bits(a, dtype) != bits(b, dtype))
+    return where if where.dtype == np.int64 else where.astype(np.int64)
 
 
 def as_float(raw: np.ndarray[Any, Any], dtype: DType) -> np.ndarray[Any, Any]:
@@ -54,6 +56,19 @@ def as_float(raw: np.ndarray[Any, Any], dtype: DType) -> np.ndarray[Any, Any]:
             "C64": "<c8"}[name]
     out = raw.view(view)
     return out.astype(np.complex128 if name == "C64" else np.float64)
+
+
+def _as_float32(raw: np.ndarray[Any, Any], dtype: DType) -> np.ndarray[Any, Any] | None:
+    """BF16, F16 and F32 elements (as their bits) as float32 (exact); None for any other."""
+    import numpy as np
+
+    if dtype.name == "BF16":
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    if dtype.name == "F16":
+        return raw.view("<f2").astype(np.float32)
+    if dtype.name == "F32":
+        return raw.view("<f4")
+    return None
 
 
 @functools.cache
@@ -77,34 +92,49 @@ class Change:
     diff_sq: float = 0.0
     a_sq: float = 0.0
 
-    def add_changes(self, a: bytes | bytearray | memoryview, b: bytes | bytearray | memoryview,
-                    dtype: DType) -> np.ndarray[Any, Any]:
-        """Count and measure the elements where ``a`` and ``b`` differ; returns their
-        positions in the block."""
-        import numpy as np
-
-        where = changed_positions(a, b, dtype)
-        self.changed += len(where)
+    def add(self, a: bytes | bytearray | memoryview, b: bytes | bytearray | memoryview,
+            dtype: DType, *, compare: bool = True) -> None:
+        """Add a block: the elements where ``a`` and ``b`` differ (``compare``) and A's share
+        of ||A||^2, a span of :data:`NORM_SPAN` elements at a time (its temporaries stay in
+        the CPU's caches)."""
         ra, rb = bits(a, dtype), bits(b, dtype)
-        for lo in range(0, len(where), STEP):
-            at = where[lo : lo + STEP]
-            va, vb = as_float(ra[at], dtype), as_float(rb[at], dtype)
-            finite = np.isfinite(va) & np.isfinite(vb)
-            d = np.abs(vb[finite] - va[finite])
-            if len(d):
-                self.max_abs = max(self.max_abs, float(d.max()))
-                self.diff_sq += float(np.dot(d, d))
-        return where
+        for lo in range(0, len(ra), NORM_SPAN):
+            sa = ra[lo : lo + NORM_SPAN]
+            if compare:
+                self._changes(sa, rb[lo : lo + NORM_SPAN], dtype)
+            self._norm(sa, dtype)
 
-    def add_norm(self, a: bytes | bytearray | memoryview, dtype: DType) -> None:
-        """Add the block's share of ||A||^2 (finite elements)."""
+    def _changes(self, ra: np.ndarray[Any, Any], rb: np.ndarray[Any, Any], dtype: DType
+                 ) -> None:
         import numpy as np
 
-        ra = bits(a, dtype)
-        for lo in range(0, len(ra), STEP):
-            v = as_float(ra[lo : lo + STEP], dtype)
-            v = np.abs(v[np.isfinite(v)])
-            self.a_sq += float(np.dot(v, v))
+        where = np.flatnonzero(ra != rb)
+        if not len(where):
+            return
+        self.changed += len(where)
+        va, vb = as_float(ra[where], dtype), as_float(rb[where], dtype)
+        finite = np.isfinite(va) & np.isfinite(vb)
+        d = np.abs(vb[finite] - va[finite])
+        if len(d):
+            self.max_abs = max(self.max_abs, float(d.max()))
+            self.diff_sq += float(np.dot(d, d))
+
+    def _norm(self, ra: np.ndarray[Any, Any], dtype: DType) -> None:
+        """A's share of ||A||^2 (finite elements). Floats of up to 32 bits are squared and
+        summed in float32 by BLAS, the spans summed in float64 (a norm to about 1e-6, at
+        memory speed); a span that holds a NaN or an infinity, or overflows, is summed again
+        exactly, leaving those out."""
+        import numpy as np
+
+        wide = _as_float32(ra, dtype)
+        if wide is not None:
+            fast = float(np.dot(wide, wide))
+            if math.isfinite(fast):
+                self.a_sq += fast
+                return
+        v = as_float(ra, dtype)
+        v = np.abs(v[np.isfinite(v)])
+        self.a_sq += float(np.dot(v, v))
 
     @property
     def rel_l2(self) -> float | None:
