@@ -14,13 +14,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ckpttool.core import ties
-from ckpttool.core.checkpoint import tensors
 from ckpttool.core.checkpoint.discover import Checkpoint, discover, open_reader
 from ckpttool.core.diff import delta as deltas
 from ckpttool.core.diff import plan as diff_plan
+from ckpttool.core.diff import stream
+from ckpttool.core.diff.operation import sha256
+from ckpttool.core.diff.plan import Named
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import Progress, document, locked
 from ckpttool.core.verify import manifest
@@ -97,7 +99,8 @@ def apply(
     """
     started = time.perf_counter()
     doc, data = deltas.read(Path(delta))
-    ckpt = diff_plan.model(discover(base, command="apply", stores=stores))
+    named = diff_plan.named(discover(base, command="apply", stores=stores))
+    ckpt = named.ckpt
     out_dir = Path(out)
     check_apart(out_dir, ckpt.root, data.parent)
     files = [str(f) for f in doc.get("files", [])]
@@ -118,13 +121,13 @@ def apply(
                          num_tensors=len(recipes))
     read = locked(progress)
     if on_start is not None:
-        on_start(sum(t.nbytes for t in ckpt.tensors) + sum(
+        on_start(sum(v.nbytes for v in named.views.values()) + sum(
             r.nbytes for r in recipes if r.how != deltas.BASE))
     with open_reader(ckpt, follow_links=follow_links) as reader:
-        _check_base(ckpt, reader, doc["a"]["tensors"], data.parent / deltas.DELTA_JSON, read)
+        _check_base(named, reader, doc["a"]["tensors"], data.parent / deltas.DELTA_JSON, read)
         check_space(out_dir, sum(f.layout.file_size for f in planned) + len(index or b""))
         by_name = {r.name: r for r in recipes}
-        sources = _sources(ckpt, doc["a"]["tensors"])
+        sources = _sources(named, doc["a"]["tensors"])
         fd_data = _open(data)
         try:
             with AtomicOutputs(out_dir, check=check_existing) as outputs:
@@ -166,6 +169,16 @@ def apply(
     report.bytes_written = sum(f.layout.file_size for f in planned)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+def _gathered(side: stream.Side, start: int, stop: int) -> bytearray:
+    """Elements ``[start, stop)`` in a buffer of their own (patched in place)."""
+    out = bytearray((stop - start) * side.tensor.dtype.itemsize)
+    buf = memoryview(out)
+    for data in side.read(start, stop, buf):
+        if not (isinstance(data, memoryview) and data.obj is out):
+            buf[:] = data  # mapped from the page cache, or gathered: copied
+    return out
 
 
 @dataclass(frozen=True)
@@ -210,32 +223,30 @@ def _recipes(doc: dict[str, Any], data: Path) -> list[_Recipe]:
     return out
 
 
-def _check_base(ckpt: Checkpoint, reader: Reader, expected: dict[str, dict[str, Any]],
+def _check_base(named: Named, reader: Reader, expected: dict[str, dict[str, Any]],
                 where: Path, read: Progress) -> None:
     """BASE holds A: every tensor's SHA-256 as the delta recorded it.
 
     Raises:
         InputError: naming the first tensor that differs.
     """
-    digests = {}
-    for t in ckpt.tensors:
-        h = hashlib.sha256()
-        for _, block in tensors.blocks(reader, t.tensor, BLOCK_BYTES):
-            read(len(block))
-            h.update(block)
-        digests[t.name] = h.hexdigest()
-    problems = [p for p in manifest.check(ckpt, expected, digests, set(), where)
-                if p.severity == "error"]
+    ckpt = named.ckpt
+    digests = {n: sha256(stream.Side(reader, v.source), BLOCK_BYTES, read)
+               for n, v in named.views.items()}
+    # verify's manifest check, on the tensors under the names compared (a Named has the
+    # by_name() and hf of a Checkpoint).
+    problems = [p for p in manifest.check(cast(Checkpoint, named), expected, digests, set(),
+                                          where) if p.severity == "error"]
     if problems:
         first = min(problems, key=lambda p: p.location.tensor or "")
         raise InputError(f"{ckpt.root}: is not the checkpoint the delta was made from "
                          f"({first.message}); apply it to that checkpoint (its A)")
 
 
-def _sources(ckpt: Checkpoint, expected: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _sources(named: Named, expected: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """A's canonical names -> BASE's tensors (a tied copy BASE stores once: its partner)."""
-    have = {t.name: t.tensor for t in ckpt.tensors}
-    pair = ties.find_pair(ckpt.by_name()) or ties.find_pair(
+    have: dict[str, Any] = {n: v.source for n, v in named.views.items()}
+    pair = ties.find_pair(named.views) or ties.find_pair(
         {n: _Shape(e) for n, e in expected.items()})
     if pair is not None and pair[0] not in have and pair[1] in have:
         have[pair[0]] = have[pair[1]]
@@ -264,7 +275,7 @@ def _pread(fd: int, size: int, offset: int, path: Path) -> bytes:
 
 
 def _make(r: _Recipe, reader: Reader, sources: dict[str, Any], fd: int, data: Path
-          ) -> Iterator[bytes | bytearray]:
+          ) -> Iterator[bytes | bytearray | memoryview]:
     """The bytes of B's tensor ``r`` in C order, block by block."""
     item = r.dtype.itemsize
     if r.how == deltas.WHOLE:
@@ -276,9 +287,12 @@ def _make(r: _Recipe, reader: Reader, sources: dict[str, Any], fd: int, data: Pa
     if tensor is None:
         raise InputError(f"{data.parent}: tensor '{r.name}' is made from '{r.source}', which "
                          "the base does not hold; write the delta again")
+    side = stream.Side(reader, tensor)
+    step = max(1, BLOCK_BYTES // item)
     if r.how == deltas.BASE:
-        for _, block in tensors.blocks(reader, tensor, BLOCK_BYTES):
-            yield block
+        buf = memoryview(bytearray(min(step, max(tensor.numel, 1)) * item))
+        for start in range(0, tensor.numel, step):
+            yield from side.read(start, min(tensor.numel, start + step), buf)
         return
     import numpy as np
 
@@ -289,8 +303,9 @@ def _make(r: _Recipe, reader: Reader, sources: dict[str, Any], fd: int, data: Pa
     done = 0
     pending_i = np.empty(0, dtype=np.int64)
     pending_v = np.empty(0, dtype=bits(b"", r.dtype).dtype)
-    for start, block in tensors.blocks(reader, tensor, BLOCK_BYTES):
-        stop = start + len(block) // item
+    for start in range(0, tensor.numel, step):
+        stop = min(tensor.numel, start + step)
+        block = _gathered(side, start, stop)
         while done < total and (not len(pending_i) or pending_i[-1] < stop):
             n = min(PATCH_STEP, total - done)
             more_i = np.frombuffer(_pread(fd, n * 8, indices.begin + done * 8, data), "<i8")

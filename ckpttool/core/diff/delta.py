@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.core.checkpoint import hf, tensors
-from ckpttool.core.checkpoint.discover import Checkpoint, TensorView
+from ckpttool.core.checkpoint import hf
 from ckpttool.core.diff import stream
-from ckpttool.core.diff.plan import CHANGED, IDENTICAL, DiffPlan
+from ckpttool.core.diff.plan import CHANGED, IDENTICAL, DiffPlan, Named, View
 from ckpttool.core.diff.values import bits, changed_positions
 from ckpttool.core.runtime.report import SCHEMA, Section, section
 from ckpttool.core.verify import manifest
@@ -108,7 +107,7 @@ def _taken(name: str, extra: set[str]) -> bool:
     return name in (DELTA_JSON, DELTA_DATA) or name in extra
 
 
-def check_output(out: Path, *, overwrite: bool, sources: Sequence[Checkpoint]) -> None:
+def check_output(out: Path, *, overwrite: bool, sources: Sequence[Named]) -> None:
     """DIR is apart from A and B and holds no delta, unless ``overwrite``. Creates nothing.
 
     Raises:
@@ -122,9 +121,8 @@ def check_output(out: Path, *, overwrite: bool, sources: Sequence[Checkpoint]) -
                           "it or choose an empty directory")
 
 
-def write(out: Path, plan: DiffPlan, measured: Sequence[Measured], a: Checkpoint,
-          b: Checkpoint, reader_a: Reader, reader_b: Reader, *, overwrite: bool
-          ) -> DeltaSummary:
+def write(out: Path, plan: DiffPlan, measured: Sequence[Measured], a: Named, b: Named,
+          reader_a: Reader, reader_b: Reader, *, overwrite: bool) -> DeltaSummary:
     """Write the delta of ``plan`` (measured, with digests) into ``out``.
 
     Raises:
@@ -141,10 +139,10 @@ def write(out: Path, plan: DiffPlan, measured: Sequence[Measured], a: Checkpoint
         "about": "rebuilds B from A: ckpttool apply A DELTA OUT",
         "data": DELTA_DATA,
         "files": sorted(files),
-        "a": manifest.document(a, {e.name: m.sha_a for e, m in zip(plan.entries, measured,
-                                                                   strict=True) if m.sha_a}),
-        "b": manifest.document(b, {e.name: m.sha_b for e, m in zip(plan.entries, measured,
-                                                                   strict=True) if m.sha_b}),
+        "a": document(a, {e.name: m.sha_a for e, m in zip(plan.entries, measured, strict=True)
+                          if m.sha_a}),
+        "b": document(b, {e.name: m.sha_b for e, m in zip(plan.entries, measured, strict=True)
+                          if m.sha_b}),
         "tensors": {r.name: {"how": r.how, **({"from": r.source} if r.source else {})}
                     for r in recipes},
     }
@@ -177,16 +175,33 @@ def write(out: Path, plan: DiffPlan, measured: Sequence[Measured], a: Checkpoint
                         sum(r.how == WHOLE for r in recipes), layout.file_size)
 
 
-def _copy(reader: Reader, t: TensorView, fd: int, at: int) -> None:
-    for start, block in tensors.blocks(reader, t.tensor, BLOCK_BYTES):
-        pwrite_all(fd, block, at + start * t.dtype.itemsize)
+def document(side: Named, digests: dict[str, str]) -> dict[str, Any]:
+    """A side's manifest, as ``verify --write-manifest`` writes it (its ``kind``, schema and
+    entries): under the names compared (a Megatron-Core run's Hugging Face names)."""
+    return {
+        "schema": SCHEMA,
+        "kind": manifest.MANIFEST_KIND,
+        "algorithm": "sha256",
+        "about": "SHA-256 of each tensor's bytes in C order, under canonical names; any format",
+        "tensors": {n: {"dtype": v.dtype.name, "shape": list(v.shape), "sha256": digests[n]}
+                    for n, v in sorted(side.views.items()) if n in digests},
+    }
 
 
-def _sparse(reader_a: Reader, a: TensorView, reader_b: Reader, b: TensorView, fd: int,
+def _copy(reader: Reader, t: View, fd: int, at: int) -> None:
+    side = stream.Side(reader, t.source)
+    step = max(1, BLOCK_BYTES // t.dtype.itemsize)
+    buf = memoryview(bytearray(min(step, max(t.numel, 1)) * t.dtype.itemsize))
+    for start in range(0, t.numel, step):
+        for data in side.read(start, min(t.numel, start + step), buf):
+            pwrite_all(fd, data, at + start * t.dtype.itemsize)
+
+
+def _sparse(reader_a: Reader, a: View, reader_b: Reader, b: View, fd: int,
             at_indices: int, at_values: int, want: int) -> None:
     """The elements of B that differ from A: their numbers, then their values."""
     item = b.dtype.itemsize
-    side_a, side_b = stream.Side(reader_a, a.tensor), stream.Side(reader_b, b.tensor)
+    side_a, side_b = stream.Side(reader_a, a.source), stream.Side(reader_b, b.source)
     buf_a, buf_b = (memoryview(bytearray(BLOCK_BYTES)) for _ in range(2))
     done = 0
     for start, stop in stream.pairs(side_a, side_b, max(1, BLOCK_BYTES // item)):

@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttool.core.checkpoint import tensors
-from ckpttool.core.checkpoint.discover import Checkpoint, TensorView, discover, open_reader
+from ckpttool.core.checkpoint.discover import Checkpoint, discover, open_reader
 from ckpttool.core.diff import plan as diff_plan
 from ckpttool.core.diff import stream
-from ckpttool.core.diff.plan import CHANGED, IDENTICAL, STATUSES, DiffPlan, Entry
+from ckpttool.core.diff.plan import CHANGED, IDENTICAL, STATUSES, DiffPlan, Entry, View
 from ckpttool.core.diff.values import Change
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import Progress, Section, document, locked, section
@@ -146,20 +145,20 @@ def diff(
     if write_delta is not None and filter is not None:
         raise InputError("--filter compares part of the tensors, and a delta must rebuild all "
                          "of B; leave out one of --filter and --write-delta")
-    ckpt_a = diff_plan.model(discover(a, command="diff", stores=stores))
-    ckpt_b = diff_plan.model(discover(b, command="diff", stores=stores))
+    ckpt_a = diff_plan.named(discover(a, command="diff", stores=stores))
+    ckpt_b = diff_plan.named(discover(b, command="diff", stores=stores))
     if write_delta is not None:
         from ckpttool.core.diff import delta
 
         delta.check_output(Path(write_delta), overwrite=overwrite, sources=(ckpt_a, ckpt_b))
     plan = diff_plan.plan_diff(ckpt_a, ckpt_b, pattern=filter)
-    report = DiffReport(str(ckpt_a.root), str(ckpt_b.root), ckpt_a.format, ckpt_b.format,
-                        filter=filter)
+    report = DiffReport(str(ckpt_a.root), str(ckpt_b.root), ckpt_a.ckpt.format,
+                        ckpt_b.ckpt.format, filter=filter)
     report.tied = [TiedOnce(e.name, (e.a if e.a_tied else e.b).name,  # type: ignore[union-attr]
                             "a" if e.a_tied else "b")
                    for e in plan.entries if e.a_tied or e.b_tied]
-    with (open_reader(ckpt_a, follow_links=follow_links) as reader_a,
-          open_reader(ckpt_b, follow_links=follow_links) as reader_b):
+    with (open_reader(ckpt_a.ckpt, follow_links=follow_links) as reader_a,
+          open_reader(ckpt_b.ckpt, follow_links=follow_links) as reader_b):
         measured = measure(plan, reader_a, reader_b, digests=write_delta is not None,
                            workers=workers, progress=progress, on_start=on_start)
         report.tensors = [m.row for m in measured]
@@ -217,7 +216,7 @@ def _measure(e: Entry, reader_a: Reader, reader_b: Reader, *, digests: bool,
                 got.bytes_read += e.b.nbytes
         return got
     assert e.a is not None and e.b is not None
-    ta, tb = e.a.tensor, e.b.tensor
+    ta, tb = e.a.source, e.b.source
     dtype = ta.dtype
     change = Change()
     ha = hashlib.sha256() if digests and not e.a_tied else None
@@ -272,11 +271,20 @@ def _buffers() -> tuple[memoryview, memoryview]:
     return bufs
 
 
-def _sha(reader: Reader, t: TensorView, report: Progress) -> str:
+def _sha(reader: Reader, t: View, report: Progress) -> str:
+    return sha256(stream.Side(reader, t.source), BLOCK_BYTES, report)
+
+
+def sha256(side: stream.Side, block_bytes: int, report: Progress | None = None) -> str:
+    """The SHA-256 of a tensor's bytes in C order."""
     h = hashlib.sha256()
-    for _, block in tensors.blocks(reader, t.tensor, BLOCK_BYTES):
-        report(len(block))
-        h.update(block)
+    step = max(1, block_bytes // side.tensor.dtype.itemsize)
+    buf = memoryview(bytearray(min(step, max(side.tensor.numel, 1)) * side.tensor.dtype.itemsize))
+    for start in range(0, side.tensor.numel, step):
+        for data in side.read(start, min(side.tensor.numel, start + step), buf):
+            if report is not None:
+                report(len(data))
+            h.update(data)
     return h.hexdigest()
 
 
@@ -301,7 +309,7 @@ def against_base(ckpt: Checkpoint, base: Checkpoint, *, workers: int | None,
     """``verify OUT --base BASE``: a model identical to the base it was made from (every
     tensor bit for bit, ties aside) is a warning: the merge, fold or training step that made
     it changed nothing. Otherwise a note of how much changed."""
-    plan = diff_plan.plan_diff(diff_plan.model(base), diff_plan.model(ckpt))
+    plan = diff_plan.plan_diff(diff_plan.named(base), diff_plan.named(ckpt))
     with (open_reader(base, follow_links=follow_links) as reader_a,
           open_reader(ckpt, follow_links=follow_links) as reader_b):
         rows = [m.row for m in measure(plan, reader_a, reader_b, digests=False, workers=workers,

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+from pathlib import Path
 
 from ckpttool.core import ties
 from ckpttool.core.checkpoint import hf
-from ckpttool.core.checkpoint.discover import Checkpoint, TensorView
+from ckpttool.core.checkpoint.discover import Checkpoint
+from ckpttool.core.transforms.derive import Derived
+from ckpttool.formats.base import Tensor
+from ckpttool.formats.codecs.dtypes import DType
 
 IDENTICAL = "identical"
 CHANGED = "changed"
@@ -25,13 +29,93 @@ STATUSES = (IDENTICAL, CHANGED, ADDED, REMOVED, RESHAPED, DTYPE_CHANGED)
 
 
 @dataclass(frozen=True)
+class View:
+    """A tensor of one side under its Hugging Face name: a stored tensor, or (a Megatron-Core
+    run, through its family's name map, as merge writes it) a slice or a computed tensor."""
+
+    name: str
+    source: Tensor | Derived
+    stored_name: str
+
+    @property
+    def dtype(self) -> DType:
+        return self.source.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.source.shape
+
+    @property
+    def numel(self) -> int:
+        return self.source.numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.nbytes
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        src = self.source
+        return src.files if isinstance(src, Tensor) else src.inputs[0].files
+
+
+@dataclass(frozen=True)
+class Named:
+    """One side of a diff: the checkpoint and its tensors under the names compared."""
+
+    ckpt: Checkpoint
+    views: dict[str, View]
+    map: str | None = None  # the name map applied (a Megatron-Core run's family map)
+
+    @property
+    def root(self) -> Path:
+        return self.ckpt.root
+
+    @property
+    def hf(self) -> hf.HfFiles:
+        return self.ckpt.hf
+
+    def by_name(self) -> dict[str, View]:
+        return self.views
+
+
+def named(ckpt: Checkpoint) -> Named:
+    """The tensors of ``ckpt`` (its model, of a training checkpoint) under the names merge
+    writes: canonical names, or for a Megatron-Core run its family's name map (config.json
+    beside the run, or ``--config`` of merge: layers unstacked, QKV and gate/up split) applied
+    without reading any data.
+
+    Raises:
+        InputError: a Megatron-Core run without a config.json.
+    """
+    from ckpttool.core.transforms import namemaps
+
+    part = model(ckpt)
+    pairs = [(t.name, t.tensor) for t in part.tensors]
+    if namemaps.is_megatron(pairs):
+        where = str(part.hf.config_path) if part.hf.config_path else None
+        chosen = namemaps.implied(pairs, part.hf.config, config_path=where)
+        if chosen is not None:
+            mapped = namemaps.apply(chosen, pairs, part.hf.config, config_path=where)
+            stored = {id(t): n for n, t in pairs}
+            return Named(part, {n: View(n, src, _stored(src, stored, n))
+                                for n, src in mapped.tensors}, chosen)
+    return Named(part, {t.name: View(t.name, t.tensor, t.stored_name) for t in part.tensors})
+
+
+def _stored(src: Tensor | Derived, stored: dict[int, str], name: str) -> str:
+    t = src if isinstance(src, Tensor) else src.inputs[0] if src.inputs else None
+    return stored.get(id(t), name) if t is not None else name
+
+
+@dataclass(frozen=True)
 class Entry:
     """One canonical name: its tensor in A and in B (None: not there), and, for a tied copy
     stored once, the partner that stands for it on that side."""
 
     name: str
-    a: TensorView | None
-    b: TensorView | None
+    a: View | None
+    b: View | None
     a_tied: bool = False  # ``a`` is the partner of ``name`` in A (stored once there)
     b_tied: bool = False
 
@@ -74,7 +158,7 @@ def matches(name: str, stored: str, pattern: str | None) -> bool:
         stored, pattern)
 
 
-def plan_diff(a: Checkpoint, b: Checkpoint, *, pattern: str | None = None) -> DiffPlan:
+def plan_diff(a: Named, b: Named, *, pattern: str | None = None) -> DiffPlan:
     """Pair the tensors of ``a`` and ``b`` by canonical name (``pattern``: only the names
     that match on either side)."""
     names_a, names_b = a.by_name(), b.by_name()
@@ -95,7 +179,7 @@ def plan_diff(a: Checkpoint, b: Checkpoint, *, pattern: str | None = None) -> Di
     return DiffPlan(tuple(entries))
 
 
-def _stand_in(side: Checkpoint, other: Checkpoint, name: str) -> TensorView | None:
+def _stand_in(side: Named, other: Named, name: str) -> View | None:
     """The tensor of ``side`` that stands for ``name``, which ``side`` lacks: its tie partner,
     where ``other`` holds the pair, ``side`` holds the partner with the same shape,
     and ``side``'s config does not untie them (a dtype that differs is reported as such)."""

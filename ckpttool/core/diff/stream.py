@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpttool.core.checkpoint import tensors
+from ckpttool.core.transforms.derive import Derived
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Reader, Tensor
 
@@ -36,12 +37,15 @@ class _Segment:
 
 class Side:
     """One side's tensor: its contiguous chunks (rows of the tensor), or None where the chunks
-    are not whole rows or not stored raw (compressed, strided): gathered then."""
+    are not whole rows or not stored raw (compressed, strided): gathered then. A tensor a name
+    map makes (a Megatron layer's slice, a q/k/v part) is made whole once, as merge makes it:
+    its memory is that one tensor."""
 
-    def __init__(self, reader: Reader, tensor: Tensor) -> None:
+    def __init__(self, reader: Reader, tensor: Tensor | Derived) -> None:
         self.reader, self.tensor = reader, tensor
-        self.segments = _segments(reader, tensor)
+        self.segments = _segments(reader, tensor) if isinstance(tensor, Tensor) else None
         self.firsts = [s.first for s in self.segments] if self.segments else []
+        self._whole: bytes | bytearray | memoryview | None = None
 
     def cuts(self) -> list[int]:
         """Elements where a stored piece begins (after the first)."""
@@ -68,7 +72,22 @@ class Side:
                 finally:
                     views.close()
                 return
-        yield tensors.read_range(self.reader, self.tensor, start, stop)
+        if isinstance(self.tensor, Tensor):
+            yield tensors.read_range(self.reader, self.tensor, start, stop)
+            return
+        if self._whole is None:
+            self._whole = _make(self.reader, self.tensor)
+        yield memoryview(self._whole)[start * item : stop * item]
+
+
+def _make(reader: Reader, derived: Derived) -> bytes | bytearray | memoryview:
+    """A tensor a name map makes, whole: a selection of stored bytes (no torch), else
+    computed."""
+    from ckpttool.core.transforms import derive
+
+    if derive.is_selection(derived) and derived.boxes and derived.boxes[0] is not None:
+        return tensors.read_boxes(reader, derived.inputs[0], derived.boxes[0])
+    return derive.materialise(reader, derived, derived.dtype)
 
 
 def _segments(reader: Reader, tensor: Tensor) -> list[_Segment] | None:
