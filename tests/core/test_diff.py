@@ -337,3 +337,42 @@ def test_verify_base_warns_when_the_merge_changed_nothing(llama_ckpt: Path, llam
     note = next(p for p in report.problems if p.code == "differs-from-base")
     assert note.severity == "info" and note.message.startswith("6 of 22 tensors differ")
     assert math.isfinite(report.seconds)
+
+
+# -- Megatron-Core
+
+
+@pytest.fixture(scope="module")
+def megatron_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One Megatron-Core run written by megatron-core (llama, TP=2, 2 gloo ranks)."""
+    from tests import megatron_layouts
+
+    if not megatron_layouts.MEGATRON:
+        pytest.skip("megatron-core is not installed")
+    out = tmp_path_factory.mktemp("diff-megatron")
+    megatron_layouts.write_runs(out, ["llama-tp2"])
+    return out / "llama-tp2"
+
+
+def test_megatron_run_against_its_merge_and_a_delta_applied_to_the_run(
+        megatron_run: Path, tmp_path: Path) -> None:
+    merged = tmp_path / "merged"
+    ckpttool.merge(megatron_run, merged, dtype="keep")
+    report = ckpttool.diff(megatron_run, merged)
+    assert report.identical, [t for t in report.tensors if t.status != "identical"]
+    assert report.format_a == "megatron" and len(report.tensors) == len(
+        load_file(merged / "model.safetensors"))
+    sd = load_file(merged / "model.safetensors")
+    b = {k: v.clone() for k, v in sd.items()}
+    q = "model.layers.1.self_attn.q_proj.weight"  # a slice of the fused, stacked QKV
+    b[q][2, 3] += 1
+    write(tmp_path / "b", b, tie=None)
+    shutil.copy(merged / "config.json", tmp_path / "b" / "config.json")
+    report = ckpttool.diff(megatron_run, tmp_path / "b", write_delta=tmp_path / "d")
+    assert [(t.name, t.changed_elements) for t in report.tensors
+            if t.status != "identical"] == [(q, 1)]
+    ckpttool.apply(megatron_run, tmp_path / "d", tmp_path / "out")
+    same_bits(load_file(tmp_path / "out" / "model.safetensors"), b)
+    # The run is the delta's A; its merge holds the same tensors: a base as good.
+    ckpttool.apply(merged, tmp_path / "d", tmp_path / "out2")
+    same_bits(load_file(tmp_path / "out2" / "model.safetensors"), b)
