@@ -19,6 +19,8 @@ from ckpttool.errors import (
 )
 
 if TYPE_CHECKING:
+    from ckpttool.core.diff.apply import ApplyReport, apply
+    from ckpttool.core.diff.operation import DiffReport, diff
     from ckpttool.core.inspect import InspectReport, inspect
     from ckpttool.core.merge.operation import MergeReport, merge
     from ckpttool.core.reshard import ReshardReport, reshard
@@ -27,6 +29,10 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _LAZY = {
+    "apply": "ckpttool.core.diff.apply",
+    "ApplyReport": "ckpttool.core.diff.apply",
+    "diff": "ckpttool.core.diff.operation",
+    "DiffReport": "ckpttool.core.diff.operation",
     "inspect": "ckpttool.core.inspect",
     "InspectReport": "ckpttool.core.inspect",
     "merge": "ckpttool.core.merge.operation",
@@ -49,7 +55,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ApplyReport",
     "CkptError",
+    "DiffReport",
     "InputError",
     "InspectReport",
     "IntegrityError",
@@ -60,6 +68,8 @@ __all__ = [
     "UnsupportedError",
     "UsageError",
     "VerifyReport",
+    "apply",
+    "diff",
     "inspect",
     "merge",
     "reshard",

@@ -16,7 +16,11 @@ from typing import Annotated
 
 import typer
 
+from ckpttool.cli.apply import EPILOG as APPLY_EPILOG
+from ckpttool.cli.apply import apply_command
 from ckpttool.cli.common import EXIT_INTERRUPTED
+from ckpttool.cli.diff import EPILOG as DIFF_EPILOG
+from ckpttool.cli.diff import diff_command
 from ckpttool.cli.inspect import EPILOG as INSPECT_EPILOG
 from ckpttool.cli.inspect import inspect_command
 from ckpttool.cli.merge import EPILOG as MERGE_EPILOG
@@ -44,6 +48,10 @@ app.command("inspect", epilog=INSPECT_EPILOG,
             short_help="Show what a checkpoint holds.")(inspect_command)
 app.command("verify", epilog=VERIFY_EPILOG,
             short_help="Check a checkpoint is whole; compare it with another.")(verify_command)
+app.command("diff", epilog=DIFF_EPILOG,
+            short_help="Show which tensors differ between two checkpoints.")(diff_command)
+app.command("apply", epilog=APPLY_EPILOG,
+            short_help="Rebuild a checkpoint from its base and a delta of diff.")(apply_command)
 
 # torch built without numpy warns "Failed to initialize NumPy" (two lines) when imported;
 # ckpttool needs no numpy from torch, so the warning says nothing to a ckpttool user.

@@ -35,7 +35,7 @@ EXIT_BUG = 70
 # What each exit status means, for every command (README's table is generated from this).
 EXIT_MEANINGS: tuple[tuple[int, str], ...] = (
     (EXIT_OK, "success (`verify`: nothing at error severity)"),
-    (EXIT_PROBLEMS, "`verify` found something at error severity"),
+    (EXIT_PROBLEMS, "`verify` found an error; `diff` found a difference"),
     (EXIT_USAGE, "usage error: unknown option, bad value, options that do not go together"),
     (EXIT_INPUT, "bad input or output: missing path, not a checkpoint, truncated, corrupt or "
                  "unsafe file, unreadable file, output exists, no space"),

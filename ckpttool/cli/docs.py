@@ -38,7 +38,7 @@ BLOB_URL = f"{PROJECT_URL}/blob/main/"
 TREE_URL = f"{PROJECT_URL}/tree/main/"
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMANDS = ("merge", "inspect", "verify", "reshard")
+COMMANDS = ("merge", "inspect", "verify", "reshard", "diff", "apply")
 
 _BLOCK = re.compile(r"(<!-- BEGIN generated:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)"
                     r"(<!-- END generated:(?P=name) -->)", re.S)

@@ -39,6 +39,7 @@ EPILOG = epilog([
     "ckpttool verify checkpoint-500 --expect-dtype bf16 --json | jq '.problems'",
     "ckpttool verify merged/ --write-manifest merged.manifest.json",
     "ckpttool verify copy/ --check-manifest merged.manifest.json",
+    "ckpttool verify merged/ --base Qwen2.5-0.5B/",
 ], "Exit codes: 0 nothing at error severity, 1 errors found, 2 usage, 3 PATH cannot be read, "
    "4 unsupported, 70 internal bug.")
 
@@ -52,6 +53,9 @@ def verify_command(
     against: Annotated[str | None, typer.Option(
         metavar="OTHER", help="Another checkpoint (any format) that must hold the same tensors "
         "under canonical names, bit for bit: e.g. the output of ckpttool merge.")] = None,
+    base: Annotated[str | None, typer.Option(
+        metavar="BASE", help="The checkpoint PATH was made from (the base model of a merge or "
+        "LoRA fold, the step before): PATH identical to it, bit for bit, is a warning.")] = None,
     allow_cast: Annotated[bool, typer.Option(
         "--allow-cast", help="With --against: compare after the cast that --dtype would apply "
         "(NaN equals NaN after a cast).")] = False,
@@ -103,7 +107,7 @@ def verify_command(
     with exit_codes():
         bar.begin()
         try:
-            report = verify(path, against=against, allow_cast=allow_cast,
+            report = verify(path, against=against, base=base, allow_cast=allow_cast,
                             dtype=dtype,
                             expect_dtype=expect_dtype,
                             config=config, manifest=write_manifest or check_manifest,

@@ -83,3 +83,30 @@ def test_json_documents(case: tuple[str, Path], tmp_path: Path) -> None:
     _check(f"{name}-reshard", _run(
         ["reshard", str(src), str(tmp_path / "re"), "--ranks", "2", "--json"],
         subs + [(str(tmp_path / "re"), "<RE>")]))
+
+
+def test_diff_and_apply_documents(llama_ckpt: Path, tmp_path: Path) -> None:
+    """``diff --json`` (every status, a tie stored once, a delta) and ``apply --json`` on the
+    llama fixture against a changed copy of its merge."""
+    from safetensors.torch import load_file, save_file
+
+    keep, b, delta, out = (tmp_path / n for n in ("keep", "b", "delta", "out"))
+    r = CliRunner().invoke(app, ["merge", str(llama_ckpt), str(keep), "--dtype", "keep", "-q"],
+                           env={"CKPTTOOL_FSYNC": "0"})
+    assert r.exit_code == 0, r.output
+    sd = load_file(keep / "model.safetensors")
+    sd["model.layers.0.self_attn.q_proj.weight"][3, 5] += 0.25
+    sd["model.layers.1.mlp.up_proj.weight"] *= 2
+    del sd["model.layers.1.post_attention_layernorm.weight"]
+    sd["extra.bias"] = sd["model.norm.weight"][:7].clone()
+    sd["model.norm.weight"] = sd["model.norm.weight"].reshape(2, -1).clone()
+    sd["model.layers.0.input_layernorm.weight"] = sd[
+        "model.layers.0.input_layernorm.weight"].bfloat16()
+    b.mkdir()
+    save_file(sd, b / "model.safetensors")
+    (b / "config.json").write_bytes((keep / "config.json").read_bytes())
+    subs = [(str(delta), "<DELTA>"), (str(out), "<OUT>"), (str(b), "<B>"),
+            (str(llama_ckpt), "<SRC>"), (str(tmp_path), "<TMP>")]
+    _check("llama-diff", _run(["diff", str(llama_ckpt), str(b), "--json", "--workers", "2",
+                               "--write-delta", str(delta)], subs))
+    _check("llama-apply", _run(["apply", str(llama_ckpt), str(delta), str(out), "--json"], subs))

@@ -137,6 +137,11 @@ CODES: tuple[Code, ...] = (
     Code("data-differs", "error", "--against", "the same tensor has other bytes"),
     Code("tie-deduplicated", "info", "--against",
          "OTHER stores a tied copy once, as merge writes it"),
+    # --base
+    Code("identical-to-base", "warning", "--base",
+         "every tensor of PATH is bit-identical to BASE: what made it changed nothing"),
+    Code("differs-from-base", "info", "--base",
+         "how many tensors of PATH differ from BASE (`ckpttool diff BASE PATH` lists them)"),
     # manifests
     Code("manifest-mismatch", "error", "manifests",
          "a tensor's SHA-256 differs from the manifest's"),

@@ -93,11 +93,12 @@ class VerifyReport:
         return doc
 
 
-@remote.urls(sources=("path", "against"))
+@remote.urls(sources=("path", "against", "base"))
 def verify(
     path: str | os.PathLike[str],
     *,
     against: str | os.PathLike[str] | None = None,
+    base: str | os.PathLike[str] | None = None,
     allow_cast: bool = False,
     dtype: str | None = None,
     expect_dtype: str | None = None,
@@ -117,6 +118,8 @@ def verify(
     Args:
         path: any supported checkpoint (see :func:`~ckpttool.core.checkpoint.discover.discover`).
         against: another checkpoint (any format) that must hold the same tensors, bit for bit.
+        base: the checkpoint ``path`` was made from (a merge's base model, the step
+            before): a ``path`` identical to it, bit for bit, is a warning.
         allow_cast: with ``against``, compare after the cast ``merge --dtype`` would apply.
         dtype: that ``--dtype`` (default ``auto``: the config's); only with ``allow_cast``.
         expect_dtype: ``auto``, ``bf16``, ``fp16`` or ``fp32``: floating tensors of another
@@ -208,10 +211,23 @@ def verify(
         manifests.finish(ckpt, manifest_path, expected, digests) if manifest_path is not None
         else receipts.verify(ckpt, receipt, digests) if receipt is not None else ([], None))
     problems += found
+    if base is not None:
+        report.checks.append("base")
+        problems += _against_base(model, base, stores, workers, read, follow_links=follow_links)
     report.problems = problems
     report.bytes_read = done.bytes_read + part_bytes
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+def _against_base(model: Checkpoint, base: str | os.PathLike[str], stores: Stores,
+                  workers: int | None, read: Progress, *, follow_links: bool) -> list[Problem]:
+    """``--base``: a model identical to its base is a warning (the check verl users ask for:
+    why is my merged model the base?)."""
+    from ckpttool.core.diff.operation import against_base
+
+    return against_base(model, discover(base, command="verify", stores=stores),
+                        workers=workers, follow_links=follow_links, progress=read)
 
 
 def _receipt(ckpt: Checkpoint, report: VerifyReport) -> receipts.Receipt | None:
