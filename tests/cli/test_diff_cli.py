@@ -112,3 +112,22 @@ def test_verify_base_option(tmp_path: Path) -> None:
     doc = json.loads(r.stdout)
     assert "base" in doc["checks"]
     assert [p["code"] for p in doc["problems"] if "base" in p["code"]] == ["differs-from-base"]
+
+
+def test_a_delta_that_lies_is_exit_3(tmp_path: Path) -> None:
+    a, b = pair(tmp_path)
+    assert run("diff", a, b, "--write-delta", tmp_path / "d").exit_code == 1
+    doc_path = tmp_path / "d" / "delta.json"
+    doc = json.loads(doc_path.read_text())
+    doc["tensors"]["model.norm.weight"]["from"] = "model.embed_tokens.weight"
+    doc_path.write_text(json.dumps(doc))
+    r = run("apply", a, tmp_path / "d", tmp_path / "out")
+    assert r.exit_code == 3, r.output
+    assert ("damaged delta: tensor 'model.norm.weight' is made from 'model.embed_tokens.weight', "
+            "which is F32 [16, 4], not F32 [4]") in r.stderr
+    doc["tensors"]["model.norm.weight"]["from"] = "model.norm.weight"
+    doc["files"] = ["../a/model.safetensors"]
+    doc_path.write_text(json.dumps(doc))
+    r = run("apply", a, tmp_path / "d", tmp_path / "out")
+    assert r.exit_code == 3 and "is missing or is no config or tokenizer file" in r.stderr
+    assert not (tmp_path / "out").exists()

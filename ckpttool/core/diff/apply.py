@@ -150,9 +150,10 @@ def apply(
                                 "Write it again with ckpttool diff A B --write-delta DIR")
                 for name in files:
                     src = data.parent / name
-                    if Path(name).name != name or not src.is_file():
-                        raise InputError(f"{src}: a file the delta names is missing; write the "
-                                         "delta again")
+                    if (Path(name).name != name or not src.is_file()
+                            or st.is_weight_file(name) or name in deltas.OWN):
+                        raise InputError(f"{src}: a file the delta names is missing or is no "
+                                         "config or tokenizer file; write the delta again")
                     outputs.write_bytes(name, src.read_bytes())
                 if index is not None:
                     outputs.write_bytes(st.index_name(), index)
@@ -287,6 +288,10 @@ def _make(r: _Recipe, reader: Reader, sources: dict[str, Any], fd: int, data: Pa
     if tensor is None:
         raise InputError(f"{data.parent}: tensor '{r.name}' is made from '{r.source}', which "
                          "the base does not hold; write the delta again")
+    if (tensor.dtype, tuple(tensor.shape)) != (r.dtype, r.shape):
+        raise InputError(f"{data.parent}: damaged delta: tensor '{r.name}' is made from "
+                         f"'{r.source}', which is {tensor.dtype.name} {list(tensor.shape)}, not "
+                         f"{r.dtype.name} {list(r.shape)}; write the delta again")
     side = stream.Side(reader, tensor)
     step = max(1, BLOCK_BYTES // item)
     if r.how == deltas.BASE:

@@ -43,6 +43,7 @@ DELTA_JSON = "delta.json"
 DELTA_DATA = "delta.safetensors"
 INDICES, VALUES = ":indices", ":values"  # a sparse tensor's two entries: NAME:indices...
 INDEX = get("I64")
+OWN = (DELTA_JSON, DELTA_DATA)
 BLOCK_BYTES = 8 << 20
 
 # How a tensor of B is made: A's tensor as it is, A's with elements replaced, or stored whole.
