@@ -19,6 +19,7 @@ from typing import Annotated, Any
 import typer
 
 from ckpttool import settings
+from ckpttool.cli import failure
 from ckpttool.errors import CkptError, UnreadableError
 from ckpttool.formats.codecs import dtypes
 from ckpttool.storage.outputs import human_bytes as human_bytes  # the one formatter
@@ -82,25 +83,32 @@ def exit_codes() -> Iterator[None]:
         if debug:
             traceback.print_exc()
         err(f"ckpttool: error: {e}")
+        failure.record(e.exit_code, failure.code_of(e), str(e))
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
-        err("ckpttool: interrupted; no incomplete output was put in place (the same merge "
-            "command resumes a large one from the pieces it finished)")
+        message = ("interrupted; no incomplete output was put in place (the same merge "
+                   "command resumes a large one from the pieces it finished)")
+        err(f"ckpttool: {message}")
+        failure.record(EXIT_INTERRUPTED, "interrupted", message)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except (typer.Exit, typer.Abort, typer.BadParameter):
         raise
     except PermissionError as e:  # a file or directory this user may not read: not our bug
         if debug:
             traceback.print_exc()
-        err(f"ckpttool: error: {UnreadableError.of(e.filename or '?', e)}")
+        unreadable = UnreadableError.of(e.filename or '?', e)
+        err(f"ckpttool: error: {unreadable}")
+        failure.record(EXIT_INPUT, "unreadable", str(unreadable))
         raise typer.Exit(EXIT_INPUT) from None
     except ImportError as e:
         if (e.name or "").partition(".")[0] != "torch":
             raise _bug() from None
         if debug:
             traceback.print_exc()
-        err("ckpttool: error: this needs PyTorch (reading values, casting, writing DCP), which "
-            "is not installed here; install it: pip install torch")
+        message = ("this needs PyTorch (reading values, casting, writing DCP), which is not "
+                   "installed here; install it: pip install torch")
+        err(f"ckpttool: error: {message}")
+        failure.record(EXIT_UNSUPPORTED, "missing-library", message)
         raise typer.Exit(EXIT_UNSUPPORTED) from None
     except Exception:  # noqa: BLE001 - anything else is our bug, reported as one
         raise _bug() from None
@@ -131,9 +139,11 @@ def removes_new_dirs(out: str) -> Iterator[None]:
 
 def _bug() -> typer.Exit:
     """Report the exception being handled as a bug (traceback, exit 70)."""
+    kind, text = sys.exc_info()[:2]
     traceback.print_exc()
     err("ckpttool: internal error (a bug in ckpttool); please report it with the traceback "
         "above")
+    failure.record(EXIT_BUG, "bug", f"{kind.__name__ if kind else 'error'}: {text}")
     return typer.Exit(EXIT_BUG)
 
 
@@ -266,6 +276,7 @@ def print_json(doc: dict[str, Any]) -> None:
     which a document of 15,000 tensors needs (``indent`` takes Python's: 4x slower)."""
     from ckpttool.formats.codecs.torchsave import gc_paused  # loaded by any command's core
 
+    failure.printed_document()
     with gc_paused():  # a string per row, none of them garbage: not worth walking the heap
         text = _layout(doc)
     sys.stdout.write(text)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from ckpttool.cli import failure
 from ckpttool.cli.common import err, exit_codes, human_bytes
 
 if TYPE_CHECKING:  # not at import: --help stays light
@@ -56,6 +57,7 @@ def sweep_command(run: str, out_root: str, *, merge_options: dict[str, Any], ste
     def show(o: Outcome) -> None:
         outcomes.append(o)
         if json_output:
+            failure.printed_document()  # the lines say what failed: no document after them
             sys.stdout.write(json.dumps(o.to_json(), separators=(",", ":")) + "\n")
             sys.stdout.flush()
         elif not quiet or o.status == sweeps.FAILED:
