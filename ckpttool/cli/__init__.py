@@ -110,8 +110,10 @@ def main() -> None:
         failure.record(code, "usage", message)
     if interrupted:
         code = EXIT_INTERRUPTED
-    if code is None or isinstance(code, int):
-        failure.finish(args, code or 0)
+    if code is None:  # the command returned: success
+        code = 0
+    if isinstance(code, int):
+        failure.finish(args, code)
     signal.signal(signal.SIGINT, _interrupted_at_exit)
     # The command is over (its outputs closed, its context managers exited): what it made is
     # freed at shutdown by reference counts, and the collector's passes at shutdown would walk

@@ -164,8 +164,8 @@ FollowLinks = Annotated[bool, typer.Option(
     "--follow-links", help="Read data files that are links out of the checkpoint directory "
     "(shared-storage layouts); refused otherwise.")]
 NoProgress = Annotated[bool, typer.Option(
-    "--no-progress", help="No progress display on stderr (it shows on a terminal; plain "
-    "lines when TERM=dumb).")]
+    "--no-progress", help="No progress on stderr (--progress none).")]
+
 JsonOutput = Annotated[bool, typer.Option(
     "--json", help="Print the report as one JSON document on stdout.")]
 Iteration = Annotated[int | None, typer.Option(
@@ -184,6 +184,22 @@ def completer(*choices: tuple[str, str]) -> Callable[[str], list[tuple[str, str]
         return [(value, about) for value, about in choices if value.startswith(incomplete)]
 
     return complete
+
+
+def _progress_choice(value: str | None) -> str | None:
+    if value is None or value in ("auto", "bar", "plain", "none"):
+        return value
+    raise typer.BadParameter(f"'{value}' is not one of auto, bar, plain, none")
+
+
+ProgressMode = Annotated[str | None, typer.Option(
+    "--progress", metavar="[auto|bar|plain|none]", callback=_progress_choice,
+    autocompletion=completer(("auto", "a bar on a terminal, plain lines elsewhere"),
+                             ("bar", "a bar, redrawn in place"),
+                             ("plain", "a line every 10% or 30 s, for logs"),
+                             ("none", "no progress")),
+    help="Progress on stderr: auto (default; CKPTTOOL_PROGRESS) draws a bar on a terminal and "
+    "writes a plain line every 10% or 30 s (bytes, rate, time left) to a log or pipe.")]
 
 
 # --dtype's values (dtypes.CHOICES, in its order; a test keeps them equal) with descriptions.
@@ -399,8 +415,9 @@ NARROW_COLUMNS = 72
 
 
 class ProgressBar:
-    """A rich progress display on stderr, shown only when stderr is a terminal; on a dumb
-    terminal (``TERM=dumb``: no cursor control) a plain line every tenth of the way instead.
+    """Progress on stderr: a rich bar on a terminal, plain lines anywhere else (a log file, a
+    pipe, ``TERM=dumb``: :mod:`ckpttool.cli.progress`), as ``--progress`` / ``CKPTTOOL_PROGRESS``
+    choose (``auto`` by default).
 
     :meth:`begin` shows "planning" with the time spent (recognising the checkpoint, reading
     its metadata, importing torch: seconds before the first byte moves, which a bar at 0%
@@ -408,31 +425,38 @@ class ProgressBar:
     the terminal: below :data:`NARROW_COLUMNS` columns it keeps the bar, the percentage and
     the time left."""
 
-    def __init__(self, description: str, enabled: bool, *, console: Any = None) -> None:
-        self.enabled = enabled and (sys.stderr.isatty() if console is None
-                                    else console.is_terminal)
-        self.plain = os.environ.get("TERM") == "dumb"
+    def __init__(self, description: str, enabled: bool, *, console: Any = None,
+                 mode: str | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        from ckpttool.cli import progress
+
+        chosen = mode if mode is not None else settings.progress()
+        shown = progress.resolve(chosen, terminal=sys.stderr.isatty() if console is None
+                                 else console.is_terminal)
+        self.enabled = enabled and shown != "none"
+        self.plain = shown == "plain"
+        self._force = chosen == "bar" and console is None  # a bar asked for, not a terminal
+        self._lines = progress.PlainLines(description, err, clock=clock)
         self.description = description
         self._console = console
         self._progress: Any = None
         self._task: Any = None
-        self._total = 0
-        self._done = 0
-        self._shown = 0  # tenths reported so far
 
     def _make(self, *columns: Any) -> Any:
         from rich.console import Console
         from rich.progress import Progress
 
         if self._console is None:
-            self._console = Console(stderr=True)
+            self._console = Console(stderr=True, force_terminal=self._force or None)
         progress = Progress(*columns, console=self._console, transient=True)
         progress.start()
         return progress
 
     def begin(self) -> None:
         """Show the planning phase (nothing is known of the size yet)."""
-        if not self.enabled or self.plain:
+        if not self.enabled:
+            return
+        if self.plain:
+            self._lines.planning()
             return
         from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -444,7 +468,7 @@ class ProgressBar:
         if not self.enabled:
             return
         if self.plain:
-            self._total = total
+            self._lines.start(total)
             return
         from rich.progress import (
             BarColumn,
@@ -471,19 +495,14 @@ class ProgressBar:
         if self._console is None:
             from rich.console import Console
 
-            self._console = Console(stderr=True)
+            self._console = Console(stderr=True, force_terminal=self._force or None)
         return int(self._console.width)
 
     def advance(self, n: int) -> None:
         if self._progress is not None:
             self._progress.advance(self._task, n)
-        elif self.plain and self._total:
-            self._done += n
-            tenths = min(10, self._done * 10 // self._total)
-            if tenths > self._shown:
-                self._shown = tenths
-                err(f"{self.description}: {tenths * 10}% ({human_bytes(self._done)} of "
-                    f"{human_bytes(self._total)})")
+        elif self.plain:
+            self._lines.advance(n)
 
     def stop(self) -> None:
         if self._progress is not None:

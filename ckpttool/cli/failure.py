@@ -98,8 +98,9 @@ def command_of(args: list[str]) -> str | None:
 
 
 def usage_line(e: BaseException) -> tuple[int, str] | None:
-    """(exit status, one-line message; the help where no argument was given) for a usage error of the command-line parser (Typer's
-    ``BadParameter``, an unknown option, a missing argument); None for any other exception.
+    """(exit status, one-line message) for a usage error of the command-line parser (Typer's
+    ``BadParameter``, an unknown option, a missing argument; the help itself where nothing
+    was given); None for any other exception.
     Read through the documented attributes of these exceptions (``exit_code``,
     ``format_message()``, ``ctx``): no parser internals."""
     exit_code = getattr(e, "exit_code", None)

@@ -17,6 +17,7 @@ from ckpttool.cli.common import (
     NoProgress,
     Phases,
     ProgressBar,
+    ProgressMode,
     Verbose,
     Workers,
     complete_dtype,
@@ -104,6 +105,7 @@ def merge_command(
     adapter_config: _AdapterConfigOption = None,
     part: _PartOption = None,
     no_progress: NoProgress = False,
+    progress_mode: ProgressMode = None,
     follow_links: FollowLinks = False,
     names: _NamesOption = None,
     layout: _LayoutOption = "hub",
@@ -161,8 +163,8 @@ def merge_command(
         # Under torchrun, rank 0 speaks for all; the others print only their errors.
         speaks = shared is None or shared.first
         quiet = quiet or not speaks
-        bar = ProgressBar("merging", enabled=not quiet and not no_progress
-                          and not dry_run)
+        bar = ProgressBar("merging", enabled=not quiet and not no_progress and not dry_run,
+                          mode="none" if no_progress else progress_mode)
         on_start, progress = phases.callbacks(*bar.callbacks)
         bar.begin()
         try:

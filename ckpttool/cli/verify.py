@@ -15,6 +15,7 @@ from ckpttool.cli.common import (
     NoProgress,
     Phases,
     ProgressBar,
+    ProgressMode,
     Verbose,
     Workers,
     complete_dtype,
@@ -74,6 +75,7 @@ def verify_command(
         metavar="FILE", help="Check every tensor against the SHA-256s in FILE (written by "
         "--write-manifest); a missing FILE is an error.")] = None,
     no_progress: NoProgress = False,
+    progress_mode: ProgressMode = None,
     follow_links: FollowLinks = False,
     workers: Workers = None,
     iteration: Iteration = None,
@@ -98,7 +100,8 @@ def verify_command(
                                  "--allow-cast too", param_hint="--dtype")
     if allow_cast and against is None:
         raise typer.BadParameter("needs --against OTHER", param_hint="--allow-cast")
-    bar = ProgressBar("verifying", enabled=not quiet and not no_progress)
+    bar = ProgressBar("verifying", enabled=not quiet and not no_progress,
+                      mode="none" if no_progress else progress_mode)
     on_start, progress = phases.callbacks(*bar.callbacks)
     with exit_codes():
         bar.begin()

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import pty
+import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import ckpttool
+from ckpttool import settings
 from ckpttool.cli import main
+from ckpttool.cli.progress import PlainLines
 
 
 class Ran:
@@ -151,3 +157,128 @@ def test_version_short_flag(capsys: pytest.CaptureFixture[str],
     for flag in ("--version", "-V"):
         r = program(capsys, monkeypatch, flag)
         assert (r.code, r.stdout) == (0, f"ckpttool {ckpttool.__version__}\n")
+
+
+# -- progress in logs: plain lines where stderr is no terminal
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    root = str(Path(__file__).resolve().parents[2])
+    env = {k: v for k, v in os.environ.items() if k != "CKPTTOOL_PROGRESS"}
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = f"{root}{os.pathsep}{path}" if path else root
+    return {**env, **extra}
+
+
+def merge_stderr(src: Path, out: Path, *extra: str, terminal: bool,
+                 env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``ckpttool merge`` with stderr on a pseudo-terminal or a pipe; its stderr."""
+    argv = [sys.executable, "-m", "ckpttool", "merge", str(src), str(out), *extra]
+    env = env if env is not None else cli_env(TERM="xterm-256color")
+    if not terminal:
+        r = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                           text=True, timeout=300)
+        return r.returncode, r.stderr
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=follower, env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 4096)
+        except OSError:  # the other side closed
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(leader)
+    return proc.wait(timeout=300), b"".join(chunks).decode().replace("\r\n", "\n")
+
+
+def progress_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("merging: ")]
+
+
+PLAIN_DONE = re.compile(r"merging: 100% \([0-9.]+ K?B of [0-9.]+ K?B, [0-9.]+ [KMG]?B/s, "
+                        r"done in 0:00:\d\d\)")
+
+
+def test_a_pipe_gets_plain_progress_lines(uneven_ckpt: Path, tmp_path: Path) -> None:
+    code, stderr = merge_stderr(uneven_ckpt, tmp_path / "a", terminal=False)
+    assert code == 0, stderr
+    lines = progress_lines(stderr)
+    assert lines[0] == ("merging: planning (recognising the checkpoint, reading its metadata, "
+                        "checks)")
+    assert PLAIN_DONE.fullmatch(lines[-1]), lines
+    assert "\x1b" not in stderr
+    for off in (["--progress", "none"], ["--no-progress"]):
+        code, stderr = merge_stderr(uneven_ckpt, tmp_path / off[-1], *off, terminal=False)
+        assert code == 0 and progress_lines(stderr) == [], stderr
+    code, stderr = merge_stderr(uneven_ckpt, tmp_path / "e", terminal=False,
+                                env=cli_env(CKPTTOOL_PROGRESS="none"))
+    assert code == 0 and progress_lines(stderr) == [], stderr
+
+
+def test_a_terminal_gets_the_bar_unless_plain_is_asked(uneven_ckpt: Path,
+                                                       tmp_path: Path) -> None:
+    code, stderr = merge_stderr(uneven_ckpt, tmp_path / "a", terminal=True)
+    assert code == 0, stderr
+    assert "\x1b[" in stderr and not any(PLAIN_DONE.fullmatch(x) for x in stderr.splitlines())
+    for how in (["--progress", "plain"], []):
+        env = cli_env(TERM="xterm", CKPTTOOL_PROGRESS="plain") if not how else None
+        code, stderr = merge_stderr(uneven_ckpt, tmp_path / f"p{len(how)}", *how,
+                                    terminal=True, env=env)
+        assert code == 0 and "\x1b" not in stderr, stderr
+        assert PLAIN_DONE.fullmatch(progress_lines(stderr)[-1]), stderr
+
+
+def test_plain_lines_every_tenth_or_30_seconds_never_twice_a_second() -> None:
+    said: list[str] = []
+    now = [0.0]
+    lines = PlainLines("verifying", said.append, clock=lambda: now[0])
+    lines.start(1000)
+    for t, n in ((0.5, 200), (40.0, 10), (50.0, 10), (80.0, 10), (100.0, 770)):
+        now[0] = t
+        lines.advance(n)
+    assert said == [
+        "verifying: 21% (210 B of 1.00 KB, 5 B/s, 0:02:30 left)",  # 0.5 s: too soon for 20%
+        "verifying: 23% (230 B of 1.00 KB, 2 B/s, 0:04:28 left)",  # 30 s on: a line anyway
+        "verifying: 100% (1.00 KB of 1.00 KB, 10 B/s, done in 0:01:40)"]
+
+
+def test_a_bad_progress_value_is_a_usage_error(capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    r = program(capsys, monkeypatch, "inspect", tmp_path, "--progress", "loud")
+    assert r.code == 2
+    assert r.stderr == ("ckpttool: error: Invalid value for '--progress': 'loud' is not one "
+                        "of auto, bar, plain, none; see 'ckpttool inspect --help'\n")
+
+
+# -- CKPTTOOL_* flags: the usual spellings, or a word that the value was ignored
+
+
+@pytest.mark.parametrize(("raw", "want"), [
+    ("1", True), ("true", True), ("YES", True), ("on", True), (" True ", True),
+    ("0", False), ("false", False), ("No", False), ("off", False), ("", False)])
+def test_flags_take_the_usual_spellings(monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str], raw: str,
+                                        want: bool) -> None:
+    monkeypatch.setenv("CKPTTOOL_DEBUG", raw)
+    monkeypatch.setenv("CKPTTOOL_FORK", raw)
+    assert settings.debug() is want
+    assert settings.fork() is (want or raw == "")  # default on
+    assert capsys.readouterr().err == ""
+
+
+def test_a_flag_value_that_means_nothing_is_said_to_be_ignored(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("CKPTTOOL_DEBUG", "maybe")
+    monkeypatch.setenv("CKPTTOOL_PROGRESS", "loud")
+    monkeypatch.setattr(settings, "_warned", set())
+    assert settings.debug() is False and settings.debug() is False
+    assert settings.progress() == "auto"
+    assert capsys.readouterr().err == (
+        "ckpttool: warning: CKPTTOOL_DEBUG='maybe' ignored: expected 1, true, yes or on; 0, "
+        "false, no or off\n"
+        "ckpttool: warning: CKPTTOOL_PROGRESS='loud' ignored: expected auto, bar, plain, none\n")

@@ -468,7 +468,7 @@ def test_help_prints_examples_as_written_and_names_the_arguments() -> None:
 def test_a_dumb_terminal_gets_plain_progress_lines(uneven_ckpt: Path, tmp_path: Path) -> None:
     def stderr_on_a_terminal(*extra: str) -> str:
         leader, follower = pty.openpty()
-        env = {**cli_env(), "TERM": "dumb"}
+        env = {**cli_env(), "TERM": "dumb", "CKPTTOOL_PROGRESS": "auto"}
         proc = subprocess.Popen([sys.executable, "-m", "ckpttool", "merge", str(uneven_ckpt),
                                  str(tmp_path / f"out{len(extra)}"), "--json", *extra],
                                 stdout=subprocess.DEVNULL,
