@@ -12,6 +12,7 @@ import json
 import os
 import pty
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -282,3 +283,50 @@ def test_a_flag_value_that_means_nothing_is_said_to_be_ignored(
         "ckpttool: warning: CKPTTOOL_DEBUG='maybe' ignored: expected 1, true, yes or on; 0, "
         "false, no or off\n"
         "ckpttool: warning: CKPTTOOL_PROGRESS='loud' ignored: expected auto, bar, plain, none\n")
+
+
+# -- a run directory where one checkpoint is expected
+
+
+def test_a_run_directory_is_named_as_one(capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch, uneven_ckpt: Path,
+                                         tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    for step in (500, 1500, 1000):  # HF Trainer's: checkpoint-N/pytorch_model_fsdp_0/
+        shutil.copytree(uneven_ckpt, run / f"checkpoint-{step}")
+    (run / "runs").mkdir()  # TensorBoard's, beside them
+    r = program(capsys, monkeypatch, "merge", run, tmp_path / "out", "--json")
+    message = failure_doc(r, "merge", 3, "input")
+    assert message == (
+        f"{run}: a training run directory with 3 checkpoints (steps 500 to 1500), not one "
+        f"checkpoint; the latest is checkpoint-1500: ckpttool merge {run / 'checkpoint-1500'} "
+        f"OUT, or every one: ckpttool merge {run} OUT_ROOT --all")
+    r = program(capsys, monkeypatch, "verify", run)
+    assert r.code == 3 and r.stderr.endswith(
+        f"ckpttool verify {run / 'checkpoint-1500'} (ckpttool merge {run} OUT_ROOT --all "
+        "merges every one)\n")
+    # The one it names is the one to pass.
+    r = program(capsys, monkeypatch, "merge", run / "checkpoint-1500", tmp_path / "out")
+    assert r.code == 0, r.stderr
+
+
+# -- exit 2 for every bad value
+
+
+@pytest.mark.parametrize("bad", [["--steps", "every 7x"], ["--steps", "9-1"],
+                                 ["--task", "2/2"], ["--task", "x"]])
+def test_a_bad_sweep_value_is_a_usage_error(capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                            bad: list[str]) -> None:
+    r = program(capsys, monkeypatch, "merge", tmp_path, tmp_path / "o", "--all", *bad,
+                "--json")
+    assert failure_doc(r, "merge", 2, "usage").startswith(f"{bad[0]} {bad[1]!r}: ")
+
+
+def test_iteration_of_a_checkpoint_that_is_no_megatron_run_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        uneven_ckpt: Path, tmp_path: Path) -> None:
+    r = program(capsys, monkeypatch, "merge", uneven_ckpt, tmp_path / "o", "--iteration", "2")
+    assert r.code == 2, r.stderr
+    assert "--iteration 2 picks one iteration of a Megatron-Core run directory" in r.stderr
+    assert not (tmp_path / "o").exists()

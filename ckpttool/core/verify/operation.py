@@ -50,7 +50,7 @@ from ckpttool.core.transforms.lora import AdapterSummary
 from ckpttool.core.verify import manifest as manifests
 from ckpttool.core.verify import scan
 from ckpttool.core.verify.against import AgainstPlan, plan_against
-from ckpttool.errors import InputError
+from ckpttool.errors import InputError, UsageError
 from ckpttool.formats.base import SEVERITIES, Location, Problem, error, warning
 from ckpttool.storage.store import LOCAL, Stores
 
@@ -263,10 +263,10 @@ def _structures(ckpt: Checkpoint, other: Checkpoint | None
 def _check_options(dtype: str | None, *, allow_cast: bool,
                    against: str | os.PathLike[str] | None) -> None:
     if dtype is not None and not allow_cast:
-        raise InputError("--dtype applies to the cast that --allow-cast allows; pass "
+        raise UsageError("--dtype applies to the cast that --allow-cast allows; pass "
                          "--allow-cast too, or leave --dtype out")
     if allow_cast and against is None:
-        raise InputError("--allow-cast needs --against OTHER")
+        raise UsageError("--allow-cast needs --against OTHER")
 
 
 def _policies(ckpt: Checkpoint, expect_dtype: str | None, cast_dtype: str | None, *,
@@ -276,7 +276,7 @@ def _policies(ckpt: Checkpoint, expect_dtype: str | None, cast_dtype: str | None
     expect = None
     if expect_dtype is not None:
         if expect_dtype.lower() == "keep":
-            raise InputError("--expect-dtype keep checks nothing; use auto, bf16, fp16 or fp32")
+            raise UsageError("--expect-dtype keep checks nothing; use auto, bf16, fp16 or fp32")
         expect = dtype_policy.resolve(expect_dtype, ckpt.hf.config, config_name)
     cast = (dtype_policy.resolve(cast_dtype or "auto", ckpt.hf.config, config_name)
             if allow_cast else None)
