@@ -180,8 +180,12 @@ def completer(*choices: tuple[str, str]) -> Callable[[str], list[tuple[str, str]
     """An ``autocompletion=`` function for an option's values: the choices that begin with
     what was typed, each with a one-line description (shells show it beside the value)."""
 
+    # Typer's zsh completion loses an ASCII apostrophe in a description (it doubles it, and
+    # zsh reads the pair as an empty quote): the typographic one shows in every shell.
+    shown = [(value, about.replace("'", "\u2019")) for value, about in choices]
+
     def complete(incomplete: str) -> list[tuple[str, str]]:
-        return [(value, about) for value, about in choices if value.startswith(incomplete)]
+        return [(value, about) for value, about in shown if value.startswith(incomplete)]
 
     return complete
 

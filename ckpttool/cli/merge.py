@@ -354,7 +354,7 @@ def _name_lines(r: MergeReport) -> list[str]:
 
 def _tie_lines(r: MergeReport) -> list[str]:
     lines: list[str] = []
-    if r.tie:
+    if r.tie and r.tie.config_ties is not False:  # config.json unties them: nothing to say
         t = r.tie
         if t.action == "deduplicated":
             lines.append(f"  tied: {t.output} is identical to {t.input}; written once, "
@@ -470,7 +470,7 @@ _PartOption = Annotated[str | None, typer.Option(
 _NamesOption = Annotated[str | None, typer.Option(
         callback=names_choice, metavar="MAP",
         autocompletion=completer(*((m, f"{m.split('-')[0]} names to Hugging Face's")
-                                 for m in NAME_MAPS)),
+                                 for m in NAME_MAPS), ("none", "keep the stored names")),
         help=f"Map a training framework's names and "
         f"layouts to a Hugging Face model family's: {', '.join(NAME_MAPS)} (renames, RoPE "
         "permutation, "
@@ -481,6 +481,8 @@ _NamesOption = Annotated[str | None, typer.Option(
 
 _LayoutOption = Annotated[str, typer.Option(
         "--layout", metavar="[hub|stored]", callback=_layout_choice,
+        autocompletion=completer(("hub", "what save_pretrained writes"),
+                                 ("stored", "as stored (transformers 5's runtime names)")),
         help="hub: write what save_pretrained writes for config.json's model family "
         "(experts one tensor each, vision-language models' hub names), as every loader "
         "reads it; stored: transformers 5's runtime names and fused experts as stored.")
@@ -507,7 +509,8 @@ _AllOption = Annotated[bool, typer.Option(
     ]
 
 _StepsOption = Annotated[str | None, typer.Option(
-        metavar="STEPS", help="With --all: which checkpoints, by step: 1000-5000, 500,1500, "
+        metavar="STEPS", autocompletion=completer(("latest", "the last complete checkpoint")),
+        help="With --all: which checkpoints, by step: 1000-5000, 500,1500, "
         "'every 1000', latest, joined by commas.")]
 
 _WatchOption = Annotated[bool, typer.Option(

@@ -24,6 +24,7 @@ import ckpttool
 from ckpttool import settings
 from ckpttool.cli import main
 from ckpttool.cli.progress import PlainLines
+from ckpttool.storage.outputs import human_bytes
 
 
 class Ran:
@@ -330,3 +331,114 @@ def test_iteration_of_a_checkpoint_that_is_no_megatron_run_is_a_usage_error(
     assert r.code == 2, r.stderr
     assert "--iteration 2 picks one iteration of a Megatron-Core run directory" in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+# -- reports
+
+
+def test_merge_all_reports_output_sizes_rates_and_one_line_per_line(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        uneven_ckpt: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    for step in (1, 2):
+        shutil.copytree(uneven_ckpt, run / f"checkpoint-{step}")
+    damaged = run / "checkpoint-2" / "pytorch_model_fsdp_0" / "__1_0.distcp"
+    os.truncate(damaged, damaged.stat().st_size // 2)
+    r = program(capsys, monkeypatch, "merge", run, tmp_path / "out", "--all", "--settle", "0")
+    assert r.code == 3, r.stderr
+    merged = (tmp_path / "out" / "checkpoint-1" / "model.safetensors").stat().st_size
+    line = r.stdout.splitlines()[0]
+    # the output's size (the model file), not the source's (which holds the optimizer too)
+    assert line.startswith(f"merged      checkpoint-1 -> {tmp_path / 'out' / 'checkpoint-1'} (")
+    assert re.search(r" in \d+\.\d s \([0-9.]+ [KMG]?B/s\)$", line), line
+    size = line.split(" (")[1].split(")")[0]
+    assert size == human_bytes(merged)
+    said = r.stderr.splitlines()
+    head = next(x for x in said if x.startswith("merge --all: "))
+    assert head.startswith("merge --all: 1 merged, 1 failed; ") and head.endswith("B/s)")
+    assert any(x.startswith("  failed: checkpoint-2 (exit 3): ") for x in said), said
+    assert "\\n" not in r.stderr
+
+
+def test_a_watched_checkpoint_is_counted_once() -> None:
+    from ckpttool.cli.sweep import summary
+    from ckpttool.core.merge.sweep import Found, Outcome
+
+    found = Found("checkpoint-1", Path("run/checkpoint-1"), 1, 10, None)
+    waiting = Outcome(found, Path("out/checkpoint-1"), "waiting", "a file changed")
+    merged = Outcome(found, Path("out/checkpoint-1"), "merged")
+    assert summary([waiting, merged], dry_run=False, watch=True) == (
+        "merge --all (watch ended): 1 merged, 0 failed")
+
+
+def test_no_config_warning_says_the_cast_asked_for(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        uneven_ckpt: Path, tmp_path: Path) -> None:
+    model = uneven_ckpt / "pytorch_model_fsdp_0"
+    r = program(capsys, monkeypatch, "merge", model, tmp_path / "o", "--dtype", "bf16")
+    assert r.code == 0, r.stderr
+    assert "floating tensors are cast to BF16 (--dtype)" in r.stderr
+    assert "dtypes are kept as stored" not in r.stderr
+
+
+# -- the API: the command's names, dir()
+
+
+def test_verify_takes_the_commands_manifest_names(uneven_ckpt: Path, tmp_path: Path) -> None:
+    sums = tmp_path / "m.json"
+    written = ckpttool.verify(uneven_ckpt, write_manifest=sums)
+    assert written.ok and written.manifest is not None and written.manifest.action == "written"
+    checked = ckpttool.verify(uneven_ckpt, check_manifest=sums)
+    assert checked.ok and checked.manifest is not None and checked.manifest.action == "checked"
+    with pytest.raises(ckpttool.UsageError, match="pass one of write_manifest and "
+                                                  "check_manifest"):
+        ckpttool.verify(uneven_ckpt, write_manifest=sums, check_manifest=sums)
+
+
+def test_dir_lists_the_api_not_the_imports() -> None:
+    names = dir(ckpttool)
+    assert {"inspect", "merge", "reshard", "verify", "__version__"} <= set(names)
+    assert not {"Any", "TYPE_CHECKING", "import_module", "annotations"} & set(names)
+
+
+# -- verify's names-not-hf: which map merge uses, and a message that reads
+
+
+def test_names_not_hf_says_what_merge_does_and_reads() -> None:
+    from ckpttool.core.checkpoint import architecture
+
+    llama = {"model_type": "llama"}
+    odd = architecture.check(["foo.weight", "bar.weight"], llama)
+    assert odd is not None and odd.message() == (
+        "2 of 2 tensor names (e.g. 'bar.weight') are not the names transformers' model_type "
+        "'llama' gives its weights (model.* and lm_head.*): from_pretrained would load none "
+        "of them and leave those weights randomly initialised; rename them to the Hugging "
+        "Face architecture's names first")
+    peft = architecture.check(["base_model.model.model.layers.0.self_attn.q_proj.weight",
+                               "base_model.model.lm_head.weight"], llama)
+    assert peft is not None and peft.message().endswith(
+        "; ckpttool merge maps PEFT's names itself (base_model.model. and .base_layer "
+        "removed, the adapter folded or written for PEFT)")
+    megatron = architecture.check(["decoder.layers.0.mlp.linear_fc1.weight",
+                                   "embedding.word_embeddings.weight"], None)
+    assert megatron is not None and "rename them" not in megatron.message()
+    assert "ckpttool merge maps Megatron-Core names itself" in megatron.message()
+
+
+# -- completion values
+
+
+def complete(line: str) -> str:
+    env = {**cli_env(), "_CKPTTOOL_COMPLETE": "complete_zsh", "_TYPER_COMPLETE_ARGS": line}
+    return subprocess.run([sys.executable, "-m", "ckpttool"], env=env, capture_output=True,
+                          text=True, timeout=120).stdout
+
+
+def test_completion_offers_every_value() -> None:
+    layout = complete("ckpttool merge a b --layout ")
+    assert '"hub":' in layout and '"stored":' in layout
+    assert '"none":"keep the stored names"' in complete("ckpttool merge a b --names n")
+    assert '"latest":' in complete("ckpttool merge a b --all --steps l")
+    # zsh would drop an ASCII apostrophe from a description (Typer doubles it)
+    assert "''" not in complete("ckpttool merge a b --dtype ")
+    assert "config.json\u2019s torch_dtype" in complete("ckpttool merge a b --dtype a")

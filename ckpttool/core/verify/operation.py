@@ -111,6 +111,8 @@ def verify(
     on_start: Callable[[int], None] | None = None,
     stores: Stores = LOCAL,
     iteration: int | None = None,
+    write_manifest: str | os.PathLike[str] | None = None,
+    check_manifest: str | os.PathLike[str] | None = None,
 ) -> VerifyReport:
     """Check the checkpoint at ``path``; problems are reported, not raised.
 
@@ -127,6 +129,10 @@ def verify(
         manifest: a file to write SHA-256 digests to, or to check them against if it exists.
         manifest_action: ``"write"`` (the file must not exist) or ``"check"`` (it must);
             None: check when it exists, else write.
+        write_manifest: as the command's ``--write-manifest FILE``: ``manifest=FILE`` with
+            ``manifest_action="write"``.
+        check_manifest: as ``--check-manifest FILE``: ``manifest=FILE``,
+            ``manifest_action="check"``.
         workers: tensors read in parallel (default: the CPUs this process may use).
         follow_links: read data files that are links out of the checkpoint directory.
         adapter_config: PEFT's adapter_config.json for a LoRA checkpoint, where it is not
@@ -143,6 +149,8 @@ def verify(
         OutputError: the manifest cannot be written.
     """
     started = time.perf_counter()
+    manifest, manifest_action = _manifest_use(manifest, manifest_action, write_manifest,
+                                              check_manifest)
     _check_options(dtype, allow_cast=allow_cast, against=against)
     ckpt = discover(path, config=config, command="verify", stores=stores, iteration=iteration)
     other = (discover(against, command="verify", stores=stores) if against is not None
@@ -258,6 +266,22 @@ def _structures(ckpt: Checkpoint, other: Checkpoint | None
     if other is not None:
         problems += _structure(other, damaged_b)
     return problems, damaged, damaged_b
+
+
+def _manifest_use(manifest: str | os.PathLike[str] | None, action: str | None,
+                  write: str | os.PathLike[str] | None, check: str | os.PathLike[str] | None
+                  ) -> tuple[str | os.PathLike[str] | None, str | None]:
+    """``write_manifest=`` / ``check_manifest=`` (the command's names) as ``manifest=`` and
+    ``manifest_action=``; one way of naming it at a time (else a UsageError)."""
+    given = [n for n, v in (("manifest", manifest), ("write_manifest", write),
+                            ("check_manifest", check)) if v is not None]
+    if len(given) > 1:
+        raise UsageError(f"pass one of {' and '.join(given)}")
+    if write is not None:
+        return write, "write"
+    if check is not None:
+        return check, "check"
+    return manifest, action
 
 
 def _check_options(dtype: str | None, *, allow_cast: bool,
