@@ -442,3 +442,23 @@ def test_completion_offers_every_value() -> None:
     # zsh would drop an ASCII apostrophe from a description (Typer doubles it)
     assert "''" not in complete("ckpttool merge a b --dtype ")
     assert "config.json\u2019s torch_dtype" in complete("ckpttool merge a b --dtype a")
+
+
+def test_no_tie_note_where_config_unties(capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch,
+                                         tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    src = tmp_path / "model"
+    src.mkdir()
+    embed = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    save_file({"model.embed_tokens.weight": embed, "lm_head.weight": embed.clone()},
+              str(src / "model.safetensors"))
+    for tied, said in ((False, False), (True, True)):
+        (src / "config.json").write_text(json.dumps(
+            {"model_type": "llama", "tie_word_embeddings": tied, "torch_dtype": "float32"}))
+        r = program(capsys, monkeypatch, "merge", src, tmp_path / f"o{tied}")
+        assert r.code == 0, r.stderr
+        notes = [x for x in r.stdout.splitlines() if x.lstrip().startswith(("tie", "tied"))]
+        assert bool(notes) is said, r.stdout
