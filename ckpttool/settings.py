@@ -29,7 +29,8 @@ class Knob:
 
 
 KNOBS: tuple[Knob, ...] = (
-    Knob("CKPTTOOL_DEBUG", "0", "1: show the traceback behind an error, in every process"),
+    Knob("CKPTTOOL_DEBUG", "0", "1 (or true/yes/on): show the traceback behind an error, "
+         "in every process"),
     Knob("CKPTTOOL_PROGRESS", "auto", "--progress's default: auto, bar, plain or none"),
     Knob("CKPTTOOL_FSYNC", "1", "0: do not fsync outputs before publishing them (scratch "
          "outputs a power cut may lose)"),

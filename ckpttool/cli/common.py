@@ -35,7 +35,8 @@ EXIT_BUG = 70
 # What each exit status means, for every command (README's table is generated from this).
 EXIT_MEANINGS: tuple[tuple[int, str], ...] = (
     (EXIT_OK, "success (`verify`: nothing at error severity)"),
-    (EXIT_PROBLEMS, "`verify` found something at error severity"),
+    (EXIT_PROBLEMS, "`verify` found something at error severity; with `--strict`, a "
+                    "warning"),
     (EXIT_USAGE, "usage error: unknown option, bad value, options that do not go together"),
     (EXIT_INPUT, "bad input or output: missing path, not a checkpoint, truncated, corrupt or "
                  "unsafe file, unreadable file, output exists, no space"),
@@ -216,6 +217,18 @@ complete_expect_dtype = completer(*(v for v in DTYPE_VALUES if v[0] != "keep"))
 Verbose = Annotated[bool, typer.Option(
     "--verbose", "-v", help="Also print, on stderr: the checkpoint and the side files used, "
     "what was planned, and the time each phase took (planning, then moving the bytes).")]
+
+
+Strict = Annotated[bool, typer.Option(
+    "--strict", help="Exit 1 when there is any warning, for CI (a merge still writes its "
+    "output; verify counts its warnings as errors).")]
+
+
+def strict_exit(strict: bool, num_warnings: int) -> None:
+    """``--strict``: warnings make the exit status 1 (after the report is printed)."""
+    if strict and num_warnings:
+        err(f"ckpttool: error: {count(num_warnings, 'warning')} and --strict: exit 1")
+        raise typer.Exit(EXIT_PROBLEMS)
 
 
 def quiet_or_verbose(quiet: bool, verbose: bool) -> None:

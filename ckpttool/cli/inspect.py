@@ -37,7 +37,8 @@ EPILOG = epilog([
     "ckpttool inspect pytorch_model.bin --json | jq '.summary'",
     "ckpttool inspect checkpoint-500 -q && echo readable",
 ], "Reads only metadata and headers unless --stats is given.",
-   "Exit codes: 0 ok, 2 usage, 3 bad input, 4 unsupported, 70 internal bug.")
+   "Exit codes: 0 ok, 2 usage, 3 bad input, 4 unsupported, 70 internal bug, 130 "
+   "interrupted (Ctrl-C).")
 
 
 def inspect_command(

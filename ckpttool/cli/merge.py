@@ -18,6 +18,7 @@ from ckpttool.cli.common import (
     Phases,
     ProgressBar,
     ProgressMode,
+    Strict,
     Verbose,
     Workers,
     complete_dtype,
@@ -33,6 +34,7 @@ from ckpttool.cli.common import (
     quiet_or_verbose,
     removes_new_dirs,
     size_option,
+    strict_exit,
     verbose_lines,
 )
 from ckpttool.storage.outputs import take_stale_notes
@@ -55,9 +57,10 @@ EPILOG = epilog([
     "ckpttool merge run/ merged/ --all --steps 'every 1000' --dtype bf16",
     "ckpttool merge run/ merged/ --all --watch --then 'lm_eval --model_args pretrained={out}'",
     "ckpttool merge run/ merged/ --all --task $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT",
-], "Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug. "
-   "--all: 0 when no checkpoint failed, else the most serious failure's (70, 3, 4); which "
-   "failed is in the summary.")
+], "Exit codes: 0 ok, 1 a warning with --strict, 2 usage, 3 bad input or output, 4 "
+   "unsupported, 70 internal bug, 130 interrupted (Ctrl-C: nothing incomplete is put in place; "
+   "the same command resumes a large merge). --all: 0 when no checkpoint failed, else the "
+   "most serious failure's (70, 3, 4); which failed is in the summary.")
 
 
 # The name maps of ckpttool.core.transforms.namemaps (NAMES), spelled here so that --help
@@ -125,6 +128,7 @@ def merge_command(
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="Print nothing but errors.")] = False,
     verbose: Verbose = False,
+    strict: Strict = False,
 ) -> None:
     """Merge a sharded checkpoint (any format) into Hugging Face safetensors, exact to the bit.
     With --all, every checkpoint of a training run."""
@@ -139,6 +143,9 @@ def merge_command(
                                         "--task": task is not None, "--settle": settle != 5.0},
                       dry_run=dry_run, watch=watch, shared=slice_ is not None or finish,
                       then=then)
+    if all_ and strict:
+        raise typer.BadParameter("applies to one checkpoint; with --all a warning does not "
+                                 "fail it", param_hint="--strict")
     if all_ and iteration is not None:
         raise typer.BadParameter("picks one iteration; --all merges every checkpoint of the "
                                  "run", param_hint="--iteration")
@@ -187,6 +194,7 @@ def merge_command(
                 err(f"ckpttool: warning: {w}")
         if verbose and speaks:
             verbose_lines(_verbose(report, phases))
+        strict_exit(strict, len(report.warnings))
 
 
 @contextmanager

@@ -36,7 +36,8 @@ EPILOG = epilog([
     "ckpttool reshard ckpt/pytorch_model_fsdp_0 ckpt8/pytorch_model_fsdp_0 --ranks 8",
     "ckpttool reshard merged/ resume/pytorch_model_fsdp_0 --to dcp --prefix model",
     "ckpttool reshard merged/ resplit/ --to safetensors --max-shard-size 2GB",
-], "Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug.")
+], "Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug, "
+   "130 interrupted (Ctrl-C; temporary files removed).")
 
 
 class Target(str, Enum):

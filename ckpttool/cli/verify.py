@@ -16,6 +16,7 @@ from ckpttool.cli.common import (
     Phases,
     ProgressBar,
     ProgressMode,
+    Strict,
     Verbose,
     Workers,
     complete_dtype,
@@ -28,6 +29,7 @@ from ckpttool.cli.common import (
     print_json,
     printable,
     quiet_or_verbose,
+    strict_exit,
     verbose_lines,
 )
 
@@ -40,8 +42,8 @@ EPILOG = epilog([
     "ckpttool verify checkpoint-500 --expect-dtype bf16 --json | jq '.problems'",
     "ckpttool verify merged/ --write-manifest merged.manifest.json",
     "ckpttool verify copy/ --check-manifest merged.manifest.json",
-], "Exit codes: 0 nothing at error severity, 1 errors found, 2 usage, 3 PATH cannot be read, "
-   "4 unsupported, 70 internal bug.")
+], "Exit codes: 0 nothing at error severity, 1 errors found (with --strict: or warnings), 2 "
+   "usage, 3 PATH cannot be read, 4 unsupported, 70 internal bug, 130 interrupted (Ctrl-C).")
 
 # Problems of one code shown before "... and N more" (all are in --json).
 SHOWN_PER_CODE = 10
@@ -83,6 +85,7 @@ def verify_command(
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="Print only errors and the summary line.")] = False,
     verbose: Verbose = False,
+    strict: Strict = False,
 ) -> None:
     """Check that a checkpoint is whole and sane; compare it with another."""
     from ckpttool.core.verify.operation import verify
@@ -126,6 +129,7 @@ def verify_command(
                            phases.line("reading")])
         if not report.ok:
             raise typer.Exit(EXIT_PROBLEMS)
+        strict_exit(strict, report.counts["warning"])
 
 
 def render(r: VerifyReport, *, quiet: bool = False) -> str:

@@ -462,3 +462,56 @@ def test_no_tie_note_where_config_unties(capsys: pytest.CaptureFixture[str],
         assert r.code == 0, r.stderr
         notes = [x for x in r.stdout.splitlines() if x.lstrip().startswith(("tie", "tied"))]
         assert bool(notes) is said, r.stdout
+
+
+# -- --strict, for CI
+
+
+def test_strict_makes_a_warning_exit_1(capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch,
+                                       tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    src = tmp_path / "model"
+    src.mkdir()
+    save_file({"foo.weight": torch.ones(4), "bar.weight": torch.ones(4)},
+              str(src / "model.safetensors"))  # no config.json: a merge warns
+    r = program(capsys, monkeypatch, "merge", src, tmp_path / "a")
+    assert r.code == 0 and "ckpttool: warning: no config.json found" in r.stderr
+    r = program(capsys, monkeypatch, "merge", src, tmp_path / "b", "--strict", "--json")
+    assert r.code == 1, r.stderr
+    assert r.doc()["warnings"]  # the report, once: no failure document after it
+    assert (tmp_path / "b" / "model.safetensors").exists()  # the output is written
+    assert r.stderr.endswith("ckpttool: error: 1 warning and --strict: exit 1\n")
+    (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    r = program(capsys, monkeypatch, "verify", src)
+    assert r.code == 0 and "warning: names-not-hf: " in r.stdout
+    r = program(capsys, monkeypatch, "verify", src, "--strict")
+    assert r.code == 1 and "--strict: exit 1" in r.stderr
+    r = program(capsys, monkeypatch, "merge", tmp_path, tmp_path / "c", "--all", "--strict")
+    assert r.code == 2
+
+
+def test_the_hub_recipe_runs_hf_upload_per_checkpoint_and_honours_its_exit(
+        uneven_ckpt: Path, tmp_path: Path) -> None:
+    """docs/sweep.md's recipe, with a stand-in ``hf`` on PATH that logs its arguments."""
+    run = tmp_path / "run"
+    for step in (500, 1000):
+        shutil.copytree(uneven_ckpt, run / f"checkpoint-{step}")
+    bin_dir, log = tmp_path / "bin", tmp_path / "hf.log"
+    bin_dir.mkdir()
+    hf = bin_dir / "hf"
+    hf.write_text(f'#!/bin/sh\necho "$@" >> {log}\ncase "$*" in *step-1000*) exit 1;; esac\n')
+    hf.chmod(0o755)
+    out = tmp_path / "merged"
+    r = subprocess.run(  # a process of its own: --then's output goes to its stderr
+        [sys.executable, "-m", "ckpttool", "merge", str(run), str(out), "--all", "--settle",
+         "0", "--then", "hf upload my-org/my-model {out} . --revision step-{step}"],
+        env=cli_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}"), capture_output=True,
+        text=True, timeout=300)
+    assert r.returncode == 3, r.stderr  # the failed upload fails its checkpoint
+    assert log.read_text().splitlines() == [
+        f"upload my-org/my-model {out / 'checkpoint-500'} . --revision step-500",
+        f"upload my-org/my-model {out / 'checkpoint-1000'} . --revision step-1000"]
+    assert "failed: checkpoint-1000 (exit 3): merged, but --then exited 1" in r.stderr
