@@ -71,6 +71,10 @@ def verify_command(
     config: Annotated[Path | None, typer.Option(
         metavar="PATH",
         help="config.json (or its directory) to use instead of the one beside PATH.")] = None,
+    adapter_config: Annotated[Path | None, typer.Option(
+        metavar="PATH", help="PEFT's adapter_config.json (or its directory) for a LoRA "
+        "checkpoint, or the adapter a merged model came from, where it is not beside "
+        "PATH.")] = None,
     write_manifest: Annotated[Path | None, typer.Option(
         metavar="FILE", help="Write a SHA-256 per tensor to FILE (a new file).")] = None,
     check_manifest: Annotated[Path | None, typer.Option(
@@ -116,7 +120,7 @@ def verify_command(
                             manifest_action="write" if write_manifest else
                             "check" if check_manifest else None, workers=workers,
                             follow_links=follow_links, progress=progress, on_start=on_start,
-                            iteration=iteration)
+                            iteration=iteration, adapter_config=adapter_config)
         finally:
             bar.stop()
         if json_output:
