@@ -565,7 +565,8 @@ def test_option_values_complete(words: str, values: list[str]) -> None:
 def test_every_name_map_completes() -> None:
     from ckpttool.cli.merge import NAME_MAPS
 
-    assert complete_bash("ckpttool merge a b --names ", cli_env()) == list(NAME_MAPS)
+    # and none, which --names takes too (issue 38)
+    assert complete_bash("ckpttool merge a b --names ", cli_env()) == [*NAME_MAPS, "none"]
 
 
 def test_completed_dtypes_are_the_dtypes_merge_takes() -> None:
