@@ -15,8 +15,15 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 setup: $(VENV)/.installed
 
+# The demo's own set-up: the package and transformers, not every test extra (3 GB).
+$(VENV)/.demo: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -c constraints.txt -e '.[demo]'
+	touch $@
+
 # Writes a real 2-rank FSDP2 checkpoint of a tiny Llama on CPU, then merges it.
-demo: setup
+demo: $(VENV)/.demo
 	rm -rf $(DEMO)
 	$(PY) examples/fsdp2_checkpoint.py $(DEMO)/checkpoint-500 --kind llama
 	$(VENV)/bin/ckpttool merge $(DEMO)/checkpoint-500 $(DEMO)/merged

@@ -45,6 +45,12 @@ _LAZY = {
 }
 
 
+def __dir__() -> list[str]:
+    """The public names (``dir(ckpttool)``), loaded or not: the API, not this module's
+    imports."""
+    return sorted({*__all__, "__version__"})
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:

@@ -2,8 +2,10 @@
 
 Each knob is a function read at call time (not at import), so a forked child and its parent
 see the same value and a test can set the variable for one call. Booleans follow one rule:
-``1`` turns a knob on, ``0`` turns it off, anything else (or unset) is the default; the
-README's table of variables is generated from :data:`KNOBS`.
+``1``, ``true``, ``yes`` or ``on`` turns a knob on, ``0``, ``false``, ``no`` or ``off`` turns it
+off (in any case), unset or empty is the default, and anything else is the default too, with a
+warning on stderr that the value was ignored; the README's table of variables is generated
+from :data:`KNOBS`.
 
 Test-only hooks (``CKPTTOOL_TEST_*``) inject faults at named steps; they are read here too,
 so that no other module reads the environment for ckpttool's own variables.
@@ -12,6 +14,7 @@ so that no other module reads the environment for ckpttool's own variables.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 from ckpttool.errors import OutputError
@@ -26,7 +29,9 @@ class Knob:
 
 
 KNOBS: tuple[Knob, ...] = (
-    Knob("CKPTTOOL_DEBUG", "0", "1: show the traceback behind an error, in every process"),
+    Knob("CKPTTOOL_DEBUG", "0", "1 (or true/yes/on): show the traceback behind an error, "
+         "in every process"),
+    Knob("CKPTTOOL_PROGRESS", "auto", "--progress's default: auto, bar, plain or none"),
     Knob("CKPTTOOL_FSYNC", "1", "0: do not fsync outputs before publishing them (scratch "
          "outputs a power cut may lose)"),
     Knob("CKPTTOOL_FORK", "1", "0: keep per-chunk work in one process instead of forked "
@@ -51,13 +56,50 @@ KNOBS: tuple[Knob, ...] = (
 )
 
 
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off")
+_warned: set[tuple[str, str]] = set()
+
+
+def ignored(name: str, raw: str, expected: str) -> None:
+    """Say on stderr, once per process, that ``name=raw`` was ignored and what it takes."""
+    if (name, raw) in _warned:
+        return
+    _warned.add((name, raw))
+    try:
+        sys.stderr.write(f"ckpttool: warning: {name}={raw!r} ignored: expected {expected}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # no stderr to say it on
+        pass
+
+
 def _flag(name: str, default: bool) -> bool:
     raw = os.environ.get(name)
-    if raw == "1":
+    if raw is None or not raw.strip():
+        return default
+    value = raw.strip().lower()
+    if value in TRUE:
         return True
-    if raw == "0":
+    if value in FALSE:
         return False
+    ignored(name, raw, "1, true, yes or on; 0, false, no or off")
     return default
+
+
+PROGRESS_MODES = ("auto", "bar", "plain", "none")
+
+
+def progress() -> str:
+    """How progress shows on stderr (``CKPTTOOL_PROGRESS``): auto, bar, plain or none; a value
+    that is none of them is ignored (auto), with a warning."""
+    raw = os.environ.get("CKPTTOOL_PROGRESS")
+    if raw is None or not raw.strip():
+        return "auto"
+    value = raw.strip().lower()
+    if value in PROGRESS_MODES:
+        return value
+    ignored("CKPTTOOL_PROGRESS", raw, ", ".join(PROGRESS_MODES))
+    return "auto"
 
 
 def debug() -> bool:
@@ -135,7 +177,11 @@ def zstd_max_ratio() -> int | None:
     """How many times its compressed size a zstd record may claim (``CKPTTOOL_ZSTD_MAX_RATIO``,
     a positive integer); None: the default bound."""
     raw = os.environ.get("CKPTTOOL_ZSTD_MAX_RATIO", "")
-    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+    if raw.strip().isdigit() and int(raw) > 0:
+        return int(raw)
+    if raw.strip():
+        ignored("CKPTTOOL_ZSTD_MAX_RATIO", raw, "a whole number above 0")
+    return None
 
 
 def test_remote_fault() -> str:

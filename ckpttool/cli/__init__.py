@@ -16,9 +16,10 @@ from typing import Annotated
 
 import typer
 
+from ckpttool.cli import failure
 from ckpttool.cli.apply import EPILOG as APPLY_EPILOG
 from ckpttool.cli.apply import apply_command
-from ckpttool.cli.common import EXIT_INTERRUPTED
+from ckpttool.cli.common import EXIT_INTERRUPTED, err
 from ckpttool.cli.diff import EPILOG as DIFF_EPILOG
 from ckpttool.cli.diff import diff_command
 from ckpttool.cli.inspect import EPILOG as INSPECT_EPILOG
@@ -68,7 +69,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+    version: Annotated[bool, typer.Option("--version", "-V", callback=_version, is_eager=True,
                                           help="Show the version and exit.")] = False,
 ) -> None:
     """Merge, inspect, verify and reshard sharded PyTorch (FSDP / DCP) checkpoints."""
@@ -96,12 +97,31 @@ def main() -> None:
         # description at the first newline. Each shell fits the one line to its own width.
         os.environ["COLUMNS"] = "100000"
     code: int | str | None = 0
+    args = sys.argv[1:]
+    failure.reset()
     try:
-        app(prog_name="ckpttool")
+        # Not standalone: the parser's usage errors come here, to be said in one line.
+        code = app(prog_name="ckpttool", args=args, standalone_mode=False)
     except SystemExit as e:
         code = e.code
     except KeyboardInterrupt:
         interrupted = True
+    except Exception as e:
+        usage = failure.usage_line(e)
+        if usage is None:
+            raise
+        code, message = usage
+        if message.startswith("Usage:"):  # the help, for a command line with nothing on it
+            print(message, file=sys.stderr, flush=True)
+        else:
+            err(f"ckpttool: error: {message}")
+        failure.record(code, "usage", message)
+    if interrupted:
+        code = EXIT_INTERRUPTED
+    if code is None:  # the command returned: success
+        code = 0
+    if isinstance(code, int):
+        failure.finish(args, code)
     signal.signal(signal.SIGINT, _interrupted_at_exit)
     # The command is over (its outputs closed, its context managers exited): what it made is
     # freed at shutdown by reference counts, and the collector's passes at shutdown would walk

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 import typer
 
 from ckpttool import settings
+from ckpttool.cli import failure
 from ckpttool.errors import CkptError, UnreadableError
 from ckpttool.formats.codecs import dtypes
 from ckpttool.storage import places
@@ -35,7 +36,7 @@ EXIT_BUG = 70
 # What each exit status means, for every command (README's table is generated from this).
 EXIT_MEANINGS: tuple[tuple[int, str], ...] = (
     (EXIT_OK, "success (`verify`: nothing at error severity)"),
-    (EXIT_PROBLEMS, "`verify` found an error; `diff` found a difference"),
+    (EXIT_PROBLEMS, "`verify` found an error (`--strict`: or a warning); `diff`: a difference"),
     (EXIT_USAGE, "usage error: unknown option, bad value, options that do not go together"),
     (EXIT_INPUT, "bad input or output: missing path, not a checkpoint, truncated, corrupt or "
                  "unsafe file, unreadable file, output exists, no space"),
@@ -83,25 +84,32 @@ def exit_codes() -> Iterator[None]:
         if debug:
             traceback.print_exc()
         err(f"ckpttool: error: {e}")
+        failure.record(e.exit_code, failure.code_of(e), str(e))
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
-        err("ckpttool: interrupted; no incomplete output was put in place (the same merge "
-            "command resumes a large one from the pieces it finished)")
+        message = ("interrupted; no incomplete output was put in place (the same merge "
+                   "command resumes a large one from the pieces it finished)")
+        err(f"ckpttool: {message}")
+        failure.record(EXIT_INTERRUPTED, "interrupted", message)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except (typer.Exit, typer.Abort, typer.BadParameter):
         raise
     except PermissionError as e:  # a file or directory this user may not read: not our bug
         if debug:
             traceback.print_exc()
-        err(f"ckpttool: error: {UnreadableError.of(e.filename or '?', e)}")
+        unreadable = UnreadableError.of(e.filename or '?', e)
+        err(f"ckpttool: error: {unreadable}")
+        failure.record(EXIT_INPUT, "unreadable", str(unreadable))
         raise typer.Exit(EXIT_INPUT) from None
     except ImportError as e:
         if (e.name or "").partition(".")[0] != "torch":
             raise _bug() from None
         if debug:
             traceback.print_exc()
-        err("ckpttool: error: this needs PyTorch (reading values, casting, writing DCP), which "
-            "is not installed here; install it: pip install torch")
+        message = ("this needs PyTorch (reading values, casting, writing DCP), which is not "
+                   "installed here; install it: pip install torch")
+        err(f"ckpttool: error: {message}")
+        failure.record(EXIT_UNSUPPORTED, "missing-library", message)
         raise typer.Exit(EXIT_UNSUPPORTED) from None
     except Exception:  # noqa: BLE001 - anything else is our bug, reported as one
         raise _bug() from None
@@ -132,9 +140,11 @@ def removes_new_dirs(out: str) -> Iterator[None]:
 
 def _bug() -> typer.Exit:
     """Report the exception being handled as a bug (traceback, exit 70)."""
+    kind, text = sys.exc_info()[:2]
     traceback.print_exc()
     err("ckpttool: internal error (a bug in ckpttool); please report it with the traceback "
         "above")
+    failure.record(EXIT_BUG, "bug", f"{kind.__name__ if kind else 'error'}: {text}")
     return typer.Exit(EXIT_BUG)
 
 
@@ -155,8 +165,8 @@ FollowLinks = Annotated[bool, typer.Option(
     "--follow-links", help="Read data files that are links out of the checkpoint directory "
     "(shared-storage layouts); refused otherwise.")]
 NoProgress = Annotated[bool, typer.Option(
-    "--no-progress", help="No progress display on stderr (it shows on a terminal; plain "
-    "lines when TERM=dumb).")]
+    "--no-progress", help="No progress on stderr (--progress none).")]
+
 JsonOutput = Annotated[bool, typer.Option(
     "--json", help="Print the report as one JSON document on stdout.")]
 Iteration = Annotated[int | None, typer.Option(
@@ -171,10 +181,30 @@ def completer(*choices: tuple[str, str]) -> Callable[[str], list[tuple[str, str]
     """An ``autocompletion=`` function for an option's values: the choices that begin with
     what was typed, each with a one-line description (shells show it beside the value)."""
 
+    # Typer's zsh completion loses an ASCII apostrophe in a description (it doubles it, and
+    # zsh reads the pair as an empty quote): the typographic one shows in every shell.
+    shown = [(value, about.replace("'", "\u2019")) for value, about in choices]
+
     def complete(incomplete: str) -> list[tuple[str, str]]:
-        return [(value, about) for value, about in choices if value.startswith(incomplete)]
+        return [(value, about) for value, about in shown if value.startswith(incomplete)]
 
     return complete
+
+
+def _progress_choice(value: str | None) -> str | None:
+    if value is None or value in ("auto", "bar", "plain", "none"):
+        return value
+    raise typer.BadParameter(f"'{value}' is not one of auto, bar, plain, none")
+
+
+ProgressMode = Annotated[str | None, typer.Option(
+    "--progress", metavar="[auto|bar|plain|none]", callback=_progress_choice,
+    autocompletion=completer(("auto", "a bar on a terminal, plain lines elsewhere"),
+                             ("bar", "a bar, redrawn in place"),
+                             ("plain", "a line every 10% or 30 s, for logs"),
+                             ("none", "no progress")),
+    help="Progress on stderr: auto (default; CKPTTOOL_PROGRESS) draws a bar on a terminal and "
+    "writes a plain line every 10% or 30 s (bytes, rate, time left) to a log or pipe.")]
 
 
 # --dtype's values (dtypes.CHOICES, in its order; a test keeps them equal) with descriptions.
@@ -187,6 +217,18 @@ complete_expect_dtype = completer(*(v for v in DTYPE_VALUES if v[0] != "keep"))
 Verbose = Annotated[bool, typer.Option(
     "--verbose", "-v", help="Also print, on stderr: the checkpoint and the side files used, "
     "what was planned, and the time each phase took (planning, then moving the bytes).")]
+
+
+Strict = Annotated[bool, typer.Option(
+    "--strict", help="Exit 1 when there is any warning, for CI (a merge still writes its "
+    "output; verify counts its warnings as errors).")]
+
+
+def strict_exit(strict: bool, num_warnings: int) -> None:
+    """``--strict``: warnings make the exit status 1 (after the report is printed)."""
+    if strict and num_warnings:
+        err(f"ckpttool: error: {count(num_warnings, 'warning')} and --strict: exit 1")
+        raise typer.Exit(EXIT_PROBLEMS)
 
 
 def quiet_or_verbose(quiet: bool, verbose: bool) -> None:
@@ -267,6 +309,7 @@ def print_json(doc: dict[str, Any]) -> None:
     which a document of 15,000 tensors needs (``indent`` takes Python's: 4x slower)."""
     from ckpttool.formats.codecs.torchsave import gc_paused  # loaded by any command's core
 
+    failure.printed_document()
     with gc_paused():  # a string per row, none of them garbage: not worth walking the heap
         text = _layout(doc)
     sys.stdout.write(text)
@@ -389,8 +432,9 @@ NARROW_COLUMNS = 72
 
 
 class ProgressBar:
-    """A rich progress display on stderr, shown only when stderr is a terminal; on a dumb
-    terminal (``TERM=dumb``: no cursor control) a plain line every tenth of the way instead.
+    """Progress on stderr: a rich bar on a terminal, plain lines anywhere else (a log file, a
+    pipe, ``TERM=dumb``: :mod:`ckpttool.cli.progress`), as ``--progress`` / ``CKPTTOOL_PROGRESS``
+    choose (``auto`` by default).
 
     :meth:`begin` shows "planning" with the time spent (recognising the checkpoint, reading
     its metadata, importing torch: seconds before the first byte moves, which a bar at 0%
@@ -398,31 +442,38 @@ class ProgressBar:
     the terminal: below :data:`NARROW_COLUMNS` columns it keeps the bar, the percentage and
     the time left."""
 
-    def __init__(self, description: str, enabled: bool, *, console: Any = None) -> None:
-        self.enabled = enabled and (sys.stderr.isatty() if console is None
-                                    else console.is_terminal)
-        self.plain = os.environ.get("TERM") == "dumb"
+    def __init__(self, description: str, enabled: bool, *, console: Any = None,
+                 mode: str | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        from ckpttool.cli import progress
+
+        chosen = mode if mode is not None else settings.progress()
+        shown = progress.resolve(chosen, terminal=sys.stderr.isatty() if console is None
+                                 else console.is_terminal)
+        self.enabled = enabled and shown != "none"
+        self.plain = shown == "plain"
+        self._force = chosen == "bar" and console is None  # a bar asked for, not a terminal
+        self._lines = progress.PlainLines(description, err, clock=clock)
         self.description = description
         self._console = console
         self._progress: Any = None
         self._task: Any = None
-        self._total = 0
-        self._done = 0
-        self._shown = 0  # tenths reported so far
 
     def _make(self, *columns: Any) -> Any:
         from rich.console import Console
         from rich.progress import Progress
 
         if self._console is None:
-            self._console = Console(stderr=True)
+            self._console = Console(stderr=True, force_terminal=self._force or None)
         progress = Progress(*columns, console=self._console, transient=True)
         progress.start()
         return progress
 
     def begin(self) -> None:
         """Show the planning phase (nothing is known of the size yet)."""
-        if not self.enabled or self.plain:
+        if not self.enabled:
+            return
+        if self.plain:
+            self._lines.planning()
             return
         from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -434,7 +485,7 @@ class ProgressBar:
         if not self.enabled:
             return
         if self.plain:
-            self._total = total
+            self._lines.start(total)
             return
         from rich.progress import (
             BarColumn,
@@ -461,19 +512,14 @@ class ProgressBar:
         if self._console is None:
             from rich.console import Console
 
-            self._console = Console(stderr=True)
+            self._console = Console(stderr=True, force_terminal=self._force or None)
         return int(self._console.width)
 
     def advance(self, n: int) -> None:
         if self._progress is not None:
             self._progress.advance(self._task, n)
-        elif self.plain and self._total:
-            self._done += n
-            tenths = min(10, self._done * 10 // self._total)
-            if tenths > self._shown:
-                self._shown = tenths
-                err(f"{self.description}: {tenths * 10}% ({human_bytes(self._done)} of "
-                    f"{human_bytes(self._total)})")
+        elif self.plain:
+            self._lines.advance(n)
 
     def stop(self) -> None:
         if self._progress is not None:

@@ -14,6 +14,7 @@ from ckpttool.cli.common import (
     NoProgress,
     Phases,
     ProgressBar,
+    ProgressMode,
     Verbose,
     Workers,
     count,
@@ -36,7 +37,8 @@ EPILOG = epilog([
     "ckpttool inspect pytorch_model.bin --json | jq '.summary'",
     "ckpttool inspect checkpoint-500 -q && echo readable",
 ], "Reads only metadata and headers unless --stats is given.",
-   "Exit codes: 0 ok, 2 usage, 3 bad input, 4 unsupported, 70 internal bug.")
+   "Exit codes: 0 ok, 2 usage, 3 bad input, 4 unsupported, 70 internal bug, 130 "
+   "interrupted (Ctrl-C).")
 
 
 def inspect_command(
@@ -48,6 +50,7 @@ def inspect_command(
         "--filter", metavar="GLOB", help="Show only tensors whose name matches this glob "
         "(e.g. '*layers.0.*'); the summary still counts them all.")] = None,
     no_progress: NoProgress = False,
+    progress_mode: ProgressMode = None,
     follow_links: FollowLinks = False,
     stats: Annotated[bool, typer.Option(
         "--stats", help="Read the data and add min, max, mean, abs-max, NaN and Inf counts "
@@ -68,7 +71,8 @@ def inspect_command(
 
     quiet_or_verbose(quiet, verbose)
     phases = Phases(verbose)
-    bar = ProgressBar("reading", enabled=stats and not quiet and not no_progress)
+    bar = ProgressBar("reading", enabled=stats and not quiet and not no_progress,
+                      mode="none" if no_progress else progress_mode)
     on_start, progress = phases.callbacks(*bar.callbacks)
     with exit_codes():
         bar.begin()

@@ -17,6 +17,8 @@ from ckpttool.cli.common import (
     NoProgress,
     Phases,
     ProgressBar,
+    ProgressMode,
+    Strict,
     Verbose,
     Workers,
     complete_dtype,
@@ -32,6 +34,7 @@ from ckpttool.cli.common import (
     quiet_or_verbose,
     removes_new_dirs,
     size_option,
+    strict_exit,
     verbose_lines,
 )
 from ckpttool.storage import places
@@ -56,9 +59,10 @@ EPILOG = epilog([
     "ckpttool merge run/ merged/ --all --watch --then 'lm_eval --model_args "
     "pretrained=\"$CKPTTOOL_OUT\"'",
     "ckpttool merge run/ merged/ --all --task $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT",
-], "Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug. "
-   "--all: 0 when no checkpoint failed, else the most serious failure's (70, 3, 4); which "
-   "failed is in the summary.")
+], "Exit codes: 0 ok, 1 a warning with --strict, 2 usage, 3 bad input or output, 4 "
+   "unsupported, 70 internal bug, 130 interrupted (Ctrl-C: nothing incomplete is put in place; "
+   "the same command resumes a large merge). --all: 0 when no checkpoint failed, else the "
+   "most serious failure's (70, 3, 4); which failed is in the summary.")
 
 
 # The name maps of ckpttool.core.transforms.namemaps (NAMES), spelled here so that --help
@@ -106,6 +110,7 @@ def merge_command(
     adapter_config: _AdapterConfigOption = None,
     part: _PartOption = None,
     no_progress: NoProgress = False,
+    progress_mode: ProgressMode = None,
     follow_links: FollowLinks = False,
     names: _NamesOption = None,
     layout: _LayoutOption = "hub",
@@ -125,6 +130,7 @@ def merge_command(
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="Print nothing but errors.")] = False,
     verbose: Verbose = False,
+    strict: Strict = False,
 ) -> None:
     """Merge a sharded checkpoint (any format) into Hugging Face safetensors, exact to the bit.
     With --all, every checkpoint of a training run."""
@@ -139,6 +145,9 @@ def merge_command(
                                         "--task": task is not None, "--settle": settle != 5.0},
                       dry_run=dry_run, watch=watch, shared=slice_ is not None or finish,
                       then=then)
+    if all_ and strict:
+        raise typer.BadParameter("applies to one checkpoint; with --all a warning does not "
+                                 "fail it", param_hint="--strict")
     if all_ and iteration is not None:
         raise typer.BadParameter("picks one iteration; --all merges every checkpoint of the "
                                  "run", param_hint="--iteration")
@@ -166,8 +175,8 @@ def merge_command(
         # Under torchrun, rank 0 speaks for all; the others print only their errors.
         speaks = shared is None or shared.first
         quiet = quiet or not speaks
-        bar = ProgressBar("merging", enabled=not quiet and not no_progress
-                          and not dry_run)
+        bar = ProgressBar("merging", enabled=not quiet and not no_progress and not dry_run,
+                          mode="none" if no_progress else progress_mode)
         on_start, progress = phases.callbacks(*bar.callbacks)
         bar.begin()
         try:
@@ -190,6 +199,7 @@ def merge_command(
                 err(f"ckpttool: warning: {w}")
         if verbose and speaks:
             verbose_lines(_verbose(report, phases))
+        strict_exit(strict, len(report.warnings))
 
 
 @contextmanager
@@ -357,7 +367,7 @@ def _name_lines(r: MergeReport) -> list[str]:
 
 def _tie_lines(r: MergeReport) -> list[str]:
     lines: list[str] = []
-    if r.tie:
+    if r.tie and r.tie.config_ties is not False:  # config.json unties them: nothing to say
         t = r.tie
         if t.action == "deduplicated":
             lines.append(f"  tied: {t.output} is identical to {t.input}; written once, "
@@ -473,7 +483,7 @@ _PartOption = Annotated[str | None, typer.Option(
 _NamesOption = Annotated[str | None, typer.Option(
         callback=names_choice, metavar="MAP",
         autocompletion=completer(*((m, f"{m.split('-')[0]} names to Hugging Face's")
-                                 for m in NAME_MAPS)),
+                                 for m in NAME_MAPS), ("none", "keep the stored names")),
         help=f"Map a training framework's names and "
         f"layouts to a Hugging Face model family's: {', '.join(NAME_MAPS)} (renames, RoPE "
         "permutation, "
@@ -484,6 +494,8 @@ _NamesOption = Annotated[str | None, typer.Option(
 
 _LayoutOption = Annotated[str, typer.Option(
         "--layout", metavar="[hub|stored]", callback=_layout_choice,
+        autocompletion=completer(("hub", "what save_pretrained writes"),
+                                 ("stored", "as stored (transformers 5's runtime names)")),
         help="hub: write what save_pretrained writes for config.json's model family "
         "(experts one tensor each, vision-language models' hub names), as every loader "
         "reads it; stored: transformers 5's runtime names and fused experts as stored.")
@@ -510,7 +522,8 @@ _AllOption = Annotated[bool, typer.Option(
     ]
 
 _StepsOption = Annotated[str | None, typer.Option(
-        metavar="STEPS", help="With --all: which checkpoints, by step: 1000-5000, 500,1500, "
+        metavar="STEPS", autocompletion=completer(("latest", "the last complete checkpoint")),
+        help="With --all: which checkpoints, by step: 1000-5000, 500,1500, "
         "'every 1000', latest, joined by commas.")]
 
 _WatchOption = Annotated[bool, typer.Option(

@@ -15,6 +15,7 @@ from ckpttool.cli.common import (
     NoProgress,
     Phases,
     ProgressBar,
+    ProgressMode,
     Verbose,
     Workers,
     count,
@@ -35,7 +36,8 @@ EPILOG = epilog([
     "ckpttool reshard ckpt/pytorch_model_fsdp_0 ckpt8/pytorch_model_fsdp_0 --ranks 8",
     "ckpttool reshard merged/ resume/pytorch_model_fsdp_0 --to dcp --prefix model",
     "ckpttool reshard merged/ resplit/ --to safetensors --max-shard-size 2GB",
-], "Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug.")
+], "Exit codes: 0 ok, 2 usage, 3 bad input or output, 4 unsupported, 70 internal bug, "
+   "130 interrupted (Ctrl-C; temporary files removed).")
 
 
 class Target(str, Enum):
@@ -59,6 +61,7 @@ def reshard_command(
         callback=size_option, metavar="SIZE",
         help="With --to safetensors: the largest shard (5GB, 500MB...).")] = "5GB",
     no_progress: NoProgress = False,
+    progress_mode: ProgressMode = None,
     follow_links: FollowLinks = False,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace a checkpoint already in OUT.")] = False,
@@ -74,7 +77,8 @@ def reshard_command(
 
     quiet_or_verbose(quiet, verbose)
     phases = Phases(verbose)
-    bar = ProgressBar("resharding", enabled=not quiet and not no_progress)
+    bar = ProgressBar("resharding", enabled=not quiet and not no_progress,
+                      mode="none" if no_progress else progress_mode)
     on_start, progress = phases.callbacks(*bar.callbacks)
     with exit_codes(), removes_new_dirs(out):
         bar.begin()

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from ckpttool.cli import failure
 from ckpttool.cli.common import err, exit_codes, human_bytes, printable
 
 if TYPE_CHECKING:  # not at import: --help stays light
@@ -56,6 +57,7 @@ def sweep_command(run: str, out_root: str, *, merge_options: dict[str, Any], ste
     def show(o: Outcome) -> None:
         outcomes.append(o)
         if json_output:
+            failure.printed_document()  # the lines say what failed: no document after them
             sys.stdout.write(json.dumps(o.to_json(), separators=(",", ":")) + "\n")
             sys.stdout.flush()
         elif not quiet or o.status == sweeps.FAILED:
@@ -72,7 +74,8 @@ def sweep_command(run: str, out_root: str, *, merge_options: dict[str, Any], ste
                 then=then, workers=workers, follow_links=follow_links, on_outcome=show)
         finally:
             if not quiet and (report is not None or outcomes):
-                err(summary(outcomes, dry_run=dry_run, watch=watch))
+                for line in summary(outcomes, dry_run=dry_run, watch=watch).splitlines():
+                    err(line)  # one call per line: err() escapes a line break in a line
     assert report is not None
     if report.exit_code:
         raise typer.Exit(report.exit_code)
@@ -83,10 +86,17 @@ def outcome_line(o: Outcome) -> str:
     what = {"merged": "merged", "done": "skipped", "changed": "left", "waiting": "waiting",
             "failed": "FAILED", "would merge": "would merge"}.get(o.status, o.status)
     line = f"{what:<11} {o.found.name}"
+    written = _written(o)
     if o.status in ("merged", "would merge"):
-        line += f" -> {o.out} ({human_bytes(o.found.num_bytes)})"
+        # The output's size where it is known (a merge drops optimizer state, casts, keeps
+        # one tied copy: the source's size says little of it).
+        size = (human_bytes(written) if written is not None
+                else f"source {human_bytes(o.found.num_bytes)}")
+        line += f" -> {o.out} ({size})"
     if o.status == "merged":
         line += f" in {o.seconds:.1f} s"
+        if written and o.seconds > 0:
+            line += f" ({human_bytes(int(written / o.seconds))}/s)"
         resumed = o.merge.resumed if o.merge is not None else None
         if resumed is not None and resumed.done_before:
             line += (f" (resumed: {resumed.done_before} of {resumed.pieces} pieces were "
@@ -96,8 +106,17 @@ def outcome_line(o: Outcome) -> str:
     return line
 
 
+def _written(o: Outcome) -> int | None:
+    """Bytes of the files a merge wrote (or would write); None without its report."""
+    if o.merge is None:
+        return None
+    return sum(f.bytes for f in o.merge.files)
+
+
 def summary(outcomes: list[Outcome], *, dry_run: bool, watch: bool) -> str:
-    """The end of a sweep, in words: how many of each, and which failed."""
+    """The end of a sweep, in words: how many of each, which failed, and how fast. A
+    checkpoint is counted once, as it ended (--watch reports one waiting, then merged)."""
+    outcomes = list({o.found.name: o for o in outcomes}.values())
     counts: dict[str, int] = {}
     for o in outcomes:
         counts[o.status] = counts.get(o.status, 0) + 1
@@ -110,6 +129,12 @@ def summary(outcomes: list[Outcome], *, dry_run: bool, watch: bool) -> str:
     if not outcomes:
         return f"{head}: no checkpoints found"
     lines = [f"{head}: {', '.join(parts)}"]
+    merged = [o for o in outcomes if o.status == "merged"]
+    written = sum(_written(o) or 0 for o in merged)
+    seconds = sum(o.seconds for o in merged)
+    if written and seconds > 0:
+        lines[0] += (f"; {human_bytes(written)} written in {seconds:.1f} s "
+                     f"({human_bytes(int(written / seconds))}/s)")
     failed = [o for o in outcomes if o.status == "failed"]
     lines += [f"  failed: {o.found.name} (exit {o.exit_code}): {o.reason}" for o in failed]
     if not dry_run and not failed and not counts.get("merged") and counts.get("done"):

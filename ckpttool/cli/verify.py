@@ -15,6 +15,8 @@ from ckpttool.cli.common import (
     NoProgress,
     Phases,
     ProgressBar,
+    ProgressMode,
+    Strict,
     Verbose,
     Workers,
     complete_dtype,
@@ -27,6 +29,7 @@ from ckpttool.cli.common import (
     print_json,
     printable,
     quiet_or_verbose,
+    strict_exit,
     verbose_lines,
 )
 
@@ -40,8 +43,8 @@ EPILOG = epilog([
     "ckpttool verify merged/ --write-manifest merged.manifest.json",
     "ckpttool verify copy/ --check-manifest merged.manifest.json",
     "ckpttool verify merged/ --base Qwen2.5-0.5B/",
-], "Exit codes: 0 nothing at error severity, 1 errors found, 2 usage, 3 PATH cannot be read, "
-   "4 unsupported, 70 internal bug.")
+], "Exit codes: 0 nothing at error severity, 1 errors found (with --strict: or warnings), 2 "
+   "usage, 3 PATH cannot be read, 4 unsupported, 70 internal bug, 130 interrupted (Ctrl-C).")
 
 # Problems of one code shown before "... and N more" (all are in --json).
 SHOWN_PER_CODE = 10
@@ -72,12 +75,17 @@ def verify_command(
     config: Annotated[Path | None, typer.Option(
         metavar="PATH",
         help="config.json (or its directory) to use instead of the one beside PATH.")] = None,
+    adapter_config: Annotated[Path | None, typer.Option(
+        metavar="PATH", help="PEFT's adapter_config.json (or its directory) for a LoRA "
+        "checkpoint, or the adapter a merged model came from, where it is not beside "
+        "PATH.")] = None,
     write_manifest: Annotated[Path | None, typer.Option(
         metavar="FILE", help="Write a SHA-256 per tensor to FILE (a new file).")] = None,
     check_manifest: Annotated[Path | None, typer.Option(
         metavar="FILE", help="Check every tensor against the SHA-256s in FILE (written by "
         "--write-manifest); a missing FILE is an error.")] = None,
     no_progress: NoProgress = False,
+    progress_mode: ProgressMode = None,
     follow_links: FollowLinks = False,
     workers: Workers = None,
     iteration: Iteration = None,
@@ -85,6 +93,7 @@ def verify_command(
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="Print only errors and the summary line.")] = False,
     verbose: Verbose = False,
+    strict: Strict = False,
 ) -> None:
     """Check that a checkpoint is whole and sane; compare it with another."""
     from ckpttool.core.verify.operation import verify
@@ -102,7 +111,8 @@ def verify_command(
                                  "--allow-cast too", param_hint="--dtype")
     if allow_cast and against is None:
         raise typer.BadParameter("needs --against OTHER", param_hint="--allow-cast")
-    bar = ProgressBar("verifying", enabled=not quiet and not no_progress)
+    bar = ProgressBar("verifying", enabled=not quiet and not no_progress,
+                      mode="none" if no_progress else progress_mode)
     on_start, progress = phases.callbacks(*bar.callbacks)
     with exit_codes():
         bar.begin()
@@ -114,7 +124,7 @@ def verify_command(
                             manifest_action="write" if write_manifest else
                             "check" if check_manifest else None, workers=workers,
                             follow_links=follow_links, progress=progress, on_start=on_start,
-                            iteration=iteration)
+                            iteration=iteration, adapter_config=adapter_config)
         finally:
             bar.stop()
         if json_output:
@@ -127,6 +137,7 @@ def verify_command(
                            phases.line("reading")])
         if not report.ok:
             raise typer.Exit(EXIT_PROBLEMS)
+        strict_exit(strict, report.counts["warning"])
 
 
 def render(r: VerifyReport, *, quiet: bool = False) -> str:

@@ -62,7 +62,7 @@ def plan_chunks(shapes: list[tuple[tuple[int, ...], int, bool]], num_ranks: int
         shapes: per tensor, (shape, item size, keep whole).
     """
     if num_ranks < 1:
-        raise InputError(f"--ranks must be at least 1, got {num_ranks}")
+        raise UsageError(f"--ranks must be at least 1, got {num_ranks}")
     load = [0] * num_ranks
     out: list[list[PlannedChunk]] = []
     for shape, itemsize, whole in shapes:

@@ -40,7 +40,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import CkptError, InputError, UnsupportedError
+from ckpttool.errors import CkptError, InputError, UnsupportedError, UsageError
 from ckpttool.formats.base import (
     CheckpointInfo,
     DataFile,
@@ -161,7 +161,7 @@ def resolve(path: Path, iteration: int | None = None) -> Path:
     """
     if _is_iter_name(path.name) and not (path / TRACKER).exists():
         if iteration is not None:
-            raise InputError(f"{path}: is one iteration already; pass the run directory "
+            raise UsageError(f"{path}: is one iteration already; pass the run directory "
                              f"{path.parent} with --iteration {iteration}")
         return path
     held = iterations(path)

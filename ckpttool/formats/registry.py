@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from ckpttool.errors import InputError
+from ckpttool.errors import UsageError
 from ckpttool.formats.base import Format
 
 # Each format module is imported when it is first tried on a path (or asked for by name), not
@@ -86,13 +86,13 @@ def select_iteration(path: Path, iteration: int) -> Path:
     ``iter_NNNNNNN/``: the only format whose directory holds a run of iterations).
 
     Raises:
-        InputError: ``path`` is not such a run, or has no such iteration (those it has are
-            named).
+        UsageError: ``path`` is not such a run (exit 2: the option does not apply).
+        InputError: no such iteration (those it has are named).
     """
     from ckpttool.formats import megatron
 
     if not megatron.detect(path):
-        raise InputError(
+        raise UsageError(
             f"{path}: --iteration {iteration} picks one iteration of a Megatron-Core run "
             f"directory ({megatron.TRACKER} beside iter_*/); this is not one: pass the "
             "checkpoint without --iteration")

@@ -167,7 +167,7 @@ def test_progress_fits_the_terminal_and_says_planning_first(width: int) -> None:
     from ckpttool.cli.common import ProgressBar
 
     console = Console(file=io.StringIO(), width=width, force_terminal=True, color_system=None)
-    bar = ProgressBar("merging", enabled=True, console=console)
+    bar = ProgressBar("merging", enabled=True, console=console, mode="auto")
     on_start, progress = bar.callbacks
     assert on_start is not None and progress is not None
     bar.begin()

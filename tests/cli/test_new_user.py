@@ -468,7 +468,7 @@ def test_help_prints_examples_as_written_and_names_the_arguments() -> None:
 def test_a_dumb_terminal_gets_plain_progress_lines(uneven_ckpt: Path, tmp_path: Path) -> None:
     def stderr_on_a_terminal(*extra: str) -> str:
         leader, follower = pty.openpty()
-        env = {**cli_env(), "TERM": "dumb"}
+        env = {**cli_env(), "TERM": "dumb", "CKPTTOOL_PROGRESS": "auto"}
         proc = subprocess.Popen([sys.executable, "-m", "ckpttool", "merge", str(uneven_ckpt),
                                  str(tmp_path / f"out{len(extra)}"), "--json", *extra],
                                 stdout=subprocess.DEVNULL,
@@ -565,7 +565,8 @@ def test_option_values_complete(words: str, values: list[str]) -> None:
 def test_every_name_map_completes() -> None:
     from ckpttool.cli.merge import NAME_MAPS
 
-    assert complete_bash("ckpttool merge a b --names ", cli_env()) == list(NAME_MAPS)
+    # and none, which --names takes too (issue 38)
+    assert complete_bash("ckpttool merge a b --names ", cli_env()) == [*NAME_MAPS, "none"]
 
 
 def test_completed_dtypes_are_the_dtypes_merge_takes() -> None:

@@ -63,15 +63,20 @@ def test_a_dumb_terminal_gets_plain_progress_lines(monkeypatch, capsys) -> None:
 
     monkeypatch.setenv("TERM", "dumb")
     monkeypatch.setattr("sys.stderr.isatty", lambda: True)
-    bar = ProgressBar("merging", enabled=True)
+    ticks = iter(range(0, 1000, 2))  # 2 s between calls
+    bar = ProgressBar("merging", enabled=True, mode="auto", clock=lambda: next(ticks))
     on_start, progress = bar.callbacks
     assert on_start is not None and progress is not None
+    bar.begin()
     on_start(1000)
     for _ in range(20):
         progress(50)
     bar.stop()
     lines = capsys.readouterr().err.splitlines()
-    assert lines[0] == "merging: 10% (100 B of 1.00 KB)" and len(lines) == 10
+    assert lines[0].startswith("merging: planning")
+    assert lines[1] == "merging: 10% (100 B of 1.00 KB, 25 B/s, 0:00:36 left)"
+    assert lines[-1] == "merging: 100% (1.00 KB of 1.00 KB, 25 B/s, done in 0:00:40)"
+    assert len(lines) == 11
     assert ProgressBar("merging", enabled=False).callbacks == (None, None)
 
 

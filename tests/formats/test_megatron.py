@@ -330,14 +330,15 @@ def test_missing_iteration_is_one_line_exit_3(command: str, megatron_runs: Path,
     assert not (tmp_path / "out").exists()
 
 
-def test_iteration_of_what_is_not_a_run_is_exit_3(megatron_runs: Path, tmp_path: Path) -> None:
+def test_iteration_of_what_is_not_a_run_is_exit_2(megatron_runs: Path, tmp_path: Path) -> None:
+    # A bad value for the option, not bad input: a usage error, as the README says (issue 38).
     it = megatron_runs / "llama" / "iter_0000002"
     r = run_cli("inspect", it, "--iteration", "2")
-    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
+    assert r.exit_code == 2, r.output  # type: ignore[attr-defined]
     assert f"{it}: is one iteration already; pass the run directory {it.parent} with " \
         "--iteration 2" in r.output  # type: ignore[attr-defined]
     r = run_cli("inspect", megatron_runs / "llama" / "config.json", "--iteration", "2")
-    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
+    assert r.exit_code == 2, r.output  # type: ignore[attr-defined]
     assert "--iteration 2 picks one iteration of a Megatron-Core run directory" in \
         r.output  # type: ignore[attr-defined]
     r = run_cli("merge", megatron_runs / "llama", tmp_path / "o", "--all", "--iteration", "2")

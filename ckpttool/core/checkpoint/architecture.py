@@ -36,7 +36,16 @@ NATIVE = (
     Native("torchtune", ("torchtune-llama", "torchtune-qwen2"),
            re.compile(r"^layers\.\d+\.(attn|sa_norm|mlp_norm|mlp\.w[123])\.|^norm\.scale$")),
     Native("Megatron", (), re.compile(r"^(decoder\.layers\.\d+\.|embedding\.word_embeddings\.)")),
+    Native("PEFT", (), re.compile(r"^base_model\.model\.")),
 )
+
+# Frameworks whose names `ckpttool merge` maps itself, unasked: what it does, for the advice.
+MAPPED_BY_MERGE = {
+    "Megatron": "ckpttool merge maps Megatron-Core names itself (its megatron-* map for the "
+                "model's family, from config.json or the run's args)",
+    "PEFT": "ckpttool merge maps PEFT's names itself (base_model.model. and .base_layer "
+            "removed, the adapter folded or written for PEFT)",
+}
 
 # Decoder families whose transformers models name every weight model.* or lm_head.*.
 _MODEL_PREFIXED = frozenset({
@@ -61,15 +70,21 @@ class NameCheck(Section):
                 "count": self.count, "total": self.total, "model_type": self.model_type}
 
     def message(self) -> str:
-        whose = (f"{self.framework}'s own names" if self.framework else "not the names "
-                 f"transformers gives model_type {self.model_type!r}")
         config = (f"transformers' model_type {self.model_type!r}" if self.model_type
                   else "any transformers model (and no config.json says which)")
-        fix = (f"merge with --names {' or '.join(self.maps)} (and --config)" if self.maps
-               else "rename them to the Hugging Face architecture's names first")
+        if self.framework:
+            whose = f"{self.framework}'s own names, not {config}"
+        else:  # names that fit no framework we know, and not the config's architecture
+            whose = (f"not the names {config} gives its weights (model.* and lm_head.*)"
+                     if self.model_type else f"not the names of {config}")
+        if self.maps:
+            fix = f"merge with --names {' or '.join(self.maps)} (and --config)"
+        else:
+            fix = MAPPED_BY_MERGE.get(self.framework or "", "rename them to the Hugging Face "
+                                      "architecture's names first")
         return (f"{self.count} of {self.total} tensor names (e.g. '{self.example}') are "
-                f"{whose}, not {config}: from_pretrained would load none of them and leave "
-                f"those weights randomly initialised; {fix}")
+                f"{whose}: from_pretrained would load none of them and leave those weights "
+                f"randomly initialised; {fix}")
 
 
 def check(names: Collection[str], config: Mapping[str, Any] | None) -> NameCheck | None:

@@ -405,6 +405,11 @@ def _not_a_checkpoint_file(file: Path) -> str:
 
 
 def _no_choice(given: Path, parts: Iterable[Part], command: str) -> str:
+    from ckpttool.core.checkpoint.runs import run_message
+
+    run = run_message(given, command)
+    if run is not None:
+        return run
     parts = list(parts)
     out = " OUT" if command in ("merge", "reshard") else ""
     for kind in _CHECKPOINT_KINDS:

@@ -172,12 +172,15 @@ def find_hf_files(dcp_dir: Path, config: Path | None = None, *, given: Path | No
                    found_in=found_in, config_data=data)
 
 
-def no_config_warning(root: Path, given: Path) -> str:
-    """What a merge without config.json writes, and how to give it one."""
+def no_config_warning(root: Path, given: Path, *, cast_to: str | None = None) -> str:
+    """What a merge without config.json writes, and how to give it one (``cast_to``: the
+    dtype that --dtype casts floating tensors to; None: kept as stored)."""
     looked = [str(d) for d, _ in run_dirs(root)[:1]]
     where = f"beside {root}" + (f" nor in {looked[0]}" if looked else "")
+    dtypes = (f"floating tensors are cast to {cast_to} (--dtype)" if cast_to
+              else "dtypes are kept as stored")
     return (f"no config.json found {where}: the output is WEIGHTS ONLY, which from_pretrained "
-            "cannot load ('Unrecognized model'); dtypes are kept as stored and tied embeddings "
+            f"cannot load ('Unrecognized model'); {dtypes} and tied embeddings "
             "are written twice. Pass the model's config.json (the training run's output_dir "
             f"or the base model's): ckpttool merge {given} OUT --config path/to/config.json")
 

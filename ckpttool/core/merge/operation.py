@@ -483,7 +483,8 @@ def _start_report(src: Path, out: Path, whole: Checkpoint, ckpt: Checkpoint,
         if files.config_path is not None:
             report.config = ConfigUsed(str(files.config_path), files.found_in)
         elif files.config is None:  # (a config derived from Megatron's args has no path)
-            report.warnings.append(hf.no_config_warning(info.root, ckpt.path))
+            report.warnings.append(hf.no_config_warning(
+                info.root, ckpt.path, cast_to=policy.target.name if policy.target else None))
     copies = model_copies(whole)
     if copies is not None:
         report.copies = copies

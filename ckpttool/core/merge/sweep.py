@@ -208,7 +208,7 @@ def parse_steps(text: str) -> Steps:
     (``"1000-5000,every 1000"``: the steps of the range divisible by 1000).
 
     Raises:
-        InputError: anything else, with the forms it takes.
+        UsageError: anything else, with the forms it takes (exit 2).
     """
     ranges: list[tuple[int, int]] = []
     every = None
@@ -217,7 +217,7 @@ def parse_steps(text: str) -> Steps:
         if m := re.fullmatch(r"(\d+)\s*-\s*(\d+)", item):
             lo, hi = int(m[1]), int(m[2])
             if lo > hi:
-                raise InputError(f"--steps {text!r}: range {item} runs backwards; write "
+                raise UsageError(f"--steps {text!r}: range {item} runs backwards; write "
                                  f"{hi}-{lo}")
             ranges.append((lo, hi))
         elif item.isdigit():
@@ -225,11 +225,11 @@ def parse_steps(text: str) -> Steps:
         elif m := re.fullmatch(r"every\s*(\d+)", item):
             every = int(m[1])
             if not every:
-                raise InputError(f"--steps {text!r}: every 0 selects nothing; use every N, N > 0")
+                raise UsageError(f"--steps {text!r}: every 0 selects nothing; use every N, N > 0")
         elif item == "latest":
             latest = True
         else:
-            raise InputError(f"--steps {text!r}: {item!r} is not a step selection; use N, A-B, "
+            raise UsageError(f"--steps {text!r}: {item!r} is not a step selection; use N, A-B, "
                              "every N or latest, joined by commas (e.g. 1000-5000,every 1000)")
     return Steps(tuple(ranges), every, latest)
 
@@ -254,11 +254,11 @@ def parse_task(text: str) -> tuple[int, int]:
     """``"I/N"`` -> (I, N), 0 <= I < N.
 
     Raises:
-        InputError: anything else.
+        UsageError: anything else (exit 2).
     """
     m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
     if m is None or not int(m[2]) or int(m[1]) >= int(m[2]):
-        raise InputError(f"--task {text!r}: expected I/N with 0 <= I < N, e.g. --task "
+        raise UsageError(f"--task {text!r}: expected I/N with 0 <= I < N, e.g. --task "
                          "$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT")
     return int(m[1]), int(m[2])
 

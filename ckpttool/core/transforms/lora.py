@@ -30,7 +30,7 @@ from ckpttool.core.checkpoint import hf, structure, tensors
 from ckpttool.core.checkpoint.discover import discover, open_reader
 from ckpttool.core.runtime.report import Section, section
 from ckpttool.core.transforms.derive import Derived, scratch, scratch_bytes
-from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.errors import InputError, UnsupportedError, UsageError
 from ckpttool.formats.base import Problem, Reader, Tensor, error, warning
 
 if TYPE_CHECKING:
@@ -920,7 +920,7 @@ def plan_for_merge(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str 
             raise InputError(f"{ckpt.path}: holds a LoRA adapter itself; --adapter folds an "
                              "adapter into a model with plain weights")
         if mode == "adapter":
-            raise InputError("--adapter folds an adapter into SRC; --lora adapter would write "
+            raise UsageError("--adapter folds an adapter into SRC; --lora adapter would write "
                              "the adapter alone: use one or the other")
         given = Path(adapter)
         target = (next((given / n for n in ADAPTER_FILES if (given / n).exists()),

@@ -50,7 +50,7 @@ from ckpttool.core.transforms.lora import AdapterSummary
 from ckpttool.core.verify import manifest as manifests
 from ckpttool.core.verify import scan
 from ckpttool.core.verify.against import AgainstPlan, plan_against
-from ckpttool.errors import InputError
+from ckpttool.errors import InputError, UsageError
 from ckpttool.formats.base import SEVERITIES, Location, Problem, error, warning
 from ckpttool.storage.store import LOCAL, Stores
 
@@ -112,6 +112,8 @@ def verify(
     on_start: Callable[[int], None] | None = None,
     stores: Stores = LOCAL,
     iteration: int | None = None,
+    write_manifest: str | os.PathLike[str] | None = None,
+    check_manifest: str | os.PathLike[str] | None = None,
 ) -> VerifyReport:
     """Check the checkpoint at ``path``; problems are reported, not raised.
 
@@ -130,6 +132,10 @@ def verify(
         manifest: a file to write SHA-256 digests to, or to check them against if it exists.
         manifest_action: ``"write"`` (the file must not exist) or ``"check"`` (it must);
             None: check when it exists, else write.
+        write_manifest: as the command's ``--write-manifest FILE``: ``manifest=FILE`` with
+            ``manifest_action="write"``.
+        check_manifest: as ``--check-manifest FILE``: ``manifest=FILE``,
+            ``manifest_action="check"``.
         workers: tensors read in parallel (default: the CPUs this process may use).
         follow_links: read data files that are links out of the checkpoint directory.
         adapter_config: PEFT's adapter_config.json for a LoRA checkpoint, where it is not
@@ -146,6 +152,8 @@ def verify(
         OutputError: the manifest cannot be written.
     """
     started = time.perf_counter()
+    manifest, manifest_action = _manifest_use(manifest, manifest_action, write_manifest,
+                                              check_manifest)
     _check_options(dtype, allow_cast=allow_cast, against=against)
     ckpt = discover(path, config=config, command="verify", stores=stores, iteration=iteration)
     other = (discover(against, command="verify", stores=stores) if against is not None
@@ -276,13 +284,29 @@ def _structures(ckpt: Checkpoint, other: Checkpoint | None
     return problems, damaged, damaged_b
 
 
+def _manifest_use(manifest: str | os.PathLike[str] | None, action: str | None,
+                  write: str | os.PathLike[str] | None, check: str | os.PathLike[str] | None
+                  ) -> tuple[str | os.PathLike[str] | None, str | None]:
+    """``write_manifest=`` / ``check_manifest=`` (the command's names) as ``manifest=`` and
+    ``manifest_action=``; one way of naming it at a time (else a UsageError)."""
+    given = [n for n, v in (("manifest", manifest), ("write_manifest", write),
+                            ("check_manifest", check)) if v is not None]
+    if len(given) > 1:
+        raise UsageError(f"pass one of {' and '.join(given)}")
+    if write is not None:
+        return write, "write"
+    if check is not None:
+        return check, "check"
+    return manifest, action
+
+
 def _check_options(dtype: str | None, *, allow_cast: bool,
                    against: str | os.PathLike[str] | None) -> None:
     if dtype is not None and not allow_cast:
-        raise InputError("--dtype applies to the cast that --allow-cast allows; pass "
+        raise UsageError("--dtype applies to the cast that --allow-cast allows; pass "
                          "--allow-cast too, or leave --dtype out")
     if allow_cast and against is None:
-        raise InputError("--allow-cast needs --against OTHER")
+        raise UsageError("--allow-cast needs --against OTHER")
 
 
 def _policies(ckpt: Checkpoint, expect_dtype: str | None, cast_dtype: str | None, *,
@@ -292,7 +316,7 @@ def _policies(ckpt: Checkpoint, expect_dtype: str | None, cast_dtype: str | None
     expect = None
     if expect_dtype is not None:
         if expect_dtype.lower() == "keep":
-            raise InputError("--expect-dtype keep checks nothing; use auto, bf16, fp16 or fp32")
+            raise UsageError("--expect-dtype keep checks nothing; use auto, bf16, fp16 or fp32")
         expect = dtype_policy.resolve(expect_dtype, ckpt.hf.config, config_name)
     cast = (dtype_policy.resolve(cast_dtype or "auto", ckpt.hf.config, config_name)
             if allow_cast else None)

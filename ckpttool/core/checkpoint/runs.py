@@ -1,0 +1,73 @@
+"""A training run directory given where one checkpoint is expected (``merge run/ out/``: the
+HF Trainer user's most likely mistake): which checkpoints it holds, to name the latest and
+point at ``merge --all`` instead of saying "no checkpoint here".
+
+From names and format detection only (nothing is read); ``core.merge.sweep`` finds the
+checkpoints of a run the same way for ``--all``."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpttool.formats import registry
+
+_NUMBER = re.compile(r"\d+")
+
+
+@dataclass(frozen=True, slots=True)
+class RunCheckpoint:
+    name: str  # relative to the run, "/"-separated
+    step: int
+
+
+def _step(name: str) -> int | None:
+    found = _NUMBER.findall(name)
+    return int(found[-1]) if found else None
+
+
+def _entries(directory: Path) -> list[Path]:
+    try:
+        return sorted(p for p in directory.iterdir() if not p.name.startswith("."))
+    except OSError:
+        return []
+
+
+def _claimed(path: Path) -> bool:
+    return not path.is_symlink() and registry.detect(path) is not None
+
+
+def checkpoints(run: Path, *, depth: int = 2) -> list[RunCheckpoint]:
+    """The checkpoints of the run directory ``run``, in step order: directories with a step
+    number in their name that a format claims or that hold an entry a format claims
+    (``checkpoint-500/pytorch_model_fsdp_0``); directories without a step are looked into,
+    ``depth`` levels down (accelerate's ``checkpoints/checkpoint_0``)."""
+    found: list[RunCheckpoint] = []
+    for p in _entries(run):
+        if p.is_symlink() or not p.is_dir():
+            continue
+        step = _step(p.name)
+        if step is not None:
+            if _claimed(p) or any(_claimed(q) for q in _entries(p)):
+                found.append(RunCheckpoint(p.name, step))
+        elif depth > 1:
+            found += [RunCheckpoint(f"{p.name}/{c.name}", c.step)
+                      for c in checkpoints(p, depth=depth - 1)]
+    return sorted(found, key=lambda c: (c.step, c.name))
+
+
+def run_message(given: Path, command: str) -> str | None:
+    """What to say of ``given`` where it is a run directory of two or more checkpoints: how
+    many, the latest, the command for it, and ``merge --all`` for every one. None otherwise."""
+    found = checkpoints(given)
+    if len(found) < 2:
+        return None
+    latest = found[-1]
+    out = " OUT" if command in ("merge", "reshard") else ""
+    steps = f"steps {found[0].step} to {latest.step}"
+    every = (f", or every one: ckpttool merge {given} OUT_ROOT --all" if command == "merge"
+             else f" (ckpttool merge {given} OUT_ROOT --all merges every one)")
+    return (f"{given}: a training run directory with {len(found)} checkpoints ({steps}), not "
+            f"one checkpoint; the latest is {latest.name}: ckpttool {command} "
+            f"{given / latest.name}{out}{every}")
