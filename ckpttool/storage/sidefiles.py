@@ -98,23 +98,36 @@ def open_checked(path: Path, kind: Kind, *, nofollow: bool = False) -> int:
 
 
 def read_fd(fd: int, path: Path, kind: Kind) -> bytes:
-    """Every byte of the open file ``fd`` (at most ``kind.limit``; a file that grew past
-    it since it was checked is refused)."""
-    chunks: list[bytes] = []
+    """Every byte of the open file ``fd`` (at most ``kind.limit``; a file that grew past it
+    since it was checked is refused). The size checked is allocated at once, so a file this
+    process cannot hold is a ``MemoryError`` before a byte is read.
+
+    Raises:
+        MemoryError: the file is larger than this process may hold.
+        InputError: unreadable, or grew past the cap.
+    """
+    want = min(os.fstat(fd).st_size, kind.limit)
+    parts: list[bytes] = []
     total = 0
-    while True:
-        try:
-            block = os.read(fd, min(1 << 20, kind.limit + 1 - total))
-        except OSError as e:
-            raise InputError(f"{path}: cannot read it ({e.strerror or e}); copy the checkpoint "
-                             "again") from None
-        if not block:
-            return b"".join(chunks)
-        chunks.append(block)
-        total += len(block)
-        if total > kind.limit:
-            raise InputError(f"{path}: grew past the {kind.limit:,} bytes a {kind.what} may "
-                             "hold while it was read; run again when nothing writes to it")
+    try:
+        with open(fd, "rb", buffering=0, closefd=False) as f:
+            while total < want:  # one read, unless the system returns less at a time
+                block = f.read(want - total)
+                if not block:
+                    break
+                parts.append(block)
+                total += len(block)
+            while block := f.read(min(1 << 20, kind.limit + 1 - total)):  # grown since
+                parts.append(block)
+                total += len(block)
+                if total > kind.limit:
+                    raise InputError(f"{path}: grew past the {kind.limit:,} bytes a "
+                                     f"{kind.what} may hold while it was read; run again "
+                                     "when nothing writes to it")
+    except OSError as e:
+        raise InputError(f"{path}: cannot read it ({e.strerror or e}); copy the checkpoint "
+                         "again") from None
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def read_checked(path: Path, kind: Kind, *, nofollow: bool = False) -> bytes:

@@ -159,7 +159,7 @@ def test_unsupported_scheme_as_source_is_exit_4(tmp_path: Path, cmd: str) -> Non
 def test_url_for_a_local_only_option_is_exit_4(tiny_dcp: Path, tmp_path: Path) -> None:
     r = run("merge", tiny_dcp, tmp_path / "out", "--config", "s3://b/config.json")
     assert r.exit_code == 4, r.output
-    assert "s3:/b/config.json: --config takes a local path, not a s3:// URL" in r.stderr
+    assert "s3://b/config.json: --config takes a local path, not a s3:// URL" in r.stderr
     r = run("verify", tiny_dcp, "--against", "https://x/y")
     assert r.exit_code == 4 and "(as source)" in r.stderr
 
@@ -520,17 +520,30 @@ def test_zstd_record_claiming_a_gibibyte_is_refused_unread(dcp_options: Path,
 # 16. What a size makes ckpttool allocate is bounded by the file
 
 
-def test_a_6_gib_metadata_is_one_line_under_a_3_gib_limit(tiny_dcp: Path,
-                                                         tmp_path: Path) -> None:
+def test_a_3_5_gib_metadata_is_one_line_under_a_3_gib_limit(tiny_dcp: Path,
+                                                           tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_dcp, ckpt)
     with open(ckpt / ".metadata", "wb") as f:
-        f.truncate(6 << 30)  # sparse
+        f.truncate(7 << 29)  # sparse; under the 4 GiB cap of a .metadata
     p = _cli("inspect", ckpt, memory=3 << 30)
     assert p.returncode == 3, p.stderr  # not 70 (MemoryError)
-    assert p.stderr == (f"ckpttool: error: {ckpt / '.metadata'}: 6,442,450,944 bytes, more "
+    assert p.stderr == (f"ckpttool: error: {ckpt / '.metadata'}: 3,758,096,384 bytes, more "
                         "than this process may hold in memory; a .metadata that large is "
                         "corrupt, or needs a machine with more memory\n")
+
+
+def test_an_8_gib_metadata_is_refused_by_its_cap_unread(tiny_dcp: Path, tmp_path: Path
+                                                        ) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dcp, ckpt)
+    with open(ckpt / ".metadata", "wb") as f:
+        f.truncate(8 << 30)  # sparse
+    p = _cli("inspect", ckpt, memory=3 << 30)
+    assert p.returncode == 3, p.stderr
+    assert p.stderr == (f"ckpttool: error: {ckpt / '.metadata'}: 8,589,934,592 bytes, more "
+                        "than the 4,294,967,296 a DCP .metadata file may hold; it is not the "
+                        "writer's file: copy the checkpoint again\n")
 
 
 def test_a_data_file_name_too_long_for_the_system_is_exit_3(dcp_options: Path,

@@ -155,8 +155,11 @@ def test_megatron_tracker_planted(hostile: str, command: str, megatron_run: Path
     tracker = run / "latest_checkpointed_iteration.txt"
     HOSTILE[hostile][0](tracker)
     r = cli(*_args(command, run, tmp_path), cwd=tmp_path)
-    assert r.returncode == 3, r.stderr  # the run is no longer recognised, or refused
-    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    # Never read: the run's one iteration directory is found as a part of it (exit 0), or
+    # the run is refused in one line; never a block, never a traceback.
+    assert r.returncode in (0, 3), r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 0 or r.stderr.count("ckpttool: error:") == 1, r.stderr
 
 
 @pytest.mark.parametrize("digits", ["\u0663", "\u00b2", "\uff12", "2\u0663"])

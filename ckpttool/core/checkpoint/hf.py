@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import InputError
+from ckpttool.errors import InputError, UnreadableError
 from ckpttool.formats.safetensors import json_error
 from ckpttool.storage import sidefiles, store
 
@@ -79,6 +79,11 @@ def read_side_file(path: Path, roots: tuple[Path, ...]) -> bytes:
         fd = sidefiles.open_checked(path, sidefiles.HF_FILE)
     except FileNotFoundError as e:
         raise InputError(f"{path}: cannot be read ({e.strerror}); {again}") from None
+    except UnreadableError:  # the user's permissions, not a change: says how to fix it
+        raise
+    except InputError as e:  # it was a small regular file when it was found
+        raise InputError(f"{path}: no longer a regular file of at most "
+                         f"{SIDE_FILE_LIMIT:,} bytes; {again}") from e
     try:
         real = store.real_path(fd)
         if real is not None and real != os.path.abspath(path) and not any(
