@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 from ckpttool.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("merge", "inspect", "verify", "reshard")
+COMMANDS = ("merge", "inspect", "verify", "reshard", "diff", "apply")
 OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
-COMMAND_LINE = re.compile(r"ckpttool (merge|inspect|verify|reshard)\b([^|&;`]*)")
+COMMAND_LINE = re.compile(r"ckpttool (" + "|".join(COMMANDS) + r")\b([^|&;`]*)")
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 
 # Options of other programs that the docs name in passing.

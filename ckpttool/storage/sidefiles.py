@@ -39,8 +39,6 @@ TRACKER = Kind("tracker file (an iteration number or tag)", 4 << 10)
 METADATA_JSON = Kind("metadata JSON file", 64 << 20)
 COMMON_STATE = Kind("pickled common state", 1 << 30)
 HF_FILE = Kind("config or tokenizer file", 256 << 20)
-# DCP's .metadata: about 180 bytes per chunk; 4 GiB is over 20 million chunks.
-DCP_METADATA = Kind("DCP .metadata file", 4 << 30)
 
 # Open flags: never wait on a FIFO, never make a terminal ours.
 _FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)

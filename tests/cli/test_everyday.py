@@ -344,6 +344,9 @@ def test_merge_all_reports_output_sizes_rates_and_one_line_per_line(
         shutil.copytree(uneven_ckpt, run / f"checkpoint-{step}")
     damaged = run / "checkpoint-2" / "pytorch_model_fsdp_0" / "__1_0.distcp"
     os.truncate(damaged, damaged.stat().st_size // 2)
+    # damaged, not a copy in progress (a short file changed within the hour is taken for one)
+    from ckpttool.core.merge import sweep as sweep_mod
+    monkeypatch.setattr(sweep_mod, "STALE_SECONDS", -1.0)
     r = program(capsys, monkeypatch, "merge", run, tmp_path / "out", "--all", "--settle", "0")
     assert r.code == 3, r.stderr
     merged = (tmp_path / "out" / "checkpoint-1" / "model.safetensors").stat().st_size
@@ -507,7 +510,8 @@ def test_the_hub_recipe_runs_hf_upload_per_checkpoint_and_honours_its_exit(
     out = tmp_path / "merged"
     r = subprocess.run(  # a process of its own: --then's output goes to its stderr
         [sys.executable, "-m", "ckpttool", "merge", str(run), str(out), "--all", "--settle",
-         "0", "--then", "hf upload my-org/my-model {out} . --revision step-{step}"],
+         "0", "--then",
+         'hf upload my-org/my-model "$CKPTTOOL_OUT" . --revision "step-$CKPTTOOL_STEP"'],
         env=cli_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}"), capture_output=True,
         text=True, timeout=300)
     assert r.returncode == 3, r.stderr  # the failed upload fails its checkpoint

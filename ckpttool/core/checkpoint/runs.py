@@ -13,7 +13,11 @@ from pathlib import Path
 
 from ckpttool.formats import registry
 
-_NUMBER = re.compile(r"\d+")
+# The names trainers give a run's checkpoints: checkpoint-500 (HF Trainer), step-1000
+# (torchtitan), global_step500 (DeepSpeed), iter_0000500 (Megatron), epoch=1-step=100
+# (Lightning), or a bare step number. A model part (pytorch_model_fsdp_0, optimizer_0) is not one.
+_STEP_NAME = re.compile(r"(?:epoch=\d+-)?(?:checkpoint|ckpt|step|global_step|iter|iteration)?"
+                        r"[-_=]?(\d+)", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,8 +27,8 @@ class RunCheckpoint:
 
 
 def _step(name: str) -> int | None:
-    found = _NUMBER.findall(name)
-    return int(found[-1]) if found else None
+    m = _STEP_NAME.fullmatch(name)
+    return int(m[1]) if m else None
 
 
 def _entries(directory: Path) -> list[Path]:

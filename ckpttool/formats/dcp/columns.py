@@ -40,6 +40,9 @@ from ckpttool.formats.codecs import torchsave
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage import sidefiles
 
+# DCP's .metadata: about 180 bytes per chunk; 4 GiB is over 20 million chunks.
+METADATA_FILE = sidefiles.Kind("DCP .metadata file", 4 << 30)
+
 _WINDOW = 4 << 20  # bytes of the file held at a time
 _AHEAD = 1 << 18  # before a run of entries is matched, at least this much is in the window
 _MAX_NDIM = 64
@@ -1479,7 +1482,7 @@ def read(path: Path, lookup: Callable[[str, str], Any | None], *,
         lookup: the allow-list (``dcp._metadata_global``): every global comes from it.
     """
     try:
-        with os.fdopen(sidefiles.open_checked(path, sidefiles.DCP_METADATA), "rb") as f:
+        with os.fdopen(sidefiles.open_checked(path, METADATA_FILE), "rb") as f:
             size = f.seek(0, 2)
             f.seek(0)
             with torchsave.gc_paused():
