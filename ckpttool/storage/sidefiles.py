@@ -10,7 +10,8 @@ a directory is refused, and so is a file larger than the cap for its kind (an 8 
 again on the descriptor, which is what is read: a file swapped between the look and the open
 is seen. Each refusal is one line (:class:`~ckpttool.errors.InputError`, exit 3).
 
-Callers pass a :class:`Kind`: what the file is for messages, and its cap.
+Callers pass a :class:`Kind`: what the file is for messages, and its cap (a format's own
+kinds live with the format, e.g. DCP's ``.metadata``).
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ TRACKER = Kind("tracker file (an iteration number or tag)", 4 << 10)
 METADATA_JSON = Kind("metadata JSON file", 64 << 20)
 COMMON_STATE = Kind("pickled common state", 1 << 30)
 HF_FILE = Kind("config or tokenizer file", 256 << 20)
-# DCP's .metadata: about 180 bytes per chunk; 4 GiB is over 20 million chunks.
-DCP_METADATA = Kind("DCP .metadata file", 4 << 30)
 
 # Open flags: never wait on a FIFO, never make a terminal ours.
 _FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)

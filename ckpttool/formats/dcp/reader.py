@@ -226,7 +226,7 @@ def read_metadata_object(path: Path, lookup: Lookup | None = None) -> Any:
             checkpoint of a layout this reader does not read).
     """
     try:
-        data = sidefiles.read_checked(path, sidefiles.DCP_METADATA)
+        data = sidefiles.read_checked(path, dcp_metadata.METADATA_KIND)
     except FileNotFoundError as err:
         raise InputError(f"{path}: no such file") from err
     except MemoryError as e:
