@@ -105,7 +105,8 @@ def test_every_environment_variable_read_is_documented() -> None:
         used |= set(re.findall(r"\bCKPTTOOL_[A-Z][A-Z_]*[A-Z]\b", path.read_text()))
     # _CKPTTOOL_COMPLETE is the shell-completion hook, not a knob
     used -= {"CKPTTOOL_COMPLETE", "CKPTTOOL_TEST"}
-    # what merge --all sets for its --then command: values it hands on, not knobs it reads
+    # merge --all --then's environment: set for the command, never read
     from ckpttool.core.merge.sweep import THEN_VARIABLES
+
     used -= set(THEN_VARIABLES.values())
     assert used - {k.name for k in settings.KNOBS} == set()

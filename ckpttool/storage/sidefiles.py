@@ -10,7 +10,8 @@ a directory is refused, and so is a file larger than the cap for its kind (an 8 
 again on the descriptor, which is what is read: a file swapped between the look and the open
 is seen. Each refusal is one line (:class:`~ckpttool.errors.InputError`, exit 3).
 
-Callers pass a :class:`Kind`: what the file is for messages, and its cap.
+Callers pass a :class:`Kind`: what the file is for messages, and its cap (a format's own
+kinds live with the format, e.g. DCP's ``.metadata``).
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import registry, safetensors, torchfile
 from ckpttool.formats.base import CheckpointInfo, ChunkColumns, ObjectEntry, Reader, Tensor
 from ckpttool.formats.codecs.dtypes import DType
-from ckpttool.formats.dcp import reader as dcp_reader
 from ckpttool.storage.store import LOCAL, Stores
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of one chunk
@@ -344,7 +343,7 @@ def _discover(given: Path, config: str | os.PathLike[str] | None, require: bool,
     if not (given.is_file() or given.is_dir()):  # a FIFO, a socket, a device: never opened
         raise InputError(f"{given}: not a regular file or directory; pass the checkpoint "
                          "directory or file")
-    piece = dcp_reader.piece_of(given) if given.is_file() else None
+    piece = _dcp_piece(given) if given.is_file() else None
     if piece is not None:
         raise InputError(piece)
     fmt = registry.detect(given)
@@ -394,6 +393,17 @@ def _read(path: Path, stores: Stores) -> CheckpointInfo:
     if fmt is None:  # listed as a checkpoint, so claimed: only a race gets here
         raise InputError(f"{path}: no longer a checkpoint")
     return fmt.read_info(path, stores=stores)
+
+
+def _dcp_piece(file: Path) -> str | None:
+    """Why ``file`` is a piece of a DCP checkpoint (a data file, ``.metadata``), or None;
+    DCP's module is loaded only for a name that may be one (``inspect x.safetensors``
+    loads no directory format)."""
+    if not file.name.endswith((".distcp", ".metadata")):
+        return None
+    from ckpttool.formats.dcp import reader as dcp_reader
+
+    return dcp_reader.piece_of(file)
 
 
 def _not_a_checkpoint_file(file: Path) -> str:

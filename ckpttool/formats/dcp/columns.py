@@ -40,9 +40,6 @@ from ckpttool.formats.codecs import torchsave
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage import sidefiles
 
-# DCP's .metadata: about 180 bytes per chunk; 4 GiB is over 20 million chunks.
-METADATA_FILE = sidefiles.Kind("DCP .metadata file", 4 << 30)
-
 _WINDOW = 4 << 20  # bytes of the file held at a time
 _AHEAD = 1 << 18  # before a run of entries is matched, at least this much is in the window
 _MAX_NDIM = 64
@@ -1018,10 +1015,7 @@ class _Machine:
             if i + 1 >= n:
                 raise Fallback("setitems")
             v = items[i + 1]
-            if isinstance(k, _Marker) or isinstance(v, _Marker) or type(k) is tuple:
-                # DCP's keys are names and MetadataIndex objects; hashing a tuple recurses
-                # in C without a limit (a deep one overflows the stack): the allow-list
-                # path loads such a pickle on a deep enough stack.
+            if isinstance(k, _Marker) or isinstance(v, _Marker):
                 raise Fallback("setitems")
             try:
                 d[k] = v
@@ -1473,6 +1467,11 @@ class _Placement:
         return placed
 
 
+# DCP's .metadata, read as a side file: about 180 bytes per chunk, so 4 GiB is over 20
+# million chunks.
+METADATA_KIND = sidefiles.Kind("DCP .metadata file", 4 << 30)
+
+
 def read(path: Path, lookup: Callable[[str, str], Any | None], *,
          metadata_file: str = ".metadata") -> Columnar | None:
     """``path`` (a ``.metadata``) as tensors with columnar chunks, objects and version, or None
@@ -1482,7 +1481,7 @@ def read(path: Path, lookup: Callable[[str, str], Any | None], *,
         lookup: the allow-list (``dcp._metadata_global``): every global comes from it.
     """
     try:
-        with os.fdopen(sidefiles.open_checked(path, METADATA_FILE), "rb") as f:
+        with os.fdopen(sidefiles.open_checked(path, METADATA_KIND), "rb") as f:
             size = f.seek(0, 2)
             f.seek(0)
             with torchsave.gc_paused():
