@@ -1,0 +1,280 @@
+"""The output contract (:mod:`ckpttool.core.contract`): a merge ends by holding its planned
+output against the model class config.json names (transformers, on the meta device), and
+refuses, before writing anything, an output that model would not take whole.
+
+Inputs are real: tiny transformers models, their state dicts written by torch's own DCP
+writer (one process) or by ``save_pretrained``; hand-made changes only to break them (a
+tensor left out, one saved transposed)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as torch_dcp
+from typer.testing import CliRunner
+
+import ckpttool
+from ckpttool.cli import app
+from ckpttool.core import contract
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def run(*args: str | Path) -> Any:
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def _llama(tie: bool) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                      tie_word_embeddings=tie, architectures=["LlamaForCausalLM"])
+    return LlamaForCausalLM(cfg)
+
+
+def _save(state: dict[str, torch.Tensor], config: Any, path: Path) -> Path:
+    """``state`` written by torch's DCP writer into ``path``, config.json beside it."""
+    torch_dcp.save({k: v.contiguous() for k, v in state.items()}, checkpoint_id=path)
+    config.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    model = _llama(tie=False)
+    return model, tmp_path_factory.mktemp("contract-llama")
+
+
+def _variant(llama: tuple[Any, Path], name: str, change: Any = None) -> Path:
+    model, root = llama
+    state = dict(model.state_dict())
+    if change is not None:
+        change(state)
+    path = root / name
+    if not path.exists():
+        _save(state, model.config, path)
+    return path
+
+
+def test_a_whole_model_is_checked_and_published(llama: tuple[Any, Path], tmp_path: Path
+                                                 ) -> None:
+    src = _variant(llama, "good")
+    r = run("merge", src, tmp_path / "out", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)["contract"]
+    assert doc["checked"] is True and doc["loader"] == "transformers"
+    assert doc["consumer"].startswith("LlamaForCausalLM (transformers ")
+    assert doc["missing"] == [] and doc["misshapen"] == [] and doc["extra"] == []
+    assert doc["expected"] == len(llama[0].state_dict())
+    human = run("merge", src, tmp_path / "out2")
+    assert "contract: LlamaForCausalLM (transformers" in human.stdout
+    assert "takes it whole (21 tensors)" in human.stdout
+
+
+def test_a_missing_tensor_is_exit_3_and_nothing_is_written(llama: tuple[Any, Path],
+                                                            tmp_path: Path) -> None:
+    src = _variant(llama, "missing", lambda s: s.pop("model.norm.weight"))
+    out = tmp_path / "out"
+    r = run("merge", src, out)
+    assert r.exit_code == 3, r.output
+    assert (f"{out}: 'model.norm.weight' is missing, which LlamaForCausalLM (transformers "
+            in r.stderr)
+    assert "nothing was written" in r.stderr and "Traceback" not in r.output
+    assert not out.exists()
+    with pytest.raises(ckpttool.InputError, match="'model.norm.weight' is missing"):
+        ckpttool.merge(src, out, dry_run=True)
+
+
+def test_a_misshapen_tensor_is_exit_3(llama: tuple[Any, Path], tmp_path: Path) -> None:
+    def transpose(s: dict[str, torch.Tensor]) -> None:
+        key = "model.layers.0.self_attn.k_proj.weight"
+        s[key] = s[key].t().contiguous()
+
+    src = _variant(llama, "shape", transpose)
+    r = run("merge", src, tmp_path / "out")
+    assert r.exit_code == 3, r.output
+    assert ("'model.layers.0.self_attn.k_proj.weight' has shape [32, 16], where "
+            "LlamaForCausalLM (transformers" in r.stderr)
+    assert "expects [16, 32]" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_extra_tensor_is_a_warning(llama: tuple[Any, Path], tmp_path: Path) -> None:
+    src = _variant(llama, "extra", lambda s: s.update({"model.extra.weight": torch.ones(3)}))
+    r = run("merge", src, tmp_path / "out", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["contract"]["extra"] == ["model.extra.weight"]
+    assert any("does not take, e.g. 'model.extra.weight'" in w for w in doc["warnings"])
+
+
+def test_an_untied_model_needs_its_head(llama: tuple[Any, Path], tmp_path: Path) -> None:
+    """tie_word_embeddings false and no lm_head: the head would be random."""
+    src = _variant(llama, "headless", lambda s: s.pop("lm_head.weight"))
+    r = run("merge", src, tmp_path / "out")
+    assert r.exit_code == 3, r.output
+    assert "'lm_head.weight' is missing" in r.stderr
+
+
+def test_a_tied_model_may_leave_its_head_out(tmp_path: Path) -> None:
+    model = _llama(tie=True)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    src = _save(state, model.config, tmp_path / "tied")
+    report = ckpttool.merge(src, tmp_path / "out")
+    assert report.contract is not None and report.contract.checked and report.contract.ok
+
+
+def test_no_config_is_exit_3_naming_both_ways(llama: tuple[Any, Path], tmp_path: Path
+                                              ) -> None:
+    model, _ = llama
+    src = tmp_path / "ckpt"
+    torch_dcp.save(dict(model.state_dict()), checkpoint_id=src)
+    out = tmp_path / "out"
+    r = run("merge", src, out)
+    assert r.exit_code == 3, r.output
+    assert (f"Pass the model's config.json: ckpttool merge {src} {out} --config "
+            "path/to/config.json, or ask for weights only: ckpttool merge "
+            f"{src} {out} --weights-only") in r.stderr
+    assert not out.exists()
+    r = run("merge", src, out, "--weights-only", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)["contract"]
+    assert doc == {**doc, "checked": False, "reason": "--weights-only"}
+    assert (out / "model.safetensors").exists()
+
+
+def test_weights_only_writes_a_broken_model_without_the_promise(
+        llama: tuple[Any, Path], tmp_path: Path) -> None:
+    src = _variant(llama, "missing", lambda s: s.pop("model.norm.weight"))
+    report = ckpttool.merge(src, tmp_path / "out", weights_only=True)
+    assert report.contract is not None and not report.contract.checked
+
+
+def test_without_transformers_the_report_says_not_checked(
+        llama: tuple[Any, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = _variant(llama, "good")
+    contract._expected_cached.cache_clear()
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    r = run("merge", src, tmp_path / "out", "--json")
+    contract._expected_cached.cache_clear()
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["contract"]["checked"] is False
+    assert doc["contract"]["hint"] == "pip install transformers"
+    assert "transformers is not installed" in doc["contract"]["reason"]
+    assert any("not checked against its consumer" in w and "pip install transformers" in w
+               for w in doc["warnings"])
+
+
+# --- mixture of experts and vision-language models: as transformers converts them on load
+
+
+def _mixtral() -> Any:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                        num_local_experts=4, num_experts_per_tok=2,
+                        architectures=["MixtralForCausalLM"])
+    return MixtralForCausalLM(cfg)
+
+
+def test_moe_runtime_layout_is_checked_in_the_hub_layout(tmp_path: Path) -> None:
+    model = _mixtral()
+    src = _save(dict(model.state_dict()), model.config, tmp_path / "moe")
+    report = ckpttool.merge(src, tmp_path / "out")
+    assert report.layout is not None  # written per expert, as save_pretrained does
+    assert report.contract is not None and report.contract.checked and report.contract.ok
+
+
+def test_moe_expert_missing_is_exit_3(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model = _mixtral()
+    model.save_pretrained(tmp_path / "hub")
+    state = load_file(tmp_path / "hub" / "model.safetensors")
+    gone = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    assert gone in state
+    del state[gone]
+    save_file(state, tmp_path / "hub" / "model.safetensors", metadata={"format": "pt"})
+    r = run("merge", tmp_path / "hub", tmp_path / "out")
+    assert r.exit_code == 3, r.output
+    assert f"'{gone}' is missing, which MixtralForCausalLM" in r.stderr
+
+
+def _llava() -> Any:
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+    from transformers import LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=96)
+    vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                              num_attention_heads=2, image_size=16, patch_size=8,
+                              projection_dim=16)
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=95,
+                      architectures=["LlavaForConditionalGeneration"])
+    return LlavaForConditionalGeneration(cfg)
+
+
+def test_vlm_prefixes_are_checked_as_transformers_loads_them(tmp_path: Path) -> None:
+    model = _llava()
+    state = dict(model.state_dict())
+    src = _save(state, model.config, tmp_path / "vlm")
+    report = ckpttool.merge(src, tmp_path / "out")
+    assert report.contract is not None and report.contract.ok, report.contract
+    written = {n for f in report.files for n in [f.name]}
+    assert "model.safetensors" in written
+    # one tower tensor left out: named under the prefix the merge writes
+    tower = next(k for k in state if k.startswith("model.vision_tower."))
+    broken = {k: v for k, v in state.items() if k != tower}
+    src = _save(broken, model.config, tmp_path / "vlm-broken")
+    with pytest.raises(ckpttool.InputError, match="is missing, which "
+                       "LlavaForConditionalGeneration"):
+        ckpttool.merge(src, tmp_path / "out2")
+
+
+# --- the check itself
+
+
+def test_the_check_reads_names_and_shapes_only() -> None:
+    """Pure: planned names and shapes against the model; a 70B-parameter config costs no
+    memory (meta device)."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                      num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
+                      architectures=["LlamaForCausalLM"]).to_dict()
+    exp = contract.expected(cfg)
+    assert sum(torch.Size(s).numel() for s in exp.tensors.values()) > 68e9
+    result = contract.check(dict(exp.tensors), cfg)
+    assert result.ok and result.expected == len(exp.tensors)
+
+
+def test_transformers_private_attributes_are_where_the_check_reads_them() -> None:
+    """The one place upstream internals are read (ckpttool.core.contract): an upgrade that
+    moves them fails here, loudly."""
+    model = _llama(tie=True)
+    assert model.all_tied_weights_keys == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert hasattr(model, "_keys_to_ignore_on_load_missing")
+    assert hasattr(model, "_keys_to_ignore_on_load_unexpected")
+
+
+def test_an_unknown_loader_is_named() -> None:
+    with pytest.raises(ckpttool.InputError, match="unknown loader 'vllm'; choose one of "
+                       "transformers"):
+        contract.expected({"model_type": "llama"}, loader="vllm")
+
+
+def test_an_unknown_model_type_is_not_checked_and_says_why() -> None:
+    result = contract.check({"a": (1,)}, {"model_type": "no-such-model"})
+    assert not result.checked and result.reason is not None
+    assert "does not know model_type 'no-such-model'" in result.reason
