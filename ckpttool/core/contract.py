@@ -349,6 +349,56 @@ def compare(planned: Shapes, exp: Expected, config: Mapping[str, Any], *,
     return out
 
 
+def compare_state_dict(planned: Shapes, exp: Expected, *, prefix: str | None = None,
+                       loader: str = "transformers") -> Contract:
+    """Pure: ``planned`` against the model's own state dict, as ``dcp.load`` of
+    ``get_model_state_dict(model)`` (accelerate's ``load_fsdp_model``) asks for it: every
+    key, tied copies included, under ``prefix``; no layout conversion, nothing ignored."""
+    lead = f"{prefix}." if prefix else ""
+    out = Contract(loader, True, consumer=f"dcp.load of {exp.consumer}'s state dict",
+                   expected=len(exp.tensors))
+    for name, shape in exp.tensors.items():
+        key = lead + name
+        if key not in planned:
+            out.missing.append(key)
+        elif tuple(planned[key]) != tuple(shape):
+            out.misshapen.append(Mismatch(key, list(planned[key]), list(shape)))
+    wanted = {lead + n for n in exp.tensors}
+    out.extra = [n for n in planned if n not in wanted]
+    return out
+
+
+def tied_copies(present: Shapes, config: Mapping[str, Any] | None) -> dict[str, str]:
+    """The tied copies (target -> source) the model's state dict holds that ``present``
+    lacks while it holds their source: what a DCP for resuming must write again. Empty
+    where the model cannot be built here."""
+    if config is None:
+        return {}
+    try:
+        exp = expected(config)
+    except Unavailable:
+        return {}
+    return {t: s for t, s in exp.tied.items() if t not in present and s in present}
+
+
+def check_state_dict(planned: Shapes, config: Mapping[str, Any] | None, *,
+                     prefix: str | None = None, loader: str = "transformers") -> Contract:
+    """:func:`compare_state_dict` for the model ``config`` names; not checked (and why)
+    where there is no config or the loader cannot be built."""
+    started = time.perf_counter()
+    if config is None:
+        return Contract(loader, False, reason="no config.json names the model",
+                        hint="put the model's config.json beside SRC")
+    try:
+        exp = expected(config, loader=loader)
+    except Unavailable as e:
+        return Contract(loader, False, reason=str(e),
+                        hint=INSTALL_HINT if "not installed" in str(e) else None)
+    result = compare_state_dict(planned, exp, prefix=prefix, loader=loader)
+    result.seconds = round(time.perf_counter() - started, 3)
+    return result
+
+
 def _forms(name: str, shape: tuple[int, ...], config: Mapping[str, Any]
            ) -> list[list[tuple[str, tuple[int, ...]]]]:
     """The ways an output can hold runtime tensor ``name``: as itself, and as the

@@ -278,3 +278,54 @@ def test_an_unknown_model_type_is_not_checked_and_says_why() -> None:
     result = contract.check({"a": (1,)}, {"model_type": "no-such-model"})
     assert not result.checked and result.reason is not None
     assert "does not know model_type 'no-such-model'" in result.reason
+
+
+# --- reshard: a DCP to resume from, as accelerate's load_fsdp_model reads it
+
+
+def _accelerate_load(model: Any, path: Path) -> dict[str, torch.Tensor]:
+    """accelerate's load_fsdp_model (SHARDED_STATE_DICT, use_dcp): dcp.load of
+    ``{"model": get_model_state_dict(model)}`` with the default planner."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    torch_dcp.load(state_dict=state, storage_reader=torch_dcp.FileSystemReader(path),
+                   planner=DefaultLoadPlanner())
+    return state["model"]
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_resume_recipe_loads_with_accelerates_call(tie: bool, tmp_path: Path) -> None:
+    model = _llama(tie=tie)
+    model.save_pretrained(tmp_path / "merged")  # a tied head is not saved
+    out = tmp_path / "resume" / "pytorch_model_fsdp_0"
+    r = run("reshard", tmp_path / "merged", out, "--to", "dcp", "--prefix", "model")
+    assert r.exit_code == 0, r.output
+    assert "contract: dcp.load of LlamaForCausalLM" in r.stdout
+    if tie:
+        assert "tied copies written again (the model's state dict holds them): lm_head.weight" \
+            in r.stdout
+    fresh = _llama(tie=tie)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    loaded = _accelerate_load(fresh, out)
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded[name], value), name
+
+
+def test_reshard_refuses_a_dcp_its_model_cannot_resume_from(llama: tuple[Any, Path],
+                                                            tmp_path: Path) -> None:
+    model, _ = llama
+    model.save_pretrained(tmp_path / "merged")
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(tmp_path / "merged" / "model.safetensors")
+    del state["model.norm.weight"]
+    save_file(state, tmp_path / "merged" / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "resume" / "pytorch_model_fsdp_0"
+    r = run("reshard", tmp_path / "merged", out, "--to", "dcp", "--prefix", "model")
+    assert r.exit_code == 3, r.output
+    assert f"{out}: 'model.model.norm.weight' is missing, which dcp.load of " in r.stderr
+    assert not out.exists()
