@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 
 from ckpttool.core.runtime.report import Section, section
 from ckpttool.core.transforms import hub_layout
-from ckpttool.errors import InputError
+from ckpttool.errors import InputError, UnsupportedError, UsageError
 from ckpttool.formats.base import Problem, Tensor, error, warning
 from ckpttool.formats.codecs.dtypes import BY_NAME
 
@@ -281,7 +281,7 @@ def expected(config: Mapping[str, Any], *, loader: str = "transformers") -> Expe
         InputError: an unknown loader name.
     """
     if loader not in LOADERS:
-        raise InputError(f"unknown loader {loader!r}; choose one of {', '.join(LOADERS)}")
+        raise UsageError(f"unknown loader {loader!r}; choose one of {', '.join(LOADERS)}")
     return _expected_cached(loader, json.dumps(config, sort_keys=True, default=str))
 
 
@@ -437,6 +437,27 @@ def _renamed(planned: Shapes, renames: tuple[tuple[str, str], ...]) -> Shapes:
 
 def _regex(patterns: tuple[str, ...]) -> re.Pattern[str] | None:
     return re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
+
+
+def verify_problems(names: Shapes, config: Mapping[str, Any] | None, *, where: str,
+                    loader: str = "transformers") -> list[Problem]:
+    """``verify PATH --loader``: the checkpoint's tensors held against the model ``config``
+    names, each finding a coded problem.
+
+    Raises:
+        InputError: no config.json (the consumer is unknown) or an unknown loader.
+        UnsupportedError: the loader's package is not installed here.
+    """
+    if loader not in LOADERS:
+        raise UsageError(f"unknown loader {loader!r}; choose one of {', '.join(LOADERS)}")
+    if config is None:
+        raise InputError(f"{where}: no config.json beside it names the model --loader "
+                         f"{loader} would build; pass it with --config")
+    result = check(names, config, loader=loader)
+    if not result.checked and result.hint == INSTALL_HINT:
+        raise UnsupportedError(f"--loader {loader}: {result.reason}; install it: "
+                               f"{INSTALL_HINT}")
+    return result.problems(where)
 
 
 def skipped(reason: str, *, loader: str = "transformers") -> Contract:

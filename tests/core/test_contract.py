@@ -329,3 +329,62 @@ def test_reshard_refuses_a_dcp_its_model_cannot_resume_from(llama: tuple[Any, Pa
     assert r.exit_code == 3, r.output
     assert f"{out}: 'model.model.norm.weight' is missing, which dcp.load of " in r.stderr
     assert not out.exists()
+
+
+# --- verify PATH --loader transformers
+
+
+def test_verify_loader_takes_a_whole_model_directory(llama: tuple[Any, Path],
+                                                     tmp_path: Path) -> None:
+    llama[0].save_pretrained(tmp_path / "hf")
+    r = run("verify", tmp_path / "hf", "--loader", "transformers", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert "contract" in doc["checks"]
+    assert not [p for p in doc["problems"] if p["code"].startswith("contract-")]
+
+
+def test_verify_loader_codes_each_problem(llama: tuple[Any, Path], tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    llama[0].save_pretrained(tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    state = load_file(weights)
+    del state["model.norm.weight"]
+    key = "model.layers.1.self_attn.k_proj.weight"
+    state[key] = state[key].t().contiguous()
+    state["model.stray.weight"] = torch.zeros(2)
+    save_file(state, weights, metadata={"format": "pt"})
+    r = run("verify", tmp_path / "hf", "--loader", "transformers", "--json")
+    assert r.exit_code == 1, r.output
+    found = {(p["code"], p["severity"], p["location"].get("tensor"))
+             for p in json.loads(r.stdout)["problems"] if p["code"].startswith("contract-")}
+    assert found == {("contract-missing", "error", "model.norm.weight"),
+                     ("contract-shape", "error", key),
+                     ("contract-extra", "warning", "model.stray.weight")}
+    # without --loader, the bytes are intact: nothing of the sort
+    assert run("verify", tmp_path / "hf").exit_code == 0
+
+
+def test_verify_loader_needs_a_config_and_a_known_loader(llama: tuple[Any, Path],
+                                                         tmp_path: Path) -> None:
+    llama[0].save_pretrained(tmp_path / "hf")
+    r = run("verify", tmp_path / "hf", "--loader", "vllm")
+    assert r.exit_code == 2, r.output
+    assert "unknown loader 'vllm'; choose one of transformers" in r.stderr
+    (tmp_path / "hf" / "config.json").unlink()
+    r = run("verify", tmp_path / "hf", "--loader", "transformers")
+    assert r.exit_code == 3, r.output
+    assert "no config.json beside it names the model --loader transformers would build; " \
+        "pass it with --config" in r.stderr
+
+
+def test_verify_loader_without_transformers_is_exit_4(
+        llama: tuple[Any, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    llama[0].save_pretrained(tmp_path / "hf")
+    contract._expected_cached.cache_clear()
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    r = run("verify", tmp_path / "hf", "--loader", "transformers")
+    contract._expected_cached.cache_clear()
+    assert r.exit_code == 4, r.output
+    assert "install it: pip install transformers" in r.stderr
