@@ -211,8 +211,12 @@ def test_moe_expert_missing_is_exit_3(tmp_path: Path) -> None:
 
 
 def _llava() -> Any:
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
-    from transformers import LlavaForConditionalGeneration
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
 
     torch.manual_seed(0)
     text = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
