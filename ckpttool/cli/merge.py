@@ -104,6 +104,10 @@ def merge_command(
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace model weights already in OUT.")] = False,
     lora: _LoraOption = None,
+    lora_alpha: Annotated[float | None, typer.Option(
+        metavar="N", min=0.0, help="A LoRA checkpoint's lora_alpha where no "
+        "adapter_config.json (nor verl's lora_train_meta.json) records it: the value training "
+        "used (PEFT scales the update by alpha / r). Never guessed.")] = None,
     adapter: _AdapterOption = None,
     adapter_config: _AdapterConfigOption = None,
     part: _PartOption = None,
@@ -150,7 +154,7 @@ def merge_command(
                 "dtype": dtype, "max_shard_size": max_shard_size, "config": config,
                 "keep_tied": keep_tied, "lora": lora, "adapter": adapter,
                 "adapter_config": adapter_config, "part": part, "names": names,
-                "layout": layout, "weights_only": weights_only},
+                "layout": layout, "weights_only": weights_only, "lora_alpha": lora_alpha},
             steps=steps, task=task, overwrite=overwrite, dry_run=dry_run, settle=settle,
             watch=watch, poll=poll, then=then, workers=workers, follow_links=follow_links,
             json_output=json_output, quiet=quiet)
@@ -176,7 +180,7 @@ def merge_command(
                            adapter=adapter, adapter_config=adapter_config, part=part,
                            names=names, layout=layout, dry_run=dry_run, shared=shared,
                            progress=progress, on_start=on_start, iteration=iteration,
-                           weights_only=weights_only)
+                           weights_only=weights_only, lora_alpha=lora_alpha)
         finally:
             bar.stop()
             for note in take_stale_notes():  # a killed run's leftovers, now removed

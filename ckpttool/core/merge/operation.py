@@ -188,6 +188,7 @@ def merge(
     stores: Stores = LOCAL,
     iteration: int | None = None,
     weights_only: bool = False,
+    lora_alpha: float | None = None,
 ) -> MergeReport:
     """Merge the checkpoint at ``src`` into Hugging Face safetensors in ``out``.
 
@@ -237,6 +238,9 @@ def merge(
             and without needing a config.json. Otherwise a model's merge needs a config, and
             its planned tensors are held against the model class the config names before
             anything is written.
+        lora_alpha: a LoRA checkpoint's ``lora_alpha`` where no file records it (an
+            adapter_config.json or verl's lora_train_meta.json records it otherwise; it is
+            never guessed: without it such an adapter is neither folded nor written).
 
     Returns:
         A :class:`MergeReport`.
@@ -257,7 +261,8 @@ def merge(
     files, derived = _derived(ckpt, named, names, files, optimizer=optimizer,
                               command=f"ckpttool merge {src} {out}")
     adapted = (None if optimizer else
-               adapters.plan_for_merge(ckpt, named, lora, adapter, adapter_config))
+               adapters.plan_for_merge(ckpt, named, lora, adapter, adapter_config,
+                                       lora_alpha=lora_alpha))
     mode = adapted.mode if adapted is not None else None
     policy, stem, files = _policy(dtype, files, optimizer=optimizer, mode=mode)
     mapped = _mapped(names, ckpt, named, files, optimizer=optimizer, adapted=adapted)
