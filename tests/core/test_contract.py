@@ -392,3 +392,70 @@ def test_verify_loader_without_transformers_is_exit_4(
     contract._expected_cached.cache_clear()
     assert r.exit_code == 4, r.output
     assert "install it: pip install transformers" in r.stderr
+
+
+# --- a model in each format its own writer can write in one process: the merge takes it whole
+
+
+def _write_dcp(model: Any, out: Path) -> Path:
+    torch_dcp.save(dict(model.state_dict()), checkpoint_id=out)
+    return out
+
+
+def _write_hf_storage(model: Any, out: Path) -> Path:
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    torch_dcp.save(dict(model.state_dict()), storage_writer=HuggingFaceStorageWriter(str(out)))
+    return out
+
+
+def _write_safetensors(model: Any, out: Path) -> Path:
+    model.save_pretrained(out)
+    (out / "config.json").unlink()  # put back by the test: the same for every format
+    return out
+
+
+def _write_safetensors_sharded(model: Any, out: Path) -> Path:
+    model.save_pretrained(out, max_shard_size="20KB")
+    (out / "config.json").unlink()
+    return out
+
+
+def _write_bin_sharded(model: Any, out: Path) -> Path:
+    model.save_pretrained(out, max_shard_size="20KB", safe_serialization=False)
+    (out / "config.json").unlink()
+    return out
+
+
+def _write_torch_save(model: Any, out: Path) -> Path:
+    out.mkdir(parents=True)
+    torch.save(model.state_dict(), out / "pytorch_model.bin")
+    return out
+
+
+@pytest.mark.parametrize("write", [_write_dcp, _write_hf_storage, _write_safetensors,
+                                   _write_safetensors_sharded, _write_bin_sharded,
+                                   _write_torch_save], ids=lambda f: f.__name__[7:])
+def test_a_model_in_every_format_holds_its_contract(write: Any, tmp_path: Path) -> None:
+    model = _llama(tie=False)  # HuggingFaceStorageWriter refuses tensors that share memory
+    src = write(model, tmp_path / "src")
+    model.config.save_pretrained(src)
+    report = ckpttool.merge(src, tmp_path / "out")
+    assert report.contract is not None and report.contract.checked, report.contract
+    assert report.contract.ok and not report.contract.extra, report.contract
+    missing = tmp_path / "broken"
+    write(_without(model, "model.layers.1.mlp.down_proj.weight"), missing)
+    model.config.save_pretrained(missing)
+    with pytest.raises(ckpttool.InputError, match="'model.layers.1.mlp.down_proj.weight' is "
+                       "missing"):
+        ckpttool.merge(missing, tmp_path / "out2")
+
+
+def _without(model: Any, name: str) -> Any:
+    """``model`` with one parameter gone from its state dict (its module's weight set to
+    None), as a writer would save a model that lost it."""
+    module_name, _, attr = name.rpartition(".")
+    clone = _llama(tie=False)
+    clone.load_state_dict(model.state_dict())
+    setattr(clone.get_submodule(module_name), attr, None)
+    return clone

@@ -250,8 +250,8 @@ class FormatContract:
     @classmethod
     def merged(cls, ckpt: Ckpt, tmp_path_factory: pytest.TempPathFactory) -> Merged:
         """``(output directory, MergeReport)`` of ``merge(path, out, dtype="keep",
-        weights_only=True)``: the fixtures' tensors are no transformers model (a model's
-        contract is held by ``test_merge_of_a_model_holds_its_contract``)."""
+        weights_only=True)``: the fixtures' tensors are no transformers model (a model in
+        each format is held to its contract by tests/core/test_contract.py)."""
         out = tmp_path_factory.mktemp(f"contract-{cls.FORMAT}-merged") / "out"
         return out, ckpttool.merge(ckpt[0], out, dtype="keep", weights_only=True)
 
