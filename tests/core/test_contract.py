@@ -459,3 +459,36 @@ def _without(model: Any, name: str) -> Any:
     clone.load_state_dict(model.state_dict())
     setattr(clone.get_submodule(module_name), attr, None)
     return clone
+
+
+# --- verify SRC --against OUT through the layout merge wrote (hub: experts split, prefixes)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "llava"])
+def test_verify_against_holds_a_merge_to_its_source_through_the_hub_layout(
+        family: str, tmp_path: Path) -> None:
+    model = _mixtral() if family == "mixtral" else _llava()
+    src = _save(dict(model.state_dict()), model.config, tmp_path / "src")
+    out = tmp_path / "out"
+    report = ckpttool.merge(src, out)
+    assert report.layout is not None  # names (and fused experts) changed on the way
+    r = run("verify", src, "--against", out, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert not [p for p in doc["problems"] if p["severity"] == "error"], doc["problems"]
+    if family != "mixtral":
+        return
+    # one expert's bytes changed in the output: named, in the output's own tensor
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(out / "model.safetensors")
+    name = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    state[name] = state[name].clone()
+    state[name][0, 1] += 1
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    r = run("verify", src, "--against", out, "--json")
+    assert r.exit_code == 1, r.output
+    (bad,) = [p for p in json.loads(r.stdout)["problems"] if p["severity"] == "error"]
+    assert bad["code"] == "data-differs"
+    assert bad["location"]["tensor"] == "model.layers.1.mlp.experts.down_proj"
+    assert "first at element" in bad["message"]
