@@ -204,7 +204,11 @@ def _model_class(transformers: Any, config: Mapping[str, Any], cfg: Any) -> Any:
 
 
 def _auto(transformers: Any, cfg: Any) -> Any:
-    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+    # A config without architectures: what from_pretrained's usual auto class for its
+    # family builds (a language model, else a vision-language one, else the base model).
+    autos = [getattr(transformers, name, None) for name in (
+        "AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModel")]
+    for auto in (a for a in autos if a is not None):
         try:
             return auto.from_config(cfg)
         except ValueError:
