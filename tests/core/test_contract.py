@@ -492,3 +492,35 @@ def test_verify_against_holds_a_merge_to_its_source_through_the_hub_layout(
     assert bad["code"] == "data-differs"
     assert bad["location"]["tensor"] == "model.layers.1.mlp.experts.down_proj"
     assert "first at element" in bad["message"]
+
+
+# --- DoRA: the adapter written as PEFT writes it; the fold refused (exit 4); verify a note
+
+
+def test_dora_adapter_is_written_as_peft_writes_it(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    peft = get_peft_model(_llama(tie=False), LoraConfig(
+        r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], use_dora=True))
+    with torch.no_grad():  # as if trained: B and the magnitudes away from their init
+        for name, p in peft.named_parameters():
+            if "lora_B" in name or "magnitude" in name:
+                p.add_(torch.randn(p.shape) * 0.1)
+    src = tmp_path / "ckpt"
+    torch_dcp.save(dict(peft.state_dict()), checkpoint_id=src)
+    peft.peft_config["default"].save_pretrained(str(src))
+    peft.save_pretrained(tmp_path / "peft")  # the reference: PEFT's own adapter
+    r = run("merge", src, tmp_path / "out", "--lora", "adapter")
+    assert r.exit_code == 0, r.output
+    got = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    want = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert got.keys() == want.keys()
+    assert any(k.endswith("lora_magnitude_vector") for k in got)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    r = run("merge", src, tmp_path / "fused", "--lora", "fuse")
+    assert r.exit_code == 4 and "does not fold DoRA adapters yet" in r.stderr
+    r = run("verify", src, "--json")
+    assert r.exit_code == 0, r.output
+    notes = [p for p in json.loads(r.stdout)["problems"] if p["code"] == "lora-dora"]
+    assert notes and {p["severity"] for p in notes} == {"info"}

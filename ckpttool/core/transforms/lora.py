@@ -31,7 +31,7 @@ from ckpttool.core.checkpoint.discover import discover, open_reader
 from ckpttool.core.runtime.report import Section, section
 from ckpttool.core.transforms.derive import Derived, scratch, scratch_bytes
 from ckpttool.errors import InputError, UnsupportedError
-from ckpttool.formats.base import Problem, Reader, Tensor, error, warning
+from ckpttool.formats.base import Problem, Reader, Tensor, error, info, warning
 
 if TYPE_CHECKING:
     import torch
@@ -409,7 +409,8 @@ def config_from_weights(layout: Layout, *, r: Any = None, alpha: Any = None,
         "rank_pattern": pattern, "alpha_pattern": {},
         "modules_to_save": sorted(layout.trained) or None,
         "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-        "use_dora": False, "inference_mode": True,
+        "use_dora": any(m.magnitude is not None for m in layout.modules.values()),
+        "inference_mode": True,
         "base_model_name_or_path": None,
     }
     return doc, tuple(assumed)
@@ -439,8 +440,10 @@ def problems(layout: Layout, config: AdapterConfig | None,
     for m in layout.modules.values():
         where = m.name
         if m.magnitude is not None or (config is not None and config.use_dora):
-            found.append(error("lora-dora", f"'{where}': DoRA (lora_magnitude_vector); "
-                               "ckpttool does not merge DoRA adapters yet"))
+            # The adapter is intact: a note, never an integrity error (the fold refuses it).
+            found.append(info("lora-dora", f"'{where}': DoRA (lora_magnitude_vector); "
+                              "ckpttool does not fold DoRA adapters yet: merge --lora adapter "
+                              "writes the adapter with its magnitudes"))
         if m.a is None or m.b is None:
             have, lack = ("lora_A", "lora_B") if m.a is not None else ("lora_B", "lora_A")
             found.append(error("lora-unpaired", f"'{where}': has {have} but no {lack}; the "
@@ -483,8 +486,15 @@ def _delta_shape(m: Module, config: AdapterConfig | None) -> tuple[int, ...]:
 def raise_first(found: list[Problem]) -> None:
     for p in found:
         if p.severity == "error":
-            cls = UnsupportedError if p.code == "lora-dora" else InputError
-            raise cls(p.message)
+            raise InputError(p.message)
+
+
+def refuse_dora(found: list[Problem]) -> None:
+    """The fold of a DoRA adapter: not supported yet (exit 4)."""
+    dora = next((p for p in found if p.code == "lora-dora"), None)
+    if dora is not None:
+        raise UnsupportedError(f"{dora.message.split(';')[0]}; ckpttool does not fold DoRA "
+                               "adapters yet; write the adapter alone with --lora adapter")
 
 
 # --------------------------------------------------------------------------------------------
@@ -507,7 +517,9 @@ def plan_fuse(layout: Layout, config: AdapterConfig,
     """
     weights = base if base is not None else layout.base
     by_name = dict(weights)
-    raise_first(problems(layout, config, by_name))
+    found = problems(layout, config, by_name)
+    refuse_dora(found)
+    raise_first(found)
     for name, tensor in layout.trained.items():
         if name not in by_name:
             raise InputError(f"'{name}': a trained copy (modules_to_save) of a weight the base "
@@ -737,7 +749,7 @@ def plan_adapter(layout: Layout) -> list[tuple[str, Tensor]]:
     Raises:
         InputError / UnsupportedError: an incomplete or DoRA adapter.
     """
-    raise_first([p for p in problems(layout, None) if p.code in ("lora-dora", "lora-unpaired")])
+    raise_first([p for p in problems(layout, None) if p.code == "lora-unpaired"])
     out: list[tuple[str, Tensor]] = []
     for m in layout.modules.values():
         if m.embedding:
@@ -749,6 +761,8 @@ def plan_adapter(layout: Layout) -> list[tuple[str, Tensor]]:
                              ("lora_B.bias", m.b_bias)):
             if tensor is not None:
                 out.append((f"{PREFIX}{m.name}.{role}", tensor))
+        if m.magnitude is not None:  # DoRA: beside A and B, as save_pretrained writes it
+            out.append((f"{PREFIX}{m.name}.lora_magnitude_vector", m.magnitude))
     out += [(k, v) for k, v in layout.embedding_bases.items()]
     out += [(PREFIX + name, tensor) for name, tensor in layout.trained.items()]
     return out

@@ -127,7 +127,8 @@ CODES: tuple[Code, ...] = (
          "no `adapter_config.json` (nor verl's `lora_train_meta.json`), so alpha (the scale) is "
          "unknown: folding needs `--adapter-config`"),
     Code("lora-config", "error", "LoRA adapters", "`adapter_config.json` cannot be read"),
-    Code("lora-dora", "error", "LoRA adapters", "a DoRA adapter (not merged yet)"),
+    Code("lora-dora", "info", "LoRA adapters",
+         "a DoRA adapter: intact; not folded yet (exit 4), written alone by --lora adapter"),
     Code("lora-unpaired", "error", "LoRA adapters", "a `lora_A` without its `lora_B`, or back"),
     Code("lora-shape", "error", "LoRA adapters",
          "`lora_A` and `lora_B` do not multiply, or not into the base weight's shape"),
