@@ -103,7 +103,7 @@ def test_accelerate_without_any_record(acc: Path, tmp_path: Path) -> None:
     assert (written["r"], written["lora_alpha"]) == (4, 16)
     # the fold with the alpha given is the trained model, exactly
     r = CliRunner().invoke(app, ["merge", str(acc / STEP), str(tmp_path / "fused"),
-                                 "--lora-alpha", "16"])
+                                 "--lora-alpha", "16", "--weights-only"])  # no config.json
     assert r.exit_code == 0, r.output
     _assert_fold_exact(tmp_path / "fused", acc / "full.pt")
     # The adapter's own weights are the trained ones, whatever alpha the user then sets.
@@ -120,7 +120,7 @@ def test_accelerate_config_in_the_project_dir(acc: Path, tmp_path: Path) -> None
     checkpoints/checkpoint_N) is found: the fold is exact."""
     run = Path(shutil.copytree(acc, tmp_path / "run"))
     trained(acc / "full.pt").peft_config["default"].save_pretrained(str(run))
-    report = ckpttool.merge(run / STEP, tmp_path / "fused")
+    report = ckpttool.merge(run / STEP, tmp_path / "fused", weights_only=True)  # no config
     assert report.lora is not None and report.lora["config"] == str(run / "adapter_config.json")
     _assert_fold_exact(tmp_path / "fused", acc / "full.pt")
 
