@@ -59,7 +59,12 @@ class Expected:
 
 class Unavailable(Exception):
     """The consumer cannot be built here (its package is missing, the config names no model
-    it knows): the contract is not checked, and the report says why and how to get it."""
+    it knows): the contract is not checked, and the report says why and how to get it
+    (``missing``: a package to install)."""
+
+    def __init__(self, message: str, *, missing: bool = False) -> None:
+        super().__init__(message)
+        self.missing = missing
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,8 @@ def _transformers_expected(config: Mapping[str, Any]) -> Expected:
         import torch
         import transformers
     except ImportError as e:
-        raise Unavailable(f"transformers is not installed ({e})") from None
+        raise Unavailable(f"transformers (with torch) is not installed here ({e})",
+                          missing=True) from None
     model = _build(transformers, torch, config)
     version = transformers.__version__
     tensors = {n: tuple(t.shape) for n, t in model.state_dict().items()}
@@ -305,9 +311,7 @@ def check(planned: Shapes, config: Mapping[str, Any] | None, *,
     try:
         exp = expected(config, loader=loader)
     except Unavailable as e:
-        missing = "not installed" in str(e)
-        return Contract(loader, False, reason=str(e),
-                        hint=INSTALL_HINT if missing else None)
+        return Contract(loader, False, reason=str(e), hint=INSTALL_HINT if e.missing else None)
     result = compare(planned, exp, config, loader=loader)
     result.seconds = round(time.perf_counter() - started, 3)
     return result
@@ -396,8 +400,7 @@ def check_state_dict(planned: Shapes, config: Mapping[str, Any] | None, *,
     try:
         exp = expected(config, loader=loader)
     except Unavailable as e:
-        return Contract(loader, False, reason=str(e),
-                        hint=INSTALL_HINT if "not installed" in str(e) else None)
+        return Contract(loader, False, reason=str(e), hint=INSTALL_HINT if e.missing else None)
     result = compare_state_dict(planned, exp, prefix=prefix, loader=loader)
     result.seconds = round(time.perf_counter() - started, 3)
     return result

@@ -168,7 +168,7 @@ def test_without_transformers_the_report_says_not_checked(
     doc = json.loads(r.stdout)
     assert doc["contract"]["checked"] is False
     assert doc["contract"]["hint"] == "pip install transformers"
-    assert "transformers is not installed" in doc["contract"]["reason"]
+    assert "transformers (with torch) is not installed here" in doc["contract"]["reason"]
     assert any("not checked against its consumer" in w and "pip install transformers" in w
                for w in doc["warnings"])
 
