@@ -524,3 +524,21 @@ def test_dora_adapter_is_written_as_peft_writes_it(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     notes = [p for p in json.loads(r.stdout)["problems"] if p["code"] == "lora-dora"]
     assert notes and {p["severity"] for p in notes} == {"info"}
+
+
+def test_reshard_to_safetensors_holds_the_contract_too(llama: tuple[Any, Path],
+                                                       tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    llama[0].save_pretrained(tmp_path / "hf")
+    report = ckpttool.reshard(tmp_path / "hf", tmp_path / "resplit", to="safetensors",
+                              max_shard_size="20KB")
+    assert report.contract is not None and report.contract.checked and report.contract.ok
+    weights = tmp_path / "hf" / "model.safetensors"
+    state = load_file(weights)
+    del state["model.layers.0.mlp.up_proj.weight"]
+    save_file(state, weights, metadata={"format": "pt"})
+    with pytest.raises(ckpttool.InputError, match="'model.layers.0.mlp.up_proj.weight' is "
+                       "missing, which LlamaForCausalLM"):
+        ckpttool.reshard(tmp_path / "hf", tmp_path / "again", to="safetensors")
+    assert not (tmp_path / "again").exists()
