@@ -542,3 +542,14 @@ def test_reshard_to_safetensors_holds_the_contract_too(llama: tuple[Any, Path],
                        "missing, which LlamaForCausalLM"):
         ckpttool.reshard(tmp_path / "hf", tmp_path / "again", to="safetensors")
     assert not (tmp_path / "again").exists()
+
+
+def test_tensors_transformers_ignores_on_load_are_no_warning(llama: tuple[Any, Path]) -> None:
+    """Old checkpoints' per-layer rotary buffers: transformers drops them on load without a
+    word, so the check lists them as ignored, not extra."""
+    config = llama[0].config.to_dict()
+    planned = {n: tuple(t.shape) for n, t in llama[0].state_dict().items()}
+    planned["model.layers.0.self_attn.rotary_emb.inv_freq"] = (4,)
+    result = contract.check(planned, config)
+    assert result.ok and result.extra == []
+    assert result.ignored == ["model.layers.0.self_attn.rotary_emb.inv_freq"]
