@@ -254,8 +254,9 @@ def test_hostile_names_are_escaped_for_humans(tmp_path: Path) -> None:
     src = tmp_path / "model.safetensors"
     save_file({HOSTILE: torch.ones(2)}, src)
     shown = "w\\x1b[2J\\x1b]0;owned\\x07\\r\\nverify OK\\u202e"
-    for args in (["inspect", src], ["verify", src], ["merge", src, tmp_path / "out"],
-                 ["merge", src, tmp_path / "dry", "--dry-run"]):
+    for args in (["inspect", src], ["verify", src],
+                 ["merge", src, tmp_path / "out", "--weights-only"],
+                 ["merge", src, tmp_path / "dry", "--dry-run", "--weights-only"]):
         r = run(*args)
         assert r.exit_code == 0, r.output
         assert shown in r.output or not (args[0] == "inspect" or "--dry-run" in args), args
@@ -364,7 +365,7 @@ def test_nested_record_that_links_out_is_refused(unflattened: Path, tmp_path: Pa
     outside = tmp_path / "outside.distcp"
     shutil.move(victim, outside)
     victim.symlink_to(outside)
-    for cmd in (["inspect", ckpt], ["merge", ckpt, tmp_path / "out"]):
+    for cmd in (["inspect", ckpt], ["merge", ckpt, tmp_path / "out", "--weights-only"]):
         r = run(*cmd)
         assert r.exit_code == 3, r.output
         assert (f"{victim}: a link to {outside}, outside the checkpoint directory; copy the "
@@ -485,7 +486,7 @@ def test_huge_dimensions_in_metadata_are_exit_3(tiny_dcp: Path, tmp_path: Path,
                                                 dim: int) -> None:
     ckpt = _metadata_claiming(tiny_dcp, tmp_path / "ckpt", dim)
     for args in (["inspect", ckpt], ["inspect", ckpt, "--json"], ["verify", ckpt],
-                 ["merge", ckpt, tmp_path / "out"]):
+                 ["merge", ckpt, tmp_path / "out", "--weights-only"]):
         r = run(*args)
         assert r.exit_code == 3, (args, r.output)
         assert r.stderr.startswith(f"ckpttool: error: {ckpt / '.metadata'}: ")
@@ -508,7 +509,7 @@ def test_zstd_record_claiming_a_gibibyte_is_refused_unread(dcp_options: Path,
     entry.size = claim
     entry.chunks[0] = type(entry.chunks[0])(offsets=entry.chunks[0].offsets, sizes=claim)
     (ckpt / ".metadata").write_bytes(pickle.dumps(md, protocol=2))
-    for args in (["merge", ckpt, tmp_path / "out"], ["verify", ckpt]):
+    for args in (["merge", ckpt, tmp_path / "out", "--weights-only"], ["verify", ckpt]):
         r = run(*args)
         assert r.exit_code in (1, 3), r.output
         assert "refused as a likely decompression bomb" in r.output, r.output
@@ -548,7 +549,7 @@ def test_a_data_file_name_too_long_for_the_system_is_exit_3(dcp_options: Path,
     md.storage_data[idx] = dataclasses.replace(md.storage_data[idx], relative_path="x" * 10000)
     (ckpt / ".metadata").write_bytes(pickle.dumps(md, protocol=2))
     for args, codes in ((["inspect", ckpt], (0, 3)), (["verify", ckpt], (1,)),
-                        (["merge", ckpt, tmp_path / "out"], (3,))):
+                        (["merge", ckpt, tmp_path / "out", "--weights-only"], (3,))):
         r = run(*args)
         assert r.exit_code in codes, (args, r.output)
         assert "Traceback" not in r.output and "internal error" not in r.output
@@ -785,7 +786,7 @@ def test_an_inflated_size_field_stays_under_a_memory_limit(tiny_dcp: Path, tmp_p
     limit = _baseline_vm_peak("verify", intact) + (3 << 29)
     assert _cli("verify", intact, memory=limit).returncode == 0  # the limit lets a run work
     for args, codes in ((["inspect", ckpt], (0, 3)), (["verify", ckpt], (1, 3)),
-                        (["merge", ckpt, tmp_path / "out"], (3,))):
+                        (["merge", ckpt, tmp_path / "out", "--weights-only"], (3,))):
         p = _cli(*args, memory=limit)
         assert p.returncode in codes, (args, p.stderr)
         assert "MemoryError" not in p.stderr and "Traceback" not in p.stderr, p.stderr
