@@ -101,11 +101,19 @@ def merge_command(
     config: Annotated[Path | None, typer.Option(
         metavar="PATH",
         help="config.json (or its directory) to use instead of the one beside SRC.")] = None,
+    weights_only: Annotated[bool, typer.Option(
+        "--weights-only", help="Write the weights without a config.json and without the "
+        "check that the model config.json names takes them whole (exit 0 then promises the "
+        "bytes only).")] = False,
     keep_tied: Annotated[bool, typer.Option(
         "--keep-tied", help="Write both tied embedding copies even when identical.")] = False,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace model weights already in OUT.")] = False,
     lora: _LoraOption = None,
+    lora_alpha: Annotated[float | None, typer.Option(
+        metavar="N", min=0.0, help="A LoRA checkpoint's lora_alpha where no "
+        "adapter_config.json (nor verl's lora_train_meta.json) records it: the value training "
+        "used (PEFT scales the update by alpha / r). Never guessed.")] = None,
     adapter: _AdapterOption = None,
     adapter_config: _AdapterConfigOption = None,
     part: _PartOption = None,
@@ -157,7 +165,7 @@ def merge_command(
                 "dtype": dtype, "max_shard_size": max_shard_size, "config": config,
                 "keep_tied": keep_tied, "lora": lora, "adapter": adapter,
                 "adapter_config": adapter_config, "part": part, "names": names,
-                "layout": layout},
+                "layout": layout, "weights_only": weights_only, "lora_alpha": lora_alpha},
             steps=steps, task=task, overwrite=overwrite, dry_run=dry_run, settle=settle,
             watch=watch, poll=poll, then=then, workers=workers, follow_links=follow_links,
             json_output=json_output, quiet=quiet)
@@ -185,7 +193,8 @@ def merge_command(
                            workers=workers, follow_links=follow_links, lora=lora,
                            adapter=adapter, adapter_config=adapter_config, part=part,
                            names=names, layout=layout, dry_run=dry_run, shared=shared,
-                           progress=progress, on_start=on_start, iteration=iteration)
+                           progress=progress, on_start=on_start, iteration=iteration,
+                           weights_only=weights_only, lora_alpha=lora_alpha)
         finally:
             bar.stop()
             for note in take_stale_notes():  # a killed run's leftovers, now removed
@@ -247,13 +256,26 @@ def _print_human(r: object) -> None:
     lines = _head_lines(r) + _size_lines(r) + _name_lines(r) + _tie_lines(r)
     if r.lora:
         lines += _lora_lines(r.lora)
-    lines += _rest_lines(r)
+    lines += _rest_lines(r) + _contract_lines(r)
     lines = [printable(line) for line in lines]  # names from the checkpoint: never raw
     if r.dry_run:
         lines += ["", _plan_table(r.tensors)]
     print("\n".join(lines))
 
 
+
+
+def _contract_lines(r: MergeReport) -> list[str]:
+    """Whether the model config.json names takes the output whole (core.contract)."""
+    c = r.contract
+    if c is None:
+        return []
+    if not c.checked:
+        return [f"  contract: not checked ({c.reason})"]
+    ignored = f", {len(c.ignored)} it ignores" if c.ignored else ""
+    extra = f", {len(c.extra)} it does not take" if c.extra else ""
+    return [f"  contract: {c.consumer} takes it whole ({count(c.expected, 'tensor')}"
+            f"{ignored}{extra})"]
 
 
 def _head_lines(r: MergeReport) -> list[str]:

@@ -108,6 +108,13 @@ def reshard_command(
                      else ""))
             for f in report.files:
                 print(printable(f"  wrote {f.name}: {human_bytes(f.bytes)}"))
+            if report.tied_copies:
+                print(printable(f"  tied copies written again (the model's state dict holds "
+                                f"them): {', '.join(report.tied_copies)}"))
+            c = report.contract
+            if c is not None and c.checked:
+                print(printable(f"  contract: {c.consumer} takes it whole "
+                                f"({count(c.expected, 'tensor')})"))
         if verbose:
             verbose_lines([f"read {report.checkpoint} ({report.format_in})",
                            f"plan: {count(report.num_tensors, 'tensor')}, "

@@ -84,6 +84,10 @@ def verify_command(
     check_manifest: Annotated[Path | None, typer.Option(
         metavar="FILE", help="Check every tensor against the SHA-256s in FILE (written by "
         "--write-manifest); a missing FILE is an error.")] = None,
+    loader: Annotated[str | None, typer.Option(
+        metavar="LOADER", help="Also hold the model against what LOADER builds from "
+        "config.json (transformers: the class its architectures names, on the meta device, "
+        "no weights): every tensor it expects there, in its shape.")] = None,
     no_progress: NoProgress = False,
     progress_mode: ProgressMode = None,
     follow_links: FollowLinks = False,
@@ -124,7 +128,8 @@ def verify_command(
                             manifest_action="write" if write_manifest else
                             "check" if check_manifest else None, workers=workers,
                             follow_links=follow_links, progress=progress, on_start=on_start,
-                            iteration=iteration, adapter_config=adapter_config)
+                            iteration=iteration, adapter_config=adapter_config,
+                            loader=loader)
         finally:
             bar.stop()
         if json_output:

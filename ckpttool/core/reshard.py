@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpttool.core import contract
 from ckpttool.core.checkpoint import structure, tensors
 from ckpttool.core.checkpoint.discover import Checkpoint, discover, open_reader
+from ckpttool.core.contract import Contract
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import Progress, Section, document, locked, section
 from ckpttool.core.runtime.torch_threads import default_workers, workers_for
@@ -112,6 +114,10 @@ class ReshardReport:
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
     checkpoint: str = ""  # the checkpoint read: SRC, or the one found in it (checkpoint-500/)
+    # The output held against the model config.json names (core.contract): a DCP as
+    # dcp.load(get_model_state_dict(model)) reads it, safetensors as from_pretrained does
+    contract: Contract | None = None
+    tied_copies: list[str] = field(default_factory=list)  # tied copies written again
 
     def to_json(self) -> dict[str, Any]:
         return document("reshard", self)
@@ -184,6 +190,7 @@ def reshard(
                             chunks=sum(len(t.tensor.chunks) for t in ckpt.tensors))
     if progress is not None:  # called from the worker threads
         progress = locked(progress)
+    ties = _hold_to_contract(ckpt, out_path, target, prefix, report)
     with open_reader(ckpt, follow_links=follow_links) as reader:
         structure.raise_first(reader.check_copies())  # replicated chunks every rank stored
         reader.open_files()
@@ -192,9 +199,44 @@ def reshard(
                             overwrite, report, progress, on_start, n_workers)
         else:
             _to_dcp(ckpt, reader, out_path, ranks or 1, prefix, overwrite, report, progress,
-                    on_start, n_workers)
+                    on_start, n_workers, ties=ties)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+def _hold_to_contract(ckpt: Checkpoint, out: Path, target: str, prefix: str | None,
+                      report: ReshardReport) -> dict[str, Tensor]:
+    """The output held against its consumer before anything is written (exit 3 naming a
+    missing or misshapen tensor): full weights to DCP as ``dcp.load`` of the model's
+    ``get_model_state_dict`` reads them (accelerate's resume), with the tied copies the
+    config promises written again (returned: written name -> the source tensor); safetensors
+    as ``from_pretrained`` reads them. A DCP re-split keeps its keys and is not held."""
+    assert ckpt.info is not None
+    config = ckpt.hf.config
+    if target == "dcp" and ckpt.info.sharded:
+        report.contract = contract.skipped("a DCP re-split keeps the keys it holds")
+        return {}
+    by_name = {t.tensor.name: t.tensor for t in ckpt.tensors}
+    shapes = {n: t.shape for n, t in by_name.items()}
+    if target == "safetensors":
+        result = contract.check(shapes, config)
+        ties: dict[str, Tensor] = {}
+    else:
+        ties = {target_name: by_name[source] for target_name, source
+                in contract.tied_copies(shapes, config).items()}
+        lead = f"{prefix}." if prefix else ""
+        planned = {lead + n: s for n, s in shapes.items()}
+        planned.update({lead + n: t.shape for n, t in ties.items()})
+        result = contract.check_state_dict(planned, config, prefix=prefix)
+    report.contract = result
+    report.tied_copies = sorted(ties)
+    result.raise_if_broken(str(out), next_step=(
+        "Reshard the weights of the model config.json names (beside SRC)"))
+    if result.checked and result.extra:
+        report.warnings.append(result.extra_message(str(out)))
+    elif not result.checked and config is not None:
+        report.warnings.append(result.not_checked(str(out)))
+    return ties
 
 
 def _in_order(fn: Callable[[Any], bytes | bytearray], items: Iterable[Any], workers: int
@@ -220,16 +262,18 @@ def _in_order(fn: Callable[[Any], bytes | bytearray], items: Iterable[Any], work
 
 def _to_dcp(ckpt: Checkpoint, reader: Reader, out: Path, num_ranks: int, prefix: str | None,
             overwrite: bool, report: ReshardReport, progress: Progress | None,
-            on_start: Callable[[int], None] | None, workers: int) -> None:
+            on_start: Callable[[int], None] | None, workers: int,
+            ties: dict[str, Tensor] | None = None) -> None:
     assert ckpt.info is not None
     sharded = ckpt.info.sharded
-    stored = [t.tensor for t in ckpt.tensors]
+    # (name written, tensor read): each stored tensor, then the tied copies written again
+    stored = [(t.tensor.name, t.tensor) for t in ckpt.tensors] + list((ties or {}).items())
     plans = plan_chunks([(t.shape, t.dtype.itemsize, tensors.stored_whole(t, sharded=sharded))
-                         for t in stored], num_ranks)
+                         for _, t in stored], num_ranks)
     objects = [(o.entry, record) for o in ckpt.objects
                if (record := reader.object_record(o.entry)) is not None]
     _check_dcp_output(out, overwrite)
-    total = sum(t.nbytes for t in stored)
+    total = sum(t.nbytes for _, t in stored)
     # Each record adds about 1.5 KB of zip and pickle headers to its bytes.
     check_space(out, total + 2048 * sum(len(c) for c in plans)
                  + sum(len(record) for _, record in objects))
@@ -239,16 +283,16 @@ def _to_dcp(ckpt: Checkpoint, reader: Reader, out: Path, num_ranks: int, prefix:
         t, c = tc
         return tensors.read_range(reader, t, c.start, c.stop)
 
-    pieces = [(t, c) for t, chunks in zip(stored, plans, strict=True) for c in chunks]
+    pieces = [(t, c) for (_, t), chunks in zip(stored, plans, strict=True) for c in chunks]
     # Read ahead in threads, written in order; closed (pending reads cancelled) on any exit.
     with AtomicOutputs(out, check=lambda: _check_dcp_output(out, overwrite)) as outputs, \
             contextlib.closing(
             _in_order(read, pieces, workers)) as data:
         writer = DcpWriter(outputs.create, pwrite_all, str(out))
-        for t, chunks in zip(stored, plans, strict=True):
-            key, path = t.name, t.path
+        for (name, t), chunks in zip(stored, plans, strict=True):
+            key, path = name, (t.path if name == t.name else (name,))
             if prefix:
-                key, path = f"{prefix}.{t.name}", (prefix, t.name)
+                key, path = f"{prefix}.{name}", (prefix, name)
             writer.declare_tensor(key, path, t.dtype, t.shape)
             for c in chunks:
                 writer.add_chunk(key, c.offsets, c.sizes, next(data), c.rank)

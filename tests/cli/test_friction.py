@@ -65,7 +65,7 @@ def test_a_fifo_as_data_file_is_called_a_fifo_not_missing(llama_ckpt: Path,
     data.unlink()
     os.mkfifo(data)
     said = (f"{data}: is a FIFO, not a regular file; .metadata references it as a data file (")
-    r = run("merge", ckpt, tmp_path / "out")
+    r = run("merge", "--weights-only", ckpt, tmp_path / "out")
     assert r.exit_code == 3 and r.stderr.startswith(f"ckpttool: error: {said}"), r.output
     assert "missing" not in r.stderr
     r = run("verify", ckpt)
@@ -240,7 +240,7 @@ def test_the_example_writer_takes_sizes(tmp_path: Path) -> None:
     config = json.loads((out / "config.json").read_text())
     assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
             config["vocab_size"]) == (48, 96, 1, 160)
-    assert run("merge", out, tmp_path / "merged", "-q").exit_code == 0
+    assert run("merge", "--weights-only", out, tmp_path / "merged", "-q").exit_code == 0
     with safe_open(str(tmp_path / "merged" / "model.safetensors"), "np") as f:
         assert f.get_slice("model.embed_tokens.weight").get_shape() == [160, 48]
         assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_shape() == [96, 48]

@@ -33,7 +33,7 @@ def test_merge_prints_a_report(llama_ckpt: Path, tmp_path: Path) -> None:
 
 
 def test_json_is_one_document(mixed_ckpt: Path, tmp_path: Path) -> None:
-    r = run("merge", mixed_ckpt, tmp_path / "out", "--json", "--dtype", "keep")
+    r = run("merge", "--weights-only", mixed_ckpt, tmp_path / "out", "--json", "--dtype", "keep")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["schema"] == 1 and doc["command"] == "merge"
@@ -42,14 +42,14 @@ def test_json_is_one_document(mixed_ckpt: Path, tmp_path: Path) -> None:
 
 
 def test_quiet_prints_nothing(uneven_ckpt: Path, tmp_path: Path) -> None:
-    r = run("merge", uneven_ckpt, tmp_path / "out", "-q")
+    r = run("merge", "--weights-only", uneven_ckpt, tmp_path / "out", "-q")
     assert r.exit_code == 0 and r.output == ""
 
 
 def test_malicious_metadata_exit_3_nothing_runs(tmp_path: Path) -> None:
     sentinel = tmp_path / "pwned"
     ckpt = write_malicious(tmp_path / "evil", sentinel)
-    r = run("merge", ckpt, tmp_path / "out")
+    r = run("merge", "--weights-only", ckpt, tmp_path / "out")
     assert r.exit_code == 3
     assert r.stderr == (
         f"ckpttool: error: {ckpt}/.metadata: refused to load: the pickle asks for "
@@ -66,7 +66,7 @@ def test_truncated_distcp_exit_3(uneven_ckpt: Path, tmp_path: Path) -> None:
     size = victim.stat().st_size
     with open(victim, "r+b") as f:
         f.truncate(size - 100)
-    r = run("merge", damaged, tmp_path / "out")
+    r = run("merge", "--weights-only", damaged, tmp_path / "out")
     assert r.exit_code == 3
     assert r.stderr.startswith(f"ckpttool: error: {victim}: truncated: .metadata places ")
     assert r.stderr.endswith(f"but the file has {size - 100} bytes; copy the checkpoint again\n")
@@ -77,7 +77,7 @@ def test_missing_distcp_exit_3(uneven_ckpt: Path, tmp_path: Path) -> None:
     damaged = tmp_path / "ckpt"
     shutil.copytree(uneven_ckpt / "pytorch_model_fsdp_0", damaged)
     (damaged / "__0_0.distcp").unlink()
-    r = run("merge", damaged, tmp_path / "out")
+    r = run("merge", "--weights-only", damaged, tmp_path / "out")
     assert r.exit_code == 3
     assert r.stderr == (f"ckpttool: error: {damaged}/__0_0.distcp: data file is missing; "
                         ".metadata references it (7 entries, e.g. tensor 'model.a'). Copy the "
@@ -88,7 +88,7 @@ def test_missing_metadata_exit_3(uneven_ckpt: Path, tmp_path: Path) -> None:
     damaged = tmp_path / "ckpt"
     shutil.copytree(uneven_ckpt / "pytorch_model_fsdp_0", damaged)
     (damaged / ".metadata").unlink()
-    r = run("merge", damaged, tmp_path / "out")
+    r = run("merge", "--weights-only", damaged, tmp_path / "out")
     assert r.exit_code == 3
     assert r.stderr == (f"ckpttool: error: {damaged}: has .distcp data files but no .metadata; "
                         "the copy is incomplete (copy .metadata too)\n")
@@ -98,7 +98,7 @@ def test_two_candidates_exit_3(uneven_ckpt: Path, tmp_path: Path) -> None:
     parent = tmp_path / "parent"
     shutil.copytree(uneven_ckpt / "pytorch_model_fsdp_0", parent / "a")
     shutil.copytree(uneven_ckpt / "pytorch_model_fsdp_0", parent / "b")
-    r = run("merge", parent, tmp_path / "out")
+    r = run("merge", "--weights-only", parent, tmp_path / "out")
     assert r.exit_code == 3
     assert r.stderr == (f"ckpttool: error: {parent}: holds 2 model checkpoints (a, b); pass one "
                         f"of them, e.g. ckpttool merge {parent}/a OUT\n")
@@ -108,20 +108,20 @@ def test_existing_output_exit_3(uneven_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"precious")
-    r = run("merge", uneven_ckpt, out)
+    r = run("merge", "--weights-only", uneven_ckpt, out)
     assert r.exit_code == 3
     assert r.stderr == (f"ckpttool: error: {out}: already holds model.safetensors; pass "
                         "--overwrite to replace them or choose an empty directory\n")
     assert (out / "model.safetensors").read_bytes() == b"precious"
-    assert run("merge", uneven_ckpt, out, "--overwrite", "-q").exit_code == 0
+    assert run("merge", "--weights-only", uneven_ckpt, out, "--overwrite", "-q").exit_code == 0
     assert (out / "model.safetensors").read_bytes() != b"precious"
 
 
 def test_not_a_checkpoint_exit_3(tmp_path: Path) -> None:
-    r = run("merge", tmp_path, tmp_path / "out")
+    r = run("merge", "--weights-only", tmp_path, tmp_path / "out")
     assert r.exit_code == 3
     assert r.stderr.startswith(f"ckpttool: error: {tmp_path}: no checkpoint here")
-    r = run("merge", tmp_path / "nope", tmp_path / "out")
+    r = run("merge", "--weights-only", tmp_path / "nope", tmp_path / "out")
     assert r.exit_code == 3
     assert r.stderr == f"ckpttool: error: {tmp_path / 'nope'}: no such file or directory\n"
 
@@ -129,7 +129,7 @@ def test_not_a_checkpoint_exit_3(tmp_path: Path) -> None:
 def test_only_optimizer_exit_3(llama_ckpt: Path, tmp_path: Path) -> None:
     parent = tmp_path / "parent"
     shutil.copytree(llama_ckpt / "optimizer_0", parent / "optimizer_0")
-    r = run("merge", parent, tmp_path / "out")
+    r = run("merge", "--weights-only", parent, tmp_path / "out")
     assert r.exit_code == 3
     assert r.stderr == (f"ckpttool: error: {parent}: holds only optimizer state (optimizer_0), "
                         "no model checkpoint; to merge the optimizer state, pass its directory: "
@@ -139,21 +139,23 @@ def test_only_optimizer_exit_3(llama_ckpt: Path, tmp_path: Path) -> None:
 def test_unsupported_dtype_exit_4(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     torch_dcp.save({"model": {"z": torch.ones(3, dtype=torch.complex128)}}, checkpoint_id=ckpt)
-    r = run("merge", ckpt, tmp_path / "out")
+    r = run("merge", "--weights-only", ckpt, tmp_path / "out")
     assert r.exit_code == 4
     assert r.stderr == (f"ckpttool: error: {ckpt}/.metadata: tensor 'model.z' has dtype "
                         "torch.complex128, which ckpttool cannot write to safetensors\n")
 
 
 def test_usage_errors_exit_2(uneven_ckpt: Path, tmp_path: Path) -> None:
-    assert run("merge", uneven_ckpt, tmp_path / "o", "--dtype", "int4").exit_code == 2
-    assert run("merge", uneven_ckpt).exit_code == 2
-    assert run("merge", uneven_ckpt, tmp_path / "o", "--workers", "0").exit_code == 2
+    assert run("merge", "--weights-only", uneven_ckpt, tmp_path / "o", "--dtype",
+               "int4").exit_code == 2
+    assert run("merge", "--weights-only", uneven_ckpt).exit_code == 2
+    assert run("merge", "--weights-only", uneven_ckpt, tmp_path / "o", "--workers",
+               "0").exit_code == 2
 
 
 def test_bad_shard_size_is_a_usage_error(uneven_ckpt: Path, tmp_path: Path) -> None:
     for size in ("huge", "5XB"):
-        r = run("merge", uneven_ckpt, tmp_path / "o", "--max-shard-size", size)
+        r = run("merge", "--weights-only", uneven_ckpt, tmp_path / "o", "--max-shard-size", size)
         assert r.exit_code == 2
         assert (f"Invalid value for '--max-shard-size': invalid size '{size}'; write it like "
                 "5GB, 500MB or 2GiB") in r.stderr
@@ -161,7 +163,8 @@ def test_bad_shard_size_is_a_usage_error(uneven_ckpt: Path, tmp_path: Path) -> N
 
 
 def test_debug_shows_traceback(tmp_path: Path) -> None:
-    r = run("merge", tmp_path / "nope", tmp_path / "out", env={"CKPTTOOL_DEBUG": "1"})
+    r = run("merge", "--weights-only", tmp_path / "nope", tmp_path / "out",
+            env={"CKPTTOOL_DEBUG": "1"})
     assert r.exit_code == 3 and "Traceback" in r.stderr
 
 
@@ -171,7 +174,7 @@ def test_internal_bug_exit_70(uneven_ckpt: Path, tmp_path: Path,
         raise RuntimeError("boom")
 
     monkeypatch.setattr("ckpttool.core.merge.operation.plan_merge", boom)
-    r = run("merge", uneven_ckpt, tmp_path / "out")
+    r = run("merge", "--weights-only", uneven_ckpt, tmp_path / "out")
     assert r.exit_code == 70
     assert "RuntimeError: boom" in r.stderr
     assert r.stderr.endswith("ckpttool: internal error (a bug in ckpttool); please report it "
@@ -201,7 +204,7 @@ def test_write_failure_is_exit_3_and_leaves_nothing(llama_ckpt: Path, tmp_path: 
                                                 ("FP32", "F32")])
 def test_dtype_spelled_as_torch_and_config_spell_it(spelling: str, want: str, uneven_ckpt: Path,
                                                     tmp_path: Path) -> None:
-    r = run("merge", uneven_ckpt, tmp_path / "out", "--dtype", spelling, "--json")
+    r = run("merge", "--weights-only", uneven_ckpt, tmp_path / "out", "--dtype", spelling, "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["dtype"]["target"] == want
 
@@ -213,7 +216,7 @@ def test_out_inside_the_checkpoint_is_refused(uneven_ckpt: Path, tmp_path: Path)
                 ckpt / "merged"):
         src = ckpt if out.is_relative_to(ckpt) and out != ckpt / "pytorch_model_fsdp_0" \
             else ckpt / "pytorch_model_fsdp_0"
-        r = run("merge", src, out)
+        r = run("merge", "--weights-only", src, out)
         assert r.exit_code == 3, (src, out, r.output)
         assert "choose an output directory outside it" in r.stderr
     assert sorted(p.name for p in (ckpt / "pytorch_model_fsdp_0").iterdir()) == before
@@ -238,18 +241,19 @@ def test_a_data_file_linked_out_of_the_checkpoint_needs_follow_links(uneven_ckpt
     shared.mkdir()
     (ckpt / "__1_0.distcp").rename(shared / "__1_0.distcp")
     (ckpt / "__1_0.distcp").symlink_to(shared / "__1_0.distcp")
-    r = run("merge", ckpt, tmp_path / "out")
+    r = run("merge", "--weights-only", ckpt, tmp_path / "out")
     assert r.exit_code == 3
     assert r.stderr == (f"ckpttool: error: {ckpt / '__1_0.distcp'}: a link to "
                         f"{shared / '__1_0.distcp'}, outside the checkpoint directory; pass "
                         "--follow-links to read data files through links\n")
     assert not (tmp_path / "out" / "model.safetensors").exists()
     assert run("verify", ckpt).exit_code == 1
-    assert run("merge", ckpt, tmp_path / "out", "--follow-links", "-q").exit_code == 0
+    assert run("merge", "--weights-only", ckpt, tmp_path / "out", "--follow-links",
+               "-q").exit_code == 0
     assert run("verify", ckpt, "--follow-links", "--against", tmp_path / "out").exit_code == 0
     inside = Path(shutil.copytree(uneven_ckpt / "pytorch_model_fsdp_0", tmp_path / "in"))
     (inside / "data").mkdir()
     (inside / "__0_0.distcp").rename(inside / "data" / "__0_0.distcp")
     (inside / "__0_0.distcp").symlink_to("data/__0_0.distcp")  # a link inside: fine
-    assert run("merge", inside, tmp_path / "out2", "-q").exit_code == 0
+    assert run("merge", "--weights-only", inside, tmp_path / "out2", "-q").exit_code == 0
 

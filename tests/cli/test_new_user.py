@@ -240,7 +240,7 @@ def test_merge_takes_a_file_of_full_weights(name: str, tmp_path: Path) -> None:
     else:
         save_file(state, str(src))
     out = tmp_path / "out"
-    r = run("merge", src, out, "--dtype", "keep", "--json")
+    r = run("merge", "--weights-only", src, out, "--dtype", "keep", "--json")
     assert r.exit_code == 0, r.output
     got = load_file(str(out / "model.safetensors"))
     assert got.keys() == state.keys()
@@ -429,9 +429,9 @@ def test_dry_run_makes_the_checks_a_merge_makes(uneven_ckpt: Path, tmp_path: Pat
     out = tmp_path / "out"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"precious")
-    r = run("merge", uneven_ckpt, out, "--dry-run")
+    r = run("merge", "--weights-only", uneven_ckpt, out, "--dry-run")
     assert r.exit_code == 3 and "pass --overwrite" in r.stderr
-    r = run("merge", uneven_ckpt, out, "--dry-run", "--overwrite")
+    r = run("merge", "--weights-only", uneven_ckpt, out, "--dry-run", "--overwrite")
     assert r.exit_code == 0, r.output
     assert r.stdout.startswith(f"dry run: would merge model {uneven_ckpt}/pytorch_model_fsdp_0 "
                                f"-> {out} (nothing written)\n")
@@ -439,7 +439,8 @@ def test_dry_run_makes_the_checks_a_merge_makes(uneven_ckpt: Path, tmp_path: Pat
     assert r.stdout.splitlines()[-8].split() == ["name", "shape", "dtype", "from", "size", "file"]
     assert [p.name for p in out.iterdir()] == ["model.safetensors"]
     assert (out / "model.safetensors").read_bytes() == b"precious"
-    r = run("merge", uneven_ckpt, uneven_ckpt / "pytorch_model_fsdp_0" / "x", "--dry-run")
+    r = run("merge", "--weights-only", uneven_ckpt, uneven_ckpt / "pytorch_model_fsdp_0" / "x",
+            "--dry-run")
     assert r.exit_code == 3 and "choose an output directory outside it" in r.stderr
 
 
@@ -459,7 +460,7 @@ def test_help_prints_examples_as_written_and_names_the_arguments() -> None:
         usage = r.stdout.splitlines()[0]
         assert usage.endswith("{SRC} {OUT}" if command in ("merge", "reshard") else "{PATH}")
     long = "ckpttool merge outputs/checkpoint/step-1000 out/ --names torchtitan-llama3 --config hf/"
-    assert long in run("merge", "--help", env={"COLUMNS": "60"}).stdout
+    assert long in run("merge", "--weights-only", "--help", env={"COLUMNS": "60"}).stdout
 
 
 # -- progress on a dumb terminal
@@ -469,7 +470,8 @@ def test_a_dumb_terminal_gets_plain_progress_lines(uneven_ckpt: Path, tmp_path: 
     def stderr_on_a_terminal(*extra: str) -> str:
         leader, follower = pty.openpty()
         env = {**cli_env(), "TERM": "dumb", "CKPTTOOL_PROGRESS": "auto"}
-        proc = subprocess.Popen([sys.executable, "-m", "ckpttool", "merge", str(uneven_ckpt),
+        proc = subprocess.Popen([sys.executable, "-m", "ckpttool", "merge", "--weights-only",
+                                 str(uneven_ckpt),
                                  str(tmp_path / f"out{len(extra)}"), "--json", *extra],
                                 stdout=subprocess.DEVNULL,
                                 stderr=follower, env=env)
@@ -523,8 +525,8 @@ def test_the_package_is_typed_in_the_wheel(tmp_path: Path) -> None:
 
 
 def test_every_report_is_json_serialisable(uneven_ckpt: Path, tmp_path: Path) -> None:
-    reports = [ckpttool.merge(uneven_ckpt, tmp_path / "out"),
-               ckpttool.merge(uneven_ckpt, tmp_path / "dry", dry_run=True),
+    reports = [ckpttool.merge(uneven_ckpt, tmp_path / "out", weights_only=True),
+               ckpttool.merge(uneven_ckpt, tmp_path / "dry", dry_run=True, weights_only=True),
                ckpttool.inspect(uneven_ckpt, stats=True),
                ckpttool.verify(uneven_ckpt, against=tmp_path / "out", allow_cast=True),
                ckpttool.reshard(tmp_path / "out", tmp_path / "dcp", ranks=2)]

@@ -38,7 +38,7 @@ def test_loose_safetensors_beside_dcp_is_a_candidate(llama_ckpt: Path, tmp_path:
     ckpt = _training_dir(llama_ckpt, tmp_path)
     save_file({"w": torch.ones(2)}, ckpt / "ref.safetensors")
     save_file({"step": torch.zeros(())}, ckpt / "ref_optimizer.safetensors")
-    r = run("merge", ckpt, tmp_path / "out")
+    r = run("merge", "--weights-only", ckpt, tmp_path / "out")
     assert r.exit_code == 3, r.output
     assert r.stderr == (
         f"ckpttool: error: {ckpt}: holds 2 model checkpoints (pytorch_model_fsdp_0, "
@@ -55,7 +55,7 @@ def test_two_dcp_models_and_a_loose_file_exit_3(llama_ckpt: Path, tmp_path: Path
     ckpt = _training_dir(llama_ckpt, tmp_path)
     shutil.copytree(ckpt / "pytorch_model_fsdp_0", ckpt / "pytorch_model_fsdp_1")
     save_file({"w": torch.ones(2)}, ckpt / "x.safetensors")
-    r = run("merge", ckpt, tmp_path / "out")
+    r = run("merge", "--weights-only", ckpt, tmp_path / "out")
     assert r.exit_code == 3, r.output
     assert "holds 3 model checkpoints (pytorch_model_fsdp_0, pytorch_model_fsdp_1, " \
            "x.safetensors)" in r.stderr
@@ -66,7 +66,7 @@ def test_adapter_file_beside_dcp_model_merges_the_model(llama_ckpt: Path,
     ckpt = _training_dir(llama_ckpt, tmp_path)
     save_file({"base_model.model.x.lora_A.weight": torch.ones(2, 2)},
               ckpt / "adapter_model.safetensors")
-    r = run("merge", ckpt, tmp_path / "out", "--dtype", "keep")
+    r = run("merge", "--weights-only", ckpt, tmp_path / "out", "--dtype", "keep")
     assert r.exit_code == 0, r.output
     assert "used pytorch_model_fsdp_0" in r.stdout
     assert run("merge", llama_ckpt, tmp_path / "ref", "--dtype", "keep").exit_code == 0
@@ -80,7 +80,7 @@ def test_directory_of_one_safetensors_file_still_merges(tmp_path: Path) -> None:
     src = tmp_path / "weights"
     src.mkdir()
     save_file({"a": torch.arange(4.0)}, src / "weights.safetensors")
-    r = run("merge", src, tmp_path / "out", "--dtype", "keep")
+    r = run("merge", "--weights-only", src, tmp_path / "out", "--dtype", "keep")
     assert r.exit_code == 0, r.output
     assert torch.equal(load_file(tmp_path / "out/model.safetensors")["a"], torch.arange(4.0))
 
@@ -92,7 +92,7 @@ def test_shard_set_ignores_unrelated_files(tmp_path: Path, loose: str) -> None:
     save_file({"a": torch.ones(2)}, src / "model-00001-of-00002.safetensors")
     save_file({"b": torch.ones(2)}, src / "model-00002-of-00002.safetensors")
     save_file({"c": torch.ones(2)}, src / loose)
-    r = run("merge", src, tmp_path / "out", "--dtype", "keep")
+    r = run("merge", "--weights-only", src, tmp_path / "out", "--dtype", "keep")
     assert r.exit_code == 3, r.output
 
 
@@ -157,7 +157,7 @@ def test_unsupported_scheme_as_source_is_exit_4(tmp_path: Path, cmd: str) -> Non
 
 
 def test_url_for_a_local_only_option_is_exit_4(tiny_dcp: Path, tmp_path: Path) -> None:
-    r = run("merge", tiny_dcp, tmp_path / "out", "--config", "s3://b/config.json")
+    r = run("merge", "--weights-only", tiny_dcp, tmp_path / "out", "--config", "s3://b/config.json")
     assert r.exit_code == 4, r.output
     assert "s3://b/config.json: --config takes a local path, not a s3:// URL" in r.stderr
     r = run("verify", tiny_dcp, "--against", "https://x/y")
@@ -193,7 +193,7 @@ def test_hf_storage_shard_with_a_shifted_tensor_is_refused(hf_ckpt: Path,
     name = shift_tensor(shard)
     with pytest.raises(safetensors.SafetensorError):  # the library refuses it too
         load_file(shard)
-    r = run("merge", ckpt, tmp_path / "out", "--dtype", "keep")
+    r = run("merge", "--weights-only", ckpt, tmp_path / "out", "--dtype", "keep")
     assert r.exit_code == 3, r.output
     assert r.stderr.startswith(f"ckpttool: error: {shard}: tensor ")
     assert "corrupt header (the safetensors library refuses this file too)" in r.stderr
@@ -214,7 +214,7 @@ def test_safetensors_file_that_does_not_tile_fails_verify(tmp_path: Path, edit: 
     r = run("verify", src)
     assert r.exit_code == 1, r.output
     assert "corrupt header" in r.output
-    r = run("merge", src, tmp_path / "out")
+    r = run("merge", "--weights-only", src, tmp_path / "out")
     assert r.exit_code == 3, r.output
 
 
@@ -254,8 +254,9 @@ def test_hostile_names_are_escaped_for_humans(tmp_path: Path) -> None:
     src = tmp_path / "model.safetensors"
     save_file({HOSTILE: torch.ones(2)}, src)
     shown = "w\\x1b[2J\\x1b]0;owned\\x07\\r\\nverify OK\\u202e"
-    for args in (["inspect", src], ["verify", src], ["merge", src, tmp_path / "out"],
-                 ["merge", src, tmp_path / "dry", "--dry-run"]):
+    for args in (["inspect", src], ["verify", src],
+                 ["merge", src, tmp_path / "out", "--weights-only"],
+                 ["merge", src, tmp_path / "dry", "--dry-run", "--weights-only"]):
         r = run(*args)
         assert r.exit_code == 0, r.output
         assert shown in r.output or not (args[0] == "inspect" or "--dry-run" in args), args
@@ -273,7 +274,7 @@ def test_hostile_names_are_escaped_in_errors(tmp_path: Path) -> None:
     ckpt.mkdir()
     save_file({"a": torch.ones(2)}, ckpt / "a\x1b[31m.safetensors")
     save_file({"b": torch.ones(2)}, ckpt / "b\u202e.safetensors")
-    r = run("merge", ckpt, tmp_path / "out")
+    r = run("merge", "--weights-only", ckpt, tmp_path / "out")
     assert r.exit_code == 3, r.output
     assert "a\\x1b[31m.safetensors" in r.stderr and "b\\u202e.safetensors" in r.stderr
     assert r.stderr.count("\n") == 1 and "\x1b" not in r.stderr
@@ -325,7 +326,7 @@ def test_side_file_swapped_after_discovery_is_refused(llama_ckpt: Path, tmp_path
                 f.truncate(8 << 30)  # sparse
 
     _swap_after_discovery(monkeypatch, swap)
-    r = run("merge", ckpt, tmp_path / "out")
+    r = run("merge", "--weights-only", ckpt, tmp_path / "out")
     assert r.exit_code == 3, r.output
     assert r.stderr.startswith(f"ckpttool: error: {side}: ")
     assert "it changed since the checkpoint was read" in r.stderr
@@ -351,7 +352,7 @@ def test_data_file_swapped_for_a_link_before_open_is_refused(tiny_dcp: Path, tmp
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", swapping_open)
-    r = run("merge", ckpt, tmp_path / "out", "--dtype", "keep")
+    r = run("merge", "--weights-only", ckpt, tmp_path / "out", "--dtype", "keep")
     monkeypatch.undo()
     assert r.exit_code == 3, r.output
     assert f"{victim}: a link to {outside}, outside the checkpoint directory" in r.stderr
@@ -364,7 +365,7 @@ def test_nested_record_that_links_out_is_refused(unflattened: Path, tmp_path: Pa
     outside = tmp_path / "outside.distcp"
     shutil.move(victim, outside)
     victim.symlink_to(outside)
-    for cmd in (["inspect", ckpt], ["merge", ckpt, tmp_path / "out"]):
+    for cmd in (["inspect", ckpt], ["merge", ckpt, tmp_path / "out", "--weights-only"]):
         r = run(*cmd)
         assert r.exit_code == 3, r.output
         assert (f"{victim}: a link to {outside}, outside the checkpoint directory; copy the "
@@ -403,7 +404,7 @@ def test_1100_ranks_merge_and_verify_under_ulimit_1024(tmp_path: Path) -> None:
     assert len(list(ckpt.glob("*.distcp"))) == 1100
     p = _cli("verify", ckpt, nofile=1024)
     assert p.returncode == 0, p.stderr
-    p = _cli("merge", ckpt, tmp_path / "out", "--dtype", "keep", nofile=1024)
+    p = _cli("merge", "--weights-only", ckpt, tmp_path / "out", "--dtype", "keep", nofile=1024)
     assert p.returncode == 0, p.stderr
     got = load_file(tmp_path / "out/model.safetensors")
     assert all(torch.equal(got[k], v) for k, v in full.items())
@@ -425,7 +426,7 @@ def test_source_cut_short_during_a_mapped_cast_is_one_line(tmp_path: Path, worke
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
            "CKPTTOOL_TEST_FAULT": f"pause-map:{flag}"}
     proc = subprocess.Popen([sys.executable, "-m", "ckpttool", "merge", str(src), str(out),
-                             "--dtype", "bf16", "--workers", workers], env=env,
+                             "--weights-only", "--dtype", "bf16", "--workers", workers], env=env,
                             stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     for _ in range(1200):
@@ -447,14 +448,15 @@ def test_a_killed_runs_temporary_files_are_named_and_removed(tiny_dcp: Path,
                                                             tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = {"CKPTTOOL_TEST_FAULT": "kill:2"}  # killed (-9) after creating its first file
-    p = subprocess.run([sys.executable, "-m", "ckpttool", "merge", str(tiny_dcp), str(out)],
+    p = subprocess.run([sys.executable, "-m", "ckpttool", "merge", str(tiny_dcp), str(out),
+                        "--weights-only"],
                        env={**os.environ, **env, "PYTHONPATH": str(Path(__file__).resolve()
                                                                    .parents[2])},
                        capture_output=True, text=True, timeout=300, check=False)
     assert p.returncode == -9
     left = [q for q in out.iterdir() if q.name.endswith(".ckpttool-tmp")]
     assert left
-    p = _cli("merge", tiny_dcp, out)
+    p = _cli("merge", "--weights-only", tiny_dcp, out)
     assert p.returncode == 0, p.stderr
     for q in left:
         assert f"ckpttool: warning: {q}: removed a temporary file (" in p.stderr
@@ -484,7 +486,7 @@ def test_huge_dimensions_in_metadata_are_exit_3(tiny_dcp: Path, tmp_path: Path,
                                                 dim: int) -> None:
     ckpt = _metadata_claiming(tiny_dcp, tmp_path / "ckpt", dim)
     for args in (["inspect", ckpt], ["inspect", ckpt, "--json"], ["verify", ckpt],
-                 ["merge", ckpt, tmp_path / "out"]):
+                 ["merge", ckpt, tmp_path / "out", "--weights-only"]):
         r = run(*args)
         assert r.exit_code == 3, (args, r.output)
         assert r.stderr.startswith(f"ckpttool: error: {ckpt / '.metadata'}: ")
@@ -507,7 +509,7 @@ def test_zstd_record_claiming_a_gibibyte_is_refused_unread(dcp_options: Path,
     entry.size = claim
     entry.chunks[0] = type(entry.chunks[0])(offsets=entry.chunks[0].offsets, sizes=claim)
     (ckpt / ".metadata").write_bytes(pickle.dumps(md, protocol=2))
-    for args in (["merge", ckpt, tmp_path / "out"], ["verify", ckpt]):
+    for args in (["merge", ckpt, tmp_path / "out", "--weights-only"], ["verify", ckpt]):
         r = run(*args)
         assert r.exit_code in (1, 3), r.output
         assert "refused as a likely decompression bomb" in r.output, r.output
@@ -560,7 +562,7 @@ def test_a_data_file_name_too_long_for_the_system_is_exit_3(dcp_options: Path,
     md.storage_data[idx] = dataclasses.replace(md.storage_data[idx], relative_path="x" * 10000)
     (ckpt / ".metadata").write_bytes(pickle.dumps(md, protocol=2))
     for args, codes in ((["inspect", ckpt], (0, 3)), (["verify", ckpt], (1,)),
-                        (["merge", ckpt, tmp_path / "out"], (3,))):
+                        (["merge", ckpt, tmp_path / "out", "--weights-only"], (3,))):
         r = run(*args)
         assert r.exit_code in codes, (args, r.output)
         assert "Traceback" not in r.output and "internal error" not in r.output
@@ -585,7 +587,7 @@ def test_slice_reports_claim_only_what_each_slice_wrote(tmp_path: Path) -> None:
     opts = ["--max-shard-size", "100KB", "--dtype", "fp32"]
     shares = []
     for i in range(2):
-        r = run("merge", src, out, "--slice", f"{i}/2", *opts, "--json")
+        r = run("merge", "--weights-only", src, out, "--slice", f"{i}/2", *opts, "--json")
         assert r.exit_code == 0, r.output
         doc = json.loads(r.stdout)
         on_disk = {p.name: p.stat().st_size for p in out.iterdir()}
@@ -601,7 +603,7 @@ def test_slice_reports_claim_only_what_each_slice_wrote(tmp_path: Path) -> None:
             f".model.s{doc['distributed']['plan']}.{i}-of-2.done.ckpttool-tmp"]
         assert shares[-1] == doc["distributed"]["bytes"][i]
     assert not (out / "model.safetensors.index.json").exists()
-    r = run("merge", src, out, "--finish", *opts, "--json")
+    r = run("merge", "--weights-only", src, out, "--finish", *opts, "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     names = {f["name"] for f in doc["files"]}
@@ -614,13 +616,13 @@ def test_slice_reports_claim_only_what_each_slice_wrote(tmp_path: Path) -> None:
     # For people: a slice names its temporary files, --finish what it put in place.
     human = tmp_path / "human"
     for i in range(2):
-        r = run("merge", src, human, "--slice", f"{i}/2", *opts)
+        r = run("merge", "--weights-only", src, human, "--slice", f"{i}/2", *opts)
         assert r.exit_code == 0, r.output
         assert "wrote model-" not in r.stdout and "index.json" not in r.stdout, r.stdout
         assert "copied config.json" not in r.stdout and "config.json:" not in r.stdout
         assert f"wrote .model-00001-of-00002.safetensors.s{doc['distributed']['plan']}" \
             in r.stdout, r.stdout
-    r = run("merge", src, human, "--finish", *opts)
+    r = run("merge", "--weights-only", src, human, "--finish", *opts)
     assert r.exit_code == 0, r.output
     assert "put in place model-00001-of-00002.safetensors" in r.stdout, r.stdout
     assert "wrote model.safetensors.index.json" in r.stdout
@@ -797,7 +799,7 @@ def test_an_inflated_size_field_stays_under_a_memory_limit(tiny_dcp: Path, tmp_p
     limit = _baseline_vm_peak("verify", intact) + (3 << 29)
     assert _cli("verify", intact, memory=limit).returncode == 0  # the limit lets a run work
     for args, codes in ((["inspect", ckpt], (0, 3)), (["verify", ckpt], (1, 3)),
-                        (["merge", ckpt, tmp_path / "out"], (3,))):
+                        (["merge", ckpt, tmp_path / "out", "--weights-only"], (3,))):
         p = _cli(*args, memory=limit)
         assert p.returncode in codes, (args, p.stderr)
         assert "MemoryError" not in p.stderr and "Traceback" not in p.stderr, p.stderr
@@ -812,7 +814,8 @@ def test_an_inflated_size_field_stays_under_a_memory_limit(tiny_dcp: Path, tmp_p
 
 def test_shards_without_their_index_are_incomplete(tmp_path: Path) -> None:
     src, out = _sliced_source(tmp_path), tmp_path / "out"
-    assert run("merge", src, out, "--max-shard-size", "100KB", "-q").exit_code == 0
+    assert run("merge", "--weights-only", src, out, "--max-shard-size", "100KB",
+               "-q").exit_code == 0
     (out / "model.safetensors.index.json").unlink()  # what a cut replacement leaves
     r = run("verify", out)
     assert r.exit_code == 1, r.output
@@ -822,7 +825,7 @@ def test_shards_without_their_index_are_incomplete(tmp_path: Path) -> None:
     assert r.exit_code == 1, r.output
     assert (f"error: missing-file: {out / 'model-00002-of-00002.safetensors'}: shard 2 of 2 "
             "is missing") in r.output, r.output
-    r = run("merge", out, tmp_path / "again")
+    r = run("merge", "--weights-only", out, tmp_path / "again")
     assert r.exit_code == 3 and not (tmp_path / "again").exists(), r.output
 
 
@@ -842,7 +845,7 @@ def test_two_shard_sets_without_index_say_incomplete_not_many_models(tmp_path: P
         for shard in save.glob("*.safetensors"):
             shutil.copy(shard, ckpt)  # both saves' shards, neither's index
     (ckpt / "model-00004-of-00004.safetensors").unlink()
-    r = run("merge", ckpt, tmp_path / "out")
+    r = run("merge", "--weights-only", ckpt, tmp_path / "out")
     assert r.exit_code == 3, r.output
     assert r.stderr.startswith(
         f"ckpttool: error: {ckpt}: holds shards of 2 sets: model-*-of-00002 (2 of 2), "

@@ -70,7 +70,8 @@ def remote_llama(cloud: Cloud, llama_ckpt: Path) -> str:
 
 def test_merge_from_the_store_is_bit_exact(cloud: Cloud, remote_llama: str,
                                            local_merged: Path, tmp_path: Path) -> None:
-    r = run("merge", remote_llama, tmp_path / "out", "--max-shard-size", "20KB", "--json")
+    r = run("merge", "--weights-only", remote_llama, tmp_path / "out", "--max-shard-size", "20KB",
+            "--json")
     assert r.exit_code == 0, r.output
     same_files(tmp_path / "out", local_merged)
     doc = json.loads(r.stdout)
@@ -103,10 +104,11 @@ def test_merge_store_to_store_from_sharded_safetensors(cloud: Cloud, local_merge
                                                        tmp_path: Path) -> None:
     src = cloud.upload_dir(local_merged, fresh(cloud, "st"))
     prefix = fresh(cloud, "st-again")
-    r = run("merge", src, cloud.url(prefix), "--max-shard-size", "20KB")
+    r = run("merge", "--weights-only", src, cloud.url(prefix), "--max-shard-size", "20KB")
     assert r.exit_code == 0, r.output
     local = tmp_path / "local"
-    assert run("merge", local_merged, local, "--max-shard-size", "20KB").exit_code == 0
+    assert run("merge", "--weights-only", local_merged, local, "--max-shard-size",
+               "20KB").exit_code == 0
     same_files(cloud.download_dir(prefix, tmp_path / "got"), local)
 
 
@@ -151,8 +153,8 @@ def test_reshard_from_and_to_the_store(cloud: Cloud, remote_llama: str, llama_ck
     # .metadata records where it was saved: the merges below compare what it describes.
     same_files(cloud.download_dir(prefix, tmp_path / "got"), local, but=(".metadata",))
     a, b = tmp_path / "a", tmp_path / "b"
-    assert run("merge", cloud.url(prefix), a).exit_code == 0
-    assert run("merge", local, b).exit_code == 0
+    assert run("merge", "--weights-only", cloud.url(prefix), a).exit_code == 0
+    assert run("merge", "--weights-only", local, b).exit_code == 0
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
 
 
@@ -164,7 +166,7 @@ def test_abfss_spelling_names_the_account(azure: Cloud, llama_ckpt: Path,
     if not azure.keys(prefix):
         azure.upload_dir(llama_ckpt, prefix)
     url = f"abfss://{BUCKET}@devstoreaccount1.dfs.core.windows.net/{prefix}"
-    r = run("merge", url, tmp_path / "out", "--max-shard-size", "20KB", "--json")
+    r = run("merge", "--weights-only", url, tmp_path / "out", "--max-shard-size", "20KB", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["src"] == url
     same_files(tmp_path / "out", local_merged)
@@ -185,10 +187,11 @@ def test_a_large_upload_is_bit_exact(cloud: Cloud, big_model: Path, tmp_path: Pa
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(objstore, "PART", 5 << 20)
     prefix = fresh(cloud, "big")
-    r = run("merge", big_model, cloud.url(prefix), "--max-shard-size", "10MB")
+    r = run("merge", "--weights-only", big_model, cloud.url(prefix), "--max-shard-size", "10MB")
     assert r.exit_code == 0, r.output
     local = tmp_path / "local"
-    assert run("merge", big_model, local, "--max-shard-size", "10MB").exit_code == 0
+    assert run("merge", "--weights-only", big_model, local, "--max-shard-size",
+               "10MB").exit_code == 0
     same_files(cloud.download_dir(prefix, tmp_path / "got"), local)
 
 
@@ -207,7 +210,7 @@ def test_an_interrupted_upload_leaves_nothing(cloud: Cloud, big_model: Path, at:
 
     monkeypatch.setattr(outputs, "fault_step", step)
     prefix = fresh(cloud, "cut")
-    r = run("merge", big_model, cloud.url(prefix), "--max-shard-size", "10MB")
+    r = run("merge", "--weights-only", big_model, cloud.url(prefix), "--max-shard-size", "10MB")
     assert r.exit_code != 0
     assert len(steps) == at
     assert cloud.keys(prefix) == []

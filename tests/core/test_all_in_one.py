@@ -113,7 +113,7 @@ def test_classify(paths: list[tuple[str, ...]], want: list[str]) -> None:
 
 def test_torchtitan_merge_writes_the_model_only(titan: Path, tmp_path: Path) -> None:
     ckpt = titan / all_in_one.TORCHTITAN_STEP
-    report = ckpttool.merge(ckpt, tmp_path / "out")
+    report = ckpttool.merge(ckpt, tmp_path / "out", weights_only=True)
     got = load_out(tmp_path / "out")
     assert_bit_exact(got, reference(titan))
     assert not [k for k in got if "exp_avg" in k or k.startswith("optimizer")]
@@ -129,7 +129,7 @@ def test_torchtitan_merge_writes_the_model_only(titan: Path, tmp_path: Path) -> 
 
 def test_torchtitan_merge_part_optimizer(titan: Path, tmp_path: Path) -> None:
     ckpt = titan / all_in_one.TORCHTITAN_STEP
-    report = ckpttool.merge(ckpt, tmp_path / "out", part="optimizer")
+    report = ckpttool.merge(ckpt, tmp_path / "out", part="optimizer", weights_only=True)
     got = load(tmp_path / "out" / "optimizer.safetensors")
     assert_bit_exact(got, optimizer_reference(ckpt))
     assert "state.tok_embeddings.weight.exp_avg" in got  # torchtitan's own names
@@ -158,7 +158,8 @@ def test_torchtitan_verify_reads_every_part(titan: Path, tmp_path: Path) -> None
     report = ckpttool.verify(ckpt)
     assert report.ok, [p.message for p in report.problems]
     assert report.num_tensors == 72
-    assert ckpttool.verify(ckpt, against=ckpttool.merge(ckpt, tmp_path / "m").out).ok
+    assert ckpttool.verify(ckpt, against=ckpttool.merge(ckpt, tmp_path / "m",
+                                                        weights_only=True).out).ok
 
     damaged = tmp_path / "damaged"
     shutil.copytree(ckpt, damaged)
@@ -185,13 +186,13 @@ def test_torchtitan_verify_reads_every_part(titan: Path, tmp_path: Path) -> None
 
 def test_lightning_merge_and_parts(fabric: Path, tmp_path: Path) -> None:
     ckpt = fabric / all_in_one.LIGHTNING_CKPT
-    report = ckpttool.merge(ckpt, tmp_path / "out")
+    report = ckpttool.merge(ckpt, tmp_path / "out", weights_only=True)
     assert_bit_exact(load_out(tmp_path / "out"), reference(fabric))
     left = {(c["part"], c["file"]) for c in report.left_out}
     assert left == {("optimizer", None), ("lr_scheduler", "meta.pt"),
                     ("train_state", "meta.pt"), ("other", "meta.pt")}
 
-    ckpttool.merge(ckpt, tmp_path / "opt", part="optimizer")
+    ckpttool.merge(ckpt, tmp_path / "opt", part="optimizer", weights_only=True)
     assert_bit_exact(load(tmp_path / "opt" / "optimizer.safetensors"),
                      optimizer_reference(ckpt))
     groups = json.loads((tmp_path / "opt" / "optimizer.json").read_text())
@@ -234,7 +235,7 @@ def test_unflattened_plain_tensors_merge(unflattened: Path, tmp_path: Path) -> N
     # How torch stores it: top-level keys only, the nested dict pickled whole in one record.
     assert set(md.state_dict_metadata) == {"model", "step"} and not md.planner_data
     assert type(md.state_dict_metadata["model"]).__name__ == "BytesStorageMetadata"
-    ckpttool.merge(ckpt, tmp_path / "out")
+    ckpttool.merge(ckpt, tmp_path / "out", weights_only=True)
     assert_bit_exact(load_out(tmp_path / "out"), reference(unflattened))
     assert ckpttool.verify(ckpt).ok
 
@@ -247,7 +248,7 @@ def test_unflattened_plain_tensors_merge(unflattened: Path, tmp_path: Path) -> N
 
 
 def test_unflattened_flat_keys_merge(unflattened: Path, tmp_path: Path) -> None:
-    ckpttool.merge(unflattened / "flat", tmp_path / "out")
+    ckpttool.merge(unflattened / "flat", tmp_path / "out", weights_only=True)
     assert_bit_exact(load_out(tmp_path / "out"), reference(unflattened))
 
 
@@ -255,10 +256,10 @@ def test_unflattened_dtensors_cannot_be_placed(unflattened: Path, tmp_path: Path
     ckpt = unflattened / "dtensor"
     with pytest.raises(InputError, match=r"entry '(model|optim)' holds distributed tensors "
                        r"\('torch\.distributed\.tensor\.DTensor'\) pickled whole by one rank"):
-        ckpttool.merge(ckpt, tmp_path / "out")
+        ckpttool.merge(ckpt, tmp_path / "out", weights_only=True)
     assert not (tmp_path / "out" / "model.safetensors").exists()
     assert codes(ckpttool.verify(ckpt)).count("tensors-unplaced") == 2
-    r = CliRunner().invoke(app, ["merge", str(ckpt), str(tmp_path / "out2")])
+    r = CliRunner().invoke(app, ["merge", "--weights-only", str(ckpt), str(tmp_path / "out2")])
     assert r.exit_code == 3 and "flatten_state_dict=True" in r.stderr
 
 
@@ -271,7 +272,7 @@ def test_no_model_tensors_is_an_error_that_says_why(tmp_path: Path) -> None:
              "step": 3}
     torch_dcp.save(state, checkpoint_id=tmp_path / "gan", no_dist=True)
     with pytest.raises(InputError) as e:
-        ckpttool.merge(tmp_path / "gan", tmp_path / "out")
+        ckpttool.merge(tmp_path / "gan", tmp_path / "out", weights_only=True)
     assert str(e.value) == (
         f"{tmp_path / 'gan'}: holds no model tensors; it holds train_state (1 non-tensor "
         "entry; keys: step); other (2 tensors; keys: discriminator, generator); the tensors "
@@ -295,14 +296,16 @@ def test_weights_only_values_are_read(tmp_path: Path) -> None:
 def test_cli_part_option(titan: Path, tmp_path: Path) -> None:
     ckpt = titan / all_in_one.TORCHTITAN_STEP
     runner = CliRunner()
-    r = runner.invoke(app, ["merge", str(ckpt), str(tmp_path / "o"), "--part", "optimizer",
+    r = runner.invoke(app, ["merge", "--weights-only", str(ckpt), str(tmp_path / "o"), "--part",
+                            "optimizer",
                             "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["part"] == "optimizer" and doc["left_out"][0]["part"] == "model"
-    r = runner.invoke(app, ["merge", str(ckpt), str(tmp_path / "m")])
+    r = runner.invoke(app, ["merge", "--weights-only", str(ckpt), str(tmp_path / "m")])
     assert r.exit_code == 0
     assert ("left out optimizer: 51 tensors, 1.12 MB, 204 non-tensor entries; keys optimizer "
             "(merge it with --part optimizer)") in r.stdout
-    r = runner.invoke(app, ["merge", str(ckpt), str(tmp_path / "x"), "--part", "lr"])
+    r = runner.invoke(app, ["merge", "--weights-only", str(ckpt), str(tmp_path / "x"), "--part",
+                            "lr"])
     assert r.exit_code == 2

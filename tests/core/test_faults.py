@@ -38,13 +38,15 @@ def _merge(src: Path, out: Path, *args: str, fault: str | None = None
            ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "ckpttool", "merge", str(src), str(out), "--dtype", "keep",
-         "-q", *args], env=_env(fault), capture_output=True, text=True, timeout=120)
+         "-q", "--weights-only", *args], env=_env(fault), capture_output=True, text=True,
+        timeout=120)
 
 
 def _start(src: Path, out: Path, *args: str, fault: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "ckpttool", "merge", str(src), str(out), "--dtype", "keep",
-         "-q", *args], env=_env(fault), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+         "-q", "--weights-only", *args], env=_env(fault), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True)
 
 

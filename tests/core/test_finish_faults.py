@@ -33,7 +33,8 @@ pytestmark = pytest.mark.slow
 
 def _slices(src: Path, out: Path) -> None:
     for i in range(2):
-        ckpttool.merge(src, out, max_shard_size=SHARD, shared=multihost.Slice(i, 2))
+        ckpttool.merge(src, out, max_shard_size=SHARD, shared=multihost.Slice(i, 2),
+                       weights_only=True)
 
 
 def _finish(src: Path, out: Path, fault: str) -> subprocess.Popen[str]:

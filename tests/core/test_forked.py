@@ -183,7 +183,7 @@ def test_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_merge_in_shares_is_bit_exact_and_equals_one_process(
         moe: Path, tmp_path: Path, small_jobs: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ckpttool.merge(moe, tmp_path / "forked", dtype="keep", workers=3)
+    ckpttool.merge(moe, tmp_path / "forked", dtype="keep", workers=3, weights_only=True)
     assert small_jobs == [3]
     got = load_out(tmp_path / "forked")
     want = moe_checkpoint.moe_state(LAYERS, EXPERTS)
@@ -191,7 +191,7 @@ def test_merge_in_shares_is_bit_exact_and_equals_one_process(
     for name, ref in want.items():
         assert torch.equal(got[name].view(torch.uint8), ref.view(torch.uint8)), name
     monkeypatch.setenv("CKPTTOOL_FORK", "0")
-    ckpttool.merge(moe, tmp_path / "alone", dtype="keep", workers=3)
+    ckpttool.merge(moe, tmp_path / "alone", dtype="keep", workers=3, weights_only=True)
     assert small_jobs == [3]  # not forked again
     for f in (tmp_path / "alone").iterdir():
         assert f.read_bytes() == (tmp_path / "forked" / f.name).read_bytes(), f.name
@@ -199,7 +199,7 @@ def test_merge_in_shares_is_bit_exact_and_equals_one_process(
 
 def test_cast_in_shares_is_exact(moe: Path, tmp_path: Path, small_jobs: list[int]) -> None:
     if "torch" in sys.modules:  # the test process has torch; a share may not inherit it
-        ckpttool.merge(moe, tmp_path / "out", dtype="fp32", workers=3)
+        ckpttool.merge(moe, tmp_path / "out", dtype="fp32", workers=3, weights_only=True)
         assert small_jobs == []
     got = load_out(tmp_path / "out")
     for name, ref in moe_checkpoint.moe_state(LAYERS, EXPERTS).items():
@@ -227,12 +227,12 @@ def test_a_damaged_record_in_a_share_stops_the_merge(moe: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     damaged, file = _damaged(moe, tmp_path)
     with pytest.raises(InputError) as forked_error:
-        ckpttool.merge(damaged, tmp_path / "out", dtype="keep", workers=3)
+        ckpttool.merge(damaged, tmp_path / "out", dtype="keep", workers=3, weights_only=True)
     assert small_jobs == [3]
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
     monkeypatch.setenv("CKPTTOOL_FORK", "0")
     with pytest.raises(InputError) as alone:
-        ckpttool.merge(damaged, tmp_path / "out2", dtype="keep", workers=3)
+        ckpttool.merge(damaged, tmp_path / "out2", dtype="keep", workers=3, weights_only=True)
     assert str(forked_error.value) == str(alone.value)
     assert file in str(alone.value)
 

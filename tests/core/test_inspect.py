@@ -118,7 +118,7 @@ def test_training_directory_lists_parts_and_never_unpickles(llama_ckpt: Path,
     assert s["wrappers"] == ["model"]
     assert s["merged"]["dtype"] == "BF16" and s["merged"]["deduplicated"] == "lm_head.weight"
     # What merge --dtype auto really writes.
-    report = ckpttool.merge(ckpt, tmp_path / "out")
+    report = ckpttool.merge(ckpt, tmp_path / "out", weights_only=True)
     assert s["merged"]["bytes"] == report.total_bytes
     opt = ckpttool.inspect(ckpt / "optimizer_0").to_json()
     assert opt["kind"] == "optimizer" and opt["summary"]["tie"] is None

@@ -292,12 +292,13 @@ def test_cli_errors_exit_codes(lora_ckpts: Path, tmp_path: Path) -> None:
     assert r.stderr.count("\n") == 1 and "lora_alpha cannot be read" in r.stderr
     assert "Traceback" not in r.output and not (tmp_path / "out").exists()
     reference(lora_ckpts / "rslora").save_pretrained(tmp_path / "adapter")
+    build_base("rslora").save_pretrained(tmp_path / "base")
     dora = _edit_adapter(
         tmp_path / "adapter", tmp_path / "dora",
         lambda t: t.__setitem__(
             "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector",
             torch.ones(32)))
-    r = cli("merge", dora / "adapter_model.safetensors", tmp_path / "out")
+    r = cli("merge", tmp_path / "base", tmp_path / "out", "--adapter", dora)
     assert r.exit_code == 4 and "DoRA" in r.stderr
     r = cli("verify", ckpt)
     assert r.exit_code == 0 and "warning: lora-no-alpha" in r.output

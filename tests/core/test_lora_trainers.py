@@ -83,19 +83,29 @@ def test_verl_meta_with_another_rank_is_an_error(verl: Path, tmp_path: Path) -> 
 
 
 def test_accelerate_without_any_record(acc: Path, tmp_path: Path) -> None:
-    """Nothing records alpha: verify warns (the checkpoint is whole), a fold is refused, the
-    adapter is written with PEFT's default alpha, said loudly."""
+    """Nothing records alpha: verify warns (the checkpoint is whole); a fold and the adapter
+    alone are both refused (exit 3: alpha is never guessed; PEFT's default 8 against the run's
+    16 would halve every update) until --lora-alpha says what training used."""
     r = CliRunner().invoke(app, ["verify", str(acc / STEP)])
     assert r.exit_code == 0 and "warning: lora-no-alpha" in r.output
     r = CliRunner().invoke(app, ["merge", str(acc / STEP), str(tmp_path / "fused")])
     assert r.exit_code == 3 and "lora_alpha cannot be read from the weights" in r.stderr
     r = CliRunner().invoke(app, ["merge", str(acc / STEP), str(tmp_path / "adapter"),
                                  "--lora", "adapter"])
+    assert r.exit_code == 3, r.output
+    assert ("holds a LoRA adapter whose lora_alpha is recorded nowhere" in r.stderr
+            and "Pass the value training used: --lora-alpha N" in r.stderr)
+    assert not (tmp_path / "adapter").exists()
+    r = CliRunner().invoke(app, ["merge", str(acc / STEP), str(tmp_path / "adapter"),
+                                 "--lora", "adapter", "--lora-alpha", "16"])
     assert r.exit_code == 0, r.output
-    assert ("warning: adapter_config.json built from the weights; assumed: lora_alpha 8 "
-            "(PEFT's default; it was recorded nowhere)") in r.stderr
     written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert (written["r"], written["lora_alpha"]) == (4, 8)
+    assert (written["r"], written["lora_alpha"]) == (4, 16)
+    # the fold with the alpha given is the trained model, exactly
+    r = CliRunner().invoke(app, ["merge", str(acc / STEP), str(tmp_path / "fused"),
+                                 "--lora-alpha", "16", "--weights-only"])  # no config.json
+    assert r.exit_code == 0, r.output
+    _assert_fold_exact(tmp_path / "fused", acc / "full.pt")
     # The adapter's own weights are the trained ones, whatever alpha the user then sets.
     from peft import PeftModel
 
@@ -110,7 +120,7 @@ def test_accelerate_config_in_the_project_dir(acc: Path, tmp_path: Path) -> None
     checkpoints/checkpoint_N) is found: the fold is exact."""
     run = Path(shutil.copytree(acc, tmp_path / "run"))
     trained(acc / "full.pt").peft_config["default"].save_pretrained(str(run))
-    report = ckpttool.merge(run / STEP, tmp_path / "fused")
+    report = ckpttool.merge(run / STEP, tmp_path / "fused", weights_only=True)  # no config
     assert report.lora is not None and report.lora["config"] == str(run / "adapter_config.json")
     _assert_fold_exact(tmp_path / "fused", acc / "full.pt")
 

@@ -83,7 +83,7 @@ def assert_bit_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
 @pytest.mark.parametrize("kind", KINDS)
 def test_keep_is_bit_exact(kind: str, make_checkpoint, tmp_path: Path) -> None:
     ckpt = make_checkpoint(kind)
-    report = ckpttool.merge(ckpt, tmp_path / "out", dtype="keep", keep_tied=True)
+    report = ckpttool.merge(ckpt, tmp_path / "out", dtype="keep", keep_tied=True, weights_only=True)
     dcp_dir = Path(report.checkpoint)
     assert_bit_exact(load_out(tmp_path / "out"), expected(dcp_dir, None))
     assert report.num_tensors == len(dcp.read_info(dcp_dir).tensors)
@@ -95,7 +95,8 @@ def test_cast_is_bit_exact_and_spares_float8_and_integers(
     kind: str, target: str, make_checkpoint, tmp_path: Path
 ) -> None:
     ckpt = make_checkpoint(kind)
-    report = ckpttool.merge(ckpt, tmp_path / "out", dtype=target, keep_tied=True, workers=2)
+    report = ckpttool.merge(ckpt, tmp_path / "out", dtype=target, keep_tied=True, workers=2,
+                            weights_only=True)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[target]
     assert_bit_exact(load_out(tmp_path / "out"), expected(Path(report.checkpoint), torch_dtype),
                      cast=True)
@@ -103,7 +104,7 @@ def test_cast_is_bit_exact_and_spares_float8_and_integers(
 
 def test_mixed_has_every_dtype_and_reports_non_tensor_entries(mixed_ckpt: Path,
                                                               tmp_path: Path) -> None:
-    report = ckpttool.merge(mixed_ckpt, tmp_path / "out", dtype="bf16")
+    report = ckpttool.merge(mixed_ckpt, tmp_path / "out", dtype="bf16", weights_only=True)
     got = load_out(tmp_path / "out")
     dtypes_seen = {t.dtype for t in got.values()}
     assert {torch.float8_e4m3fn, torch.float8_e5m2, torch.bool, torch.int64} <= dtypes_seen
@@ -174,7 +175,7 @@ def test_broken_tie_writes_both_and_warns(llama_ckpt: Path, tmp_path: Path) -> N
 
 
 def test_wrapper_segments_are_removed_and_reported(wrappers_ckpt: Path, tmp_path: Path) -> None:
-    report = ckpttool.merge(wrappers_ckpt, tmp_path / "out")
+    report = ckpttool.merge(wrappers_ckpt, tmp_path / "out", weights_only=True)
     names = set(load_out(tmp_path / "out"))
     assert not any(seg in n for n in names
                    for seg in ("_orig_mod", "_checkpoint_wrapped_module", "model."))
@@ -184,7 +185,7 @@ def test_wrapper_segments_are_removed_and_reported(wrappers_ckpt: Path, tmp_path
 
 
 def test_flat_checkpoint_keeps_model_prefix(placements_ckpt: Path, tmp_path: Path) -> None:
-    report = ckpttool.merge(placements_ckpt, tmp_path / "out")
+    report = ckpttool.merge(placements_ckpt, tmp_path / "out", weights_only=True)
     names = set(load_out(tmp_path / "out"))
     assert names and all(n.startswith("model.") for n in names)
     assert report.renames == []
@@ -210,7 +211,7 @@ def test_sharded_output_has_index_and_loads(llama_ckpt: Path, tmp_path: Path) ->
 def test_output_permissions_follow_umask(uneven_ckpt: Path, tmp_path: Path) -> None:
     old = os.umask(0o027)
     try:
-        ckpttool.merge(uneven_ckpt, tmp_path / "out")
+        ckpttool.merge(uneven_ckpt, tmp_path / "out", weights_only=True)
     finally:
         os.umask(old)
     mode = stat.S_IMODE((tmp_path / "out" / "model.safetensors").stat().st_mode)
@@ -250,7 +251,7 @@ def test_interrupted_merge_leaves_nothing_that_looks_finished(
         monkeypatch.setattr("ckpttool.storage.outputs.copy_range", interrupted)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
-        ckpttool.merge(uneven_ckpt, out, workers=1)
+        ckpttool.merge(uneven_ckpt, out, workers=1, weights_only=True)
     assert list(out.iterdir()) == []
 
 
@@ -262,7 +263,7 @@ def test_chunk_missing_from_storage_is_an_input_error(uneven_ckpt: Path, tmp_pat
     victim = sorted(damaged.glob("*.distcp"))[-1]
     victim.unlink()
     with pytest.raises(InputError, match=f"{victim.name}: data file is missing"):
-        ckpttool.merge(damaged, tmp_path / "out")
+        ckpttool.merge(damaged, tmp_path / "out", weights_only=True)
     assert not (tmp_path / "out").exists()
 
 
@@ -278,7 +279,7 @@ def test_cast_in_many_small_blocks_is_exact(kind: str, windows: bool, mapped: bo
         monkeypatch.setattr("ckpttool.core.merge.engine.WINDOW_TENSOR", 0)
     monkeypatch.setattr("ckpttool.storage.store.MAP_MIN", 0 if mapped else 1 << 62)
     report = ckpttool.merge(make_checkpoint(kind), tmp_path / "out", dtype="bf16",
-                            keep_tied=True, workers=3)
+                            keep_tied=True, workers=3, weights_only=True)
     assert_bit_exact(load_out(tmp_path / "out"), expected(Path(report.checkpoint), torch.bfloat16),
                      cast=True)
 
@@ -358,7 +359,7 @@ def test_overwrite_never_writes_through_a_planted_link(uneven_ckpt: Path, tmp_pa
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep me")
     (out / f".model.safetensors.{os.getpid()}{fileio.TMP_SUFFIX}").symlink_to(victim)
-    ckpttool.merge(uneven_ckpt, out)
+    ckpttool.merge(uneven_ckpt, out, weights_only=True)
     assert victim.read_bytes() == b"keep me"
 
 
@@ -368,7 +369,7 @@ def test_a_directory_at_an_output_name_is_refused_even_with_overwrite(
     (out / "model.safetensors.index.json").mkdir(parents=True)
     for overwrite in (False, True):
         with pytest.raises(OutputError, match="is not a regular file"):
-            ckpttool.merge(uneven_ckpt, out, overwrite=overwrite)
+            ckpttool.merge(uneven_ckpt, out, overwrite=overwrite, weights_only=True)
     assert [p.name for p in out.iterdir()] == ["model.safetensors.index.json"]
 
 
@@ -386,7 +387,7 @@ def test_a_checkpoint_without_tensors_is_an_error_not_an_empty_model(tmp_path: P
     torch_dcp.save({"step": 5, "note": "no weights"}, checkpoint_id=tmp_path / "ckpt")
     with pytest.raises(InputError, match=r"holds no tensors \(only 2 non-tensor entries\); there "
                        "is no model to merge"):
-        ckpttool.merge(tmp_path / "ckpt", tmp_path / "out")
+        ckpttool.merge(tmp_path / "ckpt", tmp_path / "out", weights_only=True)
     assert not (tmp_path / "out").exists()
 
 
@@ -420,7 +421,7 @@ def test_names_a_safetensors_file_cannot_carry_are_refused(name: str, why: str,
     torch_dcp.save({name: torch.ones(2), "ok": torch.zeros(2)}, checkpoint_id=tmp_path / "ckpt",
                    no_dist=True)
     with pytest.raises(InputError, match=why):
-        ckpttool.merge(tmp_path / "ckpt", tmp_path / "out", dtype="keep")
+        ckpttool.merge(tmp_path / "ckpt", tmp_path / "out", dtype="keep", weights_only=True)
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
 
@@ -428,9 +429,10 @@ def test_casting_needs_no_numpy(uneven_ckpt: Path, tmp_path: Path) -> None:
     """torch without numpy (a user's own torch install) still casts."""
     code = ("import sys\nsys.modules['numpy'] = None  # import numpy fails, as without it\n"
             "import ckpttool\n"
-            f"ckpttool.merge({str(uneven_ckpt)!r}, {str(tmp_path / 'a')!r}, dtype='bf16')\n")
+            f"ckpttool.merge({str(uneven_ckpt)!r}, {str(tmp_path / 'a')!r}, dtype='bf16', "
+            "weights_only=True)\n")
     subprocess.run([sys.executable, "-c", code], check=True)
-    ckpttool.merge(uneven_ckpt, tmp_path / "b", dtype="bf16")
+    ckpttool.merge(uneven_ckpt, tmp_path / "b", dtype="bf16", weights_only=True)
     assert ((tmp_path / "a" / "model.safetensors").read_bytes()
             == (tmp_path / "b" / "model.safetensors").read_bytes())
 
@@ -458,7 +460,8 @@ def test_written_bytes_are_synced_as_they_go(uneven_ckpt: Path, tmp_path: Path,
     monkeypatch.setattr("ckpttool.storage.outputs.WRITE_BEHIND", 64)
     monkeypatch.delenv("CKPTTOOL_FSYNC", raising=False)
     for dtype in ("keep", "bf16"):
-        report = ckpttool.merge(uneven_ckpt, tmp_path / dtype, dtype=dtype, workers=2)
+        report = ckpttool.merge(uneven_ckpt, tmp_path / dtype, dtype=dtype, workers=2,
+                                weights_only=True)
         cast = torch.bfloat16 if dtype == "bf16" else None
         assert_bit_exact(load_out(tmp_path / dtype), expected(Path(report.checkpoint), cast),
                          cast=cast is not None)

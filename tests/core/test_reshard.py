@@ -148,7 +148,7 @@ def test_reshard_then_merge_round_trips_bit_for_bit(tensors: dict[str, torch.Ten
         prefix = "model." if nested else ""
         assert_same_tensors(reference_state_dict(out),
                             {prefix + k: t for k, t in tensors.items()})
-        ckpttool.merge(out, merged, dtype="keep")
+        ckpttool.merge(out, merged, dtype="keep", weights_only=True)
         assert_same_tensors(load_out(merged), tensors)
 
 
@@ -571,7 +571,7 @@ def test_torch_save_full_weights_to_dcp_round_trip(tmp_path: Path) -> None:
     assert set(loaded) == {f"model.{k}" for k in state}
     info = dcp.read_info(tmp_path / "dcp")
     assert len(info.tensor("model.embed.weight").chunks) == 3  # 3, 3, 1 rows
-    ckpttool.merge(tmp_path / "dcp", tmp_path / "merged", dtype="keep")
+    ckpttool.merge(tmp_path / "dcp", tmp_path / "merged", dtype="keep", weights_only=True)
     assert_bit_exact(load_out(tmp_path / "merged"), state)
 
 

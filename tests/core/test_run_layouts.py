@@ -45,7 +45,7 @@ def _run_dir(llama_ckpt: Path, tmp_path: Path, *, config_in: str | None) -> Path
 
 def test_config_from_the_run_directory(llama_ckpt: Path, tmp_path: Path) -> None:
     ckpt = _run_dir(llama_ckpt, tmp_path, config_in=".")
-    report = merge(ckpt, tmp_path / "out")
+    report = merge(ckpt, tmp_path / "out", weights_only=True)
     assert report.config == {"path": str(tmp_path / "run" / "config.json"),
                              "found_in": f"the run directory {tmp_path / 'run'}"}
     assert not [w for w in report.warnings if "config.json" in w]
@@ -58,7 +58,7 @@ def test_config_from_the_run_directory(llama_ckpt: Path, tmp_path: Path) -> None
 
 def test_config_from_another_checkpoint_of_the_run(llama_ckpt: Path, tmp_path: Path) -> None:
     ckpt = _run_dir(llama_ckpt, tmp_path, config_in="checkpoint-100")
-    report = merge(ckpt, tmp_path / "out", dry_run=True)
+    report = merge(ckpt, tmp_path / "out", dry_run=True, weights_only=True)
     assert report.config is not None
     assert report.config["found_in"] == "checkpoint-100, another checkpoint of the same run"
 
@@ -66,7 +66,7 @@ def test_config_from_another_checkpoint_of_the_run(llama_ckpt: Path, tmp_path: P
 def test_no_config_anywhere_says_the_output_is_weights_only(llama_ckpt: Path,
                                                             tmp_path: Path) -> None:
     ckpt = _run_dir(llama_ckpt, tmp_path, config_in=None)
-    result = CliRunner().invoke(app, ["merge", str(ckpt), str(tmp_path / "out")])
+    result = CliRunner().invoke(app, ["merge", "--weights-only", str(ckpt), str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     assert (f"ckpttool: warning: no config.json found beside {ckpt / MODEL_DIR} nor in "
             f"{tmp_path / 'run'}: the output is WEIGHTS ONLY, which from_pretrained cannot "
@@ -81,7 +81,7 @@ def test_full_weights_beside_the_sharded_ones_are_named(llama_ckpt: Path,
     ckpt = tmp_path / "checkpoint-500"
     shutil.copytree(llama_ckpt, ckpt)
     _llama_reference_model().save_pretrained(ckpt)  # what FULL_STATE_DICT saving writes
-    report = merge(ckpt, tmp_path / "out", dry_run=True)
+    report = merge(ckpt, tmp_path / "out", dry_run=True, weights_only=True)
     assert report.copies is not None
     assert report.copies["used"]["sharded"] is False
     assert [c["path"] for c in report.copies["others"]] == [str(ckpt / MODEL_DIR)]
@@ -106,7 +106,7 @@ def verl_with_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_verl_rank_files_beside_an_hf_export_are_named(verl_with_export: Path,
                                                        tmp_path: Path) -> None:
-    report = merge(verl_with_export, tmp_path / "out", dry_run=True)
+    report = merge(verl_with_export, tmp_path / "out", dry_run=True, weights_only=True)
     assert report.copies is not None
     assert report.copies["used"]["sharded"] is True
     assert report.copies["others"][0]["path"] == str(verl_with_export / "hf_model")

@@ -38,6 +38,10 @@ STEPS = (1, 2, 3)
 CUT = 4  # the checkpoint whose writer stopped before .metadata
 
 
+# The runs' model is no transformers model (and has no config.json): weights only.
+WEIGHTS = {"weights_only": True}
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``trained / "run"``: checkpoint-1..3 complete, checkpoint-4 cut; references beside."""
@@ -72,7 +76,7 @@ def _mtimes(root: Path) -> dict[str, int]:
 def test_all_merges_every_complete_checkpoint_bit_exact_and_waits_for_the_cut_one(
         trained: Path, tmp_path: Path) -> None:
     out = tmp_path / "merged"
-    report = sweeps.sweep(trained / "run", out, settle=0)
+    report = sweeps.sweep(trained / "run", out, settle=0, merge_options=WEIGHTS)
     assert _states(report.outcomes) == {"checkpoint-1": "merged", "checkpoint-2": "merged",
                                         "checkpoint-3": "merged", "checkpoint-4": "waiting"}
     assert [o.found.step for o in report.outcomes] == [1, 2, 3, 4]  # step order
@@ -87,11 +91,12 @@ def test_all_merges_every_complete_checkpoint_bit_exact_and_waits_for_the_cut_on
 
     # A re-run does nothing, writes nothing, and says so.
     before = _mtimes(out)
-    again = sweeps.sweep(trained / "run", out, settle=0)
+    again = sweeps.sweep(trained / "run", out, settle=0, merge_options=WEIGHTS)
     assert _states(again.outcomes) == {"checkpoint-1": "done", "checkpoint-2": "done",
                                        "checkpoint-3": "done", "checkpoint-4": "waiting"}
     assert _mtimes(out) == before
-    result = CliRunner().invoke(app, ["merge", str(trained / "run"), str(out), "--all",
+    result = CliRunner().invoke(app, ["merge", "--weights-only", str(trained / "run"), str(out),
+                                      "--all",
                                       "--settle", "0"])
     assert result.exit_code == 0, result.output
     assert "nothing to do: every complete checkpoint is merged already" in result.output
@@ -111,24 +116,29 @@ def test_all_merges_every_complete_checkpoint_bit_exact_and_waits_for_the_cut_on
 
 def test_a_changed_source_is_left_unless_overwrite(run_copy: Path, tmp_path: Path) -> None:
     out = tmp_path / "merged"
-    sweeps.sweep(run_copy, out, settle=0, steps=sweeps.parse_steps("2"))
+    sweeps.sweep(run_copy, out, settle=0, merge_options=WEIGHTS,
+                 steps=sweeps.parse_steps("2"))
     config = run_copy / "checkpoint-2" / "config.json"
     config.write_text("{}\n")  # training wrote a file into it afterwards
-    left = sweeps.sweep(run_copy, out, settle=0, steps=sweeps.parse_steps("2"))
+    left = sweeps.sweep(run_copy, out, settle=0, merge_options=WEIGHTS,
+                 steps=sweeps.parse_steps("2"))
     (o,) = left.outcomes
     assert (o.status, o.reason) == ("changed", "the source changed since (config.json); pass "
                                     "--overwrite to merge it again")
-    redo = sweeps.sweep(run_copy, out, settle=0, steps=sweeps.parse_steps("2"), overwrite=True)
+    redo = sweeps.sweep(run_copy, out, settle=0, merge_options=WEIGHTS,
+                 steps=sweeps.parse_steps("2"), overwrite=True)
     assert _states(redo.outcomes) == {"checkpoint-2": "merged"}
     # An output without its receipt (a sweep cut just before writing it) is left too.
     (out / "checkpoint-2" / receipts.RECEIPT_NAME).unlink()
-    bare = sweeps.sweep(run_copy, out, settle=0, steps=sweeps.parse_steps("2"))
+    bare = sweeps.sweep(run_copy, out, settle=0, merge_options=WEIGHTS,
+                 steps=sweeps.parse_steps("2"))
     assert bare.outcomes[0].status == "changed" and bare.exit_code == 0
     assert f"holds an output without a {receipts.RECEIPT_NAME}" in (bare.outcomes[0].reason or "")
-    sweeps.sweep(run_copy, out, settle=0, steps=sweeps.parse_steps("2"), overwrite=True)
+    sweeps.sweep(run_copy, out, settle=0, merge_options=WEIGHTS,
+                 steps=sweeps.parse_steps("2"), overwrite=True)
     # Other options make another output: not done either.
     other = sweeps.sweep(run_copy, out, settle=0, steps=sweeps.parse_steps("2"),
-                         merge_options={"dtype": "bf16"})
+                         merge_options={"dtype": "bf16", **WEIGHTS})
     assert other.outcomes[0].status == "changed"
     assert "made with other options (dtype)" in (other.outcomes[0].reason or "")
 
@@ -140,7 +150,8 @@ def test_one_failure_does_not_stop_the_others(run_copy: Path, tmp_path: Path) ->
     with open(damaged, "r+b") as f:
         f.write(b"\0" * 64)
     out = tmp_path / "merged"
-    result = CliRunner().invoke(app, ["merge", str(run_copy), str(out), "--all", "--settle",
+    result = CliRunner().invoke(app, ["merge", "--weights-only", str(run_copy), str(out), "--all",
+                                      "--settle",
                                       "0", "--json"])
     assert result.exit_code == 3, result.output
     lines = [json.loads(line) for line in result.stdout.splitlines()]
@@ -177,7 +188,8 @@ def test_files_still_changing_wait_for_settle(trained: Path) -> None:
 def test_task_shares_are_disjoint_and_complete(trained: Path, count: int) -> None:
     names = []
     for i in range(count):
-        result = CliRunner().invoke(app, ["merge", str(trained / "run"), "unused", "--all",
+        result = CliRunner().invoke(app, ["merge", "--weights-only", str(trained / "run"),
+                                          "unused", "--all",
                                           "--dry-run", "--json", "--settle", "0", "--task",
                                           f"{i}/{count}"])
         assert result.exit_code == 0, result.output
@@ -218,7 +230,8 @@ def test_steps_select() -> None:
 @pytest.mark.parametrize("flag", [["--watch"], ["--steps", "1"], ["--task", "0/2"],
                                   ["--then", "true"]])
 def test_sweep_flags_need_all(flag: list[str], tmp_path: Path) -> None:
-    result = CliRunner().invoke(app, ["merge", str(tmp_path), str(tmp_path / "o"), *flag])
+    result = CliRunner().invoke(app, ["merge", "--weights-only", str(tmp_path),
+                                      str(tmp_path / "o"), *flag])
     assert result.exit_code == 2
     assert "applies to merge --all" in result.output
 
@@ -239,8 +252,8 @@ def test_watch_merges_checkpoints_as_they_appear(trained: Path, tmp_path: Path) 
     shutil.copytree(trained / "run" / "checkpoint-1", run / "checkpoint-1")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckpttool", "merge", str(run), str(out), "--all", "--watch",
-         "--poll", "0.2", "--settle", "0", "--json",
+        [sys.executable, "-m", "ckpttool", "merge", "--weights-only", str(run), str(out), "--all",
+         "--watch", "--poll", "0.2", "--settle", "0", "--json",
          "--then", f'echo "$CKPTTOOL_STEP" "$CKPTTOOL_OUT" >> {log}'],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     lines: list[dict[str, str]] = []
@@ -291,7 +304,8 @@ def _cut_merge(args: list[str], kill_after: int = 2) -> subprocess.CompletedProc
     pieces."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]),
            "CKPTTOOL_RESUME_PIECE": PIECE, "CKPTTOOL_TEST_RESUME_KILL": str(kill_after)}
-    done = subprocess.run([sys.executable, "-m", "ckpttool", "merge", *args], env=env,
+    done = subprocess.run([sys.executable, "-m", "ckpttool", "merge", "--weights-only", *args],
+                          env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGKILL, done.stderr
     return done
@@ -306,7 +320,7 @@ def test_a_killed_merge_resumes_bit_exact_writing_only_what_was_missing(
 
     monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", PIECE)
     written: list[int] = []
-    report = merge(src, out, progress=written.append)
+    report = merge(src, out, progress=written.append, weights_only=True)
     assert report.resumed is not None
     assert report.resumed["pieces"] == 3 and report.resumed["done_before"] == 2
     assert sum(written) == report.total_bytes - report.resumed["bytes_skipped"] > 0
@@ -335,7 +349,7 @@ def test_a_doubtful_cut_merge_is_redone(trained: Path, tmp_path: Path, doubt: st
         os.replace(other, temp)  # another file (inode) with the same bytes
         redone = 0
     monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", PIECE)
-    report = merge(src, out)
+    report = merge(src, out, weights_only=True)
     assert report.resumed is not None and report.resumed["done_before"] == redone
     _assert_exact(out, trained, 3)
 
@@ -345,7 +359,7 @@ def test_all_resumes_the_checkpoint_it_was_merging(trained: Path, tmp_path: Path
     out = tmp_path / "merged"
     _cut_merge([str(trained / "run"), str(out), "--all", "--settle", "0"])
     monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", PIECE)
-    report = sweeps.sweep(trained / "run", out, settle=0)
+    report = sweeps.sweep(trained / "run", out, settle=0, merge_options=WEIGHTS)
     assert _states(report.outcomes) == {"checkpoint-1": "merged", "checkpoint-2": "merged",
                                         "checkpoint-3": "merged", "checkpoint-4": "waiting"}
     first = report.outcomes[0].merge

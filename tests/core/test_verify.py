@@ -244,7 +244,7 @@ def test_mixed_judges_float8_and_integers_apart(mixed_ckpt: Path) -> None:
 def test_merge_output_equals_its_source(kind: str, make_checkpoint, tmp_path: Path) -> None:
     ckpt = make_checkpoint(kind)
     out = tmp_path / "out"
-    ckpttool.merge(ckpt, out, dtype="keep")
+    ckpttool.merge(ckpt, out, dtype="keep", weights_only=True)
     report = ckpttool.verify(ckpt, against=out)
     assert report.ok, [p.message for p in report.problems]
     assert "against" in report.checks
@@ -259,7 +259,7 @@ def test_merge_with_a_cast_equals_its_source_after_the_cast(kind: str, make_chec
                                                             tmp_path: Path) -> None:
     ckpt = make_checkpoint(kind)
     out = tmp_path / "out"
-    ckpttool.merge(ckpt, out, dtype="bf16")
+    ckpttool.merge(ckpt, out, dtype="bf16", weights_only=True)
     report = ckpttool.verify(ckpt, against=out)
     assert "dtype-differs" in codes(report)
     assert ckpttool.verify(ckpt, against=out, allow_cast=True, dtype="bf16").ok
@@ -268,7 +268,7 @@ def test_merge_with_a_cast_equals_its_source_after_the_cast(kind: str, make_chec
 
 def test_one_changed_byte_in_the_output_fails(placements_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    ckpttool.merge(placements_ckpt, out)
+    ckpttool.merge(placements_ckpt, out, weights_only=True)
     target = out / "model.safetensors"
     ckpt = discover(out)
     t = ckpt.by_name()["model.layers.0.weight"]  # Shard(1): compared in a second, ordered read
@@ -474,4 +474,4 @@ def test_a_byte_range_that_is_not_an_integer_is_corrupt(value: object, uneven_ck
 
     rewrite_metadata(damaged, change)
     with pytest.raises(InputError, match="not two non-negative integers; corrupt .metadata"):
-        ckpttool.merge(damaged, tmp_path / "out")
+        ckpttool.merge(damaged, tmp_path / "out", weights_only=True)

@@ -48,7 +48,7 @@ def test_written_in_several_shards_and_claimed(sharded_bin: Path) -> None:
 
 
 def test_merge_is_bit_exact(sharded_bin: Path, tmp_path: Path) -> None:
-    report = ckpttool.merge(sharded_bin, tmp_path / "out", dtype="keep")
+    report = ckpttool.merge(sharded_bin, tmp_path / "out", dtype="keep", weights_only=True)
     assert report.format == "torch-save-sharded"
     got = load_out(tmp_path / "out")
     want = _state()
@@ -87,7 +87,7 @@ def test_missing_shard(sharded_bin: Path, tmp_path: Path) -> None:
     assert [p.code for p in report.problems if p.severity == "error"] == ["missing-file"]
     with pytest.raises(ckpttool.InputError, match=f"{victim}: shard named in "
                        "pytorch_model.bin.index.json is missing; copy the whole directory"):
-        ckpttool.merge(damaged, tmp_path / "out")
+        ckpttool.merge(damaged, tmp_path / "out", weights_only=True)
     assert not (tmp_path / "out").exists()
 
 
@@ -100,7 +100,7 @@ def test_index_that_disagrees_with_the_shards(sharded_bin: Path, tmp_path: Path)
     report = ckpttool.verify(damaged)
     assert [p.code for p in report.problems if p.severity == "error"] == ["index-missing-tensor"]
     with pytest.raises(ckpttool.InputError, match="places 'ghost.weight' in"):
-        ckpttool.merge(damaged, tmp_path / "out")
+        ckpttool.merge(damaged, tmp_path / "out", weights_only=True)
 
 
 def test_reshard_to_safetensors_and_to_dcp(sharded_bin: Path, tmp_path: Path) -> None:
@@ -111,7 +111,7 @@ def test_reshard_to_safetensors_and_to_dcp(sharded_bin: Path, tmp_path: Path) ->
     got = load_out(tmp_path / "st")
     assert all(torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in want.items())
     ckpttool.reshard(sharded_bin, tmp_path / "dcp", ranks=2)
-    ckpttool.merge(tmp_path / "dcp", tmp_path / "merged", dtype="keep")
+    ckpttool.merge(tmp_path / "dcp", tmp_path / "merged", dtype="keep", weights_only=True)
     got = load_out(tmp_path / "merged")
     assert set(got) == set(want)
     assert all(torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in want.items())

@@ -276,7 +276,7 @@ class TestMegatron(FormatContract):
     @classmethod
     def merged(cls, ckpt: Ckpt, tmp_path_factory: pytest.TempPathFactory) -> Merged:
         out = tmp_path_factory.mktemp("contract-megatron-merged") / "out"
-        return out, ckpttool.merge(ckpt[0], out, dtype="keep", names="none")
+        return out, ckpttool.merge(ckpt[0], out, dtype="keep", names="none", weights_only=True)
 
 
 class TestMegatronExpertParallel(TestMegatron):

@@ -43,7 +43,7 @@ def test_shifted_zip_entry_is_an_input_error(uneven_ckpt: Path, tmp_path: Path,
     struct.pack_into("<H", data, offset + i + 28, (elen + delta) & 0xFFFF)
     path.write_bytes(bytes(data))
     with pytest.raises(InputError, match="torch.save record(; corrupt| begins; corrupt)"):
-        ckpttool.merge(ckpt, tmp_path / "out", dtype="keep")
+        ckpttool.merge(ckpt, tmp_path / "out", dtype="keep", weights_only=True)
 
 
 def test_negative_storage_offset_is_an_input_error(tmp_path: Path) -> None:
@@ -62,7 +62,7 @@ def test_negative_storage_offset_is_an_input_error(tmp_path: Path) -> None:
     path.write_bytes(bytes(data))
     md = pickle.loads((ckpt / ".metadata").read_bytes())  # the record grew by 3 bytes
     with pytest.raises(InputError):
-        ckpttool.merge(ckpt, tmp_path / "out", dtype="keep")
+        ckpttool.merge(ckpt, tmp_path / "out", dtype="keep", weights_only=True)
     assert md is not None
 
 
@@ -101,7 +101,7 @@ def test_huge_deep_or_cyclic_entries_are_reported_not_walked(tmp_path: Path) -> 
             writer.add_object(key, (key,), buf.getvalue())
         outputs.write_bytes(".metadata", writer.metadata())
         outputs.commit()
-    report = ckpttool.merge(ckpt, tmp_path / "out")
+    report = ckpttool.merge(ckpt, tmp_path / "out", weights_only=True)
     notes = {o["name"]: o.get("note", "") for o in report.non_tensor}
     assert "expands to more than" in notes["shared"]
     assert "nests deeper than" in notes["deep"]

@@ -47,7 +47,7 @@ def _late_chunk(info: object, name: str = "model.model.layers.1.mlp.experts.2.up
 
 
 def test_merge_is_bit_exact(moe: Path, tmp_path: Path) -> None:
-    ckpttool.merge(moe, tmp_path / "out", dtype="keep")
+    ckpttool.merge(moe, tmp_path / "out", dtype="keep", weights_only=True)
     got = load_out(tmp_path / "out")
     want = moe_checkpoint.moe_state(LAYERS, EXPERTS)
     assert set(got) == set(want)
@@ -159,7 +159,7 @@ def test_a_record_that_differs_from_its_template_is_decoded_in_full(moe: Path,
     data[pkl.offset + at + 3] = 16
     (damaged / c.file).write_bytes(data)
     with pytest.raises(ckpttool.InputError, match="record holds BF16 .* but .metadata promises"):
-        ckpttool.merge(damaged, tmp_path / "out")
+        ckpttool.merge(damaged, tmp_path / "out", weights_only=True)
 
 
 @pytest.mark.parametrize("name", ["model.model.embed_tokens.weight",  # data larger than headers

@@ -22,7 +22,8 @@ from tests.reference import reference_state_dict
 
 
 def reference(dcp_options: Path) -> dict[str, torch.Tensor]:
-    return torch.load(dcp_options / "reference.pt", weights_only=True)  # type: ignore[no-any-return]
+    return torch.load(dcp_options / "reference.pt",
+                      weights_only=True)  # type: ignore[no-any-return]
 
 
 def storage(path: Path) -> dict[str, object]:
@@ -85,7 +86,7 @@ def test_safetensors_blob_header_damaged(dcp_options: Path, tmp_path: Path) -> N
     with open(damaged / site.file, "r+b") as f:  # the blob's header: its JSON text
         f.seek(blob - 40)
         f.write(b"\xff" * 8)
-    r = cli("merge", damaged, tmp_path / "out", "--dtype", "keep")
+    r = cli("merge", "--weights-only", damaged, tmp_path / "out", "--dtype", "keep")
     assert r.exit_code == 3, r.output
     assert site.file in r.output and "safetensors" in r.output
     assert not (tmp_path / "out").exists()
@@ -116,7 +117,7 @@ def test_rank_local_differing_copies(dcp_options: Path, tmp_path: Path) -> None:
     assert [(p.severity, p.location.tensor, p.location.file) for p in found] == [
         ("error", "counter", "__1_0.distcp")]
     assert "__0_0.distcp" in found[0].message and "__1.metadata" in found[0].message
-    r = cli("merge", path, tmp_path / "out")
+    r = cli("merge", "--weights-only", path, tmp_path / "out")
     assert r.exit_code == 3, r.output
     assert "'counter'" in r.output and "__0_0.distcp" in r.output and "__1_0.distcp" in r.output
     assert "use_collectives=False" in r.output and len(r.output.strip().splitlines()) == 1
@@ -139,7 +140,7 @@ def test_rank_local_damaged_copy_is_found(dcp_options: Path, tmp_path: Path) -> 
     codes = {(p.code, p.location.file) for p in report.problems if p.severity == "error"}
     assert codes == {("copy-differs", copy.other.file), ("crc-mismatch", copy.other.file)}
     with pytest.raises(ckpttool.InputError, match="'replicated'"):
-        ckpttool.merge(damaged, tmp_path / "out", dtype="keep")
+        ckpttool.merge(damaged, tmp_path / "out", dtype="keep", weights_only=True)
 
 
 def test_rank_local_missing_rank_metadata(dcp_options: Path, tmp_path: Path) -> None:
@@ -149,7 +150,7 @@ def test_rank_local_missing_rank_metadata(dcp_options: Path, tmp_path: Path) -> 
     assert not report.ok
     assert any(p.code == "missing-file" and p.location.file == "__1.metadata"
                for p in report.problems)
-    r = cli("merge", damaged, tmp_path / "out")
+    r = cli("merge", "--weights-only", damaged, tmp_path / "out")
     assert r.exit_code == 3 and "__1.metadata: missing" in r.output, r.output
 
 
@@ -175,7 +176,7 @@ def test_rank_local_metadata_is_read_by_the_allow_list(tmp_path: Path) -> None:
 
 def test_zstd_merge_matches_torch_loader(dcp_options: Path, tmp_path: Path) -> None:
     path = dcp_options / "zstd"
-    ours = ckpttool.merge(path, tmp_path / "out", dtype="keep")
+    ours = ckpttool.merge(path, tmp_path / "out", dtype="keep", weights_only=True)
     assert ours.storage["compression"] == "zstd"
     theirs = reference_state_dict(path)
     assert theirs["step"] == 500
@@ -187,7 +188,7 @@ def test_zstd_merge_matches_torch_loader(dcp_options: Path, tmp_path: Path) -> N
 def test_zstd_storage_is_reported(dcp_options: Path, tmp_path: Path) -> None:
     path = dcp_options / "zstd"
     assert storage(path)["compression"] == "zstd"
-    r = cli("merge", path, tmp_path / "out", "--dtype", "keep")
+    r = cli("merge", "--weights-only", path, tmp_path / "out", "--dtype", "keep")
     assert r.exit_code == 0 and "  source: dcp, zstd-compressed" in r.stdout, r.output
     r = cli("verify", path)
     assert r.exit_code == 0 and r.stdout.rstrip().endswith("; zstd-compressed"), r.output
@@ -203,7 +204,7 @@ def test_zstd_damaged_record_is_named(dcp_options: Path, tmp_path: Path) -> None
     with open(damaged / site.file, "r+b") as f:  # the zstd frame's magic number
         f.seek(chunk.offset)
         f.write(b"\0")
-    r = cli("merge", damaged, tmp_path / "out", "--dtype", "keep")
+    r = cli("merge", "--weights-only", damaged, tmp_path / "out", "--dtype", "keep")
     assert r.exit_code == 3, r.output
     assert f"{site.file} at byte {chunk.offset} (tensor '{site.tensor}'" in r.output
     assert "does not decompress" in r.output
@@ -228,7 +229,7 @@ def test_zstd_truncated_record(dcp_options: Path, tmp_path: Path) -> None:
 def test_zstd_without_the_library(dcp_options: Path, tmp_path: Path,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "zstandard", None)  # as if not installed
-    r = cli("merge", dcp_options / "zstd", tmp_path / "out", "--dtype", "keep")
+    r = cli("merge", "--weights-only", dcp_options / "zstd", tmp_path / "out", "--dtype", "keep")
     assert r.exit_code == 4, r.output
     assert "pip install 'ckpttool[zstd]'" in r.output
     assert not (tmp_path / "out").exists()
@@ -283,5 +284,5 @@ def test_zstd_record_whose_contents_changed(dcp_options: Path, tmp_path: Path) -
     report = ckpttool.verify(damaged)
     found = [(p.code, p.location.tensor) for p in report.problems if p.severity == "error"]
     assert found == [("crc-mismatch", "columns")], report.problems
-    r = cli("merge", damaged, tmp_path / "out", "--dtype", "keep")
+    r = cli("merge", "--weights-only", damaged, tmp_path / "out", "--dtype", "keep")
     assert r.exit_code == 3 and "CRC-32 of the decompressed storage" in r.output, r.output

@@ -79,7 +79,7 @@ def test_merge_is_bit_exact_against_deepspeed(fixture: str, where: str,
                                               tmp_path: Path) -> None:
     ckpt: Path = request.getfixturevalue(fixture)
     src = ckpt if where == "top" else ckpt / (ckpt / "latest").read_text().strip()
-    report = ckpttool.merge(src, tmp_path / "out", dtype="keep", keep_tied=True)
+    report = ckpttool.merge(src, tmp_path / "out", dtype="keep", keep_tied=True, weights_only=True)
     want = reference(ckpt)
     assert report.format == "deepspeed"
     assert_bit_exact(load_out(tmp_path / "out"), want)
@@ -95,7 +95,7 @@ def test_dtype_auto_and_tie_follow_the_config(fixture: str, request: pytest.Fixt
     """config.json says bf16 and tied: the fp32 masters are cast (as Tensor.to rounds), the
     head stored once, as for every other format."""
     ckpt: Path = request.getfixturevalue(fixture)
-    report = ckpttool.merge(ckpt, tmp_path / "out")
+    report = ckpttool.merge(ckpt, tmp_path / "out", weights_only=True)
     want = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
             for k, v in reference(ckpt).items() if k != "lm_head.weight"}
     assert_bit_exact(load_out(tmp_path / "out"), want, cast=True)
@@ -161,7 +161,7 @@ def test_latest_naming_nothing_is_an_error(zero2: Path, tmp_path: Path) -> None:
     (copy / "latest").write_text("global_step7")
     (copy / "global_step7").mkdir()
     assert registry.detect(copy) is deepspeed  # still claimed: the error says what is wrong
-    r = run("merge", copy, tmp_path / "out", "-q")
+    r = run("merge", "--weights-only", copy, tmp_path / "out", "-q")
     assert r.exit_code == 3, r.output
     assert "latest: names 'global_step7', which is not a DeepSpeed checkpoint" in r.output
 
@@ -172,7 +172,7 @@ def test_missing_rank_is_an_error(zero3: Path, tmp_path: Path) -> None:
     shutil.copytree(zero3, copy)
     victim = next((copy / "global_step1").glob("*zero_pp_rank_2_*optim_states.pt"))
     victim.unlink()
-    r = run("merge", copy, tmp_path / "out", "-q")
+    r = run("merge", "--weights-only", copy, tmp_path / "out", "-q")
     assert r.exit_code == 3, r.output
     assert "rank 2's optimizer-state file is missing" in r.output
 
@@ -188,7 +188,7 @@ def test_stale_model_state_file_is_refused(zero2: Path, zero3: Path, tmp_path: P
         if "rank_2" in f.name:
             shutil.copy(f, tag / f.name)
     with pytest.raises(ckpttool.CkptError):
-        ckpttool.merge(copy, tmp_path / "out", dtype="keep")
+        ckpttool.merge(copy, tmp_path / "out", dtype="keep", weights_only=True)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 

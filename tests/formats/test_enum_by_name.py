@@ -42,7 +42,7 @@ def test_the_fixtures_pickle_members_by_name() -> None:
 
 @pytest.mark.parametrize("layout", ["dcp", "fsdp1_sharded"])
 def test_merge_is_exact_and_verify_clean(layout: str, tmp_path: Path) -> None:
-    ckpttool.merge(DATA / layout, tmp_path / "out", dtype="keep")
+    ckpttool.merge(DATA / layout, tmp_path / "out", dtype="keep", weights_only=True)
     want = torch.load(DATA / "reference.pt", weights_only=True)
     assert_bit_exact(load_out(tmp_path / "out"), want)
     result = CliRunner().invoke(app, ["verify", str(DATA / layout)])

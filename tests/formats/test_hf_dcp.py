@@ -27,13 +27,14 @@ def test_recognised_by_content(hf_ckpt: Path) -> None:
 
 
 def test_merge_is_bit_exact_with_int_and_bool(hf_ckpt: Path, tmp_path: Path) -> None:
-    report = ckpttool.merge(hf_ckpt, tmp_path / "out", dtype="keep")
+    report = ckpttool.merge(hf_ckpt, tmp_path / "out", dtype="keep", weights_only=True)
     assert report.num_tensors == len(full_state())
     assert_bit_exact(load_out(tmp_path / "out"), full_state())
 
 
 def test_merge_cast_spares_integers(hf_ckpt: Path, tmp_path: Path) -> None:
-    r = CliRunner().invoke(app, ["merge", str(hf_ckpt), str(tmp_path / "out"), "--dtype",
+    r = CliRunner().invoke(app, ["merge", "--weights-only", str(hf_ckpt), str(tmp_path / "out"),
+                                 "--dtype",
                                  "bf16", "-q"])
     assert r.exit_code == 0, r.output
     want = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
@@ -43,5 +44,5 @@ def test_merge_cast_spares_integers(hf_ckpt: Path, tmp_path: Path) -> None:
 
 def test_reshard_to_dcp_then_merge_round_trips(hf_ckpt: Path, tmp_path: Path) -> None:
     reshard(hf_ckpt, tmp_path / "dcp", ranks=3)
-    ckpttool.merge(tmp_path / "dcp", tmp_path / "out", dtype="keep")
+    ckpttool.merge(tmp_path / "dcp", tmp_path / "out", dtype="keep", weights_only=True)
     assert_bit_exact(load_out(tmp_path / "out"), full_state())

@@ -251,8 +251,10 @@ def test_slices_gathered_in_small_blocks_are_bit_exact(name: str, megatron_runs:
 
 def test_merge_rearranges_without_torch(megatron_runs: Path, tmp_path: Path) -> None:
     """The maps' slices are rearrangements of stored bytes: the CLI's merge imports no torch
-    (importing it costs about a second, what the whole copy of a small model costs), and of
-    the formats only those it reads (the registry imports a format when it is tried)."""
+    for them (importing it costs about a second, what the whole copy of a small model costs),
+    and of the formats only those it reads (the registry imports a format when it is tried).
+    --weights-only: the output contract builds the model with transformers, which imports
+    torch (core.contract)."""
     import subprocess
     import sys
 
@@ -265,7 +267,7 @@ def test_merge_rearranges_without_torch(megatron_runs: Path, tmp_path: Path) -> 
             "from ckpttool.cli import main\nmain()\n")
     done = subprocess.run(
         [sys.executable, "-c", code, "merge", str(megatron_runs / "qwen3_moe-ep2"),
-         str(tmp_path / "out"), "-q"], capture_output=True, text=True,
+         str(tmp_path / "out"), "-q", "--weights-only"], capture_output=True, text=True,
         env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[2])})
     assert done.returncode == 0, done.stderr
     assert "torch imported: False" in done.stdout

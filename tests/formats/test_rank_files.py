@@ -72,14 +72,14 @@ CASES = {  # fixture, checkpoint directory, reference
 def test_merge_is_bit_exact(case: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     fixture, ckpt, reference = CASES[case]
     base: Path = request.getfixturevalue(fixture)
-    report = ckpttool.merge(base / ckpt, tmp_path / "out", dtype="keep")
+    report = ckpttool.merge(base / ckpt, tmp_path / "out", dtype="keep", weights_only=True)
     want = torch.load(base / reference, weights_only=True)
     assert_bit_exact(load_out(tmp_path / "out"), want)
     assert report.num_tensors == len(want)
 
 
 def test_cast_through_the_cli(w11: Path, tmp_path: Path) -> None:
-    r = run("merge", w11 / CKPT_DIR, tmp_path / "out", "--dtype", "bf16", "-q")
+    r = run("merge", "--weights-only", w11 / CKPT_DIR, tmp_path / "out", "--dtype", "bf16", "-q")
     assert r.exit_code == 0, r.output
     want = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
             for k, v in torch.load(w11 / "reference.pt", weights_only=True).items()}
@@ -105,7 +105,7 @@ def test_rank_files_sort_by_number_not_by_name(tmp_path: Path) -> None:
 
 
 def test_found_inside_the_training_directory(w11: Path, tmp_path: Path) -> None:
-    report = ckpttool.merge(w11, tmp_path / "out", dtype="keep")
+    report = ckpttool.merge(w11, tmp_path / "out", dtype="keep", weights_only=True)
     assert report.checkpoint == str(w11 / CKPT_DIR)
     assert report.src == str(w11)
 
@@ -120,10 +120,10 @@ def test_missing_rank_file_is_named(w11: Path, tmp_path: Path) -> None:
     (ckpt / rank_file(11, 10)).unlink()
     (ckpt / rank_file(11, 3)).unlink()
     with pytest.raises(InputError) as e:
-        ckpttool.merge(ckpt, tmp_path / "out")
+        ckpttool.merge(ckpt, tmp_path / "out", weights_only=True)
     assert str(e.value) == (f"{ckpt / rank_file(11, 3)}: missing (and 1 more); a world of 11 "
                             "needs one file per rank. Copy every rank's file")
-    r = run("merge", ckpt, tmp_path / "out")
+    r = run("merge", "--weights-only", ckpt, tmp_path / "out")
     assert r.exit_code == 3 and rank_file(11, 3) in r.stderr
     assert not (tmp_path / "out").exists()
 
@@ -158,19 +158,19 @@ def test_unlisted_global_is_refused_and_never_run(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     ckpt = layouts.write_unlisted_global(tmp_path / "ckpt", marker)
     with pytest.raises(InputError) as e:
-        ckpttool.merge(ckpt, tmp_path / "out")
+        ckpttool.merge(ckpt, tmp_path / "out", weights_only=True)
     assert str(e.value) == (
         f"{ckpt / rank_file(1, 0)}: refused to load: the pickle asks for 'tests.layouts.touch', "
         "which a state dict of tensors and DTensors never contains; the file may be malicious "
         "(nothing was executed)"
     )
-    r = run("merge", ckpt, tmp_path / "out")
+    r = run("merge", "--weights-only", ckpt, tmp_path / "out")
     assert r.exit_code == 3, r.output
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 
 def test_partial_placement_is_unsupported(w2: Path, tmp_path: Path) -> None:
-    r = run("merge", w2 / "partial", tmp_path / "out")
+    r = run("merge", "--weights-only", w2 / "partial", tmp_path / "out")
     assert r.exit_code == 4, r.output
     assert r.stderr == (
         f"ckpttool: error: {w2 / 'partial' / rank_file(2, 0)}: DTensor 'summed' is placed as "
@@ -184,7 +184,7 @@ def test_partial_placement_is_unsupported(w2: Path, tmp_path: Path) -> None:
     ("fsdp1_accelerate", "pytorch_model_fsdp_rank0.bin"),  # accelerate's names
 ])
 def test_fsdp1_local_state_dict_exit_4(folder: str, first: str, w2: Path, tmp_path: Path) -> None:
-    r = run("merge", w2 / folder, tmp_path / "out")
+    r = run("merge", "--weights-only", w2 / folder, tmp_path / "out")
     assert r.exit_code == 4, r.output
     assert r.stderr == (
         f"ckpttool: error: {w2 / folder / first}: FSDP1 LOCAL_STATE_DICT files (flattened "
@@ -273,7 +273,7 @@ acc_file = layouts.accelerate_file
 def test_accelerate_rank_files_merge_bit_exact(fixture: str, request: pytest.FixtureRequest,
                                                tmp_path: Path) -> None:
     base: Path = request.getfixturevalue(fixture)
-    r = run("merge", base / ACC, tmp_path / "out", "--dtype", "keep", "--json")
+    r = run("merge", "--weights-only", base / ACC, tmp_path / "out", "--dtype", "keep", "--json")
     assert r.exit_code == 0, r.output
     want = torch.load(base / "reference.pt", weights_only=True)
     assert_bit_exact(load_out(tmp_path / "out"), want)
@@ -305,7 +305,7 @@ def test_inspect_json_of_fsdp1_sharded(acc_fsdp1: Path) -> None:
 
 def test_accelerate_training_directory_found_from_its_parent(acc_fsdp2: Path,
                                                              tmp_path: Path) -> None:
-    report = ckpttool.merge(acc_fsdp2, tmp_path / "out", dtype="keep")
+    report = ckpttool.merge(acc_fsdp2, tmp_path / "out", dtype="keep", weights_only=True)
     assert report.checkpoint == str(acc_fsdp2 / ACC)
 
 
@@ -325,7 +325,7 @@ def test_accelerate_renamed_rank_files_are_caught(acc_fsdp1: Path, acc_fsdp2: Pa
 def test_accelerate_missing_rank_file_is_named(acc_fsdp1: Path, tmp_path: Path) -> None:
     ckpt = _copy(acc_fsdp1 / ACC, tmp_path / "ckpt")
     (ckpt / acc_file(1)).unlink()
-    r = run("merge", ckpt, tmp_path / "out")
+    r = run("merge", "--weights-only", ckpt, tmp_path / "out")
     assert r.exit_code == 3, r.output
     assert r.stderr == (f"ckpttool: error: {ckpt / acc_file(1)}: missing; a world of at least 4 "
                         "needs one file per rank. Copy every rank's file\n")
@@ -354,7 +354,7 @@ def test_two_sets_of_model_rank_files_are_not_guessed(acc_fsdp2: Path, tmp_path:
     for r in range(3):  # a second model, as save_fsdp_model(..., model_index=1) names it
         shutil.copy(ckpt / acc_file(r), ckpt / f"pytorch_model_fsdp_1_rank{r}.bin")
     with pytest.raises(InputError) as e:
-        ckpttool.merge(ckpt, tmp_path / "out")
+        ckpttool.merge(ckpt, tmp_path / "out", weights_only=True)
     assert str(e.value) == (
         f"{ckpt}: holds 2 sets of per-rank model files (pytorch_model_fsdp_0_rank<R>.bin, "
         "pytorch_model_fsdp_1_rank<R>.bin); ckpttool reads one set per directory: move the "
@@ -414,7 +414,7 @@ def test_sharded_tensor_allow_list_still_names_live_torch_classes() -> None:
 
 def test_one_rank_file_alone_points_at_its_directory(acc_fsdp1: Path) -> None:
     file = acc_fsdp1 / ACC / acc_file(0)
-    r = run("merge", file, acc_fsdp1 / "never")
+    r = run("merge", "--weights-only", file, acc_fsdp1 / "never")
     assert r.exit_code == 3, r.output
     assert r.stderr == (f"ckpttool: error: {file}: one rank's file of a sharded checkpoint "
                         "(DTensor or ShardedTensor values); pass the directory that holds "

@@ -125,7 +125,8 @@ def test_legacy_file_is_named_by_every_command(tmp_path: Path, protocol: int) ->
     torch.save({"w": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False,
                pickle_protocol=protocol)
     assert torchfile.is_torch_file(legacy)
-    for args in (["inspect", str(legacy)], ["merge", str(legacy), str(tmp_path / "out")]):
+    for args in (["inspect", str(legacy)], ["merge", str(legacy), str(tmp_path / "out"),
+                                            "--weights-only"]):
         r = subprocess.run([sys.executable, "-m", "ckpttool", *args], capture_output=True,
                            text=True, env={**os.environ, "CKPTTOOL_DEBUG": ""})
         assert r.returncode == 4, r.stderr

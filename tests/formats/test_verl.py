@@ -44,7 +44,7 @@ def test_verify_intact_is_clean(verl: Path) -> None:
 
 
 def test_merge_is_exact(verl: Path, tmp_path: Path) -> None:
-    ckpttool.merge(verl / ACTOR, tmp_path / "out", dtype="keep")
+    ckpttool.merge(verl / ACTOR, tmp_path / "out", dtype="keep", weights_only=True)
     assert_bit_exact(load_out(tmp_path / "out"),
                      torch.load(verl / "reference.pt", weights_only=True))
 

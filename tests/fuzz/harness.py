@@ -74,7 +74,8 @@ def commands(seed: str, index: int, path: str, out: str) -> list[list[str]]:
         write = (["reshard", path, out, "--to", "safetensors", "--max-shard-size", "300"]
                  if full else ["reshard", path, out, "--ranks", "2"])
     else:
-        write = ["merge", path, out, "--dtype", "keep" if index % 2 else "auto", "-q"]
+        write = ["merge", path, out, "--dtype", "keep" if index % 2 else "auto", "-q",
+                 "--weights-only"]
     return [inspect, verify, write]
 
 

@@ -52,7 +52,8 @@ def local_merged(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def test_merge_from_s3_is_bit_exact(remote_llama: str, local_merged: Path,
                                     tmp_path: Path) -> None:
-    r = run("merge", remote_llama, tmp_path / "out", "--max-shard-size", "20KB", "--json")
+    r = run("merge", "--weights-only", remote_llama, tmp_path / "out", "--max-shard-size", "20KB",
+            "--json")
     assert r.exit_code == 0, r.output
     same_files(tmp_path / "out", local_merged)
     doc = json.loads(r.stdout)
@@ -67,7 +68,7 @@ def test_slices_read_from_s3_into_a_shared_directory(remote_llama: str, local_me
     mirrors it, writes its share, and --finish gives the one-process output."""
     out = tmp_path / "out"
     for how in (["--slice", "1/2"], ["--slice", "0/2"], ["--finish"]):
-        r = run("merge", remote_llama, out, "--max-shard-size", "20KB", *how)
+        r = run("merge", "--weights-only", remote_llama, out, "--max-shard-size", "20KB", *how)
         assert r.exit_code == 0, r.output
     same_files(out, local_merged)
 
@@ -102,10 +103,11 @@ def test_merge_to_s3_uploads_the_same_files(s3: S3, llama_ckpt: Path, local_merg
 def test_merge_s3_to_s3_from_sharded_safetensors(s3: S3, local_merged: Path,
                                                  tmp_path: Path) -> None:
     url = s3.upload_dir(local_merged, BUCKET, "st/sharded")
-    r = run("merge", url, f"s3://{BUCKET}/st/again", "--max-shard-size", "20KB")
+    r = run("merge", "--weights-only", url, f"s3://{BUCKET}/st/again", "--max-shard-size", "20KB")
     assert r.exit_code == 0, r.output
     local = tmp_path / "local"
-    assert run("merge", local_merged, local, "--max-shard-size", "20KB").exit_code == 0
+    assert run("merge", "--weights-only", local_merged, local, "--max-shard-size",
+               "20KB").exit_code == 0
     same_files(s3.download_dir(BUCKET, "st/again", tmp_path / "got"), local)
 
 
@@ -154,8 +156,8 @@ def test_reshard_from_and_to_s3(s3: S3, remote_llama: str, llama_ckpt: Path,
     same_files(s3.download_dir(BUCKET, "resharded", tmp_path / "got"), local, but=(".metadata",))
     # And the resharded checkpoint merges (from S3) to the same model.
     a, b = tmp_path / "a", tmp_path / "b"
-    assert run("merge", f"s3://{BUCKET}/resharded", a).exit_code == 0
-    assert run("merge", local, b).exit_code == 0
+    assert run("merge", "--weights-only", f"s3://{BUCKET}/resharded", a).exit_code == 0
+    assert run("merge", "--weights-only", local, b).exit_code == 0
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
 
 
@@ -182,11 +184,13 @@ def test_multipart_upload_is_bit_exact(s3: S3, big_model: Path, tmp_path: Path,
         return upload_part(**kw)
 
     monkeypatch.setattr(real, "upload_part", counting)
-    r = run("merge", big_model, f"s3://{BUCKET}/big/merged", "--max-shard-size", "10MB")
+    r = run("merge", "--weights-only", big_model, f"s3://{BUCKET}/big/merged", "--max-shard-size",
+            "10MB")
     assert r.exit_code == 0, r.output
     assert len(parts) >= 6  # three 8 MB shards, two parts each
     local = tmp_path / "local"
-    assert run("merge", big_model, local, "--max-shard-size", "10MB").exit_code == 0
+    assert run("merge", "--weights-only", big_model, local, "--max-shard-size",
+               "10MB").exit_code == 0
     same_files(s3.download_dir(BUCKET, "big/merged", tmp_path / "got"), local)
 
 
@@ -204,7 +208,8 @@ def test_failed_upload_leaves_no_index(s3: S3, big_model: Path,
         return upload_part(**kw)
 
     monkeypatch.setattr(real, "upload_part", failing)
-    r = run("merge", big_model, f"s3://{BUCKET}/cut/merged", "--max-shard-size", "10MB")
+    r = run("merge", "--weights-only", big_model, f"s3://{BUCKET}/cut/merged", "--max-shard-size",
+            "10MB")
     assert r.exit_code != 0
     assert s3.keys(BUCKET, "cut/merged") == []  # no index, and no shard left either
     assert s3.uploads_in_progress(BUCKET) == []  # every multipart upload aborted

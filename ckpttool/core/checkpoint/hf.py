@@ -190,6 +190,16 @@ def no_config_warning(root: Path, given: Path, *, cast_to: str | None = None) ->
             f"or the base model's): ckpttool merge {given} OUT --config path/to/config.json")
 
 
+def no_config_error(root: Path, given: Path, out: Path) -> str:
+    """A model's merge without config.json: where it was looked for, and the two ways on."""
+    looked = [str(d) for d, _ in run_dirs(root)[:1]]
+    where = f"beside {root}" + (f" nor in {looked[0]}" if looked else "")
+    return (f"no config.json found {where}: without it the output cannot be checked against "
+            "the model that loads it, and from_pretrained cannot load it. Pass the model's "
+            f"config.json: ckpttool merge {given} {out} --config path/to/config.json, or ask for "
+            f"weights only: ckpttool merge {given} {out} --weights-only")
+
+
 # A training run's checkpoint directories: the HF Trainer's checkpoint-N, verl's and
 # DeepSpeed's global_step_N (global_stepN), torchtitan's step-N.
 _STEP_DIR = re.compile(r"(checkpoint|global_step|step)[-_]?(\d+)")

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ckpttool.core import dtype_policy, ties
+from ckpttool.core import contract, dtype_policy, ties
 from ckpttool.core.checkpoint import architecture, hf, non_tensor, structure
 from ckpttool.core.checkpoint.copies import Copies, model_copies
 from ckpttool.core.checkpoint.discover import Checkpoint, Part, discover, open_reader, select
 from ckpttool.core.checkpoint.names import detected_wrappers
 from ckpttool.core.checkpoint.parts import MERGEABLE, Content
+from ckpttool.core.contract import Contract
 from ckpttool.core.dtype_policy import DTypePolicy
 from ckpttool.core.merge import resume
 from ckpttool.core.merge.engine import check_existing, commit_outputs, write
@@ -149,6 +150,9 @@ class MergeReport:
     dry_run: bool = False  # nothing was written: files and tensors are what would be
     # dry_run only: every tensor as it would be written
     tensors: list[PlannedTensor] = field(default_factory=list)
+    # The output held against the model config.json names (core.contract); None: no model
+    # written (optimizer state, a LoRA adapter)
+    contract: Contract | None = None
     # A merge several processes shared (core.multihost): how, and the bytes each wrote.
     distributed: Sharing | None = None
     # A merge written in pieces (core.merge.resume); None: written whole.
@@ -183,6 +187,8 @@ def merge(
     on_start: Callable[[int], None] | None = None,
     stores: Stores = LOCAL,
     iteration: int | None = None,
+    weights_only: bool = False,
+    lora_alpha: float | None = None,
 ) -> MergeReport:
     """Merge the checkpoint at ``src`` into Hugging Face safetensors in ``out``.
 
@@ -228,12 +234,21 @@ def merge(
             every process calls ``merge`` with the same arguments. None: this process alone.
         progress: called with bytes written, as the merge goes.
         on_start: called once with the total bytes to write, before any are written.
+        weights_only: write the weights without the contract (:mod:`ckpttool.core.contract`)
+            and without needing a config.json. Otherwise a model's merge needs a config, and
+            its planned tensors are held against the model class the config names before
+            anything is written.
+        lora_alpha: a LoRA checkpoint's ``lora_alpha`` where no file records it (an
+            adapter_config.json or verl's lora_train_meta.json records it otherwise; it is
+            never guessed: without it such an adapter is neither folded nor written).
 
     Returns:
         A :class:`MergeReport`.
 
     Raises:
-        InputError: ``src`` is not a readable checkpoint, or is damaged.
+        InputError: ``src`` is not a readable checkpoint, or is damaged; no config.json (and
+            no ``weights_only``); a tensor the config's model expects is missing or
+            misshapen in the output (nothing is written).
         UnsupportedError: the checkpoint uses something ckpttool cannot merge yet.
         OutputError: ``out`` holds weights already (without ``overwrite``), or lacks space.
     """
@@ -246,7 +261,8 @@ def merge(
     files, derived = _derived(ckpt, named, names, files, optimizer=optimizer,
                               command=f"ckpttool merge {src} {out}")
     adapted = (None if optimizer else
-               adapters.plan_for_merge(ckpt, named, lora, adapter, adapter_config))
+               adapters.plan_for_merge(ckpt, named, lora, adapter, adapter_config,
+                                       lora_alpha=lora_alpha))
     mode = adapted.mode if adapted is not None else None
     policy, stem, files = _policy(dtype, files, optimizer=optimizer, mode=mode)
     mapped = _mapped(names, ckpt, named, files, optimizer=optimizer, adapted=adapted)
@@ -256,6 +272,8 @@ def merge(
     report = _start_report(src_path, out_path, whole, ckpt, policy, files, adapted, mapped,
                            model=not optimizer and mode != "adapter")
     report.derived_config = derived
+    _require_config(src_path, out_path, ckpt, files, weights_only=weights_only,
+                    model=not optimizer and mode != "adapter")
     _fail_fast(out_path, files, optimizer=optimizer, mode=mode, derived=derived is not None,
                overwrite=overwrite, stem=stem, shared=shared)
     with _readers(ckpt, adapted, follow_links=follow_links) as reader:
@@ -270,6 +288,9 @@ def merge(
                           max_shard_size=shard_limit if mode != "adapter" else 1 << 62,
                           drop=drop, stem=stem)
         extra = _side_files(report, whole, ckpt, reader, files, adapted, plan, sources)
+        if not optimizer and mode != "adapter":
+            report.contract = _contract(plan, files, report, out_path,
+                                        weights_only=weights_only)
         # A dry run stops here: the plan it reports is the one a merge would write.
         if not dry_run:
             report.distributed, report.resumed = _write(
@@ -279,6 +300,34 @@ def merge(
                shared=shared)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+def _require_config(src: Path, out: Path, ckpt: Checkpoint, files: hf.HfFiles, *,
+                    weights_only: bool, model: bool) -> None:
+    """A model's merge needs the config.json that names its consumer, unless asked for
+    weights only."""
+    if not model or weights_only or files.config is not None:
+        return
+    assert ckpt.info is not None
+    raise InputError(hf.no_config_error(ckpt.info.root, src, out))
+
+
+def _contract(plan: MergePlan, files: hf.HfFiles, report: MergeReport, out: Path, *,
+              weights_only: bool) -> contract.Contract:
+    """The planned model held against the class config.json names, before anything is
+    written (:mod:`ckpttool.core.contract`): a missing or misshapen tensor stops the merge."""
+    if weights_only:
+        return contract.skipped("--weights-only")
+    planned = {t.name: t.slot.shape for f in plan.files for t in f.tensors}
+    result = contract.check(planned, files.config)
+    result.raise_if_broken(str(out), next_step=(
+        "Merge the checkpoint the config belongs to, pass the right --config, or "
+        "--weights-only for weights without that promise"))
+    if not result.checked:
+        report.warnings.append(result.not_checked(str(out)))
+    elif result.extra:
+        report.warnings.append(result.extra_message(str(out)))
+    return result
 
 
 def _derived(ckpt: Checkpoint, named: list[tuple[str, Any]], names: str | None,

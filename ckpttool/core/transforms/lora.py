@@ -31,7 +31,7 @@ from ckpttool.core.checkpoint.discover import discover, open_reader
 from ckpttool.core.runtime.report import Section, section
 from ckpttool.core.transforms.derive import Derived, scratch, scratch_bytes
 from ckpttool.errors import InputError, UnsupportedError, UsageError
-from ckpttool.formats.base import Problem, Reader, Tensor, error, warning
+from ckpttool.formats.base import Problem, Reader, Tensor, error, info, warning
 
 if TYPE_CHECKING:
     import torch
@@ -254,8 +254,8 @@ def missing_config(where: str) -> InputError:
         f"{where}: holds a LoRA adapter but no adapter_config.json (nor verl's "
         f"{TRAINER_META}) was found beside it or in the run directory, and lora_alpha cannot "
         "be read from the weights (ckpttool never guesses it to fold); pass --adapter-config "
-        "PATH (the adapter_config.json written at training time), or write the adapter alone "
-        "with --lora adapter")
+        "PATH (the adapter_config.json written at training time) or --lora-alpha N (the "
+        "value training used)")
 
 
 def adapter_of(ckpt: Checkpoint, explicit: Path | None = None
@@ -289,8 +289,6 @@ TRAINER_META = "lora_train_meta.json"
 # A step directory of a run: HF Trainer's checkpoint-<N>, accelerate's checkpoint_<N>, verl's
 # global_step_<N>. The run directory above it is where a final save_pretrained writes.
 _STEP_DIR = re.compile(r"^(checkpoint|global_step)[-_]\d+$")
-# What PeftModel.save_pretrained writes for these when LoraConfig is left at its defaults.
-PEFT_DEFAULT_ALPHA = 8
 _MAX_JSON = 1 << 20
 
 
@@ -322,13 +320,15 @@ def _trainer_dirs(root: Path) -> list[Path]:
 
 
 def find_config(root: Path, explicit: Path | None, *, given: Path | None,
-                layout: Layout) -> Known:
+                layout: Layout, alpha: float | None = None) -> Known:
     """The adapter's config: ``--adapter-config``, PEFT's ``adapter_config.json`` beside the
     checkpoint, in the run directory above a step directory, or verl's ``lora_train_meta.json``;
-    else only what the weights say (ranks, targets) with ``lora_alpha`` unknown.
+    else only what the weights say (ranks, targets) with ``lora_alpha`` unknown, or ``alpha``
+    (``--lora-alpha``: the value the training run used) where it was recorded nowhere.
 
     Raises:
-        InputError: a file found is not valid (not JSON, not LoRA, r or alpha not numbers).
+        InputError: a file found is not valid (not JSON, not LoRA, r or alpha not numbers), or
+            records another alpha than ``alpha``.
     """
     import json
 
@@ -336,23 +336,50 @@ def find_config(root: Path, explicit: Path | None, *, given: Path | None,
     # adapter are the bytes parsed here, never the name read again.
     found = hf.find_adapter_config(root, explicit, given=given)
     if found is not None:
-        return Known(read_config(found.doc, str(found.path)), found.data, str(found.path))
+        return _agrees(Known(read_config(found.doc, str(found.path)), found.data,
+                             str(found.path)), alpha)
     dirs = _trainer_dirs(root)
     for d in dirs[2:]:  # the run directories (the nearer ones hf already looked in)
         found = hf.read_record(d / hf.ADAPTER_CONFIG, _MAX_JSON)
         if found is not None:
-            return Known(read_config(found.doc, str(found.path)), found.data, str(found.path))
+            return _agrees(Known(read_config(found.doc, str(found.path)), found.data,
+                                 str(found.path)), alpha)
     for d in dirs:
         record = hf.read_record(d / TRAINER_META, _MAX_JSON)
         if record is not None:
             meta, source = record.doc, str(record.path)
-            built, assumed = config_from_weights(layout, r=meta.get("r"),
-                                                 alpha=meta.get("lora_alpha"),
-                                                 task_type=meta.get("task_type"))
+            recorded = meta.get("lora_alpha")
+            if recorded is None and alpha is None:  # r and the task, but no alpha
+                return Known(None, b"", source, ())
+            built, assumed = config_from_weights(
+                layout, r=meta.get("r"), alpha=recorded if recorded is not None else alpha,
+                task_type=meta.get("task_type"))
             text = (json.dumps(built, indent=2) + "\n").encode()
-            return Known(read_config(built, source), text, source, assumed)
-    built, assumed = config_from_weights(layout)
-    return Known(None, (json.dumps(built, indent=2) + "\n").encode(), None, assumed)
+            return _agrees(Known(read_config(built, source), text, source, assumed), alpha)
+    if alpha is not None:  # recorded nowhere, given by the user
+        built, assumed = config_from_weights(layout, alpha=alpha)
+        text = (json.dumps(built, indent=2) + "\n").encode()
+        return Known(read_config(built, "--lora-alpha"), text, "--lora-alpha", assumed)
+    return Known(None, b"", None, ())
+
+
+def _agrees(known: Known, alpha: float | None) -> Known:
+    """``known``, where ``--lora-alpha`` (if given) says what its record says."""
+    if alpha is not None and known.config is not None and known.config.alpha != alpha:
+        raise InputError(f"--lora-alpha {alpha:g} differs from the lora_alpha "
+                         f"{known.config.alpha:g} that {known.source} records; leave "
+                         "--lora-alpha out to use the recorded one")
+    return known
+
+
+def missing_alpha(where: str) -> InputError:
+    """An adapter to write whose ``lora_alpha`` no file records: never guessed (PEFT scales
+    the update by alpha / r, so a wrong one changes every output)."""
+    return InputError(
+        f"{where}: holds a LoRA adapter whose lora_alpha is recorded nowhere (no "
+        f"adapter_config.json, nor verl's {TRAINER_META}, beside it or in the run "
+        "directory) and cannot be read from the weights; ckpttool never guesses it. Pass "
+        "the value training used: --lora-alpha N, or --adapter-config PATH")
 
 
 def config_from_weights(layout: Layout, *, r: Any = None, alpha: Any = None,
@@ -372,11 +399,9 @@ def config_from_weights(layout: Layout, *, r: Any = None, alpha: Any = None,
         name: rank for name, rank in ranks.items() if rank != common}
     if r is None:
         r = common
-    if alpha is None:
-        alpha = PEFT_DEFAULT_ALPHA
-        assumed.insert(0, f"lora_alpha {PEFT_DEFAULT_ALPHA} (PEFT's default; it was recorded "
-                          "nowhere)")
-    elif ranks:
+    if alpha is None:  # never guessed: the callers refuse before building
+        raise InputError("lora_alpha is recorded nowhere; pass --lora-alpha N")
+    if ranks:
         assumed.append("one lora_alpha for every module (no alpha_pattern)")
     doc: dict[str, Any] = {
         "peft_type": "LORA", "task_type": task_type, "r": r, "lora_alpha": alpha,
@@ -384,7 +409,8 @@ def config_from_weights(layout: Layout, *, r: Any = None, alpha: Any = None,
         "rank_pattern": pattern, "alpha_pattern": {},
         "modules_to_save": sorted(layout.trained) or None,
         "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-        "use_dora": False, "inference_mode": True,
+        "use_dora": any(m.magnitude is not None for m in layout.modules.values()),
+        "inference_mode": True,
         "base_model_name_or_path": None,
     }
     return doc, tuple(assumed)
@@ -414,8 +440,10 @@ def problems(layout: Layout, config: AdapterConfig | None,
     for m in layout.modules.values():
         where = m.name
         if m.magnitude is not None or (config is not None and config.use_dora):
-            found.append(error("lora-dora", f"'{where}': DoRA (lora_magnitude_vector); "
-                               "ckpttool does not merge DoRA adapters yet"))
+            # The adapter is intact: a note, never an integrity error (the fold refuses it).
+            found.append(info("lora-dora", f"'{where}': DoRA (lora_magnitude_vector); "
+                              "ckpttool does not fold DoRA adapters yet: merge --lora adapter "
+                              "writes the adapter with its magnitudes"))
         if m.a is None or m.b is None:
             have, lack = ("lora_A", "lora_B") if m.a is not None else ("lora_B", "lora_A")
             found.append(error("lora-unpaired", f"'{where}': has {have} but no {lack}; the "
@@ -458,8 +486,15 @@ def _delta_shape(m: Module, config: AdapterConfig | None) -> tuple[int, ...]:
 def raise_first(found: list[Problem]) -> None:
     for p in found:
         if p.severity == "error":
-            cls = UnsupportedError if p.code == "lora-dora" else InputError
-            raise cls(p.message)
+            raise InputError(p.message)
+
+
+def refuse_dora(found: list[Problem]) -> None:
+    """The fold of a DoRA adapter: not supported yet (exit 4)."""
+    dora = next((p for p in found if p.code == "lora-dora"), None)
+    if dora is not None:
+        raise UnsupportedError(f"{dora.message.split(';')[0]}; ckpttool does not fold DoRA "
+                               "adapters yet; write the adapter alone with --lora adapter")
 
 
 # --------------------------------------------------------------------------------------------
@@ -482,7 +517,9 @@ def plan_fuse(layout: Layout, config: AdapterConfig,
     """
     weights = base if base is not None else layout.base
     by_name = dict(weights)
-    raise_first(problems(layout, config, by_name))
+    found = problems(layout, config, by_name)
+    refuse_dora(found)
+    raise_first(found)
     for name, tensor in layout.trained.items():
         if name not in by_name:
             raise InputError(f"'{name}': a trained copy (modules_to_save) of a weight the base "
@@ -712,7 +749,7 @@ def plan_adapter(layout: Layout) -> list[tuple[str, Tensor]]:
     Raises:
         InputError / UnsupportedError: an incomplete or DoRA adapter.
     """
-    raise_first([p for p in problems(layout, None) if p.code in ("lora-dora", "lora-unpaired")])
+    raise_first([p for p in problems(layout, None) if p.code == "lora-unpaired"])
     out: list[tuple[str, Tensor]] = []
     for m in layout.modules.values():
         if m.embedding:
@@ -724,6 +761,8 @@ def plan_adapter(layout: Layout) -> list[tuple[str, Tensor]]:
                              ("lora_B.bias", m.b_bias)):
             if tensor is not None:
                 out.append((f"{PREFIX}{m.name}.{role}", tensor))
+        if m.magnitude is not None:  # DoRA: beside A and B, as save_pretrained writes it
+            out.append((f"{PREFIX}{m.name}.lora_magnitude_vector", m.magnitude))
     out += [(k, v) for k, v in layout.embedding_bases.items()]
     out += [(PREFIX + name, tensor) for name, tensor in layout.trained.items()]
     return out
@@ -901,7 +940,8 @@ class Adapted:
 
 def plan_for_merge(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str | None,
                    adapter: str | os.PathLike[str] | None,
-                   adapter_config: str | os.PathLike[str] | None) -> Adapted | None:
+                   adapter_config: str | os.PathLike[str] | None,
+                   lora_alpha: float | None = None) -> Adapted | None:
     """The LoRA adapter in ``ckpt`` (or given with ``adapter``) planned into merge sources;
     None for a checkpoint without one.
 
@@ -953,10 +993,12 @@ def plan_for_merge(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str 
         return None
     assert ckpt.info is not None
     known = find_config(ckpt.root if ckpt.root.is_dir() else ckpt.info.base, explicit,
-                        given=ckpt.path, layout=found)
+                        given=ckpt.path, layout=found, alpha=lora_alpha)
     chosen = mode or ("fuse" if found.has_base else "adapter")
     if known.config is None and chosen == "fuse":
         raise missing_config(str(ckpt.path))
+    if known.config is None:
+        raise missing_alpha(str(ckpt.path))
     if chosen == "fuse":
         assert known.config is not None
         config = known.config
@@ -975,8 +1017,6 @@ def plan_for_merge(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str 
                        other=("a full model with the adapter folded in instead: --lora fuse")
                        if found.has_base else None,
                        config_from=known.source, assumed=list(known.assumed))
-    if known.config is None:
-        report.summary.config = "built from the weights (assumed values: see the warning)"
     return Adapted("adapter", adapter_sources, report, config_bytes=known.text)
 
 

@@ -5,6 +5,7 @@ copy stored once is not missing).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ from ckpttool.core.checkpoint import hf, tensors
 from ckpttool.core.checkpoint.discover import Checkpoint, TensorView
 from ckpttool.core.dtype_policy import DTypePolicy
 from ckpttool.core.runtime.report import Progress
+from ckpttool.core.transforms import hub_layout
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Problem, Reader, error, info
 from ckpttool.formats.codecs.dtypes import DType
@@ -23,6 +25,13 @@ class Pair:
     a: TensorView
     b: TensorView
     cast: str | None  # None: bytes must match; "a" or "b": that side is cast to the other's dtype
+    # B's tensors that make A's in C order, each at its first element of A (merge's hub
+    # layout: a fused expert tensor written per expert and part); empty: ``b`` alone
+    parts: tuple[tuple[TensorView, int], ...] = ()
+
+    @property
+    def views_b(self) -> tuple[TensorView, ...]:
+        return tuple(v for v, _ in self.parts) or (self.b,)
 
 
 @dataclass(frozen=True)
@@ -50,8 +59,17 @@ def plan_against(a: Checkpoint, b: Checkpoint, *, policy: DTypePolicy | None) ->
             return None
         return pair[1] if name == pair[0] else pair[0]
 
+    layout = _hub_parts(names_a, names_b, a.hf.config or b.hf.config)
+    taken: set[str] = set()
     for name, ta in names_a.items():
         tb = names_b.get(name)
+        parts = layout.get(name) if tb is None else None
+        if parts is not None:  # written in save_pretrained's layout, as merge writes it
+            pair = _parts_pair(ta, parts, policy, a, b, problems)
+            taken.update(v.name for v, _ in parts)
+            if pair is not None:
+                pairs.append(pair)
+            continue
         if tb is None:
             other = partner(a, name)
             if other is not None and other in names_b:
@@ -74,7 +92,7 @@ def plan_against(a: Checkpoint, b: Checkpoint, *, policy: DTypePolicy | None) ->
             continue
         pairs.append(Pair(ta, tb, cast))
     for name, tb in names_b.items():
-        if name in names_a:
+        if name in names_a or name in taken:
             continue
         other = partner(b, name)
         if other is not None and other in names_a:
@@ -84,6 +102,50 @@ def plan_against(a: Checkpoint, b: Checkpoint, *, policy: DTypePolicy | None) ->
                                    f"{list(tb.shape)}) is in {b.root} but not in {a.root}",
                                    tensor=name))
     return AgainstPlan(tuple(pairs), tuple(problems), tuple(tied_missing), tuple(tied_extra))
+
+
+def _hub_parts(names_a: dict[str, TensorView], names_b: dict[str, TensorView],
+               config: dict[str, Any] | None) -> dict[str, tuple[tuple[TensorView, int], ...]]:
+    """A's tensors that B holds only in save_pretrained's layout (the same table merge used,
+    :mod:`ckpttool.core.transforms.hub_layout`): their parts in B, each at its first element
+    of A (a part of a fused tensor is one contiguous range of it)."""
+    if config is None:
+        return {}
+    out: dict[str, tuple[tuple[TensorView, int], ...]] = {}
+    for name, ta in names_a.items():
+        if name in names_b:
+            continue
+        try:
+            converted = hub_layout.convert([(name, ta.tensor)], config)
+        except InputError:
+            continue
+        if converted is None or not all(n in names_b for n, _ in converted.sources):
+            continue
+        parts, start = [], 0
+        for hub, source in converted.sources:
+            parts.append((names_b[hub], start))
+            start += math.prod(source.shape)
+        out[name] = tuple(parts)
+    return out
+
+
+def _parts_pair(ta: TensorView, parts: tuple[tuple[TensorView, int], ...],
+                policy: DTypePolicy | None, a: Checkpoint, b: Checkpoint,
+                problems: list[Problem]) -> Pair | None:
+    first = parts[0][0]
+    sizes = [math.prod(v.shape) for v, _ in parts]
+    if sum(sizes) != math.prod(ta.shape) or len({v.dtype for v, _ in parts}) != 1:
+        problems.append(error("shape-differs", f"tensor '{ta.name}' {list(ta.shape)} in "
+                               f"{a.root} is not what its parts in {b.root} make (e.g. "
+                               f"'{first.name}' {list(first.shape)})", tensor=ta.name))
+        return None
+    cast = _cast_side(ta.dtype, first.dtype, policy)
+    if ta.dtype != first.dtype and cast is None:
+        problems.append(error("dtype-differs", f"tensor '{ta.name}' is {ta.dtype.name} in "
+                               f"{a.root} but {first.dtype.name} in {b.root} ('{first.name}')",
+                               tensor=ta.name))
+        return None
+    return Pair(ta, first, cast, parts)
 
 
 def _cast_side(da: DType, db: DType, policy: DTypePolicy | None) -> str | None:
@@ -112,7 +174,7 @@ class Compare:
         pair = self.pair
         n = len(data) // pair.a.dtype.itemsize
         try:
-            other = tensors.read_range(self.reader_b, pair.b.tensor, start, start + n)
+            other = self._read_b(start, start + n)
         except InputError as e:
             self.problem = error("read-error", f"{e}", file=pair.b.files[0],
                                   tensor=pair.b.name)
@@ -132,6 +194,7 @@ class Compare:
             first = found
         element = start + first
         index = tensors.unravel(element, pair.a.shape)
+        where_b, element_b = self._part_at(element)
         how = ""
         if pair.cast is not None:
             src_dt, dst_dt = ((pair.a.dtype, pair.b.dtype) if pair.cast == "a"
@@ -140,7 +203,25 @@ class Compare:
         self.problem = error(
             "data-differs", f"tensor '{pair.a.name}' differs between {self.a.root} and "
             f"{self.b.root}{how}: first at element {element} (index {list(index)})",
-            tensor=pair.a.name, **_location(self.reader_b, pair.b, element))
+            tensor=pair.a.name, **_location(self.reader_b, where_b, element_b))
+
+    def _read_b(self, start: int, stop: int) -> bytearray:
+        """Elements [start, stop) of A's tensor as B holds them (across its parts)."""
+        pair = self.pair
+        if not pair.parts:
+            return tensors.read_range(self.reader_b, pair.b.tensor, start, stop)
+        out = bytearray()
+        for view, first in pair.parts:
+            lo, hi = max(start, first), min(stop, first + math.prod(view.shape))
+            if lo < hi:
+                out += tensors.read_range(self.reader_b, view.tensor, lo - first, hi - first)
+        return out
+
+    def _part_at(self, element: int) -> tuple[TensorView, int]:
+        for view, first in reversed(self.pair.parts):
+            if element >= first:
+                return view, element - first
+        return self.pair.b, element
 
 
 

@@ -73,6 +73,17 @@ CODES: tuple[Code, ...] = (
     Code("names-not-hf", "warning", "names",
          "the names are a training framework's own (torchtitan, torchtune, Megatron) or do not "
          "fit config.json's architecture; the message names the `--names` map"),
+    # --loader: the output held against the model config.json names (core.contract)
+    Code("contract-missing", "error", "contract (--loader)",
+         "a tensor the config's model class expects is not there (it would be left randomly "
+         "initialised)"),
+    Code("contract-shape", "error", "contract (--loader)",
+         "a tensor's shape differs from the one the config's model class expects"),
+    Code("contract-extra", "warning", "contract (--loader)",
+         "tensors the config's model class does not take (loading drops them)"),
+    Code("contract-unchecked", "warning", "contract (--loader)",
+         "the contract could not be checked (the loader cannot build the config's model "
+         "here); the message says why"),
     # file digests a writer recorded
     Code("integrity-mismatch", "error", "integrity.json (Megatron)",
          "a file's SHA-256 differs from the one `integrity.json` records"),
@@ -116,7 +127,8 @@ CODES: tuple[Code, ...] = (
          "no `adapter_config.json` (nor verl's `lora_train_meta.json`), so alpha (the scale) is "
          "unknown: folding needs `--adapter-config`"),
     Code("lora-config", "error", "LoRA adapters", "`adapter_config.json` cannot be read"),
-    Code("lora-dora", "error", "LoRA adapters", "a DoRA adapter (not merged yet)"),
+    Code("lora-dora", "info", "LoRA adapters",
+         "a DoRA adapter: intact; not folded yet (exit 4), written alone by --lora adapter"),
     Code("lora-unpaired", "error", "LoRA adapters", "a `lora_A` without its `lora_B`, or back"),
     Code("lora-shape", "error", "LoRA adapters",
          "`lora_A` and `lora_B` do not multiply, or not into the base weight's shape"),

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ckpttool.core import dtype_policy, ties
+from ckpttool.core import contract, dtype_policy, ties
 from ckpttool.core.checkpoint import architecture, structure
 from ckpttool.core.checkpoint.discover import (
     Checkpoint,
@@ -114,6 +114,7 @@ def verify(
     iteration: int | None = None,
     write_manifest: str | os.PathLike[str] | None = None,
     check_manifest: str | os.PathLike[str] | None = None,
+    loader: str | None = None,
 ) -> VerifyReport:
     """Check the checkpoint at ``path``; problems are reported, not raised.
 
@@ -129,6 +130,8 @@ def verify(
         config: config.json (or its directory) instead of the one beside ``path``.
         iteration: of a Megatron-Core run directory, this iteration instead of the one
             ``latest_checkpointed_iteration.txt`` names.
+        loader: ``"transformers"``: hold the model's tensors against the class config.json
+            names, as a merge does before publishing (:mod:`ckpttool.core.contract`).
         manifest: a file to write SHA-256 digests to, or to check them against if it exists.
         manifest_action: ``"write"`` (the file must not exist) or ``"check"`` (it must);
             None: check when it exists, else write.
@@ -179,6 +182,9 @@ def verify(
                             other, policy=cast_policy)
     if manifest_path is not None:
         report.checks.append("manifest")
+    held = _contract(ckpt, model, loader)
+    if held is not None:
+        report.checks.append("contract")
     receipt = _receipt(ckpt, report) if manifest_path is None else None
     parts = _other_parts(ckpt)
     read = locked(progress)
@@ -200,7 +206,7 @@ def verify(
     same = (ties.pair_identical(ckpt, model, pair, done.complete, digests,
                                 follow_links=follow_links, block_bytes=scan.READ_BLOCK)
             if pair is not None else None)
-    problems += ties.check_ties(model, same) + architecture.problems_of(model)
+    problems += ties.check_ties(model, same) + architecture.problems_of(model) + (held or [])
     report.lora, lora_problems = lora.verify_adapter(
         ckpt, model, Path(adapter_config) if adapter_config is not None else None,
         follow_links=follow_links)
@@ -236,6 +242,17 @@ def _against_base(model: Checkpoint, base: str | os.PathLike[str], stores: Store
 
     return against_base(model, discover(base, command="verify", stores=stores),
                         workers=workers, follow_links=follow_links, progress=read)
+
+
+def _contract(ckpt: Checkpoint, model: Checkpoint, loader: str | None
+              ) -> list[Problem] | None:
+    """``--loader``: the model's tensors against the class config.json names (None: not
+    asked). Before any data is read: a missing loader or config stops here."""
+    if loader is None:
+        return None
+    shapes = {t.name: t.shape for t in model.tensors if t.part == "model"}
+    return contract.verify_problems(shapes, model.hf.config, where=str(ckpt.path),
+                                    loader=loader)
 
 
 def _receipt(ckpt: Checkpoint, report: VerifyReport) -> receipts.Receipt | None:

@@ -422,7 +422,8 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
                     raise
                 except InputError:
                     pass
-        for r, side in ((reader, todo), (reader_b, [p.b for p in comparisons.values()])):
+        for r, side in ((reader, todo), (reader_b, [v for p in comparisons.values()
+                                                    for v in p.views_b])):
             if r is not None and r.capabilities.many_ranges:
                 # object storage: coalesced GETs, read ahead in order
                 r.plan_reads([(c.file, c.offset, c.length) for t in side
