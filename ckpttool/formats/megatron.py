@@ -37,6 +37,7 @@ import json
 import os
 import pickle
 import re
+import signal
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -221,16 +222,23 @@ class Namespace(torchsave.Stub):
 
 # Megatron's enums that ``args`` holds (``attention_backend``, ``model_type``...), as values.
 _MEGATRON_ENUMS = frozenset({"AttnBackend", "ModelType", "AttnMaskType", "LayerType",
-                             "Fp8Recipe", "CudaGraphScope", "PositionEmbeddingType"})
+                             "Fp8Recipe", "CudaGraphScope", "PositionEmbeddingType",
+                             "InferenceCudaGraphScope"})
+
+# Megatron-LM >= 0.16's ``args.exit_signal`` (``signal.SIGTERM`` by default): a member of
+# ``signal.Signals``, rebuilt as its number (``Signals(15)``, or by name on Python 3.11).
+_SIGNALS = torchsave.EnumClass("signal.Signals", {s.name: int(s.value) for s in signal.Signals})
 
 
 def common_global(module: str, name: str) -> Any | None:
-    """The allow-list of ``common.pt``: a tensor pickle's, ``argparse.Namespace`` and
-    Megatron's enums (as their values)."""
+    """The allow-list of ``common.pt``: a tensor pickle's, ``argparse.Namespace``,
+    Megatron's enums and ``signal.Signals`` (as their values)."""
     if module == "argparse" and name == "Namespace":
         return Namespace
     if module.startswith("megatron.") and name in _MEGATRON_ENUMS:
         return _enum_value
+    if module == "signal" and name == "Signals":
+        return _SIGNALS
     if module == "torch.torch_version" and name == "TorchVersion":
         return str
     return torchsave.record_global(module, name)
