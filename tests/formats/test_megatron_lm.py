@@ -148,3 +148,55 @@ def test_inspect_and_verify(name: str) -> None:
     doc = json.loads(r.stdout)
     model = [t["name"] for t in doc["tensors"] if t.get("part", "model") == "model"]
     assert model and not [n for n in model if "optimizer" in n]
+
+
+def _command(name: str) -> str:
+    return str(json.loads((DATA / name / "written_by.json").read_text())["command"])
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if "--dist-ckpt-optim-fully-reshardable"
+                                  in _command(n)])
+def test_part_optimizer_gives_adams_state_under_hugging_face_names(name: str,
+                                                                    tmp_path: Path) -> None:
+    """The distributed optimizer's fully_reshardable state: the fp32 master params equal the
+    merged weights bit for bit, and Adam's moments after its one step are those of the
+    gradient the generator gave each parameter (drawn by its name), each under its Hugging
+    Face name: a swapped q/k, gate/up or layer would not match."""
+    import zlib
+
+    run = DATA / name
+    out = tmp_path / "out"
+    r = run_cli("merge", run, out, "--part", "optimizer", "--config", run / "hf_config.json")
+    assert r.exit_code == 0, r.output
+    got = load_file(out / "optimizer.safetensors")
+    weights = load_file(run / "reference.safetensors")
+    where = tmp_path / "expected"
+    where.mkdir()
+    shutil.copy(run / "hf_config.json", where / "config.json")
+    grads = {k: torch.randn(tuple(v.shape), generator=torch.Generator().manual_seed(
+        zlib.crc32(f"module.{k}".encode()))) for k, v in weights.items()}
+    want = {f"state.{k}.param": v for k, v in hf_reference(where, weights).items()}
+    assert {k for k in got if k.endswith(".param")} == set(want)
+    assert_bit_exact({k: v for k, v in got.items() if k.endswith(".param")}, want)
+    for kind, of in (("exp_avg", lambda g: 0.1 * g), ("exp_avg_sq", lambda g: 0.001 * g * g)):
+        expected = hf_reference(where, {k: of(g) for k, g in grads.items()})
+        assert {k for k in got if k.endswith(f".{kind}")} == {f"state.{k}.{kind}"
+                                                             for k in expected}
+        for k, value in expected.items():
+            torch.testing.assert_close(got[f"state.{k}.{kind}"], value, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if "--use-distributed-optimizer"
+                                  in _command(n) and "fully-reshardable" not in _command(n)])
+def test_dp_reshardable_optimizer_is_exit_4_and_the_model_merges(name: str,
+                                                                 tmp_path: Path) -> None:
+    run = DATA / name
+    r = run_cli("merge", run, tmp_path / "opt", "--part", "optimizer")
+    assert r.exit_code == 4, r.output
+    assert "its dp_reshardable layout" in r.output
+    assert "--dist-ckpt-optim-fully-reshardable" in r.output
+    assert not (tmp_path / "opt").exists()
+    r = run_cli("merge", run, tmp_path / "out", "--part", "model", "-q")
+    assert r.exit_code == 0, r.output
+    assert_bit_exact(load_out(tmp_path / "out"),
+                     _expected(run, tmp_path / "out" / "config.json", tmp_path))
