@@ -11,7 +11,8 @@ optimizer-state naming, as for the other formats).
 
 The distributed optimizer's default layout, ``dp_reshardable``, saves the state as flat
 buffers per gradient bucket (``optimizer.distributed.dp_group_idx_N.gbuf_idx_M...
-bucket_idx_K.<kind>``), which hold the parameters in DDP's bucket order, not by name: not
+bucket_idx_K.<kind>``; a ChainedOptimizer's, dense and expert parameters apart, below
+``chained_<i>.``), which hold the parameters in DDP's bucket order, not by name: not
 read yet (exit 4 naming it; the model still merges).
 
 Pure: no I/O.
@@ -39,7 +40,8 @@ def model_view(named: list[tuple[str, Any]]) -> dict[str, list[tuple[str, Any]]]
     Raises:
         UnsupportedError: the distributed optimizer's ``dp_reshardable`` buffers.
     """
-    buckets = [n for n, _ in named if n.startswith(_BUCKETS) and ".bucket_idx_" in n]
+    buckets = [n for n, _ in named if (n.startswith(_BUCKETS) or f".{_BUCKETS}" in n)
+               and ".bucket_idx_" in n]
     if buckets:
         raise UnsupportedError(
             f"'{buckets[0]}': the optimizer state is Megatron-Core's distributed optimizer in "
