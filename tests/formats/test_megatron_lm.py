@@ -146,8 +146,15 @@ def test_inspect_and_verify(name: str) -> None:
     r = run_cli("inspect", run, "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
-    model = [t["name"] for t in doc["tensors"] if t.get("part", "model") == "model"]
+    model = [t["name"] for t in doc["tensors"] if t["part"] == "model"]
     assert model and not [n for n in model if "optimizer" in n]
+    parts = {c["part"]: c for c in doc["contents"]}
+    assert parts["model"]["keys"] == ["decoder", "embedding", "output_layer"] or \
+        parts["model"]["keys"] == ["decoder", "embedding"]  # tied
+    if "--no-save-optim" not in _command(name):
+        assert parts["optimizer"]["tensors"] > 0
+        assert not [o for o in doc["non_tensor"] if "optimizer" in str(o.get("name", ""))
+                    and o.get("part") == "other"]
 
 
 def _command(name: str) -> str:
@@ -200,3 +207,27 @@ def test_dp_reshardable_optimizer_is_exit_4_and_the_model_merges(name: str,
     assert r.exit_code == 0, r.output
     assert_bit_exact(load_out(tmp_path / "out"),
                      _expected(run, tmp_path / "out" / "config.json", tmp_path))
+
+
+def test_args_of_megatron_lm_0_16_and_0_19_are_readable() -> None:
+    """``args.exit_signal`` (``signal.SIGTERM``, Megatron-LM >= 0.16) and 0.19's
+    ``InferenceCudaGraphScope`` are read as their values, by value or by name (Python 3.11),
+    never looked up; another value or name is refused."""
+    import pickle
+    import signal
+
+    from ckpttool.formats import megatron
+    from ckpttool.formats.codecs import torchsave
+
+    signals = megatron.common_global("signal", "Signals")
+    assert signals(15) == signal.SIGTERM.value
+    assert torchsave.enum_getattr(signals, "SIGTERM") == 15
+    with pytest.raises(pickle.UnpicklingError):
+        signals(9999)
+    with pytest.raises(torchsave.Refused):
+        torchsave.enum_getattr(signals, "__class__")
+    scope = megatron.common_global("megatron.core.transformer.enums", "InferenceCudaGraphScope")
+    assert scope is not None and scope(1) == 1
+    assert megatron.common_global("signal", "signal") is None
+    args = megatron.read_common(DATA / "llama-release" / "iter_0000001" / "common.pt")
+    assert isinstance(args, dict) and args["args"]["exit_signal"] == 15

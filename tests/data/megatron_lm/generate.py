@@ -9,7 +9,8 @@ the tag matching the installed megatron-core (``core_v0.16.1`` for megatron-core
 ``git archive core_v0.16.1 megatron/training pretrain_gpt.py gpt_builders.py
 model_provider.py``).
 
-CPU stand-ins, in this script only: every ``device='cuda'`` a tensor is made with is the CPU
+CPU stand-ins, in this script only (and the MoE runs use the allgather token dispatcher:
+the alltoall one asks for a CUDA stream): every ``device='cuda'`` a tensor is made with is the CPU
 (a ``TorchFunctionMode``), ``Module.cuda``/``Tensor.cuda`` keep the CPU, and the
 ``torch.cuda`` calls of the path (streams, ``synchronize``, ``current_device``,
 ``device_count``, ``set_device``, the RNG state) answer for the CPU. No byte Megatron writes
@@ -60,7 +61,7 @@ COMMON = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention
           "--use-cpu-initialization --seed 1234 --log-interval 1")
 UNTIED = "--untie-embeddings-and-output-weights"
 MOE = ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64 "
-       "--moe-token-dispatcher-type alltoall --moe-router-load-balancing-type none "
+       "--moe-token-dispatcher-type allgather --moe-router-load-balancing-type none "
        "--moe-aux-loss-coeff 0")
 DISTOPT = "--use-distributed-optimizer"
 FULL = "--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable"
@@ -234,6 +235,12 @@ def _rank(rank: int, world: int, port: int, name: str, out: str, mlm: str,
     # The dataset index helpers (a C++ build) and fused kernels: no data is read here.
     init._compile_dependencies = lambda: None
     initialize_megatron(allow_no_cuda=True)
+    from megatron.core.transformer.moe import router
+
+    # megatron-core 0.16 without Transformer Engine: the router asks ``te_general_gemm is not
+    # None`` of a name it defines only where TE imports; None selects its torch path.
+    if not hasattr(router, "te_general_gemm"):
+        router.te_general_gemm = None
     args = get_args()
     model, optimizer, scheduler = setup_model_and_optimizer(_provider(),
                                                             ModelType.encoder_or_decoder)
