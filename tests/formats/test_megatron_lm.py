@@ -231,3 +231,19 @@ def test_args_of_megatron_lm_0_16_and_0_19_are_readable() -> None:
     assert megatron.common_global("signal", "signal") is None
     args = megatron.read_common(DATA / "llama-release" / "iter_0000001" / "common.pt")
     assert isinstance(args, dict) and args["args"]["exit_signal"] == 15
+
+
+def test_unmapped_tensor_without_names_does_not_say_merge_without_names(
+        tmp_path: Path) -> None:
+    """The map a Megatron model gets unasked names a tensor it does not map: the message
+    says what to pass next, not "merge without --names" (no --names was passed)."""
+    config = json.loads((DATA / "llama-release" / "hf_config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))  # llama: no q/k norms
+    out = tmp_path / "out"
+    r = run_cli("merge", DATA / "qwen3-dp2-full", out, "--config", tmp_path / "config.json")
+    assert r.exit_code == 3, r.output
+    assert "--names megatron-llama: no rule maps 'decoder.layers.self_attention.k_layernorm" \
+        in r.output
+    assert r.output.endswith("--names none writes the stored tensors under their own names\n")
+    assert "merge without --names" not in r.output
+    assert not out.exists()

@@ -71,7 +71,7 @@ def implied(named: list[tuple[str, Any]], config: Mapping[str, Any] | None, *,
 
 
 def apply(map_name: str, named: list[tuple[str, Any]], config: Mapping[str, Any] | None, *,
-          config_path: str | None = None) -> namemaps.Mapped | None:
+          config_path: str | None = None, asked: bool = True) -> namemaps.Mapped | None:
     """The map ``map_name`` applied to each kind of state, as to the model's weights
     (``state.<Hugging Face name>.<kind>``); None where ``named`` is not a Megatron-Core
     model's optimizer state.
@@ -84,7 +84,8 @@ def apply(map_name: str, named: list[tuple[str, Any]], config: Mapping[str, Any]
         return None
     out = namemaps.Mapped(map_name, [])
     for kind, tensors in groups.items():
-        mapped = namemaps.apply(map_name, tensors, config, config_path=config_path)
+        mapped = namemaps.apply(map_name, tensors, config, config_path=config_path,
+                                asked=asked)
         out.tensors += [(f"state.{name}.{kind}", source) for name, source in mapped.tensors]
         out.how += [{**h, "from": f"{PREFIX}{kind}.{h['from']}",
                      "to": f"state.{h['to']}.{kind}"} for h in mapped.how]

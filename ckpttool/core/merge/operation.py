@@ -449,6 +449,7 @@ def _mapped(names: str | None, ckpt: Checkpoint, named: list[tuple[str, Any]],
     """``--names`` applied to the model's tensors (None without it, or with ``"none"``); a
     Megatron-Core model's family map applies unasked, as its names are no loader's."""
     config_path = str(files.config_path) if files.config_path else None
+    asked = names is not None
     if names is None and adapted is None:
         names = (megatron_optimizer.implied if optimizer else namemaps.implied)(
             named, files.config, config_path=config_path)
@@ -456,7 +457,7 @@ def _mapped(names: str | None, ckpt: Checkpoint, named: list[tuple[str, Any]],
         return None
     assert ckpt.info is not None
     if optimizer and (state := megatron_optimizer.apply(names, named, files.config,
-                                                        config_path=config_path)):
+                                                        config_path=config_path, asked=asked)):
         return state
     if optimizer:
         raise InputError(f"{ckpt.info.root}: holds optimizer state; --names maps a model's "
@@ -464,8 +465,7 @@ def _mapped(names: str | None, ckpt: Checkpoint, named: list[tuple[str, Any]],
     if adapted is not None:
         raise UnsupportedError(f"{ckpt.info.root}: --names with a LoRA adapter is not supported "
                                "yet; merge without the adapter, or without --names")
-    return namemaps.apply(names, named, files.config, config_path=str(
-        files.config_path) if files.config_path else None)
+    return namemaps.apply(names, named, files.config, config_path=config_path, asked=asked)
 
 
 def _start_report(src: Path, out: Path, whole: Checkpoint, ckpt: Checkpoint,

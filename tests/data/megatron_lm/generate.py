@@ -334,11 +334,16 @@ def main() -> None:
     ns.out.mkdir(parents=True, exist_ok=True)
     for name in ns.runs or RUNS:
         world = RUNS[name][1]
-        for reference in () if ns.configs_only else (False, True) if not ns.reference_only \
-                else (True,):
-            n = 1 if reference else world
-            mp.start_processes(_rank, args=(n, _free_port(), name, str(ns.out), ns.mlm,
-                                            reference), nprocs=n, join=True, start_method="spawn")
+        try:
+            for reference in () if ns.configs_only else (False, True) \
+                    if not ns.reference_only else (True,):
+                n = 1 if reference else world
+                mp.start_processes(_rank, args=(n, _free_port(), name, str(ns.out), ns.mlm,
+                                                reference), nprocs=n, join=True,
+                                   start_method="spawn")
+        except mp.ProcessRaisedException as e:  # the next run is worth writing still
+            print(f"{name}: failed: {e}", file=sys.stderr)
+            continue
         import megatron.core
 
         versions = {"megatron_core": megatron.core.__version__, "torch": torch.__version__,
