@@ -36,6 +36,7 @@ import json
 import os
 import socket
 import sys
+import types
 import warnings
 import zlib
 from pathlib import Path
@@ -141,6 +142,10 @@ def _stand_ins() -> None:
     cuda.manual_seed = lambda *a, **k: None  # type: ignore[assignment]
     cuda.memory_allocated = lambda *a, **k: 0  # type: ignore[assignment]
     cuda.max_memory_allocated = lambda *a, **k: 0  # type: ignore[assignment]
+    # validate_args asks the device architecture at TP > 1 (a Hopper's, 9, as a GPU run's)
+    cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(  # type: ignore
+        major=9, minor=0, name="cpu", total_memory=0, multi_processor_count=1)
+    cuda.get_device_capability = lambda *a, **k: (9, 0)  # type: ignore[assignment]
     torch.nn.Module.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
     torch.overrides.TorchFunctionMode.__enter__(_CpuForCuda())
 
