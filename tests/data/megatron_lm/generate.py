@@ -240,12 +240,14 @@ def _rank(rank: int, world: int, port: int, name: str, out: str, mlm: str,
     # The dataset index helpers (a C++ build) and fused kernels: no data is read here.
     init._compile_dependencies = lambda: None
     initialize_megatron(allow_no_cuda=True)
-    from megatron.core.transformer.moe import router
+    from megatron.core.transformer.moe import moe_utils, router
 
-    # megatron-core 0.16 without Transformer Engine: the router asks ``te_general_gemm is not
-    # None`` of a name it defines only where TE imports; None selects its torch path.
-    if not hasattr(router, "te_general_gemm"):
-        router.te_general_gemm = None
+    # megatron-core 0.16 without Transformer Engine: the router's gating asks
+    # ``te_general_gemm is not None`` of a name defined only where TE imports; None selects
+    # its torch path.
+    for module in (router, moe_utils):
+        if not hasattr(module, "te_general_gemm"):
+            module.te_general_gemm = None
     args = get_args()
     model, optimizer, scheduler = setup_model_and_optimizer(_provider(),
                                                             ModelType.encoder_or_decoder)
