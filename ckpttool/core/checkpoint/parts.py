@@ -113,6 +113,9 @@ def classify(entries: Sequence[tuple[tuple[str, ...], bool]]) -> list[Label]:
                        or (below in _OPTIMIZER_KEYS and _CHAINED.fullmatch(top))}
     if bare:
         optimizer_roots |= tops & _BARE_OPTIMIZER
+    if any(_CHAINED.fullmatch(top) for top in optimizer_roots):
+        # a ChainedOptimizer's common part: the sharding type of each, under "optimizer"
+        optimizer_roots |= tops & _OPTIMIZER_KEYS
     kinds = [(top, nested, is_tensor) for (top, _, nested), (_, is_tensor)
              in zip(splits, entries, strict=True)]
     tensor_roots = {top for top, nested, is_tensor in kinds if is_tensor and nested}
