@@ -42,7 +42,17 @@ import torch.multiprocessing as mp
 from examples.fsdp2_checkpoint import KINDS, start_rank_server
 from tests.layouts import _free_port
 
-MEGATRON = importlib.util.find_spec("megatron.core") is not None
+
+def _has_megatron() -> bool:
+    """Whether megatron-core imports here (``find_spec`` of a submodule imports its parent
+    and raises where there is no ``megatron`` at all)."""
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+MEGATRON = _has_megatron()
 WORLD_SIZE = 2
 ITERATION = 2
 VOCAB = 50  # padded to 64 by make_vocab_size_divisible_by 16 (x TP)
@@ -115,8 +125,9 @@ def _args(v: Variant) -> argparse.Namespace:
         moe_router_pre_softmax=False, moe_shared_expert_intermediate_size=None,
         moe_layer_freq=1, multi_latent_attention=False, rotary_percent=1.0,
         use_rope_scaling=False, swiglu=not v.gpt_oss, normalization="RMSNorm",
-        norm_epsilon=1e-6, untie_embeddings_and_output_weights=not v.tied,
-        vocab_size=v.vocab,
+        layernorm_epsilon=1e-6, untie_embeddings_and_output_weights=not v.tied,
+        # --vocab-size is the size before EOD: the NullTokenizer's own size is one more
+        vocab_size=v.vocab - 1,
         add_qkv_bias=v.qkv_bias, add_bias_linear=v.gpt_oss, qk_layernorm=v.qk_norm,
         softmax_type="learnable" if v.gpt_oss else "vanilla",
         quick_geglu=v.gpt_oss, activation_func_clamp_value=7.0 if v.gpt_oss else None,

@@ -226,7 +226,8 @@ def metadata_global(module: str, name: str) -> Any | None:
 
 # Megatron's enums that ``args`` holds (``attention_backend``, ``model_type``...), as values.
 _MEGATRON_ENUMS = frozenset({"AttnBackend", "ModelType", "AttnMaskType", "LayerType",
-                             "Fp8Recipe", "CudaGraphScope", "PositionEmbeddingType"})
+                             "Fp8Recipe", "CudaGraphScope", "PositionEmbeddingType",
+                             "InferenceCudaGraphScope"})
 
 
 def common_global(module: str, name: str) -> Any | None:
@@ -391,11 +392,20 @@ def describe_layout(layout: dict[str, Any]) -> str:
     return "; ".join(words)
 
 
+_OPTIMIZER_OBJECT = re.compile(r"(chained_\d+\.)?optimizer\.")
+
+
 def _path_of(name: str) -> tuple[str, ...]:
     """A key's path for part classification: a sharded object's ``name/shard_*`` suffix is a
     level below its key (``rng_state/shard_0.0_1.1`` is under ``rng_state``)."""
     key, sep, shard = name.partition("/")
-    return (key, shard) if sep else (name,)
+    if not sep:
+        return (name,)
+    # The optimizer's objects (``optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1``,
+    # a ChainedOptimizer's ``chained_0.optimizer...``) sit under their first key like its
+    # tensors (``optimizer.distributed...bucket_idx_0.exp_avg``), so they share its part.
+    top, dot, rest = key.partition(".")
+    return (top, rest, shard) if dot and _OPTIMIZER_OBJECT.match(key) else (key, shard)
 
 
 def read_info(path: str | os.PathLike[str], *, iteration: int | None = None,

@@ -418,7 +418,8 @@ def test_part_optimizer_is_bit_exact_against_adams_state(megatron_runs: Path,
                                                          tmp_path: Path) -> None:
     """Megatron's non-distributed optimizer state (plain chunks of each parameter's global
     tensor, written by megatron-core's own optimizer sharding) merges with --part optimizer,
-    bit for bit Adam's state, under the stored names."""
+    bit for bit Adam's state, under the Hugging Face names of the model's map
+    (``state.<name>.<kind>``: the state is laid out as the weights, stacked, fused, padded)."""
     from safetensors.torch import load_file
 
     from tests.megatron_layouts import native_reference
@@ -427,11 +428,17 @@ def test_part_optimizer_is_bit_exact_against_adams_state(megatron_runs: Path,
     r = run_cli("merge", run, tmp_path / "out", "--part", "optimizer", "-q")
     assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
     got = load_file(tmp_path / "out" / "optimizer.safetensors")
-    want = {f"optimizer.state.{kind}.{name}": value
-            for kind, by_name in torch.load(run / "reference_optim.pt",
-                                            weights_only=True).items()
-            for name, value in native_reference(run, by_name).items()}
+    state = torch.load(run / "reference_optim.pt", weights_only=True)
+    want = {f"state.{name}.{kind}": value for kind, by_name in state.items()
+            for name, value in hf_reference(run, by_name).items()}
     assert_bit_exact(got, want)
+    r = run_cli("merge", run, tmp_path / "stored", "--part", "optimizer", "--names", "none",
+                "-q")
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    assert_bit_exact(load_file(tmp_path / "stored" / "optimizer.safetensors"),
+                     {f"optimizer.state.{kind}.{name}": value
+                      for kind, by_name in state.items()
+                      for name, value in native_reference(run, by_name).items()})
 
 
 def _flattened(megatron_runs: Path, tmp_path: Path) -> Path:

@@ -106,6 +106,15 @@ def deepseek_reference(run: Path) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def _with_config(run: Path, tmp: Path) -> Path:
+    """``run``'s reference beside the config.json the merge into ``tmp / "out"`` wrote."""
+    where = tmp / "expected"
+    where.mkdir()
+    shutil.copy(tmp / "out" / "config.json", where / "config.json")
+    (where / "reference.safetensors").symlink_to(run / "reference.safetensors")
+    return where
+
+
 def common_state_reference() -> dict[str, torch.Tensor]:
     return hf_reference(COMMON_STATE, load_file(COMMON_STATE / "reference.safetensors"))
 
@@ -163,7 +172,10 @@ def test_deepseek_v3_config_derived_from_args(name: str, tmp_path: Path) -> None
                 "routed_scaling_factor", "qk_nope_head_dim", "v_head_dim"):
         assert got[key] == want[key], key
     assert got["num_nextn_predict_layers"] == want.get("num_nextn_predict_layers", 0)
-    assert_bit_exact(load_out(tmp_path / "out"), deepseek_reference(DATA / name))
+    # args hold the NullTokenizer's vocab_size 50, the size before EOD: 51 tokens
+    assert got["vocab_size"] == want["vocab_size"] + 1
+    assert_bit_exact(load_out(tmp_path / "out"),
+                     deepseek_reference(_with_config(DATA / name, tmp_path)))
     ref = load_file(DATA / name / "logits.safetensors")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
                                                               dtype=torch.float32)
@@ -389,7 +401,10 @@ def test_common_state_args_derive_the_config(tmp_path: Path) -> None:
     r = run_cli("merge", run, tmp_path / "out", "--json")
     assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
     assert json.loads(r.stdout)["derived_config"]["family"] == "llama"  # type: ignore[attr-defined]
-    assert_bit_exact(load_out(tmp_path / "out"), common_state_reference())
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == 51
+    expected = _with_config(COMMON_STATE, tmp_path)
+    assert_bit_exact(load_out(tmp_path / "out"),
+                     hf_reference(expected, load_file(expected / "reference.safetensors")))
 
 
 def test_common_state_verify_checks_the_writers_integrity_json(tmp_path: Path) -> None:

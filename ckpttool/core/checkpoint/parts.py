@@ -14,7 +14,9 @@ Training frameworks save all of it in one checkpoint, under their own top-level 
 * accelerate: ``{"model": ...}`` and ``{"optimizer": ...}`` in separate checkpoints.
 
 Optimizer state is recognised by its shape, whatever the key is called: a key with a
-``param_groups`` child, or a key named like an optimizer with a ``state`` child. The other
+``param_groups`` child, or a key named like an optimizer with a ``state`` child (or
+``distributed``: Megatron-Core's distributed optimizer; its ChainedOptimizer's
+``chained_<i>.optimizer``). The other
 parts are recognised by the top-level key's name. Tensors that fit no rule are the model only
 when nothing else can be: a checkpoint with a ``model`` key puts stray tensors in ``other``,
 and so does a checkpoint with several unnamed top-level keys holding tensors. Whatever is
@@ -23,6 +25,7 @@ and so does a checkpoint with several unnamed top-level keys holding tensors. Wh
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -51,7 +54,8 @@ _OPTIMIZER_KEYS = frozenset({"optimizer", "optimizers", "optim", "opt", "optimiz
                              "optimizer_states", "optimizer_state_dict", "optim_state"})
 _NAMED: dict[str, str] = {
     **dict.fromkeys(("lr_scheduler", "lr_schedulers", "scheduler", "schedulers",
-                     "lr_scheduler_state", "scheduler_state"), LR_SCHEDULER),
+                     "lr_scheduler_state", "scheduler_state", "opt_param_scheduler"),
+                    LR_SCHEDULER),
     **dict.fromkeys(("dataloader", "dataloaders", "data_loader", "train_dataloader",
                      "dataloader_state", "sampler", "sampler_state"), DATALOADER),
     **dict.fromkeys(("train_state", "trainer_state", "training_state", "step", "steps",
@@ -62,6 +66,12 @@ _NAMED: dict[str, str] = {
                      "torch_rng_state", "cuda_rng_state", "numpy_rng_state",
                      "python_rng_state"), RNG),
 }
+# Below an optimizer-named key: torch's ``state``; Megatron-Core's distributed optimizer's
+# ``distributed`` (``optimizer.distributed.dp_group_idx_0.gbuf_idx_0...exp_avg``).
+_OPTIMIZER_CHILDREN = frozenset({"state", "distributed"})
+# Megatron-Core's ChainedOptimizer (dense and expert parameters apart): each one's state
+# below ``chained_<i>.optimizer``.
+_CHAINED = re.compile(r"chained_\d+")
 # A bare optimizer state dict (torch.save(optim.state_dict()), ckpttool's own
 # optimizer.safetensors) has these at the top level.
 _BARE_OPTIMIZER = frozenset({"state", "param_groups"})
@@ -99,9 +109,13 @@ def classify(entries: Sequence[tuple[tuple[str, ...], bool]]) -> list[Label]:
     bare = "param_groups" in tops or (bool(tops) and tops <= _BARE_OPTIMIZER)
     optimizer_roots = {top for top, below, _ in splits
                        if below == "param_groups"
-                       or (below == "state" and top in _OPTIMIZER_KEYS)}
+                       or (below in _OPTIMIZER_CHILDREN and top in _OPTIMIZER_KEYS)
+                       or (below in _OPTIMIZER_KEYS and _CHAINED.fullmatch(top))}
     if bare:
         optimizer_roots |= tops & _BARE_OPTIMIZER
+    if any(_CHAINED.fullmatch(top) for top in optimizer_roots):
+        # a ChainedOptimizer's common part: the sharding type of each, under "optimizer"
+        optimizer_roots |= tops & _OPTIMIZER_KEYS
     kinds = [(top, nested, is_tensor) for (top, _, nested), (_, is_tensor)
              in zip(splits, entries, strict=True)]
     tensor_roots = {top for top, nested, is_tensor in kinds if is_tensor and nested}

@@ -29,7 +29,7 @@ from ckpttool.core.checkpoint.names import detected_wrappers
 from ckpttool.core.checkpoint.parts import MERGEABLE, Content
 from ckpttool.core.contract import Contract
 from ckpttool.core.dtype_policy import DTypePolicy
-from ckpttool.core.merge import resume
+from ckpttool.core.merge import megatron_optimizer, resume
 from ckpttool.core.merge.engine import check_existing, commit_outputs, write
 from ckpttool.core.merge.optimizer import OPTIMIZER_JSON, optimizer_json
 from ckpttool.core.merge.plan import MergePlan, OutputFile, Source, plan_merge
@@ -335,8 +335,13 @@ def _derived(ckpt: Checkpoint, named: list[tuple[str, Any]], names: str | None,
              ) -> tuple[hf.HfFiles, megatron_config.DerivedConfig | None]:
     """Without a config.json, a Megatron-Core model's config derived from its args (the
     files with it), else the files as they are."""
-    if files.config is not None or optimizer or names == namemaps.KEEP:
+    if files.config is not None or names == namemaps.KEEP:
         return files, None
+    if optimizer:  # a Megatron-Core model's state is mapped as its weights are
+        groups = megatron_optimizer.model_view(named)
+        if groups is None:
+            return files, None
+        named = next(iter(groups.values()))
     derived = _derive_config(ckpt, named, names, command)
     return (files, None) if derived is None else (replace(files, config=derived.config),
                                                   derived)
@@ -492,20 +497,24 @@ def _mapped(names: str | None, ckpt: Checkpoint, named: list[tuple[str, Any]],
             files: hf.HfFiles, *, optimizer: bool, adapted: Adapted | None) -> Mapped | None:
     """``--names`` applied to the model's tensors (None without it, or with ``"none"``); a
     Megatron-Core model's family map applies unasked, as its names are no loader's."""
-    if names is None and not optimizer and adapted is None:
-        names = namemaps.implied(named, files.config, config_path=str(
-            files.config_path) if files.config_path else None)
+    config_path = str(files.config_path) if files.config_path else None
+    asked = names is not None
+    if names is None and adapted is None:
+        names = (megatron_optimizer.implied if optimizer else namemaps.implied)(
+            named, files.config, config_path=config_path)
     if names is None or names == namemaps.KEEP:
         return None
     assert ckpt.info is not None
+    if optimizer and (state := megatron_optimizer.apply(names, named, files.config,
+                                                        config_path=config_path, asked=asked)):
+        return state
     if optimizer:
         raise InputError(f"{ckpt.info.root}: holds optimizer state; --names maps a model's "
                          "weights: pass the model checkpoint")
     if adapted is not None:
         raise UnsupportedError(f"{ckpt.info.root}: --names with a LoRA adapter is not supported "
                                "yet; merge without the adapter, or without --names")
-    return namemaps.apply(names, named, files.config, config_path=str(
-        files.config_path) if files.config_path else None)
+    return namemaps.apply(names, named, files.config, config_path=config_path, asked=asked)
 
 
 def _start_report(src: Path, out: Path, whole: Checkpoint, ckpt: Checkpoint,

@@ -138,7 +138,7 @@ def derive(args: Mapping[str, Any] | None, *, command: str) -> DerivedConfig:
     heads = number("num_attention_heads")
     hidden = number("hidden_size")
     notes: list[str] = []
-    vocab = _vocab(args, number, notes)
+    vocab = _vocab(args, number, notes, ask)
     kv_heads = number("num_query_groups") if arg("group_query_attention") else heads
     head_dim = args.get("kv_channels") or hidden // heads
     dtype = "bfloat16" if arg("bf16") else "float16" if arg("fp16") else "float32"
@@ -150,7 +150,7 @@ def derive(args: Mapping[str, Any] | None, *, command: str) -> DerivedConfig:
         "num_key_value_heads": kv_heads, "head_dim": head_dim,
         "max_position_embeddings": args.get("max_position_embeddings")
         or args.get("seq_length") or 4096,
-        "rms_norm_eps": float(arg("norm_epsilon")), "rope_theta": float(arg("rotary_base")),
+        "rms_norm_eps": _epsilon(args), "rope_theta": float(arg("rotary_base")),
         "hidden_act": "silu", "tie_word_embeddings": not arg("untie_embeddings_and_output_weights"),
         "attention_dropout": 0.0, "torch_dtype": dtype,
     }
@@ -170,21 +170,49 @@ def derive(args: Mapping[str, Any] | None, *, command: str) -> DerivedConfig:
     return DerivedConfig(family, why, config, tuple(notes))
 
 
+def _epsilon(args: Mapping[str, Any]) -> float:
+    """The norms' epsilon: ``--norm-epsilon`` is stored as ``layernorm_epsilon`` in
+    Megatron-LM's args (``norm_epsilon`` in hand-built ones), default 1e-5."""
+    for key in ("layernorm_epsilon", "norm_epsilon"):
+        value = args.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return float(value)
+    return float(_DEFAULTS["norm_epsilon"])
+
+
 def _yarn_mscale(factor: float, mscale: float) -> float:
     """YaRN's attention scale, as Megatron's and transformers' YaRN compute it."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _vocab(args: Mapping[str, Any], number: Any, notes: list[str]) -> int:
-    """The tokenizer's vocabulary size when args record it, else the padded one (said in
-    ``notes``: the padding rows are then kept)."""
+# Megatron-LM's tokenizers that add the end-of-document token to ``--vocab-size`` ("the size
+# of the vocabulary before EOD or padding"): its id is vocab_size, the tokenizer's size
+# vocab_size + 1 (``_NullTokenizer`` and megatron-core's ``NullTokenizer``).
+_EOD_AFTER_VOCAB = frozenset({"NullTokenizer", "NullMultimodalTokenizer"})
+
+
+def _vocab(args: Mapping[str, Any], number: Any, notes: list[str], ask: str) -> int:
+    """The tokenizer's vocabulary size, as Megatron-LM's ``build_tokenizer`` makes it from
+    ``args``, when they record it (``vocab_size``, plus EOD for the null tokenizers), else the
+    padded one (said in ``notes``: the padding rows are then kept).
+
+    Raises:
+        NotDerivable: the tokenizer's size is larger than the padded vocabulary.
+    """
     vocab = args.get("vocab_size")
     if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
-        return vocab
-    padded: int = number("padded_vocab_size")
-    notes.append(f"vocab_size {padded}: Megatron's args hold only the padded vocabulary "
+        size = vocab + 1 if args.get("tokenizer_type") in _EOD_AFTER_VOCAB else vocab
+        padded = args.get("padded_vocab_size")
+        if isinstance(padded, int) and not isinstance(padded, bool) and 0 < padded < size:
+            raise NotDerivable(
+                f"Megatron's args give a tokenizer of {size} tokens ({args.get('tokenizer_type')}"
+                f", vocab_size {vocab}) but only {padded} rows (padded_vocab_size), so no "
+                f"config.json can be derived{ask}")
+        return size
+    padded_size: int = number("padded_vocab_size")
+    notes.append(f"vocab_size {padded_size}: Megatron's args hold only the padded vocabulary "
                  "(the tokenizer's size is not recorded), so the padding rows are kept")
-    return padded
+    return padded_size
 
 
 def _deepseek_v3(args: Mapping[str, Any], arg: Any, number: Any, ask: str) -> DerivedConfig:
@@ -235,7 +263,7 @@ def _deepseek_v3(args: Mapping[str, Any], arg: Any, number: Any, ask: str) -> De
                            f"of moe_ffn_hidden_size {moe_ffn}{ask}")
     heads = number("num_attention_heads")
     notes: list[str] = []
-    vocab = _vocab(args, number, notes)
+    vocab = _vocab(args, number, notes, ask)
     q_lora = args.get("q_lora_rank")
     theta = float(arg("rotary_base"))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
@@ -269,7 +297,7 @@ def _deepseek_v3(args: Mapping[str, Any], arg: Any, number: Any, ask: str) -> De
         "routed_scaling_factor": float(args.get("moe_router_topk_scaling_factor") or 1.0),
         "max_position_embeddings": args.get("max_position_embeddings")
         or args.get("seq_length") or 4096,
-        "rms_norm_eps": float(arg("norm_epsilon")), "rope_parameters": rope,
+        "rms_norm_eps": _epsilon(args), "rope_parameters": rope,
         "rope_interleave": True, "hidden_act": "silu", "attention_bias": False,
         "tie_word_embeddings": not arg("untie_embeddings_and_output_weights"),
         "attention_dropout": 0.0, "torch_dtype": dtype,

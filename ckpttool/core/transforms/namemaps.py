@@ -841,7 +841,8 @@ def implied(tensors: list[tuple[str, Tensor]], config: Mapping[str, Any] | None,
 
 
 def apply(map_name: str, tensors: list[tuple[str, Tensor]],
-          config: Mapping[str, Any] | None, *, config_path: str | None = None) -> Mapped:
+          config: Mapping[str, Any] | None, *, config_path: str | None = None,
+          asked: bool = True) -> Mapped:
     """The Hugging Face tensors the map ``map_name`` makes of ``tensors``. Pure: no data read.
 
     Args:
@@ -849,6 +850,8 @@ def apply(map_name: str, tensors: list[tuple[str, Tensor]],
         tensors: (canonical name, stored tensor), in model order.
         config: the model's Hugging Face config.json, for dimensions and checks.
         config_path: where it came from, for messages.
+        asked: the map was passed as ``--names`` (else implied: a Megatron-Core model's), for
+            what the messages ask next.
 
     Returns:
         A :class:`Mapped`: (Hugging Face name, source) in model order, renames as the stored
@@ -891,7 +894,8 @@ def apply(map_name: str, tensors: list[tuple[str, Tensor]],
         raise InputError(
             f"--names {map_name}: no rule maps {shown}{more}; this is not a "
             f"{nmap.framework} {nmap.family} model checkpoint (or it holds more than the "
-            "model). Check the map, or merge without --names")
+            "model). " + ("Check the map, or merge without --names" if asked else
+                          "--names none writes the stored tensors under their own names"))
     for name, tensor, matches in sorted(matched, key=lambda x: x[0]):
         for rule, _ in matches:
             _check_shape(nmap, dims, rule, name, tensor)

@@ -1,0 +1,249 @@
+"""Runs written by Megatron-LM's own training code (tests/data/megatron_lm/generate.py:
+``initialize_megatron`` on a real command line, ``setup_model_and_optimizer``, one optimizer
+step, ``save_checkpoint``), committed with their oracle: Megatron-LM's own ``load_checkpoint``
+at TP=PP=EP=1 (``reference.safetensors``) and its forward pass on tokens that include the
+NullTokenizer's EOD (``logits.safetensors``). No megatron-core needed here.
+
+Each run merges with and without a config (the one derived from its ``args``), bit for bit
+against the reference rearranged by plain torch, and transformers' logits of the output,
+the EOD token's included, are Megatron's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from ckpttool.cli import app
+from ckpttool.core.transforms import megatron_config
+from tests.core.test_merge import assert_bit_exact, load_out
+from tests.megatron_layouts import hf_reference
+
+DATA = Path(__file__).parents[1] / "data" / "megatron_lm"
+RUNS = sorted(p.name for p in DATA.iterdir() if (p / "written_by.json").is_file()) \
+    if DATA.is_dir() else []
+# fp32 forward passes of the same weights, Megatron's local implementation and transformers'
+# (both on a CPU): they differ by summation order only.
+LOGITS_ATOL = 1e-5
+
+
+def run_cli(*args: object) -> Any:
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def _expected(run: Path, config: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    """The reference state dict rearranged into Hugging Face names for ``config``."""
+    where = tmp / "expected"
+    where.mkdir(exist_ok=True)
+    shutil.copy(config, where / "config.json")
+    return hf_reference(where, load_file(run / "reference.safetensors"))
+
+
+def _logits_match(run: Path, out: Path) -> None:
+    import transformers
+
+    ref = load_file(run / "logits.safetensors")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(ref["tokens"]).logits
+    vocab = model.config.vocab_size
+    assert ref["tokens"].max() == vocab - 1  # the EOD id: the last row, not padding
+    torch.testing.assert_close(logits, ref["logits"][..., :vocab], atol=LOGITS_ATOL, rtol=0)
+
+
+# --- the vocabulary, as Megatron-LM's build_tokenizer and _vocab_size_with_padding make it ---
+
+_ARGS = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
+         "swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
+         "add_bias_linear": False, "make_vocab_size_divisible_by": 128}
+
+
+@pytest.mark.parametrize(("tokenizer", "vocab", "padded", "expected"), [
+    ("NullTokenizer", 500, 512, 501),  # --vocab-size is the size before EOD
+    ("NullTokenizer", 511, 512, 512),  # EOD is the last row: nothing to cut
+    ("NullMultimodalTokenizer", 500, 512, 501),
+    ("TikTokenizer", 500, 512, 500),  # its --vocab-size counts every token
+    ("HuggingFaceTokenizer", None, 512, 512),  # size not recorded: the padded kept
+])
+def test_vocabulary_is_the_tokenizers(tokenizer: str, vocab: int | None, padded: int,
+                                      expected: int) -> None:
+    args = {**_ARGS, "tokenizer_type": tokenizer, "vocab_size": vocab,
+            "padded_vocab_size": padded}
+    derived = megatron_config.derive(args, command="x")
+    assert derived.config["vocab_size"] == expected
+    assert bool(derived.notes) == (vocab is None)
+
+
+def test_tokenizer_larger_than_the_padded_vocabulary_is_refused() -> None:
+    args = {**_ARGS, "tokenizer_type": "NullTokenizer", "vocab_size": 512,
+            "padded_vocab_size": 512}
+    with pytest.raises(megatron_config.NotDerivable, match="a tokenizer of 513 tokens"):
+        megatron_config.derive(args, command="ckpttool merge R O")
+
+
+def test_norm_epsilon_is_read_where_megatron_lm_keeps_it() -> None:
+    """``--norm-epsilon`` lands in ``args.layernorm_epsilon``."""
+    args = {**_ARGS, "layernorm_epsilon": 1e-6, "padded_vocab_size": 512}
+    assert megatron_config.derive(args, command="x").config["rms_norm_eps"] == 1e-6
+    assert megatron_config.derive({**_ARGS, "padded_vocab_size": 512}, command="x"
+                                  ).config["rms_norm_eps"] == 1e-5
+
+
+# --- the committed runs ---
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_merge_with_the_models_config_is_bit_exact(name: str, tmp_path: Path) -> None:
+    run = DATA / name
+    out = tmp_path / "out"
+    r = run_cli("merge", run, out, "--config", run / "hf_config.json")
+    assert r.exit_code == 0, r.output
+    assert_bit_exact(load_out(out), _expected(run, run / "hf_config.json", tmp_path))
+    shutil.copy(run / "hf_config.json", out / "config.json")
+    _logits_match(run, out)
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_config_derived_from_args_is_the_models(name: str, tmp_path: Path) -> None:
+    """No config: the one derived from Megatron-LM's args is the config transformers' class
+    builds for the model (vocabulary included: the tokenizer's 501 tokens, EOD too), and the
+    merge is bit exact and loads with Megatron's logits."""
+    run = DATA / name
+    out = tmp_path / "out"
+    r = run_cli("merge", run, out, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    expected = json.loads((run / "hf_config.json").read_text())
+    assert doc["derived_config"]["family"] == expected["model_type"]
+    derived = json.loads((out / "config.json").read_text())
+    import transformers
+
+    cls = transformers.AutoConfig.for_model
+    want = cls(**expected).to_dict()
+    got = cls(**derived).to_dict()
+    differ = {k: (got.get(k), want.get(k)) for k in want
+              if k not in ("transformers_version", "dtype", "torch_dtype", "_name_or_path")
+              and got.get(k) != want.get(k)}
+    assert not differ
+    assert derived["vocab_size"] == 501
+    assert_bit_exact(load_out(out), _expected(run, out / "config.json", tmp_path))
+    _logits_match(run, out)
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_inspect_and_verify(name: str) -> None:
+    """``verify`` finds nothing wrong; ``inspect`` lists the optimizer state as the
+    optimizer, never as model tensors."""
+    run = DATA / name
+    r = run_cli("verify", run)
+    assert r.exit_code == 0, r.output
+    r = run_cli("inspect", run, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    model = [t["name"] for t in doc["tensors"] if t["part"] == "model"]
+    assert model and not [n for n in model if "optimizer" in n]
+    parts = {c["part"]: c for c in doc["contents"]}
+    assert parts["model"]["keys"] == ["decoder", "embedding", "output_layer"] or \
+        parts["model"]["keys"] == ["decoder", "embedding"]  # tied
+    if "--no-save-optim" not in _command(name):
+        assert parts["optimizer"]["tensors"] > 0
+        assert not [o for o in doc["non_tensor"] if "optimizer" in str(o.get("name", ""))
+                    and o.get("part") == "other"]
+
+
+def _command(name: str) -> str:
+    return str(json.loads((DATA / name / "written_by.json").read_text())["command"])
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if "--dist-ckpt-optim-fully-reshardable"
+                                  in _command(n)])
+def test_part_optimizer_gives_adams_state_under_hugging_face_names(name: str,
+                                                                    tmp_path: Path) -> None:
+    """The distributed optimizer's fully_reshardable state: the fp32 master params equal the
+    merged weights bit for bit, and Adam's moments after its one step are those of the
+    gradient the generator gave each parameter (drawn by its name), each under its Hugging
+    Face name: a swapped q/k, gate/up or layer would not match."""
+    import zlib
+
+    run = DATA / name
+    out = tmp_path / "out"
+    r = run_cli("merge", run, out, "--part", "optimizer", "--config", run / "hf_config.json")
+    assert r.exit_code == 0, r.output
+    got = load_file(out / "optimizer.safetensors")
+    weights = load_file(run / "reference.safetensors")
+    where = tmp_path / "expected"
+    where.mkdir()
+    shutil.copy(run / "hf_config.json", where / "config.json")
+    grads = {k: torch.randn(tuple(v.shape), generator=torch.Generator().manual_seed(
+        zlib.crc32(f"module.{k}".encode()))) for k, v in weights.items()}
+    want = {f"state.{k}.param": v for k, v in hf_reference(where, weights).items()}
+    assert {k for k in got if k.endswith(".param")} == set(want)
+    assert_bit_exact({k: v for k, v in got.items() if k.endswith(".param")}, want)
+    for kind, of in (("exp_avg", lambda g: 0.1 * g), ("exp_avg_sq", lambda g: 0.001 * g * g)):
+        expected = hf_reference(where, {k: of(g) for k, g in grads.items()})
+        assert {k for k in got if k.endswith(f".{kind}")} == {f"state.{k}.{kind}"
+                                                             for k in expected}
+        for k, value in expected.items():
+            torch.testing.assert_close(got[f"state.{k}.{kind}"], value, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if "--use-distributed-optimizer"
+                                  in _command(n) and "fully-reshardable" not in _command(n)])
+def test_dp_reshardable_optimizer_is_exit_4_and_the_model_merges(name: str,
+                                                                 tmp_path: Path) -> None:
+    run = DATA / name
+    r = run_cli("merge", run, tmp_path / "opt", "--part", "optimizer")
+    assert r.exit_code == 4, r.output
+    assert "its dp_reshardable layout" in r.output
+    assert "--dist-ckpt-optim-fully-reshardable" in r.output
+    assert not (tmp_path / "opt").exists()
+    r = run_cli("merge", run, tmp_path / "out", "--part", "model", "-q")
+    assert r.exit_code == 0, r.output
+    assert_bit_exact(load_out(tmp_path / "out"),
+                     _expected(run, tmp_path / "out" / "config.json", tmp_path))
+
+
+def test_args_of_megatron_lm_0_16_and_0_19_are_readable() -> None:
+    """``args.exit_signal`` (``signal.SIGTERM``, Megatron-LM >= 0.16) and 0.19's
+    ``InferenceCudaGraphScope`` are read as their values, by value or by name (Python 3.11),
+    never looked up; another value or name is refused."""
+    import pickle
+    import signal
+
+    from ckpttool.formats import megatron
+    from ckpttool.formats.codecs import torchsave
+
+    signals = megatron.common_global("signal", "Signals")
+    assert signals(15) == signal.SIGTERM.value
+    assert torchsave.enum_getattr(signals, "SIGTERM") == 15
+    with pytest.raises(pickle.UnpicklingError):
+        signals(9999)
+    with pytest.raises(torchsave.Refused):
+        torchsave.enum_getattr(signals, "__class__")
+    scope = megatron.common_global("megatron.core.transformer.enums", "InferenceCudaGraphScope")
+    assert scope is not None and scope(1) == 1
+    assert megatron.common_global("signal", "signal") is None
+    args = megatron.read_common(DATA / "llama-release" / "iter_0000001" / "common.pt")
+    assert isinstance(args, dict) and args["args"]["exit_signal"] == 15
+
+
+def test_unmapped_tensor_without_names_does_not_say_merge_without_names(
+        tmp_path: Path) -> None:
+    """The map a Megatron model gets unasked names a tensor it does not map: the message
+    says what to pass next, not "merge without --names" (no --names was passed)."""
+    config = json.loads((DATA / "llama-release" / "hf_config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))  # llama: no q/k norms
+    out = tmp_path / "out"
+    r = run_cli("merge", DATA / "qwen3-dp2-full", out, "--config", tmp_path / "config.json")
+    assert r.exit_code == 3, r.output
+    assert "--names megatron-llama: no rule maps 'decoder.layers.self_attention.k_layernorm" \
+        in r.output
+    assert r.output.endswith("--names none writes the stored tensors under their own names\n")
+    assert "merge without --names" not in r.output
+    assert not out.exists()
