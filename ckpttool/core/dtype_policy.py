@@ -25,10 +25,14 @@ class DTypePolicy:
     requested: str  # what the user asked for: auto, keep, bf16...
     target: DType | None
     source: str  # why: "--dtype bf16", "config.json torch_dtype=bfloat16", "no config.json"
+    # Names kept as stored whatever the target: the scales of quantized weights
+    # (:func:`ckpttool.core.quantization.kept_names`).
+    keep: frozenset[str] = frozenset()
 
-    def output_dtype(self, dtype: DType) -> DType:
-        """The dtype a tensor of ``dtype`` is written in. Float8, integer and bool never change."""
-        if self.target is None or not dtype.is_float:
+    def output_dtype(self, dtype: DType, name: str | None = None) -> DType:
+        """The dtype a tensor of ``dtype`` (named ``name``) is written in. Float8, integer
+        and bool never change, nor a tensor that scales or indexes a quantized one."""
+        if self.target is None or not dtype.is_float or name in self.keep:
             return dtype
         return self.target
 
