@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from ckpttool.core.runtime.report import Section, section
 from ckpttool.formats.base import Problem, error, warning
@@ -242,7 +242,14 @@ class QuantizationSummary(Section):
     ignored: list[str]
     unsupported: str | None
 
-    KEYS: ClassVar[dict[str, str]] = {}
+    def line(self) -> str:
+        """One line for inspect's human output."""
+        block = f" in {self.block[0]}x{self.block[1]} blocks" if self.block else ""
+        kept = f", {len(self.ignored)} modules kept unquantized" if self.ignored else ""
+        what = ("merge --dequantize decodes it" if self.unsupported is None
+                else f"merge --dequantize refuses it: {self.unsupported}")
+        return (f"quantized: {self.method}{block}, {self.num_quantized} weights{kept} "
+                f"(from {self.source}); scales kept as stored; {what}")
 
 
 def summarise(config: Mapping[str, Any] | None,

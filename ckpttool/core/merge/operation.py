@@ -278,7 +278,7 @@ def merge(
                                        report, stored=mapped is None and mode != "adapter"
                                        and not optimizer)
         sources, files, policy, recoded = _recode(
-            sources, files, policy, dequantize=dequantize, quantize=quantize,
+            sources, files, policy, report, dequantize=dequantize, quantize=quantize,
             ignore=quantize_ignore, plain=not optimizer and mode != "adapter")
         plan = plan_merge(sources, policy=policy,
                           max_shard_size=shard_limit if mode != "adapter" else 1 << 62,
@@ -308,7 +308,8 @@ def _derived(ckpt: Checkpoint, named: list[tuple[str, Any]], names: str | None,
                                                   derived)
 
 
-def _recode(sources: list[tuple[str, Source]], files: hf.HfFiles, policy: DTypePolicy, *,
+def _recode(sources: list[tuple[str, Source]], files: hf.HfFiles, policy: DTypePolicy,
+            report: MergeReport, *,
             dequantize: bool, quantize: str | None, ignore: tuple[str, ...], plain: bool
             ) -> tuple[list[tuple[str, Source]], hf.HfFiles, DTypePolicy, list[str]]:
     """``--dequantize`` or ``--quantize`` applied to ``sources``
@@ -325,6 +326,7 @@ def _recode(sources: list[tuple[str, Source]], files: hf.HfFiles, policy: DTypeP
                 else recode.quantize(sources, files.config, scheme=str(quantize),
                                      ignore=ignore))
         sources, changes = done.sources, done.changes
+        report.warnings += done.warnings
         if files.config is not None:
             files = replace(files, config=done.config)
     keep = quantization.kept_names(((n, s.dtype) for n, s in sources), files.config)

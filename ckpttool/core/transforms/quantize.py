@@ -58,6 +58,7 @@ class Recoded:
     changes: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     num_weights: int = 0
+    warnings: list[str] = field(default_factory=list)
 
 
 def _torch_dtype(d: DType) -> torch.dtype:
@@ -308,15 +309,19 @@ def quantize(sources: list[tuple[str, Source]], config: Mapping[str, Any] | None
     if scheme not in CHOICES:
         raise InputError(f"unknown --quantize {scheme!r}; use one of: {', '.join(CHOICES)}")
     shapes = {n: (s.dtype, tuple(s.shape)) for n, s in sources}
+    by_shape = {n: shape for n, (_, shape) in shapes.items()}
     if q.scheme(config, shapes) is not None:
         raise UnsupportedError("--quantize: the checkpoint is quantized already; re-quantizing "
                                "is not supported: merge with --dequantize first, then "
                                "--quantize the result")
     written: list[tuple[str, Source]] = []
     kept_linear: list[str] = []
+    edges: list[str] = []
     num = 0
     for n, src in sources:
         if quantizable(n, src, ignore):
+            if src.shape[0] % BLOCK[0] or src.shape[1] % BLOCK[1]:
+                edges.append(n)
             weight, scale = _fp8_block(n, src)
             written += [(n, weight), (n + "_scale_inv", scale)]
             num += 1
@@ -337,7 +342,15 @@ def quantize(sources: list[tuple[str, Source]], config: Mapping[str, Any] | None
     new_config["quantization_config"] = qc
     changes = [f"quantization_config: fp8 e4m3 in {list(BLOCK)} blocks ({num} weights; "
                f"{len(kept_linear)} Linear modules kept)"]
-    return Recoded(written, new_config if config is not None else None, changes, [], num)
+    warnings = []
+    if edges:
+        warnings.append(
+            f"--quantize: {len(edges)} weights (e.g. '{edges[0]}' {list(by_shape[edges[0]])}) "
+            f"have dimensions that are no multiple of {BLOCK[0]}: their edge blocks are "
+            "written as DeepSeek's format has them, but transformers' CPU loader refuses "
+            "them (it dequantizes whole blocks only); keep them with --quantize-ignore")
+    return Recoded(written, new_config if config is not None else None, changes, [], num,
+                   warnings)
 
 
 def _fp8_block(name: str, src: Source) -> tuple[Derived, Derived]:
@@ -347,21 +360,23 @@ def _fp8_block(name: str, src: Source) -> tuple[Derived, Derived]:
     grid = q.ceil_blocks((rows, cols), BLOCK)
     f8, f32 = dtypes.get("F8_E4M3"), dtypes.get("F32")
 
-    def scales(w: torch.Tensor) -> torch.Tensor:
-        """amax(|w.float()|) / 448 per block, 1.0 where the block is zero: [row blocks,
-        col blocks] float32."""
+    def row_scales(w: torch.Tensor) -> torch.Tensor:
+        """amax(|w.float()|) / 448 per block of one block of rows, 1.0 where the block is
+        zero: [col blocks] float32."""
         import torch
 
         pad = grid[1] * bc - cols
-        out = torch.empty(grid, dtype=torch.float32)
-        for i in range(grid[0]):
-            blk = w[i * br:(i + 1) * br].float().abs()
-            if pad:
-                blk = torch.nn.functional.pad(blk, (0, pad))
-            amax = blk.reshape(blk.shape[0], grid[1], bc).amax(dim=(0, 2))
-            s = amax / q.FP8_MAX
-            out[i] = torch.where(amax == 0, torch.ones_like(s), s)
-        return out
+        blk = w.float().abs()
+        if pad:
+            blk = torch.nn.functional.pad(blk, (0, pad))
+        amax = blk.reshape(blk.shape[0], grid[1], bc).amax(dim=(0, 2))
+        s = amax / q.FP8_MAX
+        return torch.where(amax == 0, torch.ones_like(s), s)
+
+    def scales(w: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        return torch.stack([row_scales(w[i * br:(i + 1) * br]) for i in range(grid[0])])
 
     def weight_pieces(ts: list[torch.Tensor], target: torch.dtype) -> Iterator[memoryview]:
         import torch
@@ -369,7 +384,7 @@ def _fp8_block(name: str, src: Source) -> tuple[Derived, Derived]:
         (w,) = ts
         for i in range(grid[0]):
             lo, hi = i * br, min((i + 1) * br, rows)
-            s = scales(w[lo:hi])[0]
+            s = row_scales(w[lo:hi])
             factor = s.repeat_interleave(bc)[:cols]
             yield _bytes((w[lo:hi].float() / factor).to(torch.float8_e4m3fn).to(target))
 

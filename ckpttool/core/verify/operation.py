@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ckpttool.core import dtype_policy, ties
+from ckpttool.core import dtype_policy, quantization, ties
 from ckpttool.core.checkpoint import architecture, structure
 from ckpttool.core.checkpoint.discover import (
     Checkpoint,
@@ -197,6 +197,7 @@ def verify(
     if report.lora is not None:
         report.checks.append("lora")
     problems += dtype_policy.check_dtypes(model, expect)
+    problems += _quantization(model, report)
     if plan is not None:
         problems += [*plan.problems, *done.tied]
         problems += _unchanged_from_base(ckpt, other, plan, done, problems, adapter_config)
@@ -258,6 +259,19 @@ def _structures(ckpt: Checkpoint, other: Checkpoint | None
     if other is not None:
         problems += _structure(other, damaged_b)
     return problems, damaged, damaged_b
+
+
+def _quantization(model: Checkpoint, report: VerifyReport) -> list[Problem]:
+    """quantization_config against the stored tensors (block size against scale shapes,
+    dtypes, modules left unquantized), for a model that holds quantized weights."""
+    if model.kind != "model":
+        return []
+    stored = {t.name: (t.dtype, tuple(t.shape)) for t in model.tensors}
+    if quantization.scheme(model.hf.config, stored) is None:
+        return []
+    report.checks.append("quantization")
+    return quantization.check(model.hf.config, stored, model.hf.config_path.name
+                              if model.hf.config_path else "config.json")
 
 
 def _check_options(dtype: str | None, *, allow_cast: bool,
