@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as torch_dcp
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from ckpttool import merge, verify
+from ckpttool import merge
 from ckpttool.cli import app
 
 FP8 = torch.float8_e4m3fn
@@ -342,7 +342,7 @@ def _check_quantized(out: Path, original: dict[str, torch.Tensor]) -> None:
             assert ((back - t.float()).abs() <= bound * 1.01 + 1e-30).all(), name
             num += 1
         else:
-            assert name in got and not (name + "_scale_inv") in got
+            assert name in got and (name + "_scale_inv") not in got
             assert torch.equal(got[name].to(t.dtype), t), name
     assert num
 

@@ -36,8 +36,8 @@ from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import Progress, Section, document, section
 from ckpttool.core.runtime.torch_threads import default_workers
 from ckpttool.core.transforms import hub_layout, megatron_config, namemaps
-from ckpttool.core.transforms import quantize as recode
 from ckpttool.core.transforms import lora as adapters
+from ckpttool.core.transforms import quantize as recode
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import registry
 from ckpttool.formats import safetensors as st

@@ -70,7 +70,7 @@ def _torch_dtype(d: DType) -> torch.dtype:
 def _bytes(t: torch.Tensor) -> memoryview:
     import torch
 
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 # --- dequantize ---------------------------------------------------------------------------
@@ -130,11 +130,12 @@ def dequantize(sources: list[tuple[str, Source]], config: Mapping[str, Any] | No
 
 
 def _decoder(s: q.Scheme, g: q.Group, by_name: Mapping[str, Source], out: DType) -> Derived:
+    stored = [by_name[p] for _, p in g.parts]
+    if not all(isinstance(t, Tensor) for t in stored):
+        raise UnsupportedError(f"--dequantize: '{g.out}' is computed by another transform "
+                               "(a name map or layout change); merge with --layout stored")
     qt, sc = by_name[g.part("q")], by_name[g.part("scale")]
-    for t in (qt, sc):
-        if not isinstance(t, Tensor):
-            raise UnsupportedError(f"--dequantize: '{g.out}' is computed by another transform "
-                                   "(a name map or layout change); merge with --layout stored")
+    assert isinstance(qt, Tensor) and isinstance(sc, Tensor)
     if s.method == q.FP8_BLOCK:
         assert s.block is not None
         return _fp8_scaled(g.out, qt, sc, s.block, out, f"block fp8 {list(s.block)}")
@@ -152,7 +153,9 @@ def _decoder(s: q.Scheme, g: q.Group, by_name: Mapping[str, Source], out: DType)
     if s.method == q.MXFP4:
         return _mxfp4(g.out, qt, sc, out)
     assert s.method == q.NVFP4
-    return _nvfp4(g.out, qt, sc, by_name[g.part("global")], out)  # type: ignore[arg-type]
+    gs = by_name[g.part("global")]
+    assert isinstance(gs, Tensor)
+    return _nvfp4(g.out, qt, sc, gs, out)
 
 
 def _ct_block(s: q.Scheme) -> tuple[int, int] | None:
