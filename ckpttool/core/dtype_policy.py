@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ckpttool.core import quantization
 from ckpttool.core.checkpoint import hf
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Problem, error, info, warning
@@ -85,7 +86,9 @@ def check_dtypes(ckpt: Checkpoint, expect: DTypePolicy | None) -> list[Problem]:
                                  file=config_name))
     if ckpt.kind != "model":
         return problems
-    floats = [t for t in ckpt.tensors if t.dtype.is_float]
+    # The scales of quantized weights keep their stored dtype (merge never casts them).
+    scales = quantization.kept_names(((t.name, t.dtype) for t in ckpt.tensors), config)
+    floats = [t for t in ckpt.tensors if t.dtype.is_float and t.name not in scales]
     if expect is None or expect.target is None:
         if expect is not None:
             problems.append(info("dtype-unknown", f"--expect-dtype {expect.requested}: "

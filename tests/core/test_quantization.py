@@ -442,3 +442,19 @@ def test_refusals(fp8_hf: Path, llama_hf: Path, tmp_path: Path) -> None:
     assert result.exit_code == 2
     for o in ("o1", "o2", "o3", "o4", "o5"):
         assert not (tmp_path / o / "model.safetensors").exists()
+
+
+def test_expect_dtype_leaves_scales_alone(fp8_hf: Path) -> None:
+    """--expect-dtype bf16 judges the model's floating weights; a float32 scale of a float8
+    weight is as it must be."""
+    result = run("verify", fp8_hf, "--expect-dtype", "bf16", "--json")
+    problems = json.loads(result.stdout)["problems"]
+    assert not [p for p in problems if "_scale_inv" in p["message"]
+                and p["code"].startswith("dtype")], problems
+
+
+def test_fp8_to_float_every_code() -> None:
+    from ckpttool.core.transforms.quantize import fp8_to_float
+
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8)
+    assert torch.equal(fp8_to_float(codes).view(torch.int32), codes.float().view(torch.int32))
