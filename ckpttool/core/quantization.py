@@ -126,9 +126,7 @@ def scheme(config: Mapping[str, Any] | None, tensors: Mapping[str, tuple[DType, 
         return Scheme(NVFP4, source)
     if any(n.endswith(".weight_scale") and n.removesuffix("_scale") in f8 for n in names):
         return Scheme(FP8_CT, source)
-    if f8:
-        return Scheme("float8", source, unsupported=f"float8 tensors with no scale the "
-                      f"schemes ckpttool decodes name (e.g. '{sorted(f8)[0]}')")
+    # float8 tensors with no scale (a mixed-precision model's own): plain float8 data
     return None
 
 
