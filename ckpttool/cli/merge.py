@@ -496,6 +496,7 @@ _LayoutOption = Annotated[str, typer.Option(
         "reads it; stored: transformers 5's runtime names and fused experts as stored.")
     ]
 
+
 def _quantize_choice(value: str | None) -> str | None:
     if value is not None and value not in ("fp8-block",):
         raise typer.BadParameter(f"{value!r} is not a scheme ckpttool writes; use fp8-block")

@@ -458,3 +458,28 @@ def test_fp8_to_float_every_code() -> None:
 
     codes = torch.arange(256, dtype=torch.uint8).view(FP8)
     assert torch.equal(fp8_to_float(codes).view(torch.int32), codes.float().view(torch.int32))
+
+
+def test_checks_pure() -> None:
+    """quantization.check and kept_names on metadata alone."""
+    from ckpttool.core import quantization as qz
+    from ckpttool.formats.codecs import dtypes
+
+    f8, f32, bf16 = dtypes.get("F8_E4M3"), dtypes.get("F32"), dtypes.get("BF16")
+    stored = {"model.layers.0.mlp.up_proj.weight": (f8, (256, 128)),
+              "model.layers.0.mlp.up_proj.weight_scale_inv": (f32, (2, 1)),
+              "model.layers.0.mlp.down_proj.weight": (f8, (128, 256)),
+              "lm_head.weight": (bf16, (10, 128)), "logit_scale": (f32, ())}
+    config: dict[str, Any] = {"quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.up_proj"]}}
+    codes = [(p.code, p.tensor) for p in qz.check(config, stored)]
+    assert ("quant-scale-missing", "model.layers.0.mlp.down_proj.weight") in codes
+    assert ("quant-config", "model.layers.0.mlp.up_proj.weight") in codes  # ignored, quantized
+    assert [c for c, _ in qz.check(None, stored)].count("quant-no-config") == 1
+    # A plain model's logit_scale is cast as before; a scale beside float8 is kept.
+    names = [(n, d) for n, (d, _) in stored.items()]
+    assert qz.kept_names(names, None) == {"model.layers.0.mlp.up_proj.weight_scale_inv"}
+    assert qz.kept_names([("logit_scale", f32), ("w", bf16)], None) == frozenset()
+    assert qz.matches("model.layers.11.mlp.gate", ["model.layers.*.mlp.gate"])
+    assert not qz.matches("model.layers.1.mlp.gate_proj", ["model.layers.1.mlp.gate"])
