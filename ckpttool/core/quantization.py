@@ -76,7 +76,7 @@ def kept_names(tensors: Iterable[tuple[str, DType]], config: Mapping[str, Any] |
     above: set[str] = set()
     for m in quantized:
         parts = m.split(".")
-        above.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+        above.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
     configured = quantization_config(config) is not None
     return frozenset(n for n, d in listed if d.is_float and is_aux_name(n)
                      and (configured or module_of(n) in above))

@@ -473,10 +473,10 @@ def test_checks_pure() -> None:
     config: dict[str, Any] = {"quantization_config": {
         "quant_method": "fp8", "weight_block_size": [128, 128],
         "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.up_proj"]}}
-    codes = [(p.code, p.tensor) for p in qz.check(config, stored)]
+    codes = [(p.code, p.location.tensor) for p in qz.check(config, stored)]
     assert ("quant-scale-missing", "model.layers.0.mlp.down_proj.weight") in codes
     assert ("quant-config", "model.layers.0.mlp.up_proj.weight") in codes  # ignored, quantized
-    assert [c for c, _ in qz.check(None, stored)].count("quant-no-config") == 1
+    assert [p.code for p in qz.check(None, stored)].count("quant-no-config") == 1
     # A plain model's logit_scale is cast as before; a scale beside float8 is kept.
     names = [(n, d) for n, (d, _) in stored.items()]
     assert qz.kept_names(names, None) == {"model.layers.0.mlp.up_proj.weight_scale_inv"}
