@@ -139,12 +139,13 @@ def dequantize(sources: list[tuple[str, Source]], config: Mapping[str, Any] | No
         elif n not in drop:
             written.append((n, src))
     new_config = None
-    changes = [f"{len(found)} {s.method} weights decoded to {out_dtype.name}"]
+    changes = []
     if config is not None:
         new_config = {k: v for k, v in config.items()
                       if k not in ("quantization_config", "compression_config")}
         if len(new_config) != len(config):
-            changes.append("quantization_config: removed (the weights are dequantized)")
+            changes.append(f"quantization_config: removed ({len(found)} {s.method} weights "
+                           f"decoded to {out_dtype.name})")
     return Recoded(written, new_config, changes, sorted(drop - parts), len(found))
 
 
