@@ -232,12 +232,20 @@ def _mxfp4_dir(tmp: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("dtype", ["auto", "fp32"])
-def test_dequantize_mxfp4_as_transformers(tmp_path: Path, dtype: str) -> None:
+def _as_dcp(src: Path) -> Path:
+    """``src``'s tensors saved by ``torch.distributed.checkpoint.save`` (one process)."""
+    out = src.with_name(src.name + "-dcp")
+    torch_dcp.save({"model": load_file(src / "model.safetensors")}, checkpoint_id=out)
+    return out
+
+
+@pytest.mark.parametrize(("dtype", "source"), [("auto", "hf"), ("fp32", "hf"), ("auto", "dcp")])
+def test_dequantize_mxfp4_as_transformers(tmp_path: Path, dtype: str, source: str) -> None:
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     src = _mxfp4_dir(tmp_path)
-    merge(src, tmp_path / "out", dequantize=True, dtype=dtype)
+    merge(src if source == "hf" else _as_dcp(src), tmp_path / "out", dequantize=True,
+          dtype=dtype, config=src / "config.json")
     stored = load_file(src / "model.safetensors")
     got = load_file(tmp_path / "out" / "model.safetensors")
     target = torch.bfloat16 if dtype == "auto" else torch.float32
@@ -289,9 +297,11 @@ def _nvfp4_dir(tmp: Path, global_scale: float | None = None) -> Path:
     return out
 
 
-def test_dequantize_nvfp4(tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", ["hf", "dcp"])
+def test_dequantize_nvfp4(tmp_path: Path, source: str) -> None:
     src = _nvfp4_dir(tmp_path)
-    merge(src, tmp_path / "out", dequantize=True)
+    merge(src if source == "hf" else _as_dcp(src), tmp_path / "out", dequantize=True,
+          config=src / "config.json")
     ref = torch.load(tmp_path / "nvfp4-reference.pt")
     want = (ref["values"].view(32, 4, 16) * ref["eff"].unsqueeze(-1)).reshape(32, 64)
     got = load_file(tmp_path / "out" / "model.safetensors")
