@@ -432,11 +432,15 @@ def _fp8_block(name: str, src: Source) -> tuple[Derived, Derived]:
     def scale_compute(ts: list[torch.Tensor]) -> torch.Tensor:
         return scales(ts[0])
 
+    # In pieces (one): the weight is then read where it lies in the page cache, not copied.
+    def scale_pieces(ts: list[torch.Tensor], target: torch.dtype) -> Iterator[memoryview]:
+        yield _bytes(scales(ts[0]).to(target))
+
     if not isinstance(src, Tensor):
         raise UnsupportedError(f"--quantize: '{name}' is computed by another transform (a LoRA "
                                "fold, a name map); merge it first, then --quantize the result")
     weight = Derived(name, (src,), f8, (rows, cols), weight_compute,
                      "quantized: fp8 block 128x128", pieces=weight_pieces)
     scale = Derived(name + "_scale_inv", (src,), f32, grid, scale_compute,
-                    "weight_scale_inv: amax / 448 per 128x128 block")
+                    "weight_scale_inv: amax / 448 per 128x128 block", pieces=scale_pieces)
     return weight, scale
