@@ -174,6 +174,8 @@ def _summary_lines(s: Summary) -> list[str]:
         lines.append(f"  tie candidates: {t.output} / {t.input} ({said})")
     if s.lora is not None:
         lines.append(f"  {s.lora.line()}")
+    if s.quantization is not None:
+        lines.append(f"  {s.quantization.line()}")
     return lines
 
 

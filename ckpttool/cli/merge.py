@@ -125,6 +125,9 @@ def merge_command(
     workers: Workers = None,
     iteration: Iteration = None,
     dry_run: _DryRunOption = False,
+    dequantize: _DequantizeOption = False,
+    quantize: _QuantizeOption = None,
+    quantize_ignore: _QuantizeIgnoreOption = None,
     slice_: _SliceOption = None,
     finish: _FinishOption = False,
     all_: _AllOption = False,
@@ -145,6 +148,12 @@ def merge_command(
     from ckpttool.cli import sweep
 
     quiet_or_verbose(quiet, verbose)
+    if dequantize and quantize is not None:
+        raise typer.BadParameter("decodes quantized weights, --quantize encodes them: pass "
+                                 "one", param_hint="--dequantize")
+    if quantize_ignore and quantize is None:
+        raise typer.BadParameter("names modules --quantize keeps; pass --quantize fp8-block "
+                                 "too", param_hint="--quantize-ignore")
     if all_ and verbose:
         raise typer.BadParameter("applies to one checkpoint; with --all each line already says "
                                  "what was merged, where and in how long", param_hint="--verbose")
@@ -165,7 +174,9 @@ def merge_command(
                 "dtype": dtype, "max_shard_size": max_shard_size, "config": config,
                 "keep_tied": keep_tied, "lora": lora, "adapter": adapter,
                 "adapter_config": adapter_config, "part": part, "names": names,
-                "layout": layout, "weights_only": weights_only, "lora_alpha": lora_alpha},
+                "layout": layout, "weights_only": weights_only, "lora_alpha": lora_alpha,
+                "dequantize": dequantize, "quantize": quantize,
+                "quantize_ignore": tuple(quantize_ignore or ())},
             steps=steps, task=task, overwrite=overwrite, dry_run=dry_run, settle=settle,
             watch=watch, poll=poll, then=then, workers=workers, follow_links=follow_links,
             json_output=json_output, quiet=quiet)
@@ -194,7 +205,9 @@ def merge_command(
                            adapter=adapter, adapter_config=adapter_config, part=part,
                            names=names, layout=layout, dry_run=dry_run, shared=shared,
                            progress=progress, on_start=on_start, iteration=iteration,
-                           weights_only=weights_only, lora_alpha=lora_alpha)
+                           weights_only=weights_only, lora_alpha=lora_alpha,
+                           dequantize=dequantize, quantize=quantize,
+                           quantize_ignore=tuple(quantize_ignore or ()))
         finally:
             bar.stop()
             for note in take_stale_notes():  # a killed run's leftovers, now removed
@@ -522,6 +535,30 @@ _LayoutOption = Annotated[str, typer.Option(
         "(experts one tensor each, vision-language models' hub names), as every loader "
         "reads it; stored: transformers 5's runtime names and fused experts as stored.")
     ]
+
+
+def _quantize_choice(value: str | None) -> str | None:
+    if value is not None and value not in ("fp8-block",):
+        raise typer.BadParameter(f"{value!r} is not a scheme ckpttool writes; use fp8-block")
+    return value
+
+
+_DequantizeOption = Annotated[bool, typer.Option(
+        "--dequantize", help="Decode quantized weights (block FP8 as DeepSeek-V3 stores it, "
+        "MXFP4 as gpt-oss does, compressed-tensors NVFP4 and FP8) to bf16 (or --dtype); "
+        "quantization_config is dropped from config.json. See docs/quantization.md.")]
+
+_QuantizeOption = Annotated[str | None, typer.Option(
+        "--quantize", metavar="fp8-block", callback=_quantize_choice,
+        help="Write the decoder layers' Linear weights as float8_e4m3fn per 128x128 block "
+        "with float32 weight_scale_inv (data-free); embeddings, norms, router gates and "
+        "lm_head are kept.")]
+
+_QuantizeIgnoreOption = Annotated[list[str] | None, typer.Option(
+        "--quantize-ignore", metavar="PATTERN",
+        help="With --quantize: keep the modules PATTERN matches (transformers' "
+        "modules_to_not_convert rule: a regex from the name's start, or its suffix); "
+        "repeatable.")]
 
 _DryRunOption = Annotated[bool, typer.Option(
         "--dry-run", help="Show what would be written (files, sizes, every tensor's name, "

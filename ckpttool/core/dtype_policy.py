@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ckpttool.core import quantization
 from ckpttool.core.checkpoint import hf
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Problem, error, info, warning
@@ -25,10 +26,14 @@ class DTypePolicy:
     requested: str  # what the user asked for: auto, keep, bf16...
     target: DType | None
     source: str  # why: "--dtype bf16", "config.json torch_dtype=bfloat16", "no config.json"
+    # Names kept as stored whatever the target: the scales of quantized weights
+    # (:func:`ckpttool.core.quantization.kept_names`).
+    keep: frozenset[str] = frozenset()
 
-    def output_dtype(self, dtype: DType) -> DType:
-        """The dtype a tensor of ``dtype`` is written in. Float8, integer and bool never change."""
-        if self.target is None or not dtype.is_float:
+    def output_dtype(self, dtype: DType, name: str | None = None) -> DType:
+        """The dtype a tensor of ``dtype`` (named ``name``) is written in. Float8, integer
+        and bool never change, nor a tensor that scales or indexes a quantized one."""
+        if self.target is None or not dtype.is_float or name in self.keep:
             return dtype
         return self.target
 
@@ -81,7 +86,9 @@ def check_dtypes(ckpt: Checkpoint, expect: DTypePolicy | None) -> list[Problem]:
                                  file=config_name))
     if ckpt.kind != "model":
         return problems
-    floats = [t for t in ckpt.tensors if t.dtype.is_float]
+    # The scales of quantized weights keep their stored dtype (merge never casts them).
+    scales = quantization.kept_names(((t.name, t.dtype) for t in ckpt.tensors), config)
+    floats = [t for t in ckpt.tensors if t.dtype.is_float and t.name not in scales]
     if expect is None or expect.target is None:
         if expect is not None:
             problems.append(info("dtype-unknown", f"--expect-dtype {expect.requested}: "

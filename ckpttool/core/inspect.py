@@ -15,10 +15,10 @@ import time
 from array import array
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from ckpttool.core import dtype_policy, ties
+from ckpttool.core import dtype_policy, quantization, ties
 from ckpttool.core.checkpoint import hf, names, non_tensor
 from ckpttool.core.checkpoint import tensors as tensor_io
 from ckpttool.core.checkpoint.copies import model_copies
@@ -105,7 +105,7 @@ class Summary(Section):
     """``inspect``'s summary: counts, bytes per dtype, the size a merge would write, wrapper
     segments, the tied pair, how it is stored, the config used and a LoRA adapter found."""
 
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"lora"})
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"lora", "quantization"})
 
     kind: str
     num_ranks: int | None
@@ -122,6 +122,8 @@ class Summary(Section):
     storage: dict[str, Any]  # CheckpointInfo.storage
     config: str | None
     lora: AdapterSummary | None = None
+    # The quantization scheme (core.quantization); None: no quantized weight
+    quantization: quantization.QuantizationSummary | None = None
 
 
 def summary(ckpt: Checkpoint) -> Summary:
@@ -135,6 +137,10 @@ def summary(ckpt: Checkpoint) -> Summary:
               if ckpt.kind == "optimizer" else dtype_policy.resolve("auto", ckpt.hf.config,
                                                                      config_name))
     written = _written(ckpt)
+    stored = {t.name: (t.dtype, tuple(t.shape)) for t in ckpt.tensors}
+    # The scales of quantized weights are kept as stored by every dtype policy.
+    policy = replace(policy, keep=quantization.kept_names(
+        ((n, d) for n, (d, _) in stored.items()), ckpt.hf.config))
     pair = ties.find_pair(dict(written)) if ckpt.kind == "model" else None
     config_ties = hf.ties_word_embeddings(ckpt.hf.config)
     dropped = pair[0] if pair is not None and config_ties else None
@@ -142,7 +148,7 @@ def summary(ckpt: Checkpoint) -> Summary:
     for name, entry in written:
         if name == dropped:
             continue
-        out = policy.output_dtype(entry.dtype)
+        out = policy.output_dtype(entry.dtype, name)
         merged[out.name] = merged.get(out.name, 0) + entry.numel * out.itemsize
     assert ckpt.info is not None
     return Summary(
@@ -161,6 +167,8 @@ def summary(ckpt: Checkpoint) -> Summary:
         num_non_tensor=len(ckpt.objects),
         storage=dict(ckpt.info.storage),
         config=str(ckpt.hf.config_path) if ckpt.hf.config_path else None,
+        quantization=quantization.summarise(ckpt.hf.config, stored)
+        if ckpt.kind == "model" else None,
     )
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ckpttool.core import contract, dtype_policy, ties
+from ckpttool.core import contract, dtype_policy, quantization, ties
 from ckpttool.core.checkpoint import architecture, hf, non_tensor, structure
 from ckpttool.core.checkpoint.copies import Copies, model_copies
 from ckpttool.core.checkpoint.discover import Checkpoint, Part, discover, open_reader, select
@@ -38,6 +38,7 @@ from ckpttool.core.runtime.report import Progress, Section, document, section
 from ckpttool.core.runtime.torch_threads import default_workers
 from ckpttool.core.transforms import hub_layout, megatron_config, namemaps
 from ckpttool.core.transforms import lora as adapters
+from ckpttool.core.transforms import quantize as recode
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import registry
 from ckpttool.formats import safetensors as st
@@ -189,6 +190,9 @@ def merge(
     iteration: int | None = None,
     weights_only: bool = False,
     lora_alpha: float | None = None,
+    dequantize: bool = False,
+    quantize: str | None = None,
+    quantize_ignore: tuple[str, ...] = (),
 ) -> MergeReport:
     """Merge the checkpoint at ``src`` into Hugging Face safetensors in ``out``.
 
@@ -232,6 +236,13 @@ def merge(
         shared: this process's part in a merge that several processes share
             (:mod:`ckpttool.core.merge.multihost`: a torchrun ``Team``, a ``Slice``, a ``Finish``);
             every process calls ``merge`` with the same arguments. None: this process alone.
+        dequantize: decode quantized weights (block FP8, MXFP4, compressed-tensors NVFP4
+            and FP8) to bf16 (or ``dtype``); quantization_config dropped
+            (:mod:`ckpttool.core.transforms.quantize`).
+        quantize: ``"fp8-block"``: the decoder layers' Linear weights to float8_e4m3fn per
+            128 x 128 block with float32 ``weight_scale_inv`` (data-free).
+        quantize_ignore: with ``quantize``, modules kept unquantized (transformers'
+            ``modules_to_not_convert`` patterns).
         progress: called with bytes written, as the merge goes.
         on_start: called once with the total bytes to write, before any are written.
         weights_only: write the weights without the contract (:mod:`ckpttool.core.contract`)
@@ -284,10 +295,14 @@ def merge(
         sources, drop = _output_layout(sources, drop, files, layout,
                                        report, stored=mapped is None and mode != "adapter"
                                        and not optimizer)
+        sources, files, policy, recoded = _recode(
+            sources, files, policy, report, dequantize=dequantize, quantize=quantize,
+            ignore=quantize_ignore, plain=not optimizer and mode != "adapter")
         plan = plan_merge(sources, policy=policy,
                           max_shard_size=shard_limit if mode != "adapter" else 1 << 62,
                           drop=drop, stem=stem)
-        extra = _side_files(report, whole, ckpt, reader, files, adapted, plan, sources)
+        extra = _side_files(report, whole, ckpt, reader, files, adapted, plan, sources,
+                            recoded)
         if not optimizer and mode != "adapter":
             report.contract = _contract(plan, files, report, out_path,
                                         weights_only=weights_only)
@@ -345,6 +360,31 @@ def _derived(ckpt: Checkpoint, named: list[tuple[str, Any]], names: str | None,
     derived = _derive_config(ckpt, named, names, command)
     return (files, None) if derived is None else (replace(files, config=derived.config),
                                                   derived)
+
+
+def _recode(sources: list[tuple[str, Source]], files: hf.HfFiles, policy: DTypePolicy,
+            report: MergeReport, *,
+            dequantize: bool, quantize: str | None, ignore: tuple[str, ...], plain: bool
+            ) -> tuple[list[tuple[str, Source]], hf.HfFiles, DTypePolicy, list[str]]:
+    """``--dequantize`` or ``--quantize`` applied to ``sources``
+    (:mod:`ckpttool.core.transforms.quantize`), config.json with them; the dtype policy
+    keeping every scale of a quantized weight as stored; the config changes to report."""
+    changes: list[str] = []
+    if dequantize or quantize is not None:
+        if not plain:
+            raise UnsupportedError("--dequantize and --quantize apply to a model's weights, "
+                                   "not to optimizer state or a LoRA adapter written apart")
+        name = str(files.config_path) if files.config_path else "config.json"
+        done = (recode.dequantize(sources, files.config, target=policy.target,
+                                  config_name=name) if dequantize
+                else recode.quantize(sources, files.config, scheme=str(quantize),
+                                     ignore=ignore))
+        sources, changes = done.sources, done.changes
+        report.warnings += done.warnings
+        if files.config is not None:
+            files = replace(files, config=done.config)
+    keep = quantization.kept_names(((n, s.dtype) for n, s in sources), files.config)
+    return sources, files, replace(policy, keep=keep), changes
 
 
 def _fail_fast(out: Path, files: hf.HfFiles, *, optimizer: bool, mode: str | None,
@@ -581,7 +621,8 @@ def _output_layout(sources: list[tuple[str, Source]], drop: frozenset[str], file
 
 def _side_files(report: MergeReport, whole: Checkpoint, ckpt: Checkpoint, reader: Reader,
                 files: hf.HfFiles, adapted: Adapted | None, plan: MergePlan,
-                sources: list[tuple[str, Source]]) -> list[tuple[str, bytes]]:
+                sources: list[tuple[str, Source]], recoded: list[str] | None = None
+                ) -> list[tuple[str, bytes]]:
     """The small files written beside the weights (config, tokenizer, optimizer.json, an
     adapter's config), and the non-tensor entries, into ``report``."""
     objects = [(o, non_tensor.read(reader, o.entry)) for o in whole.objects]
@@ -590,7 +631,8 @@ def _side_files(report: MergeReport, whole: Checkpoint, ckpt: Checkpoint, reader
     mapped = report.name_map
     nextn = (mapped.mtp_layers if mapped is not None and namemaps.MAPS[mapped.map].mtp_required
              else None)
-    config_bytes, report.config_changes = _config_output(files, plan, sources, nextn=nextn)
+    config_bytes, report.config_changes = _config_output(files, plan, sources, nextn=nextn,
+                                                         recoded=recoded or [])
     extra: list[tuple[str, bytes]] = [
         (p.name, config_bytes if p == files.config_path and config_bytes is not None
          else files.read(p)) for p in files.files]
@@ -661,7 +703,8 @@ def _shared_files(report: MergeReport) -> None:
 
 
 def _config_output(files: hf.HfFiles, plan: MergePlan, sources: list[tuple[str, Source]],
-                   *, nextn: int | None = None) -> tuple[bytes | None, list[str]]:
+                   *, nextn: int | None = None, recoded: list[str] | None = None
+                   ) -> tuple[bytes | None, list[str]]:
     """config.json as written beside the weights: the FSDP class prefix removed, the dtype
     the weights are written in (that of the first floating tensor in model order, as
     ``save_pretrained`` records ``model.dtype``), and ``num_nextn_predict_layers`` = ``nextn``,
@@ -669,15 +712,20 @@ def _config_output(files: hf.HfFiles, plan: MergePlan, sources: list[tuple[str, 
     if files.config is None:
         return None, []
     fixed, changes = hf.strip_fsdp_prefix(files.config)
-    changes = [f"architectures: {c}" for c in changes]
+    changes = [f"architectures: {c}" for c in changes] + list(recoded or ())
     key = "num_nextn_predict_layers"
     if nextn is not None and fixed.get(key, 0) != nextn:
         changes.append(f"{key}: {fixed.get(key)} -> {nextn} (the multi-token prediction "
                        "layers written)")
         fixed = {**fixed, key: nextn}
     written = {t.name: t.dtype for f in plan.files for t in f.tensors}
+    # The scales of quantized weights (float32 whatever the model's dtype) say nothing of it;
+    # a floating weight does before a float8 one.
+    scales = quantization.kept_names(written.items(), fixed)
     first = next((written[n] for n, _ in sources
-                  if n in written and written[n].kind in ("float", "float8")), None)
+                  if n in written and n not in scales and written[n].kind == "float"), None)
+    first = first or next((written[n] for n, _ in sources
+                           if n in written and written[n].kind == "float8"), None)
     fixed, dtype_changes = hf.with_written_dtype(fixed, first.torch_name if first else None)
     changes += dtype_changes
     if not changes:

@@ -79,7 +79,7 @@ def plan_merge(
     kept = [(name, entry) for name, entry in tensors if name not in drop]
     by_name = {name: entry for name, entry in kept}
     file_plans, index = st.plan_files(
-        [(name, policy.output_dtype(entry.dtype), entry.shape) for name, entry in kept],
+        [(name, policy.output_dtype(entry.dtype, name), entry.shape) for name, entry in kept],
         max_shard_size,
         stem,
     )

@@ -518,12 +518,18 @@ def receipt_options(options: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(value, os.PathLike):
             value = str(Path(value).resolve())
         doc[key] = value
+    for key in RECORDED_IF_GIVEN:  # absent from receipts written before them: default
+        value = options.get(key, defaults[key].default)
+        if value != defaults[key].default and value:
+            doc[key] = list(value) if isinstance(value, tuple) else value
     return doc
 
 
 # merge()'s keywords that change what it writes (recorded in receipts).
 RECORDED = ("dtype", "max_shard_size", "config", "keep_tied", "lora", "adapter",
             "adapter_config", "part", "names", "layout")
+# ...and those recorded only where given (quantized weights: core.transforms.quantize).
+RECORDED_IF_GIVEN = ("dequantize", "quantize", "quantize_ignore")
 
 
 def _merge_one(merge: MergeFunction, f: Found, out: Path, options: dict[str, Any],

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ckpttool.core import ties
+from ckpttool.core import quantization, ties
 from ckpttool.core.checkpoint import hf, tensors
 from ckpttool.core.checkpoint.discover import Checkpoint, TensorView
 from ckpttool.core.dtype_policy import DTypePolicy
@@ -52,6 +52,10 @@ def plan_against(a: Checkpoint, b: Checkpoint, *, policy: DTypePolicy | None) ->
     tied_missing: list[tuple[str, str]] = []
     tied_extra: list[tuple[str, str]] = []
     pairs: list[Pair] = []
+    # The scales of quantized weights: compared as stored, a cast of one is an error.
+    scales = (quantization.kept_names(((n, t.dtype) for n, t in names_a.items()), a.hf.config)
+              | quantization.kept_names(((n, t.dtype) for n, t in names_b.items()),
+                                        b.hf.config))
 
     def partner(ckpt: Checkpoint, name: str) -> str | None:
         pair = ties.find_pair(ckpt.by_name())
@@ -82,6 +86,10 @@ def plan_against(a: Checkpoint, b: Checkpoint, *, policy: DTypePolicy | None) ->
         if ta.shape != tb.shape:
             problems.append(error("shape-differs", f"tensor '{name}' is {list(ta.shape)} in "
                                    f"{a.root} but {list(tb.shape)} in {b.root}", tensor=name))
+            continue
+        cast_scale = quantization.check_casts([(name, ta.dtype, tb.dtype)], scales)
+        if cast_scale:
+            problems += cast_scale
             continue
         cast = _cast_side(ta.dtype, tb.dtype, policy)
         if ta.dtype != tb.dtype and cast is None:

@@ -137,6 +137,16 @@ CODES: tuple[Code, ...] = (
          "no base weight (or bias) for the adapter to apply to"),
     Code("lora-untrained", "warning", "LoRA adapters",
          "every `lora_B` is zero: folding changes nothing"),
+    # quantized weights (core.quantization)
+    Code("quant-config", "error", "quantization",
+         "`quantization_config` disagrees with the stored tensors: a scale's shape against "
+         "the block size, a scale's or weight's dtype, a module it leaves unquantized stored "
+         "quantized, or no tensor stored the way it says"),
+    Code("quant-scale-missing", "error", "quantization",
+         "a float8 weight without the scale its values need"),
+    Code("quant-no-config", "warning", "quantization",
+         "quantized weights with scales but no `quantization_config`: loaders read them as "
+         "plain weights"),
     # --against
     Code("unchanged-from-base", "warning", "--against",
          "every LoRA target weight of a merged model is bit-identical to OTHER: the adapter "
@@ -147,6 +157,8 @@ CODES: tuple[Code, ...] = (
     Code("dtype-differs", "error", "--against",
          "the same tensor has another dtype (see `--allow-cast`)"),
     Code("data-differs", "error", "--against", "the same tensor has other bytes"),
+    Code("quant-scale-cast", "error", "--against",
+         "a scale of a quantized weight has another dtype: an error with `--allow-cast` too"),
     Code("tie-deduplicated", "info", "--against",
          "OTHER stores a tied copy once, as merge writes it"),
     # --base

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ckpttool.core import contract, dtype_policy, ties
+from ckpttool.core import contract, dtype_policy, quantization, ties
 from ckpttool.core.checkpoint import architecture, structure
 from ckpttool.core.checkpoint.discover import (
     Checkpoint,
@@ -214,6 +214,7 @@ def verify(
     if report.lora is not None:
         report.checks.append("lora")
     problems += dtype_policy.check_dtypes(model, expect)
+    problems += _quantization(model, report)
     if plan is not None:
         problems += [*plan.problems, *done.tied]
         problems += _unchanged_from_base(ckpt, other, plan, done, problems, adapter_config)
@@ -315,6 +316,19 @@ def _manifest_use(manifest: str | os.PathLike[str] | None, action: str | None,
     if check is not None:
         return check, "check"
     return manifest, action
+
+
+def _quantization(model: Checkpoint, report: VerifyReport) -> list[Problem]:
+    """quantization_config against the stored tensors (block size against scale shapes,
+    dtypes, modules left unquantized), for a model that holds quantized weights."""
+    if model.kind != "model":
+        return []
+    stored = {t.name: (t.dtype, tuple(t.shape)) for t in model.tensors}
+    if quantization.scheme(model.hf.config, stored) is None:
+        return []
+    report.checks.append("quantization")
+    return quantization.check(model.hf.config, stored, model.hf.config_path.name
+                              if model.hf.config_path else "config.json")
 
 
 def _check_options(dtype: str | None, *, allow_cast: bool,

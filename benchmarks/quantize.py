@@ -1,0 +1,156 @@
+"""Benchmark quantized weights both ways on a >= 1 GB checkpoint: ``ckpttool merge SRC Q
+--quantize fp8-block`` (bf16 -> block FP8) and ``ckpttool merge Q D --dequantize`` (block
+FP8 -> bf16), each beside ``cp -r`` of a directory of its output's size (the output itself).
+
+    .venv/bin/python benchmarks/quantize.py [--layers 10] [--repeat 1] [--work DIR]
+
+1. Generates once (cached in ``--work``, default /tmp/ckpttool-quant-bench) a bf16
+   Llama-shaped model (TinyLlama's widths: hidden 2048, MLP 5632, 4 KV heads, vocab 32000;
+   10 layers: 1.14 GB) as safetensors in 512 MB shards with a config.json.
+2. Runs each command in a fresh child with its input in the page cache, in rounds (every
+   command once per round): wall time (best of ``--repeat``), CPU time, peak RSS and the
+   1-minute load beside each. ckpttool runs with ``CKPTTOOL_FSYNC=0``: ``cp -r`` does not
+   sync either.
+3. Checks a sample: a quantized weight and its scale against the formula, and its
+   dequantization against DeepSeek's ``weight_dequant`` in torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _measure as M  # noqa: E402
+
+PY = sys.executable
+CKPTTOOL = [PY, "-m", "ckpttool"]
+
+GENERATE = r"""
+import json, sys, torch
+from pathlib import Path
+from safetensors.torch import save_file
+layers, work = int(sys.argv[1]), Path(sys.argv[2])
+h, m, kv, vocab = 2048, 5632, 256, 32000
+g = torch.Generator().manual_seed(0)
+def w(*shape):
+    return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+tensors = {"model.embed_tokens.weight": w(vocab, h), "model.norm.weight": torch.ones(h).bfloat16(),
+           "lm_head.weight": w(vocab, h)}
+for i in range(layers):
+    p = f"model.layers.{i}."
+    tensors.update({p + "self_attn.q_proj.weight": w(h, h), p + "self_attn.k_proj.weight": w(kv, h),
+                    p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, h),
+                    p + "mlp.gate_proj.weight": w(m, h), p + "mlp.up_proj.weight": w(m, h),
+                    p + "mlp.down_proj.weight": w(h, m),
+                    p + "input_layernorm.weight": torch.ones(h).bfloat16(),
+                    p + "post_attention_layernorm.weight": torch.ones(h).bfloat16()})
+out = work / "src"
+out.mkdir(parents=True)
+shards, cur, size, index = [], {}, 0, {}
+for name, t in tensors.items():
+    if size and size + t.nbytes > 512 << 20:
+        shards.append(cur); cur, size = {}, 0
+    cur[name] = t; size += t.nbytes
+shards.append(cur)
+for k, shard in enumerate(shards):
+    fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+    save_file(shard, out / fname, metadata={"format": "pt"})
+    index.update({n: fname for n in shard})
+(out / "model.safetensors.index.json").write_text(json.dumps(
+    {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": index}))
+(out / "config.json").write_text(json.dumps({
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+    "intermediate_size": m, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "num_hidden_layers": layers, "vocab_size": vocab, "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False}))
+"""
+
+CHECK = r"""
+import sys, torch
+from pathlib import Path
+from safetensors import safe_open
+src, q, d = (Path(a) for a in sys.argv[1:4])
+def get(root, name):
+    for f in sorted(root.glob("*.safetensors")):
+        with safe_open(f, "pt") as fh:
+            if name in fh.keys():
+                return fh.get_tensor(name)
+    raise KeyError(name)
+name = "model.layers.3.mlp.down_proj.weight"
+w, qw, s, back = get(src, name), get(q, name), get(q, name + "_scale_inv"), get(d, name)
+rows, cols = w.shape
+for i in range(0, rows, 128):
+    for j in range(0, cols, 128):
+        b = w[i:i + 128, j:j + 128].float()
+        amax = b.abs().amax()
+        sc = amax / 448.0 if amax > 0 else torch.tensor(1.0)
+        assert s[i // 128, j // 128] == sc
+        assert torch.equal((b / sc).to(torch.float8_e4m3fn).view(torch.uint8),
+                           qw[i:i + 128, j:j + 128].view(torch.uint8))
+ii = torch.arange(rows)[:, None] // 128
+jj = torch.arange(cols)[None, :] // 128
+assert torch.equal((qw.float() * s[ii, jj]).to(torch.bfloat16).view(torch.int16), back.view(torch.int16))
+print("sample checked:", name)
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/ckpttool-quant-bench"))
+    args = ap.parse_args()
+    work: Path = args.work
+    src = work / "src"
+    if not src.exists():
+        work.mkdir(parents=True, exist_ok=True)
+        subprocess.run([PY, "-c", GENERATE, str(args.layers), str(work)], check=True)
+    env = {**os.environ, "CKPTTOOL_FSYNC": "0"}
+    q, d = work / "q", work / "d"
+    rows: list[list[object]] = []
+    for label, cmd_in, out, extra in (
+            ("quantize fp8-block", src, q, ["--quantize", "fp8-block"]),
+            ("dequantize", q, d, ["--dequantize"])):
+        best: dict[str, M.Measurement] = {}
+        for _ in range(args.repeat):
+            shutil.rmtree(out, ignore_errors=True)
+            M.warm_page_cache(cmd_in)
+            load = M.load1()
+            run = M.run_measured([*CKPTTOOL, "merge", str(cmd_in), str(out), *extra,
+                                  "--no-progress", "-q"], env=env)
+            if not run.ok:
+                raise SystemExit(f"{label}: {run.error_line()}")
+            if label not in best or run.wall_s < best[label].wall_s:
+                best[label] = run
+                best[label].stdout = f"{load:.1f}"
+            copy = out.with_name(out.name + ".cp")
+            shutil.rmtree(copy, ignore_errors=True)
+            M.warm_page_cache(out)
+            load = M.load1()
+            cp = M.run_measured(["cp", "-r", str(out), str(copy)])
+            shutil.rmtree(copy, ignore_errors=True)
+            if "cp" not in best or cp.wall_s < best["cp"].wall_s:
+                best["cp"] = cp
+                best["cp"].stdout = f"{load:.1f}"
+        size = M.dir_bytes(out)
+        m, c = best[label], best["cp"]
+        rows.append([f"ckpttool merge {' '.join(extra)}", f"{size / 1e9:.2f}", f"{m.wall_s:.2f}",
+                     f"{m.cpu_s or 0:.2f}", f"{m.peak_rss_mb or 0:.0f}", m.stdout,
+                     f"{m.wall_s / c.wall_s:.2f}x"])
+        rows.append([f"cp -r (same {size / 1e9:.2f} GB)", f"{size / 1e9:.2f}", f"{c.wall_s:.2f}",
+                     f"{c.cpu_s or 0:.2f}", f"{c.peak_rss_mb or 0:.0f}", c.stdout, "1.00x"])
+    subprocess.run([PY, "-c", CHECK, str(src), str(q), str(d)], check=True)
+    print(f"source: {M.dir_bytes(src) / 1e9:.2f} GB bf16, {args.layers} layers; "
+          f"{os.cpu_count()} CPUs")
+    print(M.markdown_table(["command", "output GB", "wall s", "CPU s", "peak RSS MB",
+                            "load (1 min)", "vs cp -r"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,446 @@
+"""``merge --dequantize`` and ``merge --quantize fp8-block``: quantized weights decoded to
+floating ones, or floating ones encoded to DeepSeek-style block FP8, as derived tensors
+(:mod:`ckpttool.core.transforms.derive`): each output computed from whole stored tensors, a
+block of rows at a time, so memory is bounded by the largest weight's inputs, never by the
+model, whatever the source format.
+
+Each decode follows the code that wrote the format, operation for operation:
+
+- block FP8 (DeepSeek-V3, transformers' FineGrainedFP8): DeepSeek's ``weight_dequant``,
+  ``fp8.float() * scale_inv[i // bi, j // bj]`` in float32, then the output dtype; edge
+  blocks are the same blocks cut short;
+- MXFP4 (gpt-oss): transformers' ``convert_moe_packed_tensors``: the low nibble first, the
+  e2m1 value table in the output dtype, ``ldexp`` by ``scale - 127``, the last two dims
+  swapped ([E, rows, G, 16] -> [E, G * 32, rows]);
+- NVFP4 (compressed-tensors ``nvfp4-pack-quantized``): the low nibble first, bit 3 the
+  sign, each group of 16 times ``weight_scale / weight_global_scale`` in float32 (the
+  global scale divides: it is stored as ``448 * 6 / amax``);
+- FP8 (compressed-tensors ``float-quantized``): ``fp8.float() * scale`` in float32, the
+  scale per tensor, channel, group or block.
+
+Torch is imported only inside the functions that compute.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ckpttool.core import quantization as q
+from ckpttool.core.transforms.derive import Derived
+from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.formats.base import Tensor
+from ckpttool.formats.codecs import dtypes
+from ckpttool.formats.codecs.dtypes import DType
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckpttool.core.merge.plan import Source
+
+CHOICES = ("fp8-block",)
+BLOCK = (128, 128)  # --quantize fp8-block's weight_block_size
+# Rows decoded at a time where a scheme has no row blocks of its own.
+ROWS = 256
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@dataclass
+class Recoded:
+    """What ``--dequantize`` or ``--quantize`` did: the sources as written, the config.json
+    written with them, and one line each for the report."""
+
+    sources: list[tuple[str, Source]]
+    config: dict[str, Any] | None
+    changes: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    num_weights: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+
+def _torch_dtype(d: DType) -> torch.dtype:
+    import torch
+
+    return getattr(torch, d.torch_name)  # type: ignore[no-any-return]
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    import torch
+
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+def fp8_to_float(w8: torch.Tensor) -> torch.Tensor:
+    """``w8.float()``, the same bits, for float8_e4m3fn: its sign, exponent and mantissa
+    moved into a float16 (whose exponent bias is 8 more: the value / 256, exactly, for
+    subnormals too), widened, times 256 (measured: 2.5x less CPU than torch's float8
+    conversion). NaN codes (0x7F, 0xFF) are converted by torch itself."""
+    import torch
+
+    if w8.dtype != torch.float8_e4m3fn:
+        return w8.float()
+    u = w8.view(torch.uint8).to(torch.int16)
+    magnitude = u & 0x7F
+    half = (magnitude << 7) | ((u & 0x80) << 8)
+    out = half.view(torch.float16).float().mul_(256.0)
+    nan = magnitude == 0x7F
+    if bool(nan.any()):
+        out[nan] = w8[nan].float()
+    return out
+
+
+# --- dequantize ---------------------------------------------------------------------------
+
+def dequantize(sources: list[tuple[str, Source]], config: Mapping[str, Any] | None, *,
+               target: DType | None, config_name: str = "config.json") -> Recoded:
+    """Every quantized weight of ``sources`` as a derived tensor of its decoded values (in
+    ``target``'s dtype, bf16 by default; the dtype policy may cast it further), the scales
+    and activation scales left out, ``quantization_config`` dropped from the config.
+
+    Raises:
+        InputError: nothing in the checkpoint is quantized.
+        UnsupportedError: a scheme ckpttool does not decode (named).
+    """
+    by_name = dict(sources)
+    shapes = {n: (s.dtype, tuple(s.shape)) for n, s in sources}
+    s = q.scheme(config, shapes)
+    if s is None:
+        raise InputError("--dequantize: the checkpoint holds no quantized weight (no "
+                         f"quantization_config in {config_name}, no float8 or packed "
+                         "weights with scales); leave out --dequantize")
+    if s.unsupported is not None:
+        raise UnsupportedError(f"--dequantize: {s.unsupported} ({s.source})")
+    found, other = q.groups(s, by_name)
+    if not found:
+        raise InputError(f"--dequantize: {config_name} says {s.method} but no weight is "
+                         "stored that way; check it with: ckpttool verify SRC")
+    problems = [p for p in q.check(config, shapes, config_name) if p.severity == "error"
+                and p.code != "quant-scale-missing"]
+    if problems:
+        raise InputError(f"--dequantize: {problems[0].message}")
+    out_dtype = target or dtypes.get("BF16")
+    made: dict[str, Derived] = {}
+    for g in found:
+        made[g.out] = _decoder(s, g, by_name, out_dtype)
+    parts = {p for g in found for _, p in g.parts}
+    drop = parts | set(other)
+    for n, src in sources:  # a float8 weight with no scale: refused, not written as is
+        if src.dtype.kind == "float8" and n not in parts:
+            raise InputError(f"--dequantize: tensor '{n}' is {src.dtype.name} with no scale "
+                             "ckpttool can find; its values cannot be decoded")
+    written: list[tuple[str, Source]] = []
+    for n, src in sources:
+        first = next((g.out for g in found if g.part("q") == n), None)
+        if first is not None:
+            written.append((first, made[first]))
+        elif n not in drop:
+            written.append((n, src))
+    new_config = None
+    changes = []
+    if config is not None:
+        new_config = {k: v for k, v in config.items()
+                      if k not in ("quantization_config", "compression_config")}
+        if len(new_config) != len(config):
+            changes.append(f"quantization_config: removed ({len(found)} {s.method} weights "
+                           f"decoded to {out_dtype.name})")
+    return Recoded(written, new_config, changes, sorted(drop - parts), len(found))
+
+
+def _decoder(s: q.Scheme, g: q.Group, by_name: Mapping[str, Source], out: DType) -> Derived:
+    stored = [by_name[p] for _, p in g.parts]
+    if not all(isinstance(t, Tensor) for t in stored):
+        raise UnsupportedError(f"--dequantize: '{g.out}' is computed by another transform "
+                               "(a name map or layout change); merge with --layout stored")
+    qt, sc = by_name[g.part("q")], by_name[g.part("scale")]
+    assert isinstance(qt, Tensor) and isinstance(sc, Tensor)
+    if s.method == q.FP8_BLOCK:
+        assert s.block is not None
+        return _fp8_scaled(g.out, qt, sc, s.block, out, f"block fp8 {list(s.block)}")
+    if s.method == q.FP8_CT:
+        shape = tuple(qt.shape)
+        sshape = tuple(sc.shape)
+        if math.prod(sshape) == 1:
+            block = shape
+        else:
+            block = (math.ceil(shape[0] / sshape[0]), math.ceil(shape[1] / sshape[1]))
+        strategy = _ct_block(s)
+        if strategy is not None:
+            block = strategy
+        return _fp8_scaled(g.out, qt, sc, block, out, "compressed-tensors fp8")
+    if s.method == q.MXFP4:
+        return _mxfp4(g.out, qt, sc, out)
+    assert s.method == q.NVFP4
+    gs = by_name[g.part("global")]
+    assert isinstance(gs, Tensor)
+    return _nvfp4(g.out, qt, sc, gs, out)
+
+
+def _ct_block(s: q.Scheme) -> tuple[int, int] | None:
+    for w in q._ct_weights(s.config):
+        size = w.get("block_structure")
+        if w.get("strategy") == "block" and isinstance(size, list) and len(size) == 2:
+            return (int(size[0]), int(size[1]))
+    return None
+
+
+def _fp8_scaled(name: str, weight: Tensor, scale: Tensor, block: tuple[int, ...], out: DType,
+                what: str) -> Derived:
+    """``weight.float() * scale[i // block[0], j // block[1]]`` (float32), in ``out``."""
+    if len(weight.shape) != 2:
+        raise UnsupportedError(f"--dequantize: '{name}' is {list(weight.shape)}; {what} "
+                               "weights of 2 dims are decoded")
+    rows, cols = weight.shape
+    br, bc = block[0], block[1]
+    per_tensor = math.prod(scale.shape) == 1
+    if not per_tensor and tuple(scale.shape) != q.ceil_blocks((rows, cols), (br, bc)):
+        raise InputError(f"--dequantize: '{name}_scale' shape {list(scale.shape)} does not "
+                         f"fit {list(weight.shape)} in blocks of {[br, bc]}")
+    # Whole blocks of columns: a block of rows at a time, each scale broadcast over its
+    # block (no per-element factor made); else rows in ROWS, the factor gathered.
+    broadcast = not per_tensor and cols % bc == 0 and br <= 4 * ROWS
+    step = br if broadcast else ROWS
+
+    def pieces(ts: list[torch.Tensor], target: torch.dtype) -> Iterator[memoryview]:
+        import torch
+
+        w8, s32 = ts
+        s32 = s32.float().reshape(1, 1) if per_tensor else s32.float()
+        for lo in range(0, rows, step):
+            hi = min(lo + step, rows)
+            x = fp8_to_float(w8[lo:hi])
+            if per_tensor:
+                x.mul_(s32)
+            elif broadcast:
+                x.view(hi - lo, cols // bc, bc).mul_(s32[lo // br].view(1, -1, 1))
+            else:
+                idx = torch.arange(lo, hi) // br
+                x.mul_(s32[idx].repeat_interleave(bc, dim=1)[:, :cols])
+            yield _bytes(x.to(target))
+
+    def compute(ts: list[torch.Tensor]) -> torch.Tensor:
+        import torch
+
+        return torch.cat([torch.frombuffer(bytearray(p), dtype=torch.float32)
+                          for p in pieces(ts, torch.float32)]).reshape(rows, cols)
+
+    return Derived(name, (weight, scale), out, (rows, cols), compute, f"dequantized: {what}",
+                   pieces=pieces)
+
+
+def _mxfp4(name: str, blocks: Tensor, scales: Tensor, out: DType) -> Derived:
+    """transformers' MXFP4 decode of [..., rows, G, 16] bytes and [..., rows, G] exponents,
+    per leading index, as [..., G * 32, rows]."""
+    shape = tuple(blocks.shape)
+    if len(shape) != 4 or tuple(scales.shape) != shape[:-1]:
+        raise InputError(f"--dequantize: '{name}_blocks' {list(shape)} and '{name}_scales' "
+                         f"{list(scales.shape)} are not MXFP4's [..., rows, G, 16] and "
+                         "[..., rows, G]")
+    outer, rows, groups_, width = shape
+    out_shape = (outer, groups_ * width * 2, rows)
+
+    def pieces(ts: list[torch.Tensor], target: torch.dtype) -> Iterator[memoryview]:
+        import torch
+
+        b8, e8 = ts
+        b8 = b8.reshape(outer, rows * groups_, width)
+        exps = e8.reshape(outer, rows * groups_, 1).to(torch.int32) - 127
+        lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=target)
+        for k in range(outer):
+            blk = b8[k]
+            vals = torch.empty(rows * groups_, width * 2, dtype=target)
+            vals[:, 0::2] = lut[(blk & 0x0F).to(torch.int)]
+            vals[:, 1::2] = lut[(blk >> 4).to(torch.int)]
+            torch.ldexp(vals, exps[k], out=vals)
+            yield _bytes(vals.reshape(rows, groups_ * width * 2).T.contiguous())
+
+    def compute(ts: list[torch.Tensor]) -> torch.Tensor:
+        import torch
+
+        return torch.cat([torch.frombuffer(bytearray(p), dtype=torch.float32)
+                          for p in pieces(ts, torch.float32)]).reshape(out_shape)
+
+    return Derived(name, (blocks, scales), out, out_shape, compute, "dequantized: mxfp4",
+                   pieces=pieces)
+
+
+def _nvfp4(name: str, packed: Tensor, scale: Tensor, global_scale: Tensor, out: DType
+           ) -> Derived:
+    """compressed-tensors' NVFP4: e2m1 pairs (low nibble first, bit 3 the sign) times
+    ``scale.float() / global_scale`` per group of 16 along the rows."""
+    rows, half = packed.shape
+    cols = half * 2
+    group = cols // scale.shape[1] if scale.shape[1] else 16
+    if group * scale.shape[1] != cols or scale.shape[0] != rows:
+        raise InputError(f"--dequantize: '{name}_scale' {list(scale.shape)} does not fit "
+                         f"{[rows, cols]} in groups along the rows")
+
+    def pieces(ts: list[torch.Tensor], target: torch.dtype) -> Iterator[memoryview]:
+        import torch
+
+        p8, s8, g32 = ts
+        gs = g32.float().reshape(())
+        lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32)
+        for lo in range(0, rows, ROWS):
+            hi = min(lo + ROWS, rows)
+            blk = p8[lo:hi]
+            vals = torch.empty(hi - lo, cols, dtype=torch.float32)
+            vals[:, 0::2] = lut[(blk & 0x0F).to(torch.int)]
+            vals[:, 1::2] = lut[(blk >> 4).to(torch.int)]
+            factor = s8[lo:hi].float() / gs
+            res = (vals.view(hi - lo, cols // group, group) * factor.unsqueeze(-1))
+            yield _bytes(res.reshape(hi - lo, cols).to(target))
+
+    def compute(ts: list[torch.Tensor]) -> torch.Tensor:
+        import torch
+
+        return torch.cat([torch.frombuffer(bytearray(p), dtype=torch.float32)
+                          for p in pieces(ts, torch.float32)]).reshape(rows, cols)
+
+    return Derived(name, (packed, scale, global_scale), out, (rows, cols), compute,
+                   "dequantized: nvfp4", pieces=pieces)
+
+
+# --- quantize -----------------------------------------------------------------------------
+
+ROUTERS = ("gate", "router")  # a mixture of experts' router: kept (its logits pick experts)
+
+
+def quantizable(name: str, src: Source, ignore: Sequence[str]) -> bool:
+    """A Linear weight of a decoder layer: ``...layers.N....weight``, 2 dims, floating, not
+    a norm, an embedding, a router gate or ``lm_head``, and not matched by ``ignore``."""
+    if not name.endswith(".weight") or len(src.shape) != 2 or not src.dtype.is_float:
+        return False
+    module = q.module_of(name)
+    parts = module.split(".")
+    if not any(p == "layers" and i + 1 < len(parts) and parts[i + 1].isdecimal()
+               for i, p in enumerate(parts)):
+        return False
+    last = parts[-1]
+    if "norm" in last or "embed" in module or last in ROUTERS or "lm_head" in module:
+        return False
+    return not q.matches(module, ignore)
+
+
+def quantize(sources: list[tuple[str, Source]], config: Mapping[str, Any] | None, *,
+             scheme: str, ignore: Sequence[str] = ()) -> Recoded:
+    """The decoder layers' Linear weights as float8_e4m3fn per 128 x 128 block with their
+    float32 ``weight_scale_inv`` (``amax(|w|) / 448``, 1.0 for a zero block), the rest kept;
+    config.json's ``quantization_config`` as transformers' FineGrainedFP8 reads it, the
+    Linear modules left unquantized in ``modules_to_not_convert``.
+
+    Raises:
+        InputError: an unknown scheme, or nothing to quantize.
+        UnsupportedError: the checkpoint is quantized already.
+    """
+    if scheme not in CHOICES:
+        raise InputError(f"unknown --quantize {scheme!r}; use one of: {', '.join(CHOICES)}")
+    shapes = {n: (s.dtype, tuple(s.shape)) for n, s in sources}
+    by_shape = {n: shape for n, (_, shape) in shapes.items()}
+    if q.scheme(config, shapes) is not None:
+        raise UnsupportedError("--quantize: the checkpoint is quantized already; re-quantizing "
+                               "is not supported: merge with --dequantize first, then "
+                               "--quantize the result")
+    written: list[tuple[str, Source]] = []
+    kept_linear: list[str] = []
+    edges: list[str] = []
+    num = 0
+    for n, src in sources:
+        if quantizable(n, src, ignore):
+            if src.shape[0] % BLOCK[0] or src.shape[1] % BLOCK[1]:
+                edges.append(n)
+            weight, scale = _fp8_block(n, src)
+            written += [(n, weight), (n + "_scale_inv", scale)]
+            num += 1
+            continue
+        written.append((n, src))
+        if n.endswith(".weight") and len(src.shape) == 2 and src.dtype.is_float:
+            module = q.module_of(n)
+            if "embed" not in module and "norm" not in module.rpartition(".")[2]:
+                kept_linear.append(module)
+    if not num:
+        raise InputError("--quantize: no Linear weight of a decoder layer (model.layers.N...) "
+                         "to quantize; nothing was written")
+    qc: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                          "weight_block_size": list(BLOCK)}
+    if kept_linear:
+        qc["modules_to_not_convert"] = kept_linear
+    new_config = dict(config or {})
+    new_config["quantization_config"] = qc
+    changes = [f"quantization_config: fp8 e4m3 in {list(BLOCK)} blocks ({num} weights; "
+               f"{len(kept_linear)} Linear modules kept)"]
+    warnings = []
+    if edges:
+        warnings.append(
+            f"--quantize: {len(edges)} weights (e.g. '{edges[0]}' {list(by_shape[edges[0]])}) "
+            f"have dimensions that are no multiple of {BLOCK[0]}: their edge blocks are "
+            "written as DeepSeek's format has them, but transformers' CPU loader refuses "
+            "them (it dequantizes whole blocks only); keep them with --quantize-ignore")
+    return Recoded(written, new_config if config is not None else None, changes, [], num,
+                   warnings)
+
+
+def _fp8_block(name: str, src: Source) -> tuple[Derived, Derived]:
+    """The weight as float8_e4m3fn per block and its float32 ``weight_scale_inv``."""
+    rows, cols = src.shape
+    br, bc = BLOCK
+    grid = q.ceil_blocks((rows, cols), BLOCK)
+    f8, f32 = dtypes.get("F8_E4M3"), dtypes.get("F32")
+
+    def row_scales(w: torch.Tensor) -> torch.Tensor:
+        """amax(|w.float()|) / 448 per block of one block of rows, 1.0 where the block is
+        zero: [col blocks] float32."""
+        import torch
+
+        pad = grid[1] * bc - cols
+        blk = w.abs() if w.dtype == torch.float32 else w.float().abs()
+        if pad:
+            blk = torch.nn.functional.pad(blk, (0, pad))
+        amax = blk.reshape(blk.shape[0], grid[1], bc).amax(dim=(0, 2))
+        s = amax / q.FP8_MAX
+        return torch.where(amax == 0, torch.ones_like(s), s)
+
+    def scales(w: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        return torch.stack([row_scales(w[i * br:(i + 1) * br]) for i in range(grid[0])])
+
+    def weight_pieces(ts: list[torch.Tensor], target: torch.dtype) -> Iterator[memoryview]:
+        import torch
+
+        (w,) = ts
+        for i in range(grid[0]):
+            lo, hi = i * br, min((i + 1) * br, rows)
+            x = w[lo:hi].to(torch.float32, copy=True)  # divided in place: not the input
+            s = row_scales(x)
+            if cols % bc == 0:
+                x.view(hi - lo, grid[1], bc).div_(s.view(1, -1, 1))
+            else:
+                x.div_(s.repeat_interleave(bc)[:cols])
+            yield _bytes(x.to(torch.float8_e4m3fn).to(target))
+
+    def weight_compute(ts: list[torch.Tensor]) -> torch.Tensor:
+        import torch
+
+        data = bytearray()
+        for p in weight_pieces(ts, torch.float8_e4m3fn):
+            data += p
+        return torch.frombuffer(data, dtype=torch.float8_e4m3fn).reshape(rows, cols)
+
+    def scale_compute(ts: list[torch.Tensor]) -> torch.Tensor:
+        return scales(ts[0])
+
+    # In pieces (one): the weight is then read where it lies in the page cache, not copied.
+    def scale_pieces(ts: list[torch.Tensor], target: torch.dtype) -> Iterator[memoryview]:
+        yield _bytes(scales(ts[0]).to(target))
+
+    if not isinstance(src, Tensor):
+        raise UnsupportedError(f"--quantize: '{name}' is computed by another transform (a LoRA "
+                               "fold, a name map); merge it first, then --quantize the result")
+    weight = Derived(name, (src,), f8, (rows, cols), weight_compute,
+                     "quantized: fp8 block 128x128", pieces=weight_pieces)
+    scale = Derived(name + "_scale_inv", (src,), f32, grid, scale_compute,
+                    "weight_scale_inv: amax / 448 per 128x128 block", pieces=scale_pieces)
+    return weight, scale
