@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from ckpttool.core import quantization
 from ckpttool.core.runtime.report import Section, section
 from ckpttool.core.transforms import hub_layout
 from ckpttool.errors import InputError, UnsupportedError, UsageError
@@ -322,8 +323,9 @@ def compare(planned: Shapes, exp: Expected, config: Mapping[str, Any], *,
     """Pure: ``planned`` against ``exp``; hub-layout parts stand for the runtime tensor
     they make, tied targets may be absent where their source is there."""
     planned = _renamed(planned, exp.renames)
+    planned, quantized, free = _quantized(planned, config)
     out = Contract(loader, True, consumer=exp.consumer, expected=len(exp.tensors))
-    taken: set[str] = set()
+    taken: set[str] = set(quantized)
     ignore_missing = _regex(exp.ignore_missing)
     for name, shape in exp.tensors.items():
         forms = _forms(name, shape, config)
@@ -334,7 +336,8 @@ def compare(planned: Shapes, exp: Expected, config: Mapping[str, Any], *,
                 break
         if found is not None:
             taken.update(n for n, _ in found)
-            bad = [(n, s) for n, s in found if tuple(planned[n]) != tuple(s)]
+            bad = [(n, s) for n, s in found
+                   if n not in free and tuple(planned[n]) != tuple(s)]
             out.misshapen += [Mismatch(n, list(planned[n]), list(s)) for n, s in bad]
             continue
         partial = [n for form in forms for n, _ in form if n in planned]
@@ -355,6 +358,36 @@ def compare(planned: Shapes, exp: Expected, config: Mapping[str, Any], *,
         else:
             out.extra.append(name)
     return out
+
+
+def _quantized(planned: Shapes, config: Mapping[str, Any]
+               ) -> tuple[Shapes, set[str], set[str]]:
+    """A model config.json says is quantized, as transformers' quantizer builds it: each
+    group of stored parts (a float8 weight and its scale, MXFP4 blocks and scales, NVFP4
+    packed values and scales) stands for its module's weight, and the other quantization
+    tensors (activation scales, zero points) are the quantized module's own.
+
+    Returns:
+        ``planned`` with each group's weight present; the stored names that are part of
+        a quantized module (taken, never extra); the weights whose stored shape the scheme
+        decides (packed, blocked: not compared with the unquantized shape).
+    """
+    if quantization.quantization_config(config) is None:
+        return planned, set(), set()
+    s = quantization.scheme(config, {})
+    if s is None:
+        return planned, set(), set()
+    found, other = quantization.groups(s, planned)
+    out = dict(planned)
+    taken, free = set(other), set()
+    for g in found:
+        parts = {p for _, p in g.parts}
+        taken |= parts - {g.out}
+        if g.out not in planned or g.part("q") != g.out:
+            out.setdefault(g.out, planned[g.part("q")])
+            free.add(g.out)
+            taken.add(g.part("q"))
+    return out, taken, free
 
 
 def compare_state_dict(planned: Shapes, exp: Expected, *, prefix: str | None = None,

@@ -553,3 +553,25 @@ def test_tensors_transformers_ignores_on_load_are_no_warning(llama: tuple[Any, P
     result = contract.check(planned, config)
     assert result.ok and result.extra == []
     assert result.ignored == ["model.layers.0.self_attn.rotary_emb.inv_freq"]
+
+
+def test_a_quantized_model_is_held_to_its_quantized_layout() -> None:
+    """config.json's quantization_config: the scales are the quantized module's own (not
+    extra), MXFP4's blocks and scales stand for the weight they make (not missing)."""
+    config = _llama(tie=False).config.to_dict()
+    model = contract.expected(config)
+    planned = dict(model.tensors)
+    fp8 = {**config, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                             "weight_block_size": [128, 128]}}
+    with_scales = {**planned, **{n + "_scale_inv": (1, 1) for n in planned
+                                 if n.endswith("proj.weight")}}
+    got = contract.check(with_scales, fp8)
+    assert got.checked and not got.missing and not got.misshapen and not got.extra
+    plain = contract.check(with_scales, config)
+    assert plain.extra  # unquantized config: transformers would drop the scales
+    mx = {**config, "quantization_config": {"quant_method": "mxfp4"}}
+    name = next(n for n in planned if n.endswith("down_proj.weight"))
+    blocked = {n: s for n, s in planned.items() if n != name}
+    blocked |= {name + "_blocks": (4, 2, 16), name + "_scales": (4, 2)}
+    got = contract.check(blocked, mx)
+    assert not got.missing and not got.misshapen and not got.extra
