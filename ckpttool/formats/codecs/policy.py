@@ -412,6 +412,17 @@ def _static(module: str, name: str) -> Any:
     return obj
 
 
+def _enum_member(module: str, name: str) -> Any:
+    """The value of an Enum member a module names at its top (Python 3.10 pickles
+    ``signal.SIGTERM`` so: ``signal`` exports its members), else :data:`_MISSING`."""
+    if "." in name:
+        return _MISSING
+    obj = _static(module, name)
+    if isinstance(obj, enum.Enum) and type(obj.value) in _PLAIN_VALUES:
+        return obj.value
+    return _MISSING
+
+
 def _inert_class(cls: type) -> bool:
     """A class whose pickle is its plain state: no ``__reduce__``, ``__reduce_ex__`` or
     ``__setstate__`` of its own (a stand-in replays the state; this says what it means)."""
@@ -448,6 +459,9 @@ def data_global(module: str, name: str) -> Any | None:
     or is unknown. The last step of every format's lookup."""
     if (module, name) in _DATA:
         return _DATA[(module, name)]()
+    member = _enum_member(module, name)
+    if member is not _MISSING:
+        return member
     if can_run_anything(module, name):
         return None
     found = _resolved(module, name)
@@ -463,6 +477,8 @@ def kind(module: str, name: str) -> str:
     """:data:`DATA`, :data:`RUNS_CODE` or :data:`UNKNOWN` for ``module.name``."""
     if module in ("builtins", "__builtin__") and name.startswith("getattr("):
         return RUNS_CODE  # a getattr the Enum rule refused (Refused's name says on what)
+    if _enum_member(module, name) is not _MISSING:
+        return DATA
     if can_run_anything(module, name):
         return RUNS_CODE
     obj = _static(module, name)
