@@ -6,6 +6,7 @@ runs this file, with the checkpoints of ``tests/formats/test_pythons.py``, on 3.
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import subprocess
 import sys
@@ -45,6 +46,7 @@ def test_cli_verifies_a_checkpoint() -> None:
     src = ROOT / "tests" / "data" / "pythons" / "py313" / "dcp"
     r = subprocess.run([sys.executable, "-m", "ckpttool", "verify", str(src)],
                        capture_output=True, text=True, cwd=ROOT, check=False,
-                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                           [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("verify OK"), r.stdout

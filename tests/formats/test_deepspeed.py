@@ -22,6 +22,7 @@ import ckpttool
 from ckpttool.cli import app
 from ckpttool.errors import InputError
 from ckpttool.formats import deepspeed, registry
+from ckpttool.formats.codecs import torchsave
 from tests import ds_layouts
 from tests.core.test_merge import assert_bit_exact, load_out
 
@@ -239,7 +240,11 @@ def test_zero_stage_stand_in_refuses_nonsense() -> None:
     assert stage(3) == 3
     with pytest.raises(pickle.UnpicklingError):
         stage(9)
-    assert deepspeed.deepspeed_global("deepspeed.runtime.engine", "DeepSpeedEngine") is None
+    # A class of a module not imported: only an Enum member's shape reads (the pickle
+    # policy); built any other way it is refused, naming it.
+    engine = deepspeed.deepspeed_global("deepspeed.runtime.engine", "DeepSpeedEngine")
+    with pytest.raises(torchsave.Refused, match="deepspeed.runtime.engine.DeepSpeedEngine"):
+        engine()
     assert deepspeed.deepspeed_global("builtins", "eval") is None
 
 

@@ -291,3 +291,10 @@ def test_deep_torch_save_pickle_is_one_line(tmp_path: Path, nesting: str) -> Non
 def test_a_function_of_an_imported_module_runs_code() -> None:
     assert policy.kind("tests.formats.test_pickle_policy", "megatron_lookup") == policy.RUNS_CODE
     assert policy.kind("torch._utils", "_rebuild_qtensor") == policy.UNKNOWN  # torch's own
+
+
+def test_a_member_named_at_its_module_top_is_data() -> None:
+    """Python 3.10 pickles signal.SIGTERM as the global ``signal.SIGTERM``."""
+    assert policy.kind("signal", "SIGTERM") == policy.DATA
+    assert torchsave.record_global("signal", "SIGTERM") == int(signal.SIGTERM)
+    assert policy.kind("signal", "signal") == policy.RUNS_CODE

@@ -24,7 +24,6 @@ from tests.formats.test_dcp_metadata import _same
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "pythons"
 PYTHONS = ["py310", "py312", "py313"]
-PYTHONS = ["py313"]  # TEMP
 
 
 def test_every_declared_python_has_its_fixture() -> None:

@@ -381,7 +381,7 @@ def _top_modules(module: str) -> Iterable[str]:
     return (".".join(parts[:i]) for i in range(1, len(parts) + 1))
 
 
-def runs_code(module: str, name: str) -> bool:
+def can_run_anything(module: str, name: str) -> bool:
     """``module.name`` can run code: a runs-code module (or a submodule of one) and not one
     of the data globals, or a runs-code callable."""
     if (module, name) in _DATA or (module, name) in _RUNS_CODE_NAMES:
@@ -410,6 +410,17 @@ def _static(module: str, name: str) -> Any:
         if obj is _MISSING:
             return _MISSING
     return obj
+
+
+def _enum_member(module: str, name: str) -> Any:
+    """The value of an Enum member a module names at its top (Python 3.10 pickles
+    ``signal.SIGTERM`` so: ``signal`` exports its members), else :data:`_MISSING`."""
+    if "." in name:
+        return _MISSING
+    obj = _static(module, name)
+    if isinstance(obj, enum.Enum) and type(obj.value) in _PLAIN_VALUES:
+        return obj.value
+    return _MISSING
 
 
 def _inert_class(cls: type) -> bool:
@@ -448,7 +459,10 @@ def data_global(module: str, name: str) -> Any | None:
     or is unknown. The last step of every format's lookup."""
     if (module, name) in _DATA:
         return _DATA[(module, name)]()
-    if runs_code(module, name):
+    member = _enum_member(module, name)
+    if member is not _MISSING:
+        return member
+    if can_run_anything(module, name):
         return None
     found = _resolved(module, name)
     if found is not None:
@@ -463,7 +477,9 @@ def kind(module: str, name: str) -> str:
     """:data:`DATA`, :data:`RUNS_CODE` or :data:`UNKNOWN` for ``module.name``."""
     if module in ("builtins", "__builtin__") and name.startswith("getattr("):
         return RUNS_CODE  # a getattr the Enum rule refused (Refused's name says on what)
-    if runs_code(module, name):
+    if _enum_member(module, name) is not _MISSING:
+        return DATA
+    if can_run_anything(module, name):
         return RUNS_CODE
     obj = _static(module, name)
     if callable(obj) and not isinstance(obj, type) and module.split(".")[0] != "torch":
@@ -487,7 +503,7 @@ def one_bit_from(refused: Refused, lookup: Callable[[str, str], Any | None]) -> 
                 flipped = text[:i] + chr(ord(char) ^ (1 << bit)) + text[i + 1:]
                 module, name = (flipped, refused.name) if in_module else (
                     refused.module, flipped)
-                if runs_code(module, name):
+                if can_run_anything(module, name):
                     continue
                 try:
                     found = lookup(module, name)

@@ -96,13 +96,23 @@ class AllowListUnpickler(pickle.Unpickler):
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 failure.append(e)
 
+        stack = min(max(_STACK_PER_BYTE * size, 16 << 20), _MAX_STACK)
         with _STACK_LOCK:  # stack_size is process-wide: set, start, restore
-            old = threading.stack_size(min(max(_STACK_PER_BYTE * size, 16 << 20), _MAX_STACK))
-            try:
-                thread = threading.Thread(target=run, name="ckpttool-unpickle", daemon=True)
-                thread.start()
-            finally:
-                threading.stack_size(old)
+            while True:
+                old = threading.stack_size(stack)
+                try:
+                    thread = threading.Thread(target=run, name="ckpttool-unpickle",
+                                              daemon=True)
+                    thread.start()
+                    break
+                except (RuntimeError, MemoryError):
+                    # Not that much address space here: a smaller stack still holds any
+                    # pickle that real checkpoints nest (a handful of levels).
+                    if stack <= 16 << 20:
+                        raise
+                    stack //= 4
+                finally:
+                    threading.stack_size(old)
         thread.join()
         if failure:
             raise failure[0]
