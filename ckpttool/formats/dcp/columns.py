@@ -1015,7 +1015,10 @@ class _Machine:
             if i + 1 >= n:
                 raise Fallback("setitems")
             v = items[i + 1]
-            if isinstance(k, _Marker) or isinstance(v, _Marker):
+            if isinstance(k, _Marker) or isinstance(v, _Marker) or type(k) is tuple:
+                # DCP's keys are names and MetadataIndex objects; hashing a tuple recurses
+                # in C without a limit (a deep one overflows the stack): the allow-list
+                # path loads such a pickle on a deep enough stack.
                 raise Fallback("setitems")
             try:
                 d[k] = v

@@ -74,7 +74,7 @@ from ckpttool.formats.base import (
     Tensor,
     error,
 )
-from ckpttool.formats.codecs import archive, torchsave, zstd
+from ckpttool.formats.codecs import archive, policy, torchsave, zstd
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.formats.dcp import columns as dcp_metadata
 from ckpttool.formats.dcp.records import (
@@ -153,10 +153,6 @@ _STORAGE_INFO = _METADATA_CLASSES["_StorageInfo"]
 _METADATA_INDEX = _METADATA_CLASSES["MetadataIndex"]
 _CHUNK_METADATA = _METADATA_CLASSES["ChunkStorageMetadata"]
 
-def _path(*parts: Any) -> str:
-    return "/".join(str(p) for p in parts)
-
-
 # How TensorProperties pickles its memory format (torch 2.13's members, unchanged since 2.0).
 _MEM_FORMAT_ENCODING = torchsave.EnumClass("_MEM_FORMAT_ENCODING", {
     "TORCH_CONTIGUOUS_FORMAT": 0, "TORCH_CHANNELS_LAST": 1, "TORCH_PRESERVE_FORMAT": 2})
@@ -176,22 +172,16 @@ def _metadata_global(module: str, name: str) -> Any | None:
         return tuple if name == "Size" else torchsave.torch_attr(name)
     if module == "torch.serialization" and name == "_get_layout":
         return str
-    if module == "pathlib" and name in (
-        "PosixPath",
-        "WindowsPath",
-        "PurePosixPath",
-        "PureWindowsPath",
-        "Path",
-    ):
-        return _path
     if module == "collections" and name == "OrderedDict":
         return dict
-    return None
+    # The rest by what it is (the one pickle policy): paths under every Python (3.13's
+    # pathlib._local.PosixPath as StorageMeta.checkpoint_id), enums, namespaces...
+    return policy.data_global(module, name)
 
 
 def _unpickle(data: bytes, lookup: Callable[[str, str], Any | None], where: str) -> Any:
     try:
-        return torchsave.AllowListUnpickler(io.BytesIO(data), lookup, where).load()
+        return torchsave.AllowListUnpickler(io.BytesIO(data), lookup, where).load_deep(len(data))
     except MemoryError as err:  # a damaged length field asks for an absurd buffer
         raise pickle.UnpicklingError("a length in the pickle is beyond its data") from err
     except (torchsave.Refused, CkptError, pickle.UnpicklingError):
@@ -260,7 +250,8 @@ def _refusal(path: Path, refused: torchsave.Refused, data: bytes, lookup: Lookup
             f"('{others[0]}'); not supported as a plain DCP directory yet. A Megatron-Core "
             "torch_dist checkpoint is read from its iter_NNNNNNN directory with its "
             "metadata.json, or from the run directory (latest_checkpointed_iteration.txt)")
-    return torchsave.refusal(path, refused, lookup, "a DCP .metadata never contains")
+    return torchsave.refusal(path, refused, lookup, "a DCP .metadata never contains",
+                             names=torchsave.named_global_pairs(data))
 
 
 def detect(path: Path) -> bool:
