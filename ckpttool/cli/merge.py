@@ -110,6 +110,7 @@ def merge_command(
     workers: Workers = None,
     iteration: Iteration = None,
     dry_run: _DryRunOption = False,
+    no_check_crc: _NoCheckCrcOption = False,
     slice_: _SliceOption = None,
     finish: _FinishOption = False,
     all_: _AllOption = False,
@@ -146,7 +147,7 @@ def merge_command(
                 "dtype": dtype, "max_shard_size": max_shard_size, "config": config,
                 "keep_tied": keep_tied, "lora": lora, "adapter": adapter,
                 "adapter_config": adapter_config, "part": part, "names": names,
-                "layout": layout},
+                "layout": layout, **({"check_crc": False} if no_check_crc else {})},
             steps=steps, task=task, overwrite=overwrite, dry_run=dry_run, settle=settle,
             watch=watch, poll=poll, then=then, workers=workers, follow_links=follow_links,
             json_output=json_output, quiet=quiet)
@@ -171,7 +172,8 @@ def merge_command(
                            workers=workers, follow_links=follow_links, lora=lora,
                            adapter=adapter, adapter_config=adapter_config, part=part,
                            names=names, layout=layout, dry_run=dry_run, shared=shared,
-                           progress=progress, on_start=on_start, iteration=iteration)
+                           progress=progress, on_start=on_start, iteration=iteration,
+                           check_crc=not no_check_crc)
         finally:
             bar.stop()
             for note in take_stale_notes():  # a killed run's leftovers, now removed
@@ -484,6 +486,10 @@ _LayoutOption = Annotated[str, typer.Option(
         "reads it; stored: transformers 5's runtime names and fused experts as stored.")
     ]
 
+_NoCheckCrcOption = Annotated[bool, typer.Option(
+        "--no-check-crc", help="Copy stored records without checking the CRC-32 each one "
+        "carries (checked by default: a damaged record stops the merge with exit 3, naming "
+        "the tensor, file and byte, and nothing is written).")]
 _DryRunOption = Annotated[bool, typer.Option(
         "--dry-run", help="Show what would be written (files, sizes, every tensor's name, "
         "dtype and shape) after every check a merge makes, and write nothing: OUT is not "
