@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ckpttool import settings
 from ckpttool.errors import CkptError, InputError, OutputError, TransportError, UnsupportedError
 from ckpttool.storage import outputs
 from ckpttool.storage import store as stores
@@ -66,12 +67,13 @@ MAX_PARTS = 10_000
 # errors, 5xx, throttling) with its own backoff, up to ATTEMPTS times; a body that breaks off,
 # arrives short or stalls is fetched again here, RETRIES times with backoff. Then the failure
 # is a one-line TransportError naming the object, never "corrupt".
-CONNECT_TIMEOUT = 10  # s, to open a connection
-READ_TIMEOUT = 30  # s, for any single read from the socket
+CONNECT_TIMEOUT = 10  # s at most, to open a connection
+# Any single read from the socket waits at most settings.request_timeout() (30 s by default);
+# a request and its retries give up after settings.request_deadline().
 ATTEMPTS = 5
 RETRIES = 4
 BACKOFF = 0.25  # s, doubled at each retry (with jitter)
-# A body slower than this (after READ_TIMEOUT of grace) is given up and fetched again: a
+# A body slower than this (after a request timeout of grace) is given up and fetched again: a
 # server that trickles a byte at a time never trips the socket timeout.
 MIN_RATE = 256 << 10  # bytes per second
 
@@ -144,7 +146,8 @@ def client(url: Url) -> Any:
                                        f"with: {EXTRA}") from err
             config = Config(retries={"max_attempts": ATTEMPTS, "mode": "standard"},
                             max_pool_connections=2 * CONCURRENCY,
-                            connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT)
+                            connect_timeout=min(CONNECT_TIMEOUT, settings.request_timeout()),
+                            read_timeout=settings.request_timeout())
             _client = boto3.session.Session().client("s3", config=config)
         return _client
 
@@ -243,7 +246,7 @@ class _Stalled(Exception):
 
 def _read_body(body: Any, size: int) -> bytes:
     """The whole body of a ranged GET of ``size`` bytes, given up (:class:`_Stalled`) when
-    it arrives slower than :data:`MIN_RATE` after :data:`READ_TIMEOUT` s of grace.
+    it arrives slower than :data:`MIN_RATE` after a request timeout of grace.
 
     Reads with ``read1`` of the urllib3 response under botocore's ``StreamingBody`` (a
     private attribute, touched here only): ``StreamingBody.read(n)`` waits for all ``n``
@@ -255,7 +258,8 @@ def _read_body(body: Any, size: int) -> bytes:
     if read1 is None:  # pragma: no cover - another botocore: one blocking read
         data: bytes = body.read()
         return data
-    deadline = time.monotonic() + READ_TIMEOUT + size / MIN_RATE
+    grace = settings.request_timeout()
+    deadline = time.monotonic() + grace + size / MIN_RATE
     parts = []
     got = 0
     while got < size:
@@ -265,7 +269,7 @@ def _read_body(body: Any, size: int) -> bytes:
         parts.append(piece)
         got += len(piece)
         if time.monotonic() > deadline:
-            raise _Stalled(f"{got} of {size} bytes in {READ_TIMEOUT + size / MIN_RATE:.0f} s")
+            raise _Stalled(f"{got} of {size} bytes in {grace + size / MIN_RATE:.0f} s")
     return b"".join(parts)
 
 
@@ -285,9 +289,15 @@ def get_range(url: Url, offset: int, size: int, etag: str | None = None) -> byte
     c = client(url)
     extra = {"IfMatch": etag} if etag else {}
     failure: BaseException | None = None
+    # A store that accepts requests and never answers: given up here, whatever the retries.
+    deadline = time.monotonic() + settings.request_deadline() + size / MIN_RATE
+    tries = 0
     for attempt in range(RETRIES + 1):
         if attempt:
+            if time.monotonic() >= deadline:
+                break
             time.sleep(BACKOFF * 2 ** (attempt - 1) * (0.5 + random.random()))
+        tries += 1
         try:
             r = c.get_object(Bucket=url.bucket, Key=url.key,
                              Range=f"bytes={offset}-{offset + size - 1}", **extra)
@@ -310,7 +320,7 @@ def get_range(url: Url, offset: int, size: int, etag: str | None = None) -> byte
                 raise error(e, url, "reading") or e from e
             failure = e
     raise TransportError(
-        f"{url}: reading {size:,} bytes at byte {offset:,} failed {RETRIES + 1} times "
+        f"{url}: reading {size:,} bytes at byte {offset:,} failed {tries} times "
         f"({_why(failure)}); the network or the object store is failing (not the "
         "checkpoint), run again later") from failure
 

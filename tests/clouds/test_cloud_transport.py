@@ -57,3 +57,25 @@ def test_an_unreachable_store_is_one_line_naming_the_object(
     text = str(e.value)
     assert "\n" not in text and text.startswith(f"{url}: reading 4,096 bytes at byte 0 failed")
     assert "failing (not the checkpoint)" in text
+
+
+def test_a_store_that_never_answers_is_given_up(azure: Cloud, quick: None,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Accepted and never answered: obstore's read timeout and the deadline of
+    CKPTTOOL_REQUEST_TIMEOUT end it with one line naming the object."""
+    azure.put("transport/hang.distcp", b"x" * 8192)
+    conn = azure.env["AZURE_STORAGE_CONNECTION_STRING"]
+    endpoint = conn.split("BlobEndpoint=")[1].split(";")[0]
+    target, _, account = endpoint.rpartition("/")
+    proxy = Proxy(target)
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING",
+                       conn.replace(endpoint, f"{proxy.url}/{account}"))
+    monkeypatch.setenv("CKPTTOOL_REQUEST_TIMEOUT", "0.5")
+    monkeypatch.setattr(objstore, "RETRIES", 50)  # the deadline ends it, not the count
+    url = objstore.parse(azure.url("transport/hang.distcp"))
+    proxy.set("hang", None)
+    with pytest.raises(TransportError) as e:
+        objstore.get_range(url, 0, 4096)
+    text = str(e.value)
+    assert "\n" not in text and text.startswith(f"{url}: reading 4,096 bytes at byte 0 failed")
+    assert proxy.faulted < 51
