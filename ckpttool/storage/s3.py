@@ -34,7 +34,6 @@ import json
 import os
 import random
 import socket
-import tempfile
 import threading
 import time
 import uuid
@@ -851,9 +850,13 @@ class Upload:
                 c.delete_object(Bucket=self.url.bucket, Key=key)
 
 
+STAGING_PREFIX = "ckpttool-out-"
+
+
 def staging_dir() -> Path:
-    """A private local directory (under TMPDIR) where an output is written before upload."""
-    return Path(tempfile.mkdtemp(prefix="ckpttool-out-"))
+    """A private local directory (under TMPDIR) where an output is written before upload;
+    those of killed runs are removed first (:func:`ckpttool.storage.outputs.staging_dir`)."""
+    return outputs.staging_dir(STAGING_PREFIX)
 
 
 

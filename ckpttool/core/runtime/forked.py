@@ -220,6 +220,7 @@ def _child_main(share: Share, w: int) -> None:
     code = 0
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # the parent stops it (SIGTERM)
 
         def send(kind: bytes, body: bytes) -> None:
             os.write(w, _HEAD.pack(kind, len(body)) + body)
