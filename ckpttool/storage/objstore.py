@@ -59,7 +59,14 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import settings
-from ckpttool.errors import CkptError, InputError, OutputError, TransportError, UnsupportedError
+from ckpttool.errors import (
+    AccessError,
+    CkptError,
+    InputError,
+    OutputError,
+    TransportError,
+    UnsupportedError,
+)
 from ckpttool.storage import outputs, s3
 
 # The URL schemes served here, and the extra each needs.
@@ -341,8 +348,8 @@ def error(e: BaseException, url: Url | str, doing: str) -> CkptError | None:
                           f"{_credentials_hint(url)}")
     if (isinstance(e, ox.PermissionDeniedError | ox.UnauthenticatedError)
             or status in (401, 403)):
-        return InputError(f"{url}: access denied while {doing} ({_reason(e)}); "
-                          f"{_credentials_hint(url)}")
+        return AccessError(f"{url}: access denied while {doing} ({_reason(e)}); "
+                           f"{_credentials_hint(url)}")
     if status is not None and 400 <= status < 500 and status not in (408, 429):
         return InputError(f"{url}: {doing} failed ({_reason(e)})")
     return TransportError(f"{url}: {doing} failed after {ATTEMPTS + 1} tries ({_reason(e)}); "

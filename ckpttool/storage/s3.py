@@ -45,7 +45,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ckpttool import settings
-from ckpttool.errors import CkptError, InputError, OutputError, TransportError, UnsupportedError
+from ckpttool.errors import (
+    AccessError,
+    CkptError,
+    InputError,
+    OutputError,
+    TransportError,
+    UnsupportedError,
+)
 from ckpttool.storage import outputs
 from ckpttool.storage import store as stores
 
@@ -183,9 +190,9 @@ def error(e: Exception, url: Url | str, doing: str) -> CkptError | None:
             return InputError(f"{url}: no such object; check the URL")
         if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403",
                     "InvalidToken", "ExpiredToken", "Forbidden") or status == 403:
-            return InputError(f"{url}: access denied while {doing} ({code}); check the "
-                              "credentials (AWS_PROFILE, AWS_ACCESS_KEY_ID...) and the "
-                              "bucket's permissions")
+            return AccessError(f"{url}: access denied while {doing} ({code}); check the "
+                               "credentials (AWS_PROFILE, AWS_ACCESS_KEY_ID...) and the "
+                               "bucket's permissions")
         if code in ("PreconditionFailed", "412") or status == 412:
             return InputError(f"{url}: the object changed while it was being read; run again "
                               "once it is no longer being written")

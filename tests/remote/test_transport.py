@@ -77,6 +77,13 @@ class Proxy:
                 if fault == "reset":
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     return
+                if fault == "403":  # the data refused, the listing not (a narrow policy)
+                    body = (b"<?xml version=\"1.0\"?><Error><Code>AccessDenied</Code>"
+                            b"<Message>Access Denied</Message></Error>")
+                    conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml"
+                                 b"\r\nContent-Length: " + str(len(body)).encode()
+                                 + b"\r\n\r\n" + body)
+                    continue
                 if fault == "503":
                     body = b"<Error><Code>SlowDown</Code><Message>slow</Message></Error>"
                     conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Length: "
@@ -203,6 +210,19 @@ def test_merge_from_a_store_that_never_answers_is_exit_3(
     assert r.exit_code == 3, r.output
     assert r.stderr.count("\n") == 1 and "failing (not the checkpoint)" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_data_reads_refused_are_an_access_error_not_damage(
+        proxy: Proxy, s3: S3, remote_llama: str, tmp_path: Path) -> None:
+    """403 on the data reads only: one line naming the object and the credentials, exit 3,
+    from verify as from merge (verify said record-corrupt for every record)."""
+    proxy.set("403", None)
+    for args in (["verify", remote_llama], ["merge", remote_llama, str(tmp_path / "out")]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 3, r.output
+        assert r.output.count("\n") == 1 and "record-corrupt" not in r.output, r.output
+        assert r.output.startswith(f"ckpttool: error: {remote_llama}/")
+        assert "access denied while reading (AccessDenied); check the credentials" in r.output
 
 
 def test_verify_on_a_failing_store_is_exit_3_not_damage(

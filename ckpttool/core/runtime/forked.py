@@ -37,7 +37,8 @@ _HEAD = struct.Struct("<cI")
 _ERRORS: dict[str, type[errors.CkptError]] = {
     cls.__name__: cls for cls in (errors.CkptError, errors.InputError, errors.UnreadableError,
                                   errors.UnsupportedError, errors.IntegrityError,
-                                  errors.OutputError)}
+                                  errors.OutputError, errors.TransportError,
+                                  errors.AccessError)}
 
 T = TypeVar("T")
 
