@@ -40,8 +40,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("CKPTTOOL_ZSTD_MAX_RATIO", "1024", "how many times its compressed size a zstd "
          "record may claim (past 64 MiB) before it is refused unread; raise it for "
          "checkpoints of constant tensors"),
-    Knob("CKPTTOOL_REQUEST_TIMEOUT", "30", "seconds an object store may take to answer; "
-         "retries end at 4x"),
+    Knob("CKPTTOOL_REQUEST_TIMEOUT", "30", "object-store request timeout (s); retries stop "
+         "at 4x"),
     Knob("CKPTTOOL_TEST_FAULT", "", "test hook: kill or pause at a publishing step "
          "(kill:N, pause:N:PIDFILE)", test_only=True),
     Knob("CKPTTOOL_TEST_FAIL_RANK", "", "test hook: fail one process of a shared merge "

@@ -44,7 +44,7 @@ EXIT_MEANINGS: tuple[tuple[int, str], ...] = (
                        "needs that is not installed (torch, zstandard, boto3)"),
     (EXIT_BUG, "internal error: a bug in ckpttool (traceback shown; please report it)"),
     (EXIT_INTERRUPTED, "interrupted (Ctrl-C; SIGTERM: 143, SIGHUP: 129); temporary files "
-                       "removed but a large local merge's finished pieces, resumed next run"),
+                       "removed, a large local merge's pieces kept to resume"),
 )
 
 # Signals that stop a command as Ctrl-C does (clean-up, one line, 128 + the signal's number):
