@@ -736,23 +736,36 @@ def _status(e: BaseException) -> int | None:
     return status if isinstance(status, int) else None
 
 
+def completing(names: Iterable[str], rule: OutputNames) -> list[str]:
+    """The objects of an output that make it read as complete: its index (``rule.last``),
+    or, in an output without one, its weight files (``rule.replaces``: a single
+    ``model.safetensors``). Top-level names only."""
+    top = [n for n in names if "/" not in n]
+    found = [n for n in top if rule.last(n)]
+    return found or [n for n in top if rule.replaces(n)]
+
+
 class Upload:
     """Files of a finished local directory uploaded below ``url``, in an order that never
     shows a finished-looking mixed output (the remote counterpart of
     :meth:`~ckpttool.storage.outputs.AtomicOutputs.commit`; S3 has no rename):
 
-    1. with ``overwrite``, the previous output's index (``names.last``) is deleted first:
-       from then on the prefix holds no index, so nothing reads it as complete;
+    1. with ``overwrite``, the object that completes the previous output is deleted first:
+       its index (``names.last``), or the weight file of an output without one: from then
+       on nothing there reads as a complete model;
     2. the data files (``names.replaces``) go up (each a multipart upload of parallel parts
-       when large; an object replaced by a PUT changes at once, never half), then the rest;
+       when large; an object replaced by a PUT changes at once, never half), then the rest
+       (config, tokenizer...);
     3. previous data files the new output lacks are deleted;
-    4. the index goes up last, only after everything else completed.
+    4. the object that completes the new output goes up last, only after everything else
+       completed: its index, or the weight file of an output without one.
 
-    A process killed at any step leaves the previous output, or one without an index (or,
-    for an output without index, its previous or new weight file). On any failure or Ctrl-C
-    every multipart upload in progress is aborted and the objects this upload created (that
-    did not exist before) are deleted; objects it replaced keep their new content, without
-    an index.
+    A process killed at any step leaves the previous output, the new one, or no complete
+    model: never a complete model beside the other run's side files (a new
+    ``model.safetensors`` beside the previous ``config.json``), whichever layout each has.
+    On any failure or Ctrl-C every multipart upload in progress is aborted and the objects
+    this upload created (that did not exist before) are deleted; objects it replaced keep
+    their new content, without the completing object.
     """
 
     def __init__(self, url: Url, *, overwrite: bool, names: OutputNames) -> None:
@@ -769,21 +782,21 @@ class Upload:
         rule = self.names
         existing = set(self._list())
         replaced = {n for n in existing if "/" not in n and rule.replaces(n)}
-        first = [n for n in names if not rule.last(n)]
-        # Weights before everything else, then the configs, the index last.
+        last = completing(names, rule)
+        first = [n for n in names if n not in last]
+        # Weights before everything else, then the configs, the completing object last.
         first.sort(key=lambda n: (not rule.replaces(n), n))
-        last = [n for n in names if rule.last(n)]
+        old_last = completing(sorted(replaced), rule)
         pool = ThreadPoolExecutor(max_workers=CONCURRENCY, thread_name_prefix="ckpttool-put")
         try:
             if self.overwrite:
-                for name in sorted(n for n in replaced if rule.last(n)):
+                for name in old_last:
                     self._delete(name)
             for name in first:
                 self._put(pool, local / name, name, name in existing)
             if self.overwrite:
-                for name in sorted(replaced - set(names)):
-                    if not rule.last(name):
-                        self._delete(name)
+                for name in sorted(replaced - set(names) - set(old_last)):
+                    self._delete(name)
             for name in last:
                 self._put(pool, local / name, name, name in existing)
         except BaseException:
