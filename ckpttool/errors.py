@@ -55,6 +55,14 @@ class TransportError(CkptError):
     exit_code = 3
 
 
+class AccessError(CkptError):
+    """The store refused a request (access denied, bad or missing credentials): a problem
+    of credentials or permissions, never damage in the checkpoint, so nothing that reports
+    damage (``verify``'s findings, "corrupt" messages) catches it: one line, exit 3."""
+
+    exit_code = 3
+
+
 class UnsupportedError(CkptError):
     """A valid checkpoint that uses something ckpttool does not handle yet."""
 

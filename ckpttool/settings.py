@@ -45,6 +45,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("CKPTTOOL_ZSTD_MAX_RATIO", "1024", "how many times its compressed size a zstd "
          "record may claim (past 64 MiB) before it is refused unread; raise it for "
          "checkpoints of constant tensors"),
+    Knob("CKPTTOOL_REQUEST_TIMEOUT", "30", "object-store request timeout (s); retries stop "
+         "at 4x"),
     Knob("CKPTTOOL_TEST_FAULT", "", "test hook: kill or pause at a publishing step "
          "(kill:N, pause:N:PIDFILE)", test_only=True),
     Knob("CKPTTOOL_TEST_FAIL_RANK", "", "test hook: fail one process of a shared merge "
@@ -164,6 +166,37 @@ def resume_piece() -> int:
         raise OutputError(f"CKPTTOOL_RESUME_PIECE={raw!r}: expected a positive number of bytes, "
                           f"e.g. {RESUME_PIECE_DEFAULT}")
     return value
+
+
+REQUEST_TIMEOUT_DEFAULT = 30.0
+# A request and its retries give up once this many request timeouts have passed.
+REQUEST_DEADLINE_TIMES = 4
+
+
+def request_timeout() -> float:
+    """Seconds a request to object storage may wait to connect or for the next bytes of its
+    answer (``CKPTTOOL_REQUEST_TIMEOUT``); every store's client takes it.
+
+    Raises:
+        OutputError: the value is not a number of seconds above 0.
+    """
+    raw = os.environ.get("CKPTTOOL_REQUEST_TIMEOUT")
+    if raw is None:
+        return REQUEST_TIMEOUT_DEFAULT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0
+    if not value > 0 or value == float("inf"):
+        raise OutputError(f"CKPTTOOL_REQUEST_TIMEOUT={raw!r}: expected a number of seconds "
+                          f"above 0, e.g. {REQUEST_TIMEOUT_DEFAULT:g}")
+    return value
+
+
+def request_deadline() -> float:
+    """Seconds after which a request and its retries give up: a store that accepts requests
+    and never answers ends the command (exit 3) instead of keeping it silent."""
+    return REQUEST_DEADLINE_TIMES * request_timeout()
 
 
 def test_resume_kill() -> int | None:

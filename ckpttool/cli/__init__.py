@@ -19,7 +19,7 @@ import typer
 from ckpttool.cli import failure
 from ckpttool.cli.apply import EPILOG as APPLY_EPILOG
 from ckpttool.cli.apply import apply_command
-from ckpttool.cli.common import EXIT_INTERRUPTED, err
+from ckpttool.cli.common import STOP_SIGNALS, err, interrupted_code, stopped
 from ckpttool.cli.diff import EPILOG as DIFF_EPILOG
 from ckpttool.cli.diff import diff_command
 from ckpttool.cli.inspect import EPILOG as INSPECT_EPILOG
@@ -81,16 +81,19 @@ def main() -> None:
     # A reader that goes away (ckpttool inspect X | head -1) ends us quietly, as it ends cat:
     # status 141, no traceback, never 1 (which verify uses for "errors found").
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    # Ctrl-C at any moment exits 130: inside a command exit_codes() says so and cleans up;
-    # before or after it (start-up, rendering, shutdown) the status still says interrupted.
+    # Ctrl-C at any moment exits 130 (SIGTERM 143, SIGHUP 129: the same clean-up): inside a
+    # command exit_codes() says so and cleans up; before or after it (start-up, rendering,
+    # shutdown) the status still says interrupted.
     interrupted = False
 
-    def on_sigint(signum: int, frame: object) -> None:
+    def on_stop(signum: int, frame: object) -> None:
         nonlocal interrupted
         interrupted = True
+        stopped(signum)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, on_sigint)
+    for s in STOP_SIGNALS:
+        signal.signal(s, on_stop)
     if os.environ.get("_CKPTTOOL_COMPLETE"):
         # A shell asks for completions: Typer renders each description with rich, which wraps
         # it at the terminal width (80 columns when not a terminal), and fish and zsh cut a
@@ -117,18 +120,19 @@ def main() -> None:
             err(f"ckpttool: error: {message}")
         failure.record(code, "usage", message)
     if interrupted:
-        code = EXIT_INTERRUPTED
+        code = interrupted_code()
     if code is None:  # the command returned: success
         code = 0
     if isinstance(code, int):
         failure.finish(args, code)
-    signal.signal(signal.SIGINT, _interrupted_at_exit)
+    for s in STOP_SIGNALS:
+        signal.signal(s, _interrupted_at_exit)
     # The command is over (its outputs closed, its context managers exited): what it made is
     # freed at shutdown by reference counts, and the collector's passes at shutdown would walk
     # all of it first (a 1M-chunk inspect: 0.09 -> 0.04 s from here to the exit). Frozen
     # objects are left to those counts.
     gc.freeze()
-    sys.exit(EXIT_INTERRUPTED if interrupted else code)
+    sys.exit(interrupted_code() if interrupted else code)
 
 
 def run() -> None:
@@ -167,8 +171,9 @@ def _leave(code: int) -> None:
 
 
 def _interrupted_at_exit(signum: int, frame: object) -> None:
-    """Ctrl-C while the interpreter shuts down: the work is done; exit 130 at once."""
+    """Ctrl-C (SIGTERM, SIGHUP) while the interpreter shuts down: the work is done; exit
+    128 + the signal at once."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(EXIT_INTERRUPTED)
+    os._exit(128 + signum)

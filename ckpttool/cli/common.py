@@ -7,6 +7,7 @@ import json
 import operator
 import os
 import re
+import signal
 import sys
 import time
 import traceback
@@ -24,13 +25,14 @@ from ckpttool.errors import CkptError, UnreadableError
 from ckpttool.formats.codecs import dtypes
 from ckpttool.storage import places
 from ckpttool.storage.outputs import human_bytes as human_bytes  # the one formatter
+from ckpttool.storage.outputs import take_resumable
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
 EXIT_INPUT = 3
 EXIT_UNSUPPORTED = 4
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C); SIGTERM 143, SIGHUP 129: 128 + the signal
 EXIT_BUG = 70
 
 # What each exit status means, for every command (README's table is generated from this).
@@ -43,9 +45,38 @@ EXIT_MEANINGS: tuple[tuple[int, str], ...] = (
     (EXIT_UNSUPPORTED, "a valid checkpoint using something not supported yet, or a library it "
                        "needs that is not installed (torch, zstandard, boto3)"),
     (EXIT_BUG, "internal error: a bug in ckpttool (traceback shown; please report it)"),
-    (EXIT_INTERRUPTED, "interrupted (Ctrl-C); temporary files removed, except the finished "
-                       "pieces of a large merge, which the same command resumes from"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C; SIGTERM: 143, SIGHUP: 129); temporary files "
+                       "removed, a large local merge's pieces kept to resume"),
 )
+
+# Signals that stop a command as Ctrl-C does (clean-up, one line, 128 + the signal's number):
+# what Slurm, Kubernetes, systemd and ``timeout`` send, and a closed terminal.
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_stopped_by: list[int] = []
+
+
+def stopped(signum: int) -> None:
+    """Note the signal that stops the command (:data:`STOP_SIGNALS`), for its exit code."""
+    _stopped_by.append(signum)
+
+
+def interrupted_code() -> int:
+    """128 + the number of the signal that stopped the command (130: Ctrl-C)."""
+    return 128 + (_stopped_by[-1] if _stopped_by else signal.SIGINT)
+
+
+def interrupted_message() -> str:
+    """The one line for a stopped command: which signal, and what the next run finds (the
+    finished pieces of a large merge only where they are still there: a remote output's
+    staging directory is removed, so its merge starts again)."""
+    name = signal.Signals(interrupted_code() - 128).name
+    kept = take_resumable()
+    line = (f"ckpttool: interrupted{'' if name == 'SIGINT' else f' ({name})'}; no incomplete "
+            "output was put in place")
+    if kept:
+        return (f"{line}; the finished pieces of the merge are kept in {kept[0].parent}: the "
+                "same command resumes from them")
+    return line
 
 
 # Characters a terminal acts on instead of showing: C0 and C1 controls and DEL (ESC sequences
@@ -87,11 +118,10 @@ def exit_codes() -> Iterator[None]:
         failure.record(e.exit_code, failure.code_of(e), str(e))
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
-        message = ("interrupted; no incomplete output was put in place (the same merge "
-                   "command resumes a large one from the pieces it finished)")
-        err(f"ckpttool: {message}")
-        failure.record(EXIT_INTERRUPTED, "interrupted", message)
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+        message = interrupted_message()
+        err(message)
+        failure.record(interrupted_code(), "interrupted", message.removeprefix("ckpttool: "))
+        raise typer.Exit(interrupted_code()) from None
     except (typer.Exit, typer.Abort, typer.BadParameter):
         raise
     except PermissionError as e:  # a file or directory this user may not read: not our bug

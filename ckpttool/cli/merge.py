@@ -128,6 +128,7 @@ def merge_command(
     dequantize: _DequantizeOption = False,
     quantize: _QuantizeOption = None,
     quantize_ignore: _QuantizeIgnoreOption = None,
+    no_check_crc: _NoCheckCrcOption = False,
     slice_: _SliceOption = None,
     finish: _FinishOption = False,
     all_: _AllOption = False,
@@ -176,7 +177,8 @@ def merge_command(
                 "adapter_config": adapter_config, "part": part, "names": names,
                 "layout": layout, "weights_only": weights_only, "lora_alpha": lora_alpha,
                 "dequantize": dequantize, "quantize": quantize,
-                "quantize_ignore": tuple(quantize_ignore or ())},
+                "quantize_ignore": tuple(quantize_ignore or ()),
+                **({"check_crc": False} if no_check_crc else {})},
             steps=steps, task=task, overwrite=overwrite, dry_run=dry_run, settle=settle,
             watch=watch, poll=poll, then=then, workers=workers, follow_links=follow_links,
             json_output=json_output, quiet=quiet)
@@ -207,7 +209,8 @@ def merge_command(
                            progress=progress, on_start=on_start, iteration=iteration,
                            weights_only=weights_only, lora_alpha=lora_alpha,
                            dequantize=dequantize, quantize=quantize,
-                           quantize_ignore=tuple(quantize_ignore or ()))
+                           quantize_ignore=tuple(quantize_ignore or ()),
+                           check_crc=not no_check_crc)
         finally:
             bar.stop()
             for note in take_stale_notes():  # a killed run's leftovers, now removed
@@ -559,6 +562,10 @@ _QuantizeIgnoreOption = Annotated[list[str] | None, typer.Option(
         help="With --quantize: keep the modules PATTERN matches (transformers' "
         "modules_to_not_convert rule: a regex from the name's start, or its suffix); "
         "repeatable.")]
+_NoCheckCrcOption = Annotated[bool, typer.Option(
+        "--no-check-crc", help="Copy stored records without checking the CRC-32 each one "
+        "carries (checked by default: a damaged record stops the merge with exit 3, naming "
+        "the tensor, file and byte, and nothing is written).")]
 
 _DryRunOption = Annotated[bool, typer.Option(
         "--dry-run", help="Show what would be written (files, sizes, every tensor's name, "

@@ -56,7 +56,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import CkptError, InputError, OutputError, TransportError, UnsupportedError
+from ckpttool import settings
+from ckpttool.errors import (
+    AccessError,
+    CkptError,
+    InputError,
+    OutputError,
+    TransportError,
+    UnsupportedError,
+)
 from ckpttool.storage import outputs, places, s3
 
 # The extra each cloud needs (which schemes this module serves: storage/remote.py).
@@ -75,12 +83,19 @@ PART = 16 << 20
 # (connection errors, 5xx, timeouts) ATTEMPTS times with its backoff; a body that breaks off
 # or arrives short is fetched again here, RETRIES times. Then: a one-line TransportError
 # naming the object, never "corrupt".
-CONNECT_TIMEOUT = 10  # s
-READ_TIMEOUT = 30  # s, for any single read from the socket
+CONNECT_TIMEOUT = 10  # s at most
+# Any single read from the socket waits at most settings.request_timeout() (30 s by default);
+# obstore gives a request up after twice that in retries, and a request with the retries
+# made here after settings.request_deadline().
 ATTEMPTS = 4
 RETRIES = 3
 BACKOFF = 0.25  # s, doubled at each retry (with jitter)
-RETRY_TIMEOUT = 60  # s: obstore gives a request up after this much time in retries
+# A body slower than this (beyond the deadline) is given up, as in s3.
+MIN_RATE = s3.MIN_RATE
+
+
+def _connect_timeout() -> float:
+    return min(CONNECT_TIMEOUT, settings.request_timeout())
 
 
 # One URL type for every store (storage/places.py).
@@ -106,9 +121,10 @@ _stores_lock = threading.Lock()
 
 
 def _options() -> tuple[Any, Any]:
-    client = {"connect_timeout": datetime.timedelta(seconds=CONNECT_TIMEOUT),
-              "read_timeout": datetime.timedelta(seconds=READ_TIMEOUT)}
-    retry = {"max_retries": ATTEMPTS, "retry_timeout": datetime.timedelta(seconds=RETRY_TIMEOUT),
+    timeout = settings.request_timeout()
+    client = {"connect_timeout": datetime.timedelta(seconds=_connect_timeout()),
+              "read_timeout": datetime.timedelta(seconds=timeout)}
+    retry = {"max_retries": ATTEMPTS, "retry_timeout": datetime.timedelta(seconds=2 * timeout),
              "backoff": {"init_backoff": datetime.timedelta(seconds=BACKOFF),
                          "max_backoff": datetime.timedelta(seconds=8), "base": 2.0}}
     return client, retry
@@ -284,8 +300,8 @@ def error(e: BaseException, url: Url | str, doing: str) -> CkptError | None:
                           f"{_credentials_hint(url)}")
     if (isinstance(e, ox.PermissionDeniedError | ox.UnauthenticatedError)
             or status in (401, 403)):
-        return InputError(f"{url}: access denied while {doing} ({_reason(e)}); "
-                          f"{_credentials_hint(url)}")
+        return AccessError(f"{url}: access denied while {doing} ({_reason(e)}); "
+                           f"{_credentials_hint(url)}")
     if status is not None and 400 <= status < 500 and status not in (408, 429):
         return InputError(f"{url}: {doing} failed ({_reason(e)})")
     return TransportError(f"{url}: {doing} failed after {ATTEMPTS + 1} tries ({_reason(e)}); "
@@ -346,9 +362,15 @@ def get_range(url: Url, offset: int, size: int, etag: str | None = None) -> byte
     if etag:
         options["if_match"] = f'"{_bare(etag)}"'
     failure: BaseException | None = None
+    # A store that accepts requests and never answers: given up here, whatever the retries.
+    deadline = time.monotonic() + settings.request_deadline() + size / MIN_RATE
+    tries = 0
     for attempt in range(RETRIES + 1):
         if attempt:
+            if time.monotonic() >= deadline:
+                break
             time.sleep(BACKOFF * 2 ** (attempt - 1) * (0.5 + random.random()))
+        tries += 1
         try:
             result = obstore.get(store, url.key, options=options)
             got = _bare(result.meta.get("e_tag"))
@@ -371,7 +393,7 @@ def get_range(url: Url, offset: int, size: int, etag: str | None = None) -> byte
                 raise error(e, url, "reading") or e from e
             failure = e
     raise TransportError(
-        f"{url}: reading {size:,} bytes at byte {offset:,} failed {RETRIES + 1} times "
+        f"{url}: reading {size:,} bytes at byte {offset:,} failed {tries} times "
         f"({_reason(failure) if failure else '?'}); the network or the object store is "
         "failing (not the checkpoint), run again later") from failure
 
@@ -408,7 +430,7 @@ def _no_emulated_bucket(url: Url) -> bool:
     base = emulator()
     quoted = urllib.parse.quote(url.bucket, safe="")
     try:
-        with urllib.request.urlopen(f"{base}/storage/v1/b/{quoted}", timeout=CONNECT_TIMEOUT):
+        with urllib.request.urlopen(f"{base}/storage/v1/b/{quoted}", timeout=_connect_timeout()):
             return False
     except urllib.error.HTTPError as e:
         return e.code == 404
@@ -506,7 +528,8 @@ def _emulated_put(base: str, url: Url, data: bytes | Path, *, create: bool) -> N
         request = urllib.request.Request(target, data=body, method="POST", headers={
             "Content-Type": "application/octet-stream", "Content-Length": str(size)})
         try:
-            with urllib.request.urlopen(request, timeout=READ_TIMEOUT + size / (1 << 20)):
+            with urllib.request.urlopen(request, timeout=settings.request_timeout()
+                                        + size / (1 << 20)):
                 pass
         except urllib.error.HTTPError as e:
             if e.code == 412:
@@ -529,7 +552,7 @@ def _delete(url: Url) -> None:
                   f"{urllib.parse.quote(url.key, safe='')}")
         try:
             with urllib.request.urlopen(urllib.request.Request(target, method="DELETE"),
-                                        timeout=READ_TIMEOUT):
+                                        timeout=settings.request_timeout()):
                 pass
         except urllib.error.HTTPError as e:
             if e.code != 404:

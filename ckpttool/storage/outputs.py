@@ -30,6 +30,9 @@ import os
 import re
 import shutil
 import signal
+import socket
+import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,7 +42,8 @@ from ckpttool import settings
 from ckpttool.errors import InputError, OutputError
 
 __all__ = ["TMP_SUFFIX", "AtomicOutputs", "check_space", "copy_range", "existing_outputs",
-           "output_error", "pwrite_all", "remove_stale", "take_stale_notes"]
+           "note_resumable", "output_error", "pwrite_all", "remove_stale", "take_resumable",
+           "take_stale_notes"]
 
 TMP_SUFFIX = ".ckpttool-tmp"
 
@@ -271,6 +275,22 @@ def take_stale_notes() -> list[str]:
     return notes
 
 
+_resumable: list[Path] = []
+
+
+def note_resumable(journal: Path) -> None:
+    """A cut merge kept its finished pieces (``journal`` names them) for the next run."""
+    _resumable.append(journal)
+
+
+def take_resumable() -> list[Path]:
+    """The journals of cut merges noted since last asked that are still there (a remote
+    output's staging directory, removed when its run stops, keeps none)."""
+    found = [p for p in _resumable if p.exists()]
+    _resumable.clear()
+    return found
+
+
 def _remove_abandoned(out_dir: Path) -> None:
     """Remove temporary files that a killed single-process run left in ``out_dir``, and note
     them. Called with the directory's lock held: every process that writes such files holds
@@ -288,6 +308,57 @@ def _remove_abandoned(out_dir: Path) -> None:
             p.unlink()
             _removed_stale.append(f"{p}: removed a temporary file ({size:,} bytes) that a "
                                   "killed or crashed run left")
+
+
+# A private staging directory (a remote output written locally before its upload) holds this
+# file, locked (flock) by the run that made it for as long as that process lives.
+STAGING_MARK = ".ckpttool-staging"
+_staging_held: list[int] = []
+
+
+def staging_dir(prefix: str) -> Path:
+    """A new private directory under TMPDIR for a run's staged output, held by this process
+    (an ``flock`` the kernel drops when the process dies). Staging directories of runs that
+    died before removing theirs (``kill -9``, a lost node) are removed first, and noted
+    (:func:`take_stale_notes`); one whose run is alive stays."""
+    _remove_abandoned_staging(Path(tempfile.gettempdir()), prefix)
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    fd = os.open(path / STAGING_MARK, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+    _staging_held.append(fd)  # open until the process ends: its lock says it is alive
+    return path
+
+
+def _remove_abandoned_staging(tmp: Path, prefix: str) -> None:
+    if fcntl is None:
+        return
+    try:
+        entries = sorted(p for p in tmp.iterdir() if p.name.startswith(prefix))
+    except OSError:
+        return
+    for p in entries:
+        mark = p / STAGING_MARK
+        try:
+            info = p.lstat()
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            fd = os.open(mark, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue  # not ours, or made by a ckpttool that marks none: left alone
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # its run is alive
+            size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file()
+                       and not f.is_symlink())
+            shutil.rmtree(p, ignore_errors=True)
+            _removed_stale.append(f"{p}: removed the staging directory ({size:,} bytes) of a "
+                                  "remote output that a killed run left")
+        finally:
+            os.close(fd)
 
 
 _sigbus_installed = False
@@ -525,6 +596,12 @@ class AtomicOutputs:
                                   f"place: {e.strerror}; check the output directory") from e
         return [final for _, final in ordered]
 
+    @property
+    def published(self) -> bool:
+        """Whether every file was renamed into place (a signal held back while they were is
+        delivered after: the output is complete even so)."""
+        return not self._pending
+
     def abort(self) -> None:
         for fd in self._fds:
             with contextlib.suppress(OSError):
@@ -545,8 +622,8 @@ class AtomicOutputs:
 
 @contextlib.contextmanager
 def _signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM back while the output is published (a Ctrl-C there would leave
-    half of the new files in place); they are delivered when it is done.
+    """Hold SIGINT, SIGTERM and SIGHUP back while the output is published (a Ctrl-C there
+    would leave half of the new files in place); they are delivered when it is done.
 
     Blocking them in this thread is not enough: a process-directed signal goes to any thread
     that lets it through, and libraries start threads of their own (numpy's and torch's
@@ -557,7 +634,7 @@ def _signals_deferred() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = (signal.SIGINT, signal.SIGTERM)
+    held = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     noted: list[int] = []
 
     def note(signum: int, frame: object) -> None:

@@ -34,7 +34,6 @@ import json
 import os
 import random
 import socket
-import tempfile
 import threading
 import time
 import uuid
@@ -45,7 +44,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ckpttool.errors import CkptError, InputError, OutputError, TransportError, UnsupportedError
+from ckpttool import settings
+from ckpttool.errors import (
+    AccessError,
+    CkptError,
+    InputError,
+    OutputError,
+    TransportError,
+    UnsupportedError,
+)
 from ckpttool.storage import outputs, places
 from ckpttool.storage import store as stores
 
@@ -65,12 +72,13 @@ MAX_PARTS = 10_000
 # errors, 5xx, throttling) with its own backoff, up to ATTEMPTS times; a body that breaks off,
 # arrives short or stalls is fetched again here, RETRIES times with backoff. Then the failure
 # is a one-line TransportError naming the object, never "corrupt".
-CONNECT_TIMEOUT = 10  # s, to open a connection
-READ_TIMEOUT = 30  # s, for any single read from the socket
+CONNECT_TIMEOUT = 10  # s at most, to open a connection
+# Any single read from the socket waits at most settings.request_timeout() (30 s by default);
+# a request and its retries give up after settings.request_deadline().
 ATTEMPTS = 5
 RETRIES = 4
 BACKOFF = 0.25  # s, doubled at each retry (with jitter)
-# A body slower than this (after READ_TIMEOUT of grace) is given up and fetched again: a
+# A body slower than this (after a request timeout of grace) is given up and fetched again: a
 # server that trickles a byte at a time never trips the socket timeout.
 MIN_RATE = 256 << 10  # bytes per second
 
@@ -114,7 +122,8 @@ def client(url: Url) -> Any:
                                        f"with: {EXTRA}") from err
             config = Config(retries={"max_attempts": ATTEMPTS, "mode": "standard"},
                             max_pool_connections=2 * CONCURRENCY,
-                            connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT)
+                            connect_timeout=min(CONNECT_TIMEOUT, settings.request_timeout()),
+                            read_timeout=settings.request_timeout())
             _client = boto3.session.Session().client("s3", config=config)
         return _client
 
@@ -151,9 +160,9 @@ def error(e: Exception, url: Url | str, doing: str) -> CkptError | None:
             return InputError(f"{url}: no such object; check the URL")
         if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403",
                     "InvalidToken", "ExpiredToken", "Forbidden") or status == 403:
-            return InputError(f"{url}: access denied while {doing} ({code}); check the "
-                              "credentials (AWS_PROFILE, AWS_ACCESS_KEY_ID...) and the "
-                              "bucket's permissions")
+            return AccessError(f"{url}: access denied while {doing} ({code}); check the "
+                               "credentials (AWS_PROFILE, AWS_ACCESS_KEY_ID...) and the "
+                               "bucket's permissions")
         if code in ("PreconditionFailed", "412") or status == 412:
             return InputError(f"{url}: the object changed while it was being read; run again "
                               "once it is no longer being written")
@@ -213,7 +222,7 @@ class _Stalled(Exception):
 
 def _read_body(body: Any, size: int) -> bytes:
     """The whole body of a ranged GET of ``size`` bytes, given up (:class:`_Stalled`) when
-    it arrives slower than :data:`MIN_RATE` after :data:`READ_TIMEOUT` s of grace.
+    it arrives slower than :data:`MIN_RATE` after a request timeout of grace.
 
     Reads with ``read1`` of the urllib3 response under botocore's ``StreamingBody`` (a
     private attribute, touched here only): ``StreamingBody.read(n)`` waits for all ``n``
@@ -225,7 +234,8 @@ def _read_body(body: Any, size: int) -> bytes:
     if read1 is None:  # pragma: no cover - another botocore: one blocking read
         data: bytes = body.read()
         return data
-    deadline = time.monotonic() + READ_TIMEOUT + size / MIN_RATE
+    grace = settings.request_timeout()
+    deadline = time.monotonic() + grace + size / MIN_RATE
     parts = []
     got = 0
     while got < size:
@@ -235,7 +245,7 @@ def _read_body(body: Any, size: int) -> bytes:
         parts.append(piece)
         got += len(piece)
         if time.monotonic() > deadline:
-            raise _Stalled(f"{got} of {size} bytes in {READ_TIMEOUT + size / MIN_RATE:.0f} s")
+            raise _Stalled(f"{got} of {size} bytes in {grace + size / MIN_RATE:.0f} s")
     return b"".join(parts)
 
 
@@ -255,9 +265,15 @@ def get_range(url: Url, offset: int, size: int, etag: str | None = None) -> byte
     c = client(url)
     extra = {"IfMatch": etag} if etag else {}
     failure: BaseException | None = None
+    # A store that accepts requests and never answers: given up here, whatever the retries.
+    deadline = time.monotonic() + settings.request_deadline() + size / MIN_RATE
+    tries = 0
     for attempt in range(RETRIES + 1):
         if attempt:
+            if time.monotonic() >= deadline:
+                break
             time.sleep(BACKOFF * 2 ** (attempt - 1) * (0.5 + random.random()))
+        tries += 1
         try:
             r = c.get_object(Bucket=url.bucket, Key=url.key,
                              Range=f"bytes={offset}-{offset + size - 1}", **extra)
@@ -280,7 +296,7 @@ def get_range(url: Url, offset: int, size: int, etag: str | None = None) -> byte
                 raise error(e, url, "reading") or e from e
             failure = e
     raise TransportError(
-        f"{url}: reading {size:,} bytes at byte {offset:,} failed {RETRIES + 1} times "
+        f"{url}: reading {size:,} bytes at byte {offset:,} failed {tries} times "
         f"({_why(failure)}); the network or the object store is failing (not the "
         "checkpoint), run again later") from failure
 
@@ -690,23 +706,36 @@ def _status(e: BaseException) -> int | None:
     return status if isinstance(status, int) else None
 
 
+def completing(names: Iterable[str], rule: OutputNames) -> list[str]:
+    """The objects of an output that make it read as complete: its index (``rule.last``),
+    or, in an output without one, its weight files (``rule.replaces``: a single
+    ``model.safetensors``). Top-level names only."""
+    top = [n for n in names if "/" not in n]
+    found = [n for n in top if rule.last(n)]
+    return found or [n for n in top if rule.replaces(n)]
+
+
 class Upload:
     """Files of a finished local directory uploaded below ``url``, in an order that never
     shows a finished-looking mixed output (the remote counterpart of
     :meth:`~ckpttool.storage.outputs.AtomicOutputs.commit`; S3 has no rename):
 
-    1. with ``overwrite``, the previous output's index (``names.last``) is deleted first:
-       from then on the prefix holds no index, so nothing reads it as complete;
+    1. with ``overwrite``, the object that completes the previous output is deleted first:
+       its index (``names.last``), or the weight file of an output without one: from then
+       on nothing there reads as a complete model;
     2. the data files (``names.replaces``) go up (each a multipart upload of parallel parts
-       when large; an object replaced by a PUT changes at once, never half), then the rest;
+       when large; an object replaced by a PUT changes at once, never half), then the rest
+       (config, tokenizer...);
     3. previous data files the new output lacks are deleted;
-    4. the index goes up last, only after everything else completed.
+    4. the object that completes the new output goes up last, only after everything else
+       completed: its index, or the weight file of an output without one.
 
-    A process killed at any step leaves the previous output, or one without an index (or,
-    for an output without index, its previous or new weight file). On any failure or Ctrl-C
-    every multipart upload in progress is aborted and the objects this upload created (that
-    did not exist before) are deleted; objects it replaced keep their new content, without
-    an index.
+    A process killed at any step leaves the previous output, the new one, or no complete
+    model: never a complete model beside the other run's side files (a new
+    ``model.safetensors`` beside the previous ``config.json``), whichever layout each has.
+    On any failure or Ctrl-C every multipart upload in progress is aborted and the objects
+    this upload created (that did not exist before) are deleted; objects it replaced keep
+    their new content, without the completing object.
     """
 
     def __init__(self, url: Url, *, overwrite: bool, names: OutputNames) -> None:
@@ -723,21 +752,21 @@ class Upload:
         rule = self.names
         existing = set(self._list())
         replaced = {n for n in existing if "/" not in n and rule.replaces(n)}
-        first = [n for n in names if not rule.last(n)]
-        # Weights before everything else, then the configs, the index last.
+        last = completing(names, rule)
+        first = [n for n in names if n not in last]
+        # Weights before everything else, then the configs, the completing object last.
         first.sort(key=lambda n: (not rule.replaces(n), n))
-        last = [n for n in names if rule.last(n)]
+        old_last = completing(sorted(replaced), rule)
         pool = ThreadPoolExecutor(max_workers=CONCURRENCY, thread_name_prefix="ckpttool-put")
         try:
             if self.overwrite:
-                for name in sorted(n for n in replaced if rule.last(n)):
+                for name in old_last:
                     self._delete(name)
             for name in first:
                 self._put(pool, local / name, name, name in existing)
             if self.overwrite:
-                for name in sorted(replaced - set(names)):
-                    if not rule.last(name):
-                        self._delete(name)
+                for name in sorted(replaced - set(names) - set(old_last)):
+                    self._delete(name)
             for name in last:
                 self._put(pool, local / name, name, name in existing)
         except BaseException:
@@ -811,9 +840,13 @@ class Upload:
                 c.delete_object(Bucket=self.url.bucket, Key=key)
 
 
+STAGING_PREFIX = "ckpttool-out-"
+
+
 def staging_dir() -> Path:
-    """A private local directory (under TMPDIR) where an output is written before upload."""
-    return Path(tempfile.mkdtemp(prefix="ckpttool-out-"))
+    """A private local directory (under TMPDIR) where an output is written before upload;
+    those of killed runs are removed first (:func:`ckpttool.storage.outputs.staging_dir`)."""
+    return outputs.staging_dir(STAGING_PREFIX)
 
 
 

@@ -70,9 +70,20 @@ class Proxy:
                 if request is None:
                     return
                 fault = self._take(request)
+                if fault == "hang":  # accepted, never answered: until the client gives up
+                    while conn.recv(65536):
+                        pass
+                    return
                 if fault == "reset":
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     return
+                if fault == "403":  # the data refused, the listing not (a narrow policy)
+                    body = (b"<?xml version=\"1.0\"?><Error><Code>AccessDenied</Code>"
+                            b"<Message>Access Denied</Message></Error>")
+                    conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml"
+                                 b"\r\nContent-Length: " + str(len(body)).encode()
+                                 + b"\r\n\r\n" + body)
+                    continue
                 if fault == "503":
                     body = b"<Error><Code>SlowDown</Code><Message>slow</Message></Error>"
                     conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Length: "
@@ -167,11 +178,51 @@ def test_a_lasting_failure_is_one_line_naming_the_object(
 def test_a_trickling_body_is_given_up(proxy: Proxy, blob: tuple[remote.Url, bytes],
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     url, data = blob
-    monkeypatch.setattr(remote, "READ_TIMEOUT", 1)
+    monkeypatch.setenv("CKPTTOOL_REQUEST_TIMEOUT", "1")
     proxy.set("trickle", 1)
     started = time.monotonic()
     assert remote.get_range(url, 0, 4096) == data[:4096]
     assert time.monotonic() - started < 10
+
+
+def test_a_store_that_never_answers_is_given_up(
+        proxy: Proxy, blob: tuple[remote.Url, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Accepted and never answered (issue 34: merge stayed silent past 900 s): a deadline on
+    every request (CKPTTOOL_REQUEST_TIMEOUT), then one line naming the object."""
+    url, _ = blob
+    monkeypatch.setenv("CKPTTOOL_REQUEST_TIMEOUT", "0.5")
+    monkeypatch.setattr(remote, "RETRIES", 50)  # the deadline ends it, not the count
+    proxy.set("hang", None)
+    with pytest.raises(TransportError) as e:
+        remote.get_range(url, 1000, 300_000)
+    text = str(e.value)
+    assert "\n" not in text and text.startswith(f"{url}: reading 300,000 bytes at byte 1,000 "
+                                                "failed ")
+    assert proxy.faulted < 2 * 51
+
+
+def test_merge_from_a_store_that_never_answers_is_exit_3(
+        proxy: Proxy, s3: S3, remote_llama: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTTOOL_REQUEST_TIMEOUT", "0.5")
+    proxy.set("hang", None)
+    r = CliRunner().invoke(app, ["merge", remote_llama, str(tmp_path / "out")])
+    assert r.exit_code == 3, r.output
+    assert r.stderr.count("\n") == 1 and "failing (not the checkpoint)" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_data_reads_refused_are_an_access_error_not_damage(
+        proxy: Proxy, s3: S3, remote_llama: str, tmp_path: Path) -> None:
+    """403 on the data reads only: one line naming the object and the credentials, exit 3,
+    from verify as from merge (verify said record-corrupt for every record)."""
+    proxy.set("403", None)
+    for args in (["verify", remote_llama], ["merge", remote_llama, str(tmp_path / "out")]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 3, r.output
+        assert r.output.count("\n") == 1 and "record-corrupt" not in r.output, r.output
+        assert r.output.startswith(f"ckpttool: error: {remote_llama}/")
+        assert "access denied while reading (AccessDenied); check the credentials" in r.output
 
 
 def test_verify_on_a_failing_store_is_exit_3_not_damage(

@@ -716,9 +716,13 @@ def write(plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, byt
 def commit_outputs(outputs: AtomicOutputs, plan: MergePlan, extra: list[tuple[str, bytes]],
                    *, overwrite: bool, stem: str) -> None:
     """Write the index and the side files (``extra``: config, tokenizer...), then rename
-    everything into place, the index last (with ``overwrite``, a previous output's other
-    weight files are removed just before it). The caller's checks run first
-    (:mod:`ckpttool.core.merge.guards`: a source re-saved meanwhile is never published)."""
+    everything into place, the object that completes the model last: the index, or the
+    single weight file of an output without one (with ``overwrite``, a previous output's
+    index and single weight file are removed first, its other weight files just before the
+    last rename), so that no moment shows a complete model beside another run's side files
+    (a new model.safetensors beside the previous config.json, or the reverse). The caller's
+    checks run first (:mod:`ckpttool.core.merge.guards`: a source re-saved meanwhile is never
+    published)."""
     guards.check()
     out = outputs.out_dir
     if plan.index is not None:
@@ -728,8 +732,11 @@ def commit_outputs(outputs: AtomicOutputs, plan: MergePlan, extra: list[tuple[st
     keep = {f.name for f in plan.files} | {n for n, _ in extra}
     if plan.index is not None:
         keep.add(plan.index_name)
+    completes = (plan.index_name,) if plan.index is not None else tuple(
+        f.name for f in plan.files)
     outputs.commit(
-        last=(plan.index_name,),
+        # Either kind of previous output's completing file goes first, whatever the new one is.
+        last=tuple(dict.fromkeys((plan.index_name, st.shard_names(1, stem)[0], *completes))),
         before_last=(lambda: remove_stale(out, keep, lambda name: st.is_weight_file(name, stem)))
         if overwrite else None)
 

@@ -30,6 +30,7 @@ from ckpttool.core.checkpoint.parts import MERGEABLE, Content
 from ckpttool.core.contract import Contract
 from ckpttool.core.dtype_policy import DTypePolicy
 from ckpttool.core.merge import megatron_optimizer, resume
+from ckpttool.core.merge.checked import checked
 from ckpttool.core.merge.engine import check_existing, commit_outputs, write
 from ckpttool.core.merge.optimizer import OPTIMIZER_JSON, optimizer_json
 from ckpttool.core.merge.plan import MergePlan, OutputFile, Source, plan_merge
@@ -193,6 +194,7 @@ def merge(
     dequantize: bool = False,
     quantize: str | None = None,
     quantize_ignore: tuple[str, ...] = (),
+    check_crc: bool = True,
 ) -> MergeReport:
     """Merge the checkpoint at ``src`` into Hugging Face safetensors in ``out``.
 
@@ -223,6 +225,9 @@ def merge(
             training framework's names and layouts to the Hugging Face model family's.
             Default: the map a Megatron-Core model needs (``namemaps.implied``), else none;
             ``"none"`` keeps the stored names always.
+        check_crc: check each stored record's CRC-32 as it is read or copied (a damaged
+            record is an InputError naming the tensor, file and offset, nothing published);
+            False skips it (``--no-check-crc``).
         iteration: of a Megatron-Core run directory, this iteration instead of the one
             ``latest_checkpointed_iteration.txt`` names.
         layout: ``"hub"`` (default): where config.json names a family whose transformers 5
@@ -287,7 +292,7 @@ def merge(
                     model=not optimizer and mode != "adapter")
     _fail_fast(out_path, files, optimizer=optimizer, mode=mode, derived=derived is not None,
                overwrite=overwrite, stem=stem, shared=shared)
-    with _readers(ckpt, adapted, follow_links=follow_links) as reader:
+    with _readers(ckpt, adapted, follow_links=follow_links, check_crc=check_crc) as reader:
         decide = functools.partial(_decide, reader, sources, files.config, report.warnings,
                                    keep_tied=keep_tied,
                                    ties_apply=not optimizer and mode != "adapter", mapped=mapped)
@@ -408,8 +413,8 @@ def _decided(report: MergeReport, decided: dict[str, Any]) -> frozenset[str]:
 
 
 @contextlib.contextmanager
-def _readers(ckpt: Checkpoint, adapted: Adapted | None, *, follow_links: bool
-             ) -> Iterator[Reader]:
+def _readers(ckpt: Checkpoint, adapted: Adapted | None, *, follow_links: bool,
+             check_crc: bool = True) -> Iterator[Reader]:
     """The checkpoint's reader, with the adapter's own (``--adapter``) open beside it and
     closed with it. No cyclic collection while they live: millions of chunk objects are no
     garbage, and each collection would walk them all."""
@@ -419,7 +424,7 @@ def _readers(ckpt: Checkpoint, adapted: Adapted | None, *, follow_links: bool
           gc_paused()):
         if adapter_reader is not None:
             adapter_reader.open_files()
-        yield reader
+        yield checked(reader, check_crc=check_crc)
 
 
 def _decide(reader: Reader, sources: list[tuple[str, Source]], config: dict[str, Any] | None,

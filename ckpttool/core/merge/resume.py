@@ -7,14 +7,17 @@ from the process), in pieces: consecutive tensors of one output file, about
 and synced, is recorded in a journal beside the temporary files
 (``.<stem>.resume-<plan key>.journal.ckpttool-tmp``, JSON Lines): the first line says what the
 files are for (the plan key, a digest of the source's file names, sizes and modification
-times, each temporary file's inode), each further line one finished piece. A cut merge leaves
-both.
+times, each temporary file's inode), each further line one finished piece with the CRC-32 of
+its bytes as written. A cut merge leaves both.
 
 The same merge again (same source, options and output) finds them and checks, before trusting
 anything: the plan key (same files, headers, sizes: same options), the source digest (no file
 of the checkpoint changed), each temporary file's inode and size, and its header read back.
 Anything that differs, or a journal that does not read, and every piece is written again; a
-journal line that does not parse is a piece not done. Then only the pieces not recorded are
+journal line that does not parse is a piece not done, and so is a piece whose bytes, read back,
+no longer have the CRC-32 its line records (bytes changed in place, a line forged or from
+another file): a journal is never trusted for bytes it did not see written. Then only the
+pieces not recorded are
 written, and the output is put in place as any merge's is (the index last); the journal goes
 with it.
 
@@ -43,7 +46,14 @@ from ckpttool.core.merge.plan import MergePlan
 from ckpttool.core.runtime.report import Progress, Section, section
 from ckpttool.errors import OutputError
 from ckpttool.formats.base import Reader
-from ckpttool.storage.outputs import TMP_SUFFIX, AtomicOutputs, output_error, pwrite_all
+from ckpttool.formats.codecs.crc import crc32
+from ckpttool.storage.outputs import (
+    TMP_SUFFIX,
+    AtomicOutputs,
+    note_resumable,
+    output_error,
+    pwrite_all,
+)
 
 # Names the temporary files and the journal: ``.<file>.resume-<plan key>.ckpttool-tmp``.
 TAG = "resume-"
@@ -131,8 +141,22 @@ def write(plan: MergePlan, reader: Reader, out: Path, *, check: Callable[[], Non
     journal = out / f".{stem}.{TAG}{key}.journal{TMP_SUFFIX}"
     source = source_digest(reader.info.root)
     todo = pieces(plan, size)
+    try:
+        return _write(plan, reader, out, check=check, commit=commit, workers=workers,
+                      progress=progress, todo=todo, temps=temps, journal=journal,
+                      source=source, key=key, stem=stem)
+    except BaseException:
+        if journal.exists():  # kept for the next run (the CLI's message says so)
+            note_resumable(journal)
+        raise
+
+
+def _write(plan: MergePlan, reader: Reader, out: Path, *, check: Callable[[], None],
+           commit: Callable[[AtomicOutputs], None], workers: int, progress: Progress | None,
+           todo: list[Piece], temps: dict[str, Path], journal: Path, source: str, key: str,
+           stem: str) -> Resumed:
     with AtomicOutputs(out, check=check) as outputs:
-        done = _recorded(plan, journal, temps, source, key)
+        done = _recorded(plan, journal, temps, source, key, todo)
         fds: dict[str, int] = {}
         recorded = len(done)
         try:
@@ -148,7 +172,7 @@ def write(plan: MergePlan, reader: Reader, out: Path, *, check: Callable[[], Non
                 f = plan.files[p.file]
                 part = replace(plan, files=(replace(f, tensors=f.tensors[p.first : p.end]),))
                 execute_into(part, reader, [fds[f.name]], workers=workers, progress=progress)
-                _record(journal, fds[f.name], p)
+                _record(journal, fds[f.name], p, plan)
                 recorded += 1
                 if settings.test_resume_kill() == n:
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -170,7 +194,12 @@ def write(plan: MergePlan, reader: Reader, out: Path, *, check: Callable[[], Non
         check_headers(plan, {f.name: temps[f.name] for f in plan.files})
         for f in plan.files:
             outputs.adopt(f.name, temps[f.name])
-        commit(outputs)
+        try:
+            commit(outputs)
+        except BaseException:
+            if outputs.published:  # in place before a signal held back was delivered
+                journal.unlink(missing_ok=True)
+            raise
     with contextlib.suppress(FileNotFoundError):
         journal.unlink()
     return Resumed(len(todo), sum(p.key in done for p in todo),
@@ -224,9 +253,9 @@ def _open(path: Path) -> int:
 
 
 def _recorded(plan: MergePlan, journal: Path, temps: dict[str, Path], source: str,
-              key: str) -> set[str]:
-    """The pieces a cut merge of this plan recorded, where everything checks (module
-    docstring); empty: start again."""
+              key: str, todo: list[Piece]) -> set[str]:
+    """The pieces a cut merge of this plan recorded whose bytes read back with the CRC-32
+    recorded, where everything else checks (module docstring); empty: start again."""
     try:
         lines = journal.read_text().splitlines()
         head = json.loads(lines[0])
@@ -249,25 +278,66 @@ def _recorded(plan: MergePlan, journal: Path, temps: dict[str, Path], source: st
         check_headers(plan, temps)
     except OutputError:
         return set()
-    done = set()
+    claimed: dict[str, int] = {}
     for line in lines[1:]:
         try:
             doc = json.loads(line)
         except ValueError:
             continue  # a line cut short: that piece is not done
-        if isinstance(doc, dict) and isinstance(doc.get("piece"), str):
-            done.add(doc["piece"])
+        if (isinstance(doc, dict) and isinstance(doc.get("piece"), str)
+                and isinstance(doc.get("crc32"), int)):
+            claimed[doc["piece"]] = doc["crc32"]
+    done = set()
+    for p in todo:
+        if p.key not in claimed:
+            continue
+        try:
+            fd = os.open(temps[plan.files[p.file].name],
+                         os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return set()
+        try:
+            if _piece_crc(fd, p, plan) == claimed[p.key]:
+                done.add(p.key)
+        except OSError:
+            return set()
+        finally:
+            os.close(fd)
     return done
 
 
-def _record(journal: Path, fd: int, piece: Piece) -> None:
-    """``piece`` is done: its bytes synced first, then the line that says so."""
+# Bytes read at a time to compute a piece's CRC-32.
+_CRC_BLOCK = 8 << 20
+
+
+def _piece_crc(fd: int, piece: Piece, plan: MergePlan) -> int:
+    """The CRC-32 of ``piece``'s bytes in its output file (open at ``fd``), as they are now."""
+    tensors = plan.files[piece.file].tensors[piece.first : piece.end]
+    begin, end = tensors[0].slot.begin, tensors[-1].slot.end
+    crc = 0
+    at = begin
+    while at < end:
+        data = os.pread(fd, min(_CRC_BLOCK, end - at), at)
+        if not data:
+            break  # a short file: the CRC differs
+        crc = crc32(data, crc)
+        at += len(data)
+    return crc
+
+
+def _record(journal: Path, fd: int, piece: Piece, plan: MergePlan) -> None:
+    """``piece`` is done: its bytes synced first, then the line that says so, with their
+    CRC-32 (checked before a later run trusts the line)."""
     if settings.fsync():
         try:
             os.fdatasync(fd)
         except OSError as e:
             raise output_error(e) from None
-    _append(journal, {"piece": piece.key, "bytes": piece.nbytes})
+    try:
+        crc = _piece_crc(fd, piece, plan)
+    except OSError as e:
+        raise output_error(e) from None
+    _append(journal, {"piece": piece.key, "bytes": piece.nbytes, "crc32": crc})
 
 
 def _append(journal: Path, doc: dict[str, Any], *, create: bool = False) -> None:

@@ -37,7 +37,8 @@ _HEAD = struct.Struct("<cI")
 _ERRORS: dict[str, type[errors.CkptError]] = {
     cls.__name__: cls for cls in (errors.CkptError, errors.InputError, errors.UnreadableError,
                                   errors.UnsupportedError, errors.IntegrityError,
-                                  errors.OutputError)}
+                                  errors.OutputError, errors.TransportError,
+                                  errors.AccessError)}
 
 T = TypeVar("T")
 
@@ -220,6 +221,7 @@ def _child_main(share: Share, w: int) -> None:
     code = 0
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # the parent stops it (SIGTERM)
 
         def send(kind: bytes, body: bytes) -> None:
             os.write(w, _HEAD.pack(kind, len(body)) + body)

@@ -1,0 +1,60 @@
+"""A resumed merge trusts no journal line for bytes it cannot read back (finding 5 of issue
+34): each finished piece's CRC-32 is kept in the journal and checked before the piece is
+skipped; forged lines or bytes changed in place are written again, never exit 0 with
+zeros."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from ckpttool.core.merge.operation import merge
+from tests.core.test_sweep import PIECE, _assert_exact, _cut_merge, trained  # noqa: F401
+
+
+@pytest.mark.parametrize("doubt", ["lines forged", "lines without a CRC", "bytes zeroed",
+                                   "byte flipped"])
+def test_a_journal_line_is_checked_against_the_bytes(trained: Path, tmp_path: Path,  # noqa: F811
+                                                     doubt: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    src, out = tmp_path / "checkpoint-3", tmp_path / "out"
+    shutil.copytree(trained / "run" / "checkpoint-3", src)
+    _cut_merge([str(src), str(out)])
+    (journal,) = out.glob(".*.journal.ckpttool-tmp")
+    (temp,) = out.glob(".model.safetensors.*.ckpttool-tmp")
+    head, *done = journal.read_text().splitlines()
+    assert len(done) == 2 and all("crc32" in json.loads(line) for line in done)
+    with open(temp, "rb") as f:
+        data_start = 8 + struct.unpack("<Q", f.read(8))[0]
+    if doubt == "lines forged":
+        # Every piece claimed done, with made-up CRCs, over a file whose last piece is zeros.
+        lines = [json.dumps({"piece": json.loads(line)["piece"], "bytes": 1, "crc32": 0})
+                 for line in done]
+        lines.append(json.dumps({"piece": "0:0-999999", "bytes": 1, "crc32": 0}))
+        journal.write_text("\n".join([head, *lines]) + "\n")
+        redone = 0
+    elif doubt == "lines without a CRC":  # the journal of an older ckpttool
+        lines = [json.dumps({"piece": json.loads(line)["piece"], "bytes": 1}) for line in done]
+        journal.write_text("\n".join([head, *lines]) + "\n")
+        redone = 0
+    elif doubt == "bytes zeroed":
+        size = temp.stat().st_size
+        with open(temp, "r+b") as f:
+            f.seek(data_start)
+            f.write(bytes(size - data_start))
+        redone = 0
+    else:  # one byte of the first piece changed in place
+        with open(temp, "r+b") as f:
+            f.seek(data_start + 10)
+            byte = f.read(1)
+            f.seek(data_start + 10)
+            f.write(bytes([byte[0] ^ 1]))
+        redone = 1
+    monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", PIECE)
+    report = merge(src, out)
+    assert report.resumed is not None and report.resumed["done_before"] == redone
+    _assert_exact(out, trained, 3)
