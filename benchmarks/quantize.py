@@ -95,7 +95,8 @@ for i in range(0, rows, 128):
                            qw[i:i + 128, j:j + 128].view(torch.uint8))
 ii = torch.arange(rows)[:, None] // 128
 jj = torch.arange(cols)[None, :] // 128
-assert torch.equal((qw.float() * s[ii, jj]).to(torch.bfloat16).view(torch.int16), back.view(torch.int16))
+deq = (qw.float() * s[ii, jj]).to(torch.bfloat16)
+assert torch.equal(deq.view(torch.int16), back.view(torch.int16))
 print("sample checked:", name)
 """
 
