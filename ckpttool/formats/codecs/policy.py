@@ -57,7 +57,7 @@ class Refused(Exception):
 # Inert stand-ins
 
 
-class _Sealed(type):
+class Sealed(type):
     """The metaclass of the stand-in classes: one is shared by every pickle the process reads,
     so BUILD on the class itself (a pickle's ``(None, {'field': ...})`` slot state) must not
     set its attributes for the next file."""
@@ -69,7 +69,7 @@ class _Sealed(type):
         raise pickle.UnpicklingError(f"a pickle deleted {name!r} of the class {cls.__name__}")
 
 
-class Stub(metaclass=_Sealed):
+class Stub(metaclass=Sealed):
     """Stand-in for a class that pickle builds with NEWOBJ and BUILD (DCP's metadata classes,
     a DTensor's spec and mesh, a namespace, a dataclass): keeps the state pickle hands it,
     runs nothing."""
@@ -97,7 +97,7 @@ def stub_class(name: str) -> type[Stub]:
     return type(name, (Stub,), {})
 
 
-class PlainStub(metaclass=_Sealed):
+class PlainStub(metaclass=Sealed):
     """Stand-in for a dataclass whose pickled state is a dict (DCP's metadata classes but
     ``TensorProperties``). Without ``__init__`` or ``__setstate__``, NEWOBJ and BUILD run in
     the C unpickler alone: no Python frame per object, which is what a ``.metadata`` of
@@ -127,7 +127,7 @@ class Namespace(dict):  # type: ignore[type-arg]
         self.update(state)
 
 
-class Fields(tuple, metaclass=_Sealed):  # type: ignore[type-arg]
+class Fields(tuple, metaclass=Sealed):  # type: ignore[type-arg]
     """Stand-in for a NamedTuple pickle builds with NEWOBJ or a call (its fields in order)."""
 
     def __new__(cls, *fields: Any) -> Fields:
@@ -179,7 +179,7 @@ class EnumClass:
         return self.qualname
 
 
-class UnresolvedClass(metaclass=_Sealed):
+class UnresolvedClass(metaclass=Sealed):
     """Base of the stand-in for a class whose module is not here (or lacks it): read only in
     an Enum member's shape, ``Class(value)`` with one plain value (NEWOBJ and REDUCE both
     come through ``__new__``), or ``getattr(Class, 'NAME')``; anything else is refused, so
@@ -379,8 +379,8 @@ _RUNS_CODE_NAMES = frozenset({
     ("numpy", "load"), ("numpy", "loadtxt"), ("numpy", "fromfile"), ("numpy", "genfromtxt"),
     ("numpy", "save"), ("numpy", "savetxt"), ("numpy", "memmap"), ("numpy", "frompyfunc"),
     ("numpy", "vectorize"),
-    # torch's own that call what the pickle gives them or exec() its text
-    ("torch._tensor", "_rebuild_from_type_v2"),
+    # torch's own that exec() the text the pickle gives them (torch._tensor's
+    # _rebuild_from_type_v2 is not here: any tensor with attributes pickles through it)
     *(("torch.fx.graph_module", n) for n in (
         "reduce_graph_module", "reduce_package_graph_module", "reduce_deploy_graph_module",
         "_forward_from_src", "_exec_with_source", "_deserialize_graph_module")),
