@@ -64,6 +64,8 @@ def test_build_cannot_patch_a_stand_in_class() -> None:
     ("torch", "os.system"),  # torch's own namespace holds the os module
     ("torch", "serialization.pickle.loads"),
     ("torch", "serialization._load"),
+    ("ckpttool_no_such_module", "os.system"),  # even where torch is not imported
+    ("ckpttool_no_such_module", "subprocess.Popen"),
     ("torch.fx.graph_module", "reduce_graph_module"),  # exec()s the source it is given
 ])
 def test_a_dangerous_callable_behind_a_dotted_name_runs_code(module: str, name: str) -> None:

@@ -422,6 +422,8 @@ def runs_code(module: str, name: str) -> bool:
         return (module, name) in _RUNS_CODE_NAMES
     if name.startswith("__") and name.endswith("__"):
         return True  # __reduce__, __import__, __builtins__...
+    if any(part in _RUNS_CODE_MODULES for part in name.split(".")[:-1]):
+        return True  # a module reached through another's namespace ("torch" "os.system")
     return any(m in _RUNS_CODE_MODULES for m in _top_modules(module))
 
 
