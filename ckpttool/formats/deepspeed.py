@@ -61,7 +61,7 @@ from ckpttool.formats.base import (
     Reader,
     Tensor,
 )
-from ckpttool.formats.codecs import archive, torchsave
+from ckpttool.formats.codecs import archive, policy, torchsave
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage import sidefiles
 from ckpttool.storage.store import LOCAL, Store, Stores, file_size
@@ -203,7 +203,7 @@ class _FragmentAddress(torchsave.Stub):
     pass
 
 
-class _TensorClass:
+class _TensorClass(metaclass=policy.Sealed):
     """``torch.Tensor`` as ``_rebuild_from_type_v2`` names it (a plain tensor with attributes:
     ZeRO-3 tags its partitions with ``ds_id``)."""
 

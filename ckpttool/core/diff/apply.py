@@ -30,6 +30,7 @@ from ckpttool.errors import InputError, OutputError
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Reader
 from ckpttool.formats.codecs.dtypes import BY_NAME, DType
+from ckpttool.storage import sidefiles
 from ckpttool.storage.outputs import (
     AtomicOutputs,
     check_apart,
@@ -154,7 +155,12 @@ def apply(
                             or st.is_weight_file(name) or name in deltas.OWN):
                         raise InputError(f"{src}: a file the delta names is missing or is no "
                                          "config or tokenizer file; write the delta again")
-                    outputs.write_bytes(name, src.read_bytes())
+                    try:  # a link is refused, never followed out of the delta
+                        body = sidefiles.read_checked(src, sidefiles.HF_FILE, nofollow=True)
+                    except FileNotFoundError:
+                        raise InputError(f"{src}: a file the delta names is missing; write "
+                                         "the delta again") from None
+                    outputs.write_bytes(name, body)
                 if index is not None:
                     outputs.write_bytes(st.index_name(), index)
                 keep = {f.name for f in planned} | set(files) | {st.index_name()}

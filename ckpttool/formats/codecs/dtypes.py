@@ -7,6 +7,7 @@ ckpttool compares plain strings.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 
 
@@ -16,6 +17,13 @@ class DType:
     torch_name: str  # attribute of the torch module: "bfloat16"
     itemsize: int
     kind: str  # "float", "float8", "int", "bool", "complex"
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        # A pickle's BUILD on a shared dtype (torch.float32 as the allow-list hands it out)
+        # would change it for every file the process reads; only a new one takes a state.
+        if self.__dict__:
+            raise pickle.UnpicklingError(f"a pickle set the state of the dtype {self.name}")
+        self.__dict__.update(state)
 
     @property
     def is_float(self) -> bool:

@@ -34,6 +34,7 @@ import functools
 import importlib
 import pickle
 import sys
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -56,7 +57,19 @@ class Refused(Exception):
 # Inert stand-ins
 
 
-class Stub:
+class Sealed(type):
+    """The metaclass of the stand-in classes: one is shared by every pickle the process reads,
+    so BUILD on the class itself (a pickle's ``(None, {'field': ...})`` slot state) must not
+    set its attributes for the next file."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise pickle.UnpicklingError(f"a pickle set {name!r} on the class {cls.__name__}")
+
+    def __delattr__(cls, name: str) -> None:
+        raise pickle.UnpicklingError(f"a pickle deleted {name!r} of the class {cls.__name__}")
+
+
+class Stub(metaclass=Sealed):
     """Stand-in for a class that pickle builds with NEWOBJ and BUILD (DCP's metadata classes,
     a DTensor's spec and mesh, a namespace, a dataclass): keeps the state pickle hands it,
     runs nothing."""
@@ -84,7 +97,7 @@ def stub_class(name: str) -> type[Stub]:
     return type(name, (Stub,), {})
 
 
-class PlainStub:
+class PlainStub(metaclass=Sealed):
     """Stand-in for a dataclass whose pickled state is a dict (DCP's metadata classes but
     ``TensorProperties``). Without ``__init__`` or ``__setstate__``, NEWOBJ and BUILD run in
     the C unpickler alone: no Python frame per object, which is what a ``.metadata`` of
@@ -114,7 +127,7 @@ class Namespace(dict):  # type: ignore[type-arg]
         self.update(state)
 
 
-class Fields(tuple):  # type: ignore[type-arg]
+class Fields(tuple, metaclass=Sealed):  # type: ignore[type-arg]
     """Stand-in for a NamedTuple pickle builds with NEWOBJ or a call (its fields in order)."""
 
     def __new__(cls, *fields: Any) -> Fields:
@@ -157,11 +170,16 @@ class EnumClass:
                     return value
         raise pickle.UnpicklingError(f"{value!r:.40} is not a member of {self.qualname}")
 
+    def __setstate__(self, state: Any) -> None:
+        # BUILD on this shared stand-in (cached per class) would change its members for the
+        # rest of the process.
+        raise pickle.UnpicklingError(f"a pickle set the state of the enum {self.qualname}")
+
     def __repr__(self) -> str:
         return self.qualname
 
 
-class UnresolvedClass:
+class UnresolvedClass(metaclass=Sealed):
     """Base of the stand-in for a class whose module is not here (or lacks it): read only in
     an Enum member's shape, ``Class(value)`` with one plain value (NEWOBJ and REDUCE both
     come through ``__new__``), or ``getattr(Class, 'NAME')``; anything else is refused, so
@@ -282,6 +300,17 @@ def _encode(text: Any, encoding: Any = "utf-8") -> bytes:
     return text.encode("latin-1")
 
 
+def _fraction(*args: Any) -> Any:
+    """``fractions.Fraction`` (a Python class: handed to a pickle, BUILD could set its
+    attributes for the whole process), built from what its pickle passes: text or ints."""
+    if not (1 <= len(args) <= 2 and all(type(a) is int for a in args)) and not (
+            len(args) == 1 and type(args[0]) is str and len(args[0]) <= 4096):
+        raise pickle.UnpicklingError("Fraction() called other than with text or integers")
+    import fractions
+
+    return fractions.Fraction(*args)
+
+
 def _real(module: str, name: str) -> Callable[[], Any]:
     """The real class, for C types that only build a value from plain ones (datetime...)."""
     return lambda: getattr(importlib.import_module(module), name)
@@ -307,7 +336,7 @@ _DATA: dict[tuple[str, str], Callable[[], Any]] = {
     **{("datetime", n): _real("datetime", n)
        for n in ("datetime", "date", "time", "timedelta", "timezone")},
     ("decimal", "Decimal"): _real("decimal", "Decimal"),
-    ("fractions", "Fraction"): _real("fractions", "Fraction"),
+    ("fractions", "Fraction"): lambda: _fraction,
     ("uuid", "UUID"): _real("uuid", "UUID"),
     ("torch.torch_version", "TorchVersion"): lambda: str,
     **{(m, n): (lambda f=f: f) for m in ("builtins", "__builtin__")  # type: ignore[misc]
@@ -350,6 +379,11 @@ _RUNS_CODE_NAMES = frozenset({
     ("numpy", "load"), ("numpy", "loadtxt"), ("numpy", "fromfile"), ("numpy", "genfromtxt"),
     ("numpy", "save"), ("numpy", "savetxt"), ("numpy", "memmap"), ("numpy", "frompyfunc"),
     ("numpy", "vectorize"),
+    # torch's own that exec() the text the pickle gives them (torch._tensor's
+    # _rebuild_from_type_v2 is not here: any tensor with attributes pickles through it)
+    *(("torch.fx.graph_module", n) for n in (
+        "reduce_graph_module", "reduce_package_graph_module", "reduce_deploy_graph_module",
+        "_forward_from_src", "_exec_with_source", "_deserialize_graph_module")),
 })
 
 # Modules imported (when not yet) to see what one of their globals is: standard modules
@@ -388,6 +422,8 @@ def can_run_anything(module: str, name: str) -> bool:
         return (module, name) in _RUNS_CODE_NAMES
     if name.startswith("__") and name.endswith("__"):
         return True  # __reduce__, __import__, __builtins__...
+    if any(part in _RUNS_CODE_MODULES for part in name.split(".")[:-1]):
+        return True  # a module reached through another's namespace ("torch" "os.system")
     return any(m in _RUNS_CODE_MODULES for m in _top_modules(module))
 
 
@@ -486,8 +522,21 @@ def kind(module: str, name: str) -> str:
         return RUNS_CODE  # a function: calling it runs its code (torch's own: not yet read)
     found = data_global(module, name)
     if found is None or (isinstance(found, type) and issubclass(found, UnresolvedClass)):
-        return UNKNOWN
+        home = _home(obj)  # a dotted name reaching elsewhere ("torch" "os.system")
+        return RUNS_CODE if home is not None and runs_code(*home) else UNKNOWN
     return DATA
+
+
+def _home(obj: Any) -> tuple[str, str] | None:
+    """Where a class or function found by :func:`_static` is defined, as a pickle of it would
+    name it: a genuine pickle names that very place, a hostile one may reach it through
+    another module's namespace."""
+    if not isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)):
+        return None
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if type(module) is not str or type(qualname) is not str:
+        return None
+    return module, qualname
 
 
 # --------------------------------------------------------------------------------------------

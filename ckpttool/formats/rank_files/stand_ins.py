@@ -9,13 +9,13 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
-from ckpttool.formats.codecs import torchsave
+from ckpttool.formats.codecs import policy, torchsave
 
 # --------------------------------------------------------------------------------------------
 # The allow-list: what a pickled DTensor names, as inert stand-ins
 
 
-class _Fields(tuple):  # type: ignore[type-arg]
+class _Fields(tuple, metaclass=policy.Sealed):  # type: ignore[type-arg]
     """Stand-in for a NamedTuple pickle builds with NEWOBJ (``TensorMeta``, ``ShardOrderEntry``)."""
 
     def __new__(cls, *fields: Any) -> _Fields:
@@ -38,7 +38,7 @@ _TensorMeta = type("TensorMeta", (_Fields,), {})
 _ShardOrderEntry = type("ShardOrderEntry", (_Fields,), {})
 
 
-class _DTensorClass:
+class _DTensorClass(metaclass=policy.Sealed):
     """Stand-in for the ``DTensor`` class object itself (an argument, never instantiated)."""
 
 
@@ -58,7 +58,7 @@ class DTensorRef:
     spec: Any  # DTensorSpec stand-in when well formed
 
 
-class _ShardedTensorClass:
+class _ShardedTensorClass(metaclass=policy.Sealed):
     """Stand-in for the ``ShardedTensor`` class object (an argument, never instantiated)."""
 
 
