@@ -1,7 +1,8 @@
 """What must hold under every Python the package declares (``requires-python``): each module
 imports (Python 3.10 has no ``typing.dataclass_transform``, ``typing.Self``, ``StrEnum``,
 ``tomllib``, ``ExceptionGroup``, ``datetime.UTC``...) and the CLI answers. ``.ci/pythons``
-runs this file, with the checkpoints of ``tests/formats/test_pythons.py``, on 3.10 to 3.13."""
+runs this file on 3.10, 3.12 and 3.13 without torch (the whole suite runs on 3.11; the
+checkpoints those Pythons write are read in ``tests/formats/test_pythons.py``)."""
 
 from __future__ import annotations
 
