@@ -126,8 +126,8 @@ def test_json_on_output_unsupported_bug_and_interrupt(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
         uneven_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    assert program(capsys, monkeypatch, "merge", uneven_ckpt, out).code == 0
-    r = program(capsys, monkeypatch, "merge", uneven_ckpt, out, "--json")
+    assert program(capsys, monkeypatch, "merge", "--weights-only", uneven_ckpt, out).code == 0
+    r = program(capsys, monkeypatch, "merge", "--weights-only", uneven_ckpt, out, "--json")
     assert "--overwrite" in failure_doc(r, "merge", 3, "output")
 
     def raising(e: BaseException):  # type: ignore[no-untyped-def]
@@ -139,7 +139,8 @@ def test_json_on_output_unsupported_bug_and_interrupt(
                                (RuntimeError("boom"), 70, "bug"),
                                (KeyboardInterrupt(), 130, "interrupted")):
         monkeypatch.setattr("ckpttool.core.merge.operation.plan_merge", raising(e))
-        r = program(capsys, monkeypatch, "merge", uneven_ckpt, tmp_path / "o2", "--json")
+        r = program(capsys, monkeypatch, "merge", "--weights-only",
+                    uneven_ckpt, tmp_path / "o2", "--json")
         message = failure_doc(r, "merge", exit_code, code)
         assert {"unsupported": "not yet", "bug": "RuntimeError: boom"}.get(code, message) \
             == message
@@ -175,7 +176,7 @@ def cli_env(**extra: str) -> dict[str, str]:
 def merge_stderr(src: Path, out: Path, *extra: str, terminal: bool,
                  env: dict[str, str] | None = None) -> tuple[int, str]:
     """Run ``ckpttool merge`` with stderr on a pseudo-terminal or a pipe; its stderr."""
-    argv = [sys.executable, "-m", "ckpttool", "merge", str(src), str(out), *extra]
+    argv = [sys.executable, "-m", "ckpttool", "merge", "--weights-only", str(src), str(out), *extra]
     env = env if env is not None else cli_env(TERM="xterm-256color")
     if not terminal:
         r = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
@@ -307,7 +308,8 @@ def test_a_run_directory_is_named_as_one(capsys: pytest.CaptureFixture[str],
         f"ckpttool verify {run / 'checkpoint-1500'} (ckpttool merge {run} OUT_ROOT --all "
         "merges every one)\n")
     # The one it names is the one to pass.
-    r = program(capsys, monkeypatch, "merge", run / "checkpoint-1500", tmp_path / "out")
+    r = program(capsys, monkeypatch, "merge", "--weights-only",
+                run / "checkpoint-1500", tmp_path / "out")
     assert r.code == 0, r.stderr
 
 
@@ -347,7 +349,8 @@ def test_merge_all_reports_output_sizes_rates_and_one_line_per_line(
     # damaged, not a copy in progress (a short file changed within the hour is taken for one)
     from ckpttool.core.merge import sweep as sweep_mod
     monkeypatch.setattr(sweep_mod, "STALE_SECONDS", -1.0)
-    r = program(capsys, monkeypatch, "merge", run, tmp_path / "out", "--all", "--settle", "0")
+    r = program(capsys, monkeypatch, "merge", "--weights-only",
+                run, tmp_path / "out", "--all", "--settle", "0")
     assert r.code == 3, r.stderr
     merged = (tmp_path / "out" / "checkpoint-1" / "model.safetensors").stat().st_size
     line = r.stdout.splitlines()[0]
@@ -378,7 +381,8 @@ def test_no_config_warning_says_the_cast_asked_for(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
         uneven_ckpt: Path, tmp_path: Path) -> None:
     model = uneven_ckpt / "pytorch_model_fsdp_0"
-    r = program(capsys, monkeypatch, "merge", model, tmp_path / "o", "--dtype", "bf16")
+    r = program(capsys, monkeypatch, "merge", "--weights-only",
+                model, tmp_path / "o", "--dtype", "bf16")
     assert r.code == 0, r.stderr
     assert "floating tensors are cast to BF16 (--dtype)" in r.stderr
     assert "dtypes are kept as stored" not in r.stderr
@@ -461,7 +465,7 @@ def test_no_tie_note_where_config_unties(capsys: pytest.CaptureFixture[str],
     for tied, said in ((False, False), (True, True)):
         (src / "config.json").write_text(json.dumps(
             {"model_type": "llama", "tie_word_embeddings": tied, "torch_dtype": "float32"}))
-        r = program(capsys, monkeypatch, "merge", src, tmp_path / f"o{tied}")
+        r = program(capsys, monkeypatch, "merge", "--weights-only", src, tmp_path / f"o{tied}")
         assert r.code == 0, r.stderr
         notes = [x for x in r.stdout.splitlines() if x.lstrip().startswith(("tie", "tied"))]
         assert bool(notes) is said, r.stdout
@@ -480,9 +484,10 @@ def test_strict_makes_a_warning_exit_1(capsys: pytest.CaptureFixture[str],
     src.mkdir()
     save_file({"foo.weight": torch.ones(4), "bar.weight": torch.ones(4)},
               str(src / "model.safetensors"))  # no config.json: a merge warns
-    r = program(capsys, monkeypatch, "merge", src, tmp_path / "a")
+    r = program(capsys, monkeypatch, "merge", "--weights-only", src, tmp_path / "a")
     assert r.code == 0 and "ckpttool: warning: no config.json found" in r.stderr
-    r = program(capsys, monkeypatch, "merge", src, tmp_path / "b", "--strict", "--json")
+    r = program(capsys, monkeypatch, "merge", "--weights-only",
+                src, tmp_path / "b", "--strict", "--json")
     assert r.code == 1, r.stderr
     assert r.doc()["warnings"]  # the report, once: no failure document after it
     assert (tmp_path / "b" / "model.safetensors").exists()  # the output is written
@@ -509,7 +514,8 @@ def test_the_hub_recipe_runs_hf_upload_per_checkpoint_and_honours_its_exit(
     hf.chmod(0o755)
     out = tmp_path / "merged"
     r = subprocess.run(  # a process of its own: --then's output goes to its stderr
-        [sys.executable, "-m", "ckpttool", "merge", str(run), str(out), "--all", "--settle",
+        [sys.executable, "-m", "ckpttool", "merge", "--weights-only",
+            str(run), str(out), "--all", "--settle",
          "0", "--then",
          'hf upload my-org/my-model "$CKPTTOOL_OUT" . --revision "step-$CKPTTOOL_STEP"'],
         env=cli_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}"), capture_output=True,

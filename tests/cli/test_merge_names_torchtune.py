@@ -44,8 +44,16 @@ def test_native_names_without_a_map_are_called_so(tmp_path: Path) -> None:
     import json
 
     src = DATA / "llama" / "epoch_0" / "model-00001-of-00001.bin"
+    # With its config, the output is held to LlamaForCausalLM: none of its names would load,
+    # so nothing is written and the line names the map.
+    r = CliRunner().invoke(app, ["merge", str(src), str(tmp_path / "refused"), "--config",
+                                 str(DATA / "llama" / "hf")])
+    assert r.exit_code == 3, r.output
+    assert "19 of 21 names are torchtune's own: merge with --names torchtune-llama or " \
+        "torchtune-qwen2" in " ".join(r.stderr.split())
+    assert not (tmp_path / "refused").exists()
     r = CliRunner().invoke(app, ["merge", str(src), str(tmp_path / "out"), "--config",
-                                 str(DATA / "llama" / "hf"), "--json"])
+                                 str(DATA / "llama" / "hf"), "--json", "--weights-only"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["foreign_names"] == {

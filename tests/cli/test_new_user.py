@@ -612,7 +612,7 @@ def test_the_command_list_shows_whole_summaries() -> None:
     assert "  merge    Merge a checkpoint (any format) into Hugging Face safetensors.\n" in (
         r.output)
     commands = r.output.split("Commands:\n")[1].splitlines()
-    assert len(commands) == 4 and not [c for c in commands if c.endswith("...")]
+    assert len(commands) == 6 and not [c for c in commands if c.endswith("...")]
 
 
 def test_pip_users_are_told_how_to_get_completion() -> None:

@@ -340,9 +340,14 @@ def _contract(plan: MergePlan, files: hf.HfFiles, report: MergeReport, out: Path
         return contract.skipped("--weights-only")
     planned = {t.name: t.slot.shape for f in plan.files for t in f.tensors}
     result = contract.check(planned, files.config)
-    result.raise_if_broken(str(out), next_step=(
-        "Merge the checkpoint the config belongs to, pass the right --config, or "
-        "--weights-only for weights without that promise"))
+    foreign = report.foreign_names
+    step = ("Merge the checkpoint the config belongs to, pass the right --config, or "
+            "--weights-only for weights without that promise")
+    if foreign is not None and foreign.maps:  # a framework's own names: the map is the fix
+        whose = f"{foreign.framework}'s" if foreign.framework else "a framework's"
+        step = (f"{foreign.count} of {foreign.total} names are {whose} own: merge with "
+                f"--names {' or '.join(foreign.maps)}; or " + step[0].lower() + step[1:])
+    result.raise_if_broken(str(out), next_step=step)
     if not result.checked:
         report.warnings.append(result.not_checked(str(out)))
     elif result.extra:

@@ -523,7 +523,7 @@ def kind(module: str, name: str) -> str:
     found = data_global(module, name)
     if found is None or (isinstance(found, type) and issubclass(found, UnresolvedClass)):
         home = _home(obj)  # a dotted name reaching elsewhere ("torch" "os.system")
-        return RUNS_CODE if home is not None and runs_code(*home) else UNKNOWN
+        return RUNS_CODE if home is not None and can_run_anything(*home) else UNKNOWN
     return DATA
 
 
