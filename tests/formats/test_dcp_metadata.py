@@ -157,7 +157,7 @@ def test_refused_global_falls_back_with_the_same_message(moe: Path, tmp_path: Pa
     md.write_bytes(data.replace(b"\x8c\x14" + name, b"\x8c\x14" + b"os\x00system".ljust(20, b"_"),
                                 1))
     assert dcp_metadata.read(md, dcp._metadata_global) is None
-    with pytest.raises(InputError, match="refused to load"):
+    with pytest.raises(InputError, match="which is no Python name .* the file is damaged"):
         dcp.read_info(root)
 
 

@@ -580,6 +580,11 @@ def refusal(where: object, refused: Refused, lookup: Callable[[str, str], Any | 
         return InputError(
             f"{where}: refused to load: the pickle asks for '{bad}', which {never}; "
             f"the file may be malicious (nothing was executed){then}")
+    if not all(p.isidentifier() for p in (*refused.module.split("."), *refused.name.split("."))):
+        return InputError(
+            f"{where}: the pickle asks for {refused.qualname!r}, which is no Python name (no "
+            "writer pickles one): the file is damaged (or was altered); nothing was executed. "
+            "Copy it again from the source")
     near = one_bit_from(refused, lookup)
     if near is not None:
         return InputError(
