@@ -26,7 +26,9 @@ FOREIGN = {
     "--index-url": "pip", "--user": "pip", "--revision": "hf upload",
     "--ckpt-format": "Megatron-LM", "--save": "Megatron-LM", "--moe-layer-freq": "Megatron-LM",
     "--mtp-num-layers": "Megatron-LM", "--rope-type": "Megatron-LM",
-    "--pipeline-model-parallel-layout": "Megatron-LM",
+    "--pipeline-model-parallel-layout": "Megatron-LM", "--norm-epsilon": "Megatron-LM",
+    "--vocab-size": "Megatron-LM", "--no-save-optim": "Megatron-LM",
+    "--no-save-rng": "Megatron-LM", "--dist-ckpt-optim-fully-reshardable": "Megatron-LM",
     "--moe": "benchmarks/megatron_merge.py",
 }
 

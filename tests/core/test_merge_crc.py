@@ -58,7 +58,7 @@ def large_dcp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_intact_checkpoint_merges(large_dcp: Path, tmp_path: Path) -> None:
-    ckpttool.merge(large_dcp, tmp_path / "out")
+    ckpttool.merge(large_dcp, tmp_path / "out", weights_only=True)
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
@@ -71,14 +71,14 @@ def test_flipped_byte_in_a_small_record(uneven_ckpt: Path, tmp_path: Path,
     flip(damaged / file, offset + 5)
     out = tmp_path / "out"
     with pytest.raises(InputError) as e:
-        ckpttool.merge(damaged, out)
+        ckpttool.merge(damaged, out, weights_only=True)
     assert str(e.value).startswith(f"{damaged / file} at byte {offset} (tensor '")
     assert "CRC-32 of the stored bytes is " in str(e.value)
     assert str(e.value).endswith("or pass --no-check-crc to merge it as it is")
     assert not (out / "model.safetensors").exists()
     assert not [p for p in out.iterdir()] if out.exists() else True
     # Skipped: the merge goes through, the damage with it.
-    ckpttool.merge(damaged, out, check_crc=False)
+    ckpttool.merge(damaged, out, weights_only=True, check_crc=False)
     assert (out / "model.safetensors").is_file()
 
 
@@ -96,7 +96,7 @@ def test_flipped_byte_in_a_record_header(uneven_ckpt: Path, tmp_path: Path) -> N
         f.seek(version.data_offset)
         f.write(b"9")
     with pytest.raises(InputError, match="record entry 'version'"):
-        ckpttool.merge(damaged, tmp_path / "out")
+        ckpttool.merge(damaged, tmp_path / "out", weights_only=True)
 
 
 @pytest.mark.parametrize("dtype", ["keep", "bf16"])
@@ -110,11 +110,11 @@ def test_flipped_byte_in_a_large_record(large_dcp: Path, tmp_path: Path, dtype: 
     flip(damaged / file, offset + int(size * where))
     out = tmp_path / "out"
     with pytest.raises(InputError) as e:
-        ckpttool.merge(damaged, out, dtype=dtype)
+        ckpttool.merge(damaged, out, weights_only=True, dtype=dtype)
     assert str(e.value).startswith(f"{damaged / file} at byte {offset} (tensor 'big', its "
                                    "stored bytes): CRC-32 of the stored bytes is ")
     assert not (out / "model.safetensors").exists()
-    ckpttool.merge(damaged, out, dtype=dtype, check_crc=False)
+    ckpttool.merge(damaged, out, weights_only=True, dtype=dtype, check_crc=False)
     assert (out / "model.safetensors").is_file()
 
 
@@ -126,7 +126,7 @@ def test_flipped_byte_in_a_strided_chunk(placements_ckpt: Path, tmp_path: Path) 
     file, offset, _ = stored(damaged, name, chunk=1)
     flip(damaged / file, offset + 3)
     with pytest.raises(InputError, match="CRC-32 of the stored bytes is "):
-        ckpttool.merge(damaged, tmp_path / "out")
+        ckpttool.merge(damaged, tmp_path / "out", weights_only=True)
 
 
 def test_cli_exit_3_one_line(large_dcp: Path, tmp_path: Path) -> None:
@@ -135,11 +135,12 @@ def test_cli_exit_3_one_line(large_dcp: Path, tmp_path: Path) -> None:
     file, offset, size = stored(damaged, "other")
     flip(damaged / file, offset + size // 3)
     runner = CliRunner()
-    r = runner.invoke(app, ["merge", str(damaged), str(tmp_path / "out")])
+    r = runner.invoke(app, ["merge", "--weights-only", str(damaged), str(tmp_path / "out")])
     assert r.exit_code == 3
     assert r.stderr.startswith(f"ckpttool: error: {damaged / file} at byte {offset} (tensor "
                                "'other', its stored bytes): CRC-32 of the stored bytes is ")
     assert r.stderr.count("\n") == 1
     assert not (tmp_path / "out" / "model.safetensors").exists()
-    r = runner.invoke(app, ["merge", str(damaged), str(tmp_path / "out"), "--no-check-crc"])
+    r = runner.invoke(app, ["merge", "--weights-only", str(damaged), str(tmp_path / "out"),
+                            "--no-check-crc"])
     assert r.exit_code == 0, r.stderr

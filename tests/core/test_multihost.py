@@ -89,7 +89,8 @@ def test_torchrun_four_ranks_share_one_file_bit_exact(placements_ckpt: Path, tmp
     write parts of: PyTorch's loader reads the same bits."""
     dcp_dir = placements_ckpt / "pytorch_model_fsdp_0"
     out = tmp_path / "out"
-    done = torchrun(4, str(placements_ckpt), str(out), "--dtype", "keep", "--json")
+    done = torchrun(4, str(placements_ckpt), str(out), "--dtype", "keep", "--json",
+                   "--weights-only")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert [f["name"] for f in report["files"]] == ["model.safetensors"]
@@ -107,7 +108,7 @@ def test_more_processes_than_work_finish(tmp_path: Path) -> None:
     value = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     save_file({"w": value}, src / "model.safetensors", metadata={"format": "pt"})
     out = tmp_path / "out"
-    results = by_hand(3, str(src), str(out), "--json")
+    results = by_hand(3, str(src), str(out), "--json", "--weights-only")
     assert [code for code, _, _ in results] == [0, 0, 0], [e for _, _, e in results]
     report = json.loads(results[0][1])
     assert sorted(report["distributed"]["bytes"]) == [0, 0, 48]

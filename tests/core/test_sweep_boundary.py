@@ -38,6 +38,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+# The run's checkpoints have no config.json: weights without the contract's promise.
+WEIGHTS = {"weights_only": True}
+
 def _run_of(trained: Path, tmp_path: Path, *steps: int) -> Path:
     """A run holding copies of ``steps`` (times kept, as a copy is not a new write)."""
     run = tmp_path / "run"
@@ -67,7 +70,7 @@ def test_all_waits_for_a_complete_checkpoint_to_settle(trained: Path, tmp_path: 
     run = _run_of(trained, tmp_path, 1)
     (run / "checkpoint-1" / MODEL / ".metadata").touch()  # written a moment ago
     out = tmp_path / "merged"
-    report = sweeps.sweep(run, out, settle=1.5)
+    report = sweeps.sweep(run, out, settle=1.5, merge_options=WEIGHTS)
     assert _states(report) == {"checkpoint-1": "merged"}, report.outcomes
     assert report.exit_code == 0
     _assert_exact(out / "checkpoint-1", trained, 1)
@@ -76,7 +79,7 @@ def test_all_waits_for_a_complete_checkpoint_to_settle(trained: Path, tmp_path: 
 def test_watch_and_dry_run_do_not_wait_for_settle(trained: Path, tmp_path: Path) -> None:
     run = _run_of(trained, tmp_path, 1)
     (run / "checkpoint-1" / MODEL / ".metadata").touch()
-    report = sweeps.sweep(run, tmp_path / "merged", settle=600, dry_run=True)
+    report = sweeps.sweep(run, tmp_path / "merged", settle=600, dry_run=True, merge_options=WEIGHTS)
     assert _states(report) == {"checkpoint-1": "waiting"}
     assert "for writes to settle" in (report.outcomes[0].reason or "")
 
@@ -93,18 +96,20 @@ def test_a_copy_in_progress_is_waiting_not_failed(trained: Path, tmp_path: Path)
     data.write_bytes(whole[: len(whole) // 2])  # rsync -a part way: the original's mtime
     os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     out = tmp_path / "merged"
-    report = sweeps.sweep(run, out, settle=0)
+    report = sweeps.sweep(run, out, settle=0, merge_options=WEIGHTS)
     (o,) = report.outcomes
     assert (o.status, o.exit_code, report.exit_code) == ("waiting", 0, 0), o.reason
     assert "still being copied or saved" in (o.reason or "")
     assert not (out / "checkpoint-2" / "model.safetensors").exists()
-    r = CliRunner().invoke(app, ["merge", str(run), str(out), "--all", "--settle", "0"])
+    r = CliRunner().invoke(app, ["merge", "--weights-only",
+                                 str(run), str(out), "--all", "--settle", "0"])
     assert r.exit_code == 0, r.output
     assert r.stdout.startswith("waiting     checkpoint-2: ")
 
     data.write_bytes(whole)  # the copy ends
     os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert _states(sweeps.sweep(run, out, settle=0)) == {"checkpoint-2": "merged"}
+    report = sweeps.sweep(run, out, settle=0, merge_options=WEIGHTS)
+    assert _states(report) == {"checkpoint-2": "merged"}
     _assert_exact(out / "checkpoint-2", trained, 2)
 
 
@@ -135,7 +140,8 @@ def test_a_step_resaved_during_overwrite_is_not_published(trained: Path, tmp_pat
                                                           ) -> None:
     run = _run_of(trained, tmp_path, 2)
     out = tmp_path / "merged"
-    assert _states(sweeps.sweep(run, out, settle=0)) == {"checkpoint-2": "merged"}
+    report = sweeps.sweep(run, out, settle=0, merge_options=WEIGHTS)
+    assert _states(report) == {"checkpoint-2": "merged"}
     (run / "checkpoint-2" / "config.json").write_text("{}\n")  # the source changed: redo
     before = (out / "checkpoint-2" / "model.safetensors").read_bytes()
 
@@ -143,7 +149,7 @@ def test_a_step_resaved_during_overwrite_is_not_published(trained: Path, tmp_pat
         _resave(trained / "run" / "checkpoint-3", run / "checkpoint-2")
 
     with guards.before_publish(writer_resumes):
-        report = sweeps.sweep(run, out, settle=0, overwrite=True)
+        report = sweeps.sweep(run, out, settle=0, overwrite=True, merge_options=WEIGHTS)
     (o,) = report.outcomes
     assert (o.status, report.exit_code) == ("waiting", 0), o.reason
     assert "changed while it was merged" in (o.reason or "")
@@ -154,7 +160,7 @@ def test_a_step_resaved_during_overwrite_is_not_published(trained: Path, tmp_pat
     assert not list((out / "checkpoint-2").glob(".*ckpttool-tmp"))
 
     # Once the save is over, the next sweep merges what is there now (step 3's weights).
-    again = sweeps.sweep(run, out, settle=0, overwrite=True)
+    again = sweeps.sweep(run, out, settle=0, overwrite=True, merge_options=WEIGHTS)
     assert _states(again) == {"checkpoint-2": "merged"}
     _assert_exact(out / "checkpoint-2", trained, 3)
 
@@ -181,7 +187,8 @@ def test_then_placeholders_are_refused(command: str, trained: Path, tmp_path: Pa
     old = os.getcwd()
     os.chdir(cwd)
     try:
-        r = CliRunner().invoke(app, ["merge", str(run), str(tmp_path / "merged"), "--all",
+        r = CliRunner().invoke(app, ["merge", "--weights-only",
+                                     str(run), str(tmp_path / "merged"), "--all",
                                      "--settle", "0", "--then", command])
     finally:
         os.chdir(old)
@@ -200,7 +207,8 @@ def test_then_gets_values_in_its_environment(trained: Path, tmp_path: Path) -> N
     old = os.getcwd()
     os.chdir(cwd)
     try:
-        r = CliRunner().invoke(app, ["merge", str(run), str(out), "--all", "--settle", "0",
+        r = CliRunner().invoke(app, ["merge", "--weights-only",
+                                     str(run), str(out), "--all", "--settle", "0",
                                      "--then", command])
     finally:
         os.chdir(old)
@@ -218,7 +226,8 @@ def test_sweep_lines_escape_names(trained: Path, tmp_path: Path) -> None:
     run.mkdir()
     name = "checkpoint-5\x1b[2J\nmerged      checkpoint-9 -> forged"
     shutil.copytree(trained / "run" / "checkpoint-1", run / name)
-    r = CliRunner().invoke(app, ["merge", str(run), str(tmp_path / "merged"), "--all",
+    r = CliRunner().invoke(app, ["merge", "--weights-only",
+                                 str(run), str(tmp_path / "merged"), "--all",
                                  "--settle", "0"])
     assert r.exit_code == 0, r.output
     assert "\x1b" not in r.stdout

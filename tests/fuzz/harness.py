@@ -112,6 +112,9 @@ class _Watch:
                     "/dev/null", "/dev/urandom", "/usr/lib", "/usr/share/zoneinfo",
                     "/etc/localtime", "/etc/ld.so.cache", "/lib", "/usr/local/lib"}
         prefixes |= {p for p in sys.path if p}
+        # torch's inductor cache directory, made when the contract check imports transformers
+        # (an import's side effect, the same for every input; nothing of the mutant's)
+        prefixes.add(os.path.join(tempfile.gettempdir(), "torchinductor_"))
         self.system = tuple(sorted(prefixes))
         sys.addaudithook(self)
 

@@ -31,7 +31,8 @@ def _env(s3: S3, tmpdir: Path, fault: str | None = None) -> dict[str, str]:
 
 def _start(s3: S3, src: Path, url: str, tmpdir: Path, fault: str | None = None
            ) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "ckpttool", "merge", str(src), url, "-q"],
+    return subprocess.Popen([sys.executable, "-m", "ckpttool", "merge", "--weights-only",
+                             str(src), url, "-q"],
                             env=_env(s3, tmpdir, fault), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
