@@ -36,7 +36,9 @@ NATIVE = (
     Native("torchtune", ("torchtune-llama", "torchtune-qwen2"),
            re.compile(r"^layers\.\d+\.(attn|sa_norm|mlp_norm|mlp\.w[123])\.|^norm\.scale$")),
     Native("Megatron", (), re.compile(r"^(decoder\.layers\.\d+\.|embedding\.word_embeddings\.)")),
-    Native("PEFT", (), re.compile(r"^base_model\.model\.")),
+    # PEFT's wrapped names; an adapter's own tensors (lora_A/B, ...) are PEFT's to load, no
+    # from_pretrained's: they are not held to a model's names.
+    Native("PEFT", (), re.compile(r"^base_model\.model\.(?!.*\.lora_)")),
 )
 
 # Frameworks whose names `ckpttool merge` maps itself, unasked: what it does, for the advice.
