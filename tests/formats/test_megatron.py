@@ -139,7 +139,7 @@ def test_names_none_keeps_megatron_names_without_config(megatron_runs: Path,
     global tensors; without it, a config is derived (test_config_derived_from_args_...)."""
     run = tmp_path / "run"
     shutil.copytree(megatron_runs / "llama", run, ignore=shutil.ignore_patterns("config.json"))
-    r = run_cli("merge", run, tmp_path / "native", "--names", "none", "-q")
+    r = run_cli("merge", run, tmp_path / "native", "--names", "none", "-q", "--weights-only")
     assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
     assert "decoder.layers.self_attention.linear_qkv.weight" in load_out(tmp_path / "native")
     assert not (tmp_path / "native" / "config.json").exists()

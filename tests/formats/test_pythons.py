@@ -42,7 +42,7 @@ def test_python_313_pickles_paths_as_pathlib_local() -> None:
 @pytest.mark.parametrize("python", PYTHONS)
 def test_dcp_merge_is_exact_and_verify_clean(python: str, tmp_path: Path) -> None:
     src = DATA / python / "dcp"
-    ckpttool.merge(src, tmp_path / "out", dtype="keep")
+    ckpttool.merge(src, tmp_path / "out", dtype="keep", weights_only=True)
     want = torch.load(DATA / python / "reference.pt", weights_only=True)
     assert_bit_exact(load_out(tmp_path / "out"), want)
     for command in ("verify", "inspect"):
@@ -65,7 +65,7 @@ def test_plain_torch_save_with_inert_values(python: str, tmp_path: Path) -> None
     assert info.values["run_dir"] == "runs/small"
     assert info.values["exit_signal"] == int(signal.SIGTERM)
     assert info.values["args"] == {"lr": 0.5, "exit_signal": int(signal.SIGTERM)}
-    ckpttool.merge(path, tmp_path / "out", dtype="keep")
+    ckpttool.merge(path, tmp_path / "out", dtype="keep", weights_only=True)
     want = torch.load(DATA / python / "reference.pt", weights_only=True)
     assert_bit_exact(load_out(tmp_path / "out"), want)
     result = CliRunner().invoke(app, ["verify", str(path)])
