@@ -242,9 +242,12 @@ def test_zero_stage_stand_in_refuses_nonsense() -> None:
         stage(9)
     # A class of a module not imported: only an Enum member's shape reads (the pickle
     # policy); built any other way it is refused, naming it.
+    # Where deepspeed itself is imported (earlier tests run it), the class is there and the
+    # lookup refuses it at once (None).
     engine = deepspeed.deepspeed_global("deepspeed.runtime.engine", "DeepSpeedEngine")
-    with pytest.raises(torchsave.Refused, match="deepspeed.runtime.engine.DeepSpeedEngine"):
-        engine()
+    if engine is not None:
+        with pytest.raises(torchsave.Refused, match="deepspeed.runtime.engine.DeepSpeedEngine"):
+            engine()
     assert deepspeed.deepspeed_global("builtins", "eval") is None
 
 
