@@ -264,10 +264,6 @@ def _verify_fresh(path: Path, **env: str) -> dict[str, object]:
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
-@pytest.mark.xfail(reason="a record whose pickle names a torch class this torch lacks is "
-                   "exit 4 'not supported' in a process without torch (the pickle policy), and "
-                   "verify's scan stops on it instead of reporting the record: open in issue 34",
-                   strict=False)
 def test_verify_in_shares_finds_what_one_process_finds(moe: Path, tmp_path: Path) -> None:
     clean = _verify_fresh(moe)
     assert clean["runs"] == [3] and clean["problems"] == []

@@ -585,15 +585,6 @@ def refusal(where: object, refused: Refused, lookup: Callable[[str, str], Any | 
             f"{where}: the pickle asks for {refused.qualname!r}, which is no Python name (no "
             "writer pickles one): the file is damaged (or was altered); nothing was executed. "
             "Copy it again from the source")
-    torch = sys.modules.get("torch")
-    if (torch is not None and refused.module.split(".")[0] == "torch"
-            and refused.module in sys.modules and _static(refused.module, refused.name)
-            is _MISSING):
-        return InputError(
-            f"{where}: the pickle asks for '{refused.qualname}', which torch "
-            f"{getattr(torch, '__version__', '')} does not have: the file is damaged, or was "
-            "written by a newer torch (nothing was executed). Copy it again, or read it with "
-            "the torch that wrote it")
     near = one_bit_from(refused, lookup)
     if near is not None:
         return InputError(

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckpttool.errors import CkptError, InputError
+from ckpttool.errors import CkptError, InputError, UnsupportedError
 from ckpttool.formats.base import (
     RECORD,
     Checksummed,
@@ -67,7 +67,8 @@ def read_record(fd: int | Callable[[int, int], bytes], *, offset: int, length: i
     Reads only headers (two small reads for an ordinary record), never the tensor bytes.
 
     Raises:
-        InputError: the record is truncated, corrupt, or its pickle is not a plain tensor.
+        InputError: the record is truncated, corrupt, or its pickle is not a plain tensor (a
+            global no tensor record names is damage: .metadata was read by then).
         UnsupportedError: big-endian or compressed records.
     """
     rb = archive.RecordBytes(fd, offset, length, where)
@@ -76,9 +77,18 @@ def read_record(fd: int | Callable[[int, int], bytes], *, offset: int, length: i
     try:
         ref = torchsave.load_pickle(rb, entries)
     except torchsave.Refused as e:
-        raise torchsave.refusal(where, e, torchsave.record_global,
-                                "a tensor record never needs",
-                                names=torchsave.archive_globals(rb, entries)) from e
+        verdict = torchsave.refusal(where, e, torchsave.record_global,
+                                    "a tensor record never needs",
+                                    names=torchsave.archive_globals(rb, entries))
+        if isinstance(verdict, UnsupportedError):
+            # .metadata was read, so the torch that wrote this checkpoint writes records
+            # ckpttool reads: a class no tensor record names is damage, decided by the bytes
+            # alone (never by what this process happens to have imported).
+            verdict = InputError(
+                f"{where}: the tensor record's pickle asks for '{e.qualname}', which no tensor "
+                "record of a checkpoint whose .metadata ckpttool reads names: the record is "
+                "damaged (nothing was executed). Copy the file again from the source")
+        raise verdict from e
     except torchsave.PICKLE_ERRORS as e:
         raise InputError(f"{where}: corrupt tensor record ({e})") from e
     if not isinstance(ref, torchsave.TensorRef):
