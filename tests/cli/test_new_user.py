@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import shutil
 import struct
 import subprocess
@@ -522,6 +523,10 @@ def test_the_package_is_typed_in_the_wheel(tmp_path: Path) -> None:
     metadata = zipfile.ZipFile(wheel).read("ckpttool-0.1.0.dist-info/METADATA").decode()
     assert "Project-URL: Documentation, https://github.com/ckpttool/ckpttool/blob/main/docs/" in (
         metadata)
+    # issue 38: README.md links the docs relatively; the index's description links them whole
+    assert "[merge]: docs/merge.md" in (ROOT / "README.md").read_text()
+    assert "[merge]: https://github.com/ckpttool/ckpttool/blob/main/docs/merge.md" in metadata
+    assert not re.search(r"(?m)^\[[^\]]+\]: (?!https?://)", metadata)
 
 
 def test_every_report_is_json_serialisable(uneven_ckpt: Path, tmp_path: Path) -> None:
