@@ -12,9 +12,10 @@ import signal
 import sys
 import threading
 import warnings
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+import typer.core
 
 from ckpttool.cli import failure
 from ckpttool.cli.apply import EPILOG as APPLY_EPILOG
@@ -31,6 +32,17 @@ from ckpttool.cli.reshard import reshard_command
 from ckpttool.cli.verify import EPILOG as VERIFY_EPILOG
 from ckpttool.cli.verify import verify_command
 
+
+class _Command(typer.core.TyperCommand):
+    """Usage lines as click and POSIX write them, ``ckpttool merge [OPTIONS] SRC OUT``: typer
+    0.27+ puts a required argument in braces (``{SRC}``), read as a set or a placeholder to
+    type literally."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:  # click's or typer's vendored Context
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p
+                for p in super().collect_usage_pieces(ctx)]
+
+
 app = typer.Typer(
     name="ckpttool",
     help="Merge, inspect, verify and reshard sharded PyTorch (FSDP / DCP) checkpoints.",
@@ -40,18 +52,18 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 # short_help: the command list shows these whole (else a docstring is cut mid-sentence).
-app.command("merge", epilog=MERGE_EPILOG,
+app.command("merge", cls=_Command, epilog=MERGE_EPILOG,
             short_help="Merge a checkpoint (any format) into Hugging Face safetensors.")(
     merge_command)
-app.command("reshard", epilog=RESHARD_EPILOG,
+app.command("reshard", cls=_Command, epilog=RESHARD_EPILOG,
             short_help="Change a checkpoint's ranks, shard size or format.")(reshard_command)
-app.command("inspect", epilog=INSPECT_EPILOG,
+app.command("inspect", cls=_Command, epilog=INSPECT_EPILOG,
             short_help="Show what a checkpoint holds.")(inspect_command)
-app.command("verify", epilog=VERIFY_EPILOG,
+app.command("verify", cls=_Command, epilog=VERIFY_EPILOG,
             short_help="Check a checkpoint is whole; compare it with another.")(verify_command)
-app.command("diff", epilog=DIFF_EPILOG,
+app.command("diff", cls=_Command, epilog=DIFF_EPILOG,
             short_help="Show which tensors differ between two checkpoints.")(diff_command)
-app.command("apply", epilog=APPLY_EPILOG,
+app.command("apply", cls=_Command, epilog=APPLY_EPILOG,
             short_help="Rebuild a checkpoint from its base and a delta of diff.")(apply_command)
 
 # torch built without numpy warns "Failed to initialize NumPy" (two lines) when imported;

@@ -459,7 +459,9 @@ def test_help_prints_examples_as_written_and_names_the_arguments() -> None:
                 if line.strip().startswith("ckpttool ")]
         assert examples == want and want, command
         usage = r.stdout.splitlines()[0]
-        assert usage.endswith("{SRC} {OUT}" if command in ("merge", "reshard") else "{PATH}")
+        # issue 38: no braces (typer's own usage puts required arguments in them)
+        assert usage.endswith("[OPTIONS] SRC OUT" if command in ("merge", "reshard")
+                              else "[OPTIONS] PATH"), usage
     long = "ckpttool merge outputs/checkpoint/step-1000 out/ --names torchtitan-llama3 --config hf/"
     assert long in run("merge", "--weights-only", "--help", env={"COLUMNS": "60"}).stdout
 
