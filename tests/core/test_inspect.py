@@ -219,7 +219,7 @@ def test_placement(shape, boxes, want) -> None:
 def test_verify_value_checks_on_raw_bits_match_torch(name: str, case: str) -> None:
     import torch
 
-    from ckpttool.core.inspect import Stats
+    from ckpttool.core.values import Stats
     from ckpttool.formats.codecs.dtypes import BY_NAME
 
     dtype = getattr(torch, BY_NAME[name].torch_name)

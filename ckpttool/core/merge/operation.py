@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ckpttool import units
+from ckpttool._gc import gc_paused
 from ckpttool.core import contract, dtype_policy, quantization, ties
 from ckpttool.core.checkpoint import architecture, hf, non_tensor, structure
 from ckpttool.core.checkpoint.copies import Copies, model_copies
@@ -42,9 +44,7 @@ from ckpttool.core.transforms import lora as adapters
 from ckpttool.core.transforms import quantize as recode
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import registry
-from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Reader
-from ckpttool.formats.codecs.torchsave import gc_paused
 from ckpttool.storage.outputs import check_apart, check_space
 from ckpttool.storage.store import LOCAL, Stores
 
@@ -270,7 +270,7 @@ def merge(
     """
     started = time.perf_counter()
     src_path, out_path = Path(src), Path(out)
-    shard_limit = st.parse_size(str(max_shard_size))
+    shard_limit = units.parse_size(str(max_shard_size))
     whole, ckpt = _recognise(src_path, out_path, config, part, layout, stores, iteration)
     files, optimizer = ckpt.hf, ckpt.kind == "optimizer"
     named = [(t.name, t.tensor) for t in ckpt.tensors]

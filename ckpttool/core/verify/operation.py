@@ -15,7 +15,7 @@ The orchestration of pure checks and one data pass, each a source of
 * ``against`` (:mod:`~ckpttool.core.verify.against`): names, shapes, dtypes and bytes of another
   checkpoint, in the same pass;
 * ``manifest`` (:mod:`~ckpttool.core.verify.manifest`): a SHA-256 per tensor, written or checked;
-* ``receipt`` (:mod:`~ckpttool.core.merge.receipt`): an output of ``merge --all`` checked against
+* ``receipt`` (:mod:`~ckpttool.core.verify.receipt`): an output of ``merge --all`` checked against
   the receipt it carries (files, sizes, every tensor's SHA-256), unless a manifest is given.
 
 Only values (NaN counts, casts) need torch; the CRC pass does not.
@@ -42,13 +42,12 @@ from ckpttool.core.checkpoint.discover import (
 )
 from ckpttool.core.checkpoint.parts import Content
 from ckpttool.core.dtype_policy import DTypePolicy
-from ckpttool.core.merge import receipt as receipts
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import Progress, document, locked
 from ckpttool.core.transforms import lora
 from ckpttool.core.transforms.lora import AdapterSummary
 from ckpttool.core.verify import manifest as manifests
-from ckpttool.core.verify import scan
+from ckpttool.core.verify import receipt, scan
 from ckpttool.core.verify.against import AgainstPlan, plan_against
 from ckpttool.errors import InputError, UsageError
 from ckpttool.formats.base import SEVERITIES, Location, Problem, error, warning
@@ -185,7 +184,7 @@ def verify(
     held = _contract(ckpt, model, loader)
     if held is not None:
         report.checks.append("contract")
-    receipt = _receipt(ckpt, report) if manifest_path is None else None
+    kept = _receipt(ckpt, report) if manifest_path is None else None
     parts = _other_parts(ckpt)
     read = locked(progress)
     if on_start is not None:
@@ -194,7 +193,7 @@ def verify(
     pair = ties.find_pair(model.by_name()) if ckpt.kind == "model" else None
     # The tied pair is compared after the pass (below); --against decides a deduplicated tie
     # from its digests.
-    want_digest = ({t.name for t in ckpt.tensors} if manifest_path or receipt
+    want_digest = ({t.name for t in ckpt.tensors} if manifest_path or kept
                    else set(pair or ()) if other is not None else set())
     problems, damaged, damaged_b = _structures(ckpt, other)
     done = scan.data_pass(ckpt, other, plan, want_digest, workers, read, skip=damaged,
@@ -224,7 +223,7 @@ def verify(
     report.parts = [p for p in ckpt.parts if p.path in dict(parts)]
     found, report.manifest = (
         manifests.finish(ckpt, manifest_path, expected, digests) if manifest_path is not None
-        else receipts.verify(ckpt, receipt, digests) if receipt is not None else ([], None))
+        else receipt.verify(ckpt, kept, digests) if kept is not None else ([], None))
     problems += found
     if base is not None:
         report.checks.append("base")
@@ -256,12 +255,12 @@ def _contract(ckpt: Checkpoint, model: Checkpoint, loader: str | None
                                     loader=loader)
 
 
-def _receipt(ckpt: Checkpoint, report: VerifyReport) -> receipts.Receipt | None:
+def _receipt(ckpt: Checkpoint, report: VerifyReport) -> receipt.Receipt | None:
     """The receipt ``merge --all`` wrote into an output (checked instead of a manifest)."""
-    receipt = receipts.read(ckpt.root) if ckpt.root.is_dir() else None
-    if receipt is not None:
+    kept = receipt.read(ckpt.root) if ckpt.root.is_dir() else None
+    if kept is not None:
         report.checks.append("receipt")
-    return receipt
+    return kept
 
 
 def _unchanged_from_base(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan,

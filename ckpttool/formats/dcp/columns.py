@@ -35,6 +35,7 @@ from itertools import chain, islice
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ckpttool._gc import gc_paused
 from ckpttool.formats.base import RECORD, ChunkColumns, ChunkTable, ObjectEntry, Tensor
 from ckpttool.formats.codecs import torchsave
 from ckpttool.formats.codecs.dtypes import DType
@@ -1487,7 +1488,7 @@ def read(path: Path, lookup: Callable[[str, str], Any | None], *,
         with os.fdopen(sidefiles.open_checked(path, METADATA_KIND), "rb") as f:
             size = f.seek(0, 2)
             f.seek(0)
-            with torchsave.gc_paused():
+            with gc_paused():
                 vm = _Machine(f, size, lookup)
                 md = vm.run()
                 return _convert(vm, md, metadata_file)

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckpttool._gc import gc_paused
 from ckpttool.errors import CkptError, InputError, UnsupportedError
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import (
@@ -321,7 +322,7 @@ def read_info(path: str | os.PathLike[str], *, lookup: Lookup | None = None,
                          f"incomplete (copy {METADATA_FILE} too)")
     if not ranks and not md_path.is_file():
         raise InputError(f"{root}: not a DCP checkpoint directory (no {METADATA_FILE} file)")
-    with torchsave.gc_paused():
+    with gc_paused():
         if not ranks:
             read = _read_one(root, md_path, lookup, stores, open_nested)
             per_file = [(0, read)]
