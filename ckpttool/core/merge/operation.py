@@ -39,7 +39,7 @@ from ckpttool.core.merge.plan import MergePlan, OutputFile, Source, plan_merge
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import Progress, Section, document, section
 from ckpttool.core.runtime.torch_threads import default_workers
-from ckpttool.core.transforms import hub_layout, megatron_config, namemaps
+from ckpttool.core.transforms import hub_layout, maps, megatron_config, namemaps
 from ckpttool.core.transforms import lora as adapters
 from ckpttool.core.transforms import quantize as recode
 from ckpttool.errors import InputError, UnsupportedError
@@ -360,7 +360,7 @@ def _derived(ckpt: Checkpoint, named: list[tuple[str, Any]], names: str | None,
              ) -> tuple[hf.HfFiles, megatron_config.DerivedConfig | None]:
     """Without a config.json, a Megatron-Core model's config derived from its args (the
     files with it), else the files as they are."""
-    if files.config is not None or names == namemaps.KEEP:
+    if files.config is not None or names == maps.KEEP:
         return files, None
     if optimizer:  # a Megatron-Core model's state is mapped as its weights are
         groups = megatron_optimizer.model_view(named)
@@ -552,7 +552,7 @@ def _mapped(names: str | None, ckpt: Checkpoint, named: list[tuple[str, Any]],
     if names is None and adapted is None:
         names = (megatron_optimizer.implied if optimizer else namemaps.implied)(
             named, files.config, config_path=config_path)
-    if names is None or names == namemaps.KEEP:
+    if names is None or names == maps.KEEP:
         return None
     assert ckpt.info is not None
     if optimizer and (state := megatron_optimizer.apply(names, named, files.config,
@@ -639,7 +639,7 @@ def _side_files(report: MergeReport, whole: Checkpoint, ckpt: Checkpoint, reader
     report.non_tensor = [non_tensor.describe(o.name, value, part=o.part) for o, value in objects]
     objects = [(o, value) for o, value in objects if o.part == ckpt.kind]
     mapped = report.name_map
-    nextn = (mapped.mtp_layers if mapped is not None and namemaps.MAPS[mapped.map].mtp_required
+    nextn = (mapped.mtp_layers if mapped is not None and maps.MAPS[mapped.map].mtp_required
              else None)
     config_bytes, report.config_changes = _config_output(files, plan, sources, nextn=nextn,
                                                          recoded=recoded or [])
