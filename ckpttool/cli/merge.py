@@ -41,7 +41,7 @@ from ckpttool.core.runtime import leftovers, urls
 
 if TYPE_CHECKING:
     from ckpttool.core.merge.operation import MergeReport, PlannedTensor
-    from ckpttool.core.transforms.lora import LoraMerge
+    from ckpttool.core.transforms.lora.report import LoraMerge
 
 EPILOG = epilog([
     "ckpttool merge checkpoint-500/pytorch_model_fsdp_0 out/",

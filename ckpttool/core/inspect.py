@@ -36,8 +36,8 @@ from ckpttool.core.checkpoint.parts import Content
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import Progress, Section, document, locked, section
 from ckpttool.core.runtime.torch_threads import default_workers, one_torch_thread, workers_for
-from ckpttool.core.transforms import lora
-from ckpttool.core.transforms.lora import AdapterSummary
+from ckpttool.core.transforms.lora.layout import adapter_of, parse
+from ckpttool.core.transforms.lora.report import AdapterSummary, describe
 from ckpttool.core.values import Stats, TensorStats
 from ckpttool.errors import CkptError, InputError
 from ckpttool.formats.base import ChunkColumns, Reader, Tensor
@@ -179,7 +179,7 @@ def _written(ckpt: Checkpoint) -> list[tuple[str, Tensor]]:
     if ckpt.kind != "model":
         return entries
     try:
-        layout = lora.parse(entries)
+        layout = parse(entries)
     except CkptError:  # reported by verify and merge
         return entries
     if layout is None or not layout.has_base:
@@ -349,10 +349,10 @@ def _describe(path: str | os.PathLike[str], *, filter: str | None, stats: bool,
     if copies is not None:
         report.notes.append(copies.message("inspect"))
     report.notes += [p.message for p in ckpt.info.problems if p.code == "tensors-unplaced"]
-    layout, adapter_config, lora_problems = lora.adapter_of(
+    layout, adapter_config, lora_problems = adapter_of(
         select(ckpt, ckpt.kind) if ckpt.has_part(ckpt.kind) else ckpt)
     if layout is not None and layout.modules:
-        report.summary.lora = lora.describe(layout, adapter_config)
+        report.summary.lora = describe(layout, adapter_config)
         report.notes += [p.message for p in lora_problems]
     shown = [t for t in ckpt.tensors if matches(t, filter)]
     report.tensors = [tensor_row(t) for t in shown]

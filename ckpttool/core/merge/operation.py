@@ -40,8 +40,10 @@ from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import Progress, Section, document, section
 from ckpttool.core.runtime.torch_threads import default_workers
 from ckpttool.core.transforms import hub_layout, maps, megatron_config, namemaps
-from ckpttool.core.transforms import lora as adapters
 from ckpttool.core.transforms import quantize as recode
+from ckpttool.core.transforms.lora.layout import ADAPTER_FILE
+from ckpttool.core.transforms.lora.plan import plan_for_merge
+from ckpttool.core.transforms.lora.report import LoraMerge, assumed_warning
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import registry
 from ckpttool.formats.base import Reader
@@ -52,7 +54,7 @@ CONFIG_JSON = "config.json"  # written beside the weights when derived (megatron
 
 if TYPE_CHECKING:
     from ckpttool.core.merge.multihost import Shared, Sharing
-    from ckpttool.core.transforms.lora import Adapted
+    from ckpttool.core.transforms.lora.plan import Adapted
     from ckpttool.core.transforms.namemaps import Mapped
 
 
@@ -139,7 +141,7 @@ class MergeReport:
     # Names no transformers model of config.json's architecture has (a training framework's
     # own, core.checkpoint.architecture): whose, how many, the --names maps; None: they fit
     foreign_names: architecture.NameCheck | None = None
-    lora: adapters.LoraMerge | None = None  # the adapter found, and what was done with it
+    lora: LoraMerge | None = None  # the adapter found, and what was done with it
     non_tensor: list[non_tensor.Entry] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)
     config_changes: list[str] = field(default_factory=list)
@@ -277,7 +279,7 @@ def merge(
     files, derived = _derived(ckpt, named, names, files, optimizer=optimizer,
                               command=f"ckpttool merge {src} {out}")
     adapted = (None if optimizer else
-               adapters.plan_for_merge(ckpt, named, lora, adapter, adapter_config,
+               plan_for_merge(ckpt, named, lora, adapter, adapter_config,
                                        lora_alpha=lora_alpha))
     mode = adapted.mode if adapted is not None else None
     policy, stem, files = _policy(dtype, files, optimizer=optimizer, mode=mode)
@@ -522,7 +524,7 @@ def _policy(dtype: str, files: hf.HfFiles, *, optimizer: bool, mode: str | None
         # An adapter keeps the dtypes it trained in, as save_pretrained does, unless asked.
         policy = (DTypePolicy("auto", None, "a LoRA adapter keeps its dtypes")
                   if dtype == "auto" else dtype_policy.resolve(dtype, None))
-        return (policy, adapters.ADAPTER_FILE.removesuffix(".safetensors"),
+        return (policy, ADAPTER_FILE.removesuffix(".safetensors"),
                 hf.HfFiles(None, None, ()))
     policy = dtype_policy.resolve(dtype, files.config, str(files.config_path)
                                   if files.config_path else "config.json")
@@ -600,7 +602,7 @@ def _start_report(src: Path, out: Path, whole: Checkpoint, ckpt: Checkpoint,
     if adapted is not None:
         report.lora = adapted.report
         if adapted.report.assumed:
-            report.warnings.append(adapters.assumed_warning(adapted.report))
+            report.warnings.append(assumed_warning(adapted.report))
     report.name_map = mapped
     return report
 

@@ -44,8 +44,12 @@ from ckpttool.core.checkpoint.parts import Content
 from ckpttool.core.dtype_policy import DTypePolicy
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import Progress, document, locked
-from ckpttool.core.transforms import lora
-from ckpttool.core.transforms.lora import AdapterSummary
+from ckpttool.core.transforms.lora.plan import (
+    merged_adapter_config,
+    unchanged_from_base,
+    verify_adapter,
+)
+from ckpttool.core.transforms.lora.report import AdapterSummary
 from ckpttool.core.verify import manifest as manifests
 from ckpttool.core.verify import receipt, scan
 from ckpttool.core.verify.against import AgainstPlan, plan_against
@@ -206,7 +210,7 @@ def verify(
                                 follow_links=follow_links, block_bytes=scan.READ_BLOCK)
             if pair is not None else None)
     problems += ties.check_ties(model, same) + architecture.problems_of(model) + (held or [])
-    report.lora, lora_problems = lora.verify_adapter(
+    report.lora, lora_problems = verify_adapter(
         ckpt, model, Path(adapter_config) if adapter_config is not None else None,
         follow_links=follow_links)
     problems += lora_problems
@@ -271,7 +275,7 @@ def _unchanged_from_base(ckpt: Checkpoint, other: Checkpoint | None, plan: Again
     if other is None:
         return []
     try:
-        doc, source = lora.merged_adapter_config(
+        doc, source = merged_adapter_config(
             ckpt.root if ckpt.root.is_dir() else ckpt.root.parent,
             Path(adapter_config) if adapter_config is not None else None)
     except InputError:
@@ -281,7 +285,7 @@ def _unchanged_from_base(ckpt: Checkpoint, other: Checkpoint | None, plan: Again
     flagged = {p.location.tensor for p in problems if p.location.tensor is not None}
     compared = {pair.a.name: pair.a.tensor.shape for pair in plan.pairs}
     unchanged = {n for n in compared if n in done.complete and n not in flagged}
-    return lora.unchanged_from_base(compared, unchanged, doc, source, str(ckpt.root),
+    return unchanged_from_base(compared, unchanged, doc, source, str(ckpt.root),
                                     str(other.root))
 
 
