@@ -1050,7 +1050,7 @@ _MISSING = object()
 
 
 # --------------------------------------------------------------------------------------------
-# Conversion: what dcp._convert makes of the same objects, or Fallback
+# Conversion: what metadata._convert makes of the same objects, or Fallback
 
 
 def _planner_path(raw: Any, fqn: str) -> tuple[str, ...]:
@@ -1482,7 +1482,7 @@ def read(path: Path, lookup: Callable[[str, str], Any | None], *,
     where the allow-list unpickler must decide (anything not recognised with certainty).
 
     Args:
-        lookup: the allow-list (``dcp._metadata_global``): every global comes from it.
+        lookup: the allow-list (``metadata.allowed_global``): every global comes from it.
     """
     try:
         with os.fdopen(sidefiles.open_checked(path, METADATA_KIND), "rb") as f:
