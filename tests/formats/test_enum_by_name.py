@@ -27,8 +27,8 @@ from ckpttool.formats.dcp import metadata
 from ckpttool.formats.dcp import reader as dcp
 from ckpttool.formats.dcp.metadata import allowed_global
 from ckpttool.formats.rank_files import stand_ins
-from tests.core.test_merge import assert_bit_exact, load_out
 from tests.formats.test_dcp_metadata import _same
+from tests.helpers import assert_bit_exact, load_out
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "py311"
 MEMBER = b"TORCH_CONTIGUOUS_FORMAT"

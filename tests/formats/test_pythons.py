@@ -19,8 +19,8 @@ import ckpttool
 from ckpttool.cli import app
 from ckpttool.formats import torchfile
 from ckpttool.formats.dcp.metadata import read_metadata_object
-from tests.core.test_merge import assert_bit_exact, load_out
 from tests.formats.test_dcp_metadata import _same
+from tests.helpers import assert_bit_exact, load_out
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "pythons"
 PYTHONS = ["py310", "py312", "py313"]
