@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ckpttool.core.transforms import derive, lora
+from ckpttool.core.transforms import derive
 from ckpttool.core.transforms.derive import scratch
+from ckpttool.core.transforms.lora import fold, layout
 from ckpttool.formats.base import Tensor
 from ckpttool.formats.codecs.dtypes import BY_NAME
 
@@ -43,9 +44,9 @@ def before(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, fd: 
     tensor per block), cast into an output piece written at once."""
     b32, a32 = b.float(), a.float()
     rows, cols = w.shape
-    bounds = lora.row_blocks(rows, cols)
+    bounds = fold.row_blocks(rows, cols)
     most = max(hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)) * cols
-    assert lora.blocks_exact(b32, a32, bounds)  # as it checked (cached per shape: shared)
+    assert fold.blocks_exact(b32, a32, bounds)  # as it checked (cached per shape: shared)
     block = scratch("before-rows", most)
     out = scratch("before-out", most, w.dtype)
     raw, at = getattr(derive._scratch, "before-out")
@@ -74,7 +75,7 @@ def main() -> None:
     base, adapter = args.work / "base", args.work / "adapter"
     where = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
     doc = json.loads((adapter / "adapter_config.json").read_text())
-    config = lora.read_config(doc, str(adapter / "adapter_config.json"))
+    config = layout.read_config(doc, str(adapter / "adapter_config.json"))
     files: dict[str, Any] = {}
     ad = safe_open(adapter / "adapter_model.safetensors", "pt")
     keys = set(ad.keys())
@@ -85,18 +86,18 @@ def main() -> None:
     try:
         for name, file in where.items():
             module = name.removesuffix(".weight")
-            if f"{lora.PREFIX}{module}.lora_A.weight" not in keys:
+            if f"{layout.PREFIX}{module}.lora_A.weight" not in keys:
                 continue
             w = files.setdefault(file, safe_open(base / file, "pt")).get_tensor(name)
-            a = ad.get_tensor(f"{lora.PREFIX}{module}.lora_A.weight")
-            b = ad.get_tensor(f"{lora.PREFIX}{module}.lora_B.weight")
+            a = ad.get_tensor(f"{layout.PREFIX}{module}.lora_A.weight")
+            b = ad.get_tensor(f"{layout.PREFIX}{module}.lora_B.weight")
 
             def described(t: torch.Tensor, n: str) -> Tensor:
                 dtype = BY_NAME["BF16" if t.dtype == torch.bfloat16 else "F32"]
                 return Tensor(n, (n,), dtype, tuple(t.shape), ())
 
-            m = lora.Module(module, a=described(a, "A"), b=described(b, "B"))
-            derived = lora._fused_weight(name, described(w, name), m, config, None)
+            m = layout.Module(module, a=described(a, "A"), b=described(b, "B"))
+            derived = fold.fused_weight(name, described(w, name), m, config, None)
             assert derived.pieces is not None
             scale = config.scale(module, a.shape[0])
             for way in ((0, 1) if count % 2 == 0 else (1, 0)):

@@ -8,7 +8,7 @@ merge maps them, every block written into a scratch file.
 ``before`` is the loop of f4b6df6 (product, times the scale, plus the bf16 rows: torch widens
 them into a new float32 tensor per block, cast); ``now`` widens the rows into a kept buffer
 and, the scale being a power of two, scales and adds in one pass
-(:func:`ckpttool.core.transforms.lora.fma_exact`). Reads the model and adapter that
+(:func:`ckpttool.core.transforms.lora.fold.fma_exact`). Reads the model and adapter that
 ``benchmarks/lora.py`` generates (scale 2). Prints seconds of CPU per step and per GB, with
 the load.
 """

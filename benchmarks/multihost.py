@@ -39,7 +39,7 @@ from ckpttool.core import dtype_policy  # noqa: E402
 from ckpttool.core.checkpoint.discover import discover  # noqa: E402
 from ckpttool.core.merge import partition  # noqa: E402
 from ckpttool.core.merge.plan import plan_merge  # noqa: E402
-from ckpttool.formats.safetensors import parse_size  # noqa: E402
+from ckpttool.units import parse_size  # noqa: E402
 
 
 def balance_rows(src: Path, dtype: str, shard: str) -> list[list[object]]:

@@ -17,6 +17,7 @@ from ckpttool.errors import (
     UnsupportedError,
     UsageError,
 )
+from ckpttool.version import __version__ as __version__  # the public name
 
 if TYPE_CHECKING:
     from ckpttool.core.diff.apply import ApplyReport, apply
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
     from ckpttool.core.reshard import ReshardReport, reshard
     from ckpttool.core.verify.operation import Problem, VerifyReport, verify
 
-__version__ = "0.1.0"
 
 _LAZY = {
     "apply": "ckpttool.core.diff.apply",

@@ -73,7 +73,7 @@ NUMPY_WARNING = "Failed to initialize NumPy"
 
 def _version(value: bool) -> None:
     if value:
-        from ckpttool import __version__
+        from ckpttool.version import __version__
 
         print(f"ckpttool {__version__}")
         raise typer.Exit()

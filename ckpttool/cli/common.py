@@ -21,11 +21,10 @@ import typer
 
 from ckpttool import settings
 from ckpttool.cli import failure
+from ckpttool.core.runtime import leftovers, urls
 from ckpttool.errors import CkptError, UnreadableError
 from ckpttool.formats.codecs import dtypes
-from ckpttool.storage import places
-from ckpttool.storage.outputs import human_bytes as human_bytes  # the one formatter
-from ckpttool.storage.outputs import take_resumable
+from ckpttool.units import human_bytes as human_bytes  # the one formatter
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -70,7 +69,7 @@ def interrupted_message() -> str:
     finished pieces of a large merge only where they are still there: a remote output's
     staging directory is removed, so its merge starts again)."""
     name = signal.Signals(interrupted_code() - 128).name
-    kept = take_resumable()
+    kept = leftovers.resumable()
     line = (f"ckpttool: interrupted{'' if name == 'SIGINT' else f' ({name})'}; no incomplete "
             "output was put in place")
     if kept:
@@ -152,7 +151,7 @@ def removes_new_dirs(out: str) -> Iterator[None]:
     A directory that was there before, or holds anything (a slice's temporary files, another
     process's output), is left alone. Not for URLs."""
     missing: list[Path] = []
-    if not places.is_remote(out):
+    if not urls.is_url(out):
         p = Path(out).absolute()
         while not os.path.lexists(p) and p != p.parent:
             missing.append(p)
@@ -324,7 +323,7 @@ def dtype_choice(value: str | None) -> str | None:
 def size_option(value: str) -> str:
     """Typer callback for ``--max-shard-size``: a malformed size is a usage error (exit 2)."""
     from ckpttool.errors import InputError
-    from ckpttool.formats.safetensors import parse_size  # no torch, no core
+    from ckpttool.units import parse_size
 
     try:
         parse_size(value)
@@ -337,7 +336,7 @@ def print_json(doc: dict[str, Any]) -> None:
     """``doc`` indented, except that each object of a top-level list (inspect's tensors,
     verify's problems) is one line, ``json.dumps`` of it: greppable, and written by C code,
     which a document of 15,000 tensors needs (``indent`` takes Python's: 4x slower)."""
-    from ckpttool.formats.codecs.torchsave import gc_paused  # loaded by any command's core
+    from ckpttool._gc import gc_paused
 
     failure.printed_document()
     with gc_paused():  # a string per row, none of them garbage: not worth walking the heap

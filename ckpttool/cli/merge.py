@@ -37,12 +37,11 @@ from ckpttool.cli.common import (
     strict_exit,
     verbose_lines,
 )
-from ckpttool.storage import places
-from ckpttool.storage.outputs import take_stale_notes
+from ckpttool.core.runtime import leftovers, urls
 
 if TYPE_CHECKING:
     from ckpttool.core.merge.operation import MergeReport, PlannedTensor
-    from ckpttool.core.transforms.lora import LoraMerge
+    from ckpttool.core.transforms.lora.report import LoraMerge
 
 EPILOG = epilog([
     "ckpttool merge checkpoint-500/pytorch_model_fsdp_0 out/",
@@ -65,7 +64,7 @@ EPILOG = epilog([
    "most serious failure's (70, 3, 4); which failed is in the summary.")
 
 
-# The name maps of ckpttool.core.transforms.namemaps (NAMES), spelled here so that --help
+# The name maps of ckpttool.core.transforms.maps (NAMES), spelled here so that --help
 # imports no core.
 NAME_MAPS = ("megatron-llama", "megatron-qwen2", "megatron-qwen3", "megatron-qwen3_moe",
              "megatron-mixtral", "megatron-deepseek_v3", "megatron-gpt_oss",
@@ -190,8 +189,8 @@ def merge_command(
         raise typer.BadParameter("--slice writes one share, --finish commits them all: run "
                                  "each slice, then --finish once", param_hint="--finish")
     with exit_codes():  # before a launcher's processes join: each would refuse it alone
-        places.classify(src, what="source")
-        places.classify(out, what="output")
+        urls.check_location(src, what="source")
+        urls.check_location(out, what="output")
     with exit_codes(), removes_new_dirs(out), _shared(slice_, finish) as shared:
         # Under torchrun, rank 0 speaks for all; the others print only their errors.
         speaks = shared is None or shared.first
@@ -213,7 +212,7 @@ def merge_command(
                            check_crc=not no_check_crc)
         finally:
             bar.stop()
-            for note in take_stale_notes():  # a killed run's leftovers, now removed
+            for note in leftovers.removed_stale():  # a killed run's leftovers, now removed
                 err(f"ckpttool: warning: {note}")
         if json_output and speaks:
             print_json(report.to_json())

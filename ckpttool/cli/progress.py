@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable
 
-from ckpttool.storage.outputs import human_bytes
+from ckpttool.units import human_bytes
 
 MODES = ("auto", "bar", "plain", "none")
 EVERY = 30.0  # seconds between lines at most, however slow the tenths

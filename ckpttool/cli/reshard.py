@@ -30,7 +30,7 @@ from ckpttool.cli.common import (
     size_option,
     verbose_lines,
 )
-from ckpttool.storage.outputs import take_stale_notes
+from ckpttool.core.runtime import leftovers
 
 EPILOG = epilog([
     "ckpttool reshard ckpt/pytorch_model_fsdp_0 ckpt8/pytorch_model_fsdp_0 --ranks 8",
@@ -90,7 +90,7 @@ def reshard_command(
                              on_start=on_start)
         finally:
             bar.stop()
-            for note in take_stale_notes():  # a killed run's leftovers, now removed
+            for note in leftovers.removed_stale():  # a killed run's leftovers, now removed
                 err(f"ckpttool: warning: {note}")
         if not quiet:
             for w in report.warnings:

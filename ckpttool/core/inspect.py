@@ -4,7 +4,7 @@
 way for
 every format; this module summarises that description (counts, bytes per dtype, what a merge
 would write, placements) without reading tensor data. ``--stats`` streams the data
-(:class:`Stats`, the only part that imports torch).
+(:class:`~ckpttool.core.values.Stats`, the only part that imports torch).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
+from ckpttool._gc import gc_paused
 from ckpttool.core import dtype_policy, quantization, ties
 from ckpttool.core.checkpoint import hf, names, non_tensor
 from ckpttool.core.checkpoint import tensors as tensor_io
@@ -35,12 +36,11 @@ from ckpttool.core.checkpoint.parts import Content
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import Progress, Section, document, locked, section
 from ckpttool.core.runtime.torch_threads import default_workers, one_torch_thread, workers_for
-from ckpttool.core.transforms import lora
-from ckpttool.core.transforms.lora import AdapterSummary
+from ckpttool.core.transforms.lora.layout import adapter_of, parse
+from ckpttool.core.transforms.lora.report import AdapterSummary, describe
+from ckpttool.core.values import Stats, TensorStats
 from ckpttool.errors import CkptError, InputError
 from ckpttool.formats.base import ChunkColumns, Reader, Tensor
-from ckpttool.formats.codecs.dtypes import DType
-from ckpttool.formats.codecs.torchsave import gc_paused
 from ckpttool.storage.store import LOCAL, Stores
 
 # Problem codes meaning the metadata itself could not be read: inspect stops on them.
@@ -179,7 +179,7 @@ def _written(ckpt: Checkpoint) -> list[tuple[str, Tensor]]:
     if ckpt.kind != "model":
         return entries
     try:
-        layout = lora.parse(entries)
+        layout = parse(entries)
     except CkptError:  # reported by verify and merge
         return entries
     if layout is None or not layout.has_base:
@@ -223,120 +223,6 @@ def matches(t: TensorView, pattern: str | None) -> bool:
     """``--filter``: a glob on the canonical or the stored name."""
     return pattern is None or fnmatch.fnmatchcase(t.name, pattern) or fnmatch.fnmatchcase(
         t.stored_name, pattern)
-
-
-# --------------------------------------------------------------------------------------------
-# Values: min, max, mean, NaN and Inf counts (torch, imported only here)
-
-
-@dataclass
-class TensorStats:
-    min: float | None = None  # over finite values
-    max: float | None = None
-    mean: float | None = None
-    abs_max: float | None = None
-    nan: int = 0
-    inf: int = 0
-    all_zero: bool | None = None  # None: not known (an empty tensor, an unsupported dtype)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"min": self.min, "max": self.max, "mean": self.mean, "abs_max": self.abs_max,
-                "nan": self.nan, "inf": self.inf, "all_zero": self.all_zero}
-
-
-class Stats:
-    """Accumulates :class:`TensorStats` over a tensor's blocks.
-
-    ``full=False`` (what ``verify`` needs) costs one min/max pass per block: NaN and Inf are
-    counted only in blocks whose extremes are not finite, and all-zero follows from the
-    extremes. ``full=True`` adds the mean.
-    """
-
-    _SUB = 4 << 20  # elements converted at once for float8 (to float32)
-    # Blocks smaller than this are gathered first: a reduction per kilobyte-sized chunk costs
-    # far more than the bytes it looks at.
-    _GATHER = 1 << 20
-
-    def __init__(self, dtype: DType, *, full: bool) -> None:
-        import torch  # values need torch; everything else in inspect and verify does not
-
-        self._torch = torch
-        self.dtype = dtype
-        self.full = full
-        self.supported = dtype.kind in ("float", "float8", "int", "bool") and dtype.name != "U64"
-        self._torch_dtype = getattr(torch, dtype.torch_name) if self.supported else None
-        self.stats = TensorStats()
-        self._pending = bytearray()
-        self._sum = 0.0
-        self._finite = 0
-
-    def update(self, data: bytearray | memoryview) -> None:
-        if not self.supported or not len(data):
-            return
-        if len(data) < self._GATHER:
-            self._pending += data
-            if len(self._pending) < self._GATHER:
-                return
-            data, self._pending = self._pending, bytearray()
-        elif self._pending:
-            self._flush()
-        self._reduce(data)
-
-    def _flush(self) -> None:
-        pending, self._pending = self._pending, bytearray()
-        if pending:
-            self._reduce(pending)
-
-    def _reduce(self, data: bytearray | memoryview) -> None:
-        torch = self._torch
-        t = torch.frombuffer(data, dtype=self._torch_dtype)
-        if self.dtype.kind == "float8":
-            for i in range(0, t.numel(), self._SUB):
-                self._update(t[i : i + self._SUB].float())
-            return
-        if self.dtype.kind == "bool":
-            t = t.view(torch.uint8)
-        elif self.dtype.name in ("U16", "U32"):
-            t = t.to(torch.int64)
-        self._update(t)
-
-    def _update(self, t: Any) -> None:
-        torch = self._torch
-        s = self.stats
-        mn, mx = (v.item() for v in torch.aminmax(t))
-        is_float = t.is_floating_point()
-        if is_float and not (_finite(mn) and _finite(mx)):
-            nan = int(torch.isnan(t).sum())
-            inf = int(torch.isinf(t).sum())
-            s.nan += nan
-            s.inf += inf
-            t = t[torch.isfinite(t)]
-            if not t.numel():
-                s.all_zero = False
-                return
-            mn, mx = (v.item() for v in torch.aminmax(t))
-            s.all_zero = False
-        elif s.all_zero is not False:
-            s.all_zero = mn == 0 and mx == 0
-        s.min = mn if s.min is None else min(s.min, mn)
-        s.max = mx if s.max is None else max(s.max, mx)
-        s.abs_max = max(abs(s.min), abs(s.max))
-        if self.full:
-            self._sum += float(t.sum(dtype=torch.float64))
-            self._finite += t.numel()
-
-    def result(self) -> TensorStats:
-        self._flush()
-        s = self.stats
-        if self.full and self._finite:
-            s.mean = self._sum / self._finite
-        if s.min is not None and s.max is not None and not self.dtype.kind.startswith("float"):
-            s.min, s.max, s.abs_max = int(s.min), int(s.max), int(s.abs_max or 0)
-        return s
-
-
-def _finite(v: float) -> bool:
-    return v == v and v not in (float("inf"), float("-inf"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -463,10 +349,10 @@ def _describe(path: str | os.PathLike[str], *, filter: str | None, stats: bool,
     if copies is not None:
         report.notes.append(copies.message("inspect"))
     report.notes += [p.message for p in ckpt.info.problems if p.code == "tensors-unplaced"]
-    layout, adapter_config, lora_problems = lora.adapter_of(
+    layout, adapter_config, lora_problems = adapter_of(
         select(ckpt, ckpt.kind) if ckpt.has_part(ckpt.kind) else ckpt)
     if layout is not None and layout.modules:
-        report.summary.lora = lora.describe(layout, adapter_config)
+        report.summary.lora = describe(layout, adapter_config)
         report.notes += [p.message for p in lora_problems]
     shown = [t for t in ckpt.tensors if matches(t, filter)]
     report.tensors = [tensor_row(t) for t in shown]

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpttool import units
 from ckpttool.core import contract
 from ckpttool.core.checkpoint import structure, tensors
 from ckpttool.core.checkpoint.discover import Checkpoint, discover, open_reader
@@ -195,7 +196,7 @@ def reshard(
         structure.raise_first(reader.check_copies())  # replicated chunks every rank stored
         reader.open_files()
         if target == "safetensors":
-            _to_safetensors(ckpt, reader, out_path, st.parse_size(str(max_shard_size)),
+            _to_safetensors(ckpt, reader, out_path, units.parse_size(str(max_shard_size)),
                             overwrite, report, progress, on_start, n_workers)
         else:
             _to_dcp(ckpt, reader, out_path, ranks or 1, prefix, overwrite, report, progress,

@@ -6,16 +6,16 @@ IEEE formats (F64, F32, F16, BF16) as for integers and bools (all-zero: every by
 block that is two integer maxima, viewed signed and unsigned (numpy, at memory speed and with
 the interpreter lock released); the exact counts are taken only in a block where a maximum
 says some value is not finite. ``import torch`` costs about a second, more than checking
-3 GB this way; torch is used (:class:`~ckpttool.core.inspect.Stats`) only where numpy is not
+3 GB this way; torch is used (:class:`Stats`) only where numpy is not
 installed or for the float8 formats, whose special values differ from format to format.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ckpttool.core.inspect import Stats, TensorStats
 from ckpttool.formats.codecs.dtypes import DType
 
 # Exponent mask of each IEEE format, by safetensors name (sign bit: the top one).
@@ -23,6 +23,120 @@ _EXPONENT = {"F64": 0x7FF0_0000_0000_0000, "F32": 0x7F80_0000, "F16": 0x7C00, "B
 # Integer dtypes whose all-zero check is "every byte clear". (U64 and complex: no value checks,
 # as in Stats.)
 _INTEGER = frozenset({"I64", "I32", "I16", "I8", "U32", "U16", "U8", "BOOL"})
+
+
+# --------------------------------------------------------------------------------------------
+# Values with torch: min, max, mean, NaN and Inf counts (inspect --stats; verify's fallback)
+
+
+@dataclass
+class TensorStats:
+    min: float | None = None  # over finite values
+    max: float | None = None
+    mean: float | None = None
+    abs_max: float | None = None
+    nan: int = 0
+    inf: int = 0
+    all_zero: bool | None = None  # None: not known (an empty tensor, an unsupported dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"min": self.min, "max": self.max, "mean": self.mean, "abs_max": self.abs_max,
+                "nan": self.nan, "inf": self.inf, "all_zero": self.all_zero}
+
+
+class Stats:
+    """Accumulates :class:`TensorStats` over a tensor's blocks.
+
+    ``full=False`` (what ``verify`` needs) costs one min/max pass per block: NaN and Inf are
+    counted only in blocks whose extremes are not finite, and all-zero follows from the
+    extremes. ``full=True`` adds the mean.
+    """
+
+    _SUB = 4 << 20  # elements converted at once for float8 (to float32)
+    # Blocks smaller than this are gathered first: a reduction per kilobyte-sized chunk costs
+    # far more than the bytes it looks at.
+    _GATHER = 1 << 20
+
+    def __init__(self, dtype: DType, *, full: bool) -> None:
+        import torch  # values need torch; everything else in inspect and verify does not
+
+        self._torch = torch
+        self.dtype = dtype
+        self.full = full
+        self.supported = dtype.kind in ("float", "float8", "int", "bool") and dtype.name != "U64"
+        self._torch_dtype = getattr(torch, dtype.torch_name) if self.supported else None
+        self.stats = TensorStats()
+        self._pending = bytearray()
+        self._sum = 0.0
+        self._finite = 0
+
+    def update(self, data: bytearray | memoryview) -> None:
+        if not self.supported or not len(data):
+            return
+        if len(data) < self._GATHER:
+            self._pending += data
+            if len(self._pending) < self._GATHER:
+                return
+            data, self._pending = self._pending, bytearray()
+        elif self._pending:
+            self._flush()
+        self._reduce(data)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, bytearray()
+        if pending:
+            self._reduce(pending)
+
+    def _reduce(self, data: bytearray | memoryview) -> None:
+        torch = self._torch
+        t = torch.frombuffer(data, dtype=self._torch_dtype)
+        if self.dtype.kind == "float8":
+            for i in range(0, t.numel(), self._SUB):
+                self._update(t[i : i + self._SUB].float())
+            return
+        if self.dtype.kind == "bool":
+            t = t.view(torch.uint8)
+        elif self.dtype.name in ("U16", "U32"):
+            t = t.to(torch.int64)
+        self._update(t)
+
+    def _update(self, t: Any) -> None:
+        torch = self._torch
+        s = self.stats
+        mn, mx = (v.item() for v in torch.aminmax(t))
+        is_float = t.is_floating_point()
+        if is_float and not (_finite(mn) and _finite(mx)):
+            nan = int(torch.isnan(t).sum())
+            inf = int(torch.isinf(t).sum())
+            s.nan += nan
+            s.inf += inf
+            t = t[torch.isfinite(t)]
+            if not t.numel():
+                s.all_zero = False
+                return
+            mn, mx = (v.item() for v in torch.aminmax(t))
+            s.all_zero = False
+        elif s.all_zero is not False:
+            s.all_zero = mn == 0 and mx == 0
+        s.min = mn if s.min is None else min(s.min, mn)
+        s.max = mx if s.max is None else max(s.max, mx)
+        s.abs_max = max(abs(s.min), abs(s.max))
+        if self.full:
+            self._sum += float(t.sum(dtype=torch.float64))
+            self._finite += t.numel()
+
+    def result(self) -> TensorStats:
+        self._flush()
+        s = self.stats
+        if self.full and self._finite:
+            s.mean = self._sum / self._finite
+        if s.min is not None and s.max is not None and not self.dtype.kind.startswith("float"):
+            s.min, s.max, s.abs_max = int(s.min), int(s.max), int(s.abs_max or 0)
+        return s
+
+
+def _finite(v: float) -> bool:
+    return v == v and v not in (float("inf"), float("-inf"))
 
 
 class ValueCheck(Protocol):
@@ -49,7 +163,7 @@ def needs_torch(dtype: DType) -> bool:
 
 def check(dtype: DType) -> ValueCheck:
     """The value checks of one tensor of ``dtype``, fed its bytes block by block (in any
-    order) and asked for :class:`~ckpttool.core.inspect.TensorStats` (``nan``, ``inf``,
+    order) and asked for :class:`TensorStats` (``nan``, ``inf``,
     ``all_zero``; no extremes) at the end."""
     if needs_torch(dtype):
         return Stats(dtype, full=False)

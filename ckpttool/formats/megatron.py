@@ -55,6 +55,7 @@ from ckpttool.formats.base import (
 from ckpttool.formats.base import info as info_problem
 from ckpttool.formats.codecs import archive, torchsave
 from ckpttool.formats.dcp import reader as dcp
+from ckpttool.formats.dcp.metadata import allowed_global
 from ckpttool.storage import sidefiles
 from ckpttool.storage.store import (
     LOCAL,
@@ -216,12 +217,12 @@ def metadata_global(module: str, name: str) -> Any | None:
     (Megatron caches its central plan in ``all_local_plans``) and megatron-core's
     ``MCoreMetadata`` (0.15 and older: DCP's ``Metadata`` with ``mcore_data``), each inert."""
     if module == _MCORE_TORCH and name == "MCoreMetadata":
-        return dcp._metadata_global("torch.distributed.checkpoint.metadata", "Metadata")
+        return allowed_global("torch.distributed.checkpoint.metadata", "Metadata")
     if (module, name) in _PLAN_CLASSES:
         return _PLAN_CLASSES[(module, name)]
     if module == _PLANNER and name in ("WriteItemType", "LoadItemType"):
         return _enum_value
-    return dcp._metadata_global(module, name)
+    return allowed_global(module, name)
 
 
 # Megatron's enums that ``args`` holds (``attention_backend``, ``model_type``...), as values.

@@ -306,22 +306,6 @@ def is_weight_file(name: str, stem: str = "model") -> bool:
             is not None)
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, ``"1024"`` -> 1024.
-
-    Raises:
-        InputError: not a size.
-    """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", text.upper())
-    if not m or float(m.group(1)) <= 0:
-        raise InputError(f"invalid size '{text}'; write it like 5GB, 500MB or 2GiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
-
-
 @dataclass(frozen=True)
 class Index:
     """A ``*.safetensors.index.json``: which shard holds each tensor."""

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from ckpttool import settings
 from ckpttool.errors import InputError, OutputError
+from ckpttool.units import human_bytes
 
 __all__ = ["TMP_SUFFIX", "AtomicOutputs", "check_space", "copy_range", "existing_outputs",
            "note_resumable", "output_error", "pwrite_all", "remove_stale", "take_resumable",
@@ -219,17 +220,6 @@ def check_space(out_dir: Path, need: int) -> None:
             f"{out_dir}: not enough free space: the output takes about {human_bytes(need)} and "
             f"{human_bytes(free)} are free; free some space or choose another output directory"
         )
-
-
-def human_bytes(n: int) -> str:
-    """Bytes for a message: ``3.21 GB`` (decimal units, as ``--max-shard-size`` reads them);
-    the one formatter, shared by the CLI's reports."""
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            return f"{n} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1000
-    raise AssertionError("unreachable")
 
 
 def remove_stale(out_dir: Path, keep: set[str], belongs: Callable[[str], bool]) -> None:

@@ -24,7 +24,7 @@ import ckpttool
 from ckpttool import settings
 from ckpttool.cli import main
 from ckpttool.cli.progress import PlainLines
-from ckpttool.storage.outputs import human_bytes
+from ckpttool.units import human_bytes
 
 
 class Ran:

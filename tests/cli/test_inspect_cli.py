@@ -13,7 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from ckpttool.cli import app
-from tests.formats.test_dcp_safety import write_malicious
+from tests.helpers import write_malicious
 
 
 def run(*args: str | Path):

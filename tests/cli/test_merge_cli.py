@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as torch_dcp
 from typer.testing import CliRunner
 
 from ckpttool.cli import app
-from tests.formats.test_dcp_safety import write_malicious
+from tests.helpers import write_malicious
 
 
 def run(*args: str | Path, env: dict[str, str] | None = None):

@@ -245,7 +245,7 @@ def test_an_unknown_map_is_a_usage_error(titan_dir: Path, tmp_path: Path) -> Non
 
 
 def test_the_cli_lists_every_map() -> None:
-    from ckpttool.core.transforms.namemaps import NAMES
+    from ckpttool.core.transforms.maps import NAMES
 
     assert NAME_MAPS == NAMES
 

@@ -581,7 +581,7 @@ def test_every_name_map_completes() -> None:
 def test_completed_dtypes_are_the_dtypes_merge_takes() -> None:
     from ckpttool.cli.common import DTYPE_VALUES
     from ckpttool.cli.merge import NAME_MAPS
-    from ckpttool.core.transforms.namemaps import NAMES
+    from ckpttool.core.transforms.maps import NAMES
     from ckpttool.formats.codecs.dtypes import CHOICES
 
     assert tuple(v for v, _ in DTYPE_VALUES) == CHOICES

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from ckpttool.cli import app
 from ckpttool.formats.dcp import reader as dcp
-from tests.formats.test_dcp_safety import write_malicious
+from tests.helpers import write_malicious
 
 KINDS = ("llama", "uneven", "wrappers", "mixed", "placements")
 

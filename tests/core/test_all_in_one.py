@@ -23,7 +23,7 @@ from ckpttool.core.checkpoint.discover import discover
 from ckpttool.errors import InputError
 from ckpttool.formats.dcp import reader as dcp
 from tests import all_in_one
-from tests.core.test_merge import assert_bit_exact, load_out
+from tests.helpers import assert_bit_exact, load_out
 from tests.reference import reference_state_dict
 
 

@@ -21,7 +21,7 @@ import ckpttool
 from ckpttool.core.runtime import forked
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats.dcp import reader as dcp
-from tests.core.test_merge import load_out
+from tests.helpers import load_out
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import moe_checkpoint  # noqa: E402

@@ -20,22 +20,10 @@ from ckpttool.core.checkpoint.discover import discover
 from ckpttool.core.checkpoint.names import canonical_fqn
 from ckpttool.errors import InputError
 from ckpttool.formats.dcp import reader as dcp
+from tests.helpers import as_table, json_table
 from tests.reference import reference_state_dict
 
 KINDS = ("llama", "uneven", "wrappers", "mixed", "placements")
-DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
-               torch.float64: "F64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-               torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
-               torch.uint8: "U8", torch.bool: "BOOL"}
-
-
-def as_table(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[list[int], str, int]]:
-    return {k: (list(v.shape), DTYPE_NAMES[v.dtype], v.numel() * v.element_size())
-            for k, v in tensors.items()}
-
-
-def json_table(doc: dict) -> dict[str, tuple[list[int], str, int]]:
-    return {t["name"]: (t["shape"], t["dtype"], t["bytes"]) for t in doc["tensors"]}
 
 
 def dcp_reference(dcp_dir: Path) -> dict[str, torch.Tensor]:
@@ -219,7 +207,7 @@ def test_placement(shape, boxes, want) -> None:
 def test_verify_value_checks_on_raw_bits_match_torch(name: str, case: str) -> None:
     import torch
 
-    from ckpttool.core.inspect import Stats
+    from ckpttool.core.values import Stats
     from ckpttool.formats.codecs.dtypes import BY_NAME
 
     dtype = getattr(torch, BY_NAME[name].torch_name)

@@ -1,4 +1,4 @@
-"""The LoRA fold block by block of rows (``lora.row_blocks``, ``lora.blocks_exact``): a bf16
+"""The LoRA fold block by block of rows (``fold.row_blocks``, ``fold.blocks_exact``): a bf16
 model with an fp32 adapter, both saved by their own writers (transformers' and PEFT's
 ``save_pretrained``), folded with ``--adapter`` and compared bit for bit with PEFT's own
 ``merge_and_unload()`` of the same files, with blocks of every size down to one row.
@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import ckpttool
-from ckpttool.core.transforms import lora
+from ckpttool.core.transforms.lora import fold, layout
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -26,13 +26,13 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 @pytest.mark.parametrize("rows", [1, 15, 16, 17, 31, 32, 176, 1000, 5632])
 @pytest.mark.parametrize("cols", [1, 64, 176, 2048, 1 << 20])
 def test_row_blocks_tile_the_rows(rows: int, cols: int) -> None:
-    bounds = lora.row_blocks(rows, cols)
+    bounds = fold.row_blocks(rows, cols)
     sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)]
     assert bounds[0] == 0 and bounds[-1] == rows and sum(sizes) == rows
     assert max(sizes) - min(sizes) <= 1  # no short last block
-    assert len(sizes) == 1 or min(sizes) >= lora.FOLD_ROWS
+    assert len(sizes) == 1 or min(sizes) >= fold.FOLD_ROWS
     if len(sizes) > 1:  # about FOLD_BLOCK elements, never under FOLD_ROWS rows
-        assert min(sizes) * cols <= 2 * max(lora.FOLD_BLOCK, lora.FOLD_ROWS * cols)
+        assert min(sizes) * cols <= 2 * max(fold.FOLD_BLOCK, fold.FOLD_ROWS * cols)
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +72,16 @@ def peft_merged(bf16_model: tuple[Path, Path]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(("block", "min_rows"), [
-    (lora.FOLD_BLOCK, lora.FOLD_ROWS),  # one block per weight at these widths
-    (2048, lora.FOLD_ROWS),  # 2 to 5 blocks per weight, of uneven sizes
+    (fold.FOLD_BLOCK, fold.FOLD_ROWS),  # one block per weight at these widths
+    (2048, fold.FOLD_ROWS),  # 2 to 5 blocks per weight, of uneven sizes
     (1, 1),  # one row per block: torch.mm may give other bits; the check must catch it
 ])
 def test_bf16_fold_equals_peft_merge_and_unload(
         bf16_model: tuple[Path, Path], peft_merged: dict[str, torch.Tensor], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch, block: int, min_rows: int) -> None:
     base_dir, adapter_dir = bf16_model
-    monkeypatch.setattr(lora, "FOLD_BLOCK", block)
-    monkeypatch.setattr(lora, "FOLD_ROWS", min_rows)
+    monkeypatch.setattr(fold, "FOLD_BLOCK", block)
+    monkeypatch.setattr(fold, "FOLD_ROWS", min_rows)
     report = ckpttool.merge(base_dir, tmp_path / "out", adapter=adapter_dir)
     assert report.lora is not None and report.lora["fused"] == 2 * len(TARGETS)
     got = load_file(tmp_path / "out" / "model.safetensors")
@@ -101,7 +101,7 @@ def test_blocks_exact_says_whether_every_block_has_the_whole_products_bits() -> 
     for bounds in ([0, 20, 40], [0, 13, 26, 40], list(range(41))):
         truth = all(torch.equal(b[lo:hi] @ a, whole[lo:hi])
                     for lo, hi in zip(bounds, bounds[1:], strict=False))
-        assert lora.blocks_exact(b, a, bounds) is truth
+        assert fold.blocks_exact(b, a, bounds) is truth
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -127,7 +127,7 @@ def test_a_fused_power_of_two_scale_has_the_bits_of_scaling_then_adding(
                                                                       generator=g)
     w[0, :6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-44])
     d = b @ a
-    assert lora.fma_exact(scale, a, b)
+    assert fold.fma_exact(scale, a, b)
     assert torch.equal(_bits(torch.add(w, d, alpha=scale)), _bits(w + d * scale))
     # as the fold rounds a bf16 output from the sum
     assert torch.equal(torch.add(w, d, alpha=scale).bfloat16().view(torch.int16),
@@ -137,18 +137,18 @@ def test_a_fused_power_of_two_scale_has_the_bits_of_scaling_then_adding(
 def test_fma_exact_refuses_other_scales_and_what_could_overflow_or_meet_a_nan() -> None:
     a, b = torch.ones(4, 8), torch.ones(8, 4)
     for scale in (0.5, 0.25, 3.0, 0.75, 2 / 4**0.5 * 1.5, 8 / 16**0.5 + 1e-9):
-        assert not lora.fma_exact(scale, a, b), scale
-    assert lora.fma_exact(2.0, a, b)
-    assert not lora.fma_exact(2.0, a * 2.0**60, b * 2.0**64)  # 4 * 2**124 * 2 >= 2**126
-    assert lora.fma_exact(2.0, a * 2.0**60, b * 2.0**62)
+        assert not fold.fma_exact(scale, a, b), scale
+    assert fold.fma_exact(2.0, a, b)
+    assert not fold.fma_exact(2.0, a * 2.0**60, b * 2.0**64)  # 4 * 2**124 * 2 >= 2**126
+    assert fold.fma_exact(2.0, a * 2.0**60, b * 2.0**62)
     for bad in (float("inf"), float("nan")):
         c = a.clone()
         c[1, 2] = bad
-        assert not lora.fma_exact(2.0, c, b) and not lora.fma_exact(2.0, a, c.T)
-    assert not lora.fma_exact(2.0, torch.ones(4, 0), torch.ones(0, 4))
+        assert not fold.fma_exact(2.0, c, b) and not fold.fma_exact(2.0, a, c.T)
+    assert not fold.fma_exact(2.0, torch.ones(4, 0), torch.ones(0, 4))
     tiny = torch.full((4, 8), 1e-30)
-    assert lora.fma_exact(2.0**127, tiny, tiny.T)
-    assert not lora.fma_exact(2.0**128, tiny, tiny.T)  # no float32: torch refuses the alpha
+    assert fold.fma_exact(2.0**127, tiny, tiny.T)
+    assert not fold.fma_exact(2.0**128, tiny, tiny.T)  # no float32: torch refuses the alpha
 
 
 @pytest.mark.parametrize("weight", [torch.float32, torch.bfloat16, torch.float16])
@@ -184,11 +184,11 @@ def test_the_fold_piece_by_piece_has_peft_s_bits(weight: torch.dtype, scale: flo
                           tuple(t.shape), (
                 Chunk((0,) * t.dim(), tuple(t.shape), "f", 0, t.numel() * t.itemsize),))
 
-        m = lora.Module("x", embedding=transpose, a=meta(a, "x.lora_A.weight"),
+        m = layout.Module("x", embedding=transpose, a=meta(a, "x.lora_A.weight"),
                         b=meta(b, "x.lora_B.weight"))
-        config = lora.AdapterConfig(rank, scale * rank, False, False, {}, {}, False, (), None,
+        config = layout.AdapterConfig(rank, scale * rank, False, False, {}, {}, False, (), None,
                                     "test")
-        derived = lora._fused_weight("x.weight", meta(w, "x.weight"), m, config, None)
+        derived = fold.fused_weight("x.weight", meta(w, "x.weight"), m, config, None)
         assert derived.pieces is not None
         d = b @ a
         want32 = w.float() + (d.T if transpose else d) * scale  # PEFT's order

@@ -17,67 +17,14 @@ import torch.distributed.checkpoint as torch_dcp
 from safetensors import safe_open
 
 import ckpttool
-from ckpttool.core.checkpoint.names import canonical_fqn
 from ckpttool.core.merge import engine as merge_mod
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats.dcp import reader as dcp
 from ckpttool.storage import outputs as fileio
+from tests.helpers import assert_bit_exact, expected, load_out
 from tests.reference import reference_state_dict
 
 KINDS = ("llama", "uneven", "wrappers", "mixed", "placements")
-NEVER_CAST = {torch.float8_e4m3fn, torch.float8_e5m2, torch.bool, torch.uint8, torch.int8,
-              torch.int16, torch.int32, torch.int64}
-
-
-def load_out(out: Path) -> dict[str, torch.Tensor]:
-    index = out / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values()))
-             if index.exists() else ["model.safetensors"])
-    result: dict[str, torch.Tensor] = {}
-    for name in files:
-        with safe_open(out / name, "pt") as f:
-            assert f.metadata() == {"format": "pt"}
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                assert key not in result
-                result[key] = f.get_tensor(key)
-    return result
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Raw bytes, so NaNs and -0.0 compare exactly."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def expected(dcp_dir: Path, cast_to: torch.dtype | None) -> dict[str, torch.Tensor]:
-    info = dcp.read_info(dcp_dir)
-    paths = {t.name: t.path for t in info.tensors}
-    ref = reference_state_dict(dcp_dir)
-    out = {}
-    for key, path in paths.items():
-        t = ref[key]
-        assert isinstance(t, torch.Tensor)
-        if cast_to is not None and t.is_floating_point() and t.dtype not in NEVER_CAST:
-            t = t.to(cast_to)
-        out[canonical_fqn(path)] = t
-    return out
-
-
-def assert_bit_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
-                     *, cast: bool = False) -> None:
-    """Every byte equal. After a cast, NaNs only need to stay NaN: PyTorch's own f64 -> bf16
-    kernel gives a NaN 0x7FC0 in its scalar tail and 0xFFFF in its vector loop, so the bit
-    pattern of a cast NaN depends on where it falls, not on its value."""
-    assert set(got) == set(want)
-    for name, t in want.items():
-        g = got[name]
-        assert g.dtype == t.dtype, name
-        assert tuple(g.shape) == tuple(t.shape), name
-        if cast and t.is_floating_point() and t.element_size() > 1:
-            nan = torch.isnan(t)
-            assert torch.equal(torch.isnan(g), nan), f"{name}: NaNs moved"
-            assert torch.equal(bits(g[~nan]), bits(t[~nan])), f"{name} differs"
-        else:
-            assert torch.equal(bits(g), bits(t)), f"{name} differs"
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 import ckpttool
 from ckpttool.core.merge.multihost import FAIL_ENV
 from ckpttool.storage.outputs import TMP_SUFFIX
-from tests.core.test_merge import assert_bit_exact, expected, load_out
+from tests.helpers import assert_bit_exact, expected, load_out
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ from ckpttool.errors import InputError, OutputError
 from ckpttool.formats.base import RAW, Chunk, Tensor
 from ckpttool.formats.codecs import dtypes
 from ckpttool.storage.outputs import AtomicOutputs, pwrite_all
-from tests.core.test_merge import assert_bit_exact, load_out
+from tests.helpers import assert_bit_exact, load_out
 
 
 def _plan(src: Path, dtype: str = "keep", shard: int = 1 << 62) -> MergePlan:

@@ -26,8 +26,8 @@ from ckpttool.core.reshard import plan_chunks, reshard
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats.dcp import reader as dcp
 from examples.fsdp2_checkpoint import MODEL_DIR, OPTIMIZER_DIR
-from tests.core.test_merge import assert_bit_exact, load_out
 from tests.fsdp2_ranks import run_on_ranks
+from tests.helpers import assert_bit_exact, load_out
 from tests.reference import reference_state_dict
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32,

@@ -61,7 +61,8 @@ def test_document_puts_schema_and_command_first() -> None:
 def test_tensor_row_json_is_the_sections() -> None:
     """inspect's TensorRow writes its fields out (15,000 rows): the same document as
     Section's walk, with and without --stats."""
-    from ckpttool.core.inspect import TensorRow, TensorStats
+    from ckpttool.core.inspect import TensorRow
+    from ckpttool.core.values import TensorStats
 
     rows = [TensorRow("a.weight", "model.a.weight", "model", [4, 2], "BF16", 16, 2,
                       "Shard(0) x2", ["__0_0.distcp", "__1_0.distcp"]),

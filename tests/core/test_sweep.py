@@ -24,10 +24,10 @@ from typer.testing import CliRunner
 
 from ckpttool.cli import app
 from ckpttool.core import dtype_policy
-from ckpttool.core.merge import receipt as receipts
 from ckpttool.core.merge import resume
 from ckpttool.core.merge import sweep as sweeps
 from ckpttool.core.merge.operation import merge, plan_merge
+from ckpttool.core.verify import receipt
 from ckpttool.core.verify.operation import verify
 from ckpttool.errors import InputError
 from ckpttool.formats.base import RAW, Chunk, Tensor
@@ -83,7 +83,7 @@ def test_all_merges_every_complete_checkpoint_bit_exact_and_waits_for_the_cut_on
     assert report.exit_code == 0
     for step in STEPS:
         _assert_exact(out / f"checkpoint-{step}", trained, step)
-        assert (out / f"checkpoint-{step}" / receipts.RECEIPT_NAME).is_file()
+        assert (out / f"checkpoint-{step}" / receipt.RECEIPT_NAME).is_file()
     cut = report.outcomes[-1]
     assert cut.reason == "pytorch_model_fsdp_0: no .metadata yet (dcp.save writes it after " \
                          "every data file)"
@@ -129,11 +129,11 @@ def test_a_changed_source_is_left_unless_overwrite(run_copy: Path, tmp_path: Pat
                  steps=sweeps.parse_steps("2"), overwrite=True)
     assert _states(redo.outcomes) == {"checkpoint-2": "merged"}
     # An output without its receipt (a sweep cut just before writing it) is left too.
-    (out / "checkpoint-2" / receipts.RECEIPT_NAME).unlink()
+    (out / "checkpoint-2" / receipt.RECEIPT_NAME).unlink()
     bare = sweeps.sweep(run_copy, out, settle=0, merge_options=WEIGHTS,
                  steps=sweeps.parse_steps("2"))
     assert bare.outcomes[0].status == "changed" and bare.exit_code == 0
-    assert f"holds an output without a {receipts.RECEIPT_NAME}" in (bare.outcomes[0].reason or "")
+    assert f"holds an output without a {receipt.RECEIPT_NAME}" in (bare.outcomes[0].reason or "")
     sweeps.sweep(run_copy, out, settle=0, merge_options=WEIGHTS,
                  steps=sweeps.parse_steps("2"), overwrite=True)
     # Other options make another output: not done either.
@@ -178,7 +178,7 @@ def test_only_stepped_checkpoints_are_the_runs(run_copy: Path, trained: Path) ->
 
 def test_files_still_changing_wait_for_settle(trained: Path) -> None:
     found = sweeps.find(trained / "run", settle=0)
-    newest = max(f.mtime_ns for f in receipts.source_files(found[0].path)) / 1e9
+    newest = max(f.mtime_ns for f in receipt.source_files(found[0].path)) / 1e9
     late = sweeps.find(trained / "run", settle=10, now=newest + 2)[0]
     assert late.pending is not None and late.pending.startswith("a file changed 2.0 s ago")
     assert sweeps.find(trained / "run", settle=10, now=newest + 11)[0].pending is None
@@ -263,7 +263,7 @@ def test_watch_merges_checkpoints_as_they_appear(trained: Path, tmp_path: Path) 
         json.loads(line) for line in iter(stdout.readline, "")), daemon=True)
     reader.start()
     try:
-        _wait_for(lambda: (out / "checkpoint-1" / receipts.RECEIPT_NAME).exists(),
+        _wait_for(lambda: (out / "checkpoint-1" / receipt.RECEIPT_NAME).exists(),
                   "checkpoint-1's merge")
         model = "pytorch_model_fsdp_0"
         src, dst = trained / "run" / "checkpoint-2", run / "checkpoint-2"

@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 
 from ckpttool.cli import app
 from ckpttool.core.merge import guards
-from ckpttool.core.merge import receipt as receipts
 from ckpttool.core.merge import sweep as sweeps
+from ckpttool.core.verify import receipt
 from tests import runs
 
 MODEL = "pytorch_model_fsdp_0"
@@ -156,7 +156,7 @@ def test_a_step_resaved_during_overwrite_is_not_published(trained: Path, tmp_pat
     assert "nothing was published" in (o.reason or "")
     # The previous output is untouched; no receipt vouches for anything new.
     assert (out / "checkpoint-2" / "model.safetensors").read_bytes() == before
-    assert not (out / "checkpoint-2" / receipts.RECEIPT_NAME).exists()
+    assert not (out / "checkpoint-2" / receipt.RECEIPT_NAME).exists()
     assert not list((out / "checkpoint-2").glob(".*ckpttool-tmp"))
 
     # Once the save is over, the next sweep merges what is there now (step 3's weights).

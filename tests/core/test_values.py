@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpttool.core import values
-from ckpttool.core.inspect import Stats
+from ckpttool.core.values import Stats
 from ckpttool.formats.codecs.dtypes import BY_NAME, DType
 
 DTYPES = [d.name for d in BY_NAME.values() if d.kind != "complex"]

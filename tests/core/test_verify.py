@@ -22,7 +22,7 @@ from ckpttool.core.checkpoint.discover import discover
 from ckpttool.core.verify import operation as ver
 from ckpttool.errors import InputError
 from ckpttool.formats.dcp import reader as dcp
-from tests.formats.test_torchfile import _RunsCommand
+from tests.helpers import RunsCommand
 from tests.reference import reference_state_dict
 
 KINDS = ("llama", "uneven", "wrappers", "mixed", "placements")
@@ -421,7 +421,7 @@ def test_training_directory_verifies_the_optimizer_too(llama_ckpt: Path, tmp_pat
 
 def test_an_entry_that_would_run_code_is_an_error(tmp_path: Path) -> None:
     sentinel = tmp_path / "pwned"
-    torch_dcp.save({"w": torch.ones(3), "evil": _RunsCommand(f"touch {sentinel}")},
+    torch_dcp.save({"w": torch.ones(3), "evil": RunsCommand(f"touch {sentinel}")},
                    checkpoint_id=tmp_path / "ckpt", no_dist=True)
     report = ckpttool.verify(tmp_path / "ckpt")
     assert not report.ok
@@ -443,7 +443,7 @@ def test_bytes_and_plain_values_are_read_not_called_unsafe(tmp_path: Path) -> No
 def test_a_decoy_in_front_of_code_does_not_hide_it(tmp_path: Path) -> None:
     from collections import UserList
 
-    torch_dcp.save({"w": torch.ones(3), "evil": [UserList(), _RunsCommand("true")]},
+    torch_dcp.save({"w": torch.ones(3), "evil": [UserList(), RunsCommand("true")]},
                    checkpoint_id=tmp_path / "ckpt", no_dist=True)
     report = ckpttool.verify(tmp_path / "ckpt")
     assert [p.code for p in report.problems if p.severity == "error"] == ["code-in-checkpoint"]

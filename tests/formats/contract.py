@@ -31,8 +31,7 @@ from ckpttool.cli import app
 from ckpttool.core.checkpoint.discover import discover
 from ckpttool.core.merge.operation import MergeReport
 from ckpttool.formats import registry
-from tests.core.test_inspect import as_table, json_table
-from tests.core.test_merge import assert_bit_exact, load_out
+from tests.helpers import as_table, assert_bit_exact, json_table, load_out
 
 Reference = dict[str, torch.Tensor]  # canonical name -> the full tensor
 Ckpt = tuple[Path, Reference]  # what a subclass's ``ckpt`` fixture returns

@@ -13,7 +13,7 @@ from huggingface_hub import save_torch_state_dict
 
 import ckpttool
 from ckpttool.formats import bin_index, registry
-from tests.core.test_merge import load_out
+from tests.helpers import load_out
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -13,8 +13,8 @@ import torch
 import ckpttool
 from ckpttool.formats import registry
 from tests import layouts
-from tests.core.test_merge import expected
 from tests.formats.contract import Ckpt, FormatContract, Merged, Reference
+from tests.helpers import expected
 
 # A bug in ckpttool (left for the package's owner; see the report of this suite): a checkpoint
 # path that exists but is neither a regular file nor a directory (a FIFO, /dev/null) is taken for

@@ -18,7 +18,7 @@ import ckpttool
 from ckpttool.formats.base import Checksummed, Payload, Tensor
 from ckpttool.formats.codecs.crc import crc32
 from ckpttool.formats.dcp import reader as dcp
-from tests.core.test_merge import load_out
+from tests.helpers import load_out
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import moe_checkpoint  # noqa: E402

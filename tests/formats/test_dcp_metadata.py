@@ -17,6 +17,7 @@ from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats.base import ChunkColumns
 from ckpttool.formats.dcp import columns as dcp_metadata
 from ckpttool.formats.dcp import reader as dcp
+from ckpttool.formats.dcp.metadata import _read_unpickled, allowed_global
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import moe_checkpoint  # noqa: E402
@@ -32,14 +33,14 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _allow_list(md: Path) -> Any:
     """What the allow-list path makes of ``md``: a ``_Read``, or the error it raises."""
     try:
-        return dcp._read_unpickled(md.parent, md)
+        return _read_unpickled(md.parent, md)
     except (InputError, UnsupportedError) as e:
         return e
 
 
 def _same(md: Path) -> bool:
     """The columnar reader agrees with the allow-list path on ``md``; True if it answered."""
-    fast = dcp_metadata.read(md, dcp._metadata_global)
+    fast = dcp_metadata.read(md, allowed_global)
     if fast is None:
         return False
     slow = _allow_list(md)
@@ -156,7 +157,7 @@ def test_refused_global_falls_back_with_the_same_message(moe: Path, tmp_path: Pa
     name = b"ChunkStorageMetadata"
     md.write_bytes(data.replace(b"\x8c\x14" + name, b"\x8c\x14" + b"os\x00system".ljust(20, b"_"),
                                 1))
-    assert dcp_metadata.read(md, dcp._metadata_global) is None
+    assert dcp_metadata.read(md, allowed_global) is None
     with pytest.raises(InputError, match="which is no Python name .* the file is damaged"):
         dcp.read_info(root)
 
@@ -393,7 +394,7 @@ def test_tensor_head_flags_and_gets(moe: Path, tmp_path: Path) -> None:
     flags[m.start(6)] = flags[m.start(8)] = 0x88
     md.write_bytes(bytes(flags))
     assert _same(md)
-    props = dcp_metadata.read(md, dcp._metadata_global)
+    props = dcp_metadata.read(md, allowed_global)
     assert props is not None
     for lit in (4, 5, 7):  # dtype, layout, memory format: another entry (the name's memo)
         other = bytearray(data)
@@ -463,5 +464,5 @@ def test_many_layouts_fall_back_without_compiling_each(moe: Path,
     layout, at ~15 ms each)."""
     monkeypatch.setattr(dcp_metadata, "_MAX_LAYOUTS", 1)
     md = moe / ".metadata"
-    assert dcp_metadata.read(md, dcp._metadata_global) is None
+    assert dcp_metadata.read(md, allowed_global) is None
     assert not isinstance(_allow_list(md), Exception)

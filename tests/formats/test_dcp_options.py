@@ -16,8 +16,8 @@ import torch
 
 import ckpttool
 from ckpttool.formats.dcp import reader as dcp
-from tests.core.test_merge import assert_bit_exact, load_out
 from tests.formats.contract import cli, copy_checkpoint, flip, payload_sites
+from tests.helpers import assert_bit_exact, load_out
 from tests.reference import reference_state_dict
 
 

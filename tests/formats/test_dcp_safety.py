@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -12,21 +11,7 @@ import pytest
 
 from ckpttool.errors import InputError
 from ckpttool.formats.dcp import reader as dcp
-
-
-class _RunsCommand:
-    def __init__(self, command: str) -> None:
-        self.command = command
-
-    def __reduce__(self) -> tuple[object, tuple[str]]:
-        return (os.system, (self.command,))
-
-
-def write_malicious(directory: Path, sentinel: Path) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / ".metadata").write_bytes(pickle.dumps(_RunsCommand(f"touch {sentinel}")))
-    (directory / "__0_0.distcp").write_bytes(b"\0" * 64)
-    return directory
+from tests.helpers import write_malicious
 
 
 def test_malicious_metadata_is_refused_and_not_run(tmp_path: Path) -> None:

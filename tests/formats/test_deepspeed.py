@@ -24,7 +24,7 @@ from ckpttool.errors import InputError
 from ckpttool.formats import deepspeed, registry
 from ckpttool.formats.codecs import torchsave
 from tests import ds_layouts
-from tests.core.test_merge import assert_bit_exact, load_out
+from tests.helpers import assert_bit_exact, load_out
 
 needs_deepspeed = pytest.mark.skipif(
     not ds_layouts.DEEPSPEED,

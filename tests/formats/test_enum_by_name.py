@@ -23,10 +23,12 @@ from ckpttool.cli import app
 from ckpttool.errors import InputError
 from ckpttool.formats.codecs import torchsave
 from ckpttool.formats.dcp import columns as dcp_metadata
+from ckpttool.formats.dcp import metadata
 from ckpttool.formats.dcp import reader as dcp
+from ckpttool.formats.dcp.metadata import allowed_global
 from ckpttool.formats.rank_files import stand_ins
-from tests.core.test_merge import assert_bit_exact, load_out
 from tests.formats.test_dcp_metadata import _same
+from tests.helpers import assert_bit_exact, load_out
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "py311"
 MEMBER = b"TORCH_CONTIGUOUS_FORMAT"
@@ -58,7 +60,7 @@ def test_members_are_torchs() -> None:
     from torch.distributed._shard.sharded_tensor.metadata import MEM_FORMAT_ENCODING
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
-    for real, ours in ((_MEM_FORMAT_ENCODING, dcp._MEM_FORMAT_ENCODING),
+    for real, ours in ((_MEM_FORMAT_ENCODING, metadata._MEM_FORMAT_ENCODING),
                        (MEM_FORMAT_ENCODING, stand_ins._MEM_FORMAT_ENCODING)):
         assert {m.name: m.value for m in real} == ours.members
 
@@ -91,7 +93,7 @@ def test_getattr_of_anything_else_is_refused(case: str, tmp_path: Path) -> None:
     md = root / ".metadata"
     old, new = HOSTILE[case]
     md.write_bytes(_swap(md.read_bytes(), old, new))
-    assert dcp_metadata.read(md, dcp._metadata_global) is None  # left to the allow-list
+    assert dcp_metadata.read(md, allowed_global) is None  # left to the allow-list
     with pytest.raises(InputError, match="may be malicious") as err:
         dcp.read_info(root)
     assert "getattr" in str(err.value)
@@ -106,7 +108,7 @@ def test_getattr_of_an_unknown_class_is_not_supported(tmp_path: Path) -> None:
     root = Path(shutil.copytree(DATA / "dcp", tmp_path / "ckpt"))
     md = root / ".metadata"
     md.write_bytes(_swap(md.read_bytes(), b"_MEM_FORMAT_ENCODING", b"_StorageInfoX"))
-    assert dcp_metadata.read(md, dcp._metadata_global) is None  # left to the allow-list
+    assert dcp_metadata.read(md, allowed_global) is None  # left to the allow-list
     result = CliRunner().invoke(app, ["verify", str(root)])
     assert result.exit_code == 4, result.stderr
     assert result.stderr.count("\n") == 1 and "not supported yet" in result.stderr
@@ -143,9 +145,9 @@ def _with_pickle(old: bytes, new: bytes) -> bytes:
 
 
 @pytest.mark.parametrize(("obj", "name"), [
-    (dcp._MEM_FORMAT_ENCODING, "__class__"),
-    (dcp._MEM_FORMAT_ENCODING, "members"),
-    (dcp._MEM_FORMAT_ENCODING, 0),
+    (metadata._MEM_FORMAT_ENCODING, "__class__"),
+    (metadata._MEM_FORMAT_ENCODING, "members"),
+    (metadata._MEM_FORMAT_ENCODING, 0),
     (torchsave.size, "__globals__"),
     (int, "TORCH_CONTIGUOUS_FORMAT"),
     ("TORCH_CONTIGUOUS_FORMAT", "upper"),
@@ -156,8 +158,8 @@ def test_enum_getattr_refuses(obj: object, name: object) -> None:
 
 
 def test_enum_by_value_checks_membership() -> None:
-    assert dcp._MEM_FORMAT_ENCODING(2) == 2
-    assert torchsave.enum_getattr(dcp._MEM_FORMAT_ENCODING, "TORCH_CHANNELS_LAST") == 1
+    assert metadata._MEM_FORMAT_ENCODING(2) == 2
+    assert torchsave.enum_getattr(metadata._MEM_FORMAT_ENCODING, "TORCH_CHANNELS_LAST") == 1
     for bad in (3, -1, "0", 0.0, True):
         with pytest.raises(pickle.UnpicklingError):
-            dcp._MEM_FORMAT_ENCODING(bad)
+            metadata._MEM_FORMAT_ENCODING(bad)

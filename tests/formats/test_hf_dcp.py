@@ -14,7 +14,7 @@ from ckpttool.cli import app
 from ckpttool.core.reshard import reshard
 from ckpttool.formats import hf_dcp
 from ckpttool.formats.base import RAW
-from tests.core.test_merge import assert_bit_exact, load_out
+from tests.helpers import assert_bit_exact, load_out
 from tests.layouts import hf_full_state as full_state
 
 

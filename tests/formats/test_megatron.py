@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 import ckpttool
 from ckpttool.cli import app
 from ckpttool.formats import megatron, registry
-from tests.core.test_merge import assert_bit_exact, load_out
+from tests.helpers import assert_bit_exact, load_out
 from tests.megatron_layouts import VARIANTS, hf_reference
 
 # fp32 forward passes of the same weights in two implementations (Megatron's local attention

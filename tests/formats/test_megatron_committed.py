@@ -23,7 +23,7 @@ from ckpttool.core.transforms import namemaps
 from ckpttool.formats import megatron
 from ckpttool.formats.base import Tensor
 from ckpttool.formats.codecs.dtypes import DType
-from tests.core.test_merge import assert_bit_exact, load_out
+from tests.helpers import assert_bit_exact, load_out
 from tests.megatron_layouts import MEGATRON, hf_reference
 
 DATA = Path(__file__).parents[1] / "data" / "megatron"

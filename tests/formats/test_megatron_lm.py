@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from ckpttool.cli import app
 from ckpttool.core.transforms import megatron_config
-from tests.core.test_merge import assert_bit_exact, load_out
+from tests.helpers import assert_bit_exact, load_out
 from tests.megatron_layouts import hf_reference
 
 DATA = Path(__file__).parents[1] / "data" / "megatron_lm"

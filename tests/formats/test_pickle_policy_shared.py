@@ -13,7 +13,7 @@ import pickle
 import pytest
 
 from ckpttool.formats.codecs import dtypes, policy, torchsave
-from ckpttool.formats.dcp import reader as dcp_reader
+from ckpttool.formats.dcp.metadata import _METADATA_CLASSES, allowed_global
 
 
 def _bs(text: str) -> bytes:
@@ -55,8 +55,8 @@ def test_build_cannot_patch_a_stand_in_class() -> None:
     data = (b"\x80\x02c" + module.encode() + b"\nMetadata\nN}" + _bs("field")
             + b"cbuiltins\nset\ns\x86b.")
     with pytest.raises(Exception):  # noqa: B017,PT011
-        _load(data, dcp_reader._metadata_global)
-    stub = dcp_reader._METADATA_CLASSES["Metadata"]
+        _load(data, allowed_global)
+    stub = _METADATA_CLASSES["Metadata"]
     assert "field" not in vars(stub)
 
 

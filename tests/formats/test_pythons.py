@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 import ckpttool
 from ckpttool.cli import app
 from ckpttool.formats import torchfile
-from ckpttool.formats.dcp import reader as dcp
-from tests.core.test_merge import assert_bit_exact, load_out
+from ckpttool.formats.dcp.metadata import read_metadata_object
 from tests.formats.test_dcp_metadata import _same
+from tests.helpers import assert_bit_exact, load_out
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "pythons"
 PYTHONS = ["py310", "py312", "py313"]
@@ -54,7 +54,7 @@ def test_dcp_merge_is_exact_and_verify_clean(python: str, tmp_path: Path) -> Non
 def test_both_metadata_readers_agree(python: str) -> None:
     md = DATA / python / "dcp" / ".metadata"
     assert _same(md)  # the columns answered, the same as the allow-list
-    storage_meta = dcp.read_metadata_object(md).storage_meta
+    storage_meta = read_metadata_object(md).storage_meta
     assert storage_meta.field("checkpoint_id").endswith(f"/{python}/dcp")
 
 

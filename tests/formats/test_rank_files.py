@@ -25,7 +25,7 @@ from ckpttool.formats.base import RAW
 from ckpttool.formats.rank_files import pieces
 from ckpttool.formats.rank_files import stand_ins as allowed
 from tests import layouts
-from tests.core.test_merge import assert_bit_exact, load_out
+from tests.helpers import assert_bit_exact, load_out
 from tests.layouts import CKPT_DIR, rank_file
 
 

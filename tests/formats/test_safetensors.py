@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from ckpttool import units
 from ckpttool.errors import InputError
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.codecs import dtypes
@@ -39,12 +40,12 @@ def test_layout_is_read_by_the_safetensors_library(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("text", "n"), [("5GB", 5 * 10**9), ("500MB", 5 * 10**8),
                                           ("2GiB", 2 * 2**30), ("1024", 1024), ("1.5kb", 1500)])
 def test_parse_size(text: str, n: int) -> None:
-    assert st.parse_size(text) == n
+    assert units.parse_size(text) == n
 
 
 def test_parse_size_rejects_garbage() -> None:
     with pytest.raises(InputError, match="invalid size 'lots'"):
-        st.parse_size("lots")
+        units.parse_size("lots")
 
 
 def test_shard_names() -> None:

@@ -15,6 +15,7 @@ from torch import nn
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import torchfile
 from ckpttool.formats.base import VIEW, Reader, Tensor
+from tests.helpers import RunsCommand
 
 
 def _bytes(reader: Reader, t: Tensor) -> bytes:
@@ -80,18 +81,10 @@ def test_views_parameters_odd_dtypes_nesting_and_shared_storage(tmp_path: Path) 
     assert objects == {"step": 7, "groups": [{"lr": 0.1, "params": [0, 1]}]}
 
 
-class _RunsCommand:
-    def __init__(self, command: str) -> None:
-        self.command = command
-
-    def __reduce__(self) -> tuple[object, tuple[str]]:
-        return (os.system, (self.command,))
-
-
 def test_a_pickle_that_runs_code_is_refused_and_not_run(tmp_path: Path) -> None:
     sentinel = tmp_path / "pwned"
     path = tmp_path / "evil.bin"
-    torch.save({"w": torch.ones(2), "x": _RunsCommand(f"touch {sentinel}")}, path)
+    torch.save({"w": torch.ones(2), "x": RunsCommand(f"touch {sentinel}")}, path)
     with pytest.raises(InputError) as e:
         torchfile.read_info(path)
     assert str(e.value) == (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 
 from ckpttool.formats.codecs import dtypes
-from ckpttool.formats.dcp.reader import _METADATA_CLASSES
+from ckpttool.formats.dcp.metadata import _METADATA_CLASSES
 
 MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 

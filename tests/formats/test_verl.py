@@ -19,7 +19,7 @@ import ckpttool
 from ckpttool.cli import app
 from ckpttool.formats.codecs import torchsave
 from tests import layouts
-from tests.core.test_merge import assert_bit_exact, load_out
+from tests.helpers import assert_bit_exact, load_out
 
 ACTOR = Path("global_step_1") / layouts.CKPT_DIR
 

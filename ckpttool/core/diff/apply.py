@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from ckpttool import units
 from ckpttool.core import ties
 from ckpttool.core.checkpoint.discover import Checkpoint, discover, open_reader
 from ckpttool.core.diff import delta as deltas
@@ -108,7 +109,7 @@ def apply(
     recipes = _recipes(doc, data)
     want = doc["b"]["tensors"]
     planned, index = st.plan_files([(r.name, r.dtype, r.shape) for r in recipes],
-                                   st.parse_size(max_shard_size)
+                                   units.parse_size(max_shard_size)
                                    if isinstance(max_shard_size, str) else max_shard_size)
 
     def check_existing() -> None:

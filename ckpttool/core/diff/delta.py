@@ -36,7 +36,7 @@ from ckpttool.storage.outputs import (
 )
 
 if TYPE_CHECKING:
-    from ckpttool.core.diff.operation import Measured
+    from ckpttool.core.diff.values import Measured
 
 DELTA_KIND = "ckpttool-delta"
 DELTA_JSON = "delta.json"

@@ -20,7 +20,7 @@ from ckpttool.core.checkpoint.discover import Checkpoint, discover, open_reader
 from ckpttool.core.diff import plan as diff_plan
 from ckpttool.core.diff import stream
 from ckpttool.core.diff.plan import CHANGED, IDENTICAL, STATUSES, DiffPlan, Entry, View
-from ckpttool.core.diff.values import Change
+from ckpttool.core.diff.values import Change, Measured, TensorDiff
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import Progress, Section, document, locked, section
 from ckpttool.core.runtime.torch_threads import default_workers
@@ -30,20 +30,6 @@ from ckpttool.storage.store import LOCAL, Stores
 
 # Bytes of each side compared at a time.
 BLOCK_BYTES = 8 << 20
-
-
-@section
-class TensorDiff(Section):
-    """One row of ``diff``'s ``tensors``: the canonical name, its status and, for a tensor of
-    one dtype and shape on both sides, the elements whose bits changed, the largest absolute
-    change and ||B - A|| / ||A|| (None where not defined: added, removed, reshaped,
-    dtype-changed; ``rel_l2`` also where ||A|| is 0 and B is not)."""
-
-    name: str
-    status: str
-    changed_elements: int | None
-    max_abs_diff: float | None
-    rel_l2: float | None
 
 
 @section
@@ -93,16 +79,6 @@ class DiffReport:
 
     def to_json(self) -> dict[str, Any]:
         return document("diff", self)
-
-
-@dataclass
-class Measured:
-    """What the data pass found for one entry (digests only where asked)."""
-
-    row: TensorDiff
-    sha_a: str | None = None
-    sha_b: str | None = None
-    bytes_read: int = 0
 
 
 @remote.urls(sources=("a", "b"))

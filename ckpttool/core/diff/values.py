@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckpttool.core.runtime.report import Section, section
 from ckpttool.formats.codecs.dtypes import DType
 
 if TYPE_CHECKING:
@@ -146,3 +147,27 @@ class Change:
             return None
         # To the digits the float32 sums of ||A|| carry (:meth:`_norm`), no more.
         return float(f"{math.sqrt(self.diff_sq) / math.sqrt(self.a_sq):.7g}")
+
+
+@section
+class TensorDiff(Section):
+    """One row of ``diff``'s ``tensors``: the canonical name, its status and, for a tensor of
+    one dtype and shape on both sides, the elements whose bits changed, the largest absolute
+    change and ||B - A|| / ||A|| (None where not defined: added, removed, reshaped,
+    dtype-changed; ``rel_l2`` also where ||A|| is 0 and B is not)."""
+
+    name: str
+    status: str
+    changed_elements: int | None
+    max_abs_diff: float | None
+    rel_l2: float | None
+
+
+@dataclass
+class Measured:
+    """What the data pass found for one entry (digests only where asked)."""
+
+    row: TensorDiff
+    sha_a: str | None = None
+    sha_b: str | None = None
+    bytes_read: int = 0

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ckpttool import units
+from ckpttool._gc import gc_paused
 from ckpttool.core import contract, dtype_policy, quantization, ties
 from ckpttool.core.checkpoint import architecture, hf, non_tensor, structure
 from ckpttool.core.checkpoint.copies import Copies, model_copies
@@ -37,14 +39,14 @@ from ckpttool.core.merge.plan import MergePlan, OutputFile, Source, plan_merge
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import Progress, Section, document, section
 from ckpttool.core.runtime.torch_threads import default_workers
-from ckpttool.core.transforms import hub_layout, megatron_config, namemaps
-from ckpttool.core.transforms import lora as adapters
+from ckpttool.core.transforms import hub_layout, maps, megatron_config, namemaps
 from ckpttool.core.transforms import quantize as recode
+from ckpttool.core.transforms.lora.layout import ADAPTER_FILE
+from ckpttool.core.transforms.lora.plan import plan_for_merge
+from ckpttool.core.transforms.lora.report import LoraMerge, assumed_warning
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import registry
-from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Reader
-from ckpttool.formats.codecs.torchsave import gc_paused
 from ckpttool.storage.outputs import check_apart, check_space
 from ckpttool.storage.store import LOCAL, Stores
 
@@ -52,7 +54,7 @@ CONFIG_JSON = "config.json"  # written beside the weights when derived (megatron
 
 if TYPE_CHECKING:
     from ckpttool.core.merge.multihost import Shared, Sharing
-    from ckpttool.core.transforms.lora import Adapted
+    from ckpttool.core.transforms.lora.plan import Adapted
     from ckpttool.core.transforms.namemaps import Mapped
 
 
@@ -139,7 +141,7 @@ class MergeReport:
     # Names no transformers model of config.json's architecture has (a training framework's
     # own, core.checkpoint.architecture): whose, how many, the --names maps; None: they fit
     foreign_names: architecture.NameCheck | None = None
-    lora: adapters.LoraMerge | None = None  # the adapter found, and what was done with it
+    lora: LoraMerge | None = None  # the adapter found, and what was done with it
     non_tensor: list[non_tensor.Entry] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)
     config_changes: list[str] = field(default_factory=list)
@@ -270,14 +272,14 @@ def merge(
     """
     started = time.perf_counter()
     src_path, out_path = Path(src), Path(out)
-    shard_limit = st.parse_size(str(max_shard_size))
+    shard_limit = units.parse_size(str(max_shard_size))
     whole, ckpt = _recognise(src_path, out_path, config, part, layout, stores, iteration)
     files, optimizer = ckpt.hf, ckpt.kind == "optimizer"
     named = [(t.name, t.tensor) for t in ckpt.tensors]
     files, derived = _derived(ckpt, named, names, files, optimizer=optimizer,
                               command=f"ckpttool merge {src} {out}")
     adapted = (None if optimizer else
-               adapters.plan_for_merge(ckpt, named, lora, adapter, adapter_config,
+               plan_for_merge(ckpt, named, lora, adapter, adapter_config,
                                        lora_alpha=lora_alpha))
     mode = adapted.mode if adapted is not None else None
     policy, stem, files = _policy(dtype, files, optimizer=optimizer, mode=mode)
@@ -360,7 +362,7 @@ def _derived(ckpt: Checkpoint, named: list[tuple[str, Any]], names: str | None,
              ) -> tuple[hf.HfFiles, megatron_config.DerivedConfig | None]:
     """Without a config.json, a Megatron-Core model's config derived from its args (the
     files with it), else the files as they are."""
-    if files.config is not None or names == namemaps.KEEP:
+    if files.config is not None or names == maps.KEEP:
         return files, None
     if optimizer:  # a Megatron-Core model's state is mapped as its weights are
         groups = megatron_optimizer.model_view(named)
@@ -522,7 +524,7 @@ def _policy(dtype: str, files: hf.HfFiles, *, optimizer: bool, mode: str | None
         # An adapter keeps the dtypes it trained in, as save_pretrained does, unless asked.
         policy = (DTypePolicy("auto", None, "a LoRA adapter keeps its dtypes")
                   if dtype == "auto" else dtype_policy.resolve(dtype, None))
-        return (policy, adapters.ADAPTER_FILE.removesuffix(".safetensors"),
+        return (policy, ADAPTER_FILE.removesuffix(".safetensors"),
                 hf.HfFiles(None, None, ()))
     policy = dtype_policy.resolve(dtype, files.config, str(files.config_path)
                                   if files.config_path else "config.json")
@@ -552,7 +554,7 @@ def _mapped(names: str | None, ckpt: Checkpoint, named: list[tuple[str, Any]],
     if names is None and adapted is None:
         names = (megatron_optimizer.implied if optimizer else namemaps.implied)(
             named, files.config, config_path=config_path)
-    if names is None or names == namemaps.KEEP:
+    if names is None or names == maps.KEEP:
         return None
     assert ckpt.info is not None
     if optimizer and (state := megatron_optimizer.apply(names, named, files.config,
@@ -600,7 +602,7 @@ def _start_report(src: Path, out: Path, whole: Checkpoint, ckpt: Checkpoint,
     if adapted is not None:
         report.lora = adapted.report
         if adapted.report.assumed:
-            report.warnings.append(adapters.assumed_warning(adapted.report))
+            report.warnings.append(assumed_warning(adapted.report))
     report.name_map = mapped
     return report
 
@@ -639,7 +641,7 @@ def _side_files(report: MergeReport, whole: Checkpoint, ckpt: Checkpoint, reader
     report.non_tensor = [non_tensor.describe(o.name, value, part=o.part) for o, value in objects]
     objects = [(o, value) for o, value in objects if o.part == ckpt.kind]
     mapped = report.name_map
-    nextn = (mapped.mtp_layers if mapped is not None and namemaps.MAPS[mapped.map].mtp_required
+    nextn = (mapped.mtp_layers if mapped is not None and maps.MAPS[mapped.map].mtp_required
              else None)
     config_bytes, report.config_changes = _config_output(files, plan, sources, nextn=nextn,
                                                          recoded=recoded or [])

@@ -39,11 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import settings
-from ckpttool.core.merge import receipt as receipts
 from ckpttool.core.merge.engine import execute_into
 from ckpttool.core.merge.multihost import check_headers, plan_key
 from ckpttool.core.merge.plan import MergePlan
 from ckpttool.core.runtime.report import Progress, Section, section
+from ckpttool.core.verify import receipt
 from ckpttool.errors import OutputError
 from ckpttool.formats.base import Reader
 from ckpttool.formats.codecs.crc import crc32
@@ -104,7 +104,7 @@ def wanted(plan: MergePlan) -> bool:
 def source_digest(root: Path) -> str:
     """The source's file names, sizes and modification times, hashed (no data read)."""
     h = hashlib.sha256()
-    for f in receipts.source_files(root):
+    for f in receipt.source_files(root):
         h.update(json.dumps(f.to_json()).encode())
     return h.hexdigest()[:16]
 

@@ -12,7 +12,7 @@ Steps, each a function of its own:
    seconds ago. Names and ``stat`` only.
 2. :func:`select` (``--steps``) and :func:`assign` (``--task I/N``), pure.
 3. :func:`decide`: per checkpoint, merge it, skip it (its receipt matches:
-   :mod:`ckpttool.core.merge.receipt`), leave it (its source or options changed, without
+   :mod:`ckpttool.core.verify.receipt`), leave it (its source or options changed, without
    ``overwrite``), or wait for it.
 4. :func:`sweep`: do it, reporting each checkpoint's :class:`Outcome` as it is known; one
    failure does not stop the others. ``watch`` goes on, polling, until interrupted.
@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool import settings
+from ckpttool import settings, units
 from ckpttool.core.checkpoint.discover import discover
 from ckpttool.core.merge import guards
-from ckpttool.core.merge import receipt as receipts
 from ckpttool.core.runtime.report import SCHEMA, Section, jsonable, section
+from ckpttool.core.verify import receipt
 from ckpttool.errors import CkptError, InputError, UnsupportedError, UsageError
 from ckpttool.formats import registry
 from ckpttool.storage import places
@@ -67,7 +67,7 @@ class Found:
     step: int | None  # the last number in its name; None: none
     num_bytes: int  # of every file under it
     pending: str | None  # why it is still being written; None: complete
-    files: tuple[receipts.SourceFile, ...] = ()
+    files: tuple[receipt.SourceFile, ...] = ()
     # Seconds until its files will have been unchanged for --settle, where that is all that
     # keeps it pending (its format says it is complete); 0 otherwise.
     settling: float = 0.0
@@ -145,7 +145,7 @@ def _candidates(directory: Path, skipped: set[Path], depth: int) -> list[Path]:
 
 
 def _describe(run: Path, path: Path, settle: float, now: float) -> Found:
-    files = receipts.source_files(path)
+    files = receipt.source_files(path)
     newest = max((f.mtime_ns for f in files), default=0) / 1e9
     pending = _pending(path)
     settling = 0.0
@@ -343,17 +343,17 @@ def decide(found: Found, out: Path, options: dict[str, Any], *, overwrite: bool
     """
     if found.pending is not None:
         return WAITING, found.pending
-    receipt = receipts.read(out)
-    if receipt is None:
+    kept = receipt.read(out)
+    if kept is None:
         if not _holds_output(out):
             return PLANNED, None
         # A merge made by hand, or a sweep cut between the output and its receipt.
-        bare = f"{out} holds an output without a {receipts.RECEIPT_NAME}"
+        bare = f"{out} holds an output without a {receipt.RECEIPT_NAME}"
         return (PLANNED, f"merging again: {bare}") if overwrite else (
             CHANGED, f"{bare}; pass --overwrite to merge it again")
-    why = receipts.compare(receipt, found.path.resolve(), found.files, options, out)
+    why = receipt.compare(kept, found.path.resolve(), found.files, options, out)
     if why is None:
-        return DONE, f"merged already ({receipts.RECEIPT_NAME} matches)"
+        return DONE, f"merged already ({receipt.RECEIPT_NAME} matches)"
     if overwrite:
         return PLANNED, f"merging again: {why}"
     return CHANGED, f"{why}; pass --overwrite to merge it again"
@@ -426,7 +426,7 @@ def sweep(
     options = dict(merge_options or {})
     recorded = receipt_options(options)
     report = SweepReport(str(run_path), str(root), task=task)
-    seen: dict[str, tuple[str, tuple[receipts.SourceFile, ...]]] = {}
+    seen: dict[str, tuple[str, tuple[receipt.SourceFile, ...]]] = {}
 
     def tell(o: Outcome) -> None:
         report.outcomes.append(o)
@@ -507,14 +507,13 @@ def receipt_options(options: dict[str, Any]) -> dict[str, Any]:
     import inspect
 
     from ckpttool.core.merge.operation import merge
-    from ckpttool.formats import safetensors as st
 
     defaults = inspect.signature(merge).parameters
     doc: dict[str, Any] = {}
     for key in RECORDED:
         value = options.get(key, defaults[key].default)
         if key == "max_shard_size" and value is not None:
-            value = st.parse_size(str(value))
+            value = units.parse_size(str(value))
         elif isinstance(value, os.PathLike):
             value = str(Path(value).resolve())
         doc[key] = value
@@ -542,7 +541,7 @@ def _merge_one(merge: MergeFunction, f: Found, out: Path, options: dict[str, Any
     outcome = Outcome(f, out, MERGED, reason, owner)
     try:
         before = identity(f.path)
-        if tuple(receipts.SourceFile(*i[:3]) for i in before) != f.files:
+        if tuple(receipt.SourceFile(*i[:3]) for i in before) != f.files:
             raise guards.SourceChanged(f"{f.path}: changed since it was found (a save or copy "
                                        "still going on); merged again next time")
 
@@ -553,17 +552,17 @@ def _merge_one(merge: MergeFunction, f: Found, out: Path, options: dict[str, Any
                     "nothing was published, it is merged again next time")
 
         if overwrite:
-            receipts.remove(out)
+            receipt.remove(out)
         with guards.before_publish(unchanged):
             report = merge(f.path, out, overwrite=overwrite, workers=workers,
                            follow_links=follow_links, **options)
         outcome.merge = report
         # The source as merged: a file that changed while it was read fails the receipt.
-        now = receipts.source_files(f.path)
+        now = receipt.source_files(f.path)
         if now != f.files:
             raise InputError(f"{f.path}: changed while it was merged; it is merged again "
                              "next time (with --overwrite)")
-        receipts.write(out, receipts.make(out, f.path.resolve(), f.files, recorded,
+        receipt.write(out, receipt.make(out, f.path.resolve(), f.files, recorded,
                                           workers=workers))
     except guards.SourceChanged as e:
         outcome.status, outcome.reason = WAITING, str(e)

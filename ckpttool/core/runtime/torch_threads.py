@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ckpttool.formats.codecs.torchsave import gc_paused
+from ckpttool._gc import gc_paused
 
 
 def default_workers() -> int:

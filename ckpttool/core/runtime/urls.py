@@ -41,9 +41,10 @@ R = TypeVar("R")
 _LOCAL_ONLY = ("config", "adapter", "adapter_config", "manifest")
 
 
-def _is_url(value: object) -> bool:
-    # The scheme test (storage/places.py) without importing the remote module (and so
-    # boto3) for local paths.
+def is_url(value: object) -> bool:
+    """True for an object-store URL (``s3://``, ``gs://``, ``az://``...): the scheme test of
+    :mod:`ckpttool.storage.places`, without importing the remote module (and so boto3) for
+    local paths."""
     return places.is_remote(value)
 
 
@@ -105,7 +106,7 @@ def urls(*, sources: tuple[str, ...], output: str | None = None
             for n in _LOCAL_ONLY:
                 if n in given and n not in values:
                     check_location(given[n], what=f"--{n.replace('_', '-')}", remote_ok=False)
-            if not any(_is_url(v) for v in values.values()):
+            if not any(is_url(v) for v in values.values()):
                 return fn(*args, **kwargs)
             return _remote(fn, bound, values, output)
 
@@ -122,7 +123,7 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
     with contextlib.ExitStack() as stack:
         try:
             out_url = None
-            if output is not None and _is_url(values[output]):
+            if output is not None and is_url(values[output]):
                 if bound.arguments.get("shared") is not None:
                     # Each process would stage its share on its own disk: nothing would join
                     # them. Parts of one multipart upload per rank would; not built yet.
@@ -135,7 +136,7 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
                 out_url = stack.enter_context(claimed(values[output], overwrite=overwrite))
             mounted = []
             for name, value in values.items():
-                if name != output and _is_url(value):
+                if name != output and is_url(value):
                     mirror = stack.enter_context(
                         mirrors.Mirror(value, data_suffixes=DATA_SUFFIXES, head=_head))
                     mounted.append(mirror)

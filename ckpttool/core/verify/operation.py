@@ -15,7 +15,7 @@ The orchestration of pure checks and one data pass, each a source of
 * ``against`` (:mod:`~ckpttool.core.verify.against`): names, shapes, dtypes and bytes of another
   checkpoint, in the same pass;
 * ``manifest`` (:mod:`~ckpttool.core.verify.manifest`): a SHA-256 per tensor, written or checked;
-* ``receipt`` (:mod:`~ckpttool.core.merge.receipt`): an output of ``merge --all`` checked against
+* ``receipt`` (:mod:`~ckpttool.core.verify.receipt`): an output of ``merge --all`` checked against
   the receipt it carries (files, sizes, every tensor's SHA-256), unless a manifest is given.
 
 Only values (NaN counts, casts) need torch; the CRC pass does not.
@@ -42,13 +42,16 @@ from ckpttool.core.checkpoint.discover import (
 )
 from ckpttool.core.checkpoint.parts import Content
 from ckpttool.core.dtype_policy import DTypePolicy
-from ckpttool.core.merge import receipt as receipts
 from ckpttool.core.runtime import urls as remote
 from ckpttool.core.runtime.report import Progress, document, locked
-from ckpttool.core.transforms import lora
-from ckpttool.core.transforms.lora import AdapterSummary
+from ckpttool.core.transforms.lora.plan import (
+    merged_adapter_config,
+    unchanged_from_base,
+    verify_adapter,
+)
+from ckpttool.core.transforms.lora.report import AdapterSummary
 from ckpttool.core.verify import manifest as manifests
-from ckpttool.core.verify import scan
+from ckpttool.core.verify import receipt, scan
 from ckpttool.core.verify.against import AgainstPlan, plan_against
 from ckpttool.errors import InputError, UsageError
 from ckpttool.formats.base import SEVERITIES, Location, Problem, error, warning
@@ -185,7 +188,7 @@ def verify(
     held = _contract(ckpt, model, loader)
     if held is not None:
         report.checks.append("contract")
-    receipt = _receipt(ckpt, report) if manifest_path is None else None
+    kept = _receipt(ckpt, report) if manifest_path is None else None
     parts = _other_parts(ckpt)
     read = locked(progress)
     if on_start is not None:
@@ -194,7 +197,7 @@ def verify(
     pair = ties.find_pair(model.by_name()) if ckpt.kind == "model" else None
     # The tied pair is compared after the pass (below); --against decides a deduplicated tie
     # from its digests.
-    want_digest = ({t.name for t in ckpt.tensors} if manifest_path or receipt
+    want_digest = ({t.name for t in ckpt.tensors} if manifest_path or kept
                    else set(pair or ()) if other is not None else set())
     problems, damaged, damaged_b = _structures(ckpt, other)
     done = scan.data_pass(ckpt, other, plan, want_digest, workers, read, skip=damaged,
@@ -207,7 +210,7 @@ def verify(
                                 follow_links=follow_links, block_bytes=scan.READ_BLOCK)
             if pair is not None else None)
     problems += ties.check_ties(model, same) + architecture.problems_of(model) + (held or [])
-    report.lora, lora_problems = lora.verify_adapter(
+    report.lora, lora_problems = verify_adapter(
         ckpt, model, Path(adapter_config) if adapter_config is not None else None,
         follow_links=follow_links)
     problems += lora_problems
@@ -224,7 +227,7 @@ def verify(
     report.parts = [p for p in ckpt.parts if p.path in dict(parts)]
     found, report.manifest = (
         manifests.finish(ckpt, manifest_path, expected, digests) if manifest_path is not None
-        else receipts.verify(ckpt, receipt, digests) if receipt is not None else ([], None))
+        else receipt.verify(ckpt, kept, digests) if kept is not None else ([], None))
     problems += found
     if base is not None:
         report.checks.append("base")
@@ -256,12 +259,12 @@ def _contract(ckpt: Checkpoint, model: Checkpoint, loader: str | None
                                     loader=loader)
 
 
-def _receipt(ckpt: Checkpoint, report: VerifyReport) -> receipts.Receipt | None:
+def _receipt(ckpt: Checkpoint, report: VerifyReport) -> receipt.Receipt | None:
     """The receipt ``merge --all`` wrote into an output (checked instead of a manifest)."""
-    receipt = receipts.read(ckpt.root) if ckpt.root.is_dir() else None
-    if receipt is not None:
+    kept = receipt.read(ckpt.root) if ckpt.root.is_dir() else None
+    if kept is not None:
         report.checks.append("receipt")
-    return receipt
+    return kept
 
 
 def _unchanged_from_base(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan,
@@ -272,7 +275,7 @@ def _unchanged_from_base(ckpt: Checkpoint, other: Checkpoint | None, plan: Again
     if other is None:
         return []
     try:
-        doc, source = lora.merged_adapter_config(
+        doc, source = merged_adapter_config(
             ckpt.root if ckpt.root.is_dir() else ckpt.root.parent,
             Path(adapter_config) if adapter_config is not None else None)
     except InputError:
@@ -282,7 +285,7 @@ def _unchanged_from_base(ckpt: Checkpoint, other: Checkpoint | None, plan: Again
     flagged = {p.location.tensor for p in problems if p.location.tensor is not None}
     compared = {pair.a.name: pair.a.tensor.shape for pair in plan.pairs}
     unchanged = {n for n in compared if n in done.complete and n not in flagged}
-    return lora.unchanged_from_base(compared, unchanged, doc, source, str(ckpt.root),
+    return unchanged_from_base(compared, unchanged, doc, source, str(ckpt.root),
                                     str(other.root))
 
 

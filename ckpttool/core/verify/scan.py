@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ckpttool._gc import gc_paused
 from ckpttool.core import values
 from ckpttool.core.checkpoint import geometry as chunk_geometry
 from ckpttool.core.checkpoint import non_tensor as objects
@@ -40,7 +41,6 @@ from ckpttool.formats.base import (
     warning,
 )
 from ckpttool.formats.codecs.crc import crc32
-from ckpttool.formats.codecs.torchsave import gc_paused
 
 # Bytes read at a time: checked (CRC-32, values) while they are still in the CPU's caches.
 # Measured on 3 GB: 2 MB blocks took 15% less time than 16 MB ones, and than mapping the

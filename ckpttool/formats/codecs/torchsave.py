@@ -15,8 +15,6 @@ ever runs.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import io
 import itertools
 import pickle
@@ -26,6 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ckpttool._gc import gc_paused
 from ckpttool.errors import CkptError, InputError
 from ckpttool.formats.codecs import dtypes, policy
 from ckpttool.formats.codecs.archive import RecordBytes, ZipEntry
@@ -215,21 +214,6 @@ def torch_attr(name: str) -> Any | None:
     if name == "Size":
         return size
     return None
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a pickle of millions of objects is built and
-    converted: every collection would walk all that survived so far, and none of it is garbage
-    (measured on a 1M-chunk ``.metadata``: unpickling 16.0 s -> 2.8 s, converting 6.5 -> 3.8 s).
-    The collector's state is restored after."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 _INT = {int}

@@ -35,6 +35,7 @@ from itertools import chain, islice
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ckpttool._gc import gc_paused
 from ckpttool.formats.base import RECORD, ChunkColumns, ChunkTable, ObjectEntry, Tensor
 from ckpttool.formats.codecs import torchsave
 from ckpttool.formats.codecs.dtypes import DType
@@ -1049,7 +1050,7 @@ _MISSING = object()
 
 
 # --------------------------------------------------------------------------------------------
-# Conversion: what dcp._convert makes of the same objects, or Fallback
+# Conversion: what metadata._convert makes of the same objects, or Fallback
 
 
 def _planner_path(raw: Any, fqn: str) -> tuple[str, ...]:
@@ -1481,13 +1482,13 @@ def read(path: Path, lookup: Callable[[str, str], Any | None], *,
     where the allow-list unpickler must decide (anything not recognised with certainty).
 
     Args:
-        lookup: the allow-list (``dcp._metadata_global``): every global comes from it.
+        lookup: the allow-list (``metadata.allowed_global``): every global comes from it.
     """
     try:
         with os.fdopen(sidefiles.open_checked(path, METADATA_KIND), "rb") as f:
             size = f.seek(0, 2)
             f.seek(0)
-            with torchsave.gc_paused():
+            with gc_paused():
                 vm = _Machine(f, size, lookup)
                 md = vm.run()
                 return _convert(vm, md, metadata_file)

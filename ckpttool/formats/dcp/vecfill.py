@@ -5,15 +5,13 @@ chunk. numpy is imported by the first call, never on ``--help`` or completion pa
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ckpttool.formats.codecs.crc import crc32_rows
 
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
-
-    from ckpttool.formats.dcp.records import Template
 
 # Bytes of records compared in one numpy step: the per-thread scratch the comparison writes
 # into (records that lie back to back are read where they are), or the records gathered
@@ -24,6 +22,24 @@ _COMPARE_BYTES = 1 << 20
 # place (a 2-D view of the span); the others are gathered first.
 _MIN_RUN = 8
 _scratch = threading.local()
+
+
+class Template(Protocol):
+    """What this module reads of a record template (:class:`records.Template` has it):
+    declared here, so that the byte matrix needs nothing from the module that calls it."""
+
+    @property
+    def length(self) -> int: ...  # bytes of every record of the template
+    @property
+    def head(self) -> int: ...  # where the storage's data starts in a record
+    @property
+    def start(self) -> int | None: ...  # first element's byte in the data; None: not dense
+    @property
+    def checks(self) -> tuple[tuple[int, int, int], ...]: ...  # (offset, size, CRC field)
+    @property
+    def blank(self) -> bytes: ...  # the template's record, CRC fields zeroed
+    @property
+    def keep(self) -> bytes: ...  # 0xFF where a byte is compared, 0 where not
 
 
 def fill_template_rows(template: Template, out: npt.NDArray[np.uint8],

@@ -24,10 +24,11 @@ from typing import Any
 
 from ckpttool.core.checkpoint.discover import Checkpoint, discover
 from ckpttool.core.runtime.report import SCHEMA
-from ckpttool.core.verify import manifest as manifests
+from ckpttool.core.verify import manifest
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Problem, error
 from ckpttool.storage.outputs import AtomicOutputs
+from ckpttool.version import __version__
 
 RECEIPT_NAME = "ckpttool-receipt.json"
 RECEIPT_KIND = "ckpttool-receipt"
@@ -146,7 +147,6 @@ def make(out: Path, source: Path, files: tuple[SourceFile, ...], options: dict[s
     Raises:
         InputError: a tensor of the output does not read back whole.
     """
-    from ckpttool import __version__
     from ckpttool.core.verify import scan
 
     ckpt = discover(out, command="verify")
@@ -156,7 +156,7 @@ def make(out: Path, source: Path, files: tuple[SourceFile, ...], options: dict[s
     if errors:
         raise InputError(f"{out}: the merged output does not read back whole "
                          f"({errors[0].message}); merge it again with --overwrite")
-    tensors = manifests.document(ckpt, done.digests)["tensors"]
+    tensors = manifest.document(ckpt, done.digests)["tensors"]
     outputs = {p.name: p.stat().st_size for p in sorted(out.iterdir())
                if p.is_file() and not p.name.startswith(".") and p.name != RECEIPT_NAME}
     return Receipt(str(source), files, options, __version__, outputs, tensors)
@@ -181,7 +181,7 @@ def check(ckpt: Checkpoint, receipt: Receipt, digests: dict[str, str], unreadabl
           where: Path) -> list[Problem]:
     """``verify OUT``: the output's files and tensors against its receipt. Pure, given the
     digests of the output's tensors."""
-    problems = manifests.check(ckpt, receipt.tensors, digests, unreadable, where)
+    problems = manifest.check(ckpt, receipt.tensors, digests, unreadable, where)
     for name, size in receipt.outputs.items():
         p = ckpt.root / name if ckpt.root.is_dir() else ckpt.root.parent / name
         have = p.stat().st_size if p.is_file() else None
@@ -194,9 +194,9 @@ def check(ckpt: Checkpoint, receipt: Receipt, digests: dict[str, str], unreadabl
 
 
 def verify(ckpt: Checkpoint, receipt: Receipt, digests: dict[str, str]
-           ) -> tuple[list[Problem], manifests.ManifestUse]:
+           ) -> tuple[list[Problem], manifest.ManifestUse]:
     """verify's receipt check of an output: problems, and the report's ``manifest`` section."""
     where = ckpt.root / RECEIPT_NAME
     unreadable = {t.name for t in ckpt.tensors} - set(digests)
     return (check(ckpt, receipt, digests, unreadable, where),
-            manifests.ManifestUse(str(where), "receipt checked", len(receipt.tensors)))
+            manifest.ManifestUse(str(where), "receipt checked", len(receipt.tensors)))
