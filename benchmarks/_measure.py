@@ -450,6 +450,13 @@ def load_span(loads: Iterable[float]) -> str:
     return lo if lo == hi else f"{lo}-{hi}"
 
 
+def span(values: Iterable[float], fmt: str = ".2f") -> str:
+    """``lo-hi`` of ``values`` as ``fmt`` writes them, or one figure where they are alike."""
+    seen = sorted(values)
+    lo, hi = format(seen[0], fmt), format(seen[-1], fmt)
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
 def git_commit(root: Path = _ROOT) -> str | None:
     """The short commit of the tree measured, ``+changes`` if it differs from it."""
     try:
@@ -498,7 +505,7 @@ def record_figure(args: argparse.Namespace, claim: str, *, figure: str,
                   ratio: float | None = None, baseline: str | None = None,
                   cpu_s: float | None = None, peak_mb: float | None = None,
                   load: str = "", met: bool | None = None, note: str | None = None,
-                  new: Mapping[str, Any] | None = None) -> bool:
+                  new: Mapping[str, Any] | None = None, full_size: bool = True) -> bool:
     """Replace claim ``claim``'s current figure in the results file with this run's: figure,
     ratio and baseline, CPU seconds, peak RSS in MB, whether the target was met, and the
     command (this script's argv), date, load, machine and commit. What describes the claim
@@ -507,10 +514,15 @@ def record_figure(args: argparse.Namespace, claim: str, *, figure: str,
     it goes after the last claim of its section.
 
     Writes nothing unless the script was run with ``--record`` (benchmarks/figures.json) or
-    ``--figures PATH``: a smoke run at a small size must not replace a real figure. Returns
-    whether it wrote."""
+    ``--figures PATH``: a smoke run at a small size must not replace a real figure. A run
+    at another size than the claim's (``full_size=False``) goes only to ``--figures PATH``.
+    Returns whether it wrote."""
     path: Path | None = getattr(args, "figures", None)
     if path is None and getattr(args, "record", False):
+        if not full_size:
+            print(f"figures: {claim} not recorded (not the claim's size; --figures PATH "
+                  "takes it)")
+            return False
         path = FIGURES
     if path is None:
         print(f"figures: {claim} not recorded (pass --record to keep this run's figure)")

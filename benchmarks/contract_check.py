@@ -101,10 +101,9 @@ def main() -> int:
     imports = [r["import_s"] for r in runs]
     M.record_figure(
         args, "contract-check-mixtral" if args.moe else "contract-check-llama70b",
-        figure=f"{best:.2f} s ({min(cached):.2f}-{max(cached):.2f} s once its expectation "
-               "is cached)",
+        figure=f"{best:.2f} s ({M.span(cached, '.3f')} s once its expectation is cached)",
         met=best < 2, peak_mb=max(r["peak_rss_mb"] for r in runs), load=M.load_span(loads),
-        note=f"importing transformers costs another {min(imports):.1f}-{max(imports):.1f} s "
+        note=f"importing transformers costs another {M.span(imports, '.1f')} s "
              "at that load, once per model merge or reshard that has a config "
              "(`--weights-only` skips it)")
     return 0

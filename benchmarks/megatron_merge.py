@@ -183,23 +183,20 @@ def record(args: argparse.Namespace,
                 M.record_figure(args, claim, figure=f"{m.wall_s:.2f} s", cpu_s=m.cpu_s,
                                 baseline=f"`cp -r` {cp.wall_s:.2f} s",
                                 ratio=m.wall_s / cp.wall_s, met=m.wall_s <= 1.5 * cp.wall_s,
-                                peak_mb=(m.peak_rss_bytes or 0) / 1e6, load=M.load_span(loads))
+                                peak_mb=(m.peak_rss_bytes or 0) / 1e6, load=M.load_span(loads),
+                                full_size=args.size_gb == 1.1)
     moe = [runs["ckpttool merge"] for label, runs in best.items()
            if not label.startswith("llama") and "ckpttool merge" in runs]
     if moe:
-        def span(values: list[float], fmt: str) -> str:
-            lo, hi = format(min(values), fmt), format(max(values), fmt)
-            return lo if lo == hi else f"{lo}-{hi}"
-
         walls = [m.wall_s for m, _, _ in moe]
         cpus = [m.cpu_s or 0.0 for m, _, _ in moe]
         ratios = [m.wall_s / cp.wall_s for m, cp, _ in moe]
         M.record_figure(args, "megatron-moe",
-                        figure=f"{span(walls, '.2f')} s ({span(cpus, '.2f')} s CPU), "
-                               f"{span(ratios, '.1f')}x `cp -r`",
-                        baseline=f"`cp -r` {span([cp.wall_s for _, cp, _ in moe], '.2f')} s",
+                        figure=f"{M.span(walls)} s ({M.span(cpus)} s CPU), "
+                               f"{M.span(ratios, '.1f')}x `cp -r`",
+                        baseline=f"`cp -r` {M.span(cp.wall_s for _, cp, _ in moe)} s",
                         peak_mb=max((m.peak_rss_bytes or 0) / 1e6 for m, _, _ in moe),
-                        load=M.load_span(loads))
+                        load=M.load_span(loads), full_size=args.moe_gb == 0.4)
 
 
 def bench_case(args: argparse.Namespace, label: str, run: Path, largest: int, note: str,

@@ -241,7 +241,9 @@ def ckpttool_exe() -> str:
 
 
 def ckpttool_argv(src: Path, out: Path, dtype: str, workers: int | None) -> list[str]:
-    argv = [ckpttool_exe(), "merge", str(src), str(out), "--dtype", dtype, "-q"]
+    # The generated checkpoints have no config.json: weights only (no output contract check).
+    argv = [ckpttool_exe(), "merge", str(src), str(out), "--dtype", dtype, "-q",
+            "--weights-only"]
     if workers:  # only when asked: ckpttool's own default is the CPU count
         argv += ["--workers", str(workers)]
     return argv
@@ -253,6 +255,8 @@ def baseline_argv(tree: Path, src: Path, out: Path, dtype: str, workers: int | N
     the path, the same python and dependencies."""
     argv = ["env", f"PYTHONPATH={tree}", sys.executable, "-m", "ckpttool", "merge", str(src),
             str(out), "--dtype", dtype, "-q"]
+    if "--weights-only" in (tree / "ckpttool" / "cli" / "merge.py").read_text():
+        argv.append("--weights-only")  # revisions since the output contract check need it
     return argv + (["--workers", str(workers)] if workers else [])
 
 

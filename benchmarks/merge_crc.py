@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(out, ignore_errors=True)
             load = M.load1()
             m = M.run_measured([bench.ckpttool_exe(), "merge", str(dcp_dir), str(out),
-                                "--dtype", args.dtype, "-q", *extra], env=env)
+                                "--dtype", args.dtype, "-q", "--weights-only", *extra], env=env)
             if m.returncode:
                 sys.exit(f"{name}: exit {m.returncode}: {m.stderr}")
             runs[name].append((m, load))
@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu_ratio = (c.cpu_s or 0) / (u.cpu_s or 1)
     M.record_figure(args, "merge-crc", figure=f"{c.wall_s:.2f} s", cpu_s=c.cpu_s,
                     baseline=f"`--no-check-crc` {u.wall_s:.2f} s, {u.cpu_s or 0:.2f} s CPU",
-                    ratio=cpu_ratio, met=cpu_ratio <= 1.3,
+                    ratio=cpu_ratio, met=cpu_ratio <= 1.3, peak_mb=c.peak_rss_mb,
+                    full_size=args.size == 3.0 and args.dtype == "bf16",
                     load=M.load_span(load for v in runs.values() for _, load in v))
     return 0
 

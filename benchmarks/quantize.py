@@ -161,7 +161,8 @@ def main() -> None:
                         baseline=f"`cp -r` of the output {c.wall_s:.1f} s "
                                  f"({c.cpu_s or 0:.2f} s CPU)",
                         ratio=m.wall_s / c.wall_s, met=m.wall_s <= 1.5 * c.wall_s,
-                        peak_mb=m.peak_rss_mb, load=loads)
+                        peak_mb=m.peak_rss_mb, load=loads,
+                        full_size=args.layers == 10)
 
 
 if __name__ == "__main__":

@@ -169,6 +169,9 @@ def test_a_recorded_figure_replaces_its_claims_and_reaches_the_table(
     # without --record or --figures nothing is written
     assert not M.record_figure(parser.parse_args([]), "diff-same", figure="1 s")
     assert figures.read_text() == (ROOT / "benchmarks" / "figures.json").read_text()
+    # nor with --record by a run at another size than the claim's
+    assert not M.record_figure(parser.parse_args(["--record"]), "diff-same", figure="1 s",
+                               full_size=False)
     args = parser.parse_args(["--figures", str(figures)])
     assert M.record_figure(args, "diff-same", figure="4.56 s", ratio=1.234, cpu_s=1.0,
                            baseline="`cmp` 3.70 s", met=True, peak_mb=99.6,
