@@ -509,9 +509,9 @@ def record_figure(args: argparse.Namespace, claim: str, *, figure: str,
     """Replace claim ``claim``'s current figure in the results file with this run's: figure,
     ratio and baseline, CPU seconds, peak RSS in MB, whether the target was met, and the
     command (this script's argv), date, load, machine and commit. What describes the claim
-    (section, what is claimed, target) stays as written; ``note`` replaces the note where
-    given. A claim not in the file yet needs ``new`` (at least ``section`` and ``claim``);
-    it goes after the last claim of its section.
+    (section, what is claimed, target) stays as written; ``note`` replaces the note (a note
+    is about the run it came with: none if not given). A claim not in the file yet needs
+    ``new`` (at least ``section`` and ``claim``); it goes after the last claim of its section.
 
     Writes nothing unless the script was run with ``--record`` (benchmarks/figures.json) or
     ``--figures PATH``: a smoke run at a small size must not replace a real figure. A run
@@ -555,8 +555,7 @@ def record_figure(args: argparse.Namespace, claim: str, *, figure: str,
         "load": load or None, "machine": _machine(), "commit": git_commit()})
     if met is not None or entry.get("target") is None:
         entry["met"] = met
-    if note is not None:
-        entry["note"] = note
+    entry["note"] = note  # a note is about the run it came with
     # every entry keeps the committed file's key order, whatever was added
     order = ["id", "section", "claim", "target", "met", "figure", "cpu_s", "baseline", "ratio",
              "peak_mb", "command", "date", "load", "machine", "commit", "note"]

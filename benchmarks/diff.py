@@ -182,12 +182,15 @@ def record(args: argparse.Namespace, rows: list[dict[str, Any]], delta_bytes: in
     c, d = best("cmp A A2"), best("ckpttool diff A A2")
     ratio = d["wall_s"] / c["wall_s"]
     M.record_figure(args, "diff-same", figure=f"{d['wall_s']:.2f} s", cpu_s=cpu(d),
-                    baseline=f"`cmp` {c['wall_s']:.2f} s ({c['cpu_s'] or 0:.2f} s CPU)",
+                    baseline=f"`cmp` {c['wall_s']:.2f} s, {c['cpu_s'] or 0:.2f} s CPU",
                     ratio=ratio, met=ratio <= TARGET, peak_mb=d["rss_mb"], load=load,
                     full_size=full)
     r = best("ckpttool diff A B (1% changed)")
+    both = 2 * b_bytes / 1e9
     M.record_figure(args, "diff-changed", figure=f"{r['wall_s']:.2f} s", cpu_s=cpu(r),
-                    peak_mb=r["rss_mb"], load=load, full_size=full)
+                    peak_mb=r["rss_mb"], load=load, full_size=full,
+                    note=f"about {both / (cpu(r) or 1):.1f} GB/s per core over the "
+                         f"{both:.1f} GB" if cpu(r) else None)
     r = best("ckpttool diff A B --write-delta")
     M.record_figure(args, "diff-delta", figure=f"{r['wall_s']:.2f} s; the delta "
                     f"{delta_bytes / 1e6:.1f} MB, {delta_bytes / b_bytes:.1%} of B",
