@@ -201,10 +201,10 @@ def record(args: argparse.Namespace,
 
 def bench_case(args: argparse.Namespace, label: str, run: Path, largest: int, note: str,
                env: dict[str, str], base: tuple[str, Path] | None,
-               best: dict[str, tuple[M.Measurement, M.Measurement, float]] | None = None,
+               bests: dict[str, tuple[M.Measurement, M.Measurement, float]] | None = None,
                ) -> list[list[object]]:
     """Every command on one run, ``--repeat`` times side by side (and beside a hog); the
-    table's rows. ``best`` receives each command's best run, its `cp -r` and the load."""
+    table's rows. ``bests`` receives each command's best run, its `cp -r` and the load."""
     iteration = run / "iter_0000002"
     # Each ckpttool runs in its own tree (``python -m`` puts the working directory first on
     # the path).
@@ -249,8 +249,8 @@ def bench_case(args: argparse.Namespace, label: str, run: Path, largest: int, no
                      f"{m.cpu_s or 0:.2f}",
                      f"{rss / 1e6:.0f}", f"{rss / largest:.1f}x",
                      before.removeprefix("load ")])
-        if best is not None:
-            best[name] = (m, cp, float(before.split()[1]))
+        if bests is not None:
+            bests[name] = (m, cp, float(before.split()[1]))
         if not name.startswith("cp"):
             print(f"best {name}: {m.wall_s:.2f} s / cp {cp.wall_s:.2f} s = "
                   f"{m.wall_s / cp.wall_s:.2f}x; {_load()}")
