@@ -855,11 +855,10 @@ def record(args: argparse.Namespace, results: list[dict], glob: list[dict], info
         h = g["help"]
         M.record_figure(args, "help", figure=f"{h['wall_s']:.3f} s", cpu_s=h["cpu_s"],
                         met=h["wall_s"] < HELP_S, peak_mb=h["peak_rss_mb"], load=load)
-    res = next((r for r in results if r["size_gb"] == CLAIM_SIZE_GB), None)
-    if res is None:
-        print(f"figures: merge claims not recorded (they are of the {CLAIM_SIZE_GB:g} GB "
-              "checkpoint: --sizes 3)")
+    if not results:
         return
+    res = next((r for r in results if r["size_gb"] == CLAIM_SIZE_GB), results[-1])
+    full = res["size_gb"] == CLAIM_SIZE_GB  # another size goes only to --figures PATH
     for claim, key, cp_key, target in (("merge-keep", "ckpttool-keep", "cp", KEEP_VS_CP),
                                        ("merge-cast-bf16", "ckpttool-bf16", "cp-fp32",
                                         BF16_VS_CP)):
@@ -868,11 +867,12 @@ def record(args: argparse.Namespace, results: list[dict], glob: list[dict], info
             r = ck["wall_s"] / cp["wall_s"]
             M.record_figure(args, claim, figure=f"{ck['wall_s']:.2f} s", cpu_s=ck["cpu_s"],
                             baseline=f"`cp -r` {cp['wall_s']:.2f} s", ratio=r, met=r <= target,
-                            peak_mb=ck["peak_rss_mb"], load=load)
+                            peak_mb=ck["peak_rss_mb"], load=load, full_size=full)
     acc = _row(res, "accelerate")
     if acc:
         M.record_figure(args, "merge-accelerate", figure=f"{acc['wall_s']:.2f} s",
-                        cpu_s=acc["cpu_s"], peak_mb=acc["peak_rss_mb"], load=load)
+                        cpu_s=acc["cpu_s"], peak_mb=acc["peak_rss_mb"], load=load,
+                        full_size=full)
 
 
 def main(argv: list[str] | None = None) -> int:
