@@ -7,8 +7,11 @@ exist). Nothing here imports torch or ckpttool.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -17,6 +20,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 _CHUNK = 8 << 20
 
@@ -418,3 +422,145 @@ def load1() -> float:
         return os.getloadavg()[0]
     except OSError:
         return float("nan")
+
+
+# -- the results file: one current figure per claim (docs/benchmarks.md is generated from it)
+
+FIGURES = Path(__file__).resolve().parent / "figures.json"
+_ROOT = FIGURES.parents[1]
+
+
+def add_record_args(parser: argparse.ArgumentParser) -> None:
+    """``--record`` and ``--figures PATH``: whether and where :func:`record_figure` writes."""
+    parser.add_argument("--record", action="store_true",
+                        help="write this run's figures into benchmarks/figures.json as the "
+                             "current figure of each claim it measures (then run "
+                             "python -m ckpttool.cli.docs)")
+    parser.add_argument("--figures", type=Path, default=None, metavar="PATH",
+                        help="record into PATH instead of benchmarks/figures.json (a smoke "
+                             "run's figures must not replace real ones)")
+
+
+def load_span(loads: Iterable[float]) -> str:
+    """The 1-minute loads seen during a measurement, as the results file writes them."""
+    seen = sorted(x for x in loads if x == x)  # NaN where there is no load average
+    if not seen:
+        return ""
+    lo, hi = f"{seen[0]:.1f}", f"{seen[-1]:.1f}"
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def span(values: Iterable[float], fmt: str = ".2f") -> str:
+    """``lo-hi`` of ``values`` as ``fmt`` writes them, or one figure where they are alike."""
+    seen = sorted(values)
+    lo, hi = format(seen[0], fmt), format(seen[-1], fmt)
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def git_commit(root: Path = _ROOT) -> str | None:
+    """The short commit of the tree measured, ``+changes`` if it differs from it."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,
+                             capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "ckpttool"],
+                               cwd=root).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sha + ("+changes" if dirty else "")
+
+
+def _machine() -> str:
+    info = machine_info()
+    model = str(info.get("cpu_model", platform.machine()))
+    return f"{info['cpu_count']} cores ({model}), {info.get('mem_total_gib', '?')} GiB RAM"
+
+
+def _without_record(argv: Sequence[str]) -> list[str]:
+    """``argv`` less ``--record`` and ``--figures PATH``: the command that measures."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--figures":
+            skip = True
+        elif a != "--record" and not a.startswith("--figures="):
+            out.append(a)
+    return out
+
+
+def read_figures(path: Path = FIGURES) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def write_figures(data: Mapping[str, Any], path: Path = FIGURES) -> None:
+    """The results file, as it is committed (two-space JSON, one key a line), atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def record_figure(args: argparse.Namespace, claim: str, *, figure: str,
+                  ratio: float | None = None, baseline: str | None = None,
+                  cpu_s: float | None = None, peak_mb: float | None = None,
+                  load: str = "", met: bool | None = None, note: str | None = None,
+                  new: Mapping[str, Any] | None = None, full_size: bool = True) -> bool:
+    """Replace claim ``claim``'s current figure in the results file with this run's: figure,
+    ratio and baseline, CPU seconds, peak RSS in MB, whether the target was met, and the
+    command (this script's argv), date, load, machine and commit. What describes the claim
+    (section, what is claimed, target) stays as written; ``note`` replaces the note (a note
+    is about the run it came with: none if not given). A claim not in the file yet needs
+    ``new`` (at least ``section`` and ``claim``); it goes after the last claim of its section.
+
+    Writes nothing unless the script was run with ``--record`` (benchmarks/figures.json) or
+    ``--figures PATH``: a smoke run at a small size must not replace a real figure. A run
+    at another size than the claim's (``full_size=False``) goes only to ``--figures PATH``.
+    Returns whether it wrote."""
+    path: Path | None = getattr(args, "figures", None)
+    if path is None and getattr(args, "record", False):
+        if not full_size:
+            print(f"figures: {claim} not recorded (not the claim's size; --figures PATH "
+                  "takes it)")
+            return False
+        path = FIGURES
+    if path is None:
+        print(f"figures: {claim} not recorded (pass --record to keep this run's figure)")
+        return False
+    if not path.exists():
+        write_figures({"claims": []}, path)
+    data = read_figures(path)
+    claims: list[dict[str, Any]] = data["claims"]
+    entry = next((c for c in claims if c["id"] == claim), None)
+    if entry is None:
+        if not new or "section" not in new or "claim" not in new:
+            raise KeyError(f"{path}: no claim '{claim}'; pass new={{'section': ..., "
+                           f"'claim': ...}} to add it")
+        entry = {"id": claim, "section": new["section"], "claim": new["claim"],
+                 "target": new.get("target"), "met": None, "note": None}
+        at = max((i + 1 for i, c in enumerate(claims) if c["section"] == new["section"]),
+                 default=len(claims))
+        claims.insert(at, entry)
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script_name = str(script.relative_to(_ROOT))
+    except ValueError:
+        script_name = script.name
+    entry.update({
+        "figure": figure, "cpu_s": None if cpu_s is None else round(cpu_s, 2),
+        "baseline": baseline, "ratio": None if ratio is None else round(ratio, 2),
+        "peak_mb": None if peak_mb is None else round(peak_mb),
+        "command": shlex.join([script_name, *_without_record(sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load": load or None, "machine": _machine(), "commit": git_commit()})
+    if met is not None or entry.get("target") is None:
+        entry["met"] = met
+    entry["note"] = note  # a note is about the run it came with
+    # every entry keeps the committed file's key order, whatever was added
+    order = ["id", "section", "claim", "target", "met", "figure", "cpu_s", "baseline", "ratio",
+             "peak_mb", "command", "date", "load", "machine", "commit", "note"]
+    claims[claims.index(entry)] = {k: entry[k] for k in sorted(
+        entry, key=lambda k: order.index(k) if k in order else len(order))}
+    write_figures(data, path)
+    print(f"figures: recorded {claim} in {path} (now run python -m ckpttool.cli.docs)")
+    return True

@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -123,6 +124,7 @@ def main() -> None:
     p.add_argument("--fraction", type=float, default=0.01)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--workdir", type=Path, default=Path("/tmp/ckpttool-bench-diff"))
+    M.add_record_args(p)
     args = p.parse_args()
     a, a2, b = write_pair(args.workdir, args.size_gb, args.fraction)
     env = M.bytecode_env(args.workdir / "pycache")
@@ -163,6 +165,42 @@ def main() -> None:
           f"{delta_bytes / b_bytes:.1%} of B ({b_bytes / 1e9:.2f} GB); apply rebuilt B "
           f"{'bit for bit' if same.returncode == 0 else 'WRONG'}")
     print(f"machine: {json.dumps(M.machine_info())}; pid {os.getpid()}")
+    record(args, rows, delta_bytes, b_bytes, same.returncode == 0)
+
+
+def record(args: argparse.Namespace, rows: list[dict[str, Any]], delta_bytes: int,
+           b_bytes: int, rebuilt: bool) -> None:
+    """This run's figures into the results file (with ``--record``)."""
+    def best(label: str) -> dict[str, Any]:
+        return min((r for r in rows if r["label"] == label), key=lambda r: r["wall_s"])
+
+    def cpu(r: dict[str, Any]) -> float | None:
+        return None if r["cpu_s"] is None else float(r["cpu_s"])
+
+    load = M.load_span(float(r["load"]) for r in rows)
+    full = args.size_gb == 3.2 and args.fraction == 0.01  # the claims' checkpoint and change
+    c, d = best("cmp A A2"), best("ckpttool diff A A2")
+    ratio = d["wall_s"] / c["wall_s"]
+    M.record_figure(args, "diff-same", figure=f"{d['wall_s']:.2f} s", cpu_s=cpu(d),
+                    baseline=f"`cmp` {c['wall_s']:.2f} s, {c['cpu_s'] or 0:.2f} s CPU",
+                    ratio=ratio, met=ratio <= TARGET, peak_mb=d["rss_mb"], load=load,
+                    full_size=full)
+    r = best("ckpttool diff A B (1% changed)")
+    both = 2 * b_bytes / 1e9
+    M.record_figure(args, "diff-changed", figure=f"{r['wall_s']:.2f} s", cpu_s=cpu(r),
+                    peak_mb=r["rss_mb"], load=load, full_size=full,
+                    note=f"about {both / (cpu(r) or 1):.1f} GB/s per core over the "
+                         f"{both:.1f} GB" if cpu(r) else None)
+    r = best("ckpttool diff A B --write-delta")
+    M.record_figure(args, "diff-delta", figure=f"{r['wall_s']:.2f} s; the delta "
+                    f"{delta_bytes / 1e6:.1f} MB, {delta_bytes / b_bytes:.1%} of B",
+                    cpu_s=cpu(r), peak_mb=r["rss_mb"], load=f"{r['load']:.1f}",
+                    full_size=full)
+    r = best("ckpttool apply A delta out")
+    M.record_figure(args, "diff-apply", figure=f"{r['wall_s']:.2f} s"
+                    + ("" if rebuilt else " (B NOT rebuilt bit for bit)"),
+                    cpu_s=cpu(r), peak_mb=r["rss_mb"], load=f"{r['load']:.1f}",
+                    full_size=full)
 
 
 if __name__ == "__main__":

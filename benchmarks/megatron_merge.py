@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--moe-gb", type=float, default=0.4,
                     help="expert bytes of each MoE run, whatever its count (GB)")
     ap.add_argument("--no-dense", action="store_true", help="only the MoE runs")
+    M.add_record_args(ap)
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     cases: list[tuple[str, Path, int, str]] = []  # label, run, largest output tensor, note
@@ -157,18 +158,53 @@ def main() -> None:
            "PYTHONPATH": str(ROOT)}
     base = baseline_tree(args.work, args.baseline) if args.baseline else None
     table: list[list[object]] = []
+    best: dict[str, dict[str, tuple[M.Measurement, M.Measurement, float]]] = {}
     for label, run, largest, note in cases:
-        table += bench_case(args, label, run, largest, note, env, base)
+        best[label] = {}
+        table += bench_case(args, label, run, largest, note, env, base, best[label])
+    record(args, best)
     print()
     print(M.markdown_table(["run", "command", "best wall s", "/ cp -r", "its CPU s",
                             "peak RSS MB", "/ largest output tensor",
                             "load (1, 5, 15 min) before"], table))
 
 
+def record(args: argparse.Namespace,
+           best: dict[str, dict[str, tuple[M.Measurement, M.Measurement, float]]]) -> None:
+    """The claims this benchmark measures, into the results file (with ``--record``)."""
+    loads = [load for runs in best.values() for _, _, load in runs.values()]
+    for label, runs in best.items():
+        if not label.startswith("llama"):
+            continue
+        for name, claim in (("ckpttool merge", "megatron-merge"),
+                            ("ckpttool merge+hog", "megatron-merge-hog")):
+            if name in runs:
+                m, cp, _ = runs[name]
+                M.record_figure(args, claim, figure=f"{m.wall_s:.2f} s", cpu_s=m.cpu_s,
+                                baseline=f"`cp -r` {cp.wall_s:.2f} s",
+                                ratio=m.wall_s / cp.wall_s, met=m.wall_s <= 1.5 * cp.wall_s,
+                                peak_mb=(m.peak_rss_bytes or 0) / 1e6, load=M.load_span(loads),
+                                full_size=args.size_gb == 1.1)
+    moe = [runs["ckpttool merge"] for label, runs in best.items()
+           if not label.startswith("llama") and "ckpttool merge" in runs]
+    if moe:
+        walls = [m.wall_s for m, _, _ in moe]
+        cpus = [m.cpu_s or 0.0 for m, _, _ in moe]
+        ratios = [m.wall_s / cp.wall_s for m, cp, _ in moe]
+        M.record_figure(args, "megatron-moe",
+                        figure=f"{M.span(walls)} s ({M.span(cpus)} s CPU), "
+                               f"{M.span(ratios, '.1f')}x `cp -r`",
+                        baseline=f"`cp -r` {M.span(cp.wall_s for _, cp, _ in moe)} s",
+                        peak_mb=max((m.peak_rss_bytes or 0) / 1e6 for m, _, _ in moe),
+                        load=M.load_span(loads), full_size=args.moe_gb == 0.4)
+
+
 def bench_case(args: argparse.Namespace, label: str, run: Path, largest: int, note: str,
-               env: dict[str, str], base: tuple[str, Path] | None) -> list[list[object]]:
+               env: dict[str, str], base: tuple[str, Path] | None,
+               bests: dict[str, tuple[M.Measurement, M.Measurement, float]] | None = None,
+               ) -> list[list[object]]:
     """Every command on one run, ``--repeat`` times side by side (and beside a hog); the
-    table's rows."""
+    table's rows. ``bests`` receives each command's best run, its `cp -r` and the load."""
     iteration = run / "iter_0000002"
     # Each ckpttool runs in its own tree (``python -m`` puts the working directory first on
     # the path).
@@ -213,6 +249,8 @@ def bench_case(args: argparse.Namespace, label: str, run: Path, largest: int, no
                      f"{m.cpu_s or 0:.2f}",
                      f"{rss / 1e6:.0f}", f"{rss / largest:.1f}x",
                      before.removeprefix("load ")])
+        if bests is not None:
+            bests[name] = (m, cp, float(before.split()[1]))
         if not name.startswith("cp"):
             print(f"best {name}: {m.wall_s:.2f} s / cp {cp.wall_s:.2f} s = "
                   f"{m.wall_s / cp.wall_s:.2f}x; {_load()}")

@@ -106,6 +106,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--work", type=Path, default=Path("/tmp/ckpttool-quant-bench"))
+    M.add_record_args(ap)
     args = ap.parse_args()
     work: Path = args.work
     src = work / "src"
@@ -115,6 +116,7 @@ def main() -> None:
     env = {**os.environ, "CKPTTOOL_FSYNC": "0"}
     q, d = work / "q", work / "d"
     rows: list[list[object]] = []
+    figures: list[tuple[str, M.Measurement, M.Measurement, int]] = []
     for label, cmd_in, out, extra in (
             ("quantize fp8-block", src, q, ["--quantize", "fp8-block"]),
             ("dequantize", q, d, ["--dequantize"])):
@@ -141,6 +143,7 @@ def main() -> None:
                 best["cp"].stdout = f"{load:.1f}"
         size = M.dir_bytes(out)
         m, c = best[label], best["cp"]
+        figures.append((label, m, c, size))
         rows.append([f"ckpttool merge {' '.join(extra)}", f"{size / 1e9:.2f}", f"{m.wall_s:.2f}",
                      f"{m.cpu_s or 0:.2f}", f"{m.peak_rss_mb or 0:.0f}", m.stdout,
                      f"{m.wall_s / c.wall_s:.2f}x"])
@@ -151,6 +154,15 @@ def main() -> None:
           f"{os.cpu_count()} CPUs")
     print(M.markdown_table(["command", "output GB", "wall s", "CPU s", "peak RSS MB",
                             "load (1 min)", "vs cp -r"], rows))
+    loads = M.load_span(float(x.stdout) for _, m, c, _ in figures for x in (m, c))
+    for label, m, c, _size in figures:
+        M.record_figure(args, "quantize" if label.startswith("quantize") else "dequantize",
+                        figure=f"{m.wall_s:.1f} s", cpu_s=m.cpu_s,
+                        baseline=f"`cp -r` of the output {c.wall_s:.1f} s, "
+                                 f"{c.cpu_s or 0:.2f} s CPU",
+                        ratio=m.wall_s / c.wall_s, met=m.wall_s <= 1.5 * c.wall_s,
+                        peak_mb=m.peak_rss_mb, load=loads,
+                        full_size=args.layers == 10)
 
 
 if __name__ == "__main__":

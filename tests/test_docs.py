@@ -108,3 +108,88 @@ def test_every_environment_variable_read_is_documented() -> None:
 
     used -= set(THEN_VARIABLES.values())
     assert used - {k.name for k in settings.KNOBS} == set()
+
+
+# -- the benchmark figures: one results file, one current figure per claim
+
+# A measured ratio as the pages write it ("2.43x"); a target ("<= 1.5x", "the 1.5x target") and
+# the end of a range ("2.2-2.5x") are not figures.
+_RATIO = re.compile(r"(?<![\d.\-])(?<![<>]= )(?<!< )(\d+\.\d+)x\b(?! target)")
+_CLAIM_KEYS = {"id", "section", "claim", "target", "met", "figure", "cpu_s", "baseline", "ratio",
+               "peak_mb", "command", "date", "load", "commit", "note"}
+
+
+def test_every_claim_is_complete_and_measured_by_a_script_here() -> None:
+    claims = docs.load_figures()
+    assert claims and len({c["id"] for c in claims}) == len(claims)
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    for c in claims:
+        assert set(c) >= _CLAIM_KEYS, (c["id"], _CLAIM_KEYS - set(c))
+        script = c["command"].split()[0]
+        assert (ROOT / script).is_file(), (c["id"], script)
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d( \d\d:\d\d UTC)?", c["date"]), c["id"]
+        # every section's table is on the page, under its own heading
+        assert f"## {c['section']}\n\n<!-- BEGIN generated:{docs.section_slug(c['section'])}" \
+            in page, c["section"]
+
+
+def test_no_page_quotes_a_ratio_the_results_file_does_not_have() -> None:
+    """docs/benchmarks.md is generated from benchmarks/figures.json; any other page that
+    quotes a measured ratio must quote the current one (or link to the claim)."""
+    ratios = {format(c["ratio"], ".2f") for c in docs.load_figures() if c["ratio"] is not None}
+    found = []
+    for page in docs.pages(ROOT):
+        text = docs._CODE.sub("", page.read_text())
+        found += [f"{page.name}: {m.group(0)}" for m in _RATIO.finditer(text)
+                  if format(float(m.group(1)), ".2f") not in ratios]
+    assert found == [], "quote the figure from benchmarks/figures.json, or link to it"
+
+
+def test_the_ratio_check_reads_figures_not_targets() -> None:
+    text = "2.43x, <= 1.5x, the 1.5x target, 2.2-2.5x, 0.91x at load 9, 4x"
+    assert [m.group(1) for m in _RATIO.finditer(text)] == ["2.43", "0.91"]
+
+
+def test_a_recorded_figure_replaces_its_claims_and_reaches_the_table(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    import argparse
+    import json
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import _measure as M
+
+    figures = tmp_path / "figures.json"
+    figures.write_text((ROOT / "benchmarks" / "figures.json").read_text())
+    parser = argparse.ArgumentParser()
+    M.add_record_args(parser)
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "diff.py"), "--size-gb", "0.1",
+                                      "--figures", str(figures)])
+    # without --record or --figures nothing is written
+    assert not M.record_figure(parser.parse_args([]), "diff-same", figure="1 s")
+    assert figures.read_text() == (ROOT / "benchmarks" / "figures.json").read_text()
+    # nor with --record by a run at another size than the claim's
+    assert not M.record_figure(parser.parse_args(["--record"]), "diff-same", figure="1 s",
+                               full_size=False)
+    args = parser.parse_args(["--figures", str(figures)])
+    assert M.record_figure(args, "diff-same", figure="4.56 s", ratio=1.234, cpu_s=1.0,
+                           baseline="`cmp` 3.70 s", met=True, peak_mb=99.6,
+                           load=M.load_span([2.04, 1.96, float("nan")]))
+    with pytest.raises(KeyError, match="no claim 'nope'"):
+        M.record_figure(args, "nope", figure="1 s")
+    M.record_figure(args, "diff-new", figure="2 s",
+                    new={"section": "diff", "claim": "a claim added by a script"})
+    data = json.loads(figures.read_text())
+    claims = {c["id"]: c for c in data["claims"]}
+    same = claims["diff-same"]
+    assert same["figure"] == "4.56 s" and same["ratio"] == 1.23 and same["peak_mb"] == 100
+    assert same["command"] == "benchmarks/diff.py --size-gb 0.1" and same["load"] == "2.0"
+    assert same["claim"].startswith("`diff A A2`")  # what is claimed stays as written
+    order = [c["id"] for c in data["claims"]]
+    assert order.index("diff-new") == order.index("diff-apply") + 1  # after its section
+    table = docs.figures_table("diff", figures)
+    assert "| 4.56 s | 1 s | **1.23x** (`cmp` 3.70 s) | 100 MB |" in table
+    assert "a claim added by a script" in table
+    assert "benchmarks/diff.py --size-gb 0.1" in table
+    assert "recorded diff-same" in capsys.readouterr().out

@@ -11,7 +11,9 @@ A generated table sits between two markers in a page::
 
 and is rewritten from its source: the option lists from the Typer app itself, the formats from
 ``formats/registry.py``, the verify codes from ``core/verify/codes.py``, the exit codes from
-``cli/common.py``, the environment variables from ``settings.py``. tests/test_docs.py
+``cli/common.py``, the environment variables from ``settings.py``, the benchmark figures
+(``figures-SECTION``, one block per section of docs/benchmarks.md) from
+``benchmarks/figures.json``. tests/test_docs.py
 fails when a committed page differs from what this writes,
 so the documentation cannot drift from the code. ``make docs`` runs both.
 
@@ -23,6 +25,7 @@ against the files here as well.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Callable
@@ -38,6 +41,8 @@ BLOB_URL = f"{PROJECT_URL}/blob/main/"
 TREE_URL = f"{PROJECT_URL}/tree/main/"
 
 ROOT = Path(__file__).resolve().parents[2]
+# The one results file of the benchmarks: a claim per entry, its current figure.
+FIGURES = ROOT / "benchmarks" / "figures.json"
 COMMANDS = ("merge", "inspect", "verify", "reshard", "diff", "apply")
 
 _BLOCK = re.compile(r"(<!-- BEGIN generated:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)"
@@ -112,6 +117,60 @@ def exit_codes_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def load_figures(path: Path = FIGURES) -> list[dict[str, Any]]:
+    """The claims in ``benchmarks/figures.json`` (none where the file is absent: an installed
+    package has no benchmarks)."""
+    if not path.exists():
+        return []
+    claims: list[dict[str, Any]] = json.loads(path.read_text())["claims"]
+    return claims
+
+
+def section_slug(section: str) -> str:
+    """A section's block name: ``figures-`` and its heading's first words, lower case."""
+    return "figures-" + "-".join(re.findall(r"[a-z0-9]+", section.lower())[:3])
+
+
+def format_ratio(ratio: float) -> str:
+    """A ratio as the page writes it (``2.43x``); the docs check reads it back this way."""
+    return f"{ratio:.1f}x" if ratio >= 10 else f"{ratio:.2f}x"
+
+
+def _number(value: float | None, unit: str) -> str:
+    if value is None:
+        return ""
+    return f"{value:,.0f} {unit}" if value >= 100 else f"{value:g} {unit}"
+
+
+def figures_table(section: str, path: Path = FIGURES) -> str:
+    """One section's claims from ``benchmarks/figures.json``: figure, CPU, baseline and ratio,
+    peak memory, target, when and at what load, and the command that measures each."""
+    rows = ["| claim | figure | CPU | against | peak RSS | target | measured |",
+            "|---|---|---|---|---|---|---|"]
+    commands: list[str] = []
+    for c in load_figures(path):
+        if c["section"] != section:
+            continue
+        cmd = c["command"] + (f"` (at {c['commit']})" if c.get("commit") else "`")
+        if cmd not in commands:
+            commands.append(cmd)
+        claim = c["claim"] + (f"; {c['note']}" if c.get("note") else "")
+        against = c.get("baseline") or ""
+        if c.get("ratio") is not None:
+            against = f"**{format_ratio(c['ratio'])}**" + (f" ({against})" if against else "")
+        target = c.get("target") or ""
+        if target and c.get("met") is not None:
+            target += ": met" if c["met"] else ": **missed**"
+        when = c["date"] + (f", load {c['load']}" if c.get("load") else "")
+        when += f" [{commands.index(cmd) + 1}]"
+        rows.append("| " + " | ".join(_cell(x) for x in (
+            claim, c["figure"], _number(c.get("cpu_s"), "s"), against,
+            _number(c.get("peak_mb"), "MB"), target, when)) + " |")
+    rows.append("")
+    rows += [f"{i}. `{cmd}" for i, cmd in enumerate(commands, 1)]
+    return "\n".join(rows) + "\n"
+
+
 def generators() -> dict[str, Callable[[], str]]:
     """Each generated block's name -> the function that writes its body."""
     found: dict[str, Callable[[], str]] = {
@@ -119,6 +178,8 @@ def generators() -> dict[str, Callable[[], str]]:
         "environment": settings.table}
     for command in COMMANDS:
         found[f"options-{command}"] = lambda c=command: options_table(c)  # type: ignore[misc]
+    for section in dict.fromkeys(c["section"] for c in load_figures()):
+        found[section_slug(section)] = lambda s=section: figures_table(s)  # type: ignore[misc]
     return found
 
 
