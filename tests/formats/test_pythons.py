@@ -1,13 +1,18 @@
-"""Checkpoints written under every Python the package declares (3.10, 3.12 and 3.13 here;
-3.11.2 in ``tests/data/py311``), read under the Python running the tests: merged bit for
-bit, verified clean, inspected. 3.13 pickles every path as ``pathlib._local.PosixPath``
-(DCP's ``StorageMeta.checkpoint_id``), which older ckpttool refused as "may be malicious".
+"""Checkpoints written under every Python the package declares (3.10 to 3.13) and by torch
+releases from the floor ``pyproject.toml`` declares (2.6) to the newest (2.15), read under
+the Python and torch running the tests: merged bit for bit, verified clean, inspected, never
+called "may be malicious". 3.13 pickles every path as ``pathlib._local.PosixPath`` (DCP's
+``StorageMeta.checkpoint_id``), which older ckpttool refused as "may be malicious".
 
-Written once by ``tests/data/pythons/generate.py`` (torch 2.13.0, 2 gloo ranks)."""
+Every directory of ``tests/data/pythons/`` holding a ``versions.json`` is found and replayed
+(and ``tests/data/py311``'s DCP, written by Debian 12's Python 3.11.2). All were written once
+by ``tests/data/pythons/generate.py`` (2 gloo ranks) into ``pyXY-torchA.B/``; those of torch
+2.13.0 (``py310``, ``py312``, ``py313``) predate the torch in the name."""
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -22,51 +27,105 @@ from ckpttool.formats.dcp.metadata import read_metadata_object
 from tests.formats.test_dcp_metadata import _same
 from tests.helpers import assert_bit_exact, load_out
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "pythons"
-PYTHONS = ["py310", "py312", "py313"]
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "tests" / "data" / "pythons"
+# Every fixture directory, found: pyXY (torch 2.13.0) or pyXY-torchA.B.
+FIXTURES = sorted(p.name for p in DATA.iterdir() if (p / "versions.json").is_file())
+# ... and Debian 12's Python 3.11.2 (tests/data/py311: a DCP, no plain.pt).
+DCPS = {name: DATA / name for name in FIXTURES} | {"py311": DATA.parent / "py311"}
+NAME = re.compile(r"py3(\d+)(?:-torch(\d+\.\d+))?")
 
 
-def test_every_declared_python_has_its_fixture() -> None:
-    for name in PYTHONS:
-        versions = json.loads((DATA / name / "versions.json").read_text())
-        assert versions["python"].startswith(f"3.{name[3:]}."), versions
-        assert versions["torch"].startswith("2.13.0"), versions
+def _versions(path: Path) -> dict[str, str]:
+    versions: dict[str, str] = json.loads((path / "versions.json").read_text())
+    return versions
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(2, 14) of "2.14.1+cu130"."""
+    return tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+
+
+def _clean(*args: str) -> None:
+    """The CLI exits 0, without a word of malice (a genuine checkpoint is never called
+    malicious)."""
+    result = CliRunner().invoke(app, list(args))
+    said = result.stdout + result.stderr
+    assert result.exit_code == 0, (args, said)
+    assert "malicious" not in said, (args, said)
+
+
+def test_fixtures_are_found() -> None:
+    """Discovery found them all (else the tests below would pass on fewer)."""
+    assert {"py310", "py312", "py313", "py310-torch2.6", "py311-torch2.14",
+            "py313-torch2.15"} <= set(FIXTURES)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_name_says_the_python_and_torch_that_wrote_it(name: str) -> None:
+    versions = _versions(DATA / name)
+    match = NAME.fullmatch(name)
+    assert match is not None, name
+    assert versions["python"].startswith(f"3.{match[1]}."), versions
+    torch_release = match[2] or "2.13"  # the first ones predate the torch in the name
+    assert _release(versions["torch"]) == _release(torch_release), versions
+
+
+def test_every_declared_python_and_the_torch_range_have_fixtures() -> None:
+    """Each Python from ``requires-python``'s floor to 3.13, and the torch floor
+    ``pyproject.toml`` declares, wrote one; so did a torch newer than the pinned one."""
+    project = (ROOT / "pyproject.toml").read_text()  # tomllib is 3.11+: read the two lines
+    floor = re.search(r'^requires-python = ">=3\.(\d+)"$', project, re.M)
+    torch_floor = re.search(r'^    "torch>=([\d.]+)",$', project, re.M)
+    assert floor is not None and torch_floor is not None
+    written = [_versions(path) for path in DCPS.values()]
+    pythons = {int(v["python"].split(".")[1]) for v in written}
+    assert set(range(int(floor[1]), 14)) <= pythons, pythons
+    torches = {_release(v["torch"]) for v in written}
+    assert _release(torch_floor[1]) in torches, torches
+    pinned = next(line.split("==")[1] for line in (ROOT / "constraints.txt").read_text()
+                  .splitlines() if line.startswith("torch=="))
+    assert max(torches) > _release(pinned), torches
 
 
 def test_python_313_pickles_paths_as_pathlib_local() -> None:
     """Else the tests below would pass vacuously for the finding they are for."""
-    assert b"pathlib._local" in (DATA / "py313" / "dcp" / ".metadata").read_bytes()
-    assert b"pathlib._local" in (DATA / "py313" / "plain.pt").read_bytes()
+    for name in FIXTURES:
+        if not name.startswith("py313"):
+            continue
+        assert b"pathlib._local" in (DATA / name / "dcp" / ".metadata").read_bytes(), name
+        assert b"pathlib._local" in (DATA / name / "plain.pt").read_bytes(), name
 
 
-@pytest.mark.parametrize("python", PYTHONS)
-def test_dcp_merge_is_exact_and_verify_clean(python: str, tmp_path: Path) -> None:
-    src = DATA / python / "dcp"
+@pytest.mark.parametrize("name", sorted(DCPS))
+def test_dcp_merge_is_exact_verify_and_inspect_clean(name: str, tmp_path: Path) -> None:
+    src = DCPS[name] / "dcp"
     ckpttool.merge(src, tmp_path / "out", dtype="keep", weights_only=True)
-    want = torch.load(DATA / python / "reference.pt", weights_only=True)
+    want = torch.load(DCPS[name] / "reference.pt", weights_only=True)
     assert_bit_exact(load_out(tmp_path / "out"), want)
-    for command in ("verify", "inspect"):
-        result = CliRunner().invoke(app, [command, str(src)])
-        assert result.exit_code == 0, result.stderr
+    _clean("verify", str(src))
+    _clean("inspect", str(src))
+    _clean("merge", "--weights-only", "--dtype", "keep", str(src), str(tmp_path / "cli"))
+    assert_bit_exact(load_out(tmp_path / "cli"), want)
 
 
-@pytest.mark.parametrize("python", PYTHONS)
-def test_both_metadata_readers_agree(python: str) -> None:
-    md = DATA / python / "dcp" / ".metadata"
+@pytest.mark.parametrize("name", sorted(DCPS))
+def test_both_metadata_readers_agree(name: str) -> None:
+    md = DCPS[name] / "dcp" / ".metadata"
     assert _same(md)  # the columns answered, the same as the allow-list
     storage_meta = read_metadata_object(md).storage_meta
-    assert storage_meta.field("checkpoint_id").endswith(f"/{python}/dcp")
+    assert storage_meta.field("checkpoint_id").endswith(f"/{DCPS[name].name}/dcp")
 
 
-@pytest.mark.parametrize("python", PYTHONS)
-def test_plain_torch_save_with_inert_values(python: str, tmp_path: Path) -> None:
-    path = DATA / python / "plain.pt"
+@pytest.mark.parametrize("name", FIXTURES)
+def test_plain_torch_save_with_inert_values(name: str, tmp_path: Path) -> None:
+    path = DATA / name / "plain.pt"
     info = torchfile.read_info(path)
     assert info.values["run_dir"] == "runs/small"
     assert info.values["exit_signal"] == int(signal.SIGTERM)
     assert info.values["args"] == {"lr": 0.5, "exit_signal": int(signal.SIGTERM)}
     ckpttool.merge(path, tmp_path / "out", dtype="keep", weights_only=True)
-    want = torch.load(DATA / python / "reference.pt", weights_only=True)
+    want = torch.load(DATA / name / "reference.pt", weights_only=True)
     assert_bit_exact(load_out(tmp_path / "out"), want)
-    result = CliRunner().invoke(app, ["verify", str(path)])
-    assert result.exit_code == 0, result.stderr
+    _clean("verify", str(path))
+    _clean("inspect", str(path))

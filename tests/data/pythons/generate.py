@@ -1,14 +1,20 @@
-"""Writes the checkpoints of ``tests/data/pythons/pyXY/`` with the Python that runs it: what
-each Python the package declares (3.10 to 3.13) pickles differently (3.13: every path as
-``pathlib._local.PosixPath``, DCP's ``StorageMeta.checkpoint_id`` among them). Run once per
-Python, from the repository root, in a venv with the pinned torch::
+"""Writes the checkpoints of ``tests/data/pythons/pyXY-torchA.B/`` with the Python and the
+torch that run it: what each Python the package declares (3.10 to 3.13) and each torch
+release (2.6, the floor ``pyproject.toml`` declares, to the newest) pickles differently
+(3.13: every path as ``pathlib._local.PosixPath``, DCP's ``StorageMeta.checkpoint_id``
+among them). Run once per Python and torch, from the repository root, in a venv with that
+torch::
 
-    /root/.pyenv/versions/3.13.0/bin/python -m venv /work/venvs/py313
-    /work/venvs/py313/bin/pip install torch==2.13.0 numpy
-    /work/venvs/py313/bin/python tests/data/pythons/generate.py
+    /root/.pyenv/versions/3.11.7/bin/python -m venv /work/venvs/torches-214
+    /work/venvs/torches-214/bin/pip install torch==2.14.1 numpy
+    /work/venvs/torches-214/bin/python tests/data/pythons/generate.py
+
+(a CUDA build of torch is fine: everything runs on the CPU, with gloo). The directories
+written by torch 2.13.0 (``py310``, ``py312``, ``py313``) predate the torch in the name;
+they are kept as they were written, not regenerated.
 
 It writes, on 2 gloo ranks, a ``fully_shard``-ed model of two ``Linear`` layers, into
-``pyXY/`` (XY: this Python's version):
+``pyXY-torchA.B/`` (XY: this Python's version; A.B: this torch's):
 
 * ``dcp/``: ``torch.distributed.checkpoint.save`` of its state dict (FSDP2 DTensors);
 * ``plain.pt``: ``torch.save`` of the full state dict beside inert non-tensor values a
@@ -35,7 +41,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-OUT = Path(__file__).resolve().parent / f"py{sys.version_info[0]}{sys.version_info[1]}"
+TORCH = ".".join(torch.__version__.split("+")[0].split(".")[:2])  # "2.14" of "2.14.1+cu130"
+OUT = Path(__file__).resolve().parent / f"py{sys.version_info[0]}{sys.version_info[1]}-torch{TORCH}"
 
 
 class Small(nn.Module):
@@ -52,7 +59,10 @@ def _main(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6 kept FSDP2 private
+        from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
 
     torch.manual_seed(1234)
     model = Small()
