@@ -171,7 +171,7 @@ def shared_into(shared: Any, value: str) -> Any:
 
     remote = stores_remote.backend(value)
     url = remote.parse(value)
-    target = multihost_objects.Target(url=url, parts=remote.Parts(), lock=remote.Lock,
+    target = multihost_objects.Target(url=url, parts=stores_remote.parts(value), lock=remote.Lock,
                                       upload=remote.Upload, names=output_names())
     return multihost_objects.into_store(shared, target)
 
