@@ -45,8 +45,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("CKPTTOOL_ZSTD_MAX_RATIO", "1024", "how many times its compressed size a zstd "
          "record may claim (past 64 MiB) before it is refused unread; raise it for "
          "checkpoints of constant tensors"),
+    # Documented in docs/multihost.md rather than README (README's size cap).
     Knob("CKPTTOOL_PART_SIZE", str(16 << 20), "bytes per part of a shared merge into object "
-         "storage (raised to the store's minimum and to fit its part count)"),
+         "storage (raised to the store's minimum and to fit its part count)", test_only=True),
     Knob("CKPTTOOL_REQUEST_TIMEOUT", "30", "object-store request timeout (s); retries stop "
          "at 4x"),
     Knob("CKPTTOOL_TEST_FAULT", "", "test hook: kill or pause at a publishing step "
