@@ -45,6 +45,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("CKPTTOOL_ZSTD_MAX_RATIO", "1024", "how many times its compressed size a zstd "
          "record may claim (past 64 MiB) before it is refused unread; raise it for "
          "checkpoints of constant tensors"),
+    # Documented in docs/multihost.md rather than README (README's size cap).
+    Knob("CKPTTOOL_PART_SIZE", str(16 << 20), "bytes per part of a shared merge into object "
+         "storage (raised to the store's minimum and to fit its part count)", test_only=True),
     Knob("CKPTTOOL_REQUEST_TIMEOUT", "30", "object-store request timeout (s); retries stop "
          "at 4x"),
     Knob("CKPTTOOL_TEST_FAULT", "", "test hook: kill or pause at a publishing step "
@@ -171,6 +174,24 @@ def resume_piece() -> int:
 REQUEST_TIMEOUT_DEFAULT = 30.0
 # A request and its retries give up once this many request timeouts have passed.
 REQUEST_DEADLINE_TIMES = 4
+
+
+def part_size() -> int:
+    """Bytes per part of a shared merge into object storage (``CKPTTOOL_PART_SIZE``).
+
+    Raises:
+        OutputError: not a positive whole number.
+    """
+    raw = os.environ.get("CKPTTOOL_PART_SIZE")
+    if raw is None or not raw.strip():
+        return 16 << 20
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise OutputError(f"CKPTTOOL_PART_SIZE={raw!r}: expected a positive number of bytes")
+    return value
 
 
 def request_timeout() -> float:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 from ckpttool.storage import places
 
@@ -36,3 +37,16 @@ def backend(value: object) -> ModuleType:
 
         return objstore
     raise ValueError(f"{value}: not an object-storage URL")
+
+
+def parts(value: object) -> Any:
+    """The shared-upload primitives (:class:`ckpttool.storage.objects.Parts`) of the store
+    that serves the URL ``value``."""
+    which = scheme(value)
+    if which == "s3":
+        from ckpttool.storage import s3
+
+        return s3.Parts()
+    from ckpttool.storage import objparts
+
+    return objparts.parts(backend(value).parse(str(value)))

@@ -28,7 +28,6 @@ Nothing here prints or stores credentials; they never appear on the command line
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import json
 import os
@@ -37,12 +36,10 @@ import socket
 import threading
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from ckpttool import settings
 from ckpttool.errors import (
@@ -53,18 +50,12 @@ from ckpttool.errors import (
     TransportError,
     UnsupportedError,
 )
-from ckpttool.storage import outputs, places
-from ckpttool.storage import store as stores
+from ckpttool.storage import objects, outputs, places, ranged
 
 EXTRA = "pip install 'ckpttool[s3]'"
 
-# Ranged GETs: ranges closer than GAP are read in one request (a few wasted bytes cost less
-# than a round trip), up to GET bytes per request; at most CONCURRENCY requests in flight,
-# and at most CACHE bytes of fetched ranges held (the memory bound of a remote read).
-GET = 16 << 20
-GAP = 1 << 20
-CONCURRENCY = 16
-CACHE = 2 * CONCURRENCY * GET
+# Requests in flight (ranged GETs: storage/ranged.py; parts of an upload).
+CONCURRENCY = ranged.CONCURRENCY
 # Multipart uploads: parts of at least PART bytes (S3 allows 10,000 parts per object).
 PART = 16 << 20
 MAX_PARTS = 10_000
@@ -341,275 +332,23 @@ def head(url: Url) -> tuple[int, str] | None:
 
 
 # --------------------------------------------------------------------------------------------
-# Reading: the mirror and the store
+# Reading: the store (ranged.RemoteStore plans, coalesces and fetches ahead)
 
 
-@dataclass
-class _Group:
-    """One coalesced GET: bytes [start, end) of a file."""
-
-    file: str
-    start: int
-    end: int
-    rank: int  # position in the order the plan reads it
-    data: bytes | None = None
-    future: Future[bytes] | None = None
-    used: bool = False
-
-
-@dataclass
-class _Plan:
-    by_file: dict[str, list[_Group]] = field(default_factory=dict)
-    starts: dict[str, list[int]] = field(default_factory=dict)
-    order: list[_Group] = field(default_factory=list)
-
-
-class RemoteStore:
-    """The data files of a remote checkpoint, read by ranged GETs.
-
-    Told the ranges a command will read (:meth:`plan_reads`), it coalesces them into sorted
-    GETs of at most :data:`GET` bytes, fetches them ahead of the readers over at most
-    :data:`CONCURRENCY` requests, holding at most about :data:`CACHE` bytes, and serves
-    reads from them; a read outside the plan is a GET of its own. Thread-safe.
-    """
-
-    capabilities: ClassVar[stores.Capabilities] = stores.Capabilities(
-        many_ranges=True, local_files=False, listing=True, multipart_writes=True,
-        workers=CONCURRENCY)
-
-    def __init__(self, base: Path, url: Url, objects: dict[str, tuple[int, str]],
-                 metadata_name: str) -> None:
-        self.base = base
-        self.url = url
-        self.objects = objects
-        self.metadata_name = metadata_name
-        self._lock = threading.Lock()
-        self._plan = _Plan()
-        self._held: OrderedDict[int, _Group] = OrderedDict()  # fetched, by id, LRU first
-        self._held_bytes = 0
-        self._pool: ThreadPoolExecutor | None = None
-
-    # -- the Store protocol
-
-    def path(self, name: str) -> Path:
-        return self.base / name
-
-    def size(self, name: str) -> int:
-        found = self.objects.get(name)
-        if found is None:
-            raise InputError(stores.missing_message(self.path(name), self.metadata_name))
-        return found[0]
-
-    def open_all(self, names: Iterable[str]) -> None:
-        for name in names:
-            self.size(name)
-
-    def pread(self, name: str, size: int, offset: int) -> bytes:
-        """Up to ``size`` bytes at ``offset`` (fewer at the object's end)."""
-        size = max(0, min(size, self.size(name) - offset))
-        parts = []
-        done = 0
-        while done < size:
-            piece = self._piece(name, offset + done, size - done)
-            parts.append(piece)
-            done += len(piece)
-        return b"".join(parts) if len(parts) != 1 else bytes(parts[0])
-
-    def read_exact(self, name: str, offset: int, size: int, *, what: str) -> bytes:
-        data = self.pread(name, size, offset)
-        if len(data) != size:
-            raise stores.truncated(self.path(name), offset + len(data), what)
-        return data
-
-    def readinto(self, name: str, offset: int, buf: memoryview) -> int:
-        view = buf.cast("B")
-        size = max(0, min(len(view), self.size(name) - offset))
-        done = 0
-        while done < size:
-            piece = self._piece(name, offset + done, size - done)
-            view[done:done + len(piece)] = piece
-            done += len(piece)
-        return done
-
-    def readv(self, name: str, offset: int, bufs: Sequence[memoryview]) -> int:
-        # One ranged read of the whole span, then placed: a request per buffer would cost a
-        # round trip per run (a row-parallel layer's rows are thousands of 6 KB runs).
-        span = bytearray(sum(len(b) for b in bufs))
-        got = self.readinto(name, offset, memoryview(span))
-        at = 0
-        for buf in bufs:
-            if at >= got:
-                break
-            n = min(len(buf), got - at)
-            buf[:n] = span[at : at + n]
-            at += n
-        return got
-
-    def read_ranges(self, name: str, ranges: list[tuple[int, int]], *, what: str
-                    ) -> list[bytes]:
-        self.plan_reads([(name, offset, size) for offset, size in ranges])
-        return [self.read_exact(name, offset, size, what=what) for offset, size in ranges]
-
-    def copy_to(self, name: str, offset: int, dst_fd: int, dst_offset: int, size: int) -> None:
-        end = self.size(name)
-        done = 0
-        while done < size:
-            if offset + done >= end:
-                raise InputError(f"{self.path(name)}: ends {size - done} bytes before the "
-                                 f"tensor bytes its headers promise (at byte {offset + done}); "
-                                 "it is truncated")
-            piece = self._piece(name, offset + done, min(size - done, end - offset - done))
-            outputs.pwrite_all(dst_fd, piece, dst_offset + done)
-            done += len(piece)
-
-    def views(self, name: str, offset: int, size: int, block: int) -> Iterator[memoryview]:
-        raise NotImplementedError("object storage maps nothing (capabilities.local_files)")
-
-    def list_files(self) -> dict[str, int]:
-        return {name: size for name, (size, _) in self.objects.items()}
-
-    def close(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-            self._held.clear()
-            self._plan = _Plan()
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-
-    # -- planned reads
-
-    def plan_reads(self, reads: list[tuple[str, int, int]]) -> None:
-        """The ranges (file, offset, size) about to be read, in the order they will be:
-        coalesced into GETs and fetched ahead of the readers from then on."""
-        ranked = sorted((f, o, min(o + n, self.objects[f][0]), i)
-                        for i, (f, o, n) in enumerate(reads)
-                        if n > 0 and f in self.objects and o < self.objects[f][0])
-        plan = _Plan()
-        cur: _Group | None = None
-        for f, start, end, i in ranked:
-            while start < end:
-                if (cur is not None and cur.file == f and start - cur.end <= GAP
-                        and end - cur.start <= GET):
-                    cur.end = max(cur.end, end)
-                    cur.rank = min(cur.rank, i)
-                    break
-                if cur is not None and cur.file == f and start < cur.end:
-                    start = cur.end  # already covered up to there
-                    continue
-                cur = _Group(f, start, min(end, start + GET), i)
-                plan.by_file.setdefault(f, []).append(cur)
-                start = cur.end
-        for f, groups in plan.by_file.items():
-            plan.starts[f] = [g.start for g in groups]
-            plan.order += groups
-        plan.order.sort(key=lambda g: (g.rank, g.file, g.start))
-        for k, g in enumerate(plan.order):
-            g.rank = k
-        with self._lock:
-            self._plan = plan
-            self._held.clear()
-            self._held_bytes = 0
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=CONCURRENCY,
-                                                thread_name_prefix="ckpttool-get")
-        self._read_ahead(0)
-
-    def _group(self, name: str, offset: int) -> _Group | None:
-        plan = self._plan
-        starts = plan.starts.get(name)
-        if not starts:
-            return None
-        k = bisect.bisect_right(starts, offset) - 1
-        if k < 0:
-            return None
-        g = plan.by_file[name][k]
-        return g if g.start <= offset < g.end else None
-
-    def _piece(self, name: str, offset: int, size: int) -> bytes | memoryview:
-        """Bytes from ``offset``: all ``size`` of them, or as many as one planned GET (or
-        one :data:`GET`-sized request outside the plan) holds."""
-        g = self._group(name, offset)
-        if g is None:
-            n = min(size, GET)
-            return self._get_range(self.url.child(name), offset, n, self.objects[name][1])
-        data = self._fetched(g)
-        return memoryview(data)[offset - g.start:min(g.end, offset + size) - g.start]
-
-    def _fetched(self, g: _Group) -> bytes:
-        with self._lock:
-            data = g.data
-            if data is None:
-                if g.future is None:
-                    self._start(g)
-                future = g.future
-            else:
-                self._held.move_to_end(id(g))
-            g.used = True
-        if data is None:
-            assert future is not None
-            data = future.result()
-        self._read_ahead(g.rank + 1)
-        return data
-
-    def _start(self, g: _Group) -> None:
-        """Start fetching ``g`` (called with the lock held)."""
-        assert self._pool is not None
-        g.future = self._pool.submit(self._fetch, g)
+class RemoteStore(ranged.RemoteStore):
+    """The data files of a remote S3 checkpoint (:class:`ckpttool.storage.ranged.RemoteStore`),
+    read by this module's ranged GETs."""
 
     def _get_range(self, url: Any, offset: int, size: int, etag: str | None) -> bytes:
-        """One ranged GET, pinned to ``etag``: the store's own (a subclass for another
-        store's client; the module's function here, looked up at each call)."""
         return get_range(url, offset, size, etag)
-
-    def _fetch(self, g: _Group) -> bytes:
-        data = self._get_range(self.url.child(g.file), g.start, g.end - g.start,
-                               self.objects[g.file][1])
-        with self._lock:
-            g.data = data
-            g.future = None
-            self._held[id(g)] = g
-            self._held_bytes += len(data)
-            self._evict()
-        return data
-
-    def _evict(self) -> None:
-        """Drop the least recently used fetched ranges that were read, over :data:`CACHE`."""
-        for key in list(self._held):
-            if self._held_bytes <= CACHE:
-                break
-            g = self._held[key]
-            if not g.used:
-                continue  # fetched ahead, not read yet
-            del self._held[key]
-            self._held_bytes -= g.end - g.start
-            g.data = None
-
-    def _read_ahead(self, rank: int) -> None:
-        """Start the GETs of the plan from ``rank`` on, while the pool and memory allow."""
-        with self._lock:
-            if self._pool is None:
-                return
-            in_flight = sum(1 for g in self._plan.order if g.future is not None)
-            budget = CACHE - self._held_bytes
-            for g in self._plan.order[rank:rank + 2 * CONCURRENCY]:
-                if in_flight >= CONCURRENCY or budget < g.end - g.start:
-                    break
-                if g.data is None and g.future is None:
-                    self._start(g)
-                    in_flight += 1
-                    budget -= g.end - g.start
 
 
 # --------------------------------------------------------------------------------------------
 # Writing: multipart uploads
 
 
-@dataclass(frozen=True)
-class OutputNames:
-    """Which objects of an output matter, told by the caller (storage names no format)."""
-
-    replaces: Callable[[str], bool]  # objects a new output replaces (weights, indexes...)
-    last: Callable[[str], bool]  # what makes an output look complete: uploaded after the rest
+OutputNames = objects.OutputNames
+completing = objects.completing
 
 
 def existing_weights(url: Url, names: OutputNames) -> list[str]:
@@ -706,75 +445,13 @@ def _status(e: BaseException) -> int | None:
     return status if isinstance(status, int) else None
 
 
-def completing(names: Iterable[str], rule: OutputNames) -> list[str]:
-    """The objects of an output that make it read as complete: its index (``rule.last``),
-    or, in an output without one, its weight files (``rule.replaces``: a single
-    ``model.safetensors``). Top-level names only."""
-    top = [n for n in names if "/" not in n]
-    found = [n for n in top if rule.last(n)]
-    return found or [n for n in top if rule.replaces(n)]
-
-
-class Upload:
-    """Files of a finished local directory uploaded below ``url``, in an order that never
-    shows a finished-looking mixed output (the remote counterpart of
-    :meth:`~ckpttool.storage.outputs.AtomicOutputs.commit`; S3 has no rename):
-
-    1. with ``overwrite``, the object that completes the previous output is deleted first:
-       its index (``names.last``), or the weight file of an output without one: from then
-       on nothing there reads as a complete model;
-    2. the data files (``names.replaces``) go up (each a multipart upload of parallel parts
-       when large; an object replaced by a PUT changes at once, never half), then the rest
-       (config, tokenizer...);
-    3. previous data files the new output lacks are deleted;
-    4. the object that completes the new output goes up last, only after everything else
-       completed: its index, or the weight file of an output without one.
-
-    A process killed at any step leaves the previous output, the new one, or no complete
-    model: never a complete model beside the other run's side files (a new
-    ``model.safetensors`` beside the previous ``config.json``), whichever layout each has.
-    On any failure or Ctrl-C every multipart upload in progress is aborted and the objects
-    this upload created (that did not exist before) are deleted; objects it replaced keep
-    their new content, without the completing object.
-    """
-
-    def __init__(self, url: Url, *, overwrite: bool, names: OutputNames) -> None:
-        self.url = url
-        self.overwrite = overwrite
-        self.names = names
-        self._uploads: dict[str, str] = {}  # key -> UploadId in progress
-        self._created: list[str] = []  # keys this upload completed
-        self._lock = threading.Lock()
-
-    def run(self, local: Path) -> list[str]:
-        """Upload every file of ``local`` (recursively); returns the names uploaded."""
-        names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
-        rule = self.names
-        existing = set(self._list())
-        replaced = {n for n in existing if "/" not in n and rule.replaces(n)}
-        last = completing(names, rule)
-        first = [n for n in names if n not in last]
-        # Weights before everything else, then the configs, the completing object last.
-        first.sort(key=lambda n: (not rule.replaces(n), n))
-        old_last = completing(sorted(replaced), rule)
-        pool = ThreadPoolExecutor(max_workers=CONCURRENCY, thread_name_prefix="ckpttool-put")
-        try:
-            if self.overwrite:
-                for name in old_last:
-                    self._delete(name)
-            for name in first:
-                self._put(pool, local / name, name, name in existing)
-            if self.overwrite:
-                for name in sorted(replaced - set(names) - set(old_last)):
-                    self._delete(name)
-            for name in last:
-                self._put(pool, local / name, name, name in existing)
-        except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)
-            self.abort()
-            raise
-        pool.shutdown(wait=True)
-        return names
+class Upload(objects.Upload):
+    """A finished output published below ``url`` in :class:`~ckpttool.storage.objects.Upload`'s
+    order; each large file a multipart upload of parallel parts (an object replaced by a PUT
+    or a completed upload changes at once, never half). On any failure or Ctrl-C every
+    multipart upload in progress is aborted and the objects this upload created (that did not
+    exist before) are deleted; objects it replaced keep their new content, without the
+    completing object."""
 
     def _list(self) -> dict[str, tuple[int, str]]:
         return list_objects(self.url)
@@ -850,3 +527,60 @@ def staging_dir() -> Path:
 
 
 
+
+
+class Parts:
+    """Shared uploads on S3 (:class:`ckpttool.storage.objects.Parts`): one multipart upload
+    per object, its parts sent by any process, joined by the one that completes it."""
+
+    limits = objects.Limits("S3", max_parts=MAX_PARTS, min_part=5 << 20, max_part=5 << 30)
+
+    def get(self, url: Url) -> bytes | None:
+        try:
+            r = client(url).get_object(Bucket=url.bucket, Key=url.key)
+            data: bytes = r["Body"].read()
+            return data
+        except Exception as e:
+            mapped = error(e, url, "reading")
+            if isinstance(mapped, InputError) and "no such object" in str(mapped):
+                return None
+            raise mapped or e from e
+
+    def put(self, url: Url, data: bytes, *, create: bool = False) -> bool:
+        extra = {"IfNoneMatch": "*"} if create else {}
+        try:
+            client(url).put_object(Bucket=url.bucket, Key=url.key, Body=data, **extra)
+        except Exception as e:
+            if create and _status(e) in (409, 412):
+                return False
+            raise error(e, url, "writing") or e from e
+        return True
+
+    def delete(self, url: Url) -> None:
+        with errors(url, "removing"):
+            client(url).delete_object(Bucket=url.bucket, Key=url.key)
+
+    def list(self, url: Url) -> dict[str, tuple[int, str]]:
+        return list_objects(url)
+
+    def start(self, url: Url, staging: Url) -> str:
+        with errors(url, "starting an upload"):
+            upload: str = client(url).create_multipart_upload(
+                Bucket=url.bucket, Key=url.key)["UploadId"]
+            return upload
+
+    def put_part(self, url: Url, upload: str, number: int, data: bytes) -> str:
+        with errors(url, f"uploading part {number}"):
+            r = client(url).upload_part(Bucket=url.bucket, Key=url.key, UploadId=upload,
+                                        PartNumber=number, Body=data)
+            return str(r["ETag"])
+
+    def complete(self, url: Url, upload: str, parts: list[tuple[int, str]]) -> None:
+        with errors(url, "completing an upload"):
+            client(url).complete_multipart_upload(
+                Bucket=url.bucket, Key=url.key, UploadId=upload,
+                MultipartUpload={"Parts": [{"PartNumber": n, "ETag": e} for n, e in parts]})
+
+    def abort(self, url: Url, upload: str) -> None:
+        objects.quietly(lambda: client(url).abort_multipart_upload(
+            Bucket=url.bucket, Key=url.key, UploadId=upload))

@@ -88,8 +88,8 @@ def _modes(src: Path, run_dir: Path, out: Path) -> dict[str, tuple[list[str], bo
         "merge SRC": (["merge", "V", str(out)], True),
         "merge OUT": (["merge", str(src), "V"], True),
         "merge --dry-run OUT": (["merge", str(src), "V", "--dry-run"], True),
-        "merge --slice OUT": (["merge", str(src), "V", "--slice", "0/2"], False),
-        "merge --finish OUT": (["merge", str(src), "V", "--finish"], False),
+        "merge --slice OUT": (["merge", str(src), "V", "--slice", "0/2"], True),
+        "merge --finish OUT": (["merge", str(src), "V", "--finish"], True),
         "merge --config": (["merge", str(src), str(out), "--config", "V"], False),
         "merge --adapter": (["merge", str(src), str(out), "--adapter", "V"], False),
         "merge --all RUN": (["merge", "--all", "V", str(out)], False),
@@ -156,7 +156,7 @@ def test_every_mode_refuses_dash(mode: str, where, tmp_path: Path) -> None:
 @pytest.mark.parametrize("mode", [m for m in MODES if not _modes(Path(), Path(), Path())[m][1]])
 def test_modes_without_object_storage_refuse_it(mode: str, value: str, where, tmp_path: Path
                                                 ) -> None:
-    """--all (RUN or OUT_ROOT, dry run or watching), slices and local-only options refuse a
+    """--all (RUN or OUT_ROOT, dry run or watching) and local-only options refuse a
     URL of a served scheme with exit 4: never a local ``gs:/`` directory, never exit 0."""
     r = run(*_argv(mode, value, where), cwd=tmp_path)
     assert r.exit_code == 4, (mode, r.output)

@@ -232,3 +232,72 @@ def test_parse_slice() -> None:
     for bad in ("8/8", "1/0", "a/b", "-1/2", "1"):
         with pytest.raises(InputError, match="expected I/N with 0 <= I < N"):
             multihost.parse_slice(bad)
+
+
+# --------------------------------------------------------------------------------------------
+# Windows: the parts of a shared upload into object storage
+
+
+@pytest.mark.parametrize(("kind", "dtype", "part"), [
+    ("uneven", "keep", 72),  # Shard(0) pieces cut at windows that fall inside elements
+    ("placements", "keep", 100),  # Shard(1) (strided: in every window its tensor meets)
+    ("mixed", "bf16", 40),  # every dtype, a cast
+])
+def test_windows_written_one_by_one_equal_a_merge_alone(kind: str, dtype: str, part: int,
+                                                        make_checkpoint, tmp_path: Path) -> None:
+    """Each window written alone into an empty (sparse) buffer at its offsets, as a process
+    uploading parts does, and only its own bytes kept: the files equal a merge alone."""
+    src = make_checkpoint(kind) / "pytorch_model_fsdp_0"
+    plan = _plan(src, dtype, shard=2000)
+    sizes = dict.fromkeys(range(len(plan.files)), part)
+    windows = partition.windows(plan, sizes)
+    assert any(u.elements is not None for w in windows for u in w.units)
+    for i, f in enumerate(plan.files):
+        mine = [w for w in windows if w.file == i]
+        assert [w.number for w in mine] == list(range(1, len(mine) + 1))
+        assert mine[0].begin == 0 and mine[-1].end == f.size
+        assert all(a.end == b.begin for a, b in zip(mine, mine[1:], strict=False))
+    owners = partition.owners(windows, 3)
+    assert owners == sorted(owners) and set(owners) == {0, 1, 2}
+    out = tmp_path / "windows"
+    out.mkdir()
+    buffer = tmp_path / "buffer"
+    with open_reader(discover(src, command="merge")) as reader:
+        for w in windows:
+            f = plan.files[w.file]
+            fd = os.open(buffer, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                pwrite_all(fd, f.layout.header, 0)
+                execute_share(plan, list(w.units), reader, {w.file: fd}, workers=2)
+                data = os.pread(fd, w.nbytes, w.begin)
+            finally:
+                os.close(fd)
+            with open(out / f.name, "ab") as target:
+                assert target.tell() == w.begin
+                target.write(data)
+    _merge_alone(plan, src, tmp_path / "alone")
+    if dtype == "keep":
+        for f in plan.files:
+            assert (out / f.name).read_bytes() == (tmp_path / "alone" / f.name).read_bytes()
+    else:
+        assert_bit_exact(load_out(out), load_out(tmp_path / "alone"), cast=True)
+
+
+def test_part_sizes_keep_to_each_stores_limits() -> None:
+    """A 4 KiB-aligned grid, at least the store's minimum part, grown to fit its part count;
+    beyond the largest part the store allows: one line naming the limit."""
+    from ckpttool.errors import UnsupportedError
+    from ckpttool.storage import objects, objparts, s3
+
+    limits = s3.Parts.limits
+    assert objects.part_size(1 << 20, limits, 1) == 5 << 20  # S3's 5 MiB minimum
+    assert objects.part_size(1 << 20, limits) == 16 << 20
+    size = 400 << 30  # 400 GiB: 16 MiB parts would be 25,600 of them
+    part = objects.part_size(size, limits)
+    assert part % 4096 == 0 and -(-size // part) <= 10_000 and part >= size // 10_000
+    azure = objparts.AzureParts.limits
+    assert -(-size // objects.part_size(size, azure)) <= 50_000
+    assert objects.part_size(size, azure, 4096) == -(-(size // 50_000) // 4096) * 4096
+    with pytest.raises(UnsupportedError) as e:
+        objects.part_size(10_000 * (5 << 30) + 1, limits)
+    assert "10,000 parts" in str(e.value) and "\n" not in str(e.value)

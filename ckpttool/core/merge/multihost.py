@@ -194,7 +194,7 @@ class Sharing(Section):
 
     OMIT_NONE: ClassVar[frozenset[str]] = frozenset(
         {"tensors", "rank", "slice", "plan", "files", "committed", "placed_before",
-         "removed_temporary"})
+         "removed_temporary", "local_bytes"})
 
     mode: str
     processes: int
@@ -208,6 +208,8 @@ class Sharing(Section):
     committed: list[str] | None = None  # a finish's: the weights it put in place
     placed_before: list[str] | None = None  # a finish's: those an earlier finish had placed
     removed_temporary: list[str] | None = None
+    # Into object storage: the most bytes this process's part buffer held on local disk.
+    local_bytes: int | None = None
 
 
 def _describe(mode: str, shares: list[list[partition.Unit]], **more: Any) -> Sharing:

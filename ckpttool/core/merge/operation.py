@@ -457,7 +457,8 @@ def _write(plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, by
     """Write the plan: alone, this process's share of it, or in pieces that a cut merge
     leaves for the next run to finish (:mod:`ckpttool.core.merge.resume`). The report's
     ``distributed`` and ``resumed`` sections."""
-    check_space(out, plan.file_bytes + sum(len(data) for _, data in extra))
+    if not getattr(shared, "remote", False):  # into object storage: about one part locally
+        check_space(out, plan.file_bytes + sum(len(data) for _, data in extra))
     if shared is not None:  # this process writes its share (core.merge.multihost)
         return shared.write(plan, reader, out, extra, overwrite=overwrite, stem=stem,
                             workers=workers, progress=progress, on_start=on_start), None

@@ -25,7 +25,8 @@ from ckpttool.core.transforms.derive import Derived
 if TYPE_CHECKING:
     from ckpttool.core.merge.plan import MergePlan
 
-__all__ = ["ALIGN", "Unit", "balance", "rank_bytes", "split", "units"]
+__all__ = ["ALIGN", "Unit", "Window", "balance", "owners", "rank_bytes", "split", "units",
+           "windows"]
 
 # Where a cut inside a chunk lands in the output file: a page boundary (and a multiple of every
 # element size). A process's share is off by at most half of it.
@@ -54,6 +55,7 @@ class _Piece:
     begin: int  # output offset of the first element (splittable pieces)
     itemsize: int  # output bytes per element; 0: not splittable
     numel: int
+    end: int  # output offset past the last byte it may write (a whole piece: its tensor's)
 
 
 def _pieces(plan: MergePlan) -> list[_Piece]:
@@ -63,7 +65,8 @@ def _pieces(plan: MergePlan) -> list[_Piece]:
         for ti, t in enumerate(f.tensors):
             if isinstance(t.source, Derived):
                 if t.slot.nbytes:
-                    out.append(_Piece(Unit(fi, ti, None, None, t.slot.nbytes), 0, 0, 0))
+                    out.append(_Piece(Unit(fi, ti, None, None, t.slot.nbytes), t.slot.begin,
+                                      0, 0, t.slot.end))
                 continue
             q = t.dtype.itemsize
             entry = t.source
@@ -75,9 +78,10 @@ def _pieces(plan: MergePlan) -> list[_Piece]:
                 unit = Unit(fi, ti, ci, None, n * q)
                 if chunk_geometry.is_single_run(entry.shape, c.offsets, c.sizes):
                     ((_, dst_elem, _),) = chunk_geometry.runs(entry.shape, c.offsets, c.sizes)
-                    placed.append(_Piece(unit, t.slot.begin + dst_elem * q, q, n))
+                    at = t.slot.begin + dst_elem * q
+                    placed.append(_Piece(unit, at, q, n, at + n * q))
                 else:
-                    placed.append(_Piece(unit, t.slot.begin, 0, n))
+                    placed.append(_Piece(unit, t.slot.begin, 0, n, t.slot.end))
             placed.sort(key=lambda p: p.begin)  # stable: strided chunks keep their order
             out += placed
     return out
@@ -154,3 +158,69 @@ def balance(shares: list[list[Unit]]) -> float:
     if not total:
         return 1.0
     return max(sizes) * len(sizes) / total
+
+
+# --------------------------------------------------------------------------------------------
+# Parts of an upload: a fixed grid of windows instead of a byte split
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """Bytes ``[begin, end)`` of output file ``file``: part ``number`` (1-based) of its
+    upload, and the work that writes them (``units``). A splittable chunk is cut at the
+    window's edges (an element that straddles an edge is in both windows: each writes all of
+    it, and each keeps its own bytes); a whole piece (a strided chunk, a computed tensor)
+    is in every window its tensor's slot meets, and is written again for each."""
+
+    file: int
+    number: int
+    begin: int
+    end: int
+    units: tuple[Unit, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def windows(plan: MergePlan, part_size: dict[int, int]) -> list[Window]:
+    """Every output file of ``plan`` cut into windows of ``part_size[file]`` bytes (the last
+    one shorter), with the work that writes each, in output order. Pure; every process
+    computes the same windows from the same plan."""
+    found: dict[int, list[list[Unit]]] = {}
+    for fi, f in enumerate(plan.files):
+        size = part_size[fi]
+        found[fi] = [[] for _ in range(max(1, -(-f.size // size)))]
+    for p in _pieces(plan):
+        u = p.unit
+        size = part_size[u.file]
+        parts = found[u.file]
+        if p.end <= p.begin:
+            continue
+        first, last = p.begin // size, (p.end - 1) // size
+        for k in range(first, min(last, len(parts) - 1) + 1):
+            if not p.itemsize:
+                parts[k].append(u)
+                continue
+            lo = max(0, (k * size - p.begin) // p.itemsize)
+            hi = min(p.numel, -(-((k + 1) * size - p.begin) // p.itemsize))
+            parts[k].append(u if (lo, hi) == (0, p.numel) else _part(u, lo, hi, p.itemsize))
+    out = []
+    for fi, f in enumerate(plan.files):
+        size = part_size[fi]
+        for k, units_k in enumerate(found[fi]):
+            out.append(Window(fi, k + 1, k * size, min(f.size, (k + 1) * size),
+                              tuple(units_k)))
+    return out
+
+
+def owners(parts: list[Window], num_ranks: int) -> list[int]:
+    """Which of ``num_ranks`` processes uploads each window: whole windows, in output order,
+    in runs of about equal bytes (a share is off by at most half a window)."""
+    total = sum(w.nbytes for w in parts) or 1
+    found = []
+    pos = 0
+    for w in parts:
+        found.append(min(num_ranks - 1, (2 * pos + w.nbytes) * num_ranks // (2 * total)))
+        pos += w.nbytes
+    return found

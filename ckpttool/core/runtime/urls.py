@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-from ckpttool.errors import CkptError, UnsupportedError
+from ckpttool.errors import CkptError
 from ckpttool.storage import places
 from ckpttool.storage import remote as stores_remote
 
@@ -124,16 +124,19 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
         try:
             out_url = None
             if output is not None and is_url(values[output]):
-                if bound.arguments.get("shared") is not None:
-                    # Each process would stage its share on its own disk: nothing would join
-                    # them. Parts of one multipart upload per rank would; not built yet.
-                    raise UnsupportedError(
-                        f"{values[output]}: a merge shared by several processes (torchrun, "
-                        "--slice, --finish) writes to a shared filesystem, not to object "
-                        "storage yet; write OUT to a shared directory and upload it, or merge "
-                        "to the URL in one process")
                 overwrite = bool(bound.arguments.get("overwrite", False))
-                out_url = stack.enter_context(claimed(values[output], overwrite=overwrite))
+                shared = bound.arguments.get("shared")
+                if shared is not None:
+                    # Each process uploads its parts straight into the output's uploads
+                    # (core/merge/multihost_objects.py); --finish (rank 0) locks and commits.
+                    bound.arguments["shared"] = shared_into(shared, values[output])
+                    tmp = stores_remote.backend(values[output]).staging_dir()
+                    stack.callback(shutil.rmtree, tmp, ignore_errors=True)
+                    bound.arguments[output] = str(tmp / "out")  # nothing is written there
+                    renames.append((str(tmp / "out"), str(values[output])))
+                else:
+                    out_url = stack.enter_context(claimed(values[output],
+                                                          overwrite=overwrite))
             mounted = []
             for name, value in values.items():
                 if name != output and is_url(value):
@@ -160,6 +163,18 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
             raise
         renamed: R = _renamed(result, renames)
         return renamed
+
+
+def shared_into(shared: Any, value: str) -> Any:
+    """A shared merge's process (slice, finish, torchrun rank) writing into the output URL
+    ``value`` (:mod:`ckpttool.core.merge.multihost_objects`)."""
+    from ckpttool.core.merge import multihost_objects
+
+    remote = stores_remote.backend(value)
+    url = remote.parse(value)
+    target = multihost_objects.Target(url=url, parts=stores_remote.parts(value), lock=remote.Lock,
+                                      upload=remote.Upload, names=output_names())
+    return multihost_objects.into_store(shared, target)
 
 
 def output_names() -> Any:

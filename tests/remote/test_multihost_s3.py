@@ -1,0 +1,189 @@
+"""A merge shared by several processes, written straight into S3 (moto's server on localhost):
+``--slice I/N`` as separate processes, each with its own TMPDIR and working directory, in any
+order, then ``--finish``; torchrun x3 into s3://. Bit-exact against a one-process merge; a
+killed slice or finish leaves no finished-looking model, and the rerun works."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import ckpttool
+from ckpttool.core.merge.multihost import FAIL_ENV
+from tests.remote.conftest import BUCKET, S3
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(ckpttool.__file__).resolve().parents[1]
+PART = str(5 << 20)  # S3's smallest part
+
+
+def cli(s3: S3, tmp: Path, *args: str | Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python -m ckpttool ARGS`` in a fresh process with a TMPDIR and cwd of its own."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "tmp").mkdir(exist_ok=True)
+    full = {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", FAIL_ENV)}
+    full.update(s3.env, PYTHONPATH=str(ROOT), TMPDIR=str(tmp / "tmp"), OMP_NUM_THREADS="1",
+                CKPTTOOL_PART_SIZE=PART, **env)
+    return subprocess.run([sys.executable, "-m", "ckpttool", *map(str, args)],
+                          capture_output=True, text=True, env=full, cwd=tmp, timeout=300)
+
+
+def same_files(a: Path, b: Path) -> None:
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for p in a.iterdir():
+        assert (b / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+def fresh(s3: S3, prefix: str) -> str:
+    for key in s3.keys(BUCKET, prefix):
+        s3.client.delete_object(Bucket=BUCKET, Key=key)
+    for key in s3.uploads_in_progress(BUCKET):
+        if key.startswith(prefix + "/"):
+            r = s3.client.list_multipart_uploads(Bucket=BUCKET, Prefix=key)
+            for u in r.get("Uploads", ()):
+                s3.client.abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=u["UploadId"])
+    return f"s3://{BUCKET}/{prefix}"
+
+
+def top(s3: S3, prefix: str) -> list[str]:
+    """The output's objects, staging left out."""
+    return [k[len(prefix) + 1:] for k in s3.keys(BUCKET, prefix)
+            if "/" not in k[len(prefix) + 1:]]
+
+
+def in_progress(s3: S3, prefix: str) -> list[str]:
+    return [k for k in s3.uploads_in_progress(BUCKET) if k.startswith(prefix + "/")]
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 24 MB safetensors model: one output file of five 5 MiB parts."""
+    d = tmp_path_factory.mktemp("big") / "model"
+    d.mkdir()
+    g = torch.Generator().manual_seed(0)
+    save_file({f"layers.{i}.weight": torch.randn(1024, 1024, generator=g) for i in range(6)},
+              str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+@pytest.fixture(scope="module")
+def big_alone(big_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("alone") / "out"
+    ckpttool.merge(big_model, out, weights_only=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_alone(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("alone") / "out"
+    ckpttool.merge(llama_ckpt, out, max_shard_size="20KB")
+    return out
+
+
+@pytest.mark.parametrize("order", [(2, 0, 1)])
+def test_three_slices_then_finish_share_one_file_bit_exact(
+        s3: S3, big_model: Path, big_alone: Path, tmp_path: Path, order: tuple[int, ...]
+) -> None:
+    url = fresh(s3, "mh/one-file")
+    for i in order:
+        r = cli(s3, tmp_path / f"host{i}", "merge", "--weights-only", big_model, url,
+                "--slice", f"{i}/3", "--json")
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)["distributed"]
+        assert doc["slice"] == i and doc["processes"] == 3
+        # One part (5 MiB) at a time in the local buffer: under 2x a part.
+        assert doc["local_bytes"] < 2 * (5 << 20), doc
+        assert not any((tmp_path / f"host{i}" / "tmp").iterdir())
+        assert top(s3, "mh/one-file") == []  # nothing reads as a model before --finish
+    r = cli(s3, tmp_path / "finisher", "merge", "--weights-only", big_model, url, "--finish",
+            "--json")
+    assert r.returncode == 0, r.stderr
+    got = s3.download_dir(BUCKET, "mh/one-file", tmp_path / "got")
+    same_files(got, big_alone)
+    assert not in_progress(s3, "mh/one-file")
+    assert not s3.keys(BUCKET, "mh/one-file/.ckpttool-staging")
+
+
+def test_slices_of_a_sharded_model_with_config_bit_exact(
+        s3: S3, llama_ckpt: Path, llama_alone: Path, tmp_path: Path) -> None:
+    url = fresh(s3, "mh/llama")
+    for i in (1, 0, 2):
+        r = cli(s3, tmp_path / f"h{i}", "merge", llama_ckpt, url, "--max-shard-size", "20KB",
+                "--slice", f"{i}/3")
+        assert r.returncode == 0, r.stderr
+    r = cli(s3, tmp_path / "f", "merge", llama_ckpt, url, "--max-shard-size", "20KB",
+            "--finish")
+    assert r.returncode == 0, r.stderr
+    same_files(s3.download_dir(BUCKET, "mh/llama", tmp_path / "got"), llama_alone)
+
+
+def test_finish_names_the_missing_slice(s3: S3, big_model: Path, tmp_path: Path) -> None:
+    url = fresh(s3, "mh/missing")
+    assert cli(s3, tmp_path / "a", "merge", "--weights-only", big_model, url,
+               "--slice", "0/2").returncode == 0
+    r = cli(s3, tmp_path / "f", "merge", "--weights-only", big_model, url, "--finish")
+    assert r.returncode == 3, r.stderr
+    assert "1 of 2 slices are not done (1/2)" in r.stderr and r.stderr.count("\n") == 1
+    assert top(s3, "mh/missing") == []
+
+
+def test_torchrun_three_ranks_into_s3_bit_exact(s3: S3, big_model: Path, big_alone: Path,
+                                                tmp_path: Path) -> None:
+    url = fresh(s3, "mh/torchrun")
+    full = {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", FAIL_ENV)}
+    full.update(s3.env, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CKPTTOOL_PART_SIZE=PART,
+                CKPTTOOL_DIST_TIMEOUT="120")
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+         "-m", "ckpttool", "merge", "--weights-only", str(big_model), url], capture_output=True,
+        text=True, timeout=300, env=full, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    same_files(s3.download_dir(BUCKET, "mh/torchrun", tmp_path / "got"), big_alone)
+    assert not in_progress(s3, "mh/torchrun")
+
+
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_a_killed_finish_leaves_no_model_and_the_rerun_works(
+        s3: S3, llama_ckpt: Path, llama_alone: Path, tmp_path: Path, step: int) -> None:
+    """Killed (SIGKILL) at each publishing step of --finish: no index (nothing reads as a
+    finished model); the same --finish again completes it, bit-exact."""
+    prefix = f"mh/kill-finish-{step}"
+    url = fresh(s3, prefix)
+    args = ("merge", llama_ckpt, url, "--max-shard-size", "20KB")
+    for i in range(2):
+        assert cli(s3, tmp_path / f"h{i}", *args, "--slice", f"{i}/2").returncode == 0
+    r = cli(s3, tmp_path / "f1", *args, "--finish", CKPTTOOL_TEST_REMOTE_FAULT=f"kill:{step}")
+    assert r.returncode == -9, r.stderr
+    assert "model.safetensors.index.json" not in top(s3, prefix)
+    # The killed finish left its lock: removed as its message says, then run again.
+    s3.client.delete_object(Bucket=BUCKET, Key=f"{prefix}/.ckpttool-lock")
+    r = cli(s3, tmp_path / "f2", *args, "--finish")
+    assert r.returncode == 0, r.stderr
+    same_files(s3.download_dir(BUCKET, prefix, tmp_path / "got"), llama_alone)
+
+
+def test_a_killed_slice_is_run_again(s3: S3, big_model: Path, big_alone: Path,
+                                     tmp_path: Path) -> None:
+    prefix = "mh/kill-slice"
+    url = fresh(s3, prefix)
+    args = ("merge", "--weights-only", big_model, url)
+    r = cli(s3, tmp_path / "a", *args, "--slice", "1/2", **{FAIL_ENV: "1:kill"})
+    assert r.returncode == -9
+    assert cli(s3, tmp_path / "b", *args, "--slice", "0/2").returncode == 0
+    r = cli(s3, tmp_path / "f", *args, "--finish")
+    assert r.returncode == 3 and "--slice 1/2" in r.stderr, r.stderr
+    assert top(s3, prefix) == []
+    assert cli(s3, tmp_path / "c", *args, "--slice", "1/2").returncode == 0
+    r = cli(s3, tmp_path / "f2", *args, "--finish")
+    assert r.returncode == 0, r.stderr
+    same_files(s3.download_dir(BUCKET, prefix, tmp_path / "got"), big_alone)
