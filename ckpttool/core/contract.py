@@ -305,17 +305,8 @@ def check(planned: Shapes, config: Mapping[str, Any] | None, *,
         A :class:`Contract`; ``checked`` False where no config is there or the loader cannot
         be built here (``reason`` and ``hint`` say why and what to do).
     """
-    started = time.perf_counter()
-    if config is None:
-        return Contract(loader, False, reason="no config.json names the model",
-                        hint="pass the model's config.json with --config")
-    try:
-        exp = expected(config, loader=loader)
-    except Unavailable as e:
-        return Contract(loader, False, reason=str(e), hint=INSTALL_HINT if e.missing else None)
-    result = compare(planned, exp, config, loader=loader)
-    result.seconds = round(time.perf_counter() - started, 3)
-    return result
+    return _checked(config, loader, "pass the model's config.json with --config",
+                    lambda exp, cfg: compare(planned, exp, cfg, loader=loader))
 
 
 def compare(planned: Shapes, exp: Expected, config: Mapping[str, Any], *,
@@ -426,15 +417,24 @@ def check_state_dict(planned: Shapes, config: Mapping[str, Any] | None, *,
                      prefix: str | None = None, loader: str = "transformers") -> Contract:
     """:func:`compare_state_dict` for the model ``config`` names; not checked (and why)
     where there is no config or the loader cannot be built."""
+    return _checked(config, loader, "put the model's config.json beside SRC",
+                    lambda exp, _: compare_state_dict(planned, exp, prefix=prefix,
+                                                       loader=loader))
+
+
+def _checked(config: Mapping[str, Any] | None, loader: str, no_config: str,
+             held: Callable[[Expected, Mapping[str, Any]], Contract]) -> Contract:
+    """``held`` against what ``loader`` takes for ``config``, timed; not checked (``reason``
+    and ``hint``) where there is no config (``no_config``: what to do) or the loader cannot
+    be built here."""
     started = time.perf_counter()
     if config is None:
-        return Contract(loader, False, reason="no config.json names the model",
-                        hint="put the model's config.json beside SRC")
+        return Contract(loader, False, reason="no config.json names the model", hint=no_config)
     try:
         exp = expected(config, loader=loader)
     except Unavailable as e:
         return Contract(loader, False, reason=str(e), hint=INSTALL_HINT if e.missing else None)
-    result = compare_state_dict(planned, exp, prefix=prefix, loader=loader)
+    result = held(exp, config)
     result.seconds = round(time.perf_counter() - started, 3)
     return result
 
