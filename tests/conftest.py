@@ -26,6 +26,7 @@ The reference for what a merge must produce is :func:`tests.reference.reference_
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,6 +47,10 @@ hypothesis_settings.load_profile("ckpttool")
 # a test's captured stderr is: tests that pin stderr exactly see none unless they ask for it
 # (--progress, or this variable set in their own environment).
 os.environ.setdefault("CKPTTOOL_PROGRESS", "none")
+
+# The output contract keeps what transformers builds for a config under the user's cache
+# directory (core.contract_cache): a test session keeps its own, never the developer's.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="ckpttool-test-cache-")
 
 MakeCheckpoint = Callable[..., Path]
 

@@ -25,6 +25,7 @@ import json
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -59,7 +60,18 @@ class TinyLM(nn.Module):
         return self.lm_head(self.down(h))
 
 
-def _rank(rank: int, world_size: int, port: int, stage: int, out: str) -> None:
+def llama_config() -> Any:
+    """A tiny transformers Llama (tied embeddings): the real model class a config names, for
+    the output contract (``write_zero(..., model="llama")``)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=24,
+                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                       tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
+
+
+def _rank(rank: int, world_size: int, port: int, stage: int, out: str,
+          model_kind: str = "tiny") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
@@ -78,13 +90,18 @@ def _rank(rank: int, world_size: int, port: int, stage: int, out: str) -> None:
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    model = TinyLM()
+    model: nn.Module = TinyLM()
+    if model_kind == "llama":
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM(llama_config())
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
               "bf16": {"enabled": True}, "zero_optimization": {"stage": stage}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     ids = torch.tensor([[1 + rank, 4], [7, 10 - rank]])
-    loss = engine(ids).float().pow(2).mean()
+    loss = (engine(input_ids=ids, labels=ids).loss if model_kind == "llama"
+            else engine(ids).float().pow(2).mean())
     engine.backward(loss)
     engine.step()
     engine.save_checkpoint(out)
@@ -95,13 +112,17 @@ def _rank(rank: int, world_size: int, port: int, stage: int, out: str) -> None:
     deepspeed.comm.barrier()
 
 
-def write_zero(out: Path, stage: int, world_size: int) -> Path:
-    """Write a ZeRO-``stage`` checkpoint of :class:`TinyLM` from ``world_size`` ranks into
-    ``out``, with a ``config.json`` (bf16, tied embeddings) beside ``out/latest``; the
-    reference is ``out.parent / "reference.pt"``."""
+def write_zero(out: Path, stage: int, world_size: int, model: str = "tiny") -> Path:
+    """Write a ZeRO-``stage`` checkpoint of :class:`TinyLM` (``model="llama"``: of a tiny
+    transformers Llama, :func:`llama_config`, its config.json beside) from ``world_size``
+    ranks into ``out``, with a ``config.json`` (bf16, tied embeddings) beside ``out/latest``;
+    the reference is ``out.parent / "reference.pt"``."""
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_rank, args=(world_size, _free_port(), stage, str(out)),
+    mp.start_processes(_rank, args=(world_size, _free_port(), stage, str(out), model),
                        nprocs=world_size, join=True, start_method=start_rank_server(KINDS))
+    if model == "llama":
+        llama_config().save_pretrained(out)
+        return out
     (out / "config.json").write_text(json.dumps({
         "architectures": ["TinyLM"], "model_type": "tiny", "torch_dtype": "bfloat16",
         "tie_word_embeddings": True}))

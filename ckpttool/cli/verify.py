@@ -32,6 +32,7 @@ from ckpttool.cli.common import (
     strict_exit,
     verbose_lines,
 )
+from ckpttool.cli.merge import NAME_MAPS, names_choice
 
 if TYPE_CHECKING:
     from ckpttool.core.verify.operation import VerifyReport
@@ -88,6 +89,15 @@ def verify_command(
         metavar="LOADER", help="Also hold the model against what LOADER builds from "
         "config.json (transformers: the class its architectures names, on the meta device, "
         "no weights): every tensor it expects there, in its shape.")] = None,
+    names: Annotated[str | None, typer.Option(
+        callback=names_choice, metavar="MAP", help="With --against: the --names map the "
+        f"merge that made OTHER was given ({', '.join(NAME_MAPS)}); OTHER is held to what "
+        "that map makes of PATH. A Megatron-Core model's map applies unasked, as in merge; "
+        "none: compare the stored names.")] = None,
+    lora_alpha: Annotated[float | None, typer.Option(
+        metavar="N", min=0.0, help="With --against: the --lora-alpha the merge that made "
+        "OTHER was given, where nothing beside PATH records it (the fold is made again to "
+        "compare).")] = None,
     no_progress: NoProgress = False,
     progress_mode: ProgressMode = None,
     follow_links: FollowLinks = False,
@@ -115,6 +125,9 @@ def verify_command(
                                  "--allow-cast too", param_hint="--dtype")
     if allow_cast and against is None:
         raise typer.BadParameter("needs --against OTHER", param_hint="--allow-cast")
+    for given, option in ((names, "--names"), (lora_alpha, "--lora-alpha")):
+        if given is not None and against is None:
+            raise typer.BadParameter("needs --against OTHER", param_hint=option)
     bar = ProgressBar("verifying", enabled=not quiet and not no_progress,
                       mode="none" if no_progress else progress_mode)
     on_start, progress = phases.callbacks(*bar.callbacks)
@@ -129,7 +142,7 @@ def verify_command(
                             "check" if check_manifest else None, workers=workers,
                             follow_links=follow_links, progress=progress, on_start=on_start,
                             iteration=iteration, adapter_config=adapter_config,
-                            loader=loader)
+                            loader=loader, names=names, lora_alpha=lora_alpha)
         finally:
             bar.stop()
         if json_output:

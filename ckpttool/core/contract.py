@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ckpttool.core import quantization
+from ckpttool.core import contract_cache, quantization
 from ckpttool.core.runtime.report import Section, section
 from ckpttool.core.transforms import hub_layout
 from ckpttool.errors import InputError, UnsupportedError, UsageError
@@ -74,6 +74,9 @@ class Loader:
 
     name: str
     expected: Callable[[Mapping[str, Any]], Expected]
+    # The packages ``expected`` imports, whose installed versions (with the config) key what
+    # it gave on disk (:mod:`~ckpttool.core.contract_cache`); empty: not kept.
+    packages: tuple[str, ...] = ()
 
 
 @section
@@ -271,7 +274,8 @@ def _first_line(e: BaseException) -> str:
 # The consumers a check can be held against; vLLM and SGLang are addable here (their
 # weight-name maps, on CPU) where they are importable.
 LOADERS: dict[str, Loader] = {
-    "transformers": Loader("transformers", _transformers_expected),
+    "transformers": Loader("transformers", _transformers_expected,
+                           packages=("transformers", "torch")),
 }
 
 
@@ -281,7 +285,45 @@ LOADERS: dict[str, Loader] = {
 
 @functools.lru_cache(maxsize=8)
 def _expected_cached(loader: str, config_json: str) -> Expected:
-    return LOADERS[loader].expected(json.loads(config_json))
+    """What ``loader`` takes for the config, from the disk cache where the same config and
+    package versions were seen before (no import at all), else built and kept."""
+    spec = LOADERS[loader]
+    name = contract_cache.key(loader, config_json, spec.packages) if spec.packages else None
+    kept = contract_cache.load(name) if name is not None else None
+    found = _from_json(kept) if kept is not None else None
+    if found is not None:
+        return found
+    built = spec.expected(json.loads(config_json))
+    if name is not None:
+        contract_cache.store(name, _to_json(built))
+    return built
+
+
+def _to_json(exp: Expected) -> dict[str, Any]:
+    return {"consumer": exp.consumer, "tensors": [[n, list(s)] for n, s in exp.tensors.items()],
+            "tied": exp.tied, "ignore_missing": list(exp.ignore_missing),
+            "ignore_unexpected": list(exp.ignore_unexpected),
+            "renames": [list(r) for r in exp.renames]}
+
+
+def _from_json(doc: Mapping[str, Any]) -> Expected | None:
+    """:func:`_to_json`'s document back, or None where any field is not what it writes."""
+    def strings(x: Any) -> bool:
+        return isinstance(x, list) and all(isinstance(v, str) for v in x)
+
+    consumer, tensors, tied = doc.get("consumer"), doc.get("tensors"), doc.get("tied")
+    renames = doc.get("renames")
+    if not (isinstance(consumer, str) and isinstance(tensors, list)
+            and isinstance(tied, dict) and strings(list(tied)) and strings(list(tied.values()))
+            and strings(doc.get("ignore_missing")) and strings(doc.get("ignore_unexpected"))
+            and isinstance(renames, list) and all(strings(r) and len(r) == 2 for r in renames)
+            and all(isinstance(t, list) and len(t) == 2 and isinstance(t[0], str)
+                    and isinstance(t[1], list)
+                    and all(type(d) is int and d >= 0 for d in t[1]) for t in tensors)):
+        return None
+    return Expected(consumer, {n: tuple(s) for n, s in tensors}, dict(tied),
+                    tuple(doc["ignore_missing"]), tuple(doc["ignore_unexpected"]),
+                    tuple((a, b) for a, b in renames))
 
 
 def expected(config: Mapping[str, Any], *, loader: str = "transformers") -> Expected:
@@ -305,17 +347,8 @@ def check(planned: Shapes, config: Mapping[str, Any] | None, *,
         A :class:`Contract`; ``checked`` False where no config is there or the loader cannot
         be built here (``reason`` and ``hint`` say why and what to do).
     """
-    started = time.perf_counter()
-    if config is None:
-        return Contract(loader, False, reason="no config.json names the model",
-                        hint="pass the model's config.json with --config")
-    try:
-        exp = expected(config, loader=loader)
-    except Unavailable as e:
-        return Contract(loader, False, reason=str(e), hint=INSTALL_HINT if e.missing else None)
-    result = compare(planned, exp, config, loader=loader)
-    result.seconds = round(time.perf_counter() - started, 3)
-    return result
+    return _checked(config, loader, "pass the model's config.json with --config",
+                    lambda exp, cfg: compare(planned, exp, cfg, loader=loader))
 
 
 def compare(planned: Shapes, exp: Expected, config: Mapping[str, Any], *,
@@ -426,15 +459,24 @@ def check_state_dict(planned: Shapes, config: Mapping[str, Any] | None, *,
                      prefix: str | None = None, loader: str = "transformers") -> Contract:
     """:func:`compare_state_dict` for the model ``config`` names; not checked (and why)
     where there is no config or the loader cannot be built."""
+    return _checked(config, loader, "put the model's config.json beside SRC",
+                    lambda exp, _: compare_state_dict(planned, exp, prefix=prefix,
+                                                       loader=loader))
+
+
+def _checked(config: Mapping[str, Any] | None, loader: str, no_config: str,
+             held: Callable[[Expected, Mapping[str, Any]], Contract]) -> Contract:
+    """``held`` against what ``loader`` takes for ``config``, timed; not checked (``reason``
+    and ``hint``) where there is no config (``no_config``: what to do) or the loader cannot
+    be built here."""
     started = time.perf_counter()
     if config is None:
-        return Contract(loader, False, reason="no config.json names the model",
-                        hint="put the model's config.json beside SRC")
+        return Contract(loader, False, reason="no config.json names the model", hint=no_config)
     try:
         exp = expected(config, loader=loader)
     except Unavailable as e:
         return Contract(loader, False, reason=str(e), hint=INSTALL_HINT if e.missing else None)
-    result = compare_state_dict(planned, exp, prefix=prefix, loader=loader)
+    result = held(exp, config)
     result.seconds = round(time.perf_counter() - started, 3)
     return result
 

@@ -173,6 +173,73 @@ def test_without_transformers_the_report_says_not_checked(
                for w in doc["warnings"])
 
 
+# --- the consumer kept on disk: a later merge with the same config imports nothing
+
+
+_MERGE_AND_IMPORTS = (
+    "import sys, json, ckpttool\n"
+    "r = ckpttool.merge(sys.argv[1], sys.argv[2])\n"
+    "print(json.dumps({'ok': r.contract.ok, 'checked': r.contract.checked,\n"
+    "                  'consumer': r.contract.consumer,\n"
+    "                  'imported': sorted(m for m in ('torch', 'transformers')\n"
+    "                                     if m in sys.modules)}))\n")
+
+
+def _process(cache: Path, *args: str | Path) -> Any:
+    """``python *args`` in a process whose cache directory is ``cache``, running this
+    checkout's ckpttool."""
+    import os
+    import subprocess
+
+    root = str(Path(__file__).parents[2])
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache),
+           "PYTHONPATH": f"{root}{os.pathsep}{path}" if path else root}
+    return subprocess.run([sys.executable, "-W", "ignore", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def _merge_in_a_process(src: Path, out: Path, cache: Path) -> dict[str, Any]:
+    done = _process(cache, "-c", _MERGE_AND_IMPORTS, src, out)
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_a_second_merge_with_the_same_config_imports_neither_torch_nor_transformers(
+        llama: tuple[Any, Path], tmp_path: Path) -> None:
+    src = _variant(llama, "good")
+    first = _merge_in_a_process(src, tmp_path / "a", tmp_path / "cache")
+    assert first["ok"] and first["checked"] and "transformers" in first["imported"]
+    (entry,) = (tmp_path / "cache" / "ckpttool" / "contract").glob("*.json")
+    second = _merge_in_a_process(src, tmp_path / "b", tmp_path / "cache")
+    assert second == {**first, "imported": []}
+    # a broken model is still refused from the kept entry
+    broken = _variant(llama, "missing", lambda s: s.pop("model.norm.weight"))
+    r = _process(tmp_path / "cache", "-m", "ckpttool", "merge", broken, tmp_path / "c")
+    assert r.returncode == 3 and "'model.norm.weight' is missing" in r.stderr
+    # an entry that does not read as one is built again and rewritten
+    entry.write_text('{"schema": 1, "consumer": 3}')
+    again = _merge_in_a_process(src, tmp_path / "d", tmp_path / "cache")
+    assert again == first
+    assert json.loads(entry.read_text())["consumer"] == first["consumer"]
+
+
+def test_the_kept_consumer_is_keyed_by_versions_and_never_used_without_the_package(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckpttool.core import contract_cache
+
+    config = json.dumps({"model_type": "llama"})
+    here = contract_cache.key("transformers", config, ("transformers", "torch"))
+    assert here is not None
+    monkeypatch.setattr(contract_cache, "versions",
+                        lambda packages: {p: "0.0.1" for p in packages})
+    assert contract_cache.key("transformers", config, ("transformers", "torch")) != here
+    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "transformers", None)  # blocked: as not installed
+    assert contract_cache.key("transformers", config, ("transformers", "torch")) is None
+
+
 # --- mixture of experts and vision-language models: as transformers converts them on load
 
 

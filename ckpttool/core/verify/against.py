@@ -1,12 +1,21 @@
 """``verify --against``: which tensors of two checkpoints to compare and how (pure), the
 streaming comparison fed by the data pass, and what a tensor on one side only means (a tied
 copy stored once is not missing).
+
+A merge's output is held to its source through the maps the merge used: save_pretrained's
+hub layout (fused experts split, vision-language prefixes moved), and, where the source's
+names are no model's, the LoRA fold (PEFT's ``.default`` names) or the name map (Megatron's
+implied one, or ``names``). The output names and sources come from the same public planning
+functions merge calls; a renamed stored tensor is compared as it streams by, a computed one
+(a folded weight, a split or permuted part) is made as merge makes it and compared whole
+after the pass (:func:`compare_computed`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ckpttool.core import quantization, ties
@@ -14,9 +23,11 @@ from ckpttool.core.checkpoint import hf, tensors
 from ckpttool.core.checkpoint.discover import Checkpoint, TensorView
 from ckpttool.core.dtype_policy import DTypePolicy
 from ckpttool.core.runtime.report import Progress
-from ckpttool.core.transforms import hub_layout
-from ckpttool.errors import InputError
-from ckpttool.formats.base import Problem, Reader, error, info
+from ckpttool.core.transforms import derive, hub_layout, namemaps
+from ckpttool.core.transforms import lora as adapters
+from ckpttool.core.transforms.derive import Derived
+from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.formats.base import Problem, Reader, Tensor, error, info
 from ckpttool.formats.codecs.dtypes import DType
 
 
@@ -35,6 +46,18 @@ class Pair:
 
 
 @dataclass(frozen=True)
+class Computed:
+    """An output tensor merge makes from A's tensors (a LoRA fold, a part a name map splits
+    or permutes, a stored tensor a second time), compared whole with B's after the pass."""
+
+    name: str  # the output's name (B's)
+    source: Tensor | Derived  # of A
+    b: TensorView  # B's tensor it must equal: the output's own, or its tie partner
+    dtype: DType  # made in this dtype (B's, the cast merge applies)
+    tie: str | None = None  # B lacks ``name``: its tie partner ``b`` must hold its bytes
+
+
+@dataclass(frozen=True)
 class AgainstPlan:
     pairs: tuple[Pair, ...]
     problems: tuple[Problem, ...]
@@ -42,11 +65,37 @@ class AgainstPlan:
     # data pass (a deduplicated tie is not an error).
     tied_missing: tuple[tuple[str, str], ...]  # (missing from B, its partner), A's names
     tied_extra: tuple[tuple[str, str], ...]  # (missing from A, its partner), B's names
+    computed: tuple[Computed, ...] = ()  # made from A as merge makes them, after the pass
 
 
-def plan_against(a: Checkpoint, b: Checkpoint, *, policy: DTypePolicy | None) -> AgainstPlan:
-    """Match tensors of ``a`` and ``b`` by canonical name. ``policy`` (``--allow-cast``): the
-    dtype conversion that ``merge --dtype`` would apply; without it dtypes must be equal."""
+@dataclass(frozen=True)
+class Through:
+    """The tensors merge writes of a source whose names are no model's: (output name,
+    source) as merge plans them, and what made them (for messages)."""
+
+    what: str  # "the LoRA fold (scale 2.0)", "the name map megatron-qwen3"
+    sources: tuple[tuple[str, Tensor | Derived], ...]
+
+
+def plan_against(a: Checkpoint, b: Checkpoint, *, policy: DTypePolicy | None,
+                 names: str | None = None, adapter_config: Path | None = None,
+                 lora_alpha: float | None = None) -> AgainstPlan:
+    """Match tensors of ``a`` and ``b`` by canonical name, or through the map merge applies to
+    ``a`` (:func:`through`: a LoRA fold, a name map). ``policy`` (``--allow-cast``): the dtype
+    conversion that ``merge --dtype`` would apply; without it dtypes must be equal.
+
+    Args:
+        names, adapter_config, lora_alpha: as given to the merge that made ``b``.
+    """
+    try:
+        mapped = through(a, b, names=names, adapter_config=adapter_config,
+                         lora_alpha=lora_alpha)
+    except (InputError, UnsupportedError) as e:
+        return AgainstPlan((), (error("against-unmapped", f"{a.root}: its tensors cannot be "
+                                      f"made as merge makes them, to compare with {b.root}: "
+                                      f"{e}"),), (), ())
+    if mapped is not None:
+        return _plan_through(a, b, mapped, policy)
     names_a, names_b = a.by_name(), b.by_name()
     problems: list[Problem] = []
     tied_missing: list[tuple[str, str]] = []
@@ -110,6 +159,151 @@ def plan_against(a: Checkpoint, b: Checkpoint, *, policy: DTypePolicy | None) ->
                                    f"{list(tb.shape)}) is in {b.root} but not in {a.root}",
                                    tensor=name))
     return AgainstPlan(tuple(pairs), tuple(problems), tuple(tied_missing), tuple(tied_extra))
+
+
+def through(a: Checkpoint, b: Checkpoint, *, names: str | None = None,
+            adapter_config: Path | None = None, lora_alpha: float | None = None
+            ) -> Through | None:
+    """What merge writes of ``a``'s model where its names are not the output's: the LoRA
+    fold (or the adapter alone, where ``b`` holds one), else the name map (``names``, or the
+    one a Megatron-Core model implies); None where merge keeps the stored names (the hub
+    layout is matched apart, :func:`_hub_parts`). The config is ``a``'s, else ``b``'s (the
+    one a merge derived and wrote).
+
+    Raises:
+        InputError, UnsupportedError: as merge with the same options would.
+    """
+    if a.kind != "model" or names == namemaps.KEEP:
+        return None
+    named = [(t.name, t.tensor) for t in a.tensors]
+    mode = "adapter" if adapters.parse([(t.name, t.tensor) for t in b.tensors]) else None
+    adapted = (adapters.plan_for_merge(a, named, mode, None, adapter_config,
+                                       lora_alpha=lora_alpha)
+               if names is None and adapters.parse(named) is not None else None)
+    if adapted is not None:
+        summary = adapted.report.summary
+        what = ("the LoRA adapter as merge --lora adapter writes it" if adapted.mode == "adapter"
+                else f"the LoRA fold (alpha {summary.alpha:g}, rank {summary.rank})"
+                if summary.alpha is not None else "the LoRA fold")
+        return Through(what, tuple(adapted.sources))
+    config = a.hf.config or b.hf.config
+    path = a.hf.config_path or b.hf.config_path
+    config_path = str(path) if path is not None else None
+    chosen = names or namemaps.implied(named, config, config_path=config_path)
+    if chosen is None:
+        return None
+    mapped = namemaps.apply(chosen, named, config, config_path=config_path,
+                            asked=names is not None)
+    return Through(f"the name map {chosen}", tuple(mapped.tensors))
+
+
+def _plan_through(a: Checkpoint, b: Checkpoint, mapped: Through,
+                  policy: DTypePolicy | None) -> AgainstPlan:
+    """``b`` held to the tensors merge makes of ``a`` (``mapped``): a stored tensor under its
+    output name is compared as it streams by (a :class:`Pair`), anything computed after the
+    pass (a :class:`Computed`); a tied copy merge left out must equal its partner in ``b``."""
+    names_b = b.by_name()
+    views = {id(t.tensor): t for t in a.tensors}
+    outputs = dict(mapped.sources)
+    problems = [info("against-mapped", f"{a.root} compared with {b.root} as merge writes it: "
+                     f"through {mapped.what}")]
+    pairs: list[Pair] = []
+    computed: list[Computed] = []
+    streamed: set[str] = set()
+    pair = ties.find_pair({n: _Shape(s.shape) for n, s in outputs.items()})
+    for name, source in outputs.items():
+        tb = names_b.get(name)
+        tie = None
+        if tb is None and pair is not None and name in pair:
+            tie = pair[1] if name == pair[0] else pair[0]
+            tb = names_b.get(tie)
+            if tb is None or hf.ties_word_embeddings(a.hf.config or b.hf.config) is False:
+                tb, tie = None, None
+        if tb is None:
+            made = "" if isinstance(source, Tensor) else f", made by {mapped.what}"
+            problems.append(error("missing-tensor", f"tensor '{name}' ({source.dtype.name} "
+                                   f"{list(source.shape)}{made}) is what merge writes of "
+                                   f"{a.root} but not in {b.root}", tensor=name))
+            continue
+        if tuple(source.shape) != tuple(tb.shape):
+            problems.append(error("shape-differs", f"tensor '{name}' is {list(source.shape)} "
+                                   f"as merge makes it of {a.root} but {list(tb.shape)} in "
+                                   f"{b.root}", tensor=name))
+            continue
+        cast = _cast_side(source.dtype, tb.dtype, policy)
+        if source.dtype != tb.dtype and cast != "a":
+            problems.append(error("dtype-differs", f"tensor '{name}' is {source.dtype.name} as "
+                                   f"merge makes it of {a.root} but {tb.dtype.name} in "
+                                   f"{b.root} (pass --allow-cast, with --dtype, to compare "
+                                   "after the cast merge applies)", tensor=name))
+            continue
+        view = views.get(id(source)) if isinstance(source, Tensor) else None
+        if view is not None and tie is None and view.stored_name not in streamed:
+            streamed.add(view.stored_name)
+            pairs.append(Pair(view, tb, cast))
+        else:
+            computed.append(Computed(name, source, tb, tb.dtype, tie))
+    for name, tb in names_b.items():
+        if name not in outputs:
+            problems.append(error("extra-tensor", f"tensor '{name}' ({tb.dtype.name} "
+                                   f"{list(tb.shape)}) is in {b.root} but not in what merge "
+                                   f"writes of {a.root} (through {mapped.what})", tensor=name))
+    return AgainstPlan(tuple(pairs), tuple(problems), (), (), tuple(computed))
+
+
+@dataclass(frozen=True)
+class _Shape:
+    shape: tuple[int, ...]
+
+
+def compare_computed(a: Checkpoint, b: Checkpoint, plan: AgainstPlan, reader_a: Reader,
+                     reader_b: Reader, report: Progress, *, skip: set[str],
+                     skip_b: set[str]) -> list[Problem]:
+    """Each :class:`Computed` of ``plan`` made from ``a`` as merge makes it (the same
+    planned source, the same cast) and compared whole with ``b``'s tensor; one output tensor
+    in memory at a time. ``skip``, ``skip_b``: stored names found damaged (reported
+    already)."""
+    problems: list[Problem] = []
+    for c in plan.computed:
+        inputs = c.source.inputs if isinstance(c.source, Derived) else (c.source,)
+        if any(t.name in skip for t in inputs) or c.b.stored_name in skip_b:
+            continue
+        try:
+            made = (derive.materialise(reader_a, c.source, c.dtype)
+                    if isinstance(c.source, Derived)
+                    else _cast_bytes(reader_a, c.source, c.dtype))
+            held = tensors.read_range(reader_b, c.b.tensor, 0, math.prod(c.b.shape))
+        except InputError as e:
+            problems.append(error("read-error", str(e), tensor=c.name))
+            continue
+        report(len(held))
+        if made == held:
+            if c.tie is not None:
+                problems.append(info("tie-deduplicated", f"'{c.name}' is not in {b.root}, but "
+                                     f"merge's '{c.name}' is identical to '{c.tie}' there: a "
+                                     "tied copy stored once", tensor=c.name))
+            continue
+        if c.tie is not None:
+            problems.append(error("missing-tensor", f"tensor '{c.name}' of what merge writes "
+                                   f"of {a.root} is not in {b.root}, and differs from its tie "
+                                   f"partner '{c.tie}' there", tensor=c.name))
+            continue
+        element = tensors.first_difference(memoryview(made), held) // c.dtype.itemsize
+        what = (c.source.what or "computed") if isinstance(c.source, Derived) else "copied"
+        problems.append(error(
+            "data-differs", f"tensor '{c.name}' differs between what merge makes of {a.root} "
+            f"({what}) and {b.root}: first at element {element} (index "
+            f"{list(tensors.unravel(element, c.b.shape))})", tensor=c.name,
+            **_location(reader_b, c.b, element)))
+    return problems
+
+
+def _cast_bytes(reader: Reader, tensor: Tensor, dtype: DType) -> bytearray:
+    """A stored tensor's bytes in C order, cast to ``dtype`` as merge casts a copy."""
+    if tensor.dtype == dtype:
+        return tensors.read_range(reader, tensor, 0, tensor.numel)
+    return derive.materialise(reader, Derived(tensor.name, (tensor,), tensor.dtype,
+                                              tensor.shape, derive.identity), dtype)
 
 
 def _hub_parts(names_a: dict[str, TensorView], names_b: dict[str, TensorView],

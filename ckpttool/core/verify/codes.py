@@ -151,6 +151,12 @@ CODES: tuple[Code, ...] = (
     Code("unchanged-from-base", "warning", "--against",
          "every LoRA target weight of a merged model is bit-identical to OTHER: the adapter "
          "was never folded in (or never trained)"),
+    Code("against-mapped", "info", "--against",
+         "PATH's names are no model's: OTHER is held to what merge makes of it, through the "
+         "same LoRA fold or name map (`--names`, Megatron's implied one)"),
+    Code("against-unmapped", "error", "--against",
+         "PATH's tensors cannot be made as merge makes them (no alpha for a LoRA fold: pass "
+         "`--lora-alpha`; a name map that does not fit), so OTHER is not compared"),
     Code("missing-tensor", "error", "--against", "a tensor of PATH is not in OTHER"),
     Code("extra-tensor", "error", "--against", "OTHER holds a tensor PATH does not"),
     Code("shape-differs", "error", "--against", "the same tensor has another shape"),

@@ -118,6 +118,8 @@ def verify(
     write_manifest: str | os.PathLike[str] | None = None,
     check_manifest: str | os.PathLike[str] | None = None,
     loader: str | None = None,
+    names: str | None = None,
+    lora_alpha: float | None = None,
 ) -> VerifyReport:
     """Check the checkpoint at ``path``; problems are reported, not raised.
 
@@ -135,6 +137,10 @@ def verify(
             ``latest_checkpointed_iteration.txt`` names.
         loader: ``"transformers"``: hold the model's tensors against the class config.json
             names, as a merge does before publishing (:mod:`ckpttool.core.contract`).
+        names: with ``against``, the ``--names`` map the merge that made it was given (a
+            Megatron-Core model's map applies unasked, as in merge; ``"none"``: none).
+        lora_alpha: with ``against``, the ``--lora-alpha`` that merge was given (a LoRA fold
+            is made again to compare; alpha is never guessed).
         manifest: a file to write SHA-256 digests to, or to check them against if it exists.
         manifest_action: ``"write"`` (the file must not exist) or ``"check"`` (it must);
             None: check when it exists, else write.
@@ -160,7 +166,8 @@ def verify(
     started = time.perf_counter()
     manifest, manifest_action = _manifest_use(manifest, manifest_action, write_manifest,
                                               check_manifest)
-    _check_options(dtype, allow_cast=allow_cast, against=against)
+    _check_options(dtype, allow_cast=allow_cast, against=against, names=names,
+                   lora_alpha=lora_alpha)
     ckpt = discover(path, config=config, command="verify", stores=stores, iteration=iteration)
     other = (discover(against, command="verify", stores=stores) if against is not None
              else None)
@@ -182,7 +189,8 @@ def verify(
         report.against = {"path": str(other.path), "checkpoint": str(other.root),
                           "format": other.format}
         plan = plan_against(select(ckpt, other.kind) if ckpt.has_part(other.kind) else ckpt,
-                            other, policy=cast_policy)
+                            other, policy=cast_policy, names=names, lora_alpha=lora_alpha,
+                            adapter_config=Path(adapter_config) if adapter_config else None)
     if manifest_path is not None:
         report.checks.append("manifest")
     held = _contract(ckpt, model, loader)
@@ -335,12 +343,16 @@ def _quantization(model: Checkpoint, report: VerifyReport) -> list[Problem]:
 
 
 def _check_options(dtype: str | None, *, allow_cast: bool,
-                   against: str | os.PathLike[str] | None) -> None:
+                   against: str | os.PathLike[str] | None, names: str | None = None,
+                   lora_alpha: float | None = None) -> None:
     if dtype is not None and not allow_cast:
         raise UsageError("--dtype applies to the cast that --allow-cast allows; pass "
                          "--allow-cast too, or leave --dtype out")
     if allow_cast and against is None:
         raise UsageError("--allow-cast needs --against OTHER")
+    for given, option in ((names, "--names"), (lora_alpha, "--lora-alpha")):
+        if given is not None and against is None:
+            raise UsageError(f"{option} says how merge made OTHER; it needs --against OTHER")
 
 
 def _policies(ckpt: Checkpoint, expect_dtype: str | None, cast_dtype: str | None, *,

@@ -29,7 +29,7 @@ from ckpttool.core.checkpoint.tensors import BLOCK_BYTES
 from ckpttool.core.runtime import forked
 from ckpttool.core.runtime.report import Progress
 from ckpttool.core.runtime.torch_threads import default_workers, one_torch_thread, workers_for
-from ckpttool.core.verify.against import AgainstPlan, Compare, decide_tied
+from ckpttool.core.verify.against import AgainstPlan, Compare, compare_computed, decide_tied
 from ckpttool.errors import InputError, UnreadableError
 from ckpttool.formats.base import (
     Checksummed,
@@ -84,7 +84,9 @@ class Result:
 @dataclass
 class Pass:
     problems: list[Problem]  # content problems of the checkpoint read
-    tied: list[Problem]  # against: tensors on one side only, decided once the data is read
+    # against: tensors on one side only, and those merge computes (a LoRA fold, a name
+    # map's parts), decided once the data is read
+    tied: list[Problem]
     digests: dict[str, str]
     bytes_read: int
     complete: set[str] = field(default_factory=set)  # tensors whose every byte was read
@@ -461,6 +463,8 @@ def data_pass(ckpt: Checkpoint, other: Checkpoint | None, plan: AgainstPlan | No
         if plan is not None and other is not None and reader_b is not None:
             tied = decide_tied(ckpt, other, plan, {n: r.equal for n, r in results.items()},
                                digests, reader_b, read)
+            tied += compare_computed(ckpt, other, plan, reader, reader_b, read, skip=skip,
+                                     skip_b=set(skip_b))
     return Pass(problems, tied, digests,
                 sum(r.bytes_read for r in results.values()) + rest.bytes_read,
                 {n for n, r in results.items() if r.complete})
