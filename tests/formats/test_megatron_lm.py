@@ -287,3 +287,26 @@ def test_unmapped_tensor_without_names_does_not_say_merge_without_names(
     assert r.output.endswith("--names none writes the stored tensors under their own names\n")
     assert "merge without --names" not in r.output
     assert not out.exists()
+
+
+def test_dp_reshardable_bucket_byte_flipped_is_exit_3(tmp_path: Path) -> None:
+    """The buckets' records are CRC-checked as their elements are copied out: a byte flipped
+    in one stops the merge, nothing written."""
+    from ckpttool.formats import megatron
+
+    run = tmp_path / "run"
+    shutil.copytree(DATA / "llama-dp2-dist", run)
+    info = megatron.read_info(run)
+    bucket = next(t for t in info.tensors if t.name.endswith("bucket_idx_0.exp_avg"))
+    chunk = max(bucket.chunks, key=lambda c: c.length)
+    with megatron.open_reader(info) as reader:
+        start = reader.payload(bucket, chunk).start
+    assert start is not None
+    path = info.root / chunk.file
+    data = bytearray(path.read_bytes())
+    data[start + 1000] ^= 0x01  # in the stored elements
+    path.write_bytes(bytes(data))
+    r = run_cli("merge", run, tmp_path / "opt", "--part", "optimizer")
+    assert r.exit_code == 3, r.output
+    assert "CRC" in r.output
+    assert not (tmp_path / "opt").exists()

@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ckpttool.errors import UnsupportedError
-from ckpttool.formats.base import RAW, Chunk, Reader, Tensor
+from ckpttool.formats.base import RAW, Chunk, Payload, Reader, Tensor
 
 _BUCKET = re.compile(r"^(?P<chain>chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(?P<g>\d+)"
                      r"\.gbuf_idx_(?P<b>\d+)\.dtype_.+\.bucket_idx_(?P<k>\d+)\.(?P<kind>\w+)$")
@@ -143,7 +143,7 @@ def unbucketed(model: Sequence[Tensor], named: Sequence[tuple[str, Any]],
     chains = sorted({c for c, _, _, _ in buckets})
     out: dict[str, list[Chunk]] = {}
     dtypes: dict[str, Any] = {}
-    starts: dict[int, Any] = {}  # payload start per bucket chunk, decoded once
+    starts: dict[int, Payload] = {}  # per stored piece of a bucket, decoded once
     for (chain, group, gbuf, kind), by_index in sorted(buckets.items()):
         expert = len(chains) > 1 and chain == chains[-1]
         if expert:
@@ -253,7 +253,7 @@ def _place(params: list[tuple[str, tuple[int, ...]]], tensors: Mapping[str, Tens
 
 
 def _chunks(reader: Reader, bucket: Tensor, span: int, boxes: list[Box],
-            starts: dict[int, Any]) -> list[Chunk]:
+            starts: dict[int, Payload]) -> list[Chunk]:
     """Raw chunks of the global tensor: ``boxes`` (in order) filled from the bucket's
     elements from ``span`` on, where the stored pieces lie."""
     pieces = sorted(bucket.chunks, key=lambda c: c.offsets[0])
@@ -268,18 +268,20 @@ def _chunks(reader: Reader, bucket: Tensor, span: int, boxes: list[Box],
         while lo < hi:
             piece = pieces[i]
             end = min(hi, piece.offsets[0] + piece.sizes[0])
-            start = starts.get(id(piece))
-            if start is None:
-                start = reader.payload(bucket, piece).start
-                if start is None:
-                    raise _refused(f"'{bucket.name}' is stored as a strided view")
-                starts[id(piece)] = start
-            base = start + (lo - piece.offsets[0]) * item
+            payload = starts.get(id(piece))
+            if payload is None:
+                payload = starts[id(piece)] = reader.payload(bucket, piece)
+            if payload.start is None:
+                raise _refused(f"'{bucket.name}' is stored as a strided view")
+            base = payload.start + (lo - piece.offsets[0]) * item
+            # The record's CRC-32 covers its whole storage: merge checks it as it reads.
+            span = (payload.storage_offset, payload.storage_size)
             done = 0
             for sub_off, sub_size in _sub_boxes(sizes, lo - at, end - at):
                 n = math.prod(sub_size)
                 out.append(Chunk(tuple(o + s for o, s in zip(offsets, sub_off, strict=True)),
-                                 sub_size, piece.file, base + done * item, n * item, RAW))
+                                 sub_size, piece.file, base + done * item, n * item, RAW,
+                                 payload.crc32, span if payload.crc32 is not None else None))
                 done += n
             lo = end
             i += 1
