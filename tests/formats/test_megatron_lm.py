@@ -169,8 +169,8 @@ def _flag(command: str, flag: str, default: int = 1) -> int:
 def _gradient(key: str, shape: tuple[int, ...], command: str) -> torch.Tensor:
     """The gradient generate.py gave the parameter ``key`` (a TP=EP=1 name), as the full
     model sees it: drawn by each rank's own parameter name and cut to the rank's rows, so a
-    SwiGLU ``linear_fc1`` at TP > 1 holds each rank's [gate; up] rows, and an expert at EP > 1
-    the draw of its rank-local name."""
+    SwiGLU ``linear_fc1`` at TP > 1 holds each rank's [gate; up] rows, and a layer at PP > 1
+    or an expert at EP > 1 the draw of its stage's or rank's own name."""
     import re
     import zlib
 
@@ -178,11 +178,15 @@ def _gradient(key: str, shape: tuple[int, ...], command: str) -> torch.Tensor:
     ep = _flag(command, "--expert-model-parallel-size")
     experts = _flag(command, "--num-experts", 0)
     name = key
+    per_chunk = _flag(command, "--num-layers-per-virtual-pipeline-stage", _flag(
+        command, "--num-layers", 2) // _flag(command, "--pipeline-model-parallel-size"))
+    if (m := re.match(r"decoder\.layers\.(\d+)\.", key)) is not None:  # a stage's own index
+        name = f"decoder.layers.{int(m[1]) % per_chunk}.{key[m.end():]}"
     if ".local_experts." in key:
         tp = _flag(command, "--expert-tensor-parallel-size", tp)
         expert = int(re.search(r"\.local_experts\.(\d+)\.", key)[1])  # type: ignore[index]
         local = expert % (experts // ep)
-        name = key.replace(f".local_experts.{expert}.", f".local_experts.{local}.")
+        name = name.replace(f".local_experts.{expert}.", f".local_experts.{local}.")
     g = torch.randn(shape, generator=torch.Generator().manual_seed(
         zlib.crc32(f"module.{name}".encode())))
     if key.endswith("linear_fc1.weight") and tp > 1 and "--swiglu" in command.split():

@@ -275,13 +275,13 @@ def _chunks(reader: Reader, bucket: Tensor, span: int, boxes: list[Box],
                 raise _refused(f"'{bucket.name}' is stored as a strided view")
             base = payload.start + (lo - piece.offsets[0]) * item
             # The record's CRC-32 covers its whole storage: merge checks it as it reads.
-            span = (payload.storage_offset, payload.storage_size)
+            stored = (payload.storage_offset, payload.storage_size)
             done = 0
             for sub_off, sub_size in _sub_boxes(sizes, lo - at, end - at):
                 n = math.prod(sub_size)
                 out.append(Chunk(tuple(o + s for o, s in zip(offsets, sub_off, strict=True)),
                                  sub_size, piece.file, base + done * item, n * item, RAW,
-                                 payload.crc32, span if payload.crc32 is not None else None))
+                                 payload.crc32, stored if payload.crc32 is not None else None))
                 done += n
             lo = end
             i += 1
