@@ -137,6 +137,9 @@ def main() -> None:
     ap.add_argument("--moe-gb", type=float, default=0.4,
                     help="expert bytes of each MoE run, whatever its count (GB)")
     ap.add_argument("--no-dense", action="store_true", help="only the MoE runs")
+    ap.add_argument("--weights-only", action="store_true",
+                    help="merge with --weights-only (no contract check: transformers is not "
+                         "imported)")
     ap.add_argument("--targets", action="store_true",
                     help="issue 36's pairs: one output file against cat into one file, "
                          ">= 4 output files against cp -r")
@@ -191,14 +194,15 @@ def bench_case(args: argparse.Namespace, label: str, run: Path, largest: int, no
                                                 str(run), str(args.work / "base-out"), "-q"],
                       args.work / "base-out", {**env, "PYTHONPATH": str(tree)}, tree))
     size = M.dir_bytes(iteration)
+    extra = ["--weights-only"] if args.weights_only else []
     if args.targets:
         one, four = args.work / "one", args.work / "four"
         tools = [("ckpttool merge, one file", [
             sys.executable, "-m", "ckpttool", "merge", str(run), str(one), "-q",
-            "--max-shard-size", "1000GB"], one, env, ROOT),
+            "--max-shard-size", "1000GB", *extra], one, env, ROOT),
                  ("ckpttool merge, >= 4 files", [
             sys.executable, "-m", "ckpttool", "merge", str(run), str(four), "-q",
-            "--max-shard-size", str(size // 5)], four, env, ROOT)]
+            "--max-shard-size", str(size // 5), *extra], four, env, ROOT)]
         cat = args.work / "cat"
         data = " ".join(str(p) for p in sorted(iteration.glob("*.distcp")))
         tools.append(("cat data files > one file", [

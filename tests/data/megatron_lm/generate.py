@@ -85,8 +85,9 @@ RUNS: dict[str, tuple[str, int, str]] = {
                                  f"--pipeline-model-parallel-size 2 {DISTOPT}"),
     "llama-vpp": ("llama", 2, f"{UNTIED} --num-layers 4 --pipeline-model-parallel-size 2 "
                               f"--num-layers-per-virtual-pipeline-stage 1 {DISTOPT}"),
+    # expert TP without dense TP (dense TP with MoE needs --sequence-parallel, which the
+    # local spec's torch norms refuse)
     "qwen3_moe-etp2": ("qwen3_moe", 2, f"{UNTIED} --qk-layernorm {MOE} "
-                                       "--tensor-model-parallel-size 2 --sequence-parallel "
                                        f"--expert-tensor-parallel-size 2 {DISTOPT}"),
 }
 
