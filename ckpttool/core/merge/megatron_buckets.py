@@ -141,6 +141,12 @@ def unbucketed(model: Sequence[Tensor], named: Sequence[tuple[str, Any]],
             where = (m["chain"] or "", int(m["g"]), int(m["b"]), m["kind"])
             buckets.setdefault(where, {})[int(m["k"])] = tensor
     chains = sorted({c for c, _, _, _ in buckets})
+    if len(chains) < 2 and etp != tp and any(_EXPERT_MARK in k for k in tensors):
+        raise _refused(
+            f"its experts (expert-tensor-parallel size {etp}) share the dense parameters' "
+            f"buckets (tensor-parallel size {tp}, no expert-parallel optimizer): each "
+            "data-parallel rank saved its part of one bucket from its own expert shards, so "
+            "no expert's whole state is in the checkpoint")
     out: dict[str, list[Chunk]] = {}
     dtypes: dict[str, Any] = {}
     starts: dict[int, Payload] = {}  # per stored piece of a bucket, decoded once
