@@ -161,15 +161,54 @@ def _command(name: str) -> str:
     return str(json.loads((DATA / name / "written_by.json").read_text())["command"])
 
 
-@pytest.mark.parametrize("name", [n for n in RUNS if "--dist-ckpt-optim-fully-reshardable"
-                                  in _command(n)])
+def _flag(command: str, flag: str, default: int = 1) -> int:
+    words = command.split()
+    return int(words[words.index(flag) + 1]) if flag in words else default
+
+
+def _gradient(key: str, shape: tuple[int, ...], command: str) -> torch.Tensor:
+    """The gradient generate.py gave the parameter ``key`` (a TP=EP=1 name), as the full
+    model sees it: drawn by each rank's own parameter name and cut to the rank's rows, so a
+    SwiGLU ``linear_fc1`` at TP > 1 holds each rank's [gate; up] rows, and a layer at PP > 1
+    or an expert at EP > 1 the draw of its stage's or rank's own name."""
+    import re
+    import zlib
+
+    tp = _flag(command, "--tensor-model-parallel-size")
+    ep = _flag(command, "--expert-model-parallel-size")
+    experts = _flag(command, "--num-experts", 0)
+    name = key
+    per_chunk = _flag(command, "--num-layers-per-virtual-pipeline-stage", _flag(
+        command, "--num-layers", 2) // _flag(command, "--pipeline-model-parallel-size"))
+    if (m := re.match(r"decoder\.layers\.(\d+)\.", key)) is not None:  # a stage's own index
+        name = f"decoder.layers.{int(m[1]) % per_chunk}.{key[m.end():]}"
+    if ".local_experts." in key:
+        tp = _flag(command, "--expert-tensor-parallel-size", tp)
+        expert = int(re.search(r"\.local_experts\.(\d+)\.", key)[1])  # type: ignore[index]
+        local = expert % (experts // ep)
+        name = name.replace(f".local_experts.{expert}.", f".local_experts.{local}.")
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(
+        zlib.crc32(f"module.{name}".encode())))
+    if key.endswith("linear_fc1.weight") and tp > 1 and "--swiglu" in command.split():
+        pieces = g.chunk(tp)
+        g = torch.cat([p.chunk(2)[0] for p in pieces] + [p.chunk(2)[1] for p in pieces])
+    return g
+
+
+# Expert TP 2 at TP 1 and EP 1: the experts share the dense buckets, each DP rank saving its
+# part of a bucket from its own expert shards (see test_expert_tp_sharing_dense_buckets...).
+PARTIAL_EXPERTS = "qwen3_moe-etp2"
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if "--use-distributed-optimizer"
+                                  in _command(n) and n != PARTIAL_EXPERTS])
 def test_part_optimizer_gives_adams_state_under_hugging_face_names(name: str,
                                                                     tmp_path: Path) -> None:
-    """The distributed optimizer's fully_reshardable state: the fp32 master params equal the
+    """The distributed optimizer's state, in either layout (fully_reshardable, or
+    dp_reshardable's flat buckets, Megatron-LM's default): the fp32 master params equal the
     merged weights bit for bit, and Adam's moments after its one step are those of the
     gradient the generator gave each parameter (drawn by its name), each under its Hugging
-    Face name: a swapped q/k, gate/up or layer would not match."""
-    import zlib
+    Face name: a swapped q/k, gate/up, layer or bucket place would not match."""
 
     run = DATA / name
     out = tmp_path / "out"
@@ -180,8 +219,7 @@ def test_part_optimizer_gives_adams_state_under_hugging_face_names(name: str,
     where = tmp_path / "expected"
     where.mkdir()
     shutil.copy(run / "hf_config.json", where / "config.json")
-    grads = {k: torch.randn(tuple(v.shape), generator=torch.Generator().manual_seed(
-        zlib.crc32(f"module.{k}".encode()))) for k, v in weights.items()}
+    grads = {k: _gradient(k, tuple(v.shape), _command(name)) for k, v in weights.items()}
     want = {f"state.{k}.param": v for k, v in hf_reference(where, weights).items()}
     assert {k for k in got if k.endswith(".param")} == set(want)
     assert_bit_exact({k: v for k, v in got.items() if k.endswith(".param")}, want)
@@ -195,18 +233,29 @@ def test_part_optimizer_gives_adams_state_under_hugging_face_names(name: str,
 
 @pytest.mark.parametrize("name", [n for n in RUNS if "--use-distributed-optimizer"
                                   in _command(n) and "fully-reshardable" not in _command(n)])
-def test_dp_reshardable_optimizer_is_exit_4_and_the_model_merges(name: str,
-                                                                 tmp_path: Path) -> None:
-    run = DATA / name
-    r = run_cli("merge", run, tmp_path / "opt", "--part", "optimizer")
-    assert r.exit_code == 4, r.output
-    assert "its dp_reshardable layout" in r.output
-    assert "--dist-ckpt-optim-fully-reshardable" in r.output
-    assert not (tmp_path / "opt").exists()
-    r = run_cli("merge", run, tmp_path / "out", "--part", "model", "-q")
+def test_dp_reshardable_model_merges_beside_its_optimizer(name: str, tmp_path: Path) -> None:
+    r = run_cli("merge", run_dir := DATA / name, tmp_path / "out", "--part", "model", "-q")
     assert r.exit_code == 0, r.output
     assert_bit_exact(load_out(tmp_path / "out"),
-                     _expected(run, tmp_path / "out" / "config.json", tmp_path))
+                     _expected(run_dir, tmp_path / "out" / "config.json", tmp_path))
+
+
+def test_dp_reshardable_layout_not_known_is_exit_4(tmp_path: Path) -> None:
+    """A bucket layout that does not add up (here: args saying another transformer
+    implementation, whose norms register elsewhere) is refused, never guessed."""
+    from ckpttool.core.checkpoint.discover import discover, open_reader, select
+    from ckpttool.core.merge import megatron_buckets
+    from ckpttool.errors import UnsupportedError
+
+    run = DATA / "llama-dp2-dist"
+    ckpt = select(discover(run), "optimizer")
+    assert ckpt.info is not None
+    args = {**ckpt.info.values["args"], "transformer_impl": "transformer_engine"}
+    named = [(t.name, t.tensor) for t in ckpt.tensors]
+    with open_reader(ckpt) as reader, pytest.raises(UnsupportedError,
+                                                    match="dp_reshardable layout"):
+        megatron_buckets.unbucketed(megatron_buckets.model_tensors(ckpt.info.tensors), named,
+                                    args, reader)
 
 
 def test_args_of_megatron_lm_0_16_and_0_19_are_readable() -> None:
@@ -247,3 +296,39 @@ def test_unmapped_tensor_without_names_does_not_say_merge_without_names(
     assert r.output.endswith("--names none writes the stored tensors under their own names\n")
     assert "merge without --names" not in r.output
     assert not out.exists()
+
+
+def test_dp_reshardable_bucket_byte_flipped_is_exit_3(tmp_path: Path) -> None:
+    """The buckets' records are CRC-checked as their elements are copied out: a byte flipped
+    in one stops the merge, nothing written."""
+    from ckpttool.formats import megatron
+
+    run = tmp_path / "run"
+    shutil.copytree(DATA / "llama-dp2-dist", run)
+    info = megatron.read_info(run)
+    bucket = next(t for t in info.tensors if t.name.endswith("bucket_idx_0.exp_avg"))
+    chunk = max(bucket.chunks, key=lambda c: c.length)
+    with megatron.open_reader(info) as reader:
+        start = reader.payload(bucket, chunk).start
+    assert start is not None
+    path = info.root / chunk.file
+    data = bytearray(path.read_bytes())
+    data[start + 1000] ^= 0x01  # in the stored elements
+    path.write_bytes(bytes(data))
+    r = run_cli("merge", run, tmp_path / "opt", "--part", "optimizer")
+    assert r.exit_code == 3, r.output
+    assert "CRC" in r.output
+    assert not (tmp_path / "opt").exists()
+
+
+@pytest.mark.skipif(PARTIAL_EXPERTS not in RUNS, reason="run not committed")
+def test_expert_tp_sharing_dense_buckets_is_exit_4_naming_why(tmp_path: Path) -> None:
+    """Megatron-LM 0.16.1 at expert TP 2, TP 1, EP 1 keeps the experts in the dense
+    optimizer's buckets, and each data-parallel rank (= expert-TP rank) saves its part of a
+    bucket from its own expert shards: no expert's whole state is saved. Refused, saying
+    so; the model merges."""
+    run = DATA / PARTIAL_EXPERTS
+    r = run_cli("merge", run, tmp_path / "opt", "--part", "optimizer")
+    assert r.exit_code == 4, r.output
+    assert "no expert's whole state is in the checkpoint" in r.output
+    assert not (tmp_path / "opt").exists()

@@ -12,8 +12,9 @@ optimizer-state naming, as for the other formats).
 The distributed optimizer's default layout, ``dp_reshardable``, saves the state as flat
 buffers per gradient bucket (``optimizer.distributed.dp_group_idx_N.gbuf_idx_M...
 bucket_idx_K.<kind>``; a ChainedOptimizer's, dense and expert parameters apart, below
-``chained_<i>.``), which hold the parameters in DDP's bucket order, not by name: not
-read yet (exit 4 naming it; the model still merges).
+``chained_<i>.``), which hold the parameters in DDP's bucket order, not by name: merge
+turns them into these names first (:mod:`ckpttool.core.merge.megatron_buckets`); buckets
+that reach :func:`model_view` still are a layout it could not place (exit 4).
 
 Pure: no I/O.
 """

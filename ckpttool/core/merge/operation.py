@@ -31,7 +31,7 @@ from ckpttool.core.checkpoint.names import detected_wrappers
 from ckpttool.core.checkpoint.parts import MERGEABLE, Content
 from ckpttool.core.contract import Contract
 from ckpttool.core.dtype_policy import DTypePolicy
-from ckpttool.core.merge import megatron_optimizer, resume
+from ckpttool.core.merge import megatron_buckets, megatron_optimizer, resume
 from ckpttool.core.merge.checked import checked
 from ckpttool.core.merge.engine import check_existing, commit_outputs, write
 from ckpttool.core.merge.optimizer import OPTIMIZER_JSON, optimizer_json
@@ -276,6 +276,8 @@ def merge(
     whole, ckpt = _recognise(src_path, out_path, config, part, layout, stores, iteration)
     files, optimizer = ckpt.hf, ckpt.kind == "optimizer"
     named = [(t.name, t.tensor) for t in ckpt.tensors]
+    if optimizer and megatron_buckets.holds(named):
+        named = _unbucketed(ckpt, named, follow_links=follow_links)
     files, derived = _derived(ckpt, named, names, files, optimizer=optimizer,
                               command=f"ckpttool merge {src} {out}")
     adapted = (None if optimizer else
@@ -355,6 +357,18 @@ def _contract(plan: MergePlan, files: hf.HfFiles, report: MergeReport, out: Path
     elif result.extra:
         report.warnings.append(result.extra_message(str(out)))
     return result
+
+
+def _unbucketed(ckpt: Checkpoint, named: list[tuple[str, Any]], *, follow_links: bool
+                ) -> list[tuple[str, Any]]:
+    """Megatron-Core's dp_reshardable optimizer buckets as per-parameter tensors
+    (:mod:`ckpttool.core.merge.megatron_buckets`)."""
+    assert ckpt.info is not None
+    args = ckpt.info.values.get("args")
+    with open_reader(ckpt, follow_links=follow_links) as reader:
+        return list(megatron_buckets.unbucketed(
+            megatron_buckets.model_tensors(ckpt.info.tensors), named,
+            args if isinstance(args, dict) else None, reader))
 
 
 def _derived(ckpt: Checkpoint, named: list[tuple[str, Any]], names: str | None,

@@ -6,7 +6,7 @@ with ``pretrain_gpt.py``'s ``model_provider`` (``gpt_builders.gpt_builder``), on
 step, then ``checkpointing.save_checkpoint`` (``--ckpt-format torch_dist``, the fully parallel
 save wrapper on as by default). Megatron-LM is not a wheel: point ``--mlm`` at a checkout of
 the tag matching the installed megatron-core (``core_v0.16.1`` for megatron-core 0.16.1:
-``git archive core_v0.16.1 megatron/training pretrain_gpt.py gpt_builders.py
+``git archive core_v0.16.1 megatron/training megatron/legacy pretrain_gpt.py gpt_builders.py
 model_provider.py``).
 
 CPU stand-ins, in this script only (and the MoE runs use the allgather token dispatcher:
@@ -81,6 +81,14 @@ RUNS: dict[str, tuple[str, int, str]] = {
     "qwen3_moe-ep2": ("qwen3_moe", 2, f"{UNTIED} --qk-layernorm {MOE} "
                                       f"--expert-model-parallel-size 2 {DISTOPT}"),
     "mixtral-ep2": ("mixtral", 2, f"{UNTIED} {MOE} --expert-model-parallel-size 2 {RELEASE}"),
+    "llama-tp2pp2": ("llama", 4, f"{UNTIED} --tensor-model-parallel-size 2 "
+                                 f"--pipeline-model-parallel-size 2 {DISTOPT}"),
+    "llama-vpp": ("llama", 2, f"{UNTIED} --num-layers 4 --pipeline-model-parallel-size 2 "
+                              f"--num-layers-per-virtual-pipeline-stage 1 {DISTOPT}"),
+    # expert TP without dense TP (dense TP with MoE needs --sequence-parallel, which the
+    # local spec's torch norms refuse)
+    "qwen3_moe-etp2": ("qwen3_moe", 2, f"{UNTIED} --qk-layernorm {MOE} "
+                                       f"--expert-tensor-parallel-size 2 {DISTOPT}"),
 }
 
 
@@ -197,7 +205,8 @@ def _argv(name: str, run: Path, *, reference: bool) -> list[str]:
     flags = f"{COMMON} {extra}".split()
     if reference:  # TP=PP=EP=1, the model only
         drop = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-                "--expert-model-parallel-size"}
+                "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+                "--num-layers-per-virtual-pipeline-stage"}
         kept: list[str] = []
         skip = False
         for f in flags:
@@ -207,7 +216,8 @@ def _argv(name: str, run: Path, *, reference: bool) -> list[str]:
             if f in drop:
                 skip = True
                 continue
-            kept.append(f)
+            if f != "--sequence-parallel":
+                kept.append(f)
         flags = kept + ["--load", str(run), "--no-load-optim", "--no-load-rng",
                         "--skip-train", "--exit-on-missing-checkpoint"]
     else:
@@ -310,8 +320,9 @@ def hf_config(name: str) -> dict[str, Any]:
            "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
            "mixtral": transformers.MixtralConfig}[family]
     head_dim = 32 if "--kv-channels" in flags else 16
+    layers = int(flags[flags.index("--num-layers") + 1]) if "--num-layers" in flags else 2
     kwargs: dict[str, Any] = dict(
-        vocab_size=VOCAB + 1, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=VOCAB + 1, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
         max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=UNTIED not in flags,
         rope_theta=10000.0, torch_dtype="float32")
