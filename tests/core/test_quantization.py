@@ -470,6 +470,32 @@ def test_fp8_to_float_every_code() -> None:
     assert torch.equal(fp8_to_float(codes).view(torch.int32), codes.float().view(torch.int32))
 
 
+@pytest.mark.parametrize("target", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("shape", "block", "grid"), [
+    ((300, 2100), (128, 128), (3, 17)),  # edge blocks both ways, three block rows per piece
+    ((300, 1030), (300, 1030), (1, 1)),  # one scale for the tensor
+    ((520, 1100), (1, 1100), (520, 1)),  # a scale per row (compressed-tensors channel)
+])
+def test_fp8_table_decode_is_the_reference(target: torch.dtype, shape: tuple[int, int],
+                                           block: tuple[int, int], grid: tuple[int, int]
+                                           ) -> None:
+    """The table decode against ``(fp8.float() * scale[i // br, j // bc]).to(dtype)``
+    element by element: every code (NaNs, -0.0, subnormals), scales from tiny to large."""
+    from ckpttool.core.transforms.quantize import _fp8_by_table
+
+    g = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.int32).to(torch.uint8)
+    codes.view(-1)[:256] = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    w8 = codes.view(FP8)
+    scales = torch.exp2(torch.randint(-40, 20, grid, generator=g).float()) * torch.rand(
+        grid, generator=g)
+    got = b"".join(bytes(p) for p in _fp8_by_table(w8, scales, block, target))
+    i = torch.arange(shape[0])[:, None] // block[0]
+    j = torch.arange(shape[1])[None, :] // block[1]
+    want = (w8.float() * scales[i, j]).to(target)
+    assert got == want.view(torch.uint8).numpy().tobytes()
+
+
 def test_checks_pure() -> None:
     """quantization.check and kept_names on metadata alone."""
     from ckpttool.core import quantization as qz
