@@ -161,8 +161,13 @@ def _decoder(s: q.Scheme, g: q.Group, by_name: Mapping[str, Source], out: DType)
     qt, sc = by_name[g.part("q")], by_name[g.part("scale")]
     assert isinstance(qt, Tensor) and isinstance(sc, Tensor)
     if s.method == q.FP8_BLOCK:
-        assert s.block is not None
-        return _fp8_scaled(g.out, qt, sc, s.block, out, f"block fp8 {list(s.block)}")
+        block = q.fp8_block(tuple(qt.shape), tuple(sc.shape), s.block)
+        if block is None:
+            raise InputError(f"--dequantize: '{g.part('scale')}' {list(sc.shape)} fits no "
+                             f"block of '{g.out}' {list(qt.shape)}"
+                             + (f" in {list(s.block)} blocks" if s.block else ""))
+        what = ("fp8 per tensor" if math.prod(sc.shape) == 1 else f"block fp8 {list(block)}")
+        return _fp8_scaled(g.out, qt, sc, block, out, what)
     if s.method == q.FP8_CT:
         shape = tuple(qt.shape)
         sshape = tuple(sc.shape)
@@ -175,7 +180,7 @@ def _decoder(s: q.Scheme, g: q.Group, by_name: Mapping[str, Source], out: DType)
             block = strategy
         return _fp8_scaled(g.out, qt, sc, block, out, "compressed-tensors fp8")
     if s.method == q.MXFP4:
-        return _mxfp4(g.out, qt, sc, out)
+        return _mxfp4(g.out, qt, sc, out, original=g.part("q").endswith(".blocks"))
     assert s.method == q.NVFP4
     gs = by_name[g.part("global")]
     assert isinstance(gs, Tensor)
@@ -280,31 +285,53 @@ def _fp8_by_table(w8: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]
         yield _bytes(out)
 
 
-def _mxfp4(name: str, blocks: Tensor, scales: Tensor, out: DType) -> Derived:
-    """transformers' MXFP4 decode of [..., rows, G, 16] bytes and [..., rows, G] exponents,
-    per leading index, as [..., G * 32, rows]."""
-    shape = tuple(blocks.shape)
-    if len(shape) != 4 or tuple(scales.shape) != shape[:-1]:
-        raise InputError(f"--dequantize: '{name}_blocks' {list(shape)} and '{name}_scales' "
-                         f"{list(scales.shape)} are not MXFP4's [..., rows, G, 16] and "
-                         "[..., rows, G]")
-    outer, rows, groups_, width = shape
-    out_shape = (outer, groups_ * width * 2, rows)
+def _mxfp4(name: str, blocks: Tensor, scales: Tensor, out: DType, *, original: bool = False
+           ) -> Derived:
+    """MXFP4 bytes [..., G, 16] (or [..., G * 16]) and exponents [..., G], decoded as
+    transformers' ``convert_moe_packed_tensors`` does: the low nibble first, the e2m1 table
+    in the output dtype, ``ldexp`` by ``scale - 127``; then laid out as each writer's loader
+    reads it:
+
+    - transformers' ``X_blocks`` of experts [E, rows, G, 16]: its transpose, [E, G * 32, rows];
+    - ``X_blocks`` of one matrix [rows, G, 16] (transformers' function needs the expert dim
+      for its transpose) and the original gpt-oss release's ``X.blocks`` of any rank:
+      gpt-oss' own ``_get_mxfp4_tensor``, [..., G * 32], no transpose."""
+    layout = q.mxfp4_layout(tuple(blocks.shape), tuple(scales.shape))
+    if layout is None:
+        raise InputError(f"--dequantize: '{name}' blocks {list(blocks.shape)} and scales "
+                         f"{list(scales.shape)} are not MXFP4's [..., G, 16] (or [..., G * 16])"
+                         " and [..., G]")
+    *prefix, groups_, width = layout
+    transpose = not original and len(prefix) == 2
+    if not original and len(prefix) > 2:
+        raise UnsupportedError(f"--dequantize: MXFP4 '{name}_blocks' {list(blocks.shape)}: "
+                               "transformers decodes experts [E, rows, G, 16] and ckpttool "
+                               "one matrix [rows, G, 16]; a stacked layout is not supported")
+    values = groups_ * width * 2
+    out_shape = (prefix[0], values, prefix[1]) if transpose else (*prefix, values)
+    # Pieces: one expert where transposed (the transpose needs all its rows), else ROWS rows.
+    outer = prefix[0] if transpose else math.ceil(math.prod(prefix) / ROWS)
+    per = prefix[1] if transpose else ROWS
+    total = math.prod(prefix)
 
     def pieces(ts: list[torch.Tensor], target: torch.dtype) -> Iterator[memoryview]:
         import torch
 
         b8, e8 = ts
-        b8 = b8.reshape(outer, rows * groups_, width)
-        exps = e8.reshape(outer, rows * groups_, 1).to(torch.int32) - 127
+        b8 = b8.reshape(total * groups_, width)
+        exps = e8.reshape(total * groups_, 1).to(torch.int32) - 127
         lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=target)
         for k in range(outer):
-            blk = b8[k]
-            vals = torch.empty(rows * groups_, width * 2, dtype=target)
+            lo, hi = k * per * groups_, min((k + 1) * per, total) * groups_
+            blk = b8[lo:hi]
+            vals = torch.empty(hi - lo, width * 2, dtype=target)
             vals[:, 0::2] = lut[(blk & 0x0F).to(torch.int)]
             vals[:, 1::2] = lut[(blk >> 4).to(torch.int)]
-            torch.ldexp(vals, exps[k], out=vals)
-            yield _bytes(vals.reshape(rows, groups_ * width * 2).T.contiguous())
+            torch.ldexp(vals, exps[lo:hi], out=vals)
+            if transpose:
+                yield _bytes(vals.reshape(per, values).T.contiguous())
+            else:
+                yield _bytes(vals)
 
     def compute(ts: list[torch.Tensor]) -> torch.Tensor:
         import torch
