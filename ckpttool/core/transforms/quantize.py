@@ -161,13 +161,13 @@ def _decoder(s: q.Scheme, g: q.Group, by_name: Mapping[str, Source], out: DType)
     qt, sc = by_name[g.part("q")], by_name[g.part("scale")]
     assert isinstance(qt, Tensor) and isinstance(sc, Tensor)
     if s.method == q.FP8_BLOCK:
-        block = q.fp8_block(tuple(qt.shape), tuple(sc.shape), s.block)
-        if block is None:
+        fitted = q.fp8_block(tuple(qt.shape), tuple(sc.shape), s.block)
+        if fitted is None:
             raise InputError(f"--dequantize: '{g.part('scale')}' {list(sc.shape)} fits no "
                              f"block of '{g.out}' {list(qt.shape)}"
                              + (f" in {list(s.block)} blocks" if s.block else ""))
-        what = ("fp8 per tensor" if math.prod(sc.shape) == 1 else f"block fp8 {list(block)}")
-        return _fp8_scaled(g.out, qt, sc, block, out, what)
+        what = ("fp8 per tensor" if math.prod(sc.shape) == 1 else f"block fp8 {list(fitted)}")
+        return _fp8_scaled(g.out, qt, sc, fitted, out, what)
     if s.method == q.FP8_CT:
         shape = tuple(qt.shape)
         sshape = tuple(sc.shape)
@@ -482,7 +482,8 @@ def _fp8_block(name: str, src: Source) -> tuple[Derived, Derived]:
         r, full = x.shape[0], cols // bc
         highs, lows = [], []
         if full:
-            v = x[:, :full * bc].unflatten(1, (full, bc))
+            v = x[:, :full * bc].view(r, full, bc) if full * bc == cols else (
+                x[:, :full * bc].as_strided((r, full, bc), (cols, bc, 1)))
             highs.append(v.amax(dim=2).amax(dim=0))
             lows.append(v.amin(dim=2).amin(dim=0))
         if cols % bc:
