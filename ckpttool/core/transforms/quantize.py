@@ -317,17 +317,18 @@ def _mxfp4(name: str, blocks: Tensor, scales: Tensor, out: DType, *, original: b
     def pieces(ts: list[torch.Tensor], target: torch.dtype) -> Iterator[memoryview]:
         import torch
 
+        from ckpttool.core.transforms.derive import scratch
+
         b8, e8 = ts
         b8 = b8.reshape(total * groups_, width)
-        exps = e8.reshape(total * groups_, 1).to(torch.int32) - 127
-        lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=target)
+        e8 = e8.reshape(total * groups_, 1)
+        pairs = _mxfp4_pairs(target)
         for k in range(outer):
             lo, hi = k * per * groups_, min((k + 1) * per, total) * groups_
-            blk = b8[lo:hi]
-            vals = torch.empty(hi - lo, width * 2, dtype=target)
-            vals[:, 0::2] = lut[(blk & 0x0F).to(torch.int)]
-            vals[:, 1::2] = lut[(blk >> 4).to(torch.int)]
-            torch.ldexp(vals, exps[lo:hi], out=vals)
+            n = (hi - lo) * width
+            idx = scratch("mxfp4-idx", n, torch.int32).view(hi - lo, width)
+            idx.copy_(e8[lo:hi]).mul_(256).add_(b8[lo:hi])
+            vals = torch.index_select(pairs, 0, idx.view(-1)).view(target)
             if transpose:
                 yield _bytes(vals.reshape(per, values).T.contiguous())
             else:
@@ -341,6 +342,24 @@ def _mxfp4(name: str, blocks: Tensor, scales: Tensor, out: DType, *, original: b
 
     return Derived(name, (blocks, scales), out, out_shape, compute, "dequantized: mxfp4",
                    pieces=pieces)
+
+
+def _mxfp4_pairs(target: torch.dtype) -> torch.Tensor:
+    """Every byte's two e2m1 values under every exponent, as transformers computes them
+    (the table in ``target``, ``ldexp`` by ``exponent - 127`` into ``target``): entry
+    ``exponent * 256 + byte`` holds the pair (low nibble first) as one element of twice
+    ``target``'s width, so one lookup writes both values of a byte."""
+    import torch
+
+    lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=target)
+    codes = torch.arange(256, dtype=torch.int32)
+    vals = torch.empty(256, 256, 2, dtype=target)
+    vals[:, :, 0] = lut[codes & 0x0F]
+    vals[:, :, 1] = lut[codes >> 4]
+    exps = (torch.arange(256, dtype=torch.int32) - 127).view(256, 1, 1)
+    torch.ldexp(vals, exps, out=vals)
+    wide = {2: torch.int32, 4: torch.int64}[vals.element_size()]
+    return vals.view(wide).reshape(256 * 256)
 
 
 def _nvfp4(name: str, packed: Tensor, scale: Tensor, global_scale: Tensor, out: DType
