@@ -376,9 +376,28 @@ def _nvfp4(name: str, packed: Tensor, scale: Tensor, global_scale: Tensor, out: 
     def pieces(ts: list[torch.Tensor], target: torch.dtype) -> Iterator[memoryview]:
         import torch
 
+        from ckpttool.core.transforms.derive import scratch
+
         p8, s8, g32 = ts
         gs = g32.float().reshape(())
         lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32)
+        if group % 2 == 0 and str(target).removeprefix("torch.") in LUT_TARGETS:
+            # By table: each scale code's factor times each byte's two values, in float32,
+            # cast to the output dtype (the same operations, once per code and byte).
+            codes = torch.arange(256, dtype=torch.int32)
+            vals = torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=-1)
+            table = (vals.view(1, 256, 2) * (_codes() / gs).view(256, 1, 1)).to(target)
+            wide = {2: torch.int32, 4: torch.int64}[table.element_size()]
+            pairs = table.view(wide).reshape(256 * 256)
+            s8u, ngroups, per = s8.view(torch.uint8), cols // group, group // 2
+            for lo in range(0, rows, ROWS):
+                hi = min(lo + ROWS, rows)
+                idx = scratch("nvfp4-idx", (hi - lo) * half, torch.int32)
+                idx3 = idx.view(hi - lo, ngroups, per)
+                idx3.copy_(s8u[lo:hi].unsqueeze(-1)).mul_(256)
+                idx3.add_(p8[lo:hi].view(hi - lo, ngroups, per))
+                yield _bytes(torch.index_select(pairs, 0, idx))
+            return
         for lo in range(0, rows, ROWS):
             hi = min(lo + ROWS, rows)
             blk = p8[lo:hi]
