@@ -276,7 +276,7 @@ def _fp8_by_table(w8: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]
         table = (codes * scales[first:last + 1].view(-1, ncb, 1)).to(target).view(-1)
         n = (hi - lo) * cols
         idx = scratch("dequant-idx", n, torch.int32).view(hi - lo, cols)
-        idx.copy_(u8[lo:hi]).add_(col_at)
+        torch.add(u8[lo:hi], col_at, out=idx)
         if last > first:
             idx.add_(((torch.arange(lo, hi, dtype=torch.int32) // br - first)
                       * (ncb * 256)).view(-1, 1))
