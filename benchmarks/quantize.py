@@ -10,7 +10,9 @@ FP8 -> bf16), each beside ``cp -r`` of a directory of its output's size (the out
 2. Runs each command in a fresh child with its input in the page cache, in rounds (every
    command once per round): wall time (best of ``--repeat``), CPU time, peak RSS and the
    1-minute load beside each. ckpttool runs with ``CKPTTOOL_FSYNC=0``: ``cp -r`` does not
-   sync either.
+   sync either. Each command runs twice: as a model merge (config.json written, the output
+   held against transformers' model class first: importing transformers is a fixed cost of
+   about 3 s CPU, whatever the size) and with ``--weights-only`` (the streaming alone).
 3. Checks a sample: a quantized weight and its scale against the formula, and its
    dequantization against DeepSeek's ``weight_dequant`` in torch.
 """
@@ -119,7 +121,11 @@ def main() -> None:
     figures: list[tuple[str, M.Measurement, M.Measurement, int]] = []
     for label, cmd_in, out, extra in (
             ("quantize fp8-block", src, q, ["--quantize", "fp8-block"]),
-            ("dequantize", q, d, ["--dequantize"])):
+            ("quantize fp8-block, weights only", src, q.with_name("q-w"),
+             ["--quantize", "fp8-block", "--weights-only"]),
+            ("dequantize", q, d, ["--dequantize"]),
+            ("dequantize, weights only", q, d.with_name("d-w"),
+             ["--dequantize", "--weights-only"])):
         best: dict[str, M.Measurement] = {}
         for _ in range(args.repeat):
             shutil.rmtree(out, ignore_errors=True)

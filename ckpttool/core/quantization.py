@@ -117,9 +117,8 @@ def scheme(config: Mapping[str, Any] | None, tensors: Mapping[str, tuple[DType, 
     source = "tensors (no quantization_config)"
     if any(n.endswith(".weight_scale_inv") and n.removesuffix("_scale_inv") in f8
            for n in names):
-        return Scheme(FP8_BLOCK, source, block=(128, 128))
-    if any(n.endswith("_blocks") and n.removesuffix("_blocks") + "_scales" in names
-           for n in names):
+        return Scheme(FP8_BLOCK, source)  # each weight's block: from its scale's grid
+    if any(mxfp4_pair(n, names) for n in names):
         return Scheme(MXFP4, source)
     if any(n.endswith(".weight_packed") and n.removesuffix("_packed") + "_global_scale" in names
            for n in names):
@@ -138,11 +137,8 @@ def _configured(qc: dict[str, Any]) -> Scheme:
         size = qc.get("weight_block_size")
         block = (tuple(int(x) for x in size) if isinstance(size, list) and len(size) == 2
                  else None)
-        why = None
-        if block is None:
-            why = ("quant_method 'fp8' without weight_block_size [rows, cols] (per-tensor "
-                   "fp8) is not supported yet")
-        elif qc.get("scale_fmt") not in (None, "float32", "fp32"):
+        why = None  # without weight_block_size: each weight's block from its scale's grid
+        if qc.get("scale_fmt") not in (None, "float32", "fp32"):
             why = f"fp8 scale_fmt {qc.get('scale_fmt')!r} is not supported yet"
         elif str(qc.get("fmt", "e4m3")) != "e4m3":
             why = f"fp8 fmt {qc.get('fmt')!r} is not supported yet (e4m3 is)"
@@ -195,8 +191,8 @@ def groups(s: Scheme, names: Iterable[str]) -> tuple[list[Group], list[str]]:
             g = Group(n, (("q", n), ("scale", n + "_scale_inv")))
         elif s.method == FP8_CT and n + "_scale" in have and leaf(n) == "weight":
             g = Group(n, (("q", n), ("scale", n + "_scale")))
-        elif s.method == MXFP4 and n.endswith("_blocks") and n[:-7] + "_scales" in have:
-            g = Group(n[:-7], (("q", n), ("scale", n[:-7] + "_scales")))
+        elif s.method == MXFP4 and (scales := mxfp4_pair(n, have)) is not None:
+            g = Group(n[:-7], (("q", n), ("scale", scales)))
         elif (s.method == NVFP4 and n.endswith(".weight_packed")
               and n[:-7] + "_scale" in have and n[:-7] + "_global_scale" in have):
             base = n[:-7]
@@ -209,8 +205,55 @@ def groups(s: Scheme, names: Iterable[str]) -> tuple[list[Group], list[str]]:
     return found, other
 
 
+def mxfp4_pair(name: str, names: Iterable[str] | set[str]) -> str | None:
+    """The scales of MXFP4 blocks ``name``: transformers' ``X_blocks`` / ``X_scales``, or the
+    original gpt-oss release's ``X.blocks`` / ``X.scales``; None if ``name`` is neither."""
+    for blocks, scales in (("_blocks", "_scales"), (".blocks", ".scales")):
+        if name.endswith(blocks) and (other := name[:-len(blocks)] + scales) in names:
+            return other
+    return None
+
+
+def mxfp4_layout(blocks: tuple[int, ...], scales: tuple[int, ...]) -> tuple[int, ...] | None:
+    """MXFP4 ``blocks`` and ``scales`` [..., G] as blocks [..., G, 16]: stored so (what
+    transformers serialises), or with the last two dims as one (its Mxfp4 module's own
+    [..., G * 16] parameter, as some writers save it); None for neither."""
+    if len(scales) < 2:
+        return None
+    if tuple(blocks) == tuple(scales) + (16,):
+        return tuple(blocks)
+    if tuple(blocks) == tuple(scales[:-1]) + (scales[-1] * 16,):
+        return tuple(scales) + (16,)
+    return None
+
+
 def ceil_blocks(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
     return (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+
+
+DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3's, and transformers' FineGrainedFP8 default
+
+
+def fp8_block(weight: tuple[int, ...], scale: tuple[int, ...],
+              configured: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The block each value of a block-FP8 ``scale`` covers in ``weight`` [rows, cols]: the
+    whole weight for one scale (per-tensor: ``[]``, ``[1]``, ``[1, 1]``); else
+    ``weight_block_size`` where the config gives it (edge blocks cut short); else, as
+    transformers' ``Fp8Dequantize`` derives it, from the scale's grid: 128 x 128 blocks where
+    they make it, else a grid that divides the weight. None: the scale fits no block."""
+    if len(weight) != 2:
+        return None
+    if math.prod(scale) == 1:
+        return (weight[0], weight[1])
+    if len(scale) != 2 or 0 in scale:
+        return None
+    if configured is not None:
+        return configured if tuple(scale) == ceil_blocks(weight, configured) else None
+    if tuple(scale) == ceil_blocks(weight, DEFAULT_BLOCK):
+        return DEFAULT_BLOCK
+    if weight[0] % scale[0] == 0 and weight[1] % scale[1] == 0:
+        return (weight[0] // scale[0], weight[1] // scale[1])
+    return None
 
 
 def matches(module: str, patterns: Iterable[str]) -> bool:
@@ -313,15 +356,20 @@ def _check_group(s: Scheme, g: Group, tensors: Mapping[str, tuple[DType, tuple[i
         if sd.name != "F32":
             bad.append(f"'{sc}' is {sd.name}, not F32 (a cast scale shifts every weight of its "
                        "block)")
-        if s.block is not None and len(qs) == 2 and tuple(ss) != ceil_blocks(qs, s.block):
-            bad.append(f"'{sc}' is {list(ss)}, but {list(qs)} in {list(s.block)} blocks ("
-                       f"weight_block_size, {where}) makes {list(ceil_blocks(qs, s.block))}")
+        if len(qs) == 2 and fp8_block(qs, ss, s.block) is None:
+            if s.block is not None:
+                bad.append(f"'{sc}' is {list(ss)}, but {list(qs)} in {list(s.block)} blocks "
+                           f"(weight_block_size, {where}) makes "
+                           f"{list(ceil_blocks(qs, s.block))}")
+            else:
+                bad.append(f"'{sc}' is {list(ss)}: one scale, or a grid of blocks of "
+                           f"{list(qs)}")
     elif s.method == MXFP4:
         if qd.name != "U8" or sd.name != "U8":
             bad.append(f"'{q}' and '{sc}' are {qd.name} and {sd.name}, not U8")
-        if len(qs) < 2 or qs[-1] != 16 or tuple(qs[:-1]) != tuple(ss):
+        if mxfp4_layout(qs, ss) is None:
             bad.append(f"'{q}' is {list(qs)} and '{sc}' {list(ss)}: MXFP4 stores [..., G, 16] "
-                       "bytes and [..., G] scales (32 values a scale)")
+                       "(or [..., G * 16]) bytes and [..., G] scales (32 values a scale)")
     elif s.method == NVFP4:
         gs = tensors[g.part("global")]
         if qd.name != "U8" or sd.kind != "float8" or gs[0].name != "F32":

@@ -262,6 +262,59 @@ def test_dequantize_mxfp4_as_transformers(tmp_path: Path, dtype: str, source: st
                         "model.embed_tokens.weight"}
 
 
+def gpt_oss_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
+                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """gpt-oss' own ``_get_mxfp4_tensor`` (gpt_oss/torch/weights.py) as plain torch: the same
+    decode as transformers' ``convert_moe_packed_tensors``, laid out [..., G * 32], with no
+    transpose."""
+    lut = torch.tensor(E2M1 + [-v for v in E2M1], dtype=dtype)
+    *prefix, groups, width = blocks.shape
+    flat = blocks.reshape(-1, width)
+    out = torch.empty(flat.shape[0], width * 2, dtype=dtype)
+    out[:, 0::2] = lut[(flat & 0x0F).int()]
+    out[:, 1::2] = lut[(flat >> 4).int()]
+    torch.ldexp(out, scales.reshape(-1, 1).int() - 127, out=out)
+    return out.reshape(*prefix, groups * width * 2)
+
+
+def test_dequantize_mxfp4_other_layouts(tmp_path: Path) -> None:
+    """gpt-oss' MXFP4 as its writers store it besides [E, rows, G, 16]: transformers'
+    Mxfp4 module parameter [E, rows, G * 16] (decoded as transformers decodes the 4-D
+    form); one matrix [rows, G, 16] and the original release's ``X.blocks`` / ``X.scales``
+    (decoded as gpt-oss' own loader: no transpose)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(5)
+
+    def u8(*shape: int, lo: int = 0, hi: int = 256) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=g, dtype=torch.uint8)
+
+    experts, experts_s = u8(3, 40, 2, 16), u8(3, 40, 2, lo=110, hi=135)
+    dense, dense_s = u8(300, 3, 16), u8(300, 3, lo=100, hi=140)
+    orig, orig_s = u8(2, 24, 2, 16), u8(2, 24, 2, lo=115, hi=130)
+    src = tmp_path / "layouts"
+    src.mkdir()
+    save_file({"model.layers.0.mlp.experts.gate_up_proj_blocks": experts.reshape(3, 40, 32),
+               "model.layers.0.mlp.experts.gate_up_proj_scales": experts_s,
+               "model.layers.0.self_attn.o_proj_blocks": dense,
+               "model.layers.0.self_attn.o_proj_scales": dense_s,
+               "block.0.mlp.mlp1_weight.blocks": orig, "block.0.mlp.mlp1_weight.scales": orig_s},
+              src / "model.safetensors", metadata={"format": "pt"})
+    result = run("verify", src, "--json")
+    assert not [p for p in json.loads(result.stdout)["problems"]
+                if p["code"] == "quant-config"], result.stdout
+    merge(src, tmp_path / "out", dequantize=True, weights_only=True)
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    want = {"model.layers.0.mlp.experts.gate_up_proj":
+            convert_moe_packed_tensors(experts, experts_s, dtype=torch.bfloat16),
+            "model.layers.0.self_attn.o_proj": gpt_oss_mxfp4(dense, dense_s),
+            "block.0.mlp.mlp1_weight": gpt_oss_mxfp4(orig, orig_s)}
+    assert set(got) == set(want)
+    for name, w in want.items():
+        assert got[name].shape == w.shape, name
+        assert torch.equal(got[name].view(torch.int16), w.view(torch.int16)), name
+
+
 def _nvfp4_dir(tmp: Path, global_scale: float | None = None) -> Path:
     """compressed-tensors' nvfp4-pack-quantized layout, written by its formulas: a global
     scale 448 * 6 / amax, per 16 values a float8 scale amax / 6 * global, e2m1 codes (bit 3
@@ -330,6 +383,42 @@ def test_dequantize_compressed_tensors_fp8(tmp_path: Path) -> None:
     assert set(got) == {f"{base}.weight"}
     want = (q.float() * scale).to(torch.bfloat16)
     assert torch.equal(got[f"{base}.weight"].view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("configured", [True, False])
+def test_dequantize_per_tensor_fp8(tmp_path: Path, configured: bool) -> None:
+    """quant_method fp8 without weight_block_size: one float32 weight_scale_inv per weight
+    (stored [] or [1]), and a scale grid that divides the weight; decoded as transformers'
+    ``Fp8Dequantize`` decodes them (the block from the scale's grid)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    torch.manual_seed(4)
+    base = "model.layers.0"
+    weights = {f"{base}.self_attn.q_proj": (torch.randn(48, 40), torch.tensor(0.0123)),
+               f"{base}.self_attn.k_proj": (torch.randn(16, 40), torch.tensor([3.5e-4])),
+               f"{base}.mlp.up_proj": (torch.randn(64, 40), torch.rand(4, 5) + 0.01)}
+    state: dict[str, torch.Tensor] = {}
+    for name, (w, sc) in weights.items():
+        state[f"{name}.weight"] = (w / sc.max()).clamp(-448, 448).to(FP8)
+        state[f"{name}.weight_scale_inv"] = sc.float()
+    src = tmp_path / "fp8-tensor"
+    src.mkdir()
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    if configured:
+        (src / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16",
+            "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                    "activation_scheme": "dynamic"}}))
+    result = run("verify", src, "--json")
+    assert not [p for p in json.loads(result.stdout)["problems"]
+                if p["code"].startswith("quant-") and p["severity"] == "error"], result.stdout
+    merge(src, tmp_path / "out", dequantize=True, weights_only=True)
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(got) == {f"{n}.weight" for n in weights}
+    op = Fp8Dequantize(None)
+    for name in weights:
+        want = op._dequantize_one(state[f"{name}.weight"], state[f"{name}.weight_scale_inv"],
+                                  torch.bfloat16)
+        assert torch.equal(got[f"{name}.weight"].view(torch.int16), want.view(torch.int16))
 
 
 # --- quantize -------------------------------------------------------------------------------
@@ -468,6 +557,32 @@ def test_fp8_to_float_every_code() -> None:
 
     codes = torch.arange(256, dtype=torch.uint8).view(FP8)
     assert torch.equal(fp8_to_float(codes).view(torch.int32), codes.float().view(torch.int32))
+
+
+@pytest.mark.parametrize("target", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("shape", "block", "grid"), [
+    ((300, 2100), (128, 128), (3, 17)),  # edge blocks both ways, three block rows per piece
+    ((300, 1030), (300, 1030), (1, 1)),  # one scale for the tensor
+    ((520, 1100), (1, 1100), (520, 1)),  # a scale per row (compressed-tensors channel)
+])
+def test_fp8_table_decode_is_the_reference(target: torch.dtype, shape: tuple[int, int],
+                                           block: tuple[int, int], grid: tuple[int, int]
+                                           ) -> None:
+    """The table decode against ``(fp8.float() * scale[i // br, j // bc]).to(dtype)``
+    element by element: every code (NaNs, -0.0, subnormals), scales from tiny to large."""
+    from ckpttool.core.transforms.quantize import _fp8_by_table
+
+    g = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.int32).to(torch.uint8)
+    codes.view(-1)[:256] = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    w8 = codes.view(FP8)
+    scales = torch.exp2(torch.randint(-40, 20, grid, generator=g).float()) * torch.rand(
+        grid, generator=g)
+    got = b"".join(bytes(p) for p in _fp8_by_table(w8, scales, block, target))
+    i = torch.arange(shape[0])[:, None] // block[0]
+    j = torch.arange(shape[1])[None, :] // block[1]
+    want = (w8.float() * scales[i, j]).to(target)
+    assert got == want.view(torch.uint8).numpy().tobytes()
 
 
 def test_checks_pure() -> None:
