@@ -23,9 +23,10 @@ from ckpttool.core.checkpoint import hf, tensors
 from ckpttool.core.checkpoint.discover import Checkpoint, TensorView
 from ckpttool.core.dtype_policy import DTypePolicy
 from ckpttool.core.runtime.report import Progress
-from ckpttool.core.transforms import derive, hub_layout, namemaps
-from ckpttool.core.transforms import lora as adapters
+from ckpttool.core.transforms import derive, hub_layout, maps, namemaps
 from ckpttool.core.transforms.derive import Derived
+from ckpttool.core.transforms.lora.layout import parse as parse_adapter
+from ckpttool.core.transforms.lora.plan import plan_for_merge
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats.base import Problem, Reader, Tensor, error, info
 from ckpttool.formats.codecs.dtypes import DType
@@ -173,13 +174,13 @@ def through(a: Checkpoint, b: Checkpoint, *, names: str | None = None,
     Raises:
         InputError, UnsupportedError: as merge with the same options would.
     """
-    if a.kind != "model" or names == namemaps.KEEP:
+    if a.kind != "model" or names == maps.KEEP:
         return None
     named = [(t.name, t.tensor) for t in a.tensors]
-    mode = "adapter" if adapters.parse([(t.name, t.tensor) for t in b.tensors]) else None
-    adapted = (adapters.plan_for_merge(a, named, mode, None, adapter_config,
+    mode = "adapter" if parse_adapter([(t.name, t.tensor) for t in b.tensors]) else None
+    adapted = (plan_for_merge(a, named, mode, None, adapter_config,
                                        lora_alpha=lora_alpha)
-               if names is None and adapters.parse(named) is not None else None)
+               if names is None and parse_adapter(named) is not None else None)
     if adapted is not None:
         summary = adapted.report.summary
         what = ("the LoRA adapter as merge --lora adapter writes it" if adapted.mode == "adapter"
