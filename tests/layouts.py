@@ -416,6 +416,9 @@ def _options_job(rank: int, world_size: int, out: Path) -> None:
         out / "safetensors", serialization_format=SerializationFormat.SAFETENSORS))
     dcp.save(state, storage_writer=FileSystemWriter(out / "rank_local"), use_collectives=False)
     dcp.save(state, storage_writer=FileSystemWriter(out / "zstd", _extensions=[ZStandard()]))
+    # Compressed twice (torch applies each extension in turn and reads it back).
+    dcp.save(state, storage_writer=FileSystemWriter(out / "zstd_twice",
+                                                    _extensions=[ZStandard(), ZStandard()]))
     # Ranks that disagree on a tensor every rank stores whole, saved without coordination.
     differs = {"w": state["up.weight"], "counter": torch.full((4,), float(rank))}
     dcp.save(differs, storage_writer=FileSystemWriter(out / "rank_local_differs"),
@@ -431,7 +434,8 @@ def write_dcp_options(out: Path) -> Path:
     ``FileSystemWriter`` option: ``out/"safetensors"`` (``serialization_format=
     SerializationFormat.SAFETENSORS``), ``out/"rank_local"`` (``use_collectives=False``: one
     ``__<rank>.metadata`` per rank, replicated tensors and the step written by both),
-    ``out/"zstd"`` (``_extensions=[ZStandard()]``), ``out/"rank_local_differs"`` (a plain
+    ``out/"zstd"`` (``_extensions=[ZStandard()]``), ``out/"zstd_twice"`` (two of them),
+    ``out/"rank_local_differs"`` (a plain
     tensor ``counter`` whose value is the rank, saved whole by each rank without
     coordination) and ``out/"safetensors_zstd"`` (both options). The full tensors are
     ``out/"reference.pt"``; returns ``out``."""

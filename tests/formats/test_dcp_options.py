@@ -185,6 +185,22 @@ def test_zstd_merge_matches_torch_loader(dcp_options: Path, tmp_path: Path) -> N
     assert_bit_exact(load_out(tmp_path / "out"), reference(dcp_options))
 
 
+def test_zstd_applied_twice_is_read_as_torch_reads_it(dcp_options: Path, tmp_path: Path
+                                                      ) -> None:
+    """``_extensions=[ZStandard(), ZStandard()]``: every record compressed twice, which
+    torch's loader reads (issue 34: it was exit 4)."""
+    path = dcp_options / "zstd_twice"
+    assert dcp.read_info(path).detail.zstd_layers == 2
+    ckpttool.merge(path, tmp_path / "out", dtype="keep", weights_only=True)
+    theirs = reference_state_dict(path)
+    assert_bit_exact(load_out(tmp_path / "out"),
+                     {k: v for k, v in theirs.items() if isinstance(v, torch.Tensor)})
+    assert_bit_exact(load_out(tmp_path / "out"), reference(dcp_options))
+    assert cli("verify", path).exit_code == 0
+    r = cli("inspect", path)
+    assert "  non-tensor step = 500" in r.stdout, r.output
+
+
 def test_zstd_storage_is_reported(dcp_options: Path, tmp_path: Path) -> None:
     path = dcp_options / "zstd"
     assert storage(path)["compression"] == "zstd"

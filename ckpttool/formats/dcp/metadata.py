@@ -37,6 +37,8 @@ from ckpttool.storage.store import LOCAL, Stores, file_size, pread_of
 
 METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
+# Stacked ZStandard extensions read (each layer bounds the next: see DcpReader._inflate).
+MAX_ZSTD_LAYERS = 4
 # A chunk's record compressed by DCP's ZStandard extension (one zstd frame of a RECORD).
 ZSTD_RECORD = "torch-record-zstd"
 RANK_METADATA = "the __<rank>.metadata files"  # CheckpointInfo.metadata_name, rank-local
@@ -62,6 +64,7 @@ class Detail:
     compressed_objects: frozenset[tuple[str, int]] = frozenset()  # (file, offset)
     copies: tuple[Copy, ...] = ()
     nested: Nested | None = None  # records of an unflattened save, opened
+    zstd_layers: int = 1  # ZStandard extensions stacked on each compressed record
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,6 +219,7 @@ class _Read:
     version: str | None
     compressed_all: frozenset[tuple[str, int]]  # (file, offset) of every compressed record
     nested: Nested  # records of an unflattened save, opened
+    zstd_layers: int = 1  # ZStandard extensions stacked on each compressed record
 
 
 def read_one(root: Path, md_path: Path, lookup: Lookup | None = None,
@@ -255,7 +259,7 @@ def _convert(root: Path, md_path: Path, md: torchsave.PlainStub, stores: Stores,
     if not isinstance(planner_data, dict):
         planner_data = {}
 
-    storage, compressed = _storage(md_path, storage_data)
+    storage, compressed, layers = _storage(md_path, storage_data)
     # Every chunk has a storage record of its own: a .metadata that lists more chunks than
     # records (one chunk object repeated millions of times costs a few bytes each) is refused
     # before any per-chunk work, which stays bounded by what the files hold.
@@ -291,7 +295,7 @@ def _convert(root: Path, md_path: Path, md: torchsave.PlainStub, stores: Stores,
         objects = _open_nested(root, md_path, objects, tensors, nested, stores)
     version = md.field("version")
     return _Read(md_path, tensors, objects, None if version is None else str(version),
-                 compressed, nested)
+                 compressed, nested, layers)
 
 
 @dataclass
@@ -378,9 +382,9 @@ def _nested_tensor(md_path: Path, o: ObjectEntry, name: str, key_path: tuple[str
 
 def _storage(md_path: Path, storage_data: dict[Any, Any]
              ) -> tuple[dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]],
-                        frozenset[tuple[str, int]]]:
-    """``storage_data`` as (fqn, chunk offsets) -> (file, byte offset, byte length), and the
-    (file, offset) of every record stored zstd-compressed.
+                        frozenset[tuple[str, int]], int]:
+    """``storage_data`` as (fqn, chunk offsets) -> (file, byte offset, byte length), the
+    (file, offset) of every record stored zstd-compressed, and how many times each is.
 
     Checked in bulk (types, integers, file names once per file): a million entries cost a few
     C-level passes, not a million Python-level checks each.
@@ -411,30 +415,40 @@ def _storage(md_path: Path, storage_data: dict[Any, Any]
         raise InputError(f"{md_path}: entry '{fqns[i]}' has the byte range "
                          f"({begins[i]!r}, {lengths[i]!r}), not two non-negative integers; "
                          "corrupt .metadata")
-    compressed = _transforms(md_path, fqns, vs, rels, begins)
+    compressed, layers = _transforms(md_path, fqns, vs, rels, begins)
     return ({(fqn, off): (safe[rel], b, n)
              for fqn, off, rel, b, n in zip(fqns, offsets, rels, begins, lengths, strict=True)},
-            compressed)
+            compressed, layers)
 
 
 def _transforms(md_path: Path, fqns: list[str], vs: list[dict[str, Any]], rels: list[str],
-                begins: list[int]) -> frozenset[tuple[str, int]]:
-    """The (file, offset) of the records stored through DCP's stream extensions (zstd only:
-    anything else is refused by name)."""
+                begins: list[int]) -> tuple[frozenset[tuple[str, int]], int]:
+    """The (file, offset) of the records stored through DCP's stream extensions, and how many
+    ZStandard extensions each went through (``_extensions=[ZStandard(), ZStandard()]``
+    compresses every record twice, which torch reads): zstd only, the same number for every
+    record, at most :data:`MAX_ZSTD_LAYERS`; anything else is refused by name."""
     descriptors = [v.get("transform_descriptors") for v in vs]
     kinds = {tuple(d) if isinstance(d, (list, tuple)) else d for d in descriptors if d}
     if not kinds:
-        return frozenset()
+        return frozenset(), 1
     for kind in kinds:
-        if not (isinstance(kind, tuple) and len(kind) == 1 and isinstance(kind[0], str)
-                and zstd.supported(kind[0])):
+        if not (isinstance(kind, tuple) and 1 <= len(kind) <= MAX_ZSTD_LAYERS
+                and all(isinstance(k, str) and zstd.supported(k) for k in kind)):
             i = next(i for i, d in enumerate(descriptors)
                      if d and (tuple(d) if isinstance(d, (list, tuple)) else d) == kind)
             shown = list(kind) if isinstance(kind, tuple) else kind
             raise UnsupportedError(
                 f"{md_path}: entry '{fqns[i]}' is stored with transforms {shown!r}; ckpttool "
-                f"reads DCP's ZStandard extension ({zstd.DESCRIPTOR}/1) only")
-    return frozenset((rel, b) for d, rel, b in zip(descriptors, rels, begins, strict=True) if d)
+                f"reads DCP's ZStandard extension ({zstd.DESCRIPTOR}/1), applied up to "
+                f"{MAX_ZSTD_LAYERS} times")
+    layers = {len(kind) for kind in kinds}
+    if len(layers) > 1:
+        raise UnsupportedError(
+            f"{md_path}: records are compressed {' or '.join(map(str, sorted(layers)))} times "
+            "with the ZStandard extension within one checkpoint, which one save never writes; "
+            "ckpttool reads checkpoints whose records went through the same extensions")
+    return (frozenset((rel, b) for d, rel, b in zip(descriptors, rels, begins, strict=True)
+                      if d), layers.pop())
 
 
 def _tensor_entry(

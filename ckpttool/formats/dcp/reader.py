@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool._gc import gc_paused
-from ckpttool.errors import InputError
+from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats.base import (
     RECORD,
     CheckpointInfo,
@@ -176,6 +176,7 @@ def read_info(path: str | os.PathLike[str], *, lookup: Lookup | None = None,
             copies: list[Copy] = []
             metadata_name, problems = METADATA_FILE, []
             zstd_records = read.compressed_all
+            layers = {read.zstd_layers}
         else:
             reads = [(r, read_one(root, p, lookup, stores, open_nested)) for r, p in ranks]
             per_file = reads
@@ -183,6 +184,7 @@ def read_info(path: str | os.PathLike[str], *, lookup: Lookup | None = None,
             tensors, objects, copies = union_of(reads)
             metadata_name, problems = RANK_METADATA, missing_rank_metadata(root, reads)
             zstd_records = frozenset().union(*(r.compressed_all for _, r in reads))
+            layers = {r.zstd_layers for _, r in reads if r.compressed_all}
         tensors, serialization = locate_safetensors(root, tensors, stores)
     for t in tensors:
         # No file holds 2**63 bytes: a larger claim is damage, refused before any size is
@@ -200,6 +202,11 @@ def read_info(path: str | os.PathLike[str], *, lookup: Lookup | None = None,
             (c.other.file, c.other.offset) for c in copies
             if isinstance(c.other, ObjectEntry) and c.other.file)
     any_zstd = bool(zstd_records)
+    if len(layers) > 1:
+        raise UnsupportedError(
+            f"{root}: the ranks' metadata files say records are compressed "
+            f"{' or '.join(map(str, sorted(layers)))} times with the ZStandard extension; "
+            "ckpttool reads checkpoints whose records went through the same extensions")
     return CheckpointInfo(
         format=NAME, root=root, tensors=tuple(tensors), objects=tuple(objects),
         files=tuple(DataFile(f, file_size(root / f)) for f in names),
@@ -212,7 +219,8 @@ def read_info(path: str | os.PathLike[str], *, lookup: Lookup | None = None,
         storage={"serialization": serialization,
                  "compression": zstd.NAME if any_zstd else None,
                  "metadata": "rank-local" if ranks else "global"},
-        detail=Detail(compressed, tuple(copies), nested_records(per_file)))
+        detail=Detail(compressed, tuple(copies), nested_records(per_file),
+                      max(layers, default=1)))
 
 
 class DcpReader(Reader):
@@ -253,13 +261,22 @@ class DcpReader(Reader):
 
     def _inflate(self, file: str, offset: int, length: int, *, limit: int, what: str
                  ) -> bytes | bytearray:
-        """The decompressed record at ``offset`` (the thread's last one, when asked again)."""
+        """The decompressed record at ``offset`` (the thread's last one, when asked again).
+        A record compressed more than once (stacked ZStandard extensions) is decompressed
+        layer by layer, each bounded by what a zstd frame of the next can take (its bytes
+        plus 1/128 and a KiB), so no layer is a bomb either."""
         key = (file, offset, length)
         last = getattr(self._inflated, "record", None)
         if last is not None and last[0] == key:
             return last[1]  # type: ignore[no-any-return]
-        data = zstd.inflate(self._pread(file), offset, length, limit=limit,
-                            where=self.where(file, offset, f"{what}, zstd-compressed record"))
+        where = self.where(file, offset, f"{what}, zstd-compressed record")
+        bounds = [limit]
+        for _ in range(self.detail.zstd_layers - 1):
+            bounds.append(bounds[-1] + (bounds[-1] >> 7) + 1024)
+        data = zstd.inflate(self._pread(file), offset, length, limit=bounds.pop(), where=where)
+        while bounds:
+            data = zstd.inflate(functools.partial(_slice, data), 0, len(data),
+                                limit=bounds.pop(), where=where)
         self._inflated.record = (key, data)
         return data
 
