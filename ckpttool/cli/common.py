@@ -547,6 +547,9 @@ class ProgressBar:
     def advance(self, n: int) -> None:
         if self._progress is not None:
             self._progress.advance(self._task, n)
+            task = self._progress.tasks[0]
+            if task.total is not None and task.completed > task.total:  # as Lines.advance
+                self._progress.update(self._task, total=task.completed)
         elif self.plain:
             self._lines.advance(n)
 

@@ -61,6 +61,9 @@ class PlainLines:
         if not self._total:
             return
         self._done += n
+        # The total is what the command expected to read; records' own bytes (headers, a
+        # checksummed storage larger than its view) may add to it: never "490 B of 172 B".
+        self._total = max(self._total, self._done)
         now = self._clock()
         tenths = min(10, self._done * 10 // self._total)
         due = (tenths > self._tenths or now - self._last >= EVERY) and now - self._last >= LEAST

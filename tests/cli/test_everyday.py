@@ -249,6 +249,16 @@ def test_plain_lines_every_tenth_or_30_seconds_never_twice_a_second() -> None:
         "verifying: 100% (1.00 KB of 1.00 KB, 10 B/s, done in 0:01:40)"]
 
 
+def test_plain_lines_never_count_past_their_total() -> None:
+    """A record's own bytes (headers, a checksummed storage) may add to what a command
+    expected to read: the total grows, never "490 B of 172 B"."""
+    said: list[str] = []
+    lines = PlainLines("verifying", said.append, clock=lambda: 1.0)
+    lines.start(172)
+    lines.advance(490)
+    assert said[-1].startswith("verifying: 100% (490 B of 490 B"), said
+
+
 def test_a_bad_progress_value_is_a_usage_error(capsys: pytest.CaptureFixture[str],
                                                monkeypatch: pytest.MonkeyPatch,
                                                tmp_path: Path) -> None:
