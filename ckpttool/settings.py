@@ -50,6 +50,8 @@ KNOBS: tuple[Knob, ...] = (
          "storage (raised to the store's minimum and to fit its part count)", test_only=True),
     Knob("CKPTTOOL_REQUEST_TIMEOUT", "30", "object-store request timeout (s); retries stop "
          "at 4x"),
+    Knob("CKPTTOOL_LOCK_STALE", "600", "seconds without a heartbeat after which an object-"
+         "store output lock counts as a killed run's"),
     Knob("CKPTTOOL_TEST_FAULT", "", "test hook: kill or pause at a publishing step "
          "(kill:N, pause:N:PIDFILE)", test_only=True),
     Knob("CKPTTOOL_TEST_FAIL_RANK", "", "test hook: fail one process of a shared merge "
@@ -145,6 +147,28 @@ def dist_timeout() -> float:
         value = 0
     if value <= 0:
         raise OutputError(f"CKPTTOOL_DIST_TIMEOUT={raw!r}: expected a number of seconds above 0")
+    return value
+
+
+LOCK_STALE_DEFAULT = 600.0
+
+
+def lock_stale() -> float:
+    """Seconds after its last heartbeat that an object-store output lock is taken as a killed
+    run's and removed (``CKPTTOOL_LOCK_STALE``); a run renews its lock every quarter of it.
+
+    Raises:
+        OutputError: the value is not a number of seconds above 0.
+    """
+    raw = os.environ.get("CKPTTOOL_LOCK_STALE")
+    if raw is None:
+        return LOCK_STALE_DEFAULT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise OutputError(f"CKPTTOOL_LOCK_STALE={raw!r}: expected a number of seconds above 0")
     return value
 
 

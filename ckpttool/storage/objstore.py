@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 import random
 import re
@@ -571,9 +570,9 @@ def _get_all(url: Url) -> bytes:
 
 
 class Lock(s3.Lock):
-    """One writer per output prefix, as :class:`ckpttool.storage.s3.Lock`: a create-only put
-    of ``PREFIX/.ckpttool-lock``, read back (the read-back is what refuses a second writer on
-    a store that ignores the condition: fake-gcs-server)."""
+    """One writer per output prefix (:class:`~ckpttool.storage.locks.ObjectLock`): a
+    create-only put of ``PREFIX/.ckpttool-lock``, read back (the read-back is what refuses a
+    second writer on a store that ignores the condition: fake-gcs-server)."""
 
     def remove_command(self) -> str:
         if self.url.cloud == "gs":
@@ -581,43 +580,36 @@ class Lock(s3.Lock):
         return (f"az storage blob delete --container-name {self.url.bucket} "
                 f"--name {self.url.key}")
 
-    def acquire(self) -> None:
+    def _create(self, body: bytes) -> bool:
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
-        body = json.dumps({"run": self.token, "started": time.time()}).encode()
         # A lock already there is refused before the put: fake-gcs-server ignores the
-        # create-only condition (the read-back below catches a put that raced this check).
+        # create-only condition (the read-back catches a put that raced this check).
         if head(self.url) is not None:
-            raise self._refused(self._holder())
+            return False
         try:
             _put(self.url, body, create=True)
-        except (AlreadyExistsError, PreconditionError) as e:
-            raise self._refused(self._holder()) from e
+        except (AlreadyExistsError, PreconditionError):
+            return False
         except CkptError:
             raise
         except Exception as e:
             raise error(e, self.url, "locking the output") or e from e
-        self.held = True
-        holder = self._holder()
-        if self.token not in holder:
-            self.held = False
-            raise self._refused(holder)
+        return True
 
-    def _holder(self) -> str:
-        try:
-            with errors(self.url, "reading the lock"):
-                doc = json.loads(_get_all(self.url))
-            return str(doc.get("run", ""))
-        except (CkptError, ValueError, AttributeError):
-            return ""
+    def _put(self, body: bytes) -> None:
+        with errors(self.url, "renewing the lock"):
+            _put(self.url, body)
 
-    def release(self) -> None:
-        if not self.held:
-            return
-        self.held = False
-        with contextlib.suppress(Exception):
-            if self.token in self._holder():
-                _delete(self.url)
+    def _get(self) -> bytes | None:
+        if head(self.url) is None:
+            return None
+        with errors(self.url, "reading the lock"):
+            return _get_all(self.url)
+
+    def _remove(self) -> None:
+        with errors(self.url, "removing the lock"):
+            _delete(self.url)
 
 
 class Upload(s3.Upload):

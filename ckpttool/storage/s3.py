@@ -29,13 +29,10 @@ Nothing here prints or stores credentials; they never appear on the command line
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,7 +47,7 @@ from ckpttool.errors import (
     TransportError,
     UnsupportedError,
 )
-from ckpttool.storage import objects, outputs, places, ranged
+from ckpttool.storage import locks, objects, outputs, places, ranged
 
 EXTRA = "pip install 'ckpttool[s3]'"
 
@@ -372,69 +369,43 @@ def check_output(value: str, *, overwrite: bool, names: OutputNames) -> Url:
     return url
 
 
-LOCK_NAME = ".ckpttool-lock"
+LOCK_NAME = locks.LOCK_NAME
 
 
-class Lock:
-    """One writer per output prefix: the object ``PREFIX/.ckpttool-lock``, created with a
-    conditional put (``If-None-Match: *``: S3, MinIO and R2 refuse it when it exists) and
-    read back (a store that ignored the condition and let another run's put win shows it
-    here). Released at the end of the run, whatever the outcome; a killed run leaves it,
-    and the next run is refused with the command that removes it.
-
-    Raises (``acquire``):
-        OutputError: another run holds the prefix.
-    """
-
-    def __init__(self, url: Url) -> None:
-        self.out = url
-        self.url = url.child(LOCK_NAME)
-        self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
-        self.held = False
-
-    def _refused(self, holder: str) -> OutputError:
-        return OutputError(
-            f"{self.out}: another ckpttool run is writing this output ({LOCK_NAME} by "
-            f"{holder or 'another run'}); "
-            "wait for it to finish. If none is running (a killed run left the lock), check "
-            f"the output with ckpttool verify, then remove the lock: {self.remove_command()}")
+class Lock(locks.ObjectLock):
+    """One writer per output prefix (:class:`~ckpttool.storage.locks.ObjectLock`), created
+    with a conditional put (``If-None-Match: *``: S3, MinIO and R2 refuse it when it
+    exists)."""
 
     def remove_command(self) -> str:
-        """The store's own command line that removes the lock object."""
         return f"aws s3 rm {self.url}"
 
-    def acquire(self) -> None:
-        c = client(self.url)
-        body = json.dumps({"run": self.token, "started": time.time()}).encode()
+    def _create(self, body: bytes) -> bool:
         try:
-            c.put_object(Bucket=self.url.bucket, Key=self.url.key, Body=body, IfNoneMatch="*")
+            client(self.url).put_object(Bucket=self.url.bucket, Key=self.url.key, Body=body,
+                                        IfNoneMatch="*")
         except Exception as e:
             if _status(e) in (409, 412):
-                raise self._refused(self._holder()) from e
+                return False
             raise error(e, self.url, "locking the output") or e from e
-        self.held = True
-        holder = self._holder()
-        if self.token not in holder:
-            self.held = False
-            raise self._refused(holder)
+        return True
 
-    def _holder(self) -> str:
+    def _put(self, body: bytes) -> None:
+        with errors(self.url, "renewing the lock"):
+            client(self.url).put_object(Bucket=self.url.bucket, Key=self.url.key, Body=body)
+
+    def _get(self) -> bytes | None:
         try:
-            with errors(self.url, "reading the lock"):
-                r = client(self.url).get_object(Bucket=self.url.bucket, Key=self.url.key)
-                doc = json.loads(r["Body"].read())
-            return str(doc.get("run", ""))
-        except (CkptError, ValueError, AttributeError):
-            return ""
+            r = client(self.url).get_object(Bucket=self.url.bucket, Key=self.url.key)
+        except Exception as e:
+            if _status(e) == 404:
+                return None
+            raise error(e, self.url, "reading the lock") or e from e
+        return bytes(r["Body"].read())
 
-    def release(self) -> None:
-        """Remove the lock if it is still ours (best effort: a failure here is not the run's)."""
-        if not self.held:
-            return
-        self.held = False
-        with contextlib.suppress(Exception):
-            if self.token in self._holder():
-                client(self.url).delete_object(Bucket=self.url.bucket, Key=self.url.key)
+    def _remove(self) -> None:
+        with errors(self.url, "removing the lock"):
+            client(self.url).delete_object(Bucket=self.url.bucket, Key=self.url.key)
 
 
 def _status(e: BaseException) -> int | None:

@@ -293,6 +293,22 @@ def test_a_second_writer_is_refused(cloud: Cloud, llama_ckpt: Path) -> None:
     assert objstore.LOCK_NAME not in [k.rsplit("/", 1)[1] for k in cloud.keys(prefix)]
 
 
+def test_a_killed_runs_lock_is_taken_over(cloud: Cloud, llama_ckpt: Path) -> None:
+    """A lock not renewed for CKPTTOOL_LOCK_STALE (a run killed with kill -9 on another
+    host) is removed by the next run, which says so (issue 34)."""
+    import time
+
+    prefix = fresh(cloud, "stale")
+    beat = time.time() - 601
+    cloud.put(f"{prefix}/{objstore.LOCK_NAME}", json.dumps(
+        {"run": "node-7:4242:x", "host": "node-7", "pid": 4242, "started": beat,
+         "beat": beat}).encode())
+    r = run("merge", llama_ckpt, cloud.url(prefix))
+    assert r.exit_code == 0, r.output
+    assert "removed the lock of a killed run (node-7:4242:x: not renewed for" in r.output
+    assert objstore.LOCK_NAME not in [k.rsplit("/", 1)[1] for k in cloud.keys(prefix)]
+
+
 def test_missing_bucket_and_key(cloud: Cloud, tmp_path: Path) -> None:
     what = "bucket" if cloud.scheme == "gs" else "container"
     hint = " (and STORAGE_EMULATOR_HOST)" if cloud.scheme == "gs" else ""

@@ -175,3 +175,45 @@ def test_a_second_writer_is_refused(s3: S3, llama_ckpt: Path) -> None:
     assert s3.keys(BUCKET, "faults/two") == []
     assert run("merge", llama_ckpt, url, "-q").exit_code == 0
     assert remote.LOCK_NAME not in [k.rsplit("/", 1)[1] for k in s3.keys(BUCKET, "faults/two")]
+
+
+def _ended_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+@pytest.mark.parametrize("how", ["ended process", "no heartbeat"])
+def test_a_killed_runs_lock_is_taken_over(how: str, s3: S3, llama_ckpt: Path) -> None:
+    """A lock that ``kill -9`` left (issue 34): a process of this host that has ended, or a
+    lock not renewed for CKPTTOOL_LOCK_STALE, is removed by the next run, which says so."""
+    import socket
+
+    prefix = f"faults/stale-{how.replace(' ', '-')}"
+    host, pid = ((socket.gethostname(), _ended_pid()) if how == "ended process"
+                 else ("another-host", 4242))
+    beat = time.time() - (5 if how == "ended process" else 601)
+    s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{remote.LOCK_NAME}", Body=json.dumps(
+        {"run": f"{host}:{pid}:x", "host": host, "pid": pid, "started": beat, "beat": beat}))
+    r = run("merge", llama_ckpt, f"s3://{BUCKET}/{prefix}")
+    assert r.exit_code == 0, r.output
+    assert f"{remote.LOCK_NAME}: removed the lock of a killed run ({host}:{pid}:x: " in r.output
+    assert remote.LOCK_NAME not in [k.rsplit("/", 1)[1] for k in s3.keys(BUCKET, prefix)]
+
+
+def test_a_live_runs_lock_is_renewed_and_kept(s3: S3, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTTOOL_LOCK_STALE", "0.4")
+    url = remote.parse(f"s3://{BUCKET}/faults/renewed")
+    lock = remote.Lock(url)
+    lock.acquire()
+    try:
+        key = f"faults/renewed/{remote.LOCK_NAME}"
+        first = json.loads(s3.client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+        time.sleep(0.6)
+        later = json.loads(s3.client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+        assert later["run"] == first["run"] and later["beat"] > first["beat"]
+        with pytest.raises(ckpttool.OutputError, match="another ckpttool run is writing"):
+            remote.Lock(url).acquire()  # renewed, and its process alive: not stale
+    finally:
+        lock.release()
+    assert s3.keys(BUCKET, "faults/renewed") == []

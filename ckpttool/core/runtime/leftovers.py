@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckpttool.storage import outputs
+from ckpttool.storage import locks, outputs
 
 
 def removed_stale() -> list[str]:
-    """What this process removed as a killed run's leftovers since last asked."""
-    return outputs.take_stale_notes()
+    """What this process removed as a killed run's leftovers since last asked (staged
+    files, and object-store locks)."""
+    return outputs.take_stale_notes() + locks.take_notes()
 
 
 def resumable() -> list[Path]:
