@@ -20,6 +20,13 @@
    machine's load beside it (timings on a shared machine are only comparable at the same
    load), then per case the best of ``--repeat`` against cp, as a Markdown table.
    ``--baseline REV`` times ckpttool as it was at a git revision in the same loop.
+
+The targets of issue 36 (``--targets``): ``merge`` into one output file (``--max-shard-size``
+above the model) at most 1.3x ``cat`` of the run's data files into one file, and ``merge
+--max-shard-size`` giving at least 4 output files at most 1.5x ``cp -r`` of the iteration; peak
+RSS at most the largest output tensor plus 256 MB. Each ratio is against its own baseline,
+timed in the same loop; the CPU time of every command is printed beside its wall time (the
+machine is shared: wall times move with the load, CPU times much less).
 """
 
 from __future__ import annotations
@@ -131,6 +138,12 @@ def main() -> None:
                     help="expert bytes of each MoE run, whatever its count (GB)")
     ap.add_argument("--no-dense", action="store_true", help="only the MoE runs")
     M.add_record_args(ap)
+    ap.add_argument("--weights-only", action="store_true",
+                    help="merge with --weights-only (no contract check: transformers is not "
+                         "imported)")
+    ap.add_argument("--targets", action="store_true",
+                    help="issue 36's pairs: one output file against cat into one file, "
+                         ">= 4 output files against cp -r")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     cases: list[tuple[str, Path, int, str]] = []  # label, run, largest output tensor, note
@@ -164,8 +177,8 @@ def main() -> None:
         table += bench_case(args, label, run, largest, note, env, base, best[label])
     record(args, best)
     print()
-    print(M.markdown_table(["run", "command", "best wall s", "/ cp -r", "its CPU s",
-                            "peak RSS MB", "/ largest output tensor",
+    print(M.markdown_table(["run", "command", "best wall s", "/ baseline", "its CPU s",
+                            "peak RSS MB", "- largest output tensor",
                             "load (1, 5, 15 min) before"], table))
 
 
@@ -216,11 +229,25 @@ def bench_case(args: argparse.Namespace, label: str, run: Path, largest: int, no
         tools.append((f"ckpttool@{sha} merge", [sys.executable, "-m", "ckpttool", "merge",
                                                 str(run), str(args.work / "base-out"), "-q"],
                       args.work / "base-out", {**env, "PYTHONPATH": str(tree)}, tree))
+    size = M.dir_bytes(iteration)
+    extra = ["--weights-only"] if args.weights_only else []
+    if args.targets:
+        one, four = args.work / "one", args.work / "four"
+        tools = [("ckpttool merge, one file", [
+            sys.executable, "-m", "ckpttool", "merge", str(run), str(one), "-q",
+            "--max-shard-size", "1000GB", *extra], one, env, ROOT),
+                 ("ckpttool merge, >= 4 files", [
+            sys.executable, "-m", "ckpttool", "merge", str(run), str(four), "-q",
+            "--max-shard-size", str(size // 5), *extra], four, env, ROOT)]
+        cat = args.work / "cat"
+        data = " ".join(str(p) for p in sorted(iteration.glob("*.distcp")))
+        tools.append(("cat data files > one file", [
+            "sh", "-c", f"mkdir -p {cat} && cat {data} > {cat}/all"], cat, dict(os.environ),
+            ROOT))
     tools.append(("cp -r", ["cp", "-r", str(iteration), str(args.work / "copy")],
                   args.work / "copy", dict(os.environ), ROOT))
     if args.hog:
         tools += [(f"{name}+hog", *rest) for name, *rest in tools]  # type: ignore[misc]
-    size = M.dir_bytes(iteration)
     print(f"\n{label}: {run} ({size / 1e9:.2f} GB, bf16); {note}; largest output tensor "
           f"{largest / 1e6:.0f} MB")
     results: dict[str, list[tuple[M.Measurement, str]]] = {t[0]: [] for t in tools}
@@ -235,24 +262,29 @@ def bench_case(args: argparse.Namespace, label: str, run: Path, largest: int, no
                 sys.exit(f"{name} failed: {m.error_line()}")
             results[name].append((m, before))
             rss = m.peak_rss_bytes or 0
+            files = len(list(out.glob("*.safetensors"))) if out.is_dir() else 0
             print(f"{name}: {m.wall_s:.2f} s (CPU {m.cpu_s or 0:.2f} s), peak RSS "
-                  f"{rss / 1e6:.0f} MB ({rss / largest:.1f}x the largest output tensor); "
-                  f"{before}", flush=True)
+                  f"{rss / 1e6:.0f} MB ({rss / largest:.1f}x the largest output tensor)"
+                  f"{f'; {files} output files' if 'merge' in name else ''}; {before}",
+                  flush=True)
             shutil.rmtree(out, ignore_errors=True)
     rows: list[list[object]] = []
     for name, runs in results.items():
         best = min(runs, key=lambda r: r[0].wall_s if r[0].ok else math.inf)
         m, before = best
-        cp = M.best_of([x for x, _ in results["cp -r+hog" if name.endswith("+hog") else "cp -r"]])
+        against = ("cat data files > one file" if name.startswith("ckpttool")
+                   and "one file" in name else "cp -r")
+        hog = "+hog" if name.endswith("+hog") else ""
+        cp = M.best_of([x for x, _ in results[against + hog]])
         rss = m.peak_rss_bytes or 0
-        rows.append([label, name, f"{m.wall_s:.2f}", f"{m.wall_s / cp.wall_s:.2f}x",
+        rows.append([label, name, f"{m.wall_s:.2f}", f"{m.wall_s / cp.wall_s:.2f}x {against}",
                      f"{m.cpu_s or 0:.2f}",
-                     f"{rss / 1e6:.0f}", f"{rss / largest:.1f}x",
+                     f"{rss / 1e6:.0f}", f"{(rss - largest) / 1e6:+.0f} MB",
                      before.removeprefix("load ")])
         if bests is not None:
             bests[name] = (m, cp, float(before.split()[1]))
-        if not name.startswith("cp"):
-            print(f"best {name}: {m.wall_s:.2f} s / cp {cp.wall_s:.2f} s = "
+        if not name.startswith(("cp", "cat")):
+            print(f"best {name}: {m.wall_s:.2f} s / {against} {cp.wall_s:.2f} s = "
                   f"{m.wall_s / cp.wall_s:.2f}x; {_load()}")
     return rows
 
