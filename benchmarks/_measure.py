@@ -553,8 +553,7 @@ def record_figure(args: argparse.Namespace, claim: str, *, figure: str,
         "command": shlex.join([script_name, *_without_record(sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load": load or None, "machine": _machine(), "commit": git_commit()})
-    if met is not None or entry.get("target") is None:
-        entry["met"] = met
+    entry["met"] = met  # None: this run does not judge the target
     entry["note"] = note  # a note is about the run it came with
     # every entry keeps the committed file's key order, whatever was added
     order = ["id", "section", "claim", "target", "met", "figure", "cpu_s", "baseline", "ratio",

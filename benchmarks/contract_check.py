@@ -133,10 +133,12 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--child"] + (["--moe"] if args.moe else [])
         done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    kept = []
     for _ in range(args.repeat):
         cmd = [sys.executable, __file__, "--child-kept"] + (["--moe"] if args.moe else [])
         done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
         k = json.loads(done.stdout.strip().splitlines()[-1])
+        kept.append(k)
         print(f"kept on disk: ckpttool import {k['import_s']:.2f} s  check {k['check_s']:.3f} "
               f"s  process CPU {k['process_cpu_s']:.2f} s  torch/transformers imported: "
               f"{bool(k['imported'])}  peak RSS "
@@ -150,15 +152,20 @@ def main() -> int:
               f"{r['parameters'] / 1e9:.1f}B parameters, peak RSS {r['peak_rss_mb']:.0f} MB")
     best = min(r["check_s"] for r in runs)
     print(f"check: best {best:.3f} s of {len(runs)} (target < 2 s)")
-    cached = [r["cached_check_s"] for r in runs]
+    # The claim is the check as a merge runs it: its expectation kept on disk (the first
+    # merge of a config builds the class once; the note says what that costs).
+    checks = [k["check_s"] for k in kept]
     imports = [r["import_s"] for r in runs]
     M.record_figure(
         args, "contract-check-mixtral" if args.moe else "contract-check-llama70b",
-        figure=f"{best:.2f} s ({M.span(cached, '.3f')} s once its expectation is cached)",
-        met=best < 2, peak_mb=max(r["peak_rss_mb"] for r in runs), load=M.load_span(loads),
-        note=f"importing transformers costs another {M.span(imports, '.1f')} s "
-             "at that load, once per model merge or reshard that has a config "
-             "(`--weights-only` skips it)")
+        figure=f"{M.span(checks, '.3f')} s with its expectation kept on disk (the whole "
+               f"process {M.span([k['process_cpu_s'] for k in kept])} s of CPU)",
+        met=max(checks) < 2, peak_mb=max(k["peak_rss_mb"] for k in kept),
+        load=M.load_span(loads),
+        note=f"built the first time (what the first merge of a config pays): "
+             f"{M.span([r['check_s'] for r in runs], '.1f')} s, "
+             f"{M.span([r['build_cpu_s'] for r in runs], '.1f')} s CPU, plus "
+             f"{M.span(imports, '.1f')} s to import transformers")
     return 0
 
 

@@ -96,7 +96,8 @@ def get(where):
 b, o = tensors(base), tensors(out)
 assert set(b) == set(o), set(b) ^ set(o)
 with safe_open(adapter / "adapter_model.safetensors", "pt") as a:
-    for layer in (0, 7):
+    n = 1 + max(int(k.split(".")[2]) for k in b if k.startswith("model.layers."))
+    for layer in sorted({0, min(7, n - 1)}):  # the first and the eighth (or last) layer
         for mod in ("self_attn.q_proj", "mlp.down_proj"):
             key = f"model.layers.{layer}.{mod}"
             A = a.get_tensor(f"base_model.model.{key}.lora_A.weight")
@@ -126,6 +127,7 @@ def main() -> None:
     ap.add_argument("--baseline-tree", type=Path, default=None,
                     help="also run ckpttool from this checkout")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ckpttool-lora-bench"))
+    M.add_record_args(ap)
     args = ap.parse_args()
     work = args.work / f"l{args.layers}-r{args.rank}"
     if not (work / "adapter" / "adapter_config.json").exists():
@@ -207,6 +209,24 @@ def main() -> None:
                      f"{loads[name]:.2f}", verdict))
     print(M.markdown_table(["command", "wall s (best)", "all runs s", "CPU s", "vs cp -r",
                             "peak RSS MB", "load", "target"], rows))
+    full = args.layers == 30 and args.rank == 16  # the claims' model and adapter
+    for name, claim in (("ckpttool --adapter", "lora-fold"),
+                        ("ckpttool --adapter+hog", "lora-fold-hog"),
+                        ("peft merge_and_unload", "lora-peft")):
+        m = results.get(name)
+        if m is None or not m.ok:
+            continue
+        cp_m = results["cp -r+hog" if name.endswith("+hog") else "cp -r"]
+        base_m = results.get(name.replace("ckpttool", "ckpttool@base"))
+        note = None
+        if base_m is not None and base_m is not m and base_m.ok:
+            note = f"{args.baseline_tree} took {base_m.wall_s:.2f} s in the same run"
+        M.record_figure(args, claim, figure=f"{m.wall_s:.2f} s", cpu_s=m.cpu_s,
+                        baseline=f"`cp -r` {cp_m.wall_s:.2f} s", ratio=m.wall_s / cp_m.wall_s,
+                        met=(m.wall_s <= TARGET_X * cp_m.wall_s
+                             if claim == "lora-fold" else None),
+                        peak_mb=m.peak_rss_mb, load=M.load_span(loads.values()), note=note,
+                        full_size=full)
 
 
 if __name__ == "__main__":

@@ -162,7 +162,9 @@ def main() -> None:
                             "load (1 min)", "vs cp -r"], rows))
     loads = M.load_span(float(x.stdout) for _, m, c, _ in figures for x in (m, c))
     for label, m, c, _size in figures:
-        M.record_figure(args, "quantize" if label.startswith("quantize") else "dequantize",
+        claim = ("quantize" if label.startswith("quantize") else "dequantize") + (
+            "-weights-only" if label.endswith("weights only") else "")
+        M.record_figure(args, claim,
                         figure=f"{m.wall_s:.1f} s", cpu_s=m.cpu_s,
                         baseline=f"`cp -r` of the output {c.wall_s:.1f} s, "
                                  f"{c.cpu_s or 0:.2f} s CPU",

@@ -119,8 +119,9 @@ def measure(level: str, ckpt: Path, counts: dict[str, int], args: argparse.Names
     exe = [sys.executable, "-m", "ckpttool"]
     files = [str(p) for p in M.files_under(ckpt)]
     ours = {
-        "merge": ([*exe, "merge", str(ckpt), str(scratch / "merged"), "--dtype", "keep", "-q"],
-                  scratch / "merged", False),
+        # no config.json beside a DCP checkpoint: weights only (no output contract check)
+        "merge": ([*exe, "merge", str(ckpt), str(scratch / "merged"), "--dtype", "keep", "-q",
+                   "--weights-only"], scratch / "merged", False),
         "inspect": ([*exe, "inspect", str(ckpt), "--json"], None, True),
         "verify": ([*exe, "verify", str(ckpt), "-q"], None, True),
     }
@@ -147,6 +148,10 @@ def measure(level: str, ckpt: Path, counts: dict[str, int], args: argparse.Names
     plan = [(name, argv, out, discard, env, False) for name, (argv, out, discard) in cmds.items()]
     if args.baseline_tree:
         base_env = {**env, "PYTHONPATH": str(args.baseline_tree)}
+        if "--weights-only" not in (args.baseline_tree / "ckpttool" / "cli" / "merge.py"
+                                    ).read_text():  # a revision before the contract check
+            ours = {name: ([a for a in argv if a != "--weights-only"], out, discard)
+                    for name, (argv, out, discard) in ours.items()}
         plan += [(f"{name}@base", argv, out, discard, base_env, False)
                  for name, (argv, out, discard) in ours.items()]
     if args.hog:
@@ -294,6 +299,7 @@ def main() -> None:
                     help="also run merge, inspect and verify from this checkout")
     ap.add_argument("--results-md", type=Path,
                     default=Path(__file__).resolve().parent / "SCALE.md")
+    M.add_record_args(ap)
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     results = []
@@ -309,6 +315,51 @@ def main() -> None:
         notes = old[old.index(NOTES_MARKER):] if NOTES_MARKER in old else ""
         args.results_md.write_text(f"Command: `{' '.join(sys.argv)}`\n\n" + text
                                    + ("\n" + notes if notes else ""))
+    record(args, results)
+
+
+def record(args: argparse.Namespace, results: list[dict]) -> None:
+    """This run's figures into the results file (with ``--record``): the claims are of the 1M
+    and 10M levels (a smaller level stands in for 1M only into ``--figures PATH``)."""
+    small = [r for r in results if r["level"] not in ("1M", "10M")]
+    one_m = next((r for r in results if r["level"] == "1M"), small[-1] if small else None)
+    if one_m is not None:
+        rows, ref = one_m["rows"], one_m.get("reference", "cp")
+        for name, claim in (("merge", "moe-1m-merge"), ("merge+hog", "moe-1m-merge-hog"),
+                            ("inspect", "moe-1m-inspect"), ("verify", "moe-1m-verify"),
+                            ("verify+hog", "moe-1m-verify-hog")):
+            row = rows.get(name)
+            base = rows.get(f"{ref}+hog" if name.endswith("+hog") else ref)
+            if not row or not row["ok"] or not base or not base["ok"]:
+                continue
+            x = row["wall_s"] / base["wall_s"]
+            limit, mb = TARGETS[name.removesuffix("+hog")]
+            M.record_figure(args, claim, figure=f"{row['wall_s']:.2f} s",
+                            baseline=f"`{REF_LABEL[ref]}` {base['wall_s']:.2f} s", ratio=x,
+                            met=x <= limit and row["rss_mb"] <= mb, peak_mb=row["rss_mb"],
+                            load=M.load_span([row["load"], base["load"]]),
+                            full_size=one_m["level"] == "1M")
+    ten_m = next((r for r in results if r["level"] == "10M"), None)
+    if ten_m is not None:
+        rows = ten_m["rows"]
+        names = ("merge", "inspect", "verify")
+        if all(rows.get(n, {}).get("ok") for n in names):
+            met: bool | None = all(rows[n]["rss_mb"] <= TARGETS_10M[n][1] for n in names)
+            figure = ", ".join(f"{n} {rows[n]['wall_s']:.1f} s" for n in names)
+            prev = one_m["rows"] if one_m is not None and one_m["level"] == "1M" else {}
+            if all(prev.get(n, {}).get("ok") for n in names):
+                growth = [(rows[n]["wall_s"] / ten_m["chunks"])
+                          / (prev[n]["wall_s"] / one_m["chunks"]) for n in names]  # type: ignore[index]
+                figure += f"; per chunk {M.span(growth)}x the 1M level"
+                met = met and max(growth) <= GROWTH_LIMIT
+            else:
+                met = None  # the time target needs the 1M level in the same run
+            M.record_figure(
+                args, "moe-10m", figure=figure,
+                met=met, peak_mb=max(rows[n]["rss_mb"] for n in ("merge", "verify")),
+                load=M.load_span(rows[n]["load"] for n in ("merge", "inspect", "verify")),
+                note=f"peak {rows['merge']['rss_mb']:,.0f} MB for merge, "
+                     f"{rows['verify']['rss_mb']:,.0f} MB for verify")
 
 
 if __name__ == "__main__":

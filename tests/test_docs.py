@@ -136,7 +136,11 @@ def test_every_claim_is_complete_and_measured_by_a_script_here() -> None:
 def test_no_page_quotes_a_ratio_the_results_file_does_not_have() -> None:
     """docs/benchmarks.md is generated from benchmarks/figures.json; any other page that
     quotes a measured ratio must quote the current one (or link to the claim)."""
-    ratios = {format(c["ratio"], ".2f") for c in docs.load_figures() if c["ratio"] is not None}
+    ratios = set()
+    for c in docs.load_figures():
+        if c["ratio"] is not None:  # as given, and as the generated table rounds it
+            ratios |= {format(c["ratio"], ".2f"),
+                       format(float(docs.format_ratio(c["ratio"])[:-1]), ".2f")}
     found = []
     for page in docs.pages(ROOT):
         text = docs._CODE.sub("", page.read_text())
