@@ -608,3 +608,23 @@ def test_checks_pure() -> None:
     assert qz.kept_names([("logit_scale", f32), ("w", bf16)], None) == frozenset()
     assert qz.matches("model.layers.11.mlp.gate", ["model.layers.*.mlp.gate"])
     assert not qz.matches("model.layers.1.mlp.gate_proj", ["model.layers.1.mlp.gate"])
+
+
+def test_mxfp4_layouts_refused() -> None:
+    """A stacked ``*_blocks`` of more than 4 dims (which transformers' transpose would lay out
+    as no loader reads it) is refused, naming it; blocks that are no MXFP4 layout of their
+    scales are bad input."""
+    from types import SimpleNamespace
+
+    from ckpttool.core.transforms.quantize import _mxfp4
+    from ckpttool.errors import InputError, UnsupportedError
+
+    def ns(*shape: int) -> Any:
+        return SimpleNamespace(shape=shape)
+
+    with pytest.raises(UnsupportedError, match="stacked layout"):
+        _mxfp4("x", ns(2, 2, 3, 2, 16), ns(2, 2, 3, 2), None)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="not MXFP4"):
+        _mxfp4("x", ns(3, 2, 8), ns(3, 2), None)  # type: ignore[arg-type]
+    assert _mxfp4("x", ns(2, 3, 2, 16), ns(2, 3, 2), None).shape == (2, 64, 3)  # type: ignore[arg-type]
+    assert _mxfp4("x", ns(3, 32), ns(3, 2), None).shape == (3, 64)  # type: ignore[arg-type]

@@ -86,3 +86,21 @@ def test_dequantize_dcp_in_slices(fp8_dcp: Path, fp8_hf: Path, wanted: dict[str,
     r = run("merge", fp8_dcp, out, "--finish", "--dequantize", "--config", fp8_hf / "config.json")
     assert r.exit_code == 0, r.output
     same_model(out, wanted["dequantize"][1])
+
+
+MEGATRON = Path(__file__).resolve().parents[1] / "data" / "megatron_lm"
+
+
+@pytest.mark.parametrize("run_dir", ["llama-tp2", "llama-pp2", "qwen3_moe-ep2"])
+def test_quantize_from_megatron(run_dir: str, tmp_path: Path) -> None:
+    """Megatron-LM's own checkpoints (tensor, pipeline and expert parallel), whose weights
+    are boxes of stored tensors under HF names: --quantize writes what --quantize of their
+    plain merge writes."""
+    src = MEGATRON / run_dir
+    plain = tmp_path / "plain"
+    assert run("merge", src, plain).exit_code == 0
+    want = tmp_path / "want"
+    merge(plain, want, quantize="fp8-block")
+    r = run("merge", src, tmp_path / "out", "--quantize", "fp8-block")
+    assert r.exit_code == 0, r.output
+    same_model(tmp_path / "out", want)

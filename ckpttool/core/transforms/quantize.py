@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.core import quantization as q
-from ckpttool.core.transforms.derive import Derived
+from ckpttool.core.transforms.derive import Derived, is_selection
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats.base import Tensor
 from ckpttool.formats.codecs import dtypes
@@ -481,7 +481,7 @@ def quantize(sources: list[tuple[str, Source]], config: Mapping[str, Any] | None
     qc: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                           "weight_block_size": list(BLOCK)}
     if kept_linear:
-        qc["modules_to_not_convert"] = kept_linear
+        qc["modules_to_not_convert"] = sorted(kept_linear)  # whatever order the source has
     new_config = dict(config or {})
     new_config["quantization_config"] = qc
     changes = [f"quantization_config: fp8 e4m3 in {list(BLOCK)} blocks ({num} weights; "
@@ -510,6 +510,11 @@ def _fp8_block(name: str, src: Source) -> tuple[Derived, Derived]:
     grid = q.ceil_blocks((rows, cols), BLOCK)
     f8, f32 = dtypes.get("F8_E4M3"), dtypes.get("F32")
     shared = _Shared()
+    computed: list[Derived] = []  # the transform computing the weight, where one does
+
+    def weight_of(ts: list[torch.Tensor]) -> torch.Tensor:
+        """The weight [rows, cols] from the inputs as read."""
+        return computed[0].compute(ts).reshape(rows, cols) if computed else ts[0]
 
     def row_scales(x: torch.Tensor) -> torch.Tensor:
         """amax(|x|) / 448 per block of one block of rows ``x`` (float32), 1.0 where the
@@ -549,7 +554,7 @@ def _fp8_block(name: str, src: Source) -> tuple[Derived, Derived]:
 
         from ckpttool.core.transforms.derive import scratch
 
-        (w,) = ts
+        w = weight_of(ts)
         known = shared.take()
         made = []
         q_all = scratch("quant-f8", br * cols, torch.float8_e4m3fn)
@@ -585,7 +590,7 @@ def _fp8_block(name: str, src: Source) -> tuple[Derived, Derived]:
     def scale_compute(ts: list[torch.Tensor]) -> torch.Tensor:
         known = shared.take()
         if known is None:
-            known = scales(ts[0])
+            known = scales(weight_of(ts))
             shared.leave(known)
         return known
 
@@ -594,14 +599,26 @@ def _fp8_block(name: str, src: Source) -> tuple[Derived, Derived]:
     def scale_pieces(ts: list[torch.Tensor], target: torch.dtype) -> Iterator[memoryview]:
         yield _bytes(scale_compute(ts).to(target))
 
-    if not isinstance(src, Tensor):
-        raise UnsupportedError(f"--quantize: '{name}' is computed by another transform (a LoRA "
-                               "fold, a name map); merge it first, then --quantize the result")
-    weight = Derived(name, (src,), f8, (rows, cols), weight_compute,
-                     "quantized: fp8 block 128x128", pieces=weight_pieces)
-    scale = Derived(name + "_scale_inv", (src,), f32, grid, scale_compute,
-                    "weight_scale_inv: amax / 448 per 128x128 block", pieces=scale_pieces)
-    return weight, scale
+    what_w = "quantized: fp8 block 128x128"
+    what_s = "weight_scale_inv: amax / 448 per 128x128 block"
+    if isinstance(src, Tensor):
+        return (Derived(name, (src,), f8, (rows, cols), weight_compute, what_w,
+                        pieces=weight_pieces),
+                Derived(name + "_scale_inv", (src,), f32, grid, scale_compute, what_s,
+                        pieces=scale_pieces))
+    # A weight another transform computes (a Megatron layer's box of a stored tensor, a
+    # split of a fused projection, a LoRA fold): read as that transform reads it, computed
+    # whole (one weight in memory), then quantized. Boxes are read in the output's shape,
+    # which the scale's is not: only a pure selection of boxes, or inputs without boxes.
+    if any(b is not None for b in src.boxes) and not is_selection(src):
+        raise UnsupportedError(f"--quantize: '{name}' is computed from parts of stored tensors "
+                               "by another transform; merge it first, then --quantize the "
+                               "result")
+    computed.append(src)
+    return (replace(src, name=name, dtype=f8, compute=weight_compute, what=what_w,
+                    pieces=weight_pieces),
+            replace(src, name=name + "_scale_inv", dtype=f32, shape=grid,
+                    compute=scale_compute, what=what_s, pieces=scale_pieces))
 
 
 class _Shared:
