@@ -129,6 +129,27 @@ def distributed() -> bool:
     return _flag("CKPTTOOL_DISTRIBUTED", True)
 
 
+def _positive(name: str, default: float, kind: type[float] | type[int], what: str
+              ) -> float:
+    """``name``'s value as a positive number of ``kind`` (finite), else ``default`` where
+    unset (an empty ``CKPTTOOL_PART_SIZE`` too).
+
+    Raises:
+        OutputError: set, and not such a number (the message gives the default).
+    """
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = 0
+    if not 0 < value < float("inf"):
+        shown = f"{default:g}" if kind is float else str(int(default))
+        raise OutputError(f"{name}={raw!r}: expected {what} above 0, e.g. {shown}")
+    return value
+
+
 DIST_TIMEOUT_DEFAULT = 1800.0
 
 
@@ -138,16 +159,7 @@ def dist_timeout() -> float:
     Raises:
         OutputError: the value is not a number of seconds above 0.
     """
-    raw = os.environ.get("CKPTTOOL_DIST_TIMEOUT")
-    if raw is None:
-        return DIST_TIMEOUT_DEFAULT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise OutputError(f"CKPTTOOL_DIST_TIMEOUT={raw!r}: expected a number of seconds above 0")
-    return value
+    return _positive("CKPTTOOL_DIST_TIMEOUT", DIST_TIMEOUT_DEFAULT, float, "a number of seconds")
 
 
 LOCK_STALE_DEFAULT = 600.0
@@ -160,16 +172,7 @@ def lock_stale() -> float:
     Raises:
         OutputError: the value is not a number of seconds above 0.
     """
-    raw = os.environ.get("CKPTTOOL_LOCK_STALE")
-    if raw is None:
-        return LOCK_STALE_DEFAULT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise OutputError(f"CKPTTOOL_LOCK_STALE={raw!r}: expected a number of seconds above 0")
-    return value
+    return _positive("CKPTTOOL_LOCK_STALE", LOCK_STALE_DEFAULT, float, "a number of seconds")
 
 
 RESUME_PIECE_DEFAULT = 1 << 30  # a piece costs a pass of the engine: at 256 MiB, 5-8% on 1.5 GB
@@ -182,22 +185,14 @@ def resume_piece() -> int:
     Raises:
         OutputError: the value is not a positive number of bytes.
     """
-    raw = os.environ.get("CKPTTOOL_RESUME_PIECE")
-    if raw is None:
-        return RESUME_PIECE_DEFAULT
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise OutputError(f"CKPTTOOL_RESUME_PIECE={raw!r}: expected a positive number of bytes, "
-                          f"e.g. {RESUME_PIECE_DEFAULT}")
-    return value
+    return int(_positive("CKPTTOOL_RESUME_PIECE", RESUME_PIECE_DEFAULT, int,
+                         "a positive number of bytes"))
 
 
 REQUEST_TIMEOUT_DEFAULT = 30.0
 # A request and its retries give up once this many request timeouts have passed.
 REQUEST_DEADLINE_TIMES = 4
+PART_SIZE_DEFAULT = 16 << 20
 
 
 def part_size() -> int:
@@ -206,16 +201,8 @@ def part_size() -> int:
     Raises:
         OutputError: not a positive whole number.
     """
-    raw = os.environ.get("CKPTTOOL_PART_SIZE")
-    if raw is None or not raw.strip():
-        return 16 << 20
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise OutputError(f"CKPTTOOL_PART_SIZE={raw!r}: expected a positive number of bytes")
-    return value
+    return int(_positive("CKPTTOOL_PART_SIZE", PART_SIZE_DEFAULT, int,
+                         "a positive number of bytes"))
 
 
 def request_timeout() -> float:
@@ -225,17 +212,8 @@ def request_timeout() -> float:
     Raises:
         OutputError: the value is not a number of seconds above 0.
     """
-    raw = os.environ.get("CKPTTOOL_REQUEST_TIMEOUT")
-    if raw is None:
-        return REQUEST_TIMEOUT_DEFAULT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0
-    if not value > 0 or value == float("inf"):
-        raise OutputError(f"CKPTTOOL_REQUEST_TIMEOUT={raw!r}: expected a number of seconds "
-                          f"above 0, e.g. {REQUEST_TIMEOUT_DEFAULT:g}")
-    return value
+    return _positive("CKPTTOOL_REQUEST_TIMEOUT", REQUEST_TIMEOUT_DEFAULT, float,
+                     "a number of seconds")
 
 
 def request_deadline() -> float:

@@ -535,3 +535,24 @@ def test_the_hub_recipe_runs_hf_upload_per_checkpoint_and_honours_its_exit(
         f"upload my-org/my-model {out / 'checkpoint-500'} . --revision step-500",
         f"upload my-org/my-model {out / 'checkpoint-1000'} . --revision step-1000"]
     assert "failed: checkpoint-1000 (exit 3): merged, but --then exited 1" in r.stderr
+
+
+@pytest.mark.parametrize("name, call", [
+    ("CKPTTOOL_DIST_TIMEOUT", "dist_timeout"), ("CKPTTOOL_LOCK_STALE", "lock_stale"),
+    ("CKPTTOOL_REQUEST_TIMEOUT", "request_timeout"), ("CKPTTOOL_RESUME_PIECE", "resume_piece"),
+    ("CKPTTOOL_PART_SIZE", "part_size")])
+def test_number_knobs_refuse_what_is_not_a_positive_number(name: str, call: str,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    from ckpttool import settings
+    from ckpttool.errors import OutputError
+
+    read = getattr(settings, call)
+    monkeypatch.delenv(name, raising=False)
+    default = read()
+    for bad in ("0", "-3", "soon", "inf"):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(OutputError, match=f"^{name}='{bad}': expected .* above 0, e.g. "):
+            read()
+    monkeypatch.setenv(name, "7")
+    assert read() == 7 and default > 0
