@@ -70,6 +70,13 @@ def test_fixtures_are_found() -> None:
             "py311-torch2.14", "py313-torch2.15"} <= set(FIXTURES), FIXTURES
 
 
+def test_fixtures_stay_small() -> None:
+    """A few KB each: a fixture is committed for each Python and torch."""
+    for name, path in DCPS.items():
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        assert size < 64 * 1024, (name, size)
+
+
 @pytest.mark.parametrize("name", FIXTURES)
 def test_name_says_the_python_and_torch_that_wrote_it(name: str) -> None:
     versions = _versions(DATA / name)
