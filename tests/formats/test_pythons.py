@@ -1,13 +1,22 @@
 """Checkpoints written under every Python the package declares (3.10 to 3.13) and by torch
-releases from the floor ``pyproject.toml`` declares (2.6) to the newest (2.15), read under
-the Python and torch running the tests: merged bit for bit, verified clean, inspected, never
-called "may be malicious". 3.13 pickles every path as ``pathlib._local.PosixPath`` (DCP's
-``StorageMeta.checkpoint_id``), which older ckpttool refused as "may be malicious".
+releases from 2.4 through the floor ``pyproject.toml`` declares (2.6) to the newest (2.15),
+read under the Python and torch running the tests: merged bit for bit, verified clean,
+inspected, never called "may be malicious". 3.13 pickles every path as
+``pathlib._local.PosixPath`` (DCP's ``StorageMeta.checkpoint_id``), which older ckpttool
+refused as "may be malicious".
 
 Every directory of ``tests/data/pythons/`` holding a ``versions.json`` is found and replayed
 (and ``tests/data/py311``'s DCP, written by Debian 12's Python 3.11.2). All were written once
 by ``tests/data/pythons/generate.py`` (2 gloo ranks) into ``pyXY-torchA.B/``; those of torch
-2.13.0 (``py310``, ``py312``, ``py313``) predate the torch in the name."""
+2.13.0 (``py310``, ``py312``, ``py313``) predate the torch in the name.
+
+The same file replays them under another torch (the venvs of the generator's docstring, with
+ckpttool's own dependencies added), e.g. under the floor, torch 2.6.0 and Python 3.10::
+
+    /work/venvs/torches-26/bin/pip install safetensors typer rich pytest zstandard
+    PYTHONPATH=. /work/venvs/torches-26/bin/python -m pytest -q -p no:cacheprovider \
+        --noconftest tests/formats/test_pythons.py
+"""
 
 from __future__ import annotations
 
@@ -57,8 +66,15 @@ def _clean(*args: str) -> None:
 
 def test_fixtures_are_found() -> None:
     """Discovery found them all (else the tests below would pass on fewer)."""
-    assert {"py310", "py312", "py313", "py310-torch2.6", "py311-torch2.14",
-            "py313-torch2.15"} <= set(FIXTURES)
+    assert {"py310", "py312", "py313", "py312-torch2.4", "py310-torch2.6", "py311-torch2.9",
+            "py311-torch2.14", "py313-torch2.15"} <= set(FIXTURES), FIXTURES
+
+
+def test_fixtures_stay_small() -> None:
+    """A few KB each: a fixture is committed for each Python and torch."""
+    for name, path in DCPS.items():
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        assert size < 64 * 1024, (name, size)
 
 
 @pytest.mark.parametrize("name", FIXTURES)
