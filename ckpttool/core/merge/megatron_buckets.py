@@ -150,6 +150,7 @@ def unbucketed(model: Sequence[Tensor], named: Sequence[tuple[str, Any]],
     out: dict[str, list[Chunk]] = {}
     dtypes: dict[str, Any] = {}
     starts: dict[int, Payload] = {}  # per stored piece of a bucket, decoded once
+    by_place: dict[int, tuple[list[Chunk], list[int]]] = {}
     for (chain, group, gbuf, kind), by_index in sorted(buckets.items()):
         expert = len(chains) > 1 and chain == chains[-1]
         if expert:
@@ -174,7 +175,7 @@ def unbucketed(model: Sequence[Tensor], named: Sequence[tuple[str, Any]],
             have = {c.offsets for c in out.setdefault(name, [])}
             if boxes[0][0] in have:
                 continue  # replicated over tensor-parallel ranks: the first rank's copy
-            out[name] += _chunks(reader, bucket, span, boxes, starts)
+            out[name] += _chunks(reader, bucket, span, boxes, starts, by_place)
     result = []
     for name, chunks in out.items():
         key = name.split(".", 3)[3]
@@ -234,6 +235,8 @@ def _place(params: list[tuple[str, tuple[int, ...]]], tensors: Mapping[str, Tens
     chunks' boundaries."""
     placed = []
     index, at = 0, 0
+    bounds = [{c.offsets[0] for c in b.chunks} | {c.offsets[0] + c.sizes[0] for c in b.chunks}
+              for b in buckets]
     for key, lead in reversed(params):
         boxes = _local_boxes(tensors[key], lead, rank, ranks)
         numel = sum(math.prod(s) for _, s in boxes)
@@ -243,9 +246,7 @@ def _place(params: list[tuple[str, tuple[int, ...]]], tensors: Mapping[str, Tens
         bucket = buckets[index]
         if at + numel > bucket.shape[0]:
             raise _refused(f"{where}: '{key}' does not fit bucket {index}")
-        bounds = {c.offsets[0] for c in bucket.chunks} | {c.offsets[0] + c.sizes[0]
-                                                          for c in bucket.chunks}
-        if at not in bounds or at + numel not in bounds:
+        if at not in bounds[index] or at + numel not in bounds[index]:
             raise _refused(f"{where}: '{key}' would lie across the stored pieces of bucket "
                            f"{index} (another layer spec or parameter order)")
         placed.append((key, bucket, at, boxes))
@@ -259,11 +260,15 @@ def _place(params: list[tuple[str, tuple[int, ...]]], tensors: Mapping[str, Tens
 
 
 def _chunks(reader: Reader, bucket: Tensor, span: int, boxes: list[Box],
-            starts: dict[int, Payload]) -> list[Chunk]:
+            starts: dict[int, Payload],
+            by_place: dict[int, tuple[list[Chunk], list[int]]]) -> list[Chunk]:
     """Raw chunks of the global tensor: ``boxes`` (in order) filled from the bucket's
-    elements from ``span`` on, where the stored pieces lie."""
-    pieces = sorted(bucket.chunks, key=lambda c: c.offsets[0])
-    firsts = [c.offsets[0] for c in pieces]
+    elements from ``span`` on, where the stored pieces lie (``starts`` and ``by_place``: each
+    piece's payload and each bucket's pieces by position, found once)."""
+    if id(bucket) not in by_place:
+        pieces = sorted(bucket.chunks, key=lambda c: c.offsets[0])
+        by_place[id(bucket)] = (pieces, [c.offsets[0] for c in pieces])
+    pieces, firsts = by_place[id(bucket)]
     item = bucket.dtype.itemsize
     out: list[Chunk] = []
     at = span
