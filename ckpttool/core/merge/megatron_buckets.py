@@ -243,6 +243,12 @@ def _place(params: list[tuple[str, tuple[int, ...]]], tensors: Mapping[str, Tens
         if index >= len(buckets):
             raise _refused(f"{where}: the model's parameters do not fit its buckets")
         at = -(-at // _ALIGN) * _ALIGN
+        if at and at == buckets[index].shape[0]:
+            # a bucket closed before a parameter that needs its own (the shared embedding
+            # at PP > 1), its length counting the alignment
+            index, at = index + 1, 0
+            if index >= len(buckets):
+                raise _refused(f"{where}: the model's parameters do not fit its buckets")
         bucket = buckets[index]
         if at + numel > bucket.shape[0]:
             raise _refused(f"{where}: '{key}' does not fit bucket {index}")
