@@ -133,6 +133,8 @@ def unbucketed(model: Sequence[Tensor], named: Sequence[tuple[str, Any]],
     per_stage = layers // (pp * vpp)
     local_experts = experts // ep if experts else 0
     tensors = {t.name: t for t in model}
+    tied = not args.get("untie_embeddings_and_output_weights") and "output_layer.weight" \
+        not in tensors
 
     buckets: dict[tuple[str, int, int, str], dict[int, Tensor]] = {}
     for name, tensor in named:
@@ -165,7 +167,8 @@ def unbucketed(model: Sequence[Tensor], named: Sequence[tuple[str, Any]],
         params = _params(tensors, order, first=virtual == 0, last=virtual == pp * vpp - 1,
                          layers=range(virtual * per_stage, (virtual + 1) * per_stage),
                          expert=expert if len(chains) > 1 else None,
-                         experts=range(rank_ep * local_experts, (rank_ep + 1) * local_experts))
+                         experts=range(rank_ep * local_experts, (rank_ep + 1) * local_experts),
+                         tied_copy=tied)
         placed = _place(params, tensors, [by_index[k] for k in sorted(by_index)],
                         rank_tp, etp if expert else tp, where=f"{chain}dp_group_idx_{group}."
                         f"gbuf_idx_{gbuf} ({kind})")
@@ -189,8 +192,8 @@ def unbucketed(model: Sequence[Tensor], named: Sequence[tuple[str, Any]],
 
 
 def _params(tensors: Mapping[str, Tensor], order: tuple[tuple[str, ...], ...], *,
-            first: bool, last: bool, layers: range, expert: bool | None, experts: range
-            ) -> list[tuple[str, tuple[int, ...]]]:
+            first: bool, last: bool, layers: range, expert: bool | None, experts: range,
+            tied_copy: bool = False) -> list[tuple[str, tuple[int, ...]]]:
     """One model chunk's parameters in registration order: ``(model key, index into its
     stacked leading dims)`` (``(layer,)``, ``(layer, expert)``, or ``()``); ``expert``: only
     the experts' (True), only the others (False), or all (None)."""
@@ -209,6 +212,10 @@ def _params(tensors: Mapping[str, Tensor], order: tuple[tuple[str, ...], ...], *
                 out += [(k, (layer,)) for k in keys if wanted(k)]
     if last:
         out += [(k, ()) for k in _LAST if wanted(k)]
+        if tied_copy and not first and expert is not True:
+            # a tied output layer on another stage than the embedding: a parameter of its
+            # own there (kept equal to the embedding by Megatron), saved as the embedding
+            out.append((_FIRST[0], ()))
     return out
 
 
