@@ -13,9 +13,10 @@ from what the checkpoint does record (``args`` and the model's own tensors):
   chunk (one buffer per virtual pipeline stage);
 * a chunk holds, in module registration order, the embedding (first stage), its layers
   (``num_layers / (PP * VPP)`` each, stage ``v * PP + pp``), then the final norm and output
-  layer (last stage); each layer's parameters in the order its modules register them
-  (:data:`_LOCAL_ORDER` for ``--transformer-impl local``, :data:`_TE_ORDER` for Transformer
-  Engine), the expert parameters in the expert optimizer's buffers only;
+  layer (last stage; a tied one there is a parameter of its own, saved as the embedding);
+  each layer's parameters in the order its modules register them (:data:`_LOCAL_ORDER` for
+  ``--transformer-impl local``, :data:`_TE_ORDER` for Transformer Engine), the expert
+  parameters in the expert optimizer's buffers only;
 * DDP walks that list backwards, starting each parameter at a multiple of 64 elements and a
   new bucket where the last one reached its recorded length;
 * each parameter's local piece is its model tensor's chunk for that rank (the tensor-parallel
