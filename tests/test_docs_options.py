@@ -29,7 +29,7 @@ FOREIGN = {
     "--pipeline-model-parallel-layout": "Megatron-LM", "--norm-epsilon": "Megatron-LM",
     "--vocab-size": "Megatron-LM", "--no-save-optim": "Megatron-LM",
     "--no-save-rng": "Megatron-LM", "--dist-ckpt-optim-fully-reshardable": "Megatron-LM",
-    "--moe": "benchmarks/megatron_merge.py",
+    "--moe": "benchmarks/megatron_merge.py", "--array": "sbatch",
 }
 
 

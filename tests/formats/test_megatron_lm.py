@@ -332,3 +332,19 @@ def test_expert_tp_sharing_dense_buckets_is_exit_4_naming_why(tmp_path: Path) ->
     assert r.exit_code == 4, r.output
     assert "no expert's whole state is in the checkpoint" in r.output
     assert not (tmp_path / "opt").exists()
+
+
+@pytest.mark.parametrize("sizes", [(1, 3, 4), (5,), (2, 3, 4), (1, 2, 3, 5)])
+def test_a_flat_range_of_a_box_is_cut_into_boxes_in_order(sizes: tuple[int, ...]) -> None:
+    """Each element range of a box, cut into boxes read one after the other in C order,
+    gives exactly those elements (a bucket's piece ends anywhere in a parameter)."""
+    from ckpttool.core.merge.megatron_buckets import _sub_boxes
+
+    whole = torch.arange(int(torch.tensor(sizes).prod())).reshape(sizes)
+    n = whole.numel()
+    for lo in range(n):
+        for hi in range(lo + 1, n + 1):
+            got = torch.cat([whole[tuple(slice(o, o + s) for o, s in zip(off, size,
+                                                                         strict=True))]
+                             .flatten() for off, size in _sub_boxes(sizes, lo, hi)])
+            assert torch.equal(got, torch.arange(lo, hi)), (sizes, lo, hi)

@@ -13,9 +13,10 @@ from what the checkpoint does record (``args`` and the model's own tensors):
   chunk (one buffer per virtual pipeline stage);
 * a chunk holds, in module registration order, the embedding (first stage), its layers
   (``num_layers / (PP * VPP)`` each, stage ``v * PP + pp``), then the final norm and output
-  layer (last stage); each layer's parameters in the order its modules register them
-  (:data:`_LOCAL_ORDER` for ``--transformer-impl local``, :data:`_TE_ORDER` for Transformer
-  Engine), the expert parameters in the expert optimizer's buffers only;
+  layer (last stage; a tied one there is a parameter of its own, saved as the embedding);
+  each layer's parameters in the order its modules register them (:data:`_LOCAL_ORDER` for
+  ``--transformer-impl local``, :data:`_TE_ORDER` for Transformer Engine), the expert
+  parameters in the expert optimizer's buffers only;
 * DDP walks that list backwards, starting each parameter at a multiple of 64 elements and a
   new bucket where the last one reached its recorded length;
 * each parameter's local piece is its model tensor's chunk for that rank (the tensor-parallel
@@ -133,6 +134,8 @@ def unbucketed(model: Sequence[Tensor], named: Sequence[tuple[str, Any]],
     per_stage = layers // (pp * vpp)
     local_experts = experts // ep if experts else 0
     tensors = {t.name: t for t in model}
+    tied = not args.get("untie_embeddings_and_output_weights") and "output_layer.weight" \
+        not in tensors
 
     buckets: dict[tuple[str, int, int, str], dict[int, Tensor]] = {}
     for name, tensor in named:
@@ -150,6 +153,7 @@ def unbucketed(model: Sequence[Tensor], named: Sequence[tuple[str, Any]],
     out: dict[str, list[Chunk]] = {}
     dtypes: dict[str, Any] = {}
     starts: dict[int, Payload] = {}  # per stored piece of a bucket, decoded once
+    by_place: dict[int, tuple[list[Chunk], list[int]]] = {}
     for (chain, group, gbuf, kind), by_index in sorted(buckets.items()):
         expert = len(chains) > 1 and chain == chains[-1]
         if expert:
@@ -164,7 +168,8 @@ def unbucketed(model: Sequence[Tensor], named: Sequence[tuple[str, Any]],
         params = _params(tensors, order, first=virtual == 0, last=virtual == pp * vpp - 1,
                          layers=range(virtual * per_stage, (virtual + 1) * per_stage),
                          expert=expert if len(chains) > 1 else None,
-                         experts=range(rank_ep * local_experts, (rank_ep + 1) * local_experts))
+                         experts=range(rank_ep * local_experts, (rank_ep + 1) * local_experts),
+                         tied_copy=tied)
         placed = _place(params, tensors, [by_index[k] for k in sorted(by_index)],
                         rank_tp, etp if expert else tp, where=f"{chain}dp_group_idx_{group}."
                         f"gbuf_idx_{gbuf} ({kind})")
@@ -174,7 +179,7 @@ def unbucketed(model: Sequence[Tensor], named: Sequence[tuple[str, Any]],
             have = {c.offsets for c in out.setdefault(name, [])}
             if boxes[0][0] in have:
                 continue  # replicated over tensor-parallel ranks: the first rank's copy
-            out[name] += _chunks(reader, bucket, span, boxes, starts)
+            out[name] += _chunks(reader, bucket, span, boxes, starts, by_place)
     result = []
     for name, chunks in out.items():
         key = name.split(".", 3)[3]
@@ -188,8 +193,8 @@ def unbucketed(model: Sequence[Tensor], named: Sequence[tuple[str, Any]],
 
 
 def _params(tensors: Mapping[str, Tensor], order: tuple[tuple[str, ...], ...], *,
-            first: bool, last: bool, layers: range, expert: bool | None, experts: range
-            ) -> list[tuple[str, tuple[int, ...]]]:
+            first: bool, last: bool, layers: range, expert: bool | None, experts: range,
+            tied_copy: bool = False) -> list[tuple[str, tuple[int, ...]]]:
     """One model chunk's parameters in registration order: ``(model key, index into its
     stacked leading dims)`` (``(layer,)``, ``(layer, expert)``, or ``()``); ``expert``: only
     the experts' (True), only the others (False), or all (None)."""
@@ -208,6 +213,10 @@ def _params(tensors: Mapping[str, Tensor], order: tuple[tuple[str, ...], ...], *
                 out += [(k, (layer,)) for k in keys if wanted(k)]
     if last:
         out += [(k, ()) for k in _LAST if wanted(k)]
+        if tied_copy and not first and expert is not True:
+            # a tied output layer on another stage than the embedding: a parameter of its
+            # own there (kept equal to the embedding by Megatron), saved as the embedding
+            out.append((_FIRST[0], ()))
     return out
 
 
@@ -234,18 +243,24 @@ def _place(params: list[tuple[str, tuple[int, ...]]], tensors: Mapping[str, Tens
     chunks' boundaries."""
     placed = []
     index, at = 0, 0
+    bounds = [{c.offsets[0] for c in b.chunks} | {c.offsets[0] + c.sizes[0] for c in b.chunks}
+              for b in buckets]
     for key, lead in reversed(params):
         boxes = _local_boxes(tensors[key], lead, rank, ranks)
         numel = sum(math.prod(s) for _, s in boxes)
         if index >= len(buckets):
             raise _refused(f"{where}: the model's parameters do not fit its buckets")
         at = -(-at // _ALIGN) * _ALIGN
+        if at and at == buckets[index].shape[0]:
+            # a bucket closed before a parameter that needs its own (the shared embedding
+            # at PP > 1), its length counting the alignment
+            index, at = index + 1, 0
+            if index >= len(buckets):
+                raise _refused(f"{where}: the model's parameters do not fit its buckets")
         bucket = buckets[index]
         if at + numel > bucket.shape[0]:
             raise _refused(f"{where}: '{key}' does not fit bucket {index}")
-        bounds = {c.offsets[0] for c in bucket.chunks} | {c.offsets[0] + c.sizes[0]
-                                                          for c in bucket.chunks}
-        if at not in bounds or at + numel not in bounds:
+        if at not in bounds[index] or at + numel not in bounds[index]:
             raise _refused(f"{where}: '{key}' would lie across the stored pieces of bucket "
                            f"{index} (another layer spec or parameter order)")
         placed.append((key, bucket, at, boxes))
@@ -259,11 +274,15 @@ def _place(params: list[tuple[str, tuple[int, ...]]], tensors: Mapping[str, Tens
 
 
 def _chunks(reader: Reader, bucket: Tensor, span: int, boxes: list[Box],
-            starts: dict[int, Payload]) -> list[Chunk]:
+            starts: dict[int, Payload],
+            by_place: dict[int, tuple[list[Chunk], list[int]]]) -> list[Chunk]:
     """Raw chunks of the global tensor: ``boxes`` (in order) filled from the bucket's
-    elements from ``span`` on, where the stored pieces lie."""
-    pieces = sorted(bucket.chunks, key=lambda c: c.offsets[0])
-    firsts = [c.offsets[0] for c in pieces]
+    elements from ``span`` on, where the stored pieces lie (``starts`` and ``by_place``: each
+    piece's payload and each bucket's pieces by position, found once)."""
+    if id(bucket) not in by_place:
+        pieces = sorted(bucket.chunks, key=lambda c: c.offsets[0])
+        by_place[id(bucket)] = (pieces, [c.offsets[0] for c in pieces])
+    pieces, firsts = by_place[id(bucket)]
     item = bucket.dtype.itemsize
     out: list[Chunk] = []
     at = span

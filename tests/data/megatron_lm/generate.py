@@ -85,6 +85,10 @@ RUNS: dict[str, tuple[str, int, str]] = {
                                  f"--pipeline-model-parallel-size 2 {DISTOPT}"),
     "llama-vpp": ("llama", 2, f"{UNTIED} --num-layers 4 --pipeline-model-parallel-size 2 "
                               f"--num-layers-per-virtual-pipeline-stage 1 {DISTOPT}"),
+    "llama-buckets": ("llama", 2, f"{UNTIED} {DISTOPT} --overlap-grad-reduce "
+                                  "--ddp-bucket-size 20000"),
+    "qwen3-pp2-tied": ("qwen3", 2, f"--qk-layernorm --kv-channels 32 "
+                                   f"--pipeline-model-parallel-size 2 {DISTOPT}"),
     # expert TP without dense TP (dense TP with MoE needs --sequence-parallel, which the
     # local spec's torch norms refuse)
     "qwen3_moe-etp2": ("qwen3_moe", 2, f"{UNTIED} --qk-layernorm {MOE} "
