@@ -90,9 +90,11 @@ def plan_against(a: Checkpoint, b: Checkpoint, *, policy: DTypePolicy | None,
     Args:
         names, adapter_config, lora_alpha: as given to the merge that made ``b``.
     """
+    # B under A's own names (merged with --names none, or the same format twice): by name
+    same = names is None and set(b.by_name()) <= set(a.by_name())
     try:
-        mapped = through(a, b, names=names, adapter_config=adapter_config,
-                         lora_alpha=lora_alpha)
+        mapped = (None if same else through(a, b, names=names, adapter_config=adapter_config,
+                                            lora_alpha=lora_alpha))
     except (InputError, UnsupportedError) as e:
         return AgainstPlan((), (error("against-unmapped", f"{a.root}: its tensors cannot be "
                                       f"made as merge makes them, to compare with {b.root}: "
@@ -101,7 +103,7 @@ def plan_against(a: Checkpoint, b: Checkpoint, *, policy: DTypePolicy | None,
         return _plan_through(a, b, mapped, policy)
     try:  # verify OUT --against SRC: the same, the other way round
         back = (through(b, a, adapter_config=adapter_config, lora_alpha=lora_alpha)
-                if names is None else None)
+                if names is None and not set(a.by_name()) <= set(b.by_name()) else None)
     except (InputError, UnsupportedError):
         back = None
     if back is not None:
