@@ -92,6 +92,10 @@ def test_recipe_on_default_verl_lora_merge(verl: Path, tmp_path: Path) -> None:
     assert doc["exit"] == 0 and not errors(doc), errors(doc)
     (mapped,) = [p for p in doc["problems"] if p["code"] == "against-mapped"]
     assert "the LoRA fold (alpha 16, rank 4)" in mapped["message"]
+    # the other way round: the output held to the source, the same fold
+    doc = recipe(out, src)
+    assert doc["exit"] == 0 and not errors(doc), errors(doc)
+    assert [p for p in doc["problems"] if p["code"] == "against-mapped"]
     # a folded weight changed: named, with the output's own tensor and file
     flip(out, "model.layers.0.self_attn.q_proj.weight")
     doc = recipe(src, out)
@@ -148,10 +152,14 @@ def test_recipe_on_default_megatron_merges(name: str, tmp_path: Path) -> None:
     assert doc["exit"] == 0 and not errors(doc), errors(doc)
     assert any("megatron-" in p["message"] for p in doc["problems"]
                if p["code"] == "against-mapped")
+    doc = recipe(out, src)  # the other way round
+    assert doc["exit"] == 0 and not errors(doc), errors(doc)
     flip(out, "model.layers.1.self_attn.k_proj.weight")  # a part of a fused linear_qkv
-    (bad,) = errors(recipe(src, out))
-    assert (bad["code"], bad["location"]["tensor"]) == (
-        "data-differs", "model.layers.1.self_attn.k_proj.weight")
+    for doc in (recipe(src, out), recipe(out, src)):
+        (bad,) = errors(doc)
+        assert (bad["code"], bad["location"]["tensor"]) == (
+            "data-differs", "model.layers.1.self_attn.k_proj.weight")
+        assert bad["location"]["file"] == "model.safetensors"
 
 
 def test_recipe_with_the_names_map_merge_was_given(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from ckpttool.core import quantization, ties
 from ckpttool.core.checkpoint import hf, tensors
-from ckpttool.core.checkpoint.discover import Checkpoint, TensorView
+from ckpttool.core.checkpoint.discover import Checkpoint, TensorView, select
 from ckpttool.core.dtype_policy import DTypePolicy
 from ckpttool.core.runtime.report import Progress
 from ckpttool.core.transforms import derive, hub_layout, maps, namemaps
@@ -56,6 +56,9 @@ class Computed:
     b: TensorView  # B's tensor it must equal: the output's own, or its tie partner
     dtype: DType  # made in this dtype (B's, the cast merge applies)
     tie: str | None = None  # B lacks ``name``: its tie partner ``b`` must hold its bytes
+    # ``verify OUT --against SRC``: ``source`` is OTHER's (made with its reader) and ``b``
+    # PATH's output tensor
+    reverse: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,15 +91,24 @@ def plan_against(a: Checkpoint, b: Checkpoint, *, policy: DTypePolicy | None,
     Args:
         names, adapter_config, lora_alpha: as given to the merge that made ``b``.
     """
+    # B under A's own names (merged with --names none, or the same format twice): by name
+    same = names is None and set(b.by_name()) <= set(a.by_name())
     try:
-        mapped = through(a, b, names=names, adapter_config=adapter_config,
-                         lora_alpha=lora_alpha)
+        mapped = (None if same else through(a, b, names=names, adapter_config=adapter_config,
+                                            lora_alpha=lora_alpha))
     except (InputError, UnsupportedError) as e:
         return AgainstPlan((), (error("against-unmapped", f"{a.root}: its tensors cannot be "
                                       f"made as merge makes them, to compare with {b.root}: "
                                       f"{e}"),), (), ())
     if mapped is not None:
         return _plan_through(a, b, mapped, policy)
+    try:  # verify OUT --against SRC: the same, the other way round
+        back = (through(b, a, adapter_config=adapter_config, lora_alpha=lora_alpha)
+                if names is None and not set(a.by_name()) <= set(b.by_name()) else None)
+    except (InputError, UnsupportedError):
+        back = None
+    if back is not None:
+        return _plan_through(b, a, back, policy, reverse=True)
     names_a, names_b = a.by_name(), b.by_name()
     problems: list[Problem] = []
     tied_missing: list[tuple[str, str]] = []
@@ -176,6 +188,8 @@ def through(a: Checkpoint, b: Checkpoint, *, names: str | None = None,
     """
     if a.kind != "model" or names == maps.KEEP:
         return None
+    if a.has_part(a.kind):  # the model of a training checkpoint (its optimizer apart)
+        a = select(a, a.kind)
     named = [(t.name, t.tensor) for t in a.tensors]
     mode = "adapter" if parse_adapter([(t.name, t.tensor) for t in b.tensors]) else None
     adapted = (plan_for_merge(a, named, mode, None, adapter_config,
@@ -199,10 +213,14 @@ def through(a: Checkpoint, b: Checkpoint, *, names: str | None = None,
 
 
 def _plan_through(a: Checkpoint, b: Checkpoint, mapped: Through,
-                  policy: DTypePolicy | None) -> AgainstPlan:
+                  policy: DTypePolicy | None, *, reverse: bool = False) -> AgainstPlan:
     """``b`` held to the tensors merge makes of ``a`` (``mapped``): a stored tensor under its
     output name is compared as it streams by (a :class:`Pair`), anything computed after the
-    pass (a :class:`Computed`); a tied copy merge left out must equal its partner in ``b``."""
+    pass (a :class:`Computed`); a tied copy merge left out must equal its partner in ``b``.
+    ``reverse``: ``a`` is verify's OTHER and ``b`` its PATH (every comparison after the pass,
+    ``missing`` and ``extra`` as seen from PATH)."""
+    missing, extra = ("extra-tensor", "missing-tensor") if reverse else ("missing-tensor",
+                                                                           "extra-tensor")
     names_b = b.by_name()
     views = {id(t.tensor): t for t in a.tensors}
     outputs = dict(mapped.sources)
@@ -222,7 +240,7 @@ def _plan_through(a: Checkpoint, b: Checkpoint, mapped: Through,
                 tb, tie = None, None
         if tb is None:
             made = "" if isinstance(source, Tensor) else f", made by {mapped.what}"
-            problems.append(error("missing-tensor", f"tensor '{name}' ({source.dtype.name} "
+            problems.append(error(missing, f"tensor '{name}' ({source.dtype.name} "
                                    f"{list(source.shape)}{made}) is what merge writes of "
                                    f"{a.root} but not in {b.root}", tensor=name))
             continue
@@ -239,14 +257,14 @@ def _plan_through(a: Checkpoint, b: Checkpoint, mapped: Through,
                                    "after the cast merge applies)", tensor=name))
             continue
         view = views.get(id(source)) if isinstance(source, Tensor) else None
-        if view is not None and tie is None and view.stored_name not in streamed:
+        if view is not None and tie is None and view.stored_name not in streamed and not reverse:
             streamed.add(view.stored_name)
             pairs.append(Pair(view, tb, cast))
         else:
-            computed.append(Computed(name, source, tb, tb.dtype, tie))
+            computed.append(Computed(name, source, tb, tb.dtype, tie, reverse))
     for name, tb in names_b.items():
         if name not in outputs:
-            problems.append(error("extra-tensor", f"tensor '{name}' ({tb.dtype.name} "
+            problems.append(error(extra, f"tensor '{name}' ({tb.dtype.name} "
                                    f"{list(tb.shape)}) is in {b.root} but not in what merge "
                                    f"writes of {a.root} (through {mapped.what})", tensor=name))
     return AgainstPlan(tuple(pairs), tuple(problems), (), (), tuple(computed))
@@ -266,36 +284,42 @@ def compare_computed(a: Checkpoint, b: Checkpoint, plan: AgainstPlan, reader_a: 
     already)."""
     problems: list[Problem] = []
     for c in plan.computed:
+        # made of the source (A, or OTHER for ``verify OUT --against SRC``), compared with
+        # the output's tensor
+        src, out = (b, a) if c.reverse else (a, b)
+        read_src, read_out = (reader_b, reader_a) if c.reverse else (reader_a, reader_b)
+        skip_src, skip_out = (skip_b, skip) if c.reverse else (skip, skip_b)
         inputs = c.source.inputs if isinstance(c.source, Derived) else (c.source,)
-        if any(t.name in skip for t in inputs) or c.b.stored_name in skip_b:
+        if any(t.name in skip_src for t in inputs) or c.b.stored_name in skip_out:
             continue
         try:
-            made = (derive.materialise(reader_a, c.source, c.dtype)
+            made = (derive.materialise(read_src, c.source, c.dtype)
                     if isinstance(c.source, Derived)
-                    else _cast_bytes(reader_a, c.source, c.dtype))
-            held = tensors.read_range(reader_b, c.b.tensor, 0, math.prod(c.b.shape))
+                    else _cast_bytes(read_src, c.source, c.dtype))
+            held = tensors.read_range(read_out, c.b.tensor, 0, math.prod(c.b.shape))
         except InputError as e:
             problems.append(error("read-error", str(e), tensor=c.name))
             continue
         report(len(held))
         if made == held:
             if c.tie is not None:
-                problems.append(info("tie-deduplicated", f"'{c.name}' is not in {b.root}, but "
-                                     f"merge's '{c.name}' is identical to '{c.tie}' there: a "
-                                     "tied copy stored once", tensor=c.name))
+                problems.append(info("tie-deduplicated", f"'{c.name}' is not in {out.root}, "
+                                     f"but merge's '{c.name}' is identical to '{c.tie}' there: "
+                                     "a tied copy stored once", tensor=c.name))
             continue
         if c.tie is not None:
-            problems.append(error("missing-tensor", f"tensor '{c.name}' of what merge writes "
-                                   f"of {a.root} is not in {b.root}, and differs from its tie "
-                                   f"partner '{c.tie}' there", tensor=c.name))
+            problems.append(error("extra-tensor" if c.reverse else "missing-tensor",
+                                  f"tensor '{c.name}' of what merge writes of {src.root} is "
+                                  f"not in {out.root}, and differs from its tie partner "
+                                  f"'{c.tie}' there", tensor=c.name))
             continue
         element = tensors.first_difference(memoryview(made), held) // c.dtype.itemsize
         what = (c.source.what or "computed") if isinstance(c.source, Derived) else "copied"
         problems.append(error(
-            "data-differs", f"tensor '{c.name}' differs between what merge makes of {a.root} "
-            f"({what}) and {b.root}: first at element {element} (index "
+            "data-differs", f"tensor '{c.name}' differs between what merge makes of "
+            f"{src.root} ({what}) and {out.root}: first at element {element} (index "
             f"{list(tensors.unravel(element, c.b.shape))})", tensor=c.name,
-            **_location(reader_b, c.b, element)))
+            **_location(read_out, c.b, element)))
     return problems
 
 
