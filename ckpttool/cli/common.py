@@ -114,7 +114,7 @@ def exit_codes() -> Iterator[None]:
         if debug:
             traceback.print_exc()
         err(f"ckpttool: error: {e}")
-        failure.record(e.exit_code, failure.code_of(e), str(e))
+        failure.record(e.exit_code, e.code, str(e))
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
         message = interrupted_message()

@@ -14,26 +14,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ckpttool.errors import (
-    CkptError,
-    InputError,
-    IntegrityError,
-    OutputError,
-    TransportError,
-    UnreadableError,
-    UnsupportedError,
-    UsageError,
-)
-
 # The error codes of the failure document, by exit status where nothing more is known.
 CODE_BY_EXIT = {1: "integrity", 2: "usage", 3: "input", 4: "unsupported", 70: "bug",
                 130: "interrupted"}
-
-# Most specific class first: UsageError and UnreadableError are InputErrors.
-_CODE_BY_CLASS: tuple[tuple[type[CkptError], str], ...] = (
-    (UsageError, "usage"), (UnreadableError, "unreadable"), (TransportError, "transport"),
-    (OutputError, "output"), (InputError, "input"), (UnsupportedError, "unsupported"),
-    (IntegrityError, "integrity"))
 
 COMMANDS = ("merge", "inspect", "verify", "reshard")
 
@@ -49,14 +32,6 @@ class Failure:
 
 _recorded: list[Failure] = []
 _printed: list[bool] = []
-
-
-def code_of(e: CkptError) -> str:
-    """The failure code of a ckpttool error (``input``, ``usage``, ``output``...)."""
-    for cls, code in _CODE_BY_CLASS:
-        if isinstance(e, cls):
-            return code
-    return CODE_BY_EXIT.get(e.exit_code, "error")
 
 
 def record(exit_code: int, code: str, message: str) -> None:

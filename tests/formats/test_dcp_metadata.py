@@ -16,6 +16,7 @@ import pytest
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats.base import ChunkColumns
 from ckpttool.formats.dcp import columns as dcp_metadata
+from ckpttool.formats.dcp import machine, opcodes
 from ckpttool.formats.dcp import reader as dcp
 from ckpttool.formats.dcp.metadata import _read_unpickled, allowed_global
 
@@ -197,7 +198,7 @@ def widths(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_widths_that_change_inside_runs(widths: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     md = widths / ".metadata"
     laid_out, one_by_one = [], []
-    gather, matches = dcp_metadata._Layout.gather, dcp_metadata._matches
+    gather, matches = opcodes._Layout.gather, machine._matches
 
     def spy_gather(self: Any, buf: bytes, start: int, n: int, fields: Any) -> Any:
         laid_out.append(n)
@@ -208,8 +209,8 @@ def test_widths_that_change_inside_runs(widths: Path, monkeypatch: pytest.Monkey
         one_by_one.append(len(got))
         return got
 
-    monkeypatch.setattr(dcp_metadata._Layout, "gather", spy_gather)
-    monkeypatch.setattr(dcp_metadata, "_matches", spy_matches)
+    monkeypatch.setattr(opcodes._Layout, "gather", spy_gather)
+    monkeypatch.setattr(machine, "_matches", spy_matches)
     assert _same(md)
     # Both ways were taken: runs of one layout, and runs whose widths keep changing.
     assert sum(laid_out) > 1000 and sum(one_by_one) > 100
@@ -256,7 +257,7 @@ def test_small_blocks_read_the_same(widths: Path, moe: Path, monkeypatch: pytest
     """The numpy passes that place and check the rows, cut into many blocks (entries and
     rows of one run or tensor on both sides of a cut) give what one pass gives."""
     for block in (1, 5, 64):
-        monkeypatch.setattr(dcp_metadata, "_BLOCK", block)
+        monkeypatch.setattr(opcodes, "BLOCK", block)
         assert _same(widths / ".metadata") and _same(moe / ".metadata")
 
 
@@ -331,13 +332,13 @@ def test_tensor_heads_are_read_at_once(moe: Path, widths: Path,
     """Every tensor entry after the first of its dtype opens by :data:`_TENSOR_HEAD` (one
     match, not its opcodes one by one), and the answer is the allow-list path's."""
     took = []
-    head = dcp_metadata._Machine.tensor_head
+    head = machine._Machine.tensor_head
 
     def spy(self: Any, stack: list[Any], marks: list[int]) -> bool:
         took.append(head(self, stack, marks))
         return took[-1]
 
-    monkeypatch.setattr(dcp_metadata._Machine, "tensor_head", spy)
+    monkeypatch.setattr(machine._Machine, "tensor_head", spy)
     for root in (moe, widths):
         took.clear()
         assert _same(root / ".metadata")
@@ -347,7 +348,7 @@ def test_tensor_heads_are_read_at_once(moe: Path, widths: Path,
 
 def _head_spots(data: bytes) -> list[tuple[int, int]]:
     """Where tensor heads are (start, end), by the pattern's own bytes."""
-    return [m.span() for m in dcp_metadata._TENSOR_HEAD.finditer(data)]
+    return [m.span() for m in opcodes._TENSOR_HEAD.finditer(data)]
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -388,7 +389,7 @@ def test_tensor_head_flags_and_gets(moe: Path, tmp_path: Path) -> None:
     md = root / ".metadata"
     data = md.read_bytes()
     a, b = _head_spots(data)[3]
-    m = dcp_metadata._TENSOR_HEAD.match(data, a)
+    m = opcodes._TENSOR_HEAD.match(data, a)
     assert m is not None
     flags = bytearray(data)
     flags[m.start(6)] = flags[m.start(8)] = 0x88
@@ -434,7 +435,7 @@ def test_tensor_head_tuple_opcode_must_match_its_ints(moe: Path, tmp_path: Path)
     root = Path(shutil.copytree(moe, tmp_path / "ckpt"))
     md = root / ".metadata"
     data = md.read_bytes()
-    heads = [m for m in dcp_metadata._TENSOR_HEAD.finditer(data)
+    heads = [m for m in opcodes._TENSOR_HEAD.finditer(data)
              if data[m.end(11) - 2] == 0x86]  # TUPLE2 MEMOIZE
     assert len(heads) > 5
     for m in heads[1:6]:
@@ -452,8 +453,8 @@ def test_small_windows_read_the_same(moe: Path, window: int,
     """The file read through windows of a few KB, so that GETs (and heads, and runs) straddle
     a window's end at every kind of place: the same answer as the allow-list path, and not a
     fall back (a GET across the end was read, then matched from where the old window had it)."""
-    monkeypatch.setattr(dcp_metadata, "_WINDOW", window)
-    monkeypatch.setattr(dcp_metadata, "_AHEAD", 1024)
+    monkeypatch.setattr(machine, "_WINDOW", window)
+    monkeypatch.setattr(machine, "_AHEAD", 1024)
     assert _same(moe / ".metadata")
 
 
@@ -462,7 +463,7 @@ def test_many_layouts_fall_back_without_compiling_each(moe: Path,
     """Each distinct layout of GETs costs a compiled pattern: past :data:`_MAX_LAYOUTS` the
     file is left to the allow-list unpickler (a hostile file could make every entry its own
     layout, at ~15 ms each)."""
-    monkeypatch.setattr(dcp_metadata, "_MAX_LAYOUTS", 1)
+    monkeypatch.setattr(machine, "_MAX_LAYOUTS", 1)
     md = moe / ".metadata"
     assert dcp_metadata.read(md, allowed_global) is None
     assert not isinstance(_allow_list(md), Exception)

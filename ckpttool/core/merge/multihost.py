@@ -42,7 +42,7 @@ from ckpttool.core.merge.engine import commit_outputs, execute_share
 from ckpttool.core.merge.plan import MergePlan, OutputFile
 from ckpttool.core.runtime.report import Progress, Section, section
 from ckpttool.core.runtime.torch_threads import default_workers
-from ckpttool.errors import CkptError, InputError, OutputError, UsageError
+from ckpttool.errors import InputError, OutputError, UsageError
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Reader
 from ckpttool.storage.outputs import TMP_SUFFIX, AtomicOutputs, existing_outputs, pwrite_all
@@ -222,16 +222,12 @@ def _describe(mode: str, shares: list[list[partition.Unit]], **more: Any) -> Sha
 
 
 def _status(error: BaseException | None) -> dict[str, Any] | None:
-    if error is None:
-        return None
-    code = type(error).__name__ if isinstance(error, CkptError) else "internal"
-    return {"error": str(error) if isinstance(error, CkptError) else repr(error), "kind": code}
+    return None if error is None else dict(errors.to_wire(error))
 
 
 def _raise_from(status: dict[str, Any], rank: int, what: str) -> None:
-    kind = getattr(errors, status["kind"], None)
-    cls = kind if isinstance(kind, type) and issubclass(kind, CkptError) else OutputError
-    raise cls(f"rank {rank} failed {what}: {status['error']}")
+    context = f"rank {rank} failed {what}: "
+    raise errors.from_wire(status, context) or OutputError(f"{context}{status['error']}")
 
 
 class Team:

@@ -34,12 +34,6 @@ from ckpttool import errors, settings
 from ckpttool.core.runtime.report import Progress
 
 _HEAD = struct.Struct("<cI")
-_ERRORS: dict[str, type[errors.CkptError]] = {
-    cls.__name__: cls for cls in (errors.CkptError, errors.InputError, errors.UnreadableError,
-                                  errors.UnsupportedError, errors.IntegrityError,
-                                  errors.OutputError, errors.TransportError,
-                                  errors.AccessError)}
-
 T = TypeVar("T")
 
 # What a share does: given a progress callback and an event that says "stop", its result
@@ -153,7 +147,7 @@ class _Child:
         self.pid = pid
         self.fd = fd
         self.result: Any = None
-        self.error: tuple[str, str] | None = None
+        self.error: dict[str, object] | None = None  # errors.to_wire of a child's failure
         self.status: int | None = None
 
     @classmethod
@@ -184,17 +178,15 @@ class _Child:
                 elif kind == b"R":
                     self.result = json.loads(body)
                 elif kind == b"E":
-                    doc = json.loads(body)
-                    self.error = (doc["class"], doc["message"])
+                    self.error = json.loads(body)
                     stop.set()
 
     def raise_failure(self) -> None:
         if self.error is not None:
-            name, message = self.error
-            cls = _ERRORS.get(name)
-            if cls is not None:
-                raise cls(message)
-            raise WorkerFailed(f"a worker process failed: {message}")
+            error = errors.from_wire(self.error)
+            if error is not None:
+                raise error
+            raise WorkerFailed(f"a worker process failed: {self.error.get('error')}")
         if self.status == -getattr(signal, "SIGBUS", 0):
             # A source file cut short while the child read it through a mapping (SIGBUS has
             # its default action in children: storage.outputs).
@@ -235,8 +227,7 @@ def _child_main(share: Share, w: int) -> None:
         if settings.debug():
             traceback.print_exc()
         try:
-            body = json.dumps({"class": type(e).__name__ if isinstance(e, errors.CkptError)
-                               else "", "message": str(e) or type(e).__name__}).encode()
+            body = json.dumps(errors.to_wire(e)).encode()
             os.write(w, _HEAD.pack(b"E", len(body)) + body)
         except BaseException:  # noqa: BLE001, S110 - the status still says it failed
             pass
