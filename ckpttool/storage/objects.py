@@ -93,7 +93,7 @@ class Parts(Protocol):
     def delete(self, url: Url) -> None:
         """Remove an object (none there: nothing to do)."""
 
-    def list(self, url: Url) -> dict[str, tuple[int, str]]:
+    def listing(self, url: Url) -> dict[str, tuple[int, str]]:
         """Every object below ``url``: relative name -> (size, ETag)."""
 
     def start(self, url: Url, staging: Url) -> str:

@@ -560,7 +560,7 @@ class Parts:
         with errors(url, "removing"):
             client(url).delete_object(Bucket=url.bucket, Key=url.key)
 
-    def list(self, url: Url) -> dict[str, tuple[int, str]]:
+    def listing(self, url: Url) -> dict[str, tuple[int, str]]:
         return list_objects(url)
 
     def start(self, url: Url, staging: Url) -> str:

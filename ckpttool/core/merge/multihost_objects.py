@@ -226,7 +226,7 @@ class StoreShare:
                         ) -> tuple[set[str], dict[str, tuple[int, str]]]:
         """The output's weights, but those a finish of this plan put in place, refused
         (without --overwrite); returns those placed and the output's listing."""
-        listed = self.target.parts.list(self.target.url)
+        listed = self.target.parts.listing(self.target.url)
         placed_prefix = f"{STAGING}/{stage.name}/placed/"
         placed = {n[len(placed_prefix):] for n in listed if n.startswith(placed_prefix)}
         existing = [n for n in sorted(listed) if "/" not in n and self.target.names.replaces(n)
@@ -292,7 +292,7 @@ class StoreShare:
                          removed_temporary=removed or None)
 
     def _placed(self, stage: objects.Url) -> tuple[set[str], dict[str, tuple[int, str]]]:
-        listed = self.target.parts.list(self.target.url)
+        listed = self.target.parts.listing(self.target.url)
         prefix = f"{STAGING}/{stage.name}/placed/"
         return {n[len(prefix):] for n in listed if n.startswith(prefix)}, listed
 
@@ -329,7 +329,7 @@ class StoreShare:
         their uploads aborted), with the lock held; the other plans' keys, for the report."""
         url = self.target.url
         parts = self.target.parts
-        listed = parts.list(url.child(STAGING))
+        listed = parts.listing(url.child(STAGING))
         listed = {f"{STAGING}/{n}": v for n, v in listed.items()}
         others: set[str] = set()
         for name in sorted(listed):
