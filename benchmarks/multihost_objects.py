@@ -137,7 +137,10 @@ def main() -> int:
     client = boto3.session.Session().client("s3")
     client.create_bucket(Bucket=BUCKET)
     env = {**os.environ, **s3env, "PYTHONPATH": str(ROOT),
-           "CKPTTOOL_PART_SIZE": str(args.part_size), "OMP_NUM_THREADS": "1"}
+           "CKPTTOOL_PART_SIZE": str(args.part_size), "OMP_NUM_THREADS": "1",
+           # moto joins a completed upload's parts in Python: under load that outlasts the
+           # default 30 s read timeout, and the retried complete finds no upload (a 500).
+           "CKPTTOOL_REQUEST_TIMEOUT": "300"}
     exe = [sys.executable, "-m", "ckpttool", "merge", "--weights-only", str(src)]
     print(f"# shared merge into S3 (moto): {src} ({M.dir_bytes(src) / 1e9:.2f} GB), parts of "
           f"{args.part_size / 2**20:.0f} MiB")
