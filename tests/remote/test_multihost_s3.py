@@ -155,11 +155,13 @@ def test_torchrun_three_ranks_into_s3_bit_exact(s3: S3, big_model: Path, big_alo
 @pytest.mark.parametrize("step", [1, 2, 3, "last"])
 def test_a_killed_finish_leaves_no_model_and_the_rerun_works(
         s3: S3, llama_ckpt: Path, llama_alone: Path, tmp_path: Path, step: int | str) -> None:
-    """Killed (SIGKILL) at publishing steps of --finish (each object completed or put is one;
-    "last": the index, after every other object is in place): no index (nothing reads as a
-    finished model); the same --finish again completes it, bit-exact."""
+    """Killed (SIGKILL) at publishing steps of --finish (before and after each weight file is
+    completed, before each object put; step 2: a file completed but not yet recorded as
+    placed; "last": the index, after every other object is in place): no index (nothing
+    reads as a finished model); the same --finish again completes it, bit-exact."""
     if step == "last":
-        step = len(list(llama_alone.iterdir()))
+        weights = [p for p in llama_alone.iterdir() if p.name.endswith(".safetensors")]
+        step = len(weights) * 2 + len(list(llama_alone.iterdir())) - len(weights)
     prefix = f"mh/kill-finish-{step}"
     url = fresh(s3, prefix)
     args = ("merge", llama_ckpt, url, "--max-shard-size", "20KB")
