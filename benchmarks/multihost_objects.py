@@ -20,6 +20,7 @@ wall times say what this machine does, not what S3 does; the local-disk figures 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -30,6 +31,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,10 +53,8 @@ def disk_bytes(path: Path) -> int:
     total = 0
     for root, _, files in os.walk(path):
         for name in files:
-            try:
+            with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(root, name)).st_blocks * 512
-            except OSError:
-                pass
     return total
 
 
@@ -103,19 +103,18 @@ def wait(procs: list[subprocess.Popen[str]]) -> tuple[float, list[str]]:
     return cpu, outs
 
 
-def objects(client: object, prefix: str) -> dict[str, bytes]:
-    c: object = client
-    keys = [o["Key"] for page in c.get_paginator("list_objects_v2").paginate(  # type: ignore[attr-defined]
+def objects(client: Any, prefix: str) -> dict[str, bytes]:
+    keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(
         Bucket=BUCKET, Prefix=prefix + "/") for o in page.get("Contents", ())]
-    return {k[len(prefix) + 1:]: c.get_object(Bucket=BUCKET, Key=k)["Body"].read()  # type: ignore[attr-defined]
+    return {k[len(prefix) + 1:]: client.get_object(Bucket=BUCKET, Key=k)["Body"].read()
             for k in keys}
 
 
-def clear(client: object, prefix: str) -> None:
-    for page in client.get_paginator("list_objects_v2").paginate(  # type: ignore[attr-defined]
-            Bucket=BUCKET, Prefix=prefix + "/"):
+def clear(client: Any, prefix: str) -> None:
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET,
+                                                                 Prefix=prefix + "/"):
         for o in page.get("Contents", ()):
-            client.delete_object(Bucket=BUCKET, Key=o["Key"])  # type: ignore[attr-defined]
+            client.delete_object(Bucket=BUCKET, Key=o["Key"])
 
 
 def main() -> int:
@@ -138,7 +137,10 @@ def main() -> int:
     client = boto3.session.Session().client("s3")
     client.create_bucket(Bucket=BUCKET)
     env = {**os.environ, **s3env, "PYTHONPATH": str(ROOT),
-           "CKPTTOOL_PART_SIZE": str(args.part_size), "OMP_NUM_THREADS": "1"}
+           "CKPTTOOL_PART_SIZE": str(args.part_size), "OMP_NUM_THREADS": "1",
+           # moto joins a completed upload's parts in Python: under load that outlasts the
+           # default 30 s read timeout, and the retried complete finds no upload (a 500).
+           "CKPTTOOL_REQUEST_TIMEOUT": "300"}
     exe = [sys.executable, "-m", "ckpttool", "merge", "--weights-only", str(src)]
     print(f"# shared merge into S3 (moto): {src} ({M.dir_bytes(src) / 1e9:.2f} GB), parts of "
           f"{args.part_size / 2**20:.0f} MiB")

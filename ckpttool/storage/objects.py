@@ -93,7 +93,7 @@ class Parts(Protocol):
     def delete(self, url: Url) -> None:
         """Remove an object (none there: nothing to do)."""
 
-    def list(self, url: Url) -> dict[str, tuple[int, str]]:
+    def listing(self, url: Url) -> dict[str, tuple[int, str]]:
         """Every object below ``url``: relative name -> (size, ETag)."""
 
     def start(self, url: Url, staging: Url) -> str:
@@ -165,11 +165,12 @@ class Upload:
         self.publish({n: local / n for n in names})
         return names
 
-    def publish(self, sources: dict[str, Source], *, placed: Iterable[str] = ()) -> None:
-        """Put every object of ``sources`` in place, in the order above; ``placed``: names
-        already in place (an earlier run's), neither deleted nor put again."""
+    def publish(self, sources: dict[str, Source], *, ours: Iterable[str] = ()) -> None:
+        """Put every object of ``sources`` in place, in the order above; ``ours``: names an
+        earlier run of this output may have put in place already, never deleted first as a
+        previous output's (their sources put them in place again, or find them there)."""
         names = sorted(sources)
-        kept = set(placed)
+        kept = set(ours)
         rule = self.names
         existing = set(self._list())
         replaced = {n for n in existing if "/" not in n and rule.replaces(n)}
@@ -184,14 +185,12 @@ class Upload:
                 for name in old_last:
                     self._delete(name)
             for name in first:
-                if name not in kept:
-                    self._send(pool, sources[name], name, name in existing)
+                self._send(pool, sources[name], name, name in existing)
             if self.overwrite:
                 for name in sorted(replaced - set(names) - set(old_last)):
                     self._delete(name)
             for name in last:
-                if name not in kept:
-                    self._send(pool, sources[name], name, name in existing)
+                self._send(pool, sources[name], name, name in existing)
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)
             self.abort()

@@ -61,17 +61,17 @@ class _Common:
         with objstore.errors(url, "removing"):
             objstore._delete(url)
 
-    def list(self, url: Url) -> dict[str, tuple[int, str]]:
+    def listing(self, url: Url) -> dict[str, tuple[int, str]]:
         return objstore.list_objects(url)
 
     def abort(self, url: Url, upload: str) -> None:
         return None  # uncommitted blocks expire; GCS parts go with the staging prefix
 
 
-def _call(url: Url, request: urllib.request.Request, doing: str) -> bytes:
+def _call(url: Url, request: urllib.request.Request, doing: str, size: int = 0) -> bytes:
     try:
         with urllib.request.urlopen(request, timeout=settings.request_timeout()
-                                    + len(request.data or b"") / (1 << 20)) as r:
+                                    + size / (1 << 20)) as r:
             body: bytes = r.read()
             return body
     except urllib.error.HTTPError as e:
@@ -186,7 +186,7 @@ class AzureParts(_Common):
                                    "(AZURE_STORAGE_CONNECTION_STRING); other credentials are "
                                    "not supported yet")
         _call(url, urllib.request.Request(target, data=data, method=method, headers=headers),
-              doing)
+              doing, len(data))
 
 
 def _block_id(number: int) -> str:

@@ -29,6 +29,7 @@ Nothing here prints or stores credentials; they never appear on the command line
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import random
 import threading
@@ -531,7 +532,7 @@ class Parts:
         with errors(url, "removing"):
             client(url).delete_object(Bucket=url.bucket, Key=url.key)
 
-    def list(self, url: Url) -> dict[str, tuple[int, str]]:
+    def listing(self, url: Url) -> dict[str, tuple[int, str]]:
         return list_objects(url)
 
     def start(self, url: Url, staging: Url) -> str:
@@ -540,6 +541,9 @@ class Parts:
                 Bucket=url.bucket, Key=url.key)["UploadId"]
             return upload
 
+    def abort(self, url: Url, upload: str) -> None:
+        _abort(url, upload)
+
     def put_part(self, url: Url, upload: str, number: int, data: bytes) -> str:
         with errors(url, f"uploading part {number}"):
             r = client(url).upload_part(Bucket=url.bucket, Key=url.key, UploadId=upload,
@@ -547,11 +551,26 @@ class Parts:
             return str(r["ETag"])
 
     def complete(self, url: Url, upload: str, parts: list[tuple[int, str]]) -> None:
-        with errors(url, "completing an upload"):
-            client(url).complete_multipart_upload(
-                Bucket=url.bucket, Key=url.key, UploadId=upload,
-                MultipartUpload={"Parts": [{"PartNumber": n, "ETag": e} for n, e in parts]})
+        """Join the parts; done already (a retry after a timeout, a finish run again after
+        it was killed there) when the object is the one these parts make."""
+        try:
+            with errors(url, "completing an upload"):
+                client(url).complete_multipart_upload(
+                    Bucket=url.bucket, Key=url.key, UploadId=upload,
+                    MultipartUpload={"Parts": [{"PartNumber": n, "ETag": e} for n, e in parts]})
+        except CkptError:
+            found = head(url)
+            if found is None or found[1].strip('"') != _multipart_etag(parts):
+                raise
 
-    def abort(self, url: Url, upload: str) -> None:
-        objects.quietly(lambda: client(url).abort_multipart_upload(
-            Bucket=url.bucket, Key=url.key, UploadId=upload))
+
+def _multipart_etag(parts: list[tuple[int, str]]) -> str:
+    """The ETag S3 gives the object these parts make: the MD5 of their MD5s, a dash, their
+    count."""
+    joined = b"".join(bytes.fromhex(e.strip('"')) for _, e in parts)
+    return f"{hashlib.md5(joined, usedforsecurity=False).hexdigest()}-{len(parts)}"
+
+
+def _abort(url: Url, upload: str) -> None:
+    objects.quietly(lambda: client(url).abort_multipart_upload(
+        Bucket=url.bucket, Key=url.key, UploadId=upload))

@@ -152,11 +152,16 @@ def test_torchrun_three_ranks_into_s3_bit_exact(s3: S3, big_model: Path, big_alo
     assert not in_progress(s3, "mh/torchrun")
 
 
-@pytest.mark.parametrize("step", [1, 2, 3])
+@pytest.mark.parametrize("step", [1, 2, 3, "last"])
 def test_a_killed_finish_leaves_no_model_and_the_rerun_works(
-        s3: S3, llama_ckpt: Path, llama_alone: Path, tmp_path: Path, step: int) -> None:
-    """Killed (SIGKILL) at each publishing step of --finish: no index (nothing reads as a
-    finished model); the same --finish again completes it, bit-exact."""
+        s3: S3, llama_ckpt: Path, llama_alone: Path, tmp_path: Path, step: int | str) -> None:
+    """Killed (SIGKILL) at publishing steps of --finish (before and after each weight file is
+    completed, before each object put; step 2: a file completed but not yet recorded as
+    placed; "last": the index, after every other object is in place): no index (nothing
+    reads as a finished model); the same --finish again completes it, bit-exact."""
+    if step == "last":
+        weights = [p for p in llama_alone.iterdir() if p.name.endswith(".safetensors")]
+        step = len(weights) * 2 + len(list(llama_alone.iterdir())) - len(weights)
     prefix = f"mh/kill-finish-{step}"
     url = fresh(s3, prefix)
     args = ("merge", llama_ckpt, url, "--max-shard-size", "20KB")
@@ -186,4 +191,23 @@ def test_a_killed_slice_is_run_again(s3: S3, big_model: Path, big_alone: Path,
     assert cli(s3, tmp_path / "c", *args, "--slice", "1/2").returncode == 0
     r = cli(s3, tmp_path / "f2", *args, "--finish")
     assert r.returncode == 0, r.stderr
+    same_files(s3.download_dir(BUCKET, prefix, tmp_path / "got"), big_alone)
+
+
+def test_finish_cleans_and_names_an_abandoned_plan(s3: S3, big_model: Path, big_alone: Path,
+                                                   tmp_path: Path) -> None:
+    """A slice run with other options (another plan) and abandoned leaves staging and an
+    upload in progress; the finish of this plan aborts and removes them, and names them."""
+    prefix = "mh/abandoned"
+    url = fresh(s3, prefix)
+    args = ("merge", "--weights-only", big_model, url)
+    assert cli(s3, tmp_path / "x", *args, "--dtype", "fp16", "--slice", "0/2").returncode == 0
+    assert in_progress(s3, prefix)
+    assert cli(s3, tmp_path / "a", *args, "--slice", "0/1").returncode == 0
+    r = cli(s3, tmp_path / "f", *args, "--finish", "--json")
+    assert r.returncode == 0, r.stderr
+    removed = json.loads(r.stdout)["distributed"]["removed_temporary"]
+    assert len(removed) == 1 and removed[0].startswith(".ckpttool-staging/"), removed
+    assert not in_progress(s3, prefix)
+    assert not s3.keys(BUCKET, f"{prefix}/.ckpttool-staging")
     same_files(s3.download_dir(BUCKET, prefix, tmp_path / "got"), big_alone)

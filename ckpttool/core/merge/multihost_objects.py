@@ -14,7 +14,9 @@ one part), uploads it as that part, and empties the file. Everything a run keeps
   first process that needs it (a create-only put, read back);
 * ``slices/I-of-N.json``: slice I's receipts (part number -> ETag or block id) for each file,
   written once all its parts are up: any host can run any slice again;
-* ``placed/NAME``: NAME was completed by a finish (a finish that stopped is run again).
+* ``placed/NAME``: a finish is completing NAME (written just before: a finish run again
+  knows the object for its own and completes it again; every store's completion is
+  idempotent).
 
 ``--finish`` (rank 0 under torchrun), under the output's lock, checks that every window of the
 plan has a receipt from the slice that owns it, in the upload the plan's record names; then
@@ -57,7 +59,7 @@ from ckpttool.core.runtime.report import Progress
 from ckpttool.errors import OutputError
 from ckpttool.formats.base import Reader
 from ckpttool.storage import objects
-from ckpttool.storage.outputs import pwrite_all
+from ckpttool.storage.outputs import fault_step, pwrite_all
 
 __all__ = ["STAGING", "Target", "into_store"]
 
@@ -226,7 +228,7 @@ class StoreShare:
                         ) -> tuple[set[str], dict[str, tuple[int, str]]]:
         """The output's weights, but those a finish of this plan put in place, refused
         (without --overwrite); returns those placed and the output's listing."""
-        listed = self.target.parts.list(self.target.url)
+        listed = self.target.parts.listing(self.target.url)
         placed_prefix = f"{STAGING}/{stage.name}/placed/"
         placed = {n[len(placed_prefix):] for n in listed if n.startswith(placed_prefix)}
         existing = [n for n in sorted(listed) if "/" not in n and self.target.names.replaces(n)
@@ -260,39 +262,37 @@ class StoreShare:
             owner = partition.owners(windows, count)
             uploads: dict[str, str] = {}
             for f in plan.files:
-                if f.name in placed:
-                    continue
                 doc = self._json(stage.child(f"uploads/{f.name}.json"))
                 if doc is None:
                     raise OutputError(f"{url}: no upload of {f.name} is recorded (plan {key}); "
                                       "run every slice again")
                 uploads[f.name] = str(doc["upload"])
-            receipts = _receipts(plan, windows, owner, records, uploads, placed, count, url)
+            receipts = _receipts(plan, windows, owner, records, uploads, count, url)
             local = Path(tempfile.mkdtemp(prefix="ckpttool-finish-"))
             try:
                 sources: dict[str, objects.Source] = {}
                 for f in plan.files:
                     sources[f.name] = _completion(self.target.parts, url, stage, f.name,
-                                                  uploads.get(f.name, ""),
-                                                  receipts.get(f.name, []))
+                                                  uploads[f.name], receipts[f.name])
                 for name, data in [*extra, *([(plan.index_name, plan.index)]
                                              if plan.index is not None else [])]:
                     (local / name).write_bytes(data)
                     sources[name] = local / name
                 upload = self.target.upload(url, overwrite=overwrite, names=self.target.names)
-                upload.publish(sources, placed=placed)
+                upload.publish(sources, ours=placed)
             finally:
                 shutil.rmtree(local, ignore_errors=True)
             removed = self._clean(key)
         finally:
             lock.release()
+        before = [f.name for f in plan.files if f.name in placed and f.name in listed]
         return _describe("slices", windows, owner, count, plan=key,
-                         committed=[f.name for f in plan.files if f.name not in placed],
-                         placed_before=[f.name for f in plan.files if f.name in placed],
+                         committed=[f.name for f in plan.files if f.name not in before],
+                         placed_before=before or None,
                          removed_temporary=removed or None)
 
     def _placed(self, stage: objects.Url) -> tuple[set[str], dict[str, tuple[int, str]]]:
-        listed = self.target.parts.list(self.target.url)
+        listed = self.target.parts.listing(self.target.url)
         prefix = f"{STAGING}/{stage.name}/placed/"
         return {n[len(prefix):] for n in listed if n.startswith(prefix)}, listed
 
@@ -329,7 +329,7 @@ class StoreShare:
         their uploads aborted), with the lock held; the other plans' keys, for the report."""
         url = self.target.url
         parts = self.target.parts
-        listed = parts.list(url.child(STAGING))
+        listed = parts.listing(url.child(STAGING))
         listed = {f"{STAGING}/{n}": v for n, v in listed.items()}
         others: set[str] = set()
         for name in sorted(listed):
@@ -364,8 +364,8 @@ def _pread(fd: int, size: int, offset: int) -> bytes:
 
 
 def _receipts(plan: MergePlan, windows: list[partition.Window], owner: list[int],
-              records: dict[int, dict[str, Any]], uploads: dict[str, str], placed: set[str],
-              count: int, url: objects.Url) -> dict[str, list[tuple[int, str]]]:
+              records: dict[int, dict[str, Any]], uploads: dict[str, str], count: int,
+              url: objects.Url) -> dict[str, list[tuple[int, str]]]:
     """Every window's receipt, from the slice that owns it, in the recorded upload.
 
     Raises:
@@ -374,8 +374,6 @@ def _receipts(plan: MergePlan, windows: list[partition.Window], owner: list[int]
     found: dict[str, list[tuple[int, str]]] = {}
     for w, o in zip(windows, owner, strict=True):
         name = plan.files[w.file].name
-        if name in placed:
-            continue
         record = records[o]
         receipt = record.get("parts", {}).get(name, {}).get(str(w.number))
         if receipt is None or record.get("uploads", {}).get(name) != uploads[name]:
@@ -389,8 +387,11 @@ def _receipts(plan: MergePlan, windows: list[partition.Window], owner: list[int]
 def _completion(parts: objects.Parts, url: objects.Url, stage: objects.Url, name: str,
                 upload: str, receipts: list[tuple[int, str]]) -> Callable[[], None]:
     def complete() -> None:
-        parts.complete(url.child(name), upload, sorted(receipts))
+        # Recorded first: a finish run again after a kill knows the object for its own, and
+        # completes it again (each store's completion is idempotent).
         parts.put(stage.child(f"placed/{name}"), b"")
+        fault_step()
+        parts.complete(url.child(name), upload, sorted(receipts))
 
     return complete
 
