@@ -15,7 +15,8 @@ with a Python 3.12 that has torch, with the checkout's own ``megatron`` first on
 (``git archive core_v0.19.0 | tar -x -C /work/venvs/mlm-0.19``)::
 
     PYTHONPATH=/work/venvs/mlm-0.19 python3.12 tests/data/megatron_lm/generate_019.py \\
-        --mlm /work/venvs/mlm-0.19 OUT llama-release
+        --mlm /work/venvs/mlm-0.19 --commit 5be9626709af2722333bf54797c954c09edeada3 \
+        OUT llama-release llama-dp2-dist
 
 It writes ``OUT/RUN-0.19``: the checkpoint, ``reference.safetensors``, ``logits.safetensors``,
 ``written_by.json`` and ``args.json`` (the ``args`` it saved, as JSON). ``hf_config.json`` is
