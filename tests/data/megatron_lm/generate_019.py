@@ -7,15 +7,17 @@ on the run's command line, ``gpt_config_from_args`` and ``pretrain_cfg_container
 ``initialize_megatron``, ``setup_model_and_optimizer`` with that config container (0.19 builds
 the model from it: no model provider), one optimizer step, then
 ``checkpointing.save_checkpoint`` (``--ckpt-format torch_dist``). The ``args`` Megatron-LM
-saves in ``common.pt`` are the namespace that path made. The oracle is Megatron-LM 0.19's own
+saves are the namespace that path made; 0.19 writes no ``common.pt``, its common state is
+the DCP bytes entry ``common_state/shard_0_1``. The oracle is Megatron-LM 0.19's own
 ``load_checkpoint`` at TP=PP=EP=1, as in ``generate.py``.
 
 Megatron-LM 0.19 needs Python >= 3.12 (``typing.override``) and is not a wheel: run this
-with a Python 3.12 that has torch, with the checkout's own ``megatron`` first on the path
-(``git archive core_v0.19.0 | tar -x -C /work/venvs/mlm-0.19``)::
+with a Python 3.12 that has torch, numpy, einops, safetensors and psutil (the committed runs:
+Python 3.12.1, PyPI's torch 2.13.0, its CUDA build run on the CPU), with the checkout's own
+``megatron`` first on the path (``git archive core_v0.19.0 | tar -x -C /work/venvs/mlm-0.19``)::
 
     PYTHONPATH=/work/venvs/mlm-0.19 python3.12 tests/data/megatron_lm/generate_019.py \\
-        --mlm /work/venvs/mlm-0.19 --commit 5be9626709af2722333bf54797c954c09edeada3 \
+        --mlm /work/venvs/mlm-0.19 --commit 5be9626709af2722333bf54797c954c09edeada3 \\
         OUT llama-release llama-dp2-dist
 
 It writes ``OUT/RUN-0.19``: the checkpoint, ``reference.safetensors``, ``logits.safetensors``,
