@@ -53,7 +53,7 @@ from ckpttool.formats.base import (
     warning,
 )
 from ckpttool.formats.base import info as info_problem
-from ckpttool.formats.codecs import archive, torchsave
+from ckpttool.formats.codecs import archive, policy, torchsave
 from ckpttool.formats.dcp import reader as dcp
 from ckpttool.formats.dcp.metadata import allowed_global
 from ckpttool.storage import sidefiles
@@ -321,7 +321,12 @@ def _load_common(rb: archive.RecordBytes, entries: dict[str, archive.ZipEntry], 
                                       max_nodes=torchsave.OBJECT_MAX_NODES)
     except torchsave.Refused as e:
         data = rb.read(entries["data.pkl"].data_offset, entries["data.pkl"].size)
-        return UnreadableObject(e.qualname, names=torchsave.named_globals(data))
+        read = UnreadableObject(e.qualname, names=torchsave.named_globals(data))
+        code = runs_code(read)
+        if code is not None:
+            read.why = (f"the pickle asks for '{code}', which runs code: the file may be "
+                        "malicious (nothing was executed)")
+        return read
     except torchsave.TooComplex as e:
         return UnreadableObject(None, str(e))
     except torchsave.PICKLE_ERRORS as e:
@@ -464,9 +469,11 @@ def read_info(path: str | os.PathLike[str], *, iteration: int | None = None,
             values[label] = read
             if stored is None:
                 objects.append(ObjectEntry(COMMON, (COMMON,)))
-            problems.append(info_problem(
-                "common-not-read", f"{label}: {read.why}; not executed, so args and the "
-                "iteration are not shown", file=COMMON if stored is None else stored.file))
+            code = runs_code(read)
+            problems.append((info_problem if code is None else warning)(
+                "common-not-read", f"{label}: {read.why}; "
+                f"{'' if code else 'not executed, so '}args and the iteration are not shown",
+                file=COMMON if stored is None else stored.file))
         else:
             common = read
             # Read already: its values stand in for the record, as common.pt's do.
@@ -501,6 +508,16 @@ def read_info(path: str | os.PathLike[str], *, iteration: int | None = None,
         problems=tuple(problems), values=values,
         storage={**base.storage, **storage, "framework": describe_layout(layout),
                  "megatron": layout})
+
+
+def runs_code(read: UnreadableObject) -> str | None:
+    """The first global an unread common state names that runs code (the pickle policy's
+    verdict, :func:`ckpttool.formats.codecs.policy.kind`), or None."""
+    for name in read.names:
+        module, _, attr = name.rpartition(".")
+        if module and policy.kind(module, attr) == policy.RUNS_CODE:
+            return name
+    return None
 
 
 # What megatron-core before 0.14 recorded in ``MCoreMetadata.mcore_data`` for each N-D

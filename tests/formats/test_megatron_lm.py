@@ -348,3 +348,26 @@ def test_a_flat_range_of_a_box_is_cut_into_boxes_in_order(sizes: tuple[int, ...]
                                                                          strict=True))]
                              .flatten() for off, size in _sub_boxes(sizes, lo, hi)])
             assert torch.equal(got, torch.arange(lo, hi)), (sizes, lo, hi)
+
+
+def test_args_that_would_run_code_are_called_so(tmp_path: Path) -> None:
+    """A common.pt whose args name a global that runs code (a hostile copy of a real run):
+    merge without --config says the file may be malicious (exit 3), never "no args"; inspect
+    says it too; nothing runs."""
+    import subprocess
+
+    run = Path(shutil.copytree(DATA / "llama-release", tmp_path / "run"))
+    (run / "hf_config.json").unlink()
+    common = run / "iter_0000001" / "common.pt"
+    state = torch.load(common, weights_only=False)  # our own committed fixture
+    state["args"].exit_signal = subprocess.run
+    torch.save(state, common)
+    r = run_cli("merge", run, tmp_path / "out")
+    assert r.exit_code == 3, r.output
+    # (pickle writes subprocess.run under its Python 2 name, commands.run)
+    assert f"{run / 'iter_0000001' / 'common.pt'}: refused to read the run's args: the pickle " \
+           "asks for 'commands.run', which runs code; the file may be malicious (nothing was " \
+           "executed)" in r.output
+    assert not (tmp_path / "out").exists()
+    r = run_cli("inspect", run)
+    assert "'commands.run', which runs code: the file may be malicious" in r.output, r.output

@@ -45,8 +45,8 @@ from ckpttool.core.transforms.lora.layout import ADAPTER_FILE
 from ckpttool.core.transforms.lora.plan import plan_for_merge
 from ckpttool.core.transforms.lora.report import LoraMerge, assumed_warning
 from ckpttool.errors import InputError, UnsupportedError
-from ckpttool.formats import registry
-from ckpttool.formats.base import Reader
+from ckpttool.formats import megatron, registry
+from ckpttool.formats.base import Reader, UnreadableObject
 from ckpttool.storage.outputs import check_apart, check_space
 from ckpttool.storage.store import LOCAL, Stores
 
@@ -557,6 +557,20 @@ def _derive_config(ckpt: Checkpoint, named: list[tuple[str, Any]], names: str | 
         return None
     assert ckpt.info is not None
     args = ckpt.info.values.get("args")
+    if not isinstance(args, dict):
+        for label, value in ckpt.info.values.items():
+            if not isinstance(value, UnreadableObject):
+                continue
+            where = f"{ckpt.info.root}/{label}"
+            code = megatron.runs_code(value)
+            if code is not None:
+                raise InputError(
+                    f"{where}: refused to read the run's args: the pickle asks for '{code}', "
+                    "which runs code; the file may be malicious (nothing was executed)")
+            raise UnsupportedError(
+                f"{where}: the run's args are there but not read ({value.why}), so no "
+                f"config.json can be derived; pass the model's config.json: {command} "
+                "--config path/to/config.json")
     return megatron_config.derive(args if isinstance(args, dict) else None, command=command)
 
 
