@@ -105,9 +105,15 @@ def test_torchrun_three_ranks_bit_exact(cloud: Cloud, llama_ckpt: Path, llama_al
     same_files(cloud.download_dir(prefix, tmp_path / "got"), llama_alone)
 
 
-@pytest.mark.parametrize("step", [1, 3])
+@pytest.mark.parametrize("step", [1, 2, 3, "last"])
 def test_a_killed_finish_leaves_no_model_and_the_rerun_works(
-        cloud: Cloud, llama_ckpt: Path, llama_alone: Path, tmp_path: Path, step: int) -> None:
+        cloud: Cloud, llama_ckpt: Path, llama_alone: Path, tmp_path: Path, step: int | str
+        ) -> None:
+    """As on S3 (tests/remote/test_multihost_s3.py): killed at each publishing step of
+    --finish, no index; the rerun takes the killed run's lock over and completes it."""
+    if step == "last":
+        weights = [p for p in llama_alone.iterdir() if p.name.endswith(".safetensors")]
+        step = len(weights) * 2 + len(list(llama_alone.iterdir())) - len(weights)
     prefix = fresh(cloud, f"kill{step}")
     args = ("merge", llama_ckpt, cloud.url(prefix), "--max-shard-size", "20KB")
     for i in range(2):
@@ -115,7 +121,25 @@ def test_a_killed_finish_leaves_no_model_and_the_rerun_works(
     r = cli(cloud, tmp_path / "f1", *args, "--finish", CKPTTOOL_TEST_REMOTE_FAULT=f"kill:{step}")
     assert r.returncode == -9, r.stderr
     assert "model.safetensors.index.json" not in top(cloud, prefix)
-    cloud.delete(f"{prefix}/.ckpttool-lock")
     r = cli(cloud, tmp_path / "f2", *args, "--finish")
     assert r.returncode == 0, r.stderr
+    assert "removed the lock of a killed run" in r.stderr, r.stderr
     same_files(cloud.download_dir(prefix, tmp_path / "got"), llama_alone)
+
+
+def test_a_killed_slice_is_named_and_run_again(cloud: Cloud, big_model: Path, big_alone: Path,
+                                               tmp_path: Path) -> None:
+    """A slice killed (SIGKILL) after its first part: --finish names it and publishes
+    nothing; the slice run again, then --finish, is bit-exact."""
+    prefix = fresh(cloud, "kill-slice")
+    args = ("merge", "--weights-only", big_model, cloud.url(prefix))
+    r = cli(cloud, tmp_path / "a", *args, "--slice", "1/2", **{FAIL_ENV: "1:kill"})
+    assert r.returncode == -9, r.stderr
+    assert cli(cloud, tmp_path / "b", *args, "--slice", "0/2").returncode == 0
+    r = cli(cloud, tmp_path / "f", *args, "--finish")
+    assert r.returncode == 3 and "--slice 1/2" in r.stderr, r.stderr
+    assert top(cloud, prefix) == []
+    assert cli(cloud, tmp_path / "c", *args, "--slice", "1/2").returncode == 0
+    r = cli(cloud, tmp_path / "f2", *args, "--finish")
+    assert r.returncode == 0, r.stderr
+    same_files(cloud.download_dir(prefix, tmp_path / "got"), big_alone)
