@@ -21,7 +21,6 @@ import typer
 
 from ckpttool import settings
 from ckpttool.cli import failure
-from ckpttool.core.runtime import leftovers, urls
 from ckpttool.errors import CkptError, UnreadableError
 from ckpttool.formats.codecs import dtypes
 from ckpttool.units import human_bytes as human_bytes  # the one formatter
@@ -68,6 +67,8 @@ def interrupted_message() -> str:
     """The one line for a stopped command: which signal, and what the next run finds (the
     finished pieces of a large merge only where they are still there: a remote output's
     staging directory is removed, so its merge starts again)."""
+    from ckpttool.core.runtime import leftovers  # not at import: --help loads no core
+
     name = signal.Signals(interrupted_code() - 128).name
     kept = leftovers.resumable()
     line = (f"ckpttool: interrupted{'' if name == 'SIGINT' else f' ({name})'}; no incomplete "
@@ -150,6 +151,8 @@ def removes_new_dirs(out: str) -> Iterator[None]:
     created: ``out`` and the parents it lacked are removed again where they are still empty.
     A directory that was there before, or holds anything (a slice's temporary files, another
     process's output), is left alone. Not for URLs."""
+    from ckpttool.core.runtime import urls  # not at import: --help loads no core
+
     missing: list[Path] = []
     if not urls.is_url(out):
         p = Path(out).absolute()

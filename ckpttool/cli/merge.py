@@ -37,7 +37,6 @@ from ckpttool.cli.common import (
     strict_exit,
     verbose_lines,
 )
-from ckpttool.core.runtime import leftovers, urls
 
 if TYPE_CHECKING:
     from ckpttool.core.merge.operation import MergeReport, PlannedTensor
@@ -188,6 +187,8 @@ def merge_command(
     if slice_ is not None and finish:
         raise typer.BadParameter("--slice writes one share, --finish commits them all: run "
                                  "each slice, then --finish once", param_hint="--finish")
+    from ckpttool.core.runtime import leftovers, urls  # not at import: --help loads no core
+
     with exit_codes():  # before a launcher's processes join: each would refuse it alone
         urls.check_location(src, what="source")
         urls.check_location(out, what="output")

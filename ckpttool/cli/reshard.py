@@ -30,7 +30,6 @@ from ckpttool.cli.common import (
     size_option,
     verbose_lines,
 )
-from ckpttool.core.runtime import leftovers
 
 EPILOG = epilog([
     "ckpttool reshard ckpt/pytorch_model_fsdp_0 ckpt8/pytorch_model_fsdp_0 --ranks 8",
@@ -74,6 +73,7 @@ def reshard_command(
 ) -> None:
     """Change how a checkpoint is split: ranks, shard size or format, byte for byte."""
     from ckpttool.core.reshard import reshard
+    from ckpttool.core.runtime import leftovers
 
     quiet_or_verbose(quiet, verbose)
     phases = Phases(verbose)

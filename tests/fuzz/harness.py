@@ -115,6 +115,11 @@ class _Watch:
         # torch's inductor cache directory, made when the contract check imports transformers
         # (an import's side effect, the same for every input; nothing of the mutant's)
         prefixes.add(os.path.join(tempfile.gettempdir(), "torchinductor_"))
+        # ...and what the contract keeps of a config between runs (core/contract_cache.py:
+        # written by ckpttool itself, JSON, the same for every input of one config)
+        from ckpttool.core import contract_cache
+
+        prefixes.add(str(contract_cache.directory().parent))  # made with its parents
         self.system = tuple(sorted(prefixes))
         sys.addaudithook(self)
 

@@ -49,6 +49,7 @@ def test_fuzz_campaign(tmp_path_factory: pytest.TempPathFactory) -> None:
     c.run(FUZZ_N)
     assert len(c.records) >= 3 * FUZZ_N - 2  # a hang ends its mutant's remaining runs
     bad = [f"{','.join(rows)}: {rec['mutant']} | {rec['command']} exit {rec['exit']} | "
+           f"{'; '.join(rec['outside'])} | "
            f"{rec['stderr'][-300:]}" for rows, rec in c.failures()]
     assert not bad, c.render() + "\n" + "\n".join(bad[:20])
     assert set(c.table()) == {key for key, _ in ROWS}

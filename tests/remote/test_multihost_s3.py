@@ -134,6 +134,11 @@ def test_finish_names_the_missing_slice(s3: S3, big_model: Path, tmp_path: Path)
     assert r.returncode == 3, r.stderr
     assert "1 of 2 slices are not done (1/2)" in r.stderr and r.stderr.count("\n") == 1
     assert top(s3, "mh/missing") == []
+    # The half-done merge keeps its upload for the missing slice; abandoned here, so later
+    # tests that count the bucket's uploads in progress see none of it.
+    for u in s3.client.list_multipart_uploads(Bucket=BUCKET, Prefix="mh/missing/").get(
+            "Uploads", ()):
+        s3.client.abort_multipart_upload(Bucket=BUCKET, Key=u["Key"], UploadId=u["UploadId"])
 
 
 def test_torchrun_three_ranks_into_s3_bit_exact(s3: S3, big_model: Path, big_alone: Path,

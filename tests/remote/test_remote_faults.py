@@ -138,14 +138,14 @@ def test_overwrite_killed_or_interrupted_at_every_step(
                 break
             if how == "kill":
                 assert p.returncode == -signal.SIGKILL
-                # The killed run's lock stays: the next run is refused, saying how to go on.
+                # The killed run's lock stays; its process has ended, so the next run takes
+                # it over (storage/locks.py) and publishes.
                 assert remote.LOCK_NAME in found
                 if step == 1:
                     again = publish(s3, staged, url)
                     _, err = again.communicate(timeout=300)
-                    assert again.returncode == 3 and err.count("\n") == 1, err
-                    assert "another ckpttool run is writing this output" in err
-                    assert f"aws s3 rm {url}/{remote.LOCK_NAME}" in err
+                    assert again.returncode == 0, err
+                    assert contents(s3, prefix) == new
             else:
                 assert p.returncode == 130, p.returncode
                 assert remote.LOCK_NAME not in found  # an interrupted run cleans up
