@@ -138,3 +138,36 @@ def megatron_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not megatron_layouts.MEGATRON:
         pytest.skip("megatron-core is not installed")
     return megatron_layouts.write_runs(tmp_path_factory.mktemp("megatron"))
+
+
+# A 24 MB single-file model (its upload takes several 5 MiB parts) and merges made alone, for
+# the object-store and shared-merge tests of every store.
+@pytest.fixture(scope="session")
+def big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    d = tmp_path_factory.mktemp("big") / "model"
+    d.mkdir()
+    g = torch.Generator().manual_seed(0)
+    save_file({f"layers.{i}.weight": torch.randn(1024, 1024, generator=g) for i in range(6)},
+              str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+@pytest.fixture(scope="session")
+def big_alone(big_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import ckpttool
+
+    out = tmp_path_factory.mktemp("alone") / "out"
+    ckpttool.merge(big_model, out, weights_only=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_alone(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import ckpttool
+
+    out = tmp_path_factory.mktemp("alone") / "out"
+    ckpttool.merge(llama_ckpt, out, max_shard_size="20KB")
+    return out

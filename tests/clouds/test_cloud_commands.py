@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from ckpttool.cli import app
@@ -171,16 +169,6 @@ def test_abfss_spelling_names_the_account(azure: Cloud, llama_ckpt: Path,
     assert json.loads(r.stdout)["src"] == url
     same_files(tmp_path / "out", local_merged)
 
-
-@pytest.fixture(scope="module")
-def big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 24 MB safetensors model (so that its upload takes several parts)."""
-    d = tmp_path_factory.mktemp("big") / "model"
-    d.mkdir()
-    g = torch.Generator().manual_seed(0)
-    save_file({f"layers.{i}.weight": torch.randn(1024, 1024, generator=g) for i in range(6)},
-              str(d / "model.safetensors"), metadata={"format": "pt"})
-    return d
 
 
 def test_a_large_upload_is_bit_exact(cloud: Cloud, big_model: Path, tmp_path: Path,

@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 import ckpttool
 from ckpttool.core.merge.multihost import FAIL_ENV
@@ -52,28 +50,7 @@ def top(cloud: Cloud, prefix: str) -> list[str]:
     return [k[len(prefix) + 1:] for k in cloud.keys(prefix) if "/" not in k[len(prefix) + 1:]]
 
 
-@pytest.fixture(scope="module")
-def big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("big") / "model"
-    d.mkdir()
-    g = torch.Generator().manual_seed(0)
-    save_file({f"layers.{i}.weight": torch.randn(1024, 1024, generator=g) for i in range(6)},
-              str(d / "model.safetensors"), metadata={"format": "pt"})
-    return d
 
-
-@pytest.fixture(scope="module")
-def big_alone(big_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("alone") / "out"
-    ckpttool.merge(big_model, out, weights_only=True)
-    return out
-
-
-@pytest.fixture(scope="module")
-def llama_alone(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("alone") / "out"
-    ckpttool.merge(llama_ckpt, out, max_shard_size="20KB")
-    return out
 
 
 def test_three_slices_then_finish_bit_exact(cloud: Cloud, big_model: Path, big_alone: Path,

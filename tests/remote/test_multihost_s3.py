@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 import ckpttool
 from ckpttool.core.merge.multihost import FAIL_ENV
@@ -64,29 +62,7 @@ def in_progress(s3: S3, prefix: str) -> list[str]:
     return [k for k in s3.uploads_in_progress(BUCKET) if k.startswith(prefix + "/")]
 
 
-@pytest.fixture(scope="module")
-def big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 24 MB safetensors model: one output file of five 5 MiB parts."""
-    d = tmp_path_factory.mktemp("big") / "model"
-    d.mkdir()
-    g = torch.Generator().manual_seed(0)
-    save_file({f"layers.{i}.weight": torch.randn(1024, 1024, generator=g) for i in range(6)},
-              str(d / "model.safetensors"), metadata={"format": "pt"})
-    return d
 
-
-@pytest.fixture(scope="module")
-def big_alone(big_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("alone") / "out"
-    ckpttool.merge(big_model, out, weights_only=True)
-    return out
-
-
-@pytest.fixture(scope="module")
-def llama_alone(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("alone") / "out"
-    ckpttool.merge(llama_ckpt, out, max_shard_size="20KB")
-    return out
 
 
 @pytest.mark.parametrize("order", [(2, 0, 1)])

@@ -15,8 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from ckpttool.cli import app
@@ -162,16 +160,6 @@ def test_reshard_from_and_to_s3(s3: S3, remote_llama: str, llama_ckpt: Path,
     assert run("merge", "--weights-only", local, b).exit_code == 0
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
 
-
-@pytest.fixture(scope="module")
-def big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 24 MB safetensors model (so that its upload takes several multipart parts)."""
-    d = tmp_path_factory.mktemp("big") / "model"
-    d.mkdir()
-    g = torch.Generator().manual_seed(0)
-    save_file({f"layers.{i}.weight": torch.randn(1024, 1024, generator=g) for i in range(6)},
-              str(d / "model.safetensors"), metadata={"format": "pt"})
-    return d
 
 
 def test_multipart_upload_is_bit_exact(s3: S3, big_model: Path, tmp_path: Path,
