@@ -120,3 +120,24 @@ def test_a_killed_slice_is_named_and_run_again(cloud: Cloud, big_model: Path, bi
     r = cli(cloud, tmp_path / "f2", *args, "--finish")
     assert r.returncode == 0, r.stderr
     same_files(cloud.download_dir(prefix, tmp_path / "got"), big_alone)
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 4])
+def test_a_slice_killed_at_each_step_is_named_and_run_again(
+        cloud: Cloud, big_model: Path, big_alone: Path, tmp_path: Path, step: int) -> None:
+    """As on S3: a slice killed before each of its parts and before its record."""
+    prefix = fresh(cloud, f"kill-slice-{step}")
+    args = ("merge", "--weights-only", big_model, cloud.url(prefix))
+    r = cli(cloud, tmp_path / "a", *args, "--slice", "1/2",
+            CKPTTOOL_TEST_REMOTE_FAULT=f"kill:{step}")
+    assert r.returncode == -9 or (step == 4 and r.returncode == 0), r.stderr
+    assert cli(cloud, tmp_path / "b", *args, "--slice", "0/2").returncode == 0
+    if r.returncode == -9:
+        assert top(cloud, prefix) == []
+        r = cli(cloud, tmp_path / "f", *args, "--finish")
+        assert r.returncode == 3 and "--slice 1/2" in r.stderr, r.stderr
+        assert top(cloud, prefix) == []
+        assert cli(cloud, tmp_path / "c", *args, "--slice", "1/2").returncode == 0
+    r = cli(cloud, tmp_path / "f2", *args, "--finish")
+    assert r.returncode == 0, r.stderr
+    same_files(cloud.download_dir(prefix, tmp_path / "got"), big_alone)

@@ -193,3 +193,25 @@ def test_finish_cleans_and_names_an_abandoned_plan(s3: S3, big_model: Path, big_
     assert not in_progress(s3, prefix)
     assert not s3.keys(BUCKET, f"{prefix}/.ckpttool-staging")
     same_files(s3.download_dir(BUCKET, prefix, tmp_path / "got"), big_alone)
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 4])
+def test_a_slice_killed_at_each_step_is_named_and_run_again(
+        s3: S3, big_model: Path, big_alone: Path, tmp_path: Path, step: int) -> None:
+    """A slice killed (SIGKILL) before each of its parts and before its record: nothing reads
+    as a model, --finish names the slice, and the slice run again completes it bit-exact."""
+    prefix = f"mh/kill-slice-{step}"
+    url = fresh(s3, prefix)
+    args = ("merge", "--weights-only", big_model, url)
+    r = cli(s3, tmp_path / "a", *args, "--slice", "1/2", CKPTTOOL_TEST_REMOTE_FAULT=f"kill:{step}")
+    assert r.returncode == -9 or (step == 4 and r.returncode == 0), r.stderr
+    assert cli(s3, tmp_path / "b", *args, "--slice", "0/2").returncode == 0
+    if r.returncode == -9:
+        assert top(s3, prefix) == []
+        r = cli(s3, tmp_path / "f", *args, "--finish")
+        assert r.returncode == 3 and "--slice 1/2" in r.stderr, r.stderr
+        assert top(s3, prefix) == []
+        assert cli(s3, tmp_path / "c", *args, "--slice", "1/2").returncode == 0
+    r = cli(s3, tmp_path / "f2", *args, "--finish")
+    assert r.returncode == 0, r.stderr
+    same_files(s3.download_dir(BUCKET, prefix, tmp_path / "got"), big_alone)

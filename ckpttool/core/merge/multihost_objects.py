@@ -216,10 +216,12 @@ class StoreShare:
                               workers=_local_workers(workers), progress=hook)
                 peak = max(peak, os.fstat(fd).st_blocks * 512)
                 data = _pread(fd, w.nbytes, w.begin)
+                fault_step()  # a slice's steps: each part, then its record
                 receipts.setdefault(f.name, {})[str(w.number)] = parts.put_part(
                     self.target.url.child(f.name), uploads[w.file], w.number, data)
         record = {"slice": index, "of": count, "plan": key, "parts": receipts,
                   "uploads": {plan.files[i].name: u for i, u in uploads.items()}}
+        fault_step()
         parts.put(stage.child(f"slices/{index}-of-{count}.json"), json.dumps(record).encode())
         return _describe(mode, windows, owner, count, plan=key, local_bytes=peak,
                          **({"rank": index} if mode == "torchrun" else {"slice": index}))
