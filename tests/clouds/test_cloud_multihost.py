@@ -104,24 +104,6 @@ def test_a_killed_finish_leaves_no_model_and_the_rerun_works(
     same_files(cloud.download_dir(prefix, tmp_path / "got"), llama_alone)
 
 
-def test_a_killed_slice_is_named_and_run_again(cloud: Cloud, big_model: Path, big_alone: Path,
-                                               tmp_path: Path) -> None:
-    """A slice killed (SIGKILL) after its first part: --finish names it and publishes
-    nothing; the slice run again, then --finish, is bit-exact."""
-    prefix = fresh(cloud, "kill-slice")
-    args = ("merge", "--weights-only", big_model, cloud.url(prefix))
-    r = cli(cloud, tmp_path / "a", *args, "--slice", "1/2", **{FAIL_ENV: "1:kill"})
-    assert r.returncode == -9, r.stderr
-    assert cli(cloud, tmp_path / "b", *args, "--slice", "0/2").returncode == 0
-    r = cli(cloud, tmp_path / "f", *args, "--finish")
-    assert r.returncode == 3 and "--slice 1/2" in r.stderr, r.stderr
-    assert top(cloud, prefix) == []
-    assert cli(cloud, tmp_path / "c", *args, "--slice", "1/2").returncode == 0
-    r = cli(cloud, tmp_path / "f2", *args, "--finish")
-    assert r.returncode == 0, r.stderr
-    same_files(cloud.download_dir(prefix, tmp_path / "got"), big_alone)
-
-
 @pytest.mark.parametrize("step", [1, 2, 3, 4])
 def test_a_slice_killed_at_each_step_is_named_and_run_again(
         cloud: Cloud, big_model: Path, big_alone: Path, tmp_path: Path, step: int) -> None:

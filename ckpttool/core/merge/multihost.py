@@ -31,7 +31,7 @@ import re
 import secrets
 import signal
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -349,6 +349,33 @@ def team_from_env() -> Team | None:
 # Without a launcher: --slice I/N, then --finish
 
 
+def slices_done(found: Iterable[tuple[int, int]], where: object, key: str) -> int:
+    """N, from the (I, N) of every finished slice's record a ``--finish`` found at ``where``
+    (a shared directory or an object-store prefix), once every slice of one N is there.
+
+    Raises:
+        OutputError: none found, several N, or slices missing (the first named, to run).
+    """
+    found = set(found)
+    if not found:
+        raise OutputError(f"{where}: no finished slice of this merge (plan {key}); run "
+                          "ckpttool merge SRC OUT --slice I/N for every I first, with the "
+                          "same options")
+    counts = {n for _, n in found}
+    if len(counts) > 1:
+        raise OutputError(f"{where}: slices of this merge were run with different N "
+                          f"({', '.join(map(str, sorted(counts)))}); run them again with one")
+    (count,) = counts
+    missing = [i for i in range(count) if (i, count) not in found]
+    if missing:
+        shown = ", ".join(f"{i}/{count}" for i in missing[:8])
+        raise OutputError(f"{where}: {len(missing)} of {count} slices are not done ({shown}"
+                          f"{' ...' if len(missing) > 8 else ''}); run them with "
+                          f"ckpttool merge SRC OUT --slice {missing[0]}/{count}, then "
+                          "--finish again")
+    return count
+
+
 def parse_slice(text: str) -> tuple[int, int]:
     """``"I/N"`` -> (I, N), 0 <= I < N.
 
@@ -471,22 +498,7 @@ class Finish(_Alone):
                              rf"{re.escape(TMP_SUFFIX)}")
         found = {(int(m[1]), int(m[2])): p for p in out.iterdir()
                  if (m := pattern.fullmatch(p.name))} if out.is_dir() else {}
-        counts = {n for _, n in found}
-        if not found:
-            raise OutputError(f"{out}: no finished slice of this merge (plan {key}); run "
-                              "ckpttool merge SRC OUT --slice I/N for every I first, with the "
-                              "same options")
-        if len(counts) > 1:
-            raise OutputError(f"{out}: slices of this merge were run with different N "
-                              f"({', '.join(map(str, sorted(counts)))}); run them again with one")
-        (count,) = counts
-        missing = [i for i in range(count) if (i, count) not in found]
-        if missing:
-            shown = ", ".join(f"{i}/{count}" for i in missing[:8])
-            raise OutputError(f"{out}: {len(missing)} of {count} slices are not done ({shown}"
-                              f"{' ...' if len(missing) > 8 else ''}); run them with "
-                              f"ckpttool merge SRC OUT --slice {missing[0]}/{count}, then "
-                              "--finish again")
+        count = slices_done(found, out, key)
         placed = _placed(plan, out, paths, found, count)
         _check_existing(out, plan, placed, [n for n, _ in extra], overwrite=overwrite, stem=stem)
         shares = partition.split(plan, count)

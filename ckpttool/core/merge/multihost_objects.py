@@ -53,6 +53,7 @@ from ckpttool.core.merge.multihost import (
     _raise_from,
     _status,
     plan_key,
+    slices_done,
 )
 from ckpttool.core.merge.plan import MergePlan
 from ckpttool.core.runtime.report import Progress
@@ -305,22 +306,7 @@ class StoreShare:
         found = {(int(m[1]), int(m[2])): n for n in listed if n.startswith(prefix)
                  and (m := _RECORD.fullmatch(n[len(prefix):]))}
         url = self.target.url
-        if not found:
-            raise OutputError(f"{url}: no finished slice of this merge (plan {key}); run "
-                              "ckpttool merge SRC OUT --slice I/N for every I first, with the "
-                              "same options")
-        counts = {n for _, n in found}
-        if len(counts) > 1:
-            raise OutputError(f"{url}: slices of this merge were run with different N "
-                              f"({', '.join(map(str, sorted(counts)))}); run them again with one")
-        (count,) = counts
-        missing = [i for i in range(count) if (i, count) not in found]
-        if missing:
-            shown = ", ".join(f"{i}/{count}" for i in missing[:8])
-            raise OutputError(f"{url}: {len(missing)} of {count} slices are not done ({shown}"
-                              f"{' ...' if len(missing) > 8 else ''}); run them with "
-                              f"ckpttool merge SRC OUT --slice {missing[0]}/{count}, then "
-                              "--finish again")
+        count = slices_done(found, url, key)
         records = {}
         for (i, _), name in found.items():
             records[i] = self._json(stage.child(name[len(prefix):])) or {}
