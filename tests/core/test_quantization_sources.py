@@ -1,0 +1,108 @@
+"""``merge --quantize fp8-block`` from the formats that need several processes to write
+(issue 39, item 4): a DeepSpeed ZeRO-3 checkpoint (``DeepSpeedEngine.save_checkpoint`` on 2
+gloo ranks, :mod:`tests.ds_layouts`) and verl's per-rank files (FSDP2 ranks saving
+``model.state_dict()``, as :mod:`tests.core.test_contract_formats` writes them). Each holds a
+real transformers Llama with its config.json, so the output is held against the model
+class (the contract) and taken whole; every quantized weight and scale is bit for bit the
+formula of issue 39 applied to the writer's own full state dict (DeepSpeed's
+``get_fp32_state_dict_from_zero_checkpoint``; the model's own ``state_dict()`` for verl).
+
+Neither writer stores quantized weights (ZeRO partitions the training parameters, verl
+saves the training model's state dict): ``--dequantize`` of them is the documented exit 3,
+nothing quantized, and writes nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckpttool
+from tests import ds_layouts
+from tests.core.test_contract_formats import _llama, _verl_rank_files, assert_taken_whole
+from tests.core.test_quantization import FP8, fp8_block_quant, run
+from tests.fsdp2_ranks import run_on_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture(scope="module")
+def zero3_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ZeRO-3 of a tiny tied Llama on 2 ranks; DeepSpeed's consolidation beside it."""
+    if not ds_layouts.DEEPSPEED:
+        pytest.skip("deepspeed is not installed")
+    return ds_layouts.write_zero(tmp_path_factory.mktemp("q-zero3") / "ckpt", 3, 2,
+                                 model="llama")
+
+
+@pytest.fixture(scope="module")
+def verl_actor(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    actor = tmp_path_factory.mktemp("q-verl") / "global_step_1" / "actor"
+    run_on_ranks(_verl_rank_files, 2, str(actor))
+    return actor
+
+
+def check_against_formula(out: Path, original: dict[str, torch.Tensor]) -> int:
+    """Every decoder-layer Linear weight of ``original`` quantized bit for bit by the
+    formula, every other tensor kept (cast to the output's dtype as a plain merge casts);
+    returns how many were quantized."""
+    got = load_file(out / "model.safetensors")
+    num = 0
+    for name, t in original.items():
+        if ".layers." in name and name.endswith("proj.weight"):
+            q, s = fp8_block_quant(t)
+            assert got[name].dtype == FP8 and got[name + "_scale_inv"].dtype == torch.float32
+            assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8)), name
+            assert torch.equal(got[name + "_scale_inv"], s), name
+            num += 1
+        elif name in got:
+            assert torch.equal(got[name], t.to(got[name].dtype)), name
+            assert name + "_scale_inv" not in got
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
+    return num
+
+
+@pytest.mark.skipif(not ds_layouts.DEEPSPEED, reason="deepspeed is not installed")
+def test_quantize_deepspeed_zero3(zero3_llama: Path, tmp_path: Path) -> None:
+    want = torch.load(zero3_llama.parent / "reference.pt", weights_only=True)
+    out = tmp_path / "out"
+    report = ckpttool.merge(zero3_llama, out, quantize="fp8-block")
+    assert report.format == "deepspeed"
+    assert_taken_whole(report, len(_tied_llama_keys()))
+    # 2 layers x 7 projections, from the fp32 masters DeepSpeed consolidates
+    assert check_against_formula(out, want) == 14
+    assert "lm_head.weight" not in load_file(out / "model.safetensors")  # tied: stored once
+
+
+def _tied_llama_keys() -> list[str]:
+    from transformers import LlamaForCausalLM
+
+    return list(LlamaForCausalLM(ds_layouts.llama_config()).state_dict())
+
+
+@pytest.mark.skipif(not ds_layouts.DEEPSPEED, reason="deepspeed is not installed")
+def test_dequantize_deepspeed_has_nothing_to_decode(zero3_llama: Path, tmp_path: Path) -> None:
+    r = run("merge", zero3_llama, tmp_path / "out", "--dequantize")
+    assert r.exit_code == 3, r.output
+    assert "nothing" in r.output.lower() or "no " in r.output.lower(), r.output
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_quantize_verl_rank_files(verl_actor: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    r = run("merge", verl_actor, out, "--quantize", "fp8-block", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["contract"]["checked"] is True and doc["contract"]["extra"] == [], doc["contract"]
+    assert doc["contract"]["missing"] == [] and doc["contract"]["misshapen"] == []
+    assert check_against_formula(out, _llama().state_dict()) == 14
+
+
+def test_dequantize_verl_has_nothing_to_decode(verl_actor: Path, tmp_path: Path) -> None:
+    r = run("merge", verl_actor, tmp_path / "out", "--dequantize")
+    assert r.exit_code == 3, r.output
+    assert not (tmp_path / "out" / "model.safetensors").exists()
