@@ -133,7 +133,10 @@ def _configured(qc: dict[str, Any]) -> Scheme:
     source = "config.json quantization_config"
     method = str(qc.get("quant_method", "?"))
     if method == "fp8":
-        ignored = tuple(str(m) for m in qc.get("modules_to_not_convert") or ())
+        # transformers reads modules_to_not_convert (ignored_layers as an alias), vLLM and
+        # SGLang ignored_layers first (IGNORE_KEYS)
+        ignored = tuple(str(m) for m in next(
+            (qc[k] for k in IGNORE_KEYS if isinstance(qc.get(k), list) and qc[k]), ()))
         size = qc.get("weight_block_size")
         block = (tuple(int(x) for x in size) if isinstance(size, list) and len(size) == 2
                  else None)
@@ -254,6 +257,89 @@ def fp8_block(weight: tuple[int, ...], scale: tuple[int, ...],
     if weight[0] % scale[0] == 0 and weight[1] % scale[1] == 0:
         return (weight[0] // scale[0], weight[1] // scale[1])
     return None
+
+
+# --- what vLLM and SGLang need of a block-FP8 config ---------------------------------------
+#
+# Read in (facts, no code taken): vLLM's Fp8Config.from_config and is_layer_skipped
+# (vllm/model_executor/layers/quantization/fp8.py and utils/quant_utils.py), SGLang's
+# (python/sglang/srt/layers/quantization/fp8.py and utils.py), transformers 5's
+# FineGrainedFP8Config and should_convert_module. tests/core/test_quantization_serving.py
+# holds the written config against each loader's rules, written there as data with the
+# versions they come from; docs/quantization.md says what was checked.
+#
+# - The kept modules' key: transformers reads modules_to_not_convert (ignored_layers as an
+#   alias when that is absent); vLLM reads ignored_layers (newer releases fall back to
+#   modules_to_not_convert when it is empty); SGLang reads the first of the two present. Both
+#   keys are written, with the same list.
+# - Names: vLLM and SGLang skip a layer whose name is in the list (SGLang since April 2026
+#   also a name under a listed one); so the list holds full module names as stored.
+# - Fused layers: vLLM and SGLang load q/k/v, gate/up and DeepSeek's q_a/kv_a_with_mqa shards
+#   as one Linear (their models' packed_modules_mapping), and refuse to load one whose shards
+#   are listed in part ("some but not all shards ... are quantized"); every expert's Linear of
+#   one layer is one FusedMoE layer, ``...experts``, skipped when a listed name containing
+#   "experts" contains that name (vLLM) or is that name (SGLang). A module kept from such a
+#   layer keeps the whole layer, and a mixture of experts' layer is listed by its own name
+#   (also what transformers 5 needs: it loads the experts as one module of that name).
+# - transformers adds its default kept modules (the output head, tied weights) only where the
+#   config lists none, so ``lm_head`` is always listed (a tied head is stored nowhere).
+
+IGNORE_KEYS = ("modules_to_not_convert", "ignored_layers")
+FUSED_SHARDS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+}
+HEAD = "lm_head"
+
+
+def experts_layer(module: str) -> str | None:
+    """The mixture-of-experts layer ``module`` belongs to: ``...experts`` for an expert's
+    Linear (``...experts.N....``) or the experts' own stacked tensors' module; else None."""
+    parts = module.split(".")
+    for i, p in enumerate(parts):
+        if p == "experts" and (i + 1 == len(parts) or parts[i + 1].isdecimal()):
+            return ".".join(parts[:i + 1])
+    return None
+
+
+def serving_layer(module: str) -> str:
+    """The layer vLLM and SGLang load the Linear ``module`` into: its mixture of experts'
+    layer, the fused layer of its shard (``...qkv_proj`` for ``...q_proj``), or itself."""
+    if (moe := experts_layer(module)) is not None:
+        return moe
+    parent, _, last = module.rpartition(".")
+    for fused, shards in FUSED_SHARDS.items():
+        if last in shards:
+            return f"{parent}.{fused}" if parent else fused
+    return module
+
+
+@dataclass(frozen=True)
+class Kept:
+    """Which Linear modules ``--quantize`` quantizes, whole serving layers only."""
+
+    quantized: frozenset[str]
+    # modules_to_not_convert / ignored_layers: the kept modules (a mixture of experts' layer
+    # by its name) and lm_head, sorted
+    listed: tuple[str, ...]
+    # serving layer -> the modules kept with it that the caller would have quantized
+    widened: dict[str, tuple[str, ...]]
+
+
+def keep_whole_layers(quantized: Iterable[str], kept: Iterable[str]) -> Kept:
+    """``quantized`` less the modules that share a serving layer (:func:`serving_layer`) with
+    a module of ``kept``, and the list of kept modules for the config."""
+    q, k = set(quantized), set(kept)
+    kept_layers = {serving_layer(m) for m in k}
+    widened: dict[str, list[str]] = {}
+    for m in sorted(q):
+        if (layer := serving_layer(m)) in kept_layers:
+            widened.setdefault(layer, []).append(m)
+    moved = {m for ms in widened.values() for m in ms}
+    listed = {experts_layer(m) or m for m in k | moved} | {HEAD}
+    return Kept(frozenset(q - moved), tuple(sorted(listed)),
+                {layer: tuple(ms) for layer, ms in widened.items()})
 
 
 def matches(module: str, patterns: Iterable[str]) -> bool:

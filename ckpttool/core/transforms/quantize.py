@@ -439,6 +439,17 @@ def quantizable(name: str, src: Source, ignore: Sequence[str]) -> bool:
     return not q.matches(module, ignore)
 
 
+def _kept_linear(name: str, src: Source) -> bool:
+    """A stored floating weight of a Linear module (not an embedding or a norm), or a
+    mixture of experts' stacked weights: left as stored, it is named in the config."""
+    module = q.module_of(name)
+    if not src.dtype.is_float or "embed" in module or "norm" in module.rpartition(".")[2]:
+        return False
+    if name.endswith(".weight") and len(src.shape) == 2:
+        return True
+    return len(src.shape) >= 3 and q.experts_layer(module) == module
+
+
 def quantize(sources: list[tuple[str, Source]], config: Mapping[str, Any] | None, *,
              scheme: str, ignore: Sequence[str] = ()) -> Recoded:
     """The decoder layers' Linear weights as float8_e4m3fn per 128 x 128 block with their
@@ -458,12 +469,15 @@ def quantize(sources: list[tuple[str, Source]], config: Mapping[str, Any] | None
         raise UnsupportedError("--quantize: the checkpoint is quantized already; re-quantizing "
                                "is not supported: merge with --dequantize first, then "
                                "--quantize the result")
+    chosen = {n for n, src in sources if quantizable(n, src, ignore)}
+    kept = q.keep_whole_layers({q.module_of(n) for n in chosen},
+                               {q.module_of(n) for n, src in sources
+                                if n not in chosen and _kept_linear(n, src)})
     written: list[tuple[str, Source]] = []
-    kept_linear: list[str] = []
     edges: list[str] = []
     num = 0
     for n, src in sources:
-        if quantizable(n, src, ignore):
+        if n in chosen and q.module_of(n) in kept.quantized:
             if src.shape[0] % BLOCK[0] or src.shape[1] % BLOCK[1]:
                 edges.append(n)
             weight, scale = _fp8_block(n, src)
@@ -471,28 +485,30 @@ def quantize(sources: list[tuple[str, Source]], config: Mapping[str, Any] | None
             num += 1
             continue
         written.append((n, src))
-        if n.endswith(".weight") and len(src.shape) == 2 and src.dtype.is_float:
-            module = q.module_of(n)
-            if "embed" not in module and "norm" not in module.rpartition(".")[2]:
-                kept_linear.append(module)
     if not num:
         raise InputError("--quantize: no Linear weight of a decoder layer (model.layers.N...) "
                          "to quantize; nothing was written")
+    # modules_to_not_convert for transformers, ignored_layers for vLLM and SGLang: the same
+    # list (q.IGNORE_KEYS)
     qc: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                           "weight_block_size": list(BLOCK)}
-    if kept_linear:
-        qc["modules_to_not_convert"] = sorted(kept_linear)  # whatever order the source has
+    qc.update({key: list(kept.listed) for key in q.IGNORE_KEYS})
     new_config = dict(config or {})
     new_config["quantization_config"] = qc
     changes = [f"quantization_config: fp8 e4m3 in {list(BLOCK)} blocks ({num} weights; "
-               f"{len(kept_linear)} Linear modules kept)"]
-    warnings = []
+               f"{len(kept.listed)} modules kept)"]
+    warnings = [
+        f"--quantize: '{layer}' is one layer to vLLM and SGLang and part of it is kept: "
+        f"{len(ms)} more of its modules kept with it (e.g. '{ms[0]}')"
+        for layer, ms in sorted(kept.widened.items())]
     if edges:
         warnings.append(
             f"--quantize: {len(edges)} weights (e.g. '{edges[0]}' {list(by_shape[edges[0]])}) "
             f"have dimensions that are no multiple of {BLOCK[0]}: their edge blocks are "
             "written as DeepSeek's format has them, but transformers' CPU loader refuses "
-            "them (it dequantizes whole blocks only); keep them with --quantize-ignore")
+            "them (it dequantizes whole blocks only), and vLLM and SGLang refuse a layer "
+            "they fuse or split across GPUs into parts no multiple of 128; keep them with "
+            "--quantize-ignore")
     return Recoded(written, new_config if config is not None else None, changes, [], num,
                    warnings)
 
