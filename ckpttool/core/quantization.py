@@ -421,6 +421,7 @@ def check(config: Mapping[str, Any] | None,
                     "stored: its values cannot be read", tensor=n))
     for g in found:
         problems += _check_group(s, g, tensors, where)
+    problems += _split_layers({module_of(g.out) for g in found}, tensors)
     if s.ignored:
         for g in found:
             if matches(module_of(g.out), s.ignored):
@@ -429,6 +430,24 @@ def check(config: Mapping[str, Any] | None,
                     f"its module unquantized (modules_to_not_convert / ignore): a loader reads "
                     "it as a plain weight", tensor=g.out))
     return problems
+
+
+def _split_layers(quantized: set[str], tensors: Mapping[str, tuple[DType, tuple[int, ...]]]
+                  ) -> list[Problem]:
+    """The layers vLLM and SGLang load as one (:func:`serving_layer`) whose Linear modules
+    are stored partly quantized (``quantized``), partly as plain floating weights."""
+    plain = {module_of(n) for n, (d, shape) in tensors.items()
+             if n.endswith(".weight") and len(shape) == 2 and d.is_float and d.kind != "float8"
+             and module_of(n) not in quantized}
+    by_layer: dict[str, tuple[set[str], set[str]]] = {}
+    for m in quantized | plain:
+        q, p = by_layer.setdefault(serving_layer(m), (set(), set()))
+        (q if m in quantized else p).add(m)
+    return [warning("quant-fused-split", f"'{layer}' is one layer to vLLM and SGLang but "
+                    f"'{sorted(p)[0]}' is stored unquantized and '{sorted(q)[0]}' quantized: "
+                    "they refuse to load it (\"some but not all shards\"); transformers loads "
+                    "it", tensor=sorted(p)[0])
+            for layer, (q, p) in sorted(by_layer.items()) if q and p]
 
 
 def _check_group(s: Scheme, g: Group, tensors: Mapping[str, tuple[DType, tuple[int, ...]]],

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckpttool import merge
-from tests.core.test_quantization import FP8, llama_hf, weight_dequant  # noqa: F401 (fixture)
+from tests.core.test_quantization import FP8, llama_hf, run, weight_dequant  # noqa: F401
 
 # --- the loaders' rules, as data --------------------------------------------------------------
 #
@@ -155,7 +155,10 @@ def skipped(loader: Loader, layer: str, members: list[str], listed: list[str]) -
 
 
 def hold(out: Path, loaders: list[Loader] = LOADERS) -> None:
-    """The config written in ``out`` against every loader's rules."""
+    """The config written in ``out`` against every loader's rules; ``verify`` finds it whole
+    and no fused layer stored in part."""
+    r = run("verify", out)
+    assert r.exit_code == 0 and "quant-" not in r.output, r.output
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert "fp8" in qc["quant_method"] and qc["activation_scheme"] == "dynamic"
     assert len(qc["weight_block_size"]) == 2 and qc.get("fmt", "e4m3") == "e4m3"
@@ -270,3 +273,28 @@ def test_deepseek_output_loads_in_transformers(deepseek_hf: Path, tmp_path: Path
     ids = torch.tensor([[1, 5, 9]])
     assert torch.isfinite(model(ids).logits).all()
     assert torch.equal(params["lm_head.weight"].to(torch.bfloat16), source["lm_head.weight"])
+
+
+def test_verify_names_a_fused_layer_stored_in_part(tmp_path: Path) -> None:
+    """A checkpoint whose q_proj is plain and whose k_proj / v_proj are block FP8 (one
+    fused layer to vLLM and SGLang), or with one expert of a layer plain: a warning naming
+    the layer; merge's own output never has one."""
+    from ckpttool.core import quantization as qz
+    from ckpttool.formats.codecs import dtypes
+
+    f8, f32, bf16 = dtypes.get("F8_E4M3"), dtypes.get("F32"), dtypes.get("BF16")
+    stored: dict[str, Any] = {}
+    for m in ("self_attn.k_proj", "self_attn.v_proj", "mlp.experts.0.up_proj",
+              "mlp.experts.1.up_proj", "mlp.shared_experts.up_proj"):
+        stored[f"model.layers.0.{m}.weight"] = (f8, (128, 128))
+        stored[f"model.layers.0.{m}.weight_scale_inv"] = (f32, (1, 1))
+    stored["model.layers.0.self_attn.q_proj.weight"] = (bf16, (128, 128))
+    stored["model.layers.0.mlp.experts.2.up_proj.weight"] = (bf16, (128, 128))
+    stored["model.layers.0.mlp.gate.weight"] = (bf16, (4, 128))
+    stored["lm_head.weight"] = (bf16, (10, 128))
+    config = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                      "activation_scheme": "dynamic"}}
+    found = [(p.code, p.severity, p.location.tensor) for p in qz.check(config, stored)]
+    assert [f for f in found if f[0] == "quant-fused-split"] == [
+        ("quant-fused-split", "warning", "model.layers.0.mlp.experts.2.up_proj"),
+        ("quant-fused-split", "warning", "model.layers.0.self_attn.q_proj")]

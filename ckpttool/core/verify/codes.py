@@ -144,6 +144,9 @@ CODES: tuple[Code, ...] = (
          "quantized, or no tensor stored the way it says"),
     Code("quant-scale-missing", "error", "quantization",
          "a float8 weight without the scale its values need"),
+    Code("quant-fused-split", "warning", "quantization",
+         "a layer vLLM and SGLang load as one (q/k/v, gate/up, one layer's experts) is stored "
+         "partly quantized: they refuse to load it (transformers loads it)"),
     Code("quant-no-config", "warning", "quantization",
          "quantized weights with scales but no `quantization_config`: loaders read them as "
          "plain weights"),
