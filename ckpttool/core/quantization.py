@@ -331,14 +331,21 @@ def keep_whole_layers(quantized: Iterable[str], kept: Iterable[str]) -> Kept:
     """``quantized`` less the modules that share a serving layer (:func:`serving_layer`) with
     a module of ``kept``, and the list of kept modules for the config."""
     q, k = set(quantized), set(kept)
-    kept_layers = {serving_layer(m) for m in k}
     widened: dict[str, list[str]] = {}
-    for m in sorted(q):
-        if (layer := serving_layer(m)) in kept_layers:
-            widened.setdefault(layer, []).append(m)
-    moved = {m for ms in widened.values() for m in ms}
-    listed = {experts_layer(m) or m for m in k | moved} | {HEAD}
-    return Kept(frozenset(q - moved), tuple(sorted(listed)),
+    while True:
+        kept_layers = {serving_layer(m) for m in k}
+        listed = {experts_layer(m) or m for m in k} | {HEAD}
+        more = {m for m in q if serving_layer(m) in kept_layers
+                # SGLang between its 2026 releases matched a listed name anywhere inside a
+                # layer's name: "x.mlp.gate" (a router) would keep "x.mlp.gate_up_proj"
+                or any(x in name for x in listed for name in (m, serving_layer(m)))}
+        if not more:
+            break
+        for m in sorted(more):
+            widened.setdefault(serving_layer(m), []).append(m)
+        q -= more
+        k |= more
+    return Kept(frozenset(q), tuple(sorted(listed)),
                 {layer: tuple(ms) for layer, ms in widened.items()})
 
 

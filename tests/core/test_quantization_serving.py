@@ -298,3 +298,27 @@ def test_verify_names_a_fused_layer_stored_in_part(tmp_path: Path) -> None:
     assert [f for f in found if f[0] == "quant-fused-split"] == [
         ("quant-fused-split", "warning", "model.layers.0.mlp.experts.2.up_proj"),
         ("quant-fused-split", "warning", "model.layers.0.self_attn.q_proj")]
+
+
+def test_keep_whole_layers_pure() -> None:
+    """The closure on names alone: a kept shard keeps its fused layer, a kept expert its
+    layer's experts (listed by the layer's name), and a kept name inside a quantized layer's
+    name (SGLang's substring rule of early 2026: a router "mlp.gate" in "mlp.gate_up_proj")
+    keeps that layer too."""
+    from ckpttool.core import quantization as qz
+
+    layer = "model.layers.3"
+    quantized = {f"{layer}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    quantized |= {f"{layer}.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
+    quantized |= {f"{layer}.mlp.experts.{e}.{p}" for e in range(3) for p in ("w1", "w2")}
+    quantized |= {"model.layers.13.mlp.gate_proj", "model.layers.13.mlp.up_proj"}
+    kept = qz.keep_whole_layers(quantized, {f"{layer}.mlp.gate", f"{layer}.self_attn.k_proj",
+                                            f"{layer}.mlp.experts.1.w2"})
+    assert kept.quantized == {f"{layer}.self_attn.o_proj", f"{layer}.mlp.down_proj",
+                              "model.layers.13.mlp.gate_proj", "model.layers.13.mlp.up_proj"}
+    assert kept.listed == ("lm_head", f"{layer}.mlp.experts", f"{layer}.mlp.gate",
+                           f"{layer}.mlp.gate_proj", f"{layer}.mlp.up_proj",
+                           f"{layer}.self_attn.k_proj", f"{layer}.self_attn.q_proj",
+                           f"{layer}.self_attn.v_proj")
+    assert set(kept.widened) == {f"{layer}.self_attn.qkv_proj", f"{layer}.mlp.experts",
+                                 f"{layer}.mlp.gate_up_proj"}
