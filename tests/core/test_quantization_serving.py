@@ -322,3 +322,20 @@ def test_keep_whole_layers_pure() -> None:
                            f"{layer}.self_attn.v_proj")
     assert set(kept.widened) == {f"{layer}.self_attn.qkv_proj", f"{layer}.mlp.experts",
                                  f"{layer}.mlp.gate_up_proj"}
+
+
+@pytest.mark.parametrize(("run_name", "expert"), [
+    ("qwen3_moe-ep2", "model.layers.0.mlp.experts.1.down_proj"),
+    ("mixtral-ep2", "model.layers.1.block_sparse_moe.experts.0.w2")])
+def test_megatron_moe_runs_hold(run_name: str, expert: str, tmp_path: Path) -> None:
+    """Megatron-LM's own expert-parallel runs (names through its implied map): the config
+    holds for every loader, plain and with one expert kept (its layer kept, by name)."""
+    src = Path(__file__).parents[1] / "data" / "megatron_lm" / run_name
+    merge(src, tmp_path / "plain", quantize="fp8-block")
+    hold(tmp_path / "plain")
+    report = merge(src, tmp_path / "kept", quantize="fp8-block", quantize_ignore=(expert,))
+    assert report.contract is not None and report.contract.ok
+    hold(tmp_path / "kept", [x for x in LOADERS if x.moe != "never"])
+    layer = expert.rpartition(".experts.")[0] + ".experts"
+    qc = json.loads((tmp_path / "kept" / "config.json").read_text())["quantization_config"]
+    assert layer in qc["ignored_layers"]
