@@ -497,10 +497,15 @@ def quantize(sources: list[tuple[str, Source]], config: Mapping[str, Any] | None
     new_config["quantization_config"] = qc
     changes = [f"quantization_config: fp8 e4m3 in {list(BLOCK)} blocks ({num} weights; "
                f"{len(kept.listed)} modules kept)"]
-    warnings = [
-        f"--quantize: '{layer}' is one layer to vLLM and SGLang and part of it is kept: "
-        f"{len(ms)} more of its modules kept with it (e.g. '{ms[0]}')"
-        for layer, ms in sorted(kept.widened.items())]
+    warnings = []
+    if kept.widened:
+        layers = sorted(kept.widened)
+        named = ", ".join(f"'{x}'" for x in layers[:3]) + (", ..." if len(layers) > 3 else "")
+        more = sum(len(ms) for ms in kept.widened.values())
+        warnings.append(
+            f"--quantize: {len(layers)} layers that vLLM and SGLang load as one were kept in "
+            f"part ({named}): the rest of each is kept too, {more} more modules (e.g. "
+            f"'{kept.widened[layers[0]][0]}'), so that they load it")
     if edges:
         warnings.append(
             f"--quantize: {len(edges)} weights (e.g. '{edges[0]}' {list(by_shape[edges[0]])}) "
