@@ -1,6 +1,6 @@
 """``merge --quantize fp8-block`` from the formats that need several processes to write
-(issue 39, item 4): a DeepSpeed ZeRO-3 checkpoint (``DeepSpeedEngine.save_checkpoint`` on 2
-gloo ranks, :mod:`tests.ds_layouts`) and verl's per-rank files (FSDP2 ranks saving
+(issue 39, item 4): DeepSpeed ZeRO-2 and ZeRO-3 checkpoints (``DeepSpeedEngine.save_checkpoint``
+on 2 gloo ranks, :mod:`tests.ds_layouts`) and verl's per-rank files (FSDP2 ranks saving
 ``model.state_dict()``, as :mod:`tests.core.test_contract_formats` writes them). Each holds a
 real transformers Llama with its config.json, so the output is held against the model
 class (the contract) and taken whole; every quantized weight and scale is bit for bit the
@@ -29,12 +29,15 @@ from tests.fsdp2_ranks import run_on_ranks
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
-@pytest.fixture(scope="module")
-def zero3_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """ZeRO-3 of a tiny tied Llama on 2 ranks; DeepSpeed's consolidation beside it."""
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def zero_llama(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> Path:
+    """ZeRO-2 (flat partitions cut inside rows) and ZeRO-3 (each parameter split) of a tiny
+    tied Llama on 2 ranks; DeepSpeed's consolidation beside each."""
     if not ds_layouts.DEEPSPEED:
         pytest.skip("deepspeed is not installed")
-    return ds_layouts.write_zero(tmp_path_factory.mktemp("q-zero3") / "ckpt", 3, 2,
+    stage = int(request.param)
+    return ds_layouts.write_zero(tmp_path_factory.mktemp(f"q-zero{stage}") / "ckpt", stage, 2,
                                  model="llama")
 
 
@@ -67,10 +70,10 @@ def check_against_formula(out: Path, original: dict[str, torch.Tensor]) -> int:
 
 
 @pytest.mark.skipif(not ds_layouts.DEEPSPEED, reason="deepspeed is not installed")
-def test_quantize_deepspeed_zero3(zero3_llama: Path, tmp_path: Path) -> None:
-    want = torch.load(zero3_llama.parent / "reference.pt", weights_only=True)
+def test_quantize_deepspeed_zero(zero_llama: Path, tmp_path: Path) -> None:
+    want = torch.load(zero_llama.parent / "reference.pt", weights_only=True)
     out = tmp_path / "out"
-    report = ckpttool.merge(zero3_llama, out, quantize="fp8-block")
+    report = ckpttool.merge(zero_llama, out, quantize="fp8-block")
     assert report.format == "deepspeed"
     assert_taken_whole(report, len(_tied_llama_keys()))
     # 2 layers x 7 projections, from the fp32 masters DeepSpeed consolidates
@@ -85,8 +88,8 @@ def _tied_llama_keys() -> list[str]:
 
 
 @pytest.mark.skipif(not ds_layouts.DEEPSPEED, reason="deepspeed is not installed")
-def test_dequantize_deepspeed_has_nothing_to_decode(zero3_llama: Path, tmp_path: Path) -> None:
-    r = run("merge", zero3_llama, tmp_path / "out", "--dequantize")
+def test_dequantize_deepspeed_has_nothing_to_decode(zero_llama: Path, tmp_path: Path) -> None:
+    r = run("merge", zero_llama, tmp_path / "out", "--dequantize")
     assert r.exit_code == 3, r.output
     assert "nothing" in r.output.lower() or "no " in r.output.lower(), r.output
     assert not (tmp_path / "out" / "model.safetensors").exists()
