@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import json
 import re
 import time
@@ -165,7 +166,7 @@ def _transformers_expected(config: Mapping[str, Any]) -> Expected:
                           missing=True) from None
     model = _build(transformers, torch, config)
     version = transformers.__version__
-    tensors = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    tensors = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
     tied = _tied(model, config)
     return Expected(
         consumer=f"{type(model).__name__} (transformers {version})",
@@ -190,7 +191,7 @@ def _build(transformers: Any, torch: Any, config: Mapping[str, Any]) -> Any:
                               f"model_type {model_type!r} ({_first_line(e)})") from None
         cls = _model_class(transformers, config, cfg)
         try:
-            with torch.device("meta"):
+            with torch.device("meta"), _no_init(transformers):
                 return cls(cfg) if cls is not None else _auto(transformers, cfg)
         except Unavailable:
             raise
@@ -198,6 +199,27 @@ def _build(transformers: Any, torch: Any, config: Mapping[str, Any]) -> Any:
             raise Unavailable(f"{_name(config)} cannot be built from this config by "
                               f"transformers {transformers.__version__} "
                               f"({type(e).__name__}: {_first_line(e)})") from None
+
+
+@contextlib.contextmanager
+def _no_init(transformers: Any) -> Iterator[None]:
+    """transformers' own context that skips weight initialisation while a model is built
+    (torch's ``nn.init`` functions and the class's ``init_weights``): on the meta device
+    they compute nothing, but cost most of a large model's build (a 405B Llama: 1.1 s of
+    1.5). Names and shapes do not depend on it (``tests/core/test_contract.py`` builds
+    each family both ways). 5.x has it in ``initialization``, 4.x in ``modeling_utils``;
+    like from_pretrained's, it swaps those functions process-wide while it is held."""
+    for where in ("initialization", "modeling_utils"):
+        try:
+            module = importlib.import_module(f"transformers.{where}")
+        except ImportError:
+            continue
+        no_init = getattr(module, "no_init_weights", None)
+        if no_init is not None:
+            with no_init():
+                yield
+            return
+    yield
 
 
 def _model_class(transformers: Any, config: Mapping[str, Any], cfg: Any) -> Any:
