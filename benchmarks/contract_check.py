@@ -8,10 +8,12 @@ torch's compiler and distributed tensors: most of the first check's cost until n
 check itself (the class built on the meta device, held against the planned names), with the
 process's peak resident set size. Target: the check under 2 s.
 
-    .venv/bin/python benchmarks/contract_check.py [--repeat 3] [--moe]
+    .venv/bin/python benchmarks/contract_check.py [--repeat 3] [--moe [mixtral|qwen3]]
 
 ``--moe`` measures a Mixtral-8x22B-shaped config instead (56 layers, 8 experts, ~141B
-parameters), held in the per-expert layout save_pretrained writes.
+parameters), held in the per-expert layout save_pretrained writes; ``--moe qwen3`` a
+Qwen3-235B-A22B-shaped one (94 layers, 128 experts), the largest build for transformers 4.5x,
+which makes one module per expert (5.x fuses them); it is printed, not recorded.
 
 Then, in a fresh process with the cache directory the first runs filled
 (:mod:`ckpttool.core.contract_cache`): the check of a later merge with the same config, which
@@ -50,14 +52,26 @@ MIXTRAL_8X22B = {
     "num_key_value_heads": 8, "vocab_size": 32768, "num_local_experts": 8,
     "num_experts_per_tok": 2, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 
+# Transformers 4.5x builds one module per expert (5.x fuses them): its largest build.
+QWEN3_MOE_235B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 4096,
+    "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94,
+    "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+    "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16"}
 
-def child(moe: bool) -> dict[str, float]:
+
+def _config(moe: str | None) -> dict[str, object]:
+    return {None: LLAMA2_70B, "mixtral": MIXTRAL_8X22B, "qwen3": QWEN3_MOE_235B}[moe]
+
+
+def child(moe: str | None) -> dict[str, float]:
     """One first check in a fresh process, its phases apart: torch and transformers imported;
     the modules of the class the config names imported (``modeling_llama`` and what it pulls
     in: modeling_utils, torch's compiler and distributed tensors, accelerate); then the check
     itself (the config read, the class built on the meta device, its state dict's names and
     shapes, held against the planned ones), with the cache empty."""
-    config = MIXTRAL_8X22B if moe else LLAMA2_70B
+    config = _config(moe)
     w0, c0 = time.perf_counter(), time.process_time()
     import torch  # noqa: F401
     import transformers
@@ -88,9 +102,9 @@ def child(moe: bool) -> dict[str, float]:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def child_kept(moe: bool) -> dict[str, float]:
+def child_kept(moe: str | None) -> dict[str, float]:
     """The check in a process whose cache holds the config's entry: no transformers import."""
-    config = MIXTRAL_8X22B if moe else LLAMA2_70B
+    config = _config(moe)
     t0 = time.perf_counter()
     from ckpttool.core import contract
 
@@ -120,7 +134,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--moe", action="store_true")
+    parser.add_argument("--moe", nargs="?", const="mixtral", choices=["mixtral", "qwen3"],
+                        help="Mixtral-8x22B's shape, or qwen3: Qwen3-235B-A22B's (not "
+                        "recorded)")
     parser.add_argument("--merge", action="store_true")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     M.add_record_args(parser)
@@ -142,12 +158,13 @@ def main() -> int:
     for _ in range(args.repeat):
         loads.append(M.load1())
         shutil.rmtree(Path(cache) / "ckpttool", ignore_errors=True)  # built, not read
-        cmd = [sys.executable, __file__, "--child"] + (["--moe"] if args.moe else [])
+        cmd = [sys.executable, __file__, "--child"] + (["--moe", args.moe] if args.moe else [])
         done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     kept = []
     for _ in range(args.repeat):
-        cmd = [sys.executable, __file__, "--child-kept"] + (["--moe"] if args.moe else [])
+        cmd = [sys.executable, __file__, "--child-kept"] + (
+            ["--moe", args.moe] if args.moe else [])
         done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
         k = json.loads(done.stdout.strip().splitlines()[-1])
         kept.append(k)
@@ -172,6 +189,8 @@ def main() -> int:
     # what a later merge pays (the expectation kept on disk).
     checks = [r["check_s"] for r in runs]
     kept_s = [k["check_s"] for k in kept]
+    if args.moe == "qwen3":
+        return 0
     M.record_figure(
         args, "contract-check-mixtral" if args.moe else "contract-check-llama70b",
         figure=f"{M.span(checks, '.2f')} s the first time "

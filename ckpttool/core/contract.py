@@ -78,6 +78,8 @@ class Loader:
     # The packages ``expected`` imports, whose installed versions (with the config) key what
     # it gave on disk (:mod:`~ckpttool.core.contract_cache`); empty: not kept.
     packages: tuple[str, ...] = ()
+    # What to run where ``expected`` finds its package missing (Unavailable(missing=True)).
+    install: str = INSTALL_HINT
 
 
 @section
@@ -294,7 +296,9 @@ def _first_line(e: BaseException) -> str:
 
 
 # The consumers a check can be held against; vLLM and SGLang are addable here (their
-# weight-name maps, on CPU) where they are importable.
+# weight-name maps, on CPU) where they are importable: one entry each, which ``--loader NAME``
+# takes with no other change (a loader whose package is missing raises Unavailable(missing=
+# True): the report says how to install it).
 LOADERS: dict[str, Loader] = {
     "transformers": Loader("transformers", _transformers_expected,
                            packages=("transformers", "torch")),
@@ -497,7 +501,8 @@ def _checked(config: Mapping[str, Any] | None, loader: str, no_config: str,
     try:
         exp = expected(config, loader=loader)
     except Unavailable as e:
-        return Contract(loader, False, reason=str(e), hint=INSTALL_HINT if e.missing else None)
+        return Contract(loader, False, reason=str(e),
+                        hint=LOADERS[loader].install if e.missing else None)
     result = held(exp, config)
     result.seconds = round(time.perf_counter() - started, 3)
     return result
@@ -558,9 +563,9 @@ def verify_problems(names: Shapes, config: Mapping[str, Any] | None, *, where: s
         raise InputError(f"{where}: no config.json beside it names the model --loader "
                          f"{loader} would build; pass it with --config")
     result = check(names, config, loader=loader)
-    if not result.checked and result.hint == INSTALL_HINT:
-        raise UnsupportedError(f"--loader {loader}: {result.reason}; install it: "
-                               f"{INSTALL_HINT}")
+    install = LOADERS[loader].install
+    if not result.checked and result.hint == install:
+        raise UnsupportedError(f"--loader {loader}: {result.reason}; install it: {install}")
     return result.problems(where)
 
 
