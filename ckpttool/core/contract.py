@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import json
 import re
 import time
@@ -77,6 +78,8 @@ class Loader:
     # The packages ``expected`` imports, whose installed versions (with the config) key what
     # it gave on disk (:mod:`~ckpttool.core.contract_cache`); empty: not kept.
     packages: tuple[str, ...] = ()
+    # What to run where ``expected`` finds its package missing (Unavailable(missing=True)).
+    install: str = INSTALL_HINT
 
 
 @section
@@ -165,7 +168,7 @@ def _transformers_expected(config: Mapping[str, Any]) -> Expected:
                           missing=True) from None
     model = _build(transformers, torch, config)
     version = transformers.__version__
-    tensors = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    tensors = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
     tied = _tied(model, config)
     return Expected(
         consumer=f"{type(model).__name__} (transformers {version})",
@@ -190,7 +193,7 @@ def _build(transformers: Any, torch: Any, config: Mapping[str, Any]) -> Any:
                               f"model_type {model_type!r} ({_first_line(e)})") from None
         cls = _model_class(transformers, config, cfg)
         try:
-            with torch.device("meta"):
+            with torch.device("meta"), _no_init(transformers):
                 return cls(cfg) if cls is not None else _auto(transformers, cfg)
         except Unavailable:
             raise
@@ -198,6 +201,27 @@ def _build(transformers: Any, torch: Any, config: Mapping[str, Any]) -> Any:
             raise Unavailable(f"{_name(config)} cannot be built from this config by "
                               f"transformers {transformers.__version__} "
                               f"({type(e).__name__}: {_first_line(e)})") from None
+
+
+@contextlib.contextmanager
+def _no_init(transformers: Any) -> Iterator[None]:
+    """transformers' own context that skips weight initialisation while a model is built
+    (torch's ``nn.init`` functions and the class's ``init_weights``): on the meta device
+    they compute nothing, but cost most of a large model's build (a 405B Llama: 1.1 s of
+    1.5). Names and shapes do not depend on it (``tests/core/test_contract.py`` builds
+    each family both ways). 5.x has it in ``initialization``, 4.x in ``modeling_utils``;
+    like from_pretrained's, it swaps those functions process-wide while it is held."""
+    for where in ("initialization", "modeling_utils"):
+        try:
+            module = importlib.import_module(f"transformers.{where}")
+        except ImportError:
+            continue
+        no_init = getattr(module, "no_init_weights", None)
+        if no_init is not None:
+            with no_init():
+                yield
+            return
+    yield
 
 
 def _model_class(transformers: Any, config: Mapping[str, Any], cfg: Any) -> Any:
@@ -272,7 +296,9 @@ def _first_line(e: BaseException) -> str:
 
 
 # The consumers a check can be held against; vLLM and SGLang are addable here (their
-# weight-name maps, on CPU) where they are importable.
+# weight-name maps, on CPU) where they are importable: one entry each, which ``--loader NAME``
+# takes with no other change (a loader whose package is missing raises Unavailable(missing=
+# True): the report says how to install it).
 LOADERS: dict[str, Loader] = {
     "transformers": Loader("transformers", _transformers_expected,
                            packages=("transformers", "torch")),
@@ -475,7 +501,8 @@ def _checked(config: Mapping[str, Any] | None, loader: str, no_config: str,
     try:
         exp = expected(config, loader=loader)
     except Unavailable as e:
-        return Contract(loader, False, reason=str(e), hint=INSTALL_HINT if e.missing else None)
+        return Contract(loader, False, reason=str(e),
+                        hint=LOADERS[loader].install if e.missing else None)
     result = held(exp, config)
     result.seconds = round(time.perf_counter() - started, 3)
     return result
@@ -536,9 +563,9 @@ def verify_problems(names: Shapes, config: Mapping[str, Any] | None, *, where: s
         raise InputError(f"{where}: no config.json beside it names the model --loader "
                          f"{loader} would build; pass it with --config")
     result = check(names, config, loader=loader)
-    if not result.checked and result.hint == INSTALL_HINT:
-        raise UnsupportedError(f"--loader {loader}: {result.reason}; install it: "
-                               f"{INSTALL_HINT}")
+    install = LOADERS[loader].install
+    if not result.checked and result.hint == install:
+        raise UnsupportedError(f"--loader {loader}: {result.reason}; install it: {install}")
     return result.problems(where)
 
 

@@ -8,18 +8,7 @@ from typing import Any
 
 from ckpttool.core.runtime.report import Section, section
 from ckpttool.formats.base import ObjectEntry, Problem, Reader, UnreadableObject, error, warning
-from ckpttool.formats.codecs import torchsave
-
-# Modules whose globals run code or reach the system when a pickle calls them: a checkpoint
-# naming one tries to run code on whoever loads it with torch.load(weights_only=False).
-_CODE_MODULES = frozenset({
-    "os", "posix", "nt", "subprocess", "sys", "builtins", "__builtin__", "shutil", "socket",
-    "importlib", "pickle", "marshal", "types", "code", "codeop", "ctypes", "runpy", "pty",
-    "webbrowser", "multiprocessing", "signal", "io", "pathlib", "tempfile", "urllib", "http",
-    "operator", "functools", "inspect", "pydoc", "timeit", "cProfile", "pdb", "asyncio",
-    "posixsubprocess", "posixpath", "ntpath", "genericpath", "commands", "popen2", "platform",
-    "threading", "thread", "gc", "atexit", "zipimport", "site", "distutils", "setuptools",
-})
+from ckpttool.formats.codecs import policy, torchsave
 
 
 @dataclass(frozen=True)
@@ -45,9 +34,7 @@ def problem(name: str, value: Any, where: str | None) -> Problem | None:
     error when it asks for code to run, a warning for another class."""
     if not isinstance(value, Unreadable):
         return None
-    q = next((n for n in value.names if not _allowed(n) and (
-        n.split(".")[0] in _CODE_MODULES or n.split(".")[0].lstrip("_") in _CODE_MODULES)),
-        None)
+    q = runs_code(value.names)
     if q is not None:
         return error("code-in-checkpoint", f"entry '{name}' asks for '{q}', which runs code or "
                      "reaches the system when unpickled; ckpttool did not execute it. Do not "
@@ -56,11 +43,18 @@ def problem(name: str, value: Any, where: str | None) -> Problem | None:
                    file=where)
 
 
-def _allowed(qualname: str) -> bool:
-    """A global the weights-only reader builds itself (``__builtin__.set``): named beside a
-    refused one, it is not what asks for code."""
-    module, _, name = qualname.rpartition(".")
-    return torchsave.record_global(module, name) is not None
+def runs_code(names: tuple[str, ...]) -> str | None:
+    """The first of ``names`` (``module.name``, each global a pickle names) that runs code
+    when unpickled, by the one pickle policy (:func:`ckpttool.formats.codecs.policy.kind`),
+    or None. A global the weights-only reader builds itself (``torch._utils`` rebuilders,
+    storages) is never it: named beside a refused one, it is not what asks for code."""
+    for qualname in names:
+        module, _, name = qualname.rpartition(".")
+        if not module or torchsave.record_global(module, name) is not None:
+            continue
+        if policy.kind(module, name) == policy.RUNS_CODE:
+            return qualname
+    return None
 
 
 @section

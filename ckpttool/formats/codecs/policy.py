@@ -513,6 +513,8 @@ def kind(module: str, name: str) -> str:
     """:data:`DATA`, :data:`RUNS_CODE` or :data:`UNKNOWN` for ``module.name``."""
     if module in ("builtins", "__builtin__") and name.startswith("getattr("):
         return RUNS_CODE  # a getattr the Enum rule refused (Refused's name says on what)
+    if (module, name) in _DATA:
+        return DATA  # what the table reads (``_codecs.encode``: a builtin function, as data)
     if _enum_member(module, name) is not _MISSING:
         return DATA
     if can_run_anything(module, name):
