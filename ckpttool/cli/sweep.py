@@ -49,9 +49,9 @@ def sweep_command(run: str, out_root: str, *, merge_options: dict[str, Any], ste
                   json_output: bool, quiet: bool) -> None:
     """Run the sweep, printing each checkpoint's outcome as it comes (a JSON line with
     ``--json``), then the summary on stderr; exit with the sweep's status."""
-    from ckpttool.core.merge import sweep as sweeps
+    from ckpttool.core.merge import sweep
 
-    report: sweeps.SweepReport | None = None
+    report: sweep.SweepReport | None = None
     outcomes: list[Outcome] = []
 
     def show(o: Outcome) -> None:
@@ -60,16 +60,16 @@ def sweep_command(run: str, out_root: str, *, merge_options: dict[str, Any], ste
             failure.printed_document()  # the lines say what failed: no document after them
             sys.stdout.write(json.dumps(o.to_json(), separators=(",", ":")) + "\n")
             sys.stdout.flush()
-        elif not quiet or o.status == sweeps.FAILED:
+        elif not quiet or o.status == sweep.FAILED:
             # Names come from the run directory: escaped as every command escapes them.
             print(printable(outcome_line(o)), flush=True)
 
     with exit_codes():
         try:
-            report = sweeps.sweep(
+            report = sweep.sweep(
                 run, out_root, merge_options=merge_options,
-                steps=sweeps.parse_steps(steps) if steps is not None else None,
-                task=sweeps.parse_task(task) if task is not None else None,
+                steps=sweep.parse_steps(steps) if steps is not None else None,
+                task=sweep.parse_task(task) if task is not None else None,
                 overwrite=overwrite, dry_run=dry_run, settle=settle, watch=watch, poll=poll,
                 then=then, workers=workers, follow_links=follow_links, on_outcome=show)
         finally:

@@ -36,11 +36,10 @@ from ckpttool.core.merge.checked import checked
 from ckpttool.core.merge.engine import check_existing, commit_outputs, write
 from ckpttool.core.merge.optimizer import OPTIMIZER_JSON, optimizer_json
 from ckpttool.core.merge.plan import MergePlan, OutputFile, Source, plan_merge
-from ckpttool.core.runtime import urls as remote
+from ckpttool.core.runtime import urls
 from ckpttool.core.runtime.report import Progress, Section, document, section
 from ckpttool.core.runtime.torch_threads import default_workers
-from ckpttool.core.transforms import hub_layout, maps, megatron_config, namemaps
-from ckpttool.core.transforms import quantize as recode
+from ckpttool.core.transforms import hub_layout, maps, megatron_config, namemaps, quantize
 from ckpttool.core.transforms.lora.layout import ADAPTER_FILE
 from ckpttool.core.transforms.lora.plan import plan_for_merge
 from ckpttool.core.transforms.lora.report import LoraMerge, assumed_warning
@@ -167,7 +166,7 @@ class MergeReport:
         return document("merge", self)
 
 
-@remote.urls(sources=("src",), output="out")
+@urls.urls(sources=("src",), output="out")
 def merge(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -305,7 +304,7 @@ def merge(
                                        report, stored=mapped is None and mode != "adapter"
                                        and not optimizer)
         sources, files, policy, recoded = _recode(
-            sources, files, policy, report, dequantize=dequantize, quantize=quantize,
+            sources, files, policy, report, dequantize=dequantize, scheme=quantize,
             ignore=quantize_ignore, plain=not optimizer and mode != "adapter")
         plan = plan_merge(sources, policy=policy,
                           max_shard_size=shard_limit if mode != "adapter" else 1 << 62,
@@ -390,21 +389,21 @@ def _derived(ckpt: Checkpoint, named: list[tuple[str, Any]], names: str | None,
 
 def _recode(sources: list[tuple[str, Source]], files: hf.HfFiles, policy: DTypePolicy,
             report: MergeReport, *,
-            dequantize: bool, quantize: str | None, ignore: tuple[str, ...], plain: bool
+            dequantize: bool, scheme: str | None, ignore: tuple[str, ...], plain: bool
             ) -> tuple[list[tuple[str, Source]], hf.HfFiles, DTypePolicy, list[str]]:
     """``--dequantize`` or ``--quantize`` applied to ``sources``
     (:mod:`ckpttool.core.transforms.quantize`), config.json with them; the dtype policy
     keeping every scale of a quantized weight as stored; the config changes to report."""
     changes: list[str] = []
-    if dequantize or quantize is not None:
+    if dequantize or scheme is not None:
         if not plain:
             raise UnsupportedError("--dequantize and --quantize apply to a model's weights, "
                                    "not to optimizer state or a LoRA adapter written apart")
         name = str(files.config_path) if files.config_path else "config.json"
-        done = (recode.dequantize(sources, files.config, target=policy.target,
-                                  config_name=name) if dequantize
-                else recode.quantize(sources, files.config, scheme=str(quantize),
-                                     ignore=ignore))
+        done = (quantize.dequantize(sources, files.config, target=policy.target,
+                                    config_name=name) if dequantize
+                else quantize.quantize(sources, files.config, scheme=str(scheme),
+                                       ignore=ignore))
         sources, changes = done.sources, done.changes
         report.warnings += done.warnings
         if files.config is not None:
