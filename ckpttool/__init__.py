@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from ckpttool.core.diff.apply import ApplyReport, apply
     from ckpttool.core.diff.operation import DiffReport, diff
     from ckpttool.core.inspect import InspectReport, inspect
-    from ckpttool.core.merge.operation import MergeReport, merge
+    from ckpttool.core.merge.operation import merge
+    from ckpttool.core.merge.report import MergeReport
     from ckpttool.core.reshard import ReshardReport, reshard
     from ckpttool.core.verify.operation import Problem, VerifyReport, verify
 
@@ -36,7 +37,7 @@ _LAZY = {
     "inspect": "ckpttool.core.inspect",
     "InspectReport": "ckpttool.core.inspect",
     "merge": "ckpttool.core.merge.operation",
-    "MergeReport": "ckpttool.core.merge.operation",
+    "MergeReport": "ckpttool.core.merge.report",
     "reshard": "ckpttool.core.reshard",
     "ReshardReport": "ckpttool.core.reshard",
     "verify": "ckpttool.core.verify.operation",

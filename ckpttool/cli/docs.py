@@ -206,11 +206,6 @@ def regenerate(text: str, where: str = "") -> str:
     return _BLOCK.sub(body, text)
 
 
-def stale(root: Path = ROOT) -> list[Path]:
-    """The pages whose generated blocks differ from what the code generates now."""
-    return [p for p in pages(root) if regenerate(p.read_text(), str(p)) != p.read_text()]
-
-
 # -- links
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -39,7 +40,7 @@ from ckpttool.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from ckpttool.core.merge.operation import MergeReport, PlannedTensor
+    from ckpttool.core.merge.report import MergeReport, PlannedTensor
     from ckpttool.core.transforms.lora.report import LoraMerge
 
 EPILOG = epilog([
@@ -167,19 +168,28 @@ def merge_command(
     if all_ and iteration is not None:
         raise typer.BadParameter("picks one iteration; --all merges every checkpoint of the "
                                  "run", param_hint="--iteration")
+    from ckpttool.core.merge.options import (  # light: no torch, no engine
+        CastOptions,
+        MergeOptions,
+        ReadOptions,
+        ShareOptions,
+        WriteOptions,
+    )
+
+    options = MergeOptions(
+        ReadOptions(config=config, part=part, iteration=iteration, lora=lora, adapter=adapter,
+                    adapter_config=adapter_config, lora_alpha=lora_alpha,
+                    follow_links=follow_links, check_crc=not no_check_crc),
+        CastOptions(dtype=dtype, names=names, layout=layout, keep_tied=keep_tied,
+                    dequantize=dequantize, quantize=quantize,
+                    quantize_ignore=tuple(quantize_ignore or ())),
+        WriteOptions(max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run,
+                     weights_only=weights_only),
+        ShareOptions(workers=workers))
     if all_:
-        sweep.sweep_command(
-            src, out, merge_options={
-                "dtype": dtype, "max_shard_size": max_shard_size, "config": config,
-                "keep_tied": keep_tied, "lora": lora, "adapter": adapter,
-                "adapter_config": adapter_config, "part": part, "names": names,
-                "layout": layout, "weights_only": weights_only, "lora_alpha": lora_alpha,
-                "dequantize": dequantize, "quantize": quantize,
-                "quantize_ignore": tuple(quantize_ignore or ()),
-                **({"check_crc": False} if no_check_crc else {})},
-            steps=steps, task=task, overwrite=overwrite, dry_run=dry_run, settle=settle,
-            watch=watch, poll=poll, then=then, workers=workers, follow_links=follow_links,
-            json_output=json_output, quiet=quiet)
+        sweep.sweep_command(src, out, options, steps=steps, task=task, settle=settle,
+                            watch=watch, poll=poll, then=then, json_output=json_output,
+                            quiet=quiet)
         return
     from ckpttool.core.merge.operation import merge
 
@@ -201,16 +211,9 @@ def merge_command(
         on_start, progress = phases.callbacks(*bar.callbacks)
         bar.begin()
         try:
-            report = merge(src, out, dtype=dtype, max_shard_size=max_shard_size,
-                           config=config, keep_tied=keep_tied, overwrite=overwrite,
-                           workers=workers, follow_links=follow_links, lora=lora,
-                           adapter=adapter, adapter_config=adapter_config, part=part,
-                           names=names, layout=layout, dry_run=dry_run, shared=shared,
-                           progress=progress, on_start=on_start, iteration=iteration,
-                           weights_only=weights_only, lora_alpha=lora_alpha,
-                           dequantize=dequantize, quantize=quantize,
-                           quantize_ignore=tuple(quantize_ignore or ()),
-                           check_crc=not no_check_crc)
+            share = replace(options.share, shared=shared)  # this process's part
+            report = merge(src, out, replace(options, share=share), progress=progress,
+                           on_start=on_start)
         finally:
             bar.stop()
             for note in leftovers.removed_stale():  # a killed run's leftovers, now removed
@@ -266,7 +269,7 @@ def _part_choice(value: str | None) -> str | None:
 
 
 def _print_human(r: object) -> None:
-    from ckpttool.core.merge.operation import MergeReport
+    from ckpttool.core.merge.report import MergeReport
 
     assert isinstance(r, MergeReport)
     lines = _head_lines(r) + _size_lines(r) + _name_lines(r) + _tie_lines(r)

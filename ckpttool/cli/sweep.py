@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -12,11 +12,8 @@ from ckpttool.cli import failure
 from ckpttool.cli.common import err, exit_codes, human_bytes, printable
 
 if TYPE_CHECKING:  # not at import: --help stays light
+    from ckpttool.core.merge.options import MergeOptions
     from ckpttool.core.merge.sweep import Outcome
-
-# The flags that only --all takes, as the user types them.
-SWEEP_FLAGS = ("--steps", "--watch", "--poll", "--then", "--task", "--settle")
-
 
 def check_flags(*, all_: bool, given: dict[str, bool], dry_run: bool, watch: bool,
                 shared: bool, then: str | None) -> None:
@@ -43,15 +40,16 @@ def check_flags(*, all_: bool, given: dict[str, bool], dry_run: bool, watch: boo
         raise typer.BadParameter("a dry run runs nothing; leave out --then", param_hint="--then")
 
 
-def sweep_command(run: str, out_root: str, *, merge_options: dict[str, Any], steps: str | None,
-                  task: str | None, overwrite: bool, dry_run: bool, settle: float, watch: bool,
-                  poll: float, then: str | None, workers: int | None, follow_links: bool,
+def sweep_command(run: str, out_root: str, options: MergeOptions, *, steps: str | None,
+                  task: str | None, settle: float, watch: bool, poll: float, then: str | None,
                   json_output: bool, quiet: bool) -> None:
     """Run the sweep, printing each checkpoint's outcome as it comes (a JSON line with
     ``--json``), then the summary on stderr; exit with the sweep's status."""
-    from ckpttool.core.merge import sweep as sweeps
+    from ckpttool.core.merge import sweep
 
-    report: sweeps.SweepReport | None = None
+    dry_run = options.write.dry_run
+
+    report: sweep.SweepReport | None = None
     outcomes: list[Outcome] = []
 
     def show(o: Outcome) -> None:
@@ -60,18 +58,17 @@ def sweep_command(run: str, out_root: str, *, merge_options: dict[str, Any], ste
             failure.printed_document()  # the lines say what failed: no document after them
             sys.stdout.write(json.dumps(o.to_json(), separators=(",", ":")) + "\n")
             sys.stdout.flush()
-        elif not quiet or o.status == sweeps.FAILED:
+        elif not quiet or o.status == sweep.FAILED:
             # Names come from the run directory: escaped as every command escapes them.
             print(printable(outcome_line(o)), flush=True)
 
     with exit_codes():
         try:
-            report = sweeps.sweep(
-                run, out_root, merge_options=merge_options,
-                steps=sweeps.parse_steps(steps) if steps is not None else None,
-                task=sweeps.parse_task(task) if task is not None else None,
-                overwrite=overwrite, dry_run=dry_run, settle=settle, watch=watch, poll=poll,
-                then=then, workers=workers, follow_links=follow_links, on_outcome=show)
+            report = sweep.sweep(
+                run, out_root, options,
+                steps=sweep.parse_steps(steps) if steps is not None else None,
+                task=sweep.parse_task(task) if task is not None else None,
+                settle=settle, watch=watch, poll=poll, then=then, on_outcome=show)
         finally:
             if not quiet and (report is not None or outcomes):
                 for line in summary(outcomes, dry_run=dry_run, watch=watch).splitlines():

@@ -21,7 +21,6 @@ from typing import Any, ClassVar
 from ckpttool._gc import gc_paused
 from ckpttool.core import dtype_policy, quantization, ties
 from ckpttool.core.checkpoint import hf, names, non_tensor
-from ckpttool.core.checkpoint import tensors as tensor_io
 from ckpttool.core.checkpoint.copies import model_copies
 from ckpttool.core.checkpoint.discover import (
     Box,
@@ -33,7 +32,8 @@ from ckpttool.core.checkpoint.discover import (
     select,
 )
 from ckpttool.core.checkpoint.parts import Content
-from ckpttool.core.runtime import urls as remote
+from ckpttool.core.checkpoint.tensors import blocks
+from ckpttool.core.runtime import urls
 from ckpttool.core.runtime.report import Progress, Section, document, locked, section
 from ckpttool.core.runtime.torch_threads import default_workers, one_torch_thread, workers_for
 from ckpttool.core.transforms.lora.layout import adapter_of, parse
@@ -272,7 +272,7 @@ class InspectReport:
         return doc
 
 
-@remote.urls(sources=("path",))
+@urls.urls(sources=("path",))
 def inspect(
     path: str | os.PathLike[str],
     *,
@@ -376,7 +376,7 @@ def _stats(reader: Reader, shown: list[TensorView], workers: int | None,
 
     def one(t: TensorView) -> TensorStats:
         acc = Stats(t.dtype, full=True)
-        for _, data in tensor_io.blocks(reader, t.tensor):
+        for _, data in blocks(reader, t.tensor):
             acc.update(data)
             report(len(data))
         return acc.result()

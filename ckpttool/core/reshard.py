@@ -29,13 +29,13 @@ from ckpttool.core import contract
 from ckpttool.core.checkpoint import structure, tensors
 from ckpttool.core.checkpoint.discover import Checkpoint, discover, open_reader
 from ckpttool.core.contract import Contract
-from ckpttool.core.runtime import urls as remote
+from ckpttool.core.runtime import urls
 from ckpttool.core.runtime.report import Progress, Section, document, locked, section
 from ckpttool.core.runtime.torch_threads import default_workers, workers_for
 from ckpttool.errors import InputError, OutputError, UsageError
-from ckpttool.formats import safetensors as st
+from ckpttool.formats import safetensors
 from ckpttool.formats.base import Reader, Tensor
-from ckpttool.formats.dcp import reader as dcp
+from ckpttool.formats.dcp.reader import DATA_SUFFIX, METADATA_FILE
 from ckpttool.formats.dcp.writer import DcpWriter
 from ckpttool.storage.outputs import (
     AtomicOutputs,
@@ -124,7 +124,7 @@ class ReshardReport:
         return document("reshard", self)
 
 
-@remote.urls(sources=("src",), output="out")
+@urls.urls(sources=("src",), output="out")
 def reshard(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -301,10 +301,10 @@ def _to_dcp(ckpt: Checkpoint, reader: Reader, out: Path, num_ranks: int, prefix:
                     progress((c.stop - c.start) * t.dtype.itemsize)
         for o, record in objects:
             writer.add_object(o.name, o.path, record)
-        outputs.write_bytes(dcp.METADATA_FILE, writer.metadata())
-        keep = set(writer.files) | {dcp.METADATA_FILE}
+        outputs.write_bytes(METADATA_FILE, writer.metadata())
+        keep = set(writer.files) | {METADATA_FILE}
         written = outputs.commit(
-            last=(dcp.METADATA_FILE,),
+            last=(METADATA_FILE,),
             before_last=(lambda: remove_stale(out, keep, _is_dcp_file)) if overwrite else None)
     report.ranks = num_ranks
     report.files = [WrittenFile(p.name, p.stat().st_size) for p in written]
@@ -314,7 +314,7 @@ def _to_dcp(ckpt: Checkpoint, reader: Reader, out: Path, num_ranks: int, prefix:
 
 
 def _is_dcp_file(name: str) -> bool:
-    return name == dcp.METADATA_FILE or name.endswith(dcp.DATA_SUFFIX)
+    return name == METADATA_FILE or name.endswith(DATA_SUFFIX)
 
 
 def _check_dcp_output(out: Path, overwrite: bool) -> None:
@@ -328,15 +328,16 @@ def _to_safetensors(ckpt: Checkpoint, reader: Reader, out: Path, max_shard_size:
                     overwrite: bool, report: ReshardReport, progress: Progress | None,
                     on_start: Callable[[int], None] | None, workers: int) -> None:
     stored = {t.stored_name: t.tensor for t in ckpt.tensors}
-    files, index = st.plan_files([(t.name, t.dtype, t.shape) for t in stored.values()],
-                                 max_shard_size)
+    files, index = safetensors.plan_files([(t.name, t.dtype, t.shape) for t in stored.values()],
+                                          max_shard_size)
     hf_files = ckpt.hf.files  # config and tokenizer: the output is a model directory too
     report.warnings += list(ckpt.hf.skipped)
     hf_names = {f.name for f in hf_files}
 
     def check_existing() -> None:
-        existing = sorted(existing_outputs(out, lambda n: st.is_weight_file(n) or n in hf_names),
-                          key=lambda name: (not st.is_weight_file(name), name))
+        existing = sorted(existing_outputs(
+                              out, lambda n: safetensors.is_weight_file(n) or n in hf_names),
+                          key=lambda name: (not safetensors.is_weight_file(name), name))
         if existing and not overwrite:
             raise OutputError(f"{out}: already holds {existing[0]}; pass --overwrite to replace "
                               "it or choose an empty directory")
@@ -354,7 +355,7 @@ def _to_safetensors(ckpt: Checkpoint, reader: Reader, out: Path, max_shard_size:
             pwrite_all(fd, f.layout.header, 0)
             jobs += [(fd, slot) for slot in f.layout.slots]
 
-        def copy(job: tuple[int, st.Slot]) -> None:  # each tensor to its own byte range
+        def copy(job: tuple[int, safetensors.Slot]) -> None:  # each tensor to its own byte range
             fd, slot = job
             _copy_tensor(reader, stored[slot.name], fd, slot.begin)
             if progress is not None:
@@ -367,15 +368,15 @@ def _to_safetensors(ckpt: Checkpoint, reader: Reader, out: Path, max_shard_size:
             with ThreadPoolExecutor(max_workers=workers) as pool:
                 list(pool.map(copy, jobs))
         if index is not None:
-            outputs.write_bytes(st.INDEX_NAME, index)
+            outputs.write_bytes(safetensors.INDEX_NAME, index)
         for path in hf_files:
             outputs.write_bytes(path.name, ckpt.hf.read(path))
         keep = {f.name for f in files} | hf_names
         if index is not None:
-            keep.add(st.INDEX_NAME)
+            keep.add(safetensors.INDEX_NAME)
         written = outputs.commit(
-            last=(st.INDEX_NAME,),
-            before_last=(lambda: remove_stale(out, keep, st.is_weight_file))
+            last=(safetensors.INDEX_NAME,),
+            before_last=(lambda: remove_stale(out, keep, safetensors.is_weight_file))
             if overwrite else None)
     report.files = [WrittenFile(p.name, p.stat().st_size) for p in written]
     report.num_tensors = len(stored)

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from ckpttool.errors import InputError
-from ckpttool.formats import safetensors as st
+from ckpttool.formats import safetensors
 from ckpttool.formats.base import RAW, CheckpointInfo, Chunk, DataFile, Reader, Tensor
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage.store import LOCAL, Store, Stores, file_size
@@ -33,7 +33,7 @@ def _shard_files(path: Path) -> list[Path]:
 
 def _sharding_info(file: Path) -> dict[str, object] | None:
     try:
-        meta, _ = st.read_layout(file)
+        meta, _ = safetensors.read_layout(file)
     except InputError:
         return None
     raw = meta.get(SHARDING_KEY)
@@ -54,7 +54,7 @@ def pending(path: Path) -> str | None:
     """HuggingFaceStorageWriter's distributed save writes no marker at the end: only the
     sizes its shard headers promise tell a shard still being written."""
     for f in _shard_files(path):
-        why = st.pending_file(f)
+        why = safetensors.pending_file(f)
         if why is not None:
             return why
     return None
@@ -87,7 +87,7 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
         if info is None:
             raise InputError(f"{file}: safetensors shard without {SHARDING_KEY} metadata among "
                              "DCP shards; the directory mixes checkpoints")
-        for slot in st.read_layout(file, exact=True)[1]:
+        for slot in safetensors.read_layout(file, exact=True)[1]:
             entry = info.get(slot.name)
             offsets = entry.get("saved_offsets") if isinstance(entry, dict) else None
             if not isinstance(offsets, list) or len(offsets) != len(slot.shape) or not all(

@@ -145,7 +145,6 @@ def test_cli_never_imports_storage() -> None:
     assert not {m: w for m, w in wrong.items() if w}, wrong
 
 
-@NOT_YET
 def test_modules_imported_by_their_names() -> None:
     renamed = []
     for m, path in sorted(MODULES.items()):

@@ -118,10 +118,10 @@ def test_torchtitan_merge_writes_the_model_only(titan: Path, tmp_path: Path) -> 
     assert_bit_exact(got, reference(titan))
     assert not [k for k in got if "exp_avg" in k or k.startswith("optimizer")]
     assert report.part == "model"
-    assert [c["part"] for c in report.left_out] == ["optimizer", "lr_scheduler", "dataloader",
+    assert [c.part for c in report.left_out] == ["optimizer", "lr_scheduler", "dataloader",
                                                    "train_state"]
     optimizer = report.left_out[0]
-    assert optimizer["keys"] == ["optimizer"] and optimizer["tensors"] == 51
+    assert optimizer.keys == ("optimizer",) and optimizer.num_tensors == 51
     doc = report.to_json()
     assert [c["part"] for c in doc["contents"]][0] == "model"
     json.dumps(doc)
@@ -136,7 +136,7 @@ def test_torchtitan_merge_part_optimizer(titan: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "out" / "model.safetensors").exists()
     groups = json.loads((tmp_path / "out" / "optimizer.json").read_text())
     assert groups["param_groups.tok_embeddings.weight.lr"] == 1e-3
-    assert "model" in [c["part"] for c in report.left_out]
+    assert "model" in [c.part for c in report.left_out]
 
 
 def test_torchtitan_inspect_names_the_parts(titan: Path) -> None:
@@ -188,7 +188,7 @@ def test_lightning_merge_and_parts(fabric: Path, tmp_path: Path) -> None:
     ckpt = fabric / all_in_one.LIGHTNING_CKPT
     report = ckpttool.merge(ckpt, tmp_path / "out", weights_only=True)
     assert_bit_exact(load_out(tmp_path / "out"), reference(fabric))
-    left = {(c["part"], c["file"]) for c in report.left_out}
+    left = {(c.part, c.file) for c in report.left_out}
     assert left == {("optimizer", None), ("lr_scheduler", "meta.pt"),
                     ("train_state", "meta.pt"), ("other", "meta.pt")}
 
@@ -287,9 +287,9 @@ def test_weights_only_values_are_read(tmp_path: Path) -> None:
              "buf": bytearray(b"xy"), "z": 1 + 2j, "device": torch.device("cpu", 0),
              "size": torch.Size([2, 3])}
     torch_dcp.save(state, checkpoint_id=tmp_path / "c", no_dist=True)
-    values = {o["name"]: o for o in ckpttool.inspect(tmp_path / "c").non_tensor}
-    assert all(o["readable"] for o in values.values()), values
-    assert values["device"]["value"] == "cpu:0" and values["size"]["value"] == [2, 3]
+    values = {o.name: o for o in ckpttool.inspect(tmp_path / "c").non_tensor}
+    assert all(o.readable for o in values.values()), values
+    assert values["device"].value == "cpu:0" and values["size"].value == [2, 3]
     assert ckpttool.verify(tmp_path / "c").ok
 
 

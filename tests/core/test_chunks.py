@@ -272,12 +272,12 @@ def test_tilings_checked_at_once_agree_with_one_by_one(cases, shuffle: random.Ra
     good = [((8, 2), [((k, 0), (1, 2)) for k in range(8)])] * 600  # 4,800 rows: the numpy pass
     tensors = _column_tensors(good + made + good[:1])
     tiled = structure._tiled_on_columns(tensors)
-    block = structure.formats_base.VECTOR_BLOCK
+    block = structure.base.VECTOR_BLOCK
     try:  # in pieces of a few rows each (the temporaries' bound at 10M rows): the same
-        structure.formats_base.VECTOR_BLOCK = 7
+        structure.base.VECTOR_BLOCK = 7
         assert structure._tiled_on_columns(tensors) == tiled
     finally:
-        structure.formats_base.VECTOR_BLOCK = block
+        structure.base.VECTOR_BLOCK = block
     assert set(range(len(good))) <= tiled and len(tensors) - 1 in tiled
     for i, t in enumerate(tensors):
         assert isinstance(t.chunks, structure.ChunkColumns)

@@ -98,7 +98,7 @@ def test_finish_removes_other_plans_temporary_files(llama_ckpt: Path, tmp_path: 
     _slices(llama_ckpt, out)
     report = ckpttool.merge(llama_ckpt, out, max_shard_size=SHARD, shared=multihost.Finish())
     assert report.distributed is not None
-    assert report.distributed["removed_temporary"] == others
+    assert report.distributed.removed_temporary == others
     assert not [p for p in out.iterdir() if p.name.endswith(".ckpttool-tmp")]
 
 

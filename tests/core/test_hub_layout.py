@@ -155,12 +155,12 @@ def test_merge_writes_what_save_pretrained_writes(family: str, written: dict[str
         assert got[name].shape == tensor.shape, name
         assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
     assert report.layout is not None
-    assert report.layout["families"]
+    assert report.layout.families
     assert not [w for w in report.warnings if "fused experts" in w]
     if family in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"):
-        assert report.layout["split"] > 0
+        assert report.layout.split
     else:
-        assert report.layout["split"] == 0 and report.layout["renamed"] > 0
+        assert not report.layout.split and report.layout.renamed
 
 
 def test_stored_layout_keeps_the_runtime_names(written: dict[str, Path],
@@ -181,7 +181,7 @@ def test_without_config_fused_experts_are_warned_about(written: dict[str, Path],
     assert any("fused experts" in w and "--config" in w for w in report.warnings)
     report = merge(src, tmp_path / "out", dry_run=True,
                    config=written["qwen3_moe"] / "config.json")
-    assert report.layout is not None and report.layout["families"] == ["qwen2_moe"]
+    assert report.layout is not None and report.layout.families == ["qwen2_moe"]
 
 
 # --------------------------------------------------------------------------------------------

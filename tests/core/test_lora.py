@@ -44,7 +44,7 @@ def peft_merged(variant: Path) -> dict[str, torch.Tensor]:
 def test_fuse_equals_merge_and_unload(variant: Path, peft_merged: dict[str, torch.Tensor],
                                       tmp_path: Path) -> None:
     report = ckpttool.merge(variant, tmp_path / "out")
-    assert report.lora is not None and report.lora["mode"] == "fuse"
+    assert report.lora is not None and report.lora.mode == "fuse"
     got = load_file(tmp_path / "out" / "model.safetensors")
     assert set(got) == set(peft_merged)
     for name, want in peft_merged.items():
@@ -67,7 +67,7 @@ def test_adapter_loads_in_peft_with_trained_logits(variant: Path, tmp_path: Path
     from peft import PeftModel
 
     report = ckpttool.merge(variant / MODEL_DIR, tmp_path / "adapter", lora="adapter")
-    assert report.lora is not None and report.lora["mode"] == "adapter"
+    assert report.lora is not None and report.lora.mode == "adapter"
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors"]
     loaded = PeftModel.from_pretrained(build_base(variant.name), tmp_path / "adapter").eval()
@@ -94,7 +94,7 @@ def test_adapter_into_full_base_equals_dcp_fuse(variant: Path, tmp_path: Path) -
     ckpttool.merge(variant, tmp_path / "from-dcp")
     report = ckpttool.merge(tmp_path / "base", tmp_path / "from-base",
                             adapter=tmp_path / "adapter")
-    assert report.lora is not None and report.lora["fused"] > 0
+    assert report.lora is not None and report.lora.fused > 0
     want = load_file(tmp_path / "from-dcp" / "model.safetensors")
     got = load_file(tmp_path / "from-base" / "model.safetensors")
     assert set(got) == set(want)
@@ -159,7 +159,7 @@ def test_adapter_alone_cannot_be_fused(lora_ckpts: Path, tmp_path: Path) -> None
     # Without --lora, an adapter alone is re-exported as an adapter.
     report = ckpttool.merge(tmp_path / "adapter" / "adapter_model.safetensors",
                             tmp_path / "out")
-    assert report.lora is not None and report.lora["mode"] == "adapter"
+    assert report.lora is not None and report.lora.mode == "adapter"
 
 
 def test_adapter_for_another_model_is_a_shape_error(lora_ckpts: Path, tmp_path: Path) -> None:
@@ -215,15 +215,16 @@ def test_dora_is_refused_with_exit_4(lora_ckpts: Path, tmp_path: Path) -> None:
 
 def test_inspect_shows_the_adapter(lora_ckpts: Path) -> None:
     report = ckpttool.inspect(lora_ckpts / "lora")
-    lo = report.summary["lora"]
-    assert lo["rank"] == [2, 4] and lo["alpha"] == 8 and lo["variant"] == "lora"
-    assert lo["alpha_pattern"] == {"v_proj": 24} and lo["modules_to_save"] == ["lm_head.weight"]
-    assert "q_proj" in lo["targets"] and "embed_tokens" in lo["targets"]
+    lo = report.summary.lora
+    assert lo is not None
+    assert lo.rank == [2, 4] and lo.alpha == 8 and lo.variant == "lora"
+    assert lo.alpha_pattern == {"v_proj": 24} and lo.modules_to_save == ["lm_head.weight"]
+    assert "q_proj" in lo.targets and "embed_tokens" in lo.targets
     # What a default merge writes: the base model's tensors, not the adapter's.
     base = build_base("lora").state_dict()
-    assert report.summary["merged"]["bytes"] == sum(t.numel() * 4 for t in base.values())
-    rs = ckpttool.inspect(lora_ckpts / "rslora").summary["lora"]
-    assert rs["variant"] == "rslora" and rs["rank"] == 8
+    assert report.summary.merged.bytes == sum(t.numel() * 4 for t in base.values())
+    rs = ckpttool.inspect(lora_ckpts / "rslora").summary.lora
+    assert rs is not None and rs.variant == "rslora" and rs.rank == 8
 
 
 def test_verify_passes_a_trained_adapter(variant: Path) -> None:

@@ -83,7 +83,7 @@ def test_bf16_fold_equals_peft_merge_and_unload(
     monkeypatch.setattr(fold, "FOLD_BLOCK", block)
     monkeypatch.setattr(fold, "FOLD_ROWS", min_rows)
     report = ckpttool.merge(base_dir, tmp_path / "out", adapter=adapter_dir)
-    assert report.lora is not None and report.lora["fused"] == 2 * len(TARGETS)
+    assert report.lora is not None and report.lora.fused == 2 * len(TARGETS)
     got = load_file(tmp_path / "out" / "model.safetensors")
     before = load_file(base_dir / "model.safetensors")
     assert set(got) == set(peft_merged)

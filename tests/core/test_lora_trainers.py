@@ -62,11 +62,11 @@ def test_verl_meta_gives_alpha(verl: Path, tmp_path: Path) -> None:
     report = ckpttool.verify(verl / ACTOR)
     assert report.ok and not [p for p in report.problems if p.code.startswith("lora")]
     merged = ckpttool.merge(verl / ACTOR, tmp_path / "fused")
-    assert merged.lora is not None and merged.lora["alpha"] == 16
+    assert merged.lora is not None and merged.lora.summary.alpha == 16
     _assert_fold_exact(tmp_path / "fused", verl / "full.pt")
     adapter = ckpttool.merge(verl / ACTOR, tmp_path / "adapter", lora="adapter")
     assert adapter.lora is not None
-    assert adapter.lora["config_from"] == str(verl / ACTOR / "lora_train_meta.json")
+    assert adapter.lora.config_from == str(verl / ACTOR / "lora_train_meta.json")
     written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (written["r"], written["lora_alpha"], written["task_type"]) == (4, 16, "CAUSAL_LM")
     assert sorted(written["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
@@ -121,7 +121,8 @@ def test_accelerate_config_in_the_project_dir(acc: Path, tmp_path: Path) -> None
     run = Path(shutil.copytree(acc, tmp_path / "run"))
     trained(acc / "full.pt").peft_config["default"].save_pretrained(str(run))
     report = ckpttool.merge(run / STEP, tmp_path / "fused", weights_only=True)  # no config
-    assert report.lora is not None and report.lora["config"] == str(run / "adapter_config.json")
+    assert report.lora is not None
+    assert report.lora.summary.config == str(run / "adapter_config.json")
     _assert_fold_exact(tmp_path / "fused", acc / "full.pt")
 
 

@@ -56,13 +56,13 @@ def test_mixed_has_every_dtype_and_reports_non_tensor_entries(mixed_ckpt: Path,
     dtypes_seen = {t.dtype for t in got.values()}
     assert {torch.float8_e4m3fn, torch.float8_e5m2, torch.bool, torch.int64} <= dtypes_seen
     assert torch.float32 not in dtypes_seen and torch.float64 not in dtypes_seen
-    entries = {o["name"]: o for o in report.non_tensor}
-    assert entries["step"] == {"name": "step", "readable": True, "value": 500,
-                              "part": "train_state"}
-    assert entries["meta.run"]["value"] == "demo"
+    entries = {o.name: o for o in report.non_tensor}
+    assert entries["step"].to_json() == {"name": "step", "readable": True, "value": 500,
+                                        "part": "train_state"}
+    assert entries["meta.run"].value == "demo"
     opaque = entries["opaque"]
-    assert not opaque["readable"]
-    assert "OpaqueThing" in opaque["note"] and "not executed" in opaque["note"]
+    assert not opaque.readable
+    assert "OpaqueThing" in opaque.note and "not executed" in opaque.note
     assert report.bytes_before["F32"] > 0 and "F32" not in report.bytes_after
     assert report.bytes_after["F8_E4M3"] == report.bytes_before["F8_E4M3"]
 
@@ -72,9 +72,10 @@ def test_llama_auto_dedupes_tie_casts_and_copies_hf_files(llama_ckpt: Path,
     out = tmp_path / "out"
     report = ckpttool.merge(llama_ckpt, out)
     assert report.checkpoint == str(llama_ckpt / "pytorch_model_fsdp_0")
-    assert report.skipped == [{"path": str(llama_ckpt / "optimizer_0"), "kind": "optimizer"}]
-    assert report.dtype["target"] == "BF16" and "bfloat16" in report.dtype["source"]
-    assert report.tie is not None and report.tie["action"] == "deduplicated"
+    assert [(s.path, s.kind) for s in report.skipped] == [(str(llama_ckpt / "optimizer_0"),
+                                                            "optimizer")]
+    assert report.dtype.target == "BF16" and "bfloat16" in report.dtype.source
+    assert report.tie is not None and report.tie.action == "deduplicated"
     got = load_out(out)
     want = expected(llama_ckpt / "pytorch_model_fsdp_0", torch.bfloat16)
     del want["lm_head.weight"]
@@ -102,7 +103,7 @@ def test_llama_loads_in_transformers_with_the_same_logits(llama_ckpt: Path,
 def test_keep_tied_writes_both(llama_ckpt: Path, tmp_path: Path) -> None:
     report = ckpttool.merge(llama_ckpt, tmp_path / "out", keep_tied=True)
     assert "lm_head.weight" in load_out(tmp_path / "out")
-    assert report.tie is not None and report.tie["identical"] is True
+    assert report.tie is not None and report.tie.identical is True
 
 
 def test_broken_tie_writes_both_and_warns(llama_ckpt: Path, tmp_path: Path) -> None:
@@ -114,8 +115,8 @@ def test_broken_tie_writes_both_and_warns(llama_ckpt: Path, tmp_path: Path) -> N
     torch_dcp.save({"model": model_sd}, checkpoint_id=broken / "pytorch_model_fsdp_0")
     shutil.copy(llama_ckpt / "config.json", broken / "config.json")
     report = ckpttool.merge(broken, tmp_path / "out")
-    assert report.tie is not None and report.tie["identical"] is False
-    assert report.tie["action"] == "both written"
+    assert report.tie is not None and report.tie.identical is False
+    assert report.tie.action == "both written"
     assert any(w.startswith("tie broken") for w in report.warnings)
     got = load_out(tmp_path / "out")
     assert torch.equal(got["lm_head.weight"], state["model.lm_head.weight"].to(torch.bfloat16))
@@ -126,7 +127,7 @@ def test_wrapper_segments_are_removed_and_reported(wrappers_ckpt: Path, tmp_path
     names = set(load_out(tmp_path / "out"))
     assert not any(seg in n for n in names
                    for seg in ("_orig_mod", "_checkpoint_wrapped_module", "model."))
-    froms = {r["from"] for r in report.renames}
+    froms = {r.stored for r in report.renames}
     assert any("_orig_mod." in f for f in froms)
     assert any("._checkpoint_wrapped_module" in f for f in froms)
 
@@ -151,7 +152,7 @@ def test_sharded_output_has_index_and_loads(llama_ckpt: Path, tmp_path: Path) ->
     assert set(index["weight_map"]) == set(got)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size()
                                                   for t in got.values())
-    assert report.files[-1]["name"] == "model.safetensors.index.json"
+    assert report.files[-1].name == "model.safetensors.index.json"
     AutoModelForCausalLM.from_pretrained(out)
 
 
@@ -235,14 +236,14 @@ def test_tie_check_compares_in_small_blocks(llama_ckpt: Path, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("ckpttool.core.ties.COMPARE_BLOCK", 40)  # a few elements per block
     report = ckpttool.merge(llama_ckpt, tmp_path / "out")
-    assert report.tie is not None and report.tie["action"] == "deduplicated"
+    assert report.tie is not None and report.tie.action == "deduplicated"
 
 
 def test_optimizer_state_merges_to_safetensors_and_json(llama_ckpt: Path, tmp_path: Path) -> None:
     src = llama_ckpt / "optimizer_0"
     report = ckpttool.merge(src, tmp_path / "out")
-    assert report.kind == "optimizer" and report.dtype["target"] is None
-    assert [f["name"] for f in report.files] == ["optimizer.safetensors", "optimizer.json"]
+    assert report.kind == "optimizer" and report.dtype.target is None
+    assert [f.name for f in report.files] == ["optimizer.safetensors", "optimizer.json"]
     got = load_out_optimizer(tmp_path / "out")
     ref = reference_state_dict(src)
     want = {k.removeprefix("optimizer."): v for k, v in ref.items()

@@ -4,9 +4,9 @@ import pytest
 
 from ckpttool.core.checkpoint.names import (
     canonical_fqn,
-    canonical_names,
     detected_wrappers,
     strip_wrappers,
+    unique_names,
 )
 from ckpttool.errors import InputError
 
@@ -32,7 +32,7 @@ def test_canonical_fqn(path: tuple[str, ...], expected: str) -> None:
 def test_collision_is_an_error() -> None:
     entries = [("model._orig_mod.w", ("model", "_orig_mod.w")), ("model.w", ("model", "w"))]
     with pytest.raises(InputError) as e:
-        canonical_names(entries)
+        unique_names((fqn, canonical_fqn(path)) for fqn, path in entries)
     assert str(e.value).startswith("tensors 'model._orig_mod.w' and 'model.w' both become 'w'")
 
 

@@ -221,7 +221,7 @@ def test_slices_then_finish_equal_a_merge_alone(llama_ckpt: Path, tmp_path: Path
     assert not any(p.name.endswith(".safetensors") for p in out.iterdir())
     ckpttool.merge(llama_ckpt, out, max_shard_size="10KB", shared=multihost.Slice(1, 3))
     report = ckpttool.merge(llama_ckpt, out, max_shard_size="10KB", shared=multihost.Finish())
-    assert report.distributed is not None and report.distributed["processes"] == 3
+    assert report.distributed is not None and report.distributed.processes == 3
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in alone.iterdir())
     for p in alone.iterdir():
         assert (out / p.name).read_bytes() == p.read_bytes(), p.name

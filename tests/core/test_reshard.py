@@ -219,7 +219,7 @@ def test_fsdp2_checkpoint_of_4_ranks_loads_into_fully_shard_on_fewer(
     out = tmp_path / "resharded"
     report = reshard(uneven4, out, ranks=num_ranks)
     assert data_files(out) == rank_files(num_ranks)
-    assert sorted(f["name"] for f in report.files) == rank_files(num_ranks)
+    assert sorted(f.name for f in report.files) == rank_files(num_ranks)
 
     full = run_on_ranks(_load_uneven, num_ranks, str(out), str(tmp_path / "fsdp2"))[0]
     want = reference_state_dict(uneven4)

@@ -56,5 +56,5 @@ def test_a_journal_line_is_checked_against_the_bytes(trained: Path, tmp_path: Pa
         redone = 1
     monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", PIECE)
     report = merge(src, out, weights_only=True)
-    assert report.resumed is not None and report.resumed["done_before"] == redone
+    assert report.resumed is not None and report.resumed.done_before == redone
     _assert_exact(out, trained, 3)

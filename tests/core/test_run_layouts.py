@@ -46,11 +46,12 @@ def _run_dir(llama_ckpt: Path, tmp_path: Path, *, config_in: str | None) -> Path
 def test_config_from_the_run_directory(llama_ckpt: Path, tmp_path: Path) -> None:
     ckpt = _run_dir(llama_ckpt, tmp_path, config_in=".")
     report = merge(ckpt, tmp_path / "out", weights_only=True)
-    assert report.config == {"path": str(tmp_path / "run" / "config.json"),
-                             "found_in": f"the run directory {tmp_path / 'run'}"}
+    assert report.config is not None
+    assert report.config.path == str(tmp_path / "run" / "config.json")
+    assert report.config.found_in == f"the run directory {tmp_path / 'run'}"
     assert not [w for w in report.warnings if "config.json" in w]
-    assert report.dtype["target"] == "BF16"  # config.json's dtype, not the stored fp32
-    assert report.tie is not None and report.tie["action"] == "deduplicated"
+    assert report.dtype.target == "BF16"  # config.json's dtype, not the stored fp32
+    assert report.tie is not None and report.tie.action == "deduplicated"
     assert (tmp_path / "out" / "config.json").is_file()
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()
     assert "lm_head.weight" not in load_file(tmp_path / "out" / "model.safetensors")
@@ -60,7 +61,7 @@ def test_config_from_another_checkpoint_of_the_run(llama_ckpt: Path, tmp_path: P
     ckpt = _run_dir(llama_ckpt, tmp_path, config_in="checkpoint-100")
     report = merge(ckpt, tmp_path / "out", dry_run=True, weights_only=True)
     assert report.config is not None
-    assert report.config["found_in"] == "checkpoint-100, another checkpoint of the same run"
+    assert report.config.found_in == "checkpoint-100, another checkpoint of the same run"
 
 
 def test_no_config_anywhere_says_the_output_is_weights_only(llama_ckpt: Path,
@@ -83,8 +84,8 @@ def test_full_weights_beside_the_sharded_ones_are_named(llama_ckpt: Path,
     _llama_reference_model().save_pretrained(ckpt)  # what FULL_STATE_DICT saving writes
     report = merge(ckpt, tmp_path / "out", dry_run=True, weights_only=True)
     assert report.copies is not None
-    assert report.copies["used"]["sharded"] is False
-    assert [c["path"] for c in report.copies["others"]] == [str(ckpt / MODEL_DIR)]
+    assert report.copies.used.sharded is False
+    assert [c.path for c in report.copies.others] == [str(ckpt / MODEL_DIR)]
     warning = next(w for w in report.warnings if "copies of the model" in w)
     assert "the full weights at the top of the directory" in warning
     assert f"ckpttool merge {ckpt / MODEL_DIR} OUT" in warning
@@ -108,8 +109,8 @@ def test_verl_rank_files_beside_an_hf_export_are_named(verl_with_export: Path,
                                                        tmp_path: Path) -> None:
     report = merge(verl_with_export, tmp_path / "out", dry_run=True, weights_only=True)
     assert report.copies is not None
-    assert report.copies["used"]["sharded"] is True
-    assert report.copies["others"][0]["path"] == str(verl_with_export / "hf_model")
+    assert report.copies.used.sharded is True
+    assert report.copies.others[0].path == str(verl_with_export / "hf_model")
     assert any("the sharded training state the path names" in w for w in report.warnings)
 
 

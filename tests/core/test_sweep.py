@@ -27,6 +27,7 @@ from ckpttool.core import dtype_policy
 from ckpttool.core.merge import resume
 from ckpttool.core.merge import sweep as sweeps
 from ckpttool.core.merge.operation import merge, plan_merge
+from ckpttool.core.merge.options import MergeOptions
 from ckpttool.core.verify import receipt
 from ckpttool.core.verify.operation import verify
 from ckpttool.errors import InputError
@@ -39,7 +40,8 @@ CUT = 4  # the checkpoint whose writer stopped before .metadata
 
 
 # The runs' model is no transformers model (and has no config.json): weights only.
-WEIGHTS = {"weights_only": True}
+WEIGHTS = MergeOptions.of(weights_only=True)
+REDO = MergeOptions.of(weights_only=True, overwrite=True)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,7 @@ def _mtimes(root: Path) -> dict[str, int]:
 def test_all_merges_every_complete_checkpoint_bit_exact_and_waits_for_the_cut_one(
         trained: Path, tmp_path: Path) -> None:
     out = tmp_path / "merged"
-    report = sweeps.sweep(trained / "run", out, settle=0, merge_options=WEIGHTS)
+    report = sweeps.sweep(trained / "run", out, settle=0, options=WEIGHTS)
     assert _states(report.outcomes) == {"checkpoint-1": "merged", "checkpoint-2": "merged",
                                         "checkpoint-3": "merged", "checkpoint-4": "waiting"}
     assert [o.found.step for o in report.outcomes] == [1, 2, 3, 4]  # step order
@@ -91,7 +93,7 @@ def test_all_merges_every_complete_checkpoint_bit_exact_and_waits_for_the_cut_on
 
     # A re-run does nothing, writes nothing, and says so.
     before = _mtimes(out)
-    again = sweeps.sweep(trained / "run", out, settle=0, merge_options=WEIGHTS)
+    again = sweeps.sweep(trained / "run", out, settle=0, options=WEIGHTS)
     assert _states(again.outcomes) == {"checkpoint-1": "done", "checkpoint-2": "done",
                                        "checkpoint-3": "done", "checkpoint-4": "waiting"}
     assert _mtimes(out) == before
@@ -116,29 +118,29 @@ def test_all_merges_every_complete_checkpoint_bit_exact_and_waits_for_the_cut_on
 
 def test_a_changed_source_is_left_unless_overwrite(run_copy: Path, tmp_path: Path) -> None:
     out = tmp_path / "merged"
-    sweeps.sweep(run_copy, out, settle=0, merge_options=WEIGHTS,
+    sweeps.sweep(run_copy, out, settle=0, options=WEIGHTS,
                  steps=sweeps.parse_steps("2"))
     config = run_copy / "checkpoint-2" / "config.json"
     config.write_text("{}\n")  # training wrote a file into it afterwards
-    left = sweeps.sweep(run_copy, out, settle=0, merge_options=WEIGHTS,
+    left = sweeps.sweep(run_copy, out, settle=0, options=WEIGHTS,
                  steps=sweeps.parse_steps("2"))
     (o,) = left.outcomes
     assert (o.status, o.reason) == ("changed", "the source changed since (config.json); pass "
                                     "--overwrite to merge it again")
-    redo = sweeps.sweep(run_copy, out, settle=0, merge_options=WEIGHTS,
-                 steps=sweeps.parse_steps("2"), overwrite=True)
+    redo = sweeps.sweep(run_copy, out, settle=0, options=REDO,
+                 steps=sweeps.parse_steps("2"))
     assert _states(redo.outcomes) == {"checkpoint-2": "merged"}
     # An output without its receipt (a sweep cut just before writing it) is left too.
     (out / "checkpoint-2" / receipt.RECEIPT_NAME).unlink()
-    bare = sweeps.sweep(run_copy, out, settle=0, merge_options=WEIGHTS,
+    bare = sweeps.sweep(run_copy, out, settle=0, options=WEIGHTS,
                  steps=sweeps.parse_steps("2"))
     assert bare.outcomes[0].status == "changed" and bare.exit_code == 0
     assert f"holds an output without a {receipt.RECEIPT_NAME}" in (bare.outcomes[0].reason or "")
-    sweeps.sweep(run_copy, out, settle=0, merge_options=WEIGHTS,
-                 steps=sweeps.parse_steps("2"), overwrite=True)
+    sweeps.sweep(run_copy, out, settle=0, options=REDO,
+                 steps=sweeps.parse_steps("2"))
     # Other options make another output: not done either.
     other = sweeps.sweep(run_copy, out, settle=0, steps=sweeps.parse_steps("2"),
-                         merge_options={"dtype": "bf16", **WEIGHTS})
+                         options=MergeOptions.of(dtype="bf16", weights_only=True))
     assert other.outcomes[0].status == "changed"
     assert "made with other options (dtype)" in (other.outcomes[0].reason or "")
 
@@ -322,8 +324,8 @@ def test_a_killed_merge_resumes_bit_exact_writing_only_what_was_missing(
     written: list[int] = []
     report = merge(src, out, progress=written.append, weights_only=True)
     assert report.resumed is not None
-    assert report.resumed["pieces"] == 3 and report.resumed["done_before"] == 2
-    assert sum(written) == report.total_bytes - report.resumed["bytes_skipped"] > 0
+    assert report.resumed.pieces == 3 and report.resumed.done_before == 2
+    assert sum(written) == report.total_bytes - report.resumed.bytes_skipped > 0
     _assert_exact(out, trained, 3)
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]  # journal gone
 
@@ -350,7 +352,7 @@ def test_a_doubtful_cut_merge_is_redone(trained: Path, tmp_path: Path, doubt: st
         redone = 0
     monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", PIECE)
     report = merge(src, out, weights_only=True)
-    assert report.resumed is not None and report.resumed["done_before"] == redone
+    assert report.resumed is not None and report.resumed.done_before == redone
     _assert_exact(out, trained, 3)
 
 
@@ -359,7 +361,7 @@ def test_all_resumes_the_checkpoint_it_was_merging(trained: Path, tmp_path: Path
     out = tmp_path / "merged"
     _cut_merge([str(trained / "run"), str(out), "--all", "--settle", "0"])
     monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", PIECE)
-    report = sweeps.sweep(trained / "run", out, settle=0, merge_options=WEIGHTS)
+    report = sweeps.sweep(trained / "run", out, settle=0, options=WEIGHTS)
     assert _states(report.outcomes) == {"checkpoint-1": "merged", "checkpoint-2": "merged",
                                         "checkpoint-3": "merged", "checkpoint-4": "waiting"}
     first = report.outcomes[0].merge

@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 from ckpttool.cli import app
 from ckpttool.core.merge import guards
 from ckpttool.core.merge import sweep as sweeps
+from ckpttool.core.merge.options import MergeOptions
 from ckpttool.core.verify import receipt
 from tests import runs
 
@@ -39,7 +40,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # The run's checkpoints have no config.json: weights without the contract's promise.
-WEIGHTS = {"weights_only": True}
+WEIGHTS = MergeOptions.of(weights_only=True)
+REDO = MergeOptions.of(weights_only=True, overwrite=True)
 
 def _run_of(trained: Path, tmp_path: Path, *steps: int) -> Path:
     """A run holding copies of ``steps`` (times kept, as a copy is not a new write)."""
@@ -70,7 +72,7 @@ def test_all_waits_for_a_complete_checkpoint_to_settle(trained: Path, tmp_path: 
     run = _run_of(trained, tmp_path, 1)
     (run / "checkpoint-1" / MODEL / ".metadata").touch()  # written a moment ago
     out = tmp_path / "merged"
-    report = sweeps.sweep(run, out, settle=1.5, merge_options=WEIGHTS)
+    report = sweeps.sweep(run, out, settle=1.5, options=WEIGHTS)
     assert _states(report) == {"checkpoint-1": "merged"}, report.outcomes
     assert report.exit_code == 0
     _assert_exact(out / "checkpoint-1", trained, 1)
@@ -79,7 +81,8 @@ def test_all_waits_for_a_complete_checkpoint_to_settle(trained: Path, tmp_path: 
 def test_watch_and_dry_run_do_not_wait_for_settle(trained: Path, tmp_path: Path) -> None:
     run = _run_of(trained, tmp_path, 1)
     (run / "checkpoint-1" / MODEL / ".metadata").touch()
-    report = sweeps.sweep(run, tmp_path / "merged", settle=600, dry_run=True, merge_options=WEIGHTS)
+    report = sweeps.sweep(run, tmp_path / "merged", settle=600,
+                          options=MergeOptions.of(weights_only=True, dry_run=True))
     assert _states(report) == {"checkpoint-1": "waiting"}
     assert "for writes to settle" in (report.outcomes[0].reason or "")
 
@@ -96,7 +99,7 @@ def test_a_copy_in_progress_is_waiting_not_failed(trained: Path, tmp_path: Path)
     data.write_bytes(whole[: len(whole) // 2])  # rsync -a part way: the original's mtime
     os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     out = tmp_path / "merged"
-    report = sweeps.sweep(run, out, settle=0, merge_options=WEIGHTS)
+    report = sweeps.sweep(run, out, settle=0, options=WEIGHTS)
     (o,) = report.outcomes
     assert (o.status, o.exit_code, report.exit_code) == ("waiting", 0, 0), o.reason
     assert "still being copied or saved" in (o.reason or "")
@@ -108,7 +111,7 @@ def test_a_copy_in_progress_is_waiting_not_failed(trained: Path, tmp_path: Path)
 
     data.write_bytes(whole)  # the copy ends
     os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    report = sweeps.sweep(run, out, settle=0, merge_options=WEIGHTS)
+    report = sweeps.sweep(run, out, settle=0, options=WEIGHTS)
     assert _states(report) == {"checkpoint-2": "merged"}
     _assert_exact(out / "checkpoint-2", trained, 2)
 
@@ -140,7 +143,7 @@ def test_a_step_resaved_during_overwrite_is_not_published(trained: Path, tmp_pat
                                                           ) -> None:
     run = _run_of(trained, tmp_path, 2)
     out = tmp_path / "merged"
-    report = sweeps.sweep(run, out, settle=0, merge_options=WEIGHTS)
+    report = sweeps.sweep(run, out, settle=0, options=WEIGHTS)
     assert _states(report) == {"checkpoint-2": "merged"}
     (run / "checkpoint-2" / "config.json").write_text("{}\n")  # the source changed: redo
     before = (out / "checkpoint-2" / "model.safetensors").read_bytes()
@@ -149,7 +152,7 @@ def test_a_step_resaved_during_overwrite_is_not_published(trained: Path, tmp_pat
         _resave(trained / "run" / "checkpoint-3", run / "checkpoint-2")
 
     with guards.before_publish(writer_resumes):
-        report = sweeps.sweep(run, out, settle=0, overwrite=True, merge_options=WEIGHTS)
+        report = sweeps.sweep(run, out, settle=0, options=REDO)
     (o,) = report.outcomes
     assert (o.status, report.exit_code) == ("waiting", 0), o.reason
     assert "changed while it was merged" in (o.reason or "")
@@ -160,7 +163,7 @@ def test_a_step_resaved_during_overwrite_is_not_published(trained: Path, tmp_pat
     assert not list((out / "checkpoint-2").glob(".*ckpttool-tmp"))
 
     # Once the save is over, the next sweep merges what is there now (step 3's weights).
-    again = sweeps.sweep(run, out, settle=0, overwrite=True, merge_options=WEIGHTS)
+    again = sweeps.sweep(run, out, settle=0, options=REDO)
     assert _states(again) == {"checkpoint-2": "merged"}
     _assert_exact(out / "checkpoint-2", trained, 3)
 

@@ -59,7 +59,7 @@ def rewrite_metadata(dcp_dir: Path, change) -> None:
 def test_undamaged_fixtures_pass(kind: str, make_checkpoint) -> None:
     report = ckpttool.verify(make_checkpoint(kind))
     assert report.ok, [p.message for p in report.problems]
-    assert report.bytes_read >= sum(t["bytes"] for t in
+    assert report.bytes_read >= sum(t.bytes for t in
                                     ckpttool.inspect(make_checkpoint(kind)).tensors)
     assert report.checks == ["structure", "content", "ties", "dtypes"]
 
@@ -300,14 +300,16 @@ def test_missing_and_extra_tensors(uneven_ckpt: Path, tmp_path: Path) -> None:
 def test_manifest_round_trip_across_formats(llama_ckpt: Path, tmp_path: Path) -> None:
     manifest = tmp_path / "m.json"
     report = ckpttool.verify(llama_ckpt, manifest=manifest)
-    assert report.manifest == {"path": str(manifest), "action": "written", "tensors": 21}
+    assert report.manifest is not None
+    assert report.manifest.to_json() == {"path": str(manifest), "action": "written", "tensors": 21}
     doc = json.loads(manifest.read_text())
     assert doc["kind"] == "ckpttool-manifest" and len(doc["tensors"]) == 21
     # A copy in another format, same bytes: the manifest holds.
     out = tmp_path / "out"
     ckpttool.merge(llama_ckpt, out, dtype="keep", keep_tied=True)
     report = ckpttool.verify(out, manifest=manifest)
-    assert report.ok and report.manifest["action"] == "checked"
+    assert report.ok and report.manifest is not None
+    assert report.manifest.action == "checked"
     # A changed byte is caught.
     target = out / "model.safetensors"
     data = bytearray(target.read_bytes())
@@ -436,8 +438,8 @@ def test_bytes_and_plain_values_are_read_not_called_unsafe(tmp_path: Path) -> No
                    checkpoint_id=tmp_path / "ckpt", no_dist=True)
     report = ckpttool.verify(tmp_path / "ckpt")
     assert report.ok and not [p for p in report.problems if p.severity != "info"]
-    values = {o["name"]: o for o in ckpttool.inspect(tmp_path / "ckpt").non_tensor}
-    assert values["blob"]["readable"] and values["step"]["value"] == 7
+    values = {o.name: o for o in ckpttool.inspect(tmp_path / "ckpt").non_tensor}
+    assert values["blob"].readable and values["step"].value == 7
 
 
 def test_a_decoy_in_front_of_code_does_not_hide_it(tmp_path: Path) -> None:

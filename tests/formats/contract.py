@@ -29,7 +29,7 @@ from typer.testing import CliRunner, Result
 import ckpttool
 from ckpttool.cli import app
 from ckpttool.core.checkpoint.discover import discover
-from ckpttool.core.merge.operation import MergeReport
+from ckpttool.core.merge.report import MergeReport
 from ckpttool.formats import registry
 from tests.helpers import as_table, assert_bit_exact, json_table, load_out
 

@@ -102,10 +102,10 @@ def test_huge_deep_or_cyclic_entries_are_reported_not_walked(tmp_path: Path) -> 
         outputs.write_bytes(".metadata", writer.metadata())
         outputs.commit()
     report = ckpttool.merge(ckpt, tmp_path / "out", weights_only=True)
-    notes = {o["name"]: o.get("note", "") for o in report.non_tensor}
+    notes = {o.name: o.note for o in report.non_tensor}
     assert "expands to more than" in notes["shared"]
     assert "nests deeper than" in notes["deep"]
     assert "cycle" in notes["cycle"]
-    assert all(not o["readable"] for o in report.non_tensor)
+    assert all(not o.readable for o in report.non_tensor)
     inspected = ckpttool.inspect(ckpt)
-    assert {o["name"] for o in inspected.non_tensor if not o["readable"]} == set(notes)
+    assert {o.name for o in inspected.non_tensor if not o.readable} == set(notes)

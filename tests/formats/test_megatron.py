@@ -45,7 +45,7 @@ def test_merge_is_bit_exact_against_megatrons_own_state(
     out, report = merged[name]
     assert report.format == "megatron"
     assert report.name_map is not None
-    assert report.name_map["map"] == f"megatron-{VARIANTS[name].family}"
+    assert report.name_map.map == f"megatron-{VARIANTS[name].family}"
     assert_bit_exact(load_out(out), hf_reference(megatron_runs / name))
 
 

@@ -132,7 +132,7 @@ def test_deepseek_v3_merge_is_bit_exact_against_megatrons_own_state(
         name: str, merged: dict[str, tuple[Path, ckpttool.MergeReport]]) -> None:
     out, report = merged[name]
     assert report.format == "megatron"
-    assert report.name_map is not None and report.name_map["map"] == "megatron-deepseek_v3"
+    assert report.name_map is not None and report.name_map.map == "megatron-deepseek_v3"
     assert_bit_exact(load_out(out), deepseek_reference(DATA / name))
 
 
@@ -391,7 +391,7 @@ def test_common_state_is_read_for_args_and_iteration(tmp_path: Path) -> None:
 def test_common_state_run_merges_bit_exact(
         merged: dict[str, tuple[Path, ckpttool.MergeReport]]) -> None:
     out, report = merged[COMMON_STATE.name]
-    assert report.name_map is not None and report.name_map["map"] == "megatron-llama"
+    assert report.name_map is not None and report.name_map.map == "megatron-llama"
     assert_bit_exact(load_out(out), common_state_reference())
 
 

@@ -21,7 +21,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ckpttool.core.checkpoint import hf, names
-from ckpttool.core.checkpoint import parts as key_parts
+from ckpttool.core.checkpoint.parts import MODEL, OPTIMIZER, OTHER, Content, Label, classify
+from ckpttool.core.checkpoint.parts import contents as contents_of
+from ckpttool.core.checkpoint.parts import describe as describe_content
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats import registry, safetensors, torchfile
 from ckpttool.formats.base import CheckpointInfo, ChunkColumns, ObjectEntry, Reader, Tensor
@@ -56,7 +58,7 @@ class TensorView:
 
     name: str  # canonical: wrapper segments and accelerate's "model" level removed
     tensor: Tensor
-    part: str = key_parts.MODEL  # what it is: core.parts.PARTS
+    part: str = MODEL  # what it is: core.parts.PARTS
     root: str | None = None  # the top-level key nesting it that no name inside its part has
 
     @property
@@ -99,7 +101,7 @@ class TensorView:
 class ObjectView:
     name: str  # canonical
     entry: ObjectEntry
-    part: str = key_parts.MODEL
+    part: str = MODEL
     root: str | None = None
 
 
@@ -141,15 +143,15 @@ class Checkpoint:
     def by_name(self) -> dict[str, TensorView]:
         return {t.name: t for t in self.tensors}
 
-    def contents(self) -> list[key_parts.Content]:
+    def contents(self) -> list[Content]:
         """Its parts (model, optimizer, lr_scheduler...), with those of its side files."""
-        found = key_parts.contents([(t.part, t.path, t.nbytes) for t in self.tensors]
+        found = contents_of([(t.part, t.path, t.nbytes) for t in self.tensors]
                                + [(o.part, o.entry.path or (o.name,), None)
                                   for o in self.objects])
         for name, info in self.side:
             labels = _labels(info)
             n = len(info.tensors)
-            found += key_parts.contents(
+            found += contents_of(
                 [(lab.part, t.path, t.nbytes)
                  for t, lab in zip(info.tensors, labels[:n], strict=True)]
                 + [(lab.part, o.path or (o.name,), None)
@@ -164,22 +166,22 @@ class Checkpoint:
         return {t.stored_name: t.name for t in self.tensors}
 
 
-def _labels(info: CheckpointInfo) -> list[key_parts.Label]:
+def _labels(info: CheckpointInfo) -> list[Label]:
     """The part of every tensor, then of every object
     (:func:`ckpttool.core.checkpoint.parts.classify`)."""
-    return key_parts.classify([(t.path or (t.name,), True) for t in info.tensors]
+    return classify([(t.path or (t.name,), True) for t in info.tensors]
                           + [(o.path or (o.name,), False) for o in info.objects])
 
 
 def kind_of(info: CheckpointInfo) -> str:
     """``"optimizer"`` when every entry is optimizer state, else ``"model"``."""
     labels = _labels(info)
-    if labels and all(lab.part == key_parts.OPTIMIZER for lab in labels):
+    if labels and all(lab.part == OPTIMIZER for lab in labels):
         return "optimizer"
     return "model"
 
 
-def _name(path: tuple[str, ...], stored: str, label: key_parts.Label, whole: str) -> str:
+def _name(path: tuple[str, ...], stored: str, label: Label, whole: str) -> str:
     """An entry's canonical name: inside its part when that part is what is described
     (``whole``: the checkpoint's kind, or a selected part), else the full key path."""
     if not path:
@@ -205,7 +207,7 @@ def describe(path: Path, info: CheckpointInfo, *, config: Path | None = None,
         InputError: two stored names collapse into one canonical name.
     """
     labels = _labels(info)
-    kind = ("optimizer" if labels and all(lab.part == key_parts.OPTIMIZER for lab in labels)
+    kind = ("optimizer" if labels and all(lab.part == OPTIMIZER for lab in labels)
             else "model")
     n = len(info.tensors)
     renamed = names.unique_names((t.name, _name(t.path, t.name, lab, kind))
@@ -241,28 +243,28 @@ def select(ckpt: Checkpoint, part: str) -> Checkpoint:
             o.part == part for o in ckpt.objects):
         return ckpt
     renamed = names.unique_names(
-        (t.stored_name, _name(t.path, t.stored_name, key_parts.Label(part, t.root), part))
+        (t.stored_name, _name(t.path, t.stored_name, Label(part, t.root), part))
         for t in tensors)
     chosen = tuple(replace(t, name=renamed[t.stored_name]) for t in tensors)
-    objects = tuple(replace(o, name=_name(o.entry.path, o.entry.name, key_parts.Label(part, o.root),
+    objects = tuple(replace(o, name=_name(o.entry.path, o.entry.name, Label(part, o.root),
                                           part))
                     for o in ckpt.objects if o.part == part)
     roots = sorted({t.root for t in chosen if t.root is not None})
-    files = ckpt.hf if part == key_parts.MODEL else hf.HfFiles(None, None, ())
+    files = ckpt.hf if part == MODEL else hf.HfFiles(None, None, ())
     return replace(ckpt, kind=part, tensors=chosen, objects=objects, hf=files,
                    top=roots[0] if roots else top_level(part))
 
 
 def _no_part(ckpt: Checkpoint, part: str) -> str:
     held = ckpt.contents()
-    what = "; ".join(key_parts.describe(c) for c in held) or "nothing"
+    what = "; ".join(describe_content(c) for c in held) or "nothing"
     where = ckpt.info.root if ckpt.info is not None else ckpt.path
     hint = ""
-    if part == key_parts.MODEL and any(c.part == key_parts.OPTIMIZER and c.num_tensors
-                                       for c in held):
+    if part == MODEL and any(c.part == OPTIMIZER and c.num_tensors
+                             for c in held):
         hint = f"; to merge its optimizer state: ckpttool merge {ckpt.path} OUT --part optimizer"
-    stray = [k for c in held if c.part == key_parts.OTHER and c.num_tensors for k in c.keys]
-    if part == key_parts.MODEL and stray:
+    stray = [k for c in held if c.part == OTHER and c.num_tensors for k in c.keys]
+    if part == MODEL and stray:
         hint += (f"; the tensors under {', '.join(stray)} are not recognised as model weights "
                  "(a model is stored flat, or under a key such as 'model')")
     return f"{where}: holds no {part} tensors; it holds {what}{hint}"
@@ -401,9 +403,9 @@ def _dcp_piece(file: Path) -> str | None:
     loads no directory format)."""
     if not file.name.endswith((".distcp", ".metadata")):
         return None
-    from ckpttool.formats.dcp import reader as dcp_reader
+    from ckpttool.formats.dcp import reader
 
-    return dcp_reader.piece_of(file)
+    return reader.piece_of(file)
 
 
 def _not_a_checkpoint_file(file: Path) -> str:

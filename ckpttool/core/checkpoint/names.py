@@ -37,20 +37,6 @@ def _may_wrap(dotted: str) -> bool:
     return "_orig_mod" in dotted or "_wrapped_module" in dotted
 
 
-def canonical_names(entries: Iterable[tuple[str, tuple[str, ...]]],
-                    top_level: str = TOP_LEVEL_WRAPPER) -> dict[str, str]:
-    """Map each source key to its canonical name.
-
-    Args:
-        entries: (flat key as stored, nested key path) pairs.
-        top_level: the nesting key that is not part of any name.
-
-    Raises:
-        InputError: two source keys collapse to one canonical name.
-    """
-    return unique_names((fqn, canonical_fqn(path, top_level)) for fqn, path in entries)
-
-
 def unique_names(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
     """(stored key, canonical name) pairs as a map, checked one to one.
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from ckpttool.core.checkpoint import geometry as chunk_geometry
+from ckpttool.core.checkpoint import geometry
 from ckpttool.errors import InputError
-from ckpttool.formats import base as formats_base
+from ckpttool.formats import base
 from ckpttool.formats.base import (
     CheckpointInfo,
     Chunk,
@@ -129,7 +129,7 @@ _LARGEST = 1 << 62  # dimensions above this (or below 0) are left to the check o
 def _tiled_on_columns(tensors: Sequence[Tensor]) -> set[int]:
     """Indices of ``tensors`` whose column chunks certainly tile them: the rows of
     :meth:`ChunkColumns.rows` in order, none empty, each starting where the one before ends,
-    from 0 to the first dimension (:func:`chunk_geometry.rows_tile`'s first case), checked
+    from 0 to the first dimension (:func:`geometry.rows_tile`'s first case), checked
     for all tensors of one table and ndim by one numpy pass each (millions of chunks: about
     15 us per tensor one by one). The others go through :func:`_coverage`, which says the
     same of these."""
@@ -141,7 +141,7 @@ def _tiled_on_columns(tensors: Sequence[Tensor]) -> set[int]:
                 c.ndim and min(t.shape) >= 0 and max(t.shape) < _LARGEST:
             groups.setdefault((id(c.table), c.ndim), []).append((i, c))
             rows += c.num_chunks
-    if rows < formats_base.VECTOR_ROWS:  # a few rows: one by one
+    if rows < base.VECTOR_ROWS:  # a few rows: one by one
         return set()
 
     out: set[int] = set()
@@ -159,7 +159,7 @@ def _pieces(group: list[tuple[int, ChunkColumns]]) -> Iterator[list[tuple[int, C
     for item in group:
         piece.append(item)
         rows += item[1].num_chunks
-        if rows >= formats_base.VECTOR_BLOCK:
+        if rows >= base.VECTOR_BLOCK:
             yield piece
             piece, rows = [], 0
     if piece:
@@ -200,9 +200,9 @@ def _tiled_group(group: list[tuple[int, ChunkColumns]], nd: int, tensors: Sequen
 def _coverage(shape: tuple[int, ...], chunks: Sequence[Chunk]) -> str | None:
     if isinstance(chunks, ChunkColumns):
         rows = chunks.rows(shape)
-        if rows is not None and chunk_geometry.rows_tile(shape[0], *rows):
+        if rows is not None and geometry.rows_tile(shape[0], *rows):
             return None  # row chunks that tile it, seen on columns
-    return chunk_geometry.coverage_problem(shape, [(c.offsets, c.sizes) for c in chunks])
+    return geometry.coverage_problem(shape, [(c.offsets, c.sizes) for c in chunks])
 
 
 def _coverage_code(reason: str) -> str:

@@ -14,7 +14,7 @@ import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from ckpttool.core.checkpoint import geometry as chunk_geometry
+from ckpttool.core.checkpoint import geometry
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Chunk, ChunkColumns, Payload, Reader, Tensor
 from ckpttool.storage.store import truncated
@@ -35,7 +35,7 @@ def read_range(reader: Reader, tensor: Tensor, start: int, stop: int) -> bytearr
             continue
         p: Payload | None = None
         whole: bytes | None = None
-        for src, dst, n in chunk_geometry.runs(tensor.shape, c.offsets, c.sizes):
+        for src, dst, n in geometry.runs(tensor.shape, c.offsets, c.sizes):
             lo, hi = max(dst, start), min(dst + n, stop)
             if lo >= hi:
                 continue
@@ -54,7 +54,7 @@ def read_range(reader: Reader, tensor: Tensor, start: int, stop: int) -> bytearr
 # A selection: boxes of a tensor whose elements, each box in its C order, one box after the
 # other, make an output tensor (a layer of a stacked [L, ...] tensor, one q/k/v part per query
 # group, one expert's gate half...).
-Boxes = tuple[chunk_geometry.Box, ...]
+Boxes = tuple[geometry.Box, ...]
 
 
 def box_pieces(tensor: Tensor, boxes: Boxes
@@ -80,9 +80,9 @@ def box_pieces(tensor: Tensor, boxes: Boxes
         for k in found:
             c = chunks[k]
             chunk_box = (c.offsets, c.sizes)
-            inner = chunk_geometry.intersect(chunk_box, box)
+            inner = geometry.intersect(chunk_box, box)
             if inner is not None:
-                out.append((c, pos, chunk_geometry.sub_runs(inner, chunk_box, box)))
+                out.append((c, pos, geometry.sub_runs(inner, chunk_box, box)))
         pos += math.prod(box[1])
     return out
 
@@ -99,7 +99,7 @@ class _Grid:
         self.cuts = cuts  # per dimension, the sorted offsets where chunks begin and end
         self.cells = cells  # cell (its index along each dimension) -> chunk number
 
-    def overlapping(self, box: chunk_geometry.Box) -> list[int]:
+    def overlapping(self, box: geometry.Box) -> list[int]:
         """The numbers of the chunks ``box`` overlaps, in the tensor's order."""
         ranges = []
         for cuts, o, n in zip(self.cuts, box[0], box[1], strict=True):
@@ -398,6 +398,6 @@ def locate(reader: Reader, tensor: Tensor, element: int) -> tuple[str | None, in
                 return c.file, None
             within = sum(i * s for i, s in zip(
                 (i - o for i, o in zip(index, c.offsets, strict=True)),
-                chunk_geometry.strides(c.sizes), strict=True))
+                geometry.strides(c.sizes), strict=True))
             return c.file, p.start + within * tensor.dtype.itemsize
     return None, None

@@ -19,16 +19,16 @@ from typing import Any, cast
 from ckpttool import units
 from ckpttool.core import ties
 from ckpttool.core.checkpoint.discover import Checkpoint, discover, open_reader
-from ckpttool.core.diff import delta as deltas
-from ckpttool.core.diff import plan as diff_plan
-from ckpttool.core.diff import stream
+from ckpttool.core.diff import plan, stream
+from ckpttool.core.diff.delta import BASE, DELTA_JSON, INDEX, INDICES, OWN, SPARSE, VALUES, WHOLE
+from ckpttool.core.diff.delta import read as read_delta
 from ckpttool.core.diff.operation import sha256
 from ckpttool.core.diff.plan import Named
-from ckpttool.core.runtime import urls as remote
+from ckpttool.core.runtime import urls
 from ckpttool.core.runtime.report import Progress, document, locked
 from ckpttool.core.verify import manifest
 from ckpttool.errors import InputError, OutputError
-from ckpttool.formats import safetensors as st
+from ckpttool.formats import safetensors
 from ckpttool.formats.base import Reader
 from ckpttool.formats.codecs.dtypes import BY_NAME, DType
 from ckpttool.storage import sidefiles
@@ -66,7 +66,7 @@ class ApplyReport:
         return document("apply", self)
 
 
-@remote.urls(sources=("base",))
+@urls.urls(sources=("base",))
 def apply(
     base: str | os.PathLike[str],
     delta: str | os.PathLike[str],
@@ -100,20 +100,20 @@ def apply(
         OutputError: OUT holds weights already (without ``overwrite``), or cannot be written.
     """
     started = time.perf_counter()
-    doc, data = deltas.read(Path(delta))
-    named = diff_plan.named(discover(base, command="apply", stores=stores))
+    doc, data = read_delta(Path(delta))
+    named = plan.named(discover(base, command="apply", stores=stores))
     ckpt = named.ckpt
     out_dir = Path(out)
     check_apart(out_dir, ckpt.root, data.parent)
     files = [str(f) for f in doc.get("files", [])]
     recipes = _recipes(doc, data)
     want = doc["b"]["tensors"]
-    planned, index = st.plan_files([(r.name, r.dtype, r.shape) for r in recipes],
-                                   units.parse_size(max_shard_size)
-                                   if isinstance(max_shard_size, str) else max_shard_size)
+    planned, index = safetensors.plan_files([(r.name, r.dtype, r.shape) for r in recipes],
+                                            units.parse_size(max_shard_size)
+                                            if isinstance(max_shard_size, str) else max_shard_size)
 
     def check_existing() -> None:
-        existing = existing_outputs(out_dir, lambda n: st.is_weight_file(n) or n in files)
+        existing = existing_outputs(out_dir, lambda n: safetensors.is_weight_file(n) or n in files)
         if existing and not overwrite:
             raise OutputError(f"{out_dir}: already holds {existing[0]}; pass --overwrite to "
                               "replace it or choose an empty directory")
@@ -124,9 +124,9 @@ def apply(
     read = locked(progress)
     if on_start is not None:
         on_start(sum(v.nbytes for v in named.views.values()) + sum(
-            r.nbytes for r in recipes if r.how != deltas.BASE))
+            r.nbytes for r in recipes if r.how != BASE))
     with open_reader(ckpt, follow_links=follow_links) as reader:
-        _check_base(named, reader, doc["a"]["tensors"], data.parent / deltas.DELTA_JSON, read)
+        _check_base(named, reader, doc["a"]["tensors"], data.parent / DELTA_JSON, read)
         check_space(out_dir, sum(f.layout.file_size for f in planned) + len(index or b""))
         by_name = {r.name: r for r in recipes}
         sources = _sources(named, doc["a"]["tensors"])
@@ -153,7 +153,7 @@ def apply(
                 for name in files:
                     src = data.parent / name
                     if (Path(name).name != name or not src.is_file()
-                            or st.is_weight_file(name) or name in deltas.OWN):
+                            or safetensors.is_weight_file(name) or name in OWN):
                         raise InputError(f"{src}: a file the delta names is missing or is no "
                                          "config or tokenizer file; write the delta again")
                     try:  # a link is refused, never followed out of the delta
@@ -163,17 +163,18 @@ def apply(
                                          "the delta again") from None
                     outputs.write_bytes(name, body)
                 if index is not None:
-                    outputs.write_bytes(st.index_name(), index)
-                keep = {f.name for f in planned} | set(files) | {st.index_name()}
-                outputs.commit(last=(st.index_name(),) if index is not None else (),
+                    outputs.write_bytes(safetensors.index_name(), index)
+                keep = {f.name for f in planned} | set(files) | {safetensors.index_name()}
+                outputs.commit(last=(safetensors.index_name(),) if index is not None else (),
                                before_last=(lambda: remove_stale(
-                                   out_dir, keep, st.is_weight_file)) if overwrite else None)
+                                   out_dir, keep, safetensors.is_weight_file))
+                               if overwrite else None)
         finally:
             os.close(fd_data)
-    report.files = [f.name for f in planned] + ([st.index_name()] if index else []) + files
-    report.from_base = sum(r.how == deltas.BASE for r in recipes)
-    report.sparse = sum(r.how == deltas.SPARSE for r in recipes)
-    report.whole = sum(r.how == deltas.WHOLE for r in recipes)
+    report.files = [f.name for f in planned] + ([safetensors.index_name()] if index else []) + files
+    report.from_base = sum(r.how == BASE for r in recipes)
+    report.sparse = sum(r.how == SPARSE for r in recipes)
+    report.whole = sum(r.how == WHOLE for r in recipes)
     report.bytes_written = sum(f.layout.file_size for f in planned)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
@@ -196,7 +197,8 @@ class _Recipe:
     source: str | None
     dtype: DType
     shape: tuple[int, ...]
-    slots: tuple[st.Slot, ...]  # in delta.safetensors: WHOLE's one, SPARSE's indices, values
+    # in delta.safetensors: WHOLE's one, SPARSE's indices, values
+    slots: tuple[safetensors.Slot, ...]
 
     @property
     def nbytes(self) -> int:
@@ -205,7 +207,7 @@ class _Recipe:
 
 def _recipes(doc: dict[str, Any], data: Path) -> list[_Recipe]:
     """Each tensor of B with how it is made, checked against B's record and the data file."""
-    _, slots = st.read_layout(data, exact=True)
+    _, slots = safetensors.read_layout(data, exact=True)
     by_slot = {s.name: s for s in slots}
     damaged = f"{data.parent}: damaged delta"
     out = []
@@ -214,18 +216,18 @@ def _recipes(doc: dict[str, Any], data: Path) -> list[_Recipe]:
         dtype = BY_NAME.get(str(want.get("dtype"))) if isinstance(want, dict) else None
         shape = want.get("shape") if isinstance(want, dict) else None
         if (not isinstance(how, dict) or dtype is None or not isinstance(shape, list)
-                or how.get("how") not in (deltas.BASE, deltas.SPARSE, deltas.WHOLE)):
+                or how.get("how") not in (BASE, SPARSE, WHOLE)):
             raise InputError(f"{damaged}: no valid record of how to make tensor '{name}'; "
                              "write the delta again")
         kind, source = how["how"], how.get("from")
-        names = {deltas.WHOLE: (name,), deltas.SPARSE: (name + deltas.INDICES,
-                                                        name + deltas.VALUES)}.get(kind, ())
+        names = {WHOLE: (name,), SPARSE: (name + INDICES,
+                                          name + VALUES)}.get(kind, ())
         got = tuple(by_slot[n] for n in names if n in by_slot)
-        if len(got) != len(names) or (kind != deltas.WHOLE and not isinstance(source, str)):
+        if len(got) != len(names) or (kind != WHOLE and not isinstance(source, str)):
             raise InputError(f"{damaged}: tensor '{name}' lacks its data in {data.name}; "
                              "write the delta again")
-        if kind == deltas.SPARSE and (got[0].dtype != deltas.INDEX or got[1].dtype != dtype
-                                      or got[0].shape != got[1].shape):
+        if kind == SPARSE and (got[0].dtype != INDEX or got[1].dtype != dtype
+                               or got[0].shape != got[1].shape):
             raise InputError(f"{damaged}: tensor '{name}': its indices and values disagree")
         out.append(_Recipe(name, kind, source, dtype, tuple(shape), got))
     return out
@@ -286,7 +288,7 @@ def _make(r: _Recipe, reader: Reader, sources: dict[str, Any], fd: int, data: Pa
           ) -> Iterator[bytes | bytearray | memoryview]:
     """The bytes of B's tensor ``r`` in C order, block by block."""
     item = r.dtype.itemsize
-    if r.how == deltas.WHOLE:
+    if r.how == WHOLE:
         slot = r.slots[0]
         for lo in range(slot.begin, slot.end, BLOCK_BYTES):
             yield _pread(fd, min(BLOCK_BYTES, slot.end - lo), lo, data)
@@ -301,7 +303,7 @@ def _make(r: _Recipe, reader: Reader, sources: dict[str, Any], fd: int, data: Pa
                          f"{r.dtype.name} {list(r.shape)}; write the delta again")
     side = stream.Side(reader, tensor)
     step = max(1, BLOCK_BYTES // item)
-    if r.how == deltas.BASE:
+    if r.how == BASE:
         buf = memoryview(bytearray(min(step, max(tensor.numel, 1)) * item))
         for start in range(0, tensor.numel, step):
             yield from side.read(start, min(tensor.numel, start + step), buf)
@@ -311,7 +313,7 @@ def _make(r: _Recipe, reader: Reader, sources: dict[str, Any], fd: int, data: Pa
     from ckpttool.core.diff.values import bits
 
     indices, values = r.slots
-    total = indices.nbytes // deltas.INDEX.itemsize
+    total = indices.nbytes // INDEX.itemsize
     done = 0
     pending_i = np.empty(0, dtype=np.int64)
     pending_v = np.empty(0, dtype=bits(b"", r.dtype).dtype)

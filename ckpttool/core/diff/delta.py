@@ -23,7 +23,7 @@ from ckpttool.core.diff.values import bits, changed_positions
 from ckpttool.core.runtime.report import SCHEMA, Section, section
 from ckpttool.core.verify import manifest
 from ckpttool.errors import InputError, OutputError
-from ckpttool.formats import safetensors as st
+from ckpttool.formats import safetensors
 from ckpttool.formats.base import Reader
 from ckpttool.formats.codecs.dtypes import DType, get
 from ckpttool.storage.outputs import (
@@ -131,7 +131,7 @@ def write(out: Path, plan: DiffPlan, measured: Sequence[Measured], a: Named, b: 
         OutputError: ``out`` cannot be written.
     """
     recipes = plan_recipes(plan, measured)
-    layout = st.layout(entries(recipes), {"format": "pt", "written_by": "ckpttool diff"})
+    layout = safetensors.layout(entries(recipes), {"format": "pt", "written_by": "ckpttool diff"})
     slots = {s.name: s for s in layout.slots}
     files = {p.name: p for p in b.hf.files}
     doc = {

@@ -17,11 +17,23 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.core.checkpoint.discover import Checkpoint, discover, open_reader
-from ckpttool.core.diff import plan as diff_plan
 from ckpttool.core.diff import stream
-from ckpttool.core.diff.plan import CHANGED, IDENTICAL, STATUSES, DiffPlan, Entry, View
+from ckpttool.core.diff.plan import (
+    ADDED,
+    CHANGED,
+    DTYPE_CHANGED,
+    IDENTICAL,
+    REMOVED,
+    RESHAPED,
+    STATUSES,
+    DiffPlan,
+    Entry,
+    View,
+    named,
+    plan_diff,
+)
 from ckpttool.core.diff.values import Change, Measured, TensorDiff
-from ckpttool.core.runtime import urls as remote
+from ckpttool.core.runtime import urls
 from ckpttool.core.runtime.report import Progress, Section, document, locked, section
 from ckpttool.core.runtime.torch_threads import default_workers
 from ckpttool.errors import InputError
@@ -81,7 +93,7 @@ class DiffReport:
         return document("diff", self)
 
 
-@remote.urls(sources=("a", "b"))
+@urls.urls(sources=("a", "b"))
 def diff(
     a: str | os.PathLike[str],
     b: str | os.PathLike[str],
@@ -121,13 +133,13 @@ def diff(
     if write_delta is not None and filter is not None:
         raise InputError("--filter compares part of the tensors, and a delta must rebuild all "
                          "of B; leave out one of --filter and --write-delta")
-    ckpt_a = diff_plan.named(discover(a, command="diff", stores=stores))
-    ckpt_b = diff_plan.named(discover(b, command="diff", stores=stores))
+    ckpt_a = named(discover(a, command="diff", stores=stores))
+    ckpt_b = named(discover(b, command="diff", stores=stores))
     if write_delta is not None:
         from ckpttool.core.diff import delta
 
         delta.check_output(Path(write_delta), overwrite=overwrite, sources=(ckpt_a, ckpt_b))
-    plan = diff_plan.plan_diff(ckpt_a, ckpt_b, pattern=filter)
+    plan = plan_diff(ckpt_a, ckpt_b, pattern=filter)
     report = DiffReport(str(ckpt_a.root), str(ckpt_b.root), ckpt_a.ckpt.format,
                         ckpt_b.ckpt.format, filter=filter)
     report.tied = [TiedOnce(e.name, (e.a if e.a_tied else e.b).name,  # type: ignore[union-attr]
@@ -273,11 +285,11 @@ def summarize(plan: DiffPlan, rows: list[TensorDiff]) -> DiffSummary:
             assert e.a is not None and e.b is not None
             compared += e.a.nbytes
             changed += r.changed_elements * e.a.dtype.itemsize
-        elif e.b is not None and r.status != diff_plan.REMOVED:
+        elif e.b is not None and r.status != REMOVED:
             changed += e.b.nbytes
-    return DiffSummary(counts[IDENTICAL], counts[CHANGED], counts[diff_plan.ADDED],
-                       counts[diff_plan.REMOVED], counts[diff_plan.RESHAPED],
-                       counts[diff_plan.DTYPE_CHANGED], compared, changed)
+    return DiffSummary(counts[IDENTICAL], counts[CHANGED], counts[ADDED],
+                       counts[REMOVED], counts[RESHAPED],
+                       counts[DTYPE_CHANGED], compared, changed)
 
 
 def against_base(ckpt: Checkpoint, base: Checkpoint, *, workers: int | None,
@@ -285,7 +297,7 @@ def against_base(ckpt: Checkpoint, base: Checkpoint, *, workers: int | None,
     """``verify OUT --base BASE``: a model identical to the base it was made from (every
     tensor bit for bit, ties aside) is a warning: the merge, fold or training step that made
     it changed nothing. Otherwise a note of how much changed."""
-    plan = diff_plan.plan_diff(diff_plan.named(base), diff_plan.named(ckpt))
+    plan = plan_diff(named(base), named(ckpt))
     with (open_reader(base, follow_links=follow_links) as reader_a,
           open_reader(ckpt, follow_links=follow_links) as reader_b):
         rows = [m.row for m in measure(plan, reader_a, reader_b, digests=False, workers=workers,

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckpttool.core.runtime import scratch as work
+from ckpttool.core.runtime import scratch
 from ckpttool.errors import InputError
 from ckpttool.formats.base import (
     Checksummed,
@@ -116,7 +116,7 @@ class CheckedReader(Reader):
         files are mapped, never read into it, where they are large; an anonymous mapping's
         pages take no memory until written, so a 64 MB one costs nothing there."""
         if not self.capabilities.local_files:
-            return work.buffer("crc", min(size, _BLOCK))
+            return scratch.buffer("crc", min(size, _BLOCK))
         held: mmap.mmap | None = getattr(_anonymous, "map", None)
         if held is None:
             # Private: a forked child writes into its own copy, never the parent's.

@@ -20,13 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import overload
 
-from ckpttool.core.checkpoint import geometry as chunk_geometry
-from ckpttool.core.checkpoint import tensors
+from ckpttool.core.checkpoint import geometry, tensors
 from ckpttool.core.merge import guards
 from ckpttool.core.merge.partition import Unit
 from ckpttool.core.merge.plan import MergePlan, OutTensor
-from ckpttool.core.runtime import forked
-from ckpttool.core.runtime import scratch as work
+from ckpttool.core.runtime import forked, scratch
 from ckpttool.core.runtime.report import Progress, locked
 from ckpttool.core.runtime.torch_threads import one_torch_thread, workers_for
 from ckpttool.core.transforms.derive import (
@@ -36,7 +34,7 @@ from ckpttool.core.transforms.derive import (
     stream,
 )
 from ckpttool.errors import InputError, OutputError
-from ckpttool.formats import safetensors as st
+from ckpttool.formats import safetensors
 from ckpttool.formats.base import Chunk, Payload, Reader, Tensor
 from ckpttool.formats.codecs.dtypes import cast_without_torch, f32_to_bf16
 from ckpttool.storage.outputs import (
@@ -427,7 +425,7 @@ def _run_jobs(jobs: Iterable[_Job], reader: Reader, workers: int, report: Progre
                     return
                 run(job)
         finally:
-            work.release()  # this thread goes on: give its buffers back
+            scratch.release()  # this thread goes on: give its buffers back
         return
     pool = ThreadPoolExecutor(max_workers=workers)
     try:
@@ -505,16 +503,16 @@ def _write_selection(reader: Reader, dst: int, t: OutTensor, report: Progress,
         # the lock held only to write (another thread's reads go on meanwhile).
         at = t.slot.begin
         for block in tensors.selection_blocks(reader, src, pieces, payloads,
-                                              work.buffer("gather", GATHER_BLOCK)):
+                                              scratch.buffer("gather", GATHER_BLOCK)):
             with lock or contextlib.nullcontext():
                 pwrite_all(dst, block, at)
             at += len(block)
         report(at - t.slot.begin)
         return
     data = tensors.read_boxes(reader, src, d.boxes[0], pieces=pieces,
-                              out=work.buffer("selection", sum(
+                              out=scratch.buffer("selection", sum(
                                   math.prod(sizes) for _, sizes in d.boxes[0]) * item),
-                              buf=work.buffer("block", SELECTION_BLOCK))
+                              buf=scratch.buffer("block", SELECTION_BLOCK))
     if t.cast:
         data = _cast_bytes(data, t)
     with lock or contextlib.nullcontext():
@@ -536,7 +534,7 @@ def _write_batch(reader: Reader, job: _Job, report: Progress, stop: threading.Ev
         assert isinstance(entry, Tensor)
         data, start = p.data, p.start
         first = None if data is None or start is None or t.cast else \
-            chunk_geometry.single_run_start(entry.shape, c.offsets, c.sizes)
+            geometry.single_run_start(entry.shape, c.offsets, c.sizes)
         if data is None or start is None or first is None:
             _write_chunk(reader, job.fd, t, c, lambda n: None, payload=p)
         else:
@@ -596,7 +594,7 @@ def _fill_window(reader: Reader, job: _Window, view: memoryview, outs: list[OutT
         item = entry.dtype.itemsize
         c = entry.chunks[k]
         whole = memoryview(data if data is not None else reader.read_chunk(entry, c))
-        for src, dst, n in chunk_geometry.runs(entry.shape, c.offsets, c.sizes):
+        for src, dst, n in geometry.runs(entry.shape, c.offsets, c.sizes):
             target[dst * item : (dst + n) * item] = whole[src * item : (src + n) * item]
     for t, target in zip(outs, targets, strict=True):
         if t.cast:
@@ -614,9 +612,9 @@ def _write_chunk(reader: Reader, dst: int, t: OutTensor, c: Chunk, report: Progr
     payload = payload or reader.payload(entry, c)
     dst_item = t.dtype.itemsize
     start = payload.start
-    single = chunk_geometry.is_single_run(entry.shape, c.offsets, c.sizes)
+    single = geometry.is_single_run(entry.shape, c.offsets, c.sizes)
     if single:
-        ((_, dst_elem, n),) = chunk_geometry.runs(entry.shape, c.offsets, c.sizes)
+        ((_, dst_elem, n),) = geometry.runs(entry.shape, c.offsets, c.sizes)
         lo, hi = elements or (0, n)
         at = t.slot.begin + (dst_elem + lo) * dst_item
         if start is not None:
@@ -641,7 +639,7 @@ def _write_chunk(reader: Reader, dst: int, t: OutTensor, c: Chunk, report: Progr
         report((hi - lo) * dst_item)
         return
     with turn:
-        for src_elem, dst_elem, n in chunk_geometry.runs(entry.shape, c.offsets, c.sizes):
+        for src_elem, dst_elem, n in geometry.runs(entry.shape, c.offsets, c.sizes):
             pwrite_all(dst, data[src_elem * dst_item : (src_elem + n) * dst_item],
                        t.slot.begin + dst_elem * dst_item)
     report(c.numel * dst_item)
@@ -670,12 +668,12 @@ def _cast_range(reader: Reader, file: str, src_offset: int, dst: int, dst_offset
     block = min(numel, CAST_BLOCK // src_item)
     # The output tensor lives in our own buffer (torch.frombuffer): no numpy, which torch
     # needs for .numpy() and which a user's own torch install may lack.
-    out_bytes = work.buffer("out", block * dst_item)
+    out_bytes = scratch.buffer("out", block * dst_item)
     out = torch.frombuffer(out_bytes, dtype=dst_dtype, count=block)
     done = 0
     # Cast straight from the page cache where the store maps the file, else from our buffer.
     for view in reader.blocks(file, src_offset, numel * src_item,
-                              work.buffer("in", block * src_item)):
+                              scratch.buffer("in", block * src_item)):
         n = len(view) // src_item
         if not n:
             break
@@ -736,8 +734,10 @@ def commit_outputs(outputs: AtomicOutputs, plan: MergePlan, extra: list[tuple[st
         f.name for f in plan.files)
     outputs.commit(
         # Either kind of previous output's completing file goes first, whatever the new one is.
-        last=tuple(dict.fromkeys((plan.index_name, st.shard_names(1, stem)[0], *completes))),
-        before_last=(lambda: remove_stale(out, keep, lambda name: st.is_weight_file(name, stem)))
+        last=tuple(dict.fromkeys((plan.index_name, safetensors.shard_names(1, stem)[0],
+                                  *completes))),
+        before_last=(lambda: remove_stale(out, keep,
+                                          lambda name: safetensors.is_weight_file(name, stem)))
         if overwrite else None)
 
 
@@ -745,7 +745,8 @@ def commit_outputs(outputs: AtomicOutputs, plan: MergePlan, extra: list[tuple[st
 def check_existing(out: Path, extra: list[str], overwrite: bool, stem: str) -> None:
     """OUT holds no weights of this kind (nor the files written beside them), unless
     ``overwrite``. Creates nothing."""
-    existing = existing_outputs(out, lambda name: st.is_weight_file(name, stem) or name in extra)
+    existing = existing_outputs(
+        out, lambda name: safetensors.is_weight_file(name, stem) or name in extra)
     if existing and not overwrite:
         raise OutputError(
             f"{out}: already holds {', '.join(existing[:3])}"

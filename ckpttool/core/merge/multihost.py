@@ -43,7 +43,7 @@ from ckpttool.core.merge.plan import MergePlan, OutputFile
 from ckpttool.core.runtime.report import Progress, Section, section
 from ckpttool.core.runtime.torch_threads import default_workers
 from ckpttool.errors import InputError, OutputError, UsageError
-from ckpttool.formats import safetensors as st
+from ckpttool.formats import safetensors
 from ckpttool.formats.base import Reader
 from ckpttool.storage.outputs import TMP_SUFFIX, AtomicOutputs, existing_outputs, pwrite_all
 
@@ -102,7 +102,7 @@ def check_headers(plan: MergePlan, temps: dict[str, Path]) -> None:
             with open(path, "rb") as fh:
                 head = fh.read(len(f.layout.header))
             size = path.stat().st_size
-            meta, slots = st.read_layout(path)
+            meta, slots = safetensors.read_layout(path)
         except (OSError, InputError) as e:
             raise OutputError(f"{path}: cannot read the output back ({e}); nothing was put in "
                               "place") from e
@@ -562,7 +562,7 @@ def _check_existing(out: Path, plan: MergePlan, placed: set[int], extra: list[st
             and index.read_bytes() == plan.index:
         ours.add(plan.index_name)  # a finish stopped after its last rename
     existing = [n for n in existing_outputs(
-        out, lambda name: st.is_weight_file(name, stem) or name in extra) if n not in ours]
+        out, lambda name: safetensors.is_weight_file(name, stem) or name in extra) if n not in ours]
     if existing and not overwrite:
         raise OutputError(f"{out}: already holds {', '.join(existing[:3])}"
                           f"{' and more' if len(existing) > 3 else ''}; pass --overwrite to "

@@ -17,34 +17,47 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from ckpttool import units
 from ckpttool._gc import gc_paused
 from ckpttool.core import contract, dtype_policy, quantization, ties
 from ckpttool.core.checkpoint import architecture, hf, non_tensor, structure
-from ckpttool.core.checkpoint.copies import Copies, model_copies
-from ckpttool.core.checkpoint.discover import Checkpoint, Part, discover, open_reader, select
+from ckpttool.core.checkpoint.copies import model_copies
+from ckpttool.core.checkpoint.discover import Checkpoint, discover, open_reader, select
 from ckpttool.core.checkpoint.names import detected_wrappers
-from ckpttool.core.checkpoint.parts import MERGEABLE, Content
-from ckpttool.core.contract import Contract
+from ckpttool.core.checkpoint.parts import MERGEABLE
 from ckpttool.core.dtype_policy import DTypePolicy
 from ckpttool.core.merge import megatron_buckets, megatron_optimizer, resume
 from ckpttool.core.merge.checked import checked
 from ckpttool.core.merge.engine import check_existing, commit_outputs, write
 from ckpttool.core.merge.optimizer import OPTIMIZER_JSON, optimizer_json
+from ckpttool.core.merge.options import (
+    CastOptions,
+    MergeOptions,
+    ReadOptions,
+    ShareOptions,
+    WriteOptions,
+)
 from ckpttool.core.merge.plan import MergePlan, OutputFile, Source, plan_merge
-from ckpttool.core.runtime import urls as remote
-from ckpttool.core.runtime.report import Progress, Section, document, section
+from ckpttool.core.merge.report import (
+    ConfigUsed,
+    DTypeChoice,
+    MergeReport,
+    OtherCheckpoint,
+    PlannedTensor,
+    Rename,
+)
+from ckpttool.core.runtime import urls
+from ckpttool.core.runtime.report import Progress
 from ckpttool.core.runtime.torch_threads import default_workers
-from ckpttool.core.transforms import hub_layout, maps, megatron_config, namemaps
-from ckpttool.core.transforms import quantize as recode
+from ckpttool.core.transforms import hub_layout, maps, megatron_config, namemaps, quantize
 from ckpttool.core.transforms.lora.layout import ADAPTER_FILE
 from ckpttool.core.transforms.lora.plan import plan_for_merge
-from ckpttool.core.transforms.lora.report import LoraMerge, assumed_warning
-from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.core.transforms.lora.report import assumed_warning
+from ckpttool.errors import InputError, UnsupportedError, UsageError
 from ckpttool.formats import megatron, registry
 from ckpttool.formats.base import Reader, UnreadableObject
 from ckpttool.storage.outputs import check_apart, check_space
@@ -58,119 +71,10 @@ if TYPE_CHECKING:
     from ckpttool.core.transforms.namemaps import Mapped
 
 
-@section
-class DTypeChoice(Section):
-    """The dtype asked for (``--dtype``), the one written (None: each tensor's own), and why."""
-
-    requested: str
-    target: str | None
-    source: str
-
-
-@section
-class ConfigUsed(Section):
-    """The config.json used; ``found_in`` None when beside the checkpoint or given."""
-
-    path: str
-    found_in: str | None
-
-
-@section
-class Rename(Section):
-    """A tensor's stored name and the name written (wrapper segments removed)."""
-
-    KEYS: ClassVar[dict[str, str]] = {"stored": "from", "written": "to"}
-
-    stored: str
-    written: str
-
-
-@section
-class OtherCheckpoint(Section):
-    """A checkpoint of a training directory that was not the one merged."""
-
-    path: str
-    kind: str
-
-
-@section
-class PlannedTensor(Section):
-    """A dry run's tensor as it would be written: byte ``offsets`` [begin, end) in ``file``."""
-
-    name: str
-    file: str
-    dtype: str
-    source_dtype: str
-    shape: list[int]
-    bytes: int
-    offsets: list[int]
-
-
-@dataclass
-class MergeReport:
-    """What a merge did, for people (CLI) and programs (``to_json``)."""
-
-    src: str
-    checkpoint: str
-    out: str
-    kind: str = "model"  # or "optimizer"
-    format: str = ""  # the source format's NAME
-    storage: dict[str, Any] = field(default_factory=dict)  # CheckpointInfo.storage
-    files: list[OutputFile] = field(default_factory=list)
-    num_tensors: int = 0
-    num_parameters: int = 0
-    total_bytes: int = 0
-    dtype: DTypeChoice = field(default_factory=lambda: DTypeChoice("auto", None, ""))
-    bytes_before: dict[str, int] = field(default_factory=dict)
-    bytes_after: dict[str, int] = field(default_factory=dict)
-    renames: list[Rename] = field(default_factory=list)
-    wrappers_removed: list[str] = field(default_factory=list)
-    tie: ties.Tie | None = None
-    name_map: Mapped | None = None  # --names: the map and what it did to each tensor
-    # transformers 5's runtime names and fused experts turned into save_pretrained's layout
-    # (core.transforms.hub_layout): the families, counts and examples; None: nothing to do
-    layout: hub_layout.Converted | None = None
-    # A directory holding the model twice (core.checkpoint.copies): the copy read, the
-    # others and why; None: one copy
-    copies: Copies | None = None
-    # The config.json used; None: none found, the output is weights only
-    config: ConfigUsed | None = None
-    # A Megatron-Core run merged without a config.json: the one derived from its args
-    # (core.transforms.megatron_config), written beside the weights; None: not derived
-    derived_config: megatron_config.DerivedConfig | None = None
-    # Names no transformers model of config.json's architecture has (a training framework's
-    # own, core.checkpoint.architecture): whose, how many, the --names maps; None: they fit
-    foreign_names: architecture.NameCheck | None = None
-    lora: LoraMerge | None = None  # the adapter found, and what was done with it
-    non_tensor: list[non_tensor.Entry] = field(default_factory=list)
-    copied: list[str] = field(default_factory=list)
-    config_changes: list[str] = field(default_factory=list)
-    parts: list[Part] = field(default_factory=list)  # a training directory's entries
-    skipped: list[OtherCheckpoint] = field(default_factory=list)  # its other checkpoints
-    part: str = "model"  # what was written: "model" or "optimizer" (core.parts)
-    contents: list[Content] = field(default_factory=list)  # every part of the source
-    left_out: list[Content] = field(default_factory=list)  # the parts not written
-    warnings: list[str] = field(default_factory=list)
-    dry_run: bool = False  # nothing was written: files and tensors are what would be
-    # dry_run only: every tensor as it would be written
-    tensors: list[PlannedTensor] = field(default_factory=list)
-    # The output held against the model config.json names (core.contract); None: no model
-    # written (optimizer state, a LoRA adapter)
-    contract: Contract | None = None
-    # A merge several processes shared (core.multihost): how, and the bytes each wrote.
-    distributed: Sharing | None = None
-    # A merge written in pieces (core.merge.resume); None: written whole.
-    resumed: resume.Resumed | None = None
-    seconds: float = 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return document("merge", self)
-
-
-@remote.urls(sources=("src",), output="out")
 def merge(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],
+    options: MergeOptions | None = None,
     *,
     dtype: str = "auto",
     max_shard_size: str | int = "5GB",
@@ -204,6 +108,9 @@ def merge(
         src: any checkpoint ckpttool reads (a DCP directory, per-rank files, safetensors, a
             torch.save file), or a training checkpoint directory holding one model.
         out: output directory (created if missing).
+        options: every option below, in its group
+            (:class:`~ckpttool.core.merge.options.MergeOptions`, as the CLI builds them once);
+            the keywords are then left out. None: the keywords build them.
         dtype: ``auto`` (from config.json), ``keep``, ``bf16``, ``fp16`` or ``fp32``.
         max_shard_size: largest shard, e.g. ``"5GB"``; a single file if everything fits.
         config: a config.json (or its directory) to use instead of the one beside ``src``.
@@ -269,44 +176,87 @@ def merge(
             misshapen in the output (nothing is written).
         UnsupportedError: the checkpoint uses something ckpttool cannot merge yet.
         OutputError: ``out`` holds weights already (without ``overwrite``), or lacks space.
+        UsageError: both ``options`` and keywords given.
     """
+    keywords = MergeOptions(
+        ReadOptions(config=config, part=part, iteration=iteration, lora=lora, adapter=adapter,
+                    adapter_config=adapter_config, lora_alpha=lora_alpha,
+                    follow_links=follow_links, check_crc=check_crc),
+        CastOptions(dtype=dtype, names=names, layout=layout, keep_tied=keep_tied,
+                    dequantize=dequantize, quantize=quantize, quantize_ignore=quantize_ignore),
+        WriteOptions(max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run,
+                     weights_only=weights_only),
+        ShareOptions(workers=workers, shared=shared))
+    if options is None:
+        options = keywords
+    elif keywords != MergeOptions():
+        raise UsageError("merge() takes its options as MergeOptions or as keywords, not both")
+    r = options.read
+    return _located(src, out, options=options, config=r.config, adapter=r.adapter,
+                    adapter_config=r.adapter_config, overwrite=options.write.overwrite,
+                    shared=options.share.shared, stores=stores, progress=progress,
+                    on_start=on_start)
+
+
+@urls.urls(sources=("src",), output="out")
+def _located(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
+             options: MergeOptions, config: str | os.PathLike[str] | None,
+             adapter: str | os.PathLike[str] | None,
+             adapter_config: str | os.PathLike[str] | None, overwrite: bool,
+             shared: Shared | None, stores: Stores, progress: Progress | None,
+             on_start: Callable[[int], None] | None) -> MergeReport:
+    """The merge, once :func:`~ckpttool.core.runtime.urls.urls` has read and set what it
+    needs by name: the local paths given (``config``, the adapter's) refused as URLs, an
+    object-storage ``src`` seen through ``stores``, ``out`` claimed (``overwrite``) and
+    staged, ``shared`` writing into it."""
+    del config, adapter, adapter_config, overwrite  # read by the decorator, in options too
+    if shared is not options.share.shared:
+        options = replace(options, share=replace(options.share, shared=shared))
+    return _merge(src, out, options, stores=stores, progress=progress, on_start=on_start)
+
+
+def _merge(src: str | os.PathLike[str], out: str | os.PathLike[str], options: MergeOptions,
+           *, stores: Stores, progress: Progress | None,
+           on_start: Callable[[int], None] | None) -> MergeReport:
+    """:func:`merge`'s steps: recognise, choose, plan, check, write, report."""
     started = time.perf_counter()
+    read, cast, writing, share = options.read, options.cast, options.write, options.share
     src_path, out_path = Path(src), Path(out)
-    shard_limit = units.parse_size(str(max_shard_size))
-    whole, ckpt = _recognise(src_path, out_path, config, part, layout, stores, iteration)
+    shard_limit = units.parse_size(str(writing.max_shard_size))
+    whole, ckpt = _recognise(src_path, out_path, read, cast.layout, stores)
     files, optimizer = ckpt.hf, ckpt.kind == "optimizer"
     named = [(t.name, t.tensor) for t in ckpt.tensors]
     if optimizer and megatron_buckets.holds(named):
-        named = _unbucketed(ckpt, named, follow_links=follow_links)
-    files, derived = _derived(ckpt, named, names, files, optimizer=optimizer,
+        named = _unbucketed(ckpt, named, follow_links=read.follow_links)
+    files, derived = _derived(ckpt, named, cast.names, files, optimizer=optimizer,
                               command=f"ckpttool merge {src} {out}")
     adapted = (None if optimizer else
-               plan_for_merge(ckpt, named, lora, adapter, adapter_config,
-                                       lora_alpha=lora_alpha))
+               plan_for_merge(ckpt, named, read.lora, read.adapter, read.adapter_config,
+                              lora_alpha=read.lora_alpha))
     mode = adapted.mode if adapted is not None else None
-    policy, stem, files = _policy(dtype, files, optimizer=optimizer, mode=mode)
-    mapped = _mapped(names, ckpt, named, files, optimizer=optimizer, adapted=adapted)
+    policy, stem, files = _policy(cast.dtype, files, optimizer=optimizer, mode=mode)
+    mapped = _mapped(cast.names, ckpt, named, files, optimizer=optimizer, adapted=adapted)
     sources: list[tuple[str, Source]] = (
         list(mapped.tensors) if mapped is not None
         else list(named) if adapted is None else adapted.sources)
     report = _start_report(src_path, out_path, whole, ckpt, policy, files, adapted, mapped,
                            model=not optimizer and mode != "adapter")
     report.derived_config = derived
-    _require_config(src_path, out_path, ckpt, files, weights_only=weights_only,
+    _require_config(src_path, out_path, ckpt, files, weights_only=writing.weights_only,
                     model=not optimizer and mode != "adapter")
     _fail_fast(out_path, files, optimizer=optimizer, mode=mode, derived=derived is not None,
-               overwrite=overwrite, stem=stem, shared=shared)
-    with _readers(ckpt, adapted, follow_links=follow_links, check_crc=check_crc) as reader:
+               overwrite=writing.overwrite, stem=stem, shared=share.shared)
+    with _readers(ckpt, adapted, follow_links=read.follow_links,
+                  check_crc=read.check_crc) as reader:
         decide = functools.partial(_decide, reader, sources, files.config, report.warnings,
-                                   keep_tied=keep_tied,
+                                   keep_tied=cast.keep_tied,
                                    ties_apply=not optimizer and mode != "adapter", mapped=mapped)
-        drop = _decided(report, decide() if shared is None else shared.once(decide))
-        sources, drop = _output_layout(sources, drop, files, layout,
+        drop = _decided(report, decide() if share.shared is None else share.shared.once(decide))
+        sources, drop = _output_layout(sources, drop, files, cast.layout,
                                        report, stored=mapped is None and mode != "adapter"
                                        and not optimizer)
         sources, files, policy, recoded = _recode(
-            sources, files, policy, report, dequantize=dequantize, quantize=quantize,
-            ignore=quantize_ignore, plain=not optimizer and mode != "adapter")
+            sources, files, policy, report, cast, plain=not optimizer and mode != "adapter")
         plan = plan_merge(sources, policy=policy,
                           max_shard_size=shard_limit if mode != "adapter" else 1 << 62,
                           drop=drop, stem=stem)
@@ -314,14 +264,14 @@ def merge(
                             recoded)
         if not optimizer and mode != "adapter":
             report.contract = _contract(plan, files, report, out_path,
-                                        weights_only=weights_only)
+                                        weights_only=writing.weights_only)
         # A dry run stops here: the plan it reports is the one a merge would write.
-        if not dry_run:
+        if not writing.dry_run:
             report.distributed, report.resumed = _write(
-                plan, reader, out_path, extra, stem=stem, overwrite=overwrite, workers=workers,
-                shared=shared, progress=progress, on_start=on_start)
-    _summarise(report, ckpt, plan, dict(extra).get(OPTIMIZER_JSON), dry_run=dry_run,
-               shared=shared)
+                plan, reader, out_path, extra, stem, writing, share, progress=progress,
+                on_start=on_start)
+    _summarise(report, ckpt, plan, dict(extra).get(OPTIMIZER_JSON), dry_run=writing.dry_run,
+               shared=share.shared)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
 
@@ -389,22 +339,21 @@ def _derived(ckpt: Checkpoint, named: list[tuple[str, Any]], names: str | None,
 
 
 def _recode(sources: list[tuple[str, Source]], files: hf.HfFiles, policy: DTypePolicy,
-            report: MergeReport, *,
-            dequantize: bool, quantize: str | None, ignore: tuple[str, ...], plain: bool
+            report: MergeReport, cast: CastOptions, *, plain: bool
             ) -> tuple[list[tuple[str, Source]], hf.HfFiles, DTypePolicy, list[str]]:
     """``--dequantize`` or ``--quantize`` applied to ``sources``
     (:mod:`ckpttool.core.transforms.quantize`), config.json with them; the dtype policy
     keeping every scale of a quantized weight as stored; the config changes to report."""
     changes: list[str] = []
-    if dequantize or quantize is not None:
+    if cast.dequantize or cast.quantize is not None:
         if not plain:
             raise UnsupportedError("--dequantize and --quantize apply to a model's weights, "
                                    "not to optimizer state or a LoRA adapter written apart")
         name = str(files.config_path) if files.config_path else "config.json"
-        done = (recode.dequantize(sources, files.config, target=policy.target,
-                                  config_name=name) if dequantize
-                else recode.quantize(sources, files.config, scheme=str(quantize),
-                                     ignore=ignore))
+        done = (quantize.dequantize(sources, files.config, target=policy.target,
+                                    config_name=name) if cast.dequantize
+                else quantize.quantize(sources, files.config, scheme=str(cast.quantize),
+                                       ignore=cast.quantize_ignore))
         sources, changes = done.sources, done.changes
         report.warnings += done.warnings
         if files.config is not None:
@@ -464,13 +413,14 @@ def _decide(reader: Reader, sources: list[tuple[str, Source]], config: dict[str,
             "warnings": warnings}
 
 
-def _write(plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]], *,
-           stem: str, overwrite: bool, workers: int | None, shared: Shared | None,
+def _write(plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
+           stem: str, write_options: WriteOptions, share: ShareOptions, *,
            progress: Progress | None, on_start: Callable[[int], None] | None
            ) -> tuple[Sharing | None, resume.Resumed | None]:
     """Write the plan: alone, this process's share of it, or in pieces that a cut merge
     leaves for the next run to finish (:mod:`ckpttool.core.merge.resume`). The report's
     ``distributed`` and ``resumed`` sections."""
+    shared, overwrite, workers = share.shared, write_options.overwrite, share.workers
     if not getattr(shared, "remote", False):  # into object storage: about one part locally
         check_space(out, plan.file_bytes + sum(len(data) for _, data in extra))
     if shared is not None:  # this process writes its share (core.merge.multihost)
@@ -491,8 +441,7 @@ def _write(plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, by
     return None, None
 
 
-def _recognise(src: Path, out: Path, config: str | os.PathLike[str] | None,
-               part: str | None, layout: str, stores: Stores, iteration: int | None = None
+def _recognise(src: Path, out: Path, read: ReadOptions, layout: str, stores: Stores
                ) -> tuple[Checkpoint, Checkpoint]:
     """The checkpoint at ``src`` (whole) and the part of it a merge writes, checked whole.
 
@@ -500,13 +449,14 @@ def _recognise(src: Path, out: Path, config: str | os.PathLike[str] | None,
         InputError: not a checkpoint, damaged, only optimizer state where none was asked for,
             no tensors, or OUT inside SRC.
     """
+    part = read.part
     if layout not in hub_layout.CHOICES:
         raise InputError(f"unknown layout {layout!r}; choose one of "
                          f"{', '.join(hub_layout.CHOICES)}")
     if part not in (None, *MERGEABLE):
         raise InputError(f"part {part!r} cannot be merged; choose one of {', '.join(MERGEABLE)}")
-    ckpt = discover(src, config=config, command="merge", prefer=part, stores=stores,
-                    iteration=iteration)
+    ckpt = discover(src, config=read.config, command="merge", prefer=part, stores=stores,
+                    iteration=read.iteration)
     if ckpt.chosen is not None and ckpt.kind == "optimizer" and part is None:
         raise InputError(
             f"{src}: holds only optimizer state ({ckpt.chosen}), no model checkpoint; to "

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ckpttool.core.checkpoint import geometry as chunk_geometry
+from ckpttool.core.checkpoint import geometry
 from ckpttool.core.transforms.derive import Derived
 
 if TYPE_CHECKING:
@@ -76,8 +76,8 @@ def _pieces(plan: MergePlan) -> list[_Piece]:
                 if not n:
                     continue
                 unit = Unit(fi, ti, ci, None, n * q)
-                if chunk_geometry.is_single_run(entry.shape, c.offsets, c.sizes):
-                    ((_, dst_elem, _),) = chunk_geometry.runs(entry.shape, c.offsets, c.sizes)
+                if geometry.is_single_run(entry.shape, c.offsets, c.sizes):
+                    ((_, dst_elem, _),) = geometry.runs(entry.shape, c.offsets, c.sizes)
                     at = t.slot.begin + dst_elem * q
                     placed.append(_Piece(unit, at, q, n, at + n * q))
                 else:

@@ -11,7 +11,7 @@ from typing import ClassVar
 from ckpttool.core.dtype_policy import DTypePolicy
 from ckpttool.core.runtime.report import Section, section
 from ckpttool.core.transforms.derive import Derived
-from ckpttool.formats import safetensors as st
+from ckpttool.formats import safetensors
 from ckpttool.formats.base import Tensor
 from ckpttool.formats.codecs.dtypes import DType
 
@@ -25,7 +25,7 @@ class OutTensor:
     name: str
     source: Source
     dtype: DType  # as written
-    slot: st.Slot
+    slot: safetensors.Slot
 
     @property
     def cast(self) -> bool:
@@ -35,7 +35,7 @@ class OutTensor:
 @dataclass(frozen=True)
 class OutFile:
     name: str
-    layout: st.Layout
+    layout: safetensors.Layout
     tensors: tuple[OutTensor, ...]
 
     @property
@@ -48,7 +48,7 @@ class MergePlan:
     files: tuple[OutFile, ...]
     index: bytes | None  # model.safetensors.index.json, when sharded
     dropped: tuple[str, ...]  # canonical names left out (a deduplicated tied weight)
-    index_name: str = st.INDEX_NAME
+    index_name: str = safetensors.INDEX_NAME
 
     @property
     def total_bytes(self) -> int:
@@ -78,7 +78,7 @@ def plan_merge(
     """
     kept = [(name, entry) for name, entry in tensors if name not in drop]
     by_name = {name: entry for name, entry in kept}
-    file_plans, index = st.plan_files(
+    file_plans, index = safetensors.plan_files(
         [(name, policy.output_dtype(entry.dtype, name), entry.shape) for name, entry in kept],
         max_shard_size,
         stem,
@@ -88,7 +88,7 @@ def plan_merge(
                                         for s in f.layout.slots))
         for f in file_plans
     )
-    return MergePlan(files, index, tuple(sorted(drop)), st.index_name(stem))
+    return MergePlan(files, index, tuple(sorted(drop)), safetensors.index_name(stem))
 
 
 @section

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool import settings, units
+from ckpttool import settings
 from ckpttool.core.checkpoint.discover import discover
 from ckpttool.core.merge import guards
+from ckpttool.core.merge.options import MergeOptions
 from ckpttool.core.runtime.report import SCHEMA, Section, jsonable, section
 from ckpttool.core.verify import receipt
 from ckpttool.errors import CkptError, InputError, UnsupportedError, UsageError
@@ -41,7 +42,7 @@ from ckpttool.storage import places
 from ckpttool.storage.outputs import TMP_SUFFIX
 
 if TYPE_CHECKING:
-    from ckpttool.core.merge.operation import MergeReport
+    from ckpttool.core.merge.report import MergeReport
 
 # What each outcome's ``status`` may be.
 MERGED = "merged"  # merged now (receipt written)
@@ -374,18 +375,14 @@ MergeFunction = Callable[..., Any]  # ckpttool.core.merge.operation.merge
 def sweep(
     run: str | os.PathLike[str],
     out_root: str | os.PathLike[str],
+    options: MergeOptions | None = None,
     *,
-    merge_options: dict[str, Any] | None = None,
     steps: Steps | None = None,
     task: tuple[int, int] | None = None,
-    overwrite: bool = False,
-    dry_run: bool = False,
     settle: float = 5.0,
     watch: bool = False,
     poll: float = 30.0,
     then: str | None = None,
-    workers: int | None = None,
-    follow_links: bool = False,
     on_outcome: Callable[[Outcome], None] | None = None,
     stop: Callable[[], bool] | None = None,
 ) -> SweepReport:
@@ -393,13 +390,13 @@ def sweep(
     ``out_root/<its name>/``, in step order, skipping those done already.
 
     Args:
-        merge_options: what every merge gets (``dtype``, ``max_shard_size``, ``config``,
-            ``keep_tied``, ``lora``, ``part``, ``names``...): :func:`merge`'s keywords. They
-            are recorded in each receipt; a receipt made with others is not done.
+        options: what every merge gets (None: merge's defaults). Those that change the
+            output are recorded in each receipt (:meth:`MergeOptions.recorded`); a receipt
+            made with others is not done. ``options.write.overwrite``: merge again an output
+            whose source or options changed; ``options.write.dry_run``: decide, and write
+            nothing.
         steps: which checkpoints (:func:`parse_steps`); None: all.
         task: ``(I, N)``: only task I's share of N (:func:`assign`).
-        overwrite: merge again an output whose source or options changed.
-        dry_run: decide, and write nothing.
         settle: seconds a checkpoint's files must have stayed unchanged.
         watch: go on, looking again every ``poll`` seconds, until interrupted (or ``stop``).
         then: a shell command run after each merge, with ``CKPTTOOL_OUT``, ``CKPTTOOL_SRC``,
@@ -423,8 +420,9 @@ def sweep(
     run_path, root = local_dirs(run, out_root)
     if then is not None:
         check_then(then)
-    options = dict(merge_options or {})
-    recorded = receipt_options(options)
+    options = options or MergeOptions()
+    recorded = options.recorded()
+    overwrite, dry_run = options.write.overwrite, options.write.dry_run
     report = SweepReport(str(run_path), str(root), task=task)
     seen: dict[str, tuple[str, tuple[receipt.SourceFile, ...]]] = {}
 
@@ -460,9 +458,7 @@ def sweep(
                 seen[f.name] = key
                 tell(Outcome(f, out, status, reason, owner))
                 continue
-            outcome = _merge_one(merge, f, out, options, recorded, reason, owner,
-                                 overwrite=overwrite, then=then, workers=workers,
-                                 follow_links=follow_links)
+            outcome = _merge_one(merge, f, out, options, recorded, reason, owner, then=then)
             seen[f.name] = (outcome.status if outcome.status != MERGED else DONE,
                             f.files if outcome.status == FAILED else ())
             tell(outcome)
@@ -500,41 +496,9 @@ def local_dirs(run: str | os.PathLike[str], out_root: str | os.PathLike[str]
     return run_place.path, root_place.path
 
 
-def receipt_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The merge options a receipt records: those that change the output, with
-    :func:`merge`'s defaults where not given, as JSON values (sizes in bytes, paths as
-    absolute strings), so that the library and the command line record the same."""
-    import inspect
-
-    from ckpttool.core.merge.operation import merge
-
-    defaults = inspect.signature(merge).parameters
-    doc: dict[str, Any] = {}
-    for key in RECORDED:
-        value = options.get(key, defaults[key].default)
-        if key == "max_shard_size" and value is not None:
-            value = units.parse_size(str(value))
-        elif isinstance(value, os.PathLike):
-            value = str(Path(value).resolve())
-        doc[key] = value
-    for key in RECORDED_IF_GIVEN:  # absent from receipts written before them: default
-        value = options.get(key, defaults[key].default)
-        if value != defaults[key].default and value:
-            doc[key] = list(value) if isinstance(value, tuple) else value
-    return doc
-
-
-# merge()'s keywords that change what it writes (recorded in receipts).
-RECORDED = ("dtype", "max_shard_size", "config", "keep_tied", "lora", "adapter",
-            "adapter_config", "part", "names", "layout")
-# ...and those recorded only where given (quantized weights: core.transforms.quantize).
-RECORDED_IF_GIVEN = ("dequantize", "quantize", "quantize_ignore")
-
-
-def _merge_one(merge: MergeFunction, f: Found, out: Path, options: dict[str, Any],
+def _merge_one(merge: MergeFunction, f: Found, out: Path, options: MergeOptions,
                recorded: dict[str, Any], reason: str | None, owner: int | None, *,
-               overwrite: bool, then: str | None, workers: int | None,
-               follow_links: bool) -> Outcome:
+               then: str | None) -> Outcome:
     """Merge one checkpoint, then write its receipt and run ``then``: every error becomes
     the outcome (KeyboardInterrupt goes on up)."""
     started = time.perf_counter()
@@ -551,11 +515,10 @@ def _merge_one(merge: MergeFunction, f: Found, out: Path, options: dict[str, Any
                     f"{f.path}: changed while it was merged (a save or copy still going on); "
                     "nothing was published, it is merged again next time")
 
-        if overwrite:
+        if options.write.overwrite:
             receipt.remove(out)
         with guards.before_publish(unchanged):
-            report = merge(f.path, out, overwrite=overwrite, workers=workers,
-                           follow_links=follow_links, **options)
+            report = merge(f.path, out, options)
         outcome.merge = report
         # The source as merged: a file that changed while it was read fails the receipt.
         now = receipt.source_files(f.path)
@@ -563,7 +526,7 @@ def _merge_one(merge: MergeFunction, f: Found, out: Path, options: dict[str, Any
             raise InputError(f"{f.path}: changed while it was merged; it is merged again "
                              "next time (with --overwrite)")
         receipt.write(out, receipt.make(out, f.path.resolve(), f.files, recorded,
-                                          workers=workers))
+                                          workers=options.share.workers))
     except guards.SourceChanged as e:
         outcome.status, outcome.reason = WAITING, str(e)
     except CkptError as e:

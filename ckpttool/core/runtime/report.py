@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 if sys.version_info >= (3, 11):
     from typing import dataclass_transform
@@ -25,9 +25,7 @@ class Section:
     """A typed section of a report: a dataclass whose fields, in order, are the keys of its
     ``--json`` object. Subclasses name a JSON key that is no Python name in ``KEYS``
     (``{"source": "from"}``) and the fields left out of the JSON when None in ``OMIT_NONE``.
-
-    0.1 returned these sections as dicts: reading them by key (``report.tie["action"]``,
-    ``.get``, ``in``) and comparing them with a dict still work, read-only.
+    Two sections of one type are equal when their JSON is.
     """
 
     KEYS: ClassVar[dict[str, str]] = {}
@@ -42,23 +40,7 @@ class Section:
             doc[self.KEYS.get(f.name, f.name)] = jsonable(value)
         return doc
 
-    if not TYPE_CHECKING:  # 0.1's dict access, at run time only: mypy holds ckpttool to fields
-
-        def __getitem__(self, key: str) -> Any:
-            return self.to_json()[key]
-
-        def get(self, key: str, default: Any = None) -> Any:
-            return self.to_json().get(key, default)
-
-        def __contains__(self, key: object) -> bool:
-            return key in self.to_json()
-
-        def __iter__(self) -> Iterator[str]:
-            return iter(self.to_json())
-
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, dict):
-            return self.to_json() == other
         if type(other) is type(self):
             return self.to_json() == other.to_json()
         return NotImplemented

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckpttool.core.checkpoint import tensors
-from ckpttool.core.runtime import scratch as work
+from ckpttool.core.runtime.scratch import buffer, held
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Reader, Tensor
 from ckpttool.formats.codecs.dtypes import DType
@@ -132,13 +132,13 @@ def scratch(name: str, numel: int, dtype: torch.dtype | None = None) -> torch.Te
     dtype = dtype or torch.float32
     if not numel:
         return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(work.buffer(name, numel * dtype.itemsize), dtype=dtype,
+    return torch.frombuffer(buffer(name, numel * dtype.itemsize), dtype=dtype,
                             count=numel)
 
 
 def scratch_bytes(name: str, nbytes: int) -> memoryview:
     """The first ``nbytes`` of this thread's work buffer ``name`` (:func:`scratch`)."""
-    return work.held(name, nbytes)
+    return held(name, nbytes)
 
 
 # An input of at least this many bytes is computed on where it lies in the page cache.

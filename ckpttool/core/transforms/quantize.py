@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.core import quantization as q
+from ckpttool.core import quantization
 from ckpttool.core.transforms.derive import Derived, is_selection
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats.base import Tensor
@@ -110,18 +110,18 @@ def dequantize(sources: list[tuple[str, Source]], config: Mapping[str, Any] | No
     """
     by_name = dict(sources)
     shapes = {n: (s.dtype, tuple(s.shape)) for n, s in sources}
-    s = q.scheme(config, shapes)
+    s = quantization.scheme(config, shapes)
     if s is None:
         raise InputError("--dequantize: the checkpoint holds no quantized weight (no "
                          f"quantization_config in {config_name}, no float8 or packed "
                          "weights with scales); leave out --dequantize")
     if s.unsupported is not None:
         raise UnsupportedError(f"--dequantize: {s.unsupported} ({s.source})")
-    found, other = q.groups(s, by_name)
+    found, other = quantization.groups(s, by_name)
     if not found:
         raise InputError(f"--dequantize: {config_name} says {s.method} but no weight is "
                          "stored that way; check it with: ckpttool verify SRC")
-    problems = [p for p in q.check(config, shapes, config_name) if p.severity == "error"
+    problems = [p for p in quantization.check(config, shapes, config_name) if p.severity == "error"
                 and p.code != "quant-scale-missing"]
     if problems:
         raise InputError(f"--dequantize: {problems[0].message}")
@@ -153,22 +153,23 @@ def dequantize(sources: list[tuple[str, Source]], config: Mapping[str, Any] | No
     return Recoded(written, new_config, changes, sorted(drop - parts), len(found))
 
 
-def _decoder(s: q.Scheme, g: q.Group, by_name: Mapping[str, Source], out: DType) -> Derived:
+def _decoder(s: quantization.Scheme, g: quantization.Group, by_name: Mapping[str, Source],
+             out: DType) -> Derived:
     stored = [by_name[p] for _, p in g.parts]
     if not all(isinstance(t, Tensor) for t in stored):
         raise UnsupportedError(f"--dequantize: '{g.out}' is computed by another transform "
                                "(a name map or layout change); merge with --layout stored")
     qt, sc = by_name[g.part("q")], by_name[g.part("scale")]
     assert isinstance(qt, Tensor) and isinstance(sc, Tensor)
-    if s.method == q.FP8_BLOCK:
-        fitted = q.fp8_block(tuple(qt.shape), tuple(sc.shape), s.block)
+    if s.method == quantization.FP8_BLOCK:
+        fitted = quantization.fp8_block(tuple(qt.shape), tuple(sc.shape), s.block)
         if fitted is None:
             raise InputError(f"--dequantize: '{g.part('scale')}' {list(sc.shape)} fits no "
                              f"block of '{g.out}' {list(qt.shape)}"
                              + (f" in {list(s.block)} blocks" if s.block else ""))
         what = ("fp8 per tensor" if math.prod(sc.shape) == 1 else f"block fp8 {list(fitted)}")
         return _fp8_scaled(g.out, qt, sc, fitted, out, what)
-    if s.method == q.FP8_CT:
+    if s.method == quantization.FP8_CT:
         shape = tuple(qt.shape)
         sshape = tuple(sc.shape)
         if math.prod(sshape) == 1:
@@ -179,16 +180,16 @@ def _decoder(s: q.Scheme, g: q.Group, by_name: Mapping[str, Source], out: DType)
         if strategy is not None:
             block = strategy
         return _fp8_scaled(g.out, qt, sc, block, out, "compressed-tensors fp8")
-    if s.method == q.MXFP4:
+    if s.method == quantization.MXFP4:
         return _mxfp4(g.out, qt, sc, out, original=g.part("q").endswith(".blocks"))
-    assert s.method == q.NVFP4
+    assert s.method == quantization.NVFP4
     gs = by_name[g.part("global")]
     assert isinstance(gs, Tensor)
     return _nvfp4(g.out, qt, sc, gs, out)
 
 
-def _ct_block(s: q.Scheme) -> tuple[int, int] | None:
-    for w in q._ct_weights(s.config):
+def _ct_block(s: quantization.Scheme) -> tuple[int, int] | None:
+    for w in quantization._ct_weights(s.config):
         size = w.get("block_structure")
         if w.get("strategy") == "block" and isinstance(size, list) and len(size) == 2:
             return (int(size[0]), int(size[1]))
@@ -204,7 +205,7 @@ def _fp8_scaled(name: str, weight: Tensor, scale: Tensor, block: tuple[int, ...]
     rows, cols = weight.shape
     br, bc = block[0], block[1]
     per_tensor = math.prod(scale.shape) == 1
-    if not per_tensor and tuple(scale.shape) != q.ceil_blocks((rows, cols), (br, bc)):
+    if not per_tensor and tuple(scale.shape) != quantization.ceil_blocks((rows, cols), (br, bc)):
         raise InputError(f"--dequantize: '{name}_scale' shape {list(scale.shape)} does not "
                          f"fit {list(weight.shape)} in blocks of {[br, bc]}")
     # Where a block holds at least LUT_BLOCK values: by table. The 256 float8 codes times
@@ -296,7 +297,7 @@ def _mxfp4(name: str, blocks: Tensor, scales: Tensor, out: DType, *, original: b
     - ``X_blocks`` of one matrix [rows, G, 16] (transformers' function needs the expert dim
       for its transpose) and the original gpt-oss release's ``X.blocks`` of any rank:
       gpt-oss' own ``_get_mxfp4_tensor``, [..., G * 32], no transpose."""
-    layout = q.mxfp4_layout(tuple(blocks.shape), tuple(scales.shape))
+    layout = quantization.mxfp4_layout(tuple(blocks.shape), tuple(scales.shape))
     if layout is None:
         raise InputError(f"--dequantize: '{name}' blocks {list(blocks.shape)} and scales "
                          f"{list(scales.shape)} are not MXFP4's [..., G, 16] (or [..., G * 16])"
@@ -428,7 +429,7 @@ def quantizable(name: str, src: Source, ignore: Sequence[str]) -> bool:
     a norm, an embedding, a router gate or ``lm_head``, and not matched by ``ignore``."""
     if not name.endswith(".weight") or len(src.shape) != 2 or not src.dtype.is_float:
         return False
-    module = q.module_of(name)
+    module = quantization.module_of(name)
     parts = module.split(".")
     if not any(p == "layers" and i + 1 < len(parts) and parts[i + 1].isdecimal()
                for i, p in enumerate(parts)):
@@ -436,18 +437,18 @@ def quantizable(name: str, src: Source, ignore: Sequence[str]) -> bool:
     last = parts[-1]
     if "norm" in last or "embed" in module or last in ROUTERS or "lm_head" in module:
         return False
-    return not q.matches(module, ignore)
+    return not quantization.matches(module, ignore)
 
 
 def _kept_linear(name: str, src: Source) -> bool:
     """A stored floating weight of a Linear module (not an embedding or a norm), or a
     mixture of experts' stacked weights: left as stored, it is named in the config."""
-    module = q.module_of(name)
+    module = quantization.module_of(name)
     if not src.dtype.is_float or "embed" in module or "norm" in module.rpartition(".")[2]:
         return False
     if name.endswith(".weight") and len(src.shape) == 2:
         return True
-    return len(src.shape) >= 3 and q.experts_layer(module) == module
+    return len(src.shape) >= 3 and quantization.experts_layer(module) == module
 
 
 def quantize(sources: list[tuple[str, Source]], config: Mapping[str, Any] | None, *,
@@ -465,19 +466,19 @@ def quantize(sources: list[tuple[str, Source]], config: Mapping[str, Any] | None
         raise InputError(f"unknown --quantize {scheme!r}; use one of: {', '.join(CHOICES)}")
     shapes = {n: (s.dtype, tuple(s.shape)) for n, s in sources}
     by_shape = {n: shape for n, (_, shape) in shapes.items()}
-    if q.scheme(config, shapes) is not None:
+    if quantization.scheme(config, shapes) is not None:
         raise UnsupportedError("--quantize: the checkpoint is quantized already; re-quantizing "
                                "is not supported: merge with --dequantize first, then "
                                "--quantize the result")
     chosen = {n for n, src in sources if quantizable(n, src, ignore)}
-    kept = q.keep_whole_layers({q.module_of(n) for n in chosen},
-                               {q.module_of(n) for n, src in sources
+    kept = quantization.keep_whole_layers({quantization.module_of(n) for n in chosen},
+                               {quantization.module_of(n) for n, src in sources
                                 if n not in chosen and _kept_linear(n, src)})
     written: list[tuple[str, Source]] = []
     edges: list[str] = []
     num = 0
     for n, src in sources:
-        if n in chosen and q.module_of(n) in kept.quantized:
+        if n in chosen and quantization.module_of(n) in kept.quantized:
             if src.shape[0] % BLOCK[0] or src.shape[1] % BLOCK[1]:
                 edges.append(n)
             weight, scale = _fp8_block(n, src)
@@ -489,10 +490,10 @@ def quantize(sources: list[tuple[str, Source]], config: Mapping[str, Any] | None
         raise InputError("--quantize: no Linear weight of a decoder layer (model.layers.N...) "
                          "to quantize; nothing was written")
     # modules_to_not_convert for transformers, ignored_layers for vLLM and SGLang: the same
-    # list (q.IGNORE_KEYS)
+    # list (quantization.IGNORE_KEYS)
     qc: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                           "weight_block_size": list(BLOCK)}
-    qc.update({key: list(kept.listed) for key in q.IGNORE_KEYS})
+    qc.update({key: list(kept.listed) for key in quantization.IGNORE_KEYS})
     new_config = dict(config or {})
     new_config["quantization_config"] = qc
     changes = [f"quantization_config: fp8 e4m3 in {list(BLOCK)} blocks ({num} weights; "
@@ -528,7 +529,7 @@ def _fp8_block(name: str, src: Source) -> tuple[Derived, Derived]:
     two)."""
     rows, cols = src.shape
     br, bc = BLOCK
-    grid = q.ceil_blocks((rows, cols), BLOCK)
+    grid = quantization.ceil_blocks((rows, cols), BLOCK)
     f8, f32 = dtypes.get("F8_E4M3"), dtypes.get("F32")
     shared = _Shared()
     computed: list[Derived] = []  # the transform computing the weight, where one does
@@ -555,7 +556,7 @@ def _fp8_block(name: str, src: Source) -> tuple[Derived, Derived]:
             highs.append(tail.amax().reshape(1))
             lows.append(tail.amin().reshape(1))
         amax = torch.maximum(torch.cat(highs), torch.cat(lows).neg())
-        s = amax / q.FP8_MAX
+        s = amax / quantization.FP8_MAX
         return torch.where(amax == 0, torch.ones_like(s), s)
 
     def widened(w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

@@ -42,7 +42,7 @@ from ckpttool.core.checkpoint.discover import (
 )
 from ckpttool.core.checkpoint.parts import Content
 from ckpttool.core.dtype_policy import DTypePolicy
-from ckpttool.core.runtime import urls as remote
+from ckpttool.core.runtime import urls
 from ckpttool.core.runtime.report import Progress, document, locked
 from ckpttool.core.transforms.lora.plan import (
     merged_adapter_config,
@@ -50,9 +50,9 @@ from ckpttool.core.transforms.lora.plan import (
     verify_adapter,
 )
 from ckpttool.core.transforms.lora.report import AdapterSummary
-from ckpttool.core.verify import manifest as manifests
 from ckpttool.core.verify import receipt, scan
 from ckpttool.core.verify.against import AgainstPlan, plan_against
+from ckpttool.core.verify.manifest import ManifestUse, finish, prepare
 from ckpttool.errors import InputError, UsageError
 from ckpttool.formats.base import SEVERITIES, Location, Problem, error, warning
 from ckpttool.storage.store import LOCAL, Stores
@@ -70,7 +70,7 @@ class VerifyReport:
     kind: str
     storage: dict[str, Any] = field(default_factory=dict)  # CheckpointInfo.storage
     against: dict[str, str] | None = None
-    manifest: manifests.ManifestUse | None = None
+    manifest: ManifestUse | None = None
     lora: AdapterSummary | None = None  # the LoRA adapter found (rank, alpha, targets...)
     parts: list[Part] = field(default_factory=list)  # other checkpoints verified
     contents: list[Content] = field(default_factory=list)  # model, optimizer... all read
@@ -96,7 +96,7 @@ class VerifyReport:
         return doc
 
 
-@remote.urls(sources=("path", "against", "base"))
+@urls.urls(sources=("path", "against", "base"))
 def verify(
     path: str | os.PathLike[str],
     *,
@@ -173,7 +173,7 @@ def verify(
              else None)
     expect, cast_policy = _policies(ckpt, expect_dtype, dtype if allow_cast else None,
                                     allow_cast=allow_cast)
-    manifest_path, expected = manifests.prepare(manifest, manifest_action)
+    manifest_path, expected = prepare(manifest, manifest_action)
 
     report = VerifyReport(path=str(ckpt.path), checkpoint=str(ckpt.root), format=ckpt.format,
                           kind=ckpt.kind, num_tensors=len(ckpt.tensors),
@@ -234,7 +234,7 @@ def verify(
     problems += part_problems
     report.parts = [p for p in ckpt.parts if p.path in dict(parts)]
     found, report.manifest = (
-        manifests.finish(ckpt, manifest_path, expected, digests) if manifest_path is not None
+        finish(ckpt, manifest_path, expected, digests) if manifest_path is not None
         else receipt.verify(ckpt, kept, digests) if kept is not None else ([], None))
     problems += found
     if base is not None:

@@ -21,9 +21,7 @@ from typing import Any
 
 from ckpttool._gc import gc_paused
 from ckpttool.core import values
-from ckpttool.core.checkpoint import geometry as chunk_geometry
-from ckpttool.core.checkpoint import non_tensor as objects
-from ckpttool.core.checkpoint import tensors
+from ckpttool.core.checkpoint import geometry, non_tensor, tensors
 from ckpttool.core.checkpoint.discover import Checkpoint, TensorView, open_reader
 from ckpttool.core.checkpoint.tensors import BLOCK_BYTES
 from ckpttool.core.runtime import forked
@@ -158,9 +156,9 @@ class Scanner:
         # their first elements, give the tensor in C order; others (Shard(1)) do not. A
         # compressed chunk comes decompressed, in C order.
         ordered = all((p.start is not None or p.compression is not None)
-                      and chunk_geometry.is_single_run(t.shape, c.offsets, c.sizes)
+                      and geometry.is_single_run(t.shape, c.offsets, c.sizes)
                       for c, p in decoded)
-        firsts = {c.offsets: chunk_geometry.single_run_start(t.shape, c.offsets, c.sizes) or 0
+        firsts = {c.offsets: geometry.single_run_start(t.shape, c.offsets, c.sizes) or 0
                   for c, _ in decoded} if ordered else {}
         if ordered:
             decoded.sort(key=lambda cp: firsts[cp[0].offsets])
@@ -475,10 +473,10 @@ def _object_problems(ckpt: Checkpoint, reader: Reader) -> list[Problem]:
     problems: list[Problem] = []
     for o in ckpt.objects:
         try:
-            value = objects.read(reader, o.entry)
+            value = non_tensor.read(reader, o.entry)
         except InputError:
             continue  # a damaged record: its CRCs report it
-        found = objects.problem(o.name, value, o.entry.file)
+        found = non_tensor.problem(o.name, value, o.entry.file)
         if found is not None:
             problems.append(found)
     return problems

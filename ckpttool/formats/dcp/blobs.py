@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import InputError, UnsupportedError
-from ckpttool.formats import safetensors as st
+from ckpttool.formats import safetensors
 from ckpttool.formats.base import (
     RAW,
     Chunk,
@@ -77,9 +77,9 @@ def locate_safetensors(root: Path, tensors: list[Tensor], stores: Stores
 
 
 def _blob_slots(path: Path, offset: int, stores: Stores
-                ) -> tuple[dict[str, st.Slot], dict[str, Any]]:
+                ) -> tuple[dict[str, safetensors.Slot], dict[str, Any]]:
     """The blob's slots by name, and each name's ``saved_offsets``."""
-    meta, slots = st.read_layout(path, offset=offset, stores=stores)
+    meta, slots = safetensors.read_layout(path, offset=offset, stores=stores)
     raw = meta.get(SHARDING_KEY)
     try:
         sharding = json.loads(raw) if isinstance(raw, str) else None
@@ -91,7 +91,7 @@ def _blob_slots(path: Path, offset: int, stores: Stores
     return {s.name: s for s in slots}, sharding
 
 
-def _blob_chunk(root: Path, t: Tensor, c: Chunk, slots: dict[str, st.Slot],
+def _blob_chunk(root: Path, t: Tensor, c: Chunk, slots: dict[str, safetensors.Slot],
                 sharding: dict[str, Any]) -> Chunk:
     where = f"{root / c.file} at byte {c.offset} (safetensors blob)"
     slot = slots.get(t.name)
