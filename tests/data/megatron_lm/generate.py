@@ -67,6 +67,14 @@ MOE = ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64 "
 DISTOPT = "--use-distributed-optimizer"
 FULL = "--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable"
 RELEASE = "--no-save-optim --no-save-rng"
+# gpt-oss's: biases in every linear layer (the router's too), learnable attention sinks, the
+# clamped quick-GELU GLU with its +1 offset, top-2 softmax routing over 4 experts. (Its
+# alternate sliding-window layers are left out: 10 tokens fit any window.)
+GPT_OSS = ("--add-qkv-bias --softmax-type learnable --quick-geglu "
+           "--activation-func-clamp-value 7.0 --glu-linear-offset 1.0 --no-bias-gelu-fusion "
+           "--kv-channels 16 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64 "
+           "--moe-token-dispatcher-type allgather --moe-router-load-balancing-type none "
+           "--moe-aux-loss-coeff 0")
 # DeepSeek-V3's: multi-latent attention with q and kv LoRA ranks and its q/kv latent norms, a
 # dense first layer then experts with a shared expert, sigmoid routing over groups with the
 # expert bias, YaRN as DeepSeek-V3's config has it (its original 4096 positions and betas 32/1
@@ -108,9 +116,13 @@ RUNS: dict[str, tuple[str, int, str]] = {
                                        f"--expert-tensor-parallel-size 2 {DISTOPT}"),
     "deepseek_v3-ep2": ("deepseek_v3", 2, f"{UNTIED} {MLA} --expert-model-parallel-size 2 "
                                           f"{FULL}"),
+    "gpt_oss-ep2": ("gpt_oss", 2, f"{UNTIED} {GPT_OSS} --expert-model-parallel-size 2 "
+                                  f"{DISTOPT}"),
 }
-# multi-latent attention has no query groups (validate_args refuses both)
-GQA = ("--group-query-attention", "--num-query-groups", "2")
+# The flags of COMMON a family does without: multi-latent attention has no query groups
+# (validate_args refuses both); gpt-oss has biases and no SwiGLU.
+WITHOUT = {"deepseek_v3": ("--group-query-attention", "--num-query-groups"),
+           "gpt_oss": ("--swiglu", "--disable-bias-linear", "--no-bias-swiglu-fusion")}
 
 
 def _free_port() -> int:
@@ -207,7 +219,7 @@ def _vary_norms(model: list[Any]) -> None:
     with torch.no_grad():
         for chunk in model:
             for name, p in chunk.named_parameters():
-                if "norm" not in name and not name.endswith("bias"):
+                if "norm" not in name and not name.endswith(("bias", "softmax_offset")):
                     continue
                 g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1)
                 shape = list(p.shape)
@@ -230,9 +242,9 @@ def _vary_norms(model: list[Any]) -> None:
 def _argv(name: str, run: Path, *, reference: bool) -> list[str]:
     family, world, extra = RUNS[name]
     flags = f"{COMMON} {extra}".split()
-    if "--multi-latent-attention" in flags:
-        flags = [f for i, f in enumerate(flags) if not (
-            f in GQA[:2] or (f == GQA[2] and flags[i - 1] == GQA[1]))]
+    drop = WITHOUT.get(family, ())
+    flags = [f for i, f in enumerate(flags) if f not in drop and not (
+        i and flags[i - 1] in drop and not f.startswith("--"))]  # a dropped flag's value too
     if reference:  # TP=PP=EP=1, the model only
         drop = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                 "--expert-model-parallel-size", "--expert-tensor-parallel-size",
@@ -352,6 +364,9 @@ def _oracle(model: list[Any], run: Path) -> None:
 
     # The forward pass forks no CUDA generator (dropout is 0): Megatron's inference tracker.
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    # Megatron's jit_fuser is torch.compile (gpt-oss's quick_gelu): inductor asks the CUDA
+    # device's properties, which the stand-ins cannot give; run it eagerly, as transformers.
+    torch._dynamo.config.disable = True
     (m,) = model
     while hasattr(m, "module"):
         m = m.module
@@ -394,6 +409,8 @@ def hf_config(name: str) -> dict[str, Any]:
     flags = extra.split()
     if family == "deepseek_v3":
         return _deepseek_v3_config()
+    if family == "gpt_oss":
+        return _gpt_oss_config()
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
            "mixtral": transformers.MixtralConfig}[family]
@@ -438,6 +455,22 @@ def _deepseek_v3_config() -> dict[str, Any]:
                          "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
     config.num_nextn_predict_layers = 1
     config.architectures = ["DeepseekV3ForCausalLM"]
+    return dict(config.to_dict())
+
+
+def _gpt_oss_config() -> dict[str, Any]:
+    """GptOssConfig for the gpt-oss flags above: every layer full attention (10 tokens fit
+    any window), RoPE over whole heads at Megatron's rotary base."""
+    import transformers
+
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB + 1, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attention_bias=True, swiglu_limit=7.0,
+        router_aux_loss_coef=0.0, layer_types=["full_attention"] * 2, torch_dtype="float32",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config.architectures = ["GptOssForCausalLM"]
     return dict(config.to_dict())
 
 
