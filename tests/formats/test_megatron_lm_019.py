@@ -33,7 +33,8 @@ from ckpttool.formats.codecs import policy, torchsave
 
 DATA = Path(__file__).parents[1] / "data" / "megatron_lm"
 # llama-release-0.19: the model only (--no-save-optim); llama-dp2-dist-0.19: two ranks with
-# the distributed optimizer (dp_reshardable buckets), Adam's state saved.
+# the distributed optimizer (dp_reshardable buckets), Adam's state saved; llama-tp2-0.19,
+# llama-pp2-0.19 and qwen3_moe-ep2-0.19: generate.py's runs of those names.
 RUNS = sorted(p.name for p in DATA.glob("*-0.19") if (p / "args.json").is_file())
 ENTRY = "common_state/shard_0_1"
 
@@ -172,9 +173,11 @@ def test_derived_config_is_what_the_args_say(name: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     r = run_cli("merge", run, out, "--json", "-q")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["derived_config"]["family"] == "llama"
+    family = json.loads((run / "written_by.json").read_text())["family"]
+    assert json.loads(r.stdout)["derived_config"]["family"] == family
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["architectures"] == json.loads((run / "hf_config.json").read_text())[
+        "architectures"]
     assert {k: config[k] for k in (
         "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",

@@ -18,7 +18,7 @@ Python 3.12.1, PyPI's torch 2.13.0, its CUDA build run on the CPU), with the che
 
     PYTHONPATH=/work/venvs/mlm-0.19 python3.12 tests/data/megatron_lm/generate_019.py \\
         --mlm /work/venvs/mlm-0.19 --commit 5be9626709af2722333bf54797c954c09edeada3 \\
-        OUT llama-release llama-dp2-dist
+        OUT llama-release llama-dp2-dist llama-tp2 llama-pp2 qwen3_moe-ep2
 
 It writes ``OUT/RUN-0.19``: the checkpoint, ``reference.safetensors``, ``logits.safetensors``,
 ``written_by.json`` and ``args.json`` (the ``args`` it saved, as JSON). ``hf_config.json`` is
