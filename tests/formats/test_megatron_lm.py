@@ -87,6 +87,31 @@ def test_tokenizer_larger_than_the_padded_vocabulary_is_refused() -> None:
         megatron_config.derive(args, command="ckpttool merge R O")
 
 
+@pytest.mark.parametrize(("change", "why"), [
+    ({}, None),
+    ({"window_size": [128, 0]}, "sliding-window attention"),
+    ({"glu_linear_offset": 0.0}, "glu_linear_offset 0.0 (gpt-oss's is 1)"),
+    ({"activation_func_clamp_value": None}, "no activation clamp"),
+    ({"moe_router_pre_softmax": True}, "softmax over all experts"),
+    ({"add_bias_linear": False}, "no bias in the linear layers"),
+    ({"moe_shared_expert_intermediate_size": 64}, "shared experts"),
+])
+def test_gpt_oss_is_derived_only_where_args_are_gpt_oss(change: dict[str, Any],
+                                                        why: str | None) -> None:
+    """The committed gpt-oss run's own args give transformers' GptOss config; each thing
+    GptOss cannot hold is named instead."""
+    from ckpttool.formats import megatron
+
+    args = {**megatron.read_info(DATA / "gpt_oss-ep2").values["args"], **change}
+    if why is None:
+        config = megatron_config.derive(args, command="x").config
+        assert config["model_type"] == "gpt_oss" and config["swiglu_limit"] == 7.0
+        return
+    with pytest.raises(megatron_config.NotDerivable, match="not gpt-oss as transformers") as e:
+        megatron_config.derive(args, command="x")
+    assert why in str(e.value)
+
+
 def test_norm_epsilon_is_read_where_megatron_lm_keeps_it() -> None:
     """``--norm-epsilon`` lands in ``args.layernorm_epsilon``."""
     args = {**_ARGS, "layernorm_epsilon": 1e-6, "padded_vocab_size": 512}
