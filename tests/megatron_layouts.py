@@ -501,7 +501,11 @@ def deepseek_v3_reference(config: dict[str, Any], sd: dict[str, torch.Tensor]
         m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
         if layer >= num_layers:
             k = layer - num_layers
-            p, m = f"mtp.layers.{k}.", f"mtp.layers.{k}.transformer_layer."
+            # megatron-core 0.19's module is mtp_model_layer (its checkpoint keeps the name
+            # transformer_layer); 0.16's transformer_layer
+            p = f"mtp.layers.{k}."
+            m = next(f"{p}{n}." for n in ("mtp_model_layer", "transformer_layer")
+                     if f"{p}{n}.input_layernorm.weight" in sd or n == "transformer_layer")
             for name in ("enorm", "hnorm", "eh_proj"):
                 out[f"{h}{name}.weight"] = sd[f"{p}{name}.weight"]
             out[f"{h}shared_head.norm.weight"] = sd[f"{p}final_layernorm.weight"]
