@@ -425,6 +425,8 @@ def hf_reference(run: Path, sd: dict[str, torch.Tensor] | None = None
     config = json.loads((run / "config.json").read_text())
     if sd is None:
         sd = torch.load(run / "reference.pt", weights_only=True)["state_dict"]
+    if config["model_type"] == "deepseek_v3":
+        return deepseek_v3_reference(config, sd)
     vocab, groups = config["vocab_size"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"][:vocab],
@@ -470,6 +472,131 @@ def hf_reference(run: Path, sd: dict[str, torch.Tensor] | None = None
             if value is not None:
                 out[f"{h}self_attn.{norm}_norm.weight"] = value
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def deepseek_v3_reference(config: dict[str, Any], sd: dict[str, torch.Tensor]
+                          ) -> dict[str, torch.Tensor]:
+    """What a merge of a DeepSeek-V3 run must write, bit for bit: Megatron's own loaded
+    state dict ``sd`` rearranged into transformers' DeepseekV3 names for ``config`` with plain
+    torch, apart from ckpttool's tables: MLA's projections and norms renamed, dense and
+    shared-expert ``linear_fc1`` halved into gate and up, each expert's likewise, the expert
+    bias as the gate's ``e_score_correction_bias`` (where ``sd`` has it: an optimizer holds no
+    state for a buffer), the vocabulary padding cut. Each multi-token prediction layer ``k``
+    as DeepSeek-V3's checkpoints hold it: ``model.layers.{num_hidden_layers + k}``, its
+    ``enorm``/``hnorm``/``eh_proj``, ``final_layernorm`` as ``shared_head.norm``, its
+    ``transformer_layer`` as a decoder layer, and copies of the model's embedding and output
+    layer as its ``embed_tokens`` and ``shared_head.head``."""
+    vocab = config["vocab_size"]
+    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"][:vocab],
+           "model.norm.weight": sd["decoder.final_layernorm.weight"],
+           "lm_head.weight": sd["output_layer.weight"][:vocab]}
+
+    def gate_up(prefix: str, fc1: torch.Tensor) -> None:
+        gate, up = fc1.chunk(2)
+        out[f"{prefix}gate_proj.weight"], out[f"{prefix}up_proj.weight"] = gate, up
+
+    num_layers = config["num_hidden_layers"]
+    mtp = config.get("num_nextn_predict_layers", 0)
+    for layer in range(num_layers + mtp):
+        m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
+        if layer >= num_layers:
+            k = layer - num_layers
+            # megatron-core 0.19's module is mtp_model_layer (its checkpoint keeps the name
+            # transformer_layer); 0.16's transformer_layer
+            p = f"mtp.layers.{k}."
+            m = next(f"{p}{n}." for n in ("mtp_model_layer", "transformer_layer")
+                     if f"{p}{n}.input_layernorm.weight" in sd or n == "transformer_layer")
+            for name in ("enorm", "hnorm", "eh_proj"):
+                out[f"{h}{name}.weight"] = sd[f"{p}{name}.weight"]
+            out[f"{h}shared_head.norm.weight"] = sd[f"{p}final_layernorm.weight"]
+            out[f"{h}embed_tokens.weight"] = out["model.embed_tokens.weight"]
+            out[f"{h}shared_head.head.weight"] = out["lm_head.weight"]
+        a, s = f"{m}self_attention.", f"{h}self_attn."
+        out[f"{h}input_layernorm.weight"] = sd[f"{m}input_layernorm.weight"]
+        out[f"{h}post_attention_layernorm.weight"] = sd[f"{m}pre_mlp_layernorm.weight"]
+        if config["q_lora_rank"] is None:
+            out[f"{s}q_proj.weight"] = sd[f"{a}linear_q_proj.weight"]
+        else:
+            out[f"{s}q_a_proj.weight"] = sd[f"{a}linear_q_down_proj.weight"]
+            out[f"{s}q_a_layernorm.weight"] = sd[f"{a}q_layernorm.weight"]
+            out[f"{s}q_b_proj.weight"] = sd[f"{a}linear_q_up_proj.weight"]
+        out[f"{s}kv_a_proj_with_mqa.weight"] = sd[f"{a}linear_kv_down_proj.weight"]
+        out[f"{s}kv_a_layernorm.weight"] = sd[f"{a}kv_layernorm.weight"]
+        out[f"{s}kv_b_proj.weight"] = sd[f"{a}linear_kv_up_proj.weight"]
+        out[f"{s}o_proj.weight"] = sd[f"{a}linear_proj.weight"]
+        if layer < config["first_k_dense_replace"]:
+            gate_up(f"{h}mlp.", sd[f"{m}mlp.linear_fc1.weight"])
+            out[f"{h}mlp.down_proj.weight"] = sd[f"{m}mlp.linear_fc2.weight"]
+            continue
+        out[f"{h}mlp.gate.weight"] = sd[f"{m}mlp.router.weight"]
+        if f"{m}mlp.router.expert_bias" in sd:
+            out[f"{h}mlp.gate.e_score_correction_bias"] = sd[f"{m}mlp.router.expert_bias"]
+        for e in range(config["n_routed_experts"]):
+            x = f"{m}mlp.experts.local_experts.{e}."
+            gate_up(f"{h}mlp.experts.{e}.", sd[f"{x}linear_fc1.weight"])
+            out[f"{h}mlp.experts.{e}.down_proj.weight"] = sd[f"{x}linear_fc2.weight"]
+        gate_up(f"{h}mlp.shared_experts.", sd[f"{m}mlp.shared_experts.linear_fc1.weight"])
+        out[f"{h}mlp.shared_experts.down_proj.weight"] = sd[
+            f"{m}mlp.shared_experts.linear_fc2.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def mtp_logits(out: Path, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """The logits of each DeepSeek-V3 multi-token prediction layer of the merged model in
+    ``out``, computed by hand from its tensors under their Hugging Face names (transformers'
+    own decoder layer and RMSNorm; transformers runs no MTP layer itself). Layer ``k`` is
+    ``eh_proj([enorm(embed(tokens shifted k + 1)); hnorm(h)])``, then its decoder layer,
+    then ``shared_head``, where ``h`` is the main model's last hidden state (after its final
+    norm) for ``k = 0`` and layer ``k - 1``'s output after its ``shared_head.norm`` after
+    that, as Megatron chains them; Megatron's shifted input ends in token 0, as here."""
+    import transformers
+    from safetensors.torch import load_file
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    config = model.config
+    n = config.num_hidden_layers
+    merged: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        merged.update(load_file(f))
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0)
+    mask = torch.full((tokens.shape[1],) * 2, float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        hidden = model.model(tokens).last_hidden_state  # after the final norm, as Megatron's
+    shifted = tokens
+    found: list[torch.Tensor] = []
+    for k in range(config.num_nextn_predict_layers):
+        prefix = f"model.layers.{n + k}."
+        weights = {key[len(prefix):]: v for key, v in merged.items() if key.startswith(prefix)}
+        layer = ds.DeepseekV3DecoderLayer(config, layer_idx=n + k).eval()
+        experts = range(config.n_routed_experts)  # transformers 5 holds them grouped
+        expert = "mlp.experts.{}.{}_proj.weight".format
+        grouped = {"mlp.experts.gate_up_proj": torch.stack([torch.cat(
+                       [weights[expert(e, "gate")], weights[expert(e, "up")]])
+                       for e in experts]),
+                   "mlp.experts.down_proj": torch.stack([weights[expert(e, "down")]
+                                                         for e in experts])}
+        layer.load_state_dict({**grouped, **{
+            key: v for key, v in weights.items() if key.split(".")[0] in (
+                "self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+            and not key.startswith("mlp.experts.")}})
+
+        def norm(name: str, weights: dict[str, torch.Tensor] = weights) -> Any:
+            module = ds.DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            module.weight.data.copy_(weights[f"{name}.weight"])
+            return module
+
+        shifted = torch.cat([shifted[:, 1:], torch.zeros_like(shifted[:, :1])], dim=1)
+        with torch.no_grad():
+            embedded = torch.nn.functional.embedding(shifted, weights["embed_tokens.weight"])
+            x = torch.cat([norm("enorm")(embedded), norm("hnorm")(hidden)], dim=-1)
+            x = x @ weights["eh_proj.weight"].T
+            x = layer(x, attention_mask=mask, position_ids=positions,
+                      position_embeddings=model.model.rotary_emb(x, positions))
+            x = x[0] if isinstance(x, tuple) else x
+            hidden = norm("shared_head.norm")(x)
+            found.append(hidden @ weights["shared_head.head.weight"].T)
+    return found
 
 
 def _gpt_oss_layer(sd: dict[str, torch.Tensor], m: str, h: str, experts: int

@@ -29,6 +29,9 @@ FOREIGN = {
     "--pipeline-model-parallel-layout": "Megatron-LM", "--norm-epsilon": "Megatron-LM",
     "--vocab-size": "Megatron-LM", "--no-save-optim": "Megatron-LM",
     "--no-save-rng": "Megatron-LM", "--dist-ckpt-optim-fully-reshardable": "Megatron-LM",
+    "--transformer-impl": "Megatron-LM", "--v-head-dim": "Megatron-LM",
+    "--qk-head-dim": "Megatron-LM", "--qk-pos-emb-head-dim": "Megatron-LM",
+    "--kv-channels": "Megatron-LM",
     "--moe": "benchmarks/megatron_merge.py", "--array": "sbatch",
 }
 

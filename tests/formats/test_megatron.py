@@ -484,13 +484,25 @@ def test_flattened_range_optimizer_is_exit_4_naming_it(megatron_runs: Path,
     assert_bit_exact(load_out(tmp_path / "model"), hf_reference(run))
 
 
-def test_gpt_oss_args_ask_for_config(megatron_runs: Path, tmp_path: Path) -> None:
-    """gpt-oss's args (biases in the linear layers, no SwiGLU) derive no config: exit 3
-    asking for --config, nothing written."""
+def test_gpt_oss_args_derive_its_config(megatron_runs: Path, tmp_path: Path) -> None:
+    """gpt-oss's args (attention sinks, the quick-GELU GLU with its clamp and offset, biases,
+    experts) derive transformers' GptOss config: the merge is bit exact. With a sliding
+    window in args (which layers slide is not derived), exit 3 asking for --config, nothing
+    written."""
     run = tmp_path / "run"
     shutil.copytree(megatron_runs / "gpt_oss-ep2", run,
                     ignore=shutil.ignore_patterns("config.json"))
-    r = run_cli("merge", run, tmp_path / "out")
-    assert r.exit_code == 3, r.output  # type: ignore[attr-defined]
-    assert "bias in the linear layers (add_bias_linear)" in r.output  # type: ignore[attr-defined]
-    assert not (tmp_path / "out").exists()
+    r = run_cli("merge", run, tmp_path / "out", "--json")
+    assert r.exit_code == 0, r.output  # type: ignore[attr-defined]
+    assert json.loads(r.stdout)["derived_config"]["family"] == "gpt_oss"  # type: ignore[attr-defined]
+    expected = tmp_path / "expected"
+    expected.mkdir()
+    shutil.copy(tmp_path / "out" / "config.json", expected / "config.json")
+    assert_bit_exact(load_out(tmp_path / "out"), hf_reference(
+        expected, torch.load(megatron_runs / "gpt_oss-ep2" / "reference.pt",
+                             weights_only=True)["state_dict"]))
+    from ckpttool.core.transforms import megatron_config
+
+    args = {**megatron.read_info(run).values["args"], "window_size": (128, 0)}
+    with pytest.raises(megatron_config.NotDerivable, match=r"sliding-window attention"):
+        megatron_config.derive(args, command="ckpttool merge R O")

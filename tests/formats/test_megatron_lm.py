@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from ckpttool.cli import app
 from ckpttool.core.transforms import megatron_config
 from tests.helpers import assert_bit_exact, load_out
-from tests.megatron_layouts import hf_reference
+from tests.megatron_layouts import hf_reference, mtp_logits
 
 DATA = Path(__file__).parents[1] / "data" / "megatron_lm"
 RUNS = sorted(p.name for p in DATA.iterdir() if (p / "written_by.json").is_file()) \
@@ -85,6 +85,31 @@ def test_tokenizer_larger_than_the_padded_vocabulary_is_refused() -> None:
             "padded_vocab_size": 512}
     with pytest.raises(megatron_config.NotDerivable, match="a tokenizer of 513 tokens"):
         megatron_config.derive(args, command="ckpttool merge R O")
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({}, None),
+    ({"window_size": [128, 0]}, "sliding-window attention"),
+    ({"glu_linear_offset": 0.0}, "glu_linear_offset 0.0 (gpt-oss's is 1)"),
+    ({"activation_func_clamp_value": None}, "no activation clamp"),
+    ({"moe_router_pre_softmax": True}, "softmax over all experts"),
+    ({"add_bias_linear": False}, "no bias in the linear layers"),
+    ({"moe_shared_expert_intermediate_size": 64}, "shared experts"),
+])
+def test_gpt_oss_is_derived_only_where_args_are_gpt_oss(change: dict[str, Any],
+                                                        why: str | None) -> None:
+    """The committed gpt-oss run's own args give transformers' GptOss config; each thing
+    GptOss cannot hold is named instead."""
+    from ckpttool.formats import megatron
+
+    args = {**megatron.read_info(DATA / "gpt_oss-ep2").values["args"], **change}
+    if why is None:
+        config = megatron_config.derive(args, command="x").config
+        assert config["model_type"] == "gpt_oss" and config["swiglu_limit"] == 7.0
+        return
+    with pytest.raises(megatron_config.NotDerivable, match="not gpt-oss as transformers") as e:
+        megatron_config.derive(args, command="x")
+    assert why in str(e.value)
 
 
 def test_norm_epsilon_is_read_where_megatron_lm_keeps_it() -> None:
@@ -149,8 +174,9 @@ def test_inspect_and_verify(name: str) -> None:
     model = [t["name"] for t in doc["tensors"] if t["part"] == "model"]
     assert model and not [n for n in model if "optimizer" in n]
     parts = {c["part"]: c for c in doc["contents"]}
-    assert parts["model"]["keys"] == ["decoder", "embedding", "output_layer"] or \
-        parts["model"]["keys"] == ["decoder", "embedding"]  # tied
+    mtp = ["mtp"] if _flag(_command(name), "--mtp-num-layers", 0) else []
+    assert parts["model"]["keys"] == ["decoder", "embedding", *mtp, "output_layer"] or \
+        parts["model"]["keys"] == ["decoder", "embedding", *mtp]  # tied
     if "--no-save-optim" not in _command(name):
         assert parts["optimizer"]["tensors"] > 0
         assert not [o for o in doc["non_tensor"] if "optimizer" in str(o.get("name", ""))
@@ -164,6 +190,25 @@ def _command(name: str) -> str:
 def _flag(command: str, flag: str, default: int = 1) -> int:
     words = command.split()
     return int(words[words.index(flag) + 1]) if flag in words else default
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if "--mtp-num-layers" in _command(n)])
+def test_mtp_layers_compute_megatrons_mtp_logits(name: str, tmp_path: Path) -> None:
+    """DeepSeek-V3's multi-token prediction layers, merged as DeepSeek-V3's checkpoints hold
+    them, computed by hand from the output's tensors (transformers runs no MTP layer) give the
+    logits of Megatron's own MTP block on the same tokens (EOD included), with the derived
+    config (which counts them: ``num_nextn_predict_layers``)."""
+    run = DATA / name
+    out = tmp_path / "out"
+    r = run_cli("merge", run, out, "-q")
+    assert r.exit_code == 0, r.output
+    ref = load_file(run / "logits.safetensors")
+    found = mtp_logits(out, ref["tokens"])
+    assert len(found) == _flag(_command(name), "--mtp-num-layers") == \
+        sum(k.startswith("mtp_logits.") for k in ref)
+    for k, logits in enumerate(found):
+        torch.testing.assert_close(logits, ref[f"mtp_logits.{k}"][..., :logits.shape[-1]],
+                                   atol=LOGITS_ATOL, rtol=0, msg=f"MTP layer {k}")
 
 
 def _gradient(key: str, shape: tuple[int, ...], command: str) -> torch.Tensor:
@@ -215,7 +260,9 @@ def test_part_optimizer_gives_adams_state_under_hugging_face_names(name: str,
     r = run_cli("merge", run, out, "--part", "optimizer", "--config", run / "hf_config.json")
     assert r.exit_code == 0, r.output
     got = load_file(out / "optimizer.safetensors")
-    weights = load_file(run / "reference.safetensors")
+    # the router's expert bias is a buffer (set from token counts, not by the optimizer)
+    weights = {k: v for k, v in load_file(run / "reference.safetensors").items()
+               if not k.endswith("router.expert_bias")}
     where = tmp_path / "expected"
     where.mkdir()
     shutil.copy(run / "hf_config.json", where / "config.json")

@@ -33,7 +33,9 @@ from ckpttool.formats.codecs import policy, torchsave
 
 DATA = Path(__file__).parents[1] / "data" / "megatron_lm"
 # llama-release-0.19: the model only (--no-save-optim); llama-dp2-dist-0.19: two ranks with
-# the distributed optimizer (dp_reshardable buckets), Adam's state saved.
+# the distributed optimizer (dp_reshardable buckets), Adam's state saved; llama-tp2-0.19,
+# llama-pp2-0.19, qwen3_moe-ep2-0.19, deepseek_v3-ep2-0.19 and gpt_oss-ep2-0.19:
+# generate.py's runs of those names.
 RUNS = sorted(p.name for p in DATA.glob("*-0.19") if (p / "args.json").is_file())
 ENTRY = "common_state/shard_0_1"
 
@@ -150,7 +152,13 @@ def test_inspect_and_verify_read_the_args(name: str) -> None:
     r = run_cli("verify", run, "--json")
     assert r.exit_code == 0, r.output
     assert "malicious" not in r.output
-    assert not json.loads(r.stdout)["problems"]
+    # A decoder whose layers differ (DeepSeek-V3's dense first layer) is stored per layer,
+    # decoder.layers.<L>.*, which verify's name check calls Megatron's own names (a warning
+    # that merge maps them; stacked names it does not call so)
+    per_layer = "--moe-layer-freq" in json.loads((run / "written_by.json").read_text())[
+        "command"].split()
+    assert [p["code"] for p in json.loads(r.stdout)["problems"]] == (
+        ["names-not-hf"] if per_layer else [])
     r = run_cli("inspect", run, "--json")
     assert r.exit_code == 0, r.output
     assert "malicious" not in r.output
@@ -172,9 +180,13 @@ def test_derived_config_is_what_the_args_say(name: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     r = run_cli("merge", run, out, "--json", "-q")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["derived_config"]["family"] == "llama"
+    family = json.loads((run / "written_by.json").read_text())["family"]
+    assert json.loads(r.stdout)["derived_config"]["family"] == family
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["architectures"] == json.loads((run / "hf_config.json").read_text())[
+        "architectures"]
+    if family in ("deepseek_v3", "gpt_oss"):  # rope_parameters; test_megatron_lm.py checks
+        return  # the whole config against transformers' class for every run
     assert {k: config[k] for k in (
         "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",

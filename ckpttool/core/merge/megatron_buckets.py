@@ -49,7 +49,10 @@ _ALIGN = 64  # DDP starts every parameter at a multiple of 64 elements
 
 # A layer's parameters in registration order, by their checkpoint keys below
 # ``decoder.layers.`` (the local layer spec maps its norms' keys onto TE's fused names).
-_ATTENTION = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias")
+# (Attention builds its core attention, whose learnable softmax offset is gpt-oss's sinks,
+# before linear_proj; SelfAttention its linear_qkv after both.)
+_ATTENTION = ("self_attention.core_attention.softmax_offset", "self_attention.linear_proj.weight",
+              "self_attention.linear_proj.bias")
 _QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
 _QKV_NORM = ("self_attention.linear_qkv.layer_norm_weight",
              "self_attention.linear_qkv.layer_norm_bias")

@@ -15,6 +15,11 @@ argparse defaults):
 * a mixture of experts in every layer: q/k layernorm -> ``qwen3_moe`` (``norm_topk_prob``:
   the top-k softmax is renormalised unless ``moe_router_pre_softmax``); neither -> ``mixtral``
   (top-k renormalised, so ``moe_router_pre_softmax`` must be False); a QKV bias -> none;
+* learnable attention sinks (``softmax_type`` learnable) with the quick-GELU GLU
+  (``quick_geglu``) -> ``gpt_oss``, where it also has what transformers' GptOss has: biases in
+  every linear layer (``add_bias_linear``), the activation clamp (``swiglu_limit``) and +1
+  offset (``glu_linear_offset``), experts in every layer routed by a softmax over the top-k,
+  no shared experts, plain RoPE; every layer full attention (no ``window_size``);
 * multi-latent attention -> ``deepseek_v3``, where it also has what transformers' DeepseekV3
   always has: q/kv latent norms (``qk_layernorm``), experts with shared experts, sigmoid
   routing renormalised over the top-k (``moe_router_score_function`` sigmoid, top-k > 1),
@@ -44,7 +49,9 @@ _DEFAULTS: dict[str, Any] = {
     "num_experts": None, "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None,
     "moe_router_topk": 2, "moe_router_pre_softmax": False, "group_query_attention": False,
     "norm_epsilon": 1e-5, "rotary_base": 10000, "bf16": False, "fp16": False,
-    "untie_embeddings_and_output_weights": False,
+    "untie_embeddings_and_output_weights": False, "quick_geglu": False,
+    "softmax_type": "vanilla", "glu_linear_offset": 0.0, "activation_func_clamp_value": None,
+    "moe_router_score_function": "softmax", "window_size": None,
 }
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -98,6 +105,8 @@ def derive(args: Mapping[str, Any] | None, *, command: str) -> DerivedConfig:
 
     if arg("multi_latent_attention"):
         return _deepseek_v3(args, arg, number, ask)
+    if arg("quick_geglu") and arg("softmax_type") == "learnable":
+        return _gpt_oss(args, arg, number, ask)
     unlike = [why for why, off in (
         ("not SwiGLU", not arg("swiglu")),
         (f"normalization {arg('normalization')}", arg("normalization") != "RMSNorm"),
@@ -168,6 +177,70 @@ def derive(args: Mapping[str, Any] | None, *, command: str) -> DerivedConfig:
         config.update(num_local_experts=experts, num_experts_per_tok=number("moe_router_topk"),
                       intermediate_size=number("moe_ffn_hidden_size"))
     return DerivedConfig(family, why, config, tuple(notes))
+
+
+def _gpt_oss(args: Mapping[str, Any], arg: Any, number: Any, ask: str) -> DerivedConfig:
+    """gpt-oss's config.json from the args of a run with its attention sinks and activation
+    (see the module docstring)."""
+    clamp = arg("activation_func_clamp_value")
+    unlike = [why for why, off in (
+        (f"normalization {arg('normalization')}", arg("normalization") != "RMSNorm"),
+        (f"position_embedding_type {arg('position_embedding_type')}",
+         arg("position_embedding_type") != "rope"),
+        (f"rotary_percent {arg('rotary_percent')}", float(arg("rotary_percent")) != 1.0),
+        ("RoPE scaling (use_rope_scaling)", bool(arg("use_rope_scaling"))),
+        (f"rope_type {args.get('rope_type')}", args.get("rope_type") not in (None, "rope")),
+        ("no bias in the linear layers (add_bias_linear)", not arg("add_bias_linear")),
+        ("q/k layernorm", bool(arg("qk_layernorm"))),
+        ("no experts", not arg("num_experts")),
+        ("shared experts", arg("moe_shared_expert_intermediate_size") is not None),
+        (f"moe_layer_freq {arg('moe_layer_freq')}", arg("moe_layer_freq") != 1),
+        ("experts weighted by the softmax over all experts (moe_router_pre_softmax)",
+         bool(arg("moe_router_pre_softmax"))),
+        (f"moe_router_score_function {arg('moe_router_score_function')}",
+         arg("moe_router_score_function") != "softmax"),
+        ("a top-k scaling factor (moe_router_topk_scaling_factor)",
+         args.get("moe_router_topk_scaling_factor") not in (None, 1, 1.0)),
+        (f"glu_linear_offset {arg('glu_linear_offset')} (gpt-oss's is 1)",
+         arg("glu_linear_offset") != 1.0),
+        ("no activation clamp (activation_func_clamp_value)",
+         not isinstance(clamp, (int, float)) or isinstance(clamp, bool) or clamp <= 0),
+        # transformers' layer_types would say which layers slide; Megatron-LM's window flags
+        # are not mapped to them here
+        (f"sliding-window attention (window_size {arg('window_size')})",
+         arg("window_size") is not None)) if off]
+    if unlike:
+        raise NotDerivable(
+            "no config.json beside the run, and Megatron's args describe gpt-oss's attention "
+            "sinks and activation but not gpt-oss as transformers builds it: "
+            f"{', '.join(unlike)}{ask}")
+    heads = number("num_attention_heads")
+    hidden = number("hidden_size")
+    layers = number("num_layers")
+    notes: list[str] = []
+    vocab = _vocab(args, number, notes, ask)
+    dtype = "bfloat16" if arg("bf16") else "float16" if arg("fp16") else "float32"
+    config: dict[str, Any] = {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+        "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": number("moe_ffn_hidden_size"), "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": number("num_query_groups") if arg("group_query_attention")
+        else heads,
+        "head_dim": args.get("kv_channels") or hidden // heads,
+        "num_local_experts": number("num_experts"),
+        "num_experts_per_tok": number("moe_router_topk"),
+        "max_position_embeddings": args.get("max_position_embeddings")
+        or args.get("seq_length") or 4096,
+        "rms_norm_eps": _epsilon(args),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(arg("rotary_base"))},
+        "swiglu_limit": float(clamp), "attention_bias": True,
+        "layer_types": ["full_attention"] * layers, "router_aux_loss_coef": 0.0,
+        "tie_word_embeddings": not arg("untie_embeddings_and_output_weights"),
+        "attention_dropout": 0.0, "torch_dtype": dtype,
+    }
+    return DerivedConfig("gpt_oss", "attention sinks (softmax_type learnable), the quick-GELU "
+                         "GLU, biases, experts", config, tuple(notes))
 
 
 def _epsilon(args: Mapping[str, Any]) -> float:

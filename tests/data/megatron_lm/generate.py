@@ -67,6 +67,27 @@ MOE = ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64 "
 DISTOPT = "--use-distributed-optimizer"
 FULL = "--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable"
 RELEASE = "--no-save-optim --no-save-rng"
+# gpt-oss's: biases in every linear layer (the router's too), learnable attention sinks, the
+# clamped quick-GELU GLU with its +1 offset, top-2 softmax routing over 4 experts. (Its
+# alternate sliding-window layers are left out: 10 tokens fit any window.)
+GPT_OSS = ("--add-qkv-bias --softmax-type learnable --quick-geglu "
+           "--activation-func-clamp-value 7.0 --glu-linear-offset 1.0 --no-bias-gelu-fusion "
+           "--kv-channels 16 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64 "
+           "--moe-token-dispatcher-type allgather --moe-router-load-balancing-type none "
+           "--moe-aux-loss-coeff 0")
+# DeepSeek-V3's: multi-latent attention with q and kv LoRA ranks and its q/kv latent norms, a
+# dense first layer then experts with a shared expert, sigmoid routing over groups with the
+# expert bias, YaRN as DeepSeek-V3's config has it (its original 4096 positions and betas 32/1
+# are MLATransformerConfig's defaults: no flag sets them), one multi-token prediction layer.
+MLA = ("--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 "
+       "--qk-pos-emb-head-dim 8 --v-head-dim 24 --kv-channels 24 --qk-layernorm --rope-type yarn "
+       "--rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0 "
+       "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
+       "--moe-shared-expert-intermediate-size 32 --moe-layer-freq [0,1] "
+       "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+       "--moe-router-num-groups 2 --moe-router-group-topk 1 "
+       "--moe-router-topk-scaling-factor 2.5 --moe-token-dispatcher-type allgather "
+       "--moe-router-load-balancing-type none --moe-aux-loss-coeff 0 --mtp-num-layers 1")
 
 # name: (family, world size, extra flags)
 RUNS: dict[str, tuple[str, int, str]] = {
@@ -93,7 +114,15 @@ RUNS: dict[str, tuple[str, int, str]] = {
     # local spec's torch norms refuse)
     "qwen3_moe-etp2": ("qwen3_moe", 2, f"{UNTIED} --qk-layernorm {MOE} "
                                        f"--expert-tensor-parallel-size 2 {DISTOPT}"),
+    "deepseek_v3-ep2": ("deepseek_v3", 2, f"{UNTIED} {MLA} --expert-model-parallel-size 2 "
+                                          f"{FULL}"),
+    "gpt_oss-ep2": ("gpt_oss", 2, f"{UNTIED} {GPT_OSS} --expert-model-parallel-size 2 "
+                                  f"{DISTOPT}"),
 }
+# The flags of COMMON a family does without: multi-latent attention has no query groups
+# (validate_args refuses both); gpt-oss has biases and no SwiGLU.
+WITHOUT = {"deepseek_v3": ("--group-query-attention", "--num-query-groups"),
+           "gpt_oss": ("--swiglu", "--disable-bias-linear", "--no-bias-swiglu-fusion")}
 
 
 def _free_port() -> int:
@@ -190,7 +219,7 @@ def _vary_norms(model: list[Any]) -> None:
     with torch.no_grad():
         for chunk in model:
             for name, p in chunk.named_parameters():
-                if "norm" not in name and not name.endswith("bias"):
+                if "norm" not in name and not name.endswith(("bias", "softmax_offset")):
                     continue
                 g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1)
                 shape = list(p.shape)
@@ -202,11 +231,20 @@ def _vary_norms(model: list[Any]) -> None:
                 else:
                     value = torch.randn(shape, generator=g)
                 p.copy_(value * 0.1 + (1.0 if "norm" in name else 0.0))
+            # the router's expert bias (a buffer, zero at the start; the update from token
+            # counts is not run here): one of its own, which moves the top-k choice
+            for name, b in chunk.named_buffers():
+                if name.endswith("router.expert_bias"):
+                    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1)
+                    b.copy_(torch.randn(tuple(b.shape), generator=g) * 0.1)
 
 
 def _argv(name: str, run: Path, *, reference: bool) -> list[str]:
     family, world, extra = RUNS[name]
     flags = f"{COMMON} {extra}".split()
+    drop = WITHOUT.get(family, ())
+    flags = [f for i, f in enumerate(flags) if f not in drop and not (
+        i and flags[i - 1] in drop and not f.startswith("--"))]  # a dropped flag's value too
     if reference:  # TP=PP=EP=1, the model only
         drop = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                 "--expert-model-parallel-size", "--expert-tensor-parallel-size",
@@ -251,6 +289,8 @@ def _rank(rank: int, world: int, port: int, name: str, out: str, mlm: str,
         setup_model_and_optimizer,
     )
 
+    if "--multi-latent-attention" in sys.argv:
+        _mla_core_attention()
     # The dataset index helpers (a C++ build) and fused kernels: no data is read here.
     init._compile_dependencies = lambda: None
     initialize_megatron(allow_no_cuda=True)
@@ -280,6 +320,34 @@ def _rank(rank: int, world: int, port: int, name: str, out: str, mlm: str,
     torch.distributed.barrier()
 
 
+def _mla_core_attention() -> None:
+    """megatron-core 0.16.1's local spec cannot build multi-latent attention:
+    ``MLASelfAttention`` passes ``k_channels``/``v_channels`` to its core attention, which
+    only Transformer Engine's ``TEDotProductAttention`` takes (the local ``DotProductAttention``
+    raises TypeError). The local spec's core attention is therefore a subclass that takes
+    them and asserts they are the head size it computes from ``kv_channels`` (hence
+    ``--v-head-dim`` = ``--qk-head-dim`` + ``--qk-pos-emb-head-dim`` = ``--kv-channels``):
+    the computation is the local class's own."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLALocalDotProductAttention(DotProductAttention):  # type: ignore[misc]
+        def __init__(self, *args: Any, k_channels: int | None = None,
+                     v_channels: int | None = None, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            head = self.hidden_size_per_attention_head
+            assert k_channels in (None, head) and v_channels in (None, head), (
+                k_channels, v_channels, head)
+
+    LocalSpecProvider.core_attention = lambda self: MLALocalDotProductAttention  # type: ignore
+    # Without Transformer Engine, megatron-core 0.16.1's extension module still imports (its
+    # TE classes None), so multi_latent_attention.HAVE_TE is True and isinstance(x, None)
+    # raises: set it to what is true here.
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = False
+
+
 def _provider() -> Any:
     """What ``pretrain_gpt.py`` passes to ``pretrain``."""
     from functools import partial
@@ -296,6 +364,9 @@ def _oracle(model: list[Any], run: Path) -> None:
 
     # The forward pass forks no CUDA generator (dropout is 0): Megatron's inference tracker.
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    # Megatron's jit_fuser is torch.compile (gpt-oss's quick_gelu): inductor asks the CUDA
+    # device's properties, which the stand-ins cannot give; run it eagerly, as transformers.
+    torch._dynamo.config.disable = True
     (m,) = model
     while hasattr(m, "module"):
         m = m.module
@@ -304,12 +375,28 @@ def _oracle(model: list[Any], run: Path) -> None:
     n = tokens.shape[1]
     positions = torch.arange(n).unsqueeze(0)
     causal = torch.triu(torch.ones(1, 1, n, n), diagonal=1).bool()
+    extra: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        logits = m(tokens, positions, causal)
+        if getattr(m, "mtp_process", False):
+            # With MTP, GPTModel.forward needs labels and returns the loss; its MTP block
+            # returns the main and the MTP hidden states (after their final norms)
+            # concatenated on the sequence axis: a hook keeps them, and the output layer
+            # gives both logits (MTP layer k at position i predicts token i + 2 + k).
+            seen: list[torch.Tensor] = []
+            hook = m.mtp.register_forward_hook(lambda _m, _a, out: seen.append(out))
+            m(tokens, positions, causal, labels=tokens)
+            hook.remove()
+            main, *mtp = torch.chunk(seen[0], 1 + len(m.mtp.layers), dim=0)
+            logits = m.output_layer(main)[0].transpose(0, 1)
+            for k, h in enumerate(mtp):
+                extra[f"mtp_logits.{k}"] = m.output_layer(h)[0].transpose(0, 1).float()
+        else:
+            logits = m(tokens, positions, causal)
     sd = {k: t.detach().clone().contiguous() for k, t in m.state_dict().items()
           if isinstance(t, torch.Tensor) and not k.endswith("_extra_state")}
     save_file(sd, str(run / "reference.safetensors"))
-    save_file({"tokens": tokens, "logits": logits.float().contiguous()},
+    save_file({"tokens": tokens, "logits": logits.float().contiguous(),
+               **{k: t.contiguous() for k, t in extra.items()}},
               str(run / "logits.safetensors"))
 
 
@@ -320,6 +407,10 @@ def hf_config(name: str) -> dict[str, Any]:
 
     family, _, extra = RUNS[name]
     flags = extra.split()
+    if family == "deepseek_v3":
+        return _deepseek_v3_config()
+    if family == "gpt_oss":
+        return _gpt_oss_config()
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
            "mixtral": transformers.MixtralConfig}[family]
@@ -342,6 +433,44 @@ def hf_config(name: str) -> dict[str, Any]:
         kwargs.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)
     config = cls(**kwargs)
     config.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
+    return dict(config.to_dict())
+
+
+def _deepseek_v3_config() -> dict[str, Any]:
+    """DeepseekV3Config for the MLA flags above (YaRN as DeepSeek-V3's own config.json has it;
+    the MTP layer as DeepSeek-V3's checkpoints count it, ``num_nextn_predict_layers``)."""
+    import transformers
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB + 1, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=2.5, kv_lora_rank=16,
+        q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=24, qk_nope_head_dim=16, head_dim=8,
+        n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
+        norm_topk_prob=True, max_position_embeddings=64, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attention_bias=False, attention_dropout=0.0,
+        rope_interleave=True, torch_dtype="float32",
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
+    config.num_nextn_predict_layers = 1
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    return dict(config.to_dict())
+
+
+def _gpt_oss_config() -> dict[str, Any]:
+    """GptOssConfig for the gpt-oss flags above: every layer full attention (10 tokens fit
+    any window), RoPE over whole heads at Megatron's rotary base."""
+    import transformers
+
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB + 1, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attention_bias=True, swiglu_limit=7.0,
+        router_aux_loss_coef=0.0, layer_types=["full_attention"] * 2, torch_dtype="float32",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config.architectures = ["GptOssForCausalLM"]
     return dict(config.to_dict())
 
 

@@ -18,7 +18,8 @@ Python 3.12.1, PyPI's torch 2.13.0, its CUDA build run on the CPU), with the che
 
     PYTHONPATH=/work/venvs/mlm-0.19 python3.12 tests/data/megatron_lm/generate_019.py \\
         --mlm /work/venvs/mlm-0.19 --commit 5be9626709af2722333bf54797c954c09edeada3 \\
-        OUT llama-release llama-dp2-dist
+        OUT llama-release llama-dp2-dist llama-tp2 llama-pp2 qwen3_moe-ep2 deepseek_v3-ep2 \\
+        gpt_oss-ep2
 
 It writes ``OUT/RUN-0.19``: the checkpoint, ``reference.safetensors``, ``logits.safetensors``,
 ``written_by.json`` and ``args.json`` (the ``args`` it saved, as JSON). ``hf_config.json`` is
@@ -84,6 +85,8 @@ def _rank(rank: int, world: int, port: int, name: str, out: str, mlm: str,
     )
 
     assert Path(init.__file__).is_relative_to(mlm), init.__file__
+    if "--multi-latent-attention" in sys.argv:  # as generate.py: 0.19's local spec is alike
+        gen._mla_core_attention()
     # The dataset index helpers (a C++ build) and fused kernels: no data is read here.
     init._compile_dependencies = lambda: None
     # What pretrain_gpt.py's __main__ does, then pretrain()'s first steps.
