@@ -330,9 +330,9 @@ def _to_safetensors(ckpt: Checkpoint, reader: Reader, out: Path, max_shard_size:
     stored = {t.stored_name: t.tensor for t in ckpt.tensors}
     files, index = safetensors.plan_files([(t.name, t.dtype, t.shape) for t in stored.values()],
                                           max_shard_size)
-    hf_files = ckpt.hf.files  # config and tokenizer: the output is a model directory too
+    hf_files = ckpt.hf.named()  # config and tokenizer: the output is a model directory too
     report.warnings += list(ckpt.hf.skipped)
-    hf_names = {f.name for f in hf_files}
+    hf_names = {name for name, _ in hf_files}
 
     def check_existing() -> None:
         existing = sorted(existing_outputs(
@@ -369,8 +369,8 @@ def _to_safetensors(ckpt: Checkpoint, reader: Reader, out: Path, max_shard_size:
                 list(pool.map(copy, jobs))
         if index is not None:
             outputs.write_bytes(safetensors.INDEX_NAME, index)
-        for path in hf_files:
-            outputs.write_bytes(path.name, ckpt.hf.read(path))
+        for name, path in hf_files:
+            outputs.write_bytes(name, ckpt.hf.read(path))
         keep = {f.name for f in files} | hf_names
         if index is not None:
             keep.add(safetensors.INDEX_NAME)

@@ -87,6 +87,23 @@ def test_llama_auto_dedupes_tie_casts_and_copies_hf_files(llama_ckpt: Path,
     assert not any(p.name.endswith(fileio.TMP_SUFFIX) for p in out.iterdir())
 
 
+def test_a_config_given_under_any_name_is_the_one_written(llama_ckpt: Path,
+                                                         tmp_path: Path) -> None:
+    # --config names a file not called config.json, while a config.json lies beside the
+    # checkpoint: the output's config.json is the one given (used for the checks too).
+    found = ckpttool.merge(llama_ckpt, tmp_path / "first", dry_run=True).config
+    assert found is not None
+    given = json.loads(Path(found.path).read_text()) | {"ckpttool_test_marker": 7}
+    (tmp_path / "elsewhere").mkdir()
+    path = tmp_path / "elsewhere" / "llama-7b.json"
+    path.write_text(json.dumps(given))
+    out = tmp_path / "out"
+    report = ckpttool.merge(llama_ckpt, out, config=path)
+    assert "config.json" in report.copied and "llama-7b.json" not in report.copied
+    assert not (out / "llama-7b.json").exists()
+    assert json.loads((out / "config.json").read_text())["ckpttool_test_marker"] == 7
+
+
 def test_llama_loads_in_transformers_with_the_same_logits(llama_ckpt: Path,
                                                           tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM

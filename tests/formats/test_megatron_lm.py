@@ -259,6 +259,13 @@ def test_part_optimizer_gives_adams_state_under_hugging_face_names(name: str,
     out = tmp_path / "out"
     r = run_cli("merge", run, out, "--part", "optimizer", "--config", run / "hf_config.json")
     assert r.exit_code == 0, r.output
+    # the config given is the one used and written (an MTP layer's state is written: so is
+    # the config's count of them)
+    given = json.loads((run / "hf_config.json").read_text())
+    written = json.loads((out / "config.json").read_text())
+    assert "derived from Megatron's args" not in r.output
+    assert {k: v for k, v in written.items() if k not in ("torch_dtype", "dtype")} == {
+        k: v for k, v in given.items() if k not in ("torch_dtype", "dtype")}
     got = load_file(out / "optimizer.safetensors")
     # the router's expert bias is a buffer (set from token counts, not by the optimizer)
     weights = {k: v for k, v in load_file(run / "reference.safetensors").items()

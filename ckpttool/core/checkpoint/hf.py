@@ -52,6 +52,11 @@ class HfFiles:
     # what is copied into an output, never the name read again.
     config_data: bytes | None = None
 
+    def named(self) -> list[tuple[str, Path]]:
+        """The side files as an output holds them: (name there, where read). The config is
+        ``config.json`` whatever the file given with --config is called."""
+        return [(HF_FILES[0] if p == self.config_path else p.name, p) for p in self.files]
+
     def read(self, path: Path) -> bytes:
         """The bytes of the side file ``path`` (one of :attr:`files`) to write beside the
         weights: config.json as it was read and parsed, the others read now as
@@ -165,8 +170,10 @@ def find_hf_files(dcp_dir: Path, config: Path | None = None, *, given: Path | No
                                roots=None if config is not None else tuple(roots))
         parsed = _parse_object(data, config_path, "--config")
         dirs = [config_path.parent] + [d for d in dirs if d != config_path.parent]
-    files: list[Path] = []
-    for name in HF_FILES:
+    # The config used is the one written, named config.json (a --config file may be called
+    # anything, and a config.json beside the checkpoint must not replace it).
+    files: list[Path] = [config_path] if config_path is not None else []
+    for name in HF_FILES[1:]:
         found = next((d / name for d in dirs if usable(d / name)), None)
         if found is not None:
             files.append(found)

@@ -115,7 +115,7 @@ def check_output(out: Path, *, overwrite: bool, sources: Sequence[Named]) -> Non
         OutputError: it is inside a source or holds a delta already.
     """
     check_apart(out, *(s.root for s in sources))
-    extra = {p.name for p in sources[-1].hf.files}
+    extra = {name for name, _ in sources[-1].hf.named()}
     existing = existing_outputs(out, lambda n: _taken(n, extra))
     if existing and not overwrite:
         raise OutputError(f"{out}: already holds {existing[0]}; pass --overwrite to replace "
@@ -133,7 +133,7 @@ def write(out: Path, plan: DiffPlan, measured: Sequence[Measured], a: Named, b: 
     recipes = plan_recipes(plan, measured)
     layout = safetensors.layout(entries(recipes), {"format": "pt", "written_by": "ckpttool diff"})
     slots = {s.name: s for s in layout.slots}
-    files = {p.name: p for p in b.hf.files}
+    files = dict(b.hf.named())
     doc = {
         "schema": SCHEMA,
         "kind": DELTA_KIND,

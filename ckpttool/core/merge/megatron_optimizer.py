@@ -91,4 +91,5 @@ def apply(map_name: str, named: list[tuple[str, Any]], config: Mapping[str, Any]
         out.how += [{**h, "from": f"{PREFIX}{kind}.{h['from']}",
                      "to": f"state.{h['to']}.{kind}"} for h in mapped.how]
         out.dropped += [(f"{PREFIX}{kind}.{n}", t, note) for n, t, note in mapped.dropped]
+        out.mtp_layers = max(out.mtp_layers, mapped.mtp_layers)  # the config written says so
     return out

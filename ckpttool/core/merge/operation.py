@@ -369,7 +369,7 @@ def _fail_fast(out: Path, files: hf.HfFiles, *, optimizer: bool, mode: str | Non
     are its own and checks them itself."""
     if shared is not None and shared.commits_slices:
         return
-    check_existing(out, [p.name for p in files.files] + (
+    check_existing(out, [name for name, _ in files.named()] + (
         [OPTIMIZER_JSON] if optimizer else [hf.ADAPTER_CONFIG] if mode == "adapter" else [])
         + ([CONFIG_JSON] if derived else []), overwrite, stem)
 
@@ -470,6 +470,13 @@ def _recognise(src: Path, out: Path, read: ReadOptions, layout: str, stores: Sto
     check_apart(out, src, info.root)
     structure.raise_first(structure.check(info, ckpt.canonical()))
     whole, ckpt = ckpt, select(ckpt, part or ckpt.kind)  # one part; the rest is reported
+    given = whole.hf
+    if read.config is not None and ckpt.hf.config is None and given.config is not None:
+        # --config holds for any part: an optimizer's names are mapped as its model's
+        ckpt = replace(ckpt, hf=hf.HfFiles(
+            given.config, given.config_path,
+            (given.config_path,) if given.config_path is not None else (),
+            config_data=given.config_data))
     if not ckpt.tensors:
         # An empty model file is worse than an error: say what is there instead.
         held = f"only {len(ckpt.objects)} non-tensor entries" if ckpt.objects else "nothing"
@@ -625,9 +632,9 @@ def _side_files(report: MergeReport, whole: Checkpoint, ckpt: Checkpoint, reader
     config_bytes, report.config_changes = _config_output(files, plan, sources, nextn=nextn,
                                                          recoded=recoded or [])
     extra: list[tuple[str, bytes]] = [
-        (p.name, config_bytes if p == files.config_path and config_bytes is not None
-         else files.read(p)) for p in files.files]
-    report.copied = [p.name for p in files.files]
+        (name, config_bytes if p == files.config_path and config_bytes is not None
+         else files.read(p)) for name, p in files.named()]
+    report.copied = [name for name, _ in files.named()]
     report.warnings += list(files.skipped)
     if report.derived_config is not None and files.config is not None:
         extra.append((CONFIG_JSON, config_bytes if config_bytes is not None else
