@@ -11,7 +11,8 @@ as it likes, and a changed writer or package is a new key, so a stale entry is n
 
 Entries are made whole or not at all (written beside, then renamed), one writer at a time
 per key across processes (a lock file), so parallel workers (``pytest -n``) share one run of
-each writer. ``CKPTTOOL_TEST_FIXTURES=off`` runs every writer afresh, as before.
+each writer. ``CKPTTOOL_TEST_FIXTURES=off`` runs every writer afresh, as before; so does a
+writer called outside pytest. Entries of older keys stay until ``rm -rf .cache/fixtures``.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ WRITERS = ("examples/fsdp2_checkpoint.py",
 
 
 def cache_dir() -> Path | None:
-    """Where entries live; None where the cache is turned off."""
+    """Where entries live; None where the cache is turned off, and outside a test (a
+    benchmark that calls a writer gets a fresh run, and no copy of a large output here)."""
     where = os.environ.get("CKPTTOOL_TEST_FIXTURES", "")
-    if where.lower() in ("off", "0", "no"):
+    if where.lower() in ("off", "0", "no") or "PYTEST_CURRENT_TEST" not in os.environ:
         return None
     return Path(where) if where else ROOT / ".cache" / "fixtures"
 
