@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tests.fixture_cache import on_disk
 from tests.fsdp2_ranks import run_on_ranks
 
 WORLD = 2
@@ -152,6 +153,7 @@ def _torchtitan_job(rank: int, world_size: int, out: str) -> None:
         torch.save(full, Path(out) / "reference.pt")
 
 
+@on_disk()
 def write_torchtitan(out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     run_on_ranks(_torchtitan_job, WORLD, str(out))
@@ -197,6 +199,7 @@ def _lightning_job(rank: int, world_size: int, out: str) -> None:
         torch.save(full, Path(out) / "reference.pt")
 
 
+@on_disk()
 def write_lightning(out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     run_on_ranks(_lightning_job, WORLD, str(out))
@@ -237,6 +240,7 @@ def _unflattened_job(rank: int, world_size: int, out: str) -> None:
         torch.save(full, root / "reference.pt")
 
 
+@on_disk()
 def write_unflattened(out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     run_on_ranks(_unflattened_job, WORLD, str(out))

@@ -19,6 +19,10 @@ Other formats' real writers (:mod:`tests.layouts`), once per session:
   (safetensors serialization, rank-local metadata, zstd) on 2 ranks, and their reference
   (:func:`tests.layouts.write_dcp_options`).
 
+Every writer runs once per key, not once per session: :mod:`tests.fixture_cache` keeps what
+it wrote under ``.cache/fixtures/`` (keyed by the writers' source and package versions) and
+each session gets its own copy, in the place named above.
+
 The reference for what a merge must produce is :func:`tests.reference.reference_state_dict`
 (PyTorch's own loader), applied to ``ckpt / "pytorch_model_fsdp_0"``.
 """
@@ -36,6 +40,7 @@ from hypothesis import settings as hypothesis_settings
 
 from examples.fsdp2_checkpoint import KINDS, MODEL_DIR, start_rank_server, write_checkpoint
 from tests import layouts
+from tests.fixture_cache import cached
 
 # Property tests judge inputs, not speed: a shared or busy machine (CI's two cores, fixture
 # writers running beside them) must not fail them on time.
@@ -65,12 +70,13 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> MakeCheckpoint:
             raise ValueError(f"unknown checkpoint kind {kind!r}; expected one of {KINDS}")
         key = (kind, world_size)
         if key not in cache:
-            # One forkserver for the session, with everything every kind needs preloaded.
-            start_rank_server(KINDS)
+            def write(d: Path) -> None:
+                # One forkserver for the session, with everything every kind needs preloaded.
+                start_rank_server(KINDS)
+                write_checkpoint(kind, d / "checkpoint-500", world_size=world_size)
+
             name = kind if world_size is None else f"{kind}-ws{world_size}"
-            out = tmp_path_factory.mktemp(name) / "checkpoint-500"
-            write_checkpoint(kind, out, world_size=world_size)
-            cache[key] = out
+            cache[key] = cached(name, write, tmp_path_factory.mktemp(name)) / "checkpoint-500"
         return cache[key]
 
     return make

@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from examples.fsdp2_checkpoint import KINDS, start_rank_server
+from tests.fixture_cache import on_disk
 from tests.layouts import _free_port
 
 DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -112,6 +113,7 @@ def _rank(rank: int, world_size: int, port: int, stage: int, out: str,
     deepspeed.comm.barrier()
 
 
+@on_disk()
 def write_zero(out: Path, stage: int, world_size: int, model: str = "tiny") -> Path:
     """Write a ZeRO-``stage`` checkpoint of :class:`TinyLM` (``model="llama"``: of a tiny
     transformers Llama, :func:`llama_config`, its config.json beside) from ``world_size``

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tests.fixture_cache import on_disk
 from tests.fsdp2_ranks import run_on_ranks
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen2_vl", "llava")
@@ -97,6 +98,7 @@ def _save_job(rank: int, world_size: int, family: str, out: str) -> None:
         model.config.save_pretrained(ckpt)
 
 
+@on_disk()
 def write(out: Path, family: str) -> Path:
     """Save ``family``'s model on 2 ranks into ``out``; the checkpoint directory. The
     reference ``save_pretrained`` output goes to ``out / REFERENCE``."""

@@ -55,6 +55,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from examples.fsdp2_checkpoint import KINDS, start_rank_server
+from tests.fixture_cache import on_disk
 
 CKPT_DIR = "actor"  # verl: global_step_<n>/actor/model_world_size_<W>_rank_<R>.pt
 SEED = 1234
@@ -177,6 +178,7 @@ def _fsdp1_local(rank: int, world_size: int, out: Path) -> None:
         torch.save(state, out / name / file)
 
 
+@on_disk()
 def write_fsdp2(out: Path, world_size: int, *, extras: bool = False) -> Path:
     """The verl layout on ``world_size`` ranks (see the module docstring); returns ``out``."""
     _run(_fsdp2_extras_job if extras else _fsdp2_job, world_size, out)
@@ -257,6 +259,7 @@ def _accelerate_fsdp1_job(rank: int, world_size: int, out: Path) -> None:
     _accelerate_job(rank, world_size, out, 1)
 
 
+@on_disk()
 def write_accelerate(out: Path, world_size: int, *, fsdp_version: int) -> Path:
     """accelerate's ``save_fsdp_model`` and ``save_fsdp_optimizer`` with ``use_dcp=False``
     and ``SHARDED_STATE_DICT`` (FSDP2: DTensors; FSDP1: ShardedTensors) after one AdamW step:
@@ -294,6 +297,7 @@ def _mesh_2d_job(rank: int, world_size: int, out: Path) -> None:
     _save_with_reference(rank, world_size, state, out / CKPT_DIR, out / "reference.pt")
 
 
+@on_disk()
 def write_mesh_2d(out: Path) -> Path:
     """4 ranks on a 2 x 2 mesh (see the module docstring); returns ``out``."""
     _run(_mesh_2d_job, 4, out)
@@ -304,6 +308,7 @@ def write_mesh_2d(out: Path) -> Path:
 # In this process
 
 
+@on_disk()
 def write_single(out: Path) -> Path:
     """A world of one: plain ``torch.save(model.state_dict())``, no FSDP; returns ``out``."""
     torch.manual_seed(SEED)
@@ -366,6 +371,7 @@ def _hf_storage_job(rank: int, world_size: int, out: Path) -> None:
     dcp.save(sd, storage_writer=HuggingFaceStorageWriter(str(out), save_distributed=True))
 
 
+@on_disk()
 def write_hf_storage(out: Path) -> Path:
     """HuggingFaceStorageWriter shards of :func:`hf_full_state` in ``out``; returns ``out``."""
     _run(_hf_storage_job, HF_WORLD, out)
@@ -429,6 +435,7 @@ def _options_job(rank: int, world_size: int, out: Path) -> None:
         _extensions=[ZStandard()]))
 
 
+@on_disk()
 def write_dcp_options(out: Path) -> Path:
     """On :data:`OPTIONS_WORLD` gloo ranks, ``dcp.save`` of :func:`_options_state` with each
     ``FileSystemWriter`` option: ``out/"safetensors"`` (``serialization_format=
@@ -489,6 +496,7 @@ def _verl_job(rank: int, world_size: int, out: Path) -> None:
         torch.save(full, out / "reference.pt")
 
 
+@on_disk()
 def write_verl(out: Path, world_size: int) -> Path:
     """verl's FSDP2 checkpoint (see :func:`_verl_job`) on ``world_size`` ranks under
     ``out/global_step_1/actor``; reference ``out/reference.pt``. Returns ``out``."""

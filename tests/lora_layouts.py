@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tests.fixture_cache import on_disk
 from tests.layouts import _full, _run
 
 WORLD = 2
@@ -111,6 +112,7 @@ def _job(rank: int, world_size: int, out: Path) -> None:
             build_base(variant).config.save_pretrained(str(target))
 
 
+@on_disk()
 def write_lora(out: Path) -> Path:
     _run(_job, WORLD, out)
     return out
@@ -163,6 +165,7 @@ def _verl_job(rank: int, world_size: int, out: Path) -> None:
         torch.save(full, out / "full.pt")
 
 
+@on_disk()
 def write_verl_lora(out: Path) -> Path:
     """:func:`_verl_job` on :data:`WORLD` ranks: ``out/global_step_1/actor``, reference
     ``out/full.pt`` (the trained PEFT model's full state dict). Returns ``out``."""
@@ -170,6 +173,7 @@ def write_verl_lora(out: Path) -> Path:
     return out
 
 
+@on_disk()
 def write_accelerate_lora(out: Path) -> Path:
     """accelerate's ``save_state`` of a PEFT model after one step, in this process (CPU, no
     FSDP), with automatic checkpoint naming: ``out/checkpoints/checkpoint_0/model.safetensors``

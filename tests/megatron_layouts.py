@@ -40,6 +40,7 @@ import torch
 import torch.multiprocessing as mp
 
 from examples.fsdp2_checkpoint import KINDS, start_rank_server
+from tests.fixture_cache import on_disk
 from tests.layouts import _free_port
 
 
@@ -396,6 +397,7 @@ def hf_config(v: Variant) -> dict[str, Any]:
     return dict(config.to_dict())
 
 
+@on_disk()
 def write_runs(out: Path, names: list[str] | None = None, *,
                variants: list[Variant] | None = None) -> Path:
     """Write the runs of ``names`` (default: every variant; or ``variants`` themselves) into

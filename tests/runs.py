@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from tests.fixture_cache import on_disk
 from tests.layouts import _full, _run
 
 MODEL_DIR = "pytorch_model_fsdp_0"
@@ -85,6 +86,7 @@ def _loop_2(rank: int, world_size: int, out: Path) -> None:
     _loop(rank, world_size, out, 2, False)
 
 
+@on_disk()
 def write_run(out: Path, *, steps: int = 3, cut: bool = True) -> Path:
     """The training run (see the module docstring); returns ``out/"run"``."""
     jobs = {(3, True): _loop_3, (2, False): _loop_2}

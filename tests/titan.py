@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tests.fixture_cache import on_disk
 from tests.fsdp2_ranks import run_on_ranks
 
 FAMILIES = ("llama3", "qwen3", "qwen3-moe")
@@ -267,6 +268,7 @@ def _save_job(rank: int, world_size: int, family: str, out: str, how: str,
         torch.save(full, Path(out) / REFERENCE)
 
 
+@on_disk()
 def write(out: Path, family: str, *, how: str = "manager", expert_bias: bool = False) -> Path:
     """Save the tiny ``family`` model on 2 gloo ranks into ``out``; the DCP step directory."""
     out.mkdir(parents=True, exist_ok=True)

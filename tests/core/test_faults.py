@@ -21,6 +21,7 @@ import pytest
 from safetensors import safe_open
 
 from ckpttool.storage import outputs as fileio
+from tests.helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 INDEX = "model.safetensors.index.json"
@@ -36,10 +37,8 @@ def _env(fault: str | None = None) -> dict[str, str]:
 
 def _merge(src: Path, out: Path, *args: str, fault: str | None = None
            ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ckpttool", "merge", str(src), str(out), "--dtype", "keep",
-         "-q", "--weights-only", *args], env=_env(fault), capture_output=True, text=True,
-        timeout=120)
+    return run_cli(["merge", str(src), str(out), "--dtype", "keep", "-q", "--weights-only",
+                    *args], _env(fault))
 
 
 def _start(src: Path, out: Path, *args: str, fault: str) -> subprocess.Popen[str]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from typer.testing import CliRunner
 import ckpttool
 from ckpttool.cli import app
 from ckpttool.core.merge import multihost
+from tests.helpers import ForkedCli
 
 ROOT = Path(ckpttool.__file__).resolve().parents[1]
 INDEX = "model.safetensors.index.json"
@@ -37,11 +36,10 @@ def _slices(src: Path, out: Path) -> None:
                        weights_only=True)
 
 
-def _finish(src: Path, out: Path, fault: str) -> subprocess.Popen[str]:
+def _finish(src: Path, out: Path, fault: str) -> ForkedCli:
     env = dict(os.environ, PYTHONPATH=str(ROOT), CKPTTOOL_TEST_FAULT=fault)
-    return subprocess.Popen([sys.executable, "-m", "ckpttool", "merge", str(src), str(out),
-                             "--finish", "--max-shard-size", SHARD, "-q"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return ForkedCli(["merge", str(src), str(out), "--finish", "--max-shard-size", SHARD, "-q"],
+                     env)
 
 
 def _same(a: Path, b: Path) -> None:
@@ -140,9 +138,8 @@ def test_reshard_overwrite_killed_or_interrupted_at_every_step(llama_ckpt: Path,
         mark = tmp_path / f"paused-{step}"
         fault = f"kill:{step}" if how == "kill" else f"pause:{step}:{mark}"
         env = dict(os.environ, PYTHONPATH=str(ROOT), CKPTTOOL_TEST_FAULT=fault)
-        p = subprocess.Popen([sys.executable, "-m", "ckpttool", "reshard", str(llama_ckpt),
-                              str(out), "--ranks", "3", "--overwrite", "-q"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        p = ForkedCli(["reshard", str(llama_ckpt), str(out), "--ranks", "3", "--overwrite",
+                       "-q"], env)
         if how == "interrupt":
             while not mark.exists() and p.poll() is None:
                 time.sleep(0.05)

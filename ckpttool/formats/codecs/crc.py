@@ -2,9 +2,9 @@
 optional ``fast`` extra is installed: zlib-ng's is 5-6x the standard zlib's here (18 vs
 3.2 GB/s on 64 MB, 72 vs 232 ns per 64-byte record entry); the same function otherwise.
 
-:func:`crc32_rows` computes the CRC-32 of each row of a byte matrix at once (numpy, imported
-when first called): for many short entries (millions of 64-byte records), where one call of
-:func:`crc32` per entry costs more in calling than in computing."""
+:func:`crc32_rows` computes the CRC-32 of each row of a byte matrix (numpy, imported when
+first called): across all rows at once for many short entries (millions of 64-byte records),
+where one call of :func:`crc32` per entry costs more in calling than in computing."""
 
 from __future__ import annotations
 
@@ -47,10 +47,25 @@ def _tables() -> Any:
 def crc32_rows(rows: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint32]:
     """The CRC-32 of each row of ``rows`` (``n x k`` bytes), as :func:`crc32` gives it.
 
-    Table-driven across rows: one numpy step per four bytes of a row (slicing-by-4: the
-    running CRC XOR the next little-endian word, then its four bytes looked up in four
-    tables), over all rows at once, so the cost per row is a few nanoseconds per byte for
-    any number of rows, with no Python per row."""
+    Across rows (:func:`_across_rows`) where there are many more rows than bytes in a row;
+    else one :func:`crc32` call per row, which costs less there: the numpy steps across
+    rows cost about a microsecond each whatever the number of rows, so for 8 rows of 32 KB
+    they took 128 ms against 0.2 ms, and they win only past about 10,000 rows of 64 bytes
+    (measured here with zlib-ng)."""
+    import numpy as np
+
+    n, k = rows.shape
+    if n >= 64 * k:
+        return _across_rows(rows)
+    return np.fromiter((crc32(r) for r in np.ascontiguousarray(rows)), dtype=np.uint32,
+                       count=n)
+
+
+def _across_rows(rows: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint32]:
+    """:func:`crc32_rows` table-driven across rows: one numpy step per four bytes of a row
+    (slicing-by-4: the running CRC XOR the next little-endian word, then its four bytes
+    looked up in four tables), over all rows at once, so the cost per row is a few
+    nanoseconds per byte for any number of rows, with no Python per row."""
     import numpy as np
 
     t = _tables()
