@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 import signal
 import stat
@@ -315,25 +316,26 @@ def _recorded(plan: MergePlan, journal: Path, temps: dict[str, Path], source: st
     return done
 
 
-# Bytes read at a time to compute a piece's CRC-32.
-_CRC_BLOCK = 8 << 20
+# Bytes mapped at a time to compute a piece's CRC-32 (measured on a cached 0.5 GB file: 0.10 s
+# of CPU per GB mapped, 0.25 s per GB read into a reused 8 MB buffer).
+_CRC_BLOCK = 64 << 20
 
 
 def _piece_crc(fd: int, piece: Piece, plan: MergePlan) -> int:
-    """The CRC-32 of ``piece``'s bytes in its output file (open at ``fd``), as they are now."""
+    """The CRC-32 of ``piece``'s bytes in its output file (open at ``fd``), as they are now:
+    mapped from the page cache a window at a time, no copy."""
     tensors = plan.files[piece.file].tensors[piece.first : piece.end]
     begin, end = tensors[0].slot.begin, tensors[-1].slot.end
+    end_of_file = os.fstat(fd).st_size
     crc = 0
     at = begin
-    # One buffer read into again and again: a fresh 8 MB each time costs its page faults.
-    buf = memoryview(bytearray(min(_CRC_BLOCK, max(0, end - begin))))
-    while at < end:
-        n = os.preadv(fd, [buf[: min(_CRC_BLOCK, end - at)]], at)
-        if not n:
-            break  # a short file: the CRC differs
-        crc = crc32(buf[:n], crc)
+    while at < min(end, end_of_file):
+        n = min(_CRC_BLOCK, end - at, end_of_file - at)
+        base = at - at % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(fd, at + n - base, prot=mmap.PROT_READ, offset=base) as window:
+            crc = crc32(memoryview(window)[at - base : at - base + n], crc)
         at += n
-    return crc
+    return crc if at >= end else -1  # a short file: no CRC a journal records
 
 
 class _Recorder:
