@@ -245,7 +245,7 @@ def record_targets(args: argparse.Namespace,
                 peak_mb=(m.peak_rss_bytes or 0) / 1e6, load=M.load_span(loads),
                 full_size=args.size_gb == TARGETS_GB,
                 note=(f"{'beside a busy process (one core of two taken); ' if hog else ''}"
-                      f"by CPU time {cpu:.1f}x; "
+                      f"by CPU time {cpu:.1f} times; "
                       f"{'outputs synced by all' if args.fsync else 'nothing synced'}, "
                       "inputs in the page cache"
                       + (f"; start-up and planning (--dry-run) {start[0].wall_s:.2f} s, "

@@ -196,7 +196,7 @@ def main() -> None:
                         peak_mb=m.peak_rss_mb, load=loads,
                         full_size=args.layers == LAYERS,
                         note=f"{'beside a busy process; ' if args.hog else ''}by CPU time "
-                             f"{cpu:.1f}x; start-up (python, ckpttool and torch imported) "
+                             f"{cpu:.1f} times; start-up (python, ckpttool and torch imported) "
                              f"{start.wall_s:.2f} s, {start.cpu_s or 0:.2f} s CPU",
                         new={"section": "Quantized weights",
                              "claim": f"the same as `{claim[:-4]}`, beside a busy process",
