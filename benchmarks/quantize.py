@@ -2,11 +2,13 @@
 --quantize fp8-block`` (bf16 -> block FP8) and ``ckpttool merge Q D --dequantize`` (block
 FP8 -> bf16), each beside ``cp -r`` of a directory of its output's size (the output itself).
 
-    .venv/bin/python benchmarks/quantize.py [--layers 10] [--repeat 1] [--work DIR]
+    .venv/bin/python benchmarks/quantize.py [--layers 20] [--repeat 1] [--work DIR] [--hog]
 
-1. Generates once (cached in ``--work``, default /tmp/ckpttool-quant-bench) a bf16
+1. Generates once (cached in ``--work``, default /tmp/ckpttool-quant-bench-L<layers>) a bf16
    Llama-shaped model (TinyLlama's widths: hidden 2048, MLP 5632, 4 KV heads, vocab 32000;
-   10 layers: 1.14 GB) as safetensors in 512 MB shards with a config.json.
+   10 layers: 1.14 GB, 20: 2.0 GB, the size recorded) as safetensors in 512 MB shards with
+   a config.json. The start-up (the interpreter, ckpttool's and torch's imports: a fixed
+   cost whatever the size) is measured apart and given beside each figure.
 2. Runs each command in a fresh child with its input in the page cache, in rounds (every
    command once per round): wall time (best of ``--repeat``), CPU time, peak RSS and the
    1-minute load beside each. ckpttool runs with ``CKPTTOOL_FSYNC=0``: ``cp -r`` does not
@@ -20,6 +22,7 @@ FP8 -> bf16), each beside ``cp -r`` of a directory of its output's size (the out
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
@@ -31,6 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _measure as M  # noqa: E402
 
 PY = sys.executable
+ROOT = Path(__file__).resolve().parent.parent
+# The size recorded (--record): 20 layers, 2.0 GB of bf16, so that the start-up (torch's
+# import above all, measured apart) decides less of the ratio; the issue asks >= 1 GB.
+LAYERS = 20
 CKPTTOOL = [PY, "-m", "ckpttool"]
 
 GENERATE = r"""
@@ -105,17 +112,30 @@ print("sample checked:", name)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=10)
+    ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/ckpttool-quant-bench"))
+    ap.add_argument("--work", type=Path, default=None,
+                    help="default: /tmp/ckpttool-quant-bench-L<layers>")
+    ap.add_argument("--hog", action="store_true",
+                    help="run every command beside a busy process (one core of two taken)")
     M.add_record_args(ap)
     args = ap.parse_args()
-    work: Path = args.work
+    work: Path = args.work or Path(f"/tmp/ckpttool-quant-bench-L{args.layers}")
     src = work / "src"
     if not src.exists():
         work.mkdir(parents=True, exist_ok=True)
         subprocess.run([PY, "-c", GENERATE, str(args.layers), str(work)], check=True)
-    env = {**os.environ, "CKPTTOOL_FSYNC": "0"}
+    env = {**M.bytecode_env(work / "pycache"), "CKPTTOOL_FSYNC": "0"}
+    hog = M.CpuHog() if args.hog else contextlib.nullcontext()
+    # What does not grow with the bytes: the interpreter, ckpttool's and torch's imports.
+    startup: list[M.Measurement] = []
+    for _ in range(args.repeat):
+        with hog:
+            startup.append(M.run_measured([PY, "-c", "import ckpttool.cli.merge, torch"],
+                                          env=env, cwd=ROOT))
+    start = M.best_of(startup)
+    print(f"start-up (python, ckpttool and torch imported): {start.wall_s:.2f} s, "
+          f"{start.cpu_s or 0:.2f} s CPU; load {M.load1():.1f}")
     q, d = work / "q", work / "d"
     rows: list[list[object]] = []
     figures: list[tuple[str, M.Measurement, M.Measurement, int]] = []
@@ -131,8 +151,9 @@ def main() -> None:
             shutil.rmtree(out, ignore_errors=True)
             M.warm_page_cache(cmd_in)
             load = M.load1()
-            run = M.run_measured([*CKPTTOOL, "merge", str(cmd_in), str(out), *extra,
-                                  "--no-progress", "-q"], env=env)
+            with hog:
+                run = M.run_measured([*CKPTTOOL, "merge", str(cmd_in), str(out), *extra,
+                                      "--no-progress", "-q"], env=env, cwd=ROOT)
             if not run.ok:
                 raise SystemExit(f"{label}: {run.error_line()}")
             if label not in best or run.wall_s < best[label].wall_s:
@@ -142,7 +163,8 @@ def main() -> None:
             shutil.rmtree(copy, ignore_errors=True)
             M.warm_page_cache(out)
             load = M.load1()
-            cp = M.run_measured(["cp", "-r", str(out), str(copy)])
+            with hog:
+                cp = M.run_measured(["cp", "-r", str(out), str(copy)])
             shutil.rmtree(copy, ignore_errors=True)
             if "cp" not in best or cp.wall_s < best["cp"].wall_s:
                 best["cp"] = cp
@@ -164,13 +186,21 @@ def main() -> None:
     for label, m, c, _size in figures:
         claim = ("quantize" if label.startswith("quantize") else "dequantize") + (
             "-weights-only" if label.endswith("weights only") else "")
+        claim += "-hog" if args.hog else ""
+        cpu = (m.cpu_s or 0) / max(c.cpu_s or 0, 1e-3)
         M.record_figure(args, claim,
                         figure=f"{m.wall_s:.1f} s", cpu_s=m.cpu_s,
                         baseline=f"`cp -r` of the output {c.wall_s:.1f} s, "
                                  f"{c.cpu_s or 0:.2f} s CPU",
                         ratio=m.wall_s / c.wall_s, met=m.wall_s <= 1.5 * c.wall_s,
                         peak_mb=m.peak_rss_mb, load=loads,
-                        full_size=args.layers == 10)
+                        full_size=args.layers == LAYERS,
+                        note=f"{'beside a busy process; ' if args.hog else ''}by CPU time "
+                             f"{cpu:.1f} times; start-up (python, ckpttool and torch imported) "
+                             f"{start.wall_s:.2f} s, {start.cpu_s or 0:.2f} s CPU",
+                        new={"section": "Quantized weights",
+                             "claim": f"the same as `{claim[:-4]}`, beside a busy process",
+                             "target": "<= 1.5x `cp -r`"} if args.hog else None)
 
 
 if __name__ == "__main__":

@@ -58,3 +58,36 @@ def test_a_journal_line_is_checked_against_the_bytes(trained: Path, tmp_path: Pa
     report = merge(src, out, weights_only=True)
     assert report.resumed is not None and report.resumed.done_before == redone
     _assert_exact(out, trained, 3)
+
+
+def test_a_piece_that_cannot_be_recorded_stops_the_merge_and_the_rest_resumes(
+        trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Pieces are recorded in a thread of their own while the next one is written: a piece
+    whose record fails (a full disk under the journal: here the second piece's) still stops
+    the merge with the output error, nothing is published, the piece recorded before it
+    stays for the next run, which finishes bit-exact."""
+    from ckpttool.core.merge import resume
+    from ckpttool.errors import OutputError
+
+    src, out = trained / "run" / "checkpoint-3", tmp_path / "out"
+    monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", PIECE)
+    real = resume._record
+    calls: list[str] = []
+
+    def failing(journal: Path, fd: int, piece: resume.Piece, plan: object) -> None:
+        calls.append(piece.key)
+        if len(calls) == 2:  # a fault injected on the failure path only
+            raise OutputError(f"{journal}: no space left on device")
+        real(journal, fd, piece, plan)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(resume, "_record", failing)
+    with pytest.raises(OutputError, match="no space left"):
+        merge(src, out, weights_only=True)
+    assert not (out / "model.safetensors").exists()
+    (journal,) = out.glob(".*.journal.ckpttool-tmp")
+    assert len(journal.read_text().splitlines()) == 2  # its head, and the first piece
+
+    monkeypatch.setattr(resume, "_record", real)
+    report = merge(src, out, weights_only=True)
+    assert report.resumed is not None and report.resumed["done_before"] == 1
+    _assert_exact(out, trained, 3)

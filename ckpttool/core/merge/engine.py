@@ -490,12 +490,11 @@ def _write_selection(reader: Reader, dst: int, t: OutTensor, report: Progress,
     payloads = [reader.payload(src, c) for c, _, _ in pieces]
     if not t.cast and all(p.start is not None for p in payloads) and all(
             n * item >= COPY_RUN for _, _, runs in pieces for _, _, n in runs):
-        with lock or contextlib.nullcontext():
-            for (_, pos, runs), p in zip(pieces, payloads, strict=True):
-                assert p.start is not None
-                for a, b, n in runs:
-                    reader.copy_to(p.file, p.start + a * item, dst,
-                                   t.slot.begin + (pos + b) * item, n * item)
+        for (_, pos, runs), p in zip(pieces, payloads, strict=True):
+            assert p.start is not None
+            for a, b, n in runs:
+                _copy(reader, p.file, p.start + a * item, dst,
+                      t.slot.begin + (pos + b) * item, n * item, lock)
         report(t.slot.nbytes)
         return
     if not t.cast and all(p.start is not None for p in payloads):
@@ -518,6 +517,27 @@ def _write_selection(reader: Reader, dst: int, t: OutTensor, report: Progress,
     with lock or contextlib.nullcontext():
         pwrite_all(dst, data, t.slot.begin)
     report(len(data))
+
+
+# A copy in the kernel into a file that other threads write too holds the file's lock for at
+# most this many bytes at a time: a thread gathering a row-parallel layer (reading while the
+# copy goes on) then writes its block between two steps instead of waiting for a whole
+# stacked tensor's copy (measured on a 2.1 GB Megatron run: the gathering thread spent most of
+# its time waiting for the lock, the merge used one core of two).
+COPY_STEP = 8 << 20
+
+
+def _copy(reader: Reader, file: str, src: int, dst: int, at: int, n: int,
+          lock: threading.Lock | None) -> None:
+    """``n`` stored bytes copied file to file (:meth:`Reader.copy_to`), in steps of
+    :data:`COPY_STEP` under ``lock`` where other threads write into ``dst`` too, else at
+    once (object storage: one ranged read)."""
+    if lock is None:
+        reader.copy_to(file, src, dst, at, n)
+        return
+    for k in range(0, n, COPY_STEP):
+        with lock:
+            reader.copy_to(file, src + k, dst, at + k, min(COPY_STEP, n - k))
 
 
 def _write_batch(reader: Reader, job: _Job, report: Progress, stop: threading.Event) -> None:
@@ -622,9 +642,8 @@ def _write_chunk(reader: Reader, dst: int, t: OutTensor, c: Chunk, report: Progr
             if t.cast:
                 _cast_range(reader, payload.file, src, dst, at, hi - lo, t, report, lock)
             else:
-                with turn:
-                    reader.copy_to(payload.file, src, dst, at,
-                                         (hi - lo) * entry.dtype.itemsize)
+                _copy(reader, payload.file, src, dst, at, (hi - lo) * entry.dtype.itemsize,
+                      lock)
                 report((hi - lo) * dst_item)
             return
     # A strided placement (Shard(1)...): the chunk's rows land apart, so read it whole (so are

@@ -30,10 +30,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 import signal
 import stat
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -158,7 +160,9 @@ def _write(plan: MergePlan, reader: Reader, out: Path, *, check: Callable[[], No
     with AtomicOutputs(out, check=check) as outputs:
         done = _recorded(plan, journal, temps, source, key, todo)
         fds: dict[str, int] = {}
-        recorded = len(done)
+        # Each piece's sync, read-back CRC and journal line are made in a thread of their
+        # own while the next piece is written (the workers do not wait for them).
+        recorder = _Recorder(journal, plan)
         try:
             if not done:
                 _forget(out, plan, stem)
@@ -167,22 +171,28 @@ def _write(plan: MergePlan, reader: Reader, out: Path, *, check: Callable[[], No
                 for f in plan.files:
                     fds[f.name] = _open(temps[f.name])
             missing = [p for p in todo if p.key not in done]
-            recorded = len(done)
-            for n, p in enumerate(missing, 1):
-                f = plan.files[p.file]
-                part = replace(plan, files=(replace(f, tensors=f.tensors[p.first : p.end]),))
-                execute_into(part, reader, [fds[f.name]], workers=workers, progress=progress)
-                _record(journal, fds[f.name], p, plan)
-                recorded += 1
-                if settings.test_resume_kill() == n:
-                    os.kill(os.getpid(), signal.SIGKILL)
+            try:
+                for n, p in enumerate(missing, 1):
+                    f = plan.files[p.file]
+                    part = replace(plan, files=(replace(f, tensors=f.tensors[p.first : p.end]),))
+                    execute_into(part, reader, [fds[f.name]], workers=workers,
+                                 progress=progress)
+                    recorder.record(fds[f.name], p)
+                    if settings.test_resume_kill() == n:
+                        recorder.wait()
+                        os.kill(os.getpid(), signal.SIGKILL)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the pieces done stay recorded
+                    recorder.wait()
+                raise
+            recorder.wait()  # before any file is closed; raises what recording raised
             for fd in fds.values():
                 os.close(fd)
             fds.clear()
         except BaseException:
             # A cut merge keeps its pieces for the next run only when one is complete:
             # failing before the first (a damaged source, a refused record) leaves nothing.
-            if recorded == 0:
+            if len(done) + recorder.done == 0:
                 for path in (*temps.values(), journal):
                     with contextlib.suppress(OSError):
                         path.unlink()
@@ -306,23 +316,65 @@ def _recorded(plan: MergePlan, journal: Path, temps: dict[str, Path], source: st
     return done
 
 
-# Bytes read at a time to compute a piece's CRC-32.
-_CRC_BLOCK = 8 << 20
+# Bytes mapped at a time to compute a piece's CRC-32 (measured on a cached 0.5 GB file: 0.10 s
+# of CPU per GB mapped, 0.25 s per GB read into a reused 8 MB buffer).
+_CRC_BLOCK = 64 << 20
 
 
 def _piece_crc(fd: int, piece: Piece, plan: MergePlan) -> int:
-    """The CRC-32 of ``piece``'s bytes in its output file (open at ``fd``), as they are now."""
+    """The CRC-32 of ``piece``'s bytes in its output file (open at ``fd``), as they are now:
+    mapped from the page cache a window at a time, no copy."""
     tensors = plan.files[piece.file].tensors[piece.first : piece.end]
     begin, end = tensors[0].slot.begin, tensors[-1].slot.end
+    end_of_file = os.fstat(fd).st_size
     crc = 0
     at = begin
-    while at < end:
-        data = os.pread(fd, min(_CRC_BLOCK, end - at), at)
-        if not data:
-            break  # a short file: the CRC differs
-        crc = crc32(data, crc)
-        at += len(data)
-    return crc
+    while at < min(end, end_of_file):
+        n = min(_CRC_BLOCK, end - at, end_of_file - at)
+        base = at - at % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(fd, at + n - base, prot=mmap.PROT_READ, offset=base) as window:
+            crc = crc32(memoryview(window)[at - base : at - base + n], crc)
+        at += n
+    return crc if at >= end else -1  # a short file: no CRC a journal records
+
+
+class _Recorder:
+    """Records finished pieces (:func:`_record`) one after another in a thread of its own, in
+    the order they finish, while the caller writes the next piece: the read-back of a piece
+    (a pass over its bytes in the page cache) and its sync no longer hold the workers up.
+    :meth:`wait` returns once every piece handed over is recorded, and raises the first
+    error recording met (later pieces are then not recorded)."""
+
+    def __init__(self, journal: Path, plan: MergePlan) -> None:
+        self.journal, self.plan = journal, plan
+        self.done = 0  # pieces recorded
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future[None]] = []
+
+    def record(self, fd: int, piece: Piece) -> None:
+        if any(f.done() and f.exception() is not None for f in self._pending):
+            self.wait()  # a piece failed to record: stop here, as a failed write would
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpttool-journal")
+        self._pending.append(self._pool.submit(self._one, fd, piece))
+
+    def _one(self, fd: int, piece: Piece) -> None:
+        _record(self.journal, fd, piece, self.plan)
+        self.done += 1
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
+        try:
+            for f in pending:
+                f.result()
+        except BaseException:
+            for f in pending:
+                f.cancel()
+            raise
+        finally:
+            if self._pool is not None and not self._pending:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
 
 def _record(journal: Path, fd: int, piece: Piece, plan: MergePlan) -> None:

@@ -540,21 +540,21 @@ def _fp8_block(name: str, src: Source) -> tuple[Derived, Derived]:
 
     def row_scales(x: torch.Tensor) -> torch.Tensor:
         """amax(|x|) / 448 per block of one block of rows ``x`` (float32), 1.0 where the
-        block is zero: [col blocks] float32. As max(max x, -min x): float32 reductions along
-        the rows, no |x| made (measured: 5x less CPU than amax of |bf16|)."""
+        block is zero: [col blocks] float32. As max(max x, -min x): float32 reductions, no
+        |x| made (measured: 5x less CPU than amax of |bf16|), first down the rows (each a
+        vectorised pass along the contiguous columns), then per block over the
+        ``cols`` results (a max is exact in any order: the same scales)."""
         import torch
 
-        r, full = x.shape[0], cols // bc
+        full = cols // bc
+        high, low = x.amax(dim=0), x.amin(dim=0)  # [cols]
         highs, lows = [], []
         if full:
-            v = x[:, :full * bc].view(r, full, bc) if full * bc == cols else (
-                x[:, :full * bc].as_strided((r, full, bc), (cols, bc, 1)))
-            highs.append(v.amax(dim=2).amax(dim=0))
-            lows.append(v.amin(dim=2).amin(dim=0))
+            highs.append(high[:full * bc].view(full, bc).amax(dim=1))
+            lows.append(low[:full * bc].view(full, bc).amin(dim=1))
         if cols % bc:
-            tail = x[:, full * bc:].reshape(r, -1)
-            highs.append(tail.amax().reshape(1))
-            lows.append(tail.amin().reshape(1))
+            highs.append(high[full * bc:].amax().reshape(1))
+            lows.append(low[full * bc:].amin().reshape(1))
         amax = torch.maximum(torch.cat(highs), torch.cat(lows).neg())
         s = amax / quantization.FP8_MAX
         return torch.where(amax == 0, torch.ones_like(s), s)
@@ -588,10 +588,9 @@ def _fp8_block(name: str, src: Source) -> tuple[Derived, Derived]:
             x = widened(w, lo, hi)  # once; divided in place: never the input
             s = known[i] if known is not None else row_scales(x)
             made.append(s)
-            if cols % bc == 0:
-                x.view(hi - lo, grid[1], bc).div_(s.view(1, -1, 1))
-            else:
-                x.div_(s.repeat_interleave(bc)[:cols])
+            # Each scale repeated over its block's columns: one row of factors that every
+            # row divides by (vectorised along the row; a [blocks, 1] broadcast is not).
+            x.div_(s.repeat_interleave(bc)[:cols].view(1, cols))
             q8 = q_all[:n]
             q8.copy_(x.view(-1))
             if out_all is None:
