@@ -26,10 +26,9 @@ import unicodedata
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from ckpttool.errors import InputError, UnsupportedError
-from ckpttool.storage import remote
+from ckpttool.storage import objects, remote
 from ckpttool.storage import store as stores
 
 # Files other than data files are downloaded whole into the mirror up to this size (configs,
@@ -51,6 +50,9 @@ class Mirror:
         value: the URL (``s3://bucket/prefix`` or one object).
         data_suffixes: names ending so are data files: sparse placeholders, read by ranges.
         head: the leading bytes a data file's placeholder holds (None: none).
+        backend: the store that serves ``value`` (None: the one of its scheme,
+            :func:`ckpttool.storage.remote.backend`; :mod:`ckpttool.storage.memory` is
+            handed over so).
 
     Raises (on construction):
         InputError: nothing at the URL, the bucket is missing, access is denied, the
@@ -59,9 +61,10 @@ class Mirror:
     """
 
     def __init__(self, value: str, *, data_suffixes: Sequence[str], head: Head | None = None,
-                 warn: Callable[[str], None] | None = None) -> None:
-        # The module of this URL's store (s3, objstore): the same functions in each.
-        self.remote: Any = remote.backend(value)
+                 warn: Callable[[str], None] | None = None,
+                 backend: objects.Backend | None = None) -> None:
+        # The backend of this URL's store (s3, objstore, memory).
+        self.remote = backend if backend is not None else remote.backend(value)
         self.url = self.remote.parse(value)
         self.data_suffixes = tuple(data_suffixes)
         self._head = head

@@ -44,7 +44,6 @@ from ckpttool.errors import (
     AccessError,
     CkptError,
     InputError,
-    OutputError,
     TransportError,
     UnsupportedError,
 )
@@ -349,25 +348,16 @@ OutputNames = objects.OutputNames
 completing = objects.completing
 
 
-def existing_weights(url: Url, names: OutputNames) -> list[str]:
-    """Objects directly below ``url`` that an output would replace."""
-    return sorted(n for n in list_objects(url) if "/" not in n and names.replaces(n))
-
-
 def check_output(value: str, *, overwrite: bool, names: OutputNames) -> Url:
-    """The output URL, checked before any work: the bucket exists and is writable by these
-    credentials (as far as a listing tells), and holds no weights unless ``overwrite``.
+    """The output URL, checked before any work: the bucket exists and is listed with these
+    credentials, and holds no weights unless ``overwrite``
+    (:func:`ckpttool.storage.objects.check_output`).
 
     Raises:
         InputError: bad credentials, missing bucket. OutputError: weights there already.
     """
     url = parse(value)
-    existing = existing_weights(url, names)
-    if existing and not overwrite:
-        raise OutputError(f"{url}: already holds {', '.join(existing[:3])}"
-                          f"{' and more' if len(existing) > 3 else ''}; pass --overwrite to "
-                          "replace them or choose an empty prefix")
-    return url
+    return objects.check_output(url, list_objects(url), overwrite=overwrite, names=names)
 
 
 LOCK_NAME = locks.LOCK_NAME

@@ -1,5 +1,6 @@
 """The store contract on Google Cloud Storage (fake-gcs-server) and Azure Blob Storage
-(Azurite), through the mirror that opens them, as for S3 (tests/remote/test_s3_store.py)."""
+(Azurite), through the mirror that opens them, as for S3 (tests/remote/test_s3_store.py); and
+the object-store contract (tests/storage/objects.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from ckpttool.storage import mirror as mirrors
+from ckpttool.storage import objects, objstore, remote
 from ckpttool.storage.store import Store
 from tests.clouds.conftest import Cloud
 from tests.storage.contract import META, StoreTests
+from tests.storage.objects import ObjectStoreTests
 
 _prefixes = itertools.count()
 
@@ -42,6 +45,43 @@ class TestGcsStore(CloudStoreTests):
 
 
 class TestAzureStore(CloudStoreTests):
+    @pytest.fixture(autouse=True)
+    def _server(self, azure: Cloud) -> None:
+        self.cloud = azure
+
+
+class CloudObjectTests(ObjectStoreTests):
+    """The object-store contract (tests/storage/objects.py) on an emulator."""
+
+    cloud: Cloud
+
+    def prefix(self, files: dict[str, bytes]) -> str:
+        prefix = f"objects/{next(_prefixes)}"
+        for name, data in files.items():
+            self.cloud.put(f"{prefix}/{name}", data)
+        return self.cloud.url(prefix)
+
+    def replace(self, url: str, data: bytes) -> None:
+        self.cloud.put(url.partition("://")[2].partition("/")[2], data)
+
+    def parts(self) -> objects.Parts:
+        found: objects.Parts = remote.parts(self.cloud.url("x"))
+        return found
+
+
+class TestGcsObjects(CloudObjectTests):
+    scheme = "gs"
+    backend = objstore
+
+    @pytest.fixture(autouse=True)
+    def _server(self, gcs: Cloud) -> None:
+        self.cloud = gcs
+
+
+class TestAzureObjects(CloudObjectTests):
+    scheme = "az"
+    backend = objstore
+
     @pytest.fixture(autouse=True)
     def _server(self, azure: Cloud) -> None:
         self.cloud = azure
