@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from ckpttool.storage import mirror as mirrors
 from ckpttool.storage import objects, objstore, remote
 from ckpttool.storage.store import Store
 from tests.clouds.conftest import Cloud
-from tests.storage.contract import META, StoreTests
+from tests.storage.contract import StoreTests, mirrored
 from tests.storage.objects import ObjectStoreTests
 
 _prefixes = itertools.count()
@@ -26,16 +25,7 @@ class CloudStoreTests(StoreTests):
         prefix = f"contract/{next(_prefixes)}"
         for name, data in files.items():
             self.cloud.put(f"{prefix}/{name}", data)
-        mirror = mirrors.Mirror(self.cloud.url(prefix), data_suffixes=(".bin",))
-        store = mirror.open(mirror.dir, metadata_name=META)
-        close = store.close
-
-        def closing() -> None:
-            close()
-            mirror.close()
-
-        store.close = closing  # type: ignore[method-assign]
-        return store
+        return mirrored(self.cloud.url(prefix))
 
 
 class TestGcsStore(CloudStoreTests):
@@ -50,10 +40,15 @@ class TestAzureStore(CloudStoreTests):
         self.cloud = azure
 
 
-class CloudObjectTests(ObjectStoreTests):
-    """The object-store contract (tests/storage/objects.py) on an emulator."""
+class TestCloudObjects(ObjectStoreTests):
+    """The object-store contract (tests/storage/objects.py) on each emulator."""
 
-    cloud: Cloud
+    backend = objstore
+
+    @pytest.fixture(autouse=True)
+    def _server(self, cloud: Cloud) -> None:
+        self.cloud = cloud
+        self.scheme = cloud.scheme
 
     def prefix(self, files: dict[str, bytes]) -> str:
         prefix = f"objects/{next(_prefixes)}"
@@ -67,21 +62,3 @@ class CloudObjectTests(ObjectStoreTests):
     def parts(self) -> objects.Parts:
         found: objects.Parts = remote.parts(self.cloud.url("x"))
         return found
-
-
-class TestGcsObjects(CloudObjectTests):
-    scheme = "gs"
-    backend = objstore
-
-    @pytest.fixture(autouse=True)
-    def _server(self, gcs: Cloud) -> None:
-        self.cloud = gcs
-
-
-class TestAzureObjects(CloudObjectTests):
-    scheme = "az"
-    backend = objstore
-
-    @pytest.fixture(autouse=True)
-    def _server(self, azure: Cloud) -> None:
-        self.cloud = azure

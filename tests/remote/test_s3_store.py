@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from ckpttool.storage import mirror as mirrors
 from ckpttool.storage import objects
 from ckpttool.storage.store import Store
 from tests.remote.conftest import BUCKET, S3
-from tests.storage.contract import META, StoreTests
+from tests.storage.contract import StoreTests, mirrored
 from tests.storage.objects import ObjectStoreTests
 
 _prefixes = itertools.count()
@@ -27,16 +26,7 @@ class TestS3Store(StoreTests):
         prefix = f"contract/{next(_prefixes)}"
         for name, data in files.items():
             self.s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{name}", Body=data)
-        mirror = mirrors.Mirror(f"s3://{BUCKET}/{prefix}", data_suffixes=(".bin",))
-        store = mirror.open(mirror.dir, metadata_name=META)
-        close = store.close
-
-        def closing() -> None:
-            close()
-            mirror.close()
-
-        store.close = closing  # type: ignore[method-assign]
-        return store
+        return mirrored(f"s3://{BUCKET}/{prefix}")
 
 
 class TestS3Objects(ObjectStoreTests):

@@ -9,9 +9,8 @@ import itertools
 from pathlib import Path
 
 from ckpttool.storage import memory, objects
-from ckpttool.storage import mirror as mirrors
 from ckpttool.storage.store import Store
-from tests.storage.contract import META, StoreTests
+from tests.storage.contract import StoreTests, mirrored
 from tests.storage.objects import ObjectStoreTests
 
 BUCKET = "ckpt"
@@ -28,16 +27,7 @@ def _put(prefix: str, files: dict[str, bytes]) -> str:
 class TestMemoryStore(StoreTests):
     def store_of(self, files: dict[str, bytes], tmp: Path) -> Store:
         url = _put(f"contract/{next(_prefixes)}", files)
-        mirror = mirrors.Mirror(url, data_suffixes=(".bin",), backend=memory)
-        store = mirror.open(mirror.dir, metadata_name=META)
-        close = store.close
-
-        def closing() -> None:
-            close()
-            mirror.close()
-
-        store.close = closing  # type: ignore[method-assign]
-        return store
+        return mirrored(url, memory)
 
 
 class TestMemoryObjects(ObjectStoreTests):
