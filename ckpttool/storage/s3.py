@@ -10,16 +10,13 @@ Why boto3/botocore, not obstore or s3fs (compared for this module):
   ``endpoint_url``) for MinIO, Ceph and R2. obstore (Rust ``object_store``) reads the
   environment variables but not profiles or config files unless boto3 is installed as its
   credential provider anyway; s3fs is aiobotocore, the same chain with an async layer on top.
-* Throughput. A ranged GET moves the same bytes with any client: the cost that matters is
-  how many requests there are and how many are in flight, which this module decides itself
-  (coalesced 8-16 MB GETs over a bounded pool). Measured (``benchmarks/remote.py``, moto,
-  268 MB, load 16.6): a plain parallel download took 3.84 s with boto3 and 2.41 s with
-  obstore, so obstore is the faster client; GCS and Azure use it (:mod:`objstore`).
-* Why S3 still uses boto3 (issue 26): obstore would need boto3 anyway for the profile chain
-  above (its ``Boto3CredentialProvider``), so the extra would not get lighter; and the S3
-  tests pin this module's explicit multipart calls (parts counted, ``ListMultipartUploads``
-  empty after a Ctrl-C). obstore does abort a multipart upload whose input fails (checked
-  against moto), so switching is possible: it is the next step, with those tests rewritten.
+* Throughput and the decision (issue 37, ``benchmarks/s3_clients.py``, figures in
+  docs/design.md "Object stores"): on moto, obstore reads 16 MB ranges in a quarter less time
+  with the same client CPU, and spends a third of boto3's CPU per small GET; uploads are
+  even. ckpttool's reads are coalesced 16 MB GETs, and obstore reaches profiles and SSO only
+  through boto3 itself (``Boto3CredentialProvider``) and ignores a profile's
+  ``endpoint_url`` (MinIO, R2): so S3 keeps boto3, one :class:`~ckpttool.storage.objects.Backend`
+  as :mod:`ckpttool.storage.objstore` is for GCS and Azure.
 
 How a remote checkpoint is read: see :mod:`ckpttool.storage.mirror`.
 
