@@ -304,3 +304,23 @@ def test_planned_reads_are_coalesced(s3: S3, monkeypatch: pytest.MonkeyPatch) ->
     # A short object is an error, not a retry loop.
     with pytest.raises(Exception, match="ends at byte"):
         store.read_exact("data.distcp", len(data) - 10, 20, what="tensor 'x'")
+
+
+def test_a_metadata_too_large_to_download_is_read_in_place(
+        s3: S3, tiny_dcp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP's .metadata is read through the Stores (issue 37, item 5): over the mirror's
+    download limit it is read by ranged GETs, where it was refused."""
+    from ckpttool.storage import mirror
+
+    url = s3.upload_dir(tiny_dcp, BUCKET, "bigmeta/model")
+    monkeypatch.setattr(mirror, "DOWNLOAD_LIMIT", 0)
+    a = run("inspect", url, "--json")
+    b = run("inspect", tiny_dcp, "--json")
+    assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
+    da, db = json.loads(a.stdout.replace(url, str(tiny_dcp))), json.loads(b.stdout)
+    da.pop("seconds", None), db.pop("seconds", None)
+    assert da == db
+    r = run("merge", "--weights-only", url, tmp_path / "remote")
+    assert r.exit_code == 0, r.output
+    assert run("merge", "--weights-only", tiny_dcp, tmp_path / "local").exit_code == 0
+    same_files(tmp_path / "remote", tmp_path / "local")
