@@ -40,7 +40,6 @@ import os
 import random
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -64,12 +63,6 @@ AWS_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "
             "AWS_ENDPOINT_URL_SSO", "AWS_DEFAULT_REGION", "AWS_REGION", "HOME")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def cpu_self() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -82,20 +75,17 @@ def cpu_of(pid: int) -> float:
 
 @contextlib.contextmanager
 def moto() -> Iterator[tuple[str, int]]:
-    port = free_port()
+    """moto's server (a subprocess), as the tests start theirs; its endpoint and pid."""
+    from tests.clouds.conftest import _free_port, _wait_port, stop
+
+    port = _free_port()
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
                                str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(400):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
+        _wait_port(port, server, "moto")
         yield f"http://127.0.0.1:{port}", server.pid
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        stop(server)
 
 
 @contextlib.contextmanager

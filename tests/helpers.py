@@ -106,3 +106,18 @@ def write_malicious(directory: Path, sentinel: Path) -> Path:
     (directory / ".metadata").write_bytes(pickle.dumps(RunsCommand(f"touch {sentinel}")))
     (directory / "__0_0.distcp").write_bytes(b"\0" * 64)
     return directory
+
+
+def same_inspect(url: str, local: Path) -> None:
+    """``inspect --json`` of the remote checkpoint ``url`` is that of its local copy (the
+    paths aside)."""
+    from typer.testing import CliRunner
+
+    from ckpttool.cli import app
+
+    a = CliRunner().invoke(app, ["inspect", url, "--json"])
+    b = CliRunner().invoke(app, ["inspect", str(local), "--json"])
+    assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
+    da, db = json.loads(a.stdout.replace(url, str(local))), json.loads(b.stdout)
+    da.pop("seconds", None), db.pop("seconds", None)
+    assert da == db

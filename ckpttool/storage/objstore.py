@@ -43,10 +43,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import random
 import re
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -63,7 +61,7 @@ from ckpttool.errors import (
     TransportError,
     UnsupportedError,
 )
-from ckpttool.storage import objects, outputs, places, s3
+from ckpttool.storage import objects, outputs, places, ranged, s3
 
 # The extra each cloud needs (which schemes this module serves: storage/remote.py).
 EXTRAS = {"gs": "gcs", "az": "azure"}
@@ -359,41 +357,26 @@ def get_range(url: Url, offset: int, size: int, etag: str | None = None) -> byte
     options: Any = {"range": (offset, offset + size)}
     if etag:
         options["if_match"] = f'"{_bare(etag)}"'
-    failure: BaseException | None = None
-    # A store that accepts requests and never answers: given up here, whatever the retries.
-    deadline = time.monotonic() + settings.request_deadline() + size / MIN_RATE
-    tries = 0
-    for attempt in range(RETRIES + 1):
-        if attempt:
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(BACKOFF * 2 ** (attempt - 1) * (0.5 + random.random()))
-        tries += 1
-        try:
-            result = obstore.get(store, url.key, options=options)
-            got = _bare(result.meta.get("e_tag"))
-            if etag and got and got != _bare(etag):
-                raise InputError(f"{url}: the object changed while it was being read; run "
-                                 "again once it is no longer being written")
-            data = bytes(result.bytes())
-            if len(data) != size:
-                start, end = result.range
-                if end - start < size:
-                    raise InputError(f"{url}: a read of {size} bytes at byte {offset} returned "
-                                     f"{end - start}; the object is shorter than its "
-                                     "checkpoint says")
-                raise ConnectionError(f"{len(data)} of {size} bytes, then the body ended")
-            return data
-        except CkptError:
-            raise
-        except Exception as e:
-            if not _transient(e):
-                raise error(e, url, "reading") or e from e
-            failure = e
-    raise TransportError(
-        f"{url}: reading {size:,} bytes at byte {offset:,} failed {tries} times "
-        f"({_reason(failure) if failure else '?'}); the network or the object store is "
-        "failing (not the checkpoint), run again later") from failure
+
+    def fetch() -> bytes:
+        result = obstore.get(store, url.key, options=options)
+        got = _bare(result.meta.get("e_tag"))
+        if etag and got and got != _bare(etag):
+            raise InputError(f"{url}: the object changed while it was being read; run "
+                             "again once it is no longer being written")
+        data = bytes(result.bytes())
+        if len(data) != size:
+            start, end = result.range
+            if end - start < size:
+                raise InputError(f"{url}: a read of {size} bytes at byte {offset} returned "
+                                 f"{end - start}; the object is shorter than its "
+                                 "checkpoint says")
+            raise ConnectionError(f"{len(data)} of {size} bytes, then the body ended")
+        return data
+
+    return ranged.retried(url, offset, size, fetch, ranged.Retry(
+        RETRIES, BACKOFF, MIN_RATE, _transient, lambda e: error(e, url, "reading"),
+        lambda e: _reason(e) if e is not None else "?"))
 
 
 def list_objects(url: Url) -> dict[str, tuple[int, str]]:

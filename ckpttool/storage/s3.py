@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -249,41 +248,25 @@ def get_range(url: Url, offset: int, size: int, etag: str | None = None) -> byte
         return b""
     c = client(url)
     extra = {"IfMatch": etag} if etag else {}
-    failure: BaseException | None = None
-    # A store that accepts requests and never answers: given up here, whatever the retries.
-    deadline = time.monotonic() + settings.request_deadline() + size / MIN_RATE
-    tries = 0
-    for attempt in range(RETRIES + 1):
-        if attempt:
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(BACKOFF * 2 ** (attempt - 1) * (0.5 + random.random()))
-        tries += 1
+
+    def fetch() -> bytes:
+        r = c.get_object(Bucket=url.bucket, Key=url.key,
+                         Range=f"bytes={offset}-{offset + size - 1}", **extra)
+        body = r["Body"]
         try:
-            r = c.get_object(Bucket=url.bucket, Key=url.key,
-                             Range=f"bytes={offset}-{offset + size - 1}", **extra)
-            body = r["Body"]
-            try:
-                data = _read_body(body, size)
-            finally:
-                body.close()
-            promised = int(r.get("ContentLength", len(data)))
-            if promised < size:
-                raise InputError(f"{url}: a read of {size} bytes at byte {offset} returned "
-                                 f"{promised}; the object is shorter than its checkpoint says")
-            if len(data) != size:
-                raise _Stalled(f"{len(data)} of {size} bytes, then the body ended")
-            return data
-        except CkptError:
-            raise
-        except Exception as e:
-            if not _transient(e):
-                raise error(e, url, "reading") or e from e
-            failure = e
-    raise TransportError(
-        f"{url}: reading {size:,} bytes at byte {offset:,} failed {tries} times "
-        f"({_why(failure)}); the network or the object store is failing (not the "
-        "checkpoint), run again later") from failure
+            data = _read_body(body, size)
+        finally:
+            body.close()
+        promised = int(r.get("ContentLength", len(data)))
+        if promised < size:
+            raise InputError(f"{url}: a read of {size} bytes at byte {offset} returned "
+                             f"{promised}; the object is shorter than its checkpoint says")
+        if len(data) != size:
+            raise _Stalled(f"{len(data)} of {size} bytes, then the body ended")
+        return data
+
+    return ranged.retried(url, offset, size, fetch, ranged.Retry(
+        RETRIES, BACKOFF, MIN_RATE, _transient, lambda e: error(e, url, "reading"), _why))
 
 
 def _why(e: BaseException | None) -> str:
