@@ -1,11 +1,11 @@
 """Google Cloud Storage (``gs://``) and Azure Blob Storage (``az://``, ``abfs[s]://``) through
 obstore (the Rust ``object_store`` crate): the client of each cloud configured the cloud's own
 way, its errors in the user's terms, ranged GETs pinned to the ETag listed, the remote store,
-the output lock and uploads. The same interface as :mod:`ckpttool.storage.s3` (``parse``,
-``list_objects``, ``head``, ``get_range``, :class:`RemoteStore`, :class:`Lock`,
-:class:`Upload`, ``check_output``, ``errors``), so the mirror and the URL wrapper serve every
-store alike; the coalescing and read-ahead of :class:`ckpttool.storage.s3.RemoteStore` and the
-upload order of :class:`ckpttool.storage.s3.Upload` are shared, not copied. Names no format.
+the output lock and uploads. A :class:`ckpttool.storage.objects.Backend`, as
+:mod:`ckpttool.storage.s3` is, so the mirror and the URL wrapper serve every store alike;
+the coalescing and read-ahead (:mod:`ckpttool.storage.ranged`, with the one retry loop) and
+the upload order (:class:`ckpttool.storage.objects.Upload`) are shared, not copied. Names no
+format.
 
 Endpoints and credentials, the way each cloud's own tools take them (none printed, none on
 the command line):
