@@ -55,7 +55,7 @@ from ckpttool.formats.base import (
 )
 from ckpttool.formats.base import info as info_problem
 from ckpttool.formats.codecs import archive, policy, torchsave
-from ckpttool.formats.dcp import reader as dcp
+from ckpttool.formats.dcp import reader
 from ckpttool.formats.dcp.columns import METADATA_KIND
 from ckpttool.formats.dcp.metadata import allowed_global
 from ckpttool.storage import sidefiles
@@ -104,8 +104,8 @@ def _looks_like_iteration(path: Path) -> bool:
         names = {p.name for p in path.iterdir()}
     except OSError:
         return False
-    return bool(names & {METADATA_JSON, dcp.METADATA_FILE, COMMON}) or any(
-        n.endswith(dcp.DATA_SUFFIX) or _LEGACY_RE.match(n) for n in names)
+    return bool(names & {METADATA_JSON, reader.METADATA_FILE, COMMON}) or any(
+        n.endswith(reader.DATA_SUFFIX) or _LEGACY_RE.match(n) for n in names)
 
 
 def _read_tracker(run: Path, *, strict: bool = False) -> str | None:
@@ -455,7 +455,7 @@ def read_info(path: str | os.PathLike[str], *, iteration: int | None = None,
                                "--ckpt-format torch_dist) only")
     # Megatron's ShardedObjects (rng_state/shard_*...) are opaque records of one rank each,
     # not an unflattened state dict: kept whole, as non-tensor entries.
-    base = dcp.read_info(root, lookup=metadata_global, open_nested=False, stores=stores)
+    base = reader.read_info(root, lookup=metadata_global, open_nested=False, stores=stores)
     problems = list(base.problems)
     values = dict(base.values)
     common: dict[str, Any] = {}
@@ -489,7 +489,7 @@ def read_info(path: str | os.PathLike[str], *, iteration: int | None = None,
     args: dict[str, Any] = found if isinstance(found, dict) else {}
     layout = _layout(args, common.get("iteration", _iteration_of(root)), backend)
     storage: dict[str, Any] = {}
-    if _flattened_optimizer(root / dcp.METADATA_FILE, stores):
+    if _flattened_optimizer(root / reader.METADATA_FILE, stores):
         layout["optimizer_layout"] = "flattened_range"
         storage["unsupported_parts"] = {"optimizer": (
             f"{root}: the optimizer state is Megatron-Core's distributed optimizer in its "
@@ -501,7 +501,7 @@ def read_info(path: str | os.PathLike[str], *, iteration: int | None = None,
         problems.append(info_problem(
             "megatron-flattened-optimizer", "the optimizer state is in Megatron-Core's "
             "flattened_range layout (megatron-core before 0.14): merge --part optimizer "
-            "refuses it; the model merges", file=dcp.METADATA_FILE))
+            "refuses it; the model merges", file=reader.METADATA_FILE))
     files = base.files
     if COMMON in names:  # a file of the checkpoint: verify checks it is there, never a side file
         files = (*files, DataFile(COMMON, file_size(root / COMMON)))
@@ -602,7 +602,7 @@ def _integrity_entries(doc: Any) -> dict[str, str] | None:
     return out or None
 
 
-class MegatronReader(dcp.DcpReader):
+class MegatronReader(reader.DcpReader):
     """DCP's reader; the common state was read with the metadata; ``integrity.json``, where
     the writer left one, is checked by ``verify``."""
 

@@ -33,7 +33,7 @@ from typing import BinaryIO
 
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.storage import objects, ranged, remote, sidefiles
-from ckpttool.storage import store as stores
+from ckpttool.storage.store import LOCAL, PreadFile, Store, Stores
 
 # Files other than data files are downloaded whole into the mirror up to this size (configs,
 # tokenizers, metadata, small side files); a larger one would be a data file that only a local
@@ -201,22 +201,22 @@ class Mirror:
         return path == self.dir or self.dir in path.parents
 
     def open(self, base: Path, *, metadata_name: str, follow_links: bool = False
-             ) -> stores.Store:
+             ) -> Store:
         if not self.covers(base):
-            return stores.LOCAL.open(base, metadata_name=metadata_name,
-                                     follow_links=follow_links)
+            return LOCAL.open(base, metadata_name=metadata_name,
+                              follow_links=follow_links)
         rel = base.relative_to(self.dir).as_posix()
         url = self.base_url if rel == "." else self.base_url.child(rel)
         prefix = "" if rel == "." else rel + "/"
         objects = {k[len(prefix):]: v for k, v in self.objects.items() if k.startswith(prefix)}
-        store: stores.Store = self.remote.RemoteStore(base, url, objects, metadata_name)
+        store: Store = self.remote.RemoteStore(base, url, objects, metadata_name)
         return store
 
     @contextlib.contextmanager
     def reading(self, path: Path, *, inside: str | None = None
                 ) -> Iterator[Callable[[int, int], bytes]]:
         if not self.covers(path.parent):
-            with stores.LOCAL.reading(path, inside=inside) as pread:
+            with LOCAL.reading(path, inside=inside) as pread:
                 yield pread
             return
         store = self.open(path.parent, metadata_name=path.name)
@@ -229,14 +229,14 @@ class Mirror:
     def side_file(self, path: Path, kind: sidefiles.Kind) -> Iterator[BinaryIO]:
         rel = path.relative_to(self.dir).as_posix() if self.covers(path.parent) else None
         if rel not in self._placed:  # downloaded whole (or not the mirror's): read locally
-            with stores.LOCAL.side_file(path, kind) as f:
+            with LOCAL.side_file(path, kind) as f:
                 yield f
             return
         store = self.open(path.parent, metadata_name=path.name)
         try:
             size = store.size(path.name)
             sidefiles.check_size(self.to_url(str(path)), size, kind)
-            raw = stores.PreadFile(functools.partial(store.pread, path.name), size)
+            raw = PreadFile(functools.partial(store.pread, path.name), size)
             with io.BufferedReader(raw, buffer_size=ranged.GET) as f:
                 yield f
         finally:
@@ -270,11 +270,11 @@ class Mounts:
     def __init__(self, mirrors: Sequence[Mirror]) -> None:
         self.mirrors = tuple(mirrors)
 
-    def _of(self, path: Path) -> stores.Stores:
-        return next((m for m in self.mirrors if m.covers(path)), stores.LOCAL)
+    def _of(self, path: Path) -> Stores:
+        return next((m for m in self.mirrors if m.covers(path)), LOCAL)
 
     def open(self, base: Path, *, metadata_name: str, follow_links: bool = False
-             ) -> stores.Store:
+             ) -> Store:
         return self._of(base).open(base, metadata_name=metadata_name, follow_links=follow_links)
 
     def reading(self, path: Path, *, inside: str | None = None

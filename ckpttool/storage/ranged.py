@@ -18,8 +18,7 @@ from typing import Any, ClassVar
 
 from ckpttool import settings
 from ckpttool.errors import CkptError, InputError, TransportError
-from ckpttool.storage import outputs, places
-from ckpttool.storage import store as stores
+from ckpttool.storage import outputs, places, store
 
 Url = places.Url
 
@@ -107,7 +106,7 @@ class RemoteStore:
     reads from them; a read outside the plan is a GET of its own. Thread-safe.
     """
 
-    capabilities: ClassVar[stores.Capabilities] = stores.Capabilities(
+    capabilities: ClassVar[store.Capabilities] = store.Capabilities(
         many_ranges=True, local_files=False, listing=True, multipart_writes=True,
         workers=CONCURRENCY)
 
@@ -131,7 +130,7 @@ class RemoteStore:
     def size(self, name: str) -> int:
         found = self.objects.get(name)
         if found is None:
-            raise InputError(stores.missing_message(self.path(name), self.metadata_name))
+            raise InputError(store.missing_message(self.path(name), self.metadata_name))
         return found[0]
 
     def open_all(self, names: Iterable[str]) -> None:
@@ -152,7 +151,7 @@ class RemoteStore:
     def read_exact(self, name: str, offset: int, size: int, *, what: str) -> bytes:
         data = self.pread(name, size, offset)
         if len(data) != size:
-            raise stores.truncated(self.path(name), offset + len(data), what)
+            raise store.truncated(self.path(name), offset + len(data), what)
         return data
 
     def readinto(self, name: str, offset: int, buf: memoryview) -> int:

@@ -30,7 +30,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from ckpttool.errors import CkptError
 from ckpttool.storage import places
-from ckpttool.storage import remote as stores_remote
+from ckpttool.storage.remote import backend, parts
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -120,7 +120,7 @@ def urls(*, sources: tuple[str, ...], output: str | None = None
 
 def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[str, Any],
             output: str | None) -> R:
-    from ckpttool.storage import mirror as mirrors
+    from ckpttool.storage.mirror import Mirror, Mounts
 
     renames: list[tuple[str, str]] = []  # (local path, URL) for messages and reports
     with contextlib.ExitStack() as stack:
@@ -133,7 +133,7 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
                     # Each process uploads its parts straight into the output's uploads
                     # (core/merge/multihost_objects.py); --finish (rank 0) locks and commits.
                     bound.arguments["shared"] = shared_into(shared, values[output])
-                    tmp = stores_remote.backend(values[output]).staging_dir()
+                    tmp = backend(values[output]).staging_dir()
                     stack.callback(shutil.rmtree, tmp, ignore_errors=True)
                     bound.arguments[output] = str(tmp / "out")  # nothing is written there
                     renames.append((str(tmp / "out"), str(values[output])))
@@ -144,16 +144,16 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
             for name, value in values.items():
                 if name != output and is_url(value):
                     mirror = stack.enter_context(
-                        mirrors.Mirror(value, data_suffixes=DATA_SUFFIXES, head=_head,
-                                       by_store=BY_STORE))
+                        Mirror(value, data_suffixes=DATA_SUFFIXES, head=_head,
+                               by_store=BY_STORE))
                     mounted.append(mirror)
                     bound.arguments[name] = str(mirror.local)
                     renames.append((str(mirror.dir), str(mirror.base_url)))
             if mounted:  # the command opens its stores through the mirrors
-                bound.arguments["stores"] = mirrors.Mounts(mounted)
+                bound.arguments["stores"] = Mounts(mounted)
             staged = None
             if out_url is not None:
-                tmp = stores_remote.backend(out_url).staging_dir()
+                tmp = backend(out_url).staging_dir()
                 stack.callback(shutil.rmtree, tmp, ignore_errors=True)
                 staged = tmp / (out_url.name or "out")
                 assert output is not None
@@ -174,9 +174,9 @@ def shared_into(shared: Any, value: str) -> Any:
     ``value`` (:mod:`ckpttool.core.merge.multihost_objects`)."""
     from ckpttool.core.merge import multihost_objects
 
-    remote = stores_remote.backend(value)
+    remote = backend(value)
     url = remote.parse(value)
-    target = multihost_objects.Target(url=url, parts=stores_remote.parts(value), lock=remote.Lock,
+    target = multihost_objects.Target(url=url, parts=parts(value), lock=remote.Lock,
                                       upload=remote.Upload, names=output_names())
     return multihost_objects.into_store(shared, target)
 
@@ -192,7 +192,7 @@ def output_names() -> Any:
 def claimed(value: str, *, overwrite: bool) -> Iterator[Any]:
     """The output URL checked (weights there need ``overwrite``) and locked for this run
     while the block runs (:class:`~ckpttool.storage.s3.Lock`), before any work."""
-    remote = stores_remote.backend(value)
+    remote = backend(value)
     url = remote.check_output(value, overwrite=overwrite, names=output_names())
     lock = remote.Lock(url)
     lock.acquire()
@@ -205,7 +205,7 @@ def claimed(value: str, *, overwrite: bool) -> Iterator[Any]:
 def upload(url: Any, staged: Path, *, overwrite: bool) -> None:
     """Upload the finished local output ``staged`` to ``url`` (index last; see
     :class:`~ckpttool.storage.s3.Upload`)."""
-    remote = stores_remote.backend(url)
+    remote = backend(url)
     with remote.errors(url, "uploading"):
         remote.Upload(url, overwrite=overwrite, names=output_names()).run(staged)
 
