@@ -183,3 +183,16 @@ def _cli_child(args: list[str], env: dict[str, str], out: str, err: str) -> None
     from ckpttool.cli import run
 
     run()
+def same_inspect(url: str, local: Path) -> None:
+    """``inspect --json`` of the remote checkpoint ``url`` is that of its local copy (the
+    paths aside)."""
+    from typer.testing import CliRunner
+
+    from ckpttool.cli import app
+
+    a = CliRunner().invoke(app, ["inspect", url, "--json"])
+    b = CliRunner().invoke(app, ["inspect", str(local), "--json"])
+    assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
+    da, db = json.loads(a.stdout.replace(url, str(local))), json.loads(b.stdout)
+    da.pop("seconds", None), db.pop("seconds", None)
+    assert da == db

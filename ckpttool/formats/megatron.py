@@ -33,12 +33,13 @@ parameters' shapes (``storage["unsupported_parts"]``; the model still merges).
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import re
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ckpttool.errors import CkptError, InputError, UnsupportedError, UsageError
 from ckpttool.formats.base import (
@@ -55,6 +56,7 @@ from ckpttool.formats.base import (
 from ckpttool.formats.base import info as info_problem
 from ckpttool.formats.codecs import archive, policy, torchsave
 from ckpttool.formats.dcp import reader
+from ckpttool.formats.dcp.columns import METADATA_KIND
 from ckpttool.formats.dcp.metadata import allowed_global
 from ckpttool.storage import sidefiles
 from ckpttool.storage.store import (
@@ -453,7 +455,7 @@ def read_info(path: str | os.PathLike[str], *, iteration: int | None = None,
                                "--ckpt-format torch_dist) only")
     # Megatron's ShardedObjects (rng_state/shard_*...) are opaque records of one rank each,
     # not an unflattened state dict: kept whole, as non-tensor entries.
-    base = reader.read_info(root, lookup=metadata_global, open_nested=False)
+    base = reader.read_info(root, lookup=metadata_global, open_nested=False, stores=stores)
     problems = list(base.problems)
     values = dict(base.values)
     common: dict[str, Any] = {}
@@ -487,7 +489,7 @@ def read_info(path: str | os.PathLike[str], *, iteration: int | None = None,
     args: dict[str, Any] = found if isinstance(found, dict) else {}
     layout = _layout(args, common.get("iteration", _iteration_of(root)), backend)
     storage: dict[str, Any] = {}
-    if _flattened_optimizer(root / reader.METADATA_FILE):
+    if _flattened_optimizer(root / reader.METADATA_FILE, stores):
         layout["optimizer_layout"] = "flattened_range"
         storage["unsupported_parts"] = {"optimizer": (
             f"{root}: the optimizer state is Megatron-Core's distributed optimizer in its "
@@ -526,16 +528,32 @@ def runs_code(read: UnreadableObject) -> str | None:
 _FLATTENED_MARK = b"nd_reformulated_orig_global_shape"
 
 
-def _flattened_optimizer(metadata: Path) -> bool:
+def _flattened_optimizer(metadata: Path, stores: Stores = LOCAL) -> bool:
     """True if the ``.metadata`` records N-D flattened tensors (found in its bytes: the key
-    is a pickled string; the file was read whole already, so it is in the page cache)."""
+    is a pickled string; a local file was read whole already, so it is in the page cache)."""
     import mmap
 
     try:
-        with open(metadata, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            return m.find(_FLATTENED_MARK) >= 0
-    except (OSError, ValueError):
+        with stores.side_file(metadata, METADATA_KIND) as f:
+            try:
+                fd = f.fileno()
+            except (OSError, io.UnsupportedOperation):  # remote: read by ranged GETs
+                return _holds(f, _FLATTENED_MARK)
+            with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m:
+                return m.find(_FLATTENED_MARK) >= 0
+    except (OSError, ValueError, CkptError):
         return False
+
+
+def _holds(f: BinaryIO, mark: bytes) -> bool:
+    """Whether the file ``f`` holds the bytes ``mark``, read in blocks."""
+    tail = b""
+    while block := f.read(16 << 20):
+        window = tail + block
+        if mark in window:
+            return True
+        tail = window[-(len(mark) - 1):]
+    return False
 
 
 def _iteration_of(root: Path) -> int | str | None:

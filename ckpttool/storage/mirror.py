@@ -6,7 +6,9 @@ files, small side files) into a private temporary directory and creates each dat
 as a sparse placeholder of its listed size, so that every format's detection and listing works
 unchanged. Which names are data files (read in place by ranged GETs, never downloaded) is the
 caller's to say (``data_suffixes``), and so are the leading bytes a placeholder holds
-(``head``: what a format reads while recognising and describing a data file, e.g. a header).
+(``head``: what a format reads while recognising and describing a data file, e.g. a header),
+and which side files every format reads through the Stores only (``by_store``: DCP's
+``.metadata``), so that one too large to download is a placeholder read by ranged GETs.
 The mirror is itself a :class:`~ckpttool.storage.store.Stores`: handed down by its caller, it
 opens its store's ``RemoteStore`` (:mod:`ckpttool.storage.remote`) for its own directory
 (every data byte by ranged GETs, a placeholder's zeros never read) and a local store for
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import io
 import os
 import shutil
 import sys
@@ -26,11 +29,11 @@ import unicodedata
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import BinaryIO
 
 from ckpttool.errors import InputError, UnsupportedError
-from ckpttool.storage import remote
-from ckpttool.storage.store import LOCAL, Store, Stores
+from ckpttool.storage import objects, ranged, remote, sidefiles
+from ckpttool.storage.store import LOCAL, PreadFile, Store, Stores
 
 # Files other than data files are downloaded whole into the mirror up to this size (configs,
 # tokenizers, metadata, small side files); a larger one would be a data file that only a local
@@ -51,6 +54,12 @@ class Mirror:
         value: the URL (``s3://bucket/prefix`` or one object).
         data_suffixes: names ending so are data files: sparse placeholders, read by ranges.
         head: the leading bytes a data file's placeholder holds (None: none).
+        by_store: names ending so are read only through the Stores
+            (:meth:`side_file`, :meth:`reading`), never by their local path: one larger than
+            :data:`DOWNLOAD_LIMIT` is a placeholder read by ranged GETs, not refused.
+        backend: the store that serves ``value`` (None: the one of its scheme,
+            :func:`ckpttool.storage.remote.backend`; :mod:`ckpttool.storage.memory` is
+            handed over so).
 
     Raises (on construction):
         InputError: nothing at the URL, the bucket is missing, access is denied, the
@@ -59,11 +68,15 @@ class Mirror:
     """
 
     def __init__(self, value: str, *, data_suffixes: Sequence[str], head: Head | None = None,
-                 warn: Callable[[str], None] | None = None) -> None:
-        # The module of this URL's store (s3, objstore): the same functions in each.
-        self.remote: Any = remote.backend(value)
+                 warn: Callable[[str], None] | None = None,
+                 by_store: Sequence[str] = (),
+                 backend: objects.Backend | None = None) -> None:
+        # The backend of this URL's store (s3, objstore, memory).
+        self.remote = backend if backend is not None else remote.backend(value)
         self.url = self.remote.parse(value)
         self.data_suffixes = tuple(data_suffixes)
+        self.by_store = tuple(by_store)
+        self._placed: set[str] = set()  # by_store files left as placeholders
         self._head = head
         self._warn = warn or _stderr
         objects = self.remote.list_objects(self.url)
@@ -140,6 +153,10 @@ class Mirror:
                         heads.append((rel, size, etag))
                 elif size <= DOWNLOAD_LIMIT:
                     downloads.append((rel, size, etag))
+                elif rel.endswith(self.by_store) and self.by_store:
+                    with open(target, "wb") as f:
+                        f.truncate(size)  # read through the Stores only: by ranged GETs
+                    self._placed.add(rel)
                 else:
                     raise UnsupportedError(
                         f"{self.base_url.child(rel)}: a {size:,}-byte file that ckpttool reads "
@@ -208,6 +225,23 @@ class Mirror:
         finally:
             store.close()
 
+    @contextlib.contextmanager
+    def side_file(self, path: Path, kind: sidefiles.Kind) -> Iterator[BinaryIO]:
+        rel = path.relative_to(self.dir).as_posix() if self.covers(path.parent) else None
+        if rel not in self._placed:  # downloaded whole (or not the mirror's): read locally
+            with LOCAL.side_file(path, kind) as f:
+                yield f
+            return
+        store = self.open(path.parent, metadata_name=path.name)
+        try:
+            size = store.size(path.name)
+            sidefiles.check_size(self.to_url(str(path)), size, kind)
+            raw = PreadFile(functools.partial(store.pread, path.name), size)
+            with io.BufferedReader(raw, buffer_size=ranged.GET) as f:
+                yield f
+        finally:
+            store.close()
+
     # --
 
     def to_url(self, text: str) -> str:
@@ -246,6 +280,10 @@ class Mounts:
     def reading(self, path: Path, *, inside: str | None = None
                 ) -> contextlib.AbstractContextManager[Callable[[int, int], bytes]]:
         return self._of(path.parent).reading(path, inside=inside)
+
+    def side_file(self, path: Path, kind: sidefiles.Kind
+                  ) -> contextlib.AbstractContextManager[BinaryIO]:
+        return self._of(path.parent).side_file(path, kind)
 
 
 def _inside(base: Path, target: Path) -> bool:

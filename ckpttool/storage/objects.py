@@ -32,12 +32,16 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ckpttool.errors import UnsupportedError
+from ckpttool.errors import OutputError, UnsupportedError
 from ckpttool.storage import places
 
-__all__ = ["ALIGN", "Limits", "OutputNames", "Parts", "Upload", "completing", "part_size"]
+if TYPE_CHECKING:
+    from ckpttool.storage import locks, ranged
+
+__all__ = ["ALIGN", "Backend", "Limits", "OutputNames", "Parts", "Upload", "check_output",
+           "completing", "part_size"]
 
 Url = places.Url
 
@@ -223,3 +227,72 @@ def quietly(fn: Callable[..., Any], *args: Any) -> None:
     """``fn(*args)``, its failure ignored (clean-up after the failure the user sees)."""
     with contextlib.suppress(Exception):
         fn(*args)
+
+
+def check_output(url: Url, listing: dict[str, tuple[int, str]], *, overwrite: bool,
+                 names: OutputNames) -> Url:
+    """``url``, an output prefix whose objects are ``listing``, checked before any work: it
+    holds no object an output replaces unless ``overwrite``.
+
+    Raises:
+        OutputError: weights there already.
+    """
+    existing = sorted(n for n in listing if "/" not in n and names.replaces(n))
+    if existing and not overwrite:
+        raise OutputError(f"{url}: already holds {', '.join(existing[:3])}"
+                          f"{' and more' if len(existing) > 3 else ''}; pass --overwrite to "
+                          "replace them or choose an empty prefix")
+    return url
+
+
+class Backend(Protocol):
+    """What serves one kind of object store: :mod:`ckpttool.storage.s3` (S3, boto3),
+    :mod:`ckpttool.storage.objstore` (GCS and Azure, obstore) and
+    :mod:`ckpttool.storage.memory` (this process's memory: the contract suite without
+    servers). :func:`ckpttool.storage.remote.backend` names the one of a URL; the mirror,
+    the URL wrapper and the shared uploads use nothing else of it. Every call raises the
+    store's failures as one-line :class:`~ckpttool.errors.CkptError`.
+    """
+
+    @property
+    def CONCURRENCY(self) -> int:  # a module's constant
+        """Requests in flight."""
+
+    @property
+    def LOCK_NAME(self) -> str:
+        """The lock object of an output prefix (:mod:`ckpttool.storage.locks`)."""
+
+    @property
+    def RemoteStore(self) -> type[ranged.RemoteStore]:  # a module's class
+        """A remote checkpoint's data files, read by ranged GETs."""
+
+    @property
+    def Lock(self) -> type[locks.ObjectLock]:
+        """One writer per output prefix."""
+
+    @property
+    def Upload(self) -> type[Upload]:
+        """A finished output published, its completing object last."""
+
+    def parse(self, value: str) -> Url:
+        """The URL ``value``, parsed."""
+
+    def list_objects(self, url: Url) -> dict[str, tuple[int, str]]:
+        """Every object below ``url`` as a directory: relative name -> (size, ETag)."""
+
+    def head(self, url: Url) -> tuple[int, str] | None:
+        """(size, ETag) of the object ``url``; None where there is none."""
+
+    def get_range(self, url: Url, offset: int, size: int, etag: str | None = None) -> bytes:
+        """Exactly ``size`` bytes at ``offset``, pinned to ``etag`` (a changed object is
+        refused); retried where the store's transport fails."""
+
+    def check_output(self, value: str, *, overwrite: bool, names: OutputNames) -> Url:
+        """The output URL ``value``, checked before any work (:func:`check_output`)."""
+
+    def errors(self, url: Url | str, doing: str) -> contextlib.AbstractContextManager[None]:
+        """The store's failures inside the block as one-line errors naming ``url``."""
+
+    def staging_dir(self) -> Path:
+        """A private local directory where an output is written before its upload."""
+

@@ -48,6 +48,8 @@ class _Common:
     def put(self, url: Url, data: bytes, *, create: bool = False) -> bool:
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
+        if create and objstore.head(url) is not None:
+            return False  # refused before the put: fake-gcs-server ignores the condition
         try:
             with objstore.errors(url, "writing"):
                 objstore._put(url, data, create=create)

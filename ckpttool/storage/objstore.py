@@ -1,11 +1,11 @@
 """Google Cloud Storage (``gs://``) and Azure Blob Storage (``az://``, ``abfs[s]://``) through
 obstore (the Rust ``object_store`` crate): the client of each cloud configured the cloud's own
 way, its errors in the user's terms, ranged GETs pinned to the ETag listed, the remote store,
-the output lock and uploads. The same interface as :mod:`ckpttool.storage.s3` (``parse``,
-``list_objects``, ``head``, ``get_range``, :class:`RemoteStore`, :class:`Lock`,
-:class:`Upload`, ``check_output``, ``errors``), so the mirror and the URL wrapper serve every
-store alike; the coalescing and read-ahead of :class:`ckpttool.storage.s3.RemoteStore` and the
-upload order of :class:`ckpttool.storage.s3.Upload` are shared, not copied. Names no format.
+the output lock and uploads. A :class:`ckpttool.storage.objects.Backend`, as
+:mod:`ckpttool.storage.s3` is, so the mirror and the URL wrapper serve every store alike;
+the coalescing and read-ahead (:mod:`ckpttool.storage.ranged`, with the one retry loop) and
+the upload order (:class:`ckpttool.storage.objects.Upload`) are shared, not copied. Names no
+format.
 
 Endpoints and credentials, the way each cloud's own tools take them (none printed, none on
 the command line):
@@ -43,10 +43,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import random
 import re
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -60,11 +58,10 @@ from ckpttool.errors import (
     AccessError,
     CkptError,
     InputError,
-    OutputError,
     TransportError,
     UnsupportedError,
 )
-from ckpttool.storage import outputs, places, s3
+from ckpttool.storage import objects, outputs, places, ranged, s3
 
 # The extra each cloud needs (which schemes this module serves: storage/remote.py).
 EXTRAS = {"gs": "gcs", "az": "azure"}
@@ -360,41 +357,26 @@ def get_range(url: Url, offset: int, size: int, etag: str | None = None) -> byte
     options: Any = {"range": (offset, offset + size)}
     if etag:
         options["if_match"] = f'"{_bare(etag)}"'
-    failure: BaseException | None = None
-    # A store that accepts requests and never answers: given up here, whatever the retries.
-    deadline = time.monotonic() + settings.request_deadline() + size / MIN_RATE
-    tries = 0
-    for attempt in range(RETRIES + 1):
-        if attempt:
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(BACKOFF * 2 ** (attempt - 1) * (0.5 + random.random()))
-        tries += 1
-        try:
-            result = obstore.get(store, url.key, options=options)
-            got = _bare(result.meta.get("e_tag"))
-            if etag and got and got != _bare(etag):
-                raise InputError(f"{url}: the object changed while it was being read; run "
-                                 "again once it is no longer being written")
-            data = bytes(result.bytes())
-            if len(data) != size:
-                start, end = result.range
-                if end - start < size:
-                    raise InputError(f"{url}: a read of {size} bytes at byte {offset} returned "
-                                     f"{end - start}; the object is shorter than its "
-                                     "checkpoint says")
-                raise ConnectionError(f"{len(data)} of {size} bytes, then the body ended")
-            return data
-        except CkptError:
-            raise
-        except Exception as e:
-            if not _transient(e):
-                raise error(e, url, "reading") or e from e
-            failure = e
-    raise TransportError(
-        f"{url}: reading {size:,} bytes at byte {offset:,} failed {tries} times "
-        f"({_reason(failure) if failure else '?'}); the network or the object store is "
-        "failing (not the checkpoint), run again later") from failure
+
+    def fetch() -> bytes:
+        result = obstore.get(store, url.key, options=options)
+        got = _bare(result.meta.get("e_tag"))
+        if etag and got and got != _bare(etag):
+            raise InputError(f"{url}: the object changed while it was being read; run "
+                             "again once it is no longer being written")
+        data = bytes(result.bytes())
+        if len(data) != size:
+            start, end = result.range
+            if end - start < size:
+                raise InputError(f"{url}: a read of {size} bytes at byte {offset} returned "
+                                 f"{end - start}; the object is shorter than its "
+                                 "checkpoint says")
+            raise ConnectionError(f"{len(data)} of {size} bytes, then the body ended")
+        return data
+
+    return ranged.retried(url, offset, size, fetch, ranged.Retry(
+        RETRIES, BACKOFF, MIN_RATE, _transient, lambda e: error(e, url, "reading"),
+        lambda e: _reason(e) if e is not None else "?"))
 
 
 def list_objects(url: Url) -> dict[str, tuple[int, str]]:
@@ -465,24 +447,16 @@ class RemoteStore(s3.RemoteStore):
 # Writing
 
 
-def existing_weights(url: Url, names: OutputNames) -> list[str]:
-    """Objects directly below ``url`` that an output would replace."""
-    return sorted(n for n in list_objects(url) if "/" not in n and names.replaces(n))
-
-
 def check_output(value: str, *, overwrite: bool, names: OutputNames) -> Url:
-    """The output URL, checked before any work (see :func:`ckpttool.storage.s3.check_output`).
+    """The output URL, checked before any work: the bucket exists and is listed with these
+    credentials, and holds no weights unless ``overwrite``
+    (:func:`ckpttool.storage.objects.check_output`).
 
     Raises:
         InputError: bad credentials, missing bucket. OutputError: weights there already.
     """
     url = parse(value)
-    existing = existing_weights(url, names)
-    if existing and not overwrite:
-        raise OutputError(f"{url}: already holds {', '.join(existing[:3])}"
-                          f"{' and more' if len(existing) > 3 else ''}; pass --overwrite to "
-                          "replace them or choose an empty prefix")
-    return url
+    return objects.check_output(url, list_objects(url), overwrite=overwrite, names=names)
 
 
 def _put(url: Url, data: bytes | Path, *, create: bool = False) -> None:

@@ -6,15 +6,18 @@ own ranged GET (``_get_range``: retries, ETag pinning, errors in the user's term
 from __future__ import annotations
 
 import bisect
+import random
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ckpttool.errors import InputError
+from ckpttool import settings
+from ckpttool.errors import CkptError, InputError, TransportError
 from ckpttool.storage import outputs, places, store
 
 Url = places.Url
@@ -28,6 +31,50 @@ CONCURRENCY = 16
 CACHE = 2 * CONCURRENCY * GET
 
 
+@dataclass(frozen=True)
+class Retry:
+    """How a store's ranged GET is tried again (its module's constants, read per call)."""
+
+    retries: int  # fetched again this many times at most
+    backoff: float  # s before the first retry, doubled at each (with jitter)
+    min_rate: float  # bytes per second: the deadline grows with the size by this rate
+    transient: Callable[[BaseException], bool]  # worth one more try
+    mapped: Callable[[Exception], BaseException | None]  # a refusal, in the user's terms
+    why: Callable[[BaseException | None], str]  # the last failure, short and secret-free
+
+
+def retried(url: Any, offset: int, size: int, fetch: Callable[[], bytes], how: Retry) -> bytes:
+    """``fetch()`` (one ranged GET of ``size`` bytes at ``offset`` of ``url``), tried again
+    with backoff while it fails in a way ``how.transient`` says another try may fix, until
+    ``how.retries`` retries or the deadline (``settings.request_deadline()``, plus the time
+    the size takes at ``how.min_rate``: a store that accepts requests and never answers is
+    given up here, whatever the retries). The one retry loop of every store.
+
+    Raises:
+        CkptError: what ``fetch`` raised as one (a refusal: never retried).
+        TransportError: still failing after the retries, naming the object and the range.
+    """
+    failure: BaseException | None = None
+    deadline = time.monotonic() + settings.request_deadline() + size / how.min_rate
+    tries = 0
+    for attempt in range(how.retries + 1):
+        if attempt:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(how.backoff * 2 ** (attempt - 1) * (0.5 + random.random()))
+        tries += 1
+        try:
+            return fetch()
+        except CkptError:
+            raise
+        except Exception as e:
+            if not how.transient(e):
+                raise how.mapped(e) or e from e
+            failure = e
+    raise TransportError(
+        f"{url}: reading {size:,} bytes at byte {offset:,} failed {tries} times "
+        f"({how.why(failure)}); the network or the object store is failing (not the "
+        "checkpoint), run again later") from failure
 
 
 @dataclass

@@ -1,15 +1,14 @@
 """Which module serves an object-storage URL, by its scheme: :mod:`ckpttool.storage.s3` for
 ``s3://`` (boto3), :mod:`ckpttool.storage.objstore` for ``gs://``, ``az://`` and
-``abfs[s]://`` (obstore). Both offer the same functions and classes (``parse``,
-``list_objects``, ``head``, ``get_range``, ``RemoteStore``, ``Lock``, ``Upload``,
-``check_output``, ``errors``, ``staging_dir``); importing either imports no client library."""
+``abfs[s]://`` (obstore). Both are a :class:`ckpttool.storage.objects.Backend` (as is
+:mod:`ckpttool.storage.memory`, which serves no scheme: it is handed over explicitly);
+importing either imports no client library."""
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
-from ckpttool.storage import places
+from ckpttool.storage import objects, places
 
 # Every scheme served, in the order messages list them (classified in storage/places.py).
 SCHEMES = places.SCHEMES
@@ -20,8 +19,9 @@ def scheme(value: object) -> str:
     return places.scheme_of(str(value)) or ""
 
 
-def backend(value: object) -> ModuleType:
-    """The module that serves the URL ``value`` (a str or a parsed URL).
+def backend(value: object) -> objects.Backend:
+    """The module that serves the URL ``value`` (a str or a parsed URL): its
+    :class:`~ckpttool.storage.objects.Backend`.
 
     Raises:
         ValueError: not a URL of a scheme in :data:`SCHEMES` (callers classify first:

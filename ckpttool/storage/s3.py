@@ -10,16 +10,13 @@ Why boto3/botocore, not obstore or s3fs (compared for this module):
   ``endpoint_url``) for MinIO, Ceph and R2. obstore (Rust ``object_store``) reads the
   environment variables but not profiles or config files unless boto3 is installed as its
   credential provider anyway; s3fs is aiobotocore, the same chain with an async layer on top.
-* Throughput. A ranged GET moves the same bytes with any client: the cost that matters is
-  how many requests there are and how many are in flight, which this module decides itself
-  (coalesced 8-16 MB GETs over a bounded pool). Measured (``benchmarks/remote.py``, moto,
-  268 MB, load 16.6): a plain parallel download took 3.84 s with boto3 and 2.41 s with
-  obstore, so obstore is the faster client; GCS and Azure use it (:mod:`objstore`).
-* Why S3 still uses boto3 (issue 26): obstore would need boto3 anyway for the profile chain
-  above (its ``Boto3CredentialProvider``), so the extra would not get lighter; and the S3
-  tests pin this module's explicit multipart calls (parts counted, ``ListMultipartUploads``
-  empty after a Ctrl-C). obstore does abort a multipart upload whose input fails (checked
-  against moto), so switching is possible: it is the next step, with those tests rewritten.
+* Throughput and the decision (issue 37, ``benchmarks/s3_clients.py``, figures in
+  docs/design.md "Object stores"): on moto, obstore reads 16 MB ranges in a quarter less time
+  with the same client CPU, and spends a third of boto3's CPU per small GET; uploads are
+  even. ckpttool's reads are coalesced 16 MB GETs, and obstore reaches profiles and SSO only
+  through boto3 itself (``Boto3CredentialProvider``) and ignores a profile's
+  ``endpoint_url`` (MinIO, R2): so S3 keeps boto3, one :class:`~ckpttool.storage.objects.Backend`
+  as :mod:`ckpttool.storage.objstore` is for GCS and Azure.
 
 How a remote checkpoint is read: see :mod:`ckpttool.storage.mirror`.
 
@@ -31,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,7 +40,6 @@ from ckpttool.errors import (
     AccessError,
     CkptError,
     InputError,
-    OutputError,
     TransportError,
     UnsupportedError,
 )
@@ -253,41 +248,25 @@ def get_range(url: Url, offset: int, size: int, etag: str | None = None) -> byte
         return b""
     c = client(url)
     extra = {"IfMatch": etag} if etag else {}
-    failure: BaseException | None = None
-    # A store that accepts requests and never answers: given up here, whatever the retries.
-    deadline = time.monotonic() + settings.request_deadline() + size / MIN_RATE
-    tries = 0
-    for attempt in range(RETRIES + 1):
-        if attempt:
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(BACKOFF * 2 ** (attempt - 1) * (0.5 + random.random()))
-        tries += 1
+
+    def fetch() -> bytes:
+        r = c.get_object(Bucket=url.bucket, Key=url.key,
+                         Range=f"bytes={offset}-{offset + size - 1}", **extra)
+        body = r["Body"]
         try:
-            r = c.get_object(Bucket=url.bucket, Key=url.key,
-                             Range=f"bytes={offset}-{offset + size - 1}", **extra)
-            body = r["Body"]
-            try:
-                data = _read_body(body, size)
-            finally:
-                body.close()
-            promised = int(r.get("ContentLength", len(data)))
-            if promised < size:
-                raise InputError(f"{url}: a read of {size} bytes at byte {offset} returned "
-                                 f"{promised}; the object is shorter than its checkpoint says")
-            if len(data) != size:
-                raise _Stalled(f"{len(data)} of {size} bytes, then the body ended")
-            return data
-        except CkptError:
-            raise
-        except Exception as e:
-            if not _transient(e):
-                raise error(e, url, "reading") or e from e
-            failure = e
-    raise TransportError(
-        f"{url}: reading {size:,} bytes at byte {offset:,} failed {tries} times "
-        f"({_why(failure)}); the network or the object store is failing (not the "
-        "checkpoint), run again later") from failure
+            data = _read_body(body, size)
+        finally:
+            body.close()
+        promised = int(r.get("ContentLength", len(data)))
+        if promised < size:
+            raise InputError(f"{url}: a read of {size} bytes at byte {offset} returned "
+                             f"{promised}; the object is shorter than its checkpoint says")
+        if len(data) != size:
+            raise _Stalled(f"{len(data)} of {size} bytes, then the body ended")
+        return data
+
+    return ranged.retried(url, offset, size, fetch, ranged.Retry(
+        RETRIES, BACKOFF, MIN_RATE, _transient, lambda e: error(e, url, "reading"), _why))
 
 
 def _why(e: BaseException | None) -> str:
@@ -349,25 +328,16 @@ OutputNames = objects.OutputNames
 completing = objects.completing
 
 
-def existing_weights(url: Url, names: OutputNames) -> list[str]:
-    """Objects directly below ``url`` that an output would replace."""
-    return sorted(n for n in list_objects(url) if "/" not in n and names.replaces(n))
-
-
 def check_output(value: str, *, overwrite: bool, names: OutputNames) -> Url:
-    """The output URL, checked before any work: the bucket exists and is writable by these
-    credentials (as far as a listing tells), and holds no weights unless ``overwrite``.
+    """The output URL, checked before any work: the bucket exists and is listed with these
+    credentials, and holds no weights unless ``overwrite``
+    (:func:`ckpttool.storage.objects.check_output`).
 
     Raises:
         InputError: bad credentials, missing bucket. OutputError: weights there already.
     """
     url = parse(value)
-    existing = existing_weights(url, names)
-    if existing and not overwrite:
-        raise OutputError(f"{url}: already holds {', '.join(existing[:3])}"
-                          f"{' and more' if len(existing) > 3 else ''}; pass --overwrite to "
-                          "replace them or choose an empty prefix")
-    return url
+    return objects.check_output(url, list_objects(url), overwrite=overwrite, names=names)
 
 
 LOCK_NAME = locks.LOCK_NAME

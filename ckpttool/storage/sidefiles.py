@@ -22,7 +22,7 @@ import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ckpttool.errors import InputError, UnreadableError
 
@@ -60,8 +60,14 @@ def _check(path: Path, st: os.stat_result, kind: Kind) -> None:
         raise InputError(f"{path}: is a {kind_of(st.st_mode)}, not a regular file; a "
                          f"{kind.what} must be one, and ckpttool never reads from anything "
                          "else: put the checkpoint's file there")
-    if st.st_size > kind.limit:
-        raise InputError(f"{path}: {st.st_size:,} bytes, more than the {kind.limit:,} a "
+    check_size(path, st.st_size, kind)
+
+
+def check_size(path: Path | str, size: int, kind: Kind) -> None:
+    """Refuse a side file of ``size`` bytes over ``kind``'s cap (a local one's, or a remote
+    one's listed size)."""
+    if size > kind.limit:
+        raise InputError(f"{path}: {size:,} bytes, more than the {kind.limit:,} a "
                          f"{kind.what} may hold; it is not the writer's file: copy the "
                          "checkpoint again")
 
@@ -97,7 +103,13 @@ def open_checked(path: Path, kind: Kind, *, nofollow: bool = False) -> int:
 
 
 def read_fd(fd: int, path: Path, kind: Kind) -> bytes:
-    """Every byte of the open file ``fd`` (at most ``kind.limit``; a file that grew past it
+    """Every byte of the open file ``fd`` (see :func:`read_file`)."""
+    with open(fd, "rb", buffering=0, closefd=False) as f:
+        return read_file(f, path, kind)
+
+
+def read_file(f: BinaryIO, path: Path, kind: Kind) -> bytes:
+    """Every byte of the open file ``f`` (at most ``kind.limit``; a file that grew past it
     since it was checked is refused). The size checked is allocated at once, so a file this
     process cannot hold is a ``MemoryError`` before a byte is read.
 
@@ -105,24 +117,24 @@ def read_fd(fd: int, path: Path, kind: Kind) -> bytes:
         MemoryError: the file is larger than this process may hold.
         InputError: unreadable, or grew past the cap.
     """
-    want = min(os.fstat(fd).st_size, kind.limit)
     parts: list[bytes] = []
     total = 0
     try:
-        with open(fd, "rb", buffering=0, closefd=False) as f:
-            while total < want:  # one read, unless the system returns less at a time
-                block = f.read(want - total)
-                if not block:
-                    break
-                parts.append(block)
-                total += len(block)
-            while block := f.read(min(1 << 20, kind.limit + 1 - total)):  # grown since
-                parts.append(block)
-                total += len(block)
-                if total > kind.limit:
-                    raise InputError(f"{path}: grew past the {kind.limit:,} bytes a "
-                                     f"{kind.what} may hold while it was read; run again "
-                                     "when nothing writes to it")
+        want = min(f.seek(0, 2), kind.limit)
+        f.seek(0)
+        while total < want:  # one read, unless the system returns less at a time
+            block = f.read(want - total)
+            if not block:
+                break
+            parts.append(block)
+            total += len(block)
+        while block := f.read(min(1 << 20, kind.limit + 1 - total)):  # grown since
+            parts.append(block)
+            total += len(block)
+            if total > kind.limit:
+                raise InputError(f"{path}: grew past the {kind.limit:,} bytes a "
+                                 f"{kind.what} may hold while it was read; run again "
+                                 "when nothing writes to it")
     except OSError as e:
         raise InputError(f"{path}: cannot read it ({e.strerror or e}); copy the checkpoint "
                          "again") from None

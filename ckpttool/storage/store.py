@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import io
 import mmap
 import os
 import stat
@@ -28,11 +29,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import Any, BinaryIO, ClassVar, Protocol
 
 from ckpttool import settings
 from ckpttool.errors import InputError, UnreadableError
-from ckpttool.storage import outputs
+from ckpttool.storage import outputs, sidefiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,19 @@ class Stores(Protocol):
         directory a local file must lie in (checked on the descriptor)."""
         ...
 
+    def side_file(self, path: Path, kind: sidefiles.Kind
+                  ) -> contextlib.AbstractContextManager[BinaryIO]:
+        """A side file (``.metadata``, an index, a tracker...) open for reading while the
+        block runs, checked against ``kind`` first (:mod:`ckpttool.storage.sidefiles`: a
+        local file's kind and size before the open and on the descriptor; a remote one's
+        listed size, its bytes then read by ranged GETs).
+
+        Raises:
+            FileNotFoundError: it is not there. InputError, UnreadableError: as
+            :func:`ckpttool.storage.sidefiles.open_checked`.
+        """
+        ...
+
 
 class LocalStores:
     """Local directories: a :class:`LocalStore` each."""
@@ -150,8 +164,44 @@ class LocalStores:
         finally:
             os.close(fd)
 
+    @contextlib.contextmanager
+    def side_file(self, path: Path, kind: sidefiles.Kind) -> Iterator[BinaryIO]:
+        with os.fdopen(sidefiles.open_checked(path, kind), "rb") as f:
+            yield f
+
 
 LOCAL: Stores = LocalStores()
+
+
+class PreadFile(io.RawIOBase):
+    """``size`` bytes read through ``pread(size, offset)`` as a read-only binary file (a
+    remote side file, read by ranged GETs as it is parsed)."""
+
+    def __init__(self, pread: Callable[[int, int], bytes], size: int) -> None:
+        self._pread = pread
+        self._size = size
+        self._at = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._at, 2: self._size}[whence]
+        self._at = max(0, base + offset)
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        data = self._pread(min(len(view), max(0, self._size - self._at)), self._at)
+        view[:len(data)] = data
+        self._at += len(data)
+        return len(data)
 
 
 def pread_of(path: Path, stores: Stores = LOCAL, *, inside: str | None = None

@@ -19,6 +19,7 @@ from ckpttool.errors import InputError
 from ckpttool.storage import mirror as mirrors
 from ckpttool.storage import objstore, outputs
 from tests.clouds.conftest import BUCKET, Cloud
+from tests.helpers import same_inspect
 
 _PREFIXES = {"gcs": 0, "azure": 0}
 
@@ -111,12 +112,7 @@ def test_merge_store_to_store_from_sharded_safetensors(cloud: Cloud, local_merge
 
 
 def test_inspect_json_matches_local(remote_llama: str, llama_ckpt: Path) -> None:
-    a = run("inspect", remote_llama, "--json")
-    b = run("inspect", llama_ckpt, "--json")
-    assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
-    da, db = json.loads(a.stdout.replace(remote_llama, str(llama_ckpt))), json.loads(b.stdout)
-    da.pop("seconds", None), db.pop("seconds", None)
-    assert da == db
+    same_inspect(remote_llama, llama_ckpt)
 
 
 def test_verify_and_against(remote_llama: str, local_merged: Path) -> None:

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from ckpttool.cli import app
 from ckpttool.storage import s3 as remote
+from tests.helpers import same_inspect
 from tests.remote.conftest import BUCKET, S3, _free_port, boto3
 
 
@@ -112,13 +113,7 @@ def test_merge_s3_to_s3_from_sharded_safetensors(s3: S3, local_merged: Path,
 
 
 def test_inspect_json_matches_local(remote_llama: str, llama_ckpt: Path) -> None:
-    a = run("inspect", remote_llama, "--json")
-    b = run("inspect", llama_ckpt, "--json")
-    assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
-    text = a.stdout.replace(remote_llama, str(llama_ckpt))
-    da, db = json.loads(text), json.loads(b.stdout)
-    da.pop("seconds", None), db.pop("seconds", None)
-    assert da == db
+    same_inspect(remote_llama, llama_ckpt)
 
 
 def test_verify_and_against(remote_llama: str, local_merged: Path) -> None:
@@ -304,3 +299,18 @@ def test_planned_reads_are_coalesced(s3: S3, monkeypatch: pytest.MonkeyPatch) ->
     # A short object is an error, not a retry loop.
     with pytest.raises(Exception, match="ends at byte"):
         store.read_exact("data.distcp", len(data) - 10, 20, what="tensor 'x'")
+
+
+def test_a_metadata_too_large_to_download_is_read_in_place(
+        s3: S3, tiny_dcp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP's .metadata is read through the Stores (issue 37, item 5): over the mirror's
+    download limit it is read by ranged GETs, where it was refused."""
+    from ckpttool.storage import mirror
+
+    url = s3.upload_dir(tiny_dcp, BUCKET, "bigmeta/model")
+    monkeypatch.setattr(mirror, "DOWNLOAD_LIMIT", 0)
+    same_inspect(url, tiny_dcp)
+    r = run("merge", "--weights-only", url, tmp_path / "remote")
+    assert r.exit_code == 0, r.output
+    assert run("merge", "--weights-only", tiny_dcp, tmp_path / "local").exit_code == 0
+    same_files(tmp_path / "remote", tmp_path / "local")

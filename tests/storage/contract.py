@@ -15,10 +15,12 @@ import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ckpttool.errors import InputError
+from ckpttool.storage import mirror as mirrors
 from ckpttool.storage.store import Capabilities, Store, read_blocks
 
 # Files every test reads: a few sizes around block edges, and one in a subdirectory.
@@ -29,6 +31,21 @@ FILES = {
     "sub/b.bin": bytes(range(256)) * 1000,
 }
 META = ".metadata"
+
+
+def mirrored(url: str, backend: Any = None) -> Store:
+    """The store of the remote checkpoint at ``url`` (``.bin`` files its data), as the mirror
+    opens it; closing it removes the mirror."""
+    mirror = mirrors.Mirror(url, data_suffixes=(".bin",), backend=backend)
+    store = mirror.open(mirror.dir, metadata_name=META)
+    close = store.close
+
+    def closing() -> None:
+        close()
+        mirror.close()
+
+    store.close = closing  # type: ignore[method-assign]
+    return store
 
 
 class StoreTests:

@@ -65,6 +65,9 @@ def check_location(value: object, *, what: str, remote_ok: bool = True) -> None:
 # data files, read in place by ranged GETs (the others are small and downloaded), which
 # objects an output replaces, and which makes an output look complete (uploaded last).
 DATA_SUFFIXES = (".distcp", ".safetensors")
+# Side files every format reads only through the Stores it is handed (never by path): one
+# larger than the mirror downloads is read in place by ranged GETs.
+BY_STORE = (".metadata",)
 _REPLACED_SUFFIXES = (".safetensors", ".safetensors.index.json", ".distcp")
 _LAST_SUFFIXES = (".index.json",)
 _METADATA = ".metadata"
@@ -141,7 +144,8 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
             for name, value in values.items():
                 if name != output and is_url(value):
                     mirror = stack.enter_context(
-                        Mirror(value, data_suffixes=DATA_SUFFIXES, head=_head))
+                        Mirror(value, data_suffixes=DATA_SUFFIXES, head=_head,
+                               by_store=BY_STORE))
                     mounted.append(mirror)
                     bound.arguments[name] = str(mirror.local)
                     renames.append((str(mirror.dir), str(mirror.base_url)))

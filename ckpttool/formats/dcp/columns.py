@@ -23,7 +23,6 @@ recursion), and memory per chunk is bounded by the columns.
 
 from __future__ import annotations
 
-import os
 import re
 from array import array
 from collections.abc import Callable, Iterator, Sequence
@@ -39,6 +38,7 @@ from ckpttool.formats.dcp import opcodes
 from ckpttool.formats.dcp.machine import _Machine
 from ckpttool.formats.dcp.opcodes import _MD, Fallback, _ChunkRun, _numpy
 from ckpttool.storage import sidefiles
+from ckpttool.storage.store import LOCAL, Stores
 
 # A plain data file name, as DCP's writer makes them (``__0_0.distcp``); others fall back.
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}\Z")
@@ -465,15 +465,16 @@ METADATA_KIND = sidefiles.Kind("DCP .metadata file", 4 << 30)
 
 
 def read(path: Path, lookup: Callable[[str, str], Any | None], *,
-         metadata_file: str = ".metadata") -> Columnar | None:
+         metadata_file: str = ".metadata", stores: Stores = LOCAL) -> Columnar | None:
     """``path`` (a ``.metadata``) as tensors with columnar chunks, objects and version, or None
     where the allow-list unpickler must decide (anything not recognised with certainty).
 
     Args:
         lookup: the allow-list (``metadata.allowed_global``): every global comes from it.
+        stores: what reads it (a remote one's by ranged GETs).
     """
     try:
-        with os.fdopen(sidefiles.open_checked(path, METADATA_KIND), "rb") as f:
+        with stores.side_file(path, METADATA_KIND) as f:
             size = f.seek(0, 2)
             f.seek(0)
             with gc_paused():

@@ -140,7 +140,8 @@ _KNOWN_WRITERS = (
 )
 
 
-def read_metadata_object(path: Path, lookup: Lookup | None = None) -> Any:
+def read_metadata_object(path: Path, lookup: Lookup | None = None,
+                         stores: Stores = LOCAL) -> Any:
     """Unpickle ``path`` (a ``.metadata`` file) onto stand-ins; never runs checkpoint code.
 
     Args:
@@ -153,7 +154,8 @@ def read_metadata_object(path: Path, lookup: Lookup | None = None) -> Any:
             checkpoint of a layout this reader does not read).
     """
     try:
-        data = sidefiles.read_checked(path, columns.METADATA_KIND)
+        with stores.side_file(path, columns.METADATA_KIND) as f:
+            data = sidefiles.read_file(f, path, columns.METADATA_KIND)
     except FileNotFoundError as err:
         raise InputError(f"{path}: no such file") from err
     except MemoryError as e:
@@ -226,7 +228,8 @@ def read_one(root: Path, md_path: Path, lookup: Lookup | None = None,
               stores: Stores = LOCAL, open_nested: bool = True) -> _Read:
     # Columns first (millions of chunks without an object each); anything it does not
     # recognise with certainty is read by the allow-list unpickler, which decides.
-    fast = columns.read(md_path, lookup or allowed_global, metadata_file=METADATA_FILE)
+    fast = columns.read(md_path, lookup or allowed_global, metadata_file=METADATA_FILE,
+                        stores=stores)
     if fast is not None:
         return _Read(md_path, fast.tensors, fast.objects, fast.version, frozenset(), Nested())
     return _read_unpickled(root, md_path, lookup, stores, open_nested)
@@ -234,7 +237,7 @@ def read_one(root: Path, md_path: Path, lookup: Lookup | None = None,
 
 def _read_unpickled(root: Path, md_path: Path, lookup: Lookup | None = None,
                     stores: Stores = LOCAL, open_nested: bool = True) -> _Read:
-    md = read_metadata_object(md_path, lookup)
+    md = read_metadata_object(md_path, lookup, stores)
     if type(md).__name__ != "Metadata" or not isinstance(md, torchsave.PlainStub):
         raise InputError(f"{md_path}: does not hold DCP Metadata (found {type(md).__name__})")
     try:
