@@ -423,7 +423,12 @@ def test_dequantize_per_tensor_fp8(tmp_path: Path, configured: bool) -> None:
 
 # --- quantize -------------------------------------------------------------------------------
 
-def _check_quantized(out: Path, original: dict[str, torch.Tensor]) -> None:
+def check_quantized(out: Path, original: dict[str, torch.Tensor], *,
+                    deduplicated: frozenset[str] = frozenset()) -> int:
+    """Every decoder-layer Linear weight of ``original`` quantized bit for bit by the
+    formula (and, dequantized, within float8's rounding of it), every other tensor kept
+    (cast to the output's dtype as a plain merge casts), but ``deduplicated`` (a tied copy
+    written once); returns how many were quantized."""
     got = load_file(out / "model.safetensors")
     num = 0
     for name, t in original.items():
@@ -440,17 +445,22 @@ def _check_quantized(out: Path, original: dict[str, torch.Tensor]) -> None:
             bound = t.float().abs() * 2.0 ** -4 + s[i, j] * 2.0 ** -9
             assert ((back - t.float()).abs() <= bound * 1.01 + 1e-30).all(), name
             num += 1
+        elif name in deduplicated and name not in got:
+            continue
         else:
-            assert name in got and (name + "_scale_inv") not in got
-            assert torch.equal(got[name].to(t.dtype), t), name
+            assert name in got and (name + "_scale_inv") not in got, name
+            assert torch.equal(got[name], t.to(got[name].dtype)), name
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
     assert num
+    return num
 
 
 def test_quantize_hf_bit_for_bit(llama_hf: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     report = merge(llama_hf, out, quantize="fp8-block")
     original = load_file(llama_hf / "model.safetensors")
-    _check_quantized(out, original)
+    check_quantized(out, original)
     got = load_file(out / "model.safetensors")
     assert torch.equal(got["model.layers.0.self_attn.q_proj.weight_scale_inv"][0, 0],
                        torch.tensor(1.0))  # the zero block
