@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.core.runtime.report import Section, section
+from ckpttool.formats import megatron
 from ckpttool.formats.base import Problem, warning
 
 if TYPE_CHECKING:
@@ -118,7 +119,9 @@ def problems(names: Collection[str], config: Mapping[str, Any] | None) -> list[P
 
 
 def problems_of(model: Checkpoint) -> list[Problem]:
-    """:func:`problems` for a checkpoint's model weights (nothing for optimizer state)."""
-    if model.kind != "model":
+    """:func:`problems` for a checkpoint's model weights (nothing for optimizer state, nor
+    for a Megatron-Core checkpoint: no loader reads one, and merge maps its names whether
+    its layers are stored stacked or one by one)."""
+    if model.kind != "model" or model.format == megatron.NAME:
         return []
     return problems([t.name for t in model.tensors if t.part == "model"], model.hf.config)
