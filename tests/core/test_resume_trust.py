@@ -89,5 +89,5 @@ def test_a_piece_that_cannot_be_recorded_stops_the_merge_and_the_rest_resumes(
 
     monkeypatch.setattr(resume, "_record", real)
     report = merge(src, out, weights_only=True)
-    assert report.resumed is not None and report.resumed["done_before"] == 1
+    assert report.resumed is not None and report.resumed.done_before == 1
     _assert_exact(out, trained, 3)

@@ -348,6 +348,7 @@ class _Recorder:
     def __init__(self, journal: Path, plan: MergePlan) -> None:
         self.journal, self.plan = journal, plan
         self.done = 0  # pieces recorded
+        self._failed = False
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
 
@@ -359,7 +360,15 @@ class _Recorder:
         self._pending.append(self._pool.submit(self._one, fd, piece))
 
     def _one(self, fd: int, piece: Piece) -> None:
-        _record(self.journal, fd, piece, self.plan)
+        # One thread runs these in turn: once one failed, those queued behind it are not
+        # recorded (a later piece may have been handed over before the failure was seen).
+        if self._failed:
+            return
+        try:
+            _record(self.journal, fd, piece, self.plan)
+        except BaseException:
+            self._failed = True
+            raise
         self.done += 1
 
     def wait(self) -> None:
