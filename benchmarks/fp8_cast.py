@@ -2,6 +2,7 @@
 the same bytes made from the float32 bits by whole-tensor integer operations (issue 39).
 
     .venv/bin/python benchmarks/fp8_cast.py [--rows 128] [--cols 5632] [--repeat 7]
+        [--threads 1] [--exhaustive]
 
 What is cast is what ``_fp8_block`` casts: one block of rows of a bf16 weight (N(0, 0.02), as
 ``benchmarks/quantize.py`` generates them) widened to float32 and divided by its blocks'
@@ -10,7 +11,8 @@ thread (as each merge worker does), on this thread's CPU clock, best and median 
 ``--repeat`` rounds, the two ways alternating; the 1-minute load is printed beside each
 figure. Before timing, the integer way is checked byte for byte against torch's cast on the
 block, on every float32 within 64 steps of each float8 value and rounding boundary (both
-signs) and on about 2 million random float32 bit patterns of magnitude up to 1024.
+signs) and on about 2 million random float32 bit patterns of magnitude up to 1024;
+``--exhaustive`` first checks every finite float32 (4.28 billion values: 2-3 minutes).
 
 Also prints, for scale, what the other steps of a block cost per element (the widening copy,
 the scales, the division): the cast's share of ``_fp8_block``.
@@ -98,6 +100,17 @@ def check(x: torch.Tensor) -> None:
                          f"e.g. {x[i].item()!r}: {int(got[i]):#04x} != {int(want[i]):#04x}")
 
 
+def check_all(chunk: int = 1 << 24) -> int:
+    """``check`` on every finite float32, both signs, ``chunk`` bit patterns at a time."""
+    done = 0
+    for lo in range(0, 0x7F800000, chunk):
+        bits = torch.arange(lo, min(lo + chunk, 0x7F800000), dtype=torch.int32)
+        check(bits.view(torch.float32))
+        check((bits | torch.tensor(-(1 << 31), dtype=torch.int32)).view(torch.float32))
+        done += 2 * bits.numel()
+    return done
+
+
 def cpu_ns(fn: Callable[[], object], n: int, reps: int) -> tuple[float, float]:
     """CPU (of the whole process: torch's own threads too) and wall ns per element."""
     fn()
@@ -121,8 +134,12 @@ def main() -> None:
     ap.add_argument("--inner", type=int, default=20, help="casts per timed round")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (a merge runs 1 per worker, a worker a core)")
+    ap.add_argument("--exhaustive", action="store_true",
+                    help="first check by_bits on every finite float32 (about 4.3 billion)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.exhaustive:
+        print(f"by_bits equals torch's cast on all {check_all()} finite float32 values")
     x = block(args.rows, args.cols)
     n = x.numel()
     g = torch.Generator().manual_seed(2)
