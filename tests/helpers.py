@@ -123,14 +123,19 @@ def write_malicious(directory: Path, sentinel: Path) -> Path:
 
 
 class ForkedCli:
-    """``python -m ckpttool *args`` with environment ``env``, in a process forked by the
-    rank server of :mod:`examples.fsdp2_checkpoint` (torch imported there already) instead
-    of a fresh interpreter: a second or two of imports less per run, for tests that run the
-    CLI dozens of times (a kill at every step). What those tests use of ``subprocess.Popen``
-    (``stdout=PIPE, stderr=PIPE, text=True``): ``pid``, ``poll``, ``send_signal``,
-    ``communicate`` and ``returncode``, negative for a signal."""
+    """``python -m ckpttool *args`` with environment ``env`` (and working directory ``cwd``),
+    in a process forked by the rank server of :mod:`examples.fsdp2_checkpoint` (torch
+    imported there already) instead of a fresh interpreter: a second or two of imports less
+    per run, for tests that run the CLI dozens of times (a kill at every step). What those
+    tests use of ``subprocess.Popen`` (``stdout=PIPE, stderr=PIPE, text=True``): ``pid``,
+    ``poll``, ``send_signal``, ``communicate`` and ``returncode``, negative for a signal.
 
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+    What a fresh interpreter would read from ``env`` at start-up is applied in the child:
+    ``TMPDIR`` (``tempfile``'s cached directory is dropped) and ``OMP_NUM_THREADS`` (torch's
+    thread count, which torch read when the server imported it)."""
+
+    def __init__(self, args: list[str], env: dict[str, str],
+                 cwd: str | Path | None = None) -> None:
         import multiprocessing
         import tempfile
 
@@ -141,7 +146,8 @@ class ForkedCli:
         self._out, self._err = Path(self._dir.name, "stdout"), Path(self._dir.name, "stderr")
         ctx = multiprocessing.get_context(start_rank_server(KINDS))
         self._proc = ctx.Process(target=_cli_child,
-                                 args=(list(args), env, str(self._out), str(self._err)))
+                                 args=(list(args), env, str(self._out), str(self._err),
+                                       None if cwd is None else str(cwd)))
         self._proc.start()
         assert self._proc.pid is not None
         self.pid: int = self._proc.pid
@@ -169,11 +175,11 @@ class ForkedCli:
         self._proc.join()
 
 
-def run_cli(args: list[str], env: dict[str, str], *, timeout: float = 120
-            ) -> subprocess.CompletedProcess[str]:
-    """What ``subprocess.run([python, "-m", "ckpttool", *args], env=env, capture_output=True,
-    text=True, timeout=timeout)`` returns, from a :class:`ForkedCli`."""
-    p = ForkedCli(args, env)
+def run_cli(args: list[str], env: dict[str, str], *, timeout: float = 120,
+            cwd: str | Path | None = None) -> subprocess.CompletedProcess[str]:
+    """What ``subprocess.run([python, "-m", "ckpttool", *args], env=env, cwd=cwd,
+    capture_output=True, text=True, timeout=timeout)`` returns, from a :class:`ForkedCli`."""
+    p = ForkedCli(args, env, cwd)
     try:
         out, err = p.communicate(timeout)
     except subprocess.TimeoutExpired:
@@ -183,11 +189,20 @@ def run_cli(args: list[str], env: dict[str, str], *, timeout: float = 120
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
-def _cli_child(args: list[str], env: dict[str, str], out: str, err: str) -> None:
-    """The forked process of :class:`ForkedCli`: the environment, argv and standard streams of
-    ``python -m ckpttool *args``, then the program (which ends the process itself)."""
+def _cli_child(args: list[str], env: dict[str, str], out: str, err: str,
+               cwd: str | None = None) -> None:
+    """The forked process of :class:`ForkedCli`: the environment, working directory, argv and
+    standard streams of ``python -m ckpttool *args``, then the program (which ends the
+    process itself)."""
+    import tempfile
+
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # found again from TMPDIR, as a fresh interpreter finds it
+    if "OMP_NUM_THREADS" in env:
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    if cwd is not None:
+        os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(f, fd)
