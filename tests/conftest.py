@@ -177,3 +177,34 @@ def llama_alone(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     out = tmp_path_factory.mktemp("alone") / "out"
     ckpttool.merge(llama_ckpt, out, max_shard_size="20KB")
     return out
+
+
+# Quantized weights (issue 39), written per module as the tests of tests/core/test_quantization*.py
+# and tests/remote/test_quantized_remote.py expect.
+
+@pytest.fixture(scope="module")
+def llama_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bf16 Llama by save_pretrained (:func:`tests.helpers.save_quant_llama`)."""
+    from tests.helpers import save_quant_llama
+
+    return save_quant_llama(tmp_path_factory.mktemp("q-llama"))
+
+
+@pytest.fixture(scope="module")
+def fp8_hf(llama_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSeek-V3's block-FP8 layout of ``llama_hf`` (:func:`tests.helpers.save_fp8_hf`)."""
+    from tests.helpers import save_fp8_hf
+
+    return save_fp8_hf(llama_hf, tmp_path_factory.mktemp("q-fp8") / "fp8")
+
+
+@pytest.fixture(scope="module")
+def fp8_dcp(fp8_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same block-FP8 model saved by ``torch.distributed.checkpoint.save`` (one
+    process), config.json beside it."""
+    import torch.distributed.checkpoint as torch_dcp
+    from safetensors.torch import load_file
+
+    out = tmp_path_factory.mktemp("q-fp8-dcp") / "checkpoint"
+    torch_dcp.save({"model": load_file(fp8_hf / "model.safetensors")}, checkpoint_id=out)
+    return out

@@ -193,3 +193,37 @@ def test_no_import_circle(typing: bool) -> None:
     for m in sorted(graph):
         if m not in seen:
             visit(m)
+
+
+TESTS = ROOT.parent / "tests"
+
+
+def _test_modules_imported(path: Path) -> list[str]:
+    """The ``test_*`` modules ``path`` imports: ``import tests.a.test_b``, ``from
+    tests.a.test_b import x``, ``from tests.a import test_b``, and the same relative."""
+    package = list(path.relative_to(ROOT.parent).parent.parts)
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            names += [module, *(f"{module}.{a.name}" for a in node.names)]
+    found = set()
+    for name in names:
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part.startswith("test_") and ROOT.parent.joinpath(*parts[:i]).joinpath(
+                    part + ".py").is_file():
+                found.add(".".join(parts[:i + 1]))
+    return sorted(found)
+
+
+def test_no_test_module_imports_another() -> None:
+    # What test modules share lives in tests/helpers.py (or a helper module named for what it
+    # holds: layouts.py, proxy.py, ...) and their fixtures in a conftest.py: importing a
+    # test_*.py drags its tests, fixtures and module-level set-up into the importer.
+    wrong = {str(p.relative_to(TESTS)): found for p in sorted(TESTS.rglob("*.py"))
+             if (found := _test_modules_imported(p))}
+    assert not wrong, wrong

@@ -7,30 +7,19 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from ckpttool.cli import app
+from tests.helpers import diff_pair
 
 
 def run(*args: str | Path):
     return CliRunner().invoke(app, [str(a) for a in args], env={"CKPTTOOL_FSYNC": "0"})
 
 
-def pair(tmp_path: Path) -> tuple[Path, Path]:
-    g = torch.Generator().manual_seed(3)
-    a = {"model.embed_tokens.weight": torch.randn(16, 4, generator=g),
-         "model.norm.weight": torch.ones(4)}
-    b = {k: v.clone() for k, v in a.items()}
-    b["model.norm.weight"][1] = 2.0
-    for name, sd in (("a", a), ("b", b)):
-        (tmp_path / name).mkdir()
-        save_file(sd, tmp_path / name / "model.safetensors")
-    return tmp_path / "a", tmp_path / "b"
-
-
 def test_exit_codes_as_cmp(tmp_path: Path) -> None:
-    a, b = pair(tmp_path)
+    a, b = diff_pair(tmp_path)
     r = run("diff", a, a)
     assert r.exit_code == 0, r.output
     assert r.stdout.startswith(f"diff identical: {a} -> {a}: 2 tensors (2 identical); 0 B "
@@ -45,7 +34,7 @@ def test_exit_codes_as_cmp(tmp_path: Path) -> None:
 
 
 def test_json_document(tmp_path: Path) -> None:
-    a, b = pair(tmp_path)
+    a, b = diff_pair(tmp_path)
     r = run("diff", a, b, "--json")
     assert r.exit_code == 1
     doc = json.loads(r.stdout)
@@ -62,7 +51,7 @@ def test_json_document(tmp_path: Path) -> None:
 
 
 def test_usage_errors(tmp_path: Path) -> None:
-    a, b = pair(tmp_path)
+    a, b = diff_pair(tmp_path)
     r = run("diff", a, b, "--filter", "*", "--write-delta", tmp_path / "d")
     assert r.exit_code == 2 and "a delta rebuilds all of B; leave out --filter" in r.output
     r = run("diff", a, b, "--overwrite")
@@ -72,7 +61,7 @@ def test_usage_errors(tmp_path: Path) -> None:
 
 
 def test_delta_then_apply(tmp_path: Path) -> None:
-    a, b = pair(tmp_path)
+    a, b = diff_pair(tmp_path)
     r = run("diff", a, b, "--write-delta", tmp_path / "d", "-q")
     assert r.exit_code == 1, r.output
     assert r.stdout.splitlines()[-1].startswith(f"delta written: {tmp_path / 'd'} (")
@@ -104,7 +93,7 @@ def _sha(path: Path) -> str:
 
 
 def test_verify_base_option(tmp_path: Path) -> None:
-    a, b = pair(tmp_path)
+    a, b = diff_pair(tmp_path)
     r = run("verify", a, "--base", a)
     assert r.exit_code == 0
     assert f"warning: identical-to-base: every tensor of {a} is bit-identical to {a}" in r.stdout
@@ -115,7 +104,7 @@ def test_verify_base_option(tmp_path: Path) -> None:
 
 
 def test_a_delta_that_lies_is_exit_3(tmp_path: Path) -> None:
-    a, b = pair(tmp_path)
+    a, b = diff_pair(tmp_path)
     assert run("diff", a, b, "--write-delta", tmp_path / "d").exit_code == 1
     doc_path = tmp_path / "d" / "delta.json"
     doc = json.loads(doc_path.read_text())

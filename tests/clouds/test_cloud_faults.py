@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from ckpttool.cli import app
 from ckpttool.storage import objstore
 from tests.clouds.conftest import ROOT, Cloud
-from tests.remote.test_remote_faults import _PUBLISH
+from tests.helpers import PUBLISH
 
 
 def publish(cloud: Cloud, staged: Path, url: str, hook: str | None = None
@@ -28,7 +28,7 @@ def publish(cloud: Cloud, staged: Path, url: str, hook: str | None = None
     env.pop("CKPTTOOL_TEST_REMOTE_FAULT", None)
     if hook is not None:
         env["CKPTTOOL_TEST_REMOTE_FAULT"] = hook
-    return subprocess.run([sys.executable, "-c", _PUBLISH, url, str(staged)],
+    return subprocess.run([sys.executable, "-c", PUBLISH, url, str(staged)],
                           capture_output=True, text=True, env=env, timeout=300)
 
 

@@ -16,6 +16,7 @@ import pytest
 import ckpttool
 from ckpttool.core.merge.multihost import FAIL_ENV
 from tests.clouds.conftest import Cloud
+from tests.helpers import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -26,13 +27,14 @@ _N = {"gcs": 0, "azure": 0}
 
 def cli(cloud: Cloud, tmp: Path, *args: str | Path, **env: str
         ) -> subprocess.CompletedProcess[str]:
+    """``python -m ckpttool ARGS`` in a process of its own (forked with torch imported: no
+    state of this one's), with a TMPDIR and cwd of its own."""
     (tmp / "tmp").mkdir(parents=True, exist_ok=True)
     full = {k: v for k, v in os.environ.items()
             if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", FAIL_ENV)}
     full.update(cloud.env, PYTHONPATH=str(ROOT), TMPDIR=str(tmp / "tmp"), OMP_NUM_THREADS="1",
                 CKPTTOOL_PART_SIZE=PART, **env)
-    return subprocess.run([sys.executable, "-m", "ckpttool", *map(str, args)],
-                          capture_output=True, text=True, env=full, cwd=tmp, timeout=300)
+    return run_cli([str(a) for a in args], full, cwd=tmp, timeout=300)
 
 
 def fresh(cloud: Cloud, what: str) -> str:

@@ -15,7 +15,7 @@ from ckpttool.cli import app
 from ckpttool.errors import AccessError, TransportError
 from ckpttool.storage import objstore
 from tests.clouds.conftest import Cloud, _free_port
-from tests.remote.test_transport import Proxy
+from tests.proxy import Proxy
 
 
 @pytest.fixture

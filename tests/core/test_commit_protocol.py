@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.core.test_faults import _merge
+from tests.helpers import fault_merge
 
 INDEX = "model.safetensors.index.json"
 
@@ -40,8 +40,8 @@ def model_and_config(out: Path) -> tuple[dict[str, bytes], bytes | None] | None:
 
 
 def _merge_layout(src: Path, out: Path, layout: str, *args: str, fault: str | None = None):
-    # _merge passes --dtype keep first; the layout's --dtype comes after and wins.
-    return _merge(src, out, *LAYOUTS[layout], *args, fault=fault)
+    # fault_merge passes --dtype keep first; the layout's --dtype comes after and wins.
+    return fault_merge(src, out, *LAYOUTS[layout], *args, fault=fault)
 
 
 @pytest.mark.parametrize(("old", "new"), [("single", "single-bf16"), ("sharded", "single"),

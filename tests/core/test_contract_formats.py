@@ -22,6 +22,7 @@ import ckpttool
 from ckpttool.cli import app
 from tests import ds_layouts
 from tests.fsdp2_ranks import run_on_ranks
+from tests.helpers import assert_taken_whole, small_llama, verl_rank_files
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 MEGATRON = Path(__file__).parents[1] / "data" / "megatron_lm"
@@ -31,49 +32,14 @@ def run(*args: str | Path) -> Any:
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
-def assert_taken_whole(report: Any, expected: int) -> None:
-    c = report.contract
-    assert c is not None and c.checked, c
-    assert c.ok and not c.extra, c
-    assert c.consumer.startswith("LlamaForCausalLM (transformers") and c.expected == expected
-
-
-def _llama() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=96, tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"]))
-
-
-def _verl_rank_files(rank: int, world_size: int, out: str) -> None:
-    """verl's FSDPCheckpointManager layout: each rank's ``model.state_dict()`` (DTensors) as
-    ``model_world_size_<W>_rank_<R>.pt``, the config under ``huggingface/``."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = _llama()
-    mesh = init_device_mesh("cpu", (world_size,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    actor = Path(out)
-    actor.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), actor / f"model_world_size_{world_size}_rank_{rank}.pt")
-    if rank == 0:
-        model.config.save_pretrained(actor / "huggingface")
-
-
 def test_rank_files_of_a_real_model_hold_the_contract(tmp_path: Path) -> None:
     actor = tmp_path / "global_step_1" / "actor"
-    run_on_ranks(_verl_rank_files, 2, str(actor))
+    run_on_ranks(verl_rank_files, 2, str(actor))
     report = ckpttool.merge(actor, tmp_path / "out")
-    assert_taken_whole(report, len(_llama().state_dict()))
+    assert_taken_whole(report, len(small_llama().state_dict()))
     from safetensors.torch import load_file
 
-    got, want = load_file(tmp_path / "out" / "model.safetensors"), _llama().state_dict()
+    got, want = load_file(tmp_path / "out" / "model.safetensors"), small_llama().state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 

@@ -8,84 +8,21 @@ publishing steps (an output file created, fsync'ed, renamed, unlinked).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from safetensors import safe_open
 
 from ckpttool.storage import outputs as fileio
-from tests.helpers import run_cli
-
-ROOT = Path(__file__).resolve().parents[2]
-INDEX = "model.safetensors.index.json"
-
-
-def _env(fault: str | None = None) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("CKPTTOOL_TEST_FAULT", None)
-    if fault is not None:
-        env["CKPTTOOL_TEST_FAULT"] = fault
-    return env
-
-
-def _merge(src: Path, out: Path, *args: str, fault: str | None = None
-           ) -> subprocess.CompletedProcess[str]:
-    return run_cli(["merge", str(src), str(out), "--dtype", "keep", "-q", "--weights-only",
-                    *args], _env(fault))
-
-
-def _start(src: Path, out: Path, *args: str, fault: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "ckpttool", "merge", str(src), str(out), "--dtype", "keep",
-         "-q", "--weights-only", *args], env=_env(fault), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True)
-
-
-def _wait_for(path: Path, proc: subprocess.Popen[str]) -> None:
-    for _ in range(1200):
-        if path.exists() and path.read_text():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"exited {proc.returncode} before the pause: "
-                                 f"{proc.stderr.read() if proc.stderr else ''}")
-        time.sleep(0.05)
-    raise AssertionError("the run never reached the pause")
-
-
-def _tensors(path: Path) -> dict[str, bytes]:
-    with safe_open(str(path), framework="numpy") as f:
-        return {k: f.get_tensor(k).tobytes() for k in f.keys()}  # noqa: SIM118
-
-
-def _state(out: Path) -> dict[str, bytes] | None:
-    """The model OUT holds, if it looks finished (an index, or model.safetensors alone), after
-    checking that it is consistent: an index names shards that hold exactly the tensors it
-    lists, and model.safetensors never stands beside an index. None if nothing looks
-    finished."""
-    index = out / INDEX
-    single = out / "model.safetensors"
-    if index.exists():
-        assert not single.exists(), "model.safetensors beside an index"
-        weight_map = json.loads(index.read_text())["weight_map"]
-        found: dict[str, bytes] = {}
-        for shard in sorted(set(weight_map.values())):
-            assert (out / shard).is_file(), f"the index names {shard}, which is missing"
-            held = _tensors(out / shard)
-            assert set(held) == {k for k, v in weight_map.items() if v == shard}, shard
-            found |= held
-        return found
-    if single.exists():
-        return _tensors(single)
-    return None
-
+from tests.helpers import (
+    INDEX,
+    fault_merge,
+    output_state,
+    start_fault_merge,
+    wait_for_pause,
+)
 
 LAYOUTS = {"single": (), "sharded": ("--max-shard-size", "120"),
            "sharded-other": ("--max-shard-size", "200")}
@@ -95,9 +32,9 @@ def _write_layouts(src: Path, tmp: Path) -> dict[str, bytes]:
     """Each output layout of ``src`` in ``tmp/<layout>``, written once; returns the model."""
     states = []
     for name, args in LAYOUTS.items():
-        done = _merge(src, tmp / name, *args)
+        done = fault_merge(src, tmp / name, *args)
         assert done.returncode == 0, done.stderr
-        states.append(_state(tmp / name))
+        states.append(output_state(tmp / name))
     assert len(list((tmp / "sharded").glob("model-*.safetensors"))) > 2
     assert states[0] is not None and states[0] == states[1] == states[2]
     return states[0]
@@ -116,13 +53,13 @@ def test_kill_at_every_publishing_step_leaves_no_mixed_output(
     for k in range(1, 60):
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(tmp_path / "ref" / old, out)
-        done = _merge(tiny_dcp, out, *LAYOUTS[new], "--overwrite", fault=f"kill:{k}")
+        done = fault_merge(tiny_dcp, out, *LAYOUTS[new], "--overwrite", fault=f"kill:{k}")
         if done.returncode == 0:
-            assert _state(out) == reference
+            assert output_state(out) == reference
             break
         assert done.returncode == -signal.SIGKILL, done.stderr
         seen_kill += 1
-        state = _state(out)
+        state = output_state(out)
         assert state is None or state == reference, f"step {k}: a model with other values"
     else:
         raise AssertionError("the merge never finished")
@@ -137,17 +74,17 @@ def test_ctrl_c_at_any_step_exits_130_and_cleans_up(tiny_dcp: Path, tmp_path: Pa
     shard): exit 130, one line, no temporary file left, and OUT the previous output or the new
     one, whole."""
     out = tmp_path / "out"
-    assert _merge(tiny_dcp, out, "--max-shard-size", "120").returncode == 0
-    before = _state(out)
+    assert fault_merge(tiny_dcp, out, "--max-shard-size", "120").returncode == 0
+    before = output_state(out)
     flag = tmp_path / "paused"
-    proc = _start(tiny_dcp, out, "--overwrite", fault=f"pause:{step}:{flag}")
-    _wait_for(flag, proc)
+    proc = start_fault_merge(tiny_dcp, out, "--overwrite", fault=f"pause:{step}:{flag}")
+    wait_for_pause(flag, proc)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     assert stderr.strip().count("\n") == 0 and "interrupted" in stderr
     assert not [p.name for p in out.iterdir() if p.name.endswith(fileio.TMP_SUFFIX)]
-    assert _state(out) == before  # the same tensors, whichever layout holds them
+    assert output_state(out) == before  # the same tensors, whichever layout holds them
 
 
 def test_second_run_into_the_same_out_refuses(tiny_dcp: Path, tmp_path: Path) -> None:
@@ -156,18 +93,18 @@ def test_second_run_into_the_same_out_refuses(tiny_dcp: Path, tmp_path: Path) ->
     finds its output (no --overwrite) and refuses too; a killed run's lock is gone with it."""
     out = tmp_path / "out"
     flag = tmp_path / "paused"
-    first = _start(tiny_dcp, out, fault=f"pause:2:{flag}")
-    _wait_for(flag, first)
-    second = _merge(tiny_dcp, out, "--max-shard-size", "120")
+    first = start_fault_merge(tiny_dcp, out, fault=f"pause:2:{flag}")
+    wait_for_pause(flag, first)
+    second = fault_merge(tiny_dcp, out, "--max-shard-size", "120")
     assert second.returncode == 3
     assert second.stderr == (f"ckpttool: error: {out}: another ckpttool process is writing "
                              "into this directory; wait for it to finish or choose another "
                              "output directory\n")
     first.kill()
     first.wait()
-    third = _merge(tiny_dcp, out)  # the kernel dropped the killed run's lock
+    third = fault_merge(tiny_dcp, out)  # the kernel dropped the killed run's lock
     assert third.returncode == 0, third.stderr
-    fourth = _merge(tiny_dcp, out, "--max-shard-size", "120")
+    fourth = fault_merge(tiny_dcp, out, "--max-shard-size", "120")
     assert fourth.returncode == 3 and "pass --overwrite" in fourth.stderr
 
 

@@ -6,7 +6,6 @@ directory and from DCP checkpoints (one written by FSDP2 ranks)."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,8 @@ from typer.testing import CliRunner
 
 from ckpttool import merge
 from ckpttool.cli import app
+from tests.helpers import FP8, check_quantized, fp8_block_quant, save_quant_llama, weight_dequant
 
-FP8 = torch.float8_e4m3fn
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
@@ -27,89 +26,8 @@ def run(*args: str | Path) -> Any:
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
-# --- references, in plain torch -----------------------------------------------------------
-
-def weight_dequant(x: torch.Tensor, s: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """DeepSeek-V3's ``weight_dequant`` kernel as plain torch: every element times its
-    block's scale in float32, then bf16."""
-    i = torch.arange(x.shape[0])[:, None] // block
-    j = torch.arange(x.shape[1])[None, :] // block
-    return (x.float() * s[i, j]).to(torch.bfloat16)
-
-
-def fp8_block_quant(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """The formula of issue 39, block by block: s = amax(|w.float()|) / 448 (1.0 for a zero
-    block), q = (w.float() / s) as float8_e4m3fn."""
-    rows, cols = w.shape
-    grid = (math.ceil(rows / block), math.ceil(cols / block))
-    s = torch.empty(grid, dtype=torch.float32)
-    q = torch.empty(rows, cols, dtype=FP8)
-    for i in range(grid[0]):
-        for j in range(grid[1]):
-            b = w[i * block:(i + 1) * block, j * block:(j + 1) * block].float()
-            amax = b.abs().amax()
-            sc = amax / 448.0 if amax > 0 else torch.tensor(1.0)
-            s[i, j] = sc
-            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (b / sc).to(FP8)
-    return q, s
-
-
-def _llama(tmp: Path, intermediate: int = 320) -> Path:
-    """A bf16 Llama written by save_pretrained: 256 wide, 320 in the MLP (an edge block of
-    64), one zero 128 x 128 block in layer 0's q_proj."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=256,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=intermediate,
-                         max_position_embeddings=64, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        model.model.layers[0].self_attn.q_proj.weight[:128, :128] = 0
-    out = tmp / f"llama-{intermediate}"
-    model.save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def llama_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _llama(tmp_path_factory.mktemp("q-llama"))
-
-
-@pytest.fixture(scope="module")
-def fp8_hf(llama_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """DeepSeek-V3's layout from the bf16 Llama: decoder Linear weights quantized by the
-    formula, ``weight_scale_inv`` float32, config's quantization_config, torch_dtype bf16."""
-    state = load_file(llama_hf / "model.safetensors")
-    out = tmp_path_factory.mktemp("q-fp8") / "fp8"
-    out.mkdir()
-    quantized: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        if ".layers." in name and name.endswith("proj.weight"):
-            q, s = fp8_block_quant(t)
-            quantized[name], quantized[name + "_scale_inv"] = q, s
-        else:
-            quantized[name] = t
-    # The scale of issue 34 finding 3, which bf16 would round to 0.000507355.
-    quantized["model.layers.0.mlp.up_proj.weight_scale_inv"][0, 0] = 0.000509229
-    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((llama_hf / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                     "activation_scheme": "dynamic",
-                                     "weight_block_size": [128, 128]}
-    config["torch_dtype"] = "bfloat16"
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
-@pytest.fixture(scope="module")
-def fp8_dcp(fp8_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same block-FP8 model saved by ``torch.distributed.checkpoint.save`` (one
-    process), config.json beside it."""
-    out = tmp_path_factory.mktemp("q-fp8-dcp") / "checkpoint"
-    torch_dcp.save({"model": load_file(fp8_hf / "model.safetensors")}, checkpoint_id=out)
-    return out
+# The references in plain torch (the formula, DeepSeek-V3's weight_dequant) and the fixtures
+# llama_hf, fp8_hf and fp8_dcp are shared: tests/helpers.py and tests/conftest.py.
 
 
 def _scale_policy_keeps(out: Path, src: Path) -> None:
@@ -423,39 +341,6 @@ def test_dequantize_per_tensor_fp8(tmp_path: Path, configured: bool) -> None:
 
 # --- quantize -------------------------------------------------------------------------------
 
-def check_quantized(out: Path, original: dict[str, torch.Tensor], *,
-                    deduplicated: frozenset[str] = frozenset()) -> int:
-    """Every decoder-layer Linear weight of ``original`` quantized bit for bit by the
-    formula (and, dequantized, within float8's rounding of it), every other tensor kept
-    (cast to the output's dtype as a plain merge casts), but ``deduplicated`` (a tied copy
-    written once); returns how many were quantized."""
-    got = load_file(out / "model.safetensors")
-    num = 0
-    for name, t in original.items():
-        if ".layers." in name and name.endswith("proj.weight"):
-            q, s = fp8_block_quant(t)
-            assert got[name].dtype == FP8 and got[name + "_scale_inv"].dtype == torch.float32
-            assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8)), name
-            assert torch.equal(got[name + "_scale_inv"], s), name
-            # Dequantized, within float8's rounding of the original: half a unit in the last
-            # place of 3 mantissa bits, or of the smallest subnormal times the scale.
-            back = weight_dequant(got[name], s).float()
-            i = torch.arange(t.shape[0])[:, None] // 128
-            j = torch.arange(t.shape[1])[None, :] // 128
-            bound = t.float().abs() * 2.0 ** -4 + s[i, j] * 2.0 ** -9
-            assert ((back - t.float()).abs() <= bound * 1.01 + 1e-30).all(), name
-            num += 1
-        elif name in deduplicated and name not in got:
-            continue
-        else:
-            assert name in got and (name + "_scale_inv") not in got, name
-            assert torch.equal(got[name], t.to(got[name].dtype)), name
-    qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
-    assert num
-    return num
-
-
 def test_quantize_hf_bit_for_bit(llama_hf: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     report = merge(llama_hf, out, quantize="fp8-block")
@@ -481,7 +366,7 @@ def test_quantized_loads_in_transformers(tmp_path: Path) -> None:
     DeepSeek's dequantization of what was written."""
     from transformers import AutoModelForCausalLM
 
-    src = _llama(tmp_path, intermediate=384)
+    src = save_quant_llama(tmp_path, intermediate=384)
     out = tmp_path / "out"
     report = merge(src, out, quantize="fp8-block")
     assert not report.warnings

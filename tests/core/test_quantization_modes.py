@@ -5,41 +5,17 @@ one merge of the same source writes."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from ckpttool import merge
-from tests.core.test_quantization import fp8_dcp, fp8_hf, llama_hf, run  # noqa: F401 (fixtures)
-
-
-def same_model(got: Path, want: Path) -> None:
-    """The same tensors, bit for bit, and the same config.json."""
-    a, b = _tensors(got), _tensors(want)
-    assert set(a) == set(b)
-    for name, t in b.items():
-        assert a[name].dtype == t.dtype and a[name].shape == t.shape, name
-        assert torch.equal(a[name].view(torch.uint8), t.view(torch.uint8)), name
-    assert json.loads((got / "config.json").read_text()) == json.loads(
-        (want / "config.json").read_text())
-
-
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(d.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-MODES = {"dequantize": ("--dequantize",), "quantize": ("--quantize", "fp8-block")}
+from tests.helpers import QUANT_MODES, invoke, same_model
 
 
 @pytest.fixture(scope="module")
-def wanted(fp8_hf: Path, llama_hf: Path, tmp_path_factory: pytest.TempPathFactory  # noqa: F811
+def wanted(fp8_hf: Path, llama_hf: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> dict[str, tuple[Path, Path]]:
     """Per mode: its source and what a plain merge of it writes."""
     base = tmp_path_factory.mktemp("q-modes")
@@ -49,41 +25,42 @@ def wanted(fp8_hf: Path, llama_hf: Path, tmp_path_factory: pytest.TempPathFactor
             "quantize": (llama_hf, base / "quantized")}
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(QUANT_MODES))
 def test_merge_all(mode: str, wanted: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
     src, want = wanted[mode]
     runs = tmp_path / "run"
     for step in (100, 200):
         shutil.copytree(src, runs / f"checkpoint-{step}")
-    r = run("merge", runs, tmp_path / "out", "--all", "--settle", "0", *MODES[mode])
+    r = invoke("merge", runs, tmp_path / "out", "--all", "--settle", "0", *QUANT_MODES[mode])
     assert r.exit_code == 0, r.output
     for step in (100, 200):
         same_model(tmp_path / "out" / f"checkpoint-{step}", want)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(QUANT_MODES))
 def test_slices_then_finish(mode: str, wanted: dict[str, tuple[Path, Path]],
                             tmp_path: Path) -> None:
     src, want = wanted[mode]
     out = tmp_path / "out"
     for i in (0, 1, 2):
-        r = run("merge", src, out, "--slice", f"{i}/3", *MODES[mode])
+        r = invoke("merge", src, out, "--slice", f"{i}/3", *QUANT_MODES[mode])
         assert r.exit_code == 0, r.output
-    r = run("merge", src, out, "--finish", *MODES[mode])
+    r = invoke("merge", src, out, "--finish", *QUANT_MODES[mode])
     assert r.exit_code == 0, r.output
     same_model(out, want)
 
 
-def test_dequantize_dcp_in_slices(fp8_dcp: Path, fp8_hf: Path, wanted: dict[str, tuple[Path, Path]],  # noqa: F811
+def test_dequantize_dcp_in_slices(fp8_dcp: Path, fp8_hf: Path, wanted: dict[str, tuple[Path, Path]],
                                   tmp_path: Path) -> None:
     """A DCP training checkpoint's block FP8, decoded in two slices: the model the HF
     directory's merge writes."""
     out = tmp_path / "out"
     for i in (0, 1):
-        r = run("merge", fp8_dcp, out, "--slice", f"{i}/2", "--dequantize",
+        r = invoke("merge", fp8_dcp, out, "--slice", f"{i}/2", "--dequantize",
                 "--config", fp8_hf / "config.json")
         assert r.exit_code == 0, r.output
-    r = run("merge", fp8_dcp, out, "--finish", "--dequantize", "--config", fp8_hf / "config.json")
+    r = invoke("merge", fp8_dcp, out, "--finish", "--dequantize", "--config",
+               fp8_hf / "config.json")
     assert r.exit_code == 0, r.output
     same_model(out, wanted["dequantize"][1])
 
@@ -98,9 +75,9 @@ def test_quantize_from_megatron(run_dir: str, tmp_path: Path) -> None:
     plain merge writes."""
     src = MEGATRON / run_dir
     plain = tmp_path / "plain"
-    assert run("merge", src, plain).exit_code == 0
+    assert invoke("merge", src, plain).exit_code == 0
     want = tmp_path / "want"
     merge(plain, want, quantize="fp8-block")
-    r = run("merge", src, tmp_path / "out", "--quantize", "fp8-block")
+    r = invoke("merge", src, tmp_path / "out", "--quantize", "fp8-block")
     assert r.exit_code == 0, r.output
     same_model(tmp_path / "out", want)

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckpttool import merge
-from tests.core.test_quantization import FP8, llama_hf, run, weight_dequant  # noqa: F401
+from tests.helpers import FP8, invoke, weight_dequant
 
 # --- the loaders' rules, as data --------------------------------------------------------------
 #
@@ -157,7 +157,7 @@ def skipped(loader: Loader, layer: str, members: list[str], listed: list[str]) -
 def hold(out: Path, loaders: list[Loader] = LOADERS) -> None:
     """The config written in ``out`` against every loader's rules; ``verify`` finds it whole
     and no fused layer stored in part."""
-    r = run("verify", out)
+    r = invoke("verify", out)
     assert r.exit_code == 0 and "quant-" not in r.output, r.output
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert "fp8" in qc["quant_method"] and qc["activation_scheme"] == "dynamic"
@@ -200,7 +200,7 @@ def deepseek_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _deepseek(tmp_path_factory.mktemp("q-serving"))
 
 
-def test_plain_config_holds_for_every_loader(llama_hf: Path, deepseek_hf: Path,  # noqa: F811
+def test_plain_config_holds_for_every_loader(llama_hf: Path, deepseek_hf: Path,
                                              tmp_path: Path) -> None:
     for src in (llama_hf, deepseek_hf):
         out = tmp_path / src.name
@@ -213,7 +213,7 @@ def test_plain_config_holds_for_every_loader(llama_hf: Path, deepseek_hf: Path, 
     assert qc["ignored_layers"] == ["lm_head", "model.layers.1.mlp.gate"]
 
 
-def test_a_kept_shard_keeps_its_fused_layer(llama_hf: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_a_kept_shard_keeps_its_fused_layer(llama_hf: Path, tmp_path: Path) -> None:
     """Keeping q_proj alone would make vLLM and SGLang refuse the model ("some but not all
     shards of ...qkv_proj are quantized"): k_proj and v_proj are kept with it, and said so."""
     out = tmp_path / "out"

@@ -22,9 +22,8 @@ from safetensors.torch import load_file
 
 import ckpttool
 from tests import ds_layouts
-from tests.core.test_contract_formats import _llama, _verl_rank_files, assert_taken_whole
-from tests.core.test_quantization import check_quantized, run
 from tests.fsdp2_ranks import run_on_ranks
+from tests.helpers import assert_taken_whole, check_quantized, invoke, small_llama, verl_rank_files
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -44,7 +43,7 @@ def zero_llama(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 @pytest.fixture(scope="module")
 def verl_actor(tmp_path_factory: pytest.TempPathFactory) -> Path:
     actor = tmp_path_factory.mktemp("q-verl") / "global_step_1" / "actor"
-    run_on_ranks(_verl_rank_files, 2, str(actor))
+    run_on_ranks(verl_rank_files, 2, str(actor))
     return actor
 
 
@@ -68,7 +67,7 @@ def _tied_llama_keys() -> list[str]:
 
 @pytest.mark.skipif(not ds_layouts.DEEPSPEED, reason="deepspeed is not installed")
 def test_dequantize_deepspeed_has_nothing_to_decode(zero_llama: Path, tmp_path: Path) -> None:
-    r = run("merge", zero_llama, tmp_path / "out", "--dequantize")
+    r = invoke("merge", zero_llama, tmp_path / "out", "--dequantize")
     assert r.exit_code == 3, r.output
     assert "nothing" in r.output.lower() or "no " in r.output.lower(), r.output
     assert not (tmp_path / "out" / "model.safetensors").exists()
@@ -76,15 +75,15 @@ def test_dequantize_deepspeed_has_nothing_to_decode(zero_llama: Path, tmp_path: 
 
 def test_quantize_verl_rank_files(verl_actor: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    r = run("merge", verl_actor, out, "--quantize", "fp8-block", "--json")
+    r = invoke("merge", verl_actor, out, "--quantize", "fp8-block", "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["contract"]["checked"] is True and doc["contract"]["extra"] == [], doc["contract"]
     assert doc["contract"]["missing"] == [] and doc["contract"]["misshapen"] == []
-    assert check_quantized(out, _llama().state_dict()) == 14
+    assert check_quantized(out, small_llama().state_dict()) == 14
 
 
 def test_dequantize_verl_has_nothing_to_decode(verl_actor: Path, tmp_path: Path) -> None:
-    r = run("merge", verl_actor, tmp_path / "out", "--dequantize")
+    r = invoke("merge", verl_actor, tmp_path / "out", "--dequantize")
     assert r.exit_code == 3, r.output
     assert not (tmp_path / "out" / "model.safetensors").exists()

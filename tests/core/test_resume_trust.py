@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 
 from ckpttool.core.merge.operation import merge
-from tests.core.test_sweep import PIECE, _assert_exact, _cut_merge, trained  # noqa: F401
+from tests.helpers import RESUME_PIECE, assert_step_exact, cut_merge
 
 
 @pytest.mark.parametrize("doubt", ["lines forged", "lines without a CRC", "bytes zeroed",
                                    "byte flipped"])
-def test_a_journal_line_is_checked_against_the_bytes(trained: Path, tmp_path: Path,  # noqa: F811
+def test_a_journal_line_is_checked_against_the_bytes(trained: Path, tmp_path: Path,
                                                      doubt: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     src, out = tmp_path / "checkpoint-3", tmp_path / "out"
     shutil.copytree(trained / "run" / "checkpoint-3", src)
-    _cut_merge([str(src), str(out)])
+    cut_merge([str(src), str(out)])
     (journal,) = out.glob(".*.journal.ckpttool-tmp")
     (temp,) = out.glob(".model.safetensors.*.ckpttool-tmp")
     head, *done = journal.read_text().splitlines()
@@ -54,14 +54,14 @@ def test_a_journal_line_is_checked_against_the_bytes(trained: Path, tmp_path: Pa
             f.seek(data_start + 10)
             f.write(bytes([byte[0] ^ 1]))
         redone = 1
-    monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", PIECE)
+    monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", RESUME_PIECE)
     report = merge(src, out, weights_only=True)
     assert report.resumed is not None and report.resumed.done_before == redone
-    _assert_exact(out, trained, 3)
+    assert_step_exact(out, trained, 3)
 
 
 def test_a_piece_that_cannot_be_recorded_stops_the_merge_and_the_rest_resumes(
-        trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Pieces are recorded in a thread of their own while the next one is written: a piece
     whose record fails (a full disk under the journal: here the second piece's) still stops
     the merge with the output error, nothing is published, the piece recorded before it
@@ -70,7 +70,7 @@ def test_a_piece_that_cannot_be_recorded_stops_the_merge_and_the_rest_resumes(
     from ckpttool.errors import OutputError
 
     src, out = trained / "run" / "checkpoint-3", tmp_path / "out"
-    monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", PIECE)
+    monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", RESUME_PIECE)
     real = resume._record
     calls: list[str] = []
 
@@ -90,4 +90,4 @@ def test_a_piece_that_cannot_be_recorded_stops_the_merge_and_the_rest_resumes(
     monkeypatch.setattr(resume, "_record", real)
     report = merge(src, out, weights_only=True)
     assert report.resumed is not None and report.resumed.done_before == 1
-    _assert_exact(out, trained, 3)
+    assert_step_exact(out, trained, 3)

@@ -19,7 +19,6 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as hs
-from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from ckpttool.cli import app
@@ -33,7 +32,7 @@ from ckpttool.core.verify.operation import verify
 from ckpttool.errors import InputError
 from ckpttool.formats.base import RAW, Chunk, Tensor
 from ckpttool.formats.codecs import dtypes
-from tests import runs
+from tests.helpers import RESUME_PIECE, assert_step_exact, cut_merge
 
 STEPS = (1, 2, 3)
 CUT = 4  # the checkpoint whose writer stopped before .metadata
@@ -42,14 +41,6 @@ CUT = 4  # the checkpoint whose writer stopped before .metadata
 # The runs' model is no transformers model (and has no config.json): weights only.
 WEIGHTS = MergeOptions.of(weights_only=True)
 REDO = MergeOptions.of(weights_only=True, overwrite=True)
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``trained / "run"``: checkpoint-1..3 complete, checkpoint-4 cut; references beside."""
-    out = tmp_path_factory.mktemp("training")
-    runs.write_run(out)
-    return out
 
 
 @pytest.fixture
@@ -61,14 +52,6 @@ def run_copy(trained: Path, tmp_path: Path) -> Path:
 
 def _states(outcomes: list[sweeps.Outcome]) -> dict[str, str]:
     return {o.found.name: o.status for o in outcomes}
-
-
-def _assert_exact(out: Path, trained: Path, step: int) -> None:
-    merged = load_file(out / "model.safetensors")
-    ref = runs.reference(trained, step)
-    assert merged.keys() == ref.keys()
-    for name, t in ref.items():
-        assert merged[name].dtype == t.dtype and torch.equal(merged[name], t), name
 
 
 def _mtimes(root: Path) -> dict[str, int]:
@@ -84,7 +67,7 @@ def test_all_merges_every_complete_checkpoint_bit_exact_and_waits_for_the_cut_on
     assert [o.found.step for o in report.outcomes] == [1, 2, 3, 4]  # step order
     assert report.exit_code == 0
     for step in STEPS:
-        _assert_exact(out / f"checkpoint-{step}", trained, step)
+        assert_step_exact(out / f"checkpoint-{step}", trained, step)
         assert (out / f"checkpoint-{step}" / receipt.RECEIPT_NAME).is_file()
     cut = report.outcomes[-1]
     assert cut.reason == "pytorch_model_fsdp_0: no .metadata yet (dcp.save writes it after " \
@@ -289,44 +272,29 @@ def test_watch_merges_checkpoints_as_they_appear(trained: Path, tmp_path: Path) 
     assert states == [("checkpoint-1", "merged"), ("checkpoint-2", "waiting"),
                       ("checkpoint-2", "merged")]
     for step in (1, 2):
-        _assert_exact(out / f"checkpoint-{step}", trained, step)
+        assert_step_exact(out / f"checkpoint-{step}", trained, step)
     assert log.read_text().split("\n")[:2] == [f"1 {out / 'checkpoint-1'}",
                                                f"2 {out / 'checkpoint-2'}"]
 
 
 # --------------------------------------------------------------------------------------------
-# Resuming a cut merge (core.merge.resume): pieces of 4 KB, so that these small checkpoints
-# have several (model.safetensors: 3 pieces).
-
-PIECE = "4096"
-
-
-def _cut_merge(args: list[str], kill_after: int = 2) -> subprocess.CompletedProcess[str]:
-    """A real merge process that kills itself (SIGKILL) after recording ``kill_after``
-    pieces."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]),
-           "CKPTTOOL_RESUME_PIECE": PIECE, "CKPTTOOL_TEST_RESUME_KILL": str(kill_after)}
-    done = subprocess.run([sys.executable, "-m", "ckpttool", "merge", "--weights-only", *args],
-                          env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == -signal.SIGKILL, done.stderr
-    return done
-
+# Resuming a cut merge (core.merge.resume): pieces of 4 KB (tests.helpers.RESUME_PIECE), so that
+# these small checkpoints have several (model.safetensors: 3 pieces).
 
 def test_a_killed_merge_resumes_bit_exact_writing_only_what_was_missing(
         trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src, out = trained / "run" / "checkpoint-3", tmp_path / "out"
-    _cut_merge([str(src), str(out)])
+    cut_merge([str(src), str(out)])
     assert not (out / "model.safetensors").exists()  # nothing looks finished
     assert len(list(out.glob(".*.ckpttool-tmp"))) == 2  # the file, and its journal
 
-    monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", PIECE)
+    monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", RESUME_PIECE)
     written: list[int] = []
     report = merge(src, out, progress=written.append, weights_only=True)
     assert report.resumed is not None
     assert report.resumed.pieces == 3 and report.resumed.done_before == 2
     assert sum(written) == report.total_bytes - report.resumed.bytes_skipped > 0
-    _assert_exact(out, trained, 3)
+    assert_step_exact(out, trained, 3)
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]  # journal gone
 
 
@@ -335,7 +303,7 @@ def test_a_doubtful_cut_merge_is_redone(trained: Path, tmp_path: Path, doubt: st
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     src, out = tmp_path / "checkpoint-3", tmp_path / "out"
     shutil.copytree(trained / "run" / "checkpoint-3", src)
-    _cut_merge([str(src), str(out)])
+    cut_merge([str(src), str(out)])
     (journal,) = out.glob(".*.journal.ckpttool-tmp")
     (temp,) = out.glob(".model.safetensors.*.ckpttool-tmp")
     if doubt == "source changed":
@@ -350,24 +318,24 @@ def test_a_doubtful_cut_merge_is_redone(trained: Path, tmp_path: Path, doubt: st
         other.write_bytes(temp.read_bytes())
         os.replace(other, temp)  # another file (inode) with the same bytes
         redone = 0
-    monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", PIECE)
+    monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", RESUME_PIECE)
     report = merge(src, out, weights_only=True)
     assert report.resumed is not None and report.resumed.done_before == redone
-    _assert_exact(out, trained, 3)
+    assert_step_exact(out, trained, 3)
 
 
 def test_all_resumes_the_checkpoint_it_was_merging(trained: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "merged"
-    _cut_merge([str(trained / "run"), str(out), "--all", "--settle", "0"])
-    monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", PIECE)
+    cut_merge([str(trained / "run"), str(out), "--all", "--settle", "0"])
+    monkeypatch.setenv("CKPTTOOL_RESUME_PIECE", RESUME_PIECE)
     report = sweeps.sweep(trained / "run", out, settle=0, options=WEIGHTS)
     assert _states(report.outcomes) == {"checkpoint-1": "merged", "checkpoint-2": "merged",
                                         "checkpoint-3": "merged", "checkpoint-4": "waiting"}
     first = report.outcomes[0].merge
     assert first is not None and first.resumed is not None and first.resumed.done_before == 2
     for step in STEPS:
-        _assert_exact(out / f"checkpoint-{step}", trained, step)
+        assert_step_exact(out / f"checkpoint-{step}", trained, step)
 
 
 @given(rows=hs.lists(hs.integers(1, 64), min_size=1, max_size=20),

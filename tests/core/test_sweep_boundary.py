@@ -31,14 +31,6 @@ from tests import runs
 MODEL = "pytorch_model_fsdp_0"
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``trained / "run"``: checkpoint-1..3 complete (and checkpoint-4 cut); references."""
-    out = tmp_path_factory.mktemp("training")
-    runs.write_run(out)
-    return out
-
-
 # The run's checkpoints have no config.json: weights without the contract's promise.
 WEIGHTS = MergeOptions.of(weights_only=True)
 REDO = MergeOptions.of(weights_only=True, overwrite=True)

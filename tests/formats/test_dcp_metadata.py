@@ -13,15 +13,17 @@ from typing import Any
 
 import pytest
 
-from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.errors import InputError
 from ckpttool.formats.base import ChunkColumns
 from ckpttool.formats.dcp import columns as dcp_metadata
 from ckpttool.formats.dcp import machine, opcodes
 from ckpttool.formats.dcp import reader as dcp
-from ckpttool.formats.dcp.metadata import _read_unpickled, allowed_global
+from ckpttool.formats.dcp.metadata import allowed_global
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import moe_checkpoint  # noqa: E402
+
+from tests.helpers import allow_list_read, columns_agree  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -29,33 +31,6 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("moe") / "ckpt"
     moe_checkpoint.write_one_process(out, layers=2, experts=3, ranks=8, files=5)
     return out
-
-
-def _allow_list(md: Path) -> Any:
-    """What the allow-list path makes of ``md``: a ``_Read``, or the error it raises."""
-    try:
-        return _read_unpickled(md.parent, md)
-    except (InputError, UnsupportedError) as e:
-        return e
-
-
-def _same(md: Path) -> bool:
-    """The columnar reader agrees with the allow-list path on ``md``; True if it answered."""
-    fast = dcp_metadata.read(md, allowed_global)
-    if fast is None:
-        return False
-    slow = _allow_list(md)
-    assert not isinstance(slow, Exception), f"columnar answered where the allow-list raised {slow}"
-    assert [t.name for t in fast.tensors] == [t.name for t in slow.tensors]
-    for a, b in zip(fast.tensors, slow.tensors, strict=True):
-        assert (a.name, a.path, a.dtype, a.shape) == (b.name, b.path, b.dtype, b.shape)
-        assert list(a.chunks) == list(b.chunks), a.name
-        assert len(a.chunks) == len(b.chunks) and a.files == b.files
-        assert a == b
-    assert fast.objects == slow.objects
-    assert fast.version == slow.version
-    assert slow.compressed_all == frozenset() and not slow.nested.records
-    return True
 
 
 def _metadata_files(root: Path) -> list[Path]:
@@ -71,7 +46,7 @@ def test_every_fixture_reads_the_same(llama_ckpt: Path, uneven_ckpt: Path, wrapp
         files = _metadata_files(root)
         assert files, root
         for md in files:
-            answered[md] = _same(md)
+            answered[md] = columns_agree(md)
     # Every fixture has saves the columns read (the test would pass vacuously otherwise).
     for root in (llama_ckpt, uneven_ckpt, wrappers_ckpt, mixed_ckpt, placements_ckpt,
                  dcp_options, moe):
@@ -130,7 +105,7 @@ def test_mutations_agree_or_fall_back(moe: Path, tmp_path: Path, seed: int) -> N
     answered = 0
     for mutated in _mutations(data, rng, 150):
         md.write_bytes(mutated)
-        answered += _same(md)
+        answered += columns_agree(md)
     assert answered  # some mutations (an int of a chunk, a file name) are still read
 
 
@@ -147,7 +122,7 @@ def test_chunk_int_mutations_agree(moe: Path, tmp_path: Path) -> None:
         b = bytearray(data)
         b[at + 1] = rng.choice([0, 1, 32, 64, 255, b[at + 1] ^ 1])
         md.write_bytes(bytes(b))
-        answered += _same(md)
+        answered += columns_agree(md)
     assert answered
 
 
@@ -211,7 +186,7 @@ def test_widths_that_change_inside_runs(widths: Path, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(opcodes._Layout, "gather", spy_gather)
     monkeypatch.setattr(machine, "_matches", spy_matches)
-    assert _same(md)
+    assert columns_agree(md)
     # Both ways were taken: runs of one layout, and runs whose widths keep changing.
     assert sum(laid_out) > 1000 and sum(one_by_one) > 100
     info = dcp.read_info(widths)
@@ -234,7 +209,7 @@ def test_width_mutations_agree_or_fall_back(widths: Path, tmp_path: Path) -> Non
         width = 4 if data[at] == 0x4A else 2
         b[at + rng.randrange(1, width + 1)] = rng.choice([0, 1, 0x7F, 0x80, 0xFF])
         md.write_bytes(bytes(b))
-        answered += _same(md)
+        answered += columns_agree(md)
     assert answered
 
 
@@ -258,7 +233,7 @@ def test_small_blocks_read_the_same(widths: Path, moe: Path, monkeypatch: pytest
     rows of one run or tensor on both sides of a cut) give what one pass gives."""
     for block in (1, 5, 64):
         monkeypatch.setattr(opcodes, "BLOCK", block)
-        assert _same(widths / ".metadata") and _same(moe / ".metadata")
+        assert columns_agree(widths / ".metadata") and columns_agree(moe / ".metadata")
 
 
 def _wider(data: bytes, spots: list[int]) -> bytes:
@@ -310,7 +285,7 @@ def test_one_entry_of_other_widths_inside_a_run(moe: Path, widths: Path, tmp_pat
         rng = random.Random(5)
         for at in rng.sample(spots[len(spots) // 4 : -len(spots) // 4], 12):
             md.write_bytes(_wider(data, [at]))
-            answered += _same(md)
+            answered += columns_agree(md)
     assert answered >= 12
 
 
@@ -324,7 +299,7 @@ def test_every_int_of_a_section_wider(moe: Path, tmp_path: Path) -> None:
     for lo, hi in ((0, cut), (cut, len(data))):
         wide = [at for at in _int_spots(data, lo, hi) if data[at] != 0x4B]
         md.write_bytes(_wider(data, wide))
-        assert _same(md)
+        assert columns_agree(md)
 
 
 def test_tensor_heads_are_read_at_once(moe: Path, widths: Path,
@@ -341,7 +316,7 @@ def test_tensor_heads_are_read_at_once(moe: Path, widths: Path,
     monkeypatch.setattr(machine._Machine, "tensor_head", spy)
     for root in (moe, widths):
         took.clear()
-        assert _same(root / ".metadata")
+        assert columns_agree(root / ".metadata")
         num = len(dcp.read_info(root).tensors)
         assert took.count(True) >= num - 3 and took.count(True) > 10
 
@@ -378,7 +353,7 @@ def test_tensor_head_mutations_agree_or_fall_back(moe: Path, tmp_path: Path, see
         else:
             out.insert(at, rng.randrange(256))
         md.write_bytes(bytes(out))
-        answered += _same(md)
+        answered += columns_agree(md)
     assert answered
 
 
@@ -394,14 +369,14 @@ def test_tensor_head_flags_and_gets(moe: Path, tmp_path: Path) -> None:
     flags = bytearray(data)
     flags[m.start(6)] = flags[m.start(8)] = 0x88
     md.write_bytes(bytes(flags))
-    assert _same(md)
+    assert columns_agree(md)
     props = dcp_metadata.read(md, allowed_global)
     assert props is not None
     for lit in (4, 5, 7):  # dtype, layout, memory format: another entry (the name's memo)
         other = bytearray(data)
         other[m.start(lit) : m.end(lit)] = data[m.start(1) : m.end(1)]
         md.write_bytes(bytes(other))
-        _same(md)
+        columns_agree(md)
 
 
 def test_storage_gets_of_entries_not_memoized_yet(moe: Path, tmp_path: Path) -> None:
@@ -423,8 +398,8 @@ def test_storage_gets_of_entries_not_memoized_yet(moe: Path, tmp_path: Path) -> 
             b = bytearray(data)
             b[at + 1 : at + 5] = index.to_bytes(4, "little")
             md.write_bytes(bytes(b))
-            assert not _same(md)
-            assert isinstance(_allow_list(md), InputError)
+            assert not columns_agree(md)
+            assert isinstance(allow_list_read(md), InputError)
 
 
 def test_tensor_head_tuple_opcode_must_match_its_ints(moe: Path, tmp_path: Path) -> None:
@@ -443,8 +418,8 @@ def test_tensor_head_tuple_opcode_must_match_its_ints(moe: Path, tmp_path: Path)
             b = bytearray(data)
             b[m.end(11) - 2] = op
             md.write_bytes(bytes(b))
-            assert isinstance(_allow_list(md), InputError)
-            assert not _same(md)
+            assert isinstance(allow_list_read(md), InputError)
+            assert not columns_agree(md)
 
 
 @pytest.mark.parametrize("window", [3000, 3001, 3100, 3399, 4099])
@@ -455,7 +430,7 @@ def test_small_windows_read_the_same(moe: Path, window: int,
     fall back (a GET across the end was read, then matched from where the old window had it)."""
     monkeypatch.setattr(machine, "_WINDOW", window)
     monkeypatch.setattr(machine, "_AHEAD", 1024)
-    assert _same(moe / ".metadata")
+    assert columns_agree(moe / ".metadata")
 
 
 def test_many_layouts_fall_back_without_compiling_each(moe: Path,
@@ -466,4 +441,4 @@ def test_many_layouts_fall_back_without_compiling_each(moe: Path,
     monkeypatch.setattr(machine, "_MAX_LAYOUTS", 1)
     md = moe / ".metadata"
     assert dcp_metadata.read(md, allowed_global) is None
-    assert not isinstance(_allow_list(md), Exception)
+    assert not isinstance(allow_list_read(md), Exception)

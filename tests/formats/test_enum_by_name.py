@@ -27,8 +27,7 @@ from ckpttool.formats.dcp import metadata
 from ckpttool.formats.dcp import reader as dcp
 from ckpttool.formats.dcp.metadata import allowed_global
 from ckpttool.formats.rank_files import stand_ins
-from tests.formats.test_dcp_metadata import _same
-from tests.helpers import assert_bit_exact, load_out
+from tests.helpers import assert_bit_exact, columns_agree, load_out
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "py311"
 MEMBER = b"TORCH_CONTIGUOUS_FORMAT"
@@ -52,7 +51,8 @@ def test_merge_is_exact_and_verify_clean(layout: str, tmp_path: Path) -> None:
 
 
 def test_both_metadata_readers_agree() -> None:
-    assert _same(DATA / "dcp" / ".metadata")  # the columns answered, the same as the allow-list
+    # the columns answered, the same as the allow-list
+    assert columns_agree(DATA / "dcp" / ".metadata")
 
 
 def test_members_are_torchs() -> None:

@@ -33,8 +33,7 @@ import ckpttool
 from ckpttool.cli import app
 from ckpttool.formats import torchfile
 from ckpttool.formats.dcp.metadata import read_metadata_object
-from tests.formats.test_dcp_metadata import _same
-from tests.helpers import assert_bit_exact, load_out
+from tests.helpers import assert_bit_exact, columns_agree, load_out
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "pythons"
@@ -128,7 +127,7 @@ def test_dcp_merge_is_exact_verify_and_inspect_clean(name: str, tmp_path: Path) 
 @pytest.mark.parametrize("name", sorted(DCPS))
 def test_both_metadata_readers_agree(name: str) -> None:
     md = DCPS[name] / "dcp" / ".metadata"
-    assert _same(md)  # the columns answered, the same as the allow-list
+    assert columns_agree(md)  # the columns answered, the same as the allow-list
     storage_meta = read_metadata_object(md).storage_meta
     assert storage_meta.field("checkpoint_id").endswith(f"/{DCPS[name].name}/dcp")
 

@@ -15,6 +15,7 @@ import pytest
 
 import ckpttool
 from ckpttool.core.merge.multihost import FAIL_ENV
+from tests.helpers import run_cli
 from tests.remote.conftest import BUCKET, S3
 
 pytestmark = pytest.mark.slow
@@ -24,15 +25,15 @@ PART = str(5 << 20)  # S3's smallest part
 
 
 def cli(s3: S3, tmp: Path, *args: str | Path, **env: str) -> subprocess.CompletedProcess[str]:
-    """``python -m ckpttool ARGS`` in a fresh process with a TMPDIR and cwd of its own."""
+    """``python -m ckpttool ARGS`` in a process of its own (forked with torch imported: no
+    state of this one's), with a TMPDIR and cwd of its own."""
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "tmp").mkdir(exist_ok=True)
     full = {k: v for k, v in os.environ.items()
             if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", FAIL_ENV)}
     full.update(s3.env, PYTHONPATH=str(ROOT), TMPDIR=str(tmp / "tmp"), OMP_NUM_THREADS="1",
                 CKPTTOOL_PART_SIZE=PART, **env)
-    return subprocess.run([sys.executable, "-m", "ckpttool", *map(str, args)],
-                          capture_output=True, text=True, env=full, cwd=tmp, timeout=300)
+    return run_cli([str(a) for a in args], full, cwd=tmp, timeout=300)
 
 
 def same_files(a: Path, b: Path) -> None:

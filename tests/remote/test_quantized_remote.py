@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 
 from ckpttool import merge
-from tests.core.test_quantization import fp8_hf, llama_hf, run  # noqa: F401 (fixtures)
-from tests.core.test_quantization_modes import MODES, same_model
+from tests.helpers import QUANT_MODES, invoke, same_model
 from tests.remote.conftest import BUCKET, S3
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_quantized_from_s3(mode: str, s3: S3, fp8_hf: Path, llama_hf: Path,  # noqa: F811
+@pytest.mark.parametrize("mode", list(QUANT_MODES))
+def test_quantized_from_s3(mode: str, s3: S3, fp8_hf: Path, llama_hf: Path,
                            tmp_path: Path) -> None:
     src = fp8_hf if mode == "dequantize" else llama_hf
     url = s3.upload_dir(src, BUCKET, f"quant/{mode}")
@@ -24,6 +23,6 @@ def test_quantized_from_s3(mode: str, s3: S3, fp8_hf: Path, llama_hf: Path,  # n
         merge(src, want, dequantize=True)
     else:
         merge(src, want, quantize="fp8-block")
-    r = run("merge", url, tmp_path / "out", *MODES[mode])
+    r = invoke("merge", url, tmp_path / "out", *QUANT_MODES[mode])
     assert r.exit_code == 0, r.output
     same_model(tmp_path / "out", want)

@@ -10,7 +10,6 @@ the upload are the local ones, which tests/core/test_faults.py kills at every st
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,54 +22,15 @@ from typer.testing import CliRunner
 import ckpttool
 from ckpttool.cli import app
 from ckpttool.storage import s3 as remote
+from tests.helpers import s3_contents, s3_publish, s3_put_all
 from tests.remote.conftest import BUCKET, S3
 
-ROOT = Path(ckpttool.__file__).resolve().parents[1]
 OLD = "20KB"  # the previous output's shard size
 NEW = "35KB"  # the new one's: other shard names, another index
 
 
 def run(*args: str | Path):
     return CliRunner().invoke(app, [str(a) for a in args])
-
-
-# What a remote merge does once its staged output is complete; exit codes as the CLI's.
-_PUBLISH = """
-import sys
-from pathlib import Path
-from ckpttool.errors import CkptError
-from ckpttool.core.runtime import urls
-try:
-    with urls.claimed(sys.argv[1], overwrite=True) as url:
-        urls.upload(url, Path(sys.argv[2]), overwrite=True)
-except CkptError as e:
-    print(f"ckpttool: error: {e}", file=sys.stderr)
-    sys.exit(e.exit_code)
-except KeyboardInterrupt:
-    sys.exit(130)
-"""
-
-
-def publish(s3: S3, staged: Path, url: str, *, hook: str | None = None
-            ) -> subprocess.Popen[str]:
-    env = {**os.environ, **s3.env, "PYTHONPATH": str(ROOT)}
-    env.pop("CKPTTOOL_TEST_REMOTE_FAULT", None)
-    if hook is not None:
-        env["CKPTTOOL_TEST_REMOTE_FAULT"] = hook
-    return subprocess.Popen([sys.executable, "-c", _PUBLISH, url, str(staged)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-
-
-def contents(s3: S3, prefix: str) -> dict[str, bytes]:
-    return {k[len(prefix) + 1:]: s3.client.get_object(Bucket=BUCKET, Key=k)["Body"].read()
-            for k in s3.keys(BUCKET, prefix)}
-
-
-def put_all(s3: S3, prefix: str, files: dict[str, bytes]) -> None:
-    for k in s3.keys(BUCKET, prefix):
-        s3.client.delete_object(Bucket=BUCKET, Key=k)
-    for name, data in files.items():
-        s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{name}", Body=data)
 
 
 def state(found: dict[str, bytes], old: dict[str, bytes], new: dict[str, bytes]) -> str:
@@ -112,19 +72,19 @@ def test_overwrite_killed_or_interrupted_at_every_step(
     for how in ("kill", "interrupt"):
         step = 1
         while True:
-            put_all(s3, prefix, old)
+            s3_put_all(s3, prefix, old)
             if how == "kill":
-                p = publish(s3, staged, url, hook=f"kill:{step}")
+                p = s3_publish(s3, staged, url, hook=f"kill:{step}")
                 p.communicate(timeout=300)
             else:
                 mark = tmp_path / f"paused-{step}"
-                p = publish(s3, staged, url, hook=f"pause:{step}:{mark}")
+                p = s3_publish(s3, staged, url, hook=f"pause:{step}:{mark}")
                 while not mark.exists() and p.poll() is None:
                     time.sleep(0.05)
                 if p.poll() is None:
                     p.send_signal(signal.SIGINT)
                 p.communicate(timeout=300)
-            found = contents(s3, prefix)
+            found = s3_contents(s3, prefix)
             seen.add(state(found, old, new))
             # verify says which: either output is OK; shards without their index are not.
             r = run("verify", url)
@@ -142,10 +102,10 @@ def test_overwrite_killed_or_interrupted_at_every_step(
                 # it over (storage/locks.py) and publishes.
                 assert remote.LOCK_NAME in found
                 if step == 1:
-                    again = publish(s3, staged, url)
+                    again = s3_publish(s3, staged, url)
                     _, err = again.communicate(timeout=300)
                     assert again.returncode == 0, err
-                    assert contents(s3, prefix) == new
+                    assert s3_contents(s3, prefix) == new
             else:
                 assert p.returncode == 130, p.returncode
                 assert remote.LOCK_NAME not in found  # an interrupted run cleans up

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from ckpttool.cli import app
 from ckpttool.storage import s3 as remote
+from tests.helpers import s3_contents, s3_publish, s3_put_all
 from tests.remote.conftest import BUCKET, S3
-from tests.remote.test_remote_faults import contents, publish, put_all
 
 INDEX = "model.safetensors.index.json"
 LAYOUTS = {"single": ["--dtype", "fp32"], "single-bf16": ["--dtype", "bf16"],
@@ -56,10 +56,10 @@ def test_upload_killed_at_every_step_of_a_layout_change(s3: S3, staged: dict[str
     url = f"s3://{BUCKET}/{prefix}"
     kills = 0
     for step in range(1, 40):
-        put_all(s3, prefix, files[old])
-        p = publish(s3, staged[new], url, hook=f"kill:{step}")
+        s3_put_all(s3, prefix, files[old])
+        p = s3_publish(s3, staged[new], url, hook=f"kill:{step}")
         _, err = p.communicate(timeout=300)
-        found = model_and_config(contents(s3, prefix))
+        found = model_and_config(s3_contents(s3, prefix))
         if p.returncode == 0:
             assert found == refs[new]
             break
