@@ -342,15 +342,23 @@ except KeyboardInterrupt:
 """
 
 
-def s3_publish(s3: S3, staged: Path, url: str, *, hook: str | None = None
-               ) -> subprocess.Popen[str]:
-    """:data:`PUBLISH` of ``staged`` to ``url`` on moto's S3, started under ``hook``."""
-    env = {**os.environ, **s3.env, "PYTHONPATH": str(ROOT)}
+def publish_command(store_env: dict[str, str], staged: Path, url: str, hook: str | None
+                    ) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of :data:`PUBLISH` of ``staged`` to ``url`` on a
+    store (``store_env``: its emulator's settings), under the fault ``hook``."""
+    env = {**os.environ, **store_env, "PYTHONPATH": str(ROOT)}
     env.pop("CKPTTOOL_TEST_REMOTE_FAULT", None)
     if hook is not None:
         env["CKPTTOOL_TEST_REMOTE_FAULT"] = hook
-    return subprocess.Popen([sys.executable, "-c", PUBLISH, url, str(staged)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return [sys.executable, "-c", PUBLISH, url, str(staged)], env
+
+
+def s3_publish(s3: S3, staged: Path, url: str, *, hook: str | None = None
+               ) -> subprocess.Popen[str]:
+    """:data:`PUBLISH` of ``staged`` to ``url`` on moto's S3, started under ``hook``."""
+    args, env = publish_command(s3.env, staged, url, hook)
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
 
 
 def s3_contents(s3: S3, prefix: str) -> dict[str, bytes]:

@@ -7,10 +7,8 @@ it over (its process has ended) and publishes."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,18 +16,14 @@ from typer.testing import CliRunner
 
 from ckpttool.cli import app
 from ckpttool.storage import objstore
-from tests.clouds.conftest import ROOT, Cloud
-from tests.helpers import PUBLISH
+from tests.clouds.conftest import Cloud
+from tests.helpers import publish_command
 
 
 def publish(cloud: Cloud, staged: Path, url: str, hook: str | None = None
             ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **cloud.env, "PYTHONPATH": str(ROOT)}
-    env.pop("CKPTTOOL_TEST_REMOTE_FAULT", None)
-    if hook is not None:
-        env["CKPTTOOL_TEST_REMOTE_FAULT"] = hook
-    return subprocess.run([sys.executable, "-c", PUBLISH, url, str(staged)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    args, env = publish_command(cloud.env, staged, url, hook)
+    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
 
 
 @pytest.fixture(scope="module")

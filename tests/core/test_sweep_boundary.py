@@ -17,8 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from ckpttool.cli import app
@@ -26,7 +24,7 @@ from ckpttool.core.merge import guards
 from ckpttool.core.merge import sweep as sweeps
 from ckpttool.core.merge.options import MergeOptions
 from ckpttool.core.verify import receipt
-from tests import runs
+from tests.helpers import assert_step_exact
 
 MODEL = "pytorch_model_fsdp_0"
 
@@ -44,14 +42,6 @@ def _run_of(trained: Path, tmp_path: Path, *steps: int) -> Path:
     return run
 
 
-def _assert_exact(out: Path, trained: Path, step: int) -> None:
-    merged = load_file(out / "model.safetensors")
-    ref = runs.reference(trained, step)
-    assert merged.keys() == ref.keys()
-    for name, t in ref.items():
-        assert merged[name].dtype == t.dtype and torch.equal(merged[name], t), name
-
-
 def _states(report: sweeps.SweepReport) -> dict[str, str]:
     return {o.found.name: o.status for o in report.outcomes}
 
@@ -67,7 +57,7 @@ def test_all_waits_for_a_complete_checkpoint_to_settle(trained: Path, tmp_path: 
     report = sweeps.sweep(run, out, settle=1.5, options=WEIGHTS)
     assert _states(report) == {"checkpoint-1": "merged"}, report.outcomes
     assert report.exit_code == 0
-    _assert_exact(out / "checkpoint-1", trained, 1)
+    assert_step_exact(out / "checkpoint-1", trained, 1)
 
 
 def test_watch_and_dry_run_do_not_wait_for_settle(trained: Path, tmp_path: Path) -> None:
@@ -105,7 +95,7 @@ def test_a_copy_in_progress_is_waiting_not_failed(trained: Path, tmp_path: Path)
     os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     report = sweeps.sweep(run, out, settle=0, options=WEIGHTS)
     assert _states(report) == {"checkpoint-2": "merged"}
-    _assert_exact(out / "checkpoint-2", trained, 2)
+    assert_step_exact(out / "checkpoint-2", trained, 2)
 
 
 def test_an_incomplete_checkpoint_left_for_long_is_failed(trained: Path, tmp_path: Path
@@ -157,7 +147,7 @@ def test_a_step_resaved_during_overwrite_is_not_published(trained: Path, tmp_pat
     # Once the save is over, the next sweep merges what is there now (step 3's weights).
     again = sweeps.sweep(run, out, settle=0, options=REDO)
     assert _states(again) == {"checkpoint-2": "merged"}
-    _assert_exact(out / "checkpoint-2", trained, 3)
+    assert_step_exact(out / "checkpoint-2", trained, 3)
 
 
 # --------------------------------------------------------------------------------------------
