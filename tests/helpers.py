@@ -607,3 +607,49 @@ def cut_merge(args: list[str], kill_after: int = 2) -> subprocess.CompletedProce
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGKILL, done.stderr
     return done
+
+
+def same_files(a: Path, b: Path, *, but: tuple[str, ...] = ()) -> None:
+    """Directories ``a`` and ``b`` hold the same file names, and the same bytes in each but
+    ``but``."""
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for name in set(names) - set(but):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def host_cli(store_env: dict[str, str], part_size: str, tmp: Path, *args: str | Path,
+             **env: str) -> subprocess.CompletedProcess[str]:
+    """``python -m ckpttool ARGS`` as one host of a shared merge into a store (``store_env``:
+    its emulator's settings): in a process of its own (forked with torch imported: no state
+    of this one's), with a TMPDIR and cwd of its own and parts of ``part_size`` bytes."""
+    from ckpttool.core.merge.multihost import FAIL_ENV
+
+    (tmp / "tmp").mkdir(parents=True, exist_ok=True)
+    full = {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", FAIL_ENV)}
+    full.update(store_env, PYTHONPATH=str(ROOT), TMPDIR=str(tmp / "tmp"), OMP_NUM_THREADS="1",
+                CKPTTOOL_PART_SIZE=part_size, **env)
+    return run_cli([str(a) for a in args], full, cwd=tmp, timeout=300)
+
+
+def killed_slice_runs_again(cli: Any, listed: Any, download: Any, tmp_path: Path,
+                            args: tuple[str | Path, ...], fault: dict[str, str], whole: Path,
+                            *, may_finish: bool = False) -> None:
+    """Slice 1 of 2 killed by ``fault`` (``may_finish``: the fault point may come after its
+    last step): nothing reads as a model, --finish names the slice, and the slice run again
+    completes the output, bit-exact against ``whole``. ``cli(tmp, *args, **env)`` runs a
+    host, ``listed()`` gives the output's objects (staging left out), ``download(dir)``
+    fetches the output."""
+    r = cli(tmp_path / "a", *args, "--slice", "1/2", **fault)
+    assert r.returncode == -9 or (may_finish and r.returncode == 0), r.stderr
+    assert cli(tmp_path / "b", *args, "--slice", "0/2").returncode == 0
+    if r.returncode == -9:
+        assert listed() == []
+        r = cli(tmp_path / "f", *args, "--finish")
+        assert r.returncode == 3 and "--slice 1/2" in r.stderr, r.stderr
+        assert listed() == []
+        assert cli(tmp_path / "c", *args, "--slice", "1/2").returncode == 0
+    r = cli(tmp_path / "f2", *args, "--finish")
+    assert r.returncode == 0, r.stderr
+    same_files(download(tmp_path / "got"), whole)

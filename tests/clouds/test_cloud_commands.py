@@ -19,7 +19,7 @@ from ckpttool.errors import InputError
 from ckpttool.storage import mirror as mirrors
 from ckpttool.storage import objstore, outputs
 from tests.clouds.conftest import BUCKET, Cloud
-from tests.helpers import same_inspect
+from tests.helpers import same_files, same_inspect
 
 _PREFIXES = {"gcs": 0, "azure": 0}
 
@@ -35,13 +35,6 @@ def cli(cloud: Cloud, *args: str, env: dict[str, str] | None = None
     full = {**os.environ, **cloud.env, **(env or {})}
     return subprocess.run([sys.executable, "-m", "ckpttool", *args], capture_output=True,
                           text=True, env=full, timeout=300)
-
-
-def same_files(a: Path, b: Path, *, but: tuple[str, ...] = ()) -> None:
-    names = sorted(p.name for p in a.iterdir())
-    assert names == sorted(p.name for p in b.iterdir())
-    for name in set(names) - set(but):
-        assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
 def fresh(cloud: Cloud, what: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 import ckpttool
 from ckpttool.core.merge.multihost import FAIL_ENV
 from tests.clouds.conftest import Cloud
-from tests.helpers import run_cli
+from tests.helpers import host_cli, killed_slice_runs_again, same_files
 
 pytestmark = pytest.mark.slow
 
@@ -27,25 +28,12 @@ _N = {"gcs": 0, "azure": 0}
 
 def cli(cloud: Cloud, tmp: Path, *args: str | Path, **env: str
         ) -> subprocess.CompletedProcess[str]:
-    """``python -m ckpttool ARGS`` in a process of its own (forked with torch imported: no
-    state of this one's), with a TMPDIR and cwd of its own."""
-    (tmp / "tmp").mkdir(parents=True, exist_ok=True)
-    full = {k: v for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", FAIL_ENV)}
-    full.update(cloud.env, PYTHONPATH=str(ROOT), TMPDIR=str(tmp / "tmp"), OMP_NUM_THREADS="1",
-                CKPTTOOL_PART_SIZE=PART, **env)
-    return run_cli([str(a) for a in args], full, cwd=tmp, timeout=300)
+    return host_cli(cloud.env, PART, tmp, *args, **env)
 
 
 def fresh(cloud: Cloud, what: str) -> str:
     _N[cloud.name] += 1
     return f"mh-{what}/{_N[cloud.name]}"
-
-
-def same_files(a: Path, b: Path) -> None:
-    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
-    for p in a.iterdir():
-        assert (b / p.name).read_bytes() == p.read_bytes(), p.name
 
 
 def top(cloud: Cloud, prefix: str) -> list[str]:
@@ -111,17 +99,8 @@ def test_a_slice_killed_at_each_step_is_named_and_run_again(
         cloud: Cloud, big_model: Path, big_alone: Path, tmp_path: Path, step: int) -> None:
     """As on S3: a slice killed before each of its parts and before its record."""
     prefix = fresh(cloud, f"kill-slice-{step}")
-    args = ("merge", "--weights-only", big_model, cloud.url(prefix))
-    r = cli(cloud, tmp_path / "a", *args, "--slice", "1/2",
-            CKPTTOOL_TEST_REMOTE_FAULT=f"kill:{step}")
-    assert r.returncode == -9 or (step == 4 and r.returncode == 0), r.stderr
-    assert cli(cloud, tmp_path / "b", *args, "--slice", "0/2").returncode == 0
-    if r.returncode == -9:
-        assert top(cloud, prefix) == []
-        r = cli(cloud, tmp_path / "f", *args, "--finish")
-        assert r.returncode == 3 and "--slice 1/2" in r.stderr, r.stderr
-        assert top(cloud, prefix) == []
-        assert cli(cloud, tmp_path / "c", *args, "--slice", "1/2").returncode == 0
-    r = cli(cloud, tmp_path / "f2", *args, "--finish")
-    assert r.returncode == 0, r.stderr
-    same_files(cloud.download_dir(prefix, tmp_path / "got"), big_alone)
+    killed_slice_runs_again(partial(cli, cloud), partial(top, cloud, prefix),
+                            partial(cloud.download_dir, prefix), tmp_path,
+                            ("merge", "--weights-only", big_model, cloud.url(prefix)),
+                            {"CKPTTOOL_TEST_REMOTE_FAULT": f"kill:{step}"}, big_alone,
+                            may_finish=step == 4)

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 import ckpttool
 from ckpttool.core.merge.multihost import FAIL_ENV
 from ckpttool.storage.outputs import TMP_SUFFIX
-from tests.helpers import assert_bit_exact, expected, load_out
+from tests.helpers import assert_bit_exact, expected, load_out, same_files
 
 pytestmark = pytest.mark.slow
 
@@ -58,12 +58,6 @@ def by_hand(n: int, *args: str, **env: str) -> list[tuple[int, str, str]]:
         stdout, stderr = p.communicate(timeout=LIMIT)
         results.append((p.returncode, stdout, stderr))
     return results
-
-
-def same_files(a: Path, b: Path) -> None:
-    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
-    for p in a.iterdir():
-        assert (b / p.name).read_bytes() == p.read_bytes(), p.name
 
 
 def test_torchrun_two_ranks_write_sharded_output_exactly(llama_ckpt: Path, tmp_path: Path

@@ -9,13 +9,14 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 import ckpttool
 from ckpttool.core.merge.multihost import FAIL_ENV
-from tests.helpers import run_cli
+from tests.helpers import host_cli, killed_slice_runs_again, same_files
 from tests.remote.conftest import BUCKET, S3
 
 pytestmark = pytest.mark.slow
@@ -25,21 +26,7 @@ PART = str(5 << 20)  # S3's smallest part
 
 
 def cli(s3: S3, tmp: Path, *args: str | Path, **env: str) -> subprocess.CompletedProcess[str]:
-    """``python -m ckpttool ARGS`` in a process of its own (forked with torch imported: no
-    state of this one's), with a TMPDIR and cwd of its own."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "tmp").mkdir(exist_ok=True)
-    full = {k: v for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", FAIL_ENV)}
-    full.update(s3.env, PYTHONPATH=str(ROOT), TMPDIR=str(tmp / "tmp"), OMP_NUM_THREADS="1",
-                CKPTTOOL_PART_SIZE=PART, **env)
-    return run_cli([str(a) for a in args], full, cwd=tmp, timeout=300)
-
-
-def same_files(a: Path, b: Path) -> None:
-    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
-    for p in a.iterdir():
-        assert (b / p.name).read_bytes() == p.read_bytes(), p.name
+    return host_cli(s3.env, PART, tmp, *args, **env)
 
 
 def fresh(s3: S3, prefix: str) -> str:
@@ -164,17 +151,10 @@ def test_a_killed_slice_is_run_again(s3: S3, big_model: Path, big_alone: Path,
                                      tmp_path: Path) -> None:
     prefix = "mh/kill-slice"
     url = fresh(s3, prefix)
-    args = ("merge", "--weights-only", big_model, url)
-    r = cli(s3, tmp_path / "a", *args, "--slice", "1/2", **{FAIL_ENV: "1:kill"})
-    assert r.returncode == -9
-    assert cli(s3, tmp_path / "b", *args, "--slice", "0/2").returncode == 0
-    r = cli(s3, tmp_path / "f", *args, "--finish")
-    assert r.returncode == 3 and "--slice 1/2" in r.stderr, r.stderr
-    assert top(s3, prefix) == []
-    assert cli(s3, tmp_path / "c", *args, "--slice", "1/2").returncode == 0
-    r = cli(s3, tmp_path / "f2", *args, "--finish")
-    assert r.returncode == 0, r.stderr
-    same_files(s3.download_dir(BUCKET, prefix, tmp_path / "got"), big_alone)
+    killed_slice_runs_again(partial(cli, s3), partial(top, s3, prefix),
+                            partial(s3.download_dir, BUCKET, prefix), tmp_path,
+                            ("merge", "--weights-only", big_model, url), {FAIL_ENV: "1:kill"},
+                            big_alone)
 
 
 def test_finish_cleans_and_names_an_abandoned_plan(s3: S3, big_model: Path, big_alone: Path,
@@ -203,16 +183,8 @@ def test_a_slice_killed_at_each_step_is_named_and_run_again(
     as a model, --finish names the slice, and the slice run again completes it bit-exact."""
     prefix = f"mh/kill-slice-{step}"
     url = fresh(s3, prefix)
-    args = ("merge", "--weights-only", big_model, url)
-    r = cli(s3, tmp_path / "a", *args, "--slice", "1/2", CKPTTOOL_TEST_REMOTE_FAULT=f"kill:{step}")
-    assert r.returncode == -9 or (step == 4 and r.returncode == 0), r.stderr
-    assert cli(s3, tmp_path / "b", *args, "--slice", "0/2").returncode == 0
-    if r.returncode == -9:
-        assert top(s3, prefix) == []
-        r = cli(s3, tmp_path / "f", *args, "--finish")
-        assert r.returncode == 3 and "--slice 1/2" in r.stderr, r.stderr
-        assert top(s3, prefix) == []
-        assert cli(s3, tmp_path / "c", *args, "--slice", "1/2").returncode == 0
-    r = cli(s3, tmp_path / "f2", *args, "--finish")
-    assert r.returncode == 0, r.stderr
-    same_files(s3.download_dir(BUCKET, prefix, tmp_path / "got"), big_alone)
+    killed_slice_runs_again(partial(cli, s3), partial(top, s3, prefix),
+                            partial(s3.download_dir, BUCKET, prefix), tmp_path,
+                            ("merge", "--weights-only", big_model, url),
+                            {"CKPTTOOL_TEST_REMOTE_FAULT": f"kill:{step}"}, big_alone,
+                            may_finish=step == 4)

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from ckpttool.cli import app
 from ckpttool.storage import s3 as remote
-from tests.helpers import same_inspect
+from tests.helpers import same_files, same_inspect
 from tests.remote.conftest import BUCKET, S3, _free_port, boto3
 
 
@@ -32,13 +32,6 @@ def cli(s3: S3, *args: str, env: dict[str, str] | None = None) -> subprocess.Com
     full = {**os.environ, **s3.env, **(env or {})}
     return subprocess.run([sys.executable, "-m", "ckpttool", *args], capture_output=True,
                           text=True, env=full, timeout=300)
-
-
-def same_files(a: Path, b: Path, *, but: tuple[str, ...] = ()) -> None:
-    names = sorted(p.name for p in a.iterdir())
-    assert names == sorted(p.name for p in b.iterdir())
-    for name in set(names) - set(but):
-        assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
 @pytest.fixture(scope="module")
