@@ -33,53 +33,30 @@ import signal
 import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ckpttool import errors, settings
 from ckpttool.core.merge import partition
 from ckpttool.core.merge.distributed import Group
 from ckpttool.core.merge.engine import commit_outputs, execute_share
 from ckpttool.core.merge.plan import MergePlan, OutputFile
-from ckpttool.core.runtime.report import Progress, Section, section
+from ckpttool.core.merge.sharing import Sharing
+from ckpttool.core.runtime.report import Progress
 from ckpttool.core.runtime.torch_threads import default_workers
 from ckpttool.errors import InputError, OutputError, UsageError
 from ckpttool.formats import safetensors
 from ckpttool.formats.base import Reader
 from ckpttool.storage.outputs import TMP_SUFFIX, AtomicOutputs, existing_outputs, pwrite_all
 
-__all__ = ["FAIL_ENV", "Finish", "Shared", "Slice", "Team", "check_headers", "parse_slice",
+if TYPE_CHECKING:
+    from ckpttool.core.merge.options import ShareOptions, WriteOptions
+
+__all__ = ["FAIL_ENV", "Finish", "Sharing", "Slice", "Team", "check_headers", "parse_slice",
            "team_from_env"]
 
 # Tests only: "R" makes rank (or slice) R fail after its first bytes are written, "R:kill"
 # kills it there (SIGKILL), to prove that the others notice and nothing looks finished.
 FAIL_ENV = "CKPTTOOL_TEST_FAIL_RANK"
-
-
-class Shared(Protocol):
-    """How this process takes part in a merge that several processes share."""
-
-    @property
-    def first(self) -> bool:
-        """This process decides, reports and commits (rank 0)."""
-
-    @property
-    def commits_slices(self) -> bool:
-        """This process commits what earlier processes wrote (``--finish``): it checks OUT's
-        files itself, knowing which of them a finish that did not complete put in place."""
-
-    def once(self, decide: Callable[[], Any]) -> Any:
-        """``decide()`` (JSON-able, may read tensor data) run once, its result on every
-        process; an error raised there is raised on every process."""
-
-    def write(self, plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
-              *, overwrite: bool, stem: str, workers: int | None, progress: Progress | None,
-              on_start: Callable[[int], None] | None) -> Sharing:
-        """Write this process's part of ``plan`` (and commit, where it is the one to);
-        returns what the report says about the sharing."""
-
-    def preview(self, plan: MergePlan) -> Sharing | None:
-        """For a dry run: what :meth:`write` would report, with ``tensors``, the names of
-        the tensors this process would write (some of them in part); None: all of them."""
 
 
 def _preview(mode: str, merge_plan: MergePlan, shares: list[list[partition.Unit]],
@@ -185,33 +162,6 @@ def _local_workers(workers: int | None) -> int:
     return max(1, default_workers() // max(1, local))
 
 
-@section
-class Sharing(Section):
-    """The report's ``distributed``: how processes shared a merge (``torchrun``, ``slice``,
-    ``slices`` for a finish), the bytes each wrote and how even that was; this process's
-    rank or slice, the plan's key, the tensors a dry run's process would write, the files a
-    slice wrote, the weights a finish put in place and the temporary files it removed."""
-
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset(
-        {"tensors", "rank", "slice", "plan", "files", "committed", "placed_before",
-         "removed_temporary", "local_bytes"})
-
-    mode: str
-    processes: int
-    bytes: list[int]
-    balance: float
-    tensors: list[str] | None = None
-    rank: int | None = None
-    slice: int | None = None
-    plan: str | None = None
-    files: list[OutputFile] | None = None  # a slice's: what it wrote (the report's files)
-    committed: list[str] | None = None  # a finish's: the weights it put in place
-    placed_before: list[str] | None = None  # a finish's: those an earlier finish had placed
-    removed_temporary: list[str] | None = None
-    # Into object storage: the most bytes this process's part buffer held on local disk.
-    local_bytes: int | None = None
-
-
 def _describe(mode: str, shares: list[list[partition.Unit]], **more: Any) -> Sharing:
     return Sharing(mode, len(shares), partition.rank_bytes(shares),
                    round(partition.balance(shares), 4), **more)
@@ -286,15 +236,15 @@ class Team:
                         self.group.rank)
 
     def write(self, plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
-              *, overwrite: bool, stem: str, workers: int | None, progress: Progress | None,
-              on_start: Callable[[int], None] | None) -> Sharing:
+              stem: str, writing: WriteOptions, share: ShareOptions, *,
+              progress: Progress | None, on_start: Callable[[int], None] | None) -> Sharing:
         rank = self.group.rank
         shares = partition.split(plan, self.group.size)
-        share = shares[rank]
+        mine = shares[rank]
         run_id = self.group.broadcast(f"r{secrets.token_hex(6)}" if self.first else None)
         paths = {i: out / f".{f.name}.{run_id}{TMP_SUFFIX}" for i, f in enumerate(plan.files)}
         if on_start is not None:
-            on_start(sum(u.nbytes for u in share))
+            on_start(sum(u.nbytes for u in mine))
         try:
             # The first process holds OUT's lock for the group; the others write into its files.
             with AtomicOutputs(out, lock=self.first) as outputs:
@@ -309,7 +259,8 @@ class Team:
                         failure = e
                 self._agree(failure, "creating the output files")
                 try:
-                    _write_share(plan, share, reader, fds, paths, workers=_local_workers(workers),
+                    _write_share(plan, mine, reader, fds, paths,
+                                 workers=_local_workers(share.workers),
                                  progress=progress, who=str(rank))
                 except Exception as e:  # noqa: BLE001 - told to the others, then raised
                     failure = e
@@ -318,7 +269,8 @@ class Team:
                 if self.first:
                     try:
                         check_headers(plan, {f.name: paths[i] for i, f in enumerate(plan.files)})
-                        commit_outputs(outputs, plan, extra, overwrite=overwrite, stem=stem)
+                        commit_outputs(outputs, plan, extra, overwrite=writing.overwrite,
+                                       stem=stem)
                     except Exception as e:  # noqa: BLE001 - told to the others, then raised
                         failure = e
                         done = _status(e)
@@ -430,14 +382,14 @@ class Slice(_Alone):
                         slice=self.index, plan=plan_key(plan))
 
     def write(self, plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
-              *, overwrite: bool, stem: str, workers: int | None, progress: Progress | None,
-              on_start: Callable[[int], None] | None) -> Sharing:
+              stem: str, writing: WriteOptions, share: ShareOptions, *,
+              progress: Progress | None, on_start: Callable[[int], None] | None) -> Sharing:
         shares = partition.split(plan, self.count)
-        share = shares[self.index]
+        mine = shares[self.index]
         key = plan_key(plan)
         paths = _slice_paths(plan, out, key)
         if on_start is not None:
-            on_start(sum(u.nbytes for u in share))
+            on_start(sum(u.nbytes for u in mine))
         fds: dict[int, int] = {}
         inodes: dict[str, int] = {}
         try:
@@ -447,7 +399,7 @@ class Slice(_Alone):
                 fds[i] = _open_shared(paths[i], f.size, create=True)
                 pwrite_all(fds[i], f.layout.header, 0)
                 inodes[f.name] = os.fstat(fds[i]).st_ino
-            _write_share(plan, share, reader, fds, paths, workers=_local_workers(workers),
+            _write_share(plan, mine, reader, fds, paths, workers=_local_workers(share.workers),
                          progress=progress, who=str(self.index))
             for fd in fds.values():
                 os.fsync(fd)  # before the marker says so: another host will commit
@@ -464,7 +416,7 @@ class Slice(_Alone):
                                    "inodes": inodes}))
         os.replace(tmp, marker)
         return _describe("slice", shares, slice=self.index, plan=key,
-                         files=_share_files(plan, share, paths) + [
+                         files=_share_files(plan, mine, paths) + [
                              OutputFile(marker.name, marker.stat().st_size, 0)])
 
 
@@ -490,8 +442,8 @@ class Finish(_Alone):
     commits_slices = True
 
     def write(self, plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
-              *, overwrite: bool, stem: str, workers: int | None, progress: Progress | None,
-              on_start: Callable[[int], None] | None) -> Sharing:
+              stem: str, writing: WriteOptions, share: ShareOptions, *,
+              progress: Progress | None, on_start: Callable[[int], None] | None) -> Sharing:
         key = plan_key(plan)
         paths = _slice_paths(plan, out, key)
         pattern = re.compile(rf"\.{re.escape(stem)}\.s{key}\.(\d+)-of-(\d+)\.done"
@@ -500,7 +452,8 @@ class Finish(_Alone):
                  if (m := pattern.fullmatch(p.name))} if out.is_dir() else {}
         count = slices_done(found, out, key)
         placed = _placed(plan, out, paths, found, count)
-        _check_existing(out, plan, placed, [n for n, _ in extra], overwrite=overwrite, stem=stem)
+        _check_existing(out, plan, placed, [n for n, _ in extra], overwrite=writing.overwrite,
+                        stem=stem)
         shares = partition.split(plan, count)
         check_headers(plan, {f.name: paths[i] if i not in placed else out / f.name
                              for i, f in enumerate(plan.files)})
@@ -508,7 +461,7 @@ class Finish(_Alone):
             for i, f in enumerate(plan.files):
                 if i not in placed:
                     outputs.adopt(f.name, paths[i])
-            commit_outputs(outputs, plan, extra, overwrite=overwrite, stem=stem)
+            commit_outputs(outputs, plan, extra, overwrite=writing.overwrite, stem=stem)
             for marker in found.values():
                 with contextlib.suppress(OSError):
                     marker.unlink()

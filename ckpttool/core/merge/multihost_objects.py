@@ -38,14 +38,13 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpttool import settings
 from ckpttool.core.merge import partition
 from ckpttool.core.merge.engine import execute_share
 from ckpttool.core.merge.multihost import (
     Finish,
-    Sharing,
     Slice,
     Team,
     _fault,
@@ -56,11 +55,15 @@ from ckpttool.core.merge.multihost import (
     slices_done,
 )
 from ckpttool.core.merge.plan import MergePlan
+from ckpttool.core.merge.sharing import Sharing
 from ckpttool.core.runtime.report import Progress
 from ckpttool.errors import OutputError
 from ckpttool.formats.base import Reader
 from ckpttool.storage import objects
 from ckpttool.storage.outputs import fault_step, pwrite_all
+
+if TYPE_CHECKING:
+    from ckpttool.core.merge.options import ShareOptions, WriteOptions
 
 __all__ = ["STAGING", "Target", "into_store"]
 
@@ -88,7 +91,7 @@ def into_store(shared: Any, target: Target) -> StoreShare:
 
 
 class StoreShare:
-    """A :class:`~ckpttool.core.merge.multihost.Shared` whose output is object storage."""
+    """A :class:`~ckpttool.core.merge.options.Shared` whose output is object storage."""
 
     def __init__(self, inner: Slice | Finish | Team, target: Target) -> None:
         self.inner = inner
@@ -107,28 +110,27 @@ class StoreShare:
         return self.inner.preview(plan)
 
     def write(self, plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
-              *, overwrite: bool, stem: str, workers: int | None, progress: Progress | None,
-              on_start: Callable[[int], None] | None) -> Sharing:
+              stem: str, writing: WriteOptions, share: ShareOptions, *,
+              progress: Progress | None, on_start: Callable[[int], None] | None) -> Sharing:
         inner = self.inner
         if isinstance(inner, Slice):
-            return self._slice(plan, reader, inner.index, inner.count, overwrite=overwrite,
-                               workers=workers, progress=progress, on_start=on_start)
+            return self._slice(plan, reader, inner.index, inner.count, writing, share,
+                               progress=progress, on_start=on_start)
         if isinstance(inner, Finish):
-            return self._finish(plan, extra, overwrite=overwrite)
+            return self._finish(plan, extra, writing)
         group = inner.group
         failure: BaseException | None = None
         sharing = None
         try:
-            sharing = self._slice(plan, reader, group.rank, group.size, overwrite=overwrite,
-                                  workers=workers, progress=progress, on_start=on_start,
-                                  mode="torchrun")
+            sharing = self._slice(plan, reader, group.rank, group.size, writing, share,
+                                  progress=progress, on_start=on_start, mode="torchrun")
         except Exception as e:  # noqa: BLE001 - told to the others, then raised
             failure = e
         inner._agree(failure, "uploading its parts")
         done: dict[str, Any] | None = None
         if inner.first:
             try:
-                self._finish(plan, extra, overwrite=overwrite)
+                self._finish(plan, extra, writing)
             except Exception as e:  # noqa: BLE001 - told to the others, then raised
                 failure = e
                 done = _status(e)
@@ -188,8 +190,8 @@ class StoreShare:
 
     # -- a slice: its windows, uploaded as parts, then its record
 
-    def _slice(self, plan: MergePlan, reader: Reader, index: int, count: int, *,
-               overwrite: bool, workers: int | None, progress: Progress | None,
+    def _slice(self, plan: MergePlan, reader: Reader, index: int, count: int,
+               writing: WriteOptions, share: ShareOptions, *, progress: Progress | None,
                on_start: Callable[[int], None] | None, mode: str = "slice") -> Sharing:
         key = plan_key(plan)
         stage = self._stage(key)
@@ -197,7 +199,7 @@ class StoreShare:
         sizes, windows = self._layout(plan)
         owner = partition.owners(windows, count)
         mine = [w for w, o in zip(windows, owner, strict=True) if o == index]
-        if not overwrite:
+        if not writing.overwrite:
             self._check_existing(plan, stage, allow_index=False)
         if on_start is not None:
             on_start(sum(w.nbytes for w in mine))
@@ -214,7 +216,7 @@ class StoreShare:
                 if w.begin < len(f.layout.header):
                     pwrite_all(fd, f.layout.header, 0)
                 execute_share(plan, list(w.units), reader, {w.file: fd},
-                              workers=_local_workers(workers), progress=hook)
+                              workers=_local_workers(share.workers), progress=hook)
                 peak = max(peak, os.fstat(fd).st_blocks * 512)
                 data = _pread(fd, w.nbytes, w.begin)
                 fault_step()  # a slice's steps: each part, then its record
@@ -248,7 +250,7 @@ class StoreShare:
 
     # -- the finish: check every part, publish, clean
 
-    def _finish(self, plan: MergePlan, extra: list[tuple[str, bytes]], *, overwrite: bool
+    def _finish(self, plan: MergePlan, extra: list[tuple[str, bytes]], writing: WriteOptions
                 ) -> Sharing:
         key = plan_key(plan)
         stage = self._stage(key)
@@ -256,7 +258,7 @@ class StoreShare:
         lock = self.target.lock(url)
         lock.acquire()
         try:
-            if overwrite:
+            if writing.overwrite:
                 placed, listed = self._placed(stage)
             else:
                 placed, listed = self._check_existing(plan, stage, allow_index=True)
@@ -281,7 +283,8 @@ class StoreShare:
                                              if plan.index is not None else [])]:
                     (local / name).write_bytes(data)
                     sources[name] = local / name
-                upload = self.target.upload(url, overwrite=overwrite, names=self.target.names)
+                upload = self.target.upload(url, overwrite=writing.overwrite,
+                                            names=self.target.names)
                 upload.publish(sources, ours=placed)
             finally:
                 shutil.rmtree(local, ignore_errors=True)

@@ -38,6 +38,7 @@ from ckpttool.core.merge.options import (
     CastOptions,
     MergeOptions,
     ReadOptions,
+    Shared,
     ShareOptions,
     WriteOptions,
 )
@@ -66,7 +67,7 @@ from ckpttool.storage.store import LOCAL, Stores
 CONFIG_JSON = "config.json"  # written beside the weights when derived (megatron_config)
 
 if TYPE_CHECKING:
-    from ckpttool.core.merge.multihost import Shared, Sharing
+    from ckpttool.core.merge.sharing import Sharing
     from ckpttool.core.transforms.lora.plan import Adapted
     from ckpttool.core.transforms.namemaps import Mapped
 
@@ -424,8 +425,8 @@ def _write(plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, by
     if not getattr(shared, "remote", False):  # into object storage: about one part locally
         check_space(out, plan.file_bytes + sum(len(data) for _, data in extra))
     if shared is not None:  # this process writes its share (core.merge.multihost)
-        return shared.write(plan, reader, out, extra, overwrite=overwrite, stem=stem,
-                            workers=workers, progress=progress, on_start=on_start), None
+        return shared.write(plan, reader, out, extra, stem, write_options, share,
+                            progress=progress, on_start=on_start), None
     if on_start is not None:
         on_start(plan.total_bytes)
     workers = workers or default_workers()

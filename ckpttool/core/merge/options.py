@@ -10,12 +10,17 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ckpttool import units
 
 if TYPE_CHECKING:
-    from ckpttool.core.merge.multihost import Shared
+    from collections.abc import Callable
+
+    from ckpttool.core.merge.plan import MergePlan
+    from ckpttool.core.merge.sharing import Sharing
+    from ckpttool.core.runtime.report import Progress
+    from ckpttool.formats.base import Reader
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,37 @@ class ShareOptions:
 
     workers: int | None = None
     shared: Shared | None = None
+
+
+class Shared(Protocol):
+    """How this process takes part in a merge that several processes share (the ways are
+    in :mod:`ckpttool.core.merge.multihost` and, into object storage,
+    :mod:`ckpttool.core.merge.multihost_objects`)."""
+
+    @property
+    def first(self) -> bool:
+        """This process decides, reports and commits (rank 0)."""
+
+    @property
+    def commits_slices(self) -> bool:
+        """This process commits what earlier processes wrote (``--finish``): it checks OUT's
+        files itself, knowing which of them a finish that did not complete put in place."""
+
+    def once(self, decide: Callable[[], Any]) -> Any:
+        """``decide()`` (JSON-able, may read tensor data) run once, its result on every
+        process; an error raised there is raised on every process."""
+
+    def write(self, plan: MergePlan, reader: Reader, out: Path, extra: list[tuple[str, bytes]],
+              stem: str, writing: WriteOptions, share: ShareOptions, *,
+              progress: Progress | None, on_start: Callable[[int], None] | None) -> Sharing:
+        """Write this process's part of ``plan`` (and commit, where it is the one to), with
+        the merge's write and share options whole; ``stem`` names the weight files
+        (``model``), ``extra`` the side files written beside them. Returns what the report
+        says about the sharing."""
+
+    def preview(self, plan: MergePlan) -> Sharing | None:
+        """For a dry run: what :meth:`write` would report, with ``tensors``, the names of
+        the tensors this process would write (some of them in part); None: all of them."""
 
 
 # merge()'s keywords that change what it writes, recorded in a sweep's receipts (in this

@@ -19,7 +19,7 @@ from ckpttool.core.transforms import hub_layout, megatron_config
 from ckpttool.core.transforms.lora.report import LoraMerge
 
 if TYPE_CHECKING:
-    from ckpttool.core.merge.multihost import Sharing
+    from ckpttool.core.merge.sharing import Sharing
     from ckpttool.core.transforms.namemaps import Mapped
 
 
