@@ -51,12 +51,6 @@ def create_bucket(name: str) -> None:
         _buckets.setdefault(name, _Bucket())
 
 
-def remove_bucket(name: str) -> None:
-    """Drop the bucket ``name`` and everything in it."""
-    with _lock:
-        _buckets.pop(name, None)
-
-
 def _bucket(url: Url) -> _Bucket:
     found = _buckets.get(url.bucket)
     if found is None:

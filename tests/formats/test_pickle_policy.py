@@ -216,7 +216,7 @@ def test_python_311_signal_by_name(tmp_path: Path) -> None:
             b"\x07getattr\x93\x8c\x06signal\x8c\x07Signals\x93\x8c\x07SIGTERM\x86Rs.")
     assert torchsave.record_global("builtins", "getattr") is None  # tensor records: no
     value = torchsave.AllowListUnpickler(
-        __import__("io").BytesIO(data), megatron_lookup, "x").load()
+        __import__("io").BytesIO(data), megatron_lookup).load()
     assert value == {"args": int(signal.SIGTERM)}
 
 

@@ -22,7 +22,7 @@ def _bs(text: str) -> bytes:
 
 
 def _load(data: bytes, lookup: object = torchsave.record_global) -> object:
-    return torchsave.AllowListUnpickler(io.BytesIO(data), lookup, "x").load()  # type: ignore[arg-type]
+    return torchsave.AllowListUnpickler(io.BytesIO(data), lookup).load()  # type: ignore[arg-type]
 
 
 def test_build_cannot_change_a_shared_dtype() -> None:

@@ -28,7 +28,6 @@ from ckpttool.core.transforms import namemaps
 from ckpttool.errors import UnsupportedError
 
 PREFIX = "optimizer.state."
-KINDS = ("param", "exp_avg", "exp_avg_sq")
 # dp_reshardable's flat per-bucket buffers
 _BUCKETS = "optimizer.distributed."
 

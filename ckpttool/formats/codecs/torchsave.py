@@ -61,12 +61,9 @@ def corrupt(e: Exception) -> pickle.UnpicklingError:
 class AllowListUnpickler(pickle.Unpickler):
     """An unpickler whose globals come only from ``lookup`` (None means refused)."""
 
-    def __init__(
-        self, file: io.BytesIO, lookup: Callable[[str, str], Any | None], where: str
-    ) -> None:
+    def __init__(self, file: io.BytesIO, lookup: Callable[[str, str], Any | None]) -> None:
         super().__init__(file)
         self._lookup = lookup
-        self._where = where
 
     def find_class(self, module: str, name: str) -> Any:
         found = self._lookup(module, name)
@@ -451,9 +448,9 @@ _NUMPY: dict[tuple[str, str], Callable[..., Any] | type] = {
 class RecordUnpickler(AllowListUnpickler):
     """Unpickles an archive's ``data.pkl``: storages become :class:`StorageRef`."""
 
-    def __init__(self, file: io.BytesIO, where: str, *,
+    def __init__(self, file: io.BytesIO, *,
                  lookup: Callable[[str, str], Any | None] = record_global) -> None:
-        super().__init__(file, lookup, where)
+        super().__init__(file, lookup)
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
@@ -483,7 +480,7 @@ def load_pickle(rb: RecordBytes, entries: dict[str, ZipEntry], *,
         raise InputError(f"{rb.where}: torch.save record has no data.pkl; corrupt")
     try:
         with gc_paused():
-            value = RecordUnpickler(io.BytesIO(rb.read(pkl.data_offset, pkl.size)), rb.where,
+            value = RecordUnpickler(io.BytesIO(rb.read(pkl.data_offset, pkl.size)),
                                     lookup=lookup).load_deep(pkl.size)
     except MemoryError as err:
         # A damaged length field asks the C unpickler for an absurd buffer.

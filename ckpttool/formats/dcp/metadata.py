@@ -116,9 +116,9 @@ def allowed_global(module: str, name: str) -> Any | None:
     return policy.data_global(module, name)
 
 
-def _unpickle(data: bytes, lookup: Callable[[str, str], Any | None], where: str) -> Any:
+def _unpickle(data: bytes, lookup: Callable[[str, str], Any | None]) -> Any:
     try:
-        return torchsave.AllowListUnpickler(io.BytesIO(data), lookup, where).load_deep(len(data))
+        return torchsave.AllowListUnpickler(io.BytesIO(data), lookup).load_deep(len(data))
     except MemoryError as err:  # a damaged length field asks for an absurd buffer
         raise pickle.UnpicklingError("a length in the pickle is beyond its data") from err
     except (torchsave.Refused, CkptError, pickle.UnpicklingError):
@@ -163,7 +163,7 @@ def read_metadata_object(path: Path, lookup: Lookup | None = None,
                          "may hold in memory; a .metadata that large is corrupt, or needs a "
                          "machine with more memory") from e
     try:
-        return _unpickle(data, lookup or allowed_global, str(path))
+        return _unpickle(data, lookup or allowed_global)
     except torchsave.Refused as e:
         raise _refusal(path, e, data, lookup or allowed_global) from e
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
