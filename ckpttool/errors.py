@@ -1,8 +1,9 @@
 """The exception hierarchy. Imports nothing else from ckpttool.
 
-The CLI maps each class to an exit code in one place (``ckpttool.cli``); library users catch
-:class:`CkptError`. Messages are one line: what is wrong, where (path, tensor, byte offset) and
-what to do next.
+Each class carries its exit code, and the CLI reads it from the error (``ckpttool.cli``):
+every exit status ckpttool chooses comes from a class here (:class:`InternalError` for a bug),
+but an interrupt's (128 + the signal). Library users catch :class:`CkptError`. Messages are
+one line: what is wrong, where (path, tensor, byte offset) and what to do next.
 """
 
 from __future__ import annotations
@@ -78,6 +79,13 @@ class UnsupportedError(CkptError):
     code = "unsupported"
 
 
+class MissingLibraryError(UnsupportedError):
+    """A library this needs is not installed (torch, zstandard, boto3): exit 4, the message
+    naming the install line."""
+
+    code = "missing-library"
+
+
 class IntegrityError(CkptError):
     """What verification finds: ties, dtypes, coverage, mismatches."""
 
@@ -90,6 +98,15 @@ class OutputError(CkptError):
 
     exit_code = 3
     code = "output"
+
+
+class InternalError(CkptError):
+    """A bug in ckpttool. Never raised on purpose: the exit status and code of any exception
+    that is not a :class:`CkptError` (the CLI's traceback, a sweep's failed checkpoint, a
+    forked worker's status), kept here so that every exit status comes from this module."""
+
+    exit_code = 70
+    code = "bug"
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,17 +21,27 @@ import typer
 
 from ckpttool import settings
 from ckpttool.cli import failure
-from ckpttool.errors import CkptError, UnreadableError
+from ckpttool.errors import (
+    CkptError,
+    InputError,
+    IntegrityError,
+    InternalError,
+    MissingLibraryError,
+    UnreadableError,
+    UnsupportedError,
+    UsageError,
+)
 from ckpttool.formats.codecs import dtypes
 from ckpttool.units import human_bytes as human_bytes  # the one formatter
 
+# Every status but success and an interrupt's is an error class's (ckpttool.errors).
 EXIT_OK = 0
-EXIT_PROBLEMS = 1
-EXIT_USAGE = 2
-EXIT_INPUT = 3
-EXIT_UNSUPPORTED = 4
+EXIT_PROBLEMS = IntegrityError.exit_code
+EXIT_USAGE = UsageError.exit_code
+EXIT_INPUT = InputError.exit_code
+EXIT_UNSUPPORTED = UnsupportedError.exit_code
 EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C); SIGTERM 143, SIGHUP 129: 128 + the signal
-EXIT_BUG = 70
+EXIT_BUG = InternalError.exit_code
 
 # What each exit status means, for every command (README's table is generated from this).
 EXIT_MEANINGS: tuple[tuple[int, str], ...] = (
@@ -112,11 +122,7 @@ def exit_codes() -> Iterator[None]:
     try:
         yield
     except CkptError as e:
-        if debug:
-            traceback.print_exc()
-        err(f"ckpttool: error: {e}")
-        failure.record(e.exit_code, e.code, str(e))
-        raise typer.Exit(e.exit_code) from None
+        raise _failed(e, debug=debug) from None
     except KeyboardInterrupt:
         message = interrupted_message()
         err(message)
@@ -125,22 +131,13 @@ def exit_codes() -> Iterator[None]:
     except (typer.Exit, typer.Abort, typer.BadParameter):
         raise
     except PermissionError as e:  # a file or directory this user may not read: not our bug
-        if debug:
-            traceback.print_exc()
-        unreadable = UnreadableError.of(e.filename or '?', e)
-        err(f"ckpttool: error: {unreadable}")
-        failure.record(EXIT_INPUT, "unreadable", str(unreadable))
-        raise typer.Exit(EXIT_INPUT) from None
+        raise _failed(UnreadableError.of(e.filename or '?', e), debug=debug) from None
     except ImportError as e:
         if (e.name or "").partition(".")[0] != "torch":
             raise _bug() from None
-        if debug:
-            traceback.print_exc()
-        message = ("this needs PyTorch (reading values, casting, writing DCP), which is not "
-                   "installed here; install it: pip install torch")
-        err(f"ckpttool: error: {message}")
-        failure.record(EXIT_UNSUPPORTED, "missing-library", message)
-        raise typer.Exit(EXIT_UNSUPPORTED) from None
+        raise _failed(MissingLibraryError(
+            "this needs PyTorch (reading values, casting, writing DCP), which is not "
+            "installed here; install it: pip install torch"), debug=debug) from None
     except Exception:  # noqa: BLE001 - anything else is our bug, reported as one
         raise _bug() from None
 
@@ -170,14 +167,25 @@ def removes_new_dirs(out: str) -> Iterator[None]:
         raise
 
 
+def _failed(e: CkptError, *, debug: bool) -> typer.Exit:
+    """Report ``e`` (the exception being handled, or what it stands for): one line, the exit
+    status and code of its class (the traceback with ``CKPTTOOL_DEBUG=1``)."""
+    if debug:
+        traceback.print_exc()
+    err(f"ckpttool: error: {e}")
+    failure.record(e.exit_code, e.code, str(e))
+    return typer.Exit(e.exit_code)
+
+
 def _bug() -> typer.Exit:
     """Report the exception being handled as a bug (traceback, exit 70)."""
     kind, text = sys.exc_info()[:2]
     traceback.print_exc()
     err("ckpttool: internal error (a bug in ckpttool); please report it with the traceback "
         "above")
-    failure.record(EXIT_BUG, "bug", f"{kind.__name__ if kind else 'error'}: {text}")
-    return typer.Exit(EXIT_BUG)
+    failure.record(InternalError.exit_code, InternalError.code,
+                   f"{kind.__name__ if kind else 'error'}: {text}")
+    return typer.Exit(InternalError.exit_code)
 
 
 DTYPE_CHOICES = ", ".join(dtypes.CHOICES)

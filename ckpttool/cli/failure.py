@@ -14,9 +14,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-# The error codes of the failure document, by exit status where nothing more is known.
-CODE_BY_EXIT = {1: "integrity", 2: "usage", 3: "input", 4: "unsupported", 70: "bug",
-                130: "interrupted"}
+from ckpttool import errors
+
+# The error codes of the failure document, by exit status where nothing more is known: each
+# status's class (ckpttool.errors), and an interrupt's.
+CODE_BY_EXIT = {c.exit_code: c.code for c in (
+    errors.IntegrityError, errors.UsageError, errors.InputError, errors.UnsupportedError,
+    errors.InternalError)} | {130: "interrupted"}
 
 COMMANDS = ("merge", "inspect", "verify", "reshard")
 

@@ -432,7 +432,7 @@ def _sigbus_exit(*_: object) -> None:
     for path in list(_LIVE):
         with contextlib.suppress(OSError):
             os.unlink(path)
-    os._exit(3)
+    os._exit(InputError.exit_code)
 
 
 def _sigbus_default_in_child() -> None:

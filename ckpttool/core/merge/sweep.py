@@ -36,7 +36,7 @@ from ckpttool.core.merge import guards
 from ckpttool.core.merge.options import MergeOptions
 from ckpttool.core.runtime.report import SCHEMA, Section, jsonable, section
 from ckpttool.core.verify import receipt
-from ckpttool.errors import CkptError, InputError, UnsupportedError, UsageError
+from ckpttool.errors import CkptError, InputError, InternalError, UnsupportedError, UsageError
 from ckpttool.formats import registry
 from ckpttool.storage import places
 from ckpttool.storage.outputs import TMP_SUFFIX
@@ -51,8 +51,6 @@ CHANGED = "changed"  # skipped: merged before from another source or options (--
 WAITING = "waiting"  # still being written; left alone
 FAILED = "failed"
 PLANNED = "would merge"  # a dry run's
-# Exit status of a sweep where a checkpoint failed with no error of ours to name (a bug).
-EXIT_BUG = 70
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,7 +326,7 @@ class SweepReport:
         """0 when nothing failed, else the most serious failure's status: 70 (a bug) before
         3 (bad input or output) before 4 (unsupported)."""
         codes = {o.exit_code for o in self.failed}
-        for code in (EXIT_BUG, InputError.exit_code, UnsupportedError.exit_code):
+        for code in (InternalError.exit_code, InputError.exit_code, UnsupportedError.exit_code):
             if code in codes:
                 return code
         return max(codes, default=0)
@@ -541,7 +539,7 @@ def _merge_one(merge: MergeFunction, f: Found, out: Path, options: MergeOptions,
     except Exception as e:  # noqa: BLE001 - one checkpoint's bug must not stop the others
         if settings.debug():
             raise
-        outcome.status, outcome.exit_code = FAILED, EXIT_BUG
+        outcome.status, outcome.exit_code = FAILED, InternalError.exit_code
         outcome.reason = (f"internal error (a bug in ckpttool): {e!r}; please report it, with "
                           "the traceback CKPTTOOL_DEBUG=1 shows")
     if outcome.status == MERGED and then is not None:

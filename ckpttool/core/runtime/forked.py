@@ -223,7 +223,7 @@ def _child_main(share: Share, w: int) -> None:
     except KeyboardInterrupt:
         code = 130
     except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
-        code = e.exit_code if isinstance(e, errors.CkptError) else 70
+        code = e.exit_code if isinstance(e, errors.CkptError) else errors.InternalError.exit_code
         if settings.debug():
             traceback.print_exc()
         try:
