@@ -26,6 +26,27 @@ from ckpttool.core.transforms.maps.rules import (
     gpt_oss_map,
 )
 
+# A per-layer rule: (Megatron's name below ``decoder.layers.``, Hugging Face's, the shape's
+# dimensions, the operation), made into both stored forms by :func:`_both_forms`.
+_PerLayer = tuple[str, str, tuple[str, ...], str]
+_HF = "model.layers.{L}"
+
+
+def _norm(fused: str, apart: str, target: str) -> list[_PerLayer]:
+    """A norm before a block: fused into its first linear layer as ``layer_norm_weight``
+    (Transformer Engine's spec), or a module of its own (the local spec)."""
+    return [(f"{fused}.layer_norm_weight", f"{_HF}.{target}.weight", ("hidden",), RENAME),
+            (f"{apart}.weight", f"{_HF}.{target}.weight", ("hidden",), RENAME)]
+
+
+def _mlp(source: str, target: str, ffn: str) -> list[_PerLayer]:
+    """A gated MLP: ``linear_fc1`` (``[gate; up]`` rows) and ``linear_fc2`` under ``source``
+    to the gate, up and down projections under ``target``; ``ffn``: its width's dimension."""
+    fc1, fc2 = f"{source}.linear_fc1.weight", f"{source}.linear_fc2.weight"
+    return [(fc1, f"{_HF}.{target}.gate_proj.weight", (f"2{ffn}", "hidden"), GATE),
+            (fc1, f"{_HF}.{target}.up_proj.weight", (f"2{ffn}", "hidden"), UP),
+            (fc2, f"{_HF}.{target}.down_proj.weight", ("hidden", ffn), RENAME)]
+
 
 def _megatron_rules(*, qkv_bias: bool, qk_norm: bool) -> tuple[Rule, ...]:
     """Megatron-Core GPTModel's names (as ``torch_dist`` stores them: Transformer Engine's, the
@@ -38,22 +59,15 @@ def _megatron_rules(*, qkv_bias: bool, qk_norm: bool) -> tuple[Rule, ...]:
     (``linear_fc1``) as ``layer_norm_weight`` (``input_layernorm`` / ``pre_mlp_layernorm``
     where it is not); embedding and output rows are padded past vocab_size; RoPE rotates
     halves, as transformers does (no permutation)."""
-    hf, a, m = "model.layers.{L}", "self_attention", "mlp"
+    hf, a = _HF, "self_attention"
     per_layer = [
-        (f"{a}.linear_qkv.layer_norm_weight", f"{hf}.input_layernorm.weight", ("hidden",),
-         RENAME),
-        ("input_layernorm.weight", f"{hf}.input_layernorm.weight", ("hidden",), RENAME),
+        *_norm(f"{a}.linear_qkv", "input_layernorm", "input_layernorm"),
         (f"{a}.linear_qkv.weight", f"{hf}.self_attn.q_proj.weight", ("qkv", "hidden"), QKV_Q),
         (f"{a}.linear_qkv.weight", f"{hf}.self_attn.k_proj.weight", ("qkv", "hidden"), QKV_K),
         (f"{a}.linear_qkv.weight", f"{hf}.self_attn.v_proj.weight", ("qkv", "hidden"), QKV_V),
         (f"{a}.linear_proj.weight", f"{hf}.self_attn.o_proj.weight", ("hidden", "q"), RENAME),
-        (f"{m}.linear_fc1.layer_norm_weight", f"{hf}.post_attention_layernorm.weight",
-         ("hidden",), RENAME),
-        ("pre_mlp_layernorm.weight", f"{hf}.post_attention_layernorm.weight", ("hidden",),
-         RENAME),
-        (f"{m}.linear_fc1.weight", f"{hf}.mlp.gate_proj.weight", ("2ffn", "hidden"), GATE),
-        (f"{m}.linear_fc1.weight", f"{hf}.mlp.up_proj.weight", ("2ffn", "hidden"), UP),
-        (f"{m}.linear_fc2.weight", f"{hf}.mlp.down_proj.weight", ("hidden", "ffn"), RENAME),
+        *_norm("mlp.linear_fc1", "pre_mlp_layernorm", "post_attention_layernorm"),
+        *_mlp("mlp", "mlp", "ffn"),
     ]
     if qkv_bias:
         per_layer += [
@@ -115,48 +129,41 @@ def _megatron_deepseek_v3_rules() -> tuple[Rule, ...]:
     ``layer_norm_weight`` (Transformer Engine's); the MLA layer's input norm is never fused.
     The router's ``expert_bias`` is DeepSeek's ``e_score_correction_bias``; shared experts'
     ``linear_fc1`` is ``[gate; up]`` as a dense MLP's."""
-    hf, a, m = "model.layers.{L}", "self_attention", "mlp"
+    hf, a = _HF, "self_attention"
     per_layer = [
         ("input_layernorm.weight", f"{hf}.input_layernorm.weight", ("hidden",), RENAME),
         (f"{a}.linear_q_proj.weight", f"{hf}.self_attn.q_proj.weight", ("q_mla", "hidden"),
          RENAME),
-        (f"{a}.linear_q_down_proj.weight", f"{hf}.self_attn.q_a_proj.weight",
-         ("q_lora", "hidden"), RENAME),
-        (f"{a}.q_layernorm.weight", f"{hf}.self_attn.q_a_layernorm.weight", ("q_lora",),
-         RENAME),
-        (f"{a}.linear_q_up_proj.layer_norm_weight", f"{hf}.self_attn.q_a_layernorm.weight",
-         ("q_lora",), RENAME),
-        (f"{a}.linear_q_up_proj.weight", f"{hf}.self_attn.q_b_proj.weight",
-         ("q_mla", "q_lora"), RENAME),
-        (f"{a}.linear_kv_down_proj.weight", f"{hf}.self_attn.kv_a_proj_with_mqa.weight",
-         ("kv_a", "hidden"), RENAME),
-        (f"{a}.kv_layernorm.weight", f"{hf}.self_attn.kv_a_layernorm.weight", ("kv_lora",),
-         RENAME),
-        (f"{a}.linear_kv_up_proj.layer_norm_weight", f"{hf}.self_attn.kv_a_layernorm.weight",
-         ("kv_lora",), RENAME),
-        (f"{a}.linear_kv_up_proj.weight", f"{hf}.self_attn.kv_b_proj.weight",
-         ("kv_b", "kv_lora"), RENAME),
+        *_latent("q", ("q_a_proj", "q_lora"), "q_a_layernorm", ("q_b_proj", "q_mla"), "q_lora"),
+        *_latent("kv", ("kv_a_proj_with_mqa", "kv_a"), "kv_a_layernorm", ("kv_b_proj", "kv_b"),
+                 "kv_lora"),
         (f"{a}.linear_proj.weight", f"{hf}.self_attn.o_proj.weight", ("hidden", "o_mla"),
          RENAME),
-        ("pre_mlp_layernorm.weight", f"{hf}.post_attention_layernorm.weight", ("hidden",),
+        *_norm("mlp.linear_fc1", "pre_mlp_layernorm", "post_attention_layernorm"),
+        *_mlp("mlp", "mlp", "ffn"),
+        ("mlp.router.expert_bias", f"{hf}.mlp.gate.e_score_correction_bias", ("experts",),
          RENAME),
-        (f"{m}.linear_fc1.layer_norm_weight", f"{hf}.post_attention_layernorm.weight",
-         ("hidden",), RENAME),
-        (f"{m}.linear_fc1.weight", f"{hf}.mlp.gate_proj.weight", ("2ffn", "hidden"), GATE),
-        (f"{m}.linear_fc1.weight", f"{hf}.mlp.up_proj.weight", ("2ffn", "hidden"), UP),
-        (f"{m}.linear_fc2.weight", f"{hf}.mlp.down_proj.weight", ("hidden", "ffn"), RENAME),
-        (f"{m}.router.expert_bias", f"{hf}.mlp.gate.e_score_correction_bias", ("experts",),
-         RENAME),
-        (f"{m}.shared_experts.linear_fc1.weight", f"{hf}.mlp.shared_experts.gate_proj.weight",
-         ("2shared_ffn", "hidden"), GATE),
-        (f"{m}.shared_experts.linear_fc1.weight", f"{hf}.mlp.shared_experts.up_proj.weight",
-         ("2shared_ffn", "hidden"), UP),
-        (f"{m}.shared_experts.linear_fc2.weight", f"{hf}.mlp.shared_experts.down_proj.weight",
-         ("hidden", "shared_ffn"), RENAME),
+        *_mlp("mlp.shared_experts", "mlp.shared_experts", "shared_ffn"),
     ]
     rules = (_MEGATRON_TOP + _both_forms(per_layer)
              + _megatron_moe_rules("mlp", ("gate_proj", "up_proj", "down_proj"), "moe_ffn"))
     return rules + _megatron_mtp_rules(rules)
+
+
+def _latent(name: str, down: tuple[str, str], norm: str, up: tuple[str, str], rank: str
+            ) -> list[_PerLayer]:
+    """One of MLA's low-rank projections (``q`` or ``kv``): ``linear_<name>_down_proj``, the
+    latent norm (``<name>_layernorm``, or fused into the up projection), ``linear_<name>_up_proj``
+    to transformers' ``down``, ``norm`` and ``up`` (each with its rows' dimension); ``rank``:
+    the latent's dimension."""
+    a, hf = "self_attention", f"{_HF}.self_attn"
+    return [(f"{a}.linear_{name}_down_proj.weight", f"{hf}.{down[0]}.weight",
+             (down[1], "hidden"), RENAME),
+            (f"{a}.{name}_layernorm.weight", f"{hf}.{norm}.weight", (rank,), RENAME),
+            (f"{a}.linear_{name}_up_proj.layer_norm_weight", f"{hf}.{norm}.weight", (rank,),
+             RENAME),
+            (f"{a}.linear_{name}_up_proj.weight", f"{hf}.{up[0]}.weight", (up[1], rank),
+             RENAME)]
 
 
 _MTP = "mtp.layers.{L}"
@@ -206,7 +213,7 @@ def _megatron_moe_rules(block: str, names: tuple[str, str, str], ffn: str) -> tu
     return _both_forms(per_layer)
 
 
-def _both_forms(per_layer: list[tuple[str, str, tuple[str, ...], str]]) -> tuple[Rule, ...]:
+def _both_forms(per_layer: list[_PerLayer]) -> tuple[Rule, ...]:
     """Each per-layer rule as Megatron stores it in a homogeneous decoder (stacked,
     ``decoder.layers.<module>``, layer axis first) and in one whose layers differ
     (``decoder.layers.<L>.<module>``)."""
