@@ -21,13 +21,11 @@ import email.utils
 import hashlib
 import hmac
 import json
-import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
 
-from ckpttool import settings
-from ckpttool.errors import InputError, TransportError, UnsupportedError
+from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.storage import objects, objstore, places
 
 Url = places.Url
@@ -71,24 +69,8 @@ class _Common:
 
 
 def _call(url: Url, request: urllib.request.Request, doing: str, size: int = 0) -> bytes:
-    try:
-        with urllib.request.urlopen(request, timeout=settings.request_timeout()
-                                    + size / (1 << 20)) as r:
-            body: bytes = r.read()
-            return body
-    except urllib.error.HTTPError as e:
-        if e.code in (401, 403):
-            from ckpttool.errors import AccessError
-
-            raise AccessError(f"{url}: access denied while {doing} (status code: {e.code}); "
-                              "check the credentials and permissions") from e
-        if e.code == 404:
-            raise InputError(f"{url}: {doing} failed: not found (status code: 404); run "
-                             "every slice again") from e
-        raise InputError(f"{url}: {doing} failed (status code: {e.code})") from e
-    except OSError as e:
-        raise TransportError(f"{url}: {doing} failed ({type(e).__name__}); the network or the "
-                             "object store is failing, run again later") from e
+    return objstore.http(url, request, doing, size=size, statuses={404: InputError(
+        f"{url}: {doing} failed: not found (status code: 404); run every slice again")})
 
 
 class GcsParts(_Common):
@@ -122,8 +104,7 @@ class GcsParts(_Common):
         if base is None:
             base = "https://storage.googleapis.com"
             headers["Authorization"] = f"Bearer {_gcs_token(url)}"
-        target = (f"{base}/storage/v1/b/{urllib.parse.quote(url.bucket, safe='')}/o/"
-                  f"{urllib.parse.quote(dest, safe='')}/compose")
+        target = objstore.gcs_object(base, url.bucket, dest) + "/compose"
         body = json.dumps({"sourceObjects": [{"name": s} for s in sources],
                            "destination": {"contentType": "application/octet-stream"}})
         _call(url, urllib.request.Request(target, data=body.encode(), method="POST",
@@ -165,10 +146,8 @@ class AzureParts(_Common):
 
     def _send(self, url: Url, method: str, query: dict[str, str], data: bytes,
               doing: str) -> None:
-        fields = objstore.connection_string()
-        account = url.account or fields.get("AccountName", "")
-        endpoint = fields.get("BlobEndpoint", "").rstrip("/") or (
-            f"https://{account}.blob.core.windows.net")
+        account = objstore.azure_account(url)
+        endpoint = account.blob_endpoint
         path = urllib.parse.urlparse(endpoint).path + "/" + urllib.parse.quote(
             f"{url.bucket}/{url.key}")
         target = f"{endpoint}/{urllib.parse.quote(f'{url.bucket}/{url.key}')}?" \
@@ -176,12 +155,11 @@ class AzureParts(_Common):
         headers = {"x-ms-date": email.utils.formatdate(usegmt=True),
                    "x-ms-version": "2021-08-06", "Content-Length": str(len(data)),
                    "Content-Type": "application/octet-stream"}
-        key = fields.get("AccountKey", "")
-        sas = fields.get("SharedAccessSignature", "")
-        if sas:
-            target += "&" + sas.lstrip("?")
-        elif key:
-            headers["Authorization"] = _shared_key(account, key, method, path, query, headers)
+        if account.sas:
+            target += "&" + account.sas.lstrip("?")
+        elif account.key:
+            headers["Authorization"] = _shared_key(account.name, account.key, method, path,
+                                                   query, headers)
         else:
             raise UnsupportedError(f"{url}: a merge shared into Azure Blob Storage signs its "
                                    "block uploads with the account key or a SAS "

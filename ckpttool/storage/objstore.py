@@ -48,8 +48,9 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -204,27 +205,49 @@ def client(url: Url) -> Any:
         return store
 
 
-def _azure(obstores: Any, url: Url, options: dict[str, Any], retry: dict[str, Any]) -> Any:
-    config: dict[str, Any] = {}
+@dataclass(frozen=True)
+class AzureAccount:
+    """The Azure storage account a URL is on, as obstore's client and the signed block
+    uploads (:mod:`ckpttool.storage.objparts`) both take it: one reading of the settings."""
+
+    name: str  # "" where none is named (obstore may still read AZURE_STORAGE_ACCOUNT_NAME)
+    endpoint: str | None  # the blob endpoint, no trailing slash; None: the account's default
+    key: str | None  # the account key (Shared Key signing)
+    sas: str | None  # a shared access signature
+
+    @property
+    def blob_endpoint(self) -> str:
+        return self.endpoint or f"https://{self.name}.blob.core.windows.net"
+
+
+def azure_account(url: Url) -> AzureAccount:
+    """``url``'s account: named in the URL (``abfss://C@ACCOUNT...``), else in
+    ``AZURE_STORAGE_CONNECTION_STRING``, with that string's endpoint, key or SAS."""
     fields = connection_string()
-    if url.account:
-        config["account_name"] = url.account
-    if fields:
-        account = fields.get("AccountName", "")
-        config.setdefault("account_name", account)
-        if fields.get("AccountKey"):
-            config["account_key"] = fields["AccountKey"]
-        if fields.get("SharedAccessSignature"):
-            config["sas_key"] = fields["SharedAccessSignature"]
-        endpoint = fields.get("BlobEndpoint")
-        if not endpoint and account and "EndpointSuffix" in fields:
-            protocol = fields.get("DefaultEndpointsProtocol", "https")
-            endpoint = f"{protocol}://{account}.blob.{fields['EndpointSuffix']}"
-        if endpoint:
-            config["endpoint"] = endpoint.rstrip("/")
-            if endpoint.startswith("http://"):
-                options = _http(options)
-    if not config.get("account_name") and not os.environ.get("AZURE_STORAGE_ACCOUNT_NAME"):
+    name = url.account or fields.get("AccountName", "")
+    endpoint = fields.get("BlobEndpoint")
+    if not endpoint and name and "EndpointSuffix" in fields:
+        protocol = fields.get("DefaultEndpointsProtocol", "https")
+        endpoint = f"{protocol}://{name}.blob.{fields['EndpointSuffix']}"
+    return AzureAccount(name, endpoint.rstrip("/") if endpoint else None,
+                        fields.get("AccountKey") or None,
+                        fields.get("SharedAccessSignature") or None)
+
+
+def _azure(obstores: Any, url: Url, options: dict[str, Any], retry: dict[str, Any]) -> Any:
+    account = azure_account(url)
+    config: dict[str, Any] = {}
+    if account.name:
+        config["account_name"] = account.name
+    if account.key:
+        config["account_key"] = account.key
+    if account.sas:
+        config["sas_key"] = account.sas
+    if account.endpoint:
+        config["endpoint"] = account.endpoint
+        if account.endpoint.startswith("http://"):
+            options = _http(options)
+    if not account.name and not os.environ.get("AZURE_STORAGE_ACCOUNT_NAME"):
         raise InputError(f"{url}: no Azure storage account named; set "
                          "AZURE_STORAGE_CONNECTION_STRING or AZURE_STORAGE_ACCOUNT_NAME, or "
                          "use abfss://CONTAINER@ACCOUNT.dfs.core.windows.net/PREFIX")
@@ -488,6 +511,44 @@ def _parts(path: Path) -> Iterator[bytes]:
             yield piece
 
 
+def http(url: Url, request: urllib.request.Request, doing: str, *, size: int = 0,
+         statuses: Mapping[int, BaseException | None] | None = None) -> bytes:
+    """The body of one request that obstore does not make (GCS's compose and the emulator's
+    uploads, Azure's block uploads), its failures in the user's terms: ``statuses`` says
+    what a status code means here (None: nothing, an empty body), 401/403 are refused
+    credentials, any other a one-line error; no answer is the network's. ``size``: the bytes
+    sent, which lengthen the timeout.
+
+    Raises:
+        AccessError, InputError, TransportError: as said; or what ``statuses`` names.
+    """
+    try:
+        with urllib.request.urlopen(request, timeout=settings.request_timeout()
+                                    + size / (1 << 20)) as r:
+            body: bytes = r.read()
+            return body
+    except urllib.error.HTTPError as e:
+        if statuses is not None and e.code in statuses:
+            meant = statuses[e.code]
+            if meant is None:
+                return b""
+            raise meant from e
+        if e.code in (401, 403):
+            raise AccessError(f"{url}: access denied while {doing} (status code: {e.code}); "
+                              "check the credentials and permissions") from e
+        raise InputError(f"{url}: {doing} failed (status code: {e.code})") from e
+    except OSError as e:
+        raise TransportError(f"{url}: {doing} failed ({type(e).__name__}); the network or the "
+                             "object store is failing, run again later") from e
+
+
+def gcs_object(base: str, bucket: str, name: str) -> str:
+    """The JSON API's address of object ``name`` of ``bucket`` (at the emulator, or Google's
+    ``base``)."""
+    return (f"{base}/storage/v1/b/{urllib.parse.quote(bucket, safe='')}/o/"
+            f"{urllib.parse.quote(name, safe='')}")
+
+
 def _emulated_put(base: str, url: Url, data: bytes | Path, *, create: bool) -> None:
     """One JSON API media upload (fake-gcs-server has no XML API uploads)."""
     query = {"uploadType": "media", "name": url.key}
@@ -496,40 +557,23 @@ def _emulated_put(base: str, url: Url, data: bytes | Path, *, create: bool) -> N
     target = (f"{base}/upload/storage/v1/b/{urllib.parse.quote(url.bucket, safe='')}/o?"
               + urllib.parse.urlencode(query))
     size = data.stat().st_size if isinstance(data, Path) else len(data)
+    from obstore.exceptions import AlreadyExistsError
+
     with contextlib.ExitStack() as stack:
         body: Any = stack.enter_context(open(data, "rb")) if isinstance(data, Path) else data
         request = urllib.request.Request(target, data=body, method="POST", headers={
             "Content-Type": "application/octet-stream", "Content-Length": str(size)})
-        try:
-            with urllib.request.urlopen(request, timeout=settings.request_timeout()
-                                        + size / (1 << 20)):
-                pass
-        except urllib.error.HTTPError as e:
-            if e.code == 412:
-                from obstore.exceptions import AlreadyExistsError
-
-                raise AlreadyExistsError(f"{url} exists") from e
-            if e.code == 404:
-                raise InputError(f"{url}: bucket '{url.bucket}' does not exist; check the URL "
-                                 "(and STORAGE_EMULATOR_HOST)") from e
-            raise InputError(f"{url}: uploading failed (status code: {e.code})") from e
-        except OSError as e:
-            raise TransportError(f"{url}: uploading failed ({type(e).__name__}); the network "
-                                 "or the object store is failing, run again later") from e
+        http(url, request, "uploading", size=size, statuses={
+            412: AlreadyExistsError(f"{url} exists"),
+            404: InputError(f"{url}: bucket '{url.bucket}' does not exist; check the URL "
+                            "(and STORAGE_EMULATOR_HOST)")})
 
 
 def _delete(url: Url) -> None:
     base = emulator() if url.cloud == "gs" else None
     if base is not None:
-        target = (f"{base}/storage/v1/b/{urllib.parse.quote(url.bucket, safe='')}/o/"
-                  f"{urllib.parse.quote(url.key, safe='')}")
-        try:
-            with urllib.request.urlopen(urllib.request.Request(target, method="DELETE"),
-                                        timeout=settings.request_timeout()):
-                pass
-        except urllib.error.HTTPError as e:
-            if e.code != 404:
-                raise InputError(f"{url}: removing failed (status code: {e.code})") from e
+        http(url, urllib.request.Request(gcs_object(base, url.bucket, url.key),
+                                         method="DELETE"), "removing", statuses={404: None})
         return
     import obstore
 
