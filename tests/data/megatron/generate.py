@@ -186,22 +186,12 @@ def _args(v: Variant) -> argparse.Namespace:
 
 
 def _core_attention() -> type:
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    """MLA's core attention in the local spec (a ModuleSpec choice, not a patch): the stand-in
+    shared with Megatron-LM's generator (``tests/data/megatron_lm/mla_local.py``)."""
+    sys.path.append(str(Path(__file__).resolve().parent.parent / "megatron_lm"))
+    from mla_local import local_core_attention
 
-    class MLALocalDotProductAttention(DotProductAttention):  # type: ignore[misc]
-        """Megatron's local DotProductAttention, taking the ``k_channels``/``v_channels``
-        that MLA passes to its core attention (a ModuleSpec choice, not a patch): they must
-        be the head size the local class computes from ``kv_channels``. (``Attention``
-        builds a core attention without them first, which MLA's ``__init__`` replaces.)"""
-
-        def __init__(self, *args: Any, k_channels: int | None = None,
-                     v_channels: int | None = None, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            head = self.hidden_size_per_attention_head
-            assert k_channels in (None, head) and v_channels in (None, head), (
-                k_channels, v_channels, head)
-
-    return MLALocalDotProductAttention
+    return local_core_attention()
 
 
 def _have_te() -> bool:

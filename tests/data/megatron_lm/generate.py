@@ -321,25 +321,14 @@ def _rank(rank: int, world: int, port: int, name: str, out: str, mlm: str,
 
 
 def _mla_core_attention() -> None:
-    """megatron-core 0.16.1's local spec cannot build multi-latent attention:
-    ``MLASelfAttention`` passes ``k_channels``/``v_channels`` to its core attention, which
-    only Transformer Engine's ``TEDotProductAttention`` takes (the local ``DotProductAttention``
-    raises TypeError). The local spec's core attention is therefore a subclass that takes
-    them and asserts they are the head size it computes from ``kv_channels`` (hence
-    ``--v-head-dim`` = ``--qk-head-dim`` + ``--qk-pos-emb-head-dim`` = ``--kv-channels``):
-    the computation is the local class's own."""
+    """megatron-core 0.16.1's local spec cannot build multi-latent attention: its core
+    attention is therefore the stand-in of :mod:`mla_local` (beside this file), which takes
+    what ``MLASelfAttention`` passes it and computes as the local class does."""
     from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from mla_local import local_core_attention
 
-    class MLALocalDotProductAttention(DotProductAttention):  # type: ignore[misc]
-        def __init__(self, *args: Any, k_channels: int | None = None,
-                     v_channels: int | None = None, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            head = self.hidden_size_per_attention_head
-            assert k_channels in (None, head) and v_channels in (None, head), (
-                k_channels, v_channels, head)
-
-    LocalSpecProvider.core_attention = lambda self: MLALocalDotProductAttention  # type: ignore
+    attention = local_core_attention()
+    LocalSpecProvider.core_attention = lambda self: attention  # type: ignore
     # Without Transformer Engine, megatron-core 0.16.1's extension module still imports (its
     # TE classes None), so multi_latent_attention.HAVE_TE is True and isinstance(x, None)
     # raises: set it to what is true here.
