@@ -192,17 +192,30 @@ def reshard(
     if progress is not None:  # called from the worker threads
         progress = locked(progress)
     ties = _hold_to_contract(ckpt, out_path, target, prefix, report)
+    output = _Output(out_path, overwrite, report, progress, on_start, n_workers)
     with open_reader(ckpt, follow_links=follow_links) as reader:
         structure.raise_first(reader.check_copies())  # replicated chunks every rank stored
         reader.open_files()
         if target == "safetensors":
-            _to_safetensors(ckpt, reader, out_path, units.parse_size(str(max_shard_size)),
-                            overwrite, report, progress, on_start, n_workers)
+            _to_safetensors(ckpt, reader, output, units.parse_size(str(max_shard_size)))
         else:
-            _to_dcp(ckpt, reader, out_path, ranks or 1, prefix, overwrite, report, progress,
-                    on_start, n_workers, ties=ties)
+            _to_dcp(ckpt, reader, output, ranks or 1, prefix, ties)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+@dataclass(frozen=True)
+class _Output:
+    """Where and how a reshard writes, passed whole to the writer of its target: the
+    directory, whether a checkpoint there is replaced, the report filled in, the progress
+    callbacks (``progress`` called from the worker threads) and the threads."""
+
+    path: Path
+    overwrite: bool
+    report: ReshardReport
+    progress: Progress | None
+    on_start: Callable[[int], None] | None
+    workers: int
 
 
 def _hold_to_contract(ckpt: Checkpoint, out: Path, target: str, prefix: str | None,
@@ -261,14 +274,14 @@ def _in_order(fn: Callable[[Any], bytes | bytearray], items: Iterable[Any], work
                 f.cancel()
 
 
-def _to_dcp(ckpt: Checkpoint, reader: Reader, out: Path, num_ranks: int, prefix: str | None,
-            overwrite: bool, report: ReshardReport, progress: Progress | None,
-            on_start: Callable[[int], None] | None, workers: int,
-            ties: dict[str, Tensor] | None = None) -> None:
+def _to_dcp(ckpt: Checkpoint, reader: Reader, output: _Output, num_ranks: int,
+            prefix: str | None, ties: dict[str, Tensor]) -> None:
     assert ckpt.info is not None
+    out, overwrite, report = output.path, output.overwrite, output.report
+    progress = output.progress
     sharded = ckpt.info.sharded
     # (name written, tensor read): each stored tensor, then the tied copies written again
-    stored = [(t.tensor.name, t.tensor) for t in ckpt.tensors] + list((ties or {}).items())
+    stored = [(t.tensor.name, t.tensor) for t in ckpt.tensors] + list(ties.items())
     plans = plan_chunks([(t.shape, t.dtype.itemsize, tensors.stored_whole(t, sharded=sharded))
                          for _, t in stored], num_ranks)
     objects = [(o.entry, record) for o in ckpt.objects
@@ -278,8 +291,8 @@ def _to_dcp(ckpt: Checkpoint, reader: Reader, out: Path, num_ranks: int, prefix:
     # Each record adds about 1.5 KB of zip and pickle headers to its bytes.
     check_space(out, total + 2048 * sum(len(c) for c in plans)
                  + sum(len(record) for _, record in objects))
-    if on_start is not None:
-        on_start(total)
+    if output.on_start is not None:
+        output.on_start(total)
     def read(tc: tuple[Tensor, PlannedChunk]) -> bytes | bytearray:
         t, c = tc
         return tensors.read_range(reader, t, c.start, c.stop)
@@ -288,7 +301,7 @@ def _to_dcp(ckpt: Checkpoint, reader: Reader, out: Path, num_ranks: int, prefix:
     # Read ahead in threads, written in order; closed (pending reads cancelled) on any exit.
     with AtomicOutputs(out, check=lambda: _check_dcp_output(out, overwrite)) as outputs, \
             contextlib.closing(
-            _in_order(read, pieces, workers)) as data:
+            _in_order(read, pieces, output.workers)) as data:
         writer = DcpWriter(outputs.create, pwrite_all, str(out))
         for (name, t), chunks in zip(stored, plans, strict=True):
             key, path = name, (t.path if name == t.name else (name,))
@@ -324,9 +337,10 @@ def _check_dcp_output(out: Path, overwrite: bool) -> None:
                           "--overwrite to replace it or choose an empty directory")
 
 
-def _to_safetensors(ckpt: Checkpoint, reader: Reader, out: Path, max_shard_size: int,
-                    overwrite: bool, report: ReshardReport, progress: Progress | None,
-                    on_start: Callable[[int], None] | None, workers: int) -> None:
+def _to_safetensors(ckpt: Checkpoint, reader: Reader, output: _Output, max_shard_size: int
+                    ) -> None:
+    out, overwrite, report = output.path, output.overwrite, output.report
+    progress = output.progress
     stored = {t.stored_name: t.tensor for t in ckpt.tensors}
     files, index = safetensors.plan_files([(t.name, t.dtype, t.shape) for t in stored.values()],
                                           max_shard_size)
@@ -345,8 +359,8 @@ def _to_safetensors(ckpt: Checkpoint, reader: Reader, out: Path, max_shard_size:
     check_existing()
     total = sum(t.nbytes for t in stored.values())
     check_space(out, sum(f.layout.file_size for f in files) + len(index or b""))
-    if on_start is not None:
-        on_start(total)
+    if output.on_start is not None:
+        output.on_start(total)
     # Under the output's lock, OUT is looked at again: another run may have written it.
     with AtomicOutputs(out, check=check_existing) as outputs:
         jobs = []
@@ -361,11 +375,11 @@ def _to_safetensors(ckpt: Checkpoint, reader: Reader, out: Path, max_shard_size:
             if progress is not None:
                 progress(slot.nbytes)
 
-        if workers <= 1:
+        if output.workers <= 1:
             for job in jobs:
                 copy(job)
         else:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
+            with ThreadPoolExecutor(max_workers=output.workers) as pool:
                 list(pool.map(copy, jobs))
         if index is not None:
             outputs.write_bytes(safetensors.INDEX_NAME, index)
