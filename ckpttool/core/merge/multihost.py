@@ -205,11 +205,16 @@ class Team:
         return self.group.rank == 0
 
     def once(self, decide: Callable[[], Any]) -> Any:
+        return self.on_first(decide, "before the copy")
+
+    def on_first(self, run: Callable[[], Any], what: str) -> Any:
+        """``run()`` (JSON-able) on rank 0, its result on every process; an error raised
+        there is raised on every process (on the others as rank 0's, failing ``what``)."""
         result: dict[str, Any] | None = None
         failure: BaseException | None = None
         if self.first:
             try:
-                result = {"value": decide()}
+                result = {"value": run()}
             except Exception as e:  # noqa: BLE001 - sent to the others, then raised here
                 failure = e
                 result = _status(e)
@@ -218,7 +223,7 @@ class Team:
             raise failure
         assert result is not None
         if "error" in result:
-            _raise_from(result, 0, "before the copy")
+            _raise_from(result, 0, what)
         return result["value"]
 
     def _agree(self, failure: BaseException | None, what: str) -> None:
@@ -265,20 +270,12 @@ class Team:
                 except Exception as e:  # noqa: BLE001 - told to the others, then raised
                     failure = e
                 self._agree(failure, "copying its share")
-                done: dict[str, Any] | None = None
-                if self.first:
-                    try:
-                        check_headers(plan, {f.name: paths[i] for i, f in enumerate(plan.files)})
-                        commit_outputs(outputs, plan, extra, overwrite=writing.overwrite,
-                                       stem=stem)
-                    except Exception as e:  # noqa: BLE001 - told to the others, then raised
-                        failure = e
-                        done = _status(e)
-                done = self.group.broadcast(done)
-                if failure is not None:
-                    raise failure
-                if done is not None:
-                    _raise_from(done, 0, "putting the output in place")
+
+                def commit() -> None:
+                    check_headers(plan, {f.name: paths[i] for i, f in enumerate(plan.files)})
+                    commit_outputs(outputs, plan, extra, overwrite=writing.overwrite, stem=stem)
+
+                self.on_first(commit, "putting the output in place")
         except BaseException:
             # Rank 0 removes what it made (AtomicOutputs); the others too, in case rank 0 is
             # the one that is gone: the names are known to all.

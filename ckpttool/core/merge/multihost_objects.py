@@ -49,8 +49,6 @@ from ckpttool.core.merge.multihost import (
     Team,
     _fault,
     _local_workers,
-    _raise_from,
-    _status,
     plan_key,
     slices_done,
 )
@@ -127,18 +125,11 @@ class StoreShare:
         except Exception as e:  # noqa: BLE001 - told to the others, then raised
             failure = e
         inner._agree(failure, "uploading its parts")
-        done: dict[str, Any] | None = None
-        if inner.first:
-            try:
-                self._finish(plan, extra, writing)
-            except Exception as e:  # noqa: BLE001 - told to the others, then raised
-                failure = e
-                done = _status(e)
-        done = group.broadcast(done)
-        if failure is not None:
-            raise failure
-        if done is not None:
-            _raise_from(done, 0, "putting the output in place")
+
+        def commit() -> None:
+            self._finish(plan, extra, writing)
+
+        inner.on_first(commit, "putting the output in place")
         assert sharing is not None
         return sharing
 
