@@ -266,9 +266,11 @@ def _merge(src: str | os.PathLike[str], out: str | os.PathLike[str], options: Me
         if not optimizer and mode != "adapter":
             held = functools.partial(_contract, plan, files, report, out_path,
                                      weights_only=writing.weights_only)
-            # Where it imports the consumer, beside the streaming, joined before publishing
+            # Where it imports the consumer, beside the streaming, joined before publishing;
+            # first where the output is written in resumable pieces (a broken contract
+            # must leave none behind) or shared
             if (writing.dry_run or share.shared is not None or writing.weights_only
-                    or not contract.built_here(files.config)):
+                    or resume.wanted(plan) or not contract.built_here(files.config)):
                 report.contract = held()
             else:
                 pending = contract.Beside(held)
