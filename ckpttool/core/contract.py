@@ -401,6 +401,10 @@ class Beside(Generic[T]):
         except BaseException as e:  # re-raised by join, in the caller's thread
             self._error = e
 
+    def wait(self) -> None:
+        """:meth:`join`, for a check before publishing (it raises, or returns nothing)."""
+        self.join()
+
     def join(self) -> T:
         self._thread.join()
         if self._error is not None:

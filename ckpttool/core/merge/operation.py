@@ -276,7 +276,7 @@ def _merge(src: str | os.PathLike[str], out: str | os.PathLike[str], options: Me
                 pending = contract.Beside(held)
         # A dry run stops here: the plan it reports is the one a merge would write.
         if not writing.dry_run:
-            with (guards.before_publish(pending.join) if pending is not None
+            with (guards.before_publish(pending.wait) if pending is not None
                   else contextlib.nullcontext()):
                 report.distributed, report.resumed = _write(
                     plan, reader, out_path, extra, stem, writing, share, progress=progress,
