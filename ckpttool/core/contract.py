@@ -29,10 +29,11 @@ import functools
 import importlib
 import json
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from ckpttool.core import contract_cache, quantization
 from ckpttool.core.runtime.report import Section, section
@@ -362,6 +363,54 @@ def expected(config: Mapping[str, Any], *, loader: str = "transformers") -> Expe
     if loader not in LOADERS:
         raise UsageError(f"unknown loader {loader!r}; choose one of {', '.join(LOADERS)}")
     return _expected_cached(loader, json.dumps(config, sort_keys=True, default=str))
+
+
+def built_here(config: Mapping[str, Any] | None, *, loader: str = "transformers") -> bool:
+    """True where :func:`check` for ``config`` would build the consumer (import its package
+    and the model's modules: seconds of CPU), False where it costs no import: no config, a
+    loader that keeps nothing, or what it takes for this config and these package versions
+    kept on disk (:mod:`~ckpttool.core.contract_cache`). Reads no package."""
+    if config is None or loader not in LOADERS or not LOADERS[loader].packages:
+        return False
+    name = contract_cache.key(loader, json.dumps(config, sort_keys=True, default=str),
+                              LOADERS[loader].packages)
+    return name is not None and contract_cache.load(name) is None
+
+
+T = TypeVar("T")
+
+
+class Beside(Generic[T]):
+    """``fn`` run in a thread of its own while the caller streams the output; :meth:`join`
+    waits for it and returns what it returned, or raises what it raised (every time it is
+    called). A merge joins it before publishing (:mod:`ckpttool.core.merge.guards`), so a
+    broken contract still publishes nothing and exits as before; the consumer's imports
+    (about 4 s of CPU, single-threaded) then overlap the streaming instead of preceding it."""
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self._fn = fn
+        self._result: T | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ckpttool-contract",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = self._fn()
+        except BaseException as e:  # re-raised by join, in the caller's thread
+            self._error = e
+
+    def wait(self) -> None:
+        """:meth:`join`, for a check before publishing (it raises, or returns nothing)."""
+        self.join()
+
+    def join(self) -> T:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
 
 
 def check(planned: Shapes, config: Mapping[str, Any] | None, *,

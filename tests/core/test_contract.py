@@ -642,3 +642,44 @@ def test_a_quantized_model_is_held_to_its_quantized_layout() -> None:
     blocked |= {name + "_blocks": (4, 2, 16), name + "_scales": (4, 2)}
     got = contract.check(blocked, mx)
     assert not got.missing and not got.misshapen and not got.extra
+
+
+def test_a_first_run_checks_beside_the_streaming_and_publishes_nothing_when_broken(
+        llama: tuple[Any, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the check builds the class (no entry kept for the config), it runs in a thread
+    beside the streaming and is joined before publishing: the same result, the same exit 3
+    with nothing left behind, and no build where the entry is kept."""
+    src = _variant(llama, "good")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    contract._expected_cached.cache_clear()
+    started: list[object] = []
+    real = contract.Beside
+
+    def beside(fn: Any) -> Any:
+        started.append(fn)
+        return real(fn)
+
+    monkeypatch.setattr(contract, "Beside", beside)
+    config = json.loads((src / "config.json").read_text())
+    assert contract.built_here(config) and not contract.built_here(None)
+    report = ckpttool.merge(src, tmp_path / "a")
+    assert len(started) == 1 and report.contract.checked and not report.contract.missing
+    assert not contract.built_here(config)
+    ckpttool.merge(src, tmp_path / "b")  # kept: checked first, no thread
+    assert len(started) == 1
+    broken = _variant(llama, "missing", lambda s: s.pop("model.norm.weight"))
+    r = _process(tmp_path / "cache-2", "-m", "ckpttool", "merge", broken, tmp_path / "c")
+    assert r.returncode == 3 and "'model.norm.weight' is missing" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "c").exists()
+
+
+def test_beside_returns_or_raises_in_the_joining_thread() -> None:
+    assert contract.Beside(lambda: 3).join() == 3
+
+    def broken() -> int:
+        raise ckpttool.InputError("no")
+
+    pending = contract.Beside(broken)
+    for _ in range(2):
+        with pytest.raises(ckpttool.InputError, match="no"):
+            pending.join()

@@ -30,7 +30,7 @@ from ckpttool.core.checkpoint.discover import Checkpoint, discover, open_reader,
 from ckpttool.core.checkpoint.names import detected_wrappers
 from ckpttool.core.checkpoint.parts import MERGEABLE
 from ckpttool.core.dtype_policy import DTypePolicy
-from ckpttool.core.merge import megatron_buckets, megatron_optimizer, resume
+from ckpttool.core.merge import guards, megatron_buckets, megatron_optimizer, resume
 from ckpttool.core.merge.checked import checked
 from ckpttool.core.merge.engine import check_existing, commit_outputs, write
 from ckpttool.core.merge.optimizer import OPTIMIZER_JSON, optimizer_json
@@ -263,14 +263,27 @@ def _merge(src: str | os.PathLike[str], out: str | os.PathLike[str], options: Me
                           drop=drop, stem=stem)
         extra = _side_files(report, whole, ckpt, reader, files, adapted, plan, sources,
                             recoded)
+        pending = None
         if not optimizer and mode != "adapter":
-            report.contract = _contract(plan, files, report, out_path,
-                                        weights_only=writing.weights_only)
+            held = functools.partial(_contract, plan, files, report, out_path,
+                                     weights_only=writing.weights_only)
+            # Where it imports the consumer, beside the streaming, joined before publishing;
+            # first where the output is written in resumable pieces (a broken contract
+            # must leave none behind) or shared
+            if (writing.dry_run or share.shared is not None or writing.weights_only
+                    or resume.wanted(plan) or not contract.built_here(files.config)):
+                report.contract = held()
+            else:
+                pending = contract.Beside(held)
         # A dry run stops here: the plan it reports is the one a merge would write.
         if not writing.dry_run:
-            report.distributed, report.resumed = _write(
-                plan, reader, out_path, extra, stem, writing, share, progress=progress,
-                on_start=on_start)
+            with (guards.before_publish(pending.wait) if pending is not None
+                  else contextlib.nullcontext()):
+                report.distributed, report.resumed = _write(
+                    plan, reader, out_path, extra, stem, writing, share, progress=progress,
+                    on_start=on_start)
+        if pending is not None:
+            report.contract = pending.join()
     _summarise(report, ckpt, plan, dict(extra).get(OPTIMIZER_JSON), dry_run=writing.dry_run,
                shared=share.shared)
     report.seconds = round(time.perf_counter() - started, 3)
