@@ -101,6 +101,7 @@ class Mirror:
                            "what is "
                            "read may be incomplete")
             self.objects = self._usable(objects)
+            self._listing = _tree(self.objects)
             self._build()
         except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)
@@ -242,6 +243,44 @@ class Mirror:
         finally:
             store.close()
 
+    def _rel(self, path: Path) -> str | None:
+        """``path`` relative to the mirror's directory ("" for itself); None outside it."""
+        if not self.covers(path):
+            return None
+        rel = path.relative_to(self.dir).as_posix()
+        return "" if rel == "." else rel
+
+    # What the listing says, never the local directory: the objects themselves.
+
+    def file_size(self, path: Path) -> int | None:
+        rel = self._rel(path)
+        if rel is None:
+            return LOCAL.file_size(path)
+        found = self.objects.get(rel)
+        return None if found is None else found[0]
+
+    def is_dir(self, path: Path) -> bool:
+        rel = self._rel(path)
+        return LOCAL.is_dir(path) if rel is None else rel in self._listing
+
+    def listdir(self, directory: Path) -> dict[str, int | None]:
+        rel = self._rel(directory)
+        if rel is None:
+            return LOCAL.listdir(directory)
+        return dict(self._listing.get(rel, {}))
+
+    def read_small(self, path: Path, kind: sidefiles.Kind) -> bytes:
+        rel = self._rel(path)
+        if rel is None:
+            return LOCAL.read_small(path, kind)
+        if rel not in self.objects:
+            raise FileNotFoundError(str(path))
+        store = self.open(path.parent, metadata_name=path.name)
+        try:
+            return store.read_small(path.name, kind)
+        finally:
+            store.close()
+
     # --
 
     def to_url(self, text: str) -> str:
@@ -284,6 +323,32 @@ class Mounts:
     def side_file(self, path: Path, kind: sidefiles.Kind
                   ) -> contextlib.AbstractContextManager[BinaryIO]:
         return self._of(path.parent).side_file(path, kind)
+
+    def file_size(self, path: Path) -> int | None:
+        return self._of(path).file_size(path)
+
+    def is_dir(self, path: Path) -> bool:
+        return self._of(path).is_dir(path)
+
+    def listdir(self, directory: Path) -> dict[str, int | None]:
+        return self._of(directory).listdir(directory)
+
+    def read_small(self, path: Path, kind: sidefiles.Kind) -> bytes:
+        return self._of(path).read_small(path, kind)
+
+
+def _tree(objects: dict[str, tuple[int, str]]) -> dict[str, dict[str, int | None]]:
+    """Each "directory" of a listing ("" for the top) -> what lies directly in it: a file's
+    name -> its size, a subdirectory's -> None."""
+    tree: dict[str, dict[str, int | None]] = {"": {}}
+    for rel, (size, _) in objects.items():
+        parent, _, name = rel.rpartition("/")
+        tree.setdefault(parent, {})[name] = size
+        while parent:
+            up, _, sub = parent.rpartition("/")
+            tree.setdefault(up, {})[sub] = None
+            parent = up
+    return tree
 
 
 def _inside(base: Path, target: Path) -> bool:
