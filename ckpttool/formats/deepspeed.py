@@ -153,11 +153,14 @@ def _unsupported_layout(path: Path) -> str | None:
     return None
 
 
-def detect(path: Path) -> bool:
+def detect(path: Path, stores: Stores = LOCAL) -> bool:
     """A tag directory, or a directory with ``latest`` beside one (even when ``latest`` names
     another: ``read_info`` then says so, rather than a stale tag being merged unnoticed), or a
-    DeepSpeed layout that ``read_info`` refuses by name."""
-    if not path.is_dir():
+    DeepSpeed layout that ``read_info`` refuses by name.
+
+    Not yet through ``stores`` past the first test: the rest reads local paths (a remote
+    checkpoint's through its local mirror, :mod:`ckpttool.storage.mirror`)."""
+    if not stores.is_dir(path):
         return False
     if is_tag_dir(path) or _unsupported_layout(path) is not None:
         return True

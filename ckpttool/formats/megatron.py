@@ -96,19 +96,16 @@ def iteration_name(number: int | str) -> str:
     return "release" if number == "release" else f"iter_{int(number):07d}"
 
 
-def _looks_like_iteration(path: Path) -> bool:
+def _looks_like_iteration(path: Path, stores: Stores) -> bool:
     """An ``iter_*`` directory as a save leaves it, complete or not (names only)."""
-    if not path.is_dir() or not _is_iter_name(path.name):
+    if not _is_iter_name(path.name):
         return False
-    try:
-        names = {p.name for p in path.iterdir()}
-    except OSError:
-        return False
+    names = set(stores.listdir(path))
     return bool(names & {METADATA_JSON, reader.METADATA_FILE, COMMON}) or any(
         n.endswith(reader.DATA_SUFFIX) or _LEGACY_RE.match(n) for n in names)
 
 
-def _read_tracker(run: Path, *, strict: bool = False) -> str | None:
+def _read_tracker(run: Path, *, strict: bool = False, stores: Stores = LOCAL) -> str | None:
     """What the run's tracker says, or None where there is none (or, unless ``strict``, it
     is not a small regular file: recognising never waits on a FIFO).
 
@@ -117,7 +114,7 @@ def _read_tracker(run: Path, *, strict: bool = False) -> str | None:
     """
     tracker = run / TRACKER
     try:
-        data = sidefiles.read_checked(tracker, _TRACKER)
+        data = stores.read_small(tracker, _TRACKER)
     except FileNotFoundError:
         return None
     except InputError:
@@ -129,22 +126,20 @@ def _read_tracker(run: Path, *, strict: bool = False) -> str | None:
     return data.decode("utf-8", "replace").strip()
 
 
-def iterations(run: Path) -> list[str]:
+def iterations(run: Path, stores: Stores = LOCAL) -> list[str]:
     """The ``iter_*`` directories of a run, sorted by iteration."""
-    try:
-        found = [p.name for p in run.iterdir() if p.is_dir() and _ITER_RE.match(p.name)]
-    except OSError:
-        return []
+    found = [n for n, size in stores.listdir(run).items()
+             if size is None and _ITER_RE.match(n) and stores.is_dir(run / n)]
     return sorted(found, key=lambda n: int(n[5:]))
 
 
-def detect(path: Path) -> bool:
+def detect(path: Path, stores: Stores = LOCAL) -> bool:
     """A run directory (``latest_checkpointed_iteration.txt`` beside an ``iter_*``) or an
     ``iter_*`` directory itself, complete or not (``read_info`` says what is missing)."""
-    if _looks_like_iteration(path):
+    if _looks_like_iteration(path, stores):
         return True
-    return path.is_dir() and _read_tracker(path) is not None and (
-        bool(iterations(path)) or (path / "release").is_dir())
+    return stores.is_dir(path) and _read_tracker(path, stores=stores) is not None and (
+        bool(iterations(path, stores)) or stores.is_dir(path / "release"))
 
 
 def pending(path: Path) -> str | None:

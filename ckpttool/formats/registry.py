@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 
 from ckpttool.errors import UsageError
 from ckpttool.formats.base import Format
+from ckpttool.storage.store import LOCAL, Stores
 
 # Each format module is imported when it is first tried on a path (or asked for by name), not
 # when the registry is: the merge of a Megatron run needs the megatron and DCP modules only,
@@ -66,17 +67,18 @@ def formats() -> Iterator[Format]:
     return (e.load() for e in _ENTRIES)
 
 
-def detect(path: Path) -> Format | None:
+def detect(path: Path, stores: Stores = LOCAL) -> Format | None:
     """The format that claims ``path`` (a file or directory), or None. Formats are tried in
     order, each imported when its turn comes; a path that is not a directory is tried only
-    against the formats that claim files (the others' ``detect`` begins by refusing it)."""
-    is_dir = path.is_dir()
-    if not is_dir and not path.is_file():
+    against the formats that claim files (the others' ``detect`` begins by refusing it).
+    ``stores``: where the bytes below ``path`` are (what lists and reads it)."""
+    is_dir = stores.is_dir(path)
+    if not is_dir and stores.file_size(path) is None:
         return None
     for entry in _ENTRIES:
         if is_dir or entry.files:
             fmt = entry.load()
-            if fmt.detect(path):
+            if fmt.detect(path, stores):
                 return fmt
     return None
 

@@ -149,8 +149,8 @@ class Stores(Protocol):
         ...
 
     def listdir(self, directory: Path) -> dict[str, int | None]:
-        """What lies directly in ``directory``: each regular file's name -> its size, each
-        subdirectory's -> None (nothing else is listed); empty when it is no directory."""
+        """What lies directly in ``directory``: each regular file's name -> its size, any
+        other entry's (a subdirectory, a FIFO...) -> None; empty when it is no directory."""
         ...
 
     def read_small(self, path: Path, kind: sidefiles.Kind) -> bytes:
@@ -219,12 +219,9 @@ class LocalStores:
         with entries:
             for e in entries:
                 try:
-                    if e.is_dir():
-                        found[e.name] = None
-                    elif e.is_file():
-                        found[e.name] = e.stat().st_size
+                    found[e.name] = e.stat().st_size if e.is_file() else None
                 except OSError:
-                    continue
+                    found[e.name] = None
         return found
 
     def read_small(self, path: Path, kind: sidefiles.Kind) -> bytes:

@@ -92,8 +92,11 @@ def _model_files(path: Path) -> list[RankFile]:
     return sorted(found, key=lambda f: (f.rank, f.world_size))
 
 
-def detect(path: Path) -> bool:
-    return path.is_dir() and (is_rank_files_dir(path) or _titan_backend(path) is not None)
+def detect(path: Path, stores: Stores = LOCAL) -> bool:
+    """Not yet through ``stores`` past the first test: the rest reads local paths (a remote
+    checkpoint's through its local mirror, :mod:`ckpttool.storage.mirror`)."""
+    return stores.is_dir(path) and (is_rank_files_dir(path)
+                                    or _titan_backend(path) is not None)
 
 
 # torchtitan's second checkpoint backend, torch_checkpointing: per step one
