@@ -14,7 +14,6 @@ import math
 import os
 import re
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
