@@ -74,7 +74,6 @@ class Mirror:
         self.url = self.remote.parse(value)
         self.data_suffixes = tuple(data_suffixes)
         self.by_store = tuple(by_store)
-        self._placed: set[str] = set()  # by_store files left as placeholders
         self._warn = warn or _stderr
         objects = self.remote.list_objects(self.url)
         self.tmp = Path(tempfile.mkdtemp(prefix=f"ckpttool-{remote.scheme(value)}-"))
@@ -151,7 +150,6 @@ class Mirror:
                 elif rel.endswith(self.by_store) and self.by_store:
                     with open(target, "wb") as f:
                         f.truncate(size)  # read through the Stores only: by ranged GETs
-                    self._placed.add(rel)
                 else:
                     raise UnsupportedError(
                         f"{self.base_url.child(rel)}: a {size:,}-byte file that ckpttool reads "
@@ -207,11 +205,13 @@ class Mirror:
 
     @contextlib.contextmanager
     def side_file(self, path: Path, kind: sidefiles.Kind) -> Iterator[BinaryIO]:
-        rel = path.relative_to(self.dir).as_posix() if self.covers(path.parent) else None
-        if rel not in self._placed:  # downloaded whole (or not the mirror's): read locally
+        rel = self._rel(path)
+        if rel is None:  # not the mirror's: a local file
             with LOCAL.side_file(path, kind) as f:
                 yield f
             return
+        if rel not in self.objects:
+            raise FileNotFoundError(str(path))
         store = self.open(path.parent, metadata_name=path.name)
         try:
             size = store.size(path.name)
