@@ -83,7 +83,7 @@ def detect(path: Path, stores: Stores = LOCAL) -> Format | None:
     return None
 
 
-def select_iteration(path: Path, iteration: int) -> Path:
+def select_iteration(path: Path, iteration: int, stores: Stores = LOCAL) -> Path:
     """The directory of iteration ``iteration`` of the training run at ``path`` (Megatron-Core's
     ``iter_NNNNNNN/``: the only format whose directory holds a run of iterations).
 
@@ -93,12 +93,12 @@ def select_iteration(path: Path, iteration: int) -> Path:
     """
     from ckpttool.formats import megatron
 
-    if not megatron.detect(path):
+    if not megatron.detect(path, stores):
         raise UsageError(
             f"{path}: --iteration {iteration} picks one iteration of a Megatron-Core run "
             f"directory ({megatron.TRACKER} beside iter_*/); this is not one: pass the "
             "checkpoint without --iteration")
-    return megatron.resolve(path, iteration)
+    return megatron.resolve(path, iteration, stores)
 
 
 def by_name(name: str) -> Format:

@@ -211,7 +211,7 @@ class Mirror:
                 yield f
             return
         if rel not in self.objects:
-            raise FileNotFoundError(str(path))
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
         store = self.open(path.parent, metadata_name=path.name)
         try:
             size = store.size(path.name)
@@ -253,7 +253,7 @@ class Mirror:
         if rel is None:
             return LOCAL.read_small(path, kind)
         if rel not in self.objects:
-            raise FileNotFoundError(str(path))
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
         store = self.open(path.parent, metadata_name=path.name)
         try:
             return store.read_small(path.name, kind)

@@ -6,6 +6,8 @@ own ranged GET (``_get_range``: retries, ETag pinning, errors in the user's term
 from __future__ import annotations
 
 import bisect
+import errno
+import os
 import random
 import threading
 import time
@@ -205,7 +207,8 @@ class RemoteStore:
         """Its listed size checked against ``kind``'s cap, then one ranged read."""
         found = self.objects.get(name)
         if found is None:
-            raise FileNotFoundError(str(self.path(name)))
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT),
+                                    str(self.path(name)))
         sidefiles.check_size(self.path(name), found[0], kind)
         return self.read_exact(name, 0, found[0], what=kind.what)
 

@@ -64,7 +64,10 @@ WRITERS: dict[str, Callable[[pytest.FixtureRequest, Path], Path]] = {
     "safetensors": lambda req, tmp: _sharded(tmp, True),
     "torch-save-sharded": lambda req, tmp: _sharded(tmp, False),
     "torch-save": lambda req, tmp: _single_pt(tmp),
+    # A run directory (tracker beside iter_*/), as Megatron-LM wrote it (committed).
+    "megatron": lambda req, tmp: MEGATRON_RUN,
 }
+MEGATRON_RUN = Path(__file__).parents[1] / "data" / "megatron_lm" / "llama-release"
 
 
 def _same(remote: CheckpointInfo, local: CheckpointInfo) -> None:

@@ -331,9 +331,9 @@ def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | N
     """
     given = Path(path)
     if iteration is not None:
-        if not given.exists():
+        if not stores.is_dir(given) and given.name not in stores.listdir(given.parent):
             raise InputError(f"{given}: no such file or directory")
-        given = registry.select_iteration(given, iteration)
+        given = registry.select_iteration(given, iteration, stores)
     return replace(_discover(given, config, require, command, prefer, stores),
                    stores=stores)
 
