@@ -93,4 +93,4 @@ def read_info(path: str | Path, *, stores: Stores = LOCAL) -> CheckpointInfo:
         format=NAME, root=root, tensors=tuple(tensors.values()), objects=tuple(objects),
         files=tuple(DataFile(n, stores.file_size(root / n)) for n in shard_names),
         metadata_name=INDEX_NAME, problems=tuple(problems), values=values,
-        detail=Archives(views, entries))
+        detail=Archives(views, entries), single_file=False)

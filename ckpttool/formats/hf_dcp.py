@@ -118,4 +118,4 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
     return CheckpointInfo(
         format=NAME, root=root, tensors=tuple(tensors), objects=(),
         files=tuple(DataFile(f, stores.file_size(root / f)) for f in files),
-        metadata_name=f"the shards' {SHARDING_KEY}", sharded=True)
+        metadata_name=f"the shards' {SHARDING_KEY}", sharded=True, single_file=False)

@@ -541,7 +541,7 @@ def read_info(path: str | Path, *, stores: Stores = LOCAL) -> CheckpointInfo:
         format=NAME, root=root, tensors=tuple(tensors.values()), objects=(),
         files=tuple(DataFile(n, stores.file_size(base / n)) for n in shard_names),
         metadata_name=index.path.name if index else "the safetensors header",
-        problems=tuple(problems), stray=stray)
+        problems=tuple(problems), stray=stray, single_file=single)
 
 
 def _unindexed_set_problems(root: Path, shard_names: list[str]) -> list[Problem]:

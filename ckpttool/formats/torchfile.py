@@ -213,7 +213,7 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
         format=NAME, root=p, tensors=tuple(_tensor(p.name, v, crcs) for v in views.values()),
         objects=tuple(objects), files=(DataFile(p.name, size),),
         metadata_name="the torch.save archive", values=values,
-        detail=Archives(views, {p.name: tuple(entries.values())}))
+        detail=Archives(views, {p.name: tuple(entries.values())}), single_file=True)
 
 
 def _names_distributed_tensors(rb: archive.RecordBytes, entries: dict[str, ZipEntry]) -> bool:

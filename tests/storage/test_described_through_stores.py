@@ -92,7 +92,11 @@ def test_described_with_no_local_file(fmt: str, request: pytest.FixtureRequest,
         assert found is not None and fmt == found.NAME
         remote = found.read_info(mirror.local, stores=mirror)
         assert not mirror.dir.exists()
-    _same(remote, found.read_info(local))
+    mine = found.read_info(local)
+    _same(remote, mine)
+    # Where its file names are relative to, said without the local file system.
+    assert remote.base.relative_to(mirror.dir) == mine.base.relative_to(
+        local if local.is_dir() else local.parent)
 
 
 def test_a_training_directory_is_listed_through_the_stores(request: pytest.FixtureRequest

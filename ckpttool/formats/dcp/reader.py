@@ -212,7 +212,7 @@ def read_info(path: str | os.PathLike[str], *, lookup: Lookup | None = None,
     return CheckpointInfo(
         format=NAME, root=root, tensors=tuple(tensors), objects=tuple(objects),
         files=tuple(DataFile(f, stores.file_size(root / f)) for f in names),
-        metadata_name=metadata_name, sharded=True,
+        metadata_name=metadata_name, sharded=True, single_file=False,
         num_ranks=None if None in ranks_of else len(ranks_of),
         problems=tuple(problems) + tuple(p for _, r in per_file for p in r.nested.problems),
         values={k: v for _, r in per_file for k, v in r.nested.values.items()},
