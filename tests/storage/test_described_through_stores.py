@@ -58,12 +58,22 @@ def _single_pt(tmp: Path) -> Path:
     return out / "weights.pt"
 
 
+def _zero3(tmp: Path) -> Path:
+    """DeepSpeed's own ZeRO-3 save, 2 ranks (``latest`` beside the tag directory)."""
+    from tests import ds_layouts
+
+    if not ds_layouts.DEEPSPEED:
+        pytest.skip("deepspeed is not installed")
+    return ds_layouts.write_zero(tmp / "zero3", 3, 2)
+
+
 WRITERS: dict[str, Callable[[pytest.FixtureRequest, Path], Path]] = {
     "dcp": lambda req, tmp: req.getfixturevalue("tiny_dcp"),
     "dcp-safetensors": lambda req, tmp: req.getfixturevalue("hf_ckpt"),
     "safetensors": lambda req, tmp: _sharded(tmp, True),
     "torch-save-sharded": lambda req, tmp: _sharded(tmp, False),
     "torch-save": lambda req, tmp: _single_pt(tmp),
+    "deepspeed": lambda req, tmp: _zero3(tmp),
     # A run directory (tracker beside iter_*/), as Megatron-LM wrote it (committed).
     "megatron": lambda req, tmp: MEGATRON_RUN,
 }
