@@ -67,6 +67,14 @@ def _zero3(tmp: Path) -> Path:
     return ds_layouts.write_zero(tmp / "zero3", 3, 2)
 
 
+def _fsdp2_rank_files(tmp: Path) -> Path:
+    """FSDP2's per-rank DTensor state dicts, 2 ranks, with a verl optimizer set beside them
+    (:func:`tests.layouts.write_fsdp2`)."""
+    from tests import layouts
+
+    return layouts.write_fsdp2(tmp, 2, extras=True) / layouts.CKPT_DIR
+
+
 WRITERS: dict[str, Callable[[pytest.FixtureRequest, Path], Path]] = {
     "dcp": lambda req, tmp: req.getfixturevalue("tiny_dcp"),
     "dcp-safetensors": lambda req, tmp: req.getfixturevalue("hf_ckpt"),
@@ -74,6 +82,7 @@ WRITERS: dict[str, Callable[[pytest.FixtureRequest, Path], Path]] = {
     "torch-save-sharded": lambda req, tmp: _sharded(tmp, False),
     "torch-save": lambda req, tmp: _single_pt(tmp),
     "deepspeed": lambda req, tmp: _zero3(tmp),
+    "rank-files": lambda req, tmp: _fsdp2_rank_files(tmp),
     # A run directory (tracker beside iter_*/), as Megatron-LM wrote it (committed).
     "megatron": lambda req, tmp: MEGATRON_RUN,
 }

@@ -287,10 +287,11 @@ def _side_files(info: CheckpointInfo, stores: Stores
     notes = []
     own = {f.name for f in info.files}  # the checkpoint's data files are not side files
     # A set of per-rank files beside them (verl's optimizer state): checked as one.
-    for rank_set in rank_files.sets_beside(info.root, frozenset(own)):
+    for rank_set in rank_files.sets_beside(info.root, frozenset(own), stores):
         own.update(name for _, name in rank_set.files)
         try:
-            found.append((rank_set.pattern, rank_files.read_archives(info.root, rank_set)))
+            found.append((rank_set.pattern,
+                          rank_files.read_archives(info.root, rank_set, stores)))
         except (InputError, UnsupportedError) as e:
             notes.append(f"{rank_set.pattern}: not read ({e})")
     for name in sorted(stores.listdir(info.root)):
