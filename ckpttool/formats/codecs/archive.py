@@ -17,15 +17,6 @@ from ckpttool.errors import InputError, UnsupportedError
 ZIP_MAGIC = b"PK\x03\x04"
 
 
-def is_zip(file: str | os.PathLike[str]) -> bool:
-    """Whether ``file`` starts like a zip archive (what ``torch.save`` writes)."""
-    try:
-        with open(file, "rb") as f:
-            return f.read(4) == ZIP_MAGIC
-    except OSError:
-        return False
-
-
 # The zip end-of-central-directory record: torch.save writes it last, with no comment after it.
 _END_RECORD = b"PK\x05\x06"
 _END_RECORD_SIZE = 22
