@@ -371,6 +371,9 @@ class CheckpointInfo:
     # summary, merge and verify): DCP's {"serialization", "compression", "metadata"}.
     storage: dict[str, Any] = field(default_factory=dict)
     detail: Any = None  # the format's own notes for its reader; core never looks at them
+    # Whether ``root`` is one file (True) or a directory (False), as the format found it
+    # through its Stores; None: not said (``base`` then asks the local file system).
+    single_file: bool | None = None
 
     def tensor(self, name: str) -> Tensor:
         """The tensor stored under ``name``."""
@@ -382,7 +385,9 @@ class CheckpointInfo:
     @property
     def base(self) -> Path:
         """The directory that file names are relative to."""
-        return self.root if self.root.is_dir() else self.root.parent
+        if self.single_file is None:
+            return self.root if self.root.is_dir() else self.root.parent
+        return self.root.parent if self.single_file else self.root
 
 
 # --------------------------------------------------------------------------------------------
@@ -642,7 +647,7 @@ class Format(Protocol):
     SUMMARY: str  # what it looks like on disk (docs/formats.md)
     WRITTEN_BY: str  # which writers produce it (docs/formats.md)
 
-    def detect(self, path: Path) -> bool: ...
+    def detect(self, path: Path, stores: Stores = LOCAL) -> bool: ...
 
     def read_info(self, path: Path, *, stores: Stores = LOCAL) -> CheckpointInfo: ...
 

@@ -17,7 +17,7 @@ from ckpttool.errors import InputError
 from ckpttool.formats import safetensors, torchfile
 from ckpttool.formats.base import CheckpointInfo, DataFile, ObjectEntry, Problem, Tensor, error
 from ckpttool.formats.torchfile import ArchiveReader, Archives, View
-from ckpttool.storage.store import LOCAL, Store, Stores, file_size
+from ckpttool.storage.store import LOCAL, Store, Stores
 
 NAME = "torch-save-sharded"
 # What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
@@ -26,8 +26,8 @@ WRITTEN_BY = 'transformers / huggingface_hub with `safe_serialization=False`'
 INDEX_NAME = "pytorch_model.bin.index.json"
 
 
-def detect(path: Path) -> bool:
-    return path.is_dir() and (path / INDEX_NAME).is_file()
+def detect(path: Path, stores: Stores = LOCAL) -> bool:
+    return stores.file_size(path / INDEX_NAME) is not None
 
 
 def pending(path: Path) -> str | None:
@@ -50,7 +50,7 @@ def read_info(path: str | Path, *, stores: Stores = LOCAL) -> CheckpointInfo:
         InputError: the index is not one (no ``weight_map`` of names to plain file names).
     """
     root = Path(path)
-    index = safetensors.read_index(root / INDEX_NAME)
+    index = safetensors.read_index(root / INDEX_NAME, stores)
     shard_names = list(dict.fromkeys(index.weight_map.values()))
     problems: list[Problem] = []
     tensors: dict[str, Tensor] = {}
@@ -62,12 +62,12 @@ def read_info(path: str | Path, *, stores: Stores = LOCAL) -> CheckpointInfo:
     readable: set[str] = set()
     for name in shard_names:
         shard = root / name
-        if file_size(shard) is None:
+        if stores.file_size(shard) is None:
             problems.append(error("missing-file", f"{shard}: shard named in {INDEX_NAME} is "
                                   "missing; copy the whole directory again", file=name))
             continue
         try:
-            info = torchfile.read_info(shard)
+            info = torchfile.read_info(shard, stores=stores)
         except InputError as e:
             problems.append(error("header-corrupt", str(e), file=name))
             continue
@@ -91,6 +91,6 @@ def read_info(path: str | Path, *, stores: Stores = LOCAL) -> CheckpointInfo:
                                      for t in tensors.values()}.values()))
     return CheckpointInfo(
         format=NAME, root=root, tensors=tuple(tensors.values()), objects=tuple(objects),
-        files=tuple(DataFile(n, file_size(root / n)) for n in shard_names),
+        files=tuple(DataFile(n, stores.file_size(root / n)) for n in shard_names),
         metadata_name=INDEX_NAME, problems=tuple(problems), values=values,
-        detail=Archives(views, entries))
+        detail=Archives(views, entries), single_file=False)

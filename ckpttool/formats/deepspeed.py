@@ -40,6 +40,8 @@ AutoTP, ``layer_*``), mixture-of-experts (``expp_rank_*``, AutoEP), universal ch
 from __future__ import annotations
 
 import bisect
+import contextlib
+import errno
 import math
 import os
 import pickle
@@ -64,7 +66,7 @@ from ckpttool.formats.base import (
 from ckpttool.formats.codecs import archive, policy, torchsave
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage import sidefiles
-from ckpttool.storage.store import LOCAL, Store, Stores, file_size
+from ckpttool.storage.store import LOCAL, Store, Stores
 
 NAME = "deepspeed"
 # What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
@@ -92,38 +94,47 @@ _OBJECT_KEYS = ("global_steps", "global_samples", "skipped_steps", "dp_world_siz
 # Finding the directory
 
 
-def _names(directory: Path) -> list[str]:
+def _names(directory: Path, stores: Stores) -> list[str]:
+    """The regular files in ``directory``."""
+    return [n for n, size in stores.listdir(directory).items() if size is not None]
+
+
+def _subdirs(directory: Path, stores: Stores) -> list[Path]:
+    return [directory / n for n, size in stores.listdir(directory).items()
+            if size is None and stores.is_dir(directory / n)]
+
+
+def _is_zip(path: Path, stores: Stores) -> bool:
     try:
-        return [p.name for p in directory.iterdir() if p.is_file()]
-    except OSError:
-        return []
+        with stores.reading(path) as pread:
+            return pread(4, 0) == archive.ZIP_MAGIC
+    except (OSError, InputError):
+        return False
 
 
-def is_tag_dir(path: Path) -> bool:
+def is_tag_dir(path: Path, stores: Stores = LOCAL) -> bool:
     """True if ``path`` holds ZeRO optimizer-state and model-state files (names and zip magic
     only: a damaged one is still claimed, so that ``read_info`` says what is wrong)."""
-    if not path.is_dir():
-        return False
-    names = _names(path)
+    names = _names(path, stores)
     optim = sorted(n for n in names if _OPTIM_RE.match(n))
     model = [n for n in names if _MODEL_RE.match(n) or _ZERO3_MODEL_RE.match(n)]
-    return bool(optim) and bool(model) and archive.is_zip(path / optim[0])
+    return bool(optim) and bool(model) and _is_zip(path / optim[0], stores)
 
 
-def _read_latest(path: Path) -> str | None:
+def _read_latest(path: Path, stores: Stores = LOCAL) -> str | None:
     """The tag ``path/latest`` names, if it is a small regular file (None otherwise)."""
     try:
-        data = sidefiles.read_checked(path / LATEST, _LATEST)
+        data = stores.read_small(path / LATEST, _LATEST)
     except (OSError, InputError):  # recognising never waits on a FIFO nor reads a device
         return None
     return data.decode("utf-8", "replace").strip()
 
 
-def _latest_tag(path: Path) -> str | None:
-    tag = _read_latest(path)
+def _latest_tag(path: Path, stores: Stores) -> str | None:
+    tag = _read_latest(path, stores)
     if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or "\x00" in tag:
         return None
-    return tag if is_tag_dir(path / tag) else None
+    return tag if is_tag_dir(path / tag, stores) else None
 
 
 # A universal checkpoint (DeepSpeed's ds_to_universal.py): zero/<param>/fp32.pt and the
@@ -131,17 +142,17 @@ def _latest_tag(path: Path) -> str | None:
 UNIVERSAL_DIR = "zero"
 
 
-def _unsupported_layout(path: Path) -> str | None:
+def _unsupported_layout(path: Path, stores: Stores) -> str | None:
     """What a DeepSpeed directory ckpttool recognises but does not read is (for exit 4), or
     None: a universal checkpoint (or its zero/ directory), or model-state files of several
     tensor-parallel ranks without ZeRO optimizer files (AutoTP at ZeRO stage 0)."""
-    names = _names(path)
-    if (path / UNIVERSAL_DIR).is_dir() and "mp_rank_00_model_states.pt" in names:
+    names = _names(path, stores)
+    if stores.is_dir(path / UNIVERSAL_DIR) and "mp_rank_00_model_states.pt" in names:
         return (f"{path}: a DeepSpeed universal checkpoint (ds_to_universal.py: "
                 f"{UNIVERSAL_DIR}/<param>/fp32.pt); not supported yet. Merge the ZeRO "
                 "checkpoint it was converted from (the global_step<N> directory beside it)")
     if path.name == UNIVERSAL_DIR and "optimizer_state.pt" in names and any(
-            (p / "fp32.pt").is_file() for p in path.iterdir() if p.is_dir()):
+            stores.file_size(p / "fp32.pt") is not None for p in _subdirs(path, stores)):
         return (f"{path}: the parameter directory of a DeepSpeed universal checkpoint; not "
                 "supported yet. Merge the ZeRO checkpoint it was converted from")
     ranks = sorted(int(m.group(1)) for n in names if (m := _MODEL_RE.match(n)))
@@ -153,22 +164,19 @@ def _unsupported_layout(path: Path) -> str | None:
     return None
 
 
-def detect(path: Path) -> bool:
+def detect(path: Path, stores: Stores = LOCAL) -> bool:
     """A tag directory, or a directory with ``latest`` beside one (even when ``latest`` names
     another: ``read_info`` then says so, rather than a stale tag being merged unnoticed), or a
     DeepSpeed layout that ``read_info`` refuses by name."""
-    if not path.is_dir():
+    if not stores.is_dir(path):
         return False
-    if is_tag_dir(path) or _unsupported_layout(path) is not None:
+    if is_tag_dir(path, stores) or _unsupported_layout(path, stores) is not None:
         return True
-    if _read_latest(path) is None:
+    if _read_latest(path, stores) is None:
         return False
-    if _latest_tag(path) is not None:
+    if _latest_tag(path, stores) is not None:
         return True
-    try:
-        return any(is_tag_dir(p) for p in path.iterdir() if p.is_dir())
-    except OSError:
-        return False
+    return any(is_tag_dir(p, stores) for p in _subdirs(path, stores))
 
 
 def pending(path: Path) -> str | None:
@@ -254,17 +262,21 @@ class _File:
     size: int
 
 
-def _load(root: Path, name: str) -> _File:
+def _load(root: Path, name: str, stores: Stores) -> _File:
     path = root / name
     where = str(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror}") from e
-    try:
-        if not os.path.isfile(path):
+    size = stores.file_size(path)
+    if size is None:
+        if path.name in stores.listdir(path.parent):
             raise InputError(f"{path}: not a regular file; copy the checkpoint again")
-        rb, entries = archive.open_file_archive(fd, where, "copy the checkpoint again")
+        raise InputError(f"{path}: cannot read: {os.strerror(errno.ENOENT)}")
+    with contextlib.ExitStack() as opened:
+        try:
+            pread = opened.enter_context(stores.reading(path))
+        except OSError as e:
+            raise InputError(f"{path}: cannot read: {e.strerror}") from e
+        rb, entries = archive.open_file_archive(pread, where, "copy the checkpoint again",
+                                                size=size)
         try:
             value = torchsave.load_pickle(rb, entries, lookup=deepspeed_global)
         except torchsave.Refused as e:
@@ -283,8 +295,6 @@ def _load(root: Path, name: str) -> _File:
         except torchsave.PICKLE_ERRORS as e:
             raise InputError(f"{path}: corrupt pickle in torch.save file ({e}); copy it "
                              "again") from e
-    finally:
-        os.close(fd)
     if not isinstance(value, dict):
         raise InputError(f"{path}: holds a {type(value).__name__}, not a DeepSpeed state dict")
     return _File(name, path, value, entries, rb.length)
@@ -407,11 +417,11 @@ class _Param:
     chunks: list[Chunk]
 
 
-def _tag(root: Path) -> tuple[Path, str]:
+def _tag(root: Path, stores: Stores) -> tuple[Path, str]:
     """The tag directory and the prefix of file names relative to ``root``."""
-    if is_tag_dir(root):
+    if is_tag_dir(root, stores):
         return root, ""
-    tag = _read_latest(root)
+    tag = _read_latest(root, stores)
     if tag is None:
         raise InputError(f"{root}: no *_optim_states.pt files and no readable '{LATEST}' file; "
                          "pass the directory DeepSpeed saved (holding 'latest') or its "
@@ -419,7 +429,7 @@ def _tag(root: Path) -> tuple[Path, str]:
     if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or "\x00" in tag:
         raise InputError(f"{root / LATEST}: holds {tag[:80]!r}, not a tag directory name; "
                          "pass the global_step<N> directory itself")
-    if not is_tag_dir(root / tag):
+    if not is_tag_dir(root / tag, stores):
         raise InputError(f"{root / LATEST}: names '{tag}', which is not a DeepSpeed checkpoint "
                          "directory here; pass an existing global_step<N> directory instead")
     return root / tag, f"{tag}/"
@@ -435,13 +445,13 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
             read; a DeepSpeed class these pickles do not normally name.
     """
     root = Path(path)
-    unsupported = None if is_tag_dir(root) else _unsupported_layout(root)
+    unsupported = None if is_tag_dir(root, stores) else _unsupported_layout(root, stores)
     if unsupported is not None:
         raise UnsupportedError(unsupported)
-    tag_dir, prefix = _tag(root)
-    optim_files, flats, osd = _optimizer_files(root, tag_dir, prefix)
+    tag_dir, prefix = _tag(root, stores)
+    optim_files, flats, osd = _optimizer_files(root, tag_dir, prefix, stores)
     stage, world = osd["zero_stage"], len(optim_files)
-    model_files, params = _parameters(root, prefix, optim_files, flats, osd)
+    model_files, params = _parameters(root, prefix, optim_files, flats, osd, stores)
     m0 = model_files[0]
     module = _field(m0, m0.value, "module", dict)
     order = [k for k in module if isinstance(k, str) and k in params]
@@ -458,14 +468,14 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
         files=tuple(DataFile(f.name, f.size) for f in files),
         metadata_name="the DeepSpeed model-state and optimizer-state pickles", sharded=True,
         num_ranks=world, version=str(m0.value.get("ds_version") or "") or None, values=values,
-        detail=Detail({f.name: tuple(f.entries.values()) for f in files}))
+        detail=Detail({f.name: tuple(f.entries.values()) for f in files}), single_file=False)
 
 
-def _optimizer_files(root: Path, tag_dir: Path, prefix: str
+def _optimizer_files(root: Path, tag_dir: Path, prefix: str, stores: Stores
                      ) -> tuple[list[_File], list[list[_Flat]], dict[str, Any]]:
     """Every rank's optimizer-state file (checked to be one save's, of a layout ckpttool
     reads), each rank's fp32 partitions, and rank 0's optimizer state dict."""
-    names = _names(tag_dir)
+    names = _names(tag_dir, stores)
     for n in names:
         if _MOE_RE.match(n):
             raise UnsupportedError(f"{tag_dir / n}: a mixture-of-experts (expert-parallel) "
@@ -487,7 +497,7 @@ def _optimizer_files(root: Path, tag_dir: Path, prefix: str
             raise InputError(f"{tag_dir}: two optimizer-state files for rank {m.group(1)} "
                              f"({optim[int(m.group(1))]}, {n}); remove the stale one")
         optim[int(m.group(1))] = n
-    first = _load(root, prefix + optim[min(optim)])
+    first = _load(root, prefix + optim[min(optim)], stores)
     osd = _field(first, first.value, "optimizer_state_dict", dict)
     stage = osd.get("zero_stage")
     if stage not in _FP32_KEYS:
@@ -507,7 +517,7 @@ def _optimizer_files(root: Path, tag_dir: Path, prefix: str
                 else f"{len(optim)} optimizer-state files for a world of {world}")
         raise InputError(f"{tag_dir}: {what}; a rank did not finish saving or files of another "
                          "save are mixed in. Copy the whole checkpoint again")
-    optim_files = [first] + [_load(root, prefix + optim[r]) for r in range(1, world)]
+    optim_files = [first] + [_load(root, prefix + optim[r], stores) for r in range(1, world)]
     flats: list[list[_Flat]] = []
     for r, f in enumerate(optim_files):
         sd = _field(f, f.value, "optimizer_state_dict", dict)
@@ -524,7 +534,7 @@ def _optimizer_files(root: Path, tag_dir: Path, prefix: str
 
 
 def _parameters(root: Path, prefix: str, optim_files: list[_File], flats: list[list[_Flat]],
-                osd: dict[str, Any]) -> tuple[list[_File], dict[str, _Param]]:
+                osd: dict[str, Any], stores: Stores) -> tuple[list[_File], dict[str, _Param]]:
     """The model-state files and every parameter (trainable, frozen, buffers, shared
     aliases) as chunks of the fp32 partitions or of the model states."""
     stage, world = osd["zero_stage"], len(optim_files)
@@ -534,10 +544,10 @@ def _parameters(root: Path, prefix: str, optim_files: list[_File], flats: list[l
         model_names = [prefix + f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
                        for r in range(world)]
     for n in model_names:
-        if file_size(root / n) is None:
+        if stores.file_size(root / n) is None:
             raise InputError(f"{root / n}: missing; the ZeRO-{stage} model-state file names "
                              "the parameters. Copy the whole checkpoint again")
-    model_files = [_load(root, n) for n in model_names]
+    model_files = [_load(root, n, stores) for n in model_names]
     m0 = model_files[0]
     module = _field(m0, m0.value, "module", dict)
     param_shapes = _field(m0, m0.value, "param_shapes", list)

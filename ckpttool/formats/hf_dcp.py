@@ -18,7 +18,7 @@ from ckpttool.errors import InputError
 from ckpttool.formats import safetensors
 from ckpttool.formats.base import RAW, CheckpointInfo, Chunk, DataFile, Reader, Tensor
 from ckpttool.formats.codecs.dtypes import DType
-from ckpttool.storage.store import LOCAL, Store, Stores, file_size
+from ckpttool.storage.store import LOCAL, Store, Stores
 
 NAME = "dcp-safetensors"
 # What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
@@ -27,13 +27,15 @@ WRITTEN_BY = "PyTorch's `HuggingFaceStorageWriter`"
 SHARDING_KEY = "DCP_SHARDING_INFO"
 
 
-def _shard_files(path: Path) -> list[Path]:
-    return sorted(path.glob("*.safetensors"))
+def _shard_files(path: Path, stores: Stores) -> dict[str, int | None]:
+    """The ``*.safetensors`` entries in ``path``, by name: a regular file's size, else None."""
+    return {n: size for n, size in sorted(stores.listdir(path).items())
+            if n.endswith(".safetensors")}
 
 
-def _sharding_info(file: Path) -> dict[str, object] | None:
+def _sharding_info(file: Path, stores: Stores) -> dict[str, object] | None:
     try:
-        meta, _ = safetensors.read_layout(file)
+        meta, _ = safetensors.read_layout(file, stores=stores)
     except InputError:
         return None
     raw = meta.get(SHARDING_KEY)
@@ -46,15 +48,15 @@ def _sharding_info(file: Path) -> dict[str, object] | None:
     return info if isinstance(info, dict) else None
 
 
-def detect(path: Path) -> bool:
-    return path.is_dir() and is_hf_dcp_dir(path)
+def detect(path: Path, stores: Stores = LOCAL) -> bool:
+    return is_hf_dcp_dir(path, stores)
 
 
 def pending(path: Path) -> str | None:
     """HuggingFaceStorageWriter's distributed save writes no marker at the end: only the
     sizes its shard headers promise tell a shard still being written."""
-    for f in _shard_files(path):
-        why = safetensors.pending_file(f)
+    for f in _shard_files(path, LOCAL):
+        why = safetensors.pending_file(path / f)
         if why is not None:
             return why
     return None
@@ -65,10 +67,11 @@ def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> Reader:
     return Reader(info, store)
 
 
-def is_hf_dcp_dir(path: Path) -> bool:
+def is_hf_dcp_dir(path: Path, stores: Stores = LOCAL) -> bool:
     """True if ``path`` holds safetensors shards that carry DCP sharding offsets."""
-    first = next((f for f in _shard_files(path) if f.is_file()), None)
-    return first is not None and _sharding_info(first) is not None
+    first = next((n for n, size in _shard_files(path, stores).items() if size is not None),
+                 None)
+    return first is not None and _sharding_info(path / first, stores) is not None
 
 
 def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> CheckpointInfo:
@@ -79,15 +82,16 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
     """
     root = Path(path)
     pieces: dict[str, list[tuple[DType, Chunk]]] = {}
-    for file in _shard_files(root):
-        if not file.is_file():
+    for name, size in _shard_files(root, stores).items():
+        file = root / name
+        if size is None:
             raise InputError(f"{file}: not a regular file, where a shard of this checkpoint "
                              "belongs; copy the checkpoint again")
-        info = _sharding_info(file)
+        info = _sharding_info(file, stores)
         if info is None:
             raise InputError(f"{file}: safetensors shard without {SHARDING_KEY} metadata among "
                              "DCP shards; the directory mixes checkpoints")
-        for slot in safetensors.read_layout(file, exact=True)[1]:
+        for slot in safetensors.read_layout(file, exact=True, stores=stores)[1]:
             entry = info.get(slot.name)
             offsets = entry.get("saved_offsets") if isinstance(entry, dict) else None
             if not isinstance(offsets, list) or len(offsets) != len(slot.shape) or not all(
@@ -113,5 +117,5 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
     files = sorted({c.file for t in tensors for c in t.chunks})
     return CheckpointInfo(
         format=NAME, root=root, tensors=tuple(tensors), objects=(),
-        files=tuple(DataFile(f, file_size(root / f)) for f in files),
-        metadata_name=f"the shards' {SHARDING_KEY}", sharded=True)
+        files=tuple(DataFile(f, stores.file_size(root / f)) for f in files),
+        metadata_name=f"the shards' {SHARDING_KEY}", sharded=True, single_file=False)

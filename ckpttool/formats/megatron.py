@@ -63,7 +63,6 @@ from ckpttool.storage.store import (
     LOCAL,
     Store,
     Stores,
-    file_size,
     open_data_file,
     pread_of,
 )
@@ -96,19 +95,16 @@ def iteration_name(number: int | str) -> str:
     return "release" if number == "release" else f"iter_{int(number):07d}"
 
 
-def _looks_like_iteration(path: Path) -> bool:
+def _looks_like_iteration(path: Path, stores: Stores) -> bool:
     """An ``iter_*`` directory as a save leaves it, complete or not (names only)."""
-    if not path.is_dir() or not _is_iter_name(path.name):
+    if not _is_iter_name(path.name):
         return False
-    try:
-        names = {p.name for p in path.iterdir()}
-    except OSError:
-        return False
+    names = set(stores.listdir(path))
     return bool(names & {METADATA_JSON, reader.METADATA_FILE, COMMON}) or any(
         n.endswith(reader.DATA_SUFFIX) or _LEGACY_RE.match(n) for n in names)
 
 
-def _read_tracker(run: Path, *, strict: bool = False) -> str | None:
+def _read_tracker(run: Path, *, strict: bool = False, stores: Stores = LOCAL) -> str | None:
     """What the run's tracker says, or None where there is none (or, unless ``strict``, it
     is not a small regular file: recognising never waits on a FIFO).
 
@@ -117,7 +113,7 @@ def _read_tracker(run: Path, *, strict: bool = False) -> str | None:
     """
     tracker = run / TRACKER
     try:
-        data = sidefiles.read_checked(tracker, _TRACKER)
+        data = stores.read_small(tracker, _TRACKER)
     except FileNotFoundError:
         return None
     except InputError:
@@ -129,22 +125,20 @@ def _read_tracker(run: Path, *, strict: bool = False) -> str | None:
     return data.decode("utf-8", "replace").strip()
 
 
-def iterations(run: Path) -> list[str]:
+def iterations(run: Path, stores: Stores = LOCAL) -> list[str]:
     """The ``iter_*`` directories of a run, sorted by iteration."""
-    try:
-        found = [p.name for p in run.iterdir() if p.is_dir() and _ITER_RE.match(p.name)]
-    except OSError:
-        return []
+    found = [n for n, size in stores.listdir(run).items()
+             if size is None and _ITER_RE.match(n) and stores.is_dir(run / n)]
     return sorted(found, key=lambda n: int(n[5:]))
 
 
-def detect(path: Path) -> bool:
+def detect(path: Path, stores: Stores = LOCAL) -> bool:
     """A run directory (``latest_checkpointed_iteration.txt`` beside an ``iter_*``) or an
     ``iter_*`` directory itself, complete or not (``read_info`` says what is missing)."""
-    if _looks_like_iteration(path):
+    if _looks_like_iteration(path, stores):
         return True
-    return path.is_dir() and _read_tracker(path) is not None and (
-        bool(iterations(path)) or (path / "release").is_dir())
+    return stores.is_dir(path) and _read_tracker(path, stores=stores) is not None and (
+        bool(iterations(path, stores)) or stores.is_dir(path / "release"))
 
 
 def pending(path: Path) -> str | None:
@@ -155,26 +149,26 @@ def pending(path: Path) -> str | None:
     return None
 
 
-def resolve(path: Path, iteration: int | None = None) -> Path:
+def resolve(path: Path, iteration: int | None = None, stores: Stores = LOCAL) -> Path:
     """The iteration directory ``path`` means: itself, or the one the tracker (or
     ``iteration``) names in a run directory.
 
     Raises:
         InputError: the tracker names an iteration that is not there, or ``iteration`` is not.
     """
-    if _is_iter_name(path.name) and not (path / TRACKER).exists():
+    if _is_iter_name(path.name) and TRACKER not in stores.listdir(path):
         if iteration is not None:
             raise UsageError(f"{path}: is one iteration already; pass the run directory "
                              f"{path.parent} with --iteration {iteration}")
         return path
-    held = iterations(path)
+    held = iterations(path, stores)
     if iteration is not None:
         chosen = path / iteration_name(iteration)
-        if not chosen.is_dir():
+        if not stores.is_dir(chosen):
             raise InputError(f"{path}: has no iteration {iteration} ({chosen.name}); it holds "
                              f"{_listed(held)}")
         return chosen
-    named = _read_tracker(path, strict=True)
+    named = _read_tracker(path, strict=True, stores=stores)
     if named is None:
         raise InputError(f"{path}: {TRACKER} is missing or unreadable; pass one iteration "
                          f"directory ({_listed(held)})")
@@ -182,7 +176,7 @@ def resolve(path: Path, iteration: int | None = None) -> Path:
         raise InputError(f"{path / TRACKER}: holds {named[:32]!r}, not an iteration number; "
                          f"pass one iteration directory ({_listed(held)})")
     chosen = path / iteration_name(named)
-    if not chosen.is_dir():
+    if not stores.is_dir(chosen):
         raise InputError(f"{path / TRACKER}: names iteration {named}, but {chosen.name}/ is "
                          f"not there; it holds {_listed(held)}: pass one of them")
     return chosen
@@ -256,22 +250,26 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def read_common(path: Path) -> dict[str, Any] | UnreadableObject:
+def read_common(path: Path, stores: Stores = LOCAL) -> dict[str, Any] | UnreadableObject:
     """``common.pt``'s top-level entries as plain values (never executed), or why not.
 
     Raises:
         InputError: it is not a torch.save file, or is truncated or corrupt.
     """
     try:
-        fd = sidefiles.open_checked(path, sidefiles.COMMON_STATE)
+        with stores.side_file(path, sidefiles.COMMON_STATE) as f:
+            size = f.seek(0, 2)
+
+            def pread(n: int, offset: int) -> bytes:  # never past the end (a damaged size)
+                f.seek(offset)
+                return f.read(max(0, min(n, size - offset)))
+
+            rb, entries = archive.open_file_archive(
+                pread, str(path), "copy it again from the run's iteration directory",
+                size=size)
+            return _load_common(rb, entries, str(path), wrapped=False)
     except FileNotFoundError as e:
         raise InputError(f"{path}: cannot read: {e.strerror}") from None
-    try:
-        rb, entries = archive.open_file_archive(
-            fd, str(path), "copy it again from the run's iteration directory")
-        return _load_common(rb, entries, str(path), wrapped=False)
-    finally:
-        os.close(fd)
 
 
 # megatron-core 0.19 and later: the common state is one ShardedObject, ``common_state``,
@@ -430,24 +428,22 @@ def read_info(path: str | os.PathLike[str], *, iteration: int | None = None,
         UnsupportedError: ``--ckpt-format torch`` or another backend than ``torch_dist``.
     """
     given = Path(path)
-    root = resolve(given, iteration)
-    try:
-        names = sorted(p.name for p in root.iterdir())
-    except OSError as e:
-        raise InputError(f"{root}: cannot list: {e.strerror}") from None
+    root = resolve(given, iteration, stores)
+    listed = stores.listdir(root)
+    names = sorted(listed)
     if any(_LEGACY_RE.match(n) for n in names):
         raise UnsupportedError(
             f"{root}: a Megatron checkpoint in the legacy --ckpt-format torch layout "
             "(mp_rank_XX/model_optim_rng.pt per rank); not supported yet. Save with "
             "--ckpt-format torch_dist, or convert it with Megatron's checkpoint converter")
     if METADATA_JSON not in names:
-        complete = [n for n in iterations(root.parent) if (root.parent / n / METADATA_JSON)
-                    .is_file()]
+        complete = [n for n in iterations(root.parent, stores)
+                    if stores.file_size(root.parent / n / METADATA_JSON) is not None]
         hint = f"; complete iterations beside it: {_listed(complete)}" if complete else ""
         raise InputError(
             f"{root}: no {METADATA_JSON}, which Megatron writes last: this save is incomplete "
             f"(interrupted, or only partly copied){hint}")
-    config = _read_json(root / METADATA_JSON)
+    config = _read_json(root / METADATA_JSON, stores)
     backend = str(config.get("sharded_backend"))
     if backend != "torch_dist":
         raise UnsupportedError(f"{root}: a Megatron-Core checkpoint with the '{backend}' "
@@ -461,11 +457,11 @@ def read_info(path: str | os.PathLike[str], *, iteration: int | None = None,
     common: dict[str, Any] = {}
     objects = [replace(o, path=_path_of(o.name)) for o in base.objects]
     stored = common_state_entry(base.objects) if COMMON not in names else None
-    if stored is not None and not (root / (stored.file or "")).is_file():
+    if stored is not None and stores.file_size(root / (stored.file or "")) is None:
         stored = None  # a missing (or not regular) data file is a structure problem
     if COMMON in names or stored is not None:
         label = COMMON if stored is None else stored.name
-        read = (read_common(root / COMMON) if stored is None
+        read = (read_common(root / COMMON, stores) if stored is None
                 else read_common_state(root, stored, stores=stores))
         if isinstance(read, UnreadableObject):
             values[label] = read
@@ -504,7 +500,7 @@ def read_info(path: str | os.PathLike[str], *, iteration: int | None = None,
             "refuses it; the model merges", file=reader.METADATA_FILE))
     files = base.files
     if COMMON in names:  # a file of the checkpoint: verify checks it is there, never a side file
-        files = (*files, DataFile(COMMON, file_size(root / COMMON)))
+        files = (*files, DataFile(COMMON, stores.file_size(root / COMMON)))
     return replace(
         base, format=NAME, tensors=tuple(tensors), objects=tuple(objects), files=files,
         problems=tuple(problems), values=values,
@@ -561,9 +557,9 @@ def _iteration_of(root: Path) -> int | str | None:
     return int(m.group(1)) if m else ("release" if root.name == "release" else None)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path, stores: Stores) -> dict[str, Any]:
     try:
-        data = sidefiles.read_checked(path, sidefiles.METADATA_JSON)
+        data = stores.read_small(path, sidefiles.METADATA_JSON)
     except FileNotFoundError as e:
         raise InputError(f"{path}: cannot read: {e.strerror}") from None
     value = sidefiles.parse_json(data, path, next_step="the save is damaged")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 
 from ckpttool.errors import UsageError
 from ckpttool.formats.base import Format
+from ckpttool.storage.store import LOCAL, Stores
 
 # Each format module is imported when it is first tried on a path (or asked for by name), not
 # when the registry is: the merge of a Megatron run needs the megatron and DCP modules only,
@@ -66,22 +67,23 @@ def formats() -> Iterator[Format]:
     return (e.load() for e in _ENTRIES)
 
 
-def detect(path: Path) -> Format | None:
+def detect(path: Path, stores: Stores = LOCAL) -> Format | None:
     """The format that claims ``path`` (a file or directory), or None. Formats are tried in
     order, each imported when its turn comes; a path that is not a directory is tried only
-    against the formats that claim files (the others' ``detect`` begins by refusing it)."""
-    is_dir = path.is_dir()
-    if not is_dir and not path.is_file():
+    against the formats that claim files (the others' ``detect`` begins by refusing it).
+    ``stores``: where the bytes below ``path`` are (what lists and reads it)."""
+    is_dir = stores.is_dir(path)
+    if not is_dir and stores.file_size(path) is None:
         return None
     for entry in _ENTRIES:
         if is_dir or entry.files:
             fmt = entry.load()
-            if fmt.detect(path):
+            if fmt.detect(path, stores):
                 return fmt
     return None
 
 
-def select_iteration(path: Path, iteration: int) -> Path:
+def select_iteration(path: Path, iteration: int, stores: Stores = LOCAL) -> Path:
     """The directory of iteration ``iteration`` of the training run at ``path`` (Megatron-Core's
     ``iter_NNNNNNN/``: the only format whose directory holds a run of iterations).
 
@@ -91,12 +93,12 @@ def select_iteration(path: Path, iteration: int) -> Path:
     """
     from ckpttool.formats import megatron
 
-    if not megatron.detect(path):
+    if not megatron.detect(path, stores):
         raise UsageError(
             f"{path}: --iteration {iteration} picks one iteration of a Megatron-Core run "
             f"directory ({megatron.TRACKER} beside iter_*/); this is not one: pass the "
             "checkpoint without --iteration")
-    return megatron.resolve(path, iteration)
+    return megatron.resolve(path, iteration, stores)
 
 
 def by_name(name: str) -> Format:

@@ -14,7 +14,6 @@ import math
 import os
 import re
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from ckpttool.formats.base import (
 from ckpttool.formats.codecs import dtypes
 from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.storage import sidefiles
-from ckpttool.storage.store import LOCAL, Store, Stores, file_size, pread_of
+from ckpttool.storage.store import LOCAL, Store, Stores, pread_of
 
 NAME = "safetensors"
 # What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
@@ -153,7 +152,7 @@ JSON_LIMIT = 256 * 1000 * 1000
 _JSON_FILE = sidefiles.Kind("JSON index or config", JSON_LIMIT)
 
 
-def read_json_text(path: Path) -> str:
+def read_json_text(path: Path, stores: Stores = LOCAL) -> str:
     """The text of a small JSON file (an index, a config), read only when it is a regular file
     of at most :data:`JSON_LIMIT` bytes (a FIFO is never waited on).
 
@@ -162,12 +161,16 @@ def read_json_text(path: Path) -> str:
         InputError: not a regular file, or too large.
         UnicodeDecodeError: not UTF-8.
     """
-    return sidefiles.read_checked(path, _JSON_FILE).decode("utf-8")
+    return stores.read_small(path, _JSON_FILE).decode("utf-8")
 
 
 def json_error(e: Exception) -> str:
     """What went wrong parsing JSON, in a few words."""
     return "arrays or objects nested too deeply" if isinstance(e, RecursionError) else str(e)
+
+
+# The bytes a header's first read asks for (most headers are smaller).
+_FIRST_READ = 64 << 10
 
 
 def read_layout(path: Path, *, offset: int = 0, exact: bool = False,
@@ -188,22 +191,28 @@ def read_layout(path: Path, *, offset: int = 0, exact: bool = False,
     Raises:
         InputError: the header is truncated, corrupt or inconsistent with the file size.
     """
-    if path.exists() and not path.is_file():
+    if stores.is_dir(path):
         raise InputError(f"{path}: not a regular file")
     where = f"{path} at byte {offset}" if offset else str(path)
     try:
         # Through the store's pread: a remote checkpoint's data file is read by ranged GETs.
         with pread_of(path, stores) as pread:
-            raw = pread(8, offset)
+            # One read for most headers (a remote one: one ranged GET), a second for the rest.
+            raw = pread(_FIRST_READ, offset)
             if len(raw) < 8:
                 raise InputError(f"{where}: too short for a safetensors file")
-            (n,) = struct.unpack("<Q", raw)
+            (n,) = struct.unpack("<Q", raw[:8])
             if n > _HEADER_LIMIT:
                 raise InputError(f"{where}: header length {n} is implausible; not safetensors")
-            text = pread(n, offset + 8)
-            size = file_size(path) if not offset else None
+            text = raw[8:8 + n]
+            if len(text) < n and len(raw) == _FIRST_READ:
+                text += pread(n - len(text), offset + 8 + len(text))
+            size = stores.file_size(path) if not offset else None
     except FileNotFoundError as err:
         raise InputError(f"{path}: no such file") from err
+    except OSError as e:  # a FIFO or device: never read as a file
+        raise InputError(f"{path}: cannot read it ({e.strerror or e}); not a regular "
+                         "file") from e
     if len(text) < n:
         raise InputError(f"{where}: truncated safetensors header")
     try:
@@ -316,7 +325,7 @@ class Index:
     duplicates: tuple[str, ...]  # names the weight_map lists more than once
 
 
-def read_index(path: Path) -> Index:
+def read_index(path: Path, stores: Stores = LOCAL) -> Index:
     """Read a sharded checkpoint's index (no shard is opened).
 
     Raises:
@@ -333,7 +342,7 @@ def read_index(path: Path) -> Index:
         return seen
 
     try:
-        doc = json.loads(read_json_text(path), object_pairs_hook=pairs)
+        doc = json.loads(read_json_text(path, stores), object_pairs_hook=pairs)
     except FileNotFoundError as err:
         raise InputError(f"{path}: no such file") from err
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -356,29 +365,12 @@ def read_index(path: Path) -> Index:
                  tuple(dup))
 
 
-def header_bytes(size: int, pread: Callable[[int, int], bytes]) -> bytes:
-    """The leading bytes of a safetensors file of ``size`` bytes that describing it reads
-    (the length, then the JSON header), through ``pread(size, offset)``: what a local stand-in
-    of a remote file holds (:mod:`ckpttool.storage.mirror`), so that it is described by the
-    code that describes a local one."""
-    first = pread(min(size, 64 << 10), 0)
-    if len(first) < 8:
-        return first
-    n = int.from_bytes(first[:8], "little")
-    if n > _HEADER_LIMIT:
-        return first[:8]  # read_layout says what is wrong with it
-    end = min(size, 8 + n)
-    if end > len(first):
-        first += pread(end - len(first), len(first))
-    return first[:max(8, end)]
-
-
-def is_safetensors_file(path: Path) -> bool:
+def is_safetensors_file(path: Path, stores: Stores = LOCAL) -> bool:
     """True if ``path`` starts like a safetensors file (a length, then a JSON object)."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(9)
-    except OSError:
+        with stores.reading(path) as pread:
+            head = pread(9, 0)
+    except (OSError, InputError):
         return False
     return len(head) == 9 and head[8:9] == b"{"
 
@@ -387,7 +379,7 @@ def is_safetensors_file(path: Path) -> bool:
 # Reading a checkpoint: a file, or a directory of shards
 
 
-def detect(path: Path) -> bool:
+def detect(path: Path, stores: Stores = LOCAL) -> bool:
     """A safetensors file, or a directory that holds one model in safetensors: an index,
     ``model.safetensors``, the shards of one set (``model-00001-of-00002.safetensors``...), or
     a single ``*.safetensors`` file and no subdirectory.
@@ -396,25 +388,25 @@ def detect(path: Path) -> bool:
     is a training directory, whose candidates the recogniser lists and chooses from (a loose
     ``ref.safetensors`` beside ``pytorch_model_fsdp_0/`` must never win over it).
     """
-    if path.is_file():
-        return is_safetensors_file(path)
-    if not path.is_dir():
-        return False
-    if any((path / index_name(s)).is_file() or (path / f"{s}.safetensors").is_file()
+    if stores.file_size(path) is not None:
+        return is_safetensors_file(path, stores)
+    names = stores.listdir(path)
+    if any(names.get(index_name(s)) is not None or names.get(f"{s}.safetensors") is not None
            for s in _STEMS):
         return True
-    files = _safetensors_files(path)
+    files = _safetensors_files(path, names)
     if _shard_set(files) is not None:
         return True
-    return len(files) == 1 and not any(p.is_dir() for p in path.iterdir())
+    return len(files) == 1 and not any(stores.is_dir(path / n)
+                                       for n, size in names.items() if size is None)
 
 
 _SHARD = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.safetensors")
 
 
-def _shard_set(files: list[Path]) -> list[Path] | None:
+def _shard_set(files: list[str]) -> list[str] | None:
     """``files`` when they are the shards of one set (one stem, one count), else None."""
-    matches = [_SHARD.fullmatch(p.name) for p in files]
+    matches = [_SHARD.fullmatch(p) for p in files]
     if not matches or any(m is None for m in matches):
         return None
     if len({(m.group(1), m.group(3)) for m in matches if m is not None}) != 1:
@@ -433,12 +425,13 @@ def pending(path: Path) -> str | None:
     are short."""
     if path.is_file():
         return pending_file(path)
-    files = _safetensors_files(path)
-    sharded = any(re.fullmatch(r".+-\d+-of-(\d+)\.safetensors", f.name) for f in files)
-    if sharded and not any((path / index_name(s)).is_file() for s in _STEMS):
+    names = LOCAL.listdir(path)
+    files = _safetensors_files(path, names)
+    sharded = any(re.fullmatch(r".+-\d+-of-(\d+)\.safetensors", f) for f in files)
+    if sharded and not any(names.get(index_name(s)) is not None for s in _STEMS):
         return "shards but no index yet (save_pretrained writes the index last)"
     for f in files:
-        why = pending_file(f)
+        why = pending_file(path / f)
         if why is not None:
             return why
     return None
@@ -474,8 +467,11 @@ def pending_file(path: Path) -> str | None:
 _STEMS = ("model", "optimizer")
 
 
-def _safetensors_files(path: Path) -> list[Path]:
-    return sorted(p for p in path.glob("*.safetensors") if p.is_file())
+def _safetensors_files(path: Path, names: dict[str, int | None] | None = None) -> list[str]:
+    """The ``*.safetensors`` files in ``path`` (``names``: its listing, when at hand)."""
+    listed = LOCAL.listdir(path) if names is None else names
+    return sorted(n for n, size in listed.items()
+                  if size is not None and n.endswith(".safetensors"))
 
 
 def read_info(path: str | Path, *, stores: Stores = LOCAL) -> CheckpointInfo:
@@ -491,20 +487,21 @@ def read_info(path: str | Path, *, stores: Stores = LOCAL) -> CheckpointInfo:
     root = Path(path)
     index: Index | None = None
     stem = "model"
-    if root.is_file():
+    single = stores.file_size(root) is not None
+    if single:
         shard_names = [root.name]
         base = root.parent
     else:
         base = root
-        files = _safetensors_files(root)
-        shard_names = [p.name for p in (_shard_set(files) or (files if len(files) == 1
-                                                               else []))]
+        names = stores.listdir(root)
+        files = _safetensors_files(root, names)
+        shard_names = _shard_set(files) or (files if len(files) == 1 else [])
         for s in _STEMS:
-            if (root / index_name(s)).is_file():
-                index = read_index(root / index_name(s))
+            if names.get(index_name(s)) is not None:
+                index = read_index(root / index_name(s), stores)
                 shard_names, stem = list(dict.fromkeys(index.weight_map.values())), s
                 break
-            if (root / f"{s}.safetensors").is_file():
+            if names.get(f"{s}.safetensors") is not None:
                 shard_names, stem = [f"{s}.safetensors"], s
                 break
         if not shard_names:
@@ -517,7 +514,7 @@ def read_info(path: str | Path, *, stores: Stores = LOCAL) -> CheckpointInfo:
     readable: set[str] = set()
     slot_bytes = 0
     for name in shard_names:
-        slots = _read_shard(base, name, index, problems)
+        slots = _read_shard(base, name, index, problems, stores)
         if slots is None:
             continue
         readable.add(name)
@@ -531,20 +528,20 @@ def read_info(path: str | Path, *, stores: Stores = LOCAL) -> CheckpointInfo:
                 (Chunk((0,) * len(slot.shape), slot.shape, name, slot.begin, slot.nbytes,
                        encoding=RAW),)))
     problems += duplicate_problems(base, holders)
-    if index is None and not root.is_file():
+    if index is None and not single:
         problems += _unindexed_set_problems(root, shard_names)
     if index is not None:
         problems += index_problems(base, index, holders, readable,
                                     complete=readable == set(shard_names),
                                     total=slot_bytes)
     stray = () if index is None else tuple(
-        p.name for p in _safetensors_files(base)
-        if p.name not in shard_names and p.name.startswith(f"{stem}-"))
+        n for n in _safetensors_files(base, stores.listdir(base))
+        if n not in shard_names and n.startswith(f"{stem}-"))
     return CheckpointInfo(
         format=NAME, root=root, tensors=tuple(tensors.values()), objects=(),
-        files=tuple(DataFile(n, file_size(base / n)) for n in shard_names),
+        files=tuple(DataFile(n, stores.file_size(base / n)) for n in shard_names),
         metadata_name=index.path.name if index else "the safetensors header",
-        problems=tuple(problems), stray=stray)
+        problems=tuple(problems), stray=stray, single_file=single)
 
 
 def _unindexed_set_problems(root: Path, shard_names: list[str]) -> list[Problem]:
@@ -569,16 +566,16 @@ def _unindexed_set_problems(root: Path, shard_names: list[str]) -> list[Problem]
     return problems
 
 
-def _read_shard(base: Path, name: str, index: Index | None, problems: list[Problem]
-                ) -> tuple[Slot, ...] | None:
+def _read_shard(base: Path, name: str, index: Index | None, problems: list[Problem],
+                stores: Stores) -> tuple[Slot, ...] | None:
     path = base / name
-    if file_size(path) is None:
+    if stores.file_size(path) is None:
         named = f" named in {index.path.name}" if index else ""
         problems.append(error("missing-file", f"{path}: shard{named} is missing; copy the "
                               "whole directory again", file=name))
         return None
     try:
-        return read_layout(path, exact=True)[1]
+        return read_layout(path, exact=True, stores=stores)[1]
     except InputError as e:
         problems.append(error("header-corrupt", str(e), file=name))
     except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -14,6 +14,7 @@ subtree without tensors stays one non-tensor entry.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -98,20 +99,19 @@ def _is_legacy(head: bytes) -> bool:
     return head[:1] == b"\x80" and _LEGACY_MAGIC in head[:24]
 
 
-def is_torch_file(path: Path) -> bool:
+def is_torch_file(path: Path, stores: Stores = LOCAL) -> bool:
     """True if ``path`` is a file that starts like a zip archive, or like torch.save's legacy
     format (which :func:`read_info` names as not supported) (not yet read further)."""
-    if archive.is_zip(path):
-        return True
     try:
-        with open(path, "rb") as f:
-            return _is_legacy(f.read(24))
-    except OSError:
+        with stores.reading(path) as pread:
+            head = pread(24, 0)
+    except (OSError, InputError):
         return False
+    return head[:4] == archive.ZIP_MAGIC or _is_legacy(head)
 
 
-def detect(path: Path) -> bool:
-    return path.is_file() and is_torch_file(path)
+def detect(path: Path, stores: Stores = LOCAL) -> bool:
+    return stores.file_size(path) is not None and is_torch_file(path, stores)
 
 
 def pending(path: Path) -> str | None:
@@ -128,17 +128,21 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
         UnsupportedError: the legacy (pre-1.6) format, a TorchScript archive, big-endian data.
     """
     p = Path(path)
-    try:
-        fd = os.open(p, os.O_RDONLY)
-    except FileNotFoundError as err:
-        raise InputError(f"{p}: no such file") from err
-    except IsADirectoryError as err:
-        raise InputError(f"{p}: is a directory, not a torch.save file") from err
-    except OSError as e:
-        raise InputError(f"{p}: cannot read: {e.strerror}") from e
-    try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, 24, 0)
+    if stores.is_dir(p):
+        raise InputError(f"{p}: is a directory, not a torch.save file")
+    size = stores.file_size(p)
+    if size is None:
+        if p.name in stores.listdir(p.parent):  # a FIFO, a device...: never read
+            raise InputError(f"{p}: not a regular file, so not a torch.save file")
+        raise InputError(f"{p}: no such file")
+    with contextlib.ExitStack() as opened:
+        try:
+            pread = opened.enter_context(stores.reading(p))
+        except FileNotFoundError as err:
+            raise InputError(f"{p}: no such file") from err
+        except OSError as e:
+            raise InputError(f"{p}: cannot read: {e.strerror}") from e
+        head = pread(24, 0)
         if head[:4] != archive.ZIP_MAGIC:
             if _is_legacy(head):
                 raise UnsupportedError(
@@ -150,13 +154,13 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
                 raise UnsupportedError(f"{p}: a Python pickle, not a torch.save file; "
                                        "ckpttool never unpickles arbitrary pickles")
             raise InputError(f"{p}: not a torch.save file (no zip header)")
-        rb = archive.RecordBytes(fd, 0, size, str(p))
+        rb = archive.RecordBytes(pread, 0, size, str(p))
         entries = archive.zip_entries(rb)
         if "data.pkl" not in entries and "constants.pkl" in entries:
             raise UnsupportedError(f"{p}: a TorchScript archive, not a state dict; "
                                    "not supported")
         archive.check_byteorder(rb, entries)
-        if p.name == "common.pt" and (p.parent / ".metadata").is_file():
+        if p.name == "common.pt" and stores.file_size(p.parent / ".metadata") is not None:
             # Megatron-Core's common state (args as an argparse.Namespace...): genuine.
             raise UnsupportedError(
                 f"{p}: Megatron-Core's common state (args and the iteration), not a model "
@@ -179,8 +183,6 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
         except torchsave.PICKLE_ERRORS as e:
             raise InputError(f"{p}: corrupt pickle in torch.save file ({e}); copy it again") \
                 from e
-    finally:
-        os.close(fd)
     views: dict[str, View] = {}
     objects: list[ObjectEntry] = []
     values: dict[str, Any] = {}
@@ -211,7 +213,7 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
         format=NAME, root=p, tensors=tuple(_tensor(p.name, v, crcs) for v in views.values()),
         objects=tuple(objects), files=(DataFile(p.name, size),),
         metadata_name="the torch.save archive", values=values,
-        detail=Archives(views, {p.name: tuple(entries.values())}))
+        detail=Archives(views, {p.name: tuple(entries.values())}), single_file=True)
 
 
 def _names_distributed_tensors(rb: archive.RecordBytes, entries: dict[str, ZipEntry]) -> bool:

@@ -3,12 +3,15 @@ object storage with the code that describes a local one.
 
 :class:`Mirror` lists a prefix once, downloads the small files (metadata, JSON, tokenizer
 files, small side files) into a private temporary directory and creates each data file there
-as a sparse placeholder of its listed size, so that every format's detection and listing works
-unchanged. Which names are data files (read in place by ranged GETs, never downloaded) is the
-caller's to say (``data_suffixes``), and so are the leading bytes a placeholder holds
-(``head``: what a format reads while recognising and describing a data file, e.g. a header),
-and which side files every format reads through the Stores only (``by_store``: DCP's
-``.metadata``), so that one too large to download is a placeholder read by ranged GETs.
+as a sparse placeholder of its listed size (holding zeros only: every format reads data files
+through the Stores), for the code that still reads a checkpoint's small files by local path.
+Which names are data files (read in place by ranged GETs, never downloaded) is the caller's to
+say (``data_suffixes``), and so are the side files every format reads through the Stores only
+(``by_store``: DCP's ``.metadata``), so that one too large to download is a placeholder read by
+ranged GETs. As a Stores, the mirror lists, sizes and reads its directory from the object
+listing and by ranged GETs (:meth:`Mirror.listdir`, :meth:`Mirror.read_small`...), never from
+its local files: the formats that describe a checkpoint through those verbs alone would read
+a remote one with no mirror at all.
 The mirror is itself a :class:`~ckpttool.storage.store.Stores`: handed down by its caller, it
 opens its store's ``RemoteStore`` (:mod:`ckpttool.storage.remote`) for its own directory
 (every data byte by ranged GETs, a placeholder's zeros never read) and a local store for
@@ -42,10 +45,6 @@ DOWNLOAD_LIMIT = 64 << 20
 # The longest name a local file system takes for one path segment.
 NAME_MAX = 255
 
-# head(name, size, pread) -> the leading bytes of a data file that its placeholder holds.
-Head = Callable[[str, int, Callable[[int, int], bytes]], bytes]
-
-
 class Mirror:
     """A remote checkpoint (a prefix, or one object) described by a local temporary
     directory. A context manager: the directory is removed on exit.
@@ -53,7 +52,6 @@ class Mirror:
     Args:
         value: the URL (``s3://bucket/prefix`` or one object).
         data_suffixes: names ending so are data files: sparse placeholders, read by ranges.
-        head: the leading bytes a data file's placeholder holds (None: none).
         by_store: names ending so are read only through the Stores
             (:meth:`side_file`, :meth:`reading`), never by their local path: one larger than
             :data:`DOWNLOAD_LIMIT` is a placeholder read by ranged GETs, not refused.
@@ -67,7 +65,7 @@ class Mirror:
         UnsupportedError: a large file that is not a data file (only a local read describes it).
     """
 
-    def __init__(self, value: str, *, data_suffixes: Sequence[str], head: Head | None = None,
+    def __init__(self, value: str, *, data_suffixes: Sequence[str],
                  warn: Callable[[str], None] | None = None,
                  by_store: Sequence[str] = (),
                  backend: objects.Backend | None = None) -> None:
@@ -76,8 +74,6 @@ class Mirror:
         self.url = self.remote.parse(value)
         self.data_suffixes = tuple(data_suffixes)
         self.by_store = tuple(by_store)
-        self._placed: set[str] = set()  # by_store files left as placeholders
-        self._head = head
         self._warn = warn or _stderr
         objects = self.remote.list_objects(self.url)
         self.tmp = Path(tempfile.mkdtemp(prefix=f"ckpttool-{remote.scheme(value)}-"))
@@ -101,6 +97,7 @@ class Mirror:
                            "what is "
                            "read may be incomplete")
             self.objects = self._usable(objects)
+            self._listing = _tree(self.objects)
             self._build()
         except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)
@@ -142,21 +139,17 @@ class Mirror:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             downloads: list[tuple[str, int, str]] = []
-            heads: list[tuple[str, int, str]] = []
             for rel, (size, etag) in self.objects.items():
                 target = self.dir / rel
                 target.parent.mkdir(parents=True, exist_ok=True)
                 if self.is_data(rel):
                     with open(target, "wb") as f:
                         f.truncate(size)  # sparse: no bytes stored, the size listed
-                    if self._head is not None:
-                        heads.append((rel, size, etag))
                 elif size <= DOWNLOAD_LIMIT:
                     downloads.append((rel, size, etag))
                 elif rel.endswith(self.by_store) and self.by_store:
                     with open(target, "wb") as f:
                         f.truncate(size)  # read through the Stores only: by ranged GETs
-                    self._placed.add(rel)
                 else:
                     raise UnsupportedError(
                         f"{self.base_url.child(rel)}: a {size:,}-byte file that ckpttool reads "
@@ -165,7 +158,6 @@ class Mirror:
                         f"download the checkpoint first and pass its directory")
             with ThreadPoolExecutor(max_workers=self.remote.CONCURRENCY) as pool:
                 jobs = [pool.submit(self._download, *d) for d in downloads]
-                jobs += [pool.submit(self._fill_head, *h) for h in heads]
                 for j in jobs:
                     j.result()
         except OSError as e:
@@ -180,20 +172,6 @@ class Mirror:
     def _download(self, rel: str, size: int, etag: str) -> None:
         data = self.remote.get_range(self.base_url.child(rel), 0, size, etag)
         (self.dir / rel).write_bytes(data)
-
-    def _fill_head(self, rel: str, size: int, etag: str) -> None:
-        assert self._head is not None
-        url = self.base_url.child(rel)
-
-        def pread(n: int, offset: int) -> bytes:
-            n = max(0, min(n, size - offset))
-            data: bytes = self.remote.get_range(url, offset, n, etag)
-            return data
-
-        first = self._head(rel, size, pread)[:size]
-        if first:
-            with open(self.dir / rel, "r+b") as f:
-                f.write(first)
 
     # -- Stores: the mirror's directory by ranged GETs, anything else locally
 
@@ -227,11 +205,13 @@ class Mirror:
 
     @contextlib.contextmanager
     def side_file(self, path: Path, kind: sidefiles.Kind) -> Iterator[BinaryIO]:
-        rel = path.relative_to(self.dir).as_posix() if self.covers(path.parent) else None
-        if rel not in self._placed:  # downloaded whole (or not the mirror's): read locally
+        rel = self._rel(path)
+        if rel is None:  # not the mirror's: a local file
             with LOCAL.side_file(path, kind) as f:
                 yield f
             return
+        if rel not in self.objects:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
         store = self.open(path.parent, metadata_name=path.name)
         try:
             size = store.size(path.name)
@@ -239,6 +219,44 @@ class Mirror:
             raw = PreadFile(functools.partial(store.pread, path.name), size)
             with io.BufferedReader(raw, buffer_size=ranged.GET) as f:
                 yield f
+        finally:
+            store.close()
+
+    def _rel(self, path: Path) -> str | None:
+        """``path`` relative to the mirror's directory ("" for itself); None outside it."""
+        if not self.covers(path):
+            return None
+        rel = path.relative_to(self.dir).as_posix()
+        return "" if rel == "." else rel
+
+    # What the listing says, never the local directory: the objects themselves.
+
+    def file_size(self, path: Path) -> int | None:
+        rel = self._rel(path)
+        if rel is None:
+            return LOCAL.file_size(path)
+        found = self.objects.get(rel)
+        return None if found is None else found[0]
+
+    def is_dir(self, path: Path) -> bool:
+        rel = self._rel(path)
+        return LOCAL.is_dir(path) if rel is None else rel in self._listing
+
+    def listdir(self, directory: Path) -> dict[str, int | None]:
+        rel = self._rel(directory)
+        if rel is None:
+            return LOCAL.listdir(directory)
+        return dict(self._listing.get(rel, {}))
+
+    def read_small(self, path: Path, kind: sidefiles.Kind) -> bytes:
+        rel = self._rel(path)
+        if rel is None:
+            return LOCAL.read_small(path, kind)
+        if rel not in self.objects:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+        store = self.open(path.parent, metadata_name=path.name)
+        try:
+            return store.read_small(path.name, kind)
         finally:
             store.close()
 
@@ -284,6 +302,32 @@ class Mounts:
     def side_file(self, path: Path, kind: sidefiles.Kind
                   ) -> contextlib.AbstractContextManager[BinaryIO]:
         return self._of(path.parent).side_file(path, kind)
+
+    def file_size(self, path: Path) -> int | None:
+        return self._of(path).file_size(path)
+
+    def is_dir(self, path: Path) -> bool:
+        return self._of(path).is_dir(path)
+
+    def listdir(self, directory: Path) -> dict[str, int | None]:
+        return self._of(directory).listdir(directory)
+
+    def read_small(self, path: Path, kind: sidefiles.Kind) -> bytes:
+        return self._of(path).read_small(path, kind)
+
+
+def _tree(objects: dict[str, tuple[int, str]]) -> dict[str, dict[str, int | None]]:
+    """Each "directory" of a listing ("" for the top) -> what lies directly in it: a file's
+    name -> its size, a subdirectory's -> None."""
+    tree: dict[str, dict[str, int | None]] = {"": {}}
+    for rel, (size, _) in objects.items():
+        parent, _, name = rel.rpartition("/")
+        tree.setdefault(parent, {})[name] = size
+        while parent:
+            up, _, sub = parent.rpartition("/")
+            tree.setdefault(up, {})[sub] = None
+            parent = up
+    return tree
 
 
 def _inside(base: Path, target: Path) -> bool:

@@ -6,6 +6,8 @@ own ranged GET (``_get_range``: retries, ETag pinning, errors in the user's term
 from __future__ import annotations
 
 import bisect
+import errno
+import os
 import random
 import threading
 import time
@@ -18,7 +20,7 @@ from typing import Any, ClassVar
 
 from ckpttool import settings
 from ckpttool.errors import CkptError, InputError, TransportError
-from ckpttool.storage import outputs, places, store
+from ckpttool.storage import outputs, places, sidefiles, store
 
 Url = places.Url
 
@@ -200,6 +202,15 @@ class RemoteStore:
 
     def list_files(self) -> dict[str, int]:
         return {name: size for name, (size, _) in self.objects.items()}
+
+    def read_small(self, name: str, kind: sidefiles.Kind) -> bytes:
+        """Its listed size checked against ``kind``'s cap, then one ranged read."""
+        found = self.objects.get(name)
+        if found is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT),
+                                    str(self.path(name)))
+        sidefiles.check_size(self.path(name), found[0], kind)
+        return self.read_exact(name, 0, found[0], what=kind.what)
 
     def close(self) -> None:
         with self._lock:

@@ -110,6 +110,16 @@ class Store(Protocol):
         """Every file below the store (relative name -> size); with ``capabilities.listing``."""
         ...
 
+    def read_small(self, name: str, kind: sidefiles.Kind) -> bytes:
+        """Every byte of a small file (an index, a JSON or tracker file), refused over
+        ``kind``'s cap before a byte is read.
+
+        Raises:
+            FileNotFoundError: it is not there. InputError, UnreadableError: not a regular
+            file, over the cap, unreadable.
+        """
+        ...
+
     def close(self) -> None: ...
 
 
@@ -127,6 +137,30 @@ class Stores(Protocol):
         """``pread(size, offset)`` over one file while the block runs (what a format reads
         while describing a checkpoint: headers, nested records); ``inside``: a real
         directory a local file must lie in (checked on the descriptor)."""
+        ...
+
+    def file_size(self, path: Path) -> int | None:
+        """The size of the regular file ``path``; None where there is none (missing, a
+        directory, a FIFO...)."""
+        ...
+
+    def is_dir(self, path: Path) -> bool:
+        """True if ``path`` is a directory (an object-store prefix with objects below it)."""
+        ...
+
+    def listdir(self, directory: Path) -> dict[str, int | None]:
+        """What lies directly in ``directory``: each regular file's name -> its size, any
+        other entry's (a subdirectory, a FIFO...) -> None; empty when it is no directory."""
+        ...
+
+    def read_small(self, path: Path, kind: sidefiles.Kind) -> bytes:
+        """Every byte of the small file ``path`` (a JSON index, a tracker), checked against
+        ``kind`` first (:meth:`side_file`).
+
+        Raises:
+            FileNotFoundError: it is not there. InputError, UnreadableError: as
+            :meth:`side_file`.
+        """
         ...
 
     def side_file(self, path: Path, kind: sidefiles.Kind
@@ -169,8 +203,33 @@ class LocalStores:
         with os.fdopen(sidefiles.open_checked(path, kind), "rb") as f:
             yield f
 
+    def file_size(self, path: Path) -> int | None:
+        return file_size(path)
+
+    def is_dir(self, path: Path) -> bool:
+        return path.is_dir()
+
+    def listdir(self, directory: Path) -> dict[str, int | None]:
+        """Links are followed, as ``Path.is_file``/``is_dir`` follow them."""
+        found: dict[str, int | None] = {}
+        try:
+            entries = os.scandir(directory)
+        except OSError:
+            return found
+        with entries:
+            for e in entries:
+                try:
+                    found[e.name] = e.stat().st_size if e.is_file() else None
+                except OSError:
+                    found[e.name] = None
+        return found
+
+    def read_small(self, path: Path, kind: sidefiles.Kind) -> bytes:
+        return sidefiles.read_checked(path, kind)
+
 
 LOCAL: Stores = LocalStores()
+
 
 
 class PreadFile(io.RawIOBase):
@@ -378,6 +437,20 @@ class LocalStore:
                 if size is not None:
                     found[p.relative_to(self.base).as_posix()] = size
         return found
+
+    def read_small(self, name: str, kind: sidefiles.Kind) -> bytes:
+        """Checked as a side file is, and (unless ``follow_links``) inside the directory."""
+        path = self.path(name)
+        fd = sidefiles.open_checked(path, kind)
+        try:
+            if self._inside is not None:
+                ok, real = is_inside(fd, path, self._inside)
+                if not ok:
+                    raise InputError(f"{path}: a link to {real}, outside the checkpoint "
+                                     "directory; pass --follow-links to read through links")
+            return sidefiles.read_fd(fd, path, kind)
+        finally:
+            os.close(fd)
 
     def views(self, name: str, offset: int, size: int, block: int) -> Iterator[memoryview]:
         """The ``size`` bytes at ``offset`` of ``name`` as consecutive views of at most

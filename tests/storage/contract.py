@@ -21,7 +21,8 @@ import pytest
 
 from ckpttool.errors import InputError
 from ckpttool.storage import mirror as mirrors
-from ckpttool.storage.store import Capabilities, Store, read_blocks
+from ckpttool.storage import sidefiles
+from ckpttool.storage.store import LOCAL, Capabilities, Store, Stores, read_blocks
 
 # Files every test reads: a few sizes around block edges, and one in a subdirectory.
 FILES = {
@@ -45,6 +46,7 @@ def mirrored(url: str, backend: Any = None) -> Store:
         mirror.close()
 
     store.close = closing  # type: ignore[method-assign]
+    store.opener = mirror  # type: ignore[attr-defined]  # for StoreTests.tree
     return store
 
 
@@ -146,6 +148,51 @@ class StoreTests:
         listed = store.list_files()
         assert {k: v for k, v in listed.items() if k in FILES} == \
             {k: len(v) for k, v in FILES.items()}
+
+    def test_reads_a_small_file_whole_within_its_cap(self, store: Store) -> None:
+        small = sidefiles.Kind("metadata JSON file", 100)
+        assert store.read_small("small.json", small) == FILES["small.json"]
+        assert store.read_small("empty.bin", small) == b""
+        with pytest.raises(InputError, match=r"sub/b.bin: 256,000 bytes, more than the 100 "):
+            store.read_small("sub/b.bin", small)
+        with pytest.raises(FileNotFoundError):
+            store.read_small("nope.json", small)
+
+    # The verbs a format describes a checkpoint with, by path through the Stores that opened
+    # the store (LOCAL, or the mirror of a remote checkpoint): what its listing says.
+
+    @staticmethod
+    def tree(store: Store) -> tuple[Stores, Path]:
+        return getattr(store, "opener", LOCAL), store.path("a.bin").parent
+
+    def test_stores_list_a_directory(self, store: Store) -> None:
+        stores, base = self.tree(store)
+        top = stores.listdir(base)
+        assert {k: v for k, v in top.items() if k in ("a.bin", "small.json", "empty.bin",
+                                                      "sub")} == \
+            {"a.bin": len(FILES["a.bin"]), "small.json": 8, "empty.bin": 0, "sub": None}
+        assert stores.listdir(base / "sub") == {"b.bin": 256_000}
+        assert stores.listdir(base / "nope") == {}
+        assert stores.listdir(base / "a.bin") == {}
+
+    def test_stores_tell_files_from_directories(self, store: Store) -> None:
+        stores, base = self.tree(store)
+        assert stores.is_dir(base) and stores.is_dir(base / "sub")
+        assert not stores.is_dir(base / "a.bin") and not stores.is_dir(base / "nope")
+        assert stores.file_size(base / "sub/b.bin") == 256_000
+        assert stores.file_size(base / "empty.bin") == 0
+        assert stores.file_size(base / "sub") is None
+        assert stores.file_size(base / "nope") is None
+
+    def test_stores_read_small_files_and_ranges(self, store: Store) -> None:
+        stores, base = self.tree(store)
+        assert stores.read_small(base / "small.json", sidefiles.METADATA_JSON) == b'{"x": 1}'
+        with pytest.raises(FileNotFoundError):
+            stores.read_small(base / "nope.json", sidefiles.METADATA_JSON)
+        with pytest.raises(InputError, match="more than the 4,096"):
+            stores.read_small(base / "sub/b.bin", sidefiles.TRACKER)
+        with stores.reading(base / "sub/b.bin") as pread:
+            assert pread(4, 255) == bytes([255, 0, 1, 2])
 
     def test_mapped_views_only_where_declared(self, store: Store) -> None:
         if not store.capabilities.local_files:

@@ -68,14 +68,16 @@ def model_copies(ckpt: Checkpoint) -> Copies | None:
     others = [i for _, i in ckpt.others if kind_of(i) == "model"]
     seen = {Path(i.root).resolve() for i in others} | {Path(info.root).resolve()}
     root = Path(info.root)
-    if root.is_dir():
-        for sub in sorted(p for p in root.iterdir() if p.is_dir()):
-            if sub.resolve() in seen or registry.detect(sub) is None:
+    stores = ckpt.stores
+    if stores.is_dir(root):
+        for sub in sorted(root / n for n, size in stores.listdir(root).items()
+                          if size is None and stores.is_dir(root / n)):
+            if sub.resolve() in seen or registry.detect(sub, stores) is None:
                 continue
             try:
-                found = registry.detect(sub)
+                found = registry.detect(sub, stores)
                 assert found is not None
-                sub_info = found.read_info(sub)
+                sub_info = found.read_info(sub, stores=stores)
             except CkptError:
                 continue  # a damaged copy is not the one read: verify reports it
             if kind_of(sub_info) == "model" and sub_info.tensors:

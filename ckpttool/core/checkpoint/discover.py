@@ -216,11 +216,11 @@ def describe(path: Path, info: CheckpointInfo, *, config: Path | None = None,
                     for t, lab in zip(info.tensors, labels[:n], strict=True))
     objects = tuple(ObjectView(_name(o.path, o.name, lab, kind), o, lab.part, lab.root)
                     for o, lab in zip(info.objects, labels[n:], strict=True))
-    hf_dir = info.root if info.root.is_dir() else info.base
+    hf_dir = info.root if stores.is_dir(info.root) else info.base
     files = (hf.HfFiles(None, None, ()) if kind == "optimizer" and config is None
              else hf.find_hf_files(hf_dir, config,
-                                   given=path if path.is_dir() else path.parent))
-    side, notes = _side_files(info)
+                                   given=path if stores.is_dir(path) else path.parent))
+    side, notes = _side_files(info, stores)
     return Checkpoint(path, info, kind, tensors, objects, parts, files, chosen=chosen,
                       others=others, side=side, side_notes=notes, stores=stores)
 
@@ -275,9 +275,9 @@ def _no_part(ckpt: Checkpoint, part: str) -> str:
 _SIDE_SUFFIXES = (".pt",)
 
 
-def _side_files(info: CheckpointInfo) -> tuple[tuple[tuple[str, CheckpointInfo], ...],
-                                               tuple[str, ...]]:
-    if not info.sharded or not info.root.is_dir():
+def _side_files(info: CheckpointInfo, stores: Stores
+                ) -> tuple[tuple[tuple[str, CheckpointInfo], ...], tuple[str, ...]]:
+    if not info.sharded or not stores.is_dir(info.root):
         return (), ()
     # Here, not at the top: only a sharded checkpoint has side files (the registry imports a
     # format when it is tried, and a safetensors file never tries this one).
@@ -287,18 +287,20 @@ def _side_files(info: CheckpointInfo) -> tuple[tuple[tuple[str, CheckpointInfo],
     notes = []
     own = {f.name for f in info.files}  # the checkpoint's data files are not side files
     # A set of per-rank files beside them (verl's optimizer state): checked as one.
-    for rank_set in rank_files.sets_beside(info.root, frozenset(own)):
+    for rank_set in rank_files.sets_beside(info.root, frozenset(own), stores):
         own.update(name for _, name in rank_set.files)
         try:
-            found.append((rank_set.pattern, rank_files.read_archives(info.root, rank_set)))
+            found.append((rank_set.pattern,
+                          rank_files.read_archives(info.root, rank_set, stores)))
         except (InputError, UnsupportedError) as e:
             notes.append(f"{rank_set.pattern}: not read ({e})")
-    for p in sorted(info.root.iterdir(), key=lambda q: q.name):
+    for name in sorted(stores.listdir(info.root)):
+        p = info.root / name
         if (p.name in own or p.suffix not in _SIDE_SUFFIXES or p.is_symlink()
-                or not torchfile.detect(p)):
+                or not torchfile.detect(p, stores)):
             continue
         try:
-            found.append((p.name, torchfile.read_info(p)))
+            found.append((p.name, torchfile.read_info(p, stores=stores)))
         except (InputError, UnsupportedError) as e:
             notes.append(f"{p.name}: not read ({e})")
     return tuple(found), tuple(notes)
@@ -330,9 +332,9 @@ def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | N
     """
     given = Path(path)
     if iteration is not None:
-        if not given.exists():
+        if not stores.is_dir(given) and given.name not in stores.listdir(given.parent):
             raise InputError(f"{given}: no such file or directory")
-        given = registry.select_iteration(given, iteration)
+        given = registry.select_iteration(given, iteration, stores)
     return replace(_discover(given, config, require, command, prefer, stores),
                    stores=stores)
 
@@ -340,25 +342,27 @@ def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | N
 def _discover(given: Path, config: str | os.PathLike[str] | None, require: bool, command: str,
               prefer: str | None, stores: Stores) -> Checkpoint:
     config_path = Path(config) if config is not None else None
-    if not given.exists():
-        raise InputError(f"{given}: no such file or directory")
-    if not (given.is_file() or given.is_dir()):  # a FIFO, a socket, a device: never opened
+    is_file, is_dir = stores.file_size(given) is not None, stores.is_dir(given)
+    if not (is_file or is_dir):
+        if given.name not in stores.listdir(given.parent):
+            raise InputError(f"{given}: no such file or directory")
+        # A FIFO, a socket, a device: never opened.
         raise InputError(f"{given}: not a regular file or directory; pass the checkpoint "
                          "directory or file")
-    piece = _dcp_piece(given) if given.is_file() else None
+    piece = _dcp_piece(given) if is_file else None
     if piece is not None:
         raise InputError(piece)
-    fmt = registry.detect(given)
+    fmt = registry.detect(given, stores)
     if fmt is not None:
         info = fmt.read_info(given, stores=stores)
-        if not given.is_dir() or info.sharded:
-            return describe(given, info, config=config_path)
+        if not is_dir or info.sharded:
+            return describe(given, info, config=config_path, stores=stores)
         # Full weights at the top of a training directory (model.safetensors beside
         # optimizer_0/): the other checkpoints there are listed and checked too.
         parts, beside = list_parts(given, stores)
         return describe(given, info, config=config_path, parts=parts if beside else (),
-                        others=tuple(beside.items()))
-    if given.is_file():
+                        others=tuple(beside.items()), stores=stores)
+    if is_file:
         raise InputError(_not_a_checkpoint_file(given))
     parts, infos = list_parts(given, stores)
     chosen = _choose(parts, prefer)
@@ -372,7 +376,7 @@ def _discover(given: Path, config: str | os.PathLike[str] | None, require: bool,
     info = infos.get(chosen.path) or _read(target, stores)
     others = tuple((name, i) for name, i in infos.items() if name != chosen.path)
     return describe(given, info, config=config_path, parts=parts, chosen=chosen.path,
-                    others=others)
+                    others=others, stores=stores)
 
 
 def open_reader(ckpt: Checkpoint, *, follow_links: bool = False) -> Reader:
@@ -391,7 +395,7 @@ def open_reader(ckpt: Checkpoint, *, follow_links: bool = False) -> Reader:
 
 
 def _read(path: Path, stores: Stores) -> CheckpointInfo:
-    fmt = registry.detect(path)
+    fmt = registry.detect(path, stores)
     if fmt is None:  # listed as a checkpoint, so claimed: only a race gets here
         raise InputError(f"{path}: no longer a checkpoint")
     return fmt.read_info(path, stores=stores)
@@ -490,9 +494,10 @@ def list_parts(directory: Path, stores: Stores = LOCAL
     """
     parts = []
     infos: dict[str, CheckpointInfo] = {}
-    for p in sorted(directory.iterdir(), key=lambda q: q.name):
-        if p.is_dir():
-            fmt = registry.detect(p)
+    for name, size in sorted(stores.listdir(directory).items()):
+        p = directory / name
+        if size is None and stores.is_dir(p):
+            fmt = registry.detect(p, stores)
             if fmt is None:
                 parts.append(Part(p.name, "other", "directory"))
                 continue
@@ -501,7 +506,7 @@ def list_parts(directory: Path, stores: Stores = LOCAL
                               f"{_count(len(info.tensors), 'tensor')}, "
                               f"{_count(len(info.files), 'file')}"))
         else:
-            parts.append(_file_part(p))
+            parts.append(_file_part(p, stores))
     return tuple(parts), infos
 
 
@@ -509,15 +514,15 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def _file_part(p: Path) -> Part:
+def _file_part(p: Path, stores: Stores) -> Part:
     name = p.name
     stem_kind = ("optimizer" if name.startswith("optimizer")
                  else "model" if name.startswith(("pytorch_model", "model")) else "other")
     if p.suffix in torchfile.SUFFIXES:
-        fmt = torchfile.NAME if torchfile.detect(p) else "file"
+        fmt = torchfile.NAME if torchfile.detect(p, stores) else "file"
         return Part(name, stem_kind, fmt)
     if p.suffix == ".safetensors":
-        if not safetensors.detect(p):
+        if not safetensors.detect(p, stores):
             return Part(name, "other", "file")
         # Any loose safetensors file may be a model: with another candidate beside it, the
         # user chooses (never a silent pick of the wrong one).

@@ -81,14 +81,6 @@ def _last(name: str) -> bool:
     return name.endswith(_LAST_SUFFIXES) or name == _METADATA
 
 
-def _head(name: str, size: int, pread: Callable[[int, int], bytes]) -> bytes:
-    """What a data file's local stand-in holds: a safetensors file's header, which
-    recognising and describing it reads."""
-    from ckpttool.formats import safetensors
-
-    return safetensors.header_bytes(size, pread) if name.endswith(".safetensors") else b""
-
-
 def urls(*, sources: tuple[str, ...], output: str | None = None
          ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Let the parameters ``sources`` (checkpoints read) and ``output`` (a directory written)
@@ -144,8 +136,7 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
             for name, value in values.items():
                 if name != output and is_url(value):
                     mirror = stack.enter_context(
-                        Mirror(value, data_suffixes=DATA_SUFFIXES, head=_head,
-                               by_store=BY_STORE))
+                        Mirror(value, data_suffixes=DATA_SUFFIXES, by_store=BY_STORE))
                     mounted.append(mirror)
                     bound.arguments[name] = str(mirror.local)
                     renames.append((str(mirror.dir), str(mirror.base_url)))

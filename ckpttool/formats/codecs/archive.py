@@ -17,15 +17,6 @@ from ckpttool.errors import InputError, UnsupportedError
 ZIP_MAGIC = b"PK\x03\x04"
 
 
-def is_zip(file: str | os.PathLike[str]) -> bool:
-    """Whether ``file`` starts like a zip archive (what ``torch.save`` writes)."""
-    try:
-        with open(file, "rb") as f:
-            return f.read(4) == ZIP_MAGIC
-    except OSError:
-        return False
-
-
 # The zip end-of-central-directory record: torch.save writes it last, with no comment after it.
 _END_RECORD = b"PK\x05\x06"
 _END_RECORD_SIZE = 22
@@ -232,19 +223,26 @@ def check_byteorder(rb: RecordBytes, entries: dict[str, ZipEntry]) -> None:
                          "big; corrupt")
 
 
-def open_file_archive(fd: int, where: str, damaged: str
+def open_file_archive(fd: int | Callable[[int, int], bytes], where: str, damaged: str, *,
+                      size: int | None = None
                       ) -> tuple[RecordBytes, dict[str, ZipEntry]]:
     """A whole ``torch.save`` file open at ``fd``: zip magic, entries and byte order checked.
 
     Args:
+        fd: an open file, or ``pread(size, offset)`` of one of ``size`` bytes (which never
+            reads past its end).
         damaged: what to do, said after "not a torch.save file (no zip header); ".
 
     Raises:
         InputError: no zip header, damaged entries; UnsupportedError: big-endian.
     """
-    if os.pread(fd, 4, 0) != ZIP_MAGIC:
+    pread = fd if callable(fd) else _bounded_pread(fd)
+    if pread(4, 0) != ZIP_MAGIC:
         raise InputError(f"{where}: not a torch.save file (no zip header); {damaged}")
-    rb = RecordBytes(fd, 0, os.fstat(fd).st_size, where)
+    if size is None:
+        assert not callable(fd), "a pread comes with its file's size"
+        size = os.fstat(fd).st_size
+    rb = RecordBytes(pread, 0, size, where)
     entries = zip_entries(rb)
     check_byteorder(rb, entries)
     return rb, entries

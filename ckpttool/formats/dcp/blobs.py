@@ -20,7 +20,7 @@ from ckpttool.formats.base import (
     Tensor,
 )
 from ckpttool.formats.dcp.metadata import SHARDING_KEY, ZSTD_RECORD
-from ckpttool.storage.store import Stores, file_size
+from ckpttool.storage.store import Stores
 
 # --------------------------------------------------------------------------------------------
 # SerializationFormat.SAFETENSORS: chunks placed by the blob's header
@@ -64,7 +64,7 @@ def locate_safetensors(root: Path, tensors: list[Tensor], stores: Stores
     serialization = "safetensors+torch_save" if record_files else "safetensors"
     # A missing file (or a name no file can have: too long) is for the structure checks.
     slots = {f: _blob_slots(root / f, at, stores) for f, at in blobs.items()
-             if file_size(root / f) is not None}
+             if stores.file_size(root / f) is not None}
     out = []
     for t in tensors:
         if not any(f in slots for f in t.files):

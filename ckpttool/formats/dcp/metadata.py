@@ -13,7 +13,7 @@ import os
 import pickle
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from ckpttool.formats.codecs.dtypes import DType
 from ckpttool.formats.dcp import columns
 from ckpttool.formats.dcp.records import plain as _plain
 from ckpttool.storage import sidefiles
-from ckpttool.storage.store import LOCAL, Stores, file_size, pread_of
+from ckpttool.storage.store import LOCAL, Stores, pread_of
 
 METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -159,7 +159,7 @@ def read_metadata_object(path: Path, lookup: Lookup | None = None,
     except FileNotFoundError as err:
         raise InputError(f"{path}: no such file") from err
     except MemoryError as e:
-        raise InputError(f"{path}: {file_size(path) or 0:,} bytes, more than this process "
+        raise InputError(f"{path}: {stores.file_size(path) or 0:,} bytes, more than this process "
                          "may hold in memory; a .metadata that large is corrupt, or needs a "
                          "machine with more memory") from e
     try:
@@ -196,13 +196,14 @@ def _refusal(path: Path, refused: torchsave.Refused, data: bytes, lookup: Lookup
 RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
 
 
-def rank_metadata_files(root: Path) -> list[tuple[int, Path]]:
-    """``__<rank>.metadata`` files (``dcp.save(use_collectives=False)``), by rank."""
+def rank_metadata_files(root: Path, names: Iterable[str]) -> list[tuple[int, Path]]:
+    """``__<rank>.metadata`` files (``dcp.save(use_collectives=False)``), by rank, of the
+    names in ``root`` (its listing)."""
     found = []
-    for p in root.glob("__*.metadata"):
-        m = RANK_METADATA_RE.match(p.name)
+    for name in names:
+        m = RANK_METADATA_RE.match(name)
         if m:
-            found.append((int(m.group(1)), p))
+            found.append((int(m.group(1)), root / name))
     return sorted(found)
 
 
@@ -320,7 +321,7 @@ def _open_nested(root: Path, md_path: Path, objects: list[ObjectEntry], tensors:
     kept: list[ObjectEntry] = []
     for o in objects:
         path = root / (o.file or "")
-        if o.file is None or not path.is_file():
+        if o.file is None or stores.file_size(path) is None:
             kept.append(o)  # a missing file is a structure problem
             continue
         where = f"{path} at byte {o.offset} (entry '{o.name}')"
@@ -536,14 +537,16 @@ def union_of(reads: list[tuple[int, _Read]]
             [o for o, _ in objects.values()], copies)
 
 
-def missing_rank_metadata(root: Path, reads: list[tuple[int, _Read]]) -> list[Problem]:
-    """Data files of a rank whose ``__<rank>.metadata`` is missing: its chunks are unknown."""
+def missing_rank_metadata(root: Path, reads: list[tuple[int, _Read]], names: Iterable[str]
+                          ) -> list[Problem]:
+    """Data files of a rank whose ``__<rank>.metadata`` is missing: its chunks are unknown
+    (``names``: the directory's listing)."""
     have = {r for r, _ in reads}
     orphans: dict[int, list[str]] = {}
-    for p in sorted(root.glob("*" + DATA_SUFFIX)):
-        r = rank_of(p.name)
+    for name in sorted(n for n in names if n.endswith(DATA_SUFFIX)):
+        r = rank_of(name)
         if r is not None and r not in have:
-            orphans.setdefault(r, []).append(p.name)
+            orphans.setdefault(r, []).append(name)
     return [error("missing-file", f"{root / f'__{r}.metadata'}: missing; rank {r}'s data "
                   f"({', '.join(files)}) is described by no metadata. Copy the checkpoint "
                   "again, with every __<rank>.metadata", file=f"__{r}.metadata")
@@ -580,8 +583,9 @@ def rank_of(file: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def stray_files(root: Path, referenced: set[str]) -> list[str]:
-    """``.distcp`` files in the directory that ``.metadata`` never references (left over from
-    another save, or a sign that ``.metadata`` is from a different save)."""
-    return sorted(p.name for p in root.glob("*" + DATA_SUFFIX)
-                  if p.name not in referenced and p.is_file())
+def stray_files(names: dict[str, int | None], referenced: set[str]) -> list[str]:
+    """``.distcp`` files of a directory (``names``: its listing) that ``.metadata`` never
+    references (left over from another save, or a sign that ``.metadata`` is from a different
+    save)."""
+    return sorted(n for n, size in names.items()
+                  if n.endswith(DATA_SUFFIX) and n not in referenced and size is not None)

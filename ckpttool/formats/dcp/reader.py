@@ -101,7 +101,7 @@ from ckpttool.formats.dcp.records import (
     read_record,
     record_entries,
 )
-from ckpttool.storage.store import LOCAL, Store, Stores, file_size
+from ckpttool.storage.store import LOCAL, Store, Stores
 
 NAME = "dcp"
 # What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
@@ -114,13 +114,12 @@ _RECORD_OVERHEAD = 1 << 16
 _OBJECT_LIMIT = 256 << 20  # a compressed non-tensor record decompresses to at most this
 
 
-def detect(path: Path) -> bool:
+def detect(path: Path, stores: Stores = LOCAL) -> bool:
     """A directory with a ``.metadata`` file, ``__<rank>.metadata`` files or ``.distcp`` data
     files (data files alone are a damaged DCP checkpoint, which :func:`read_info` explains)."""
-    if not path.is_dir():
-        return False
-    return ((path / METADATA_FILE).exists() or any(path.glob("*" + DATA_SUFFIX))
-            or bool(rank_metadata_files(path)))
+    names = stores.listdir(path)
+    return (METADATA_FILE in names or any(n.endswith(DATA_SUFFIX) for n in names)
+            or bool(rank_metadata_files(path, names)))
 
 
 def piece_of(path: Path) -> str | None:
@@ -141,7 +140,8 @@ def pending(path: Path) -> str | None:
     """``dcp.save`` writes ``.metadata`` (or, without collectives, each rank its
     ``__<rank>.metadata``) after every data file: without one, the save is still going on, or
     its writer was killed before the end."""
-    if (path / METADATA_FILE).is_file() or rank_metadata_files(path):
+    names = LOCAL.listdir(path)
+    if names.get(METADATA_FILE) is not None or rank_metadata_files(path, names):
         return None
     return f"no {METADATA_FILE} yet (dcp.save writes it after every data file)"
 
@@ -162,11 +162,13 @@ def read_info(path: str | os.PathLike[str], *, lookup: Lookup | None = None,
     """
     root = Path(path)
     md_path = root / METADATA_FILE
-    ranks = rank_metadata_files(root) if not md_path.exists() else []
-    if not md_path.exists() and not ranks and any(root.glob("*" + DATA_SUFFIX)):
+    listed = stores.listdir(root)
+    ranks = rank_metadata_files(root, listed) if METADATA_FILE not in listed else []
+    if METADATA_FILE not in listed and not ranks and any(n.endswith(DATA_SUFFIX)
+                                                         for n in listed):
         raise InputError(f"{root}: has .distcp data files but no {METADATA_FILE}; the copy is "
                          f"incomplete (copy {METADATA_FILE} too)")
-    if not ranks and not md_path.is_file():
+    if not ranks and listed.get(METADATA_FILE) is None:
         raise InputError(f"{root}: not a DCP checkpoint directory (no {METADATA_FILE} file)")
     with gc_paused():
         if not ranks:
@@ -182,7 +184,7 @@ def read_info(path: str | os.PathLike[str], *, lookup: Lookup | None = None,
             per_file = reads
             read = reads[0][1]
             tensors, objects, copies = union_of(reads)
-            metadata_name, problems = RANK_METADATA, missing_rank_metadata(root, reads)
+            metadata_name, problems = RANK_METADATA, missing_rank_metadata(root, reads, listed)
             zstd_records = frozenset().union(*(r.compressed_all for _, r in reads))
             layers = {r.zstd_layers for _, r in reads if r.compressed_all}
         tensors, serialization = locate_safetensors(root, tensors, stores)
@@ -209,12 +211,12 @@ def read_info(path: str | os.PathLike[str], *, lookup: Lookup | None = None,
             "ckpttool reads checkpoints whose records went through the same extensions")
     return CheckpointInfo(
         format=NAME, root=root, tensors=tuple(tensors), objects=tuple(objects),
-        files=tuple(DataFile(f, file_size(root / f)) for f in names),
-        metadata_name=metadata_name, sharded=True,
+        files=tuple(DataFile(f, stores.file_size(root / f)) for f in names),
+        metadata_name=metadata_name, sharded=True, single_file=False,
         num_ranks=None if None in ranks_of else len(ranks_of),
         problems=tuple(problems) + tuple(p for _, r in per_file for p in r.nested.problems),
         values={k: v for _, r in per_file for k, v in r.nested.values.items()},
-        stray=tuple(stray_files(root, set(names))),
+        stray=tuple(stray_files(listed, set(names))),
         version=read.version,
         storage={"serialization": serialization,
                  "compression": zstd.NAME if any_zstd else None,

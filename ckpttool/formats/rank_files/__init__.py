@@ -55,11 +55,12 @@ from ckpttool.formats.rank_files.pieces import (
     Piece,
     RankFile,
     load,
+    opened,
     read_file,
     top_keys,
 )
 from ckpttool.formats.rank_files.stand_ins import DTensorRef, ShardedTensorRef, dtensor_global
-from ckpttool.storage.store import LOCAL, Store, Stores, file_size
+from ckpttool.storage.store import LOCAL, Store, Stores
 
 NAME = "rank-files"
 # What docs/formats.md says of it (generated: python -m ckpttool.cli.docs).
@@ -78,12 +79,9 @@ MODEL_FILE_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 
 
 
-def _model_files(path: Path) -> list[RankFile]:
+def _model_files(path: Path, stores: Stores) -> list[RankFile]:
     found = []
-    try:
-        names = [p.name for p in path.iterdir() if p.is_file()]
-    except OSError:
-        return []
+    names = [n for n, size in stores.listdir(path).items() if size is not None]
     for name in names:
         m = MODEL_FILE_RE.match(name)
         if m:
@@ -92,8 +90,9 @@ def _model_files(path: Path) -> list[RankFile]:
     return sorted(found, key=lambda f: (f.rank, f.world_size))
 
 
-def detect(path: Path) -> bool:
-    return path.is_dir() and (is_rank_files_dir(path) or _titan_backend(path) is not None)
+def detect(path: Path, stores: Stores = LOCAL) -> bool:
+    return stores.is_dir(path) and (is_rank_files_dir(path, stores)
+                                    or _titan_backend(path, stores) is not None)
 
 
 # torchtitan's second checkpoint backend, torch_checkpointing: per step one
@@ -104,14 +103,12 @@ _TITAN_METADATA = "metadata.pkl"
 _TITAN_RANK_FILE = re.compile(r"^checkpoint_(\d+)\.pt$")
 
 
-def _titan_backend(path: Path) -> str | None:
+def _titan_backend(path: Path, stores: Stores) -> str | None:
     """The exit-4 message for a torchtitan torch_checkpointing directory, else None."""
-    if not (path / _TITAN_METADATA).is_file():
+    names = stores.listdir(path)
+    if names.get(_TITAN_METADATA) is None:
         return None
-    try:
-        n = sum(1 for name in os.listdir(path) if _TITAN_RANK_FILE.match(name))
-    except OSError:
-        return None
+    n = sum(1 for name in names if _TITAN_RANK_FILE.match(name))
     if not n:
         return None
     return (f"{path}: a torchtitan checkpoint of the torch_checkpointing backend ({n} "
@@ -164,7 +161,7 @@ def open_reader(info: CheckpointInfo, *, store: Store | None = None) -> Reader:
     return RankReader(info, store)
 
 
-def is_rank_files_dir(path: Path) -> bool:
+def is_rank_files_dir(path: Path, stores: Stores = LOCAL) -> bool:
     """True if ``path`` holds per-rank ``torch.save`` files: verl's
     ``model_world_size_<W>_rank_<R>.pt`` (by name and zip magic), or files under any names
     whose pickles name DTensor or ShardedTensor (read as opcodes, never run).
@@ -173,10 +170,18 @@ def is_rank_files_dir(path: Path) -> bool:
     damaged or unsafe sibling is still recognised and :func:`read_info` can say precisely what
     is wrong with it.
     """
-    model = _model_files(path)
+    model = _model_files(path, stores)
     if model:
-        return archive.is_zip(path / model[0].name)
-    return bool(_rank_sets(path))
+        return _is_zip(path / model[0].name, stores)
+    return bool(_rank_sets(path, stores))
+
+
+def _is_zip(path: Path, stores: Stores) -> bool:
+    try:
+        with stores.reading(path) as pread:
+            return pread(4, 0) == archive.ZIP_MAGIC
+    except (OSError, InputError):
+        return False
 
 
 # Any names: a set of rank files is the files whose names differ only in the rank number.
@@ -217,50 +222,42 @@ def name_rank(name: str) -> tuple[str, int | None]:
     return f"{name[:start]}<R>{name[end:]}", int(name[start:end])
 
 
-def _holds_distributed_tensors(file: Path) -> bool:
+def _holds_distributed_tensors(file: Path, stores: Stores) -> bool:
     """The pickle of the ``torch.save`` archive ``file`` names DTensor or ShardedTensor
     classes. Reads the zip directory and the pickle's bytes; unpickles nothing."""
     try:
-        fd = os.open(file, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        rb = archive.RecordBytes(fd, 0, os.fstat(fd).st_size, str(file))
-        pkl = archive.zip_entries(rb).get("data.pkl")
-        if pkl is None:
-            return False
-        data = rb.read(pkl.data_offset, pkl.size)
+        with opened(file, stores) as (pread, size):
+            rb = archive.RecordBytes(pread, 0, size, str(file))
+            pkl = archive.zip_entries(rb).get("data.pkl")
+            if pkl is None:
+                return False
+            data = rb.read(pkl.data_offset, pkl.size)
     except (CkptError, OSError):
         return False  # damaged: a sibling may still show what the set holds
-    finally:
-        os.close(fd)
     if not any(m in data for m in _DISTRIBUTED_MODULES):  # the common answer, at C speed
         return False
     return any(g.startswith(tuple(m.decode() for m in _DISTRIBUTED_MODULES))
                for g in torchsave.named_globals(data))
 
 
-def _rank_sets(path: Path) -> list[RankSet]:
+def _rank_sets(path: Path, stores: Stores) -> list[RankSet]:
     """The sets of per-rank files of ``path`` that hold distributed tensors, by pattern."""
-    try:
-        files = sorted(p.name for p in path.iterdir()
-                       if p.is_file() and not p.name.endswith(_NOT_RANK_FILES))
-    except OSError:
-        return []
+    files = sorted(n for n, size in stores.listdir(path).items()
+                   if size is not None and not n.endswith(_NOT_RANK_FILES))
     by_pattern: dict[str, list[tuple[int | None, str]]] = {}
     for name in files:
-        if archive.is_zip(path / name):
+        if _is_zip(path / name, stores):
             pattern, rank = name_rank(name)
             by_pattern.setdefault(pattern, []).append((rank, name))
     sets = []
     for pattern, members in by_pattern.items():
         members.sort(key=lambda m: (m[0] is None, m[0] or 0, m[1]))
-        if any(_holds_distributed_tensors(path / name) for _, name in members):
+        if any(_holds_distributed_tensors(path / name, stores) for _, name in members):
             sets.append(RankSet(pattern, tuple(members)))
     return sets
 
 
-def rank_files(path: Path) -> list[RankFile]:
+def rank_files(path: Path, stores: Stores = LOCAL) -> list[RankFile]:
     """The model rank files of ``path``, ordered by rank, checked to be one complete world:
     verl's ``model_world_size_<W>_rank_<R>.pt`` if there are any, else the one set of files
     under any names that holds distributed tensors (the model's, when an optimizer's set lies
@@ -269,9 +266,9 @@ def rank_files(path: Path) -> list[RankFile]:
     Raises:
         InputError: none found, several sets, world sizes differ, or a rank's file is missing.
     """
-    files = _model_files(path)
+    files = _model_files(path, stores)
     if not files:
-        return _set_files(path, _chosen_set(path))
+        return _set_files(path, _chosen_set(path, stores))
     sizes = sorted({f.world_size for f in files})
     if len(sizes) > 1:
         examples = ", ".join(next(f.name for f in files if f.world_size == w) for w in sizes)
@@ -298,21 +295,21 @@ def rank_files(path: Path) -> list[RankFile]:
 # Top-level keys of a torch optimizer's state dict (accelerate saves it beside the model).
 
 
-def _is_optimizer(path: Path, rank_set: RankSet) -> bool:
+def _is_optimizer(path: Path, rank_set: RankSet, stores: Stores) -> bool:
     for _, name in rank_set.files:
-        keys = top_keys(path / name)
+        keys = top_keys(path / name, stores)
         if keys is not None:
             return bool(keys) and set(keys) <= OPTIMIZER_KEYS
     return False
 
 
-def _chosen_set(path: Path) -> RankSet:
-    sets = _rank_sets(path)
+def _chosen_set(path: Path, stores: Stores) -> RankSet:
+    sets = _rank_sets(path, stores)
     if not sets:
         raise InputError(f"{path}: no per-rank torch.save files of DTensors or ShardedTensors")
     if len(sets) == 1:
         return sets[0]
-    models = [s for s in sets if not _is_optimizer(path, s)]
+    models = [s for s in sets if not _is_optimizer(path, s, stores)]
     if len(models) == 1:
         return models[0]
     found = models or sets
@@ -361,16 +358,16 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
             non-contiguous pieces, non-tensor entries.
     """
     root = Path(path)
-    titan = _titan_backend(root)
+    titan = _titan_backend(root, stores)
     if titan is not None:
         raise UnsupportedError(titan)
-    files = rank_files(root)
+    files = rank_files(root, stores)
     order: list[str] = []
     first: dict[str, Piece] = {}
     chunks: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk]] = {}
     archives: dict[str, tuple[archive.ZipEntry, ...]] = {}  # every entry, for verify's CRCs
     for rf in files:
-        pieces, archives[rf.name] = read_file(root, rf)
+        pieces, archives[rf.name] = read_file(root, rf, stores)
         keys = [p.fqn for p in pieces]
         if rf.rank == 0:
             order = keys
@@ -402,18 +399,19 @@ def read_info(path: str | os.PathLike[str], *, stores: Stores = LOCAL) -> Checkp
     )
     return CheckpointInfo(
         format=NAME, root=root, tensors=tensors, objects=(),
-        files=tuple(DataFile(f.name, file_size(root / f.name)) for f in files),
+        files=tuple(DataFile(f.name, stores.file_size(root / f.name)) for f in files),
         metadata_name="the rank files' pickles", sharded=True, num_ranks=len(files),
-        detail=archives)
+        detail=archives, single_file=False)
 
 
-def sets_beside(path: Path, own: frozenset[str]) -> list[RankSet]:
+def sets_beside(path: Path, own: frozenset[str], stores: Stores = LOCAL) -> list[RankSet]:
     """The other sets of per-rank files of distributed tensors in ``path``, none of whose
     files is in ``own`` (verl's ``optim_world_size_<W>_rank_<R>.pt`` beside its model files)."""
-    return [s for s in _rank_sets(path) if not any(name in own for _, name in s.files)]
+    return [s for s in _rank_sets(path, stores)
+            if not any(name in own for _, name in s.files)]
 
 
-def read_archives(path: Path, rank_set: RankSet) -> CheckpointInfo:
+def read_archives(path: Path, rank_set: RankSet, stores: Stores = LOCAL) -> CheckpointInfo:
     """A set of per-rank files that ckpttool checks but does not merge (an optimizer's
     DTensor state, which :func:`read_info` refuses): every file of the world is there, each
     archive's headers are sound and its pickle passes the allow-list (nothing is run), and
@@ -426,19 +424,13 @@ def read_archives(path: Path, rank_set: RankSet) -> CheckpointInfo:
     files = _set_files(path, rank_set)
     archives: dict[str, tuple[archive.ZipEntry, ...]] = {}
     for rf in files:
-        try:
-            fd = os.open(path / rf.name, os.O_RDONLY)
-        except OSError as e:
-            raise InputError(f"{path / rf.name}: cannot read: {e.strerror}") from None
-        try:
-            archives[rf.name] = tuple(load(path / rf.name, fd)[1].values())
-        finally:
-            os.close(fd)
+        with opened(path / rf.name, stores) as (pread, size):
+            archives[rf.name] = tuple(load(path / rf.name, pread, size)[1].values())
     return CheckpointInfo(
         format=NAME, root=path, tensors=(), objects=(),
-        files=tuple(DataFile(f.name, file_size(path / f.name)) for f in files),
+        files=tuple(DataFile(f.name, stores.file_size(path / f.name)) for f in files),
         metadata_name="the rank files' pickles", sharded=True, num_ranks=len(files),
-        detail=archives)
+        detail=archives, single_file=False)
 
 
 def _describe(p: Piece) -> str:

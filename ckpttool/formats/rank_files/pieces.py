@@ -4,12 +4,14 @@ DTensor's local piece lies in the global tensor (its mesh coordinate and placeme
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import itertools
 import math
 import os
 import pickle
 import pickletools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ from ckpttool.formats.rank_files.stand_ins import (
     ShardMetadata,
     dtensor_global,
 )
+from ckpttool.storage.store import LOCAL, Stores
 
 FSDP1_LOCAL_MESSAGE = (
     "{path}: FSDP1 LOCAL_STATE_DICT files (flattened parameters) cannot be merged without the "
@@ -87,8 +90,29 @@ def _has_flat_param(names: Iterable[str]) -> bool:
     return any("flat_param" in n for n in names)
 
 
-def load(path: Path, fd: int) -> tuple[archive.RecordBytes, dict[str, archive.ZipEntry],
-                                        dict[Any, Any]]:
+@contextlib.contextmanager
+def opened(path: Path, stores: Stores) -> Iterator[tuple[Callable[[int, int], bytes], int]]:
+    """``pread(size, offset)`` and the size of the rank file ``path``, read through
+    ``stores`` while the block runs.
+
+    Raises:
+        InputError: missing, not a regular file, or unreadable.
+    """
+    size = stores.file_size(path)
+    if size is None:
+        if path.name in stores.listdir(path.parent):
+            raise InputError(f"{path}: not a regular file; copy the checkpoint again")
+        raise InputError(f"{path}: cannot read: {os.strerror(errno.ENOENT)}")
+    with contextlib.ExitStack() as stack:
+        try:
+            pread = stack.enter_context(stores.reading(path))
+        except OSError as e:
+            raise InputError(f"{path}: cannot read: {e.strerror}") from e
+        yield pread, size
+
+
+def load(path: Path, fd: int | Callable[[int, int], bytes], size: int | None = None
+         ) -> tuple[archive.RecordBytes, dict[str, archive.ZipEntry], dict[Any, Any]]:
     """The archive of an open rank file and its state dict, unpickled onto stand-ins.
 
     Raises:
@@ -96,7 +120,8 @@ def load(path: Path, fd: int) -> tuple[archive.RecordBytes, dict[str, archive.Zi
         UnsupportedError: FSDP1 flat parameters, torch.distributed classes not on the list.
     """
     rb, entries = archive.open_file_archive(fd, str(path),
-                                              "the rank file is damaged, copy it again")
+                                              "the rank file is damaged, copy it again",
+                                              size=size)
     try:
         root_value = torchsave.load_pickle(rb, entries, lookup=dtensor_global)
     except ShardedTensorFound as e:
@@ -129,15 +154,11 @@ def load(path: Path, fd: int) -> tuple[archive.RecordBytes, dict[str, archive.Zi
     return rb, entries, root_value
 
 
-def read_file(root: Path, rf: RankFile
-               ) -> tuple[list[Piece], tuple[archive.ZipEntry, ...]]:
+def read_file(root: Path, rf: RankFile, stores: Stores = LOCAL
+              ) -> tuple[list[Piece], tuple[archive.ZipEntry, ...]]:
     path = root / rf.name
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror}") from e
-    try:
-        rb, entries, root_value = load(path, fd)
+    with opened(path, stores) as (pread, size):
+        rb, entries, root_value = load(path, pread, size)
         if root_value and {str(k) for k in root_value} <= OPTIMIZER_KEYS:
             raise UnsupportedError(
                 f"{path}: per-rank optimizer state (its keys are {sorted(root_value)}); "
@@ -153,22 +174,15 @@ def read_file(root: Path, rf: RankFile
                 raise UnsupportedError(FSDP1_LOCAL_MESSAGE.format(path=path))
             pieces.append(_piece(path, rf, rb, entries, meshes, fqn, value))
         return pieces, tuple(entries.values())
-    finally:
-        os.close(fd)
 
 
-def top_keys(path: Path) -> list[str] | None:
+def top_keys(path: Path, stores: Stores = LOCAL) -> list[str] | None:
     """The top-level keys of a rank file's state dict, or None if it cannot be read."""
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        return [str(k) for k in load(path, fd)[2]]
+        with opened(path, stores) as (pread, size):
+            return [str(k) for k in load(path, pread, size)[2]]
     except CkptError:
         return None
-    finally:
-        os.close(fd)
 
 
 def _is_tensor(value: Any) -> bool:
