@@ -1,7 +1,7 @@
 """Two tensors of one shape read side by side in C order, block by block, with as few copies
 as the layouts allow: where a block lies in one contiguous chunk on a side (a safetensors
 tensor, a row shard of a DCP or DeepSpeed checkpoint), its bytes come straight from the page
-cache (:meth:`~ckpttool.formats.base.Reader.blocks`: mapped for a local file); anything
+cache (a :class:`~ckpttool.formats.base.Blocks` read: mapped for a local file); anything
 else is gathered (:func:`~ckpttool.core.checkpoint.tensors.read_range`). Blocks end where
 either side's chunks end, so a block never straddles two stored pieces of a side.
 

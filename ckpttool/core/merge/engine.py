@@ -314,7 +314,7 @@ def _jobs(fd: int, tensors: tuple[OutTensor, ...]) -> list[_Job]:
     """A window of small tensors, a job per large chunk or derived tensor, and batches of
     the small chunks of large tensors, for one output file. Small chunks are batched in the
     order their bytes lie in the source files, so that a batch reads back-to-back records
-    together (:meth:`Reader.payloads`); every chunk's place in the output is known, so the
+    together (a :class:`Decode` read); every chunk's place in the output is known, so the
     order of writes does not matter."""
     jobs: list[_Job] = []
     # (place in the source files, bytes, tensor, chunk number): a small chunk's Chunk is built
