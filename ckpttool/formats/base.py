@@ -512,11 +512,11 @@ class Whole:
     """Each of ``tensors`` made whole in ``out`` at ``dsts[i]`` (its C-ordered bytes), the
     format choosing how: many small row chunks at once with nothing per chunk in Python
     where it can (DCP), else chunk by chunk. The answer, per tensor: the stored bytes whose
-    CRC-32s were checked with it (``checksums``; else 0), or None where it was not made
-    whole. ``strict``: every tensor is made whole (a damaged one raises); else only what the
-    batched path can make, every checksum matching, and None for the others (the caller then
-    reads each its own way, which reports what is wrong: verify). ``via``: what the chunk by
-    chunk reads go through (a wrapper that checks them); this reader when None."""
+    CRC-32s the batched path checked with it (``checksums``; else, and chunk by chunk, 0), or
+    None where it was not made whole. ``strict``: every tensor is made whole (a damaged one
+    raises); else only what the batched path can make, every checksum matching, and None for
+    the others (the caller then reads each its own way, which says what is wrong: verify).
+    ``via``: what chunk by chunk reads go through (a checking wrapper); None: this reader."""
 
     tensors: Sequence[Tensor]
     out: bytearray
