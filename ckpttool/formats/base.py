@@ -492,8 +492,7 @@ class CopyOut:
 
 @dataclass(frozen=True, slots=True)
 class Decode:
-    """Each ``(tensor, chunk)``'s :class:`Payload`, in order (:meth:`Reader.payloads`: ask
-    in file and offset order)."""
+    """Each ``(tensor, chunk)``'s :class:`Payload` (:meth:`Reader.payloads`), in order."""
 
     items: Sequence[tuple[Tensor, Chunk]]
     checksums: bool = False
@@ -575,21 +574,15 @@ def stored_order(tensors: Sequence[Tensor], *, empty: bool = True
 
 
 class Reader:
-    """A checkpoint's bytes. One data verb, :meth:`read`, takes a request (:data:`Request`)
-    and the format chooses the fastest way (a kernel copy, a scattered read into the
-    caller's buffer, records read together and decoded, DCP's template fill). Call order:
-
-    1. ``open_reader(info, store=...)``; :meth:`open_files` before threads share it;
-    2. :meth:`plan_reads` with the ranges about to be read (object storage fetches ahead);
-    3. :meth:`read` from any thread: :class:`Whole` for tensors made whole in memory,
-       :class:`Decode` for where chunks are (then :class:`CopyOut`, :class:`Into`,
-       :class:`Blocks` or :class:`Span` on the ranges it gives), :class:`Elements` for a
-       chunk in C order; :meth:`read_object` for non-tensor entries;
-    4. :meth:`close` (or ``with``).
-
-    Formats subclass it for their encodings (:meth:`_decode`, :meth:`read_chunk`) and
-    batched paths (:meth:`_whole`); RAW chunks and everything built on payloads are here.
-    """
+    """A checkpoint's bytes. One data verb, :meth:`read`, takes a request (:data:`Request`);
+    the format chooses the fastest way (a kernel copy, a scattered read into the caller's
+    buffer, records read together, DCP's template fill). Call order: ``open_reader``;
+    :meth:`open_files` before threads share it; :meth:`plan_reads` (object storage fetches
+    those ranges ahead); :meth:`read` from any thread (:class:`Whole` for tensors made whole
+    in memory; :class:`Decode` for where chunks are, then :class:`CopyOut`, :class:`Into`,
+    :class:`Blocks` or :class:`Span` on its ranges; :class:`Elements` for a chunk in C
+    order); :meth:`close`. Formats subclass it for their encodings (:meth:`_decode`,
+    :meth:`read_chunk`) and batched paths (:meth:`_whole`)."""
 
     def __init__(self, info: CheckpointInfo, store: Store | None = None) -> None:
         self.info = info
@@ -648,23 +641,20 @@ class Reader:
     def read(self, request: Whole) -> list[int | None]: ...
 
     def read(self, request: Request) -> Any:
-        """What ``request`` asks for, the format choosing how (see each request type; the
-        call order is the class's). The only method through which ``core`` reads data.
-
-        Raises:
-            InputError: the stored bytes are truncated, corrupt or not what was promised.
-        """
+        """What ``request`` asks for, the format choosing how; the only method through which
+        ``core`` reads data. Raises InputError where the stored bytes are truncated, corrupt
+        or not what was promised."""
         if isinstance(request, Whole):
             return self._whole(request, request.via or self)
         match request:
             case Span(file, offset, size, what):
-                return self.store.read_exact(file, offset, size, what=what)
+                return self.read_exact(file, offset, size, what=what)
             case Blocks(file, offset, size, buf, mapped):
-                return read_blocks(self.store, file, offset, size, buf, mapped=mapped)
+                return self.blocks(file, offset, size, buf, mapped=mapped)
             case Into(file, offset, bufs):
-                return self.store.readv(file, offset, bufs)
+                return self.readv(file, offset, bufs)
             case CopyOut(file, offset, size, fd, at):
-                return self.store.copy_to(file, offset, fd, at, size)
+                return self.copy_to(file, offset, fd, at, size)
             case Decode(items, checksums):
                 return self.payloads(items, checksums=checksums)
             case Elements(tensor, chunk):
@@ -682,9 +672,8 @@ class Reader:
     def _chunk_by_chunk(self, request: Whole, rest: Iterable[int], via: Reader,
                         found: Callable[[list[tuple[Tensor, int]]],
                                         Iterator[memoryview | None]] | None = None) -> None:
-        """Tensors ``rest`` of ``request`` made whole chunk by chunk, in stored order: a
-        chunk's elements from ``found`` where it has them in memory (rows copied in place),
-        else read through ``via`` (this reader, or a wrapper that checks what it reads)."""
+        """Tensors ``rest`` of ``request`` made whole chunk by chunk, in stored order: from
+        ``found`` where it has a chunk's elements in memory, else read through ``via``."""
         ts = [request.tensors[i] for i in rest]
         ats = [request.dsts[i] for i in rest]
         starts = [row_starts(t) for t in ts]
@@ -701,6 +690,19 @@ class Reader:
             place_chunk(view, at, t, c, data if data is not None else via.read(Elements(t, c)))
 
     # -- the steps read() is built on (each format's own; core calls read())
+
+    def read_exact(self, file: str, offset: int, size: int, *, what: str) -> bytes:
+        return self.store.read_exact(file, offset, size, what=what)
+
+    def copy_to(self, file: str, offset: int, dst_fd: int, dst_offset: int, size: int) -> None:
+        self.store.copy_to(file, offset, dst_fd, dst_offset, size)
+
+    def readv(self, file: str, offset: int, bufs: Sequence[memoryview]) -> int:
+        return self.store.readv(file, offset, bufs)
+
+    def blocks(self, file: str, offset: int, size: int, buf: memoryview, *,
+               mapped: bool = True) -> Iterator[memoryview]:
+        return read_blocks(self.store, file, offset, size, buf, mapped=mapped)
 
     def payload(self, tensor: Tensor, chunk: Chunk, *, checksums: bool = False) -> Payload:
         """Where ``chunk``'s elements are, checked against what the metadata promises;
