@@ -72,8 +72,8 @@ def calls_outside_the_verb() -> list[str]:
 
 def test_the_data_methods_are_known() -> None:
     # The check below means something: the steps and DCP's fast paths are data methods.
-    assert {"payload", "payloads", "read_chunk", "fill_rows", "elements",
-            "checked_elements"} <= data_methods()
+    assert {"payload", "payloads", "read_chunk", "read_exact", "copy_to", "readv", "blocks",
+            "fill_rows", "elements", "checked_elements"} <= data_methods()
 
 
 def test_core_reads_data_through_read_alone() -> None:
