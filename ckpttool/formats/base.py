@@ -37,7 +37,7 @@ from typing import Any, Protocol, overload
 from ckpttool.errors import InputError
 from ckpttool.formats.codecs import torchsave
 from ckpttool.formats.codecs.dtypes import DType
-from ckpttool.formats.placement import runs
+from ckpttool.formats.codecs.placement import runs
 from ckpttool.storage.store import LOCAL, Capabilities, LocalStore, Store, Stores, read_blocks
 
 # How a chunk's bytes are stored (Chunk.encoding).

@@ -1,6 +1,6 @@
 """Chunk geometry, pure: does a set of chunks tile a tensor, and where boxes meet. Which byte
 runs of a chunk land where in the full (C-ordered) tensor is
-:mod:`ckpttool.formats.placement`'s (readers place chunks with it), named here too for
+:mod:`ckpttool.formats.codecs.placement`'s (readers place chunks with it), named here too for
 core."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import operator
 from collections.abc import Sequence
 
-from ckpttool.formats.placement import is_single_run, runs, single_run_start, strides
+from ckpttool.formats.codecs.placement import is_single_run, runs, single_run_start, strides
 
 __all__ = ["coverage_problem", "intersect", "is_single_run", "rows_tile", "runs",
            "single_run_start", "strides", "sub_runs"]
