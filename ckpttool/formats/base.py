@@ -37,7 +37,7 @@ from typing import Any, Protocol, overload
 from ckpttool.errors import InputError
 from ckpttool.formats.codecs import torchsave
 from ckpttool.formats.codecs.dtypes import DType
-from ckpttool.formats.codecs.placement import runs
+from ckpttool.formats.codecs.placement import place
 from ckpttool.storage.store import LOCAL, Capabilities, LocalStore, Store, Stores, read_blocks
 
 # How a chunk's bytes are stored (Chunk.encoding).
@@ -528,15 +528,6 @@ class Whole:
 Request = Span | Blocks | Into | CopyOut | Decode | Elements | Whole
 
 
-def place_chunk(view: memoryview, at: int, tensor: Tensor, chunk: Chunk,
-                data: memoryview | bytes) -> None:
-    """``chunk``'s C-ordered ``data`` placed in ``tensor``, whose bytes are at ``view[at:]``."""
-    item = tensor.dtype.itemsize
-    whole = memoryview(data)
-    for src, dst, n in runs(tensor.shape, chunk.offsets, chunk.sizes):
-        view[at + dst * item : at + (dst + n) * item] = whole[src * item : (src + n) * item]
-
-
 def row_starts(tensor: Tensor) -> list[int] | None:
     """The byte at which each chunk begins in the C-ordered tensor, when every chunk is rows
     (``Shard(0)``: whole in every other dimension), read from columns; None otherwise (or
@@ -687,7 +678,8 @@ class Reader:
                 view[at + first[k] : at + first[k] + len(data)] = data
                 continue
             c = t.chunks[k]
-            place_chunk(view, at, t, c, data if data is not None else via.read(Elements(t, c)))
+            place(view, at, t.shape, c.offsets, c.sizes, t.dtype.itemsize,
+                  data if data is not None else via.read(Elements(t, c)))
 
     # -- the steps read() is built on (each format's own; core calls read())
 

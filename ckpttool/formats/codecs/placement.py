@@ -71,3 +71,13 @@ def single_run_start(shape: Sequence[int], offsets: Sequence[int], sizes: Sequen
     if not is_single_run(shape, offsets, sizes):
         return None
     return next(runs(shape, offsets, sizes))[1]
+
+
+def place(view: memoryview, at: int, shape: Sequence[int], offsets: Sequence[int],
+          sizes: Sequence[int], itemsize: int, data: memoryview | bytes) -> None:
+    """A C-ordered chunk's bytes ``data`` put where its :func:`runs` go in its C-ordered
+    tensor, whose bytes begin at ``view[at]``."""
+    whole = memoryview(data)
+    for src, dst, n in runs(shape, offsets, sizes):
+        view[at + dst * itemsize : at + (dst + n) * itemsize] = \
+            whole[src * itemsize : (src + n) * itemsize]
