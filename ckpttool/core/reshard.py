@@ -34,7 +34,7 @@ from ckpttool.core.runtime.report import Progress, Section, document, locked, se
 from ckpttool.core.runtime.torch_threads import default_workers, workers_for
 from ckpttool.errors import InputError, OutputError, UsageError
 from ckpttool.formats import safetensors
-from ckpttool.formats.base import Reader, Tensor
+from ckpttool.formats.base import CopyOut, Reader, Tensor
 from ckpttool.formats.dcp.reader import DATA_SUFFIX, METADATA_FILE
 from ckpttool.formats.dcp.writer import DcpWriter
 from ckpttool.storage.outputs import (
@@ -402,9 +402,9 @@ def _copy_tensor(reader: Reader, t: Tensor, fd: int, offset: int) -> None:
     contiguous run, else in C-ordered blocks."""
     chunk = t.chunks[0] if len(t.chunks) == 1 else None
     if chunk is not None and chunk.sizes == t.shape:
-        payload = reader.payload(t, chunk)
+        payload = tensors.payload(reader, t, chunk)
         if payload.start is not None:
-            reader.copy_to(payload.file, payload.start, fd, offset, t.nbytes)
+            reader.read(CopyOut(payload.file, payload.start, t.nbytes, fd, offset))
             return
     for start, block in tensors.blocks(reader, t):
         pwrite_all(fd, block, offset + start * t.dtype.itemsize)

@@ -29,14 +29,15 @@ from __future__ import annotations
 import math
 import operator
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 from ckpttool.errors import InputError
 from ckpttool.formats.codecs import torchsave
 from ckpttool.formats.codecs.dtypes import DType
+from ckpttool.formats.codecs.placement import place
 from ckpttool.storage.store import LOCAL, Capabilities, LocalStore, Store, Stores, read_blocks
 
 # How a chunk's bytes are stored (Chunk.encoding).
@@ -144,7 +145,6 @@ class ChunkTable:
         self.length = length
         self.boxes = boxes  # per chunk: its offsets, then its sizes (ndim each)
         self.encoding = encoding
-
 
     def inside(self, sizes: Mapping[str, int | None]) -> bool:
         """True if every row lies inside its file, given each file's size (None: missing)."""
@@ -391,7 +391,7 @@ class CheckpointInfo:
 
 
 # --------------------------------------------------------------------------------------------
-# Reading bytes
+# Reading bytes: what Reader.read is asked for (one request type per kind of answer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -453,13 +453,132 @@ class TensorPlaceholder:
         return f"tensor({self.dtype}, {list(self.shape)})"
 
 
-class Reader:
-    """A checkpoint's bytes: chunks decoded into payloads, chunks read in C order, objects.
-    (Element ranges of a whole tensor are geometry over chunks: ``core.tensors``.)
+@dataclass(frozen=True, slots=True)
+class Span:
+    """``size`` stored bytes at ``offset`` of ``file``: ``bytes`` (InputError if it ends)."""
 
-    Shared by worker threads once :meth:`open_files` has run. Formats subclass it for their own
-    encodings (``payload``) and objects; RAW chunks and everything built on payloads are here.
-    """
+    file: str
+    offset: int
+    size: int
+    what: str
+
+
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    """Stored bytes in blocks of at most ``len(buf)``, each valid until the next (fewer than
+    ``size`` when the file ends first): :func:`~ckpttool.storage.store.read_blocks`."""
+
+    file: str
+    offset: int
+    size: int
+    buf: memoryview
+    mapped: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Into:
+    """Stored bytes into each of ``bufs`` in turn (one scattered read): how many came."""
+
+    file: str
+    offset: int
+    bufs: Sequence[memoryview]
+
+
+@dataclass(frozen=True, slots=True)
+class CopyOut:
+    """``size`` stored bytes copied into the open file ``fd`` at ``at`` (in the kernel)."""
+
+    file: str
+    offset: int
+    size: int
+    fd: int
+    at: int
+
+
+@dataclass(frozen=True, slots=True)
+class Decode:
+    """Each ``(tensor, chunk)``'s :class:`Payload` (:meth:`Reader.payloads`), in order."""
+
+    items: Sequence[tuple[Tensor, Chunk]]
+    checksums: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Elements:
+    """One chunk's elements in C order, in its own dtype: ``bytes``."""
+
+    tensor: Tensor
+    chunk: Chunk
+
+
+@dataclass(frozen=True, slots=True)
+class Whole:
+    """Each of ``tensors`` made whole in ``out`` at ``dsts[i]`` (its C-ordered bytes), the
+    format choosing how: many small row chunks at once with nothing per chunk in Python
+    where it can (DCP), else chunk by chunk. The answer, per tensor: the stored bytes whose
+    CRC-32s the batched path checked with it (``checksums``; else, and chunk by chunk, 0), or
+    None where it was not made whole. ``strict``: every tensor is made whole (a damaged one
+    raises); else only what the batched path can make, every checksum matching, and None for
+    the others (the caller then reads each its own way, which says what is wrong: verify).
+    ``via``: what chunk by chunk reads go through (a checking wrapper); None: this reader."""
+
+    tensors: Sequence[Tensor]
+    out: bytearray
+    dsts: Sequence[int]
+    checksums: bool = False
+    strict: bool = True
+    via: Reader | None = None
+
+
+Request = Span | Blocks | Into | CopyOut | Decode | Elements | Whole
+
+
+def row_starts(tensor: Tensor) -> list[int] | None:
+    """The byte at which each chunk begins in the C-ordered tensor, when every chunk is rows
+    (``Shard(0)``: whole in every other dimension), read from columns; None otherwise (or
+    when the columns are not there, or the tensor has no rows)."""
+    chunks = tensor.chunks
+    split = chunks.rows(tensor.shape) if isinstance(chunks, ChunkColumns) else None
+    if split is None or not tensor.shape[0]:
+        return None
+    row = tensor.nbytes // tensor.shape[0]
+    return [o * row for o in split[0]]
+
+
+def stored_order(tensors: Sequence[Tensor], *, empty: bool = True
+                 ) -> list[tuple[str, int, int, int]]:
+    """``(file, offset, tensor index, chunk number)`` of every chunk of ``tensors`` (empty
+    ones too, unless ``empty`` is False), in the order their bytes are stored; from columns
+    where a tensor has them (nothing per chunk is built)."""
+    order: list[tuple[str, int, int, int]] = []
+    for i, t in enumerate(tensors):
+        chunks = t.chunks
+        if isinstance(chunks, ChunkColumns):
+            table, lo, n = chunks.table, chunks.first, len(chunks)
+            names = table.names
+            places = zip(table.file[lo : lo + n], table.offset[lo : lo + n], strict=True)
+            if empty:
+                order += [(names[f], o, i, k) for k, (f, o) in enumerate(places)]
+            else:
+                numel = chunks.numels()
+                order += [(names[f], o, i, k) for k, (f, o) in enumerate(places) if numel[k]]
+        else:
+            order += [(c.file, c.offset, i, k) for k, c in enumerate(chunks)
+                      if empty or c.numel]
+    order.sort()
+    return order
+
+
+class Reader:
+    """A checkpoint's bytes. One data verb, :meth:`read`, takes a request (:data:`Request`);
+    the format chooses the fastest way (a kernel copy, a scattered read into the caller's
+    buffer, records read together, DCP's template fill). Call order: ``open_reader``;
+    :meth:`open_files` before threads share it; :meth:`plan_reads` (object storage fetches
+    those ranges ahead); :meth:`read` from any thread (:class:`Whole` for tensors made whole
+    in memory; :class:`Decode` for where chunks are, then :class:`CopyOut`, :class:`Into`,
+    :class:`Blocks` or :class:`Span` on its ranges; :class:`Elements` for a chunk in C
+    order); :meth:`close`. Formats subclass it for their encodings (:meth:`_decode`,
+    :meth:`read_chunk`) and batched paths (:meth:`_whole`)."""
 
     def __init__(self, info: CheckpointInfo, store: Store | None = None) -> None:
         self.info = info
@@ -484,7 +603,7 @@ class Reader:
     def where(self, file: str, offset: int, what: str) -> str:
         return f"{self.store.path(file)} at byte {offset} ({what})"
 
-    # -- bytes, for core (which reaches a store only through these)
+    # -- metadata about the bytes (not data reads)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -500,35 +619,93 @@ class Reader:
         storage fetches them coalesced and ahead; a local store ignores it."""
         self.store.plan_reads(reads)
 
+    # -- the one data verb (core reads through it alone)
+
+    @overload
+    def read(self, request: Span) -> bytes: ...
+    @overload
+    def read(self, request: Blocks) -> Iterator[memoryview]: ...
+    @overload
+    def read(self, request: Into) -> int: ...
+    @overload
+    def read(self, request: CopyOut) -> None: ...
+    @overload
+    def read(self, request: Decode) -> Iterator[Payload]: ...
+    @overload
+    def read(self, request: Elements) -> bytes: ...
+    @overload
+    def read(self, request: Whole) -> list[int | None]: ...
+
+    def read(self, request: Request) -> Any:
+        """What ``request`` asks for, the format choosing how; the only method through which
+        ``core`` reads data. Raises InputError where the stored bytes are truncated, corrupt
+        or not what was promised."""
+        if isinstance(request, Whole):
+            return self._whole(request, request.via or self)
+        match request:
+            case Span(file, offset, size, what):
+                return self.read_exact(file, offset, size, what=what)
+            case Blocks(file, offset, size, buf, mapped):
+                return self.blocks(file, offset, size, buf, mapped=mapped)
+            case Into(file, offset, bufs):
+                return self.readv(file, offset, bufs)
+            case CopyOut(file, offset, size, fd, at):
+                return self.copy_to(file, offset, fd, at, size)
+            case Decode(items, checksums):
+                return self.payloads(items, checksums=checksums)
+            case Elements(tensor, chunk):
+                return self.read_chunk(tensor, chunk)
+        raise TypeError(f"not a read request: {request!r}")
+
+    def _whole(self, request: Whole, via: Reader) -> list[int | None]:
+        """:class:`Whole` without a batched path: where ``strict``, chunk by chunk
+        (:meth:`_chunk_by_chunk`); else None for each (the caller reads each its own way)."""
+        if not request.strict:
+            return [None] * len(request.tensors)
+        self._chunk_by_chunk(request, range(len(request.tensors)), via)
+        return [0] * len(request.tensors)
+
+    def _chunk_by_chunk(self, request: Whole, rest: Iterable[int], via: Reader,
+                        found: Callable[[list[tuple[Tensor, int]]],
+                                        Iterator[memoryview | None]] | None = None) -> None:
+        """Tensors ``rest`` of ``request`` made whole chunk by chunk, in stored order: from
+        ``found`` where it has a chunk's elements in memory, else read through ``via``."""
+        ts = [request.tensors[i] for i in rest]
+        ats = [request.dsts[i] for i in rest]
+        starts = [row_starts(t) for t in ts]
+        order = stored_order(ts, empty=False)
+        items = [(ts[i], k) for _, _, i, k in order]
+        view = memoryview(request.out)
+        got = found(items) if found is not None else (None for _ in items)
+        for (t, k), data, (_, _, i, _) in zip(items, got, order, strict=True):
+            at, first = ats[i], starts[i]
+            if data is not None and first is not None:  # rows, from memory: the usual case
+                view[at + first[k] : at + first[k] + len(data)] = data
+                continue
+            c = t.chunks[k]
+            place(view, at, t.shape, c.offsets, c.sizes, t.dtype.itemsize,
+                  data if data is not None else via.read(Elements(t, c)))
+
+    # -- the steps read() is built on (each format's own; core calls read())
+
     def read_exact(self, file: str, offset: int, size: int, *, what: str) -> bytes:
         return self.store.read_exact(file, offset, size, what=what)
 
-    def copy_to(self, file: str, offset: int, dst_fd: int, dst_offset: int, size: int
-                ) -> None:
-        """Copy stored bytes into an open output file (in the kernel for local files)."""
+    def copy_to(self, file: str, offset: int, dst_fd: int, dst_offset: int, size: int) -> None:
         self.store.copy_to(file, offset, dst_fd, dst_offset, size)
 
     def readv(self, file: str, offset: int, bufs: Sequence[memoryview]) -> int:
-        """Consecutive stored bytes into each of ``bufs`` in turn (:meth:`Store.readv`)."""
         return self.store.readv(file, offset, bufs)
 
     def blocks(self, file: str, offset: int, size: int, buf: memoryview, *,
                mapped: bool = True) -> Iterator[memoryview]:
-        """Stored bytes in consecutive blocks (:func:`~ckpttool.storage.store.read_blocks`)."""
         return read_blocks(self.store, file, offset, size, buf, mapped=mapped)
 
-    # -- chunks
-
     def payload(self, tensor: Tensor, chunk: Chunk, *, checksums: bool = False) -> Payload:
-        """Where ``chunk``'s elements are, checked against what the metadata promises.
-
-        Decoded on every call and never kept: a checkpoint of millions of chunks holds no
-        per-chunk state (formats make a repeated decode cheap instead).
-
-        Args:
-            checksums: fill ``Payload.side`` (what ``verify`` checks besides the elements);
-                without it, ``Payload.crc32`` may be None where a format would have to
-                decode it (a copy needs no CRC).
+        """Where ``chunk``'s elements are, checked against what the metadata promises;
+        decoded on every call and never kept (no per-chunk state). ``checksums``: fill
+        ``Payload.side`` (what ``verify`` checks besides the elements); without it,
+        ``Payload.crc32`` may be None where a format would have to decode it.
 
         Raises:
             InputError: the stored piece is truncated, corrupt or not what was promised.
@@ -537,45 +714,11 @@ class Reader:
 
     def payloads(self, items: Sequence[tuple[Tensor, Chunk]], *, checksums: bool = False
                  ) -> Iterator[Payload]:
-        """:meth:`payload` of each ``(tensor, chunk)``, in order: the batched form, for a
-        caller that knows many chunks it needs (merge, verify). Formats read what lies
-        together together (DCP: back-to-back records in one read, ``Payload.data`` filled),
-        so a caller that asks in file and offset order pays per span, not per chunk.
-
-        Raises:
-            InputError: as :meth:`payload`, when the failing item is reached.
-        """
+        """:meth:`payload` of each ``(tensor, chunk)``, in order (:class:`Decode`). Formats
+        read what lies together together (DCP: back-to-back records in one read,
+        ``Payload.data`` filled); raises as :meth:`payload`, at the failing item."""
         for tensor, chunk in items:
             yield self._decode(tensor, chunk, checksums)
-
-    def elements(self, items: Sequence[tuple[Tensor, int]]) -> Iterator[memoryview | None]:
-        """For each ``(tensor, chunk number)``, in order, the chunk's elements in C order when
-        the format has them in memory from reading many together, else None (the caller
-        then reads the chunk itself: :meth:`read_chunk`). The copy of millions of small
-        chunks (a merge's windows), with nothing built per chunk; callers ask in file and
-        offset order. Formats without such a batched path give None for every chunk."""
-        for _ in items:
-            yield None
-
-    def checked_elements(self, items: Sequence[tuple[Tensor, int]]
-                         ) -> Iterator[tuple[memoryview, int] | None]:
-        """:meth:`elements` for ``verify``: each chunk's elements and the stored bytes whose
-        CRC-32s the format checked with them (the whole record's, every entry), where all
-        of them matched; else None (no batched path, or a checksum that failed: the caller
-        then decodes the chunk with :meth:`payload` and reports what is wrong)."""
-        for _ in items:
-            yield None
-
-    def fill_rows(self, tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
-                  checksums: bool = False) -> list[int | None]:
-        """Each tensor made whole in ``out`` at ``dsts[i]`` (its C-ordered bytes), where the
-        format can do that for many small chunks at once (a merge's windows, verify's groups
-        of a checkpoint of millions of chunks) with nothing done per chunk in Python; callers
-        offer tensors whose chunks are rows (``Shard(0)``). Per tensor: the stored bytes whose
-        CRC-32s were checked with it (``checksums``; else 0), or None where it was not made
-        whole: the caller then reads that tensor its own way (which reports any damage).
-        Formats without such a path give None for every tensor."""
-        return [None] * len(tensors)
 
     def _decode(self, tensor: Tensor, chunk: Chunk, checksums: bool = False) -> Payload:
         if chunk.encoding != RAW:
@@ -590,7 +733,7 @@ class Reader:
         return Payload(chunk.file, span[0], span[1], chunk.crc32, chunk.offset)
 
     def read_chunk(self, tensor: Tensor, chunk: Chunk) -> bytes:
-        """The chunk's elements, C-contiguous, in its own dtype."""
+        """The chunk's elements, C-contiguous, in its own dtype (:class:`Elements`)."""
         p = self.payload(tensor, chunk)
         item = tensor.dtype.itemsize
         if p.start is not None:
@@ -625,11 +768,8 @@ class Reader:
 
     def read_object(self, entry: ObjectEntry) -> Any:
         """The entry's value, read with weights-only semantics (plain containers, scalars).
-
-        Raises:
-            UnreadableObject: it would need arbitrary unpickling (never done) or is too large.
-            InputError: its record is truncated or corrupt.
-        """
+        Raises UnreadableObject where it would need arbitrary unpickling (never done) or is
+        too large, InputError where its record is truncated or corrupt."""
         if entry.file is None:
             return self.info.values[entry.name]
         raise InputError(f"{self.store.path(entry.file)}: entry '{entry.name}' is not readable "

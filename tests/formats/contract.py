@@ -10,6 +10,7 @@ file replaced by a directory or a FIFO (:func:`replace_data_file`).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ from ckpttool.cli import app
 from ckpttool.core.checkpoint.discover import discover
 from ckpttool.core.merge.report import MergeReport
 from ckpttool.formats import registry
+from ckpttool.formats.base import Whole
 from tests.helpers import as_table, assert_bit_exact, json_table, load_out
 
 Reference = dict[str, torch.Tensor]  # canonical name -> the full tensor
@@ -369,6 +371,29 @@ class FormatContract:
         assert report.format == self.FORMAT
         assert report.num_tensors == len(ckpt[1])
         assert_bit_exact(load_out(out), ckpt[1])
+
+    def test_read_whole_gives_every_tensor(self, ckpt: Ckpt) -> None:
+        """The one data verb: ``Reader.read(Whole(...))`` makes every tensor whole as the
+        reference holds it, with and without checksums; not strict, each tensor is the
+        same or None (the caller then reads it its own way)."""
+        path, reference = ckpt
+        fmt = registry.detect(path)
+        assert fmt is not None
+        info = fmt.read_info(path)
+        canonical = discover(path).canonical()
+        ts = list(info.tensors)
+        dsts = list(itertools.accumulate((t.nbytes for t in ts), initial=0))
+        want = b"".join(reference[canonical[t.name]].reshape(-1).contiguous()
+                        .view(torch.uint8).numpy().tobytes() for t in ts)
+        with fmt.open_reader(info) as reader:
+            for strict, checksums in ((True, False), (True, True), (False, True)):
+                out = bytearray(dsts[-1])
+                got = reader.read(Whole(ts, out, dsts[:-1], checksums=checksums,
+                                        strict=strict))
+                assert len(got) == len(ts)
+                for t, at, g in zip(ts, dsts, got, strict=False):
+                    if strict or g is not None:
+                        assert out[at : at + t.nbytes] == want[at : at + t.nbytes], t.name
 
     # -- 7. hostile data files: an error, never a hang, never success
 

@@ -1,22 +1,18 @@
-"""Chunk geometry, pure: does a set of chunks tile a tensor, and which byte runs of a chunk land
-where in the full (C-ordered) tensor."""
+"""Chunk geometry, pure: does a set of chunks tile a tensor, and where boxes meet. Which byte
+runs of a chunk land where in the full (C-ordered) tensor is
+:mod:`ckpttool.formats.codecs.placement`'s (readers place chunks with it), named here too for
+core."""
 
 from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterator, Sequence
-from itertools import product
+from collections.abc import Sequence
 
+from ckpttool.formats.codecs.placement import is_single_run, runs, single_run_start, strides
 
-def strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """C-order element strides of ``shape``."""
-    out = []
-    acc = 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))
+__all__ = ["coverage_problem", "intersect", "is_single_run", "rows_tile", "runs",
+           "single_run_start", "strides", "sub_runs"]
 
 
 def coverage_problem(
@@ -91,59 +87,6 @@ def _first_overlap(
                 return other[0], box[0]
         active.append(box)
     return None
-
-
-def runs(
-    shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]
-) -> Iterator[tuple[int, int, int]]:
-    """Contiguous runs of a C-ordered chunk inside the C-ordered full tensor.
-
-    Yields ``(chunk_element_offset, tensor_element_offset, num_elements)``. A chunk that spans
-    every dimension after its first partial one (what ``Shard(0)`` gives) is a single run.
-    """
-    ndim = len(shape)
-    if math.prod(sizes) == 0:
-        return
-    # k: the first dim from which the chunk, read in C order, is contiguous in the tensor.
-    k = ndim
-    while k > 0 and all(sizes[d] == shape[d] for d in range(k, ndim)):
-        k -= 1
-    # dims [k+1, ndim) are full; dim k may be partial; a run covers sizes[k:] elements.
-    if k >= ndim:  # 0-dim tensor
-        yield 0, 0, 1
-        return
-    st = strides(shape)
-    run = math.prod(sizes[k:])
-    base = sum(o * s for o, s in zip(offsets, st, strict=True))
-    pos = 0
-    for index in product(*(range(n) for n in sizes[:k])):
-        yield pos, base + sum(i * s for i, s in zip(index, st, strict=False)), run
-        pos += run
-
-
-def is_single_run(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> bool:
-    """True if the chunk is one contiguous byte range of the full tensor."""
-    ndim = len(shape)
-    k = ndim
-    while k > 0 and all(sizes[d] == shape[d] for d in range(k, ndim)):
-        k -= 1
-    return all(sizes[d] == 1 for d in range(k))
-
-
-def single_run_start(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]
-                     ) -> int | None:
-    """The tensor element where the chunk begins, if it is one contiguous range of the full
-    tensor (``Shard(0)`` rows, a whole tensor); None otherwise. The per-chunk question of a
-    merge of millions of row chunks: answered without building the runs."""
-    if not math.prod(sizes):
-        return None
-    if len(shape) == len(sizes) == len(offsets) and shape[1:] == sizes[1:]:
-        # Rows: every dimension after the first is whole.
-        row = math.prod(shape[1:]) if len(shape) > 1 else 1
-        return offsets[0] * row if shape else 0
-    if not is_single_run(shape, offsets, sizes):
-        return None
-    return next(runs(shape, offsets, sizes))[1]
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in a tensor

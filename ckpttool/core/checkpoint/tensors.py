@@ -1,8 +1,9 @@
 """Whole tensors over their chunks, for every format: element ranges in C order, block
 streams, identity, and where an element is stored. The one implementation of each.
 
-A format's :class:`~ckpttool.formats.base.Reader` decodes chunks; the geometry of how chunks
-make up a tensor (:mod:`ckpttool.core.checkpoint.geometry`) is core's.
+A format's :class:`~ckpttool.formats.base.Reader` decodes chunks (core asks it through its
+one verb, :meth:`~ckpttool.formats.base.Reader.read`); the geometry of how chunks make up a
+tensor (:mod:`ckpttool.core.checkpoint.geometry`) is core's.
 """
 
 from __future__ import annotations
@@ -16,13 +17,35 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from ckpttool.core.checkpoint import geometry
 from ckpttool.errors import InputError
-from ckpttool.formats.base import Chunk, ChunkColumns, Payload, Reader, Tensor
+from ckpttool.formats.base import (
+    Blocks,
+    Chunk,
+    ChunkColumns,
+    Decode,
+    Elements,
+    Into,
+    Payload,
+    Reader,
+    Span,
+    Tensor,
+    row_starts,
+    stored_order,
+)
 from ckpttool.storage.store import truncated
+
+__all__ = ["BLOCK_BYTES", "HEAD_BYTES", "Boxes", "blocks", "box_pieces", "first_difference",
+           "identical", "locate", "payload", "read_boxes", "read_range", "release_grids",
+           "row_starts", "selection_blocks", "stored_order", "stored_whole", "unravel"]
 
 # Bytes read per step when data is streamed: memory stays flat whatever the tensor size.
 BLOCK_BYTES = 16 << 20
 # Bytes compared first by :func:`identical`.
 HEAD_BYTES = 64 << 10
+
+
+def payload(reader: Reader, tensor: Tensor, chunk: Chunk) -> Payload:
+    """Where ``chunk``'s elements are (a :class:`~ckpttool.formats.base.Decode` of one)."""
+    return next(reader.read(Decode(((tensor, chunk),))))
 
 
 def read_range(reader: Reader, tensor: Tensor, start: int, stop: int) -> bytearray:
@@ -39,13 +62,13 @@ def read_range(reader: Reader, tensor: Tensor, start: int, stop: int) -> bytearr
             lo, hi = max(dst, start), min(dst + n, stop)
             if lo >= hi:
                 continue
-            p = p or reader.payload(tensor, c)
+            p = p or payload(reader, tensor, c)
             src_elem = src + lo - dst
             if p.start is not None:
-                data = reader.read_exact(p.file, p.start + src_elem * item,
-                                         (hi - lo) * item, what=f"tensor '{tensor.name}'")
+                data = reader.read(Span(p.file, p.start + src_elem * item, (hi - lo) * item,
+                                        f"tensor '{tensor.name}'"))
             else:
-                whole = whole or reader.read_chunk(tensor, c)
+                whole = whole or reader.read(Elements(tensor, c))
                 data = whole[src_elem * item : (src_elem + hi - lo) * item]
             out[(lo - start) * item : (hi - start) * item] = data
     return out
@@ -169,9 +192,9 @@ def read_boxes(reader: Reader, tensor: Tensor, boxes: Boxes, *,
                out: memoryview | None = None, buf: memoryview | None = None) -> memoryview:
     """The elements of a selection (:data:`Boxes`), box after box. Each chunk a box overlaps
     is read once, from its first to its last element in that box (for a slice of rows, or of
-    a chunk cut along its last dim, exactly the box's bytes), block by block
-    (:meth:`Reader.blocks`: mapped from the page cache for a local file, else read into
-    ``buf``), and its runs placed. ``pieces``: :func:`box_pieces`, if known.
+    a chunk cut along its last dim, exactly the box's bytes), block by block (a ``Blocks``
+    read: mapped from the page cache for a local file, else read into ``buf``), and its runs
+    placed. ``pieces``: :func:`box_pieces`, if known.
 
     ``out`` (at least the selection's bytes) and ``buf`` (any size, a multiple of the item
     size) are a caller's buffers kept from one selection to the next: a fresh buffer costs a
@@ -183,15 +206,15 @@ def read_boxes(reader: Reader, tensor: Tensor, boxes: Boxes, *,
     view = memoryview(bytearray(nbytes)) if out is None else out[:nbytes]
     for c, pos, runs in box_pieces(tensor, boxes) if pieces is None else pieces:
         first, last = runs[0][0] * item, (runs[-1][0] + runs[-1][2]) * item
-        p = reader.payload(tensor, c)
+        p = payload(reader, tensor, c)
         if p.start is None:  # compressed or strided: the chunk whole
-            whole = memoryview(reader.read_chunk(tensor, c))
+            whole = memoryview(reader.read(Elements(tensor, c)))
             _place(view, [whole[first:last]], runs, pos, item, first)
             continue
         if buf is None:
             buf = memoryview(bytearray(min(last - first, BLOCK_BYTES)))
-        got = _place(view, reader.blocks(p.file, p.start + first, last - first, buf), runs,
-                     pos, item, first)
+        got = _place(view, reader.read(Blocks(p.file, p.start + first, last - first, buf)),
+                     runs, pos, item, first)
         if got != last - first:
             raise truncated(reader.path(p.file), p.start + first + got,
                             f"tensor '{tensor.name}'")
@@ -209,7 +232,7 @@ def selection_blocks(reader: Reader, tensor: Tensor,
     cost 0.87-1.05 s of CPU; in 1 MB blocks 0.53-0.75 s).
 
     In a block, a chunk's runs that lie back to back in its file (a row-parallel layer's rows,
-    in each rank's file) are one scattered read (:meth:`Reader.readv`: the kernel places each
+    in each rank's file) are one scattered read (an ``Into`` read: the kernel places each
     run; Python makes a view per run, nothing more). Memory: ``buf``, whatever the
     selection's size.
 
@@ -259,7 +282,7 @@ def selection_blocks(reader: Reader, tensor: Tensor,
 def _read_views(reader: Reader, file: str, offset: int, views: list[memoryview], want: int,
                 tensor: Tensor) -> None:
     """``want`` bytes from ``offset`` into ``views`` (of that many bytes in all)."""
-    got = reader.readv(file, offset, views)
+    got = reader.read(Into(file, offset, views))
     if got != want:
         raise truncated(reader.path(file), offset + got, f"tensor '{tensor.name}'")
 
@@ -292,42 +315,6 @@ def blocks(reader: Reader, tensor: Tensor, block_bytes: int = BLOCK_BYTES
     step = max(1, block_bytes // tensor.dtype.itemsize)
     for start in range(0, tensor.numel, step):
         yield start, read_range(reader, tensor, start, min(start + step, tensor.numel))
-
-
-def row_starts(tensor: Tensor) -> list[int] | None:
-    """The byte at which each chunk begins in the C-ordered tensor, when every chunk is rows
-    (``Shard(0)``: whole in every other dimension), read from columns; None otherwise (or
-    when the columns are not there, or the tensor has no rows)."""
-    chunks = tensor.chunks
-    split = chunks.rows(tensor.shape) if isinstance(chunks, ChunkColumns) else None
-    if split is None or not tensor.shape[0]:
-        return None
-    row = tensor.nbytes // tensor.shape[0]
-    return [o * row for o in split[0]]
-
-
-def stored_order(tensors: Sequence[Tensor], *, empty: bool = True
-                 ) -> list[tuple[str, int, int, int]]:
-    """``(file, offset, tensor index, chunk number)`` of every chunk of ``tensors`` (empty
-    ones too, unless ``empty`` is False), in the order their bytes are stored; from columns
-    where a tensor has them (nothing per chunk is built)."""
-    order: list[tuple[str, int, int, int]] = []
-    for i, t in enumerate(tensors):
-        chunks = t.chunks
-        if isinstance(chunks, ChunkColumns):
-            table, lo, n = chunks.table, chunks.first, len(chunks)
-            names = table.names
-            places = zip(table.file[lo : lo + n], table.offset[lo : lo + n], strict=True)
-            if empty:
-                order += [(names[f], o, i, k) for k, (f, o) in enumerate(places)]
-            else:
-                numel = chunks.numels()
-                order += [(names[f], o, i, k) for k, (f, o) in enumerate(places) if numel[k]]
-        else:
-            order += [(c.file, c.offset, i, k) for k, c in enumerate(chunks)
-                      if empty or c.numel]
-    order.sort()
-    return order
 
 
 def stored_whole(tensor: Tensor, *, sharded: bool) -> bool:
@@ -391,7 +378,7 @@ def locate(reader: Reader, tensor: Tensor, element: int) -> tuple[str | None, in
     for c in tensor.chunks:
         if all(o <= i < o + s for i, o, s in zip(index, c.offsets, c.sizes, strict=True)):
             try:
-                p = reader.payload(tensor, c)
+                p = payload(reader, tensor, c)
             except InputError:  # the damage itself is reported elsewhere
                 return c.file, None
             if p.start is None:

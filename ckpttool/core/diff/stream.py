@@ -1,7 +1,7 @@
 """Two tensors of one shape read side by side in C order, block by block, with as few copies
 as the layouts allow: where a block lies in one contiguous chunk on a side (a safetensors
 tensor, a row shard of a DCP or DeepSpeed checkpoint), its bytes come straight from the page
-cache (:meth:`~ckpttool.formats.base.Reader.blocks`: mapped for a local file); anything
+cache (a :class:`~ckpttool.formats.base.Blocks` read: mapped for a local file); anything
 else is gathered (:func:`~ckpttool.core.checkpoint.tensors.read_range`). Blocks end where
 either side's chunks end, so a block never straddles two stored pieces of a side.
 
@@ -22,7 +22,7 @@ from typing import Any
 from ckpttool.core.checkpoint import tensors
 from ckpttool.core.transforms.derive import Derived
 from ckpttool.errors import InputError
-from ckpttool.formats.base import Reader, Tensor
+from ckpttool.formats.base import Blocks, Reader, Tensor
 
 Buffer = bytearray | memoryview
 
@@ -61,7 +61,7 @@ class Side:
             if seg.first <= start and stop <= seg.stop:
                 size = (stop - start) * item
                 offset = seg.start + (start - seg.first) * item
-                views: Any = self.reader.blocks(seg.file, offset, size, buf[:size])
+                views: Any = self.reader.read(Blocks(seg.file, offset, size, buf[:size]))
                 try:
                     view = next(views, None)
                     if view is None or len(view) != size:
@@ -99,7 +99,7 @@ def _segments(reader: Reader, tensor: Tensor) -> list[_Segment] | None:
             continue
         if shape and tuple(c.sizes[1:]) != tuple(shape[1:]):
             return None
-        p = reader.payload(tensor, c)
+        p = tensors.payload(reader, tensor, c)
         if p.start is None:
             return None
         first = c.offsets[0] * row if shape else 0

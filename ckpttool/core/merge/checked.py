@@ -6,9 +6,10 @@ published.
 :class:`CheckedReader` wraps the checkpoint's reader, so every path of the engine (kernel
 copies, casts, batches of small chunks, windows of small tensors, derived tensors, a share
 of a merge that several processes write) gets checked payloads without a branch of its
-own: every chunk's bytes reach the engine through :meth:`Reader.payload`,
-:meth:`Reader.payloads`, :meth:`Reader.read_chunk`, :meth:`Reader.elements` or
-:meth:`Reader.fill_rows`, and each of them checks here before it hands anything on.
+own: every chunk's bytes reach the engine through :meth:`Reader.read` (a
+:class:`~ckpttool.formats.base.Decode`, :class:`~ckpttool.formats.base.Elements` or
+:class:`~ckpttool.formats.base.Whole` request), which checks here before it hands anything
+on.
 
 A payload's stored bytes are read once more to check them when decoding did not read them
 already (a large record, copied file to file in the kernel). Local files come mapped from
@@ -19,6 +20,7 @@ A large record read by several output tensors (a Megatron layer stack) is checke
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import threading
 from collections.abc import Iterator, Sequence
@@ -28,13 +30,18 @@ from typing import Any
 from ckpttool.core.runtime import scratch
 from ckpttool.errors import InputError
 from ckpttool.formats.base import (
+    Blocks,
     Checksummed,
     Chunk,
+    Decode,
+    Elements,
     ObjectEntry,
     Payload,
     Problem,
     Reader,
+    Request,
     Tensor,
+    Whole,
 )
 from ckpttool.formats.codecs.crc import crc32
 from ckpttool.storage.store import Capabilities
@@ -60,8 +67,8 @@ def checked(reader: Reader, *, check_crc: bool) -> Reader:
 
 
 class CheckedReader(Reader):
-    """Every method of :class:`Reader` passed on to ``inner``; those that hand on a chunk's
-    bytes check the CRC-32s of its record first.
+    """Every method of :class:`Reader` passed on to ``inner``; :meth:`read`, where it hands
+    on a chunk's bytes, checks the CRC-32s of its record first.
 
     Raises (from the methods that hand on a chunk):
         InputError: a stored CRC-32 does not match the bytes.
@@ -102,7 +109,7 @@ class CheckedReader(Reader):
     def _crc_of(self, file: str, offset: int, size: int, tensor: Tensor) -> int:
         crc = 0
         done = 0
-        for view in self.inner.blocks(file, offset, size, self._buffer(size)):
+        for view in self.inner.read(Blocks(file, offset, size, self._buffer(size))):
             crc = crc32(view, crc)
             done += len(view)
         if done != size:
@@ -112,9 +119,10 @@ class CheckedReader(Reader):
         return crc
 
     def _buffer(self, size: int) -> memoryview:
-        """What :meth:`Reader.blocks` reads into, and whose length sets its block size. Local
-        files are mapped, never read into it, where they are large; an anonymous mapping's
-        pages take no memory until written, so a 64 MB one costs nothing there."""
+        """What a :class:`~ckpttool.formats.base.Blocks` request reads into, and whose length
+        sets its block size. Local files are mapped, never read into it, where they are
+        large; an anonymous mapping's pages take no memory until written, so a 64 MB one
+        costs nothing there."""
         if not self.capabilities.local_files:
             return scratch.buffer("crc", min(size, _BLOCK))
         held: mmap.mmap | None = getattr(_anonymous, "map", None)
@@ -132,39 +140,42 @@ class CheckedReader(Reader):
             "written. Copy the checkpoint again from a good source (ckpttool verify lists "
             f"every damaged record), or pass {NO_CHECK_FLAG} to merge it as it is")
 
-    # -- the methods that hand on a chunk's bytes
+    # -- the one data verb: what hands on a chunk's bytes is checked first
 
-    def payload(self, tensor: Tensor, chunk: Chunk, *, checksums: bool = False) -> Payload:
-        p = self.inner.payload(tensor, chunk, checksums=True)
-        self._check(tensor, p)
-        return p
+    def read(self, request: Request) -> Any:
+        match request:
+            case Decode(items, _):
+                return self._checked_payloads(items)
+            case Elements(tensor, chunk):
+                self._check(tensor, next(self.inner.read(Decode(((tensor, chunk),), True))))
+                return self.inner.read(request)
+            case Whole():
+                # Made whole with every record's CRC-32s checked; a tensor whose records fail
+                # is read chunk by chunk through this wrapper (Elements), which says what is
+                # wrong.
+                return self.inner.read(dataclasses.replace(request, checksums=True, via=self))
+        return self.inner.read(request)
 
-    def payloads(self, items: Sequence[tuple[Tensor, Chunk]], *, checksums: bool = False
-                 ) -> Iterator[Payload]:
-        for (tensor, _), p in zip(items, self.inner.payloads(items, checksums=True),
+    def _checked_payloads(self, items: Sequence[tuple[Tensor, Chunk]]) -> Iterator[Payload]:
+        for (tensor, _), p in zip(items, self.inner.read(Decode(items, checksums=True)),
                                   strict=True):
             self._check(tensor, p)
             yield p
 
+    # The steps, for a caller that holds this reader: through read(), so checked too.
+
+    def payload(self, tensor: Tensor, chunk: Chunk, *, checksums: bool = False) -> Payload:
+        got: Iterator[Payload] = self.read(Decode(((tensor, chunk),), checksums))
+        return next(got)
+
+    def payloads(self, items: Sequence[tuple[Tensor, Chunk]], *, checksums: bool = False
+                 ) -> Iterator[Payload]:
+        got: Iterator[Payload] = self.read(Decode(items, checksums))
+        return got
+
     def read_chunk(self, tensor: Tensor, chunk: Chunk) -> bytes:
-        self.payload(tensor, chunk)
-        return self.inner.read_chunk(tensor, chunk)
-
-    def elements(self, items: Sequence[tuple[Tensor, int]]) -> Iterator[memoryview | None]:
-        # A record whose CRC-32s fail gives None: the engine then reads it through
-        # read_chunk, which says what is wrong.
-        for got in self.inner.checked_elements(items):
-            yield None if got is None else got[0]
-
-    def checked_elements(self, items: Sequence[tuple[Tensor, int]]
-                         ) -> Iterator[tuple[memoryview, int] | None]:
-        return self.inner.checked_elements(items)
-
-    def fill_rows(self, tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
-                  checksums: bool = False) -> list[int | None]:
-        # A tensor whose records fail is not filled (None): the engine reads it chunk by
-        # chunk, which says what is wrong.
-        return self.inner.fill_rows(tensors, out, dsts, checksums=True)
+        got: bytes = self.read(Elements(tensor, chunk))
+        return got
 
     # -- everything else, passed on
 
@@ -189,20 +200,6 @@ class CheckedReader(Reader):
 
     def plan_reads(self, reads: list[tuple[str, int, int]]) -> None:
         self.inner.plan_reads(reads)
-
-    def read_exact(self, file: str, offset: int, size: int, *, what: str) -> bytes:
-        return self.inner.read_exact(file, offset, size, what=what)
-
-    def copy_to(self, file: str, offset: int, dst_fd: int, dst_offset: int, size: int
-                ) -> None:
-        self.inner.copy_to(file, offset, dst_fd, dst_offset, size)
-
-    def readv(self, file: str, offset: int, bufs: Sequence[memoryview]) -> int:
-        return self.inner.readv(file, offset, bufs)
-
-    def blocks(self, file: str, offset: int, size: int, buf: memoryview, *,
-               mapped: bool = True) -> Iterator[memoryview]:
-        return self.inner.blocks(file, offset, size, buf, mapped=mapped)
 
     def check_copies(self) -> list[Problem]:
         return self.inner.check_copies()

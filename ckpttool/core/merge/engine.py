@@ -35,7 +35,18 @@ from ckpttool.core.transforms.derive import (
 )
 from ckpttool.errors import InputError, OutputError
 from ckpttool.formats import safetensors
-from ckpttool.formats.base import Chunk, Payload, Reader, Tensor
+from ckpttool.formats.base import (
+    Blocks,
+    Chunk,
+    CopyOut,
+    Decode,
+    Elements,
+    Payload,
+    Reader,
+    Span,
+    Tensor,
+    Whole,
+)
 from ckpttool.formats.codecs.dtypes import cast_without_torch, f32_to_bf16
 from ckpttool.storage.outputs import (
     AtomicOutputs,
@@ -303,7 +314,7 @@ def _jobs(fd: int, tensors: tuple[OutTensor, ...]) -> list[_Job]:
     """A window of small tensors, a job per large chunk or derived tensor, and batches of
     the small chunks of large tensors, for one output file. Small chunks are batched in the
     order their bytes lie in the source files, so that a batch reads back-to-back records
-    together (:meth:`Reader.payloads`); every chunk's place in the output is known, so the
+    together (a :class:`Decode` read); every chunk's place in the output is known, so the
     order of writes does not matter."""
     jobs: list[_Job] = []
     # (place in the source files, bytes, tensor, chunk number): a small chunk's Chunk is built
@@ -487,7 +498,7 @@ def _write_selection(reader: Reader, dst: int, t: OutTensor, report: Progress,
     src = d.inputs[0]
     item = src.dtype.itemsize
     pieces = tensors.box_pieces(src, d.boxes[0])
-    payloads = [reader.payload(src, c) for c, _, _ in pieces]
+    payloads = [tensors.payload(reader, src, c) for c, _, _ in pieces]
     if not t.cast and all(p.start is not None for p in payloads) and all(
             n * item >= COPY_RUN for _, _, runs in pieces for _, _, n in runs):
         for (_, pos, runs), p in zip(pieces, payloads, strict=True):
@@ -529,15 +540,15 @@ COPY_STEP = 8 << 20
 
 def _copy(reader: Reader, file: str, src: int, dst: int, at: int, n: int,
           lock: threading.Lock | None) -> None:
-    """``n`` stored bytes copied file to file (:meth:`Reader.copy_to`), in steps of
+    """``n`` stored bytes copied file to file (:class:`CopyOut`), in steps of
     :data:`COPY_STEP` under ``lock`` where other threads write into ``dst`` too, else at
     once (object storage: one ranged read)."""
     if lock is None:
-        reader.copy_to(file, src, dst, at, n)
+        reader.read(CopyOut(file, src, n, dst, at))
         return
     for k in range(0, n, COPY_STEP):
         with lock:
-            reader.copy_to(file, src + k, dst, at + k, min(COPY_STEP, n - k))
+            reader.read(CopyOut(file, src + k, min(COPY_STEP, n - k), dst, at + k))
 
 
 def _write_batch(reader: Reader, job: _Job, report: Progress, stop: threading.Event) -> None:
@@ -547,7 +558,7 @@ def _write_batch(reader: Reader, job: _Job, report: Progress, stop: threading.Ev
     items = [(t, c) for t, c in job.chunks if c is not None]
     done = 0
     sources = [(t.source, c) for t, c in items if isinstance(t.source, Tensor)]
-    for (t, c), p in zip(items, reader.payloads(sources), strict=True):
+    for (t, c), p in zip(items, reader.read(Decode(sources)), strict=True):
         if stop.is_set():
             break
         entry = t.source
@@ -567,59 +578,28 @@ def _write_batch(reader: Reader, job: _Job, report: Progress, stop: threading.Ev
 
 def _write_window(reader: Reader, job: _Window, report: Progress, stop: threading.Event
                   ) -> None:
-    """The window's tensors made whole in memory, then written at once. Tensors of rows
-    (Shard(0)) not cast are filled by the reader all at once (:meth:`Reader.fill_rows`: no
-    Python per chunk); for the others, chunks are read in the order they are stored
-    (:meth:`Reader.elements`), a chunk of rows whose elements came that way copied in place,
-    any other read in C order (:meth:`Reader.read_chunk` where they did not come) and placed
-    run by run. A tensor to cast is made whole in its own dtype first."""
-    out = bytearray(job.nbytes)
-    view = memoryview(out)
+    """The window's tensors made whole in memory by the reader (:class:`Whole`: it fills
+    tensors of rows all at once where it can, and reads the others chunk by chunk), then
+    written at once. A tensor to cast is made whole in its own dtype after the window's
+    bytes, then cast into place."""
     entries = [_stored(t) for t in job.tensors]
-    plain = [i for i, t in enumerate(job.tensors) if not t.cast]
-    filled = reader.fill_rows([entries[i] for i in plain], out,
-                              [job.tensors[i].slot.begin - job.begin for i in plain])
-    done = {i for i, got in zip(plain, filled, strict=True) if got is not None}
-    rest = [i for i in range(len(job.tensors)) if i not in done]
-    if rest and not stop.is_set():
-        _fill_window(reader, job, view, [job.tensors[i] for i in rest],
-                     [entries[i] for i in rest], stop)
+    dsts = [t.slot.begin - job.begin for t in job.tensors]
+    cast = [i for i, t in enumerate(job.tensors) if t.cast]
+    end = job.nbytes
+    for i in cast:
+        dsts[i], end = end, end + entries[i].nbytes
+    out = bytearray(end)
+    view = memoryview(out)
+    reader.read(Whole(entries, out, dsts))
     if stop.is_set():
         return
-    pwrite_all(job.fd, view, job.begin)
-    report(job.nbytes)
-
-
-def _fill_window(reader: Reader, job: _Window, view: memoryview, outs: list[OutTensor],
-                 entries: list[Tensor], stop: threading.Event) -> None:
-    """``outs`` made whole in the window's ``view``: their chunks read in stored order."""
-    # Per tensor: where its elements go (the window, or a buffer in its own dtype to cast).
-    targets: list[memoryview] = []
-    for t, entry in zip(outs, entries, strict=True):
+    for i in cast:
+        t = job.tensors[i]
         at = t.slot.begin - job.begin
-        targets.append(memoryview(bytearray(entry.nbytes)) if t.cast
-                       else view[at : at + t.slot.nbytes])
-    # Per tensor, where each chunk begins when every chunk is rows (Shard(0)).
-    starts = [tensors.row_starts(entry) for entry in entries]
-    order = tensors.stored_order(entries, empty=False)
-    items = [(entries[i], k) for _, _, i, k in order]
-    for (entry, k), data, row_starts, target in zip(
-            items, reader.elements(items), (starts[i] for _, _, i, _ in order),
-            (targets[i] for _, _, i, _ in order), strict=True):
-        if stop.is_set():
-            return
-        if data is not None and row_starts is not None:  # rows, from memory: the usual case
-            target[row_starts[k] : row_starts[k] + len(data)] = data
-            continue
-        item = entry.dtype.itemsize
-        c = entry.chunks[k]
-        whole = memoryview(data if data is not None else reader.read_chunk(entry, c))
-        for src, dst, n in geometry.runs(entry.shape, c.offsets, c.sizes):
-            target[dst * item : (dst + n) * item] = whole[src * item : (src + n) * item]
-    for t, target in zip(outs, targets, strict=True):
-        if t.cast:
-            at = t.slot.begin - job.begin
-            view[at : at + t.slot.nbytes] = _cast_bytes(target, t)
+        view[at : at + t.slot.nbytes] = _cast_bytes(view[dsts[i] : dsts[i] + entries[i].nbytes],
+                                                    t)
+    pwrite_all(job.fd, view[: job.nbytes], job.begin)
+    report(job.nbytes)
 
 
 def _write_chunk(reader: Reader, dst: int, t: OutTensor, c: Chunk, report: Progress,
@@ -629,7 +609,7 @@ def _write_chunk(reader: Reader, dst: int, t: OutTensor, c: Chunk, report: Progr
     turn = lock or contextlib.nullcontext()
     entry = t.source
     assert isinstance(entry, Tensor)
-    payload = payload or reader.payload(entry, c)
+    payload = payload or tensors.payload(reader, entry, c)
     dst_item = t.dtype.itemsize
     start = payload.start
     single = geometry.is_single_run(entry.shape, c.offsets, c.sizes)
@@ -648,7 +628,7 @@ def _write_chunk(reader: Reader, dst: int, t: OutTensor, c: Chunk, report: Progr
             return
     # A strided placement (Shard(1)...): the chunk's rows land apart, so read it whole (so are
     # elements reached only through a whole read: a compressed record, a strided storage).
-    data = memoryview(reader.read_chunk(entry, c))
+    data = memoryview(reader.read(Elements(entry, c)))
     if t.cast:
         data = _cast_bytes(data, t)
     if elements is not None:  # a part of a single run (core.partition splits nothing else)
@@ -673,8 +653,8 @@ def _cast_range(reader: Reader, file: str, src_offset: int, dst: int, dst_offset
                 lock: threading.Lock | None = None) -> None:
     assert isinstance(t.source, Tensor)
     if _pure_cast(t):  # a few float32 norm weights: no torch
-        data = f32_to_bf16(reader.read_exact(file, src_offset, numel * t.source.dtype.itemsize,
-                                             what=f"tensor '{t.source.name}'"))
+        data = f32_to_bf16(reader.read(Span(file, src_offset, numel * t.source.dtype.itemsize,
+                                            f"tensor '{t.source.name}'")))
         with lock or contextlib.nullcontext():
             pwrite_all(dst, data, dst_offset)
         report(len(data))
@@ -691,8 +671,8 @@ def _cast_range(reader: Reader, file: str, src_offset: int, dst: int, dst_offset
     out = torch.frombuffer(out_bytes, dtype=dst_dtype, count=block)
     done = 0
     # Cast straight from the page cache where the store maps the file, else from our buffer.
-    for view in reader.blocks(file, src_offset, numel * src_item,
-                              scratch.buffer("in", block * src_item)):
+    for view in reader.read(Blocks(file, src_offset, numel * src_item,
+                                   scratch.buffer("in", block * src_item))):
         n = len(view) // src_item
         if not n:
             break

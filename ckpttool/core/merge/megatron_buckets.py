@@ -39,6 +39,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ckpttool.core.checkpoint import tensors
 from ckpttool.errors import UnsupportedError
 from ckpttool.formats.base import RAW, Chunk, Payload, Reader, Tensor
 
@@ -298,7 +299,7 @@ def _chunks(reader: Reader, bucket: Tensor, span: int, boxes: list[Box],
             end = min(hi, piece.offsets[0] + piece.sizes[0])
             payload = starts.get(id(piece))
             if payload is None:
-                payload = starts[id(piece)] = reader.payload(bucket, piece)
+                payload = starts[id(piece)] = tensors.payload(reader, bucket, piece)
             if payload.start is None:
                 raise _refused(f"'{bucket.name}' is stored as a strided view")
             base = payload.start + (lo - piece.offsets[0]) * item

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from ckpttool.core.checkpoint import tensors
 from ckpttool.core.runtime.scratch import buffer, held
 from ckpttool.errors import InputError
-from ckpttool.formats.base import Reader, Tensor
+from ckpttool.formats.base import Blocks, Reader, Tensor
 from ckpttool.formats.codecs.dtypes import DType
 
 if TYPE_CHECKING:
@@ -156,13 +156,13 @@ def _mapped_whole(reader: Reader, tensor: Tensor) -> torch.Tensor:
     if (len(chunks) != 1 or chunks[0].numel != tensor.numel or size < MAPPED_INPUT
             or not reader.capabilities.local_files):
         return read_whole(reader, tensor)
-    p = reader.payload(tensor, chunks[0])
+    p = tensors.payload(reader, tensor, chunks[0])
     if p.start is None or p.compression is not None:
         return read_whole(reader, tensor)
     # Blocks of at most len(buf) bytes: one, mapped; where the store cannot map it, read into
     # buf (an anonymous mapping: its pages are made only where they are written).
     buf = memoryview(mmap.mmap(-1, size))
-    views = list(reader.blocks(p.file, p.start, size, buf))
+    views = list(reader.read(Blocks(p.file, p.start, size, buf)))
     if len(views) != 1 or len(views[0]) != size:
         return read_whole(reader, tensor)  # cut short: read_whole says where, in its words
     dtype = getattr(torch, tensor.dtype.torch_name)

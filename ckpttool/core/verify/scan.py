@@ -30,11 +30,16 @@ from ckpttool.core.runtime.torch_threads import default_workers, one_torch_threa
 from ckpttool.core.verify.against import AgainstPlan, Compare, compare_computed, decide_tied
 from ckpttool.errors import InputError, UnreadableError
 from ckpttool.formats.base import (
+    Blocks,
     Checksummed,
     Chunk,
+    Decode,
+    Elements,
     Payload,
     Problem,
     Reader,
+    Span,
+    Whole,
     error,
     warning,
 )
@@ -130,7 +135,7 @@ class Scanner:
         damaged: set[Chunk] = set()  # compressed chunks whose CRCs already failed
         held = 0  # bytes of stored data the payloads hold (read with their records)
         chunks = tensor.chunks
-        payloads = self.reader.payloads([(tensor, c) for c in chunks], checksums=True)
+        payloads = self.reader.read(Decode([(tensor, c) for c in chunks], checksums=True))
         for c in chunks:
             try:
                 p = next(payloads)
@@ -171,7 +176,7 @@ class Scanner:
                 # Decompressed one record at a time by the reader; its CRCs (the archive's,
                 # in ``side``) were checked above.
                 try:
-                    data = self.reader.read_chunk(tensor, c)
+                    data = self.reader.read(Elements(tensor, c))
                 except InputError as e:
                     if c not in damaged:
                         result.problems.append(error("record-corrupt", str(e), file=c.file,
@@ -199,7 +204,7 @@ class Scanner:
             else:  # a strided view (rare): CRC over the storage, then gather the view
                 crc = yield from self._range(p.file, p.storage_offset, p.storage_size, 0, 0,
                                              None, t, result, crc)
-                yield None, memoryview(bytearray(self.reader.read_chunk(tensor, c)))
+                yield None, memoryview(bytearray(self.reader.read(Elements(tensor, c))))
             if p.crc32 is not None and crc != p.crc32:
                 what = "its bytes" if whole else f"chunk at offsets {list(c.offsets)}"
                 result.problems.append(self._crc_problem(p.file, p.storage_offset, t.name,
@@ -213,8 +218,8 @@ class Scanner:
         the CRC."""
         item = t.dtype.itemsize
         done = 0
-        for view in self.reader.blocks(file, offset, size, memoryview(self._buffer()),
-                                       mapped=False):
+        for view in self.reader.read(Blocks(file, offset, size, memoryview(self._buffer()),
+                                            mapped=False)):
             n = len(view)
             self.report(n)
             result.bytes_read += n
@@ -274,7 +279,7 @@ def crc32_of(reader: Reader, file: str, offset: int, size: int, *, block: int = 
     done = 0
     while done < size:
         n = min(block, size - done)
-        crc = crc32(reader.read_exact(file, offset + done, n, what="a record"), crc)
+        crc = crc32(reader.read(Span(file, offset + done, n, "a record")), crc)
         done += n
     return crc
 
@@ -365,7 +370,7 @@ def scan_group(scanner: Scanner, group: list[TensorView],
                job: Callable[[TensorView, Given | None], Result]) -> list[Result]:
     """``job`` on each tensor of ``group``. Small tensors of row chunks are first made whole
     together, every checksum of their records checked, all at once
-    (:meth:`Reader.fill_rows`); a tensor that does not cover (a failed checksum, a record
+    (a :class:`Whole` read, not strict); a tensor that does not cover (a failed checksum, a record
     unlike the others, another layout) is read on its own, by the path that says what is
     wrong."""
     ts = [t.tensor for t in group]
@@ -378,8 +383,8 @@ def scan_group(scanner: Scanner, group: list[TensorView],
     wholes: list[memoryview | None] = [None] * len(ts)
     checked = [0] * len(ts)
     try:
-        filled = scanner.reader.fill_rows([ts[i] for i in rows], made, dsts[:-1],
-                                          checksums=True)
+        filled = scanner.reader.read(Whole([ts[i] for i in rows], made, dsts[:-1],
+                                           checksums=True, strict=False))
     except InputError:  # a file that cannot be read: each tensor says so on its own
         filled = [None] * len(rows)
     for i, at, got in zip(rows, dsts, filled, strict=False):

@@ -1,2 +1,3 @@
 """Encodings formats share, none a format itself: torch.save archives and the allow-list
-unpickler, zstd records, CRC-32 and dtype names."""
+unpickler, zstd records, CRC-32, dtype names, and where a C-ordered chunk's elements go in
+its tensor."""

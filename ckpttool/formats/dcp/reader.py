@@ -65,6 +65,7 @@ from ckpttool.formats.base import (
     Problem,
     Reader,
     Tensor,
+    Whole,
     error,
 )
 from ckpttool.formats.codecs import torchsave, zstd
@@ -440,6 +441,8 @@ class DcpReader(Reader):
 
     def checked_elements(self, items: Sequence[tuple[Tensor, int]]
                          ) -> Iterator[tuple[memoryview, int] | None]:
+        """:meth:`elements` with the stored bytes whose CRC-32s were checked with each (the
+        whole record's, every entry), where all of them matched; else None."""
         return self._from_templates(items, checksums=True)
 
     def _from_templates(self, items: Sequence[tuple[Tensor, int]], *, checksums: bool
@@ -499,8 +502,31 @@ class DcpReader(Reader):
                 yield None if checked is None else (elements, checked)
             i = j
 
+    def _whole(self, request: Whole, via: Reader) -> list[int | None]:
+        """Tensors of row chunks all at once (:meth:`fill_rows`: nothing per chunk in
+        Python); then, where ``strict``, the others chunk by chunk in stored order, a record
+        that matches its template handing over its elements from a read of many
+        (:meth:`elements`), any other read through ``via`` (a full decode, which makes the
+        template)."""
+        got = self.fill_rows(request.tensors, request.out, request.dsts,
+                             checksums=request.checksums)
+        rest = [i for i, g in enumerate(got) if g is None]
+        if not request.strict or not rest:
+            return got
+        self._chunk_by_chunk(request, rest, via, lambda items: (
+            None if g is None else g[0]
+            for g in self._from_templates(items, checksums=request.checksums)))
+        for i in rest:
+            got[i] = 0
+        return got
+
     def fill_rows(self, tensors: Sequence[Tensor], out: bytearray, dsts: Sequence[int], *,
                   checksums: bool = False) -> list[int | None]:
+        """Each tensor of row chunks (``Shard(0)``) made whole in ``out`` at ``dsts[i]``,
+        many small chunks at once with nothing done per chunk in Python. Per tensor: the
+        stored bytes whose CRC-32s were checked with it (``checksums``; else 0), or None
+        where it was not made whole (another layout, a record unlike its template, a failed
+        checksum): :meth:`_whole` then reads it chunk by chunk."""
         # Object storage reads the ranges a merge planned, ahead (formats/remote.py): the
         # chunk by chunk path asks for exactly those.
         if not self._use_templates or self.capabilities.many_ranges:
