@@ -251,6 +251,7 @@ def zero2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("hostile", list(HOSTILE))
+@pytest.mark.slow
 def test_deepspeed_latest_planted(hostile: str, zero2: Path, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     shutil.copytree(zero2, ckpt, symlinks=True)
