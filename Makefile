@@ -28,8 +28,13 @@ demo: $(VENV)/.demo
 	$(PY) examples/fsdp2_checkpoint.py $(DEMO)/checkpoint-500 --kind llama
 	$(VENV)/bin/ckpttool merge $(DEMO)/checkpoint-500 $(DEMO)/merged
 
+# On every core: pytest-xdist's -n auto counts physical cores (2 here; fewer workers than cores
+# would leave one idle, more would crowd the gloo ranks that the tests spawn; set
+# PYTEST_XDIST_AUTO_NUM_WORKERS to choose). The slow tests start first (tests/conftest.py) and
+# an idle worker takes tests queued on a busy one (worksteal), so no long test ends the run alone.
+# Fixture writers run once for all workers (tests/fixture_cache.py).
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist worksteal
 
 # The guards CI runs beside the tests: ruff, and mypy --strict (configured in pyproject.toml).
 lint: setup

@@ -60,6 +60,17 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="ckpttool-test-cache-")
 MakeCheckpoint = Callable[..., Path]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``pytest -n`` (``make test``), run the tests marked ``slow`` first.
+
+    A test of a minute that starts last on one worker decides when the run ends while the
+    other workers sit idle; started first, the many short tests fill in around it. pytest's
+    order is kept otherwise (the sort is stable), and a serial run is left as collected.
+    Every worker sorts the same collection the same way, as xdist requires."""
+    if hasattr(config, "workerinput"):  # an xdist worker (only workers collect under -n)
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> MakeCheckpoint:
     """``make_checkpoint(kind, world_size=None) -> Path`` of the training checkpoint dir."""

@@ -306,6 +306,7 @@ def test_main_prints_dcp_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert sorted(_data_files(tmp_path / "ckpt" / fx.MODEL_DIR)) == [0, 1]
 
 
+@pytest.mark.slow
 def test_script_run(tmp_path: Path) -> None:
     """As a script (fresh interpreter, cwd elsewhere): pickles name the package module."""
     out = tmp_path / "demo"

@@ -46,6 +46,7 @@ def _merge_layout(src: Path, out: Path, layout: str, *args: str, fault: str | No
 
 @pytest.mark.parametrize(("old", "new"), [("single", "single-bf16"), ("sharded", "single"),
                                           ("single", "sharded"), ("single-bf16", "sharded")])
+@pytest.mark.slow
 def test_kill_at_every_step_of_a_layout_change(llama_ckpt: Path, tmp_path: Path, old: str,
                                                new: str) -> None:
     refs = {}

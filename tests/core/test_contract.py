@@ -206,6 +206,7 @@ def _merge_in_a_process(src: Path, out: Path, cache: Path) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.slow
 def test_a_second_merge_with_the_same_config_imports_neither_torch_nor_transformers(
         llama: tuple[Any, Path], tmp_path: Path) -> None:
     src = _variant(llama, "good")

@@ -41,6 +41,7 @@ def _write_layouts(src: Path, tmp: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize(("old", "new"), [("sharded", "single"), ("sharded", "sharded-other")])
+@pytest.mark.slow
 def test_kill_at_every_publishing_step_leaves_no_mixed_output(
         tiny_dcp: Path, tmp_path: Path, old: str, new: str) -> None:
     """kill -9 at each step of an --overwrite merge: OUT is never a finished-looking set

@@ -478,6 +478,7 @@ def test_fill_rows_withholds_a_record_unlike_its_neighbours(entry: str, moe: Pat
 
 @pytest.mark.parametrize("name", ["model.model.embed_tokens.weight",
                                   "model.model.layers.1.mlp.experts.2.up_proj.weight"])
+@pytest.mark.slow
 def test_any_header_byte_changed_fills_as_a_full_decode(name: str, moe: Path,
                                                         tmp_path: Path) -> None:
     """Every byte of a late record outside its storage's data, changed in turn: a tensor

@@ -195,6 +195,7 @@ def test_widths_that_change_inside_runs(widths: Path, monkeypatch: pytest.Monkey
     assert tall.chunks[-1].offsets[0] > 65536
 
 
+@pytest.mark.slow
 def test_width_mutations_agree_or_fall_back(widths: Path, tmp_path: Path) -> None:
     """Value bytes of wide ints changed (a sign bit set, a byte offset moved, a row offset
     changed): the columns see exactly what the allow-list sees, or fall back."""
@@ -270,6 +271,7 @@ def _int_spots(data: bytes, lo: int, hi: int) -> list[int]:
 
 
 @pytest.mark.parametrize("section", ["chunks", "storage"])
+@pytest.mark.slow
 def test_one_entry_of_other_widths_inside_a_run(moe: Path, widths: Path, tmp_path: Path,
                                                section: str) -> None:
     """One int in the middle of a run pickled wider than its neighbours' (the same value, as a

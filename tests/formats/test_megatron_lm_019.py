@@ -123,26 +123,37 @@ def test_args_read_are_the_args_megatron_lm_saved(name: str) -> None:
     assert info.values["rerun_state_machine"]["mode"] == "validate_results"
 
 
-@pytest.mark.parametrize("name", RUNS)
-def test_args_read_alike_with_megatron_core_imported(name: str) -> None:
-    """The process may have imported another megatron-core (the shared venv has 0.16.1): the
-    0.19 classes it names are still read by value, not by that version's definitions."""
-    run = DATA / name
+@pytest.fixture(scope="module")
+def read_with_megatron_core_imported() -> dict[str, Any]:
+    """What one process that has imported megatron-core reads of each run's args (one
+    process for every run: its imports cost many seconds, the reads milliseconds)."""
     pytest.importorskip("megatron.core")
     code = ("import warnings; warnings.simplefilter('ignore')\n"
             "import megatron.core.rerun_state_machine, megatron.core.transformer.enums\n"
             "import json, sys\n"
             "from ckpttool.formats import megatron\n"
-            f"info = megatron.read_info({str(run)!r})\n"
-            "print(json.dumps([info.values['args']['exit_signal'],\n"
-            "                  info.values['args']['inference_cuda_graph_scope'],\n"
-            "                  info.values['args']['attention_backend'],\n"
-            "                  info.values['rerun_state_machine']['mode']]))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=Path(__file__).parents[2], timeout=300)
+            "got = {}\n"
+            "for name in sys.argv[2:]:\n"
+            "    info = megatron.read_info(sys.argv[1] + '/' + name)\n"
+            "    got[name] = [info.values['args']['exit_signal'],\n"
+            "                 info.values['args']['inference_cuda_graph_scope'],\n"
+            "                 info.values['args']['attention_backend'],\n"
+            "                 info.values['rerun_state_machine']['mode']]\n"
+            "print(json.dumps(got))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(DATA), *RUNS], capture_output=True,
+                          text=True, cwd=Path(__file__).parents[2], timeout=300)
     assert done.returncode == 0, done.stderr
-    want = json.loads((run / "args.json").read_text())
-    assert json.loads(done.stdout.splitlines()[-1]) == [
+    got: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return got
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_args_read_alike_with_megatron_core_imported(
+        name: str, read_with_megatron_core_imported: dict[str, Any]) -> None:
+    """The process may have imported another megatron-core (the shared venv has 0.16.1): the
+    0.19 classes it names are still read by value, not by that version's definitions."""
+    want = json.loads((DATA / name / "args.json").read_text())
+    assert read_with_megatron_core_imported[name] == [
         15, 1, want["attention_backend"], "validate_results"]
 
 

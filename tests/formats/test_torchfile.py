@@ -145,6 +145,7 @@ def test_reading_does_not_import_torch(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.slow
 def test_a_large_optimizer_state_is_read(tmp_path: Path) -> None:
     """~1.1M values once expanded (9 per parameter): far above a non-tensor entry's limit,
     far below a whole file's."""

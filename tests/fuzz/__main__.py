@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=None,
                     help="send no new mutant after this long; the table counts those run")
     ap.add_argument("--timeout", type=float, default=None,
-                    help="seconds one mutant's runs may take (default: the harness's)")
+                    help="CPU seconds one run may take (default: the harness's)")
     ap.add_argument("--campaign", type=int, default=0, help="the random seed of the campaign")
     ap.add_argument("--seeds", type=Path,
                     default=Path(tempfile.gettempdir()) / "ckpttool-fuzz-seeds")

@@ -41,6 +41,7 @@ def _one_error_line(exit_code: int, stderr: str, want: int = 3) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_fuzz_campaign(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Every mutant of every seed, through inspect, verify and merge/reshard: no run breaks
     an invariant of the goal column (see tests/fuzz/harness.py)."""

@@ -62,6 +62,7 @@ def outputs(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory
     return got[0], got[1], tmp / NEW
 
 
+@pytest.mark.slow
 def test_overwrite_killed_or_interrupted_at_every_step(
         s3: S3, outputs: tuple[dict[str, bytes], dict[str, bytes], Path],
         tmp_path: Path) -> None:

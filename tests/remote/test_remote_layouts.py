@@ -48,6 +48,7 @@ def staged(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
 @pytest.mark.parametrize(("old", "new"), [("single", "single-bf16"), ("sharded", "single"),
                                           ("single", "sharded")])
+@pytest.mark.slow
 def test_upload_killed_at_every_step_of_a_layout_change(s3: S3, staged: dict[str, Path],
                                                         old: str, new: str) -> None:
     files = {k: {p.name: p.read_bytes() for p in staged[k].iterdir()} for k in (old, new)}
