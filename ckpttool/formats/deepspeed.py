@@ -40,8 +40,6 @@ AutoTP, ``layer_*``), mixture-of-experts (``expp_rank_*``, AutoEP), universal ch
 from __future__ import annotations
 
 import bisect
-import contextlib
-import errno
 import math
 import os
 import pickle
@@ -104,21 +102,13 @@ def _subdirs(directory: Path, stores: Stores) -> list[Path]:
             if size is None and stores.is_dir(directory / n)]
 
 
-def _is_zip(path: Path, stores: Stores) -> bool:
-    try:
-        with stores.reading(path) as pread:
-            return pread(4, 0) == archive.ZIP_MAGIC
-    except (OSError, InputError):
-        return False
-
-
 def is_tag_dir(path: Path, stores: Stores = LOCAL) -> bool:
     """True if ``path`` holds ZeRO optimizer-state and model-state files (names and zip magic
     only: a damaged one is still claimed, so that ``read_info`` says what is wrong)."""
     names = _names(path, stores)
     optim = sorted(n for n in names if _OPTIM_RE.match(n))
     model = [n for n in names if _MODEL_RE.match(n) or _ZERO3_MODEL_RE.match(n)]
-    return bool(optim) and bool(model) and _is_zip(path / optim[0], stores)
+    return bool(optim) and bool(model) and archive.is_zip(path / optim[0], stores)
 
 
 def _read_latest(path: Path, stores: Stores = LOCAL) -> str | None:
@@ -265,16 +255,7 @@ class _File:
 def _load(root: Path, name: str, stores: Stores) -> _File:
     path = root / name
     where = str(path)
-    size = stores.file_size(path)
-    if size is None:
-        if path.name in stores.listdir(path.parent):
-            raise InputError(f"{path}: not a regular file; copy the checkpoint again")
-        raise InputError(f"{path}: cannot read: {os.strerror(errno.ENOENT)}")
-    with contextlib.ExitStack() as opened:
-        try:
-            pread = opened.enter_context(stores.reading(path))
-        except OSError as e:
-            raise InputError(f"{path}: cannot read: {e.strerror}") from e
+    with archive.opened(path, stores) as (pread, size):
         rb, entries = archive.open_file_archive(pread, where, "copy the checkpoint again",
                                                 size=size)
         try:

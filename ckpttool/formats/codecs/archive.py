@@ -6,15 +6,53 @@ Reads are bounded by what the file holds: a size field of a damaged file may cla
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckpttool.errors import InputError, UnsupportedError
 
+if TYPE_CHECKING:
+    from ckpttool.storage.store import Stores
+
 ZIP_MAGIC = b"PK\x03\x04"
+
+
+@contextlib.contextmanager
+def opened(path: Path, stores: Stores) -> Iterator[tuple[Callable[[int, int], bytes], int]]:
+    """``pread(size, offset)`` and the size of the file ``path`` (a rank's or a DeepSpeed
+    state's archive), read through ``stores`` while the block runs.
+
+    Raises:
+        InputError: missing, not a regular file, or unreadable.
+    """
+    size = stores.file_size(path)
+    if size is None:
+        if path.name in stores.listdir(path.parent):
+            raise InputError(f"{path}: not a regular file; copy the checkpoint again")
+        raise InputError(f"{path}: cannot read: {os.strerror(errno.ENOENT)}")
+    with contextlib.ExitStack() as stack:
+        try:
+            pread = stack.enter_context(stores.reading(path))
+        except OSError as e:
+            raise InputError(f"{path}: cannot read: {e.strerror}") from e
+        yield pread, size
+
+
+def is_zip(path: Path, stores: Stores) -> bool:
+    """Whether ``path`` starts as a zip archive (``torch.save``'s container) does; False
+    where it cannot be read."""
+    try:
+        with stores.reading(path) as pread:
+            return pread(4, 0) == ZIP_MAGIC
+    except (OSError, InputError):
+        return False
 
 
 # The zip end-of-central-directory record: torch.save writes it last, with no comment after it.

@@ -55,7 +55,6 @@ from ckpttool.formats.rank_files.pieces import (
     Piece,
     RankFile,
     load,
-    opened,
     read_file,
     top_keys,
 )
@@ -172,16 +171,8 @@ def is_rank_files_dir(path: Path, stores: Stores = LOCAL) -> bool:
     """
     model = _model_files(path, stores)
     if model:
-        return _is_zip(path / model[0].name, stores)
+        return archive.is_zip(path / model[0].name, stores)
     return bool(_rank_sets(path, stores))
-
-
-def _is_zip(path: Path, stores: Stores) -> bool:
-    try:
-        with stores.reading(path) as pread:
-            return pread(4, 0) == archive.ZIP_MAGIC
-    except (OSError, InputError):
-        return False
 
 
 # Any names: a set of rank files is the files whose names differ only in the rank number.
@@ -226,7 +217,7 @@ def _holds_distributed_tensors(file: Path, stores: Stores) -> bool:
     """The pickle of the ``torch.save`` archive ``file`` names DTensor or ShardedTensor
     classes. Reads the zip directory and the pickle's bytes; unpickles nothing."""
     try:
-        with opened(file, stores) as (pread, size):
+        with archive.opened(file, stores) as (pread, size):
             rb = archive.RecordBytes(pread, 0, size, str(file))
             pkl = archive.zip_entries(rb).get("data.pkl")
             if pkl is None:
@@ -246,7 +237,7 @@ def _rank_sets(path: Path, stores: Stores) -> list[RankSet]:
                    if size is not None and not n.endswith(_NOT_RANK_FILES))
     by_pattern: dict[str, list[tuple[int | None, str]]] = {}
     for name in files:
-        if _is_zip(path / name, stores):
+        if archive.is_zip(path / name, stores):
             pattern, rank = name_rank(name)
             by_pattern.setdefault(pattern, []).append((rank, name))
     sets = []
@@ -424,7 +415,7 @@ def read_archives(path: Path, rank_set: RankSet, stores: Stores = LOCAL) -> Chec
     files = _set_files(path, rank_set)
     archives: dict[str, tuple[archive.ZipEntry, ...]] = {}
     for rf in files:
-        with opened(path / rf.name, stores) as (pread, size):
+        with archive.opened(path / rf.name, stores) as (pread, size):
             archives[rf.name] = tuple(load(path / rf.name, pread, size)[1].values())
     return CheckpointInfo(
         format=NAME, root=path, tensors=(), objects=(),

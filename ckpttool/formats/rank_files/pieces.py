@@ -4,11 +4,8 @@ DTensor's local piece lies in the global tensor (its mesh coordinate and placeme
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import itertools
 import math
-import os
 import pickle
 import pickletools
 from collections.abc import Callable, Iterable, Iterator
@@ -90,27 +87,6 @@ def _has_flat_param(names: Iterable[str]) -> bool:
     return any("flat_param" in n for n in names)
 
 
-@contextlib.contextmanager
-def opened(path: Path, stores: Stores) -> Iterator[tuple[Callable[[int, int], bytes], int]]:
-    """``pread(size, offset)`` and the size of the rank file ``path``, read through
-    ``stores`` while the block runs.
-
-    Raises:
-        InputError: missing, not a regular file, or unreadable.
-    """
-    size = stores.file_size(path)
-    if size is None:
-        if path.name in stores.listdir(path.parent):
-            raise InputError(f"{path}: not a regular file; copy the checkpoint again")
-        raise InputError(f"{path}: cannot read: {os.strerror(errno.ENOENT)}")
-    with contextlib.ExitStack() as stack:
-        try:
-            pread = stack.enter_context(stores.reading(path))
-        except OSError as e:
-            raise InputError(f"{path}: cannot read: {e.strerror}") from e
-        yield pread, size
-
-
 def load(path: Path, fd: int | Callable[[int, int], bytes], size: int | None = None
          ) -> tuple[archive.RecordBytes, dict[str, archive.ZipEntry], dict[Any, Any]]:
     """The archive of an open rank file and its state dict, unpickled onto stand-ins.
@@ -157,7 +133,7 @@ def load(path: Path, fd: int | Callable[[int, int], bytes], size: int | None = N
 def read_file(root: Path, rf: RankFile, stores: Stores = LOCAL
               ) -> tuple[list[Piece], tuple[archive.ZipEntry, ...]]:
     path = root / rf.name
-    with opened(path, stores) as (pread, size):
+    with archive.opened(path, stores) as (pread, size):
         rb, entries, root_value = load(path, pread, size)
         if root_value and {str(k) for k in root_value} <= OPTIMIZER_KEYS:
             raise UnsupportedError(
@@ -179,7 +155,7 @@ def read_file(root: Path, rf: RankFile, stores: Stores = LOCAL
 def top_keys(path: Path, stores: Stores = LOCAL) -> list[str] | None:
     """The top-level keys of a rank file's state dict, or None if it cannot be read."""
     try:
-        with opened(path, stores) as (pread, size):
+        with archive.opened(path, stores) as (pread, size):
             return [str(k) for k in load(path, pread, size)[2]]
     except CkptError:
         return None
