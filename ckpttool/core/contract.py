@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
 from ckpttool.core import contract_cache, quantization
+from ckpttool.core.runtime import forked
 from ckpttool.core.runtime.report import Section, section
 from ckpttool.core.transforms import hub_layout
 from ckpttool.errors import InputError, UnsupportedError, UsageError
@@ -393,6 +394,7 @@ class Beside(Generic[T]):
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ckpttool-contract",
                                         daemon=True)
+        forked.importing(self._thread)  # the merge runs its shares in threads meanwhile
         self._thread.start()
 
     def _run(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from typer.testing import CliRunner
 import ckpttool
 from ckpttool.cli import app
 from ckpttool.core import contract
+from ckpttool.core.runtime import forked
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -676,6 +678,15 @@ def test_a_first_run_checks_beside_the_streaming_and_publishes_nothing_when_brok
 
 def test_beside_returns_or_raises_in_the_joining_thread() -> None:
     assert contract.Beside(lambda: 3).join() == 3
+    # While it imports, the merge forks no share (a child forked while the thread holds an
+    # import lock would wait for ever); after, forking is as the settings say.
+    allowed = forked.available()
+    go = threading.Event()
+    importing = contract.Beside(lambda: go.wait(10))
+    assert not forked.available()
+    go.set()
+    assert importing.join()
+    assert forked.available() == allowed
 
     def broken() -> int:
         raise ckpttool.InputError("no")

@@ -105,9 +105,24 @@ def _pipe_room(fd: int) -> int:
         return 4096
 
 
+# Threads that import packages while the caller works (the contract check beside the
+# streaming): a child forked while one holds an import lock (torch half imported) would wait
+# for it for ever, and "torch" in sys.modules says nothing about a module still being
+# imported.
+_importers: set[threading.Thread] = set()
+
+
+def importing(thread: threading.Thread) -> None:
+    """Fork nothing while ``thread`` is alive: it imports packages."""
+    _importers.add(thread)
+
+
 def available(*, needs_torch: bool = False) -> bool:
     """True if shares may run in forked processes here (see the module docstring)."""
     if not settings.fork() or not sys.platform.startswith("linux"):
+        return False
+    _importers.difference_update([t for t in _importers if not t.is_alive()])
+    if _importers:
         return False
     return not (needs_torch and "torch" in sys.modules)
 
