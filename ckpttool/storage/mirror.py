@@ -210,15 +210,25 @@ class Mirror:
             with LOCAL.side_file(path, kind) as f:
                 yield f
             return
-        if rel not in self.objects:
-            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
-        store = self.open(path.parent, metadata_name=path.name)
-        try:
+        with self._object(path) as store:
             size = store.size(path.name)
             sidefiles.check_size(self.to_url(str(path)), size, kind)
             raw = PreadFile(functools.partial(store.pread, path.name), size)
             with io.BufferedReader(raw, buffer_size=ranged.GET) as f:
                 yield f
+
+    @contextlib.contextmanager
+    def _object(self, path: Path) -> Iterator[Store]:
+        """The store of the listed object ``path``'s directory, open while the block runs.
+
+        Raises:
+            FileNotFoundError: the listing has no object ``path``.
+        """
+        if self._rel(path) not in self.objects:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+        store = self.open(path.parent, metadata_name=path.name)
+        try:
+            yield store
         finally:
             store.close()
 
@@ -252,13 +262,8 @@ class Mirror:
         rel = self._rel(path)
         if rel is None:
             return LOCAL.read_small(path, kind)
-        if rel not in self.objects:
-            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
-        store = self.open(path.parent, metadata_name=path.name)
-        try:
+        with self._object(path) as store:
             return store.read_small(path.name, kind)
-        finally:
-            store.close()
 
     # --
 
