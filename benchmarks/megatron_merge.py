@@ -26,7 +26,10 @@ above the model) at most 1.3x ``cat`` of the run's data files into one file, and
 --max-shard-size`` giving at least 4 output files at most 1.5x ``cp -r`` of the iteration; peak
 RSS at most the largest output tensor plus 256 MB. Each ratio is against its own baseline,
 timed in the same loop; the CPU time of every command is printed beside its wall time (the
-machine is shared: wall times move with the load, CPU times much less).
+machine is shared: wall times move with the load, CPU times much less). The one-file merge
+also runs without each of its two integrity passes (``--no-check-crc``: the source records'
+CRC-32s; written whole rather than in resumable pieces: the journal's CRC-32 of each piece
+written) and without both, to show what each costs.
 """
 
 from __future__ import annotations
@@ -221,6 +224,8 @@ def record(args: argparse.Namespace,
 # start-up (imports, the run's metadata, the plan: measured apart, as a dry run) does not
 # decide the ratio.
 TARGETS_GB = 2.2
+# A resumable piece larger than any output: the merge is written whole (no journal).
+WHOLE = 1 << 50
 
 
 def record_targets(args: argparse.Namespace,
@@ -231,6 +236,8 @@ def record_targets(args: argparse.Namespace,
     for hog in ("", "+hog"):
         start = runs.get(f"ckpttool merge --dry-run (start-up, planning){hog}")
         crc = runs.get(f"ckpttool merge, one file, --no-check-crc{hog}")
+        whole = runs.get(f"ckpttool merge, one file, not resumable{hog}")
+        bare = runs.get(f"ckpttool merge, one file, not resumable, --no-check-crc{hog}")
         for name, claim, target, base in (
                 ("ckpttool merge, one file", "megatron-one-file", 1.3, "`cat`"),
                 ("ckpttool merge, >= 4 files", "megatron-shards", 1.5, "`cp -r`")):
@@ -251,7 +258,13 @@ def record_targets(args: argparse.Namespace,
                       + (f"; start-up and planning (--dry-run) {start[0].wall_s:.2f} s, "
                          f"{start[0].cpu_s or 0:.2f} s CPU" if start else "")
                       + (f"; without the CRC-32 check (--no-check-crc) {crc[0].wall_s:.2f} s, "
-                         f"{crc[0].cpu_s or 0:.2f} s CPU" if crc and "one" in claim else "")),
+                         f"{crc[0].cpu_s or 0:.2f} s CPU" if crc and "one" in claim else "")
+                      + (f"; written whole, not resumable (no journal, no CRC-32 pass over "
+                         f"each piece) {whole[0].wall_s:.2f} s, {whole[0].cpu_s or 0:.2f} s CPU"
+                         if whole and "one" in claim else "")
+                      + (f"; neither integrity pass {bare[0].wall_s:.2f} s "
+                         f"({bare[0].wall_s / b.wall_s:.2f}x), {bare[0].cpu_s or 0:.2f} s CPU"
+                         if bare and "one" in claim else "")),
                 new={"section": "Megatron", "claim": f"the same as `{claim}`, beside a busy "
                      "process", "target": f"<= {target}x {base}"} if hog else None)
 
@@ -292,6 +305,15 @@ def bench_case(args: argparse.Namespace, label: str, run: Path, largest: int, no
                  ("ckpttool merge, one file, --no-check-crc", [
             *merge, str(one), "-q", "--max-shard-size", "1000GB", "--no-check-crc", *extra],
                   one, env, ROOT),
+                 # The same written whole, not in resumable pieces (so no journal, and no
+                 # pass over each piece to record its CRC-32), then with neither pass: what
+                 # each of the two integrity passes costs beside the copy.
+                 ("ckpttool merge, one file, not resumable", [
+            *merge, str(one), "-q", "--max-shard-size", "1000GB", *extra], one,
+                  {**env, "CKPTTOOL_RESUME_PIECE": str(WHOLE)}, ROOT),
+                 ("ckpttool merge, one file, not resumable, --no-check-crc", [
+            *merge, str(one), "-q", "--max-shard-size", "1000GB", "--no-check-crc", *extra],
+                  one, {**env, "CKPTTOOL_RESUME_PIECE": str(WHOLE)}, ROOT),
                  # What does not grow with the bytes: start-up, imports, reading the run's
                  # metadata, planning (a dry run writes nothing).
                  ("ckpttool merge --dry-run (start-up, planning)", [
