@@ -129,3 +129,24 @@ def test_a_training_directory_is_listed_through_the_stores(request: pytest.Fixtu
         assert sorted(infos) == sorted(want_infos)
         for name, info in infos.items():
             _same(info, want_infos[name])
+
+
+def test_a_run_directory_is_named_through_the_stores(llama_ckpt: Path) -> None:
+    """A training run given where one checkpoint is expected: its checkpoints are found from
+    the listing (the message names the latest and ``merge --all``), as for a local run."""
+    from ckpttool.core.checkpoint.runs import run_message
+
+    memory.create_bucket(BUCKET)
+    prefix = f"run/{next(_prefixes)}"
+    for step in ("checkpoint-100", "checkpoint-200"):
+        for p in sorted(llama_ckpt.rglob("*")):
+            if p.is_file():
+                rel = p.relative_to(llama_ckpt).as_posix()
+                memory.put(memory.parse(f"s3://{BUCKET}/{prefix}/{step}/{rel}"), p.read_bytes())
+    with ObjectTree(f"s3://{BUCKET}/{prefix}", backend=memory) as tree:
+        said = run_message(tree.local, "merge", tree)
+        assert not tree.dir.exists()
+    assert said is not None
+    assert said.startswith(f"{tree.local}: a training run directory with 2 checkpoints "
+                           "(steps 100 to 200), not one checkpoint; the latest is "
+                           "checkpoint-200"), said

@@ -368,7 +368,7 @@ def _discover(given: Path, config: str | os.PathLike[str] | None, require: bool,
     parts, infos = list_parts(given, stores)
     chosen = _choose(parts, prefer)
     if chosen is None:
-        message = _no_choice(given, parts, command)
+        message = _no_choice(given, parts, command, stores)
         if require or not any(registry.is_format(p.format) for p in parts):
             raise InputError(message)
         return Checkpoint(given, None, "model", (), (), parts,
@@ -421,10 +421,10 @@ def _not_a_checkpoint_file(file: Path) -> str:
             "state dict)")
 
 
-def _no_choice(given: Path, parts: Iterable[Part], command: str) -> str:
+def _no_choice(given: Path, parts: Iterable[Part], command: str, stores: Stores) -> str:
     from ckpttool.core.checkpoint.runs import run_message
 
-    run = run_message(given, command)
+    run = run_message(given, command, stores)
     if run is not None:
         return run
     parts = list(parts)
