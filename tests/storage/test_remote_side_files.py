@@ -65,3 +65,31 @@ def test_a_side_file_over_64_mb_is_read_by_ranged_gets(llama_ckpt: Path,
     local, remote = _merged_both_ways(llama_ckpt, tmp_path, big)
     same_files(remote, local)
     assert (remote / "tokenizer.json").read_bytes() == big
+
+
+def test_a_remote_output_is_verified_against_its_receipt(llama_ckpt: Path,
+                                                         tmp_path: Path) -> None:
+    """``verify`` of a ``merge --all`` output in object storage reads the receipt beside it
+    through the object store (it was read from the mirror's local copy), and finds a flipped
+    byte against it."""
+    from ckpttool.core.merge import sweep
+    from ckpttool.core.merge.options import MergeOptions
+    from ckpttool.core.verify import receipt
+
+    shutil.copytree(llama_ckpt, tmp_path / "run" / "checkpoint-500")
+    out = tmp_path / "merged"
+    sweep.sweep(tmp_path / "run", out, settle=0, options=MergeOptions.of(weights_only=True))
+    merged = out / "checkpoint-500"
+    assert (merged / receipt.RECEIPT_NAME).is_file()
+    url = _upload(merged)
+    with ObjectTree(url, backend=memory) as tree:
+        ok = ckpttool.verify(tree.local, stores=tree)
+    assert ok.ok and "receipt" in ok.checks
+    weights = memory.parse(f"{url}/model.safetensors")
+    data = bytearray((merged / "model.safetensors").read_bytes())
+    data[-5] ^= 0x40
+    memory.put(weights, bytes(data))
+    with ObjectTree(url, backend=memory) as tree:
+        bad = ckpttool.verify(tree.local, stores=tree)
+    assert "receipt" in bad.checks
+    assert {p.code for p in bad.problems if p.severity == "error"} == {"manifest-mismatch"}
