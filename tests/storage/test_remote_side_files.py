@@ -93,3 +93,18 @@ def test_a_remote_output_is_verified_against_its_receipt(llama_ckpt: Path,
         bad = ckpttool.verify(tree.local, stores=tree)
     assert "receipt" in bad.checks
     assert {p.code for p in bad.problems if p.severity == "error"} == {"manifest-mismatch"}
+
+
+def test_a_remote_adapter_config_is_found_and_written(lora_ckpts: Path, tmp_path: Path) -> None:
+    """A PEFT checkpoint in object storage: ``--lora adapter`` finds its adapter_config.json
+    through the object store and writes those very bytes, as from a local copy."""
+    src = tmp_path / "peft"
+    shutil.copytree(lora_ckpts / "lora", src, ignore=shutil.ignore_patterns("full.pt"))
+    url = _upload(src)
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    ckpttool.merge(src / "pytorch_model_fsdp_0", local, lora="adapter")
+    with ObjectTree(url, backend=memory) as tree:
+        ckpttool.merge(tree.local / "pytorch_model_fsdp_0", remote, lora="adapter", stores=tree)
+    same_files(remote, local)
+    assert (remote / "adapter_config.json").read_bytes() == (
+        src / "adapter_config.json").read_bytes()
