@@ -1,8 +1,7 @@
 """The files around a remote checkpoint's weights (config.json, tokenizer files) come from the
 object store alone (issue 37, item 5): nothing of the checkpoint is on the local disk, the
-merge copies them into its output as a local merge does, and one over the 64 MB the retired
-mirror downloaded is read by ranged GETs instead of being refused. On the in-memory backend
-(no server)."""
+merge copies them into its output as a local merge does, and one over 64 MB (once refused,
+exit 4) is read by ranged GETs. On the in-memory backend (no server)."""
 
 from __future__ import annotations
 
@@ -70,8 +69,7 @@ def test_a_side_file_over_64_mb_is_read_by_ranged_gets(llama_ckpt: Path,
 def test_a_remote_output_is_verified_against_its_receipt(llama_ckpt: Path,
                                                          tmp_path: Path) -> None:
     """``verify`` of a ``merge --all`` output in object storage reads the receipt beside it
-    through the object store (it was read from the mirror's local copy), and finds a flipped
-    byte against it."""
+    through the object store, and finds a flipped byte against it."""
     from ckpttool.core.merge import sweep
     from ckpttool.core.merge.options import MergeOptions
     from ckpttool.core.verify import receipt
