@@ -63,7 +63,6 @@ from ckpttool.storage.store import (
     LOCAL,
     Store,
     Stores,
-    open_data_file,
     pread_of,
 )
 
@@ -607,12 +606,12 @@ class MegatronReader(reader.DcpReader):
 
         base = self.info.base
         path = base / INTEGRITY
-        if not path.is_file():
-            return []
-        try:
+        try:  # through the store: a remote checkpoint's is an object
             entries = _integrity_entries(sidefiles.parse_json(
-                sidefiles.read_checked(path, sidefiles.METADATA_JSON), path,
+                self.store.read_small(INTEGRITY, sidefiles.METADATA_JSON), path,
                 next_step="the save is damaged"))
+        except FileNotFoundError:
+            return []
         except (OSError, InputError) as e:
             return [error("integrity-unreadable", f"{path}: not readable JSON ({e}); the "
                           "file digests were not checked", file=INTEGRITY)]
@@ -627,16 +626,21 @@ class MegatronReader(reader.DcpReader):
                                       "the checkpoint; not read", file=INTEGRITY))
                 continue
             digest = hashlib.sha256()
+            rel = target.relative_to(base.resolve()).as_posix()
             try:
-                # A regular file only, checked on the descriptor: a FIFO would block.
-                fd = open_data_file(target, INTEGRITY, inside=os.path.realpath(base))
+                # Through the store: a local file is a regular file inside the checkpoint,
+                # checked on its descriptor (a FIFO would block).
+                size = self.store.size(rel)
+                at = 0
+                while at < size:
+                    block = self.store.read_exact(rel, at, min(_HASH_BLOCK, size - at),
+                                                  what=INTEGRITY)
+                    digest.update(block)
+                    at += len(block)
             except CkptError as e:
                 problems.append(error("integrity-missing", f"{target}: listed in {INTEGRITY} "
                                       f"but not readable ({e}); copy it again", file=name))
                 continue
-            with os.fdopen(fd, "rb") as f:
-                while block := f.read(_HASH_BLOCK):
-                    digest.update(block)
             if digest.hexdigest() != want:
                 problems.append(error("integrity-mismatch", f"{target}: SHA-256 "
                                       f"{digest.hexdigest()[:16]}... is not the "

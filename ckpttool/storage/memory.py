@@ -6,7 +6,7 @@ reads pinned to it, create-only puts, multipart uploads. What the store contract
 run on without a server, in milliseconds on any machine.
 
 It serves no URL scheme of its own: a caller hands it over explicitly
-(``Mirror(..., backend=memory)``), and the URLs it takes are the other stores' (``s3://``,
+(``ObjectTree(..., backend=memory)``), and the URLs it takes are the other stores' (``s3://``,
 ``gs://``...), so that every message reads as the real store's would. What it keeps is this
 process's: forked processes and torchrun ranks do not share it. Names no format.
 """

@@ -249,7 +249,7 @@ class Backend(Protocol):
     """What serves one kind of object store: :mod:`ckpttool.storage.s3` (S3, boto3),
     :mod:`ckpttool.storage.objstore` (GCS and Azure, obstore) and
     :mod:`ckpttool.storage.memory` (this process's memory: the contract suite without
-    servers). :func:`ckpttool.storage.remote.backend` names the one of a URL; the mirror,
+    servers). :func:`ckpttool.storage.remote.backend` names the one of a URL; the object tree,
     the URL wrapper and the shared uploads use nothing else of it. Every call raises the
     store's failures as one-line :class:`~ckpttool.errors.CkptError`.
     """

@@ -2,7 +2,7 @@
 obstore (the Rust ``object_store`` crate): the client of each cloud configured the cloud's own
 way, its errors in the user's terms, ranged GETs pinned to the ETag listed, the remote store,
 the output lock and uploads. A :class:`ckpttool.storage.objects.Backend`, as
-:mod:`ckpttool.storage.s3` is, so the mirror and the URL wrapper serve every store alike;
+:mod:`ckpttool.storage.s3` is, so the object tree and the URL wrapper serve every store alike;
 the coalescing and read-ahead (:mod:`ckpttool.storage.ranged`, with the one retry loop) and
 the upload order (:class:`ckpttool.storage.objects.Upload`) are shared, not copied. Names no
 format.
@@ -335,7 +335,7 @@ _BAD_SEGMENT = re.compile(r'Path "((?:[^"\\]|\\.)*)": (Encountered [^\n]*)')
 def _unaddressable(e: BaseException, url: Url | str, doing: str) -> InputError:
     """An object whose name the object_store client refuses (``a//b``, a ``..`` or ``.``
     segment, a control character): obstore's listing stops there, so it cannot be skipped
-    as S3's listing lets the mirror skip it. One line naming it (escaped), never a retry."""
+    as S3's listing lets the object tree skip it. One line naming it (escaped), never a retry."""
     text = str(e)
     m = _BAD_PATH.search(text) or _BAD_SEGMENT.search(text)
     name = f" ({m.group(1)!r}: {m.group(2).strip().rstrip('.')})" if m else ""

@@ -18,7 +18,7 @@ Why boto3/botocore, not obstore or s3fs (compared for this module):
   ``endpoint_url`` (MinIO, R2): so S3 keeps boto3, one :class:`~ckpttool.storage.objects.Backend`
   as :mod:`ckpttool.storage.objstore` is for GCS and Azure.
 
-How a remote checkpoint is read: see :mod:`ckpttool.storage.mirror`.
+How a remote checkpoint is read: see :mod:`ckpttool.storage.objtree`.
 
 Nothing here prints or stores credentials; they never appear on the command line.
 """
@@ -290,7 +290,7 @@ def list_objects(url: Url) -> dict[str, tuple[int, str]]:
             for o in page.get("Contents", ()):
                 rel = o["Key"][len(url.prefix):]
                 if rel and not rel.endswith("/"):
-                    size = o.get("Size")  # -1: none listed (the mirror refuses it)
+                    size = o.get("Size")  # -1: none listed (the object tree refuses it)
                     found[rel] = (size if isinstance(size, int) else -1, str(o.get("ETag", "")))
     return found
 

@@ -8,8 +8,9 @@ storage, where each request costs a round trip), whether its bytes are local fil
 views, kernel copies, readers shared with forked processes), whether it lists and writes.
 
 Which store serves a path is decided by a :class:`Stores` (an opener) that the caller holds
-and passes down: :data:`LOCAL` for local directories; a mirror of object storage
-(:mod:`ckpttool.storage.mirror`) for its own directory. Nothing here is process-global.
+and passes down: :data:`LOCAL` for local directories; the object tree of a remote checkpoint
+(:mod:`ckpttool.storage.objtree`) for the path that stands for it. Nothing here is
+process-global.
 
 A new store is one module plus one subclass of the store contract suite
 (``tests/storage/contract.py``).
@@ -61,7 +62,8 @@ class Store(Protocol):
     capabilities: ClassVar[Capabilities]
 
     def path(self, name: str) -> Path:
-        """The local path that stands for ``name`` in messages (a mirror's for a remote one)."""
+        """The local path that stands for ``name`` in messages (an object tree's for a remote
+        one, where no local file is)."""
         ...
 
     def size(self, name: str) -> int:

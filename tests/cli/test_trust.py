@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from ckpttool.cli import app
+from ckpttool.storage.store import LOCAL, Stores
 
 
 def run(*args: str | Path, env: dict[str, str] | None = None):
@@ -678,8 +679,8 @@ def test_adapter_config_swapped_after_its_check_is_refused(
     secret.write_text(json.dumps({**json.loads(side.read_bytes()), "secret": "outside"}))
     unsafe = hf._unsafe
 
-    def then_swap(path: Path, roots: list[Path]) -> str | None:
-        why = unsafe(path, roots)
+    def then_swap(path: Path, roots: list[Path], stores: Stores = LOCAL) -> str | None:
+        why = unsafe(path, roots, stores)
         if path == side and why is None and side.is_file() and not side.is_symlink():
             side.unlink()
             if swap_to == "link-out":

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 from ckpttool.cli import app
 from ckpttool.errors import InputError
-from ckpttool.storage import mirror as mirrors
 from ckpttool.storage import objstore, outputs
+from ckpttool.storage.objtree import ObjectTree
 from tests.clouds.conftest import BUCKET, Cloud
 from tests.helpers import same_files, same_inspect
 
@@ -235,7 +235,7 @@ def test_an_interrupted_overwrite_leaves_the_previous_output_or_no_index(
 def test_an_object_changed_while_read_is_one_line(cloud: Cloud, llama_ckpt: Path) -> None:
     prefix = fresh(cloud, "changed")
     cloud.upload_dir(llama_ckpt / "pytorch_model_fsdp_0", prefix)
-    with mirrors.Mirror(cloud.url(prefix), data_suffixes=(".distcp",)) as m:
+    with ObjectTree(cloud.url(prefix)) as m:
         store = m.open(m.dir, metadata_name=".metadata")
         first = store.read_exact("__0_0.distcp", 0, 100, what="x")
         data = (llama_ckpt / "pytorch_model_fsdp_0" / "__0_0.distcp").read_bytes()

@@ -1,5 +1,5 @@
 """The store contract on Google Cloud Storage (fake-gcs-server) and Azure Blob Storage
-(Azurite), through the mirror that opens them, as for S3 (tests/remote/test_s3_store.py); and
+(Azurite), through the object tree that opens them, as for S3 (tests/remote/test_s3_store.py); and
 the object-store contract (tests/storage/objects.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from ckpttool.storage import objects, objstore, remote
 from ckpttool.storage.store import Store
 from tests.clouds.conftest import Cloud
-from tests.storage.contract import StoreTests, mirrored
+from tests.storage.contract import StoreTests, remote_tree
 from tests.storage.objects import ObjectStoreTests
 
 _prefixes = itertools.count()
@@ -25,7 +25,7 @@ class CloudStoreTests(StoreTests):
         prefix = f"contract/{next(_prefixes)}"
         for name, data in files.items():
             self.cloud.put(f"{prefix}/{name}", data)
-        return mirrored(self.cloud.url(prefix))
+        return remote_tree(self.cloud.url(prefix))
 
 
 class TestGcsStore(CloudStoreTests):

@@ -1,4 +1,4 @@
-"""The store contract on S3 (moto's server on localhost), through the mirror that opens it,
+"""The store contract on S3 (moto's server on localhost), through the object tree that opens it,
 and the object-store contract (tests/storage/objects.py)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from ckpttool.storage import objects
 from ckpttool.storage.store import Store
 from tests.remote.conftest import BUCKET, S3
-from tests.storage.contract import StoreTests, mirrored
+from tests.storage.contract import StoreTests, remote_tree
 from tests.storage.objects import ObjectStoreTests
 
 _prefixes = itertools.count()
@@ -26,7 +26,7 @@ class TestS3Store(StoreTests):
         prefix = f"contract/{next(_prefixes)}"
         for name, data in files.items():
             self.s3.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{name}", Body=data)
-        return mirrored(f"s3://{BUCKET}/{prefix}")
+        return remote_tree(f"s3://{BUCKET}/{prefix}")
 
 
 class TestS3Objects(ObjectStoreTests):

@@ -8,6 +8,7 @@ a warning."""
 from __future__ import annotations
 
 import errno
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,8 +18,8 @@ from typer.testing import CliRunner
 
 from ckpttool.cli import app
 from ckpttool.errors import InputError, TransportError
-from ckpttool.storage import mirror as mirrors
 from ckpttool.storage import s3 as remote
+from ckpttool.storage.objtree import ObjectTree
 from tests.proxy import Proxy
 from tests.remote.conftest import BUCKET, S3
 
@@ -125,7 +126,7 @@ def test_odd_listings(s3: S3, capsys: pytest.CaptureFixture[str]) -> None:
     long = "x" * 300 + ".json"
     for key in ("config.json", "x.distcp", "x.distcp/child", long):
         s3.client.put_object(Bucket=BUCKET, Key=f"odd/{key}", Body=b"{}")
-    with mirrors.Mirror(f"s3://{BUCKET}/odd", data_suffixes=(".distcp",)) as m:
+    with ObjectTree(f"s3://{BUCKET}/odd") as m:
         assert sorted(m.objects) == ["config.json", "x.distcp/child"]
     err = capsys.readouterr().err
     assert f"warning: s3://{BUCKET}/odd/x.distcp: skipped, also a prefix of other objects" in err
@@ -139,16 +140,16 @@ def test_an_impossible_listed_size_is_one_line(s3: S3, size: int,
                         lambda url: {"model.safetensors": (size, '"e"')})
     with pytest.raises(InputError, match=r"model.safetensors: the store lists an impossible "
                        rf"size \({size}\)"):
-        mirrors.Mirror(f"s3://{BUCKET}/sizes", data_suffixes=(".safetensors",))
+        ObjectTree(f"s3://{BUCKET}/sizes")
 
 
-def test_no_space_for_the_mirror_is_one_line(s3: S3, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_temporary_directory_is_one_line(s3: S3, monkeypatch: pytest.MonkeyPatch) -> None:
     s3.client.put_object(Bucket=BUCKET, Key="nospace/config.json", Body=b"{}")
 
-    def full(self: Path, data: bytes) -> int:
+    def full(*args: object, **kwargs: object) -> str:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(Path, "write_bytes", full)
-    with pytest.raises(InputError, match=r"no space left for its local mirror in .*; set "
-                       "TMPDIR to a directory with room"):
-        mirrors.Mirror(f"s3://{BUCKET}/nospace", data_suffixes=(".distcp",))
+    monkeypatch.setattr(tempfile, "mkdtemp", full)
+    with pytest.raises(InputError, match=r"cannot make a temporary directory in .* \(No space "
+                       r"left on device\); set TMPDIR to a writable directory"):
+        ObjectTree(f"s3://{BUCKET}/nospace")

@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 
 from ckpttool.errors import InputError
-from ckpttool.storage import mirror as mirrors
-from ckpttool.storage import sidefiles
+from ckpttool.storage import objtree, sidefiles
 from ckpttool.storage.store import LOCAL, Capabilities, Store, Stores, read_blocks
 
 # Files every test reads: a few sizes around block edges, and one in a subdirectory.
@@ -34,19 +33,19 @@ FILES = {
 META = ".metadata"
 
 
-def mirrored(url: str, backend: Any = None) -> Store:
-    """The store of the remote checkpoint at ``url`` (``.bin`` files its data), as the mirror
-    opens it; closing it removes the mirror."""
-    mirror = mirrors.Mirror(url, data_suffixes=(".bin",), backend=backend)
-    store = mirror.open(mirror.dir, metadata_name=META)
+def remote_tree(url: str, backend: Any = None) -> Store:
+    """The store of the remote checkpoint at ``url``, as its object tree opens it; closing it
+    closes the tree."""
+    tree = objtree.ObjectTree(url, backend=backend)
+    store = tree.open(tree.dir, metadata_name=META)
     close = store.close
 
     def closing() -> None:
         close()
-        mirror.close()
+        tree.close()
 
     store.close = closing  # type: ignore[method-assign]
-    store.opener = mirror  # type: ignore[attr-defined]  # for StoreTests.tree
+    store.opener = tree  # type: ignore[attr-defined]  # for StoreTests.tree
     return store
 
 
@@ -159,7 +158,7 @@ class StoreTests:
             store.read_small("nope.json", small)
 
     # The verbs a format describes a checkpoint with, by path through the Stores that opened
-    # the store (LOCAL, or the mirror of a remote checkpoint): what its listing says.
+    # the store (LOCAL, or the object tree of a remote checkpoint): what its listing says.
 
     @staticmethod
     def tree(store: Store) -> tuple[Stores, Path]:

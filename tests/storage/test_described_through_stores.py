@@ -1,12 +1,12 @@
 """The formats that describe a checkpoint through the Stores they are given alone (issue 37,
-item 5): recognised and described with the mirror's local directory gone, from the object
-listing and ranged reads only, exactly as their local copy is. A format that still read a
-local path would find nothing there. On the in-memory backend (no server)."""
+item 5): recognised and described from the object listing and ranged reads only (the path that
+stands for the remote checkpoint names no local file), exactly as their local copy is. A
+format that still read a local path would find nothing there. On the in-memory backend (no
+server)."""
 
 from __future__ import annotations
 
 import itertools
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,11 +15,10 @@ import torch
 from huggingface_hub import save_torch_state_dict
 
 from ckpttool.core.checkpoint import discover
-from ckpttool.core.runtime import urls
 from ckpttool.formats import registry
 from ckpttool.formats.base import CheckpointInfo
 from ckpttool.storage import memory
-from ckpttool.storage import mirror as mirrors
+from ckpttool.storage.objtree import ObjectTree
 
 BUCKET = "described"
 _prefixes = itertools.count()
@@ -104,17 +103,16 @@ def test_described_with_no_local_file(fmt: str, request: pytest.FixtureRequest,
                                       tmp_path: Path) -> None:
     local = WRITERS[fmt](request, tmp_path)
     url = _upload(local)
-    with mirrors.Mirror(url, data_suffixes=urls.DATA_SUFFIXES, by_store=urls.BY_STORE,
-                        backend=memory) as mirror:
-        shutil.rmtree(mirror.dir)  # nothing on the local disk: the store alone answers
-        found = registry.detect(mirror.local, mirror)
+    with ObjectTree(url, backend=memory) as tree:
+        assert not tree.dir.exists()  # nothing on the local disk: the store alone answers
+        found = registry.detect(tree.local, tree)
         assert found is not None and fmt == found.NAME
-        remote = found.read_info(mirror.local, stores=mirror)
-        assert not mirror.dir.exists()
+        remote = found.read_info(tree.local, stores=tree)
+        assert not tree.dir.exists()
     mine = found.read_info(local)
     _same(remote, mine)
     # Where its file names are relative to, said without the local file system.
-    assert remote.base.relative_to(mirror.dir) == mine.base.relative_to(
+    assert remote.base.relative_to(tree.dir) == mine.base.relative_to(
         local if local.is_dir() else local.parent)
 
 
@@ -124,12 +122,31 @@ def test_a_training_directory_is_listed_through_the_stores(request: pytest.Fixtu
     one through the Stores, never the local directory."""
     local = request.getfixturevalue("uneven_ckpt")
     url = _upload(local)
-    with mirrors.Mirror(url, data_suffixes=urls.DATA_SUFFIXES, by_store=urls.BY_STORE,
-                        backend=memory) as mirror:
-        shutil.rmtree(mirror.dir)
-        parts, infos = discover.list_parts(mirror.local, mirror)
+    with ObjectTree(url, backend=memory) as tree:
+        parts, infos = discover.list_parts(tree.local, tree)
         want_parts, want_infos = discover.list_parts(local)
         assert parts == want_parts
         assert sorted(infos) == sorted(want_infos)
         for name, info in infos.items():
             _same(info, want_infos[name])
+
+
+def test_a_run_directory_is_named_through_the_stores(llama_ckpt: Path) -> None:
+    """A training run given where one checkpoint is expected: its checkpoints are found from
+    the listing (the message names the latest and ``merge --all``), as for a local run."""
+    from ckpttool.core.checkpoint.runs import run_message
+
+    memory.create_bucket(BUCKET)
+    prefix = f"run/{next(_prefixes)}"
+    for step in ("checkpoint-100", "checkpoint-200"):
+        for p in sorted(llama_ckpt.rglob("*")):
+            if p.is_file():
+                rel = p.relative_to(llama_ckpt).as_posix()
+                memory.put(memory.parse(f"s3://{BUCKET}/{prefix}/{step}/{rel}"), p.read_bytes())
+    with ObjectTree(f"s3://{BUCKET}/{prefix}", backend=memory) as tree:
+        said = run_message(tree.local, "merge", tree)
+        assert not tree.dir.exists()
+    assert said is not None
+    assert said.startswith(f"{tree.local}: a training run directory with 2 checkpoints "
+                           "(steps 100 to 200), not one checkpoint; the latest is "
+                           "checkpoint-200"), said

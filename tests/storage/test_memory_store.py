@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ckpttool.storage import memory, objects
 from ckpttool.storage.store import Store
-from tests.storage.contract import StoreTests, mirrored
+from tests.storage.contract import StoreTests, remote_tree
 from tests.storage.objects import ObjectStoreTests
 
 BUCKET = "ckpt"
@@ -27,7 +27,7 @@ def _put(prefix: str, files: dict[str, bytes]) -> str:
 class TestMemoryStore(StoreTests):
     def store_of(self, files: dict[str, bytes], tmp: Path) -> Store:
         url = _put(f"contract/{next(_prefixes)}", files)
-        return mirrored(url, memory)
+        return remote_tree(url, memory)
 
 
 class TestMemoryObjects(ObjectStoreTests):

@@ -1,7 +1,6 @@
 """A DCP checkpoint's ``.metadata`` read through the Stores a reader is handed (issue 37,
-item 5), on the in-memory backend: a remote ``.metadata`` larger than the mirror downloads
-is read in place by ranged GETs (it was refused), and it describes the checkpoint exactly as
-the local copy does."""
+item 5), on the in-memory backend: a remote ``.metadata`` is read in place by ranged GETs,
+with no local copy of it, and it describes the checkpoint exactly as the local copy does."""
 
 from __future__ import annotations
 
@@ -10,11 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ckpttool.core.runtime import urls
-from ckpttool.errors import UnsupportedError
 from ckpttool.formats.dcp import reader as dcp
 from ckpttool.storage import memory
-from ckpttool.storage import mirror as mirrors
+from ckpttool.storage.objtree import ObjectTree
 
 BUCKET = "meta"
 _prefixes = itertools.count()
@@ -30,17 +27,11 @@ def _upload(local: Path) -> str:
     return f"s3://{BUCKET}/{prefix}"
 
 
-def test_a_large_metadata_is_read_by_ranges(tiny_dcp: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_metadata_is_read_by_ranges(tiny_dcp: Path) -> None:
     url = _upload(tiny_dcp)
-    monkeypatch.setattr(mirrors, "DOWNLOAD_LIMIT", 0)  # every side file "large"
-    with pytest.raises(UnsupportedError, match="reads only from a local disk"):
-        mirrors.Mirror(url, data_suffixes=urls.DATA_SUFFIXES, backend=memory)
-    with mirrors.Mirror(url, data_suffixes=urls.DATA_SUFFIXES, by_store=urls.BY_STORE,
-                        backend=memory) as mirror:
-        placeholder = (mirror.local / dcp.METADATA_FILE).read_bytes()
-        assert placeholder == bytes(len(placeholder))  # nothing of it on the local disk
-        remote = dcp.read_info(mirror.local, stores=mirror)
+    with ObjectTree(url, backend=memory) as tree:
+        assert not (tree.local / dcp.METADATA_FILE).exists()  # nothing of it on the local disk
+        remote = dcp.read_info(tree.local, stores=tree)
     local = dcp.read_info(tiny_dcp)
     assert remote.tensors == local.tensors
     assert remote.objects == local.objects
@@ -55,10 +46,8 @@ def test_a_metadata_over_its_cap_is_refused_before_a_read(tiny_dcp: Path,
     from ckpttool.storage import sidefiles
 
     url = _upload(tiny_dcp)
-    monkeypatch.setattr(mirrors, "DOWNLOAD_LIMIT", 0)
     small = sidefiles.Kind(columns.METADATA_KIND.what, 10)
     monkeypatch.setattr(columns, "METADATA_KIND", small)
-    with mirrors.Mirror(url, data_suffixes=urls.DATA_SUFFIXES, by_store=urls.BY_STORE,
-                        backend=memory) as mirror, \
+    with ObjectTree(url, backend=memory) as tree, \
             pytest.raises(InputError, match=r"more than the 10 a DCP \.metadata file may hold"):
-        metadata.read_metadata_object(mirror.local / dcp.METADATA_FILE, stores=mirror)
+        metadata.read_metadata_object(tree.local / dcp.METADATA_FILE, stores=tree)

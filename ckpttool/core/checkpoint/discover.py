@@ -124,7 +124,7 @@ class Checkpoint:
     # meta.pt), read weights-only; verified with it, listed in its contents.
     side: tuple[tuple[str, CheckpointInfo], ...] = ()
     side_notes: tuple[str, ...] = ()  # side files that could not be read, and why
-    # Where its bytes are: what opens the store its reader is given (a mirror's for a
+    # Where its bytes are: what opens the store its reader is given (an object tree for a
     # checkpoint in object storage).
     stores: Stores = LOCAL
 
@@ -219,7 +219,8 @@ def describe(path: Path, info: CheckpointInfo, *, config: Path | None = None,
     hf_dir = info.root if stores.is_dir(info.root) else info.base
     files = (hf.HfFiles(None, None, ()) if kind == "optimizer" and config is None
              else hf.find_hf_files(hf_dir, config,
-                                   given=path if stores.is_dir(path) else path.parent))
+                                   given=path if stores.is_dir(path) else path.parent,
+                                   stores=stores))
     side, notes = _side_files(info, stores)
     return Checkpoint(path, info, kind, tensors, objects, parts, files, chosen=chosen,
                       others=others, side=side, side_notes=notes, stores=stores)
@@ -320,7 +321,7 @@ def discover(path: str | os.PathLike[str], *, config: str | os.PathLike[str] | N
         prefer: the kind of checkpoint to take from a training directory that holds one of
             each (``"optimizer"``: accelerate's ``optimizer_0/`` beside the model, for
             ``merge --part optimizer``); default: its model.
-        stores: where the bytes below ``path`` are (a mirror of object storage; local files
+        stores: where the bytes below ``path`` are (an object tree of object storage; local files
             by default); the checkpoint keeps it for :func:`open_reader`.
         iteration: of a Megatron-Core run directory, this iteration instead of the one
             ``latest_checkpointed_iteration.txt`` names.
@@ -367,11 +368,11 @@ def _discover(given: Path, config: str | os.PathLike[str] | None, require: bool,
     parts, infos = list_parts(given, stores)
     chosen = _choose(parts, prefer)
     if chosen is None:
-        message = _no_choice(given, parts, command)
+        message = _no_choice(given, parts, command, stores)
         if require or not any(registry.is_format(p.format) for p in parts):
             raise InputError(message)
         return Checkpoint(given, None, "model", (), (), parts,
-                          hf.find_hf_files(given, config_path), note=message)
+                          hf.find_hf_files(given, config_path, stores=stores), note=message)
     target = given / chosen.path
     info = infos.get(chosen.path) or _read(target, stores)
     others = tuple((name, i) for name, i in infos.items() if name != chosen.path)
@@ -420,10 +421,10 @@ def _not_a_checkpoint_file(file: Path) -> str:
             "state dict)")
 
 
-def _no_choice(given: Path, parts: Iterable[Part], command: str) -> str:
+def _no_choice(given: Path, parts: Iterable[Part], command: str, stores: Stores) -> str:
     from ckpttool.core.checkpoint.runs import run_message
 
-    run = run_message(given, command)
+    run = run_message(given, command, stores)
     if run is not None:
         return run
     parts = list(parts)

@@ -1,5 +1,10 @@
 """The Hugging Face files (config, tokenizer) that belong beside a model's weights, and what
-the config says about them (tied embeddings, the ``FSDP`` class prefix)."""
+the config says about them (tied embeddings, the ``FSDP`` class prefix).
+
+Every file beside a checkpoint is found and read through the ``stores`` its checkpoint was
+described with (a remote checkpoint's are objects: listed, sized and read by ranged GETs,
+never copied to a local disk). A local file is also checked for what only a local file
+system has: links that lead out of the checkpoint, FIFOs and devices."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from typing import Any
 from ckpttool.errors import InputError, UnreadableError
 from ckpttool.formats.safetensors import json_error
 from ckpttool.storage import sidefiles, store
+from ckpttool.storage.store import LOCAL, Stores
 
 # Files a Hugging Face model directory carries besides its weights.
 HF_FILES = (
@@ -51,6 +57,8 @@ class HfFiles:
     # The very bytes ``config`` was parsed from (read once, through a checked descriptor):
     # what is copied into an output, never the name read again.
     config_data: bytes | None = None
+    # Where the files are read (a remote checkpoint's objects; local files by default).
+    stores: Stores = LOCAL
 
     def named(self) -> list[tuple[str, Path]]:
         """The side files as an output holds them: (name there, where read). The config is
@@ -67,20 +75,22 @@ class HfFiles:
         """
         if path == self.config_path and self.config_data is not None:
             return self.config_data
-        return read_side_file(path, self.roots)
+        return read_side_file(path, self.roots, self.stores)
 
 
-def read_side_file(path: Path, roots: tuple[Path, ...]) -> bytes:
-    """The bytes of a side file found by :func:`find_hf_files`, read through one descriptor
-    that is checked itself (never the name again, which may have changed since discovery):
-    a regular file of at most :data:`SIDE_FILE_LIMIT` bytes that, if reached through links,
-    lies inside ``roots``.
+def read_side_file(path: Path, roots: tuple[Path, ...], stores: Stores = LOCAL) -> bytes:
+    """The bytes of a side file found by :func:`find_hf_files`, read through ``stores``: a
+    local one through one descriptor that is checked itself (never the name again, which may
+    have changed since discovery): a regular file of at most :data:`SIDE_FILE_LIMIT` bytes
+    that, if reached through links, lies inside ``roots``.
 
     Raises:
         InputError: it changed since it was found (now a link out, a FIFO, too large, gone).
     """
     again = "it changed since the checkpoint was read; run again when nothing writes to it"
     try:
+        if not os.path.lexists(path):  # no local file: an object of ``stores`` (or gone)
+            return stores.read_small(path, sidefiles.HF_FILE)
         fd = sidefiles.open_checked(path, sidefiles.HF_FILE)
     except FileNotFoundError as e:
         raise InputError(f"{path}: cannot be read ({e.strerror}); {again}") from None
@@ -99,11 +109,25 @@ def read_side_file(path: Path, roots: tuple[Path, ...]) -> bytes:
         os.close(fd)
 
 
-def _unsafe(path: Path, roots: list[Path]) -> str | None:
+def _exists(path: Path, stores: Stores) -> bool:
+    """Something is at ``path``: a local entry (a broken link too), or a file of ``stores``."""
+    return os.path.lexists(path) or stores.file_size(path) is not None
+
+
+def _unsafe(path: Path, roots: list[Path], stores: Stores = LOCAL) -> str | None:
     """Why the side file ``path`` must not be read or copied, or None: a link that leads out
     of the checkpoint's directories (a stranger's checkpoint must not make the user publish
     /etc/passwd or /proc/self/environ with the merge), not a regular file (a FIFO would block),
-    or too large to be a config or tokenizer."""
+    or too large to be a config or tokenizer. No local file there: what ``stores`` lists
+    (an object store has no links, FIFOs or devices)."""
+    if not os.path.lexists(path):
+        size = stores.file_size(path)
+        if size is None:
+            return f"{path}: not a regular file; not copied"
+        if size > SIDE_FILE_LIMIT:
+            return (f"{path}: {size:,} bytes, too large for a config or tokenizer file; "
+                    "not copied")
+        return None
     try:
         target = path.resolve(strict=True)
         st = target.stat()
@@ -120,9 +144,10 @@ def _unsafe(path: Path, roots: list[Path]) -> str | None:
     return None
 
 
-def find_hf_files(dcp_dir: Path, config: Path | None = None, *, given: Path | None = None
-                  ) -> HfFiles:
-    """Config and tokenizer files beside the checkpoint (or in ``config``'s directory).
+def find_hf_files(dcp_dir: Path, config: Path | None = None, *, given: Path | None = None,
+                  stores: Stores = LOCAL) -> HfFiles:
+    """Config and tokenizer files beside the checkpoint (or in ``config``'s directory), found
+    and read through ``stores`` (``config``, named by the user, is a local file).
 
     A file reached through a link (itself, or a linked directory such as ``huggingface/``)
     is used only when it really lies inside the checkpoint directory or the directory the
@@ -144,9 +169,9 @@ def find_hf_files(dcp_dir: Path, config: Path | None = None, *, given: Path | No
     skipped: list[str] = []
 
     def usable(path: Path) -> bool:
-        if not os.path.lexists(path):
+        if not _exists(path, stores):
             return False
-        why = _unsafe(path, roots)
+        why = _unsafe(path, roots, stores)
         if why is not None and why not in skipped:
             skipped.append(why)
         return why is None
@@ -159,15 +184,15 @@ def find_hf_files(dcp_dir: Path, config: Path | None = None, *, given: Path | No
                                  None)
     found_in = None
     if config_path is None:
-        in_run = next(((d, why) for d, why in run_dirs(dcp_dir)
+        in_run = next(((d, why) for d, why in run_dirs(dcp_dir, stores)
                        if usable(d / "config.json")), None)
         if in_run is not None:
             config_path, found_in = in_run[0] / "config.json", in_run[1]
     parsed: dict[str, Any] | None = None
     data: bytes | None = None
     if config_path is not None:
-        data = _read_json_file(config_path,
-                               roots=None if config is not None else tuple(roots))
+        data = (_read_json_file(config_path) if config is not None
+                else read_side_file(config_path, tuple(roots), stores))
         parsed = _parse_object(data, config_path, "--config")
         dirs = [config_path.parent] + [d for d in dirs if d != config_path.parent]
     # The config used is the one written, named config.json (a --config file may be called
@@ -181,13 +206,15 @@ def find_hf_files(dcp_dir: Path, config: Path | None = None, *, given: Path | No
     return HfFiles(parsed, config_path, tuple(files), tuple(skipped),
                    roots=tuple(roots) + tuple({c.parent.resolve() for c in (config, config_path)
                                                if c is not None}),
-                   found_in=found_in, config_data=data)
+                   found_in=found_in, config_data=data, stores=stores)
 
 
-def no_config_warning(root: Path, given: Path, *, cast_to: str | None = None) -> str:
+def no_config_warning(root: Path, given: Path, *, cast_to: str | None = None,
+                      stores: Stores = LOCAL) -> str:
     """What a merge without config.json writes, and how to give it one (``cast_to``: the
-    dtype that --dtype casts floating tensors to; None: kept as stored)."""
-    looked = [str(d) for d, _ in run_dirs(root)[:1]]
+    dtype that --dtype casts floating tensors to; None: kept as stored; ``stores``: where
+    ``root`` is)."""
+    looked = [str(d) for d, _ in run_dirs(root, stores)[:1]]
     where = f"beside {root}" + (f" nor in {looked[0]}" if looked else "")
     dtypes = (f"floating tensors are cast to {cast_to} (--dtype)" if cast_to
               else "dtypes are kept as stored")
@@ -197,9 +224,9 @@ def no_config_warning(root: Path, given: Path, *, cast_to: str | None = None) ->
             f"or the base model's): ckpttool merge {given} OUT --config path/to/config.json")
 
 
-def no_config_error(root: Path, given: Path, out: Path) -> str:
+def no_config_error(root: Path, given: Path, out: Path, *, stores: Stores = LOCAL) -> str:
     """A model's merge without config.json: where it was looked for, and the two ways on."""
-    looked = [str(d) for d, _ in run_dirs(root)[:1]]
+    looked = [str(d) for d, _ in run_dirs(root, stores)[:1]]
     where = f"beside {root}" + (f" nor in {looked[0]}" if looked else "")
     return (f"no config.json found {where}: without it the output cannot be checked against "
             "the model that loads it, and from_pretrained cannot load it. Pass the model's "
@@ -212,21 +239,19 @@ def no_config_error(root: Path, given: Path, out: Path) -> str:
 _STEP_DIR = re.compile(r"(checkpoint|global_step|step)[-_]?(\d+)")
 
 
-def run_dirs(dcp_dir: Path) -> list[tuple[Path, str]]:
+def run_dirs(dcp_dir: Path, stores: Stores = LOCAL) -> list[tuple[Path, str]]:
     """Where a run keeps the model's config.json when a checkpoint lacks it (the HF Trainer
     writes none into a SHARDED_STATE_DICT checkpoint), in order, with how to say it: the run
     directory above the step directory (the Trainer's output_dir, where save_model writes it),
-    then the other step directories of the run, newest first."""
+    then the other step directories of the run (listed through ``stores``), newest first."""
     step = next((d for d in (dcp_dir, dcp_dir.parent) if _STEP_DIR.fullmatch(d.name)), None)
     if step is None:
         return []
     run = step.parent
     out = [(run, f"the run directory {run}"), (run / "huggingface", f"the run directory {run}")]
-    try:
-        siblings = [(int(m.group(2)), d) for d in run.iterdir()
-                    if d != step and d.is_dir() and (m := _STEP_DIR.fullmatch(d.name))]
-    except OSError:
-        return out
+    siblings = [(int(m.group(2)), run / name) for name in stores.listdir(run)
+                if name != step.name and (m := _STEP_DIR.fullmatch(name))
+                and stores.is_dir(run / name)]
     for _, d in sorted(siblings, reverse=True):
         out.append((d, f"{d.name}, another checkpoint of the same run"))
     return out
@@ -246,10 +271,10 @@ class JsonFile:
 
 
 def find_adapter_config(dcp_dir: Path, explicit: Path | None = None, *,
-                        given: Path | None = None) -> JsonFile | None:
-    """PEFT's ``adapter_config.json``: ``explicit`` (a file or its directory), else beside the
-    checkpoint, in the same places as ``config.json`` and under the same link rules; read as
-    :func:`read_side_file` reads. None when there is none.
+                        given: Path | None = None, stores: Stores = LOCAL) -> JsonFile | None:
+    """PEFT's ``adapter_config.json``: ``explicit`` (a local file or its directory), else
+    beside the checkpoint, in the same places as ``config.json`` and under the same link
+    rules; read as :func:`read_side_file` reads (through ``stores``). None when there is none.
 
     Raises:
         InputError: ``explicit`` is missing, the file found is not a JSON object, or it
@@ -266,24 +291,38 @@ def find_adapter_config(dcp_dir: Path, explicit: Path | None = None, *,
     else:
         roots = [p.resolve() for p in (dcp_dir, given) if p is not None and p.is_dir()]
         found = next((d / ADAPTER_CONFIG for d in _beside(dcp_dir)
-                      if os.path.lexists(d / ADAPTER_CONFIG)
-                      and _unsafe(d / ADAPTER_CONFIG, roots) is None), None)
+                      if _exists(d / ADAPTER_CONFIG, stores)
+                      and _unsafe(d / ADAPTER_CONFIG, roots, stores) is None), None)
         if found is None:
             return None
         path = found
-    data = read_side_file(path, tuple(roots))
+    data = read_side_file(path, tuple(roots), stores if explicit is None else LOCAL)
     return JsonFile(_parse_object(data, path, "--adapter-config"), path, data)
 
 
-def read_record(path: Path, limit: int = 1 << 20) -> JsonFile | None:
+def read_record(path: Path, limit: int = 1 << 20, *, stores: Stores = LOCAL
+                ) -> JsonFile | None:
     """A trainer's small JSON record at ``path`` (a run directory's ``adapter_config.json``,
     verl's ``lora_train_meta.json``), or None where there is none: missing, a link (never
     followed: opened with ``O_NOFOLLOW``), or not a regular file (checked on the descriptor,
-    opened without blocking).
+    opened without blocking). No local file there: the file ``stores`` has, if any.
 
     Raises:
         InputError: larger than ``limit``, unreadable, or not a JSON object.
     """
+    too_large = InputError(f"{path}: more than {limit:,} bytes, too large for a trainer's "
+                           "record; fix or remove it, or pass --adapter-config PATH")
+    if not os.path.lexists(path):
+        size = stores.file_size(path)
+        if size is None:
+            return None
+        if size > limit:
+            raise too_large
+        try:
+            data = stores.read_small(path, sidefiles.Kind("trainer's record", limit))
+        except FileNotFoundError:
+            return None
+        return JsonFile(_parse_object(data, path, "--adapter-config"), path, data)
     try:  # the kind first: a device is never opened
         if not stat.S_ISREG(os.lstat(path).st_mode):
             return None
@@ -301,8 +340,7 @@ def read_record(path: Path, limit: int = 1 << 20) -> JsonFile | None:
             return None
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise InputError(f"{path}: more than {limit:,} bytes, too large for a trainer's "
-                         "record; fix or remove it, or pass --adapter-config PATH")
+        raise too_large
     return JsonFile(_parse_object(data, path, "--adapter-config"), path, data)
 
 
@@ -331,17 +369,14 @@ def _beside(dcp_dir: Path) -> list[Path]:
     return [dcp_dir, dcp_dir / "huggingface", dcp_dir.parent, dcp_dir.parent / "huggingface"]
 
 
-def _read_json_file(path: Path, *, roots: tuple[Path, ...] | None = None) -> bytes:
-    """The bytes of the JSON file ``path``, read once through a checked descriptor
-    (``roots``: found beside a checkpoint, so read as :func:`read_side_file` reads; None:
-    named by the user, read wherever it is).
+def _read_json_file(path: Path) -> bytes:
+    """The bytes of the JSON file ``path`` named by the user (read wherever it is), read once
+    through a checked descriptor.
 
     Raises:
         UnreadableError: this process may not read it.
-        InputError: not a regular file within the cap (or, with ``roots``, now a link out).
+        InputError: not a regular file within the cap.
     """
-    if roots is not None:
-        return read_side_file(path, roots)
     try:
         return sidefiles.read_checked(path, sidefiles.HF_FILE)
     except FileNotFoundError as e:

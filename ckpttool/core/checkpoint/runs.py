@@ -2,8 +2,9 @@
 HF Trainer user's most likely mistake): which checkpoints it holds, to name the latest and
 point at ``merge --all`` instead of saying "no checkpoint here".
 
-From names and format detection only (nothing is read); ``core.merge.sweep`` finds the
-checkpoints of a run the same way for ``--all``."""
+From names and format detection only (nothing is read), through the Stores the run is seen
+through (a remote run's listing); ``core.merge.sweep`` finds the checkpoints of a run the
+same way for ``--all``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpttool.formats import registry
+from ckpttool.storage.store import LOCAL, Stores
 
 # The names trainers give a run's checkpoints: checkpoint-500 (HF Trainer), step-1000
 # (torchtitan), global_step500 (DeepSpeed), iter_0000500 (Megatron), epoch=1-step=100
@@ -31,40 +33,40 @@ def _step(name: str) -> int | None:
     return int(m[1]) if m else None
 
 
-def _entries(directory: Path) -> list[Path]:
-    try:
-        return sorted(p for p in directory.iterdir() if not p.name.startswith("."))
-    except OSError:
-        return []
+def _entries(directory: Path, stores: Stores) -> list[Path]:
+    return sorted(directory / name for name in stores.listdir(directory)
+                  if not name.startswith("."))
 
 
-def _claimed(path: Path) -> bool:
-    return not path.is_symlink() and registry.detect(path) is not None
+def _claimed(path: Path, stores: Stores) -> bool:
+    return not path.is_symlink() and registry.detect(path, stores) is not None
 
 
-def checkpoints(run: Path, *, depth: int = 2) -> list[RunCheckpoint]:
+def checkpoints(run: Path, *, depth: int = 2, stores: Stores = LOCAL) -> list[RunCheckpoint]:
     """The checkpoints of the run directory ``run``, in step order: directories with a step
     number in their name that a format claims or that hold an entry a format claims
     (``checkpoint-500/pytorch_model_fsdp_0``); directories without a step are looked into,
-    ``depth`` levels down (accelerate's ``checkpoints/checkpoint_0``)."""
+    ``depth`` levels down (accelerate's ``checkpoints/checkpoint_0``). A local link is
+    never followed."""
     found: list[RunCheckpoint] = []
-    for p in _entries(run):
-        if p.is_symlink() or not p.is_dir():
+    for p in _entries(run, stores):
+        if p.is_symlink() or not stores.is_dir(p):
             continue
         step = _step(p.name)
         if step is not None:
-            if _claimed(p) or any(_claimed(q) for q in _entries(p)):
+            if _claimed(p, stores) or any(_claimed(q, stores) for q in _entries(p, stores)):
                 found.append(RunCheckpoint(p.name, step))
         elif depth > 1:
             found += [RunCheckpoint(f"{p.name}/{c.name}", c.step)
-                      for c in checkpoints(p, depth=depth - 1)]
+                      for c in checkpoints(p, depth=depth - 1, stores=stores)]
     return sorted(found, key=lambda c: (c.step, c.name))
 
 
-def run_message(given: Path, command: str) -> str | None:
+def run_message(given: Path, command: str, stores: Stores = LOCAL) -> str | None:
     """What to say of ``given`` where it is a run directory of two or more checkpoints: how
-    many, the latest, the command for it, and ``merge --all`` for every one. None otherwise."""
-    found = checkpoints(given)
+    many, the latest, the command for it, and ``merge --all`` for every one (``stores``:
+    where the run is). None otherwise."""
+    found = checkpoints(given, stores=stores)
     if len(found) < 2:
         return None
     latest = found[-1]

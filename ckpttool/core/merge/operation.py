@@ -297,7 +297,7 @@ def _require_config(src: Path, out: Path, ckpt: Checkpoint, files: hf.HfFiles, *
     if not model or weights_only or files.config is not None:
         return
     assert ckpt.info is not None
-    raise InputError(hf.no_config_error(ckpt.info.root, src, out))
+    raise InputError(hf.no_config_error(ckpt.info.root, src, out, stores=ckpt.stores))
 
 
 def _contract(plan: MergePlan, files: hf.HfFiles, report: MergeReport, out: Path, *,
@@ -594,7 +594,8 @@ def _start_report(src: Path, out: Path, whole: Checkpoint, ckpt: Checkpoint,
             report.config = ConfigUsed(str(files.config_path), files.found_in)
         elif files.config is None:  # (a config derived from Megatron's args has no path)
             report.warnings.append(hf.no_config_warning(
-                info.root, ckpt.path, cast_to=policy.target.name if policy.target else None))
+                info.root, ckpt.path, cast_to=policy.target.name if policy.target else None,
+                stores=ckpt.stores))
     copies = model_copies(whole)
     if copies is not None:
         report.copies = copies

@@ -2,9 +2,10 @@
 checkpoint or output path.
 
 One decorator, :func:`urls`, wraps each command (merge, inspect, verify, reshard): a source URL
-is replaced by a local mirror of it (:class:`ckpttool.storage.mirror.Mirror`: small files
-downloaded, data files read in place by ranged GETs), which the command is handed as its
-``stores`` (it opens every reader's store through it); an output URL by a private staging
+is replaced by a local path that stands for it and names no local file
+(:class:`ckpttool.storage.objtree.ObjectTree`: the object listing, every byte read in place
+by ranged GETs), and the command is handed the tree as its ``stores`` (every read of a source
+goes through it); an output URL by a private staging
 directory under TMPDIR, written by the command exactly as a local output (``AtomicOutputs``:
 free space checked, index last) and then uploaded (:class:`ckpttool.storage.s3.Upload`:
 data files first, index last, every multipart upload aborted on failure or Ctrl-C). Errors and
@@ -61,13 +62,8 @@ def check_location(value: object, *, what: str, remote_ok: bool = True) -> None:
         places.classify(value, what=what, remote_ok=remote_ok)
 
 
-# What storage is told about formats (it names none): which files of a remote checkpoint are
-# data files, read in place by ranged GETs (the others are small and downloaded), which
-# objects an output replaces, and which makes an output look complete (uploaded last).
-DATA_SUFFIXES = (".distcp", ".safetensors")
-# Side files every format reads only through the Stores it is handed (never by path): one
-# larger than the mirror downloads is read in place by ranged GETs.
-BY_STORE = (".metadata",)
+# What storage is told about formats (it names none): which objects an output replaces, and
+# which makes an output look complete (uploaded last).
 _REPLACED_SUFFIXES = (".safetensors", ".safetensors.index.json", ".distcp")
 _LAST_SUFFIXES = (".index.json",)
 _METADATA = ".metadata"
@@ -112,7 +108,7 @@ def urls(*, sources: tuple[str, ...], output: str | None = None
 
 def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[str, Any],
             output: str | None) -> R:
-    from ckpttool.storage.mirror import Mirror, Mounts
+    from ckpttool.storage.objtree import Mounts, ObjectTree
 
     renames: list[tuple[str, str]] = []  # (local path, URL) for messages and reports
     with contextlib.ExitStack() as stack:
@@ -135,12 +131,11 @@ def _remote(fn: Callable[..., R], bound: inspect.BoundArguments, values: dict[st
             mounted = []
             for name, value in values.items():
                 if name != output and is_url(value):
-                    mirror = stack.enter_context(
-                        Mirror(value, data_suffixes=DATA_SUFFIXES, by_store=BY_STORE))
-                    mounted.append(mirror)
-                    bound.arguments[name] = str(mirror.local)
-                    renames.append((str(mirror.dir), str(mirror.base_url)))
-            if mounted:  # the command opens its stores through the mirrors
+                    tree = stack.enter_context(ObjectTree(value))
+                    mounted.append(tree)
+                    bound.arguments[name] = str(tree.local)
+                    renames.append((str(tree.dir), str(tree.base_url)))
+            if mounted:  # the command reads its sources through the trees
                 bound.arguments["stores"] = Mounts(mounted)
             staged = None
             if out_url is not None:

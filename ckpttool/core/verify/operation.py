@@ -269,7 +269,8 @@ def _contract(ckpt: Checkpoint, model: Checkpoint, loader: str | None
 
 def _receipt(ckpt: Checkpoint, report: VerifyReport) -> receipt.Receipt | None:
     """The receipt ``merge --all`` wrote into an output (checked instead of a manifest)."""
-    kept = receipt.read(ckpt.root) if ckpt.root.is_dir() else None
+    kept = (receipt.read(ckpt.root, ckpt.stores) if ckpt.stores.is_dir(ckpt.root)
+            else None)
     if kept is not None:
         report.checks.append("receipt")
     return kept
@@ -284,8 +285,8 @@ def _unchanged_from_base(ckpt: Checkpoint, other: Checkpoint | None, plan: Again
         return []
     try:
         doc, source = merged_adapter_config(
-            ckpt.root if ckpt.root.is_dir() else ckpt.root.parent,
-            Path(adapter_config) if adapter_config is not None else None)
+            ckpt.root if ckpt.stores.is_dir(ckpt.root) else ckpt.root.parent,
+            Path(adapter_config) if adapter_config is not None else None, stores=ckpt.stores)
     except InputError:
         return []  # the LoRA check above reports a bad --adapter-config
     if doc is None or source is None:

@@ -27,11 +27,15 @@ from ckpttool.core.runtime.report import SCHEMA
 from ckpttool.core.verify import manifest
 from ckpttool.errors import InputError
 from ckpttool.formats.base import Problem, error
+from ckpttool.storage import sidefiles
 from ckpttool.storage.outputs import AtomicOutputs
+from ckpttool.storage.store import LOCAL, Stores
 from ckpttool.version import __version__
 
 RECEIPT_NAME = "ckpttool-receipt.json"
 RECEIPT_KIND = "ckpttool-receipt"
+# What a receipt may weigh (about 200 bytes a tensor: a million tensors' digests fit).
+RECEIPT_FILE = sidefiles.Kind("ckpttool receipt", 1 << 30)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,17 +104,20 @@ class Receipt:
                              "again with --overwrite") from None
 
 
-def read(out: Path) -> Receipt | None:
-    """The receipt in output directory ``out``; None when there is none.
+def read(out: Path, stores: Stores = LOCAL) -> Receipt | None:
+    """The receipt in output directory ``out`` (read through ``stores``); None when there is
+    none.
 
     Raises:
         InputError: a receipt that cannot be read.
     """
     path = out / RECEIPT_NAME
-    if not path.is_file():
+    if stores.file_size(path) is None:
         return None
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(stores.read_small(path, RECEIPT_FILE).decode())
+    except FileNotFoundError:
+        return None
     except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
         raise InputError(f"{path}: cannot read the receipt ({e}); remove it, and merge again "
                          "with --overwrite") from None
@@ -183,8 +190,8 @@ def check(ckpt: Checkpoint, receipt: Receipt, digests: dict[str, str], unreadabl
     digests of the output's tensors."""
     problems = manifest.check(ckpt, receipt.tensors, digests, unreadable, where)
     for name, size in receipt.outputs.items():
-        p = ckpt.root / name if ckpt.root.is_dir() else ckpt.root.parent / name
-        have = p.stat().st_size if p.is_file() else None
+        p = ckpt.root / name if ckpt.stores.is_dir(ckpt.root) else ckpt.root.parent / name
+        have = ckpt.stores.file_size(p)
         if have != size:
             state = "missing" if have is None else f"{have:,} bytes"
             problems.append(error("receipt-mismatch", f"{name}: {state}, but {where} recorded "

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.core.checkpoint import hf
 from ckpttool.errors import InputError, UnsupportedError
 from ckpttool.formats.base import Problem, Tensor, error, warning
+from ckpttool.storage.store import LOCAL, Stores
 
 if TYPE_CHECKING:
 
@@ -251,8 +252,8 @@ def adapter_of(ckpt: Checkpoint, explicit: Path | None = None
     if layout is None or not layout.modules:
         return layout, None, []
     try:
-        known = find_config(ckpt.root if ckpt.root.is_dir() else ckpt.info.base, explicit,
-                            given=ckpt.path, layout=layout)
+        known = find_config(ckpt.root if ckpt.stores.is_dir(ckpt.root) else ckpt.info.base,
+                            explicit, given=ckpt.path, layout=layout, stores=ckpt.stores)
     except InputError as e:
         return layout, None, [error("lora-config", str(e))]
     if known.config is None:
@@ -300,7 +301,7 @@ def _trainer_dirs(root: Path) -> list[Path]:
 
 
 def find_config(root: Path, explicit: Path | None, *, given: Path | None,
-                layout: Layout, alpha: float | None = None) -> Known:
+                layout: Layout, alpha: float | None = None, stores: Stores = LOCAL) -> Known:
     """The adapter's config: ``--adapter-config``, PEFT's ``adapter_config.json`` beside the
     checkpoint, in the run directory above a step directory, or verl's ``lora_train_meta.json``;
     else only what the weights say (ranks, targets) with ``lora_alpha`` unknown, or ``alpha``
@@ -314,18 +315,18 @@ def find_config(root: Path, explicit: Path | None, *, given: Path | None,
 
     # Each file is read once, through a checked descriptor: the bytes written with --lora
     # adapter are the bytes parsed here, never the name read again.
-    found = hf.find_adapter_config(root, explicit, given=given)
+    found = hf.find_adapter_config(root, explicit, given=given, stores=stores)
     if found is not None:
         return _agrees(Known(read_config(found.doc, str(found.path)), found.data,
                              str(found.path)), alpha)
     dirs = _trainer_dirs(root)
     for d in dirs[2:]:  # the run directories (the nearer ones hf already looked in)
-        found = hf.read_record(d / hf.ADAPTER_CONFIG, MAX_JSON)
+        found = hf.read_record(d / hf.ADAPTER_CONFIG, MAX_JSON, stores=stores)
         if found is not None:
             return _agrees(Known(read_config(found.doc, str(found.path)), found.data,
                                  str(found.path)), alpha)
     for d in dirs:
-        record = hf.read_record(d / TRAINER_META, MAX_JSON)
+        record = hf.read_record(d / TRAINER_META, MAX_JSON, stores=stores)
         if record is not None:
             meta, source = record.doc, str(record.path)
             recorded = meta.get("lora_alpha")

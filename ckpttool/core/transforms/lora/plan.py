@@ -39,6 +39,7 @@ from ckpttool.core.transforms.lora.report import (
 )
 from ckpttool.errors import InputError, UnsupportedError, UsageError
 from ckpttool.formats.base import Problem, Reader, Tensor, error, info, warning
+from ckpttool.storage.store import LOCAL, Stores
 
 if TYPE_CHECKING:
 
@@ -201,16 +202,18 @@ def plan_adapter(layout: Layout) -> list[tuple[str, Tensor]]:
 MERGER_ADAPTER_DIR = "lora_adapter"
 
 
-def merged_adapter_config(root: Path, explicit: Path | None
+def merged_adapter_config(root: Path, explicit: Path | None, *, stores: Stores = LOCAL
                           ) -> tuple[dict[str, Any] | None, str | None]:
     """The ``adapter_config.json`` a merged model says it was made from: ``--adapter-config``,
-    PEFT's file beside it, or verl's ``lora_adapter/`` inside it. (None, None) if none.
+    PEFT's file beside it, or verl's ``lora_adapter/`` inside it (read through ``stores``).
+    (None, None) if none.
 
     Raises:
         InputError: the file is not a JSON object, or ``explicit`` is missing.
     """
-    found = (hf.find_adapter_config(root, explicit, given=root)
-             or hf.read_record(root / MERGER_ADAPTER_DIR / hf.ADAPTER_CONFIG, MAX_JSON))
+    found = (hf.find_adapter_config(root, explicit, given=root, stores=stores)
+             or hf.read_record(root / MERGER_ADAPTER_DIR / hf.ADAPTER_CONFIG, MAX_JSON,
+                               stores=stores))
     return (found.doc, str(found.path)) if found is not None else (None, None)
 
 
@@ -320,8 +323,9 @@ def plan_for_merge(ckpt: Checkpoint, named: list[tuple[str, Tensor]], mode: str 
                              "tensors); --lora applies to PEFT checkpoints only")
         return None
     assert ckpt.info is not None
-    known = find_config(ckpt.root if ckpt.root.is_dir() else ckpt.info.base, explicit,
-                        given=ckpt.path, layout=found, alpha=lora_alpha)
+    known = find_config(ckpt.root if ckpt.stores.is_dir(ckpt.root) else ckpt.info.base,
+                        explicit, given=ckpt.path, layout=found, alpha=lora_alpha,
+                        stores=ckpt.stores)
     chosen = mode or ("fuse" if found.has_base else "adapter")
     if known.config is None and chosen == "fuse":
         raise missing_config(str(ckpt.path))

@@ -1,21 +1,16 @@
-"""The local mirror of a remote checkpoint: what lets every format describe a checkpoint in
-object storage with the code that describes a local one.
+"""A remote checkpoint (an object-store prefix, or one object) as a
+:class:`~ckpttool.storage.store.Stores`: what lets every format describe a checkpoint in
+object storage with the code that describes a local one, with no local copy of it.
 
-:class:`Mirror` lists a prefix once, downloads the small files (metadata, JSON, tokenizer
-files, small side files) into a private temporary directory and creates each data file there
-as a sparse placeholder of its listed size (holding zeros only: every format reads data files
-through the Stores), for the code that still reads a checkpoint's small files by local path.
-Which names are data files (read in place by ranged GETs, never downloaded) is the caller's to
-say (``data_suffixes``), and so are the side files every format reads through the Stores only
-(``by_store``: DCP's ``.metadata``), so that one too large to download is a placeholder read by
-ranged GETs. As a Stores, the mirror lists, sizes and reads its directory from the object
-listing and by ranged GETs (:meth:`Mirror.listdir`, :meth:`Mirror.read_small`...), never from
-its local files: the formats that describe a checkpoint through those verbs alone would read
-a remote one with no mirror at all.
-The mirror is itself a :class:`~ckpttool.storage.store.Stores`: handed down by its caller, it
-opens its store's ``RemoteStore`` (:mod:`ckpttool.storage.remote`) for its own directory
-(every data byte by ranged GETs, a placeholder's zeros never read) and a local store for
-anything else.
+:class:`ObjectTree` lists the prefix once and stands for it by a path under a fresh, empty,
+private temporary directory that is never written to (so no local file can stand in for a
+remote one). Every call for a path below it is served from the listing
+(:meth:`ObjectTree.listdir`, :meth:`ObjectTree.file_size`, :meth:`ObjectTree.is_dir`) or by
+ranged GETs pinned to the listed ETag (:meth:`ObjectTree.read_small`,
+:meth:`ObjectTree.side_file`, :meth:`ObjectTree.reading`, and the ``RemoteStore`` of
+:mod:`ckpttool.storage.remote` that :meth:`ObjectTree.open` returns for a reader); a path
+anywhere else goes to the local store. Every file is read where it lies, whatever its size:
+configs and tokenizers, metadata and data files alike.
 """
 
 from __future__ import annotations
@@ -30,53 +25,46 @@ import sys
 import tempfile
 import unicodedata
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
-from ckpttool.errors import InputError, UnsupportedError
+from ckpttool.errors import InputError
 from ckpttool.storage import objects, ranged, remote, sidefiles
 from ckpttool.storage.store import LOCAL, PreadFile, Store, Stores
 
-# Files other than data files are downloaded whole into the mirror up to this size (configs,
-# tokenizers, metadata, small side files); a larger one would be a data file that only a local
-# read can describe.
-DOWNLOAD_LIMIT = 64 << 20
 # The longest name a local file system takes for one path segment.
 NAME_MAX = 255
 
-class Mirror:
-    """A remote checkpoint (a prefix, or one object) described by a local temporary
-    directory. A context manager: the directory is removed on exit.
+class ObjectTree:
+    """A remote checkpoint (a prefix, or one object) served from its listing and by ranged
+    GETs, under a local path that stands for it (:attr:`local`; nothing is there). A context
+    manager: the empty temporary directory holding that path is removed on exit.
 
     Args:
         value: the URL (``s3://bucket/prefix`` or one object).
-        data_suffixes: names ending so are data files: sparse placeholders, read by ranges.
-        by_store: names ending so are read only through the Stores
-            (:meth:`side_file`, :meth:`reading`), never by their local path: one larger than
-            :data:`DOWNLOAD_LIMIT` is a placeholder read by ranged GETs, not refused.
         backend: the store that serves ``value`` (None: the one of its scheme,
             :func:`ckpttool.storage.remote.backend`; :mod:`ckpttool.storage.memory` is
             handed over so).
 
     Raises (on construction):
         InputError: nothing at the URL, the bucket is missing, access is denied, the
-            listing is unusable, no space for the mirror.
-        UnsupportedError: a large file that is not a data file (only a local read describes it).
+            listing is unusable, no temporary directory can be made.
     """
 
-    def __init__(self, value: str, *, data_suffixes: Sequence[str],
-                 warn: Callable[[str], None] | None = None,
-                 by_store: Sequence[str] = (),
+    def __init__(self, value: str, *, warn: Callable[[str], None] | None = None,
                  backend: objects.Backend | None = None) -> None:
         # The backend of this URL's store (s3, objstore, memory).
         self.remote = backend if backend is not None else remote.backend(value)
         self.url = self.remote.parse(value)
-        self.data_suffixes = tuple(data_suffixes)
-        self.by_store = tuple(by_store)
         self._warn = warn or _stderr
         objects = self.remote.list_objects(self.url)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f"ckpttool-{remote.scheme(value)}-"))
+        try:
+            # Empty, private and never written to: no local file stands for a remote one.
+            self.tmp = Path(tempfile.mkdtemp(prefix=f"ckpttool-{remote.scheme(value)}-"))
+        except OSError as e:
+            raise InputError(f"{self.url}: cannot make a temporary directory in "
+                             f"{tempfile.gettempdir()} ({e.strerror}); set TMPDIR to a "
+                             "writable directory") from e
         try:
             if objects:  # a prefix: the directory it stands for
                 self.base_url = self.url
@@ -98,13 +86,12 @@ class Mirror:
                            "read may be incomplete")
             self.objects = self._usable(objects)
             self._listing = _tree(self.objects)
-            self._build()
         except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise
 
     def _usable(self, objects: dict[str, tuple[int, str]]) -> dict[str, tuple[int, str]]:
-        """The listed objects a local directory can stand for: keys that are also a
+        """The listed objects a path can stand for: keys that are also a
         "directory" of other keys, names too long for a file system, and impossible sizes
         are skipped with a warning (or refused where the checkpoint needs them)."""
         kept: dict[str, tuple[int, str]] = {}
@@ -132,48 +119,7 @@ class Mirror:
             kept[rel] = (size, etag)
         return kept
 
-    def is_data(self, rel: str) -> bool:
-        return rel.endswith(self.data_suffixes)
-
-    def _build(self) -> None:
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            downloads: list[tuple[str, int, str]] = []
-            for rel, (size, etag) in self.objects.items():
-                target = self.dir / rel
-                target.parent.mkdir(parents=True, exist_ok=True)
-                if self.is_data(rel):
-                    with open(target, "wb") as f:
-                        f.truncate(size)  # sparse: no bytes stored, the size listed
-                elif size <= DOWNLOAD_LIMIT:
-                    downloads.append((rel, size, etag))
-                elif rel.endswith(self.by_store) and self.by_store:
-                    with open(target, "wb") as f:
-                        f.truncate(size)  # read through the Stores only: by ranged GETs
-                else:
-                    raise UnsupportedError(
-                        f"{self.base_url.child(rel)}: a {size:,}-byte file that ckpttool reads "
-                        "only from a local disk (it reads "
-                        f"{' and '.join(self.data_suffixes)} data files from object storage); "
-                        f"download the checkpoint first and pass its directory")
-            with ThreadPoolExecutor(max_workers=self.remote.CONCURRENCY) as pool:
-                jobs = [pool.submit(self._download, *d) for d in downloads]
-                for j in jobs:
-                    j.result()
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise InputError(
-                    f"{self.url}: no space left for its local mirror in {self.tmp.parent} "
-                    f"({e.strerror}); set TMPDIR to a directory with room for its small "
-                    "files") from e
-            raise InputError(f"{self.url}: cannot mirror it into {self.tmp}: "
-                             f"{e.strerror}") from e
-
-    def _download(self, rel: str, size: int, etag: str) -> None:
-        data = self.remote.get_range(self.base_url.child(rel), 0, size, etag)
-        (self.dir / rel).write_bytes(data)
-
-    # -- Stores: the mirror's directory by ranged GETs, anything else locally
+    # -- Stores: the tree's paths from the listing and by ranged GETs, anything else locally
 
     def covers(self, path: Path) -> bool:
         return path == self.dir or self.dir in path.parents
@@ -206,7 +152,7 @@ class Mirror:
     @contextlib.contextmanager
     def side_file(self, path: Path, kind: sidefiles.Kind) -> Iterator[BinaryIO]:
         rel = self._rel(path)
-        if rel is None:  # not the mirror's: a local file
+        if rel is None:  # not the tree's: a local file
             with LOCAL.side_file(path, kind) as f:
                 yield f
             return
@@ -233,7 +179,7 @@ class Mirror:
             store.close()
 
     def _rel(self, path: Path) -> str | None:
-        """``path`` relative to the mirror's directory ("" for itself); None outside it."""
+        """``path`` relative to the tree's directory ("" for itself); None outside it."""
         if not self.covers(path):
             return None
         rel = path.relative_to(self.dir).as_posix()
@@ -268,13 +214,13 @@ class Mirror:
     # --
 
     def to_url(self, text: str) -> str:
-        """``text`` with the mirror's paths written as the URLs they stand for."""
+        """``text`` with the tree's paths written as the URLs they stand for."""
         return text.replace(str(self.dir), str(self.base_url))
 
     def close(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def __enter__(self) -> Mirror:
+    def __enter__(self) -> ObjectTree:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -287,14 +233,14 @@ class Mirror:
 
 
 class Mounts:
-    """Several mirrors (a command reading two remote checkpoints) as one
-    :class:`~ckpttool.storage.store.Stores`: each path goes to the mirror it lies in."""
+    """Several object trees (a command reading two remote checkpoints) as one
+    :class:`~ckpttool.storage.store.Stores`: each path goes to the tree it lies in."""
 
-    def __init__(self, mirrors: Sequence[Mirror]) -> None:
-        self.mirrors = tuple(mirrors)
+    def __init__(self, trees: Sequence[ObjectTree]) -> None:
+        self.trees = tuple(trees)
 
     def _of(self, path: Path) -> Stores:
-        return next((m for m in self.mirrors if m.covers(path)), LOCAL)
+        return next((t for t in self.trees if t.covers(path)), LOCAL)
 
     def open(self, base: Path, *, metadata_name: str, follow_links: bool = False
              ) -> Store:
