@@ -109,8 +109,7 @@ class RemoteStore:
     """
 
     capabilities: ClassVar[store.Capabilities] = store.Capabilities(
-        many_ranges=True, local_files=False, listing=True, multipart_writes=True,
-        workers=CONCURRENCY)
+        many_ranges=True, local_files=False, workers=CONCURRENCY)
 
     def __init__(self, base: Path, url: Url, objects: dict[str, tuple[int, str]],
                  metadata_name: str) -> None:
@@ -180,11 +179,6 @@ class RemoteStore:
             at += n
         return got
 
-    def read_ranges(self, name: str, ranges: list[tuple[int, int]], *, what: str
-                    ) -> list[bytes]:
-        self.plan_reads([(name, offset, size) for offset, size in ranges])
-        return [self.read_exact(name, offset, size, what=what) for offset, size in ranges]
-
     def copy_to(self, name: str, offset: int, dst_fd: int, dst_offset: int, size: int) -> None:
         end = self.size(name)
         done = 0
@@ -199,9 +193,6 @@ class RemoteStore:
 
     def views(self, name: str, offset: int, size: int, block: int) -> Iterator[memoryview]:
         raise NotImplementedError("object storage maps nothing (capabilities.local_files)")
-
-    def list_files(self) -> dict[str, int]:
-        return {name: size for name, (size, _) in self.objects.items()}
 
     def read_small(self, name: str, kind: sidefiles.Kind) -> bytes:
         """Its listed size checked against ``kind``'s cap, then one ranged read."""

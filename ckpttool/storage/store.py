@@ -47,10 +47,6 @@ class Capabilities:
     # Its bytes are local files: large ranges come mapped (:meth:`Store.views`), copies run in
     # the kernel, and forked processes may share its open files.
     local_files: bool
-    # :meth:`Store.list_files` names every file below it with its size.
-    listing: bool
-    # Large files are written in parts sent in parallel (object storage's multipart uploads).
-    multipart_writes: bool
     # Threads that keep it busy when reads wait on the network (0: the caller's own choice).
     workers: int = 0
 
@@ -89,11 +85,6 @@ class Store(Protocol):
         scattered read); returns the bytes read (fewer at the file's end)."""
         ...
 
-    def read_ranges(self, name: str, ranges: list[tuple[int, int]], *, what: str
-                    ) -> list[bytes]:
-        """The bytes of each ``(offset, size)`` of ``name``, in the order asked."""
-        ...
-
     def plan_reads(self, reads: list[tuple[str, int, int]]) -> None:
         """The ``(name, offset, size)`` ranges about to be read, in that order (a no-op
         unless ``capabilities.many_ranges``)."""
@@ -106,10 +97,6 @@ class Store(Protocol):
     def copy_to(self, name: str, offset: int, dst_fd: int, dst_offset: int, size: int
                 ) -> None:
         """Copy ``size`` bytes at ``offset`` into an open output file."""
-        ...
-
-    def list_files(self) -> dict[str, int]:
-        """Every file below the store (relative name -> size); with ``capabilities.listing``."""
         ...
 
     def read_small(self, name: str, kind: sidefiles.Kind) -> bytes:
@@ -303,7 +290,7 @@ class LocalStore:
     """
 
     capabilities: ClassVar[Capabilities] = Capabilities(
-        many_ranges=False, local_files=True, listing=True, multipart_writes=False)
+        many_ranges=False, local_files=True)
 
     def __init__(self, base: Path, *, metadata_name: str, follow_links: bool = False) -> None:
         self.base = base
@@ -416,11 +403,6 @@ class LocalStore:
                     break
         return done
 
-    def read_ranges(self, name: str, ranges: list[tuple[int, int]], *, what: str
-                    ) -> list[bytes]:
-        """The bytes of each ``(offset, size)`` of ``name``, in the order asked."""
-        return [self.read_exact(name, offset, size, what=what) for offset, size in ranges]
-
     def copy_to(self, name: str, offset: int, dst_fd: int, dst_offset: int, size: int) -> None:
         """Copy ``size`` bytes at ``offset`` into an open output file, in the kernel."""
         with self.use(name) as fd:
@@ -428,17 +410,6 @@ class LocalStore:
 
     def plan_reads(self, reads: list[tuple[str, int, int]]) -> None:
         """Nothing to plan: a local read costs no round trip (the page cache reads ahead)."""
-
-    def list_files(self) -> dict[str, int]:
-        """Regular files below the directory (links are not followed into)."""
-        found: dict[str, int] = {}
-        for root, _dirs, files in os.walk(self.base):
-            for f in files:
-                p = Path(root) / f
-                size = file_size(p) if not p.is_symlink() else None
-                if size is not None:
-                    found[p.relative_to(self.base).as_posix()] = size
-        return found
 
     def read_small(self, name: str, kind: sidefiles.Kind) -> bytes:
         """Checked as a side file is, and (unless ``follow_links``) inside the directory."""
