@@ -18,12 +18,23 @@ from typing import Any
 import pytest
 
 from ckpttool.errors import InputError, OutputError
-from ckpttool.storage import objects, outputs
+from ckpttool.storage import memory, objects, outputs
 
 FILES = {"a.bin": os.urandom(1 << 20), "config.json": b'{"x": 1}', "sub/b.bin": b"b" * 1000}
 INDEX = "model.safetensors.index.json"
 NAMES = objects.OutputNames(replaces=lambda n: n.endswith((".safetensors", ".index.json")),
                             last=lambda n: n.endswith(".index.json"))
+
+
+def upload_tree(local: Path, url: str) -> str:
+    """Every file below the directory ``local`` put into the in-memory store under the prefix
+    ``url`` (``s3://bucket/prefix``; the bucket is created); returns ``url``."""
+    where = memory.parse(url)
+    memory.create_bucket(where.bucket)
+    for p in sorted(local.rglob("*")):
+        if p.is_file():
+            memory.put(where.child(p.relative_to(local).as_posix()), p.read_bytes())
+    return url
 
 
 class ObjectStoreTests:

@@ -19,20 +19,16 @@ from ckpttool.formats import registry
 from ckpttool.formats.base import CheckpointInfo
 from ckpttool.storage import memory
 from ckpttool.storage.objtree import ObjectTree
+from tests.storage.objects import upload_tree
 
 BUCKET = "described"
 _prefixes = itertools.count()
 
 
 def _upload(local: Path) -> str:
-    memory.create_bucket(BUCKET)
-    prefix = f"ckpt/{next(_prefixes)}"
-    base = local if local.is_dir() else local.parent
-    for p in sorted(base.rglob("*")):
-        if p.is_file():
-            rel = p.relative_to(base).as_posix()
-            memory.put(memory.parse(f"s3://{BUCKET}/{prefix}/{rel}"), p.read_bytes())
-    return f"s3://{BUCKET}/{prefix}" + ("" if local.is_dir() else f"/{local.name}")
+    url = upload_tree(local if local.is_dir() else local.parent,
+                      f"s3://{BUCKET}/ckpt/{next(_prefixes)}")
+    return url + ("" if local.is_dir() else f"/{local.name}")
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -136,13 +132,9 @@ def test_a_run_directory_is_named_through_the_stores(llama_ckpt: Path) -> None:
     the listing (the message names the latest and ``merge --all``), as for a local run."""
     from ckpttool.core.checkpoint.runs import run_message
 
-    memory.create_bucket(BUCKET)
     prefix = f"run/{next(_prefixes)}"
     for step in ("checkpoint-100", "checkpoint-200"):
-        for p in sorted(llama_ckpt.rglob("*")):
-            if p.is_file():
-                rel = p.relative_to(llama_ckpt).as_posix()
-                memory.put(memory.parse(f"s3://{BUCKET}/{prefix}/{step}/{rel}"), p.read_bytes())
+        upload_tree(llama_ckpt, f"s3://{BUCKET}/{prefix}/{step}")
     with ObjectTree(f"s3://{BUCKET}/{prefix}", backend=memory) as tree:
         said = run_message(tree.local, "merge", tree)
         assert not tree.dir.exists()

@@ -12,19 +12,14 @@ import pytest
 from ckpttool.formats.dcp import reader as dcp
 from ckpttool.storage import memory
 from ckpttool.storage.objtree import ObjectTree
+from tests.storage.objects import upload_tree
 
 BUCKET = "meta"
 _prefixes = itertools.count()
 
 
 def _upload(local: Path) -> str:
-    memory.create_bucket(BUCKET)
-    prefix = f"dcp/{next(_prefixes)}"
-    for p in sorted(local.rglob("*")):
-        if p.is_file():
-            rel = p.relative_to(local).as_posix()
-            memory.put(memory.parse(f"s3://{BUCKET}/{prefix}/{rel}"), p.read_bytes())
-    return f"s3://{BUCKET}/{prefix}"
+    return upload_tree(local, f"s3://{BUCKET}/dcp/{next(_prefixes)}")
 
 
 def test_the_metadata_is_read_by_ranges(tiny_dcp: Path) -> None:

@@ -13,6 +13,7 @@ import ckpttool
 from ckpttool.storage import memory
 from ckpttool.storage.objtree import ObjectTree
 from tests.helpers import same_files
+from tests.storage.objects import upload_tree
 
 BUCKET = "sides"
 _prefixes = itertools.count()
@@ -20,13 +21,7 @@ TOKENIZER = b'{"version": "1.0", "model": {"type": "BPE"}}\n'
 
 
 def _upload(local: Path) -> str:
-    memory.create_bucket(BUCKET)
-    prefix = f"run/{next(_prefixes)}"
-    for p in sorted(local.rglob("*")):
-        if p.is_file():
-            rel = p.relative_to(local).as_posix()
-            memory.put(memory.parse(f"s3://{BUCKET}/{prefix}/{rel}"), p.read_bytes())
-    return f"s3://{BUCKET}/{prefix}"
+    return upload_tree(local, f"s3://{BUCKET}/run/{next(_prefixes)}")
 
 
 def _merged_both_ways(llama_ckpt: Path, tmp_path: Path, tokenizer: bytes) -> tuple[Path, Path]:
