@@ -89,7 +89,7 @@ def read_side_file(path: Path, roots: tuple[Path, ...], stores: Stores = LOCAL) 
     """
     again = "it changed since the checkpoint was read; run again when nothing writes to it"
     try:
-        if not os.path.lexists(path):  # no local file: an object of ``stores`` (or gone)
+        if not _local(path, stores):  # an object of ``stores``
             return stores.read_small(path, sidefiles.HF_FILE)
         fd = sidefiles.open_checked(path, sidefiles.HF_FILE)
     except FileNotFoundError as e:
@@ -109,6 +109,21 @@ def read_side_file(path: Path, roots: tuple[Path, ...], stores: Stores = LOCAL) 
         os.close(fd)
 
 
+def _local(path: Path, stores: Stores) -> bool:
+    """``path`` is the local file system's (read with the local checks: links out, FIFOs,
+    devices), not an object of ``stores``: a local entry is there, or ``stores`` reads that
+    directory from local files. A local file gone since it was found is never read through
+    ``stores``, whose local reads open by name and follow links: one planted since would be
+    read unchecked."""
+    if stores is LOCAL or os.path.lexists(path):
+        return True
+    opened = stores.open(path.parent, metadata_name=path.name)
+    try:
+        return opened.capabilities.local_files
+    finally:
+        opened.close()
+
+
 def _exists(path: Path, stores: Stores) -> bool:
     """Something is at ``path``: a local entry (a broken link too), or a file of ``stores``."""
     return os.path.lexists(path) or stores.file_size(path) is not None
@@ -120,7 +135,7 @@ def _unsafe(path: Path, roots: list[Path], stores: Stores = LOCAL) -> str | None
     /etc/passwd or /proc/self/environ with the merge), not a regular file (a FIFO would block),
     or too large to be a config or tokenizer. No local file there: what ``stores`` lists
     (an object store has no links, FIFOs or devices)."""
-    if not os.path.lexists(path):
+    if not _local(path, stores):
         size = stores.file_size(path)
         if size is None:
             return f"{path}: not a regular file; not copied"
@@ -312,7 +327,7 @@ def read_record(path: Path, limit: int = 1 << 20, *, stores: Stores = LOCAL
     """
     too_large = InputError(f"{path}: more than {limit:,} bytes, too large for a trainer's "
                            "record; fix or remove it, or pass --adapter-config PATH")
-    if not os.path.lexists(path):
+    if not _local(path, stores):
         size = stores.file_size(path)
         if size is None:
             return None
