@@ -9,6 +9,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,3 +93,31 @@ def test_a_remote_side_file_is_still_read_through_the_object_tree(tmp_path: Path
         found = hf.read_record(tree.local / "lora_train_meta.json", stores=tree)
         assert found is not None and found.doc == {"r": 8}
         assert list(tree.tmp.iterdir()) == []
+
+
+def test_delta_writes_the_config_it_parsed(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``diff --write-delta`` copies B's config.json as it was read and parsed, never the name
+    read again (a second GET of a remote one; a local one rewritten since)."""
+    import torch
+    from safetensors.torch import save_file
+
+    import ckpttool
+
+    for side in ("a", "b"):
+        (tmp_path / side).mkdir()
+        save_file({"w": torch.zeros(4) if side == "a" else torch.ones(4)},
+                  tmp_path / side / "model.safetensors")
+    config = tmp_path / "b" / "config.json"
+    config.write_text('{"tie_word_embeddings": false}')
+    found = hf.find_hf_files
+
+    def then_rewrite(*args: Any, **kwargs: Any) -> hf.HfFiles:
+        files = found(*args, **kwargs)
+        if files.config_path == config:
+            config.write_text('{"tie_word_embeddings": false, "rewritten": true}')
+        return files
+
+    monkeypatch.setattr(hf, "find_hf_files", then_rewrite)
+    ckpttool.diff(tmp_path / "a", tmp_path / "b", write_delta=tmp_path / "d")
+    assert (tmp_path / "d" / "config.json").read_text() == '{"tie_word_embeddings": false}'

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.core.checkpoint import hf
 from ckpttool.core.diff import stream
 from ckpttool.core.diff.plan import CHANGED, IDENTICAL, DiffPlan, Named, View
 from ckpttool.core.diff.values import bits, changed_positions
@@ -166,7 +165,7 @@ def write(out: Path, plan: DiffPlan, measured: Sequence[Measured], a: Named, b: 
                 _sparse(reader_a, e.a, reader_b, e.b, fd, slots[r.name + INDICES].begin,
                         slots[r.name + VALUES].begin, r.num_changed)
         for name, path in files.items():
-            outputs.write_bytes(name, hf.read_side_file(path, b.hf.roots, b.hf.stores))
+            outputs.write_bytes(name, b.hf.read(path))
         outputs.write_bytes(DELTA_JSON, (json.dumps(doc, indent=1) + "\n").encode())
         keep = {DELTA_DATA, DELTA_JSON, *files}
         outputs.commit(last=(DELTA_JSON,), before_last=(
