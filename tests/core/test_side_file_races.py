@@ -121,3 +121,20 @@ def test_delta_writes_the_config_it_parsed(tmp_path: Path,
     monkeypatch.setattr(hf, "find_hf_files", then_rewrite)
     ckpttool.diff(tmp_path / "a", tmp_path / "b", write_delta=tmp_path / "d")
     assert (tmp_path / "d" / "config.json").read_text() == '{"tie_word_embeddings": false}'
+
+
+def test_a_remote_side_file_replaced_since_listing_says_so(tmp_path: Path) -> None:
+    """A remote tokenizer file replaced after the listing fails in the object store's words
+    (the object changed while read), not as a local file that is "no longer a regular file"."""
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "tokenizer_config.json").write_text('{"a": 1}')
+    url = upload_tree(remote, "s3://races/replaced")
+    with ObjectTree(url, backend=memory) as tree:
+        files = hf.find_hf_files(tree.local, stores=tree)
+        memory.put(memory.parse(url).child("tokenizer_config.json"), b'{"a": 2}')
+        with pytest.raises(InputError) as e:
+            files.read(tree.local / "tokenizer_config.json")
+        said = tree.to_url(str(e.value))
+    assert said == (f"{url}/tokenizer_config.json: the object changed while it was being "
+                    "read; run again once it is no longer being written")

@@ -88,9 +88,12 @@ def read_side_file(path: Path, roots: tuple[Path, ...], stores: Stores = LOCAL) 
         InputError: it changed since it was found (now a link out, a FIFO, too large, gone).
     """
     again = "it changed since the checkpoint was read; run again when nothing writes to it"
-    try:
-        if not _local(path, stores):  # an object of ``stores``
+    if not _local(path, stores):  # an object of ``stores``: its failures in its own words
+        try:
             return stores.read_small(path, sidefiles.HF_FILE)
+        except FileNotFoundError as e:
+            raise InputError(f"{path}: cannot be read ({e.strerror}); {again}") from None
+    try:
         fd = sidefiles.open_checked(path, sidefiles.HF_FILE)
     except FileNotFoundError as e:
         raise InputError(f"{path}: cannot be read ({e.strerror}); {again}") from None
