@@ -628,9 +628,15 @@ class MegatronReader(reader.DcpReader):
             digest = hashlib.sha256()
             rel = target.relative_to(base.resolve()).as_posix()
             try:
+                size = self.store.size(rel)
+            except CkptError:  # (the store's own words name the checkpoint's .metadata)
+                problems.append(error("integrity-missing", f"{target}: listed in {INTEGRITY} "
+                                      "but missing or not a regular file; copy it again",
+                                      file=name))
+                continue
+            try:
                 # Through the store: a local file is a regular file inside the checkpoint,
                 # checked on its descriptor (a FIFO would block).
-                size = self.store.size(rel)
                 at = 0
                 while at < size:
                     block = self.store.read_exact(rel, at, min(_HASH_BLOCK, size - at),

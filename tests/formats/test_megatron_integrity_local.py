@@ -1,6 +1,6 @@
-"""integrity.json of a local Megatron-Core save since it is read through the reader's store
-(review of the retired mirror): what verify said before, pinned as expected failures until
-it is decided whether the store's stricter reading is wanted (then delete these)."""
+"""integrity.json of a local Megatron-Core save, read through the reader's store as a remote
+one is: held to the rules of every file of the save (a link out of it, a FIFO or a directory
+there is an error, not followed or skipped), and its messages name integrity.json."""
 
 from __future__ import annotations
 
@@ -22,12 +22,11 @@ def _run(tmp_path: Path) -> Path:
     return run
 
 
-@pytest.mark.xfail(strict=True, reason="read through LocalStore.read_small since 888f38c: "
-                   "a link out, a FIFO or a directory there is an error, not skipped/read")
 @pytest.mark.parametrize("planted", ["link-out", "fifo", "directory"])
-def test_integrity_json_planted_as_before(tmp_path: Path, planted: str) -> None:
-    """Before 888f38c: integrity.json through a link out of the save was read (it only names
-    files inside the save, whose digests are checked); a FIFO or a directory was skipped."""
+def test_integrity_json_planted_is_an_error(tmp_path: Path, planted: str) -> None:
+    """Not followed out of the save (as no data file is without --follow-links), never opened
+    as a FIFO (it would block), not taken for absent when it is a directory: verify fails,
+    saying the digests were not checked."""
     run = _run(tmp_path)
     integrity = run / "iter_0000002" / "integrity.json"
     if planted == "link-out":
@@ -41,10 +40,11 @@ def test_integrity_json_planted_as_before(tmp_path: Path, planted: str) -> None:
         integrity.unlink()
         integrity.mkdir()
     report = ckpttool.verify(run)
-    assert report.ok, [p.message for p in report.problems]
+    assert not report.ok
+    found = [p.message for p in report.problems if p.code == "integrity-unreadable"]
+    assert len(found) == 1 and "the file digests were not checked" in found[0], found
 
 
-@pytest.mark.xfail(strict=True, reason="the reader's store names .metadata in its message")
 def test_a_listed_file_missing_names_integrity_json(tmp_path: Path) -> None:
     run = _run(tmp_path)
     integrity = run / "iter_0000002" / "integrity.json"
@@ -53,4 +53,4 @@ def test_a_listed_file_missing_names_integrity_json(tmp_path: Path) -> None:
     integrity.write_text(json.dumps(doc))
     found = [p.message for p in ckpttool.verify(run).problems if p.code == "integrity-missing"]
     assert len(found) == 1 and ".metadata" not in found[0], found
-    assert "integrity.json references it" in found[0]
+    assert "listed in integrity.json but missing" in found[0]
