@@ -634,6 +634,9 @@ class MegatronReader(reader.DcpReader):
                                       "but missing or not a regular file; copy it again",
                                       file=name))
                 continue
+            # Object storage fetches the blocks ahead, several at a time (a no-op locally).
+            self.store.plan_reads([(rel, at, min(_HASH_BLOCK, size - at))
+                                   for at in range(0, size, _HASH_BLOCK)])
             try:
                 # Through the store: a local file is a regular file inside the checkpoint,
                 # checked on its descriptor (a FIFO would block).
