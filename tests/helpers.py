@@ -329,7 +329,30 @@ def _zygote_child(request: dict[str, Any]) -> None:
         run()
     else:
         sys.argv = ["-c", *request["args"]]
-        exec(compile(request["script"], "<string>", "exec"), {"__name__": "__main__"})
+        try:
+            exec(compile(request["script"], "<string>", "exec"), {"__name__": "__main__"})
+        except SystemExit as e:
+            if not isinstance(e.code, int | None):
+                raise
+            _leave(e.code or 0)
+            raise
+        _leave(0)
+
+
+def _leave(code: int) -> None:
+    """End a zygote's child with ``code`` as :func:`ckpttool.cli._leave` ends the CLI: exit
+    handlers run and the streams are flushed, then ``os._exit``, without tearing down an
+    interpreter that holds torch and transformers (about a second). Returns (the caller
+    ends as an interpreter ends) while a thread that an exit would wait for is alive."""
+    import atexit
+    import threading
+
+    if any(t is not threading.main_thread() and not t.daemon for t in threading.enumerate()):
+        return
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_cli(args: list[str], env: dict[str, str], *, timeout: float = 120,
