@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from ckpttool.core.checkpoint.names import canonical_fqn
 from ckpttool.formats.dcp import reader as dcp
+from tests.forked_cli import ForkedCli, run_cli
 from tests.reference import reference_state_dict
 
 if TYPE_CHECKING:
@@ -120,97 +121,6 @@ def write_malicious(directory: Path, sentinel: Path) -> Path:
     (directory / ".metadata").write_bytes(pickle.dumps(RunsCommand(f"touch {sentinel}")))
     (directory / "__0_0.distcp").write_bytes(b"\0" * 64)
     return directory
-
-
-class ForkedCli:
-    """``python -m ckpttool *args`` with environment ``env`` (and working directory ``cwd``),
-    in a process forked by the rank server of :mod:`examples.fsdp2_checkpoint` (torch
-    imported there already) instead of a fresh interpreter: a second or two of imports less
-    per run, for tests that run the CLI dozens of times (a kill at every step). What those
-    tests use of ``subprocess.Popen`` (``stdout=PIPE, stderr=PIPE, text=True``): ``pid``,
-    ``poll``, ``send_signal``, ``communicate`` and ``returncode``, negative for a signal.
-
-    What a fresh interpreter would read from ``env`` at start-up is applied in the child:
-    ``TMPDIR`` (``tempfile``'s cached directory is dropped) and ``OMP_NUM_THREADS`` (torch's
-    thread count, which torch read when the server imported it)."""
-
-    def __init__(self, args: list[str], env: dict[str, str],
-                 cwd: str | Path | None = None) -> None:
-        import multiprocessing
-        import tempfile
-
-        from examples.fsdp2_checkpoint import KINDS, start_rank_server
-
-        self.args = ["ckpttool", *args]
-        self._dir = tempfile.TemporaryDirectory(prefix="ckpttool-cli-")
-        self._out, self._err = Path(self._dir.name, "stdout"), Path(self._dir.name, "stderr")
-        ctx = multiprocessing.get_context(start_rank_server(KINDS))
-        self._proc = ctx.Process(target=_cli_child,
-                                 args=(list(args), env, str(self._out), str(self._err),
-                                       None if cwd is None else str(cwd)))
-        self._proc.start()
-        assert self._proc.pid is not None
-        self.pid: int = self._proc.pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        self.returncode = self._proc.exitcode
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
-        self._proc.join(timeout)
-        if self.poll() is None:
-            raise subprocess.TimeoutExpired(self.args, timeout or 0)
-        try:
-            return self._out.read_text(), self._err.read_text()
-        finally:
-            self._dir.cleanup()
-
-    def kill(self) -> None:
-        self.send_signal(9)
-        self._proc.join()
-
-
-def run_cli(args: list[str], env: dict[str, str], *, timeout: float = 120,
-            cwd: str | Path | None = None) -> subprocess.CompletedProcess[str]:
-    """What ``subprocess.run([python, "-m", "ckpttool", *args], env=env, cwd=cwd,
-    capture_output=True, text=True, timeout=timeout)`` returns, from a :class:`ForkedCli`."""
-    p = ForkedCli(args, env, cwd)
-    try:
-        out, err = p.communicate(timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        raise
-    assert p.returncode is not None
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
-
-
-def _cli_child(args: list[str], env: dict[str, str], out: str, err: str,
-               cwd: str | None = None) -> None:
-    """The forked process of :class:`ForkedCli`: the environment, working directory, argv and
-    standard streams of ``python -m ckpttool *args``, then the program (which ends the
-    process itself)."""
-    import tempfile
-
-    os.environ.clear()
-    os.environ.update(env)
-    tempfile.tempdir = None  # found again from TMPDIR, as a fresh interpreter finds it
-    if "OMP_NUM_THREADS" in env:
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    if cwd is not None:
-        os.chdir(cwd)
-    for fd, path in ((1, out), (2, err)):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(f, fd)
-        os.close(f)
-    sys.argv = ["ckpttool", *args]
-    from ckpttool.cli import run
-
-    run()
 
 
 def same_inspect(url: str, local: Path) -> None:
@@ -342,23 +252,20 @@ except KeyboardInterrupt:
 """
 
 
-def publish_command(store_env: dict[str, str], staged: Path, url: str, hook: str | None
-                    ) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of :data:`PUBLISH` of ``staged`` to ``url`` on a
-    store (``store_env``: its emulator's settings), under the fault ``hook``."""
+def start_publish(store_env: dict[str, str], staged: Path, url: str, hook: str | None
+                  ) -> ForkedCli:
+    """:data:`PUBLISH` of ``staged`` to ``url`` on a store (``store_env``: its emulator's
+    settings), started under the fault ``hook`` (a forked ``python -c``)."""
     env = {**os.environ, **store_env, "PYTHONPATH": str(ROOT)}
     env.pop("CKPTTOOL_TEST_REMOTE_FAULT", None)
     if hook is not None:
         env["CKPTTOOL_TEST_REMOTE_FAULT"] = hook
-    return [sys.executable, "-c", PUBLISH, url, str(staged)], env
+    return ForkedCli([url, str(staged)], env, script=PUBLISH)
 
 
-def s3_publish(s3: S3, staged: Path, url: str, *, hook: str | None = None
-               ) -> subprocess.Popen[str]:
+def s3_publish(s3: S3, staged: Path, url: str, *, hook: str | None = None) -> ForkedCli:
     """:data:`PUBLISH` of ``staged`` to ``url`` on moto's S3, started under ``hook``."""
-    args, env = publish_command(s3.env, staged, url, hook)
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+    return start_publish(s3.env, staged, url, hook)
 
 
 def s3_contents(s3: S3, prefix: str) -> dict[str, bytes]:

@@ -17,13 +17,15 @@ from typer.testing import CliRunner
 from ckpttool.cli import app
 from ckpttool.storage import objstore
 from tests.clouds.conftest import Cloud
-from tests.helpers import publish_command
+from tests.helpers import start_publish
 
 
 def publish(cloud: Cloud, staged: Path, url: str, hook: str | None = None
             ) -> subprocess.CompletedProcess[str]:
-    args, env = publish_command(cloud.env, staged, url, hook)
-    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    p = start_publish(cloud.env, staged, url, hook)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode is not None
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
