@@ -64,6 +64,7 @@ from ckpttool.storage.store import (
     Store,
     Stores,
     pread_of,
+    read_blocks,
 )
 
 NAME = "megatron"
@@ -619,6 +620,7 @@ class MegatronReader(reader.DcpReader):
             return [warning("integrity-unknown", f"{path}: no SHA-256 per file found in it; "
                             "not checked", file=INTEGRITY)]
         problems = []
+        buf = memoryview(bytearray(_HASH_BLOCK))
         for name, want in sorted(entries.items()):
             target = (base / name).resolve()
             if base.resolve() not in target.parents:
@@ -637,18 +639,22 @@ class MegatronReader(reader.DcpReader):
             # Object storage fetches the blocks ahead, several at a time (a no-op locally).
             self.store.plan_reads([(rel, at, min(_HASH_BLOCK, size - at))
                                    for at in range(0, size, _HASH_BLOCK)])
+            done = 0
             try:
-                # Through the store: a local file is a regular file inside the checkpoint,
-                # checked on its descriptor (a FIFO would block).
-                at = 0
-                while at < size:
-                    block = self.store.read_exact(rel, at, min(_HASH_BLOCK, size - at),
-                                                  what=INTEGRITY)
+                # Through the store (a local file: a regular file inside the checkpoint,
+                # checked on its descriptor, as a FIFO would block), into one buffer; not
+                # mapped, so a file cut short meanwhile is a short read, not SIGBUS.
+                for block in read_blocks(self.store, rel, 0, size, buf, mapped=False):
                     digest.update(block)
-                    at += len(block)
+                    done += len(block)
             except CkptError as e:
                 problems.append(error("integrity-missing", f"{target}: listed in {INTEGRITY} "
                                       f"but not readable ({e}); copy it again", file=name))
+                continue
+            if done != size:
+                problems.append(error("integrity-missing", f"{target}: listed in {INTEGRITY} "
+                                      f"but ends at byte {done} of {size}; copy it again",
+                                      file=name))
                 continue
             if digest.hexdigest() != want:
                 problems.append(error("integrity-mismatch", f"{target}: SHA-256 "
