@@ -323,6 +323,17 @@ def test_a_run_directory_is_named_as_one(capsys: pytest.CaptureFixture[str],
     assert r.code == 0, r.stderr
 
 
+def test_a_run_directory_of_one_checkpoint_names_it(capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     uneven_ckpt: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(uneven_ckpt, run / "checkpoint-500")
+    r = program(capsys, monkeypatch, "inspect", run)
+    assert r.code == 3 and r.stderr.endswith(
+        f"{run}: a training run directory holding one checkpoint, checkpoint-500, not a "
+        f"checkpoint itself: ckpttool inspect {run / 'checkpoint-500'}\n"), r.stderr
+
+
 # -- exit 2 for every bad value
 
 

@@ -63,14 +63,17 @@ def checkpoints(run: Path, *, depth: int = 2, stores: Stores = LOCAL) -> list[Ru
 
 
 def run_message(given: Path, command: str, stores: Stores = LOCAL) -> str | None:
-    """What to say of ``given`` where it is a run directory of two or more checkpoints: how
-    many, the latest, the command for it, and ``merge --all`` for every one (``stores``:
-    where the run is). None otherwise."""
+    """What to say of ``given`` where it is a run directory of checkpoints: the one it holds
+    and the command for it; or, of two or more, how many, the latest, the command for it,
+    and ``merge --all`` for every one (``stores``: where the run is). None otherwise."""
     found = checkpoints(given, stores=stores)
-    if len(found) < 2:
+    if not found:
         return None
     latest = found[-1]
     out = " OUT" if command in ("merge", "reshard") else ""
+    if len(found) == 1:
+        return (f"{given}: a training run directory holding one checkpoint, {latest.name}, "
+                f"not a checkpoint itself: ckpttool {command} {given / latest.name}{out}")
     steps = f"steps {found[0].step} to {latest.step}"
     every = (f", or every one: ckpttool merge {given} OUT_ROOT --all" if command == "merge"
              else f" (ckpttool merge {given} OUT_ROOT --all merges every one)")
