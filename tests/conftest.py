@@ -38,9 +38,8 @@ import pytest
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
-from examples.fsdp2_checkpoint import KINDS, MODEL_DIR, start_rank_server, write_checkpoint
+from examples.fsdp2_checkpoint import KINDS, MODEL_DIR
 from tests import layouts
-from tests.fixture_cache import cached
 
 # Property tests judge inputs, not speed: a shared or busy machine (CI's two cores, fixture
 # writers running beside them) must not fail them on time.
@@ -81,13 +80,9 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> MakeCheckpoint:
             raise ValueError(f"unknown checkpoint kind {kind!r}; expected one of {KINDS}")
         key = (kind, world_size)
         if key not in cache:
-            def write(d: Path) -> None:
-                # One forkserver for the session, with everything every kind needs preloaded.
-                start_rank_server(KINDS)
-                write_checkpoint(kind, d / "checkpoint-500", world_size=world_size)
-
             name = kind if world_size is None else f"{kind}-ws{world_size}"
-            cache[key] = cached(name, write, tmp_path_factory.mktemp(name)) / "checkpoint-500"
+            cache[key] = layouts.write_kind(tmp_path_factory.mktemp(name) / "checkpoint-500",
+                                            kind, world_size)
         return cache[key]
 
     return make

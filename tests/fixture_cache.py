@@ -111,12 +111,18 @@ def cached(name: str, write: Callable[[Path], object], into: Path,
 
 R = TypeVar("R")
 
+# What an :func:`on_disk` entry calls the writer's ``out``: the name it is given is not kept.
+OUT = "out"
+
 
 def on_disk(*sources: str) -> Callable[[Callable[..., R]], Callable[..., R]]:
     """A writer ``write(out, *args, **kwargs)`` that writes ``out`` (and nothing outside
-    ``out``'s parent), kept on disk per ``args``, ``kwargs`` and ``out``'s name (the name,
-    not where it is): a later call copies ``out``'s parent's new entries from the entry and
-    returns what ``write`` returned, a path under that parent or a JSON value.
+    ``out``'s parent), kept on disk per ``args`` and ``kwargs``, whatever ``out`` is called
+    (``tmp_path_factory.mktemp`` numbers its names per worker, and two tests that ask for the
+    same checkpoint under different names share one run of the writer): the entry holds
+    ``out`` as :data:`OUT`, and a later call copies it to ``out`` and the writer's other new
+    entries beside it, and returns what ``write`` returned, a path under ``out``'s parent or
+    a JSON value.
     ``sources``: the files besides :data:`WRITERS` and the writer's own module that what it
     writes depends on."""
 
@@ -126,10 +132,10 @@ def on_disk(*sources: str) -> Callable[[Callable[..., R]], Callable[..., R]]:
         @functools.wraps(write)
         def cached_write(out: Path | str, *args: Any, **kwargs: Any) -> R:
             out = Path(out)
-            call = f"{write.__qualname__}({out.name!r}, {args!r}, {sorted(kwargs.items())!r})"
+            call = f"{write.__qualname__}({args!r}, {sorted(kwargs.items())!r})"
 
             def make(d: Path) -> None:
-                got = write(d / "files" / out.name, *args, **kwargs)
+                got = write(d / "files" / OUT, *args, **kwargs)
                 if isinstance(got, Path):
                     value: object = {"path": got.resolve().relative_to(d.resolve() / "files")
                                      .as_posix()}
@@ -142,10 +148,17 @@ def on_disk(*sources: str) -> Callable[[Callable[..., R]], Callable[..., R]]:
             if entry is None:
                 return write(out, *args, **kwargs)
             out.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copytree(entry / "files", out.parent, symlinks=True, dirs_exist_ok=True)
+            for made in (entry / "files").iterdir():
+                to = out if made.name == OUT else out.parent / made.name
+                if made.is_dir() and not made.is_symlink():
+                    shutil.copytree(made, to, symlinks=True, dirs_exist_ok=True)
+                else:
+                    shutil.copy2(made, to, follow_symlinks=False)
             result = json.loads((entry / "result.json").read_text())
             if "path" in result:
-                return out.parent / result["path"]  # type: ignore[return-value]
+                first, *rest = Path(result["path"]).parts or (".",)
+                path = (out if first == OUT else out.parent / first).joinpath(*rest)
+                return path  # type: ignore[return-value]
             return result["value"]  # type: ignore[no-any-return]
 
         return cached_write

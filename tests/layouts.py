@@ -54,7 +54,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from examples.fsdp2_checkpoint import KINDS, start_rank_server
+from examples.fsdp2_checkpoint import KINDS, start_rank_server, write_checkpoint
 from tests.fixture_cache import on_disk
 
 CKPT_DIR = "actor"  # verl: global_step_<n>/actor/model_world_size_<W>_rank_<R>.pt
@@ -176,6 +176,16 @@ def _fsdp1_local(rank: int, world_size: int, out: Path) -> None:
                        ("fsdp1_accelerate", f"pytorch_model_fsdp_rank{rank}.bin")):
         (out / name).mkdir(exist_ok=True)
         torch.save(state, out / name / file)
+
+
+@on_disk()
+def write_kind(out: Path, kind: str, world_size: int | None = None) -> Path:
+    """The training checkpoint ``out`` of :func:`examples.fsdp2_checkpoint.write_checkpoint`
+    for ``kind`` (the session fixtures of tests/conftest.py, the fuzz seeds); returns ``out``.
+    Its ranks come from one forkserver with what every kind needs preloaded."""
+    start_rank_server(KINDS)
+    write_checkpoint(kind, out, world_size=world_size)
+    return out
 
 
 @on_disk()

@@ -345,6 +345,17 @@ def _rank(rank: int, world_size: int, port: int, out: str, variants: list[Varian
     # only things replaced; every byte written is megatron-core's own.
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # Two things about processes, not bytes: the queue that megatron-core's writer hands its
+    # results back through is served by a Manager it starts with "spawn" (a fresh interpreter
+    # per rank, about 2.7 s here); one started by fork serves it alike. And its fused
+    # activations are torch.compile'd (megatron.core.jit), which on a CPU means an inductor
+    # build (4.5 s for gpt_oss's reference forward pass); run eagerly they do the same
+    # arithmetic, and the logits are compared to transformers' within LOGITS_ATOL anyway.
+    import torch._dynamo as dynamo
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+    dynamo.config.disable = True
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     import logging
 
@@ -354,7 +365,8 @@ def _rank(rank: int, world_size: int, port: int, out: str, variants: list[Varian
         _save(v, run)
         if v.reference:
             _reference(v, run)
-    torch.distributed.destroy_process_group()
+    # No destroy_process_group(): it waits about 3 s for gloo here, and the rank ends next
+    # (a forked rank leaves by os._exit, after every write has passed the barrier above).
 
 
 def hf_config(v: Variant) -> dict[str, Any]:

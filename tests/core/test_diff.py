@@ -343,15 +343,10 @@ def test_verify_base_warns_when_the_merge_changed_nothing(llama_ckpt: Path, llam
 
 
 @pytest.fixture(scope="module")
-def megatron_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One Megatron-Core run written by megatron-core (llama, TP=2, 2 gloo ranks)."""
-    from tests import megatron_layouts
-
-    if not megatron_layouts.MEGATRON:
-        pytest.skip("megatron-core is not installed")
-    out = tmp_path_factory.mktemp("diff-megatron")
-    megatron_layouts.write_runs(out, ["llama-tp2"])
-    return out / "llama-tp2"
+def megatron_run(megatron_runs: Path) -> Path:
+    """One Megatron-Core run written by megatron-core (llama, TP=2, 2 gloo ranks), of the
+    session's runs (tests/conftest.py)."""
+    return megatron_runs / "llama-tp2"
 
 
 def test_megatron_run_against_its_merge_and_a_delta_applied_to_the_run(

@@ -39,13 +39,13 @@ def write_seeds(root: Path, *, deepspeed: bool = False) -> dict[str, Path]:
     from huggingface_hub import save_torch_state_dict
     from safetensors.torch import save_file
 
-    from examples.fsdp2_checkpoint import MODEL_DIR, write_checkpoint
+    from examples.fsdp2_checkpoint import MODEL_DIR
     from tests import layouts
 
     for p in root.iterdir():
         if p.is_dir():
             shutil.rmtree(p)
-    write_checkpoint("uneven", root / "uneven")  # 3-rank FSDP2 DCP, zip records, CRCs
+    layouts.write_kind(root / "uneven", "uneven")  # 3-rank FSDP2 DCP, zip records, CRCs
     assert seeds["dcp"] == root / "uneven" / MODEL_DIR
     layouts.write_dcp_options(root / "options")  # safetensors records, rank-local, zstd
     layouts.write_fsdp2(root / "verl", 2)  # per-rank torch.save files of DTensors
