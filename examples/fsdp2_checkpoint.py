@@ -146,7 +146,7 @@ _PRELOAD_EXTRA: dict[str, tuple[str, ...]] = {
 }
 
 
-def start_rank_server(kinds: Iterable[str] = KINDS) -> str:
+def start_rank_server(kinds: Iterable[str] = KINDS, also: Iterable[str] = ()) -> str:
     """Start the process server that forks the ranks; return the start method to use.
 
     Where the platform has one this is a ``forkserver``, started once per parent process
@@ -157,7 +157,8 @@ def start_rank_server(kinds: Iterable[str] = KINDS) -> str:
     at once: the server imports in the background.  Later calls change nothing (the
     preload list only counts when the server starts).  Elsewhere: ``"spawn"``.
 
-    :func:`write_checkpoint` calls this itself; call it first to preload for several kinds.
+    :func:`write_checkpoint` calls this itself; call it first to preload for several kinds
+    (and ``also``: other modules your own ranks import; one that is not installed is skipped).
     """
     import multiprocessing
     from multiprocessing import forkserver
@@ -167,6 +168,7 @@ def start_rank_server(kinds: Iterable[str] = KINDS) -> str:
     preload = list(_PRELOAD)
     for kind in kinds:
         preload += [m for m in _PRELOAD_EXTRA.get(kind, ()) if m not in preload]
+    preload += [m for m in also if m not in preload]
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     forkserver.ensure_running()
     return "forkserver"

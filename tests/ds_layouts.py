@@ -31,8 +31,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from examples.fsdp2_checkpoint import KINDS, start_rank_server
 from tests.fixture_cache import on_disk
+from tests.fsdp2_ranks import rank_server
 from tests.layouts import _free_port
 
 DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -121,7 +121,7 @@ def write_zero(out: Path, stage: int, world_size: int, model: str = "tiny") -> P
     the reference is ``out.parent / "reference.pt"``."""
     out.mkdir(parents=True, exist_ok=True)
     mp.start_processes(_rank, args=(world_size, _free_port(), stage, str(out), model),
-                       nprocs=world_size, join=True, start_method=start_rank_server(KINDS))
+                       nprocs=world_size, join=True, start_method=rank_server())
     if model == "llama":
         llama_config().save_pretrained(out)
         return out

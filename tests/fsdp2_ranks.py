@@ -30,7 +30,22 @@ import torch.multiprocessing as mp
 
 from examples.fsdp2_checkpoint import KINDS, start_rank_server
 
-__all__ = ["run_on_ranks"]
+__all__ = ["rank_server", "run_on_ranks"]
+
+# What the tests' own ranks import besides the kinds' modules, imported once in the server
+# that forks every rank of a test process: torchtitan's models cost about 2.3 s a rank, and
+# its writers run 14 ranks. (megatron-core, 3 s, is left to its 2 ranks: only one job of a
+# session imports it.)
+ALSO_PRELOAD = ("torchtitan.models.llama3", "torchtitan.models.qwen3",
+                "torchtitan.models.deepseek_v3", "torchtitan.models.gpt_oss",
+                "torchtitan.components.checkpoint")
+
+
+def rank_server() -> str:
+    """The start method of the tests' ranks: one forkserver per test process, started with
+    every kind's modules and :data:`ALSO_PRELOAD` (whoever starts it first decides what it
+    imports, so every writer of tests/ starts it here)."""
+    return start_rank_server(KINDS, also=ALSO_PRELOAD)
 
 
 def _free_port() -> int:
@@ -57,9 +72,7 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any],
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; their results by rank."""
-    # The same preload list as the session fixtures: whichever starts the server first, the
-    # other finds what it needs already imported.
-    method = start_rank_server(KINDS)
+    method = rank_server()
     with tempfile.TemporaryDirectory(prefix="ranks-") as results:
         mp.start_processes(
             _rank_main,

@@ -311,6 +311,8 @@ def columns_agree(md: Path) -> bool:
     assert not isinstance(slow, Exception), f"columnar answered where the allow-list raised {slow}"
     assert [t.name for t in fast.tensors] == [t.name for t in slow.tensors]
     for a, b in zip(fast.tensors, slow.tensors, strict=True):
+        if a == b:  # chunks included: one pass over them (thousands of chunks, 150 mutants)
+            continue
         assert (a.name, a.path, a.dtype, a.shape) == (b.name, b.path, b.dtype, b.shape)
         assert list(a.chunks) == list(b.chunks), a.name
         assert len(a.chunks) == len(b.chunks) and a.files == b.files

@@ -54,8 +54,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from examples.fsdp2_checkpoint import KINDS, start_rank_server, write_checkpoint
+from examples.fsdp2_checkpoint import write_checkpoint
 from tests.fixture_cache import on_disk
+from tests.fsdp2_ranks import rank_server
 
 CKPT_DIR = "actor"  # verl: global_step_<n>/actor/model_world_size_<W>_rank_<R>.pt
 SEED = 1234
@@ -101,7 +102,7 @@ def _rank_main(rank: int, world_size: int, port: int, job: Callable[..., None],
 def _run(job: Callable[..., None], world_size: int, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     mp.start_processes(_rank_main, args=(world_size, _free_port(), job, str(out)),
-                       nprocs=world_size, join=True, start_method=start_rank_server(KINDS))
+                       nprocs=world_size, join=True, start_method=rank_server())
 
 
 def _full(state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -183,7 +184,7 @@ def write_kind(out: Path, kind: str, world_size: int | None = None) -> Path:
     """The training checkpoint ``out`` of :func:`examples.fsdp2_checkpoint.write_checkpoint`
     for ``kind`` (the session fixtures of tests/conftest.py, the fuzz seeds); returns ``out``.
     Its ranks come from one forkserver with what every kind needs preloaded."""
-    start_rank_server(KINDS)
+    rank_server()
     write_checkpoint(kind, out, world_size=world_size)
     return out
 

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from examples.fsdp2_checkpoint import KINDS, start_rank_server
 from tests.fixture_cache import on_disk
+from tests.fsdp2_ranks import rank_server
 from tests.layouts import _free_port
 
 
@@ -418,7 +418,7 @@ def write_runs(out: Path, names: list[str] | None = None, *,
     chosen = variants if variants is not None else [VARIANTS[n] for n in names or VARIANTS]
     out.mkdir(parents=True, exist_ok=True)
     mp.start_processes(_rank, args=(WORLD_SIZE, _free_port(), str(out), chosen),
-                       nprocs=WORLD_SIZE, join=True, start_method=start_rank_server(KINDS))
+                       nprocs=WORLD_SIZE, join=True, start_method=rank_server())
     for v in chosen:
         (out / v.name / "config.json").write_text(json.dumps(hf_config(v), indent=2))
     return out
