@@ -15,6 +15,7 @@ inside functions count (a lazy import still ties the layers together).
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,7 @@ def _module(path: Path) -> str:
 def _imports(path: Path, *, typing: bool = False) -> set[str]:
     """ckpttool modules imported by ``path``; those in ``TYPE_CHECKING`` blocks only with
     ``typing``."""
-    tree = ast.parse(path.read_text())
+    tree = _parsed(path)
     skip: set[int] = set()
     for node in ast.walk(tree):
         if not typing and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
@@ -68,13 +69,28 @@ def _imports(path: Path, *, typing: bool = False) -> set[str]:
     return found
 
 
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 MODULES = {_module(p): p for p in ROOT.rglob("*.py")}
-GRAPH = {m: {i for i in _imports(p) if i in MODULES and i != m} for m, p in MODULES.items()}
-# The same with the imports made for type checking only.
-TYPED = {m: {i for i in _imports(p, typing=True) if i in MODULES and i != m}
-         for m, p in MODULES.items()}
-# The operations are what the library API (ckpttool/__init__.py) exports.
-OPERATIONS = {i for i in TYPED["ckpttool"] if i.startswith("ckpttool.core.")}
+
+
+# The import graphs are made when a test first asks (a few seconds of parsing), not when the
+# module is collected: every xdist worker collects it, few run its tests.
+@functools.cache
+def graph(*, typing: bool = False) -> dict[str, set[str]]:
+    """Each module's ckpttool imports; with ``typing``, those made for type checking too."""
+    return {m: {i for i in _imports(p, typing=typing) if i in MODULES and i != m}
+            for m, p in MODULES.items()}
+
+
+def operations() -> set[str]:
+    """The operations: what the library API (ckpttool/__init__.py) exports."""
+    return {i for i in graph(typing=True)["ckpttool"] if i.startswith("ckpttool.core.")}
+
+
 POLICIES = {m for m in MODULES if "policy" in m.rsplit(".", 1)[-1]
             or m.rsplit(".", 1)[-1] == "rules"}
 MAX_LINES = 800
@@ -92,7 +108,7 @@ def _layer(module: str) -> str:
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_flow_down(module: str) -> None:
     layer = _layer(module)
-    wrong = sorted(i for i in GRAPH[module] if _layer(i) not in ALLOWED[layer])
+    wrong = sorted(i for i in graph()[module] if _layer(i) not in ALLOWED[layer])
     assert not wrong, f"{module} ({layer}) imports {wrong}: layers flow " \
                       "cli -> core -> formats -> storage -> settings/errors"
 
@@ -125,7 +141,7 @@ def _reach(module: str, graph: dict[str, set[str]]) -> set[str]:
 
 def test_verify_never_imports_merge() -> None:
     # verify checks what merge wrote; merge may call verify, never the other way.
-    wrong = {m: sorted(i for i in GRAPH[m] if i.startswith("ckpttool.core.merge"))
+    wrong = {m: sorted(i for i in graph()[m] if i.startswith("ckpttool.core.merge"))
              for m in MODULES if m.startswith("ckpttool.core.verify")}
     assert not {m: w for m, w in wrong.items() if w}, wrong
 
@@ -133,14 +149,14 @@ def test_verify_never_imports_merge() -> None:
 def test_policies_never_import_operations() -> None:
     # A policy decides (what a global is, which dtype to keep, how names map); operations call
     # it. One that imports an operation, even through other modules, points both ways.
-    assert OPERATIONS and POLICIES
-    wrong = {m: sorted(_reach(m, GRAPH) & OPERATIONS) for m in sorted(POLICIES)}
+    assert operations() and POLICIES
+    wrong = {m: sorted(_reach(m, graph()) & operations()) for m in sorted(POLICIES)}
     assert not {m: w for m, w in wrong.items() if w}, wrong
 
 
 def test_cli_never_imports_storage() -> None:
     # The CLI parses and prints; bytes, places and outputs are reached through core.
-    wrong = {m: sorted(i for i in GRAPH[m] if _layer(i) == "storage")
+    wrong = {m: sorted(i for i in graph()[m] if _layer(i) == "storage")
              for m in MODULES if _layer(m) == "cli"}
     assert not {m: w for m, w in wrong.items() if w}, wrong
 
@@ -172,14 +188,14 @@ def test_module_size(module: str) -> None:
 @pytest.mark.parametrize("typing", [False, True],
                          ids=["run", "type-checking"])
 def test_no_import_circle(typing: bool) -> None:
-    graph = TYPED if typing else GRAPH
+    imports = graph(typing=typing)
     seen: dict[str, int] = {}  # 1: on the stack, 2: done
     stack: list[str] = []
 
     def visit(m: str) -> None:
         seen[m] = 1
         stack.append(m)
-        for n in sorted(graph[m]):
+        for n in sorted(imports[m]):
             # A package's __init__ importing its own submodules is not a circle of the kind
             # that breaks imports; there are none here, but keep the rule strict.
             if seen.get(n) == 1:
@@ -190,7 +206,7 @@ def test_no_import_circle(typing: bool) -> None:
         stack.pop()
         seen[m] = 2
 
-    for m in sorted(graph):
+    for m in sorted(imports):
         if m not in seen:
             visit(m)
 
