@@ -202,6 +202,11 @@ def _zygote_child(request: dict[str, Any]) -> None:
     ends the process itself or returns to end it as an interpreter ends."""
     import tempfile
 
+    # Ctrl-C raises KeyboardInterrupt, as in a program started from a terminal, even where
+    # the test run was started with SIGINT ignored (in the background by a shell without job
+    # control: `make test &`, nohup, CI scripts), which the zygote, a fresh interpreter,
+    # would otherwise keep: a `python -c` run there ignored the tests' SIGINT.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     env = request["env"]
     os.environ.clear()
     os.environ.update(env)

@@ -70,6 +70,7 @@ def test_overwrite_killed_or_interrupted_at_every_step(
     prefix = "faults/overwrite"
     url = f"s3://{BUCKET}/{prefix}"
     seen = set()
+    steps: dict[str, int] = {}  # the step each way finished at: the same publishing steps
     for how in ("kill", "interrupt"):
         step = 1
         while True:
@@ -96,6 +97,7 @@ def test_overwrite_killed_or_interrupted_at_every_step(
                 assert r.exit_code == 0, r.output
             if p.returncode == 0:  # past the last step: it finished
                 assert state(found, old, new) == "new" and remote.LOCK_NAME not in found
+                steps[how] = step
                 break
             if how == "kill":
                 assert p.returncode == -signal.SIGKILL
@@ -115,6 +117,9 @@ def test_overwrite_killed_or_interrupted_at_every_step(
                 assert found.get("config.json") == old["config.json"] or \
                     found.get("config.json") == new["config.json"]
             step += 1
+    # Interrupted at every step the kill found, not finished early (a run that ignored
+    # SIGINT would pause its 60 s, then publish: exit 0 at step 1).
+    assert steps["interrupt"] == steps["kill"] > 2, steps
     assert seen == {"old", "new", "no index"}
 
 
