@@ -203,9 +203,9 @@ def _zygote_child(request: dict[str, Any]) -> None:
     import tempfile
 
     # Ctrl-C raises KeyboardInterrupt, as in a program started from a terminal, even where
-    # the test run was started with SIGINT ignored (in the background by a shell without job
-    # control: `make test &`, nohup, CI scripts), which the zygote, a fresh interpreter,
-    # would otherwise keep: a `python -c` run there ignored the tests' SIGINT.
+    # the test run was started with SIGINT ignored (`cmd &` in a script or a CI runner: a
+    # shell without job control starts background commands so), which the zygote, a fresh
+    # interpreter, would otherwise keep: a `python -c` run there ignored the tests' SIGINT.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     env = request["env"]
     os.environ.clear()
