@@ -158,8 +158,13 @@ def test_torchtitan_verify_reads_every_part(titan: Path, tmp_path: Path) -> None
     report = ckpttool.verify(ckpt)
     assert report.ok, [p.message for p in report.problems]
     assert report.num_tensors == 72
-    assert ckpttool.verify(ckpt, against=ckpttool.merge(ckpt, tmp_path / "m",
-                                                        weights_only=True).out).ok
+    merged = ckpttool.merge(ckpt, tmp_path / "m", weights_only=True).out
+    optimizer = ckpttool.merge(ckpt, tmp_path / "o", part="optimizer", weights_only=True).out
+    # either order: the parts a merge leaves out are neither missing nor extra
+    for path, other in ((ckpt, merged), (merged, ckpt), (ckpt, optimizer), (optimizer, ckpt)):
+        found = ckpttool.verify(path, against=other)
+        assert found.ok, (path, other, [p.message for p in found.problems])
+    assert ckpttool.verify(ckpt, against=ckpt).ok  # every part, when both hold them
 
     damaged = tmp_path / "damaged"
     shutil.copytree(ckpt, damaged)

@@ -188,8 +188,8 @@ def verify(
         report.checks.append("against")
         report.against = {"path": str(other.path), "checkpoint": str(other.root),
                           "format": other.format}
-        plan = plan_against(select(ckpt, other.kind) if ckpt.has_part(other.kind) else ckpt,
-                            other, policy=cast_policy, names=names, lora_alpha=lora_alpha,
+        a, b = _comparable(ckpt, other)
+        plan = plan_against(a, b, policy=cast_policy, names=names, lora_alpha=lora_alpha,
                             adapter_config=Path(adapter_config) if adapter_config else None)
     if manifest_path is not None:
         report.checks.append("manifest")
@@ -393,6 +393,20 @@ def _check_parts(ckpt: Checkpoint, parts: list[tuple[str, Checkpoint]], workers:
 def _structure(ckpt: Checkpoint, damaged: set[str]) -> list[Problem]:
     assert ckpt.info is not None
     return structure.check(ckpt.info, ckpt.canonical(), damaged)
+
+
+def _comparable(ckpt: Checkpoint, other: Checkpoint) -> tuple[Checkpoint, Checkpoint]:
+    """What ``--against`` compares: two checkpoints of several parts (model and optimizer
+    state in one DCP, say) whole; else the side with several narrowed to the part the other
+    holds, in either order (a merge's output against its training checkpoint, or the
+    checkpoint against the output: the optimizer state merge leaves out is not extra)."""
+    several_a = len({t.part for t in ckpt.tensors}) > 1
+    several_b = len({t.part for t in other.tensors}) > 1
+    if several_a and not several_b and ckpt.has_part(other.kind):
+        return select(ckpt, other.kind), other
+    if several_b and not several_a and other.has_part(ckpt.kind):
+        return ckpt, select(other, ckpt.kind)
+    return ckpt, other
 
 
 def _other_parts(ckpt: Checkpoint) -> list[tuple[str, Checkpoint]]:
