@@ -17,7 +17,8 @@ the new output lacks go, and the new index comes last.
 
 Test hook (tests/core/test_faults.py): ``CKPTTOOL_TEST_FAULT=kill:K`` ends the process as
 ``kill -9`` would at the K-th publishing step (creating an output file, fsync, rename, unlink),
-``pause:K:FILE`` creates FILE there and waits for a signal. ``CKPTTOOL_TEST_REMOTE_FAULT`` does
+``pause:K:FILE`` creates FILE there and waits for a signal (at most ``PAUSE_LIMIT_S``, then
+the run exits ``PAUSE_EXPIRED_EXIT``). ``CKPTTOOL_TEST_REMOTE_FAULT`` does
 the same at the steps of an upload to object storage (:func:`fault_step`).
 """
 
@@ -77,10 +78,21 @@ def _step(hook: str = "CKPTTOOL_TEST_FAULT") -> None:
     elif action == "pause":
         with open(rest[0], "w") as f:
             f.write(str(os.getpid()))
-        for _ in range(1200):  # until a signal comes (one held back is pending), at most 60 s
+        deadline = time.monotonic() + PAUSE_LIMIT_S
+        while time.monotonic() < deadline:  # until a signal comes (one held back is pending)
             time.sleep(0.05)
             if signal.sigpending() or any(_deferred):
-                break
+                return
+        # No signal came: end here, with a code no run otherwise exits with, rather than go
+        # on and publish as if the test's interrupt had been taken.
+        os.write(2, f"ckpttool: test hook {fault}: no signal came in {PAUSE_LIMIT_S:g} s\n"
+                 .encode())
+        os._exit(PAUSE_EXPIRED_EXIT)
+
+
+# The test hook's pause: how long it waits for a signal, and the exit code when none came.
+PAUSE_LIMIT_S = 60.0
+PAUSE_EXPIRED_EXIT = 97
 
 
 def fault_step() -> None:

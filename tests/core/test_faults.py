@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,3 +177,16 @@ def test_fsync_can_be_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         outputs.write_bytes("a", b"x")
         outputs.commit()
     assert synced == [] and (tmp_path / "a").read_bytes() == b"x"
+
+
+def test_a_pause_that_no_signal_ends_exits_with_its_own_code(tmp_path: Path) -> None:
+    """The pause hook waits for the test's signal; when none comes, the run ends with a code
+    of its own rather than publish as if interrupted (a test that lost its signal fails)."""
+    flag = tmp_path / "paused"
+    code = ("from ckpttool.storage import outputs as o; o.PAUSE_LIMIT_S = 0.2; o._step(); "
+            "print('went on')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "CKPTTOOL_TEST_FAULT": f"pause:1:{flag}"})
+    assert done.returncode == fileio.PAUSE_EXPIRED_EXIT, done.stderr
+    assert done.stdout == "" and "no signal came" in done.stderr
+    assert flag.read_text().isdigit()  # the pid, where the test waits for it
