@@ -293,10 +293,13 @@ def azure() -> Iterator[Cloud]:
         pytest.skip(f"Azurite is not installed and cannot be (needs node and npm: "
                     f"npm install azurite@{AZURITE} in {AZURITE_DIR})")
     port = _free_port()
-    location = tempfile.mkdtemp(prefix="ckpttool-azurite-")
+    location = tempfile.mkdtemp(prefix="ckpttool-azurite-")  # its working directory
+    # Without its telemetry (on by default since 3.35) and in memory: the Azure tests alone
+    # took 98 s (Azurite 26 s of CPU), 73 s (20 s) without telemetry, 58 s (16 s) with both.
     proc = subprocess.Popen([str(exe), "--blobHost", "127.0.0.1", "--blobPort", str(port),
-                             "--location", location, "--silent", "--skipApiVersionCheck",
-                             "--loose"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             "--inMemoryPersistence", "--disableTelemetry", "--silent",
+                             "--skipApiVersionCheck", "--loose"], cwd=location,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         _wait_port(port, proc, "azurite")
         endpoint = f"http://127.0.0.1:{port}/{AZ_ACCOUNT}"
