@@ -39,8 +39,8 @@ import pytest
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
-from examples.fsdp2_checkpoint import KINDS, MODEL_DIR
-from tests import layouts
+# The writers (torch, about 5 s) are imported where a fixture first runs: ``pytest -n``'s
+# controller loads this file too, before it starts the workers, and runs no test.
 
 # Property tests judge inputs, not speed: a shared or busy machine (CI's two cores, fixture
 # writers running beside them) must not fail them on time.
@@ -81,6 +81,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> MakeCheckpoint:
     """``make_checkpoint(kind, world_size=None) -> Path`` of the training checkpoint dir."""
+    from examples.fsdp2_checkpoint import KINDS
+    from tests import layouts
+
     cache: dict[tuple[str, int | None], Path] = {}
 
     def make(kind: str, world_size: int | None = None) -> Path:
@@ -124,12 +127,16 @@ def placements_ckpt(make_checkpoint: MakeCheckpoint) -> Path:
 @pytest.fixture(scope="session")
 def tiny_dcp(uneven_ckpt: Path) -> Path:
     """A small multi-rank model DCP directory (not the training checkpoint around it)."""
+    from examples.fsdp2_checkpoint import MODEL_DIR
+
     return uneven_ckpt / MODEL_DIR
 
 
 @pytest.fixture(scope="session")
 def hf_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """HuggingFaceStorageWriter shards of :func:`tests.layouts.hf_full_state` (2 ranks)."""
+    from tests import layouts
+
     return layouts.write_hf_storage(tmp_path_factory.mktemp("hf_storage") / "ckpt")
 
 
@@ -145,6 +152,8 @@ def lora_ckpts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def dcp_options(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``dcp.save`` with FileSystemWriter's options (:func:`tests.layouts.write_dcp_options`)."""
+    from tests import layouts
+
     return layouts.write_dcp_options(tmp_path_factory.mktemp("dcp_options"))
 
 
