@@ -486,12 +486,14 @@ def decide_tied(a: Checkpoint, b: Checkpoint, plan: AgainstPlan, equal: dict[str
                                   f"identical to '{partner}' here: a tied copy stored once",
                                   tensor=name))
         else:
-            why = ("it differs from its tie partner" if not identical
-                   else "config.json unties them" if config_ties is False
-                   else "its tie partner differs")
+            why = (f"it differs from its tie partner '{partner}'" if not identical
+                   else f"config.json unties it from '{partner}'" if config_ties is False
+                   else f"its tie partner '{partner}' was not compared: see that error"
+                   if equal_partner is None
+                   else f"its tie partner '{partner}' differs between the two")
             problems.append(error("missing-tensor", f"tensor '{name}' is in {a.root} but not "
-                                   f"in {b.root} ({why} '{partner}', so it is not a deduplicated "
-                                   "tie)", tensor=name))
+                                   f"in {b.root} ({why}), so it is not a deduplicated tie",
+                                   tensor=name))
     by_b = b.by_name()
     for name, partner in plan.tied_extra:
         equal_partner = equal.get(partner)
@@ -505,8 +507,12 @@ def decide_tied(a: Checkpoint, b: Checkpoint, plan: AgainstPlan, equal: dict[str
                                   f"is identical to '{partner}': a tied copy stored once here",
                                   tensor=name))
         else:
+            why = (f"it differs from its tie partner '{partner}'" if not identical
+                   else f"its tie partner '{partner}' was not compared: see that error"
+                   if equal_partner is None
+                   else f"its tie partner '{partner}' differs between the two")
             problems.append(error("extra-tensor", f"tensor '{name}' is in {b.root} but not in "
-                                   f"{a.root}, and it is not identical to '{partner}'",
+                                   f"{a.root} ({why}), so it is not a deduplicated tie",
                                    tensor=name))
     return problems
 
