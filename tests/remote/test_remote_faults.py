@@ -118,7 +118,8 @@ def test_overwrite_killed_or_interrupted_at_every_step(
                     found.get("config.json") == new["config.json"]
             step += 1
     # Interrupted at every step the kill found, not finished early (a run that ignored
-    # SIGINT would pause its 60 s, then publish: exit 0 at step 1).
+    # SIGINT once paused its 60 s, then published: exit 0 at step 1; the hook now ends such
+    # a run with its own code, which the loop above refuses).
     assert steps["interrupt"] == steps["kill"] > 2, steps
     assert seen == {"old", "new", "no index"}
 

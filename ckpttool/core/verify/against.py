@@ -486,11 +486,8 @@ def decide_tied(a: Checkpoint, b: Checkpoint, plan: AgainstPlan, equal: dict[str
                                   f"identical to '{partner}' here: a tied copy stored once",
                                   tensor=name))
         else:
-            why = (f"it differs from its tie partner '{partner}'" if not identical
-                   else f"config.json unties it from '{partner}'" if config_ties is False
-                   else f"its tie partner '{partner}' was not compared: see that error"
-                   if equal_partner is None
-                   else f"its tie partner '{partner}' differs between the two")
+            why = _not_a_tie(partner, identical=identical, partner_equal=equal_partner,
+                             untied=config_ties is False)
             problems.append(error("missing-tensor", f"tensor '{name}' is in {a.root} but not "
                                    f"in {b.root} ({why}), so it is not a deduplicated tie",
                                    tensor=name))
@@ -507,14 +504,23 @@ def decide_tied(a: Checkpoint, b: Checkpoint, plan: AgainstPlan, equal: dict[str
                                   f"is identical to '{partner}': a tied copy stored once here",
                                   tensor=name))
         else:
-            why = (f"it differs from its tie partner '{partner}'" if not identical
-                   else f"its tie partner '{partner}' was not compared: see that error"
-                   if equal_partner is None
-                   else f"its tie partner '{partner}' differs between the two")
+            why = _not_a_tie(partner, identical=identical, partner_equal=equal_partner)
             problems.append(error("extra-tensor", f"tensor '{name}' is in {b.root} but not in "
                                    f"{a.root} ({why}), so it is not a deduplicated tie",
                                    tensor=name))
     return problems
+
+
+def _not_a_tie(partner: str, *, identical: bool, partner_equal: bool | None,
+               untied: bool = False) -> str:
+    """Why a copy on one side only is not a deduplicated tie of ``partner``."""
+    if not identical:
+        return f"it differs from its tie partner '{partner}'"
+    if untied:
+        return f"config.json unties it from '{partner}'"
+    if partner_equal is None:
+        return f"its tie partner '{partner}' was not compared: see that error"
+    return f"its tie partner '{partner}' differs between the two"
 
 
 def _location(reader: Reader, t: TensorView, element: int) -> dict[str, Any]:
